@@ -1,0 +1,93 @@
+"""agent-outbox: transactional-outbox side-effect delivery for long-running agents.
+
+Agents write their step checkpoint and their intended effects in one PostgreSQL
+transaction; deliverers perform each effect with a stable idempotency key and
+record the outcome, fenced against stale workers.
+"""
+
+from __future__ import annotations
+
+from outbox.client import Outbox, OutboxTransaction, Run, StepTransaction
+from outbox.embedded import EmbeddedServer
+from outbox.errors import (
+    BudgetExceeded,
+    ConfigurationError,
+    DatabaseError,
+    EffectFailed,
+    EffectNotFound,
+    EmbeddedServerError,
+    IdempotencyConflict,
+    LeaseLost,
+    NotFound,
+    OutboxError,
+    PayloadError,
+    RunNotFound,
+    RunStateError,
+    RunTerminal,
+    SchemaError,
+    SchemaOutdated,
+    SchemaTooNew,
+    SignalTimeout,
+    UnknownEffectKind,
+    ValidationError,
+    VersionMismatch,
+)
+from outbox.keys import compensation_key, derive_key
+from outbox.migrate import migrate
+from outbox.models import (
+    Compensation,
+    Effect,
+    EffectAttempt,
+    EffectIntent,
+    EffectStatus,
+    RunRecord,
+    RunStart,
+    RunStatus,
+    StepRecord,
+)
+from outbox.settings import Settings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetExceeded",
+    "Compensation",
+    "ConfigurationError",
+    "DatabaseError",
+    "Effect",
+    "EffectAttempt",
+    "EffectFailed",
+    "EffectIntent",
+    "EffectNotFound",
+    "EffectStatus",
+    "EmbeddedServer",
+    "EmbeddedServerError",
+    "IdempotencyConflict",
+    "LeaseLost",
+    "NotFound",
+    "Outbox",
+    "OutboxError",
+    "OutboxTransaction",
+    "PayloadError",
+    "Run",
+    "RunNotFound",
+    "RunRecord",
+    "RunStart",
+    "RunStateError",
+    "RunStatus",
+    "RunTerminal",
+    "SchemaError",
+    "SchemaOutdated",
+    "SchemaTooNew",
+    "Settings",
+    "SignalTimeout",
+    "StepRecord",
+    "StepTransaction",
+    "UnknownEffectKind",
+    "ValidationError",
+    "VersionMismatch",
+    "__version__",
+    "compensation_key",
+    "derive_key",
+    "migrate",
+]

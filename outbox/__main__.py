@@ -1,0 +1,7 @@
+"""``python -m outbox`` runs the CLI."""
+
+from __future__ import annotations
+
+from outbox.cli import main
+
+main()

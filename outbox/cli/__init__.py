@@ -1,0 +1,66 @@
+"""The ``outbox`` command line: one group, sub-commands in sibling modules."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from outbox.cli._common import CliContext
+from outbox.errors import OutboxError
+
+__all__ = ["cli", "main"]
+
+
+@click.group()
+@click.option(
+    "--dsn",
+    envvar="OUTBOX_DSN",
+    default=None,
+    help="PostgreSQL DSN. Default: the embedded server in --home.",
+)
+@click.option(
+    "--home",
+    envvar="OUTBOX_HOME",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="Directory of the embedded server (default ./.outbox).",
+)
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+@click.pass_context
+def cli(ctx: click.Context, dsn: str | None, home: Path | None, verbose: int) -> None:
+    """agent-outbox: durable steps and effectively-once side effects for long-running agents."""
+    level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx.obj = CliContext(dsn=dsn, home=home)
+    ctx.call_on_close(ctx.obj.close)
+
+
+def _register() -> None:
+    from outbox.cli import db, demo, effects, runs, schemas
+
+    for module in (db, demo, effects, runs, schemas):
+        for command in module.COMMANDS:
+            cli.add_command(command)
+
+
+_register()
+
+
+def main() -> None:
+    """Entry point of the ``outbox`` script: typed errors become one clear line and exit 1."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except OutboxError as exc:
+        click.echo(f"error: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(1)

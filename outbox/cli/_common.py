@@ -1,0 +1,95 @@
+"""What every command shares: the lazily opened store, and output as a table or as JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from enum import Enum
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import click
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from outbox.client import Outbox
+from outbox.settings import Settings
+
+__all__ = ["CliContext", "emit", "json_option", "pass_cli", "short", "table"]
+
+# Piped output is read by scripts and logs, not by a narrow terminal: do not wrap it at 80.
+console = Console() if Console().is_terminal else Console(width=200)
+
+
+@dataclass
+class CliContext:
+    """Options of the root group; opens the store only when a command needs it."""
+
+    dsn: str | None
+    home: Path | None
+    _outbox: Outbox | None = field(default=None, repr=False)
+
+    @property
+    def settings(self) -> Settings:
+        return Settings.from_env(dsn=self.dsn, home=self.home)
+
+    @property
+    def outbox(self) -> Outbox:
+        if self._outbox is None:
+            self._outbox = Outbox.connect(settings=self.settings)
+        return self._outbox
+
+    def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
+
+
+pass_cli = click.make_pass_decorator(CliContext)
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def emit(data: Any, as_json: bool, render: Callable[[], None]) -> None:
+    """Print ``data`` as JSON when asked, else call ``render`` (tables for people)."""
+    if as_json:
+        click.echo(json.dumps(_plain(data), indent=2, default=str))
+    else:
+        render()
+
+
+def short(value: Any, width: int = 60) -> str:
+    """A cell: datetimes to the second, long text cut."""
+    if value is None:
+        return ""
+    if isinstance(value, datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S")
+    if isinstance(value, UUID | Decimal | Enum):
+        return str(value.value if isinstance(value, Enum) else value)
+    text = value if isinstance(value, str) else json.dumps(_plain(value), default=str)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print a rich table."""
+    out = Table(title=title, title_justify="left")
+    for name in columns:
+        out.add_column(name, overflow="fold")
+    for row in rows:
+        out.add_row(*(short(v) for v in row))
+    console.print(out)

@@ -1,0 +1,119 @@
+"""``outbox runs list|show``: what runs exist and where each one is."""
+
+from __future__ import annotations
+
+import click
+
+from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.models import RunStatus
+
+__all__ = ["COMMANDS"]
+
+
+@click.group("runs")
+def runs() -> None:
+    """Inspect runs."""
+
+
+@runs.command("list")
+@click.option("--status", type=click.Choice([s.value for s in RunStatus]), default=None)
+@click.option("--agent", default=None)
+@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
+@json_option
+@pass_cli
+def runs_list(
+    cli: CliContext, status: str | None, agent: str | None, limit: int, as_json: bool
+) -> None:
+    """List recent runs, newest first."""
+    found = cli.outbox.runs(status=status, agent=agent, limit=limit)
+    emit(
+        found,
+        as_json,
+        lambda: table(
+            f"runs ({len(found)})",
+            ["id", "agent", "version", "status", "current step", "budget", "spent", "updated"],
+            [
+                (
+                    r.id,
+                    r.agent,
+                    r.agent_version,
+                    r.status.value,
+                    r.current_step,
+                    r.budget,
+                    r.spent,
+                    r.updated_at,
+                )
+                for r in found
+            ],
+        ),
+    )
+
+
+@runs.command("show")
+@click.argument("run_id")
+@json_option
+@pass_cli
+def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
+    """Show one run: inputs, state, plan, budget, steps and effects."""
+    run = cli.outbox.run(run_id)
+    record = run.record
+    steps = [run.step(s) for s in run.completed_steps]
+    effects = run.effects()
+    remaining = None if record.budget is None else record.budget - record.spent - record.reserved
+    data = {
+        "run": record,
+        "budget": {
+            "budget": record.budget,
+            "spent": record.spent,
+            "reserved": record.reserved,
+            "remaining": remaining,
+        },
+        "steps": steps,
+        "effects": effects,
+    }
+
+    def render() -> None:
+        table(
+            f"run {record.id}",
+            ["field", "value"],
+            [
+                ("agent", f"{record.agent} {record.agent_version}"),
+                ("status", record.status.value),
+                ("inputs", record.inputs),
+                ("inputs hash", record.inputs_hash),
+                ("state", record.state),
+                ("plan", record.plan),
+                ("current step", record.current_step),
+                (
+                    "budget / spent / reserved / remaining",
+                    f"{record.budget} / {record.spent} / {record.reserved} / {remaining}",
+                ),
+                ("result", record.result),
+                ("error", record.error),
+                ("created", record.created_at),
+                ("updated", record.updated_at),
+            ],
+        )
+        table(
+            "steps",
+            ["#", "step", "kind", "result", "completed"],
+            [
+                (i + 1, s.step_id, s.kind, s.result, s.completed_at)
+                for i, s in enumerate(steps)
+                if s is not None
+            ],
+        )
+        table(
+            "effects",
+            ["id", "step", "kind", "status", "attempt", "key"],
+            [
+                (e.id, e.step_id, e.kind, e.status.value, e.attempt, e.idempotency_key[:16])
+                for e in effects
+            ],
+        )
+        console.print()
+
+    emit(data, as_json, render)
+
+
+COMMANDS = [runs]

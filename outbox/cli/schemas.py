@@ -1,0 +1,60 @@
+"""``outbox schemas export|check``: JSON Schemas of every boundary model, kept in ``schemas/``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from outbox.cli._common import console, emit, json_option
+from outbox.schemas_export import check_schemas, write_schemas
+
+__all__ = ["COMMANDS"]
+
+
+@click.group("schemas")
+def schemas() -> None:
+    """Export or check the JSON Schemas of boundary models."""
+
+
+@schemas.command("export")
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path),
+    default=Path("schemas"),
+    show_default=True,
+)
+@json_option
+def schemas_export(directory: Path, as_json: bool) -> None:
+    """Write one JSON Schema file per boundary model."""
+    written = write_schemas(directory)
+    emit(
+        [str(p) for p in written],
+        as_json,
+        lambda: console.print(f"wrote {len(written)} schema(s) to {directory}"),
+    )
+
+
+@schemas.command("check")
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path),
+    default=Path("schemas"),
+    show_default=True,
+)
+@json_option
+def schemas_check(directory: Path, as_json: bool) -> None:
+    """Exit 1 when a schema file differs from its model."""
+    drift = check_schemas(directory)
+    emit(
+        {"drift": drift},
+        as_json,
+        lambda: console.print("schemas are in sync" if not drift else f"out of date: {drift}"),
+    )
+    if drift:
+        raise SystemExit(1)
+
+
+COMMANDS = [schemas]

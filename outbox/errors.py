@@ -1,0 +1,191 @@
+"""Every error agent-outbox raises, rooted in one class.
+
+::
+
+    OutboxError
+    ├── ConfigurationError          bad settings, unknown deliverer config
+    ├── ValidationError             bad input from a caller; names field and value
+    │   ├── PayloadError            not JSON, NaN/Infinity, over the size limit
+    │   └── UnknownEffectKind       no deliverer registered for a kind
+    ├── NotFound
+    │   ├── RunNotFound
+    │   └── EffectNotFound
+    ├── IdempotencyConflict         same key, different payload
+    ├── RunStateError               the run cannot take this action now
+    │   ├── RunTerminal             the run already ended
+    │   └── LeaseLost               another worker owns the run now
+    ├── BudgetExceeded              a step would spend more than the run's budget
+    ├── SignalTimeout               a wait for a signal ran out (recorded; replays raise it too)
+    ├── EffectFailed                an awaited effect ended failed
+    ├── VersionMismatch             a worker may not execute a run of another version
+    ├── SchemaError
+    │   ├── SchemaOutdated          the database needs `outbox migrate`
+    │   └── SchemaTooNew            the database was migrated by newer code
+    └── DatabaseError               the store failed (the driver's error is __cause__)
+        └── EmbeddedServerError     the embedded PostgreSQL failed to start or stop
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BudgetExceeded",
+    "ConfigurationError",
+    "DatabaseError",
+    "EffectFailed",
+    "EffectNotFound",
+    "EmbeddedServerError",
+    "IdempotencyConflict",
+    "LeaseLost",
+    "NotFound",
+    "OutboxError",
+    "PayloadError",
+    "RunNotFound",
+    "RunStateError",
+    "RunTerminal",
+    "SchemaError",
+    "SchemaOutdated",
+    "SchemaTooNew",
+    "SignalTimeout",
+    "UnknownEffectKind",
+    "ValidationError",
+    "VersionMismatch",
+]
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class OutboxError(Exception):
+    """Root of every error raised by agent-outbox."""
+
+
+class ConfigurationError(OutboxError):
+    """Settings or deployment configuration are invalid."""
+
+
+class ValidationError(OutboxError, ValueError):
+    """A caller passed a value that cannot be accepted.
+
+    ``field`` names the offending input and ``value`` holds it (shortened in the message).
+    """
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        super().__init__(f"{field}={_show(value)}: {reason}")
+
+
+class PayloadError(ValidationError):
+    """A payload, result or state is not storable JSON (type, NaN/Infinity, size)."""
+
+
+class UnknownEffectKind(ValidationError):
+    """No deliverer is registered for an effect kind."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__("kind", kind, "no deliverer is registered for this effect kind")
+
+
+class NotFound(OutboxError, LookupError):
+    """A record does not exist."""
+
+
+class RunNotFound(NotFound):
+    """No run has this id."""
+
+    def __init__(self, run_id: Any) -> None:
+        self.run_id = run_id
+        super().__init__(f"run_id={_show(str(run_id))}: no such run")
+
+
+class EffectNotFound(NotFound):
+    """No effect has this id."""
+
+    def __init__(self, effect_id: Any) -> None:
+        self.effect_id = effect_id
+        super().__init__(f"effect_id={_show(str(effect_id))}: no such effect")
+
+
+class IdempotencyConflict(OutboxError):
+    """An idempotency key was reused with a different payload (Stripe's rule: refuse)."""
+
+    def __init__(self, key: str, detail: str = "already intended with a different payload") -> None:
+        self.key = key
+        super().__init__(f"idempotency_key={key!r}: {detail}")
+
+
+class RunStateError(OutboxError):
+    """The run is not in a state that allows this action."""
+
+
+class RunTerminal(RunStateError):
+    """The run has ended; it accepts no further steps, signals or effects."""
+
+    def __init__(self, run_id: Any, status: str) -> None:
+        self.run_id = run_id
+        self.status = status
+        super().__init__(f"run_id={str(run_id)!r} is {status}: a terminal run accepts no more work")
+
+
+class LeaseLost(RunStateError):
+    """The caller's lease on a run or effect was taken over; its writes are refused (fencing)."""
+
+
+class BudgetExceeded(OutboxError):
+    """A step would spend beyond the run's budget; nothing of the step was committed."""
+
+    def __init__(self, run_id: Any, requested: float, remaining: float) -> None:
+        self.run_id = run_id
+        self.requested = requested
+        self.remaining = remaining
+        super().__init__(
+            f"run_id={str(run_id)!r}: step needs {requested:g} but only {remaining:g} remains"
+        )
+
+
+class SignalTimeout(OutboxError):
+    """A wait for a signal timed out. Recorded at the step, so every replay raises it again."""
+
+    def __init__(self, step_id: str, name: str) -> None:
+        self.step_id = step_id
+        self.name = name
+        super().__init__(f"step_id={step_id!r}: signal {name!r} did not arrive in time")
+
+
+class EffectFailed(OutboxError):
+    """An effect the caller awaited ended in a failed (or cancelled) state."""
+
+    def __init__(self, effect_id: Any, status: str, error: str | None) -> None:
+        self.effect_id = effect_id
+        self.status = status
+        self.error = error
+        super().__init__(f"effect_id={str(effect_id)!r} ended {status}: {error or 'no reason'}")
+
+
+class VersionMismatch(RunStateError):
+    """A run pinned to one agent version was offered to a worker of another."""
+
+
+class SchemaError(OutboxError):
+    """The database schema does not match this code."""
+
+
+class SchemaOutdated(SchemaError):
+    """Migrations are pending; run ``outbox migrate``."""
+
+
+class SchemaTooNew(SchemaError):
+    """The database was migrated by a newer agent-outbox; refuse rather than corrupt it."""
+
+
+class DatabaseError(OutboxError):
+    """PostgreSQL refused or failed an operation; the driver's error is ``__cause__``."""
+
+
+class EmbeddedServerError(DatabaseError):
+    """The embedded PostgreSQL server could not be initialised, started or stopped."""

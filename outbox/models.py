@@ -1,0 +1,210 @@
+"""Frozen pydantic models for every record that crosses a boundary, and their status enums.
+
+Records are values: change one with ``record.model_copy(update=...)``. Their JSON
+Schemas are exported to ``schemas/`` (``outbox schemas export``).
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from decimal import Decimal
+from enum import StrEnum
+from typing import Any
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "TERMINAL_EFFECT_STATUSES",
+    "TERMINAL_RUN_STATUSES",
+    "Compensation",
+    "Effect",
+    "EffectAttempt",
+    "EffectIntent",
+    "EffectStatus",
+    "RunRecord",
+    "RunStart",
+    "RunStatus",
+    "StepRecord",
+]
+
+
+class RunStatus(StrEnum):
+    """Where a run is in its life."""
+
+    RUNNABLE = "runnable"
+    RUNNING = "running"
+    WAITING = "waiting"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    COMPENSATING = "compensating"
+    COMPENSATED = "compensated"
+    COMPENSATION_FAILED = "compensation_failed"
+
+
+TERMINAL_RUN_STATUSES = frozenset(
+    {
+        RunStatus.COMPLETED,
+        RunStatus.FAILED,
+        RunStatus.CANCELLED,
+        RunStatus.COMPENSATED,
+        RunStatus.COMPENSATION_FAILED,
+    }
+)
+
+
+class EffectStatus(StrEnum):
+    """Where an effect is on its way to the outside world."""
+
+    PENDING = "pending"
+    IN_FLIGHT = "in_flight"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    CANCELLED = "cancelled"
+    COMPENSATED = "compensated"
+
+
+TERMINAL_EFFECT_STATUSES = frozenset(
+    {
+        EffectStatus.SUCCEEDED,
+        EffectStatus.FAILED,
+        EffectStatus.CANCELLED,
+        EffectStatus.COMPENSATED,
+    }
+)
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore", from_attributes=True)
+
+
+class RunStart(BaseModel):
+    """What ``Outbox.start_run`` accepts; validated before anything is written."""
+
+    model_config = _FROZEN
+
+    agent: str = Field(min_length=1, max_length=200)
+    version: str = Field(min_length=1, max_length=100, strict=True)
+    inputs: Any = None
+    budget: float | None = Field(default=None, ge=0)
+
+    @field_validator("budget")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class Compensation(BaseModel):
+    """The effect that undoes a succeeded effect when its run is cancelled."""
+
+    model_config = _FROZEN
+
+    kind: str = Field(min_length=1, max_length=200)
+    payload: Any
+
+
+class EffectIntent(BaseModel):
+    """What ``tx.intend`` accepts for one effect."""
+
+    model_config = _FROZEN
+
+    kind: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:-]+$")
+    payload: Any
+    key: str | None = Field(default=None, min_length=1, max_length=500)
+    ordering_key: str | None = Field(default=None, min_length=1, max_length=500)
+    max_attempts: int | None = Field(default=None, ge=1, le=1000)
+    delay_seconds: float = Field(default=0.0, ge=0)
+    schema_version: int = Field(default=1, ge=1)
+    compensate: Compensation | None = None
+    cost: float | None = Field(default=None, ge=0)
+
+
+class RunRecord(_Record):
+    """A run as stored: who started it, what it was given, where it is."""
+
+    id: UUID
+    agent: str
+    agent_version: str
+    inputs: Any
+    inputs_hash: str
+    status: RunStatus
+    state: Any
+    plan: Any
+    current_step: str | None
+    result: Any = None
+    error: Any = None
+    budget: Decimal | None = None
+    spent: Decimal = Decimal(0)
+    reserved: Decimal = Decimal(0)
+    attempt: int = 0
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    created_at: datetime
+    updated_at: datetime
+
+
+class StepRecord(_Record):
+    """A completed step: its recorded result is what a replay returns."""
+
+    run_id: UUID
+    step_id: str
+    seq: int
+    kind: str
+    result: Any = None
+    error: Any = None
+    completed_at: datetime
+
+
+class Effect(_Record):
+    """An effect intent and its delivery state."""
+
+    id: UUID
+    seq: int | None = None
+    run_id: UUID | None = None
+    step_id: str | None = None
+    step_index: int | None = None
+    kind: str
+    payload: Any
+    payload_hash: str
+    schema_version: int = 1
+    idempotency_key: str
+    ordering_key: str | None = None
+    status: EffectStatus
+    attempt: int = 0
+    max_attempts: int | None = None
+    result: Any = None
+    last_error: str | None = None
+    compensate: Compensation | None = None
+    compensates: UUID | None = None
+    cost: Decimal | None = None
+    available_at: datetime | None = None
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    attempt_started_at: datetime | None = None
+    created_at: datetime | None = None
+    completed_at: datetime | None = None
+
+    @property
+    def terminal(self) -> bool:
+        """True once the effect can no longer change by delivery."""
+        return self.status in TERMINAL_EFFECT_STATUSES
+
+
+class EffectAttempt(_Record):
+    """One line of an effect's attempt log."""
+
+    effect_id: UUID
+    attempt: int
+    worker: str | None
+    started_at: datetime | None
+    finished_at: datetime
+    outcome: str
+    detail: Any = None

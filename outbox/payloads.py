@@ -1,0 +1,67 @@
+"""JSON at the boundary: canonical encoding, validation, and content hashes.
+
+Everything agent-outbox stores as JSON (inputs, state, plan, step results,
+effect payloads) passes through :func:`encode`, so bad values are refused with
+the field name before anything is written, and equal values hash equally.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel
+
+from outbox.errors import PayloadError
+
+__all__ = ["DEFAULT_MAX_BYTES", "content_hash", "decode", "encode", "to_jsonable"]
+
+DEFAULT_MAX_BYTES = 1024 * 1024
+
+
+def to_jsonable(value: Any) -> Any:
+    """Turn pydantic models into plain JSON data; leave everything else as is."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    return value
+
+
+def encode(value: Any, *, field: str, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+    """Return the canonical JSON text of ``value`` or raise :class:`PayloadError`.
+
+    Canonical means sorted keys and no insignificant whitespace, so the text can
+    be hashed to compare payloads. NaN and Infinity are refused (JSON has no such
+    numbers and PostgreSQL's jsonb rejects them), and so are NUL characters,
+    which jsonb cannot store.
+    """
+    try:
+        text = json.dumps(
+            to_jsonable(value),
+            sort_keys=True,
+            separators=(",", ":"),
+            allow_nan=False,
+            ensure_ascii=False,
+        )
+    except ValueError as exc:  # NaN / Infinity, circular references
+        raise PayloadError(field, value, f"not valid JSON: {exc}") from exc
+    except TypeError as exc:
+        raise PayloadError(field, value, f"not JSON-serialisable: {exc}") from exc
+    if "\\u0000" in text:
+        raise PayloadError(field, value, "contains a NUL character, which PostgreSQL cannot store")
+    size = len(text.encode())
+    if size > max_bytes:
+        raise PayloadError(
+            field, f"<{size} bytes>", f"is {size} bytes, over the limit of {max_bytes} bytes"
+        )
+    return text
+
+
+def decode(text: str | None) -> Any:
+    """Parse stored JSON text (``None`` stays ``None``)."""
+    return None if text is None else json.loads(text)
+
+
+def content_hash(canonical_json: str) -> str:
+    """Hex sha256 of a canonical JSON text: equal payloads, equal hashes."""
+    return hashlib.sha256(canonical_json.encode()).hexdigest()

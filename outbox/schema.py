@@ -1,0 +1,246 @@
+"""Every table and index agent-outbox owns, on one SQLAlchemy ``MetaData``.
+
+The numbered SQL files in ``outbox/migrations`` create the same schema; a test
+checks that a migrated database and ``metadata.create_all`` agree column by
+column and index by index.
+
+Hot indexes are partial: only claimable, leased or waiting rows sit in them, so
+claim cost does not grow with the number of finished rows kept for history.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    DDL,
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    Numeric,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    UniqueConstraint,
+    event,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+__all__ = [
+    "effect_attempts",
+    "effects",
+    "metadata",
+    "migrations",
+    "runs",
+    "sql_in",
+    "steps",
+]
+
+metadata = MetaData()
+
+RUN_STATUSES = (
+    "runnable",
+    "running",
+    "waiting",
+    "completed",
+    "failed",
+    "cancelling",
+    "cancelled",
+    "compensating",
+    "compensated",
+    "compensation_failed",
+)
+EFFECT_STATUSES = (
+    "pending",
+    "in_flight",
+    "succeeded",
+    "failed",
+    "unknown",
+    "cancelled",
+    "compensated",
+)
+
+
+def sql_in(column: str, values: tuple[str, ...]) -> str:
+    """SQL text ``column IN (...)`` for a fixed set of status literals."""
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+def _ts(name: str, *, nullable: bool = True, default_now: bool = False) -> Column[object]:
+    return Column(
+        name,
+        DateTime(timezone=True),
+        nullable=nullable,
+        server_default=func.now() if default_now else None,
+    )
+
+
+migrations = Table(
+    "outbox_migrations",
+    metadata,
+    Column("version", Integer, primary_key=True, autoincrement=False),
+    Column("name", Text, nullable=False),
+    Column("checksum", Text, nullable=False),
+    _ts("applied_at", nullable=False, default_now=True),
+)
+
+runs = Table(
+    "outbox_runs",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True),
+    Column("agent", Text, nullable=False),
+    Column("agent_version", Text, nullable=False),
+    Column("inputs", JSONB, nullable=False),
+    Column("inputs_hash", Text, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("state", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("plan", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("current_step", Text),
+    Column("result", JSONB),
+    Column("error", JSONB),
+    Column("budget", Numeric),
+    Column("spent", Numeric, nullable=False, server_default=text("0")),
+    Column("reserved", Numeric, nullable=False, server_default=text("0")),
+    # claim / lease / fence (shared mechanism with effects, see outbox/queue.py)
+    _ts("available_at", nullable=False, default_now=True),
+    Column("lease_owner", Text),
+    _ts("lease_expires_at"),
+    Column("attempt", Integer, nullable=False, server_default=text("0")),
+    _ts("created_at", nullable=False, default_now=True),
+    _ts("updated_at", nullable=False, default_now=True),
+    CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
+)
+Index(
+    "outbox_runs_claimable",
+    runs.c.agent,
+    runs.c.agent_version,
+    runs.c.available_at,
+    postgresql_where=text("status = 'runnable'"),
+)
+Index(
+    "outbox_runs_leased",
+    runs.c.lease_expires_at,
+    postgresql_where=text("status = 'running'"),
+)
+Index("outbox_runs_created", runs.c.created_at)
+
+# What a run started from never changes (G6: the versioned inputs it is pinned to).
+# The WHEN clause keeps the trigger function out of every ordinary step update.
+RUNS_IMMUTABLE_DDL = (
+    """CREATE FUNCTION outbox_runs_refuse_input_change() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'run % was started with agent %, inputs hash %: these never change',
+        OLD.id, OLD.agent, OLD.inputs_hash
+        USING ERRCODE = 'integrity_constraint_violation';
+END
+$$""",
+    """CREATE TRIGGER outbox_runs_inputs_immutable
+    BEFORE UPDATE ON outbox_runs FOR EACH ROW
+    WHEN (OLD.agent IS DISTINCT FROM NEW.agent
+          OR OLD.inputs_hash IS DISTINCT FROM NEW.inputs_hash
+          OR OLD.inputs IS DISTINCT FROM NEW.inputs)
+    EXECUTE FUNCTION outbox_runs_refuse_input_change()""",
+)
+for _ddl in RUNS_IMMUTABLE_DDL:
+    event.listen(runs, "after_create", DDL(_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
+
+steps = Table(
+    "outbox_steps",
+    metadata,
+    Column("run_id", UUID(as_uuid=True), ForeignKey("outbox_runs.id", ondelete="CASCADE")),
+    Column("step_id", Text, nullable=False),
+    Column("seq", BigInteger, Identity(always=True), nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("result", JSONB),
+    Column("error", JSONB),
+    _ts("completed_at", nullable=False, default_now=True),
+    PrimaryKeyConstraint("run_id", "step_id", name="outbox_steps_pkey"),
+)
+
+effects = Table(
+    "outbox_effects",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True),
+    # intent order: per-key ordering and listing follow it
+    Column("seq", BigInteger, Identity(always=True), nullable=False),
+    Column("run_id", UUID(as_uuid=True), ForeignKey("outbox_runs.id", ondelete="CASCADE")),
+    Column("step_id", Text),
+    Column("step_index", Integer),
+    Column("kind", Text, nullable=False),
+    Column("payload", JSONB, nullable=False),
+    Column("payload_hash", Text, nullable=False),
+    Column("schema_version", Integer, nullable=False, server_default=text("1")),
+    Column("idempotency_key", Text, nullable=False),
+    Column("ordering_key", Text),
+    Column("status", Text, nullable=False),
+    Column("max_attempts", Integer),
+    Column("result", JSONB),
+    Column("last_error", Text),
+    Column("compensate", JSONB),
+    Column("compensates", UUID(as_uuid=True)),
+    Column("cost", Numeric),
+    # claim / lease / fence
+    _ts("available_at", nullable=False, default_now=True),
+    Column("lease_owner", Text),
+    _ts("lease_expires_at"),
+    Column("attempt", Integer, nullable=False, server_default=text("0")),
+    _ts("attempt_started_at"),
+    _ts("created_at", nullable=False, default_now=True),
+    _ts("updated_at", nullable=False, default_now=True),
+    _ts("completed_at"),
+    UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
+    CheckConstraint(sql_in("status", EFFECT_STATUSES), name="outbox_effects_status_check"),
+)
+Index(
+    "outbox_effects_claimable",
+    effects.c.available_at,
+    effects.c.seq,
+    postgresql_where=text("status = 'pending'"),
+)
+Index(
+    "outbox_effects_leased",
+    effects.c.lease_expires_at,
+    postgresql_where=text("status = 'in_flight'"),
+)
+Index(
+    "outbox_effects_ordering",
+    effects.c.ordering_key,
+    effects.c.seq,
+    postgresql_where=text(
+        "ordering_key IS NOT NULL AND status IN ('pending', 'in_flight', 'unknown')"
+    ),
+)
+Index("outbox_effects_run", effects.c.run_id, effects.c.seq)
+Index(
+    "outbox_effects_needs_operator",
+    effects.c.status,
+    effects.c.seq,
+    postgresql_where=text("status IN ('unknown', 'failed')"),
+)
+
+effect_attempts = Table(
+    "outbox_effect_attempts",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column(
+        "effect_id",
+        UUID(as_uuid=True),
+        ForeignKey("outbox_effects.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("attempt", Integer, nullable=False),
+    Column("worker", Text),
+    _ts("started_at"),
+    _ts("finished_at", nullable=False, default_now=True),
+    # succeeded | retry | failed | stale | expired | resolved | released
+    Column("outcome", Text, nullable=False),
+    Column("detail", JSONB),
+)
+Index("outbox_effect_attempts_effect", effect_attempts.c.effect_id, effect_attempts.c.attempt)

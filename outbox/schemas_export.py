@@ -1,0 +1,62 @@
+"""JSON Schemas of every model that crosses a boundary, kept in ``schemas/``."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from outbox import models
+
+__all__ = ["boundary_models", "check_schemas", "render", "write_schemas"]
+
+_CORE: tuple[type[BaseModel], ...] = (
+    models.RunStart,
+    models.EffectIntent,
+    models.Compensation,
+    models.RunRecord,
+    models.StepRecord,
+    models.Effect,
+    models.EffectAttempt,
+)
+
+
+def boundary_models() -> dict[str, type[BaseModel]]:
+    """File stem → model: the core records plus each installed deliverer's payload model."""
+    found = {model.__name__: model for model in _CORE}
+    for entry in entry_points(group="outbox.deliverers"):
+        deliverer = entry.load()
+        payload_model = getattr(deliverer, "payload_model", None)
+        if isinstance(payload_model, type) and issubclass(payload_model, BaseModel):
+            found[f"payload.{entry.name}"] = payload_model
+    return dict(sorted(found.items()))
+
+
+def render(model: type[BaseModel]) -> str:
+    """The schema text as written to disk (stable: sorted keys, trailing newline)."""
+    return json.dumps(model.model_json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+def write_schemas(directory: Path) -> list[Path]:
+    """Write every schema; return the paths written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, model in boundary_models().items():
+        path = directory / f"{name}.json"
+        path.write_text(render(model))
+        written.append(path)
+    return written
+
+
+def check_schemas(directory: Path) -> list[str]:
+    """Names whose file is missing, different, or left over from a removed model."""
+    expected = {f"{name}.json": render(model) for name, model in boundary_models().items()}
+    drift = [
+        name
+        for name, text in expected.items()
+        if not (directory / name).exists() or (directory / name).read_text() != text
+    ]
+    drift += [p.name for p in directory.glob("*.json") if p.name not in expected]
+    return sorted(drift)

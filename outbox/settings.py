@@ -1,0 +1,59 @@
+"""Frozen settings with named defaults. Environment variables are read only by :meth:`from_env`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from outbox.errors import ConfigurationError
+from outbox.payloads import DEFAULT_MAX_BYTES
+
+__all__ = ["ENV_PREFIX", "Settings"]
+
+ENV_PREFIX = "OUTBOX_"
+
+
+class Settings(BaseModel):
+    """How an :class:`~outbox.Outbox` connects and what it accepts.
+
+    ``dsn`` ``None`` means the embedded PostgreSQL in ``home`` (started on demand
+    and shared by every process on the machine that uses the same ``home``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dsn: str | None = None
+    home: Path = Field(default=Path(".outbox"))
+    max_payload_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0)
+    max_step_id_length: int = Field(default=200, gt=0)
+    pool_size: int = Field(default=5, gt=0)
+    # Our sessions never sit idle inside a transaction for long: an open
+    # transaction stops vacuum and slows every claim (DESIGN.md, lessons).
+    idle_in_transaction_timeout_ms: int = Field(default=60_000, ge=0)
+    # A writer sends at most one NOTIFY per window inline; commits in between
+    # are covered by one trailing NOTIFY (see outbox/wakeup.py).
+    notify_window_ms: float = Field(default=3.0, ge=0)
+    auto_migrate: bool | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from ``OUTBOX_*`` variables; keyword overrides win."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is not None and raw != "":
+                values[name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"])
+            raise ConfigurationError(
+                f"{ENV_PREFIX}{field.upper()}={first.get('input')!r}: {first['msg']}"
+            ) from exc

@@ -1,0 +1,307 @@
+"""The SQL of the client library, as pure functions returning SQLAlchemy Core statements.
+
+Nothing here touches a connection; :mod:`outbox.store` executes these. The hot
+statement is :func:`commit_step`: one round trip that checks the run, writes
+the step checkpoint and every intent, and (when asked) sends the wake-up
+``NOTIFY``. The queue statements shared by runs and effects live in
+:mod:`outbox.queue`.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    Float,
+    Integer,
+    Numeric,
+    Select,
+    Text,
+    bindparam,
+    cast,
+    column,
+    func,
+    literal,
+    select,
+    text,
+    true,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.sql.expression import ColumnElement, TableValuedAlias, TextClause
+
+from outbox.models import RunStatus
+from outbox.schema import effects, runs, sql_in, steps
+
+__all__ = [
+    "EFFECTS_CHANNEL",
+    "LIVE_CONDITION",
+    "LIVE_RUN_STATUSES",
+    "RUNS_CHANNEL",
+    "commit_step",
+    "effect_by_key",
+    "insert_run",
+    "intend_without_run",
+    "json_param",
+    "list_effects",
+    "list_runs",
+    "run_with_steps",
+]
+
+# Rows of mixed columns; SQLAlchemy 2.1 types Select by its column tuple.
+AnySelect = Select[*tuple[Any, ...]]
+
+EFFECTS_CHANNEL = "outbox_effects"
+RUNS_CHANNEL = "outbox_runs"
+
+# A run accepts new steps only in these states.
+LIVE_RUN_STATUSES = (RunStatus.RUNNABLE.value, RunStatus.RUNNING.value, RunStatus.WAITING.value)
+LIVE_CONDITION = text(sql_in("outbox_runs.status", LIVE_RUN_STATUSES))
+_RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
+
+
+def json_param(name: str) -> ColumnElement[object]:
+    """A bind parameter carrying canonical JSON text, cast to jsonb by the server.
+
+    The text comes from :func:`outbox.payloads.encode`; passing it through as
+    text avoids a second serialisation in the driver.
+    """
+    return cast(bindparam(name, type_=Text), JSONB)
+
+
+def insert_run(*, notify: bool) -> AnySelect:
+    """Insert one run (parameters named like the columns) and return it."""
+    ins = (
+        pg_insert(runs)
+        .values(
+            id=bindparam("id"),
+            agent=bindparam("agent"),
+            agent_version=bindparam("agent_version"),
+            inputs=json_param("inputs"),
+            inputs_hash=bindparam("inputs_hash"),
+            status=RunStatus.RUNNABLE.value,
+            budget=bindparam("budget", type_=Numeric),
+        )
+        .returning(*runs.c)
+        .cte("ins")
+    )
+    columns: list[ColumnElement[object]] = list(ins.c)
+    if notify:
+        columns.append(func.pg_notify(RUNS_CHANNEL, "").label("notified"))
+    return select(*columns)
+
+
+_EFFECT_FIELDS = (
+    column("id", UUID(as_uuid=True)),
+    column("step_index", Integer),
+    column("kind", Text),
+    column("payload", JSONB),
+    column("payload_hash", Text),
+    column("schema_version", Integer),
+    column("idempotency_key", Text),
+    column("ordering_key", Text),
+    column("max_attempts", Integer),
+    column("compensate", JSONB),
+    column("compensates", UUID(as_uuid=True)),
+    column("cost", Numeric),
+    column("delay_seconds", Float),
+)
+
+_EFFECT_INSERT_COLUMNS = [
+    "id",
+    "run_id",
+    "step_id",
+    "step_index",
+    "kind",
+    "payload",
+    "payload_hash",
+    "schema_version",
+    "idempotency_key",
+    "ordering_key",
+    "max_attempts",
+    "compensate",
+    "compensates",
+    "cost",
+    "status",
+    "available_at",
+]
+
+
+def _effect_rows() -> TableValuedAlias:
+    """The ``:effects`` parameter (a JSON array of intents) as a typed row set."""
+    return (
+        func.jsonb_to_recordset(json_param("effects"))
+        .table_valued(*_EFFECT_FIELDS)
+        .render_derived(name="e", with_types=True)
+    )
+
+
+def _effect_select(rows: TableValuedAlias, run_id: ColumnElement[Any]) -> AnySelect:
+    return select(
+        rows.c.id,
+        run_id,
+        bindparam("step_id", type_=Text),
+        rows.c.step_index,
+        rows.c.kind,
+        rows.c.payload,
+        rows.c.payload_hash,
+        rows.c.schema_version,
+        rows.c.idempotency_key,
+        rows.c.ordering_key,
+        rows.c.max_attempts,
+        rows.c.compensate,
+        rows.c.compensates,
+        rows.c.cost,
+        literal("pending"),
+        func.now() + rows.c.delay_seconds * text("interval '1 second'"),
+    )
+
+
+@cache
+def commit_step(*, fenced: bool, notify: bool) -> AnySelect:
+    """Checkpoint one step and insert its intents, all in one statement.
+
+    Parameters: ``run_id``, ``step_id``, ``kind``, ``step_result``,
+    ``new_state`` and ``new_plan`` (JSON text; ``NULL`` keeps the stored
+    value), ``effects`` (JSON array), ``debit`` (budget spent by the step),
+    ``reserve`` (budget held for costly intents); with ``fenced``, also
+    ``fence_owner`` and ``fence_attempt``. (No parameter is named like a
+    column of ``outbox_runs``: SQLAlchemy would add it to the UPDATE's SET.)
+
+    Returns one row ``(run_ok, step_seq, inserted)``: ``run_ok`` is 0 when the
+    run is missing, ended, over budget or (fenced) leased by someone else;
+    ``step_seq`` is NULL when the step was already recorded (a replay or a
+    racing process won); ``inserted`` counts intents written. Each part only
+    happens when the one before it did, so a failed check writes nothing.
+    """
+    conditions: list[ColumnElement[bool] | TextClause] = [
+        runs.c.id == _RUN_ID,
+        LIVE_CONDITION,
+        (runs.c.budget.is_(None))
+        | (
+            runs.c.spent
+            + runs.c.reserved
+            + bindparam("debit", type_=Numeric)
+            + bindparam("reserve", type_=Numeric)
+            <= runs.c.budget
+        ),
+    ]
+    if fenced:
+        conditions += [
+            runs.c.lease_owner == bindparam("fence_owner"),
+            runs.c.attempt == bindparam("fence_attempt"),
+        ]
+    run_upd = (
+        runs.update()
+        .where(*conditions)
+        .values(
+            state=func.coalesce(json_param("new_state"), runs.c.state),
+            plan=func.coalesce(json_param("new_plan"), runs.c.plan),
+            current_step=bindparam("step_id", type_=Text),
+            spent=runs.c.spent + bindparam("debit", type_=Numeric),
+            reserved=runs.c.reserved + bindparam("reserve", type_=Numeric),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.id)
+        .cte("run_upd")
+    )
+    step_ins = (
+        pg_insert(steps)
+        .from_select(
+            ["run_id", "step_id", "kind", "result"],
+            select(
+                run_upd.c.id,
+                bindparam("step_id", type_=Text),
+                bindparam("kind", type_=Text),
+                json_param("step_result"),
+            ),
+        )
+        .on_conflict_do_nothing(constraint="outbox_steps_pkey")
+        .returning(steps.c.seq)
+        .cte("step_ins")
+    )
+    rows = _effect_rows()
+    eff_ins = (
+        pg_insert(effects)
+        .from_select(
+            _EFFECT_INSERT_COLUMNS,
+            _effect_select(rows, _RUN_ID).select_from(rows).join(step_ins, true()),
+        )
+        .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
+        .returning(effects.c.id)
+        .cte("eff_ins")
+    )
+    columns: list[ColumnElement[object]] = [
+        select(func.count()).select_from(run_upd).scalar_subquery().label("run_ok"),
+        select(step_ins.c.seq).scalar_subquery().label("step_seq"),
+        select(func.count()).select_from(eff_ins).scalar_subquery().label("inserted"),
+    ]
+    if notify:
+        columns.append(func.pg_notify(EFFECTS_CHANNEL, "").label("notified"))
+    return select(*columns)
+
+
+@cache
+def intend_without_run(*, notify: bool) -> AnySelect:
+    """Insert intents that belong to no run (plain outbox use); returns the ids inserted."""
+    rows = _effect_rows()
+    eff_ins = (
+        pg_insert(effects)
+        .from_select(
+            _EFFECT_INSERT_COLUMNS,
+            _effect_select(rows, literal(None, UUID(as_uuid=True))).select_from(rows),
+        )
+        .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
+        .returning(effects.c.id)
+        .cte("eff_ins")
+    )
+    columns: list[ColumnElement[object]] = [
+        select(func.count()).select_from(eff_ins).scalar_subquery().label("inserted")
+    ]
+    if notify:
+        columns.append(func.pg_notify(EFFECTS_CHANNEL, "").label("notified"))
+    return select(*columns)
+
+
+def effect_by_key() -> AnySelect:
+    """The effect holding ``:key``, if any."""
+    return select(effects).where(effects.c.idempotency_key == bindparam("key"))
+
+
+def run_with_steps() -> tuple[AnySelect, AnySelect]:
+    """The run ``:run_id`` and its completed steps in completion order."""
+    return (
+        select(runs).where(runs.c.id == bindparam("run_id")),
+        select(steps).where(steps.c.run_id == bindparam("run_id")).order_by(steps.c.seq),
+    )
+
+
+def list_runs(
+    *, status: str | None = None, agent: str | None = None, limit: int = 100
+) -> AnySelect:
+    """Most recent runs first, optionally filtered."""
+    query = select(runs).order_by(runs.c.created_at.desc()).limit(limit)
+    if status is not None:
+        query = query.where(runs.c.status == status)
+    if agent is not None:
+        query = query.where(runs.c.agent == agent)
+    return query
+
+
+def list_effects(
+    *,
+    run_id: object = None,
+    status: str | None = None,
+    kind: str | None = None,
+    limit: int = 100,
+) -> AnySelect:
+    """Effects in intent order, optionally filtered by run, status or kind."""
+    query = select(effects).order_by(effects.c.seq).limit(limit)
+    if run_id is not None:
+        query = query.where(effects.c.run_id == run_id)
+    if status is not None:
+        query = query.where(effects.c.status == status)
+    if kind is not None:
+        query = query.where(effects.c.kind == kind)
+    return query

@@ -1,0 +1,243 @@
+"""The one module that talks to PostgreSQL for the client library.
+
+It turns the statements of :mod:`outbox.statements` into calls, rows into
+models, and driver errors into :class:`~outbox.errors.DatabaseError` (the
+original stays as ``__cause__``). Callers never see SQL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+import sqlalchemy.exc
+from sqlalchemy import Connection, Engine, create_engine, select, text
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import make_url
+
+from outbox import statements as sql
+from outbox.errors import DatabaseError, IdempotencyConflict
+from outbox.models import Effect, EffectAttempt, RunRecord, StepRecord
+from outbox.schema import effect_attempts, effects, runs
+
+__all__ = ["StepOutcome", "Store", "effects_json", "make_engine", "translate_errors"]
+
+log = logging.getLogger(__name__)
+
+
+def make_engine(
+    dsn: str,
+    *,
+    pool_size: int = 5,
+    idle_in_transaction_ms: int = 60_000,
+    application_name: str = "outbox",
+) -> Engine:
+    """An engine on psycopg 3 for any ``postgresql://`` DSN."""
+    url = make_url(dsn)
+    if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
+        url = url.set(drivername="postgresql+psycopg")
+    options = f"-c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
+    return create_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=False,
+        connect_args={"options": options, "application_name": application_name},
+    )
+
+
+@contextmanager
+def translate_errors(action: str) -> Iterator[None]:
+    """Re-raise driver errors as :class:`DatabaseError`, keeping the original as the cause."""
+    try:
+        yield
+    except sqlalchemy.exc.IntegrityError as exc:
+        constraint = getattr(getattr(exc.orig, "diag", None), "constraint_name", None)
+        if constraint == "outbox_effects_idempotency_key":
+            raise IdempotencyConflict("?", f"while {action}: {exc.orig}") from exc
+        raise DatabaseError(f"{action} failed: {exc.orig}") from exc
+    except sqlalchemy.exc.DBAPIError as exc:
+        raise DatabaseError(f"{action} failed: {exc.orig}") from exc
+    except sqlalchemy.exc.SQLAlchemyError as exc:
+        raise DatabaseError(f"{action} failed: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What :meth:`Store.commit_step` reports."""
+
+    run_ok: bool
+    step_seq: int | None
+    inserted: int
+
+
+class Store:
+    """Executes the client's statements on one engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @contextmanager
+    def begin(self, connection: Connection | None = None) -> Iterator[Connection]:
+        """A transaction: ours, or a savepoint inside the caller's open one."""
+        with translate_errors("transaction"):
+            if connection is None:
+                with self.engine.begin() as conn:
+                    yield conn
+            else:
+                with connection.begin_nested():
+                    yield connection
+
+    # -- runs -----------------------------------------------------------------
+
+    def insert_run(self, params: dict[str, Any], *, notify: bool) -> RunRecord:
+        """Insert a run and return it as stored."""
+        with translate_errors("starting a run"), self.engine.begin() as conn:
+            row = conn.execute(sql.insert_run(notify=notify), params).one()
+        return RunRecord.model_validate(row._mapping)
+
+    def load_run(self, run_id: UUID) -> tuple[RunRecord, list[StepRecord]] | None:
+        """A run and its completed steps, or ``None``."""
+        run_q, steps_q = sql.run_with_steps()
+        with translate_errors("loading a run"), self.engine.connect() as conn:
+            row = conn.execute(run_q, {"run_id": run_id}).one_or_none()
+            if row is None:
+                return None
+            steps = conn.execute(steps_q, {"run_id": run_id}).all()
+        return (
+            RunRecord.model_validate(row._mapping),
+            [StepRecord.model_validate(s._mapping) for s in steps],
+        )
+
+    def run_record(self, conn: Connection, run_id: UUID) -> RunRecord | None:
+        """The run as the caller's transaction sees it."""
+        row = conn.execute(select(runs).where(runs.c.id == run_id)).one_or_none()
+        return None if row is None else RunRecord.model_validate(row._mapping)
+
+    def step_record(self, run_id: UUID, step_id: str) -> StepRecord | None:
+        """One completed step."""
+        _, steps_q = sql.run_with_steps()
+        with translate_errors("loading a step"), self.engine.connect() as conn:
+            for row in conn.execute(steps_q, {"run_id": run_id}):
+                if row.step_id == step_id:
+                    return StepRecord.model_validate(row._mapping)
+        return None
+
+    def list_runs(self, **filters: Any) -> list[RunRecord]:
+        """Runs, newest first."""
+        with translate_errors("listing runs"), self.engine.connect() as conn:
+            rows = conn.execute(sql.list_runs(**filters)).all()
+        return [RunRecord.model_validate(r._mapping) for r in rows]
+
+    def finish_run(
+        self,
+        run_id: UUID,
+        *,
+        status: str,
+        result: str | None,
+        error: str | None,
+        fence: tuple[str, int] | None,
+    ) -> bool:
+        """Move a live run to a terminal status; False when it was not live (or not ours)."""
+        query = (
+            runs.update()
+            .where(runs.c.id == run_id, sql.LIVE_CONDITION)
+            .values(
+                status=status,
+                result=_jsonb(result),
+                error=_jsonb(error),
+                lease_owner=None,
+                lease_expires_at=None,
+                updated_at=sqlalchemy.func.now(),
+            )
+        )
+        if fence is not None:
+            query = query.where(runs.c.lease_owner == fence[0], runs.c.attempt == fence[1])
+        with translate_errors("finishing a run"), self.engine.begin() as conn:
+            return conn.execute(query).rowcount == 1
+
+    # -- steps ------------------------------------------------------------------
+
+    def commit_step(
+        self, conn: Connection, params: dict[str, Any], *, fenced: bool, notify: bool
+    ) -> StepOutcome:
+        """Run the one-statement checkpoint of :func:`outbox.statements.commit_step`."""
+        row = conn.execute(sql.commit_step(fenced=fenced, notify=notify), params).one()
+        return StepOutcome(bool(row.run_ok), row.step_seq, int(row.inserted))
+
+    def intend_without_run(self, conn: Connection, effects_json: str, *, notify: bool) -> int:
+        """Insert run-less intents; return how many were new."""
+        row = conn.execute(
+            sql.intend_without_run(notify=notify), {"effects": effects_json, "step_id": None}
+        ).one()
+        return int(row.inserted)
+
+    # -- effects ----------------------------------------------------------------
+
+    def lock_key(self, conn: Connection, key: str) -> None:
+        """Serialise transactions that intend the same caller-chosen key until commit."""
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"), {"key": key})
+
+    def effect_by_key(self, conn: Connection, key: str) -> Effect | None:
+        """The effect holding ``key``, as the caller's transaction sees it."""
+        row = conn.execute(sql.effect_by_key(), {"key": key}).one_or_none()
+        return None if row is None else Effect.model_validate(row._mapping)
+
+    def get_effect(self, effect_id: UUID) -> Effect | None:
+        """One effect by id."""
+        with translate_errors("loading an effect"), self.engine.connect() as conn:
+            row = conn.execute(select(effects).where(effects.c.id == effect_id)).one_or_none()
+        return None if row is None else Effect.model_validate(row._mapping)
+
+    def list_effects(self, **filters: Any) -> list[Effect]:
+        """Effects in intent order."""
+        with translate_errors("listing effects"), self.engine.connect() as conn:
+            rows = conn.execute(sql.list_effects(**filters)).all()
+        return [Effect.model_validate(r._mapping) for r in rows]
+
+    def attempts(self, effect_id: UUID) -> list[EffectAttempt]:
+        """The attempt log of one effect, oldest first."""
+        query = (
+            select(effect_attempts)
+            .where(effect_attempts.c.effect_id == effect_id)
+            .order_by(effect_attempts.c.id)
+        )
+        with translate_errors("loading attempts"), self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [EffectAttempt.model_validate(r._mapping) for r in rows]
+
+    def notify(self, channel: str) -> None:
+        """Send one NOTIFY outside any transaction of the caller's."""
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT pg_notify(:channel, '')"), {"channel": channel})
+            conn.commit()
+
+    def count_by_status(self, table: str) -> dict[str, int]:
+        """Rows per status in ``outbox_runs`` or ``outbox_effects``."""
+        target = {"runs": runs, "effects": effects}[table]
+        query = select(target.c.status, sqlalchemy.func.count()).group_by(target.c.status)
+        with translate_errors("counting"), self.engine.connect() as conn:
+            return {status: n for status, n in conn.execute(query).all()}
+
+
+def _jsonb(value: str | None) -> Any:
+    if value is None:
+        return None
+    return sqlalchemy.cast(sqlalchemy.literal(value, sqlalchemy.Text), JSONB)
+
+
+def effects_json(rows: Sequence[dict[str, Any]]) -> str:
+    """The ``:effects`` parameter: a JSON array whose payloads are spliced in as canonical text."""
+    parts = []
+    for row in rows:
+        fields = {k: v for k, v in row.items() if k not in ("payload", "compensate")}
+        head = json.dumps(fields, separators=(",", ":"), default=str)
+        parts.append(
+            f'{head[:-1]},"payload":{row["payload"]},"compensate":{row["compensate"] or "null"}}}'
+        )
+    return "[" + ",".join(parts) + "]"

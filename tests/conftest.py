@@ -1,0 +1,115 @@
+"""Shared fixtures: one real PostgreSQL per session, a fresh migrated database per test.
+
+The server is the embedded one (the same the CLI uses), started in a temporary
+directory. ``OUTBOX_TEST_DSN`` points the suite at another server instead (for
+example one started by testcontainers where a Docker engine exists); its
+database must allow ``CREATE DATABASE``. A test that needs PostgreSQL fails
+when it cannot get one: it never skips.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+
+from outbox import EmbeddedServer, Outbox
+from outbox.migrate import migrate
+from outbox.store import make_engine
+
+TEMPLATE = "outbox_template"
+_counter = itertools.count()
+
+# Durability settings off: the suite's data is disposable, and an immediate
+# restart (the chaos tests) still replays the WAL from the OS page cache.
+TEST_SERVER_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer | None]:
+    if os.environ.get("OUTBOX_TEST_DSN"):
+        yield None
+        return
+    server = EmbeddedServer(tmp_path_factory.mktemp("pg"), settings=TEST_SERVER_SETTINGS)
+    server.ensure_running()
+    yield server
+    server.stop(mode="immediate")
+
+
+@pytest.fixture(scope="session")
+def admin_dsn(pg_server: EmbeddedServer | None) -> str:
+    """A DSN to the maintenance database, for CREATE/DROP DATABASE."""
+    external = os.environ.get("OUTBOX_TEST_DSN")
+    if external:
+        return str(make_url(external).set(database="postgres").render_as_string(False))
+    assert pg_server is not None
+    return pg_server.dsn("postgres")
+
+
+def _dsn_for(admin_dsn: str, database: str) -> str:
+    url = make_url(admin_dsn).set(database=database)
+    return url.render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def template_db(admin_dsn: str) -> str:
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {TEMPLATE}")
+    engine = make_engine(_dsn_for(admin_dsn, TEMPLATE))
+    migrate(engine)
+    engine.dispose()
+    return TEMPLATE
+
+
+def create_database(admin_dsn: str, template: str | None) -> str:
+    """A new database (cloned from ``template`` when given); returns its DSN."""
+    name = f"t_{os.getpid()}_{next(_counter)}"
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        clause = f" TEMPLATE {template}" if template else ""
+        conn.execute(f"CREATE DATABASE {name}{clause}")
+    return _dsn_for(admin_dsn, name)
+
+
+def drop_database(admin_dsn: str, dsn: str) -> None:
+    name = make_url(dsn).database
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def dsn(admin_dsn: str, template_db: str) -> Iterator[str]:
+    """A fresh, migrated database for one test."""
+    url = create_database(admin_dsn, template_db)
+    yield url
+    drop_database(admin_dsn, url)
+
+
+@pytest.fixture
+def empty_dsn(admin_dsn: str) -> Iterator[str]:
+    """A fresh database with no schema at all."""
+    url = create_database(admin_dsn, None)
+    yield url
+    drop_database(admin_dsn, url)
+
+
+@pytest.fixture
+def ob(dsn: str) -> Iterator[Outbox]:
+    outbox = Outbox.connect(dsn)
+    yield outbox
+    outbox.close()
+
+
+@pytest.fixture
+def sub_env(dsn: str, tmp_path: Path) -> dict[str, str]:
+    """Environment for a subprocess that must use this test's database."""
+    env = dict(os.environ)
+    env["OUTBOX_DSN"] = dsn
+    env["OUTBOX_HOME"] = str(tmp_path / "no-embedded-server-here")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env

@@ -1,0 +1,69 @@
+"""The CLI reports runs and effects as tables and as JSON, and fails with one clear line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from outbox import Outbox
+from outbox.cli import cli
+
+
+def _invoke(dsn: str, *args: str) -> str:
+    result = CliRunner().invoke(cli, ["--dsn", dsn, *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_runs_and_effects_reports(ob: Outbox, dsn: str) -> None:
+    run = ob.start_run("invoice-reconciler", "2.3.1", {"month": "2026-10"}, budget=25)
+    run.transaction("send", lambda tx: tx.intend("email.send", {"to": "ap@example.com"}) and 1)
+
+    runs = json.loads(_invoke(dsn, "runs", "list", "--json"))
+    assert [r["id"] for r in runs] == [str(run.id)]
+    shown = json.loads(_invoke(dsn, "runs", "show", str(run.id), "--json"))
+    assert shown["run"]["agent_version"] == "2.3.1"
+    assert float(shown["budget"]["remaining"]) == 25
+    assert [s["step_id"] for s in shown["steps"]] == ["send"]
+
+    effects = json.loads(_invoke(dsn, "effects", "list", "--run", str(run.id), "--json"))
+    assert [e["kind"] for e in effects] == ["email.send"]
+    assert json.loads(_invoke(dsn, "effects", "list", "--status", "succeeded", "--json")) == []
+    one = json.loads(_invoke(dsn, "effects", "show", effects[0]["id"], "--json"))
+    assert one["effect"]["idempotency_key"] == effects[0]["idempotency_key"]
+    assert one["attempts"] == []
+
+    table = _invoke(dsn, "runs", "list")
+    assert "invoice-reconciler" in table
+    assert "email.send" in _invoke(dsn, "effects", "list")
+    assert "send" in _invoke(dsn, "runs", "show", str(run.id))
+
+
+def test_migrate_reports_json(dsn: str) -> None:
+    report = json.loads(_invoke(dsn, "migrate", "--json"))
+    assert report["applied"] == [] and report["schema_version"] == report["known"]
+
+
+def test_errors_are_one_clear_line_and_exit_1(dsn: str) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "outbox",
+            "--dsn",
+            dsn,
+            "runs",
+            "show",
+            "00000000-0000-0000-0000-000000000000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "error: RunNotFound: run_id='00000000-0000-0000-0000-000000000000': no such run"
+    )
