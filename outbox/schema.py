@@ -198,8 +198,11 @@ effects = Table(
     UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
     CheckConstraint(sql_in("status", EFFECT_STATUSES), name="outbox_effects_status_check"),
 )
+# Claims go kind by kind, so a backlog of one kind (or of a kind no deliverer
+# knows) never slows the claims of another.
 Index(
     "outbox_effects_claimable",
+    effects.c.kind,
     effects.c.available_at,
     effects.c.seq,
     postgresql_where=text("status = 'pending'"),

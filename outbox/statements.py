@@ -23,6 +23,7 @@ from sqlalchemy import (
     column,
     func,
     literal,
+    literal_column,
     select,
     text,
     true,
@@ -40,6 +41,7 @@ __all__ = [
     "LIVE_RUN_STATUSES",
     "RUNS_CHANNEL",
     "commit_step",
+    "const",
     "effect_by_key",
     "insert_run",
     "intend_without_run",
@@ -61,6 +63,16 @@ LIVE_CONDITION = text(sql_in("outbox_runs.status", LIVE_RUN_STATUSES))
 _RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
 
 
+def const(value: str) -> ColumnElement[str]:
+    """A string constant written into the SQL, not bound.
+
+    Status comparisons must be literals: a partial index (``WHERE status =
+    'pending'``) is only usable by a generic prepared plan when the predicate
+    is spelled out, and psycopg prepares statements after a few executions.
+    """
+    return literal_column("'" + value.replace("'", "''") + "'", Text)
+
+
 def json_param(name: str) -> ColumnElement[object]:
     """A bind parameter carrying canonical JSON text, cast to jsonb by the server.
 
@@ -80,7 +92,7 @@ def insert_run(*, notify: bool) -> AnySelect:
             agent_version=bindparam("agent_version"),
             inputs=json_param("inputs"),
             inputs_hash=bindparam("inputs_hash"),
-            status=RunStatus.RUNNABLE.value,
+            status=const(RunStatus.RUNNABLE.value),
             budget=bindparam("budget", type_=Numeric),
         )
         .returning(*runs.c)
@@ -153,7 +165,7 @@ def _effect_select(rows: TableValuedAlias, run_id: ColumnElement[Any]) -> AnySel
         rows.c.compensate,
         rows.c.compensates,
         rows.c.cost,
-        literal("pending"),
+        const("pending"),
         func.now() + rows.c.delay_seconds * text("interval '1 second'"),
     )
 

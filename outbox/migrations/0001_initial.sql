@@ -98,8 +98,10 @@ CREATE TABLE outbox_effects (
     CONSTRAINT outbox_effects_status_check CHECK (status IN (
         'pending', 'in_flight', 'succeeded', 'failed', 'unknown', 'cancelled', 'compensated'))
 );
--- Partial indexes keep finished rows out of the hot paths.
-CREATE INDEX outbox_effects_claimable ON outbox_effects (available_at, seq)
+-- Partial indexes keep finished rows out of the hot paths. Claims go kind by
+-- kind, so a backlog of one kind (or of a kind no deliverer knows) never slows
+-- the claims of another.
+CREATE INDEX outbox_effects_claimable ON outbox_effects (kind, available_at, seq)
     WHERE status = 'pending';
 CREATE INDEX outbox_effects_leased ON outbox_effects (lease_expires_at)
     WHERE status = 'in_flight';

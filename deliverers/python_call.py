@@ -1,0 +1,107 @@
+"""``python.call``: a registered Python callable, called with the payload and the key.
+
+The callable is named by the config (``function = "package.module:attr"``) or,
+for the bare ``python.call`` kind, by a name the payload gives that must be
+registered in the config's ``functions`` table or under the ``outbox.functions``
+entry points. A payload can never name an arbitrary import path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from outbox.delivery import Deliverer, DelivererConfig, Delivery, Failed, Outcome, Succeeded
+from outbox.errors import ConfigurationError
+
+__all__ = ["CallPayload", "PythonCallConfig", "PythonCallDeliverer", "import_callable"]
+
+
+class PythonCallConfig(DelivererConfig):
+    """Settings of a Python-callable deliverer."""
+
+    #: The one callable of this kind (its payload is passed whole).
+    function: str | None = None
+    #: Name -> ``module:attr`` for the bare ``python.call`` kind.
+    functions: dict[str, str] = Field(default_factory=dict)
+
+
+class CallPayload(BaseModel):
+    """Payload of the bare ``python.call`` kind: which registered function, with what."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    function: str = Field(min_length=1)
+    args: Any = None
+
+
+def import_callable(path: str) -> Callable[..., Any]:
+    """Import ``package.module:attr`` (config only, never from a payload)."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigurationError(f"function={path!r}: expected 'package.module:attr'")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"function={path!r}: {exc}") from exc
+    if not callable(target):
+        raise ConfigurationError(f"function={path!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+class PythonCallDeliverer(Deliverer):
+    """Calls ``fn(payload, idempotency_key)``; its JSON return value is the result.
+
+    The callable may be ``async``; it may raise ``RetryableError`` or
+    ``PermanentError`` (from ``outbox.delivery``) to steer retries. Declare
+    ``idempotent = true`` in the config when it dedups on the key.
+    """
+
+    config_model: ClassVar[type[DelivererConfig]] = PythonCallConfig
+
+    def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
+        super().__init__(kind, config)
+        assert isinstance(self.config, PythonCallConfig)
+        self._single = (
+            import_callable(self.config.function) if self.config.function is not None else None
+        )
+        self._named = {name: path for name, path in self.config.functions.items()}
+        for entry in entry_points(group="outbox.functions"):
+            self._named.setdefault(entry.name, entry.value)
+        self._loaded: dict[str, Callable[..., Any]] = {}
+
+    def parse_payload(self, payload: Any) -> Any:
+        """The bare kind's payload names a function; a configured kind passes its payload whole."""
+        if self._single is not None:
+            return payload
+        return CallPayload.model_validate(payload)
+
+    def _resolve(self, payload: Any) -> tuple[Callable[..., Any], Any] | str:
+        if self._single is not None:
+            return self._single, payload
+        name = payload.function
+        if name not in self._named:
+            return f"function {name!r} is not registered (config 'functions' or entry points)"
+        if name not in self._loaded:
+            self._loaded[name] = import_callable(self._named[name])
+        return self._loaded[name], payload.args
+
+    async def deliver(self, delivery: Delivery) -> Outcome:
+        """Call the function once with the payload and the key."""
+        resolved = self._resolve(delivery.payload)
+        if isinstance(resolved, str):
+            return Failed(resolved)
+        fn, argument = resolved
+        if inspect.iscoroutinefunction(fn):
+            result = await fn(argument, delivery.idempotency_key)
+        else:
+            result = await asyncio.to_thread(fn, argument, delivery.idempotency_key)
+        return Succeeded(result)

@@ -1,0 +1,126 @@
+"""``smtp.send``: an email through SMTP, with the idempotency key as its ``Message-ID``.
+
+SMTP servers do not dedup on Message-ID and cannot be asked whether a message
+was accepted, so this deliverer is neither idempotent nor offers a lookup: a
+crash between the send and its record leaves the effect ``unknown`` for an
+operator, never resent blindly. 4xx replies are retried, 5xx fail.
+"""
+
+from __future__ import annotations
+
+import os
+import smtplib
+from email.message import EmailMessage
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from outbox.delivery import (
+    Deliverer,
+    DelivererConfig,
+    Delivery,
+    Failed,
+    Outcome,
+    Retry,
+    Succeeded,
+    Unknown,
+)
+
+__all__ = ["Email", "SmtpConfig", "SmtpDeliverer"]
+
+
+class Email(BaseModel):
+    """Payload of an ``smtp.send`` effect."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    sender: str | None = Field(default=None, alias="from")
+    to: list[str] = Field(min_length=1)
+    cc: list[str] = Field(default_factory=list)
+    subject: str = Field(max_length=998)
+    text: str = ""
+    html: str | None = None
+
+
+class SmtpConfig(DelivererConfig):
+    """Where and how to send."""
+
+    host: str = "localhost"
+    port: int = Field(default=25, ge=1, le=65535)
+    starttls: bool = False
+    username: str | None = None
+    password_env: str | None = None
+    default_sender: str = "agent-outbox@localhost"
+    message_id_domain: str = "agent-outbox"
+    timeout: float = Field(default=30.0, gt=0)
+
+
+class SmtpDeliverer(Deliverer):
+    """Sends one email per effect; ``Message-ID: <key@domain>``."""
+
+    payload_model: ClassVar[type[BaseModel] | None] = Email
+    config_model: ClassVar[type[DelivererConfig]] = SmtpConfig
+
+    def message(self, email: Email, delivery: Delivery) -> EmailMessage:
+        """The message as it will be sent (the key becomes the Message-ID)."""
+        assert isinstance(self.config, SmtpConfig)
+        msg = EmailMessage()
+        msg["From"] = email.sender or self.config.default_sender
+        msg["To"] = ", ".join(email.to)
+        if email.cc:
+            msg["Cc"] = ", ".join(email.cc)
+        msg["Subject"] = email.subject
+        msg["Message-ID"] = f"<{delivery.idempotency_key}@{self.config.message_id_domain}>"
+        msg["X-Outbox-Effect-Id"] = str(delivery.effect_id)
+        msg.set_content(email.text)
+        if email.html is not None:
+            msg.add_alternative(email.html, subtype="html")
+        return msg
+
+    def deliver(self, delivery: Delivery) -> Outcome:
+        """Send once (blocking; the daemon runs it in a thread)."""
+        config = self.config
+        assert isinstance(config, SmtpConfig)
+        email: Email = delivery.payload
+        msg = self.message(email, delivery)
+        sender = email.sender or config.default_sender
+        accepted: list[str] = []
+        refused: dict[str, Any] = {}
+        try:
+            with smtplib.SMTP(config.host, config.port, timeout=config.timeout) as client:
+                if config.starttls:
+                    client.starttls()
+                if config.username is not None:
+                    client.login(config.username, os.environ.get(config.password_env or "", ""))
+                client.ehlo_or_helo_if_needed()
+                code, reply = client.mail(sender)
+                if code != 250:
+                    return _reply_outcome(code, reply)
+                for rcpt in [*email.to, *email.cc]:
+                    code, reply = client.rcpt(rcpt)
+                    if code in (250, 251):
+                        accepted.append(rcpt)
+                    else:
+                        refused[rcpt] = [code, reply.decode(errors="replace")]
+                if not accepted:
+                    return Failed(f"all recipients refused: {refused}")
+                try:
+                    code, reply = client.data(msg.as_bytes())
+                except (smtplib.SMTPException, OSError) as exc:
+                    # The message may have been transmitted: never resend blindly.
+                    return Unknown(f"connection lost during DATA: {type(exc).__name__}: {exc}")
+                if code != 250:
+                    return _reply_outcome(code, reply)
+        except smtplib.SMTPResponseException as exc:
+            return _reply_outcome(exc.smtp_code, exc.smtp_error)
+        except (smtplib.SMTPException, OSError) as exc:
+            return Retry(f"{type(exc).__name__}: {exc}")
+        return Succeeded(
+            {"message_id": msg["Message-ID"], "accepted": accepted, "refused": refused}
+        )
+
+
+def _reply_outcome(code: int, reply: bytes | str) -> Outcome:
+    text = reply.decode(errors="replace") if isinstance(reply, bytes) else reply
+    reason = f"SMTP {code}: {text}"
+    return Retry(reason) if 400 <= code < 500 else Failed(reason)

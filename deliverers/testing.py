@@ -1,0 +1,312 @@
+"""Test doubles an agent author can reuse: a recording deliverer and a real HTTP sink.
+
+``RecordingDeliverer`` stands in for a sink in unit tests of an agent.
+``IdempotentHttpSink`` is a real HTTP server (a thread on loopback) that
+honours ``Idempotency-Key`` the way Stripe does (the first result for a key is
+stored and replayed; a key reused with a different body is refused with 422),
+counts what it receives, answers lookups, and can be told to misbehave (429
+with ``Retry-After``, 500 before or after applying, hang, be down).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from outbox.delivery import Deliverer, DelivererConfig, Delivery, Outcome, Succeeded
+
+__all__ = ["Fault", "IdempotentHttpSink", "RecordingDeliverer"]
+
+
+class RecordingDeliverer(Deliverer):
+    """Records every delivery; answers with ``outcome(delivery)`` (default: succeeded)."""
+
+    def __init__(
+        self,
+        kind: str = "test.record",
+        *,
+        idempotent: bool = True,
+        outcome: Callable[[Delivery], Outcome] | None = None,
+        config: DelivererConfig | None = None,
+    ) -> None:
+        super().__init__(kind, config or DelivererConfig(idempotent=idempotent))
+        self.deliveries: list[Delivery] = []
+        self._outcome = outcome
+        self._lock = threading.Lock()
+
+    def deliver(self, delivery: Delivery) -> Outcome:
+        """Record, then answer."""
+        with self._lock:
+            self.deliveries.append(delivery)
+        if self._outcome is not None:
+            return self._outcome(delivery)
+        return Succeeded({"recorded": len(self.deliveries)})
+
+    @property
+    def keys(self) -> list[str]:
+        """Idempotency keys in delivery order (duplicates included)."""
+        return [d.idempotency_key for d in self.deliveries]
+
+
+@dataclass
+class Fault:
+    """How the sink misbehaves for the next ``times`` requests (``None``: until cleared)."""
+
+    mode: str  # "429" | "500_before" | "500_after" | "hang" | "down"
+    times: int | None = None
+    retry_after: str = "1"
+    hang_seconds: float = 30.0
+
+
+@dataclass
+class _State:
+    applied: dict[str, dict[str, Any]] = field(default_factory=dict)
+    body_hash: dict[str, str] = field(default_factory=dict)
+    received: Counter[str] = field(default_factory=Counter)
+    applied_count: Counter[str] = field(default_factory=Counter)
+    operations: Counter[str] = field(default_factory=Counter)
+    requests: int = 0
+    faults: list[Fault] = field(default_factory=list)
+
+
+class IdempotentHttpSink:
+    """A real HTTP server that dedups on ``Idempotency-Key``. Use as a context manager.
+
+    ``applied_count[key]`` counts how often a key took effect (at most 1 by
+    construction); ``operations[op]`` counts applied effects by the body's
+    ``operation`` field, which catches a duplicate *intent* (two keys for one
+    business operation). ``log_path`` appends every request as a JSON line.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_path: Path | None = None,
+        honour_keys: bool = True,
+    ) -> None:
+        self.state = _State()
+        self._lock = threading.Lock()
+        self._log_path = log_path
+        self.honour_keys = honour_keys
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet
+                return
+
+            def do_GET(self) -> None:
+                sink._get(self)
+
+            def do_POST(self) -> None:
+                sink._post(self)
+
+            do_PUT = do_POST
+            do_PATCH = do_POST
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:41234``."""
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> IdempotentHttpSink:
+        """Serve from a daemon thread."""
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving."""
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> IdempotentHttpSink:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- control ----------------------------------------------------------------
+
+    def inject(self, fault: Fault) -> None:
+        """Misbehave as ``fault`` says (faults apply in order)."""
+        with self._lock:
+            self.state.faults.append(fault)
+
+    def clear_faults(self) -> None:
+        """Behave again."""
+        with self._lock:
+            self.state.faults.clear()
+
+    @contextmanager
+    def faulty(self, fault: Fault) -> Iterator[None]:
+        """Misbehave inside the block."""
+        self.inject(fault)
+        try:
+            yield
+        finally:
+            self.clear_faults()
+
+    def stats(self) -> dict[str, Any]:
+        """Counts: requests, keys received/applied, keys applied more than once, operations."""
+        with self._lock:
+            s = self.state
+            return {
+                "requests": s.requests,
+                "keys_received": len(s.received),
+                "keys_applied": len(s.applied),
+                "redeliveries": sum(s.received.values()) - len(s.received),
+                "duplicate_keys_applied": sorted(k for k, n in s.applied_count.items() if n > 1),
+                "duplicate_operations": sorted(o for o, n in s.operations.items() if n > 1),
+                "operations_applied": sum(s.operations.values()),
+            }
+
+    # -- serving ----------------------------------------------------------------
+
+    def _next_fault(self) -> Fault | None:
+        with self._lock:
+            while self.state.faults:
+                fault = self.state.faults[0]
+                if fault.times is not None:
+                    if fault.times <= 0:
+                        self.state.faults.pop(0)
+                        continue
+                    fault.times -= 1
+                return fault
+        return None
+
+    def _reply(
+        self,
+        handler: BaseHTTPRequestHandler,
+        status: int,
+        body: Any,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        data = json.dumps(body).encode()
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            handler.send_header(name, value)
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    def _get(self, handler: BaseHTTPRequestHandler) -> None:
+        if handler.path.startswith("/idempotency/"):
+            key = handler.path.removeprefix("/idempotency/")
+            with self._lock:
+                stored = self.state.applied.get(key)
+            if stored is None:
+                self._reply(handler, 404, {"applied": False})
+            else:
+                self._reply(handler, 200, {"applied": True, "response": stored})
+        elif handler.path == "/stats":
+            self._reply(handler, 200, self.stats())
+        elif handler.path.startswith("/big/"):
+            size = int(handler.path.removeprefix("/big/"))
+            handler.send_response(200)
+            handler.send_header("Content-Length", str(size))
+            handler.end_headers()
+            chunk = b"x" * 65536
+            sent = 0
+            try:
+                while sent < size:
+                    handler.wfile.write(chunk[: size - sent])
+                    sent += min(len(chunk), size - sent)
+            except OSError:
+                pass
+        else:
+            self._reply(handler, 404, {"error": "not found"})
+
+    def _post(self, handler: BaseHTTPRequestHandler) -> None:
+        length = int(handler.headers.get("Content-Length") or 0)
+        raw = handler.rfile.read(length) if length else b""
+        key = handler.headers.get("Idempotency-Key")
+        with self._lock:
+            self.state.requests += 1
+            if key:
+                self.state.received[key] += 1
+        self._log(
+            {
+                "t": time.time(),
+                "path": handler.path,
+                "key": key,
+                "effect_id": handler.headers.get("X-Outbox-Effect-Id"),
+                "attempt": handler.headers.get("X-Outbox-Attempt"),
+                "body": raw.decode(),
+            }
+        )
+        fault = self._next_fault()
+        if fault is not None:
+            if fault.mode == "429":
+                self._reply(
+                    handler, 429, {"error": "slow down"}, {"Retry-After": fault.retry_after}
+                )
+                return
+            if fault.mode == "500_before":
+                self._reply(handler, 500, {"error": "failed before applying"})
+                return
+            if fault.mode == "hang":
+                time.sleep(fault.hang_seconds)
+            if fault.mode == "down":
+                handler.close_connection = True
+                handler.connection.close()
+                return
+        status, response = self._apply(key, raw, handler.path)
+        if fault is not None and fault.mode == "500_after":
+            self._reply(handler, 500, {"error": "applied, then failed to answer"})
+            return
+        self._reply(handler, status, response)
+
+    def _apply(self, key: str | None, raw: bytes, path: str) -> tuple[int, Any]:
+        digest = hashlib.sha256(raw).hexdigest()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        operation = body.get("operation") if isinstance(body, dict) else None
+        with self._lock:
+            if key and self.honour_keys and key in self.state.applied:
+                if self.state.body_hash[key] != digest:
+                    return 422, {"error": "idempotency key reused with a different body"}
+                return 200, self.state.applied[key]  # replay the first result
+            response = {
+                "applied": True,
+                "path": path,
+                "key": key,
+                "seq": sum(self.state.applied_count.values()) + 1,
+            }
+            if key:
+                self.state.applied[key] = response
+                self.state.body_hash[key] = digest
+                self.state.applied_count[key] += 1
+            if operation is not None:
+                self.state.operations[str(operation)] += 1
+        return 200, response
+
+    def _log(self, entry: dict[str, Any]) -> None:
+        if self._log_path is None:
+            return
+        with self._lock, self._log_path.open("a") as handle:
+            handle.write(json.dumps(entry) + "\n")

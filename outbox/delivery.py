@@ -1,0 +1,205 @@
+"""The contract between the delivery daemon and a deliverer (one per kind of sink).
+
+A deliverer receives a :class:`Delivery` (never a database connection) and
+answers with an outcome: :class:`Succeeded`, :class:`Retry` or :class:`Failed`.
+It may raise :class:`RetryableError` or :class:`PermanentError` instead; any
+other exception counts as retryable. It declares whether its sink honours the
+idempotency key (``idempotent``) and may offer :meth:`Deliverer.lookup`, which
+asks the sink whether a key was applied: the reconciler uses both after a crash.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+from uuid import UUID
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from outbox.errors import ConfigurationError
+
+__all__ = [
+    "Deliverer",
+    "DelivererConfig",
+    "Delivery",
+    "Failed",
+    "NotApplied",
+    "Outcome",
+    "PermanentError",
+    "Retry",
+    "RetryableError",
+    "Succeeded",
+    "Unknown",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One attempt at one effect, as a deliverer sees it."""
+
+    effect_id: UUID
+    run_id: UUID | None
+    kind: str
+    payload: Any
+    idempotency_key: str
+    attempt: int
+    schema_version: int = 1
+    ordering_key: str | None = None
+    created_at: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Succeeded:
+    """The sink applied the effect; ``result`` (JSON) is recorded."""
+
+    result: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Not applied this time; try again with the same key.
+
+    ``after`` (seconds) is honoured as the earliest next attempt (a sink's
+    ``Retry-After``). ``rate_limited`` slows every effect of this kind in this
+    daemon, not just this one.
+    """
+
+    reason: str
+    after: float | None = None
+    rate_limited: bool = False
+    detail: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Will never succeed as it stands (a 4xx, a rejected payload): stop trying."""
+
+    reason: str
+    detail: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """The call may or may not have taken effect (e.g. a timeout after the request was sent).
+
+    A deliverer of a sink that cannot dedup answers this instead of ``Retry``
+    for an ambiguous failure: the effect goes to ``unknown`` for an operator
+    rather than being sent a second time.
+    """
+
+    reason: str
+    detail: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class NotApplied:
+    """A lookup's answer: the sink has no trace of the key, so redelivery is safe."""
+
+
+Outcome = Succeeded | Retry | Failed | Unknown
+
+
+class RetryableError(Exception):
+    """Raise from a deliverer for a transient failure (optionally with ``retry_after`` seconds)."""
+
+    def __init__(
+        self, reason: str, *, retry_after: float | None = None, rate_limited: bool = False
+    ) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
+        self.rate_limited = rate_limited
+
+
+class PermanentError(Exception):
+    """Raise from a deliverer when the effect can never succeed as it stands."""
+
+
+class DelivererConfig(BaseModel):
+    """Settings every deliverer accepts (a kind's table in the deliverers config file)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: str | None = None
+    idempotent: bool | None = None
+    max_attempts: int = Field(default=10, ge=1, le=1000)
+    concurrency: int | None = Field(default=None, ge=1)
+
+
+class Deliverer:
+    """Base class of deliverers: subclasses implement :meth:`deliver`.
+
+    ``deliver`` and ``lookup`` may be plain or ``async`` methods: the daemon
+    runs plain ones in a worker thread. One instance serves one effect kind.
+    """
+
+    #: The sink dedups on the idempotency key: a crash mid-call is redelivered.
+    default_idempotent: ClassVar[bool] = False
+    #: Validates payloads (and is exported to ``schemas/``); None accepts any JSON.
+    payload_model: ClassVar[type[BaseModel] | None] = None
+    #: Validates this deliverer's settings.
+    config_model: ClassVar[type[DelivererConfig]] = DelivererConfig
+    #: Payload schema versions this deliverer understands.
+    schema_versions: ClassVar[frozenset[int]] = frozenset({1})
+
+    def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
+        self.kind = kind
+        self.config = config or self.config_model()
+        self.idempotent = (
+            self.default_idempotent if self.config.idempotent is None else self.config.idempotent
+        )
+        self.max_attempts = self.config.max_attempts
+        #: At most this many calls of this kind at once in one daemon (None: no own limit).
+        self.concurrency = self.config.concurrency
+
+    @classmethod
+    def from_config(cls, kind: str, raw: Mapping[str, Any]) -> Deliverer:
+        """Build from a config table (validated; errors name the kind and the field)."""
+        try:
+            config = cls.config_model.model_validate(dict(raw))
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"])
+            raise ConfigurationError(
+                f"deliverer {kind!r}: {field}={first.get('input')!r}: {first['msg']}"
+            ) from None
+        return cls(kind, config)
+
+    def deliver(self, delivery: Delivery) -> Outcome | Awaitable[Outcome]:
+        """Perform the effect once, passing ``delivery.idempotency_key`` to the sink."""
+        raise NotImplementedError
+
+    def lookup(self, delivery: Delivery) -> Any:
+        """Ask the sink whether the key was applied: ``Succeeded`` or ``NotApplied``.
+
+        Deliverers whose sink cannot answer leave this unimplemented.
+        """
+        raise NotImplementedError
+
+    @property
+    def has_lookup(self) -> bool:
+        """True when this deliverer overrides :meth:`lookup`."""
+        return type(self).lookup is not Deliverer.lookup
+
+    def parse_payload(self, payload: Any) -> Any:
+        """Validate a payload with ``payload_model`` (pydantic errors propagate)."""
+        if self.payload_model is None:
+            return payload
+        return self.payload_model.model_validate(payload)
+
+    def close(self) -> None:
+        """Release clients and connections (sync part)."""
+
+    async def aclose(self) -> None:
+        """Release clients and connections; the daemon awaits this when it stops."""
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} kind={self.kind!r} idempotent={self.idempotent}>"
+
+
+def is_async(method: Any) -> bool:
+    """True when ``method`` must be awaited."""
+    return inspect.iscoroutinefunction(method)

@@ -1,0 +1,211 @@
+"""The reconciler: resolves attempts that started but never recorded an end.
+
+An in-flight effect whose lease expired belongs to a deliverer that died or
+stalled mid-call. Whether the outside world saw the call is unknown, so each
+one is resolved by what its deliverer declares (DESIGN.md, "Sinks that are not
+idempotent"):
+
+- idempotent sink: back to ``pending`` with the same key (a redelivery is a no-op
+  at the sink if the first call landed);
+- the deliverer offers ``lookup``: ask the sink, then record ``succeeded`` or put
+  it back to ``pending``;
+- neither: ``unknown``, shown by ``outbox reconcile`` until an operator resolves it.
+
+Every change is a compare-and-set on (status, attempt, lease expired), so two
+reconcilers, or a reconciler racing a late completion, never both win.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from outbox.delivery import Deliverer, Delivery, NotApplied, Succeeded, is_async
+from outbox.delivery_store import AsyncDeliveryStore, Completion
+
+__all__ = ["ReconcileItem", "ReconcileReport", "reconcile"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReconcileItem:
+    """What happened (or, in a dry run, would happen) to one expired attempt."""
+
+    effect_id: UUID
+    kind: str
+    attempt: int
+    action: str
+    note: str = ""
+
+
+@dataclass
+class ReconcileReport:
+    """Every item, and counts per action."""
+
+    items: list[ReconcileItem] = field(default_factory=list)
+    dry_run: bool = False
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Items per action."""
+        return dict(Counter(item.action for item in self.items))
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "dry_run": self.dry_run,
+            "counts": self.counts,
+            "items": [
+                {
+                    "effect_id": str(i.effect_id),
+                    "kind": i.kind,
+                    "attempt": i.attempt,
+                    "action": i.action,
+                    "note": i.note,
+                }
+                for i in self.items
+            ],
+        }
+
+
+def _delivery(row: Any) -> Delivery:
+    return Delivery(
+        effect_id=row["id"],
+        run_id=row["run_id"],
+        kind=row["kind"],
+        payload=row["payload"],
+        idempotency_key=row["idempotency_key"],
+        attempt=row["attempt"],
+        schema_version=row["schema_version"],
+        ordering_key=row["ordering_key"],
+        created_at=row["created_at"],
+    )
+
+
+async def _lookup(deliverer: Deliverer, delivery: Delivery) -> Any:
+    if is_async(deliverer.lookup):
+        return await deliverer.lookup(delivery)
+    return await asyncio.to_thread(deliverer.lookup, delivery)
+
+
+async def reconcile(
+    store: AsyncDeliveryStore,
+    deliverers: Mapping[str, Deliverer],
+    *,
+    worker: str,
+    dry_run: bool = False,
+    max_rows: int = 1000,
+    lease_seconds: float = 30.0,
+    default_max_attempts: int = 10,
+) -> ReconcileReport:
+    """Resolve every expired in-flight effect (up to ``max_rows``); report what was done."""
+    report = ReconcileReport(dry_run=dry_run)
+    for row in await store.expired(max_rows):
+        item = await _resolve(
+            store,
+            deliverers,
+            row,
+            worker=worker,
+            dry_run=dry_run,
+            lease_seconds=lease_seconds,
+            default_max_attempts=default_max_attempts,
+        )
+        if item is not None:
+            report.items.append(item)
+            log.info(
+                "reconciled effect %s: %s",
+                item.effect_id,
+                item.action,
+                extra={
+                    "effect_id": str(item.effect_id),
+                    "attempt": item.attempt,
+                    "key": row["idempotency_key"],
+                    "run_id": str(row["run_id"]),
+                },
+            )
+    return report
+
+
+async def _resolve(
+    store: AsyncDeliveryStore,
+    deliverers: Mapping[str, Deliverer],
+    row: Any,
+    *,
+    worker: str,
+    dry_run: bool,
+    lease_seconds: float,
+    default_max_attempts: int,
+) -> ReconcileItem | None:
+    effect_id, attempt, kind = row["id"], row["attempt"], row["kind"]
+
+    def item(action: str, note: str = "") -> ReconcileItem:
+        return ReconcileItem(effect_id, kind, attempt, action, note)
+
+    deliverer = deliverers.get(kind)
+    if deliverer is None:
+        return item("skipped", f"no deliverer for kind {kind!r} in this process")
+    max_attempts = row["max_attempts"] or deliverer.max_attempts or default_max_attempts
+    lost = f"attempt {attempt} was lost (lease expired without a recorded outcome)"
+
+    if deliverer.idempotent:
+        if attempt >= max_attempts:
+            action, status = "failed", "failed"
+            note = f"{lost}; gave up after {attempt} attempts"
+        else:
+            action, status, note = "redeliver", "pending", f"{lost}; redelivering with the same key"
+        if dry_run:
+            return item(action, note)
+        done = await store.expire(
+            effect_id, attempt, new_status=status, note=note, resolution=action, worker=worker
+        )
+        return item(action, note) if done else None
+
+    if deliverer.has_lookup:
+        if dry_run:
+            return item("lookup", f"{lost}; would ask the sink about the key")
+        if not await store.take_over(effect_id, attempt, owner=worker, lease_seconds=lease_seconds):
+            return None
+        try:
+            answer = await _lookup(deliverer, _delivery(row))
+        except Exception as exc:  # the lease runs out again and the next round retries
+            log.warning("lookup of effect %s failed: %s", effect_id, exc)
+            return item("lookup_failed", f"{type(exc).__name__}: {exc}")
+        if isinstance(answer, Succeeded):
+            completion = Completion(
+                effect_id,
+                attempt,
+                "succeeded",
+                "looked_up",
+                result_json=json.dumps(answer.result),
+                detail_json=json.dumps({"lookup": "applied"}),
+            )
+            action, note = "looked_up_succeeded", f"{lost}; the sink has the key: succeeded"
+        elif isinstance(answer, NotApplied):
+            completion = Completion(
+                effect_id,
+                attempt,
+                "pending",
+                "looked_up",
+                error=f"{lost}; the sink has no trace of the key",
+                detail_json=json.dumps({"lookup": "not_applied"}),
+            )
+            action, note = "looked_up_redeliver", f"{lost}; the sink has no trace: redelivering"
+        else:
+            return item("lookup_failed", f"lookup returned {answer!r}")
+        await store.complete(worker, [completion])
+        return item(action, note)
+
+    note = f"{lost}; the sink cannot dedup or be asked: an operator must resolve it"
+    if dry_run:
+        return item("unknown", note)
+    done = await store.expire(
+        effect_id, attempt, new_status="unknown", note=note, resolution="unknown", worker=worker
+    )
+    return item("unknown", note) if done else None

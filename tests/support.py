@@ -1,0 +1,79 @@
+"""Helpers shared by tests: a delivery daemon running in a thread, polling until a condition."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from outbox.deliver import DeliverSettings, DeliveryDaemon
+from outbox.delivery import Deliverer
+from outbox.delivery_store import AsyncDeliveryStore, make_async_engine
+
+T = TypeVar("T")
+
+
+class DaemonThread:
+    """A real DeliveryDaemon on its own event loop in a background thread."""
+
+    def __init__(self, dsn: str, deliverers: Mapping[str, Deliverer], **settings: Any) -> None:
+        self.dsn = dsn
+        self.deliverers = deliverers
+        self.settings = DeliverSettings(**settings)
+        self.daemon: DeliveryDaemon | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self.error: BaseException | None = None
+
+    def _main(self) -> None:
+        async def main() -> None:
+            store = AsyncDeliveryStore(make_async_engine(self.dsn))
+            self.daemon = DeliveryDaemon(store, self.dsn, self.deliverers, self.settings)
+            self._loop = asyncio.get_running_loop()
+            self._ready.set()
+            try:
+                await self.daemon.run()
+            finally:
+                await store.dispose()
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # surfaced by stop()
+            self.error = exc
+            self._ready.set()
+
+    def __enter__(self) -> DaemonThread:
+        self._thread.start()
+        assert self._ready.wait(30)
+        return self
+
+    def stop(self, timeout: float = 60) -> None:
+        if self._loop is not None and self.daemon is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.daemon.stop)
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "daemon did not stop"
+        if self.error is not None:
+            raise self.error
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_for(
+    condition: Callable[[], T],
+    timeout: float = 30.0,
+    interval: float = 0.02,
+    message: str = "condition",
+) -> T:
+    """Poll ``condition`` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
