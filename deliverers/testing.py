@@ -94,8 +94,12 @@ class IdempotentHttpSink:
         port: int = 0,
         log_path: Path | None = None,
         honour_keys: bool = True,
+        latency: float = 0.0,
     ) -> None:
         self.state = _State()
+        #: Seconds every request takes (so calls are in flight long enough to be killed).
+        self.latency = latency
+        self.in_progress = 0
         self._lock = threading.Lock()
         self._log_path = log_path
         self.honour_keys = honour_keys
@@ -257,6 +261,17 @@ class IdempotentHttpSink:
                 "body": raw.decode(),
             }
         )
+        with self._lock:
+            self.in_progress += 1
+        try:
+            if self.latency:
+                time.sleep(self.latency)
+            self._answer(handler, key, raw)
+        finally:
+            with self._lock:
+                self.in_progress -= 1
+
+    def _answer(self, handler: BaseHTTPRequestHandler, key: str | None, raw: bytes) -> None:
         fault = self._next_fault()
         if fault is not None:
             if fault.mode == "429":

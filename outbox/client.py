@@ -25,6 +25,7 @@ from outbox.errors import (
     LeaseLost,
     OutboxError,
     RunNotFound,
+    RunStateError,
     RunTerminal,
     ValidationError,
 )
@@ -197,6 +198,65 @@ class Outbox:
             raise ValidationError("status", status, f"not one of {[s.value for s in EffectStatus]}")
         rid = None if run_id is None else _as_uuid(run_id, "run_id")
         return self.store.list_effects(run_id=rid, status=status, kind=kind, limit=limit)
+
+    def resolve_effect(
+        self, effect_id: uuid.UUID | str, *, outcome: str, note: str, operator: str
+    ) -> Effect:
+        """Close an ``unknown`` effect after checking the outside world by hand.
+
+        ``outcome`` is ``succeeded`` (it did happen), ``failed`` (it did not and
+        must not be retried) or ``retry`` (it did not: deliver it again, same key).
+        Recorded in the attempt log with ``operator`` and ``note``.
+        """
+        choices = {"succeeded": "succeeded", "failed": "failed", "retry": "pending"}
+        if outcome not in choices:
+            raise ValidationError("outcome", outcome, f"must be one of {sorted(choices)}")
+        if not note.strip():
+            raise ValidationError("note", note, "say why (it is kept in the attempt log)")
+        effect = self.effect(effect_id)
+        detail = encode({"as": outcome, "note": note, "by": operator}, field="note")
+        changed = self.store.operator_change(
+            "resolve",
+            {
+                "effect_id": effect.id,
+                "new_status": choices[outcome],
+                "operator": operator,
+                "detail": detail,
+            },
+        )
+        if not changed:
+            raise RunStateError(
+                f"effect_id={str(effect.id)!r} is {effect.status.value}, not unknown: "
+                "only unknown effects are resolved"
+            )
+        if outcome == "retry":
+            self._effects_wakeup.committed(False)
+        return self.effect(effect.id)
+
+    def retry_effect(
+        self, effect_id: uuid.UUID | str, *, operator: str, extra_attempts: int = 3
+    ) -> Effect:
+        """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries."""
+        if extra_attempts < 1:
+            raise ValidationError("extra_attempts", extra_attempts, "must be at least 1")
+        effect = self.effect(effect_id)
+        detail = encode({"extra_attempts": extra_attempts, "by": operator}, field="detail")
+        changed = self.store.operator_change(
+            "retry",
+            {
+                "effect_id": effect.id,
+                "extra_attempts": extra_attempts,
+                "operator": operator,
+                "detail": detail,
+            },
+        )
+        if not changed:
+            raise RunStateError(
+                f"effect_id={str(effect.id)!r} is {effect.status.value}, not failed: "
+                "only failed effects are retried (resolve unknown ones)"
+            )
+        self._effects_wakeup.committed(False)
+        return self.effect(effect.id)
 
     @contextmanager
     def transaction(self, connection: Connection | None = None) -> Iterator[OutboxTransaction]:

@@ -20,6 +20,7 @@ from sqlalchemy import Connection, Engine, create_engine, select, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import make_url
 
+from outbox import queue
 from outbox import statements as sql
 from outbox.errors import DatabaseError, IdempotencyConflict
 from outbox.models import Effect, EffectAttempt, RunRecord, StepRecord
@@ -210,6 +211,12 @@ class Store:
         with translate_errors("loading attempts"), self.engine.connect() as conn:
             rows = conn.execute(query).all()
         return [EffectAttempt.model_validate(r._mapping) for r in rows]
+
+    def operator_change(self, which: str, params: dict[str, Any]) -> bool:
+        """An operator's compare-and-set on one effect (``resolve`` or ``retry``)."""
+        statement = {"resolve": queue.resolve_unknown, "retry": queue.retry_failed}[which]()
+        with translate_errors(f"{which} of an effect"), self.engine.begin() as conn:
+            return conn.execute(statement, params).first() is not None
 
     def notify(self, channel: str) -> None:
         """Send one NOTIFY outside any transaction of the caller's."""

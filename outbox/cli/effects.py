@@ -82,4 +82,67 @@ def effects_show(cli: CliContext, effect_id: str, as_json: bool) -> None:
     emit({"effect": effect, "attempts": attempts}, as_json, render)
 
 
+def _operator() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+@effects.command("resolve")
+@click.argument("effect_id")
+@click.option(
+    "--as",
+    "outcome",
+    type=click.Choice(["succeeded", "retry", "failed"]),
+    required=True,
+    help="What the outside world says happened.",
+)
+@click.option("--note", required=True, help="Why (kept in the attempt log).")
+@click.option("--by", "operator", default=None, help="Who resolves it (default: your user).")
+@json_option
+@pass_cli
+def effects_resolve(
+    cli: CliContext, effect_id: str, outcome: str, note: str, operator: str | None, as_json: bool
+) -> None:
+    """Close an unknown effect after checking the sink by hand."""
+    effect = cli.outbox.resolve_effect(
+        effect_id, outcome=outcome, note=note, operator=operator or _operator()
+    )
+    emit(
+        effect,
+        as_json,
+        lambda: table(
+            "resolved",
+            ["effect", "status", "key"],
+            [(effect.id, effect.status.value, effect.idempotency_key)],
+        ),
+    )
+
+
+@effects.command("retry")
+@click.argument("effect_id")
+@click.option(
+    "--attempts",
+    "extra_attempts",
+    type=click.IntRange(1, 1000),
+    default=3,
+    show_default=True,
+    help="How many more attempts it gets.",
+)
+@json_option
+@pass_cli
+def effects_retry(cli: CliContext, effect_id: str, extra_attempts: int, as_json: bool) -> None:
+    """Put a failed effect back to pending, with the same idempotency key."""
+    effect = cli.outbox.retry_effect(effect_id, operator=_operator(), extra_attempts=extra_attempts)
+    emit(
+        effect,
+        as_json,
+        lambda: table(
+            "retrying",
+            ["effect", "status", "max attempts"],
+            [(effect.id, effect.status.value, effect.max_attempts)],
+        ),
+    )
+
+
 COMMANDS = [effects]

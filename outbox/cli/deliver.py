@@ -1,0 +1,209 @@
+"""``outbox deliver`` (the daemon) and ``outbox reconcile`` (after an incident)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import click
+
+from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.database import open_engine
+from outbox.delivery import Deliverer
+
+__all__ = ["COMMANDS"]
+
+config_option = click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    envvar="OUTBOX_DELIVERERS_CONFIG",
+    default=None,
+    help="Deliverers config (TOML); default: every installed deliverer with defaults.",
+)
+kind_option = click.option(
+    "--kind", "kinds", multiple=True, help="Only these effect kinds (repeatable)."
+)
+
+
+def load_deliverers(config_path: Path | None, kinds: tuple[str, ...]) -> dict[str, Deliverer]:
+    """The registry from entry points and the optional config file."""
+    from deliverers.registry import build_registry, load_config
+
+    config = load_config(config_path) if config_path is not None else None
+    return build_registry(config, only=list(kinds) or None)
+
+
+def checked_dsn(cli: CliContext) -> str:
+    """The DSN of a database whose schema matches (migrating the embedded one)."""
+    engine = open_engine(cli.settings, application_name="outbox-cli")
+    try:
+        return engine.url.render_as_string(hide_password=False)
+    finally:
+        engine.dispose()
+
+
+@click.command("deliver")
+@config_option
+@kind_option
+@click.option("--concurrency", type=click.IntRange(1, 10_000), default=64, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@click.option(
+    "--lease",
+    "lease_seconds",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds an attempt is leased; heartbeats extend it.",
+)
+@click.option(
+    "--poll",
+    "poll_seconds",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Longest wait between claims when idle (NOTIFY usually wakes sooner).",
+)
+@click.option(
+    "--grace",
+    "grace_seconds",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM, how long in-flight calls may take to finish.",
+)
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus /metrics here.")
+@click.option("--log-json", is_flag=True, help="Log JSON lines.")
+@pass_cli
+def deliver(
+    cli: CliContext,
+    config_path: Path | None,
+    kinds: tuple[str, ...],
+    concurrency: int,
+    batch_size: int,
+    lease_seconds: float,
+    poll_seconds: float,
+    grace_seconds: float,
+    metrics_port: int | None,
+    log_json: bool,
+) -> None:
+    """Deliver pending effects until SIGTERM/SIGINT (then finish in-flight calls and exit 0)."""
+    from outbox.deliver import DeliverSettings, DeliveryDaemon
+    from outbox.delivery_store import AsyncDeliveryStore, make_async_engine
+    from outbox.logs import configure
+    from outbox.metrics import DeliveryMetrics
+
+    configure(logging.INFO, as_json=log_json)
+    deliverers = load_deliverers(config_path, kinds)
+    dsn = checked_dsn(cli)
+    settings = DeliverSettings(
+        concurrency=concurrency,
+        batch_size=batch_size,
+        lease_seconds=lease_seconds,
+        poll_seconds=poll_seconds,
+        grace_seconds=grace_seconds,
+    )
+    metrics = DeliveryMetrics()
+    if metrics_port is not None:
+        metrics.serve(metrics_port)
+
+    async def main() -> None:
+        store = AsyncDeliveryStore(make_async_engine(dsn, pool_size=4))
+        daemon = DeliveryDaemon(store, dsn, deliverers, settings, metrics)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.stop)
+        logging.getLogger("outbox.deliver").info(
+            "delivering kinds %s as %s", sorted(deliverers), settings.owner
+        )
+        try:
+            await daemon.run()
+        finally:
+            for deliverer in deliverers.values():
+                await deliverer.aclose()
+            await store.dispose()
+
+    asyncio.run(main())
+
+
+@click.command("reconcile")
+@config_option
+@kind_option
+@click.option("--dry-run", is_flag=True, help="Report what would be done; change nothing.")
+@click.option("--max-rows", type=click.IntRange(1, 1_000_000), default=10_000, show_default=True)
+@json_option
+@pass_cli
+def reconcile_command(
+    cli: CliContext,
+    config_path: Path | None,
+    kinds: tuple[str, ...],
+    dry_run: bool,
+    max_rows: int,
+    as_json: bool,
+) -> None:
+    """Resolve effects whose attempt started but never recorded an end; list the unknown ones."""
+    from outbox.delivery_store import AsyncDeliveryStore, make_async_engine
+    from outbox.reconcile import reconcile
+
+    deliverers = load_deliverers(config_path, kinds)
+    dsn = checked_dsn(cli)
+
+    async def main() -> Any:
+        store = AsyncDeliveryStore(make_async_engine(dsn, pool_size=2))
+        try:
+            return await reconcile(
+                store, deliverers, worker="outbox-reconcile", dry_run=dry_run, max_rows=max_rows
+            )
+        finally:
+            for deliverer in deliverers.values():
+                await deliverer.aclose()
+            await store.dispose()
+
+    with console.status("reconciling…"):
+        report = asyncio.run(main())
+    unknown = cli.outbox.effects(status="unknown", limit=max_rows)
+    data = {
+        **report.as_dict(),
+        "unknown": [
+            {
+                "id": str(e.id),
+                "kind": e.kind,
+                "run_id": str(e.run_id),
+                "attempt": e.attempt,
+                "key": e.idempotency_key,
+                "last_error": e.last_error,
+            }
+            for e in unknown
+        ],
+    }
+
+    def render() -> None:
+        title = "reconcile (dry run)" if dry_run else "reconcile"
+        table(
+            f"{title}: {sum(report.counts.values())} expired attempt(s)",
+            ["action", "count"],
+            sorted(report.counts.items()),
+        )
+        if report.items:
+            table(
+                "expired attempts",
+                ["effect", "kind", "attempt", "action", "note"],
+                [(i.effect_id, i.kind, i.attempt, i.action, i.note) for i in report.items],
+            )
+        table(
+            f"unknown: {len(unknown)} effect(s) wait for an operator "
+            "(outbox effects resolve ID --as succeeded|retry|failed --note TEXT)",
+            ["effect", "kind", "run", "attempt", "key", "why"],
+            [
+                (e.id, e.kind, e.run_id, e.attempt, e.idempotency_key[:16], e.last_error)
+                for e in unknown
+            ],
+        )
+
+    emit(data, as_json, render)
+
+
+COMMANDS = [deliver, reconcile_command]
