@@ -133,7 +133,7 @@ def parse_retry_after(value: str | None, *, now: datetime | None = None) -> floa
     if value is None or not value.strip():
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # RFC 9110 DIGIT is ASCII; float('²') raises
         return min(float(value), MAX_RETRY_AFTER)
     try:
         when = parsedate_to_datetime(value)

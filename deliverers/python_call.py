@@ -70,13 +70,20 @@ class PythonCallDeliverer(Deliverer):
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         super().__init__(kind, config)
         assert isinstance(self.config, PythonCallConfig)
-        self._single = (
-            import_callable(self.config.function) if self.config.function is not None else None
-        )
+        self._loaded: dict[str, Callable[..., Any]] = {}
+        try:
+            self._single = (
+                import_callable(self.config.function) if self.config.function is not None else None
+            )
+            # Functions named in the config are imported now, so a typo fails at start-up
+            # rather than as retried deliveries; entry points stay lazy (optional packages).
+            for name, path in self.config.functions.items():
+                self._loaded[name] = import_callable(path)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"deliverer {kind!r}: {exc}") from exc
         self._named = {name: path for name, path in self.config.functions.items()}
         for entry in entry_points(group="outbox.functions"):
             self._named.setdefault(entry.name, entry.value)
-        self._loaded: dict[str, Callable[..., Any]] = {}
 
     def parse_payload(self, payload: Any) -> Any:
         """The bare kind's payload names a function; a configured kind passes its payload whole."""
@@ -100,8 +107,16 @@ class PythonCallDeliverer(Deliverer):
         if isinstance(resolved, str):
             return Failed(resolved)
         fn, argument = resolved
-        if inspect.iscoroutinefunction(fn):
+        if _is_async(fn):
             result = await fn(argument, delivery.idempotency_key)
         else:
             result = await asyncio.to_thread(fn, argument, delivery.idempotency_key)
+            if inspect.isawaitable(result):  # e.g. a plain wrapper around an async function
+                result = await result
         return Succeeded(result)
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    call = getattr(fn, "__call__", None)  # noqa: B004 (the method itself, not callability)
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)

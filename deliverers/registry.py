@@ -61,6 +61,8 @@ def load_config(path: Path) -> dict[str, Any]:
         raise ConfigurationError(f"config={str(path)!r}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigurationError(f"config={str(path)!r}: {exc}") from exc
+    except UnicodeDecodeError as exc:  # tomllib decodes the bytes itself and lets this escape
+        raise ConfigurationError(f"config={str(path)!r}: not UTF-8 (TOML must be): {exc}") from exc
 
 
 def build_registry(
@@ -79,7 +81,7 @@ def build_registry(
         if not isinstance(raw, Mapping):
             raise ConfigurationError(f"kinds.{kind} must be a table")
         type_name = raw.get("type", kind)
-        if type_name not in types:
+        if not isinstance(type_name, str) or type_name not in types:
             raise ConfigurationError(
                 f"kinds.{kind}.type={type_name!r}: no such deliverer type "
                 f"(installed: {sorted(types)})"

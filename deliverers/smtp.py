@@ -86,38 +86,61 @@ class SmtpDeliverer(Deliverer):
         sender = email.sender or config.default_sender
         accepted: list[str] = []
         refused: dict[str, Any] = {}
+        client: smtplib.SMTP | None = None
         try:
-            with smtplib.SMTP(config.host, config.port, timeout=config.timeout) as client:
-                if config.starttls:
-                    client.starttls()
-                if config.username is not None:
-                    client.login(config.username, os.environ.get(config.password_env or "", ""))
-                client.ehlo_or_helo_if_needed()
-                code, reply = client.mail(sender)
-                if code != 250:
-                    return _reply_outcome(code, reply)
-                for rcpt in [*email.to, *email.cc]:
-                    code, reply = client.rcpt(rcpt)
-                    if code in (250, 251):
-                        accepted.append(rcpt)
-                    else:
-                        refused[rcpt] = [code, reply.decode(errors="replace")]
-                if not accepted:
-                    return Failed(f"all recipients refused: {refused}")
-                try:
-                    code, reply = client.data(msg.as_bytes())
-                except (smtplib.SMTPException, OSError) as exc:
-                    # The message may have been transmitted: never resend blindly.
-                    return Unknown(f"connection lost during DATA: {type(exc).__name__}: {exc}")
-                if code != 250:
-                    return _reply_outcome(code, reply)
+            client = smtplib.SMTP(config.host, config.port, timeout=config.timeout)
+            if config.starttls:
+                client.starttls()
+            if config.username is not None:
+                client.login(config.username, os.environ.get(config.password_env or "", ""))
+            client.ehlo_or_helo_if_needed()
+            code, reply = client.mail(sender)
+            if code != 250:
+                return _reply_outcome(code, reply)
+            for rcpt in [*email.to, *email.cc]:
+                code, reply = client.rcpt(rcpt)
+                if code in (250, 251):
+                    accepted.append(rcpt)
+                else:
+                    refused[rcpt] = [code, reply.decode(errors="replace")]
+            if not accepted:
+                if any(400 <= code < 500 for code, _ in refused.values()):
+                    return Retry(f"no recipient accepted (some only for now): {refused}")
+                return Failed(f"all recipients refused: {refused}")
+            try:
+                code, reply = client.data(msg.as_bytes())
+            except smtplib.SMTPDataError as exc:
+                # The DATA command itself was refused (no 354): nothing was transmitted.
+                return _reply_outcome(exc.smtp_code, exc.smtp_error)
+            except (smtplib.SMTPException, OSError) as exc:
+                # The message may have been transmitted: never resend blindly.
+                return Unknown(f"connection lost during DATA: {type(exc).__name__}: {exc}")
+            if code != 250:
+                return _reply_outcome(code, reply)
         except smtplib.SMTPResponseException as exc:
             return _reply_outcome(exc.smtp_code, exc.smtp_error)
         except (smtplib.SMTPException, OSError) as exc:
             return Retry(f"{type(exc).__name__}: {exc}")
+        finally:
+            if client is not None:
+                _quit_quietly(client)
         return Succeeded(
             {"message_id": msg["Message-ID"], "accepted": accepted, "refused": refused}
         )
+
+
+def _quit_quietly(client: smtplib.SMTP) -> None:
+    """Say QUIT and close; its reply cannot change an outcome already decided.
+
+    (``with smtplib.SMTP(...)`` raises from ``__exit__`` on a non-221 QUIT reply,
+    which turned an accepted message into a retry: a second email.)
+    """
+    try:
+        client.quit()
+    except (smtplib.SMTPException, OSError):
+        pass
+    finally:
+        client.close()
 
 
 def _reply_outcome(code: int, reply: bytes | str) -> Outcome:

@@ -158,6 +158,9 @@ class DeliveryDaemon:
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             await self._flush()
+            for deliverer in self.deliverers.values():
+                # Clients such as httpx's belong to this event loop: close them on it.
+                await deliverer.aclose()
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.settings.grace_seconds
@@ -304,7 +307,7 @@ class DeliveryDaemon:
             )
         except Exception as exc:
             result_json = json.dumps({"unrecordable_result": str(exc)[:500]})
-        detail_json = None if decision.detail is None else json.dumps(decision.detail, default=str)
+        detail_json = _attempt_detail(decision.error, decision.detail)
         log.log(
             logging.INFO if decision.status != "failed" else logging.WARNING,
             "effect %s attempt %d: %s%s",
@@ -488,6 +491,18 @@ class DeliveryDaemon:
             except Exception as exc:
                 log.warning("collecting metrics failed: %s", exc)
             await asyncio.sleep(self.settings.stats_seconds)
+
+
+def _attempt_detail(error: str | None, detail: Any) -> str | None:
+    """What the attempt log keeps: the reason, and what the sink said (status, body excerpt)."""
+    if error is None and detail is None:
+        return None
+    entry: dict[str, Any] = dict(detail) if isinstance(detail, dict) else {}
+    if detail is not None and not isinstance(detail, dict):
+        entry["info"] = detail
+    if error is not None:
+        entry["error"] = error
+    return json.dumps(entry, default=str)
 
 
 def _pydantic_summary(exc: pydantic.ValidationError) -> str:

@@ -20,6 +20,9 @@ from outbox.delivery import Failed, Outcome, Retry, Succeeded, Unknown
 
 __all__ = ["Decision", "RetryPolicy", "decide"]
 
+# 2.0 ** 1024 overflows a float; past ~1000 doublings every ceiling is the cap anyway.
+_MAX_EXPONENT = 1023
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -31,7 +34,10 @@ class RetryPolicy:
 
     def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
         """Full-jitter delay before attempt ``attempt + 1``."""
-        ceiling = min(self.cap_seconds, self.base_seconds * 2 ** max(0, attempt - 1))
+        # The exponent is bounded so that a very high attempt number (an operator's
+        # ``retry`` raises max_attempts past 1000) cannot overflow the float conversion.
+        exponent = min(max(0, attempt - 1), _MAX_EXPONENT)
+        ceiling = min(self.cap_seconds, self.base_seconds * 2.0**exponent)
         return (rng or random).uniform(0, ceiling)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,14 +33,17 @@ TEST_SERVER_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_
 
 
 @pytest.fixture(scope="session")
-def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer | None]:
+def pg_server() -> Iterator[EmbeddedServer | None]:
     if os.environ.get("OUTBOX_TEST_DSN"):
         yield None
         return
-    server = EmbeddedServer(tmp_path_factory.mktemp("pg"), settings=TEST_SERVER_SETTINGS)
+    # Not under pytest's own temp root: a concurrent pytest session rotates that away.
+    home = Path(tempfile.mkdtemp(prefix="outbox-test-pg-"))
+    server = EmbeddedServer(home, settings=TEST_SERVER_SETTINGS)
     server.ensure_running()
     yield server
     server.stop(mode="immediate")
+    shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

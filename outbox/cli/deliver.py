@@ -122,8 +122,6 @@ def deliver(
         try:
             await daemon.run()
         finally:
-            for deliverer in deliverers.values():
-                await deliverer.aclose()
             await store.dispose()
 
     asyncio.run(main())

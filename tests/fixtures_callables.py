@@ -1,0 +1,75 @@
+"""Real callables for the python.call deliverer tests (imported by path, as a config names them)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from outbox.delivery import PermanentError, RetryableError
+
+#: Every call, as (function name, argument, idempotency key, thread name).
+CALLS: list[tuple[str, Any, str, str]] = []
+
+NOT_CALLABLE = 42
+
+
+def _note(name: str, argument: Any, key: str) -> None:
+    CALLS.append((name, argument, key, threading.current_thread().name))
+
+
+def echo(payload: Any, key: str) -> dict[str, Any]:
+    """Sync: returns what it was given."""
+    _note("echo", payload, key)
+    return {"payload": payload, "key": key}
+
+
+async def async_echo(payload: Any, key: str) -> dict[str, Any]:
+    """Async: returns what it was given after yielding to the loop."""
+    await asyncio.sleep(0)
+    _note("async_echo", payload, key)
+    return {"async": True, "payload": payload, "key": key}
+
+
+def flaky(payload: Any, key: str) -> None:
+    """Always a transient failure, with a Retry-After."""
+    _note("flaky", payload, key)
+    raise RetryableError("sink busy", retry_after=7.5, rate_limited=True)
+
+
+async def async_flaky(payload: Any, key: str) -> None:
+    """Async transient failure."""
+    _note("async_flaky", payload, key)
+    raise RetryableError("async sink busy")
+
+
+def rejects(payload: Any, key: str) -> None:
+    """Always a permanent failure."""
+    _note("rejects", payload, key)
+    raise PermanentError("account closed")
+
+
+class AsyncCallable:
+    """An object whose ``__call__`` is async (a configured path may name an instance)."""
+
+    async def __call__(self, payload: Any, key: str) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        _note("async_callable", payload, key)
+        return {"instance": True, "payload": payload}
+
+
+async_callable = AsyncCallable()
+
+
+def returns_coroutine(payload: Any, key: str) -> Any:
+    """A plain wrapper around an async function (as some decorators produce)."""
+    return async_echo(payload, key)
+
+
+class Namespace:
+    """Holds a function reachable by a dotted attribute path (``module:Namespace.method``)."""
+
+    @staticmethod
+    def nested(payload: Any, key: str) -> str:
+        _note("nested", payload, key)
+        return f"nested:{key}"
