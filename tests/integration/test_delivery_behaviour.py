@@ -1,0 +1,165 @@
+"""Daemon behaviour: per-key order, per-kind limits and rate limits, unknown kinds, metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+from deliverers.testing import RecordingDeliverer
+from outbox import EffectStatus, Outbox, StepTransaction
+from outbox.delivery import Delivery, Outcome, Retry, Succeeded
+from tests.support import DaemonThread, wait_for
+
+
+def _all(ob: Outbox, status: str, n: int) -> bool:
+    return len(ob.effects(status=status, limit=10_000)) == n
+
+
+def test_effects_sharing_an_ordering_key_are_delivered_one_at_a_time_in_order(
+    ob: Outbox, dsn: str
+) -> None:
+    run = ob.start_run("agent", "1")
+
+    def step(tx: StepTransaction) -> None:
+        for i in range(30):
+            tx.intend("k.ordered", {"account": i % 3, "n": i}, ordering_key=f"acct-{i % 3}")
+        for i in range(30):
+            tx.intend("k.ordered", {"free": i})
+
+    run.transaction("s", step)
+    active: dict[str, int] = {}
+    overlaps: list[str] = []
+    lock = threading.Lock()
+
+    def slow(delivery: Delivery) -> Outcome:
+        key = delivery.ordering_key
+        if key is not None:
+            with lock:
+                active[key] = active.get(key, 0) + 1
+                if active[key] > 1:
+                    overlaps.append(key)
+            time.sleep(0.01)
+            with lock:
+                active[key] -= 1
+        return Succeeded()
+
+    recorder = RecordingDeliverer("k.ordered", outcome=slow)
+    with DaemonThread(dsn, {"k.ordered": recorder}, concurrency=16):
+        wait_for(lambda: _all(ob, "succeeded", 60), timeout=60)
+    assert overlaps == [], "never two effects of one ordering key at once"
+    for account in range(3):
+        seen = [d.payload["n"] for d in recorder.deliveries if d.ordering_key == f"acct-{account}"]
+        assert seen == sorted(seen) and len(seen) == 10, "intent order within a key"
+
+
+def test_a_failed_effect_does_not_block_its_key_forever(ob: Outbox, dsn: str) -> None:
+    run = ob.start_run("agent", "1")
+    run.transaction(
+        "s", lambda tx: [tx.intend("k.o", {"n": n}, ordering_key="k") for n in range(3)] and None
+    )
+    from outbox.delivery import Failed
+
+    recorder = RecordingDeliverer(
+        "k.o", outcome=lambda d: Failed("bad") if d.payload["n"] == 0 else Succeeded()
+    )
+    with DaemonThread(dsn, {"k.o": recorder}):
+        wait_for(lambda: _all(ob, "succeeded", 2))
+    assert [d.payload["n"] for d in recorder.deliveries] == [0, 1, 2]
+
+
+def test_per_kind_concurrency_limit(ob: Outbox, dsn: str) -> None:
+    run = ob.start_run("agent", "1")
+    run.transaction("s", lambda tx: [tx.intend("k.limited", {"n": n}) for n in range(12)] and None)
+    peak = [0]
+    current = [0]
+    lock = threading.Lock()
+
+    def count(delivery: Delivery) -> Outcome:
+        with lock:
+            current[0] += 1
+            peak[0] = max(peak[0], current[0])
+        time.sleep(0.05)
+        with lock:
+            current[0] -= 1
+        return Succeeded()
+
+    limited = RecordingDeliverer("k.limited", outcome=count)
+    limited.concurrency = 2
+    with DaemonThread(dsn, {"k.limited": limited}, concurrency=32):
+        wait_for(lambda: _all(ob, "succeeded", 12))
+    assert peak[0] == 2
+
+
+def test_a_rate_limited_kind_pauses_without_stopping_other_kinds(ob: Outbox, dsn: str) -> None:
+    run = ob.start_run("agent", "1")
+    run.transaction("a", lambda tx: [tx.intend("k.slow", {"n": n}) for n in range(3)] and None)
+    calls: list[float] = []
+
+    def limited(delivery: Delivery) -> Outcome:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            return Retry("HTTP 429", after=1.5, rate_limited=True)
+        return Succeeded()
+
+    slow = RecordingDeliverer("k.slow", outcome=limited)
+    fast = RecordingDeliverer("k.fast")
+    with DaemonThread(
+        dsn, {"k.slow": slow, "k.fast": fast}, concurrency=1, retry_base_seconds=0.01
+    ):
+        wait_for(lambda: calls, message="the first k.slow call")
+        rate_limited_at = calls[0]
+        run.transaction("b", lambda tx: [tx.intend("k.fast", {"n": n}) for n in range(5)] and None)
+        wait_for(lambda: len(fast.deliveries) == 5, message="k.fast keeps flowing")
+        assert time.monotonic() - rate_limited_at < 1.5, "k.fast did not wait out k.slow's pause"
+        wait_for(lambda: _all(ob, "succeeded", 8), timeout=20)
+    assert all(t - rate_limited_at >= 1.5 for t in calls[1:]), "k.slow waited for Retry-After"
+
+
+def test_unknown_kind_stays_pending_with_a_clear_error(ob: Outbox, dsn: str) -> None:
+    run = ob.start_run("agent", "1")
+    run.transaction("s", lambda tx: tx.intend("crm.update", {"id": 1}) and None)
+    with DaemonThread(
+        dsn,
+        {"k.other": RecordingDeliverer("k.other")},
+        reconcile_seconds=0.1,
+        unknown_kind_grace_seconds=0,
+    ):
+        wait_for(lambda: ob.effects()[0].last_error is not None)
+    effect = ob.effects()[0]
+    assert effect.status == EffectStatus.PENDING and effect.attempt == 0
+    assert effect.last_error == "no deliverer is registered for kind crm.update"
+    recorder = RecordingDeliverer("crm.update")
+    with DaemonThread(dsn, {"crm.update": recorder}):  # a later deploy knows the kind
+        wait_for(lambda: _all(ob, "succeeded", 1))
+    assert ob.effects()[0].last_error is None
+
+
+def test_unknown_payload_schema_version_is_left_pending(ob: Outbox, dsn: str) -> None:
+    run = ob.start_run("agent", "1")
+    run.transaction("s", lambda tx: tx.intend("k.v", {"v2": True}, schema_version=2) and None)
+    recorder = RecordingDeliverer("k.v")
+    with DaemonThread(dsn, {"k.v": recorder}):
+        wait_for(lambda: ob.effects()[0].last_error is not None)
+    effect = ob.effects()[0]
+    assert effect.status == EffectStatus.PENDING
+    assert "payload schema version 2 of kind 'k.v' is not understood" in effect.last_error
+    assert recorder.deliveries == [], "never guessed"
+
+
+def test_metrics_are_served(ob: Outbox, dsn: str) -> None:
+    import socket
+
+    run = ob.start_run("agent", "1")
+    run.transaction("s", lambda tx: [tx.intend("k.m", {"n": n}) for n in range(3)] and None)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with DaemonThread(dsn, {"k.m": RecordingDeliverer("k.m")}, stats_seconds=0.1) as daemon:
+        wait_for(lambda: _all(ob, "succeeded", 3))
+        assert daemon.daemon is not None
+        daemon.daemon.metrics.serve(port)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    assert 'outbox_attempts_total{kind="k.m",outcome="succeeded"} 3.0' in body
+    assert 'outbox_delivery_latency_seconds_count{kind="k.m"} 3.0' in body
+    assert "outbox_oldest_pending_age_seconds" in body
