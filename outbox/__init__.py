@@ -7,7 +7,7 @@ record the outcome, fenced against stale workers.
 
 from __future__ import annotations
 
-from outbox.client import Outbox, OutboxTransaction, Run, StepTransaction
+from outbox.client import Outbox
 from outbox.embedded import EmbeddedServer
 from outbox.errors import (
     BudgetExceeded,
@@ -32,6 +32,7 @@ from outbox.errors import (
     ValidationError,
     VersionMismatch,
 )
+from outbox.intents import OutboxTransaction, StepTransaction
 from outbox.keys import compensation_key, derive_key
 from outbox.migrate import migrate
 from outbox.models import (
@@ -45,6 +46,7 @@ from outbox.models import (
     RunStatus,
     StepRecord,
 )
+from outbox.run import Run
 from outbox.settings import Settings
 
 __version__ = "0.1.0"

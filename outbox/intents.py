@@ -1,0 +1,219 @@
+"""What a transaction writes besides the caller's rows: intents, state, plan, budget debits.
+
+Intents are gathered in memory while the step function runs and written at its
+end in the one statement that also records the checkpoint, so a step costs the
+same round trips as a bare insert transaction.
+"""
+
+from __future__ import annotations
+
+import uuid
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection
+
+from outbox.errors import IdempotencyConflict
+from outbox.keys import derive_key
+from outbox.models import Compensation, Effect, EffectIntent, EffectStatus
+from outbox.payloads import content_hash, decode, encode
+from outbox.store import effects_json
+from outbox.validation import validated
+
+if TYPE_CHECKING:
+    from outbox.client import Outbox
+    from outbox.run import Run
+
+__all__ = ["OutboxTransaction", "StepTransaction"]
+
+
+class _Intents:
+    """Intents gathered during one transaction, written in one statement at its end."""
+
+    def __init__(self, outbox: Outbox, conn: Connection) -> None:
+        self._outbox = outbox
+        self._conn = conn
+        self._rows: list[dict[str, Any]] = []
+        self._keys: dict[str, str] = {}
+        self.count = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._rows)
+
+    def add(
+        self,
+        *,
+        run_id: uuid.UUID | None,
+        step_id: str | None,
+        kind: str,
+        payload: Any,
+        options: dict[str, Any],
+    ) -> Effect:
+        intent: EffectIntent = validated(EffectIntent, kind=kind, payload=payload, **options)
+        limit = self._outbox.settings.max_payload_bytes
+        payload_json = encode(intent.payload, field="payload", max_bytes=limit)
+        payload_hash = content_hash(payload_json)
+        compensate_json = None
+        if intent.compensate is not None:
+            compensate_json = encode(intent.compensate, field="compensate", max_bytes=limit)
+        index = self.count
+        self.count += 1
+        if intent.key is not None:
+            key = intent.key
+        elif run_id is not None and step_id is not None:
+            key = derive_key(run_id, step_id, index)
+        else:
+            key = uuid.uuid4().hex
+        if key in self._keys:
+            if self._keys[key] != payload_hash:
+                raise IdempotencyConflict(
+                    key, "intended twice in this step with different payloads"
+                )
+            return next(_effect(r) for r in self._rows if r["idempotency_key"] == key)
+        if intent.key is not None:
+            # A caller's key may already be taken by any run: wait for a racing
+            # transaction holding it, then look (so two racers make one row).
+            self._outbox.store.lock_key(self._conn, key)
+            existing = self._outbox.store.effect_by_key(self._conn, key)
+            if existing is not None:
+                if existing.payload_hash != payload_hash:
+                    raise IdempotencyConflict(key)
+                return existing
+        row = {
+            "id": str(uuid.uuid4()),
+            "step_index": index,
+            "kind": intent.kind,
+            "payload": payload_json,
+            "payload_hash": payload_hash,
+            "schema_version": intent.schema_version,
+            "idempotency_key": key,
+            "ordering_key": intent.ordering_key,
+            "max_attempts": intent.max_attempts,
+            "compensate": compensate_json,
+            "compensates": None,
+            "cost": intent.cost,
+            "delay_seconds": intent.delay_seconds,
+            "_run_id": run_id,
+            "_step_id": step_id,
+        }
+        self._rows.append(row)
+        self._keys[key] = payload_hash
+        return _effect(row)
+
+    def as_json(self) -> str:
+        return effects_json(
+            [{k: v for k, v in r.items() if not k.startswith("_")} for r in self._rows]
+        )
+
+
+def _effect(row: dict[str, Any]) -> Effect:
+    return Effect(
+        id=uuid.UUID(row["id"]),
+        run_id=row["_run_id"],
+        step_id=row["_step_id"],
+        step_index=row["step_index"],
+        kind=row["kind"],
+        payload=decode(row["payload"]),
+        payload_hash=row["payload_hash"],
+        schema_version=row["schema_version"],
+        idempotency_key=row["idempotency_key"],
+        ordering_key=row["ordering_key"],
+        status=EffectStatus.PENDING,
+        max_attempts=row["max_attempts"],
+        compensate=None
+        if row["compensate"] is None
+        else Compensation.model_validate_json(row["compensate"]),
+        cost=None if row["cost"] is None else Decimal(str(row["cost"])),
+    )
+
+
+class OutboxTransaction:
+    """Run-less intents inside one transaction: ``tx.connection`` and ``tx.intend``."""
+
+    def __init__(self, outbox: Outbox, connection: Connection) -> None:
+        self.connection = connection
+        self._outbox = outbox
+        self._intents = _Intents(outbox, connection)
+        self._notified = False
+
+    def intend(self, kind: str, payload: Any, *, key: str | None = None, **options: Any) -> Effect:
+        """Record that effect ``kind`` with ``payload`` must happen once this commits."""
+        return self._intents.add(
+            run_id=None, step_id=None, kind=kind, payload=payload, options={"key": key, **options}
+        )
+
+    def _flush(self) -> None:
+        if not self._intents.pending:
+            return
+        self._notified = self._outbox._effects_wakeup.inline()
+        inserted = self._outbox.store.intend_without_run(
+            self.connection, self._intents.as_json(), notify=self._notified
+        )
+        if inserted != self._intents.pending:
+            raise IdempotencyConflict("?", "a key of this transaction was taken concurrently")
+
+
+class StepTransaction:
+    """What an atomic step's function receives: one open transaction.
+
+    ``connection`` is a SQLAlchemy ``Connection`` in that transaction: rows the
+    caller writes on it commit (or roll back) together with the checkpoint and
+    the intents. Do not commit or roll back on it yourself.
+    """
+
+    def __init__(self, run: Run, connection: Connection, step_id: str) -> None:
+        self.connection = connection
+        self.run = run
+        self.step_id = step_id
+        self._state_json: str | None = None
+        self._plan_json: str | None = None
+        self._debit = Decimal(0)
+        self._intents = _Intents(run._outbox, connection)
+
+    def set_state(self, state: Any) -> None:
+        """Replace the run's state when this step commits."""
+        self._state_json = encode(
+            state, field="state", max_bytes=self.run._outbox.settings.max_payload_bytes
+        )
+
+    def set_plan(self, plan: Any) -> None:
+        """Replace the run's plan (task list) when this step commits."""
+        self._plan_json = encode(
+            plan, field="plan", max_bytes=self.run._outbox.settings.max_payload_bytes
+        )
+
+    def intend(
+        self,
+        kind: str,
+        payload: Any,
+        *,
+        key: str | None = None,
+        ordering_key: str | None = None,
+        max_attempts: int | None = None,
+        delay_seconds: float = 0.0,
+        schema_version: int = 1,
+        compensate: tuple[str, Any] | None = None,
+        cost: float | None = None,
+    ) -> Effect:
+        """Record that effect ``kind`` with ``payload`` must happen, once, if this step commits.
+
+        The idempotency key defaults to one derived from (run, step, index of
+        this intent in the step), so a replayed step re-derives the same key.
+        A caller's own ``key`` must be unique across all runs: reusing it with
+        the same payload returns the existing intent, with another payload
+        raises :class:`~outbox.IdempotencyConflict`.
+        """
+        options: dict[str, Any] = {
+            "key": key,
+            "ordering_key": ordering_key,
+            "max_attempts": max_attempts,
+            "delay_seconds": delay_seconds,
+            "schema_version": schema_version,
+            "cost": cost,
+        }
+        if compensate is not None:
+            options["compensate"] = {"kind": compensate[0], "payload": compensate[1]}
+        return self._intents.add(
+            run_id=self.run.id, step_id=self.step_id, kind=kind, payload=payload, options=options
+        )

@@ -1,0 +1,305 @@
+"""A handle on one run: replay of recorded steps, atomic steps, waits, and its end."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sqlalchemy import Connection
+
+from outbox.errors import (
+    BudgetExceeded,
+    IdempotencyConflict,
+    LeaseLost,
+    OutboxError,
+    RunNotFound,
+    RunTerminal,
+    ValidationError,
+)
+from outbox.intents import StepTransaction
+from outbox.models import TERMINAL_RUN_STATUSES, Effect, RunRecord, RunStatus, StepRecord
+from outbox.payloads import decode, encode
+
+if TYPE_CHECKING:
+    from outbox.client import Outbox
+
+__all__ = ["Run"]
+
+T = TypeVar("T")
+
+
+class _AlreadyRecorded(Exception):
+    """Internal: the step was recorded by someone else; roll ours back and replay."""
+
+
+class Run:
+    """A handle on one run: its recorded steps, state and plan, and the calls that advance it."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        record: RunRecord,
+        steps: list[StepRecord],
+        *,
+        lease: tuple[str, int] | None = None,
+    ) -> None:
+        self._outbox = outbox
+        self._record = record
+        self._steps = {s.step_id: s for s in steps}
+        self._lease = lease
+
+    # -- what it is -------------------------------------------------------------
+
+    @property
+    def id(self) -> uuid.UUID:
+        """The run's id."""
+        return self._record.id
+
+    @property
+    def record(self) -> RunRecord:
+        """The run as last read or written by this handle."""
+        return self._record
+
+    @property
+    def agent(self) -> str:
+        """The agent that runs it."""
+        return self._record.agent
+
+    @property
+    def version(self) -> str:
+        """The agent version it is pinned to."""
+        return self._record.agent_version
+
+    @property
+    def inputs(self) -> Any:
+        """The inputs it started with (never change)."""
+        return self._record.inputs
+
+    @property
+    def status(self) -> RunStatus:
+        """Its status as last seen by this handle."""
+        return self._record.status
+
+    @property
+    def state(self) -> Any:
+        """The state recorded by the last step that set one."""
+        return self._record.state
+
+    @property
+    def plan(self) -> Any:
+        """The plan recorded by the last step that set one."""
+        return self._record.plan
+
+    @property
+    def current_step(self) -> str | None:
+        """The last step recorded."""
+        return self._record.current_step
+
+    @property
+    def completed_steps(self) -> list[str]:
+        """Step ids recorded so far, in order."""
+        return [s.step_id for s in sorted(self._steps.values(), key=lambda s: s.seq)]
+
+    def step(self, step_id: str) -> StepRecord | None:
+        """The record of one completed step, if any."""
+        return self._steps.get(step_id)
+
+    def effects(self) -> list[Effect]:
+        """Every effect this run intended, in intent order, with its delivery state."""
+        return self._outbox.store.list_effects(run_id=self.id, limit=1_000_000)
+
+    def refresh(self) -> Run:
+        """Re-read the run and its steps from the store."""
+        loaded = self._outbox.store.load_run(self.id)
+        if loaded is None:
+            raise RunNotFound(self.id)
+        self._record, steps = loaded
+        self._steps = {s.step_id: s for s in steps}
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"<Run {self.id} {self.agent}@{self.version} {self.status.value}"
+            f" steps={len(self._steps)}>"
+        )
+
+    # -- advancing it -----------------------------------------------------------
+
+    def call(self, step_id: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn`` once for this run and record its JSON result under ``step_id``.
+
+        ``fn`` runs outside any transaction (it may take minutes). On replay the
+        recorded result is returned and ``fn`` is not called. If two processes
+        race, the first recorded result wins and both return it. If ``fn``
+        raises, nothing is recorded.
+        """
+        step_id = self._check_step_id(step_id)
+        if step_id in self._steps:
+            return self._replay(self._steps[step_id])
+        self._check_live()
+        result_json = encode(
+            fn(*args, **kwargs), field="result", max_bytes=self._outbox.settings.max_payload_bytes
+        )
+        return self._commit(step_id, "call", result_json, None, None)
+
+    def transaction(
+        self,
+        step_id: str,
+        fn: Callable[[StepTransaction], Any],
+        *,
+        connection: Connection | None = None,
+    ) -> Any:
+        """Run ``fn`` in one transaction and commit its checkpoint, intents and rows together.
+
+        If ``fn`` raises, nothing of the step is written (G1). If the step was
+        already recorded, its result is returned and ``fn`` does not run (G5).
+        With ``connection``, the step joins the caller's open transaction.
+        """
+        step_id = self._check_step_id(step_id)
+        if step_id in self._steps:
+            return self._replay(self._steps[step_id])
+        self._check_live()
+        return self._commit(step_id, "transaction", None, fn, connection)
+
+    def complete(self, result: Any = None) -> None:
+        """End the run as ``completed`` with an optional JSON result."""
+        self._finish(RunStatus.COMPLETED, result=result)
+
+    def fail(self, error: Any) -> None:
+        """End the run as ``failed`` with a JSON-able description of why."""
+        self._finish(RunStatus.FAILED, error=error)
+
+    # -- internals --------------------------------------------------------------
+
+    def _check_step_id(self, step_id: Any) -> str:
+        limit = self._outbox.settings.max_step_id_length
+        if not isinstance(step_id, str):
+            raise ValidationError("step_id", step_id, "must be a string")
+        if not step_id.strip():
+            raise ValidationError("step_id", step_id, "must not be empty")
+        if len(step_id) > limit:
+            raise ValidationError("step_id", step_id, f"is {len(step_id)} characters, over {limit}")
+        return step_id
+
+    def _check_live(self) -> None:
+        if self.status in TERMINAL_RUN_STATUSES:
+            raise RunTerminal(self.id, self.status.value)
+
+    def _replay(self, step: StepRecord) -> Any:
+        return step.result
+
+    def _commit(
+        self,
+        step_id: str,
+        kind: str,
+        result_json: str | None,
+        fn: Callable[[StepTransaction], Any] | None,
+        connection: Connection | None,
+    ) -> Any:
+        store = self._outbox.store
+        wakeup = self._outbox._effects_wakeup
+        notified = False
+        try:
+            with store.begin(connection) as conn:
+                tx = StepTransaction(self, conn, step_id)
+                if fn is not None:
+                    result_json = encode(
+                        fn(tx), field="result", max_bytes=self._outbox.settings.max_payload_bytes
+                    )
+                has_intents = tx._intents.pending > 0
+                notified = has_intents and wakeup.inline()
+                outcome = store.commit_step(
+                    conn,
+                    {
+                        "run_id": self.id,
+                        "step_id": step_id,
+                        "kind": kind,
+                        "step_result": result_json,
+                        "new_state": tx._state_json,
+                        "new_plan": tx._plan_json,
+                        "effects": tx._intents.as_json(),
+                        "debit": tx._debit,
+                        "reserve": Decimal(0),
+                        **self._fence_params(),
+                    },
+                    fenced=self._lease is not None,
+                    notify=notified,
+                )
+                if not outcome.run_ok:
+                    raise self._refusal(conn, tx._debit)
+                if outcome.step_seq is None:
+                    raise _AlreadyRecorded
+                if outcome.inserted != tx._intents.pending:
+                    raise IdempotencyConflict(
+                        "?", "an intent's key was taken by another transaction"
+                    )
+        except _AlreadyRecorded:
+            # Another process recorded this step first; ours was rolled back whole.
+            recorded = store.step_record(self.id, step_id)
+            assert recorded is not None
+            self._steps[step_id] = recorded
+            return self._replay(recorded)
+        if has_intents and connection is None:
+            wakeup.committed(notified)
+        self._record = self._record.model_copy(
+            update={
+                "current_step": step_id,
+                **({"state": decode(tx._state_json)} if tx._state_json is not None else {}),
+                **({"plan": decode(tx._plan_json)} if tx._plan_json is not None else {}),
+            }
+        )
+        result = decode(result_json)
+        self._steps[step_id] = StepRecord(
+            run_id=self.id,
+            step_id=step_id,
+            seq=outcome.step_seq or 0,
+            kind=kind,
+            result=result,
+            completed_at=datetime.now(UTC),
+        )
+        return result
+
+    def _fence_params(self) -> dict[str, Any]:
+        if self._lease is None:
+            return {}
+        return {"fence_owner": self._lease[0], "fence_attempt": self._lease[1]}
+
+    def _refusal(self, conn: Connection, debit: Decimal) -> OutboxError:
+        """Explain why the run refused a step (it wrote nothing)."""
+        current = self._outbox.store.run_record(conn, self.id)
+        if current is None:
+            return RunNotFound(self.id)
+        self._record = current
+        if current.status in TERMINAL_RUN_STATUSES or current.status not in (
+            RunStatus.RUNNABLE,
+            RunStatus.RUNNING,
+            RunStatus.WAITING,
+        ):
+            return RunTerminal(self.id, current.status.value)
+        if self._lease is not None and (current.lease_owner, current.attempt) != self._lease:
+            return LeaseLost(
+                f"run_id={str(self.id)!r}: lease attempt {self._lease[1]} of {self._lease[0]!r} "
+                f"was taken over (now attempt {current.attempt} of {current.lease_owner!r})"
+            )
+        budget = current.budget or Decimal(0)
+        remaining = budget - current.spent - current.reserved
+        return BudgetExceeded(self.id, float(debit), float(remaining))
+
+    def _finish(self, status: RunStatus, *, result: Any = None, error: Any = None) -> None:
+        limit = self._outbox.settings.max_payload_bytes
+        result_json = None if result is None else encode(result, field="result", max_bytes=limit)
+        error_json = None if error is None else encode(error, field="error", max_bytes=limit)
+        done = self._outbox.store.finish_run(
+            self.id, status=status.value, result=result_json, error=error_json, fence=self._lease
+        )
+        if not done:
+            self.refresh()
+            if self._lease is not None and self.status not in TERMINAL_RUN_STATUSES:
+                raise LeaseLost(f"run_id={str(self.id)!r}: lease was taken over")
+            raise RunTerminal(self.id, self.status.value)
+        self._record = self._record.model_copy(
+            update={"status": status, "result": decode(result_json), "error": decode(error_json)}
+        )
