@@ -9,7 +9,6 @@ entry points. A payload can never name an arbitrary import path.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -19,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.delivery import Deliverer, DelivererConfig, Delivery, Failed, Outcome, Succeeded
 from outbox.errors import ConfigurationError
+from outbox.validation import import_callable
 
 __all__ = ["CallPayload", "PythonCallConfig", "PythonCallDeliverer", "import_callable"]
 
@@ -39,22 +39,6 @@ class CallPayload(BaseModel):
 
     function: str = Field(min_length=1)
     args: Any = None
-
-
-def import_callable(path: str) -> Callable[..., Any]:
-    """Import ``package.module:attr`` (config only, never from a payload)."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigurationError(f"function={path!r}: expected 'package.module:attr'")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigurationError(f"function={path!r}: {exc}") from exc
-    if not callable(target):
-        raise ConfigurationError(f"function={path!r} is not callable")
-    return target  # type: ignore[no-any-return]
 
 
 class PythonCallDeliverer(Deliverer):

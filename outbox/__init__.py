@@ -15,6 +15,7 @@ from outbox.errors import (
     DatabaseError,
     EffectFailed,
     EffectNotFound,
+    EffectTimeout,
     EmbeddedServerError,
     IdempotencyConflict,
     LeaseLost,
@@ -31,6 +32,7 @@ from outbox.errors import (
     UnknownEffectKind,
     ValidationError,
     VersionMismatch,
+    WaitTimeout,
 )
 from outbox.intents import OutboxTransaction, StepTransaction
 from outbox.keys import compensation_key, derive_key
@@ -62,6 +64,7 @@ __all__ = [
     "EffectIntent",
     "EffectNotFound",
     "EffectStatus",
+    "EffectTimeout",
     "EmbeddedServer",
     "EmbeddedServerError",
     "IdempotencyConflict",
@@ -88,6 +91,7 @@ __all__ = [
     "UnknownEffectKind",
     "ValidationError",
     "VersionMismatch",
+    "WaitTimeout",
     "__version__",
     "compensation_key",
     "derive_key",

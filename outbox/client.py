@@ -8,14 +8,17 @@ was recorded without running its function again (G5).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import psycopg
 from sqlalchemy import Connection, Engine
 
+from outbox import run_sql
 from outbox.database import open_engine
 from outbox.errors import (
     RunNotFound,
@@ -23,11 +26,19 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.intents import OutboxTransaction
+from outbox.lifecycle import (
+    SignalReceipt,
+    advance_stopping_run,
+    advance_stopping_runs,
+    cancel_run,
+    send_signal,
+)
 from outbox.models import (
     Effect,
     EffectStatus,
     RunRecord,
     RunStart,
+    RunStatus,
 )
 from outbox.payloads import content_hash, encode
 from outbox.run import Run
@@ -35,7 +46,11 @@ from outbox.settings import Settings
 from outbox.statements import EFFECTS_CHANNEL, RUNS_CHANNEL
 from outbox.store import Store
 from outbox.validation import as_uuid, validated
+from outbox.waits import WaitSpec
 from outbox.wakeup import WakeupThrottle
+
+if TYPE_CHECKING:
+    from outbox.worker import Worker
 
 __all__ = ["Outbox"]
 
@@ -58,6 +73,8 @@ class Outbox:
         self._effects_wakeup = WakeupThrottle(
             lambda: self.store.notify(EFFECTS_CHANNEL), window_s=window
         )
+        #: (agent, to_version) -> {from_version: state migration}, see register_migration.
+        self.migrations: dict[tuple[str, str], dict[str, Callable[[Any], Any]]] = {}
         self._runs_wakeup = WakeupThrottle(lambda: self.store.notify(RUNS_CHANNEL), window_s=window)
 
     @classmethod
@@ -238,3 +255,101 @@ class Outbox:
             tx._flush()
         if connection is None:
             self._effects_wakeup.committed(tx._notified)
+
+    # -- signals, stopping, versions ----------------------------------------------
+
+    def signal(
+        self,
+        run_id: uuid.UUID | str,
+        name: str,
+        payload: Any = None,
+        *,
+        dedup_key: str | None = None,
+    ) -> SignalReceipt:
+        """Send signal ``name`` with a JSON ``payload`` to a run (an approval, a webhook).
+
+        A run waiting for it is woken within milliseconds; a run that has not
+        reached its ``wait_signal`` yet finds it there. The same ``dedup_key``
+        is accepted once. A finished run refuses signals (:class:`RunTerminal`).
+        """
+        rid = as_uuid(run_id, "run_id")
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise ValidationError("name", name, "must be a non-empty string of at most 200")
+        if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
+            raise ValidationError("dedup_key", dedup_key, "must be a non-empty string")
+        payload_json = encode(payload, field="payload", max_bytes=self.settings.max_payload_bytes)
+        with self.store.begin() as conn:
+            return send_signal(conn, rid, name, payload_json, dedup_key or uuid.uuid4().hex)
+
+    def cancel(self, run_id: uuid.UUID | str, reason: str) -> RunStatus:
+        """Stop a run: pending effects are cancelled, in-flight ones finish, then compensation.
+
+        Returns the run's status after moving it on as far as possible now
+        (``cancelled`` when nothing needed undoing; ``cancelling`` or
+        ``compensating`` while effects are still under way: workers and
+        deliverers finish the job).
+        """
+        rid = as_uuid(run_id, "run_id")
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValidationError("reason", reason, "say why the run is cancelled")
+        with self.store.begin() as conn:
+            cancel_run(conn, rid, reason)
+        with self.store.begin() as conn:
+            status = advance_stopping_run(conn, rid)
+        self._effects_wakeup.committed(False)
+        return status
+
+    def advance_stopping_runs(self) -> dict[str, int]:
+        """Move cancelling and compensating runs on (workers and deliverers do this on a timer)."""
+        with self.store.begin() as conn:
+            return advance_stopping_runs(conn)
+
+    def run_versions(self) -> list[dict[str, Any]]:
+        """Unfinished runs per agent, version and status (a version with none may retire)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(run_sql.run_versions()).all()
+        return [
+            {"agent": r.agent, "version": r.agent_version, "status": r.status, "runs": r.runs}
+            for r in rows
+        ]
+
+    def register_migration(
+        self, agent: str, from_version: str, to_version: str, fn: Callable[[Any], Any]
+    ) -> None:
+        """Let workers of ``to_version`` take runs of ``from_version``, migrating their state.
+
+        ``fn(state) -> new_state`` runs once per run, when a ``to_version``
+        worker claims it; the migration is recorded on the run. Without a
+        registered migration, a worker never executes a run of another version.
+        """
+        if from_version == to_version:
+            raise ValidationError("to_version", to_version, "must differ from from_version")
+        self.migrations.setdefault((agent, to_version), {})[from_version] = fn
+
+    def worker(
+        self, agent: str, version: str, handler: Callable[[Run], Any], **settings: Any
+    ) -> Worker:
+        """A worker that executes runnable runs of exactly this agent and version.
+
+        ``handler(run)`` is called for each claimed run; steps it already
+        recorded replay. Call ``.run()`` to work until ``.stop()``. Settings:
+        see :class:`~outbox.worker.WorkerSettings`.
+        """
+        from outbox.worker import Worker, WorkerSettings
+
+        return Worker(self, agent, version, handler, WorkerSettings(**settings))
+
+    def _block_until(self, spec: WaitSpec, seconds_left: float | None, run_id: uuid.UUID) -> None:
+        """Outside a worker a wait blocks: sleep, LISTEN for signals, or poll an effect."""
+        horizon = 5.0 if seconds_left is None else min(max(seconds_left, 0.0), 5.0)
+        if spec.kind == "signal":
+            dsn = self.engine.url.render_as_string(hide_password=False)
+            with psycopg.connect(dsn.replace("+psycopg", ""), autocommit=True) as conn:
+                conn.execute(f"LISTEN {run_sql.SIGNALS_CHANNEL}")
+                for note in conn.notifies(timeout=horizon):
+                    if note.payload == str(run_id):
+                        break
+        elif spec.kind == "effect":
+            time.sleep(min(horizon, 0.2))
+        else:
+            time.sleep(horizon)

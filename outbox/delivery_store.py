@@ -88,22 +88,6 @@ class AsyncDeliveryStore:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
-    async def claim(
-        self,
-        spec: queue.QueueSpec,
-        partition: dict[str, str],
-        *,
-        limit: int,
-        owner: str,
-        lease_seconds: float,
-    ) -> list[Any]:
-        """Claim up to ``limit`` ready rows of one partition; returns them (attempt incremented)."""
-        params: dict[str, Any] = {f"part_{k}": v for k, v in partition.items()}
-        params.update(claim_limit=limit, owner=owner, lease_seconds=lease_seconds)
-        async with self.engine.begin() as conn:
-            result = await conn.execute(queue.claim(spec), params)
-            return list(result.mappings())
-
     async def claim_many(
         self,
         spec: queue.QueueSpec,
@@ -116,8 +100,9 @@ class AsyncDeliveryStore:
         rows: list[Any] = []
         async with self.engine.begin() as conn:
             for partition, limit in quotas:
-                params: dict[str, Any] = {f"part_{k}": v for k, v in partition.items()}
-                params.update(claim_limit=limit, owner=owner, lease_seconds=lease_seconds)
+                params = queue.claim_params(
+                    partition, limit=limit, owner=owner, lease_seconds=lease_seconds
+                )
                 result = await conn.execute(queue.claim(spec), params)
                 rows.extend(result.mappings())
         return rows
@@ -133,12 +118,9 @@ class AsyncDeliveryStore:
         """Heartbeat; returns the ids whose lease is still ours."""
         if not held:
             return set()
-        payload = json.dumps([{"id": str(i), "attempt": a} for i, a in held])
+        params = queue.extend_params(held, owner=owner, lease_seconds=lease_seconds)
         async with self.engine.begin() as conn:
-            result = await conn.execute(
-                queue.extend_leases(spec),
-                {"held": payload, "owner": owner, "lease_seconds": lease_seconds},
-            )
+            result = await conn.execute(queue.extend_leases(spec), params)
             return {row[0] for row in result}
 
     async def complete(self, owner: str, done: Sequence[Completion]) -> list[tuple[UUID, str]]:

@@ -15,7 +15,9 @@
     │   ├── RunTerminal             the run already ended
     │   └── LeaseLost               another worker owns the run now
     ├── BudgetExceeded              a step would spend more than the run's budget
-    ├── SignalTimeout               a wait for a signal ran out (recorded; replays raise it too)
+    ├── WaitTimeout                 a wait ran out (recorded; every replay raises it again)
+    │   ├── SignalTimeout           ... for a signal
+    │   └── EffectTimeout           ... for an effect to finish
     ├── EffectFailed                an awaited effect ended failed
     ├── VersionMismatch             a worker may not execute a run of another version
     ├── SchemaError
@@ -35,6 +37,7 @@ __all__ = [
     "DatabaseError",
     "EffectFailed",
     "EffectNotFound",
+    "EffectTimeout",
     "EmbeddedServerError",
     "IdempotencyConflict",
     "LeaseLost",
@@ -51,6 +54,7 @@ __all__ = [
     "UnknownEffectKind",
     "ValidationError",
     "VersionMismatch",
+    "WaitTimeout",
 ]
 
 
@@ -148,13 +152,26 @@ class BudgetExceeded(OutboxError):
         )
 
 
-class SignalTimeout(OutboxError):
-    """A wait for a signal timed out. Recorded at the step, so every replay raises it again."""
+class WaitTimeout(OutboxError):
+    """A wait ran out. Recorded at the step, so every replay raises it again."""
+
+
+class SignalTimeout(WaitTimeout):
+    """A wait for a signal timed out."""
 
     def __init__(self, step_id: str, name: str) -> None:
         self.step_id = step_id
         self.name = name
         super().__init__(f"step_id={step_id!r}: signal {name!r} did not arrive in time")
+
+
+class EffectTimeout(WaitTimeout):
+    """An awaited effect did not finish in time."""
+
+    def __init__(self, step_id: str, effect_id: Any) -> None:
+        self.step_id = step_id
+        self.effect_id = effect_id
+        super().__init__(f"step_id={step_id!r}: effect {effect_id} did not finish in time")
 
 
 class EffectFailed(OutboxError):

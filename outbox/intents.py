@@ -7,13 +7,14 @@ same round trips as a bare insert transaction.
 
 from __future__ import annotations
 
+import json
 import uuid
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection
 
-from outbox.errors import IdempotencyConflict
+from outbox.errors import IdempotencyConflict, ValidationError
 from outbox.keys import derive_key
 from outbox.models import Compensation, Effect, EffectIntent, EffectStatus
 from outbox.payloads import content_hash, decode, encode
@@ -169,6 +170,8 @@ class StepTransaction:
         self._state_json: str | None = None
         self._plan_json: str | None = None
         self._debit = Decimal(0)
+        self._reserve = Decimal(0)
+        self._ledger: list[dict[str, Any]] = []
         self._intents = _Intents(run._outbox, connection)
 
     def set_state(self, state: Any) -> None:
@@ -214,6 +217,42 @@ class StepTransaction:
         }
         if compensate is not None:
             options["compensate"] = {"kind": compensate[0], "payload": compensate[1]}
-        return self._intents.add(
+        before = self._intents.pending
+        effect = self._intents.add(
             run_id=self.run.id, step_id=self.step_id, kind=kind, payload=payload, options=options
         )
+        if effect.cost is not None and self._intents.pending > before:
+            # Reserved when the intent commits; the effect's outcome settles it.
+            self._reserve += effect.cost
+            self._ledger.append(
+                {
+                    "entry": "reserve",
+                    "reason": kind,
+                    "amount": str(effect.cost),
+                    "effect_id": str(effect.id),
+                }
+            )
+        return effect
+
+    def spend(self, amount: float | Decimal, reason: str) -> None:
+        """Debit the run's budget by ``amount`` for ``reason`` (a model call, say) if this commits.
+
+        Keyed by (run, step, reason): a step records its debits once, so a
+        replay or a retry cannot spend twice. If the run's budget cannot cover
+        every debit and reservation of the step, the step commits nothing and
+        raises :class:`~outbox.BudgetExceeded`.
+        """
+        value = Decimal(str(amount))
+        if not value.is_finite() or value <= 0:
+            raise ValidationError("amount", amount, "must be a positive, finite number")
+        if not isinstance(reason, str) or not reason.strip() or len(reason) > 200:
+            raise ValidationError("reason", reason, "must be a non-empty string of at most 200")
+        if any(e["entry"] == "spend" and e["reason"] == reason for e in self._ledger):
+            raise ValidationError("reason", reason, "already spent for in this step")
+        self._debit += value
+        self._ledger.append(
+            {"entry": "spend", "reason": reason, "amount": str(value), "effect_id": None}
+        )
+
+    def _ledger_json(self) -> str | None:
+        return json.dumps(self._ledger) if self._ledger else None

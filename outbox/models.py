@@ -149,6 +149,19 @@ class RunRecord(_Record):
     lease_expires_at: datetime | None = None
     created_at: datetime
     updated_at: datetime
+    wake_at: datetime | None = None
+    wait_signal: str | None = None
+    wait_effect: UUID | None = None
+    step_retries: dict[str, int] = Field(default_factory=dict)
+    migrations: list[dict[str, Any]] = Field(default_factory=list)
+    cancel_reason: str | None = None
+
+    @property
+    def remaining_budget(self) -> Decimal | None:
+        """Budget not yet spent nor reserved (None: no budget)."""
+        if self.budget is None:
+            return None
+        return self.budget - self.spent - self.reserved
 
 
 class StepRecord(_Record):
@@ -161,6 +174,8 @@ class StepRecord(_Record):
     result: Any = None
     error: Any = None
     completed_at: datetime
+    #: "waiting": a sleep or wait recorded with its deadline, not yet satisfied.
+    status: str = "completed"
 
 
 class Effect(_Record):

@@ -15,6 +15,7 @@ named like a column (SQLAlchemy would add it to an UPDATE's SET).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -43,17 +44,19 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement
 
 from outbox.schema import effect_attempts, effects, runs
-from outbox.statements import AnySelect, const, json_param
+from outbox.statements import RUNS_CHANNEL, AnySelect, const, json_param
 
 __all__ = [
     "EFFECT_QUEUE",
     "RUN_QUEUE",
     "QueueSpec",
     "claim",
+    "claim_params",
     "complete_effects",
     "expire_effect",
     "expired_effects",
     "extend_leases",
+    "extend_params",
     "mark_unknown_kinds",
     "resolve_unknown",
     "retry_failed",
@@ -151,6 +154,21 @@ def claim(spec: QueueSpec) -> AnySelect:
     return select(claimed).order_by(*(claimed.c[name] for name in spec.order))
 
 
+def claim_params(
+    partition: dict[str, str], *, limit: int, owner: str, lease_seconds: float
+) -> dict[str, Any]:
+    """Parameters of :func:`claim` for one partition."""
+    params: dict[str, Any] = {f"part_{k}": v for k, v in partition.items()}
+    params.update(claim_limit=limit, owner=owner, lease_seconds=lease_seconds)
+    return params
+
+
+def extend_params(held: Any, *, owner: str, lease_seconds: float) -> dict[str, Any]:
+    """Parameters of :func:`extend_leases` for ``(id, attempt)`` pairs."""
+    payload = json.dumps([{"id": str(i), "attempt": a} for i, a in held])
+    return {"held": payload, "owner": owner, "lease_seconds": lease_seconds}
+
+
 def _held() -> Any:
     return (
         func.jsonb_to_recordset(json_param("held"))
@@ -239,8 +257,26 @@ def complete_effects() -> Any:
             completed_at=case((_in(d.c.status, TERMINAL_STATUSES), func.now()), else_=null()),
             updated_at=func.now(),
         )
-        .returning(e.c.id)
+        .returning(e.c.id, e.c.status)
         .cte("updated")
+    )
+    # A run parked on one of these effects (``run.await_effect``) can go on now.
+    woken = (
+        runs.update()
+        .where(
+            runs.c.wait_effect == updated.c.id,
+            runs.c.status == const("waiting"),
+            _in(updated.c.status, TERMINAL_STATUSES),
+        )
+        .values(
+            status=const("runnable"),
+            available_at=func.now(),
+            wake_at=null(),
+            wait_effect=null(),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.id, func.pg_notify(RUNS_CHANNEL, ""))
+        .cte("woken")
     )
     d2 = _done()
     stale = updated.c.id.is_(None)
@@ -259,6 +295,7 @@ def complete_effects() -> Any:
         pg_insert(effect_attempts)
         .from_select(["effect_id", "attempt", "worker", "started_at", "outcome", "detail"], logged)
         .returning(effect_attempts.c.effect_id, effect_attempts.c.outcome)
+        .add_cte(woken)
     )
 
 

@@ -12,6 +12,7 @@ between processes; only the arithmetic is needed, and it is these few lines.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,6 @@ from outbox.delivery import Failed, Outcome, Retry, Succeeded, Unknown
 __all__ = ["Decision", "RetryPolicy", "decide"]
 
 # 2.0 ** 1024 overflows a float; past ~1000 doublings every ceiling is the cap anyway.
-_MAX_EXPONENT = 1023
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,13 @@ class RetryPolicy:
 
     def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
         """Full-jitter delay before attempt ``attempt + 1``."""
-        # The exponent is bounded so that a very high attempt number (an operator's
-        # ``retry`` raises max_attempts past 1000) cannot overflow the float conversion.
-        exponent = min(max(0, attempt - 1), _MAX_EXPONENT)
-        ceiling = min(self.cap_seconds, self.base_seconds * 2.0**exponent)
+        # ldexp scales exactly; a very high attempt number (an operator's ``retry``
+        # can raise max_attempts past 1000) overflows to infinity, not an error.
+        try:
+            grown = math.ldexp(self.base_seconds, max(0, attempt - 1))
+        except OverflowError:
+            grown = math.inf
+        ceiling = min(self.cap_seconds, grown)
         return (rng or random).uniform(0, ceiling)
 
 

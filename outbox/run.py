@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection
 
+from outbox import run_sql
 from outbox.errors import (
     BudgetExceeded,
     IdempotencyConflict,
@@ -19,20 +20,45 @@ from outbox.errors import (
     RunTerminal,
     ValidationError,
 )
+from outbox.faults import crash_point
 from outbox.intents import StepTransaction
 from outbox.models import TERMINAL_RUN_STATUSES, Effect, RunRecord, RunStatus, StepRecord
 from outbox.payloads import decode, encode
+from outbox.validation import as_uuid
+from outbox.waits import WaitSpec, check_wait, recorded_error
 
 if TYPE_CHECKING:
     from outbox.client import Outbox
 
-__all__ = ["Run"]
+__all__ = ["Run", "Suspended"]
 
 T = TypeVar("T")
 
 
 class _AlreadyRecorded(Exception):
     """Internal: the step was recorded by someone else; roll ours back and replay."""
+
+
+class Suspended(BaseException):
+    """Raised out of a worker's handler when its run was parked as ``waiting``.
+
+    A ``BaseException`` so that a handler's ``except Exception`` cannot swallow
+    it. The worker catches it; the run resumes when its wait is over.
+    """
+
+    def __init__(self, run_id: uuid.UUID, step_id: str) -> None:
+        super().__init__(f"run {run_id} waits at step {step_id!r}")
+        self.run_id = run_id
+        self.step_id = step_id
+
+
+def _seconds(value: timedelta | float | None, field: str) -> float | None:
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if seconds != seconds or seconds < 0:
+        raise ValidationError(field, value, "must be a non-negative duration")
+    return seconds
 
 
 class Run:
@@ -50,6 +76,8 @@ class Run:
         self._record = record
         self._steps = {s.step_id: s for s in steps}
         self._lease = lease
+        #: The step being attempted now (a worker counts a failure against it).
+        self.active_step: str | None = None
 
     # -- what it is -------------------------------------------------------------
 
@@ -100,8 +128,9 @@ class Run:
 
     @property
     def completed_steps(self) -> list[str]:
-        """Step ids recorded so far, in order."""
-        return [s.step_id for s in sorted(self._steps.values(), key=lambda s: s.seq)]
+        """Step ids completed so far, in order (a wait still under way is not among them)."""
+        done = [s for s in self._steps.values() if s.status == "completed"]
+        return [s.step_id for s in sorted(done, key=lambda s: s.seq)]
 
     def step(self, step_id: str) -> StepRecord | None:
         """The record of one completed step, if any."""
@@ -140,6 +169,7 @@ class Run:
         if step_id in self._steps:
             return self._replay(self._steps[step_id])
         self._check_live()
+        self.active_step = step_id
         result_json = encode(
             fn(*args, **kwargs), field="result", max_bytes=self._outbox.settings.max_payload_bytes
         )
@@ -162,6 +192,7 @@ class Run:
         if step_id in self._steps:
             return self._replay(self._steps[step_id])
         self._check_live()
+        self.active_step = step_id
         return self._commit(step_id, "transaction", None, fn, connection)
 
     def complete(self, result: Any = None) -> None:
@@ -171,6 +202,90 @@ class Run:
     def fail(self, error: Any) -> None:
         """End the run as ``failed`` with a JSON-able description of why."""
         self._finish(RunStatus.FAILED, error=error)
+
+    # -- waiting (G8) -------------------------------------------------------------
+
+    def sleep(self, step_id: str, duration: timedelta | float) -> None:
+        """Wait ``duration`` (a timedelta or seconds) from the first time this step is met.
+
+        In a worker the run is parked (no process, connection or lease held)
+        and resumed by its timer; in a plain script this call blocks.
+        """
+        self._wait(step_id, WaitSpec("sleep", seconds=_seconds(duration, "duration")))
+
+    def sleep_until(self, step_id: str, when: datetime) -> None:
+        """Wait until ``when`` (timezone-aware)."""
+        if not isinstance(when, datetime) or when.tzinfo is None:
+            raise ValidationError("when", when, "must be a timezone-aware datetime")
+        self._wait(step_id, WaitSpec("sleep", until=when))
+
+    def wait_signal(
+        self, step_id: str, *, name: str, timeout: timedelta | float | None = None
+    ) -> Any:
+        """Wait for signal ``name`` (``Outbox.signal``) and return its payload.
+
+        A signal sent before the run reaches this step is kept and consumed
+        here. If ``timeout`` passes first, :class:`~outbox.SignalTimeout` is
+        recorded at this step and raised now and on every replay.
+        """
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise ValidationError("name", name, "must be a non-empty string of at most 200")
+        spec = WaitSpec("signal", seconds=_seconds(timeout, "timeout"), signal=name)
+        return self._wait(step_id, spec)
+
+    def await_effect(
+        self,
+        effect: Effect | uuid.UUID | str,
+        *,
+        timeout: timedelta | float | None = None,
+        step_id: str | None = None,
+    ) -> Any:
+        """Wait until ``effect`` succeeded and return its result.
+
+        Raises :class:`~outbox.EffectFailed` if it failed or was cancelled, and
+        :class:`~outbox.EffectTimeout` if ``timeout`` passes first (both
+        recorded, so replays raise them too). The step id defaults to
+        ``await:<effect id>``.
+        """
+        effect_id = effect.id if isinstance(effect, Effect) else as_uuid(effect, "effect")
+        spec = WaitSpec("effect", seconds=_seconds(timeout, "timeout"), effect_id=effect_id)
+        return self._wait(step_id or f"await:{effect_id}", spec)
+
+    def _wait(self, step_id: str, spec: WaitSpec) -> Any:
+        step_id = self._check_step_id(step_id)
+        recorded = self._steps.get(step_id)
+        if recorded is not None and recorded.status == "completed":
+            return self._replay(recorded)
+        self._check_live()
+        self.active_step = step_id
+        store = self._outbox.store
+        while True:
+            with store.begin() as conn:
+                self._lock_for_write(conn)
+                outcome = check_wait(conn, self.id, step_id, spec, park=self._lease is not None)
+            if isinstance(outcome, StepRecord):
+                self._steps[step_id] = outcome
+                self._record = self._record.model_copy(update={"current_step": step_id})
+                self.active_step = None
+                return self._replay(outcome)
+            if self._lease is not None:
+                self._record = self._record.model_copy(update={"status": RunStatus.WAITING})
+                raise Suspended(self.id, step_id)
+            self._outbox._block_until(spec, outcome.seconds_left, self.id)
+
+    def _lock_for_write(self, conn: Connection) -> None:
+        """Lock the run row and check that this handle may still write to it."""
+        row = conn.execute(run_sql.lock_run(), {"run_id": self.id}).first()
+        if row is None:
+            raise RunNotFound(self.id)
+        status = RunStatus(row.status)
+        if status not in (RunStatus.RUNNABLE, RunStatus.RUNNING, RunStatus.WAITING):
+            self._record = self._record.model_copy(update={"status": status})
+            raise RunTerminal(self.id, status.value)
+        if self._lease is not None and (
+            status != RunStatus.RUNNING or (row.lease_owner, row.attempt) != self._lease
+        ):
+            raise LeaseLost(f"run_id={str(self.id)!r}: lease attempt {self._lease[1]} was lost")
 
     # -- internals --------------------------------------------------------------
 
@@ -189,6 +304,8 @@ class Run:
             raise RunTerminal(self.id, self.status.value)
 
     def _replay(self, step: StepRecord) -> Any:
+        if step.error is not None:
+            raise recorded_error(step.step_id, step.error)
         return step.result
 
     def _commit(
@@ -222,14 +339,16 @@ class Run:
                         "new_plan": tx._plan_json,
                         "effects": tx._intents.as_json(),
                         "debit": tx._debit,
-                        "reserve": Decimal(0),
+                        "reserve": tx._reserve,
+                        "ledger": tx._ledger_json(),
                         **self._fence_params(),
                     },
                     fenced=self._lease is not None,
                     notify=notified,
                 )
+                crash_point("before_step_commit")
                 if not outcome.run_ok:
-                    raise self._refusal(conn, tx._debit)
+                    raise self._refusal(conn, tx._debit + tx._reserve)
                 if outcome.step_seq is None:
                     raise _AlreadyRecorded
                 if outcome.inserted != tx._intents.pending:
@@ -260,6 +379,8 @@ class Run:
             result=result,
             completed_at=datetime.now(UTC),
         )
+        self.active_step = None
+        crash_point("after_step")
         return result
 
     def _fence_params(self) -> dict[str, Any]:

@@ -33,13 +33,16 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 __all__ = [
+    "budget_ledger",
     "effect_attempts",
     "effects",
     "metadata",
     "migrations",
     "runs",
+    "signals",
     "sql_in",
     "steps",
+    "webhook_replays",
 ]
 
 metadata = MetaData()
@@ -114,6 +117,13 @@ runs = Table(
     Column("attempt", Integer, nullable=False, server_default=text("0")),
     _ts("created_at", nullable=False, default_now=True),
     _ts("updated_at", nullable=False, default_now=True),
+    # waiting (0002): a timer, a signal, an effect; the run holds nothing meanwhile
+    _ts("wake_at"),
+    Column("wait_signal", Text),
+    Column("wait_effect", UUID(as_uuid=True)),
+    Column("step_retries", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("migrations", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("cancel_reason", Text),
     CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
 )
 Index(
@@ -129,6 +139,28 @@ Index(
     postgresql_where=text("status = 'running'"),
 )
 Index("outbox_runs_created", runs.c.created_at)
+# Timers fire by index, not by scanning every waiting run.
+Index(
+    "outbox_runs_timers",
+    runs.c.wake_at,
+    postgresql_where=text("status = 'waiting' AND wake_at IS NOT NULL"),
+)
+Index(
+    "outbox_runs_awaiting_effect",
+    runs.c.wait_effect,
+    postgresql_where=text("status = 'waiting' AND wait_effect IS NOT NULL"),
+)
+Index(
+    "outbox_runs_stopping",
+    runs.c.updated_at,
+    postgresql_where=text("status IN ('cancelling', 'compensating')"),
+)
+Index(
+    "outbox_runs_versions",
+    runs.c.agent,
+    runs.c.agent_version,
+    postgresql_where=text("status IN ('runnable', 'running', 'waiting')"),
+)
 
 # What a run started from never changes (G6: the versioned inputs it is pinned to).
 # The WHEN clause keeps the trigger function out of every ordinary step update.
@@ -161,7 +193,10 @@ steps = Table(
     Column("result", JSONB),
     Column("error", JSONB),
     _ts("completed_at", nullable=False, default_now=True),
+    # "waiting": a sleep or wait recorded with its deadline, not yet satisfied
+    Column("status", Text, nullable=False, server_default=text("'completed'")),
     PrimaryKeyConstraint("run_id", "step_id", name="outbox_steps_pkey"),
+    CheckConstraint("status IN ('completed', 'waiting')", name="outbox_steps_status_check"),
 )
 
 effects = Table(
@@ -247,3 +282,104 @@ effect_attempts = Table(
     Column("detail", JSONB),
 )
 Index("outbox_effect_attempts_effect", effect_attempts.c.effect_id, effect_attempts.c.attempt)
+
+signals = Table(
+    "outbox_signals",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True),
+    Column(
+        "run_id",
+        UUID(as_uuid=True),
+        ForeignKey("outbox_runs.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("name", Text, nullable=False),
+    Column("payload", JSONB),
+    Column("dedup_key", Text, nullable=False),
+    _ts("created_at", nullable=False, default_now=True),
+    Column("consumed_by", Text),
+    _ts("consumed_at"),
+    UniqueConstraint("run_id", "dedup_key", name="outbox_signals_dedup"),
+)
+Index(
+    "outbox_signals_unconsumed",
+    signals.c.run_id,
+    signals.c.name,
+    signals.c.created_at,
+    postgresql_where=text("consumed_at IS NULL"),
+)
+
+budget_ledger = Table(
+    "outbox_budget_ledger",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column(
+        "run_id",
+        UUID(as_uuid=True),
+        ForeignKey("outbox_runs.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("step_id", Text),
+    Column("effect_id", UUID(as_uuid=True)),
+    Column("reason", Text, nullable=False),
+    Column("entry", Text, nullable=False),
+    Column("amount", Numeric, nullable=False),
+    _ts("created_at", nullable=False, default_now=True),
+    CheckConstraint(
+        "entry IN ('spend', 'reserve', 'commit', 'release')",
+        name="outbox_budget_ledger_entry_check",
+    ),
+)
+# A debit is keyed by (run, step, reason): a replayed or retried step cannot spend twice.
+Index(
+    "outbox_budget_spend_key",
+    budget_ledger.c.run_id,
+    budget_ledger.c.step_id,
+    budget_ledger.c.reason,
+    unique=True,
+    postgresql_where=text("entry = 'spend'"),
+)
+Index("outbox_budget_ledger_run", budget_ledger.c.run_id, budget_ledger.c.id)
+
+webhook_replays = Table(
+    "outbox_webhook_replays",
+    metadata,
+    Column("signature", Text, primary_key=True),
+    _ts("seen_at", nullable=False, default_now=True),
+)
+
+# Cost settlement of costly intents: see migration 0002 for why it is a trigger.
+EFFECT_COST_DDL = (
+    """CREATE FUNCTION outbox_effects_settle_cost() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.status = 'succeeded' THEN
+        UPDATE outbox_runs
+           SET reserved = reserved - NEW.cost, spent = spent + NEW.cost
+         WHERE id = NEW.run_id;
+        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'commit', NEW.cost);
+    ELSIF NEW.status IN ('failed', 'cancelled') THEN
+        UPDATE outbox_runs SET reserved = reserved - NEW.cost WHERE id = NEW.run_id;
+        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'release', NEW.cost);
+    ELSIF OLD.status IN ('failed', 'cancelled') THEN
+        -- an operator put it back: it holds its reservation again
+        UPDATE outbox_runs SET reserved = reserved + NEW.cost WHERE id = NEW.run_id;
+        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'reserve', NEW.cost);
+    END IF;
+    RETURN NULL;
+END
+$$""",
+    """CREATE TRIGGER outbox_effects_settle_cost
+    AFTER UPDATE OF status ON outbox_effects FOR EACH ROW
+    WHEN (NEW.cost IS NOT NULL AND NEW.run_id IS NOT NULL
+          AND OLD.status IS DISTINCT FROM NEW.status
+          AND (NEW.status IN ('succeeded', 'failed', 'cancelled')
+               OR OLD.status IN ('failed', 'cancelled')))
+    EXECUTE FUNCTION outbox_effects_settle_cost()""",
+)
+# plpgsql resolves the ledger only when the trigger runs, so the effects table is enough.
+for _ddl in EFFECT_COST_DDL:
+    event.listen(effects, "after_create", DDL(_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]

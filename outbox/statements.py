@@ -33,7 +33,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement, TableValuedAlias, TextClause
 
 from outbox.models import RunStatus
-from outbox.schema import effects, runs, sql_in, steps
+from outbox.schema import budget_ledger, effects, runs, sql_in, steps
 
 __all__ = [
     "EFFECTS_CHANNEL",
@@ -44,6 +44,7 @@ __all__ = [
     "const",
     "effect_by_key",
     "insert_run",
+    "intend_for_stopping_run",
     "intend_without_run",
     "json_param",
     "list_effects",
@@ -171,14 +172,15 @@ def _effect_select(rows: TableValuedAlias, run_id: ColumnElement[Any]) -> AnySel
 
 
 @cache
-def commit_step(*, fenced: bool, notify: bool) -> AnySelect:
+def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelect:
     """Checkpoint one step and insert its intents, all in one statement.
 
     Parameters: ``run_id``, ``step_id``, ``kind``, ``step_result``,
     ``new_state`` and ``new_plan`` (JSON text; ``NULL`` keeps the stored
     value), ``effects`` (JSON array), ``debit`` (budget spent by the step),
     ``reserve`` (budget held for costly intents); with ``fenced``, also
-    ``fence_owner`` and ``fence_attempt``. (No parameter is named like a
+    ``fence_owner`` and ``fence_attempt``; with ``ledger``, also ``ledger``
+    (JSON array of budget ledger entries). (No parameter is named like a
     column of ``outbox_runs``: SQLAlchemy would add it to the UPDATE's SET.)
 
     Returns one row ``(run_ok, step_seq, inserted)``: ``run_ok`` is 0 when the
@@ -249,6 +251,38 @@ def commit_step(*, fenced: bool, notify: bool) -> AnySelect:
         select(step_ins.c.seq).scalar_subquery().label("step_seq"),
         select(func.count()).select_from(eff_ins).scalar_subquery().label("inserted"),
     ]
+    if ledger:
+        entries = (
+            func.jsonb_to_recordset(json_param("ledger"))
+            .table_valued(
+                column("entry", Text),
+                column("reason", Text),
+                column("amount", Numeric),
+                column("effect_id", UUID(as_uuid=True)),
+            )
+            .render_derived(name="l", with_types=True)
+        )
+        ledger_ins = (
+            pg_insert(budget_ledger)
+            .from_select(
+                ["run_id", "step_id", "effect_id", "reason", "entry", "amount"],
+                select(
+                    _RUN_ID,
+                    bindparam("step_id", type_=Text),
+                    entries.c.effect_id,
+                    entries.c.reason,
+                    entries.c.entry,
+                    entries.c.amount,
+                )
+                .select_from(entries)
+                .join(step_ins, true()),
+            )
+            .returning(budget_ledger.c.id)
+            .cte("ledger_ins")
+        )
+        columns.append(
+            select(func.count()).select_from(ledger_ins).scalar_subquery().label("ledger")
+        )
     if notify:
         columns.append(func.pg_notify(EFFECTS_CHANNEL, "").label("notified"))
     return select(*columns)
@@ -274,6 +308,23 @@ def intend_without_run(*, notify: bool) -> AnySelect:
     if notify:
         columns.append(func.pg_notify(EFFECTS_CHANNEL, "").label("notified"))
     return select(*columns)
+
+
+@cache
+def intend_for_stopping_run() -> AnySelect:
+    """Insert intents of a run that no longer takes steps (its compensations)."""
+    rows = _effect_rows()
+    eff_ins = (
+        pg_insert(effects)
+        .from_select(_EFFECT_INSERT_COLUMNS, _effect_select(rows, _RUN_ID).select_from(rows))
+        .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
+        .returning(effects.c.id)
+        .cte("eff_ins")
+    )
+    return select(
+        select(func.count()).select_from(eff_ins).scalar_subquery().label("inserted"),
+        func.pg_notify(EFFECTS_CHANNEL, "").label("notified"),
+    )
 
 
 def effect_by_key() -> AnySelect:

@@ -20,7 +20,7 @@ from sqlalchemy import Connection, Engine, create_engine, select, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import make_url
 
-from outbox import queue
+from outbox import queue, run_sql
 from outbox import statements as sql
 from outbox.errors import DatabaseError, IdempotencyConflict
 from outbox.models import Effect, EffectAttempt, RunRecord, StepRecord
@@ -168,7 +168,9 @@ class Store:
         self, conn: Connection, params: dict[str, Any], *, fenced: bool, notify: bool
     ) -> StepOutcome:
         """Run the one-statement checkpoint of :func:`outbox.statements.commit_step`."""
-        row = conn.execute(sql.commit_step(fenced=fenced, notify=notify), params).one()
+        ledger = params.get("ledger") is not None
+        statement = sql.commit_step(fenced=fenced, notify=notify, ledger=ledger)
+        row = conn.execute(statement, params).one()
         return StepOutcome(bool(row.run_ok), row.step_seq, int(row.inserted))
 
     def intend_without_run(self, conn: Connection, effects_json: str, *, notify: bool) -> int:
@@ -217,6 +219,95 @@ class Store:
         statement = {"resolve": queue.resolve_unknown, "retry": queue.retry_failed}[which]()
         with translate_errors(f"{which} of an effect"), self.engine.begin() as conn:
             return conn.execute(statement, params).first() is not None
+
+    # -- runs in workers ---------------------------------------------------------------
+
+    def claim_runs(
+        self, quotas: list[tuple[dict[str, str], int]], *, owner: str, lease_seconds: float
+    ) -> list[RunRecord]:
+        """Claim runnable runs of the given (agent, version) partitions, in one transaction."""
+        claimed: list[RunRecord] = []
+        with translate_errors("claiming runs"), self.engine.begin() as conn:
+            for partition, limit in quotas:
+                params = queue.claim_params(
+                    partition, limit=limit, owner=owner, lease_seconds=lease_seconds
+                )
+                rows = conn.execute(queue.claim(queue.RUN_QUEUE), params).all()
+                claimed += [RunRecord.model_validate(r._mapping) for r in rows]
+        return claimed
+
+    def extend_run_leases(
+        self, held: list[tuple[UUID, int]], *, owner: str, lease_seconds: float
+    ) -> set[UUID]:
+        """Heartbeat for runs; returns the ids still leased to ``owner``."""
+        if not held:
+            return set()
+        params = queue.extend_params(held, owner=owner, lease_seconds=lease_seconds)
+        with translate_errors("extending run leases"), self.engine.begin() as conn:
+            return {row[0] for row in conn.execute(queue.extend_leases(queue.RUN_QUEUE), params)}
+
+    def wake_due_runs(self, max_rows: int = 1000) -> int:
+        """Fire due timers; returns how many runs became runnable."""
+        with translate_errors("firing timers"), self.engine.begin() as conn:
+            return len(conn.execute(run_sql.wake_due_timers(), {"max_rows": max_rows}).all())
+
+    def rescue_expired_runs(self) -> int:
+        """Runs of dead workers become runnable again; returns how many."""
+        with translate_errors("rescuing runs"), self.engine.begin() as conn:
+            rows = conn.execute(run_sql.rescue_expired_runs()).all()
+        for row in rows:
+            log.warning(
+                "run %s: its worker's lease expired; runnable again",
+                row.id,
+                extra={"run_id": str(row.id), "attempt": row.attempt},
+            )
+        return len(rows)
+
+    def record_step_failure(
+        self,
+        run_id: UUID,
+        lease: tuple[str, int],
+        *,
+        step: str,
+        max_retries: int,
+        delay: float,
+        failure_json: str,
+    ) -> str | None:
+        """Count a step's failure (fenced); returns the run's new status, None if not ours."""
+        params = {
+            "run_id": run_id,
+            "fence_owner": lease[0],
+            "fence_attempt": lease[1],
+            "step_key": step,
+            "max_retries": max_retries,
+            "delay": delay,
+            "failure": failure_json,
+        }
+        with translate_errors("recording a step failure"), self.engine.begin() as conn:
+            row = conn.execute(run_sql.record_step_failure(), params).first()
+        return None if row is None else str(row.status)
+
+    def migrate_run(
+        self,
+        run_id: UUID,
+        lease: tuple[str, int],
+        *,
+        from_version: str,
+        to_version: str,
+        state_json: str,
+    ) -> RunRecord | None:
+        """Move a claimed run to ``to_version`` with migrated state (fenced)."""
+        params = {
+            "run_id": run_id,
+            "fence_owner": lease[0],
+            "fence_attempt": lease[1],
+            "from_version": from_version,
+            "to_version": to_version,
+            "migrated_state": state_json,
+        }
+        with translate_errors("migrating a run"), self.engine.begin() as conn:
+            row = conn.execute(run_sql.migrate_run(), params).first()
+        return None if row is None else RunRecord.model_validate(row._mapping)
 
     def notify(self, channel: str) -> None:
         """Send one NOTIFY outside any transaction of the caller's."""

@@ -116,4 +116,53 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
     emit(data, as_json, render)
 
 
+@runs.command("cancel")
+@click.argument("run_id")
+@click.option("--reason", required=True, help="Why (kept on the run).")
+@click.option(
+    "--wait",
+    "wait_seconds",
+    type=float,
+    default=0.0,
+    help="Wait up to this many seconds for compensation to finish.",
+)
+@json_option
+@pass_cli
+def runs_cancel(
+    cli: CliContext, run_id: str, reason: str, wait_seconds: float, as_json: bool
+) -> None:
+    """Cancel a run: pending effects cancelled, in-flight ones finish, then compensation."""
+    import time
+
+    ob = cli.outbox
+    status = ob.cancel(run_id, reason)
+    deadline = time.monotonic() + wait_seconds
+    while status.value in ("cancelling", "compensating") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        ob.advance_stopping_runs()
+        status = ob.run(run_id).status
+    emit(
+        {"run_id": run_id, "status": status.value},
+        as_json,
+        lambda: console.print(f"run {run_id}: {status.value}"),
+    )
+
+
+@runs.command("versions")
+@json_option
+@pass_cli
+def runs_versions(cli: CliContext, as_json: bool) -> None:
+    """Unfinished runs per agent version: a version with none left can be retired."""
+    rows = cli.outbox.run_versions()
+    emit(
+        rows,
+        as_json,
+        lambda: table(
+            "unfinished runs by version",
+            ["agent", "version", "status", "runs"],
+            [(r["agent"], r["version"], r["status"], r["runs"]) for r in rows],
+        ),
+    )
+
+
 COMMANDS = [runs]

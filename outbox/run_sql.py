@@ -1,0 +1,424 @@
+"""SQL of durable runs: waits, signals, suspension, step retries, migrations, sweeps, stopping.
+
+Pure functions returning SQLAlchemy Core statements, executed by
+:mod:`outbox.run_store`. Writes about a run held by a worker are fenced by
+(lease owner, attempt) like every other claimed row (see :mod:`outbox.queue`).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    DateTime,
+    Float,
+    Integer,
+    Text,
+    any_,
+    bindparam,
+    case,
+    cast,
+    func,
+    null,
+    select,
+    text,
+)
+from sqlalchemy.dialects.postgresql import UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from outbox.schema import effects, runs, signals, steps
+from outbox.statements import RUNS_CHANNEL, AnySelect, const, json_param
+
+__all__ = [
+    "SIGNALS_CHANNEL",
+    "cancel_pending_effects",
+    "complete_wait_step",
+    "consume_signal",
+    "effect_outcome",
+    "insert_signal",
+    "insert_wait_step",
+    "lock_run",
+    "mark_compensated",
+    "mark_run",
+    "migrate_run",
+    "record_step_failure",
+    "rescue_expired_runs",
+    "run_effects_for_stopping",
+    "run_versions",
+    "stopping_runs",
+    "suspend_run",
+    "wait_step",
+    "wake_due_timers",
+    "wake_signalled_run",
+]
+
+SIGNALS_CHANNEL = "outbox_signals"
+_SECONDS = text("interval '1 second'")
+_RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
+# Statements that write outbox_steps or outbox_signals bind these instead of
+# run_id/step_id/name, which are columns there.
+_W_RUN = bindparam("w_run", type_=UUID(as_uuid=True))
+_W_STEP = bindparam("w_step", type_=Text)
+_S_NAME = bindparam("s_name", type_=Text)
+_WAKE_NOTIFY = func.pg_notify(RUNS_CHANNEL, "")
+# Statements on outbox_effects cannot bind "run_id": it is a column there, and
+# SQLAlchemy reserves column names for the SET clause.
+_OF_RUN = bindparam("stopping_run", type_=UUID(as_uuid=True))
+
+
+def lock_run() -> AnySelect:
+    """Lock the run row (waits, signals and cancellation take it first, so they serialise)."""
+    return select(runs).where(runs.c.id == _RUN_ID).with_for_update()
+
+
+@cache
+def insert_wait_step() -> Any:
+    """Record a wait the first time it is met, with its deadline in database time.
+
+    Parameters: ``w_run``, ``w_step``, ``kind``, ``seconds`` (from now; NULL:
+    no deadline), ``until`` (absolute; wins over ``seconds``), ``detail`` (JSON).
+    """
+    deadline = func.coalesce(
+        cast(bindparam("until", type_=Text), DateTime(timezone=True)),
+        func.now() + bindparam("seconds", type_=Float) * _SECONDS,
+    )
+    return (
+        pg_insert(steps)
+        .values(
+            run_id=_W_RUN,
+            step_id=_W_STEP,
+            kind=bindparam("kind", type_=Text),
+            status=const("waiting"),
+            result=json_param("detail").op("||")(func.jsonb_build_object("deadline", deadline)),
+        )
+        .on_conflict_do_nothing(constraint="outbox_steps_pkey")
+    )
+
+
+def wait_step() -> AnySelect:
+    """The wait's row, whether its deadline passed, and seconds left (database time)."""
+    deadline = cast(steps.c.result["deadline"].astext, DateTime(timezone=True))
+    return select(
+        steps.c.status,
+        steps.c.result,
+        steps.c.error,
+        steps.c.seq,
+        steps.c.completed_at,
+        (deadline <= func.now()).label("due"),
+        func.extract("epoch", deadline - func.now()).label("seconds_left"),
+        deadline.label("deadline"),
+    ).where(steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP)
+
+
+@cache
+def complete_wait_step() -> Any:
+    """A wait is over: record its result or error; the run's current step moves on."""
+    done = (
+        steps.update()
+        .where(steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP)
+        .values(
+            status=const("completed"),
+            result=json_param("wait_result"),
+            error=json_param("wait_error"),
+            completed_at=func.now(),
+        )
+        .returning(steps.c.seq, steps.c.completed_at)
+        .cte("done")
+    )
+    moved = (
+        runs.update()
+        .where(runs.c.id == _W_RUN)
+        .values(current_step=_W_STEP, updated_at=func.now())
+        .returning(runs.c.id)
+        .cte("moved")
+    )
+    return select(done.c.seq, done.c.completed_at, select(moved.c.id).scalar_subquery())
+
+
+@cache
+def consume_signal() -> Any:
+    """Take the run's oldest unconsumed signal ``name`` for ``step_id``; returns its payload."""
+    oldest = (
+        select(signals.c.id)
+        .where(
+            signals.c.run_id == _W_RUN,
+            signals.c.name == _S_NAME,
+            signals.c.consumed_at.is_(None),
+        )
+        .order_by(signals.c.created_at, signals.c.id)
+        .limit(1)
+        .with_for_update()
+        .scalar_subquery()
+    )
+    return (
+        signals.update()
+        .where(signals.c.id == oldest)
+        .values(consumed_by=_W_STEP, consumed_at=func.now())
+        .returning(signals.c.payload)
+    )
+
+
+def effect_outcome() -> AnySelect:
+    """Status, result and last error of one effect."""
+    return select(effects.c.status, effects.c.result, effects.c.last_error).where(
+        effects.c.id == bindparam("effect_id", type_=UUID(as_uuid=True))
+    )
+
+
+@cache
+def suspend_run() -> Any:
+    """Park a locked run as ``waiting``; it holds no lease, process or connection meanwhile.
+
+    Parameters: ``run_id``, ``wake_in`` (seconds; NULL: no timer), ``signal_name``,
+    ``effect_id``. The caller holds the run row's lock and has just checked
+    that what it waits for is not there.
+    """
+    return (
+        runs.update()
+        .where(runs.c.id == _RUN_ID)
+        .values(
+            status=const("waiting"),
+            available_at=func.now(),
+            wake_at=func.now() + bindparam("wake_in", type_=Float) * _SECONDS,
+            wait_signal=bindparam("signal_name", type_=Text),
+            wait_effect=bindparam("effect_id", type_=UUID(as_uuid=True)),
+            lease_owner=null(),
+            lease_expires_at=null(),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.status)
+    )
+
+
+@cache
+def insert_signal() -> Any:
+    """Store a signal once per (run, dedup key); returns its id when it is new."""
+    return (
+        pg_insert(signals)
+        .values(
+            id=bindparam("signal_id", type_=UUID(as_uuid=True)),
+            run_id=_W_RUN,
+            name=_S_NAME,
+            payload=json_param("payload"),
+            dedup_key=bindparam("dedup_key", type_=Text),
+        )
+        .on_conflict_do_nothing(constraint="outbox_signals_dedup")
+        .returning(signals.c.id)
+    )
+
+
+@cache
+def wake_signalled_run() -> Any:
+    """Make the run runnable if it waits for this signal; notify workers."""
+    return (
+        runs.update()
+        .where(
+            runs.c.id == _RUN_ID,
+            runs.c.status == const("waiting"),
+            runs.c.wait_signal == bindparam("name", type_=Text),
+        )
+        .values(
+            status=const("runnable"),
+            available_at=func.now(),
+            wake_at=null(),
+            wait_signal=null(),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.id, _WAKE_NOTIFY)
+    )
+
+
+@cache
+def wake_due_timers() -> Any:
+    """Waiting runs whose time came become runnable (by index; at most ``max_rows``)."""
+    due = (
+        select(runs.c.id)
+        .where(runs.c.status == const("waiting"), runs.c.wake_at <= func.now())
+        .order_by(runs.c.wake_at)
+        .limit(bindparam("max_rows", type_=Integer))
+        .with_for_update(skip_locked=True)
+        .cte("due")
+    )
+    return (
+        runs.update()
+        .where(runs.c.id == due.c.id)
+        .values(
+            status=const("runnable"),
+            available_at=func.now(),
+            wake_at=null(),
+            wait_signal=null(),
+            wait_effect=null(),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.id, _WAKE_NOTIFY)
+    )
+
+
+@cache
+def rescue_expired_runs() -> Any:
+    """Runs whose worker died (lease expired) become runnable again, to be resumed."""
+    return (
+        runs.update()
+        .where(runs.c.status == const("running"), runs.c.lease_expires_at < func.now())
+        .values(
+            status=const("runnable"),
+            lease_owner=null(),
+            lease_expires_at=null(),
+            available_at=func.now(),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.id, runs.c.attempt, _WAKE_NOTIFY)
+    )
+
+
+def _fenced() -> list[Any]:
+    return [
+        runs.c.id == _RUN_ID,
+        runs.c.status == const("running"),
+        runs.c.lease_owner == bindparam("fence_owner", type_=Text),
+        runs.c.attempt == bindparam("fence_attempt", type_=Integer),
+    ]
+
+
+@cache
+def record_step_failure() -> Any:
+    """Count a failure of ``step_key`` in the checkpoint; retry later or fail the run.
+
+    Parameters: ``run_id``, fence, ``step_key``, ``max_retries``, ``delay``, ``failure`` (JSON).
+    """
+    key = bindparam("step_key", type_=Text)
+    count = func.coalesce(cast(runs.c.step_retries[key].astext, Integer), 0) + 1
+    exhausted = count > bindparam("max_retries", type_=Integer)
+    return (
+        runs.update()
+        .where(*_fenced())
+        .values(
+            step_retries=runs.c.step_retries.op("||")(func.jsonb_build_object(key, count)),
+            status=case((exhausted, const("failed")), else_=const("runnable")),
+            error=case((exhausted, json_param("failure")), else_=runs.c.error),
+            available_at=func.now() + bindparam("delay", type_=Float) * _SECONDS,
+            lease_owner=null(),
+            lease_expires_at=null(),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.status, count.label("failures"))
+    )
+
+
+@cache
+def migrate_run() -> Any:
+    """Move a claimed run from ``from_version`` to ``to_version`` with migrated state, recorded."""
+    entry = func.jsonb_build_object(
+        "from",
+        bindparam("from_version", type_=Text),
+        "to",
+        bindparam("to_version", type_=Text),
+        "at",
+        func.now(),
+        "worker",
+        bindparam("fence_owner", type_=Text),
+    )
+    return (
+        runs.update()
+        .where(*_fenced(), runs.c.agent_version == bindparam("from_version", type_=Text))
+        .values(
+            agent_version=bindparam("to_version", type_=Text),
+            state=json_param("migrated_state"),
+            migrations=runs.c.migrations + func.jsonb_build_array(entry),
+            updated_at=func.now(),
+        )
+        .returning(*runs.c)
+    )
+
+
+def run_versions() -> AnySelect:
+    """Unfinished runs per agent, version and status (when can a version be retired?)."""
+    live = runs.c.status.in_([const("runnable"), const("running"), const("waiting")])
+    return (
+        select(runs.c.agent, runs.c.agent_version, runs.c.status, func.count().label("runs"))
+        .where(live)
+        .group_by(runs.c.agent, runs.c.agent_version, runs.c.status)
+        .order_by(runs.c.agent, runs.c.agent_version, runs.c.status)
+    )
+
+
+@cache
+def mark_run() -> Any:
+    """Set a locked run's status (and reason); clears its lease and waits."""
+    return (
+        runs.update()
+        .where(runs.c.id == _RUN_ID)
+        .values(
+            status=bindparam("new_status", type_=Text),
+            cancel_reason=func.coalesce(bindparam("reason", type_=Text), runs.c.cancel_reason),
+            lease_owner=null(),
+            lease_expires_at=null(),
+            wake_at=null(),
+            wait_signal=null(),
+            wait_effect=null(),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.status)
+    )
+
+
+@cache
+def cancel_pending_effects() -> Any:
+    """A stopping run's effects that have not started are cancelled (they never will be)."""
+    return (
+        effects.update()
+        .where(
+            effects.c.run_id == _OF_RUN,
+            effects.c.status == const("pending"),
+            effects.c.compensates.is_(None),
+        )
+        .values(
+            status=const("cancelled"),
+            completed_at=func.now(),
+            updated_at=func.now(),
+            last_error=bindparam("reason", type_=Text),
+        )
+        .returning(effects.c.id)
+    )
+
+
+def stopping_runs() -> AnySelect:
+    """Runs being cancelled or compensated, oldest change first (by index)."""
+    return (
+        select(runs.c.id)
+        .where(runs.c.status.in_([const("cancelling"), const("compensating")]))
+        .order_by(runs.c.updated_at)
+        .limit(bindparam("max_rows", type_=Integer))
+    )
+
+
+def run_effects_for_stopping() -> AnySelect:
+    """Every effect of one run, in intent order, with what compensation needs."""
+    return (
+        select(
+            effects.c.id,
+            effects.c.status,
+            effects.c.compensate,
+            effects.c.compensates,
+            effects.c.idempotency_key,
+            effects.c.seq,
+            effects.c.kind,
+        )
+        .where(effects.c.run_id == _OF_RUN)
+        .order_by(effects.c.seq)
+    )
+
+
+@cache
+def mark_compensated() -> Any:
+    """Succeeded effects whose compensation succeeded become ``compensated``."""
+    return (
+        effects.update()
+        .where(
+            effects.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
+            effects.c.status == const("succeeded"),
+        )
+        .values(status=const("compensated"), updated_at=func.now())
+    )

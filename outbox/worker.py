@@ -1,0 +1,302 @@
+"""Agent workers: claim runnable runs of one agent version, run the handler, keep the lease.
+
+A worker claims runs with the same claim/lease/fence machinery the deliverers
+use (:mod:`outbox.queue`), calls ``handler(run)`` in a thread pool, and pushes
+its leases out while handlers run. A run whose worker died becomes runnable
+again when its lease expires and is resumed by another worker: its recorded
+steps replay, so the handler continues at the first step not yet recorded.
+
+A background sweep (every worker runs it; compare-and-set makes duplicates
+harmless) fires due timers, rescues runs of dead workers, and moves cancelled
+runs through compensation. A ``LISTEN`` connection wakes the claim loop when a
+run becomes runnable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+import psycopg
+from pydantic import BaseModel, ConfigDict, Field
+
+from outbox.deliver import default_owner
+from outbox.errors import LeaseLost, RunTerminal
+from outbox.models import RunRecord, RunStatus
+from outbox.payloads import encode
+from outbox.retry import RetryPolicy
+from outbox.run import Run, Suspended
+from outbox.statements import RUNS_CHANNEL
+
+if TYPE_CHECKING:
+    from outbox.client import Outbox
+
+__all__ = ["Worker", "WorkerSettings"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSettings(BaseModel):
+    """How one agent worker behaves."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    concurrency: int = Field(default=4, ge=1, le=1000)
+    lease_seconds: float = Field(default=30.0, gt=0)
+    poll_seconds: float = Field(default=1.0, gt=0)
+    sweep_seconds: float = Field(default=0.25, gt=0)
+    #: A step that raises is retried this many times before the run fails.
+    max_step_retries: int = Field(default=3, ge=0)
+    retry_base_seconds: float = Field(default=1.0, ge=0)
+    retry_cap_seconds: float = Field(default=300.0, ge=0)
+    grace_seconds: float = Field(default=30.0, ge=0)
+    owner: str = Field(default_factory=default_owner)
+
+
+class Worker:
+    """Executes runs of ``agent`` at ``version`` (and of versions migrated to it)."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        agent: str,
+        version: str,
+        handler: Callable[[Run], Any],
+        settings: WorkerSettings,
+    ) -> None:
+        self.outbox = outbox
+        self.agent = agent
+        self.version = version
+        self.handler = handler
+        self.settings = settings
+        self.owner = settings.owner
+        self._held: dict[UUID, int] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._policy = RetryPolicy(settings.retry_base_seconds, settings.retry_cap_seconds)
+        #: Handler outcomes so far: completed, failed, suspended, retried, abandoned.
+        self.counts: dict[str, int] = {}
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop claiming; running handlers get ``grace_seconds`` to finish."""
+        self._stopping.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        """Work until :meth:`stop` (call it from another thread or a signal handler)."""
+        background = [
+            threading.Thread(target=self._listen, name="outbox-worker-listen", daemon=True),
+            threading.Thread(target=self._sweep, name="outbox-worker-sweep", daemon=True),
+        ]
+        for thread in background:
+            thread.start()
+        log.info(
+            "worker %s: %s %s (also from %s)",
+            self.owner,
+            self.agent,
+            self.version,
+            sorted(self._migrations()) or "no other version",
+        )
+        with ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="outbox-run") as pool:
+            try:
+                self._claim_loop(pool)
+            finally:
+                deadline = time.monotonic() + self.settings.grace_seconds
+                while self._held and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                if self._held:
+                    log.warning(
+                        "grace period over: %d runs are left to their leases", len(self._held)
+                    )
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- claiming ---------------------------------------------------------------------
+
+    def _migrations(self) -> dict[str, Callable[[Any], Any]]:
+        return self.outbox.migrations.get((self.agent, self.version), {})
+
+    def _claim_loop(self, pool: ThreadPoolExecutor) -> None:
+        versions = [self.version, *self._migrations()]
+        idle = 0.01
+        while not self._stopping.is_set():
+            free = self.settings.concurrency - len(self._held)
+            rows: list[RunRecord] = []
+            if free > 0:
+                self._wake.clear()
+                try:
+                    rows = self.outbox.store.claim_runs(
+                        [({"agent": self.agent, "agent_version": v}, free) for v in versions],
+                        owner=self.owner,
+                        lease_seconds=self.settings.lease_seconds,
+                    )
+                except Exception:
+                    log.exception("claiming runs failed")
+                for record in rows:
+                    with self._lock:
+                        self._held[record.id] = record.attempt
+                    try:
+                        pool.submit(self._execute, record)
+                    except RuntimeError:  # the interpreter is exiting; the lease will expire
+                        self._stopping.set()
+                        break
+            if rows and len(rows) >= free:
+                continue
+            self._wake.wait(idle)
+            idle = 0.01 if rows else min(self.settings.poll_seconds, idle * 2)
+
+    # -- one run ------------------------------------------------------------------------
+
+    def _count(self, outcome: str) -> None:
+        with self._lock:
+            self.counts[outcome] = self.counts.get(outcome, 0) + 1
+
+    def _execute(self, record: RunRecord) -> None:
+        lease = (self.owner, record.attempt)
+        context = {"run_id": str(record.id), "worker": self.owner, "attempt": record.attempt}
+        try:
+            if record.agent_version != self.version:
+                record = self._migrate(record, lease)
+            loaded = self.outbox.store.load_run(record.id)
+            if loaded is None:
+                return
+            run = Run(self.outbox, record, loaded[1], lease=lease)
+            try:
+                result = self.handler(run)
+            except Suspended:
+                self._count("suspended")
+                log.info("run waits", extra=context)
+                return
+            except (RunTerminal, LeaseLost) as exc:
+                self._count("abandoned")
+                log.warning("run left by this worker: %s", exc, extra=context)
+                return
+            except Exception as exc:
+                self._step_failed(run, exc, lease, context)
+                return
+            if run.status not in (RunStatus.COMPLETED, RunStatus.FAILED):
+                try:
+                    run.complete(result)
+                except (RunTerminal, LeaseLost) as exc:
+                    self._count("abandoned")
+                    log.warning("could not complete the run: %s", exc, extra=context)
+                    return
+            self._count("completed")
+        except Exception:
+            log.exception("worker error on run", extra=context)
+        finally:
+            with self._lock:
+                self._held.pop(record.id, None)
+            self._wake.set()
+
+    def _migrate(self, record: RunRecord, lease: tuple[str, int]) -> RunRecord:
+        fn = self._migrations()[record.agent_version]
+        state = encode(
+            fn(record.state), field="state", max_bytes=self.outbox.settings.max_payload_bytes
+        )
+        migrated = self.outbox.store.migrate_run(
+            record.id,
+            lease,
+            from_version=record.agent_version,
+            to_version=self.version,
+            state_json=state,
+        )
+        if migrated is None:
+            raise LeaseLost(f"run_id={str(record.id)!r}: lost while migrating")
+        log.info(
+            "run migrated %s -> %s",
+            record.agent_version,
+            self.version,
+            extra={"run_id": str(record.id)},
+        )
+        return migrated
+
+    def _step_failed(
+        self, run: Run, exc: Exception, lease: tuple[str, int], context: dict[str, Any]
+    ) -> None:
+        step = run.active_step or "<handler>"
+        failures = run.record.step_retries.get(step, 0) + 1
+        delay = self._policy.backoff(failures)
+        retry_after = getattr(exc, "retry_after", None)
+        if isinstance(retry_after, int | float):
+            delay = max(delay, float(retry_after))
+        failure = {
+            "step": step,
+            "type": type(exc).__name__,
+            "message": str(exc)[:2000],
+            "traceback": "".join(traceback.format_exception(exc))[-4000:],
+            "failures": failures,
+        }
+        status = self.outbox.store.record_step_failure(
+            run.id,
+            lease,
+            step=step,
+            max_retries=self.settings.max_step_retries,
+            delay=delay,
+            failure_json=encode(failure, field="error"),
+        )
+        if status == "failed":
+            self._count("failed")
+            log.warning(
+                "run failed at step %s after %d failures: %s", step, failures, exc, extra=context
+            )
+        elif status == "runnable":
+            self._count("retried")
+            log.info(
+                "step %s failed (%s); retry %d in %.1fs", step, exc, failures, delay, extra=context
+            )
+        else:
+            self._count("abandoned")
+
+    # -- background -----------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        dsn = self.outbox.engine.url.render_as_string(hide_password=False).replace("+psycopg", "")
+        while not self._stopping.is_set():
+            try:
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {RUNS_CHANNEL}")
+                    self._wake.set()
+                    while not self._stopping.is_set():
+                        for _ in conn.notifies(timeout=1.0, stop_after=1):
+                            self._wake.set()
+            except Exception as exc:
+                log.warning("LISTEN connection lost (%s); polling", exc)
+                time.sleep(1.0)
+
+    def _sweep(self) -> None:
+        last_heartbeat = last_stopping = 0.0
+        store = self.outbox.store
+        while not self._stopping.is_set():
+            time.sleep(self.settings.sweep_seconds)
+            try:
+                woken = store.wake_due_runs()
+                woken += store.rescue_expired_runs()
+                if woken:
+                    self._wake.set()
+                now = time.monotonic()
+                if now - last_heartbeat >= self.settings.lease_seconds / 3:
+                    last_heartbeat = now
+                    with self._lock:
+                        held = list(self._held.items())
+                    kept = store.extend_run_leases(
+                        held, owner=self.owner, lease_seconds=self.settings.lease_seconds
+                    )
+                    for run_id, _ in held:
+                        if run_id not in kept:
+                            log.warning(
+                                "lease on run %s was lost", run_id, extra={"run_id": str(run_id)}
+                            )
+                if now - last_stopping >= 1.0:
+                    last_stopping = now
+                    self.outbox.advance_stopping_runs()
+            except Exception:
+                log.exception("worker sweep failed")
