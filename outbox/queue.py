@@ -257,23 +257,24 @@ def complete_effects() -> Any:
             completed_at=case((_in(d.c.status, TERMINAL_STATUSES), func.now()), else_=null()),
             updated_at=func.now(),
         )
-        .returning(e.c.id, e.c.status)
+        .returning(e.c.id, e.c.status, e.c.awaited_by)
         .cte("updated")
     )
-    # A run parked on one of these effects (``run.await_effect``) can go on now.
+    # A run parked on one of these effects (``run.await_effect``) goes on now. The
+    # park wrote ``awaited_by`` on the effect row, so this statement sees it even
+    # when the park committed while it waited for that row's lock; the run row is
+    # then re-read at its latest version, which is why its state is tested in the
+    # SET (a WHERE on status would be judged on the older version).
+    terminal = _in(updated.c.status, TERMINAL_STATUSES)
+    woke = and_(runs.c.status == const("waiting"), runs.c.wait_effect == updated.c.id)
     woken = (
         runs.update()
-        .where(
-            runs.c.wait_effect == updated.c.id,
-            runs.c.status == const("waiting"),
-            _in(updated.c.status, TERMINAL_STATUSES),
-        )
+        .where(runs.c.id == updated.c.awaited_by, terminal)
         .values(
-            status=const("runnable"),
-            available_at=func.now(),
-            wake_at=null(),
-            wait_effect=null(),
-            updated_at=func.now(),
+            status=case((woke, const("runnable")), else_=runs.c.status),
+            available_at=case((woke, func.now()), else_=runs.c.available_at),
+            wake_at=case((woke, null()), else_=runs.c.wake_at),
+            wait_effect=case((woke, null()), else_=runs.c.wait_effect),
         )
         .returning(runs.c.id, func.pg_notify(RUNS_CHANNEL, ""))
         .cte("woken")

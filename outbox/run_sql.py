@@ -33,10 +33,10 @@ from outbox.statements import RUNS_CHANNEL, AnySelect, const, json_param
 
 __all__ = [
     "SIGNALS_CHANNEL",
+    "await_effect",
     "cancel_pending_effects",
     "complete_wait_step",
     "consume_signal",
-    "effect_outcome",
     "insert_signal",
     "insert_wait_step",
     "lock_run",
@@ -160,10 +160,19 @@ def consume_signal() -> Any:
     )
 
 
-def effect_outcome() -> AnySelect:
-    """Status, result and last error of one effect."""
-    return select(effects.c.status, effects.c.result, effects.c.last_error).where(
-        effects.c.id == bindparam("effect_id", type_=UUID(as_uuid=True))
+@cache
+def await_effect() -> Any:
+    """Mark the effect as awaited by the run and read its outcome (locks the effect row).
+
+    Locking the row orders this against the effect's completion: either the
+    completion committed first and its outcome is returned here, or it runs
+    after and finds ``awaited_by`` to wake the run (see ``queue.complete_effects``).
+    """
+    return (
+        effects.update()
+        .where(effects.c.id == bindparam("awaited_effect", type_=UUID(as_uuid=True)))
+        .values(awaited_by=bindparam("awaiting_run", type_=UUID(as_uuid=True)))
+        .returning(effects.c.status, effects.c.result, effects.c.last_error)
     )
 
 

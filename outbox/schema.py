@@ -230,6 +230,8 @@ effects = Table(
     _ts("created_at", nullable=False, default_now=True),
     _ts("updated_at", nullable=False, default_now=True),
     _ts("completed_at"),
+    # 0002: the run parked on this effect (run.await_effect); see queue.complete_effects
+    Column("awaited_by", UUID(as_uuid=True)),
     UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
     CheckConstraint(sql_in("status", EFFECT_STATUSES), name="outbox_effects_status_check"),
 )

@@ -28,8 +28,9 @@ from outbox.models import StepRecord
 
 __all__ = ["EFFECT_RECHECK_SECONDS", "Pending", "WaitSpec", "check_wait", "recorded_error"]
 
-# Parked on an effect, a run also sets a timer: its wake-up normally comes with
-# the effect's completion, and the timer only bounds the rare race between the two.
+# Parked on an effect, a run is woken by the effect's completion. Completions
+# that do not go through a deliverer (an operator's resolve, the reconciler
+# giving up) do not wake it, so a slow timer re-checks as well.
 EFFECT_RECHECK_SECONDS = 30.0
 
 
@@ -150,7 +151,9 @@ def check_wait(
                 error={"type": "SignalTimeout", "signal": spec.signal},
             )
     elif spec.kind == "effect":
-        effect = conn.execute(run_sql.effect_outcome(), {"effect_id": spec.effect_id}).first()
+        effect = conn.execute(
+            run_sql.await_effect(), {"awaited_effect": spec.effect_id, "awaiting_run": run_id}
+        ).first()
         if effect is None:
             return _complete(
                 conn,

@@ -118,6 +118,9 @@ class Worker:
                         "grace period over: %d runs are left to their leases", len(self._held)
                     )
                 pool.shutdown(wait=False, cancel_futures=True)
+                self._stopping.set()
+                for thread in background:  # they notice within a second
+                    thread.join(timeout=5)
 
     # -- claiming ---------------------------------------------------------------------
 

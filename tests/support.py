@@ -77,3 +77,32 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {message}")
         time.sleep(interval)
+
+
+class WorkerThread:
+    """A real Worker (``ob.worker(...)``) running in a background thread."""
+
+    def __init__(self, outbox: Any, agent: str, version: str, handler: Callable[..., Any],
+                 **settings: Any) -> None:
+        settings.setdefault("sweep_seconds", 0.05)
+        settings.setdefault("poll_seconds", 0.2)
+        self.worker = outbox.worker(agent, version, handler, **settings)
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self.error: BaseException | None = None
+
+    def _main(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as exc:
+            self.error = exc
+
+    def __enter__(self) -> WorkerThread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.stop()
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "worker did not stop"
+        if self.error is not None:
+            raise self.error

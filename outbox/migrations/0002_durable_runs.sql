@@ -12,6 +12,10 @@ ALTER TABLE outbox_runs
     ADD COLUMN cancel_reason TEXT;
 
 -- Timers fire by index, not by scanning every waiting run.
+-- The run parked on an effect (run.await_effect). Recorded on the effect row, so
+-- the completion that updates that row, whichever commits first, sees it.
+ALTER TABLE outbox_effects ADD COLUMN awaited_by UUID;
+
 CREATE INDEX outbox_runs_timers ON outbox_runs (wake_at)
     WHERE status = 'waiting' AND wake_at IS NOT NULL;
 CREATE INDEX outbox_runs_awaiting_effect ON outbox_runs (wait_effect)
