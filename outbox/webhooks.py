@@ -3,7 +3,9 @@
 ``POST /runs/{run_id}/signals/{name}`` with a JSON body ``{"payload": ...,
 "dedup_key": "..."}``, signed like Stripe's webhooks: the header
 ``X-Outbox-Timestamp`` carries unix seconds and ``X-Outbox-Signature`` carries
-``sha256=<hex HMAC-SHA256 of "<timestamp>.<body>" under the deployment's secret>``.
+``sha256=<hex HMAC-SHA256 of "<timestamp>.<path>.<body>" under the deployment's
+secret>`` (the path is signed too, so a body signed for one run cannot be
+pointed at another).
 Anything unsigned, signed wrongly, older than the tolerance, or a signature
 already seen (stored in PostgreSQL, so every server process shares it) is
 refused before it touches the run.
@@ -44,16 +46,17 @@ _ROUTE = re.compile(r"^/runs/([0-9a-fA-F-]{36})/signals/([A-Za-z0-9_.:-]{1,200})
 MAX_BODY = 1024 * 1024
 
 
-def sign(secret: bytes, timestamp: int, body: bytes) -> str:
-    """The signature header value for ``body`` sent at ``timestamp``."""
-    digest = hmac.new(secret, str(timestamp).encode() + b"." + body, hashlib.sha256).hexdigest()
-    return f"sha256={digest}"
+def sign(secret: bytes, timestamp: int, path: str, body: bytes) -> str:
+    """The signature header value for ``body`` posted to ``path`` at ``timestamp``."""
+    message = f"{timestamp}.{path}.".encode() + body
+    return "sha256=" + hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
 def verify(
     secret: bytes,
     timestamp: str | None,
     signature: str | None,
+    path: str,
     body: bytes,
     *,
     tolerance: float,
@@ -67,7 +70,7 @@ def verify(
     age = (time.time() if now is None else now) - int(timestamp)
     if abs(age) > tolerance:
         return f"stale: timestamp is {age:.0f}s away from now (tolerance {tolerance:.0f}s)"
-    expected = sign(secret, int(timestamp), body)
+    expected = sign(secret, int(timestamp), path, body)
     if not hmac.compare_digest(expected, signature):
         return "bad signature"
     return None
@@ -198,6 +201,7 @@ class SignalServer:
             self.secret,
             handler.headers.get(TIMESTAMP_HEADER),
             signature,
+            handler.path,
             body,
             tolerance=self.tolerance,
         )

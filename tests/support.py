@@ -82,8 +82,9 @@ def wait_for(
 class WorkerThread:
     """A real Worker (``ob.worker(...)``) running in a background thread."""
 
-    def __init__(self, outbox: Any, agent: str, version: str, handler: Callable[..., Any],
-                 **settings: Any) -> None:
+    def __init__(
+        self, outbox: Any, agent: str, version: str, handler: Callable[..., Any], **settings: Any
+    ) -> None:
         settings.setdefault("sweep_seconds", 0.05)
         settings.setdefault("poll_seconds", 0.2)
         self.worker = outbox.worker(agent, version, handler, **settings)

@@ -66,19 +66,21 @@ def test_sleep_parks_the_run_and_its_timer_wakes_it(ob: Outbox) -> None:
         parked = ob.run(run.id).record
         assert parked.lease_owner is None and parked.wake_at is not None
         with ob.engine.connect() as conn:
-            locks = conn.execute(text("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a "
-                                      "USING (pid) WHERE a.application_name = 'outbox' "
-                                      "AND l.locktype = 'transactionid' AND a.pid <> "
-                                      "pg_backend_pid()")).scalar_one()
+            locks = conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a "
+                    "USING (pid) WHERE a.application_name = 'outbox' "
+                    "AND l.locktype = 'transactionid' AND a.pid <> "
+                    "pg_backend_pid()"
+                )
+            ).scalar_one()
         assert locks == 0, "a waiting run holds no transaction"
         wait_for(lambda: status(ob, run) == RunStatus.COMPLETED, timeout=10)
     woken = ob.run(run.id)
     assert woken.record.result == "woke"
     assert woken.completed_steps == ["cool-off"]
     assert visits == ["in", "in"], "one visit to park, one after the timer"
-    deadline = datetime.fromisoformat(woken.step("cool-off").result is None and
-                                      parked.wake_at.isoformat() or parked.wake_at.isoformat())
-    assert datetime.now(UTC) >= deadline
+    assert parked.wake_at is not None and datetime.now(UTC) >= parked.wake_at
 
 
 def test_a_signal_wakes_a_waiting_run_and_its_payload_is_returned(ob: Outbox) -> None:
@@ -98,8 +100,9 @@ def test_a_signal_wakes_a_waiting_run_and_its_payload_is_returned(ob: Outbox) ->
 def test_a_signal_sent_before_the_run_waits_is_kept(ob: Outbox) -> None:
     run = ob.start_run("a", "1", {})
     ob.signal(run.id, "approval", "early")
-    with WorkerThread(ob, "a", "1",
-                      lambda r: r.wait_signal("approval", name="approval", timeout=60)):
+    with WorkerThread(
+        ob, "a", "1", lambda r: r.wait_signal("approval", name="approval", timeout=60)
+    ):
         wait_for(lambda: status(ob, run) == RunStatus.COMPLETED)
     assert ob.run(run.id).record.result == "early"
 
@@ -120,9 +123,11 @@ def test_approval_timeout_is_recorded_and_the_escalation_runs_once(ob: Outbox) -
         try:
             run.wait_signal("approval", name="approval", timeout=0.5)
         except SignalTimeout:
+
             def escalate(tx):  # type: ignore[no-untyped-def]
                 escalations.append(1)
                 tx.intend("page.oncall", {"why": "approval timed out"})
+
             run.transaction("escalate", escalate)
             return "escalated"
         return "approved"
@@ -145,8 +150,7 @@ def test_approval_timeout_is_recorded_and_the_escalation_runs_once(ob: Outbox) -
 
 def test_await_effect_returns_its_result_and_wakes_on_completion(ob: Outbox, dsn: str) -> None:
     def handler(run: Run) -> Any:
-        effect = run.transaction("charge", lambda tx: str(
-            tx.intend("k.pay", {"cents": 100}).id))
+        effect = run.transaction("charge", lambda tx: str(tx.intend("k.pay", {"cents": 100}).id))
         return run.await_effect(effect, timeout=60)
 
     pay = RecordingDeliverer("k.pay")
@@ -169,9 +173,10 @@ def test_await_effect_raises_when_the_effect_failed(ob: Outbox, dsn: str) -> Non
             seen.append(exc.status)
             return "gave up"
 
-    with WorkerThread(ob, "a", "1", handler), \
-            DaemonThread(dsn, {"k.pay": RecordingDeliverer("k.pay",
-                                                           outcome=lambda d: Failed("card"))}):
+    with (
+        WorkerThread(ob, "a", "1", handler),
+        DaemonThread(dsn, {"k.pay": RecordingDeliverer("k.pay", outcome=lambda d: Failed("card"))}),
+    ):
         run = ob.start_run("a", "1", {})
         wait_for(lambda: status(ob, run) == RunStatus.COMPLETED, timeout=10)
     assert seen == ["failed"]
@@ -235,13 +240,22 @@ def test_a_step_that_recovers_within_its_retries_completes(ob: Outbox) -> None:
 
 def test_timers_are_found_by_index_not_by_scanning(ob: Outbox) -> None:
     with ob.engine.begin() as conn:
-        conn.execute(text(
-            "INSERT INTO outbox_runs (id, agent, agent_version, inputs, inputs_hash, status, "
-            "wake_at) SELECT gen_random_uuid(), 'a', '1', '{}', 'h', 'waiting', "
-            "now() + (g || ' minutes')::interval FROM generate_series(1, 20000) g"))
+        conn.execute(
+            text(
+                "INSERT INTO outbox_runs (id, agent, agent_version, inputs, inputs_hash, status, "
+                "wake_at) SELECT gen_random_uuid(), 'a', '1', '{}', 'h', 'waiting', "
+                "now() + (g || ' minutes')::interval FROM generate_series(1, 20000) g"
+            )
+        )
         conn.execute(text("ANALYZE outbox_runs"))
-        plan = "\n".join(r[0] for r in conn.execute(text(
-            "EXPLAIN SELECT id FROM outbox_runs WHERE status = 'waiting' AND wake_at <= now() "
-            "ORDER BY wake_at LIMIT 1000 FOR UPDATE SKIP LOCKED")))
+        plan = "\n".join(
+            r[0]
+            for r in conn.execute(
+                text(
+                    "EXPLAIN SELECT id FROM outbox_runs WHERE status = 'waiting' "
+                    "AND wake_at <= now() ORDER BY wake_at LIMIT 1000 FOR UPDATE SKIP LOCKED"
+                )
+            )
+        )
     assert "outbox_runs_timers" in plan
     assert "Seq Scan" not in plan
