@@ -472,6 +472,9 @@ class DeliveryDaemon:
                     lease_seconds=self.settings.lease_seconds,
                     default_max_attempts=self.settings.max_attempts,
                 )
+                # Cancelled runs move on as their effects finish, even where no
+                # worker of their agent runs.
+                await self.store.advance_stopping_runs()
                 if time.monotonic() - last_kinds_check > 30:
                     last_kinds_check = time.monotonic()
                     await self.store.mark_unknown_kinds(

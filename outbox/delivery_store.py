@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox import queue
 from outbox.faults import crash_point
+from outbox.lifecycle import advance_stopping_runs
 from outbox.schema import effects
 from outbox.statements import const
 
@@ -194,6 +195,11 @@ class AsyncDeliveryStore:
                 },
             )
             return len(result.all())
+
+    async def advance_stopping_runs(self) -> dict[str, int]:
+        """One sweep over cancelling and compensating runs (see :mod:`outbox.lifecycle`)."""
+        async with self.engine.begin() as conn:
+            return await conn.run_sync(advance_stopping_runs)
 
     async def open_counts(self) -> tuple[dict[tuple[str, str], int], float]:
         """Unfinished effects per (status, kind), and the age in seconds of the oldest pending."""

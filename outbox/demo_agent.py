@@ -15,7 +15,7 @@ from typing import Any
 
 from outbox import Outbox, Run, StepTransaction
 
-__all__ = ["AGENT", "STEPS", "VERSION", "reconcile_month"]
+__all__ = ["AGENT", "STEPS", "VERSION", "book_trip", "pay_vendor", "reconcile_month"]
 
 AGENT = "invoice-reconciler"
 VERSION = "1.0.0"
@@ -117,8 +117,48 @@ def reconcile_month(run: Run, sink_url: str, *, step_pause: float = 0.15) -> dic
     return result
 
 
+def pay_vendor(run: Run) -> dict[str, Any]:
+    """Prepare a payment batch, wait (days, if need be) for the CFO's approval, then pay.
+
+    Run by an ``outbox worker``: while it waits, the run is parked and holds nothing.
+    """
+    sink_url = run.inputs["sink"]
+    batch = run.call("prepare-batch", lambda: {"vendor": "ACME", "amount": 12_500})
+    approval = run.wait_signal("cfo-approval", name="approval", timeout=3600)
+
+    def pay(tx: StepTransaction) -> str:
+        return tx.intend(
+            "http.request",
+            {
+                "url": f"{sink_url}/payments",
+                "json": {"operation": f"{run.id}:pay", **batch, "approved_by": approval["by"]},
+            },
+        ).idempotency_key
+
+    run.transaction("pay", pay)
+    return {"paid": batch["amount"], "approved_by": approval["by"]}
+
+
+def book_trip(run: Run, sink_url: str) -> None:
+    """Book flight, hotel and car; each booking declares how to undo it."""
+    for item in ("flight", "hotel", "car"):
+
+        def book(tx: StepTransaction, item: str = item) -> None:
+            refund = {
+                "url": f"{sink_url}/refunds",
+                "json": {"operation": f"{run.id}:refund:{item}", "item": item},
+            }
+            tx.intend(
+                "http.request",
+                {"url": f"{sink_url}/bookings", "json": {"operation": f"{run.id}:book:{item}"}},
+                compensate=("http.request", refund),
+            )
+
+        run.transaction(f"book-{item}", book)
+
+
 def main(argv: list[str]) -> None:
-    """Entry point of the agent process."""
+    """Entry point of an agent process: ``python -m outbox.demo_agent RUN_ID SINK_URL``."""
     run_id, sink_url = argv[1], argv[2]
     with Outbox.connect() as ob:
         reconcile_month(ob.run(run_id), sink_url)

@@ -169,6 +169,7 @@ def test_spending_is_keyed_and_over_budget_steps_commit_nothing(ob: Outbox) -> N
 
 def test_costly_effects_reserve_then_commit_or_release(ob: Outbox, dsn: str) -> None:
     run = ob.start_run("a", "1", budget=10)
+
     def buy(tx: StepTransaction) -> None:
         tx.intend("k.ok", {"n": 1}, cost=3)
         tx.intend("k.no", {"n": 2}, cost=2)
