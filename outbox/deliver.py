@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -25,28 +24,19 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from outbox.attempts import perform_attempt
 from outbox.delivery import (
     Deliverer,
-    Delivery,
-    Failed,
-    Outcome,
-    PermanentError,
     Retry,
-    RetryableError,
-    Succeeded,
-    Unknown,
-    is_async,
 )
 from outbox.delivery_store import AsyncDeliveryStore, Completion
 from outbox.faults import crash_point
 from outbox.metrics import DeliveryMetrics
-from outbox.payloads import encode
 from outbox.queue import EFFECT_QUEUE
 from outbox.reconcile import reconcile
-from outbox.retry import RetryPolicy, decide
+from outbox.retry import RetryPolicy
 from outbox.statements import EFFECTS_CHANNEL
 
 __all__ = ["DeliverSettings", "DeliveryDaemon", "default_owner"]
@@ -242,132 +232,35 @@ class DeliveryDaemon:
     # -- one delivery -------------------------------------------------------------
 
     async def _deliver(self, row: Any, held: _Held) -> None:
-        effect_id, attempt, kind = row["id"], row["attempt"], row["kind"]
-        started = row["attempt_started_at"]
-        started_iso = started.isoformat() if started else None
-        context = {
-            "effect_id": str(effect_id),
-            "run_id": str(row["run_id"]),
-            "attempt": attempt,
-            "key": row["idempotency_key"],
-            "kind": kind,
-        }
         if self._stopping.is_set():
+            started = row["attempt_started_at"]
             self._record(
                 Completion(
-                    effect_id,
-                    attempt,
+                    row["id"],
+                    row["attempt"],
                     "pending",
                     "released",
-                    started_at=started_iso,
+                    started_at=started.isoformat() if started else None,
                     error="released unstarted at shutdown",
                 ),
                 held,
             )
             return
-        deliverer = self.deliverers[kind]
-        if row["schema_version"] not in deliverer.schema_versions:
-            note = (
-                f"payload schema version {row['schema_version']} of kind {kind!r} is not "
-                f"understood by this deliverer (knows {sorted(deliverer.schema_versions)}); "
-                "left pending for a deliverer that does"
-            )
-            log.warning(note, extra=context)
-            self._record(
-                Completion(
-                    effect_id,
-                    attempt,
-                    "pending",
-                    "released",
-                    error=note,
-                    delay=self.settings.schema_retry_seconds,
-                    started_at=started_iso,
-                ),
-                held,
-            )
-            return
         held.started = True
-        outcome = await self._call(deliverer, row, context)
-        crash_point("after_call")
+        completion, outcome = await perform_attempt(
+            self.deliverers[row["kind"]],
+            row,
+            policy=self.settings.retry_policy,
+            default_max_attempts=self.settings.max_attempts,
+            schema_retry_seconds=self.settings.schema_retry_seconds,
+        )
         if isinstance(outcome, Retry) and outcome.rate_limited:
+            kind = row["kind"]
             pause = outcome.after if outcome.after is not None else 1.0
-            self._paused_until[kind] = max(
-                self._paused_until.get(kind, 0), time.monotonic() + pause
-            )
-            log.info("kind %s rate-limited for %.1fs", kind, pause, extra=context)
-        max_attempts = row["max_attempts"] or deliverer.max_attempts or self.settings.max_attempts
-        decision = decide(
-            outcome, attempt=attempt, max_attempts=max_attempts, policy=self.settings.retry_policy
-        )
-        try:
-            result_json = (
-                None
-                if decision.result is None
-                else encode(decision.result, field="result", max_bytes=RESULT_LIMIT)
-            )
-        except Exception as exc:
-            result_json = json.dumps({"unrecordable_result": str(exc)[:500]})
-        detail_json = _attempt_detail(decision.error, decision.detail)
-        log.log(
-            logging.INFO if decision.status != "failed" else logging.WARNING,
-            "effect %s attempt %d: %s%s",
-            effect_id,
-            attempt,
-            decision.outcome,
-            f" ({decision.error})" if decision.error else "",
-            extra=context,
-        )
-        self._record(
-            Completion(
-                effect_id,
-                attempt,
-                decision.status,
-                decision.outcome,
-                result_json=result_json,
-                error=decision.error,
-                delay=decision.delay,
-                detail_json=detail_json,
-                started_at=started_iso,
-            ),
-            held,
-        )
-
-    async def _call(self, deliverer: Deliverer, row: Any, context: dict[str, Any]) -> Outcome:
-        try:
-            payload = deliverer.parse_payload(row["payload"])
-        except pydantic.ValidationError as exc:
-            return Failed(
-                f"payload does not match the schema of kind {row['kind']!r}: "
-                f"{_pydantic_summary(exc)}"
-            )
-        delivery = Delivery(
-            effect_id=row["id"],
-            run_id=row["run_id"],
-            kind=row["kind"],
-            payload=payload,
-            idempotency_key=row["idempotency_key"],
-            attempt=row["attempt"],
-            schema_version=row["schema_version"],
-            ordering_key=row["ordering_key"],
-            created_at=row["created_at"],
-        )
-        try:
-            if is_async(deliverer.deliver):
-                outcome = await deliverer.deliver(delivery)  # type: ignore[misc]
-            else:
-                outcome = await asyncio.to_thread(deliverer.deliver, delivery)
-        except RetryableError as exc:
-            return Retry(str(exc), after=exc.retry_after, rate_limited=exc.rate_limited)
-        except PermanentError as exc:
-            return Failed(str(exc))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("deliverer raised %s: %s", type(exc).__name__, exc, extra=context)
-            return Retry(f"{type(exc).__name__}: {exc}")
-        if not isinstance(outcome, Succeeded | Retry | Failed | Unknown):
-            return Failed(f"deliverer returned {type(outcome).__name__}, not an outcome")
-        return outcome
+            until = max(self._paused_until.get(kind, 0), time.monotonic() + pause)
+            self._paused_until[kind] = until
+            log.info("kind %s rate-limited for %.1fs", kind, pause)
+        self._record(completion, held)
 
     def _record(self, completion: Completion, held: _Held) -> None:
         self._done.append(completion)
@@ -494,23 +387,3 @@ class DeliveryDaemon:
             except Exception as exc:
                 log.warning("collecting metrics failed: %s", exc)
             await asyncio.sleep(self.settings.stats_seconds)
-
-
-def _attempt_detail(error: str | None, detail: Any) -> str | None:
-    """What the attempt log keeps: the reason, and what the sink said (status, body excerpt)."""
-    if error is None and detail is None:
-        return None
-    entry: dict[str, Any] = dict(detail) if isinstance(detail, dict) else {}
-    if detail is not None and not isinstance(detail, dict):
-        entry["info"] = detail
-    if error is not None:
-        entry["error"] = error
-    return json.dumps(entry, default=str)
-
-
-def _pydantic_summary(exc: pydantic.ValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "payload"
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts)

@@ -61,6 +61,8 @@ class EffectStatus(StrEnum):
 
     PENDING = "pending"
     IN_FLIGHT = "in_flight"
+    #: published to Kafka by the relay, waiting for a stream deliverer (stream mode)
+    DISPATCHED = "dispatched"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     UNKNOWN = "unknown"

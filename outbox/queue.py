@@ -65,7 +65,7 @@ __all__ = [
 
 _SECONDS = text("interval '1 second'")
 # Effects that hold back later effects of the same ordering key.
-BLOCKING_STATUSES = ("pending", "in_flight", "unknown")
+BLOCKING_STATUSES = ("pending", "in_flight", "dispatched", "unknown")
 TERMINAL_STATUSES = ("succeeded", "failed", "cancelled", "compensated")
 
 

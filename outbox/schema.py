@@ -34,6 +34,7 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 __all__ = [
     "budget_ledger",
+    "consumed_keys",
     "effect_attempts",
     "effects",
     "metadata",
@@ -62,6 +63,7 @@ RUN_STATUSES = (
 EFFECT_STATUSES = (
     "pending",
     "in_flight",
+    "dispatched",
     "succeeded",
     "failed",
     "unknown",
@@ -254,8 +256,14 @@ Index(
     effects.c.ordering_key,
     effects.c.seq,
     postgresql_where=text(
-        "ordering_key IS NOT NULL AND status IN ('pending', 'in_flight', 'unknown')"
+        "ordering_key IS NOT NULL AND status IN ('pending', 'in_flight', 'dispatched', 'unknown')"
     ),
+)
+# 0003: dispatched to Kafka but not delivered within the TTL -> re-dispatch
+Index(
+    "outbox_effects_dispatched",
+    effects.c.lease_expires_at,
+    postgresql_where=text("status = 'dispatched'"),
 )
 Index("outbox_effects_run", effects.c.run_id, effects.c.seq)
 Index(
@@ -385,3 +393,13 @@ $$""",
 # plpgsql resolves the ledger only when the trigger runs, so the effects table is enough.
 for _ddl in EFFECT_COST_DDL:
     event.listen(effects, "after_create", DDL(_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
+
+# 0003: idempotency keys a Kafka consumer group has processed (deliverers.kafka.DedupConsumer)
+consumed_keys = Table(
+    "outbox_consumed_keys",
+    metadata,
+    Column("consumer_group", Text, nullable=False),
+    Column("idempotency_key", Text, nullable=False),
+    _ts("consumed_at", nullable=False, default_now=True),
+    PrimaryKeyConstraint("consumer_group", "idempotency_key", name="outbox_consumed_keys_pkey"),
+)

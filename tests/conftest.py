@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -118,3 +119,13 @@ def sub_env(dsn: str, tmp_path: Path) -> dict[str, str]:
     env["OUTBOX_HOME"] = str(tmp_path / "no-embedded-server-here")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+@pytest.fixture
+def kafka_broker(tmp_path: Path) -> Iterator[Any]:
+    """A real Kafka-protocol broker (Tansu) on a free loopback port, for one test."""
+    from tests.kafka_support import TansuBroker
+
+    broker = TansuBroker(tmp_path / "tansu.log").start()
+    yield broker
+    broker.stop()
