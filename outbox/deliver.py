@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import psycopg
 from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.attempts import perform_attempt
@@ -38,6 +37,7 @@ from outbox.queue import EFFECT_QUEUE
 from outbox.reconcile import reconcile
 from outbox.retry import RetryPolicy
 from outbox.statements import EFFECTS_CHANNEL
+from outbox.wakeup import listen
 
 __all__ = ["DeliverSettings", "DeliveryDaemon", "default_owner"]
 
@@ -312,22 +312,7 @@ class DeliveryDaemon:
     # -- background ---------------------------------------------------------------
 
     async def _listen(self) -> None:
-        backoff = 0.1
-        while True:
-            try:
-                conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
-                async with conn:
-                    await conn.execute(f"LISTEN {EFFECTS_CHANNEL}")
-                    backoff = 0.1
-                    self._wake.set()  # anything committed while we were not listening
-                    async for _ in conn.notifies():
-                        self._wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("LISTEN connection lost (%s); polling until it is back", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+        await listen(self.dsn, EFFECTS_CHANNEL, self._wake)
 
     async def _heartbeat(self) -> None:
         while True:

@@ -196,6 +196,41 @@ class AsyncDeliveryStore:
             )
             return len(result.all())
 
+    # -- stream mode -----------------------------------------------------------------
+
+    async def mark_dispatched(
+        self, owner: str, held: Sequence[tuple[UUID, int]], *, dispatch_ttl: float
+    ) -> set[UUID]:
+        """The relay published these attempts; returns the ids it still held (fenced)."""
+        if not held:
+            return set()
+        params = queue.extend_params(held, owner=owner, lease_seconds=0)
+        params["dispatch_ttl"] = dispatch_ttl
+        async with self.engine.begin() as conn:
+            result = await conn.execute(queue.mark_dispatched(), params)
+            return {row[0] for row in result}
+
+    async def claim_dispatched(
+        self, ids: Sequence[UUID], *, owner: str, lease_seconds: float
+    ) -> list[Any]:
+        """Claim the effects named by Kafka records that are still ``dispatched``."""
+        if not ids:
+            return []
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                queue.claim_dispatched(),
+                {"ids": list(ids), "owner": owner, "lease_seconds": lease_seconds},
+            )
+            return list(result.mappings())
+
+    async def redispatch_expired(self, *, worker: str, max_rows: int = 1000) -> int:
+        """Dispatched effects not delivered within their TTL go back to ``pending``."""
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                queue.redispatch_expired(), {"worker": worker, "max_rows": max_rows}
+            )
+            return len(result.all())
+
     async def advance_stopping_runs(self) -> dict[str, int]:
         """One sweep over cancelling and compensating runs (see :mod:`outbox.lifecycle`)."""
         async with self.engine.begin() as conn:

@@ -29,6 +29,7 @@ from sqlalchemy import (
     Text,
     all_,
     and_,
+    any_,
     bindparam,
     case,
     column,
@@ -51,13 +52,16 @@ __all__ = [
     "RUN_QUEUE",
     "QueueSpec",
     "claim",
+    "claim_dispatched",
     "claim_params",
     "complete_effects",
     "expire_effect",
     "expired_effects",
     "extend_leases",
     "extend_params",
+    "mark_dispatched",
     "mark_unknown_kinds",
+    "redispatch_expired",
     "resolve_unknown",
     "retry_failed",
     "take_over_effect",
@@ -438,6 +442,120 @@ def retry_failed() -> Any:
             "max_attempts": effects.c.attempt + bindparam("extra_attempts", type_=Integer),
         },
         "retried",
+    )
+
+
+# -- stream mode (Kafka) -----------------------------------------------------------------
+
+RELAY_OWNER_PREFIX = "relay:"
+
+
+@cache
+def mark_dispatched() -> Any:
+    """The relay published these attempts to Kafka: ``dispatched`` until ``dispatch_ttl`` runs out.
+
+    Parameters: ``owner`` (the relay), ``held`` (JSON ``[{id, attempt}]``),
+    ``dispatch_ttl`` (seconds). Fenced like a completion; logged as ``dispatched``.
+    """
+    held = _held()
+    changed = (
+        effects.update()
+        .where(
+            effects.c.id == held.c.id,
+            effects.c.attempt == held.c.attempt,
+            effects.c.status == const("in_flight"),
+            effects.c.lease_owner == bindparam("owner", type_=Text),
+        )
+        .values(
+            status=const("dispatched"),
+            lease_owner=null(),
+            lease_expires_at=func.now() + bindparam("dispatch_ttl", type_=Float) * _SECONDS,
+            updated_at=func.now(),
+        )
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
+        .cte("changed")
+    )
+    return (
+        pg_insert(effect_attempts)
+        .from_select(
+            ["effect_id", "attempt", "worker", "started_at", "outcome"],
+            select(
+                changed.c.id,
+                changed.c.attempt,
+                bindparam("owner", type_=Text),
+                changed.c.attempt_started_at,
+                const("dispatched"),
+            ),
+        )
+        .returning(effect_attempts.c.effect_id)
+    )
+
+
+@cache
+def claim_dispatched() -> Any:
+    """A stream deliverer claims dispatched effects it read from Kafka (others are skipped).
+
+    Parameters: ``ids`` (array), ``owner``, ``lease_seconds``. An effect that is
+    no longer ``dispatched`` (delivered already, or claimed through another copy
+    of its record) is not returned: redelivered records are harmless.
+    """
+    e = effects
+    return (
+        e.update()
+        .where(
+            e.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
+            e.c.status == const("dispatched"),
+        )
+        .values(
+            status=const("in_flight"),
+            lease_owner=bindparam("owner", type_=Text),
+            lease_expires_at=func.now() + bindparam("lease_seconds", type_=Float) * _SECONDS,
+            # The relay's claim already counted this attempt and fenced it; a new
+            # number comes with the next dispatch.
+            attempt_started_at=func.now(),
+            updated_at=func.now(),
+        )
+        .returning(*e.c)
+    )
+
+
+@cache
+def redispatch_expired() -> Any:
+    """Dispatched effects nobody delivered within their TTL go back to ``pending`` (same key)."""
+    due = (
+        select(effects.c.id)
+        .where(effects.c.status == const("dispatched"), effects.c.lease_expires_at < func.now())
+        .order_by(effects.c.lease_expires_at)
+        .limit(bindparam("max_rows", type_=Integer))
+        .with_for_update(skip_locked=True)
+        .cte("due")
+    )
+    changed = (
+        effects.update()
+        .where(effects.c.id == due.c.id)
+        .values(
+            status=const("pending"),
+            lease_expires_at=null(),
+            available_at=func.now(),
+            last_error=const("dispatched but not delivered in time: re-dispatching"),
+            updated_at=func.now(),
+        )
+        .returning(effects.c.id, effects.c.attempt)
+        .cte("changed")
+    )
+    return (
+        pg_insert(effect_attempts)
+        .from_select(
+            ["effect_id", "attempt", "worker", "outcome", "detail"],
+            select(
+                changed.c.id,
+                changed.c.attempt,
+                bindparam("worker", type_=Text),
+                const("expired"),
+                func.jsonb_build_object("resolution", const("re-dispatch")),
+            ),
+        )
+        .returning(effect_attempts.c.effect_id)
     )
 
 

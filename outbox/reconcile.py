@@ -28,6 +28,7 @@ from uuid import UUID
 
 from outbox.delivery import Deliverer, Delivery, NotApplied, Succeeded, is_async
 from outbox.delivery_store import AsyncDeliveryStore, Completion
+from outbox.queue import RELAY_OWNER_PREFIX
 
 __all__ = ["ReconcileItem", "ReconcileReport", "reconcile"]
 
@@ -107,6 +108,12 @@ async def reconcile(
 ) -> ReconcileReport:
     """Resolve every expired in-flight effect (up to ``max_rows``); report what was done."""
     report = ReconcileReport(dry_run=dry_run)
+    if not dry_run:
+        redispatched = await store.redispatch_expired(worker=worker, max_rows=max_rows)
+        if redispatched:
+            log.info(
+                "%d dispatched effects were not delivered in time: re-dispatching", redispatched
+            )
     for row in await store.expired(max_rows):
         item = await _resolve(
             store,
@@ -148,11 +155,26 @@ async def _resolve(
     def item(action: str, note: str = "") -> ReconcileItem:
         return ReconcileItem(effect_id, kind, attempt, action, note)
 
+    lost = f"attempt {attempt} was lost (lease expired without a recorded outcome)"
+    if (row["lease_owner"] or "").startswith(RELAY_OWNER_PREFIX):
+        # A relay only publishes to Kafka; a stream deliverer dedups by the effect's
+        # state, so publishing again is always safe.
+        note = f"{lost} by the Kafka relay; dispatching again"
+        if dry_run:
+            return item("redeliver", note)
+        done = await store.expire(
+            effect_id,
+            attempt,
+            new_status="pending",
+            note=note,
+            resolution="redeliver",
+            worker=worker,
+        )
+        return item("redeliver", note) if done else None
     deliverer = deliverers.get(kind)
     if deliverer is None:
         return item("skipped", f"no deliverer for kind {kind!r} in this process")
     max_attempts = row["max_attempts"] or deliverer.max_attempts or default_max_attempts
-    lost = f"attempt {attempt} was lost (lease expired without a recorded outcome)"
 
     if deliverer.idempotent:
         if attempt >= max_attempts:

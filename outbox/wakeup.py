@@ -16,12 +16,15 @@ notifications are lost when a listener's connection drops.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["WakeupThrottle"]
+import psycopg
+
+__all__ = ["WakeupThrottle", "listen"]
 
 log = logging.getLogger(__name__)
 
@@ -95,3 +98,27 @@ class WakeupThrottle:
                 self._send()
             except Exception:  # the poll backstop covers a lost hint
                 log.warning("trailing NOTIFY failed; listeners fall back to polling", exc_info=True)
+
+
+async def listen(dsn: str, channel: str, wake: asyncio.Event) -> None:
+    """Set ``wake`` on every NOTIFY on ``channel``, reconnecting forever (cancel to stop).
+
+    While the connection is down the caller's poll is the only wake-up; on
+    reconnect ``wake`` is set once, for anything committed in between.
+    """
+    backoff = 0.1
+    while True:
+        try:
+            conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+            async with conn:
+                await conn.execute(f"LISTEN {channel}")
+                backoff = 0.1
+                wake.set()
+                async for _ in conn.notifies():
+                    wake.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("LISTEN %s connection lost (%s); polling until it is back", channel, exc)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)

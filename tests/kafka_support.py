@@ -48,7 +48,10 @@ class TansuBroker:
         with self.log.open("ab") as handle:
             self.proc = subprocess.Popen(
                 [self.binary, "broker", "--listener-url", url, "--advertised-listener-url", url],
-                stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"})
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "RUST_LOG": "warn"},
+            )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:

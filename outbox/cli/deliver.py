@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.database import open_engine
 from outbox.delivery import Deliverer
+from outbox.delivery_store import AsyncDeliveryStore, make_async_engine
 
 __all__ = ["COMMANDS"]
 
@@ -77,6 +79,31 @@ def checked_dsn(cli: CliContext) -> str:
 )
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus /metrics here.")
 @click.option("--log-json", is_flag=True, help="Log JSON lines.")
+@click.option(
+    "--from-kafka",
+    "kafka",
+    envvar="OUTBOX_KAFKA_BOOTSTRAP",
+    default=None,
+    metavar="BOOTSTRAP",
+    help="Stream mode: consume what `outbox relay` dispatched.",
+)
+@click.option(
+    "--group",
+    envvar="OUTBOX_KAFKA_GROUP",
+    default="outbox-deliverers",
+    show_default=True,
+    help="Kafka consumer group (stream mode).",
+)
+@click.option(
+    "--topic-prefix", envvar="OUTBOX_KAFKA_TOPIC_PREFIX", default="outbox.", show_default=True
+)
+@click.option(
+    "--kafka-option",
+    "kafka_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Extra kafka-python consumer setting (repeatable).",
+)
 @pass_cli
 def deliver(
     cli: CliContext,
@@ -89,16 +116,36 @@ def deliver(
     grace_seconds: float,
     metrics_port: int | None,
     log_json: bool,
+    kafka: str | None,
+    group: str,
+    topic_prefix: str,
+    kafka_options: tuple[str, ...],
 ) -> None:
     """Deliver pending effects until SIGTERM/SIGINT (then finish in-flight calls and exit 0)."""
     from outbox.deliver import DeliverSettings, DeliveryDaemon
-    from outbox.delivery_store import AsyncDeliveryStore, make_async_engine
     from outbox.logs import configure
     from outbox.metrics import DeliveryMetrics
 
     configure(logging.INFO, as_json=log_json)
     deliverers = load_deliverers(config_path, kinds)
     dsn = checked_dsn(cli)
+    if kafka is not None:
+        from deliverers.kafka_stream import StreamDeliverer, StreamSettings
+
+        stream = StreamSettings(
+            bootstrap_servers=kafka,
+            group=group,
+            topic_prefix=topic_prefix,
+            max_records=batch_size,
+            lease_seconds=lease_seconds,
+            consumer=_kafka_options(kafka_options),
+        )
+        serve_until_signal(
+            dsn,
+            lambda store: StreamDeliverer(store, deliverers, stream),
+            f"stream-delivering kinds {sorted(deliverers)} from {kafka}",
+        )
+        return
     settings = DeliverSettings(
         concurrency=concurrency,
         batch_size=batch_size,
@@ -109,22 +156,113 @@ def deliver(
     metrics = DeliveryMetrics()
     if metrics_port is not None:
         metrics.serve(metrics_port)
+    serve_until_signal(
+        dsn,
+        lambda store: DeliveryDaemon(store, dsn, deliverers, settings, metrics),
+        f"delivering kinds {sorted(deliverers)} as {settings.owner}",
+    )
+
+
+class _Daemon(Protocol):
+    def stop(self) -> None: ...
+
+    async def run(self) -> None: ...
+
+
+def serve_until_signal(
+    dsn: str, make: Callable[[AsyncDeliveryStore], _Daemon], banner: str
+) -> None:
+    """Run an async daemon until SIGTERM/SIGINT asks it to stop gracefully."""
 
     async def main() -> None:
         store = AsyncDeliveryStore(make_async_engine(dsn, pool_size=4))
-        daemon = DeliveryDaemon(store, dsn, deliverers, settings, metrics)
+        daemon = make(store)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop)
-        logging.getLogger("outbox.deliver").info(
-            "delivering kinds %s as %s", sorted(deliverers), settings.owner
-        )
+        logging.getLogger("outbox.cli").info(banner)
         try:
             await daemon.run()
         finally:
             await store.dispose()
 
     asyncio.run(main())
+
+
+def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
+    parsed: dict[str, Any] = {}
+    for option in options:
+        key, sep, raw = option.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{option!r}: expected KEY=VALUE", param_hint="--kafka-option")
+        parsed[key] = int(raw) if raw.lstrip("-").isdigit() else raw
+    return parsed
+
+
+@click.command("relay")
+@config_option
+@kind_option
+@click.option(
+    "--kafka",
+    envvar="OUTBOX_KAFKA_BOOTSTRAP",
+    required=True,
+    metavar="BOOTSTRAP",
+    help="Kafka bootstrap servers.",
+)
+@click.option(
+    "--topic-prefix",
+    envvar="OUTBOX_KAFKA_TOPIC_PREFIX",
+    default="outbox.",
+    show_default=True,
+    help="Effects of kind K go to topic PREFIX+K.",
+)
+@click.option("--batch-size", type=click.IntRange(1, 100_000), default=500, show_default=True)
+@click.option(
+    "--dispatch-ttl",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="Seconds before an undelivered dispatch is dispatched again.",
+)
+@click.option(
+    "--kafka-option",
+    "kafka_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Extra kafka-python producer setting (repeatable).",
+)
+@click.option("--log-json", is_flag=True)
+@pass_cli
+def relay(
+    cli: CliContext,
+    config_path: Path | None,
+    kinds: tuple[str, ...],
+    kafka: str,
+    topic_prefix: str,
+    batch_size: int,
+    dispatch_ttl: float,
+    kafka_options: tuple[str, ...],
+    log_json: bool,
+) -> None:
+    """Stream mode: publish pending effects to Kafka for `outbox deliver --from-kafka`."""
+    from deliverers.kafka_stream import Relay, RelaySettings
+    from outbox.logs import configure
+
+    configure(logging.INFO, as_json=log_json)
+    chosen = sorted(kinds) or sorted(load_deliverers(config_path, ()))
+    dsn = checked_dsn(cli)
+    settings = RelaySettings(
+        bootstrap_servers=kafka,
+        topic_prefix=topic_prefix,
+        batch_size=batch_size,
+        dispatch_ttl_seconds=dispatch_ttl,
+        producer=_kafka_options(kafka_options),
+    )
+    serve_until_signal(
+        dsn,
+        lambda store: Relay(store, dsn, chosen, settings),
+        f"relaying kinds {chosen} to {kafka} as {settings.owner}",
+    )
 
 
 @click.command("reconcile")
@@ -204,4 +342,4 @@ def reconcile_command(
     emit(data, as_json, render)
 
 
-COMMANDS = [deliver, reconcile_command]
+COMMANDS = [deliver, reconcile_command, relay]

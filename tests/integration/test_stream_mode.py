@@ -1,0 +1,257 @@
+"""Stream mode through a real Kafka-protocol broker: relay -> Kafka -> stream deliverers.
+
+Every test runs the real `outbox relay` and `outbox deliver --from-kafka`
+processes against a Tansu broker and a real HTTP sink. Expected: every intent
+is delivered, each applied once at the sink; crashes of a relay or a stream
+deliverer lose nothing; effects sharing an ordering key arrive in intent order.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deliverers.testing import IdempotentHttpSink
+from outbox import Outbox, StepTransaction
+from tests.kafka_support import CONSUMER_TUNING, TansuBroker
+from tests.support import wait_for
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+TOPIC = "outbox.http.request"
+
+
+@pytest.fixture
+def sink(tmp_path: Path) -> Iterator[IdempotentHttpSink]:
+    with IdempotentHttpSink(log_path=tmp_path / "sink.jsonl") as running:
+        yield running
+
+
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "deliverers.toml"
+    path.write_text('[kinds."http.request"]\nallow_private = ["127.0.0.1"]\n')
+    return path
+
+
+def spawn(
+    args: list[str], env: dict[str, str], log: Path, crash_at: str | None = None
+) -> subprocess.Popen[bytes]:
+    child = {k: v for k, v in env.items() if k != "OUTBOX_TEST_CRASH_AT"}
+    if crash_at:
+        child["OUTBOX_TEST_CRASH_AT"] = crash_at
+    with log.open("ab") as handle:
+        return subprocess.Popen(
+            [sys.executable, "-m", "outbox", *args],
+            env=child,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def relay(
+    broker: TansuBroker, env: dict[str, str], tmp_path: Path, name: str, crash_at: str | None = None
+) -> subprocess.Popen[bytes]:
+    return spawn(
+        [
+            "relay",
+            "--kafka",
+            broker.bootstrap,
+            "--config",
+            str(config(tmp_path)),
+            "--dispatch-ttl",
+            "30",
+        ],
+        env,
+        tmp_path / f"{name}.log",
+        crash_at,
+    )
+
+
+def stream_deliverer(
+    broker: TansuBroker, env: dict[str, str], tmp_path: Path, name: str, *extra: str
+) -> subprocess.Popen[bytes]:
+    tuning = [a for k, v in CONSUMER_TUNING.items() for a in ("--kafka-option", f"{k}={v}")]
+    return spawn(
+        [
+            "deliver",
+            "--from-kafka",
+            broker.bootstrap,
+            "--group",
+            "stream-test",
+            "--config",
+            str(config(tmp_path)),
+            "--lease",
+            "2",
+            *tuning,
+            *extra,
+        ],
+        env,
+        tmp_path / f"{name}.log",
+    )
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def intend(ob: Outbox, url: str, n: int, ordering: int = 0) -> None:
+    run = ob.start_run("agent", "1")
+
+    def step(tx: StepTransaction) -> None:
+        for i in range(n):
+            extra: dict[str, Any] = {}
+            if ordering:
+                extra["ordering_key"] = f"acct-{i % ordering}"
+            tx.intend(
+                "http.request",
+                {
+                    "url": url,
+                    "json": {"operation": f"op-{i}", "n": i, "key": extra.get("ordering_key")},
+                },
+                **extra,
+            )
+
+    run.transaction(f"s-{n}-{ordering}", step)
+
+
+def settled(ob: Outbox, n: int, tmp_path: Path, timeout: float) -> None:
+    """Wait until all n effects succeeded; on failure, show the processes' logs."""
+    try:
+        wait_for(lambda: statuses(ob) == {"succeeded": n}, timeout=timeout, message="delivery")
+    except AssertionError as exc:
+        tails = "\n".join(
+            f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-25:])
+            for log in sorted(tmp_path.glob("*.log"))
+        )
+        raise AssertionError(f"{exc}; statuses {statuses(ob)}\n{tails}") from None
+
+
+def statuses(ob: Outbox) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for e in ob.effects(limit=100_000):
+        counts[e.status.value] = counts.get(e.status.value, 0) + 1
+    return counts
+
+
+def assert_applied_once(ob: Outbox, sink: IdempotentHttpSink, n: int) -> None:
+    assert statuses(ob) == {"succeeded": n}
+    stats = sink.stats()
+    assert stats["keys_applied"] == n
+    assert stats["duplicate_keys_applied"] == [] and stats["duplicate_operations"] == []
+
+
+def test_relay_and_stream_deliverer_deliver_every_effect_once(
+    ob: Outbox,
+    sub_env: dict[str, str],
+    tmp_path: Path,
+    kafka_broker: TansuBroker,
+    sink: IdempotentHttpSink,
+) -> None:
+    kafka_broker.create_topic(TOPIC, partitions=3)
+    intend(ob, f"{sink.url}/ledger", 40)
+    procs = [
+        relay(kafka_broker, sub_env, tmp_path, "relay"),
+        stream_deliverer(kafka_broker, sub_env, tmp_path, "stream"),
+    ]
+    try:
+        settled(ob, 40, tmp_path, timeout=90)
+    finally:
+        stop(*procs)
+    assert_applied_once(ob, sink, 40)
+    effect = ob.effects(limit=1)[0]
+    outcomes = [a.outcome for a in ob.store.attempts(effect.id)]
+    assert outcomes == ["dispatched", "succeeded"]
+
+
+def test_kill_9_of_a_stream_deliverer_mid_batch_loses_nothing(
+    ob: Outbox,
+    sub_env: dict[str, str],
+    tmp_path: Path,
+    kafka_broker: TansuBroker,
+) -> None:
+    kafka_broker.create_topic(TOPIC, partitions=3)
+    with IdempotentHttpSink(latency=0.3) as slow_sink:
+        intend(ob, f"{slow_sink.url}/ledger", 30)
+        the_relay = relay(kafka_broker, sub_env, tmp_path, "relay")
+        doomed = stream_deliverer(kafka_broker, sub_env, tmp_path, "doomed")
+        try:
+            wait_for(lambda: slow_sink.in_progress > 0, timeout=60, message="calls in flight")
+            doomed.send_signal(signal.SIGKILL)
+            doomed.wait(10)
+            survivor = stream_deliverer(kafka_broker, sub_env, tmp_path, "survivor")
+            try:
+                settled(ob, 30, tmp_path, timeout=120)
+            finally:
+                stop(survivor)
+        finally:
+            stop(the_relay)
+        assert_applied_once(ob, slow_sink, 30)
+
+
+def test_relay_crash_after_publish_before_marking_dispatched(
+    ob: Outbox,
+    sub_env: dict[str, str],
+    tmp_path: Path,
+    kafka_broker: TansuBroker,
+    sink: IdempotentHttpSink,
+) -> None:
+    kafka_broker.create_topic(TOPIC, partitions=1)
+    intend(ob, f"{sink.url}/ledger", 10)
+    doomed = relay(kafka_broker, sub_env, tmp_path, "doomed", crash_at="after_publish")
+    assert doomed.wait(timeout=60) == -signal.SIGKILL
+    assert statuses(ob) == {"in_flight": 10}, "published, never marked dispatched"
+    procs = [
+        stream_deliverer(kafka_broker, sub_env, tmp_path, "stream"),
+        relay(kafka_broker, sub_env, tmp_path, "relay"),
+    ]
+    try:
+        settled(ob, 10, tmp_path, timeout=120)
+    finally:
+        stop(*procs)
+    assert_applied_once(ob, sink, 10)
+    effect = ob.effects(limit=1)[0]
+    log = [(a.attempt, a.outcome) for a in ob.store.attempts(effect.id)]
+    assert log[0] == (1, "expired"), "the relay's lost attempt was reconciled"
+    assert log[-1][1] == "succeeded"
+
+
+def test_order_per_key_with_three_partitions_and_two_consumers(
+    ob: Outbox,
+    sub_env: dict[str, str],
+    tmp_path: Path,
+    kafka_broker: TansuBroker,
+    sink: IdempotentHttpSink,
+) -> None:
+    kafka_broker.create_topic(TOPIC, partitions=3)
+    intend(ob, f"{sink.url}/ledger", 40, ordering=4)
+    procs = [
+        relay(kafka_broker, sub_env, tmp_path, "relay"),
+        stream_deliverer(kafka_broker, sub_env, tmp_path, "c1"),
+        stream_deliverer(kafka_broker, sub_env, tmp_path, "c2"),
+    ]
+    try:
+        settled(ob, 40, tmp_path, timeout=120)
+    finally:
+        stop(*procs)
+    assert_applied_once(ob, sink, 40)
+    arrivals: dict[str, list[int]] = {}
+    for line in (tmp_path / "sink.jsonl").read_text().splitlines():
+        body = json.loads(json.loads(line)["body"])
+        arrivals.setdefault(body["key"], []).append(body["n"])
+    assert len(arrivals) == 4
+    for key, seen in arrivals.items():
+        assert seen == sorted(seen), f"{key} delivered out of intent order: {seen}"
