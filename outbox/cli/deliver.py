@@ -82,7 +82,7 @@ def checked_dsn(cli: CliContext) -> str:
 @click.option(
     "--from-kafka",
     "kafka",
-    envvar="OUTBOX_KAFKA_BOOTSTRAP",
+    envvar="OUTBOX_DELIVER_FROM_KAFKA",
     default=None,
     metavar="BOOTSTRAP",
     help="Stream mode: consume what `outbox relay` dispatched.",

@@ -139,3 +139,24 @@ def serve(
 
 
 COMMANDS = [worker, signal_command, serve]
+
+
+@click.command("sink")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8080, show_default=True)
+def sink(host: str, port: int) -> None:
+    """A sample HTTP sink that honours Idempotency-Key (GET /stats shows what it applied)."""
+    import threading
+
+    from deliverers.testing import IdempotentHttpSink
+
+    server = IdempotentHttpSink(host=host, port=port).start()
+    console.print(f"sink listening on {server.url} (GET /stats)")
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    stopped.wait()
+    server.stop()
+
+
+COMMANDS.append(sink)

@@ -1,0 +1,6 @@
+FROM python:3.11-slim
+WORKDIR /app
+COPY . /app
+RUN pip install --no-cache-dir '.[kafka]'
+ENV PYTHONUNBUFFERED=1
+CMD ["outbox", "--help"]
