@@ -141,6 +141,13 @@ Index(
     postgresql_where=text("status = 'running'"),
 )
 Index("outbox_runs_created", runs.c.created_at)
+Index(
+    "outbox_runs_finished",
+    runs.c.updated_at,
+    postgresql_where=text(
+        "status IN ('completed', 'failed', 'cancelled', 'compensated', 'compensation_failed')"
+    ),
+)
 # Timers fire by index, not by scanning every waiting run.
 Index(
     "outbox_runs_timers",
@@ -266,6 +273,12 @@ Index(
     postgresql_where=text("status = 'dispatched'"),
 )
 Index("outbox_effects_run", effects.c.run_id, effects.c.seq)
+# 0004: retention (outbox gc) finds finished rows without scanning live ones
+Index(
+    "outbox_effects_finished",
+    effects.c.completed_at,
+    postgresql_where=text("completed_at IS NOT NULL"),
+)
 Index(
     "outbox_effects_needs_operator",
     effects.c.status,

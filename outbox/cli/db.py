@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import click
 
@@ -101,4 +102,67 @@ def db_stop(cli: CliContext, as_json: bool) -> None:
     )
 
 
-COMMANDS = [migrate_command, db]
+@click.command("gc")
+@click.option(
+    "--older-than",
+    required=True,
+    metavar="DURATION",
+    help="Finished history older than this goes, e.g. 30d, 12h.",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 100_000),
+    default=1000,
+    show_default=True,
+    help="Rows per transaction (short transactions keep vacuum working).",
+)
+@click.option(
+    "--archive",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Append deleted runs and effects to this JSON-lines file first.",
+)
+@click.option(
+    "--dry-run", is_flag=True, help="Count the first batch of each table; delete nothing."
+)
+@json_option
+@pass_cli
+def gc(
+    cli: CliContext, older_than: str, batch: int, archive: Path | None, dry_run: bool, as_json: bool
+) -> None:
+    """Delete (or archive and delete) finished runs and effects older than a horizon."""
+    from outbox.retention import collect_garbage, open_archive, parse_horizon
+
+    horizon = parse_horizon(older_than)
+    handle = open_archive(archive)
+    try:
+        with console.status("collecting garbage…") as status:
+            report = collect_garbage(
+                cli.outbox.engine,
+                horizon,
+                batch=batch,
+                archive=handle,
+                dry_run=dry_run,
+                progress=lambda table, n: status.update(f"{table}: {n} more"),
+            )
+    finally:
+        if handle is not None:
+            handle.close()
+    data = {
+        "older_than": older_than,
+        "dry_run": dry_run,
+        "deleted": report.deleted,
+        "batches": report.batches,
+    }
+    emit(
+        data,
+        as_json,
+        lambda: table(
+            f"gc (older than {older_than}){' dry run' if dry_run else ''}",
+            ["table", "deleted"],
+            sorted(report.deleted.items()),
+        ),
+    )
+
+
+COMMANDS = [migrate_command, db, gc]

@@ -1,0 +1,8 @@
+-- agent-outbox 0004: retention. `outbox gc` finds finished rows by these indexes,
+-- so deleting old history never scans what is still live.
+-- Must stay equal to outbox/schema.py (tests/integration/test_migrations.py checks it).
+
+CREATE INDEX outbox_effects_finished ON outbox_effects (completed_at)
+    WHERE completed_at IS NOT NULL;
+CREATE INDEX outbox_runs_finished ON outbox_runs (updated_at)
+    WHERE status IN ('completed', 'failed', 'cancelled', 'compensated', 'compensation_failed');

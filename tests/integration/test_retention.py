@@ -1,0 +1,78 @@
+"""`outbox gc`: finished history older than the horizon goes, in short batches; live rows stay."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+from sqlalchemy import func, select, update
+
+from outbox import Outbox
+from outbox.cli import cli
+from outbox.schema import effect_attempts, effects, runs, steps
+
+
+def count(ob: Outbox, table) -> int:  # type: ignore[no-untyped-def]
+    with ob.engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
+
+
+def test_gc_deletes_old_finished_history_and_keeps_the_rest(
+    ob: Outbox, dsn: str, tmp_path: Path
+) -> None:
+    old_done = ob.start_run("a", "1")
+    old_done.transaction("s", lambda tx: tx.intend("k.x", {"n": 1}) and None)
+    old_done.complete()
+    old_open = ob.start_run("a", "1")  # finished, but one of its effects is still pending
+    old_open.transaction("s", lambda tx: tx.intend("k.x", {"n": 2}) and None)
+    old_open.complete()
+    recent = ob.start_run("a", "1")
+    recent.complete()
+    live = ob.start_run("a", "1")
+    with ob.transaction() as tx:
+        tx.intend("k.x", {"n": 3}, key="runless-old")
+    with ob.engine.begin() as conn:
+        conn.execute(
+            update(effects)
+            .where(effects.c.run_id == old_done.id)
+            .values(status="succeeded", completed_at=func.now() - func.make_interval(0, 0, 0, 40))
+        )
+        conn.execute(
+            update(effects)
+            .where(effects.c.run_id.is_(None))
+            .values(status="succeeded", completed_at=func.now() - func.make_interval(0, 0, 0, 40))
+        )
+        conn.execute(
+            update(runs)
+            .where(runs.c.id.in_([old_done.id, old_open.id]))
+            .values(updated_at=func.now() - func.make_interval(0, 0, 0, 40))
+        )
+    archive = tmp_path / "archive.jsonl"
+    result = CliRunner().invoke(
+        cli,
+        [
+            "--dsn",
+            dsn,
+            "gc",
+            "--older-than",
+            "30d",
+            "--batch",
+            "1",
+            "--archive",
+            str(archive),
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["deleted"]["outbox_runs"] == 1
+    assert report["deleted"]["outbox_effects"] == 1
+    assert report["batches"] >= 4, "one row per transaction"
+    remaining = {r.id for r in ob.runs()}
+    assert remaining == {old_open.id, recent.id, live.id}
+    assert count(ob, steps) == 1 and count(ob, effects) == 1  # old_open's step and effect
+    assert count(ob, effect_attempts) == 0
+    archived = [json.loads(line) for line in archive.read_text().splitlines()]
+    assert sorted(a["table"] for a in archived) == ["outbox_effects", "outbox_runs"]
+    assert {a["row"]["id"] for a in archived if a["table"] == "outbox_runs"} == {str(old_done.id)}
