@@ -28,6 +28,7 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer
 from pydantic import BaseModel, ConfigDict, Field
 
+from deliverers.kafka import close_producer
 from outbox.attempts import perform_attempt
 from outbox.deliver import default_owner
 from outbox.delivery import Deliverer
@@ -134,7 +135,7 @@ class Relay:
             await asyncio.gather(listener, return_exceptions=True)
             producer, self._producer = self._producer, None
             if producer is not None:
-                await asyncio.to_thread(producer.close, 10)
+                await asyncio.to_thread(close_producer, producer, 10)
 
     async def _relay_batch(self) -> int:
         quotas = [({"kind": kind}, self.settings.batch_size) for kind in self.kinds]
@@ -151,6 +152,9 @@ class Relay:
         published, failed = await asyncio.to_thread(self._publish, rows)
         crash_point("after_publish")
         if failed:
+            # kafka-python's idempotent producer can stay wedged after a timed-out
+            # batch or a broker restart: start a fresh one for the next batch.
+            await asyncio.to_thread(self._replace_producer)
             await self.store.complete(
                 self.owner,
                 [
@@ -173,8 +177,29 @@ class Relay:
         self.dispatched += len(kept)
         return len(rows)
 
+    def _make_producer(self) -> KafkaProducer:
+        return KafkaProducer(
+            bootstrap_servers=self.settings.bootstrap_servers,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=5,
+            **self.settings.producer,
+        )
+
+    def _replace_producer(self) -> None:
+        old, self._producer = self._producer, None
+        if old is not None:
+            close_producer(old, 5)
+        try:
+            self._producer = self._make_producer()
+        except Exception as exc:  # no broker now: the next batch tries again
+            log.warning("Kafka producer could not be recreated: %s", exc)
+
     def _publish(self, rows: list[Any]) -> tuple[list[Any], list[tuple[Any, str]]]:
-        assert self._producer is not None
+        if self._producer is None:
+            self._replace_producer()
+        if self._producer is None:
+            return [], [(row, "no Kafka broker reachable") for row in rows]
         futures = []
         for row in rows:
             headers = [
@@ -193,11 +218,14 @@ class Relay:
                     ),
                 )
             )
-        self._producer.flush()
+        try:
+            self._producer.flush(timeout=30)
+        except Exception as exc:  # the futures below say which records were acknowledged
+            log.warning("Kafka flush did not finish: %s", exc)
         published, failed = [], []
         for row, future in futures:
             try:
-                future.get(timeout=30)
+                future.get(timeout=1)
                 published.append(row)
             except Exception as exc:  # not acknowledged: released, dispatched again later
                 failed.append((row, f"{type(exc).__name__}: {exc}"))

@@ -1,0 +1,621 @@
+"""``kafka.publish``: one record per effect to a Kafka topic, the idempotency key in its headers.
+
+Every record carries the headers ``idempotency-key``, ``run-id`` (when the
+effect belongs to a run) and ``effect-id``, plus the payload's own headers and
+its W3C ``traceparent``. The producer is kafka-python's, with
+``enable_idempotence=True`` and ``acks="all"``: its own internal retries never
+duplicate a record.
+
+The guarantee. An effect is ``succeeded`` only after the broker acknowledged
+the record (all in-sync replicas have it); ``result`` holds its topic,
+partition and offset. What happens when no acknowledgement comes:
+
+- nothing was sent (no broker reachable, no topic metadata or no buffer space
+  within ``max_block_ms``): ``Retry``, which is always safe;
+- the broker refused the record itself (too large, topic not authorized,
+  invalid record): ``Failed``, since sending it again cannot help;
+- the record was handed to the producer but its acknowledgement timed out or
+  the connection broke: the record may or may not be in the log. A Kafka
+  broker does not dedup across producer sessions, so resending can write a
+  second record. With the default ``idempotent = false`` the effect goes to
+  ``unknown`` for an operator. A deployment whose consumers dedup (see
+  :class:`DedupConsumer`) declares ``idempotent = true`` and the effect is
+  retried with the same key.
+
+So a crash or timeout mid-publish may leave a duplicate record in the topic
+with the same ``idempotency-key`` header; consumers that must apply each effect
+once use :class:`DedupConsumer`, which records the keys it has processed in
+``outbox_consumed_keys`` in the same PostgreSQL transaction as the consumer's
+own writes.
+
+After such an ambiguous failure the producer is replaced by a fresh one: an
+idempotent kafka-python 3.0 producer whose sent batch expired stops sending
+for good, and one whose broker lost its producer state (a restart of a
+broker without durable storage) fails fatally; a new producer recovers both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import fnmatch
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from kafka import KafkaProducer
+from kafka import errors as kafka_errors
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from sqlalchemy import Connection, Engine
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from outbox.delivery import (
+    Deliverer,
+    DelivererConfig,
+    Delivery,
+    Failed,
+    Outcome,
+    Retry,
+    Succeeded,
+    Unknown,
+)
+from outbox.schema import consumed_keys
+
+__all__ = [
+    "DedupConsumer",
+    "DedupStats",
+    "KafkaConfig",
+    "KafkaDeliverer",
+    "KafkaRecord",
+    "close_producer",
+]
+
+log = logging.getLogger(__name__)
+
+#: Header names the deliverer sets on every record; a payload cannot set them.
+IDEMPOTENCY_HEADER = "idempotency-key"
+RESERVED_HEADERS = frozenset({IDEMPOTENCY_HEADER, "run-id", "effect-id"})
+TRACEPARENT_HEADER = "traceparent"
+TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+# W3C trace context, version 00: version-traceid-parentid-flags, lowercase hex.
+TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+# The broker refused the record itself: nothing was written, resending cannot help.
+REJECTED_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.InvalidRecordError,
+    kafka_errors.InvalidTimestampError,
+    kafka_errors.PolicyViolationError,
+    kafka_errors.UnsupportedForMessageFormatError,
+)
+# Producer settings the deliverer owns (the guarantee depends on them) or that have own fields.
+OWNED_PRODUCER_SETTINGS = frozenset(
+    {
+        "bootstrap_servers",
+        "client_id",
+        "enable_idempotence",
+        "acks",
+        "transactional_id",
+        "key_serializer",
+        "value_serializer",
+        "request_timeout_ms",
+        "linger_ms",
+        "max_block_ms",
+        "delivery_timeout_ms",
+    }
+)
+# How much longer than delivery_timeout_ms a delivery waits for the producer's verdict.
+ACK_WAIT_MARGIN_SECONDS = 2.0
+
+
+class KafkaRecord(BaseModel):
+    """Payload of a ``kafka.publish`` effect: one record."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    topic: str = Field(
+        min_length=1,
+        max_length=249,
+        description="Kafka topic name (ASCII letters, digits, '.', '_', '-').",
+        json_schema_extra={"pattern": TOPIC_RE.pattern},
+    )
+    key: str | None = Field(
+        default=None,
+        description="Record key (UTF-8); records with the same key go to the same partition.",
+    )
+    value: Any = Field(
+        default=None,
+        description="The value as JSON, sent as UTF-8 JSON bytes. Exactly one of value, value_b64.",
+    )
+    value_b64: str | None = Field(
+        default=None, description="The value as raw bytes, base64-encoded."
+    )
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra headers; idempotency-key, run-id, effect-id and traceparent are "
+        "set by the deliverer.",
+    )
+    partition: int | None = Field(
+        default=None, ge=0, description="A fixed partition; by default the key decides."
+    )
+    traceparent: str | None = Field(
+        default=None,
+        description="W3C trace context of the intent, sent as the traceparent header.",
+        json_schema_extra={"pattern": TRACEPARENT_RE.pattern},
+    )
+
+    @field_validator("topic")
+    @classmethod
+    def _topic_name(cls, value: str) -> str:
+        if value in (".", "..") or not TOPIC_RE.match(value):
+            raise ValueError(
+                "not a Kafka topic name (1-249 of ASCII letters, digits, '.', '_', '-'; "
+                "not '.' or '..')"
+            )
+        return value
+
+    @field_validator("value_b64")
+    @classmethod
+    def _base64(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError("not valid base64") from None
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _own_headers(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            lower = name.lower()
+            if not name:
+                raise ValueError("header names must not be empty")
+            if lower in RESERVED_HEADERS:
+                raise ValueError(f"header {name!r} is reserved: the deliverer sets it")
+            if lower == TRACEPARENT_HEADER:
+                raise ValueError("set the trace context with the 'traceparent' field")
+        return value
+
+    @field_validator("traceparent")
+    @classmethod
+    def _w3c_traceparent(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        match = TRACEPARENT_RE.match(value)
+        if (
+            match is None
+            or match.group(1) == "ff"
+            or set(match.group(2)) == {"0"}
+            or set(match.group(3)) == {"0"}
+        ):
+            raise ValueError(
+                "not a W3C traceparent ('00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>')"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_value(self) -> KafkaRecord:
+        has_json = "value" in self.model_fields_set
+        has_bytes = self.value_b64 is not None
+        if has_json and has_bytes:
+            raise ValueError("set only one of value (JSON) or value_b64 (base64 bytes), not both")
+        if not has_json and not has_bytes:
+            raise ValueError("set exactly one of value (JSON) or value_b64 (base64 bytes)")
+        return self
+
+    def value_bytes(self) -> bytes:
+        """The record value as sent."""
+        if self.value_b64 is not None:
+            return base64.b64decode(self.value_b64, validate=True)
+        return json.dumps(self.value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class KafkaConfig(DelivererConfig):
+    """Where and how to publish."""
+
+    #: ``host:port`` of one or more brokers, comma-separated.
+    bootstrap_servers: str = "localhost:9092"
+    client_id: str = "agent-outbox"
+    #: When set, only these topics (``fnmatch`` patterns, case-sensitive); others fail.
+    allowed_topics: list[str] | None = None
+    #: How long one produce request may wait for the broker's answer.
+    request_timeout_ms: int = Field(default=30_000, ge=1)
+    linger_ms: int = Field(default=0, ge=0)
+    #: How long to wait for a connection, topic metadata or buffer space before sending.
+    max_block_ms: int = Field(default=10_000, ge=1)
+    #: Upper bound from send to acknowledgement (default: request_timeout_ms + linger_ms).
+    delivery_timeout_ms: int | None = Field(default=None, ge=1)
+    #: Further kafka-python ``KafkaProducer`` settings (compression_type, security, ...).
+    producer: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("producer")
+    @classmethod
+    def _producer_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for name in value:
+            if name in OWNED_PRODUCER_SETTINGS:
+                raise ValueError(f"{name!r} is set by the deliverer or its own field")
+            if name not in KafkaProducer.DEFAULT_CONFIG:
+                raise ValueError(f"{name!r} is not a kafka-python KafkaProducer setting")
+        if value.get("retries", 1) == 0:
+            raise ValueError("retries=0 conflicts with the idempotent producer")
+        if value.get("max_in_flight_requests_per_connection", 1) > 5:
+            raise ValueError("max_in_flight_requests_per_connection > 5 breaks idempotence")
+        return value
+
+    @model_validator(mode="after")
+    def _delivery_timeout(self) -> KafkaConfig:
+        if (
+            self.delivery_timeout_ms is not None
+            and self.delivery_timeout_ms < self.request_timeout_ms + self.linger_ms
+        ):
+            raise ValueError("delivery_timeout_ms must be at least request_timeout_ms + linger_ms")
+        return self
+
+    @property
+    def effective_delivery_timeout_ms(self) -> int:
+        """The producer's delivery timeout."""
+        if self.delivery_timeout_ms is not None:
+            return self.delivery_timeout_ms
+        return self.request_timeout_ms + self.linger_ms
+
+
+class _NotConnected(Exception):
+    """No producer could be created (no broker answered within ``max_block_ms``)."""
+
+
+class KafkaDeliverer(Deliverer):
+    """Publishes one record per effect; not idempotent by default (Kafka cannot dedup keys)."""
+
+    default_idempotent: ClassVar[bool] = False
+    payload_model: ClassVar[type[BaseModel] | None] = KafkaRecord
+    config_model: ClassVar[type[DelivererConfig]] = KafkaConfig
+
+    def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
+        super().__init__(kind, config)
+        assert isinstance(self.config, KafkaConfig)
+        self.kafka: KafkaConfig = self.config
+        #: Seconds a delivery waits for the producer's verdict (a backstop; it expires first).
+        self.ack_wait = self.kafka.effective_delivery_timeout_ms / 1000 + ACK_WAIT_MARGIN_SECONDS
+        self._lock = threading.Lock()
+        self._producer: Any = None
+        self._connect_failure: tuple[str, float] | None = None
+        self._closers: list[threading.Thread] = []
+
+    # -- the producer ---------------------------------------------------------------
+
+    def producer_settings(self) -> dict[str, Any]:
+        """Settings the ``KafkaProducer`` is created with."""
+        config = self.kafka
+        return {
+            "bootstrap_timeout_ms": config.max_block_ms,
+            **config.producer,
+            "bootstrap_servers": config.bootstrap_servers,
+            "client_id": config.client_id,
+            "enable_idempotence": True,
+            "acks": "all",
+            "request_timeout_ms": config.request_timeout_ms,
+            "linger_ms": config.linger_ms,
+            "max_block_ms": config.max_block_ms,
+            "delivery_timeout_ms": config.effective_delivery_timeout_ms,
+        }
+
+    def _current_producer(self) -> Any:
+        """The shared producer, created on first use (thread-safe)."""
+        waiting_since = time.monotonic()
+        with self._lock:
+            if self._producer is not None:
+                return self._producer
+            failure = self._connect_failure
+            if failure is not None and failure[1] >= waiting_since:
+                # Another thread failed to connect while this one waited: do not queue up
+                # one more max_block_ms wait per delivery.
+                raise _NotConnected(failure[0])
+            try:
+                self._producer = self._new_producer()
+            except kafka_errors.KafkaError as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+                self._connect_failure = (reason, time.monotonic())
+                raise _NotConnected(reason) from exc
+            self._connect_failure = None
+            return self._producer
+
+    def _new_producer(self) -> Any:
+        """A connected ``KafkaProducer``; raises ``KafkaError`` when no broker answers.
+
+        kafka-python 3.0 leaves the network client it made open when the
+        constructor fails (no broker within ``bootstrap_timeout_ms``): close it here.
+        """
+        settings = self.producer_settings()
+        make_client = settings.pop("kafka_client", KafkaProducer.DEFAULT_CONFIG["kafka_client"])
+        clients: list[Any] = []
+
+        def client_factory(**configs: Any) -> Any:
+            client = make_client(**configs)
+            clients.append(client)
+            return client
+
+        try:
+            return KafkaProducer(**settings, kafka_client=client_factory)
+        except BaseException:
+            for client in clients:
+                try:
+                    client.close()
+                except Exception:
+                    log.debug("closing a half-made Kafka client failed", exc_info=True)
+            raise
+
+    def _retire(self, producer: Any, reason: str) -> None:
+        """Replace ``producer`` on the next delivery; close it in the background.
+
+        Other deliveries still waiting on it get its verdict (or a forced close
+        after ``ack_wait``), so a healthy producer's records are not cut off.
+        """
+        with self._lock:
+            if self._producer is not producer:
+                return  # another delivery retired it already
+            self._producer = None
+            closer = threading.Thread(
+                target=close_producer,
+                args=(producer, self.ack_wait),
+                name=f"kafka-close-{self.kind}",
+                daemon=True,
+            )
+            self._closers = [t for t in self._closers if t.is_alive()]
+            self._closers.append(closer)
+            closer.start()
+        log.warning("kind %s: replacing the Kafka producer after: %s", self.kind, reason)
+
+    # -- delivery ---------------------------------------------------------------------
+
+    def _refusal(self, topic: str) -> str | None:
+        allowed = self.kafka.allowed_topics
+        if allowed is not None and not any(fnmatch.fnmatchcase(topic, p) for p in allowed):
+            return f"topic {topic!r} is not in allowed_topics of kind {self.kind!r}"
+        return None
+
+    def headers(self, record: KafkaRecord, delivery: Delivery) -> list[tuple[str, bytes]]:
+        """The record's headers as sent: the outbox's three, the payload's, the trace context."""
+        headers = [(IDEMPOTENCY_HEADER, delivery.idempotency_key.encode())]
+        if delivery.run_id is not None:
+            headers.append(("run-id", str(delivery.run_id).encode()))
+        headers.append(("effect-id", str(delivery.effect_id).encode()))
+        headers.extend((name, value.encode()) for name, value in record.headers.items())
+        if record.traceparent is not None:
+            headers.append((TRACEPARENT_HEADER, record.traceparent.encode()))
+        return headers
+
+    def deliver(self, delivery: Delivery) -> Outcome:
+        """Publish once and wait for the broker's acknowledgement (blocking; run in a thread)."""
+        record: KafkaRecord = delivery.payload
+        refusal = self._refusal(record.topic)
+        if refusal is not None:
+            return Failed(refusal)
+        try:
+            producer = self._current_producer()
+        except _NotConnected as exc:
+            return Retry(f"not sent: no broker available: {exc}")
+        try:
+            future = producer.send(
+                record.topic,
+                value=record.value_bytes(),
+                key=None if record.key is None else record.key.encode(),
+                headers=self.headers(record, delivery),
+                partition=record.partition,
+            )
+        except REJECTED_ERRORS as exc:
+            return Failed(f"refused before sending: {exc}")
+        except ValueError as exc:  # e.g. a partition the topic does not have
+            return Failed(f"refused before sending: {exc}")
+        except kafka_errors.KafkaError as exc:
+            # No metadata or buffer space within max_block_ms, or the producer was closed
+            # by a concurrent retire: the record never left this process.
+            return Retry(f"not sent: {type(exc).__name__}: {exc}")
+        try:
+            metadata = future.get(timeout=self.ack_wait)
+        except Exception as exc:  # handed to the producer: whatever went wrong is ambiguous
+            return self._unacknowledged(producer, future, exc)
+        return Succeeded(
+            {"topic": metadata.topic, "partition": metadata.partition, "offset": metadata.offset}
+        )
+
+    def _unacknowledged(self, producer: Any, future: Any, exc: Exception) -> Outcome:
+        if isinstance(exc, REJECTED_ERRORS):
+            return Failed(f"rejected by the broker: {exc}")
+        if future.is_done:
+            reason = f"no acknowledgement: {type(exc).__name__}: {exc}"
+        else:
+            reason = f"no verdict from the producer within {self.ack_wait:g}s"
+        self._retire(producer, reason)
+        reason += " (the record may have been written)"
+        # Kafka cannot dedup a resend: only consumers that dedup make a retry safe.
+        return Retry(reason) if self.idempotent else Unknown(reason)
+
+    def close(self) -> None:
+        """Flush and close the producer (and any being replaced)."""
+        with self._lock:
+            producer, self._producer = self._producer, None
+            closers, self._closers = self._closers, []
+        if producer is not None:
+            close_producer(producer, self.ack_wait)
+        for closer in closers:
+            closer.join()
+
+    async def aclose(self) -> None:
+        """Close without blocking the daemon's event loop while the producer flushes."""
+        await asyncio.to_thread(self.close)
+
+
+def close_producer(producer: Any, timeout: float) -> None:
+    """Flush and close; force the close when records are still pending after ``timeout``.
+
+    kafka-python 3.0's ``close(timeout)`` raises from its flush when records are
+    still pending and then leaves the producer open (its sender thread keeps
+    running); stop the sender, which fails the pending records, and close again.
+    """
+    try:
+        producer.close(timeout=timeout)
+        return
+    except Exception as exc:
+        log.warning("Kafka producer did not flush within %gs (%s): closing it anyway", timeout, exc)
+    sender = getattr(producer, "_sender", None)
+    if sender is not None:
+        sender.force_close()
+        sender.join(10)
+    try:
+        producer.close(timeout=0)
+    except Exception:
+        log.exception("closing the Kafka producer failed")
+
+
+# -- consumer side ------------------------------------------------------------------------
+
+
+@dataclass
+class DedupStats:
+    """What one :meth:`DedupConsumer.process` call did."""
+
+    #: Records the poll returned.
+    polled: int = 0
+    #: Records passed to ``handle`` whose transaction committed.
+    processed: int = 0
+    #: Records skipped because their key was processed before.
+    duplicates: int = 0
+    #: Of ``processed``: records without an ``idempotency-key`` header (no dedup possible).
+    unkeyed: int = 0
+    #: Offsets were committed to Kafka after the batch.
+    committed: bool = False
+
+
+class DedupConsumer:
+    """Process each idempotency key once per consumer group, in the consumer's own transaction.
+
+    Kafka delivers at least once: a record is redelivered when the consumer
+    crashes (or its group rebalances) between processing and committing its
+    offset, and ``kafka.publish`` may have written an effect twice (a retry
+    after an acknowledgement that never came). Both copies carry the same
+    ``idempotency-key`` header. For each record, ``process`` opens ONE
+    PostgreSQL transaction, inserts ``(group, key)`` into
+    ``outbox_consumed_keys`` (``ON CONFLICT DO NOTHING``) and, only if the row
+    is new, calls ``handle(record, connection)``; the "seen" mark and
+    ``handle``'s writes commit together or not at all. Kafka offsets are
+    committed only after every transaction of the batch committed.
+
+    What a consumer must do, and why:
+
+    1. Create the ``KafkaConsumer`` with ``enable_auto_commit=False`` and a
+       ``group_id`` (refused otherwise): auto-commit could commit the offset of
+       a record whose transaction then rolled back, and that record would
+       never be seen again.
+    2. Make every consequence of a record a write on the ``connection`` passed
+       to ``handle`` (SQLAlchemy Core or ``connection.exec_driver_sql``). That
+       is what makes processing exactly-once. Anything else ``handle`` does (an
+       HTTP call, a file, a second database) is outside the transaction and
+       may happen again if the process dies before the commit: give it the
+       record's ``idempotency-key`` and let it dedup.
+    3. Do not commit, roll back or close ``connection`` in ``handle``, and do
+       not commit offsets yourself. To refuse a record, raise: its transaction
+       rolls back (its key is not marked), the consumer is moved back to it,
+       and the exception propagates; the next ``process`` sees the record
+       again.
+    4. Use one stable ``group`` name per logical consumer (usually its Kafka
+       ``group_id``): keys are deduplicated within a group, so two groups
+       reading one topic each process every key once.
+    5. Use the outbox's database (schema migration 0003 creates the table),
+       or any database where ``outbox migrate`` ran.
+
+    Records without an ``idempotency-key`` header are processed every time
+    they are delivered (at least once). Rows of ``outbox_consumed_keys`` may be
+    deleted once no copy of their key can arrive any more (older than the
+    topic's retention plus the longest time an effect can be retried).
+    """
+
+    def __init__(
+        self, consumer: Any, engine: Engine, group: str, *, header: str = IDEMPOTENCY_HEADER
+    ) -> None:
+        config = getattr(consumer, "config", {})
+        if config.get("enable_auto_commit", False):
+            raise ValueError(
+                "the consumer must be created with enable_auto_commit=False: offsets are "
+                "committed after the records' transactions"
+            )
+        if "group_id" in config and config["group_id"] is None:
+            raise ValueError("the consumer needs a group_id to commit offsets")
+        if not group:
+            raise ValueError("group must be a non-empty name")
+        self.consumer = consumer
+        self.engine = engine
+        self.group = group
+        self.header = header
+
+    def key_of(self, record: Any) -> str | None:
+        """The record's idempotency key, or None when it has none."""
+        for name, value in record.headers or ():
+            if name == self.header and value is not None:
+                return bytes(value).decode("utf-8", errors="replace")
+        return None
+
+    def process(
+        self, handle: Callable[[Any, Connection], object], timeout_ms: int = 1000
+    ) -> DedupStats:
+        """Poll one batch, process each new key once, then commit the offsets."""
+        stats = DedupStats()
+        batch: dict[Any, list[Any]] = self.consumer.poll(timeout_ms=timeout_ms)
+        for records in batch.values():
+            stats.polled += len(records)
+        if not stats.polled:
+            return stats
+        for partition, records in batch.items():
+            for index, record in enumerate(records):
+                try:
+                    self._one(record, handle, stats)
+                except BaseException:
+                    self._rewind(batch, partition, index)
+                    raise
+        try:
+            self.consumer.commit()
+            stats.committed = True
+        except kafka_errors.CommitFailedError as exc:
+            # The group rebalanced: another member gets these records again and skips
+            # every key committed above. Nothing is lost or processed twice.
+            log.warning("offset commit of group %s failed: %s", self.group, exc)
+        return stats
+
+    def _one(
+        self, record: Any, handle: Callable[[Any, Connection], object], stats: DedupStats
+    ) -> None:
+        key = self.key_of(record)
+        with self.engine.begin() as connection:
+            if key is not None:
+                inserted = connection.execute(
+                    pg_insert(consumed_keys)
+                    .values(consumer_group=self.group, idempotency_key=key)
+                    .on_conflict_do_nothing()
+                    .returning(consumed_keys.c.idempotency_key)
+                ).first()
+                if inserted is None:
+                    stats.duplicates += 1
+                    return
+            handle(record, connection)
+        stats.processed += 1
+        if key is None:
+            stats.unkeyed += 1
+
+    def _rewind(self, batch: dict[Any, list[Any]], failed: Any, index: int) -> None:
+        """Move back to the first record not processed, in every partition of the batch."""
+        seen_failed = False
+        for partition, records in batch.items():
+            if partition == failed:
+                seen_failed = True
+                self.consumer.seek(partition, records[index].offset)
+            elif seen_failed:  # not started yet
+                self.consumer.seek(partition, records[0].offset)
