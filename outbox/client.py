@@ -137,7 +137,7 @@ class Outbox:
                 "inputs_hash": content_hash(inputs_json),
                 "budget": None if start.budget is None else Decimal(str(start.budget)),
             },
-            notify=notify,
+            notify=notify is not None,
         )
         self._runs_wakeup.committed(notify)
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
@@ -214,7 +214,7 @@ class Outbox:
                 "only unknown effects are resolved"
             )
         if outcome == "retry":
-            self._effects_wakeup.committed(False)
+            self._effects_wakeup.committed(None)
         return self.effect(effect.id)
 
     def retry_effect(
@@ -239,7 +239,7 @@ class Outbox:
                 f"effect_id={str(effect.id)!r} is {effect.status.value}, not failed: "
                 "only failed effects are retried (resolve unknown ones)"
             )
-        self._effects_wakeup.committed(False)
+        self._effects_wakeup.committed(None)
         return self.effect(effect.id)
 
     @contextmanager
@@ -296,7 +296,7 @@ class Outbox:
             cancel_run(conn, rid, reason)
         with self.store.begin() as conn:
             status = advance_stopping_run(conn, rid)
-        self._effects_wakeup.committed(False)
+        self._effects_wakeup.committed(None)
         return status
 
     def advance_stopping_runs(self) -> dict[str, int]:

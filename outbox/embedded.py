@@ -102,6 +102,13 @@ class EmbeddedServer:
             if not (self.pgdata / "PG_VERSION").exists():
                 self._initdb()
             if not self._is_running():
+                if self._postmaster_alive():
+                    # Alive but unreachable (its socket file was removed): stop it
+                    # through its pid file rather than fail on "already running".
+                    log.warning(
+                        "embedded PostgreSQL in %s lost its socket; restarting it", self.pgdata
+                    )
+                    self._pg_ctl(["-m", "fast", "-w", "stop"], timeout=60)
                 self._start()
             self._ensure_database()
         return self.dsn()
@@ -240,7 +247,7 @@ class EmbeddedServer:
         except (OSError, ValueError, IndexError):
             return None
 
-    def _is_running(self) -> bool:
+    def _postmaster_alive(self) -> bool:
         pid = self._pid()
         if pid is None:
             return False
@@ -250,7 +257,10 @@ class EmbeddedServer:
             return False
         except PermissionError:
             pass
-        return (self.socket_dir / ".s.PGSQL.5432").exists()
+        return True
+
+    def _is_running(self) -> bool:
+        return self._postmaster_alive() and (self.socket_dir / ".s.PGSQL.5432").exists()
 
     def _start(self) -> None:
         self._prepare_permissions()

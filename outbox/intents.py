@@ -136,7 +136,7 @@ class OutboxTransaction:
         self.connection = connection
         self._outbox = outbox
         self._intents = _Intents(outbox, connection)
-        self._notified = False
+        self._notified: float | None = None
 
     def intend(self, kind: str, payload: Any, *, key: str | None = None, **options: Any) -> Effect:
         """Record that effect ``kind`` with ``payload`` must happen once this commits."""
@@ -149,7 +149,7 @@ class OutboxTransaction:
             return
         self._notified = self._outbox._effects_wakeup.inline()
         inserted = self._outbox.store.intend_without_run(
-            self.connection, self._intents.as_json(), notify=self._notified
+            self.connection, self._intents.as_json(), notify=self._notified is not None
         )
         if inserted != self._intents.pending:
             raise IdempotencyConflict("?", "a key of this transaction was taken concurrently")

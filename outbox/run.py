@@ -318,7 +318,7 @@ class Run:
     ) -> Any:
         store = self._outbox.store
         wakeup = self._outbox._effects_wakeup
-        notified = False
+        notified: float | None = None
         try:
             with store.begin(connection) as conn:
                 tx = StepTransaction(self, conn, step_id)
@@ -327,7 +327,7 @@ class Run:
                         fn(tx), field="result", max_bytes=self._outbox.settings.max_payload_bytes
                     )
                 has_intents = tx._intents.pending > 0
-                notified = has_intents and wakeup.inline()
+                notified = wakeup.inline() if has_intents else None
                 outcome = store.commit_step(
                     conn,
                     {
@@ -344,7 +344,7 @@ class Run:
                         **self._fence_params(),
                     },
                     fenced=self._lease is not None,
-                    notify=notified,
+                    notify=notified is not None,
                 )
                 crash_point("before_step_commit")
                 if not outcome.run_ok:

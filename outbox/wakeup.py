@@ -10,6 +10,9 @@ transaction, once the skipped commits are durable. Every committed intent is
 therefore followed by a NOTIFY within ``window`` of its commit; under load the
 extra notifies are at most one per window per process.
 
+A commit that carries its own NOTIFY also pays any earlier debt, so a steady
+trickle costs no extra transaction at all.
+
 A NOTIFY is only a hint: listeners always keep a poll as the backstop, because
 notifications are lost when a listener's connection drops.
 """
@@ -33,38 +36,51 @@ class WakeupThrottle:
     """Decides, per commit, whether to NOTIFY inline, and sends trailing notifies.
 
     Call :meth:`inline` before a write that creates work; include the NOTIFY in
-    that transaction when it returns True. After the commit, call
-    :meth:`committed` with that answer. ``send`` must issue the NOTIFY on its
-    own connection (autocommit).
+    that transaction when it returns a token (not ``None``). After the commit,
+    call :meth:`committed` with that token (or ``None``). ``send`` issues one
+    NOTIFY on its own connection (autocommit).
+
+    A commit that carried no NOTIFY owes one, sent ``window`` after that commit
+    at the latest. A later commit that carried its own NOTIFY pays the debt
+    instead, provided it started after the owing commit had finished (its
+    NOTIFY is then delivered after the owing commit is visible). So a steady
+    single writer sends no extra transactions at all.
     """
 
     def __init__(self, send: Callable[[], None], *, window_s: float) -> None:
         self._send = send
         self._window = window_s
         self._lock = threading.Lock()
-        self._last = -float("inf")
-        self._owed = False
         self._wake = threading.Condition(self._lock)
+        self._last = -float("inf")
+        # monotonic times of the first and the last commit still owed a NOTIFY
+        self._owed_first: float | None = None
+        self._owed_last: float | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def inline(self) -> bool:
-        """True when this commit should carry the NOTIFY itself."""
+    def inline(self) -> float | None:
+        """A token when this commit should carry the NOTIFY itself, else None."""
         now = time.monotonic()
         with self._lock:
             if now - self._last >= self._window:
                 self._last = now
-                return True
-            return False
+                return now
+            return None
 
-    def committed(self, notified_inline: bool) -> None:
-        """Record a commit that created work; owe a trailing NOTIFY if it carried none."""
-        if notified_inline:
-            return
+    def committed(self, token: float | None) -> None:
+        """Record a commit that created work: paid by its own NOTIFY (token), or owed."""
+        now = time.monotonic()
         with self._lock:
+            if token is not None:
+                if self._owed_last is not None and token >= self._owed_last:
+                    self._owed_first = self._owed_last = None
+                return
             if self._closed:
                 return
-            self._owed = True
+            if self._owed_first is None:
+                self._owed_first = now
+            self._owed_last = now
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._trail, name="outbox-wakeup", daemon=True
@@ -84,15 +100,15 @@ class WakeupThrottle:
     def _trail(self) -> None:
         while True:
             with self._lock:
-                while not self._owed and not self._closed:
+                while self._owed_first is None and not self._closed:
                     self._wake.wait()
-                if not self._owed:
+                if self._owed_first is None:
                     return
-                delay = self._last + self._window - time.monotonic()
-            if delay > 0 and not self._closed:
-                time.sleep(delay)
-            with self._lock:
-                self._owed = False
+                wait = self._owed_first + self._window - time.monotonic()
+                if wait > 0 and not self._closed:
+                    self._wake.wait(wait)  # a NOTIFYing commit may pay meanwhile
+                    continue
+                self._owed_first = self._owed_last = None
                 self._last = time.monotonic()
             try:
                 self._send()

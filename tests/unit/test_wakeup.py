@@ -21,21 +21,22 @@ class Recorder:
 def test_first_commit_notifies_inline_and_the_next_within_the_window_does_not() -> None:
     sent = Recorder()
     throttle = WakeupThrottle(sent, window_s=10)
-    assert throttle.inline() is True
-    assert throttle.inline() is False
+    assert throttle.inline() is not None
+    assert throttle.inline() is None
     throttle.close()
 
 
 def test_a_suppressed_commit_is_followed_by_one_trailing_notify_after_it() -> None:
     sent = Recorder()
     throttle = WakeupThrottle(sent, window_s=0.05)
-    assert throttle.inline()
-    throttle.committed(True)
+    token = throttle.inline()
+    assert token is not None
+    throttle.committed(token)
     skipped = [throttle.inline() for _ in range(20)]
-    assert not any(skipped)
+    assert skipped == [None] * 20
     committed_at = time.monotonic()
-    for _ in skipped:
-        throttle.committed(False)
+    for skip in skipped:
+        throttle.committed(skip)
     assert sent.event.wait(5)
     time.sleep(0.15)
     throttle.close()
@@ -46,7 +47,7 @@ def test_a_suppressed_commit_is_followed_by_one_trailing_notify_after_it() -> No
 def test_commits_outside_the_window_all_notify_inline() -> None:
     sent = Recorder()
     throttle = WakeupThrottle(sent, window_s=0.0)
-    assert all(throttle.inline() for _ in range(5))
+    assert all(throttle.inline() is not None for _ in range(5))
     throttle.close()
     assert sent.times == []
 
@@ -55,7 +56,34 @@ def test_close_sends_what_is_owed() -> None:
     sent = Recorder()
     throttle = WakeupThrottle(sent, window_s=0.2)
     throttle.inline()
-    throttle.inline()
-    throttle.committed(False)
+    throttle.committed(throttle.inline())
     throttle.close()
     assert len(sent.times) == 1
+
+
+def test_a_later_commit_with_its_own_notify_pays_the_debt() -> None:
+    sent = Recorder()
+    throttle = WakeupThrottle(sent, window_s=0.2)
+    throttle.committed(throttle.inline())  # leading edge, paid by itself
+    time.sleep(0.1)
+    throttle.committed(throttle.inline())  # suppressed: owes one, due 0.2 s from now
+    time.sleep(0.11)
+    later = throttle.inline()  # the window since the last NOTIFY passed; the debt is not due
+
+    assert later is not None
+    throttle.committed(later)
+    time.sleep(0.3)
+    throttle.close()
+    assert sent.times == [], "no extra transaction for a steady writer"
+
+
+def test_a_notify_that_started_before_the_owing_commit_finished_does_not_pay() -> None:
+    sent = Recorder()
+    throttle = WakeupThrottle(sent, window_s=0.05)
+    early = throttle.inline()  # decided (and maybe committed) before the owing commit ended
+    time.sleep(0.06)
+    throttle.inline()
+    throttle.committed(None)  # owing commit finishes now
+    throttle.committed(early)
+    assert sent.event.wait(2), "the trailing NOTIFY still goes out"
+    throttle.close()
