@@ -25,6 +25,7 @@ from outbox.errors import (
     RunStateError,
     ValidationError,
 )
+from outbox.ids import uuid7
 from outbox.intents import OutboxTransaction
 from outbox.lifecycle import (
     SignalReceipt,
@@ -130,7 +131,7 @@ class Outbox:
         notify = self._runs_wakeup.inline()
         record = self.store.insert_run(
             {
-                "id": uuid.uuid4() if run_id is None else as_uuid(run_id, "run_id"),
+                "id": uuid7() if run_id is None else as_uuid(run_id, "run_id"),
                 "agent": start.agent,
                 "agent_version": start.version,
                 "inputs": inputs_json,

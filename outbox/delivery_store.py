@@ -41,7 +41,9 @@ def make_async_engine(
         url,
         pool_size=pool_size,
         max_overflow=0,
-        pool_pre_ping=True,
+        # No ping per checkout (a round trip per transaction): a dropped
+        # connection fails its statement, is discarded, and the loop retries.
+        pool_pre_ping=False,
         connect_args={
             "options": f"-c idle_in_transaction_session_timeout={idle_in_transaction_ms}",
             "application_name": application_name,
@@ -128,7 +130,10 @@ class AsyncDeliveryStore:
         """Record a batch of attempt outcomes (fenced); returns (effect id, logged outcome)."""
         payload = "[" + ",".join(c.as_json() for c in done) + "]"
         async with self.engine.begin() as conn:
-            result = await conn.execute(queue.complete_effects(), {"owner": owner, "done": payload})
+            result = await conn.execute(
+                queue.complete_effects(),
+                {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]},
+            )
             logged = [(row[0], row[1]) for row in result]
             crash_point("during_completion")
         return logged

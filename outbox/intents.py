@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection
 
 from outbox.errors import IdempotencyConflict, ValidationError
+from outbox.ids import uuid7
 from outbox.keys import derive_key
 from outbox.models import Compensation, Effect, EffectIntent, EffectStatus
 from outbox.payloads import content_hash, decode, encode
@@ -82,7 +83,7 @@ class _Intents:
                     raise IdempotencyConflict(key)
                 return existing
         row = {
-            "id": str(uuid.uuid4()),
+            "id": str(uuid7()),
             "step_index": index,
             "kind": intent.kind,
             "payload": payload_json,

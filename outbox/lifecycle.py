@@ -27,6 +27,7 @@ from sqlalchemy import Connection, text
 from outbox import run_sql
 from outbox import statements as sql
 from outbox.errors import RunNotFound, RunTerminal
+from outbox.ids import uuid7
 from outbox.keys import compensation_key
 from outbox.models import TERMINAL_EFFECT_STATUSES, RunStatus
 from outbox.payloads import content_hash, encode
@@ -68,7 +69,7 @@ def send_signal(
     status = _locked_status(conn, run_id)
     if status not in _LIVE:
         raise RunTerminal(run_id, status.value)
-    signal_id = uuid.uuid4()
+    signal_id = uuid7()
     inserted = conn.execute(
         run_sql.insert_signal(),
         {
@@ -167,7 +168,7 @@ def _intend_compensations(conn: Connection, run_id: uuid.UUID, to_undo: list[Any
         payload_json = encode(compensate["payload"], field="compensate.payload")
         intents.append(
             {
-                "id": str(uuid.uuid4()),
+                "id": str(uuid7()),
                 "step_index": index,
                 "kind": compensate["kind"],
                 "payload": payload_json,

@@ -225,10 +225,10 @@ def _done() -> Any:
 def complete_effects() -> Any:
     """Record the outcomes of a batch of attempts, fenced, with their attempt log.
 
-    Parameters: ``owner`` and ``done``, a JSON array of ``{id, attempt, status,
-    outcome, result, error, delay, detail, started_at}``. A row changes only
-    while it still holds that attempt: in flight under ``owner``, or set aside
-    by the reconciler (``unknown``, or back to ``pending``) without a newer
+    Parameters: ``owner``, ``done`` (a JSON array of ``{id, attempt, status,
+    outcome, result, error, delay, detail, started_at}``) and ``ids`` (the same
+    ids). A row changes only while it still holds that attempt: in flight under
+    ``owner``, or set aside by the reconciler (``unknown``, or back to ``pending``) without a newer
     attempt having started, in which case this late answer is the truth about
     that attempt. Otherwise the completion is stale: it is logged as ``stale``
     (with what it reported) and changes nothing else (G4).
@@ -238,6 +238,9 @@ def complete_effects() -> Any:
     d = _done()
     ours = e.c.lease_owner == bindparam("owner", type_=Text)
     holds_attempt = and_(
+        # The planner cannot estimate a recordset's size; naming the ids keeps it
+        # on the primary key instead of a scan of every open effect.
+        e.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
         e.c.id == d.c.id,
         e.c.attempt == d.c.attempt,
         or_(

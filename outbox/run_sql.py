@@ -130,7 +130,7 @@ def complete_wait_step() -> Any:
     moved = (
         runs.update()
         .where(runs.c.id == _W_RUN)
-        .values(current_step=_W_STEP, updated_at=func.now())
+        .values(current_step=_W_STEP)
         .returning(runs.c.id)
         .cte("moved")
     )

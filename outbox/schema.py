@@ -127,6 +127,8 @@ runs = Table(
     Column("migrations", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
     Column("cancel_reason", Text),
     CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
+    # every step updates the row: room on the page keeps those updates HOT (0004)
+    postgresql_with={"fillfactor": "80"},
 )
 Index(
     "outbox_runs_claimable",

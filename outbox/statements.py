@@ -215,7 +215,8 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
             current_step=bindparam("step_id", type_=Text),
             spent=runs.c.spent + bindparam("debit", type_=Numeric),
             reserved=runs.c.reserved + bindparam("reserve", type_=Numeric),
-            updated_at=func.now(),
+            # updated_at is left alone: it is indexed, and a step's update must stay
+            # HOT (no index touched); it tracks lifecycle changes, steps have their own time.
         )
         .returning(runs.c.id)
         .cte("run_upd")

@@ -310,8 +310,12 @@ class Store:
         return None if row is None else RunRecord.model_validate(row._mapping)
 
     def notify(self, channel: str) -> None:
-        """Send one NOTIFY outside any transaction of the caller's."""
+        """Send one NOTIFY outside any transaction of the caller's.
+
+        Nothing durable rides on it, so it does not wait for a WAL flush.
+        """
         with self.engine.connect() as conn:
+            conn.execute(text("SET LOCAL synchronous_commit = off"))
             conn.execute(text("SELECT pg_notify(:channel, '')"), {"channel": channel})
             conn.commit()
 

@@ -28,6 +28,10 @@ CATALOG = {
     "triggers": """
         SELECT tgrelid::regclass::text, tgname, pg_get_triggerdef(oid)
         FROM pg_trigger WHERE NOT tgisinternal ORDER BY 1, 2""",
+    "storage": """
+        SELECT relname, reloptions FROM pg_class
+        WHERE relnamespace = 'public'::regnamespace AND relkind = 'r'
+          AND relname <> 'outbox_migrations' ORDER BY 1""",
     "functions": """
         SELECT proname, pg_get_functiondef(oid) FROM pg_proc
         WHERE pronamespace = 'public'::regnamespace ORDER BY 1""",
