@@ -90,8 +90,13 @@ async def perform_attempt(
         )
     except Exception as exc:
         result_json = json.dumps({"unrecordable_result": str(exc)[:500]})
+    # A success is the common case and logs at DEBUG: at thousands of effects a
+    # second, a line each would cost more than the delivery.
+    level = {"succeeded": logging.DEBUG, "failed": logging.WARNING}.get(
+        decision.status, logging.INFO
+    )
     log.log(
-        logging.INFO if decision.status != "failed" else logging.WARNING,
+        level,
         "effect %s attempt %d: %s%s",
         effect_id,
         attempt,

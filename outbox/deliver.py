@@ -292,7 +292,9 @@ class DeliveryDaemon:
                     continue
                 self._by_kind[held.kind] -= 1
                 outcome = outcomes.get(completion.effect_id, "stale")
-                self.metrics.attempts.labels(kind=held.kind, outcome=outcome).inc()
+                final = completion.status != "pending"
+                latency = (now - held.created_at).total_seconds() if final else None
+                self.metrics.attempt_recorded(held.kind, outcome, latency)
                 if outcome == "stale":
                     log.warning(
                         "outcome of effect %s attempt %d was stale: a newer attempt "
@@ -301,11 +303,8 @@ class DeliveryDaemon:
                         held.attempt,
                         extra={"effect_id": str(completion.effect_id), "attempt": held.attempt},
                     )
-                if completion.status != "pending":
+                if final:
                     self.delivered += 1
-                    self.metrics.latency.labels(kind=held.kind).observe(
-                        (now - held.created_at).total_seconds()
-                    )
             self.metrics.in_flight.set(len(self._held))
             self._wake.set()  # slots are free again
 

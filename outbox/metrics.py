@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 __all__ = ["DeliveryMetrics"]
@@ -47,6 +49,24 @@ class DeliveryMetrics:
         self.in_flight = Gauge(
             "outbox_in_flight", "Calls this daemon is making now", registry=self.registry
         )
+        self._counters: dict[tuple[str, str], Any] = {}
+        self._histograms: dict[str, Any] = {}
+
+    def attempt_recorded(self, kind: str, outcome: str, latency: float | None) -> None:
+        """Count one recorded attempt (and its commit-to-completion latency when final).
+
+        Label children are cached: looking them up costs more than the increment.
+        """
+        key = (kind, outcome)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = self.attempts.labels(kind=kind, outcome=outcome)
+        counter.inc()
+        if latency is not None:
+            histogram = self._histograms.get(kind)
+            if histogram is None:
+                histogram = self._histograms[kind] = self.latency.labels(kind=kind)
+            histogram.observe(latency)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose ``/metrics`` on ``addr:port`` from a background thread."""
