@@ -21,6 +21,7 @@ from sqlalchemy import Connection, Engine
 from outbox import run_sql
 from outbox.database import open_engine
 from outbox.errors import (
+    EffectNotFound,
     RunNotFound,
     RunStateError,
     ValidationError,
@@ -165,8 +166,6 @@ class Outbox:
         eid = as_uuid(effect_id, "effect_id")
         found = self.store.get_effect(eid)
         if found is None:
-            from outbox.errors import EffectNotFound
-
             raise EffectNotFound(eid)
         return found
 

@@ -103,6 +103,13 @@ class _Intents:
         self._keys[key] = payload_hash
         return _effect(row)
 
+    def taken_key(self) -> str:
+        """A key of ours that another transaction holds now (after a short insert)."""
+        keys = [r["idempotency_key"] for r in self._rows]
+        ours = [uuid.UUID(r["id"]) for r in self._rows]
+        taken = self._outbox.store.keys_held_by_others(self._conn, keys, ours)
+        return taken[0] if taken else keys[0]
+
     def as_json(self) -> str:
         return effects_json(
             [{k: v for k, v in r.items() if not k.startswith("_")} for r in self._rows]
@@ -153,7 +160,9 @@ class OutboxTransaction:
             self.connection, self._intents.as_json(), notify=self._notified is not None
         )
         if inserted != self._intents.pending:
-            raise IdempotencyConflict("?", "a key of this transaction was taken concurrently")
+            raise IdempotencyConflict(
+                self._intents.taken_key(), "intended concurrently by another transaction"
+            )
 
 
 class StepTransaction:

@@ -353,7 +353,7 @@ class Run:
                     raise _AlreadyRecorded
                 if outcome.inserted != tx._intents.pending:
                     raise IdempotencyConflict(
-                        "?", "an intent's key was taken by another transaction"
+                        tx._intents.taken_key(), "intended concurrently by another transaction"
                     )
         except _AlreadyRecorded:
             # Another process recorded this step first; ours was rolled back whole.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,7 +61,10 @@ def translate_errors(action: str) -> Iterator[None]:
     except sqlalchemy.exc.IntegrityError as exc:
         constraint = getattr(getattr(exc.orig, "diag", None), "constraint_name", None)
         if constraint == "outbox_effects_idempotency_key":
-            raise IdempotencyConflict("?", f"while {action}: {exc.orig}") from exc
+            detail = getattr(getattr(exc.orig, "diag", None), "message_detail", None) or ""
+            match = re.search(r"\(idempotency_key\)=\((.*)\) already exists", detail)
+            key = match[1] if match else "<unknown>"
+            raise IdempotencyConflict(key, f"while {action}: already intended") from exc
         raise DatabaseError(f"{action} failed: {exc.orig}") from exc
     except sqlalchemy.exc.DBAPIError as exc:
         raise DatabaseError(f"{action} failed: {exc.orig}") from exc
@@ -181,6 +185,13 @@ class Store:
         return int(row.inserted)
 
     # -- effects ----------------------------------------------------------------
+
+    def keys_held_by_others(self, conn: Connection, keys: list[str], ours: list[UUID]) -> list[str]:
+        """Which of ``keys`` effects other than ``ours`` hold, as the caller's transaction sees."""
+        query = select(effects.c.idempotency_key).where(
+            effects.c.idempotency_key.in_(keys), effects.c.id.not_in(ours)
+        )
+        return [row[0] for row in conn.execute(query)]
 
     def lock_key(self, conn: Connection, key: str) -> None:
         """Serialise transactions that intend the same caller-chosen key until commit."""
