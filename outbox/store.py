@@ -25,7 +25,7 @@ from outbox import queue, run_sql
 from outbox import statements as sql
 from outbox.errors import DatabaseError, IdempotencyConflict
 from outbox.models import Effect, EffectAttempt, RunRecord, StepRecord
-from outbox.schema import effect_attempts, effects, runs
+from outbox.schema import effect_attempts, effects, runs, steps
 
 __all__ = ["StepOutcome", "Store", "effects_json", "make_engine", "translate_errors"]
 
@@ -125,13 +125,11 @@ class Store:
         return None if row is None else RunRecord.model_validate(row._mapping)
 
     def step_record(self, run_id: UUID, step_id: str) -> StepRecord | None:
-        """One completed step."""
-        _, steps_q = sql.run_with_steps()
+        """One recorded step."""
+        query = select(steps).where(steps.c.run_id == run_id, steps.c.step_id == step_id)
         with translate_errors("loading a step"), self.engine.connect() as conn:
-            for row in conn.execute(steps_q, {"run_id": run_id}):
-                if row.step_id == step_id:
-                    return StepRecord.model_validate(row._mapping)
-        return None
+            row = conn.execute(query).one_or_none()
+        return None if row is None else StepRecord.model_validate(row._mapping)
 
     def list_runs(self, **filters: Any) -> list[RunRecord]:
         """Runs, newest first."""
