@@ -326,6 +326,29 @@ def _expired_cas() -> list[ColumnElement[bool]]:
     ]
 
 
+def _log_changes(changed: Any, *, worker: Any, outcome: Any, detail: Any = None) -> Any:
+    """Insert one attempt-log row per row a ``changed`` CTE returned.
+
+    ``changed`` must return ``id``, ``attempt`` and ``attempt_started_at``; when
+    it returns nothing (another process won the compare-and-set), nothing is logged.
+    """
+    return (
+        pg_insert(effect_attempts)
+        .from_select(
+            ["effect_id", "attempt", "worker", "started_at", "outcome", "detail"],
+            select(
+                changed.c.id,
+                changed.c.attempt,
+                worker,
+                changed.c.attempt_started_at,
+                outcome,
+                null() if detail is None else detail,
+            ),
+        )
+        .returning(effect_attempts.c.effect_id)
+    )
+
+
 @cache
 def expire_effect() -> Any:
     """Resolve one expired attempt as ``new_status`` (pending | unknown | failed), logged.
@@ -351,25 +374,16 @@ def expire_effect() -> Any:
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return (
-        pg_insert(effect_attempts)
-        .from_select(
-            ["effect_id", "attempt", "worker", "started_at", "outcome", "detail"],
-            select(
-                changed.c.id,
-                changed.c.attempt,
-                bindparam("worker", type_=Text),
-                changed.c.attempt_started_at,
-                const("expired"),
-                func.jsonb_build_object(
-                    "resolution",
-                    bindparam("resolution", type_=Text),
-                    "note",
-                    bindparam("note", type_=Text),
-                ),
-            ),
-        )
-        .returning(effect_attempts.c.effect_id)
+    return _log_changes(
+        changed,
+        worker=bindparam("worker", type_=Text),
+        outcome=const("expired"),
+        detail=func.jsonb_build_object(
+            "resolution",
+            bindparam("resolution", type_=Text),
+            "note",
+            bindparam("note", type_=Text),
+        ),
     )
 
 
@@ -396,22 +410,14 @@ def _operator_change(from_status: str, values: dict[str, Any], outcome: str) -> 
             effects.c.status == const(from_status),
         )
         .values(**values, lease_owner=null(), lease_expires_at=null(), updated_at=func.now())
-        .returning(effects.c.id, effects.c.attempt, effects.c.status)
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return (
-        pg_insert(effect_attempts)
-        .from_select(
-            ["effect_id", "attempt", "worker", "outcome", "detail"],
-            select(
-                changed.c.id,
-                changed.c.attempt,
-                bindparam("operator", type_=Text),
-                const(outcome),
-                json_param("detail"),
-            ),
-        )
-        .returning(effect_attempts.c.effect_id)
+    return _log_changes(
+        changed,
+        worker=bindparam("operator", type_=Text),
+        outcome=const(outcome),
+        detail=json_param("detail"),
     )
 
 
@@ -478,20 +484,7 @@ def mark_dispatched() -> Any:
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return (
-        pg_insert(effect_attempts)
-        .from_select(
-            ["effect_id", "attempt", "worker", "started_at", "outcome"],
-            select(
-                changed.c.id,
-                changed.c.attempt,
-                bindparam("owner", type_=Text),
-                changed.c.attempt_started_at,
-                const("dispatched"),
-            ),
-        )
-        .returning(effect_attempts.c.effect_id)
-    )
+    return _log_changes(changed, worker=bindparam("owner", type_=Text), outcome=const("dispatched"))
 
 
 @cache
@@ -543,22 +536,14 @@ def redispatch_expired() -> Any:
             last_error=const("dispatched but not delivered in time: re-dispatching"),
             updated_at=func.now(),
         )
-        .returning(effects.c.id, effects.c.attempt)
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return (
-        pg_insert(effect_attempts)
-        .from_select(
-            ["effect_id", "attempt", "worker", "outcome", "detail"],
-            select(
-                changed.c.id,
-                changed.c.attempt,
-                bindparam("worker", type_=Text),
-                const("expired"),
-                func.jsonb_build_object("resolution", const("re-dispatch")),
-            ),
-        )
-        .returning(effect_attempts.c.effect_id)
+    return _log_changes(
+        changed,
+        worker=bindparam("worker", type_=Text),
+        outcome=const("expired"),
+        detail=func.jsonb_build_object("resolution", const("re-dispatch")),
     )
 
 
