@@ -122,6 +122,9 @@ class IdempotentHttpSink:
 
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
+        # socketserver's accept queue holds 5: a burst of deliverer connections on a
+        # busy machine would wait past their timeout. A real server queues more.
+        self._server.socket.listen(128)
         self._thread: threading.Thread | None = None
 
     # -- lifecycle --------------------------------------------------------------
@@ -246,6 +249,10 @@ class IdempotentHttpSink:
     def _post(self, handler: BaseHTTPRequestHandler) -> None:
         length = int(handler.headers.get("Content-Length") or 0)
         raw = handler.rfile.read(length) if length else b""
+        if len(raw) < length:
+            # The sender died mid-body: nothing arrived that could be applied.
+            handler.close_connection = True
+            return
         key = handler.headers.get("Idempotency-Key")
         with self._lock:
             self.state.requests += 1

@@ -46,7 +46,7 @@ from outbox.payloads import content_hash, encode
 from outbox.run import Run
 from outbox.settings import Settings
 from outbox.statements import EFFECTS_CHANNEL, RUNS_CHANNEL
-from outbox.store import Store
+from outbox.store import Store, libpq_dsn
 from outbox.validation import as_uuid, validated
 from outbox.waits import WaitSpec
 from outbox.wakeup import WakeupThrottle
@@ -343,8 +343,7 @@ class Outbox:
         """Outside a worker a wait blocks: sleep, LISTEN for signals, or poll an effect."""
         horizon = 5.0 if seconds_left is None else min(max(seconds_left, 0.0), 5.0)
         if spec.kind == "signal":
-            dsn = self.engine.url.render_as_string(hide_password=False)
-            with psycopg.connect(dsn.replace("+psycopg", ""), autocommit=True) as conn:
+            with psycopg.connect(libpq_dsn(self.engine.url), autocommit=True) as conn:
                 conn.execute(f"LISTEN {run_sql.SIGNALS_CHANNEL}")
                 for note in conn.notifies(timeout=horizon):
                     if note.payload == str(run_id):

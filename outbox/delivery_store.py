@@ -14,7 +14,6 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import func, select, text
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox import queue
@@ -22,6 +21,7 @@ from outbox.faults import crash_point
 from outbox.lifecycle import advance_stopping_runs
 from outbox.schema import effects
 from outbox.statements import const
+from outbox.store import psycopg_url
 
 __all__ = ["AsyncDeliveryStore", "Completion", "make_async_engine"]
 
@@ -34,11 +34,8 @@ def make_async_engine(
     idle_in_transaction_ms: int = 60_000,
 ) -> AsyncEngine:
     """An async engine on psycopg 3, with the connection count bounded."""
-    url = make_url(dsn)
-    if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
-        url = url.set(drivername="postgresql+psycopg")
     return create_async_engine(
-        url,
+        psycopg_url(dsn),
         pool_size=pool_size,
         max_overflow=0,
         # No ping per checkout (a round trip per transaction): a dropped

@@ -19,7 +19,7 @@ from uuid import UUID
 import sqlalchemy.exc
 from sqlalchemy import Connection, Engine, create_engine, select, text
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from outbox import queue, run_sql
 from outbox import statements as sql
@@ -27,7 +27,15 @@ from outbox.errors import DatabaseError, IdempotencyConflict
 from outbox.models import Effect, EffectAttempt, RunRecord, StepRecord
 from outbox.schema import effect_attempts, effects, runs, steps
 
-__all__ = ["StepOutcome", "Store", "effects_json", "make_engine", "translate_errors"]
+__all__ = [
+    "StepOutcome",
+    "Store",
+    "effects_json",
+    "libpq_dsn",
+    "make_engine",
+    "psycopg_url",
+    "translate_errors",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +48,7 @@ def make_engine(
     application_name: str = "outbox",
 ) -> Engine:
     """An engine on psycopg 3 for any ``postgresql://`` DSN."""
-    url = make_url(dsn)
-    if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
-        url = url.set(drivername="postgresql+psycopg")
+    url = psycopg_url(dsn)
     options = f"-c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
     return create_engine(
         url,
@@ -51,6 +57,20 @@ def make_engine(
         pool_pre_ping=False,
         connect_args={"options": options, "application_name": application_name},
     )
+
+
+def psycopg_url(dsn: str) -> URL:
+    """A SQLAlchemy URL on psycopg 3 for any ``postgresql://`` DSN."""
+    url = make_url(dsn)
+    if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
+        url = url.set(drivername="postgresql+psycopg")
+    return url
+
+
+def libpq_dsn(dsn: str | URL) -> str:
+    """A plain libpq DSN (what psycopg.connect takes) for a SQLAlchemy URL or DSN."""
+    url = make_url(dsn) if isinstance(dsn, str) else dsn
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 @contextmanager

@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import psycopg
 
+from outbox.store import libpq_dsn
+
 __all__ = ["WakeupThrottle", "listen"]
 
 log = logging.getLogger(__name__)
@@ -125,7 +127,7 @@ async def listen(dsn: str, channel: str, wake: asyncio.Event) -> None:
     backoff = 0.1
     while True:
         try:
-            conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+            conn = await psycopg.AsyncConnection.connect(libpq_dsn(dsn), autocommit=True)
             async with conn:
                 await conn.execute(f"LISTEN {channel}")
                 backoff = 0.1

@@ -33,6 +33,7 @@ from outbox.payloads import encode
 from outbox.retry import RetryPolicy
 from outbox.run import Run, Suspended
 from outbox.statements import RUNS_CHANNEL
+from outbox.store import libpq_dsn
 
 if TYPE_CHECKING:
     from outbox.client import Outbox
@@ -262,7 +263,7 @@ class Worker:
     # -- background -----------------------------------------------------------------------
 
     def _listen(self) -> None:
-        dsn = self.outbox.engine.url.render_as_string(hide_password=False).replace("+psycopg", "")
+        dsn = libpq_dsn(self.outbox.engine.url)
         while not self._stopping.is_set():
             try:
                 with psycopg.connect(dsn, autocommit=True) as conn:

@@ -15,6 +15,7 @@ from outbox.cli._common import CliContext, console, emit, json_option, pass_cli,
 from outbox.database import open_engine
 from outbox.delivery import Deliverer
 from outbox.delivery_store import AsyncDeliveryStore, make_async_engine
+from outbox.store import libpq_dsn
 
 __all__ = ["COMMANDS"]
 
@@ -43,7 +44,7 @@ def checked_dsn(cli: CliContext) -> str:
     """The DSN of a database whose schema matches (migrating the embedded one)."""
     engine = open_engine(cli.settings, application_name="outbox-cli")
     try:
-        return engine.url.render_as_string(hide_password=False)
+        return libpq_dsn(engine.url)
     finally:
         engine.dispose()
 
