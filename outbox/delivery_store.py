@@ -96,9 +96,13 @@ class AsyncDeliveryStore:
         owner: str,
         lease_seconds: float,
     ) -> list[Any]:
-        """Claim from several partitions in one transaction."""
+        """Claim from each partition; every claim is one statement, committed on its own."""
         rows: list[Any] = []
-        async with self.engine.begin() as conn:
+        async with self.engine.connect() as conn:
+            # One statement claims and records the attempt's start, so it needs no
+            # explicit transaction: autocommit saves the BEGIN and COMMIT round trips
+            # on the commit -> handler start path.
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             for partition, limit in quotas:
                 params = queue.claim_params(
                     partition, limit=limit, owner=owner, lease_seconds=lease_seconds

@@ -52,7 +52,7 @@ def checked_dsn(cli: CliContext) -> str:
 @click.command("deliver")
 @config_option
 @kind_option
-@click.option("--concurrency", type=click.IntRange(1, 10_000), default=64, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1, 10_000), default=200, show_default=True)
 @click.option("--batch-size", type=click.IntRange(1, 10_000), default=100, show_default=True)
 @click.option(
     "--lease",

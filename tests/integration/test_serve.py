@@ -46,12 +46,12 @@ def post(
 def test_signed_signal_is_accepted_once(ob: Outbox, server: SignalServer) -> None:
     run = ob.start_run("a", "1")
     path = f"/runs/{run.id}/signals/approval"
-    ok = post(server, path, {"payload": {"by": "cfo"}, "dedup_key": "mail-7"})
+    stamp = int(time.time())
+    ok = post(server, path, {"payload": {"by": "cfo"}, "dedup_key": "mail-7"}, at=stamp)
     assert ok.status_code == 202 and ok.json()["duplicate"] is False
-    # The sender retries with a fresh signature: the dedup key makes it a no-op.
-    again = post(
-        server, path, {"payload": {"by": "cfo"}, "dedup_key": "mail-7"}, at=int(time.time()) - 1
-    )
+    # The sender retries with a fresh signature (another timestamp, so it is not a
+    # replay of the first request): the dedup key makes it a no-op.
+    again = post(server, path, {"payload": {"by": "cfo"}, "dedup_key": "mail-7"}, at=stamp - 1)
     assert again.status_code == 202 and again.json()["duplicate"] is True
     assert run.wait_signal("approval", name="approval", timeout=1) == {"by": "cfo"}
 
