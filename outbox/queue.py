@@ -494,13 +494,24 @@ def claim_dispatched() -> Any:
     Parameters: ``ids`` (array), ``owner``, ``lease_seconds``. An effect that is
     no longer ``dispatched`` (delivered already, or claimed through another copy
     of its record) is not returned: redelivered records are harmless.
+
+    An effect still held by a relay is taken too: the relay marks effects
+    dispatched only after the broker acknowledged them, so a quick consumer
+    reads the record first. The record is the proof that the publish landed;
+    the relay's later mark (fenced on its owner) then changes nothing.
     """
     e = effects
     return (
         e.update()
         .where(
             e.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
-            e.c.status == const("dispatched"),
+            or_(
+                e.c.status == const("dispatched"),
+                and_(
+                    e.c.status == const("in_flight"),
+                    e.c.lease_owner.startswith(RELAY_OWNER_PREFIX, autoescape=True),
+                ),
+            ),
         )
         .values(
             status=const("in_flight"),
