@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 import psycopg
 
-from bench.delivery import Bench, log, percentile, summary
+from bench.delivery import Bench, latency_figures, log, percentile, summary
 
 REPO = Path(__file__).resolve().parent.parent
 PROCRASTINATE_DB = "procrastinate_bench"
@@ -155,15 +154,7 @@ def procrastinate_latency_rep(dsn: str, rate: float, seconds: float, warmup: int
     missing = [i for i, _ in measured if i not in started]
     if missing:
         raise RuntimeError(f"{len(missing)} procrastinate jobs never started")
-    latencies = [1000 * (started[i] - c) for i, c in measured]
-    return {
-        "count": len(latencies),
-        "p50_ms": percentile(latencies, 50),
-        "p99_ms": percentile(latencies, 99),
-        "max_ms": max(latencies),
-        "mean_ms": statistics.fmean(latencies),
-        "latencies_ms": latencies,
-    }
+    return latency_figures([1000 * (started[i] - c) for i, c in measured])
 
 
 def latency_summary(reps: list[dict[str, Any]], rate: float, seconds: float) -> dict[str, Any]:

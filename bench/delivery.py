@@ -199,6 +199,18 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def latency_figures(latencies: Sequence[float]) -> dict[str, Any]:
+    """p50, p99, max and mean of latencies in milliseconds, with the values."""
+    return {
+        "count": len(latencies),
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
+        "max_ms": max(latencies),
+        "mean_ms": statistics.fmean(latencies),
+        "latencies_ms": list(latencies),
+    }
+
+
 def log(message: str) -> None:
     """Progress on stderr, so stdout stays the report."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

