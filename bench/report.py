@@ -158,23 +158,18 @@ def _delivery_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         rate = med(one["rate"])
         value = ratio(rate, base)
         met = value is not None and value >= 0.5
-        tuned = med(get(r, "processes", "1_concurrency_200", "rate"))
         why = ""
         if not met:
             why = (
-                f"claims wait for completions: with --concurrency 64 a claim takes at most the "
-                f"64 free slots, and the next claim starts only after the batch's completion "
-                f"commits, so claim and completion never overlap (2 durable commits in series "
-                f"per 64 effects); the completion statement (an attempt-log row per effect "
-                f"with its foreign-key check, a JSON recordset join, the run wake-up CTE) "
-                f"costs the server ~2x the baseline's per row; deliverer CPU "
-                f"{num(med(one['deliverer_cpu_us_per_effect']))} µs/effect"
+                "the completion statement (an attempt-log row per effect with its foreign-key "
+                "check, a JSON recordset join, the run wake-up CTE) costs the server ~2x the "
+                "baseline's per row, and on 2 cores the deliverer's own CPU ("
+                f"{num(med(one['deliverer_cpu_us_per_effect']))} µs/effect) is taken from "
+                "PostgreSQL's"
             )
-            if tuned:
-                why += (
-                    f". Measured here: --concurrency 200 (claims of 100 that overlap the "
-                    f"previous completion) gives {num(tuned)}/s = {times(ratio(tuned, base), 2)}"
-                )
+            two = med(get(r, "processes", "2", "rate"))
+            if two:
+                why += f"; two processes reach {num(two)}/s = {times(ratio(two, base), 2)}"
         out.append(
             _row(
                 "delivery: one deliverer process, no-op sink ≥ 0.5x the pure-SQL "
@@ -236,11 +231,11 @@ def _latency_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     if not ours:
         return out
     why = (
-        "both are woken by NOTIFY and both write before the handler starts; the outbox's "
-        "claim is a SQLAlchemy transaction (BEGIN, the claim CTE, durable COMMIT: p50 "
+        "both are woken by NOTIFY and both commit a write before the handler starts; the "
+        "outbox's claim (one autocommit statement: the claim CTE that also records the "
+        "attempt's start, durable commit) took p50 "
         f"{num(med(get(r, 'latency', 'outbox', 'per_rep', 'claim_tx_p50_ms')), 1)} ms, p99 "
-        f"{num(med(get(r, 'latency', 'outbox', 'per_rep', 'claim_tx_p99_ms')), 1)} ms here), "
-        "Procrastinate's fetch is one function call in autocommit"
+        f"{num(med(get(r, 'latency', 'outbox', 'per_rep', 'claim_tx_p99_ms')), 1)} ms here"
     )
     for q in ("p50", "p99"):
         if theirs:
@@ -309,10 +304,9 @@ def _recovery_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         why = (
             f"the lease has to run out first ({rng(rec['lease_left_at_kill_s'], 1, ' s')} of it "
             f"was left at the kill: heartbeats renew it to the full {lease:.0f} s); then the "
-            f"reconciler, every 2 s, sets the effect back to pending without waking the claim "
-            f"loop, which finds it on its next poll, and the redelivery itself takes the "
-            f"sink's {rec['sink_seconds']} s: expiry → succeeded again "
-            f"{rng(rec['expiry_to_redelivered_s'], 2, ' s')}"
+            f"reconciler (every second) sets the effects back to pending and wakes its claim "
+            f"loop, and the redelivery itself takes the sink's {rec['sink_seconds']} s: "
+            f"expiry → succeeded again {rng(rec['expiry_to_redelivered_s'], 2, ' s')}"
         )
     dup = rec["effects_succeeded_twice"] + rec["resent_outside_held"] + rec["keys_missing_at_sink"]
     return [
@@ -1229,54 +1223,49 @@ def analysis_md(data: dict[str, Any]) -> str:
             "",
         ]
     if missed("delivery_vs_baseline"):
-        tuned = med(get(r, "processes", "1_concurrency_200", "rate"))
-        base = med(get(r, "baseline", "autocommit", "rate"))
         parts += [
-            "**Delivery (≥ 0.5x the SQL loop).** With the default `--concurrency 64` and "
-            "`--batch-size 100`, a claim can take only the slots the previous batch freed, "
-            "and those free only when its completion commits: claim and completion run in "
-            "series, each a durable commit of ~64 rows. The SQL loop claims 100 at a time. "
-            f"Giving the daemon room for two batches (`--concurrency 200`) overlapped them and "
-            f"reached {num(tuned)}/s ({times(ratio(tuned, base), 2)}) in this run. "
-            + PROFILE_NOTES["delivery"],
+            "**Delivery (≥ 0.5x the SQL loop).** The default concurrency (200) is twice the "
+            "batch size (100), so the next claim runs while the previous batch's completion "
+            "commits (with 64, as before, claim and completion ran in series: 0.37x in the "
+            "run of 2026-11-29 11:25). What is left is per-row work on the server and the "
+            "deliverer's CPU on a 2-core machine. Profile of that earlier run (concurrency "
+            "64): " + PROFILE_NOTES["delivery"],
             "",
-            "What would close it: (1) default concurrency ≥ 2x the batch size, so the next "
-            "claim overlaps the previous completion (measured above); (2) one transaction per "
+            "What would close it: (1) one transaction per "
             "batch instead of two: complete batch N and claim batch N+1 in the same "
-            "statement or transaction; (3) plans reused (prepared statements with a generic "
-            "plan: planning is ~10% of each statement); (4) fewer columns returned by the "
+            "statement or transaction; (2) plans reused (prepared statements with a generic "
+            "plan: planning is ~10% of each statement); (3) fewer columns returned by the "
             "claim (`RETURNING *` parses JSONB payloads a handler may not need). The "
             "completion's attempt-log row per effect (with its 2 index entries and "
             "foreign-key check) is the price of G3 and stays.",
             "",
         ]
-    if rows.get("latency_process", {}).get("met") is False or (
+    if (
         get(r, "processes", "listen_works") is False
+        or get(r, "latency", "outbox_process", "listen_works") is False
     ):
         parts += [
-            "**`outbox deliver` never hears NOTIFY (a bug, found by this benchmark).** "
-            "`outbox/cli/deliver.py` passes `checked_dsn()` (the SQLAlchemy URL, "
-            "`postgresql+psycopg://…`) to `DeliveryDaemon`, whose LISTEN connection "
-            "(`outbox.wakeup.listen`) hands it to `psycopg.AsyncConnection.connect`, which "
-            "refuses it; the daemon logs a warning and runs on its poll alone (wake-up ≈ 1 s "
-            "after an idle period, see the delivery and latency tables). Fix: give `listen` a "
-            "libpq DSN (`url.set(drivername='postgresql').render_as_string(False)`) and add "
-            "a test that a CLI deliverer is woken by NOTIFY.",
+            "**An `outbox deliver` process did not hear NOTIFY in this run.** It logged "
+            "that its LISTEN connection failed, so it found work by its adaptive poll alone "
+            "(up to 1 s after an idle period: see the delivery and latency tables). This "
+            "benchmark first found it as a bug (the CLI gave `listen` a SQLAlchemy URL, "
+            "which psycopg refuses; fixed in 817b955): seeing it again is a regression.",
             "",
         ]
     if missed("latency_p50_vs_procrastinate", "latency_p99_vs_procrastinate", "latency_p99"):
         claim50 = med(get(r, "latency", "outbox", "per_rep", "claim_tx_p50_ms"))
         claim99 = med(get(r, "latency", "outbox", "per_rep", "claim_tx_p99_ms"))
         parts += [
-            "**Latency.** Both systems are woken by NOTIFY and both write before the "
-            "handler starts. The outbox's claim is a SQLAlchemy transaction (BEGIN, the "
-            f"claim CTE, durable COMMIT: three round trips, p50 {num(claim50, 2)} ms, p99 "
-            f"{num(claim99, 2)} ms in this run, planning included); Procrastinate's "
-            "`fetch_job` is one function call in autocommit. What would close it: send the "
-            "claim as one autocommit statement (it is a single statement already), prepared "
-            "(the CTE's planning is a sizeable part of its time), and return fewer columns; "
-            "the p99 on 2 cores also carries the writer, PostgreSQL and the daemon competing "
-            "for CPU, which the same tail of Procrastinate's shows.",
+            "**Latency.** Both systems are woken by NOTIFY and both commit a write before "
+            "the handler starts. The outbox's claim is one autocommit statement (the claim "
+            f"CTE with the attempt's start; p50 {num(claim50, 2)} ms, p99 {num(claim99, 2)} ms "
+            "in this run, planning included), as Procrastinate's `fetch_job` is. The tail is "
+            "the durable commit (an fsync) and, on 2 cores, the writer, PostgreSQL and the "
+            "daemon competing for CPU, which the same tail of Procrastinate's shows. What "
+            "would close more of it: the claim prepared with a generic plan (its planning is "
+            "a sizeable part of its time) and fewer columns returned; an asynchronous commit "
+            "of the claim would cut the fsync but could lose the record of an attempt that "
+            "already reached a sink that does not dedup (G3), so it is not offered.",
             "",
         ]
     if missed("recovery"):
@@ -1286,12 +1275,16 @@ def analysis_md(data: dict[str, Any]) -> str:
             "lease expires, and a heartbeat renews it to the full lease every third of it, "
             f"so the kill leaves up to the whole {rec.get('lease_s', 10):.0f} s to run; after "
             f"expiry, redelivery took {rng(rec.get('expiry_to_redelivered_s'), 2, ' s')} "
-            "(reconciler interval 2 s, then the claim loop's next poll, then the 0.5 s call). "
-            "What would close it: (1) the reconciler wakes the claim loop when it puts "
-            "effects back to pending (it does not now), and runs at the earliest lease "
-            "expiry it knows of instead of every 2 s; (2) a default lease that leaves room "
-            "for detection inside the promise (e.g. `--lease 7`, heartbeats every 2.3 s), or "
-            "the target restated as 'within the lease plus the reconcile interval'.",
+            "(the reconciler runs every second and wakes its claim loop, then the 0.5 s "
+            "call). 'Within the lease' cannot be met by waiting for the lease: kill → "
+            "redelivered is the lease left at the kill plus detection plus the call. What "
+            "would close it: noticing the death before the lease runs out, e.g. each "
+            "deliverer holding a session advisory lock that PostgreSQL drops when its "
+            "connections die, so the reconciler can expire a dead owner's leases at once. "
+            "That is safe only for idempotent sinks (a deliverer cut off from PostgreSQL may "
+            "still be calling a sink that cannot dedup), and a PostgreSQL restart drops every "
+            "lock at once, so it is left for a later change; meanwhile the promise reads "
+            "'within the lease plus about a second'.",
             "",
         ]
     if len(parts) == 2:
