@@ -15,6 +15,7 @@ runs from the moment the backlog is committed to the last recorded completion.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -26,12 +27,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.delivery import Bench
+import psutil
+
+from bench.delivery import Bench, machine_busy_seconds
 from bench.noop import NOOP_KIND, deliverers_config
 from bench.processes import insert_backlog
 from deliverers.testing import TansuBroker
 
 TOPIC_PARTITIONS = 4
+#: (relays, stream deliverers): each compared with poll mode at as many deliverers.
+STREAM_SHAPES = [(1, 1), (1, 2), (2, 2)]
 CONSUMER_TUNING = [
     "session_timeout_ms=6000",
     "heartbeat_interval_ms=500",
@@ -110,15 +115,52 @@ def _warm(bench: Bench) -> None:
     _drain(bench, 200, timeout=120)
 
 
-def _rates(bench: Bench, procs: list[subprocess.Popen[bytes]], n: int, reps: int) -> dict[str, Any]:
-    """Drain rates of ``procs`` (stopped afterwards): a warm-up, then ``reps`` drains of ``n``."""
+def _cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by these processes."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def _rates(
+    bench: Bench,
+    roles: dict[str, list[subprocess.Popen[bytes]]],
+    n: int,
+    reps: int,
+    broker_pid: int | None = None,
+) -> dict[str, Any]:
+    """Drain rates of the processes in ``roles`` (stopped afterwards), and where the CPU went.
+
+    A warm-up, then ``reps`` drains of ``n``. CPU is µs per effect by role, the
+    broker's, and the rest of the machine (PostgreSQL and this script), with how
+    busy the machine was (1.0 = every CPU busy all the time).
+    """
+    procs = [proc for group in roles.values() for proc in group]
+    pids = {role: [proc.pid for proc in group] for role, group in roles.items()}
+    if broker_pid is not None:
+        pids["broker"] = [broker_pid]
     try:
         _warm(bench)
-        rates = []
+        rates, cpu_rows = [], []
         for _ in range(reps):
             _truncate(bench)
+            before = {role: _cpu(group) for role, group in pids.items()}
+            busy, wall = machine_busy_seconds(), time.monotonic()
             rates.append(_drain(bench, n, timeout=600))
-        return _summary(rates)
+            busy, wall = machine_busy_seconds() - busy, time.monotonic() - wall
+            used = {role: _cpu(group) - before[role] for role, group in pids.items()}
+            row = {role: 1e6 * seconds / n for role, seconds in used.items()}
+            row["rest"] = 1e6 * (busy - sum(used.values())) / n
+            row["machine_busy"] = busy / (wall * (os.cpu_count() or 1))
+            cpu_rows.append(row)
+        out = _summary(rates)
+        out["cpu_us_per_effect"] = {
+            key: statistics.median(row[key] for row in cpu_rows) for key in cpu_rows[0]
+        }
+        return out
     finally:
         _stop(procs)
 
@@ -137,25 +179,34 @@ def measure(n: int, reps: int, workdir: Path) -> dict[str, Any]:
                 _spawn(["deliver", *kinds], bench, workdir / f"poll-{count}-{i}.log")
                 for i in range(count)
             ]
-            results[f"poll_{count}"] = _rates(bench, poll, n, reps)
-        for count in (1, 2):
+            results[f"poll_{count}"] = _rates(bench, {"deliverers": poll}, n, reps)
+        for relays, count in STREAM_SHAPES:
             group = f"bench-{uuid.uuid4().hex[:6]}"
             tuning = [f"--kafka-option={o}" for o in CONSUMER_TUNING]
             relay = ["relay", "--kafka", broker.bootstrap, *kinds]
             consumer = ["deliver", "--from-kafka", broker.bootstrap, "--group", group, *kinds]
-            procs = [_spawn(relay, bench, workdir / f"relay-{count}.log")]
-            procs += [
-                _spawn([*consumer, *tuning], bench, workdir / f"stream-{count}-{i}.log")
-                for i in range(count)
-            ]
-            results[f"stream_{count}"] = _rates(bench, procs, n, reps)
+            name = _stream_key(relays, count)
+            roles = {
+                "relays": [
+                    _spawn(relay, bench, workdir / f"{name}-relay-{i}.log") for i in range(relays)
+                ],
+                "deliverers": [
+                    _spawn([*consumer, *tuning], bench, workdir / f"{name}-{i}.log")
+                    for i in range(count)
+                ],
+            }
+            results[name] = _rates(bench, roles, n, reps, broker.proc.pid if broker.proc else None)
     finally:
         broker.stop()
         bench.stop()
-    for count in (1, 2):
-        key = f"stream_{count}"
-        results[key]["ratio_to_poll"] = results[key]["median"] / results[f"poll_{count}"]["median"]
+    for relays, count in STREAM_SHAPES:
+        row = results[_stream_key(relays, count)]
+        row["ratio_to_poll"] = row["median"] / results[f"poll_{count}"]["median"]
     return results
+
+
+def _stream_key(relays: int, consumers: int) -> str:
+    return f"stream_{consumers}" if relays == 1 else f"stream_{consumers}_relays_{relays}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,12 +217,16 @@ def main(argv: list[str] | None = None) -> None:
     n, reps = (2_000, 2) if args.quick else (20_000, 3)
     with tempfile.TemporaryDirectory(prefix="outbox-bench-stream-") as tmp:
         results = measure(n, reps, Path(tmp))
-    for key in ("poll_1", "poll_2", "stream_1", "stream_2"):
+    for key in ["poll_1", "poll_2", *(_stream_key(r, c) for r, c in STREAM_SHAPES)]:
         row = results[key]
         ratio = f"  {row['ratio_to_poll']:.2f}x poll" if "ratio_to_poll" in row else ""
+        cpu = ", ".join(
+            f"{role} {value:.0%}" if role == "machine_busy" else f"{role} {value:.0f}"
+            for role, value in row["cpu_us_per_effect"].items()
+        )
         print(
-            f"{key:10} {row['median']:8.0f} effects/s  (min {row['min']:.0f}, "
-            f"max {row['max']:.0f}){ratio}"
+            f"{key:20} {row['median']:8.0f} effects/s  (min {row['min']:.0f}, "
+            f"max {row['max']:.0f}){ratio}\n{'':20} CPU µs/effect: {cpu}"
         )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
