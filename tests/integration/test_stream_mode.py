@@ -209,6 +209,13 @@ def test_relay_crash_after_publish_before_marking_dispatched(
     kafka_broker: TansuBroker,
     sink: IdempotentHttpSink,
 ) -> None:
+    """A relay killed after publishing, before marking: every effect is applied once.
+
+    Its records are in Kafka while the rows stay in flight under its lease. The
+    stream deliverer takes each effect from the dead relay when it reads the
+    record, or the reconciler expires the relay's attempt and another relay
+    publishes again; either way the sink applies each key once.
+    """
     kafka_broker.create_topic(TOPIC, partitions=1)
     intend(ob, f"{sink.url}/ledger", 10)
     doomed = relay(kafka_broker, sub_env, tmp_path, "doomed", crash_at="after_publish")
@@ -223,10 +230,16 @@ def test_relay_crash_after_publish_before_marking_dispatched(
     finally:
         stop(*procs)
     assert_applied_once(ob, sink, 10)
-    effect = ob.effects(limit=1)[0]
-    log = [(a.attempt, a.outcome) for a in ob.store.attempts(effect.id)]
-    assert log[0] == (1, "expired"), "the relay's lost attempt was reconciled"
-    assert log[-1][1] == "succeeded"
+    for effect in ob.effects(limit=10):
+        log = [(a.attempt, a.outcome) for a in ob.store.attempts(effect.id)]
+        # Either the stream deliverer read the record the dead relay had published
+        # and took the effect from it at once (one attempt), or the relay's lease
+        # ran out first and the reconciler put it back for the next relay.
+        if log[0] == (1, "succeeded"):
+            assert log == [(1, "succeeded")], "taken from the dead relay, delivered once"
+        else:
+            assert log[0] == (1, "expired"), "the relay's lost attempt was reconciled"
+            assert log[-1][1] == "succeeded"
 
 
 def test_order_per_key_with_three_partitions_and_two_consumers(
