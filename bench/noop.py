@@ -38,26 +38,14 @@ async def slow(payload: Any, key: str) -> None:
     An idempotent sink applies each key once however often it is called; the
     parent counts both the raw calls and the keys.
     """
-    path = os.environ.get(SINK_LOG_ENV)
-    if path:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, f"{os.getpid()} {key}\n".encode())
-        finally:
-            os.close(fd)
+    _append_line(os.environ.get(SINK_LOG_ENV), f"{os.getpid()} {key}")
     await asyncio.sleep(SLOW_SECONDS)
 
 
 async def record_start(payload: Any, key: str) -> None:
     """Record when the handler started (``time.time()``), by the payload's ``i``."""
     started = time.time()
-    path = os.environ.get(LATENCY_LOG_ENV)
-    if path:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, f"{payload['i']} {started!r}\n".encode())
-        finally:
-            os.close(fd)
+    _append_line(os.environ.get(LATENCY_LOG_ENV), f"{payload['i']} {started!r}")
 
 
 def deliverers_config(path: Path) -> Path:
@@ -79,3 +67,14 @@ def deliverers_config(path: Path) -> Path:
         "idempotent = true\n"
     )
     return path
+
+
+def _append_line(path: str | None, line: str) -> None:
+    """One ``O_APPEND`` write, so lines of concurrent processes never interleave."""
+    if not path:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{line}\n".encode())
+    finally:
+        os.close(fd)
