@@ -22,7 +22,7 @@ from typing import Any
 
 import psycopg
 
-from bench.delivery import Bench, latency_figures, log, percentile, summary
+from bench.delivery import Bench, latency_figures, log, pooled_figures, summary
 
 REPO = Path(__file__).resolve().parent.parent
 PROCRASTINATE_DB = "procrastinate_bench"
@@ -167,13 +167,7 @@ def latency_summary(reps: list[dict[str, Any]], rate: float, seconds: float) -> 
         "seconds": seconds,
         **flags,
         "per_rep": {k: summary([r[k] for r in reps]) for k in numeric if k not in flags},
-        "pooled": {
-            "count": len(pooled),
-            "p50_ms": percentile(pooled, 50),
-            "p90_ms": percentile(pooled, 90),
-            "p99_ms": percentile(pooled, 99),
-            "max_ms": max(pooled),
-        },
+        "pooled": pooled_figures(pooled),
     }
 
 

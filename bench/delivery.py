@@ -199,6 +199,31 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def succeeded(rows: Sequence[Any]) -> list[Completion]:
+    """A no-op sink's outcome for claimed rows: every attempt succeeded."""
+    return [
+        Completion(
+            row["id"],
+            row["attempt"],
+            "succeeded",
+            "succeeded",
+            started_at=row["attempt_started_at"].isoformat(),
+        )
+        for row in rows
+    ]
+
+
+def pooled_figures(pooled: Sequence[float]) -> dict[str, Any]:
+    """Percentiles of every repetition's latencies (ms) taken together."""
+    return {
+        "count": len(pooled),
+        "p50_ms": percentile(pooled, 50),
+        "p90_ms": percentile(pooled, 90),
+        "p99_ms": percentile(pooled, 99),
+        "max_ms": max(pooled),
+    }
+
+
 def latency_figures(latencies: Sequence[float]) -> dict[str, Any]:
     """p50, p99, max and mean of latencies in milliseconds, with the values."""
     return {
@@ -739,16 +764,7 @@ async def _store_loop(dsn: str, n: int, batch: int) -> dict[str, Any]:
                 claim_s += time.perf_counter() - started
                 if not rows:
                     break
-                completions = [
-                    Completion(
-                        row["id"],
-                        row["attempt"],
-                        "succeeded",
-                        "succeeded",
-                        started_at=row["attempt_started_at"].isoformat(),
-                    )
-                    for row in rows
-                ]
+                completions = succeeded(rows)
                 started = time.perf_counter()
                 await store.complete("bench-store", completions)
                 complete_s += time.perf_counter() - started
@@ -1064,13 +1080,7 @@ def latency_section(bench: Bench, profile: Profile) -> dict[str, Any]:
         "rate_per_s": profile.latency_rate,
         "seconds": profile.latency_seconds,
         "per_rep": aggregate(reps),
-        "pooled": {
-            "count": len(pooled),
-            "p50_ms": percentile(pooled, 50),
-            "p90_ms": percentile(pooled, 90),
-            "p99_ms": percentile(pooled, 99),
-            "max_ms": max(pooled),
-        },
+        "pooled": pooled_figures(pooled),
     }
 
 

@@ -28,10 +28,9 @@ from typing import IO, Any
 
 from sqlalchemy import Engine
 
-from bench.delivery import BACKLOG_INSERT, Bench, log, percentile, summary
+from bench.delivery import BACKLOG_INSERT, Bench, log, percentile, succeeded, summary
 from bench.write import wal_lsn
 from outbox import queue
-from outbox.delivery_store import Completion
 from outbox.retention import collect_garbage
 from outbox.store import make_engine
 
@@ -141,20 +140,7 @@ def drain_rep(bench: Bench, engine: Engine, backlog: int, batch: int) -> dict[st
         claims.append(time.perf_counter() - t)
         if not rows:
             break
-        payload = (
-            "["
-            + ",".join(
-                Completion(
-                    row["id"],
-                    row["attempt"],
-                    "succeeded",
-                    "succeeded",
-                    started_at=row["attempt_started_at"].isoformat(),
-                ).as_json()
-                for row in rows
-            )
-            + "]"
-        )
+        payload = "[" + ",".join(c.as_json() for c in succeeded(rows)) + "]"
         t = time.perf_counter()
         with engine.begin() as conn:
             conn.execute(

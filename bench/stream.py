@@ -32,16 +32,11 @@ import psutil
 from bench.delivery import Bench, machine_busy_seconds
 from bench.noop import NOOP_KIND, deliverers_config
 from bench.processes import insert_backlog
-from deliverers.testing import TansuBroker
+from deliverers.testing import TANSU_CONSUMER_TUNING, TansuBroker
 
 TOPIC_PARTITIONS = 4
 #: (relays, stream deliverers): each compared with poll mode at as many deliverers.
 STREAM_SHAPES = [(1, 1), (1, 2), (2, 2)]
-CONSUMER_TUNING = [
-    "session_timeout_ms=6000",
-    "heartbeat_interval_ms=500",
-    "max_poll_interval_ms=30000",
-]
 
 
 def _spawn(args: list[str], bench: Bench, log: Path) -> subprocess.Popen[bytes]:
@@ -182,7 +177,7 @@ def measure(n: int, reps: int, workdir: Path) -> dict[str, Any]:
             results[f"poll_{count}"] = _rates(bench, {"deliverers": poll}, n, reps)
         for relays, count in STREAM_SHAPES:
             group = f"bench-{uuid.uuid4().hex[:6]}"
-            tuning = [f"--kafka-option={o}" for o in CONSUMER_TUNING]
+            tuning = [f"--kafka-option={k}={v}" for k, v in TANSU_CONSUMER_TUNING.items()]
             relay = ["relay", "--kafka", broker.bootstrap, *kinds]
             consumer = ["deliver", "--from-kafka", broker.bootstrap, "--group", group, *kinds]
             name = _stream_key(relays, count)

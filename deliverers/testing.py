@@ -28,7 +28,13 @@ from typing import Any
 
 from outbox.delivery import Deliverer, DelivererConfig, Delivery, Outcome, Succeeded
 
-__all__ = ["Fault", "IdempotentHttpSink", "RecordingDeliverer", "TansuBroker"]
+__all__ = [
+    "TANSU_CONSUMER_TUNING",
+    "Fault",
+    "IdempotentHttpSink",
+    "RecordingDeliverer",
+    "TansuBroker",
+]
 
 
 class RecordingDeliverer(Deliverer):
@@ -342,6 +348,16 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+#: kafka-python consumer settings for a Tansu broker: with Kafka's default
+#: timeouts Tansu takes tens of seconds to settle a consumer group; these keep a
+#: join to a few seconds.
+TANSU_CONSUMER_TUNING: dict[str, int] = {
+    "session_timeout_ms": 6000,
+    "heartbeat_interval_ms": 500,
+    "max_poll_interval_ms": 6000,
+}
 
 
 class TansuBroker:

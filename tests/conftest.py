@@ -124,7 +124,7 @@ def sub_env(dsn: str, tmp_path: Path) -> dict[str, str]:
 @pytest.fixture
 def kafka_broker(tmp_path: Path) -> Iterator[Any]:
     """A real Kafka-protocol broker (Tansu) on a free loopback port, for one test."""
-    from tests.kafka_support import TansuBroker
+    from deliverers.testing import TansuBroker
 
     broker = TansuBroker(tmp_path / "tansu.log").start()
     yield broker

@@ -23,10 +23,10 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from sqlalchemy import Connection, func, select, text
 
 from deliverers.kafka import DedupConsumer, DedupStats, KafkaDeliverer
+from deliverers.testing import TANSU_CONSUMER_TUNING
 from outbox import Outbox
 from outbox.models import Effect
 from outbox.schema import consumed_keys
-from tests.kafka_support import CONSUMER_TUNING
 from tests.support import DaemonThread, wait_for
 
 pytestmark = [
@@ -90,7 +90,7 @@ def consumer_for(broker: Any, *topics: str, **settings: Any) -> Iterator[KafkaCo
     options: dict[str, Any] = {
         "auto_offset_reset": "earliest",
         "enable_auto_commit": False,
-        **CONSUMER_TUNING,
+        **TANSU_CONSUMER_TUNING,
         **settings,
     }
     consumer = KafkaConsumer(*topics, bootstrap_servers=broker.bootstrap, **options)

@@ -18,9 +18,8 @@ from typing import Any
 
 import pytest
 
-from deliverers.testing import IdempotentHttpSink
+from deliverers.testing import TANSU_CONSUMER_TUNING, IdempotentHttpSink, TansuBroker
 from outbox import Outbox, StepTransaction
-from tests.kafka_support import CONSUMER_TUNING, TansuBroker
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -77,7 +76,7 @@ def relay(
 def stream_deliverer(
     broker: TansuBroker, env: dict[str, str], tmp_path: Path, name: str, *extra: str
 ) -> subprocess.Popen[bytes]:
-    tuning = [a for k, v in CONSUMER_TUNING.items() for a in ("--kafka-option", f"{k}={v}")]
+    tuning = [a for k, v in TANSU_CONSUMER_TUNING.items() for a in ("--kafka-option", f"{k}={v}")]
     return spawn(
         [
             "deliver",
