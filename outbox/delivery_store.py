@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from outbox import queue
 from outbox.faults import crash_point
 from outbox.lifecycle import advance_stopping_runs
+from outbox.models import OPEN_EFFECT_STATUSES
 from outbox.schema import effects
 from outbox.statements import const
 from outbox.store import psycopg_url
@@ -244,7 +245,7 @@ class AsyncDeliveryStore:
 
     async def open_counts(self) -> tuple[dict[tuple[str, str], int], float]:
         """Unfinished effects per (status, kind), and the age in seconds of the oldest pending."""
-        open_statuses = [const(s) for s in ("pending", "in_flight", "unknown")]
+        open_statuses = [const(s) for s in OPEN_EFFECT_STATUSES]
         counts_q = (
             select(effects.c.status, effects.c.kind, func.count())
             .where(effects.c.status.in_(open_statuses))

@@ -29,7 +29,7 @@ from outbox import statements as sql
 from outbox.errors import RunNotFound, RunTerminal
 from outbox.ids import uuid7
 from outbox.keys import compensation_key
-from outbox.models import TERMINAL_EFFECT_STATUSES, RunStatus
+from outbox.models import NOT_STARTED_EFFECT_STATUSES, TERMINAL_EFFECT_STATUSES, RunStatus
 from outbox.payloads import content_hash, encode
 from outbox.store import effects_json
 
@@ -132,8 +132,9 @@ def advance_stopping_run(conn: Connection, run_id: uuid.UUID) -> RunStatus:
 
     if status == RunStatus.CANCELLING:
         # An attempt that was in flight at the cancel and asked for a retry is
-        # pending again: it will not be retried now.
-        if any(r.status == "pending" for r in originals):
+        # pending again, and a relay may have handed one to Kafka meanwhile: neither
+        # will be delivered now.
+        if any(r.status in NOT_STARTED_EFFECT_STATUSES for r in originals):
             conn.execute(
                 run_sql.cancel_pending_effects(),
                 {"stopping_run": run_id, "reason": "run cancelled"},

@@ -16,6 +16,8 @@ from uuid import UUID
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
+    "NOT_STARTED_EFFECT_STATUSES",
+    "OPEN_EFFECT_STATUSES",
     "TERMINAL_EFFECT_STATUSES",
     "TERMINAL_RUN_STATUSES",
     "Compensation",
@@ -77,6 +79,20 @@ TERMINAL_EFFECT_STATUSES = frozenset(
         EffectStatus.CANCELLED,
         EffectStatus.COMPENSATED,
     }
+)
+
+#: Effects still on their way: not yet attempted, being attempted, handed to
+#: Kafka, or waiting for an operator.
+OPEN_EFFECT_STATUSES: tuple[str, ...] = (
+    EffectStatus.PENDING.value,
+    EffectStatus.IN_FLIGHT.value,
+    EffectStatus.DISPATCHED.value,
+    EffectStatus.UNKNOWN.value,
+)
+#: Open effects that no deliverer has started: a cancelled run cancels them.
+NOT_STARTED_EFFECT_STATUSES: tuple[str, ...] = (
+    EffectStatus.PENDING.value,
+    EffectStatus.DISPATCHED.value,
 )
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")

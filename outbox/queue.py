@@ -44,6 +44,7 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement
 
+from outbox.models import OPEN_EFFECT_STATUSES
 from outbox.schema import effect_attempts, effects, runs
 from outbox.statements import RUNS_CHANNEL, AnySelect, const, json_param
 
@@ -68,8 +69,6 @@ __all__ = [
 ]
 
 _SECONDS = text("interval '1 second'")
-# Effects that hold back later effects of the same ordering key.
-BLOCKING_STATUSES = ("pending", "in_flight", "dispatched", "unknown")
 TERMINAL_STATUSES = ("succeeded", "failed", "cancelled", "compensated")
 
 
@@ -115,7 +114,7 @@ def _ordering_free(t: Table) -> ColumnElement[bool]:
     blocked = exists().where(
         prior.c.ordering_key == t.c.ordering_key,
         prior.c.seq < t.c.seq,
-        _in(prior.c.status, BLOCKING_STATUSES),
+        _in(prior.c.status, OPEN_EFFECT_STATUSES),  # an open effect holds back its key,
     )
     return or_(t.c.ordering_key.is_(None), ~blocked)
 

@@ -25,13 +25,13 @@ from sqlalchemy import Engine, Integer, bindparam, delete, exists, func, select
 from sqlalchemy.dialects.postgresql import INTERVAL
 
 from outbox.errors import ValidationError
+from outbox.models import OPEN_EFFECT_STATUSES
 from outbox.schema import consumed_keys, effects, runs, webhook_replays
 from outbox.statements import const
 
 __all__ = ["GcReport", "collect_garbage", "parse_horizon"]
 
 _FINISHED_RUNS = ("completed", "failed", "cancelled", "compensated", "compensation_failed")
-_OPEN_EFFECTS = ("pending", "in_flight", "dispatched", "unknown")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
@@ -56,7 +56,8 @@ class GcReport:
 def _runs_batch() -> Any:
     horizon = func.now() - bindparam("horizon", type_=INTERVAL)
     still_open = exists().where(
-        effects.c.run_id == runs.c.id, effects.c.status.in_([const(s) for s in _OPEN_EFFECTS])
+        effects.c.run_id == runs.c.id,
+        effects.c.status.in_([const(s) for s in OPEN_EFFECT_STATUSES]),
     )
     doomed = (
         select(runs.c.id)
@@ -80,7 +81,7 @@ def _effects_batch() -> Any:
         .where(
             effects.c.completed_at < horizon,
             effects.c.run_id.is_(None),
-            effects.c.status.not_in([const(s) for s in _OPEN_EFFECTS]),
+            effects.c.status.not_in([const(s) for s in OPEN_EFFECT_STATUSES]),
         )
         .order_by(effects.c.completed_at)
         .limit(bindparam("batch", type_=Integer))

@@ -28,6 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from outbox.models import NOT_STARTED_EFFECT_STATUSES
 from outbox.schema import effects, runs, signals, steps
 from outbox.statements import RUNS_CHANNEL, AnySelect, const, json_param
 
@@ -380,7 +381,7 @@ def cancel_pending_effects() -> Any:
         effects.update()
         .where(
             effects.c.run_id == _OF_RUN,
-            effects.c.status == const("pending"),
+            effects.c.status.in_([const(s) for s in NOT_STARTED_EFFECT_STATUSES]),
             effects.c.compensates.is_(None),
         )
         .values(

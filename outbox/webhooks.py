@@ -29,6 +29,7 @@ from sqlalchemy import delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.errors import NotFound, OutboxError, RunTerminal, ValidationError
+from outbox.models import OPEN_EFFECT_STATUSES
 from outbox.schema import effects, runs, webhook_replays
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class _StateCollector:
             ).all()
             effect_rows = conn.execute(
                 select(effects.c.status, effects.c.kind, func.count())
-                .where(effects.c.status.in_(("pending", "in_flight", "unknown")))
+                .where(effects.c.status.in_(OPEN_EFFECT_STATUSES))
                 .group_by(effects.c.status, effects.c.kind)
             ).all()
         gauge = GaugeMetricFamily("outbox_runs", "Runs by status", labels=["status"])

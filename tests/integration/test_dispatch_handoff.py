@@ -88,3 +88,39 @@ def test_an_effect_held_by_a_deliverer_is_not_taken_by_a_stream_deliverer(
     held, taken = asyncio.run(main())
     assert len(held) == 1 and taken == []
     assert status_and_owner(ob) == [("in_flight", "poll-deliverer")]
+
+
+def test_cancelling_a_run_cancels_its_dispatched_effects(ob: Outbox, dsn: str) -> None:
+    """An effect handed to Kafka has not started: a cancel stops it, as it stops a pending one.
+
+    Expected: the run ends ``cancelled`` at once, the dispatched effect is
+    ``cancelled``, and a stream deliverer that reads its record afterwards skips it.
+    """
+    run = ob.start_run("agent", "1")
+    run.transaction("s", lambda tx: tx.intend("k", {"i": 1}) and None)
+
+    async def dispatch() -> None:
+        store = AsyncDeliveryStore(make_async_engine(dsn))
+        try:
+            held = await store.claim_many(
+                EFFECT_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=30
+            )
+            await store.mark_dispatched(
+                RELAY, [(row["id"], row["attempt"]) for row in held], dispatch_ttl=60
+            )
+        finally:
+            await store.dispose()
+
+    async def late_record() -> list[Any]:
+        store = AsyncDeliveryStore(make_async_engine(dsn))
+        try:
+            ids = [e.id for e in ob.effects(limit=10)]
+            return await store.claim_dispatched(ids, owner="stream-1", lease_seconds=30)
+        finally:
+            await store.dispose()
+
+    asyncio.run(dispatch())
+    assert status_and_owner(ob) == [("dispatched", None)]
+    assert ob.cancel(run.id, "not needed").value == "cancelled"
+    assert [s for s, _ in status_and_owner(ob)] == ["cancelled"]
+    assert asyncio.run(late_record()) == []
