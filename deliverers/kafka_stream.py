@@ -109,14 +109,7 @@ class Relay:
 
     async def run(self) -> None:
         """Relay until stopped."""
-        self._producer = await asyncio.to_thread(
-            KafkaProducer,
-            bootstrap_servers=self.settings.bootstrap_servers,
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=5,
-            **self.settings.producer,
-        )
+        self._producer = await asyncio.to_thread(self._make_producer)
         listener = asyncio.create_task(listen(self.dsn, EFFECTS_CHANNEL, self._wake))
         idle = 0.01
         try:
@@ -224,8 +217,12 @@ class Relay:
             log.warning("Kafka flush did not finish: %s", exc)
         published, failed = [], []
         for row, future in futures:
+            # flush() has waited already; waiting again per record could outlast the lease.
+            if not future.is_done:
+                failed.append((row, "not acknowledged within the flush timeout"))
+                continue
             try:
-                future.get(timeout=1)
+                future.get(timeout=0)
                 published.append(row)
             except Exception as exc:  # not acknowledged: released, dispatched again later
                 failed.append((row, f"{type(exc).__name__}: {exc}"))
@@ -371,5 +368,8 @@ class StreamDeliverer:
                     lease_seconds=self.settings.lease_seconds,
                     default_max_attempts=self.settings.max_attempts,
                 )
+                # As in poll mode: cancelled runs move on as their effects finish,
+                # even where no worker of their agent runs.
+                await self.store.advance_stopping_runs()
             except Exception:
                 log.exception("reconcile round failed")

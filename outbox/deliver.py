@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from outbox.attempts import perform_attempt
 from outbox.delivery import (
@@ -33,7 +33,7 @@ from outbox.delivery import (
 from outbox.delivery_store import AsyncDeliveryStore, Completion
 from outbox.faults import crash_point
 from outbox.metrics import DeliveryMetrics
-from outbox.queue import EFFECT_QUEUE
+from outbox.queue import EFFECT_QUEUE, RELAY_OWNER_PREFIX
 from outbox.reconcile import reconcile
 from outbox.retry import RetryPolicy
 from outbox.statements import EFFECTS_CHANNEL
@@ -82,6 +82,15 @@ class DeliverSettings(BaseModel):
         """The backoff shape."""
         return RetryPolicy(self.retry_base_seconds, self.retry_cap_seconds, self.max_attempts)
 
+    @field_validator("owner")
+    @classmethod
+    def _not_a_relay(cls, owner: str) -> str:
+        # Stream deliverers take effects from relay-named owners; a deliverer so
+        # named would have its calls taken from it mid-flight.
+        if owner.startswith(RELAY_OWNER_PREFIX):
+            raise ValueError(f"a deliverer's owner may not start with {RELAY_OWNER_PREFIX!r}")
+        return owner
+
 
 @dataclass
 class _Held:
@@ -90,7 +99,6 @@ class _Held:
     kind: str
     attempt: int
     created_at: datetime
-    started: bool = False
     lease_lost: bool = False
 
 
@@ -227,13 +235,13 @@ class DeliveryDaemon:
         self._held[row["id"]] = held
         self._by_kind[held.kind] = self._by_kind.get(held.kind, 0) + 1
         self.metrics.in_flight.set(len(self._held))
-        task = asyncio.create_task(self._deliver(row, held))
+        task = asyncio.create_task(self._deliver(row))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     # -- one delivery -------------------------------------------------------------
 
-    async def _deliver(self, row: Any, held: _Held) -> None:
+    async def _deliver(self, row: Any) -> None:
         if self._stopping.is_set():
             started = row["attempt_started_at"]
             self._record(
@@ -245,10 +253,8 @@ class DeliveryDaemon:
                     started_at=started.isoformat() if started else None,
                     error="released unstarted at shutdown",
                 ),
-                held,
             )
             return
-        held.started = True
         completion, outcome = await perform_attempt(
             self.deliverers[row["kind"]],
             row,
@@ -262,9 +268,9 @@ class DeliveryDaemon:
             until = max(self._paused_until.get(kind, 0), time.monotonic() + pause)
             self._paused_until[kind] = until
             log.info("kind %s rate-limited for %.1fs", kind, pause)
-        self._record(completion, held)
+        self._record(completion)
 
-    def _record(self, completion: Completion, held: _Held) -> None:
+    def _record(self, completion: Completion) -> None:
         self._done.append(completion)
         self._done_ready.set()
 

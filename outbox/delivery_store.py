@@ -97,19 +97,22 @@ class AsyncDeliveryStore:
         owner: str,
         lease_seconds: float,
     ) -> list[Any]:
-        """Claim from each partition; every claim is one statement, committed on its own."""
+        """Claim from each partition, all in one transaction (claimed rows are all returned)."""
         rows: list[Any] = []
         async with self.engine.connect() as conn:
-            # One statement claims and records the attempt's start, so it needs no
-            # explicit transaction: autocommit saves the BEGIN and COMMIT round trips
-            # on the commit -> handler start path.
-            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            if len(quotas) == 1:
+                # One statement claims and records the attempt's start, so alone it
+                # needs no explicit transaction: autocommit saves the BEGIN and COMMIT
+                # round trips on the commit -> handler start path. With several, a
+                # failure part-way must not leave claims that were never returned.
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             for partition, limit in quotas:
                 params = queue.claim_params(
                     partition, limit=limit, owner=owner, lease_seconds=lease_seconds
                 )
                 result = await conn.execute(queue.claim(spec), params)
                 rows.extend(result.mappings())
+            await conn.commit()
         return rows
 
     async def extend(

@@ -3,7 +3,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError as PydanticValidationError
 
+from outbox.deliver import DeliverSettings
 from outbox.errors import ConfigurationError
 from outbox.settings import Settings
 
@@ -31,3 +33,11 @@ def test_bad_environment_value_names_the_variable() -> None:
 def test_settings_are_frozen() -> None:
     with pytest.raises(ValueError):
         Settings().max_payload_bytes = 5  # type: ignore[misc]
+
+
+def test_a_deliverer_owner_may_not_pose_as_a_relay() -> None:
+    """Stream deliverers take effects held by relay owners: a deliverer may not use that name."""
+    with pytest.raises(PydanticValidationError, match="owner") as caught:
+        DeliverSettings(owner="relay:host:1:abc")
+    assert "relay:" in str(caught.value)
+    assert DeliverSettings(owner="deliverer:host:1").owner == "deliverer:host:1"
