@@ -14,6 +14,7 @@ keys and webhook replay marks older than the horizon go too.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -134,6 +135,10 @@ def collect_garbage(
                         archive.write(
                             json.dumps({"table": table, "row": dict(row)}, default=str) + "\n"
                         )
+                    # On disk before the delete commits: a crash must not lose rows
+                    # that are gone from the database and missing from the archive.
+                    archive.flush()
+                    os.fsync(archive.fileno())
             report.batches += 1
             report.deleted[table] = report.deleted.get(table, 0) + len(rows)
             if progress is not None:

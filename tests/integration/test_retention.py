@@ -24,6 +24,8 @@ def test_gc_deletes_old_finished_history_and_keeps_the_rest(
     old_done = ob.start_run("a", "1")
     old_done.transaction("s", lambda tx: tx.intend("k.x", {"n": 1}) and None)
     old_done.complete()
+    old_done_too = ob.start_run("a", "1")
+    old_done_too.complete()
     old_open = ob.start_run("a", "1")  # finished, but one of its effects is still pending
     old_open.transaction("s", lambda tx: tx.intend("k.x", {"n": 2}) and None)
     old_open.complete()
@@ -32,6 +34,7 @@ def test_gc_deletes_old_finished_history_and_keeps_the_rest(
     live = ob.start_run("a", "1")
     with ob.transaction() as tx:
         tx.intend("k.x", {"n": 3}, key="runless-old")
+        tx.intend("k.x", {"n": 4}, key="runless-old-too")
     with ob.engine.begin() as conn:
         conn.execute(
             update(effects)
@@ -45,7 +48,7 @@ def test_gc_deletes_old_finished_history_and_keeps_the_rest(
         )
         conn.execute(
             update(runs)
-            .where(runs.c.id.in_([old_done.id, old_open.id]))
+            .where(runs.c.id.in_([old_done.id, old_done_too.id, old_open.id]))
             .values(updated_at=func.now() - func.make_interval(0, 0, 0, 40))
         )
     archive = tmp_path / "archive.jsonl"
@@ -66,13 +69,18 @@ def test_gc_deletes_old_finished_history_and_keeps_the_rest(
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert report["deleted"]["outbox_runs"] == 1
-    assert report["deleted"]["outbox_effects"] == 1
-    assert report["batches"] >= 4, "one row per transaction"
+    assert report["deleted"]["outbox_runs"] == 2
+    assert report["deleted"]["outbox_effects"] == 2
+    # --batch 1: one row per transaction, then one finding nothing, for runs and for
+    # effects; then one statement each for consumed keys and webhook replays.
+    assert report["batches"] == 3 + 3 + 2, "one row per transaction"
     remaining = {r.id for r in ob.runs()}
     assert remaining == {old_open.id, recent.id, live.id}
     assert count(ob, steps) == 1 and count(ob, effects) == 1  # old_open's step and effect
     assert count(ob, effect_attempts) == 0
     archived = [json.loads(line) for line in archive.read_text().splitlines()]
-    assert sorted(a["table"] for a in archived) == ["outbox_effects", "outbox_runs"]
-    assert {a["row"]["id"] for a in archived if a["table"] == "outbox_runs"} == {str(old_done.id)}
+    assert sorted(a["table"] for a in archived) == ["outbox_effects"] * 2 + ["outbox_runs"] * 2
+    assert {a["row"]["id"] for a in archived if a["table"] == "outbox_runs"} == {
+        str(old_done.id),
+        str(old_done_too.id),
+    }
