@@ -35,7 +35,8 @@ def worker(env: dict[str, str], version: str, log: Path, *extra: str) -> subproc
                 "2",
                 *extra,
             ],
-            env=env,
+            # A crash point meant for another process must not reach these workers.
+            env={k: v for k, v in env.items() if k != "OUTBOX_TEST_CRASH_AT"},
             stdout=handle,
             stderr=subprocess.STDOUT,
         )

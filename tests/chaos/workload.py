@@ -34,6 +34,7 @@ from typing import Any
 from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox, Run, StepTransaction
 from outbox.errors import DatabaseError, RunNotFound
+from tests.chaos.deliverer_process import CONFIG
 
 AGENT = "chaos-load"
 VERSION = "1"
@@ -288,16 +289,6 @@ def run_statuses(ob: Outbox, run_ids: Iterable[uuid.UUID]) -> dict[str, int]:
 
 
 # -- processes -----------------------------------------------------------------------------------
-
-CONFIG = """
-[kinds."http.request"]
-allow_private = ["127.0.0.1"]
-
-[kinds."http.blind"]
-type = "http.request"
-idempotent = false
-allow_private = ["127.0.0.1"]
-"""
 
 
 def write_config(directory: Path, extra: str = "") -> Path:
