@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer
+from kafka import errors as kafka_errors
 from pydantic import BaseModel, ConfigDict, Field
 
 from deliverers.kafka import close_producer
@@ -115,7 +116,14 @@ class Relay:
         try:
             while not self._stopping.is_set():
                 self._wake.clear()
-                sent = await self._relay_batch()
+                try:
+                    sent = await self._relay_batch()
+                except Exception:
+                    # Whatever it claimed stays leased to this relay; when the lease
+                    # runs out the reconciler dispatches it again (same key).
+                    log.exception("relay batch failed; retrying after the poll interval")
+                    await asyncio.sleep(self.settings.poll_seconds)
+                    continue
                 if sent:
                     idle = 0.01
                     continue
@@ -293,9 +301,24 @@ class StreamDeliverer:
             while not self._stopping.is_set():
                 batch = await asyncio.to_thread(consumer.poll, timeout_ms=500)
                 records = [r for part in batch.values() for r in part]
-                if records:
+                if not records:
+                    continue
+                try:
                     await self._deliver_batch(records)
+                except Exception:
+                    log.exception("delivering a batch failed; reading it again")
+                    # Uncommitted and re-read: each record's effect is checked in
+                    # PostgreSQL again, so what was recorded is skipped.
+                    for partition, part in batch.items():
+                        consumer.seek(partition, part[0].offset)
+                    await asyncio.sleep(1.0)
+                    continue
+                try:
                     await asyncio.to_thread(consumer.commit)
+                except kafka_errors.CommitFailedError as exc:
+                    # The group rebalanced: the partitions' new owner reads these
+                    # records again and skips the effects already recorded.
+                    log.warning("offsets not committed: %s", exc)
         finally:
             for task in background:
                 task.cancel()

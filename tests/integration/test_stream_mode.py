@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from deliverers.testing import TANSU_CONSUMER_TUNING, IdempotentHttpSink, TansuBroker
@@ -30,6 +31,12 @@ TOPIC = "outbox.http.request"
 @pytest.fixture
 def sink(tmp_path: Path) -> Iterator[IdempotentHttpSink]:
     with IdempotentHttpSink(log_path=tmp_path / "sink.jsonl") as running:
+        yield running
+
+
+@pytest.fixture
+def slow_sink(tmp_path: Path) -> Iterator[IdempotentHttpSink]:
+    with IdempotentHttpSink(log_path=tmp_path / "slow-sink.jsonl", latency=1.5) as running:
         yield running
 
 
@@ -107,11 +114,11 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
             proc.kill()
 
 
-def intend(ob: Outbox, url: str, n: int, ordering: int = 0) -> None:
+def intend(ob: Outbox, url: str, n: int, ordering: int = 0, first: int = 0) -> None:
     run = ob.start_run("agent", "1")
 
     def step(tx: StepTransaction) -> None:
-        for i in range(n):
+        for i in range(first, first + n):
             extra: dict[str, Any] = {}
             if ordering:
                 extra["ordering_key"] = f"acct-{i % ordering}"
@@ -267,3 +274,65 @@ def test_order_per_key_with_three_partitions_and_two_consumers(
     assert len(arrivals) == 4
     for key, seen in arrivals.items():
         assert seen == sorted(seen), f"{key} delivered out of intent order: {seen}"
+
+
+def held_by_stream(ob: Outbox) -> bool:
+    with ob.engine.connect() as conn:
+        return bool(
+            conn.exec_driver_sql(
+                "SELECT count(*) FROM outbox_effects WHERE status = 'in_flight'"
+                " AND lease_owner NOT LIKE 'relay:%%'"
+            ).scalar_one()
+        )
+
+
+def test_relay_and_stream_deliverer_survive_losing_their_database_connections(
+    ob: Outbox,
+    dsn: str,
+    sub_env: dict[str, str],
+    tmp_path: Path,
+    kafka_broker: TansuBroker,
+    slow_sink: IdempotentHttpSink,
+) -> None:
+    """Expected: neither daemon dies when PostgreSQL drops its connections; nothing is lost.
+
+    Three times, while the stream deliverer is inside calls to a slow sink, every
+    pooled connection of the relay and the stream deliverer is ended with
+    ``pg_terminate_backend``. Both keep running (the pool replaces the dead
+    connections; a batch whose recording still fails is read again, or left to
+    its lease by the relay), and the sink applies each of the 60 keys once.
+    """
+    kafka_broker.create_topic(TOPIC, partitions=3)
+    sink = slow_sink
+    procs = [
+        relay(kafka_broker, sub_env, tmp_path, "relay"),
+        stream_deliverer(kafka_broker, sub_env, tmp_path, "stream"),
+    ]
+    ended = []
+    try:
+        for round_ in range(3):
+            intend(ob, f"{sink.url}/ledger", 20, first=20 * round_)
+            # Earlier rounds are delivered, and the stream deliverer is inside this
+            # round's calls (it has reconnected since the last round's kill).
+            wait_for(
+                lambda before=20 * round_: (
+                    statuses(ob).get("succeeded", 0) >= before and held_by_stream(ob)
+                ),
+                timeout=120,
+            )
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                ended.append(
+                    len(
+                        admin.execute(
+                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                            " AND application_name = 'outbox-deliver'"
+                        ).fetchall()
+                    )
+                )
+        settled(ob, 60, tmp_path, timeout=180)
+        assert [p.poll() for p in procs] == [None, None], "both daemons are still running"
+    finally:
+        stop(*procs)
+    assert all(n >= 1 for n in ended), f"each round ended connections: {ended}"
+    assert_applied_once(ob, sink, 60)
