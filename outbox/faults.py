@@ -7,9 +7,10 @@ variable unset, :func:`crash_point` is a dictionary lookup and nothing else.
 
 Points: ``after_claim`` (claimed, before the outside call), ``after_call``
 (the sink answered, before the completion is written), ``during_completion``
-(the completion statement ran, before its commit), ``after_step`` (a run's
-step committed, before the next), ``before_step_commit`` (inside a step's
-transaction, before commit).
+(the completion statement ran, before its commit), ``after_publish`` (a
+relay's records were acknowledged by Kafka, before they are marked
+dispatched), ``after_step`` (a run's step committed, before the next),
+``before_step_commit`` (inside a step's transaction, before commit).
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ import threading
 __all__ = ["POINTS", "crash_point"]
 
 POINTS = frozenset(
-    {"after_claim", "after_call", "during_completion", "after_step", "before_step_commit"}
+    {
+        "after_claim",
+        "after_call",
+        "during_completion",
+        "after_publish",
+        "after_step",
+        "before_step_commit",
+    }
 )
 ENV = "OUTBOX_TEST_CRASH_AT"
 
