@@ -52,7 +52,7 @@ import sqlalchemy
 
 from bench import compare, delivery, floor, processes, scale, write
 from bench.delivery import Bench, ForeignCpu, log
-from outbox.embedded import EmbeddedServer
+from outbox.storage.embedded import EmbeddedServer
 
 REPO = Path(__file__).resolve().parent.parent
 PG_STAT_STATEMENTS = {

@@ -10,7 +10,7 @@ and measures, each a median of several repetitions with min-max:
 
 1. baseline: a pure-SQL batch claim/complete loop (psycopg 3, no SQLAlchemy)
    draining a backlog in batches of 100: one statement claims (the shape of
-   ``outbox.queue.claim``), one marks the batch succeeded (``id = ANY(...)``).
+   ``outbox.storage.sql.queue.claim``), one marks the batch succeeded (``id = ANY(...)``).
    Each statement is its own transaction (autocommit: one round trip), and a
    second variant wraps each in an explicit ``BEGIN``/``COMMIT``.
 2. daemon: one warm ``DeliveryDaemon`` (its own asyncio loop, in a thread of
@@ -69,14 +69,14 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 
 from outbox import Outbox
-from outbox.deliver import DeliverSettings, DeliveryDaemon
 from outbox.delivery import Deliverer, Delivery, Outcome, Succeeded
-from outbox.delivery_store import AsyncDeliveryStore, Completion, make_async_engine
-from outbox.embedded import EmbeddedServer
-from outbox.migrate import migrate
-from outbox.queue import EFFECT_QUEUE
-from outbox.statements import EFFECTS_CHANNEL
-from outbox.store import make_engine
+from outbox.delivery.daemon import DeliverSettings, DeliveryDaemon
+from outbox.storage.async_store import AsyncDeliveryStore, Completion, make_async_engine
+from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.migrate import migrate
+from outbox.storage.sql.queue import EFFECT_QUEUE
+from outbox.storage.sql.steps import EFFECTS_CHANNEL
+from outbox.storage.store import make_engine
 
 DATABASE = "outbox_bench"
 DRAIN_KIND = "bench.noop"

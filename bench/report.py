@@ -831,7 +831,8 @@ def _delivery_md(r: dict[str, Any]) -> str:
             "",
             "**Found while measuring:** `outbox deliver` never receives a NOTIFY. It passes "
             "the SQLAlchemy URL (`postgresql+psycopg://…`, from `checked_dsn`) to "
-            "`outbox.wakeup.listen`, and psycopg rejects it (`invalid connection option`), so "
+            "`outbox.storage.notify.listen`, and psycopg rejects it "
+            "(`invalid connection option`), so "
             "the CLI daemon logs *LISTEN outbox_effects connection lost* every few seconds and "
             "runs on its adaptive poll alone: the wake-up column above (≈ the 1 s poll "
             "interval) is that bug. The in-process daemon of the latency section is given a "
@@ -1000,7 +1001,7 @@ def _scale_md(r: dict[str, Any]) -> str:
         "",
         f"Finished rows (`succeeded`, completed 20-40 days ago) loaded with SQL in 1M-row "
         f"transactions, then VACUUM ANALYZE; at each level a 2k backlog of another kind is "
-        f"drained with `outbox.queue.claim(EFFECT_QUEUE)` batches of 100 and "
+        f"drained with `outbox.storage.sql.queue.claim(EFFECT_QUEUE)` batches of 100 and "
         f"`complete_effects()` through a SQLAlchemy engine, "
         f"{sc['levels'][min(sc['levels'], key=int)]['claims']} timed claims per level. "
         "EXPLAIN: one claim of 100 (rolled back).",

@@ -4,13 +4,13 @@ Finished rows (status ``succeeded``, ``completed_at`` 20 to 40 days ago,
 run-less, kind ``bench.done``) are loaded in 1M-row transactions with SQL, the
 table is vacuumed and analysed (so autovacuum does not start in the middle of a
 measurement), and at each level a backlog of 2k pending effects of another kind
-is drained ``reps`` times with ``outbox.queue.claim(EFFECT_QUEUE)`` batches of
-100 and ``outbox.queue.complete_effects()``, each its own transaction through a
+is drained ``reps`` times with ``outbox.storage.sql.queue.claim(EFFECT_QUEUE)`` batches of
+100 and ``outbox.storage.sql.queue.complete_effects()``, each its own transaction through a
 SQLAlchemy engine: every claim is timed (p50/p99), and the drain rate is the
 backlog over the loop's wall time. An ``EXPLAIN (ANALYZE, BUFFERS)`` of one
 claim (rolled back) shows how many pages it touches.
 
-Retention: after the 1M level, ``outbox.retention.collect_garbage`` deletes
+Retention: after the 1M level, ``outbox.storage.retention.collect_garbage`` deletes
 every finished row older than a day in batches of 1000 (``outbox gc``'s
 default), each batch timed (the longest transaction gc holds); claims are
 measured again right after gc and after a VACUUM. The archive variant
@@ -30,9 +30,9 @@ from sqlalchemy import Engine
 
 from bench.delivery import BACKLOG_INSERT, Bench, log, percentile, succeeded, summary
 from bench.write import wal_lsn
-from outbox import queue
-from outbox.retention import collect_garbage
-from outbox.store import make_engine
+from outbox.storage.retention import collect_garbage
+from outbox.storage.sql import queue
+from outbox.storage.store import make_engine
 
 DONE_KIND = "bench.done"
 SCALE_KIND = "bench.scale"

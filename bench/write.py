@@ -28,7 +28,7 @@ from bench.delivery import (
     summary,
 )
 from outbox import Outbox
-from outbox.store import make_engine
+from outbox.storage.store import make_engine
 
 VARIANTS = {
     "step": None,

@@ -65,7 +65,7 @@ from outbox.delivery import (
     Succeeded,
     Unknown,
 )
-from outbox.schema import consumed_keys
+from outbox.storage.schema import consumed_keys
 
 __all__ = [
     "DedupConsumer",

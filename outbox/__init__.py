@@ -8,7 +8,6 @@ record the outcome, fenced against stale workers.
 from __future__ import annotations
 
 from outbox.client import Outbox
-from outbox.embedded import EmbeddedServer
 from outbox.errors import (
     BudgetExceeded,
     ConfigurationError,
@@ -34,9 +33,7 @@ from outbox.errors import (
     VersionMismatch,
     WaitTimeout,
 )
-from outbox.intents import OutboxTransaction, StepTransaction
 from outbox.keys import compensation_key, derive_key
-from outbox.migrate import migrate
 from outbox.models import (
     Compensation,
     Effect,
@@ -48,8 +45,11 @@ from outbox.models import (
     RunStatus,
     StepRecord,
 )
-from outbox.run import Run
+from outbox.runs.intents import OutboxTransaction, StepTransaction
+from outbox.runs.run import Run
 from outbox.settings import Settings
+from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.migrate import migrate
 
 __version__ = "0.1.0"
 

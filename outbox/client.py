@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import psycopg
 from sqlalchemy import Connection, Engine
 
-from outbox import run_sql
-from outbox.database import open_engine
 from outbox.errors import (
     EffectNotFound,
     RunNotFound,
@@ -27,14 +25,6 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.ids import uuid7
-from outbox.intents import OutboxTransaction
-from outbox.lifecycle import (
-    SignalReceipt,
-    advance_stopping_run,
-    advance_stopping_runs,
-    cancel_run,
-    send_signal,
-)
 from outbox.models import (
     Effect,
     EffectStatus,
@@ -43,16 +33,26 @@ from outbox.models import (
     RunStatus,
 )
 from outbox.payloads import content_hash, encode
-from outbox.run import Run
+from outbox.runs.intents import OutboxTransaction
+from outbox.runs.run import Run
+from outbox.runs.stopping import (
+    SignalReceipt,
+    advance_stopping_run,
+    advance_stopping_runs,
+    cancel_run,
+    send_signal,
+)
+from outbox.runs.waits import WaitSpec
 from outbox.settings import Settings
-from outbox.statements import EFFECTS_CHANNEL, RUNS_CHANNEL
-from outbox.store import Store, libpq_dsn
+from outbox.storage.database import open_engine
+from outbox.storage.notify import WakeupThrottle
+from outbox.storage.sql import runs as run_sql
+from outbox.storage.sql.steps import EFFECTS_CHANNEL, RUNS_CHANNEL
+from outbox.storage.store import Store, libpq_dsn
 from outbox.validation import as_uuid, validated
-from outbox.waits import WaitSpec
-from outbox.wakeup import WakeupThrottle
 
 if TYPE_CHECKING:
-    from outbox.worker import Worker
+    from outbox.runs.worker import Worker
 
 __all__ = ["Outbox"]
 
@@ -335,7 +335,7 @@ class Outbox:
         recorded replay. Call ``.run()`` to work until ``.stop()``. Settings:
         see :class:`~outbox.worker.WorkerSettings`.
         """
-        from outbox.worker import Worker, WorkerSettings
+        from outbox.runs.worker import Worker, WorkerSettings
 
         return Worker(self, agent, version, handler, WorkerSettings(**settings))
 

@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from outbox.deliver import DeliverSettings, DeliveryDaemon
 from outbox.delivery import Deliverer
-from outbox.delivery_store import AsyncDeliveryStore, make_async_engine
+from outbox.delivery.daemon import DeliverSettings, DeliveryDaemon
+from outbox.storage.async_store import AsyncDeliveryStore, make_async_engine
 
 T = TypeVar("T")
 

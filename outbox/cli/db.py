@@ -8,9 +8,9 @@ from pathlib import Path
 import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
-from outbox.embedded import EmbeddedServer
-from outbox.migrate import applied_versions, migrate, shipped
-from outbox.store import make_engine
+from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.migrate import applied_versions, migrate, shipped
+from outbox.storage.store import make_engine
 
 __all__ = ["COMMANDS"]
 
@@ -20,7 +20,7 @@ __all__ = ["COMMANDS"]
 @pass_cli
 def migrate_command(cli: CliContext, as_json: bool) -> None:
     """Apply pending migrations (idempotent; safe when run twice at once)."""
-    from outbox.database import resolve_dsn
+    from outbox.storage.database import resolve_dsn
 
     dsn, _ = resolve_dsn(cli.settings)
     engine = make_engine(dsn)
@@ -131,7 +131,7 @@ def gc(
     cli: CliContext, older_than: str, batch: int, archive: Path | None, dry_run: bool, as_json: bool
 ) -> None:
     """Delete (or archive and delete) finished runs and effects older than a horizon."""
-    from outbox.retention import collect_garbage, open_archive, parse_horizon
+    from outbox.storage.retention import collect_garbage, open_archive, parse_horizon
 
     horizon = parse_horizon(older_than)
     handle = open_archive(archive)

@@ -12,10 +12,10 @@ from typing import Any, Protocol
 import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
-from outbox.database import open_engine
 from outbox.delivery import Deliverer
-from outbox.delivery_store import AsyncDeliveryStore, make_async_engine
-from outbox.store import libpq_dsn
+from outbox.storage.async_store import AsyncDeliveryStore, make_async_engine
+from outbox.storage.database import open_engine
+from outbox.storage.store import libpq_dsn
 
 __all__ = ["COMMANDS"]
 
@@ -123,15 +123,15 @@ def deliver(
     kafka_options: tuple[str, ...],
 ) -> None:
     """Deliver pending effects until SIGTERM/SIGINT (then finish in-flight calls and exit 0)."""
-    from outbox.deliver import DeliverSettings, DeliveryDaemon
-    from outbox.logs import configure
-    from outbox.metrics import DeliveryMetrics
+    from outbox.cli.logs import configure
+    from outbox.delivery.daemon import DeliverSettings, DeliveryDaemon
+    from outbox.delivery.metrics import DeliveryMetrics
 
     configure(logging.INFO, as_json=log_json)
     deliverers = load_deliverers(config_path, kinds)
     dsn = checked_dsn(cli)
     if kafka is not None:
-        from deliverers.kafka_stream import StreamDeliverer, StreamSettings
+        from outbox.delivery.stream import StreamDeliverer, StreamSettings
 
         stream = StreamSettings(
             bootstrap_servers=kafka,
@@ -246,8 +246,8 @@ def relay(
     log_json: bool,
 ) -> None:
     """Stream mode: publish pending effects to Kafka for `outbox deliver --from-kafka`."""
-    from deliverers.kafka_stream import Relay, RelaySettings
-    from outbox.logs import configure
+    from outbox.cli.logs import configure
+    from outbox.delivery.stream import Relay, RelaySettings
 
     configure(logging.INFO, as_json=log_json)
     chosen = sorted(kinds) or sorted(load_deliverers(config_path, ()))
@@ -282,8 +282,8 @@ def reconcile_command(
     as_json: bool,
 ) -> None:
     """Resolve effects whose attempt started but never recorded an end; list the unknown ones."""
-    from outbox.delivery_store import AsyncDeliveryStore, make_async_engine
-    from outbox.reconcile import reconcile
+    from outbox.delivery.reconcile import reconcile
+    from outbox.storage.async_store import AsyncDeliveryStore, make_async_engine
 
     deliverers = load_deliverers(config_path, kinds)
     dsn = checked_dsn(cli)

@@ -35,7 +35,7 @@ from sqlalchemy import func, select
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.client import Outbox
 from outbox.models import TERMINAL_EFFECT_STATUSES, RunStatus
-from outbox.schema import effect_attempts, effects
+from outbox.storage.schema import effect_attempts, effects
 
 __all__ = ["COMMANDS"]
 
@@ -80,7 +80,7 @@ class _Demo:
         return proc
 
     def agent(self, run_id: uuid.UUID, name: str) -> None:
-        self.agents[run_id] = self.spawn(["outbox.demo_agent", str(run_id), self.sink.url], name)
+        self.agents[run_id] = self.spawn(["outbox.demo.agent", str(run_id), self.sink.url], name)
 
     @property
     def run_ids(self) -> list[uuid.UUID]:
@@ -88,7 +88,7 @@ class _Demo:
         return [*self.reconciliations, *extra]
 
     def start(self) -> None:
-        from outbox import demo_agent
+        from outbox.demo import agent as demo_agent
 
         self.deliverers = [self.spawn(self.deliver_args, f"deliver-{i}") for i in (1, 2)]
         for month in (8, 9, 10):
@@ -102,7 +102,7 @@ class _Demo:
             [
                 "outbox",
                 "worker",
-                "outbox.demo_agent:pay_vendor",
+                "outbox.demo.agent:pay_vendor",
                 "--agent",
                 "vendor-payments",
                 "--version",
@@ -131,7 +131,7 @@ class _Demo:
 
     def tick(self) -> bool:
         """Move every story on; True when all are done."""
-        from outbox import demo_agent
+        from outbox.demo import agent as demo_agent
 
         victim = self.reconciliations[1]
         if not self.agent_killed and len(self.ob.run(victim).completed_steps) >= 5:

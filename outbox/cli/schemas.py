@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from outbox.cli._common import console, emit, json_option
-from outbox.schemas_export import check_schemas, write_schemas
+from outbox.json_schemas import check_schemas, write_schemas
 
 __all__ = ["COMMANDS"]
 

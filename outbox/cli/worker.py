@@ -44,7 +44,7 @@ def worker(
     log_json: bool,
 ) -> None:
     """Execute runs of one agent version until SIGTERM/SIGINT."""
-    from outbox.logs import configure
+    from outbox.cli.logs import configure
 
     configure(logging.INFO, as_json=log_json)
     handler = import_callable(handler_path, field="handler")
@@ -119,8 +119,8 @@ def serve(
     cli: CliContext, host: str, port: int, secret_file: Path | None, tolerance: float
 ) -> None:
     """Accept signed signals over HTTP; expose /healthz and /metrics."""
-    from outbox.logs import configure
-    from outbox.webhooks import SignalServer
+    from outbox.cli.logs import configure
+    from outbox.serve.webhooks import SignalServer
 
     configure(logging.INFO)
     server = SignalServer(
@@ -134,7 +134,7 @@ def serve(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
-    logging.getLogger("outbox.webhooks").info("serving on http://%s:%d", host, server.port)
+    logging.getLogger("outbox.serve.webhooks").info("serving on http://%s:%d", host, server.port)
     server.serve_forever()
 
 

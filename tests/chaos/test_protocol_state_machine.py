@@ -1,8 +1,8 @@
 """The claim / lease / complete / reconcile protocol as a Hypothesis state machine.
 
-Every rule runs the real statements of :mod:`outbox.queue`, through the
-deliverers' own :class:`~outbox.delivery_store.AsyncDeliveryStore` (claim,
-heartbeat, complete) and :func:`outbox.reconcile.reconcile`, against the real
+Every rule runs the real statements of :mod:`outbox.storage.sql.queue`, through the
+deliverers' own :class:`~outbox.storage.async_store.AsyncDeliveryStore` (claim,
+heartbeat, complete) and :func:`outbox.delivery.reconcile.reconcile`, against the real
 database (rows are read and leases expired with the sync engine). The
 machine keeps the tickets each owner holds (effect, attempt) and checks,
 after every step:
@@ -43,10 +43,10 @@ from sqlalchemy import Engine, select, text
 
 from deliverers.testing import RecordingDeliverer
 from outbox import Outbox
-from outbox.delivery_store import AsyncDeliveryStore, Completion, make_async_engine
-from outbox.queue import EFFECT_QUEUE
-from outbox.reconcile import reconcile
-from outbox.schema import EFFECT_STATUSES, effect_attempts, effects
+from outbox.delivery.reconcile import reconcile
+from outbox.storage.async_store import AsyncDeliveryStore, Completion, make_async_engine
+from outbox.storage.schema import EFFECT_STATUSES, effect_attempts, effects
+from outbox.storage.sql.queue import EFFECT_QUEUE
 
 IDEMPOTENT, BLIND = "sm.idempotent", "sm.blind"
 OWNERS = ("A", "B")

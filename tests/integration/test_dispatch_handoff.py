@@ -13,8 +13,8 @@ import asyncio
 from typing import Any
 
 from outbox import Outbox
-from outbox.delivery_store import AsyncDeliveryStore, Completion, make_async_engine
-from outbox.queue import EFFECT_QUEUE, RELAY_OWNER_PREFIX
+from outbox.storage.async_store import AsyncDeliveryStore, Completion, make_async_engine
+from outbox.storage.sql.queue import EFFECT_QUEUE, RELAY_OWNER_PREFIX
 
 RELAY = RELAY_OWNER_PREFIX + "host:1:abc"
 

@@ -9,7 +9,7 @@ from sqlalchemy import update
 from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox
 from outbox.delivery import Delivery, Outcome, Succeeded
-from outbox.schema import effects
+from outbox.storage.schema import effects
 from tests.support import DaemonThread, wait_for
 
 

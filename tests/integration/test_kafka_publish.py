@@ -26,7 +26,7 @@ from deliverers.kafka import DedupConsumer, DedupStats, KafkaDeliverer
 from deliverers.testing import TANSU_CONSUMER_TUNING
 from outbox import Outbox
 from outbox.models import Effect
-from outbox.schema import consumed_keys
+from outbox.storage.schema import consumed_keys
 from tests.support import DaemonThread, wait_for
 
 pytestmark = [

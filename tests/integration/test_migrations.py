@@ -9,9 +9,9 @@ import pytest
 from sqlalchemy import Engine, text
 
 from outbox import Outbox, SchemaOutdated, SchemaTooNew, Settings
-from outbox.migrate import applied_versions, migrate, shipped
-from outbox.schema import metadata
-from outbox.store import make_engine
+from outbox.storage.migrate import applied_versions, migrate, shipped
+from outbox.storage.schema import metadata
+from outbox.storage.store import make_engine
 
 CATALOG = {
     "columns": """

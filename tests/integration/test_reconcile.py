@@ -15,9 +15,9 @@ from deliverers.testing import IdempotentHttpSink, RecordingDeliverer
 from outbox import EffectStatus, Outbox, RunStateError
 from outbox.cli import cli
 from outbox.delivery import Deliverer
-from outbox.delivery_store import AsyncDeliveryStore, make_async_engine
-from outbox.queue import EFFECT_QUEUE
-from outbox.reconcile import ReconcileReport, reconcile
+from outbox.delivery.reconcile import ReconcileReport, reconcile
+from outbox.storage.async_store import AsyncDeliveryStore, make_async_engine
+from outbox.storage.sql.queue import EFFECT_QUEUE
 
 
 def intend(ob: Outbox, kind: str, payloads: list[Any]) -> None:

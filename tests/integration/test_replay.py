@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select
 
 from outbox import IdempotencyConflict, Outbox, StepTransaction, derive_key
-from outbox.schema import effects, steps
+from outbox.storage.schema import effects, steps
 
 
 def test_call_records_once_and_replays_without_calling(ob: Outbox) -> None:

@@ -10,7 +10,7 @@ from sqlalchemy import func, select, update
 
 from outbox import Outbox
 from outbox.cli import cli
-from outbox.schema import effect_attempts, effects, runs, steps
+from outbox.storage.schema import effect_attempts, effects, runs, steps
 
 
 def count(ob: Outbox, table) -> int:  # type: ignore[no-untyped-def]

@@ -7,7 +7,7 @@ from sqlalchemy import update
 
 from outbox import DatabaseError, Outbox, RunStatus, RunTerminal
 from outbox.payloads import content_hash, encode
-from outbox.schema import runs
+from outbox.storage.schema import runs
 
 
 def test_a_run_stores_agent_version_inputs_and_their_hash(ob: Outbox) -> None:

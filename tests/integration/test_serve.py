@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from outbox import Outbox
-from outbox.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignalServer, sign
+from outbox.serve.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignalServer, sign
 
 SECRET = b"0123456789abcdef-secret"
 

@@ -22,7 +22,7 @@ from outbox import (
     compensation_key,
 )
 from outbox.delivery import Delivery, Failed, Outcome, Succeeded
-from outbox.schema import budget_ledger
+from outbox.storage.schema import budget_ledger
 from tests.support import DaemonThread, wait_for
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from outbox.schemas_export import boundary_models, check_schemas, write_schemas
+from outbox.json_schemas import boundary_models, check_schemas, write_schemas
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 

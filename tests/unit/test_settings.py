@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError as PydanticValidationError
 
-from outbox.deliver import DeliverSettings
+from outbox.delivery.daemon import DeliverSettings
 from outbox.errors import ConfigurationError
 from outbox.settings import Settings
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy.dialects import postgresql
 
-from outbox import statements
+from outbox.storage.sql import steps as statements
 
 
 def _sql(stmt: object) -> str:
@@ -37,7 +37,7 @@ def test_commit_step_refuses_steps_of_ended_runs_and_over_budget() -> None:
 
 def test_no_parameter_shadows_a_runs_column() -> None:
     # SQLAlchemy adds execute() parameters named like a column to an UPDATE's SET.
-    from outbox.schema import runs
+    from outbox.storage.schema import runs
 
     compiled = statements.commit_step(fenced=True, notify=True).compile(
         dialect=postgresql.dialect()

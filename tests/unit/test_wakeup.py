@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from outbox.wakeup import WakeupThrottle
+from outbox.storage.notify import WakeupThrottle
 
 
 class Recorder:

@@ -1,10 +1,10 @@
 """The SQL of the client library, as pure functions returning SQLAlchemy Core statements.
 
-Nothing here touches a connection; :mod:`outbox.store` executes these. The hot
+Nothing here touches a connection; :mod:`outbox.storage.store` executes these. The hot
 statement is :func:`commit_step`: one round trip that checks the run, writes
 the step checkpoint and every intent, and (when asked) sends the wake-up
 ``NOTIFY``. The queue statements shared by runs and effects live in
-:mod:`outbox.queue`.
+:mod:`outbox.storage.sql.queue`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement, TableValuedAlias, TextClause
 
 from outbox.models import RunStatus
-from outbox.schema import budget_ledger, effects, runs, sql_in, steps
+from outbox.storage.schema import budget_ledger, effects, runs, sql_in, steps
 
 __all__ = [
     "EFFECTS_CHANNEL",

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import psycopg
 
-from outbox.store import libpq_dsn
+from outbox.storage.store import libpq_dsn
 
 __all__ = ["WakeupThrottle", "listen"]
 

@@ -30,16 +30,16 @@ from kafka import errors as kafka_errors
 from pydantic import BaseModel, ConfigDict, Field
 
 from deliverers.kafka import close_producer
-from outbox.attempts import perform_attempt
-from outbox.deliver import default_owner
 from outbox.delivery import Deliverer
-from outbox.delivery_store import AsyncDeliveryStore, Completion
+from outbox.delivery.attempt import perform_attempt
+from outbox.delivery.daemon import default_owner
+from outbox.delivery.reconcile import reconcile
 from outbox.faults import crash_point
-from outbox.queue import EFFECT_QUEUE, RELAY_OWNER_PREFIX
-from outbox.reconcile import reconcile
 from outbox.retry import RetryPolicy
-from outbox.statements import EFFECTS_CHANNEL
-from outbox.wakeup import listen
+from outbox.storage.async_store import AsyncDeliveryStore, Completion
+from outbox.storage.notify import listen
+from outbox.storage.sql.queue import EFFECT_QUEUE, RELAY_OWNER_PREFIX
+from outbox.storage.sql.steps import EFFECTS_CHANNEL
 
 __all__ = ["Relay", "RelaySettings", "StreamDeliverer", "StreamSettings", "topic_for"]
 

@@ -1,6 +1,6 @@
 """The demo's agent: reconcile a month of invoices in twelve checkpointed steps.
 
-Run as ``python -m outbox.demo_agent RUN_ID SINK_URL`` (the demo starts it,
+Run as ``python -m outbox.demo.agent RUN_ID SINK_URL`` (the demo starts it,
 kills it with SIGKILL mid-run, and starts it again: recorded steps replay, the
 rest continue). Every effect carries an ``operation`` id, so the sink can tell
 a duplicate *intent* apart from a redelivery of the same one.
@@ -158,7 +158,7 @@ def book_trip(run: Run, sink_url: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Entry point of an agent process: ``python -m outbox.demo_agent RUN_ID SINK_URL``."""
+    """Entry point of an agent process: ``python -m outbox.demo.agent RUN_ID SINK_URL``."""
     run_id, sink_url = argv[1], argv[2]
     with Outbox.connect() as ob:
         reconcile_month(ob.run(run_id), sink_url)

@@ -19,12 +19,12 @@ from outbox.ids import uuid7
 from outbox.keys import derive_key
 from outbox.models import Compensation, Effect, EffectIntent, EffectStatus
 from outbox.payloads import content_hash, decode, encode
-from outbox.store import effects_json
+from outbox.storage.store import effects_json
 from outbox.validation import validated
 
 if TYPE_CHECKING:
     from outbox.client import Outbox
-    from outbox.run import Run
+    from outbox.runs.run import Run
 
 __all__ = ["OutboxTransaction", "StepTransaction"]
 

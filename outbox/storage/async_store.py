@@ -16,13 +16,13 @@ from uuid import UUID
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from outbox import queue
 from outbox.faults import crash_point
-from outbox.lifecycle import advance_stopping_runs
 from outbox.models import OPEN_EFFECT_STATUSES
-from outbox.schema import effects
-from outbox.statements import const
-from outbox.store import psycopg_url
+from outbox.runs.stopping import advance_stopping_runs
+from outbox.storage.schema import effects
+from outbox.storage.sql import queue
+from outbox.storage.sql.steps import const
+from outbox.storage.store import psycopg_url
 
 __all__ = ["AsyncDeliveryStore", "Completion", "make_async_engine"]
 
@@ -242,7 +242,7 @@ class AsyncDeliveryStore:
             return len(result.all())
 
     async def advance_stopping_runs(self) -> dict[str, int]:
-        """One sweep over cancelling and compensating runs (see :mod:`outbox.lifecycle`)."""
+        """One sweep over cancelling and compensating runs (see :mod:`outbox.runs.stopping`)."""
         async with self.engine.begin() as conn:
             return await conn.run_sync(advance_stopping_runs)
 

@@ -25,19 +25,19 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from outbox.attempts import perform_attempt
 from outbox.delivery import (
     Deliverer,
     Retry,
 )
-from outbox.delivery_store import AsyncDeliveryStore, Completion
+from outbox.delivery.attempt import perform_attempt
+from outbox.delivery.metrics import DeliveryMetrics
+from outbox.delivery.reconcile import reconcile
 from outbox.faults import crash_point
-from outbox.metrics import DeliveryMetrics
-from outbox.queue import EFFECT_QUEUE, RELAY_OWNER_PREFIX
-from outbox.reconcile import reconcile
 from outbox.retry import RetryPolicy
-from outbox.statements import EFFECTS_CHANNEL
-from outbox.wakeup import listen
+from outbox.storage.async_store import AsyncDeliveryStore, Completion
+from outbox.storage.notify import listen
+from outbox.storage.sql.queue import EFFECT_QUEUE, RELAY_OWNER_PREFIX
+from outbox.storage.sql.steps import EFFECTS_CHANNEL
 
 __all__ = ["DeliverSettings", "DeliveryDaemon", "default_owner"]
 

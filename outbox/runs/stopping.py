@@ -24,14 +24,14 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from outbox import run_sql
-from outbox import statements as sql
 from outbox.errors import RunNotFound, RunTerminal
 from outbox.ids import uuid7
 from outbox.keys import compensation_key
 from outbox.models import NOT_STARTED_EFFECT_STATUSES, TERMINAL_EFFECT_STATUSES, RunStatus
 from outbox.payloads import content_hash, encode
-from outbox.store import effects_json
+from outbox.storage.sql import runs as run_sql
+from outbox.storage.sql import steps as sql
+from outbox.storage.store import effects_json
 
 __all__ = [
     "SignalReceipt",

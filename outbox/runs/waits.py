@@ -22,9 +22,9 @@ from uuid import UUID
 
 from sqlalchemy import Connection
 
-from outbox import run_sql
 from outbox.errors import EffectFailed, EffectTimeout, OutboxError, SignalTimeout, WaitTimeout
 from outbox.models import StepRecord
+from outbox.storage.sql import runs as run_sql
 
 __all__ = ["EFFECT_RECHECK_SECONDS", "Pending", "WaitSpec", "check_wait", "recorded_error"]
 

@@ -1,6 +1,6 @@
 """Every table and index agent-outbox owns, on one SQLAlchemy ``MetaData``.
 
-The numbered SQL files in ``outbox/migrations`` create the same schema; a test
+The numbered SQL files in ``outbox/storage/migrations`` create the same schema; a test
 checks that a migrated database and ``metadata.create_all`` agree column by
 column and index by index.
 

@@ -45,8 +45,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement
 
 from outbox.models import OPEN_EFFECT_STATUSES
-from outbox.schema import effect_attempts, effects, runs
-from outbox.statements import RUNS_CHANNEL, AnySelect, const, json_param
+from outbox.storage.schema import effect_attempts, effects, runs
+from outbox.storage.sql.steps import RUNS_CHANNEL, AnySelect, const, json_param
 
 __all__ = [
     "EFFECT_QUEUE",

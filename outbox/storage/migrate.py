@@ -43,7 +43,7 @@ class Migration:
 def shipped() -> list[Migration]:
     """The migrations this code knows, in order."""
     found = []
-    for entry in resources.files("outbox.migrations").iterdir():
+    for entry in resources.files("outbox.storage.migrations").iterdir():
         match = _NAME.match(entry.name)
         if match:
             found.append(Migration(int(match[1]), match[2], entry.read_text()))

@@ -1,6 +1,6 @@
 """The one module that talks to PostgreSQL for the client library.
 
-It turns the statements of :mod:`outbox.statements` into calls, rows into
+It turns the statements of :mod:`outbox.storage.sql.steps` into calls, rows into
 models, and driver errors into :class:`~outbox.errors.DatabaseError` (the
 original stays as ``__cause__``). Callers never see SQL.
 """
@@ -21,11 +21,12 @@ from sqlalchemy import Connection, Engine, create_engine, select, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL, make_url
 
-from outbox import queue, run_sql
-from outbox import statements as sql
 from outbox.errors import DatabaseError, IdempotencyConflict
 from outbox.models import Effect, EffectAttempt, RunRecord, StepRecord
-from outbox.schema import effect_attempts, effects, runs, steps
+from outbox.storage.schema import effect_attempts, effects, runs, steps
+from outbox.storage.sql import queue
+from outbox.storage.sql import runs as run_sql
+from outbox.storage.sql import steps as sql
 
 __all__ = [
     "StepOutcome",
@@ -189,7 +190,7 @@ class Store:
     def commit_step(
         self, conn: Connection, params: dict[str, Any], *, fenced: bool, notify: bool
     ) -> StepOutcome:
-        """Run the one-statement checkpoint of :func:`outbox.statements.commit_step`."""
+        """Run the one-statement checkpoint of :func:`outbox.storage.sql.steps.commit_step`."""
         ledger = params.get("ledger") is not None
         statement = sql.commit_step(fenced=fenced, notify=notify, ledger=ledger)
         row = conn.execute(statement, params).one()

@@ -27,8 +27,8 @@ from sqlalchemy.dialects.postgresql import INTERVAL
 
 from outbox.errors import ValidationError
 from outbox.models import OPEN_EFFECT_STATUSES
-from outbox.schema import consumed_keys, effects, runs, webhook_replays
-from outbox.statements import const
+from outbox.storage.schema import consumed_keys, effects, runs, webhook_replays
+from outbox.storage.sql.steps import const
 
 __all__ = ["GcReport", "collect_garbage", "parse_horizon"]
 

@@ -2,7 +2,7 @@
 
 Pure functions returning SQLAlchemy Core statements, executed by
 :mod:`outbox.run_store`. Writes about a run held by a worker are fenced by
-(lease owner, attempt) like every other claimed row (see :mod:`outbox.queue`).
+(lease owner, attempt) like every other claimed row (see :mod:`outbox.storage.sql.queue`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.models import NOT_STARTED_EFFECT_STATUSES
-from outbox.schema import effects, runs, signals, steps
-from outbox.statements import RUNS_CHANNEL, AnySelect, const, json_param
+from outbox.storage.schema import effects, runs, signals, steps
+from outbox.storage.sql.steps import RUNS_CHANNEL, AnySelect, const, json_param
 
 __all__ = [
     "SIGNALS_CHANNEL",

@@ -1,6 +1,6 @@
 """One attempt at one effect: validate, call the deliverer, decide, and build the record.
 
-Shared by the poll daemon (:mod:`outbox.deliver`) and the Kafka stream
+Shared by the poll daemon (:mod:`outbox.delivery.daemon`) and the Kafka stream
 deliverer, so both treat payloads, outcomes and retries the same way.
 """
 
@@ -25,10 +25,10 @@ from outbox.delivery import (
     Unknown,
     is_async,
 )
-from outbox.delivery_store import Completion
 from outbox.faults import crash_point
 from outbox.payloads import encode
 from outbox.retry import RetryPolicy, decide
+from outbox.storage.async_store import Completion
 
 __all__ = ["RESULT_LIMIT", "perform_attempt"]
 

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection
 
-from outbox import run_sql
 from outbox.errors import (
     BudgetExceeded,
     IdempotencyConflict,
@@ -21,11 +20,12 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.faults import crash_point
-from outbox.intents import StepTransaction
 from outbox.models import TERMINAL_RUN_STATUSES, Effect, RunRecord, RunStatus, StepRecord
 from outbox.payloads import decode, encode
+from outbox.runs.intents import StepTransaction
+from outbox.runs.waits import WaitSpec, check_wait, recorded_error
+from outbox.storage.sql import runs as run_sql
 from outbox.validation import as_uuid
-from outbox.waits import WaitSpec, check_wait, recorded_error
 
 if TYPE_CHECKING:
     from outbox.client import Outbox

@@ -30,7 +30,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.errors import NotFound, OutboxError, RunTerminal, ValidationError
 from outbox.models import OPEN_EFFECT_STATUSES
-from outbox.schema import effects, runs, webhook_replays
+from outbox.storage.schema import effects, runs, webhook_replays
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -1,7 +1,7 @@
 """Agent workers: claim runnable runs of one agent version, run the handler, keep the lease.
 
 A worker claims runs with the same claim/lease/fence machinery the deliverers
-use (:mod:`outbox.queue`), calls ``handler(run)`` in a thread pool, and pushes
+use (:mod:`outbox.storage.sql.queue`), calls ``handler(run)`` in a thread pool, and pushes
 its leases out while handlers run. A run whose worker died becomes runnable
 again when its lease expires and is resumed by another worker: its recorded
 steps replay, so the handler continues at the first step not yet recorded.
@@ -26,14 +26,14 @@ from uuid import UUID
 import psycopg
 from pydantic import BaseModel, ConfigDict, Field
 
-from outbox.deliver import default_owner
+from outbox.delivery.daemon import default_owner
 from outbox.errors import LeaseLost, RunTerminal
 from outbox.models import RunRecord, RunStatus
 from outbox.payloads import encode
 from outbox.retry import RetryPolicy
-from outbox.run import Run, Suspended
-from outbox.statements import RUNS_CHANNEL
-from outbox.store import libpq_dsn
+from outbox.runs.run import Run, Suspended
+from outbox.storage.sql.steps import RUNS_CHANNEL
+from outbox.storage.store import libpq_dsn
 
 if TYPE_CHECKING:
     from outbox.client import Outbox

@@ -6,10 +6,10 @@ import logging
 
 from sqlalchemy import Engine
 
-from outbox.embedded import EmbeddedServer
-from outbox.migrate import check_schema, migrate
 from outbox.settings import Settings
-from outbox.store import make_engine, translate_errors
+from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.migrate import check_schema, migrate
+from outbox.storage.store import make_engine, translate_errors
 
 __all__ = ["open_engine", "resolve_dsn"]
 

@@ -27,8 +27,8 @@ from typing import Any
 from uuid import UUID
 
 from outbox.delivery import Deliverer, Delivery, NotApplied, Succeeded, is_async
-from outbox.delivery_store import AsyncDeliveryStore, Completion
-from outbox.queue import RELAY_OWNER_PREFIX
+from outbox.storage.async_store import AsyncDeliveryStore, Completion
+from outbox.storage.sql.queue import RELAY_OWNER_PREFIX
 
 __all__ = ["ReconcileItem", "ReconcileReport", "reconcile"]
 

@@ -1,0 +1,1 @@
+"""The demo's invoice-reconciliation agent (``outbox demo``)."""

@@ -1,0 +1,1 @@
+"""The agent side: runs and their steps, intents, waits, signals, stopping, and run workers."""

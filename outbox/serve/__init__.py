@@ -1,0 +1,1 @@
+"""``outbox serve``: signals over HTTP, health and metrics."""

@@ -1,0 +1,1 @@
+"""Storage: the only package that builds or executes SQL and imports the database driver."""

@@ -1,0 +1,1 @@
+"""Statement builders: pure functions returning SQLAlchemy Core statements, one module per owner."""
