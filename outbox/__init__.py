@@ -12,6 +12,7 @@ from outbox.errors import (
     BudgetExceeded,
     ConfigurationError,
     DatabaseError,
+    DeliveryError,
     EffectFailed,
     EffectNotFound,
     EffectTimeout,
@@ -21,6 +22,9 @@ from outbox.errors import (
     NotFound,
     OutboxError,
     PayloadError,
+    PermanentError,
+    ReplayRefused,
+    RetryableError,
     RunNotFound,
     RunStateError,
     RunTerminal,
@@ -28,13 +32,12 @@ from outbox.errors import (
     SchemaOutdated,
     SchemaTooNew,
     SignalTimeout,
-    UnknownEffectKind,
     ValidationError,
-    VersionMismatch,
     WaitTimeout,
 )
 from outbox.keys import compensation_key, derive_key
 from outbox.models import (
+    AttemptOutcome,
     Compensation,
     Effect,
     EffectAttempt,
@@ -44,9 +47,12 @@ from outbox.models import (
     RunStart,
     RunStatus,
     StepRecord,
+    StepStatus,
 )
 from outbox.runs.intents import OutboxTransaction, StepTransaction
-from outbox.runs.run import Run
+from outbox.runs.run import Run, Suspended
+from outbox.runs.signals import SignalReceipt
+from outbox.runs.worker import Worker, WorkerSettings
 from outbox.settings import Settings
 from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.migrate import migrate
@@ -54,10 +60,12 @@ from outbox.storage.migrate import migrate
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttemptOutcome",
     "BudgetExceeded",
     "Compensation",
     "ConfigurationError",
     "DatabaseError",
+    "DeliveryError",
     "Effect",
     "EffectAttempt",
     "EffectFailed",
@@ -74,6 +82,9 @@ __all__ = [
     "OutboxError",
     "OutboxTransaction",
     "PayloadError",
+    "PermanentError",
+    "ReplayRefused",
+    "RetryableError",
     "Run",
     "RunNotFound",
     "RunRecord",
@@ -85,13 +96,16 @@ __all__ = [
     "SchemaOutdated",
     "SchemaTooNew",
     "Settings",
+    "SignalReceipt",
     "SignalTimeout",
     "StepRecord",
+    "StepStatus",
     "StepTransaction",
-    "UnknownEffectKind",
+    "Suspended",
     "ValidationError",
-    "VersionMismatch",
     "WaitTimeout",
+    "Worker",
+    "WorkerSettings",
     "__version__",
     "compensation_key",
     "derive_key",

@@ -8,18 +8,15 @@ was recorded without running its function again (G5).
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, TypeVar
-
-import psycopg
-from sqlalchemy import Connection, Engine
+from typing import Any, TypeVar
 
 from outbox.errors import (
     EffectNotFound,
+    ReplayRefused,
     RunNotFound,
     RunStateError,
     ValidationError,
@@ -33,26 +30,19 @@ from outbox.models import (
     RunStatus,
 )
 from outbox.payloads import content_hash, encode
+from outbox.runs.context import RunContext, VersionUpgrades
 from outbox.runs.intents import OutboxTransaction
 from outbox.runs.run import Run
-from outbox.runs.stopping import (
-    SignalReceipt,
-    advance_stopping_run,
-    advance_stopping_runs,
-    cancel_run,
-    send_signal,
-)
-from outbox.runs.waits import WaitSpec
+from outbox.runs.signals import SignalReceipt, send_signal
+from outbox.runs.stopping import advance_stopping_run, advance_stopping_runs, cancel_run
+from outbox.runs.worker import Worker, WorkerSettings
 from outbox.settings import Settings
-from outbox.storage.database import open_engine
+from outbox.storage import Connection, Engine
+from outbox.storage.engine import open_engine
 from outbox.storage.notify import WakeupThrottle
-from outbox.storage.sql import runs as run_sql
-from outbox.storage.sql.steps import EFFECTS_CHANNEL, RUNS_CHANNEL
-from outbox.storage.store import Store, libpq_dsn
+from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
+from outbox.storage.store import Store
 from outbox.validation import as_uuid, validated
-
-if TYPE_CHECKING:
-    from outbox.runs.worker import Worker
 
 __all__ = ["Outbox"]
 
@@ -75,9 +65,12 @@ class Outbox:
         self._effects_wakeup = WakeupThrottle(
             lambda: self.store.notify(EFFECTS_CHANNEL), window_s=window
         )
-        #: (agent, to_version) -> {from_version: state migration}, see register_migration.
-        self.migrations: dict[tuple[str, str], dict[str, Callable[[Any], Any]]] = {}
         self._runs_wakeup = WakeupThrottle(lambda: self.store.notify(RUNS_CHANNEL), window_s=window)
+        #: Agent-version upgrades workers of this Outbox may apply (:meth:`register_upgrade`).
+        self.upgrades = VersionUpgrades()
+        self._ctx = RunContext(
+            self.store, self.settings, self._effects_wakeup, self._runs_wakeup, self.upgrades
+        )
 
     @classmethod
     def connect(
@@ -143,7 +136,7 @@ class Outbox:
         )
         self._runs_wakeup.committed(notify)
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
-        return Run(self, record, [])
+        return Run(self._ctx, record, [])
 
     def run(self, run_id: uuid.UUID | str) -> Run:
         """Load a run (in any process) to inspect or resume it."""
@@ -151,7 +144,7 @@ class Outbox:
         loaded = self.store.load_run(rid)
         if loaded is None:
             raise RunNotFound(rid)
-        return Run(self, *loaded)
+        return Run(self._ctx, *loaded)
 
     def runs(
         self, *, status: str | None = None, agent: str | None = None, limit: int = 100
@@ -250,7 +243,7 @@ class Outbox:
         savepoint) and commit when the caller commits.
         """
         with self.store.begin(connection) as conn:
-            tx = OutboxTransaction(self, conn)
+            tx = OutboxTransaction(self._ctx, conn)
             yield tx
             tx._flush()
         if connection is None:
@@ -265,12 +258,17 @@ class Outbox:
         payload: Any = None,
         *,
         dedup_key: str | None = None,
+        request_id: str | None = None,
     ) -> SignalReceipt:
         """Send signal ``name`` with a JSON ``payload`` to a run (an approval, a webhook).
 
         A run waiting for it is woken within milliseconds; a run that has not
         reached its ``wait_signal`` yet finds it there. The same ``dedup_key``
         is accepted once. A finished run refuses signals (:class:`RunTerminal`).
+        ``request_id`` (a signed request's signature, say) is remembered in the
+        same transaction as the signal: a second request with it raises
+        :class:`ReplayRefused`, and a request refused for another reason can be
+        sent again.
         """
         rid = as_uuid(run_id, "run_id")
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
@@ -278,8 +276,10 @@ class Outbox:
         if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
             raise ValidationError("dedup_key", dedup_key, "must be a non-empty string")
         payload_json = encode(payload, field="payload", max_bytes=self.settings.max_payload_bytes)
-        with self.store.begin() as conn:
-            return send_signal(conn, rid, name, payload_json, dedup_key or uuid.uuid4().hex)
+        with self.store.run_tx() as tx:
+            if request_id is not None and not tx.mark_replay(request_id):
+                raise ReplayRefused("request_id", request_id)
+            return send_signal(tx, rid, name, payload_json, dedup_key or uuid.uuid4().hex)
 
     def cancel(self, run_id: uuid.UUID | str, reason: str) -> RunStatus:
         """Stop a run: pending effects are cancelled, in-flight ones finish, then compensation.
@@ -292,39 +292,33 @@ class Outbox:
         rid = as_uuid(run_id, "run_id")
         if not isinstance(reason, str) or not reason.strip():
             raise ValidationError("reason", reason, "say why the run is cancelled")
-        with self.store.begin() as conn:
-            cancel_run(conn, rid, reason)
-        with self.store.begin() as conn:
-            status = advance_stopping_run(conn, rid)
+        with self.store.run_tx() as tx:
+            cancel_run(tx, rid, reason)
+        with self.store.run_tx() as tx:
+            status = advance_stopping_run(tx, rid)
         self._effects_wakeup.committed(None)
         return status
 
     def advance_stopping_runs(self) -> dict[str, int]:
         """Move cancelling and compensating runs on (workers and deliverers do this on a timer)."""
-        with self.store.begin() as conn:
-            return advance_stopping_runs(conn)
+        with self.store.run_tx() as tx:
+            return advance_stopping_runs(tx)
 
     def run_versions(self) -> list[dict[str, Any]]:
         """Unfinished runs per agent, version and status (a version with none may retire)."""
-        with self.engine.connect() as conn:
-            rows = conn.execute(run_sql.run_versions()).all()
-        return [
-            {"agent": r.agent, "version": r.agent_version, "status": r.status, "runs": r.runs}
-            for r in rows
-        ]
+        return self.store.run_versions()
 
-    def register_migration(
+    def register_upgrade(
         self, agent: str, from_version: str, to_version: str, fn: Callable[[Any], Any]
     ) -> None:
-        """Let workers of ``to_version`` take runs of ``from_version``, migrating their state.
+        """Let workers of ``to_version`` take runs of ``from_version``, upgrading their state.
 
         ``fn(state) -> new_state`` runs once per run, when a ``to_version``
-        worker claims it; the migration is recorded on the run. Without a
-        registered migration, a worker never executes a run of another version.
+        worker claims it; the upgrade is recorded on the run (``record.upgrades``).
+        Without a registered upgrade, a worker never executes a run of another
+        version (G6).
         """
-        if from_version == to_version:
-            raise ValidationError("to_version", to_version, "must differ from from_version")
-        self.migrations.setdefault((agent, to_version), {})[from_version] = fn
+        self.upgrades.register(agent, from_version, to_version, fn)
 
     def worker(
         self, agent: str, version: str, handler: Callable[[Run], Any], **settings: Any
@@ -333,22 +327,6 @@ class Outbox:
 
         ``handler(run)`` is called for each claimed run; steps it already
         recorded replay. Call ``.run()`` to work until ``.stop()``. Settings:
-        see :class:`~outbox.worker.WorkerSettings`.
+        see :class:`~outbox.WorkerSettings`.
         """
-        from outbox.runs.worker import Worker, WorkerSettings
-
-        return Worker(self, agent, version, handler, WorkerSettings(**settings))
-
-    def _block_until(self, spec: WaitSpec, seconds_left: float | None, run_id: uuid.UUID) -> None:
-        """Outside a worker a wait blocks: sleep, LISTEN for signals, or poll an effect."""
-        horizon = 5.0 if seconds_left is None else min(max(seconds_left, 0.0), 5.0)
-        if spec.kind == "signal":
-            with psycopg.connect(libpq_dsn(self.engine.url), autocommit=True) as conn:
-                conn.execute(f"LISTEN {run_sql.SIGNALS_CHANNEL}")
-                for note in conn.notifies(timeout=horizon):
-                    if note.payload == str(run_id):
-                        break
-        elif spec.kind == "effect":
-            time.sleep(min(horizon, 0.2))
-        else:
-            time.sleep(horizon)
+        return Worker(self._ctx, agent, version, handler, WorkerSettings(**settings))

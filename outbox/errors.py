@@ -5,12 +5,12 @@
     OutboxError
     ├── ConfigurationError          bad settings, unknown deliverer config
     ├── ValidationError             bad input from a caller; names field and value
-    │   ├── PayloadError            not JSON, NaN/Infinity, over the size limit
-    │   └── UnknownEffectKind       no deliverer registered for a kind
+    │   └── PayloadError            not JSON, NaN/Infinity, over the size limit
     ├── NotFound
     │   ├── RunNotFound
     │   └── EffectNotFound
     ├── IdempotencyConflict         same key, different payload
+    ├── ReplayRefused               a request id (a signed webhook) was accepted before
     ├── RunStateError               the run cannot take this action now
     │   ├── RunTerminal             the run already ended
     │   └── LeaseLost               another worker owns the run now
@@ -19,12 +19,17 @@
     │   ├── SignalTimeout           ... for a signal
     │   └── EffectTimeout           ... for an effect to finish
     ├── EffectFailed                an awaited effect ended failed
-    ├── VersionMismatch             a worker may not execute a run of another version
     ├── SchemaError
     │   ├── SchemaOutdated          the database needs `outbox migrate`
     │   └── SchemaTooNew            the database was migrated by newer code
-    └── DatabaseError               the store failed (the driver's error is __cause__)
-        └── EmbeddedServerError     the embedded PostgreSQL failed to start or stop
+    ├── DatabaseError               the store failed (the driver's error is __cause__)
+    │   └── EmbeddedServerError     the embedded PostgreSQL failed to start or stop
+    └── DeliveryError               raised by a deliverer, read by the daemon
+        ├── RetryableError          transient: try again (retry_after, rate_limited)
+        └── PermanentError          the effect can never succeed as it stands
+
+Not errors: ``Suspended`` (a ``BaseException``) is control flow, raised out of a
+worker's handler when its run parks in a wait, as psycopg's ``Rollback`` is.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = [
     "BudgetExceeded",
     "ConfigurationError",
     "DatabaseError",
+    "DeliveryError",
     "EffectFailed",
     "EffectNotFound",
     "EffectTimeout",
@@ -44,6 +50,9 @@ __all__ = [
     "NotFound",
     "OutboxError",
     "PayloadError",
+    "PermanentError",
+    "ReplayRefused",
+    "RetryableError",
     "RunNotFound",
     "RunStateError",
     "RunTerminal",
@@ -51,9 +60,7 @@ __all__ = [
     "SchemaOutdated",
     "SchemaTooNew",
     "SignalTimeout",
-    "UnknownEffectKind",
     "ValidationError",
-    "VersionMismatch",
     "WaitTimeout",
 ]
 
@@ -88,13 +95,6 @@ class PayloadError(ValidationError):
     """A payload, result or state is not storable JSON (type, NaN/Infinity, size)."""
 
 
-class UnknownEffectKind(ValidationError):
-    """No deliverer is registered for an effect kind."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__("kind", kind, "no deliverer is registered for this effect kind")
-
-
 class NotFound(OutboxError, LookupError):
     """A record does not exist."""
 
@@ -121,6 +121,14 @@ class IdempotencyConflict(OutboxError):
     def __init__(self, key: str, detail: str = "already intended with a different payload") -> None:
         self.key = key
         super().__init__(f"idempotency_key={key!r}: {detail}")
+
+
+class ReplayRefused(OutboxError):
+    """A request that must be accepted once (a signed webhook) came a second time."""
+
+    def __init__(self, field: str, value: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: this request was already accepted (a replay is refused)")
 
 
 class RunStateError(OutboxError):
@@ -184,10 +192,6 @@ class EffectFailed(OutboxError):
         super().__init__(f"effect_id={str(effect_id)!r} ended {status}: {error or 'no reason'}")
 
 
-class VersionMismatch(RunStateError):
-    """A run pinned to one agent version was offered to a worker of another."""
-
-
 class SchemaError(OutboxError):
     """The database schema does not match this code."""
 
@@ -206,3 +210,25 @@ class DatabaseError(OutboxError):
 
 class EmbeddedServerError(DatabaseError):
     """The embedded PostgreSQL server could not be initialised, started or stopped."""
+
+
+class DeliveryError(OutboxError):
+    """Raised by a deliverer to say how an attempt ended; the daemon reads it, callers never see it."""
+
+
+class RetryableError(DeliveryError):
+    """Raise from a deliverer for a transient failure (optionally with ``retry_after`` seconds).
+
+    ``rate_limited`` slows every effect of this kind in this daemon, not just this one.
+    """
+
+    def __init__(
+        self, reason: str, *, retry_after: float | None = None, rate_limited: bool = False
+    ) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
+        self.rate_limited = rate_limited
+
+
+class PermanentError(DeliveryError):
+    """Raise from a deliverer when the effect can never succeed as it stands."""

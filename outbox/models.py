@@ -10,25 +10,30 @@ import math
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
+    "LIVE_RUN_STATUSES",
     "NOT_STARTED_EFFECT_STATUSES",
     "OPEN_EFFECT_STATUSES",
+    "STOPPING_RUN_STATUSES",
     "TERMINAL_EFFECT_STATUSES",
     "TERMINAL_RUN_STATUSES",
+    "AttemptOutcome",
     "Compensation",
     "Effect",
     "EffectAttempt",
     "EffectIntent",
     "EffectStatus",
+    "Lease",
     "RunRecord",
     "RunStart",
     "RunStatus",
     "StepRecord",
+    "StepStatus",
 ]
 
 
@@ -47,14 +52,24 @@ class RunStatus(StrEnum):
     COMPENSATION_FAILED = "compensation_failed"
 
 
-TERMINAL_RUN_STATUSES = frozenset(
-    {
-        RunStatus.COMPLETED,
-        RunStatus.FAILED,
-        RunStatus.CANCELLED,
-        RunStatus.COMPENSATED,
-        RunStatus.COMPENSATION_FAILED,
-    }
+# Named sets of statuses: the SQL (predicates, partial indexes, CHECK
+# constraints) is built from these, so each set is written once.
+
+#: A run in one of these accepts steps, signals and effects.
+LIVE_RUN_STATUSES: tuple[RunStatus, ...] = (
+    RunStatus.RUNNABLE,
+    RunStatus.RUNNING,
+    RunStatus.WAITING,
+)
+#: A run being cancelled: effects finish, then compensation runs.
+STOPPING_RUN_STATUSES: tuple[RunStatus, ...] = (RunStatus.CANCELLING, RunStatus.COMPENSATING)
+#: A run in one of these has ended for good.
+TERMINAL_RUN_STATUSES: tuple[RunStatus, ...] = (
+    RunStatus.COMPLETED,
+    RunStatus.FAILED,
+    RunStatus.CANCELLED,
+    RunStatus.COMPENSATED,
+    RunStatus.COMPENSATION_FAILED,
 )
 
 
@@ -72,28 +87,64 @@ class EffectStatus(StrEnum):
     COMPENSATED = "compensated"
 
 
-TERMINAL_EFFECT_STATUSES = frozenset(
-    {
-        EffectStatus.SUCCEEDED,
-        EffectStatus.FAILED,
-        EffectStatus.CANCELLED,
-        EffectStatus.COMPENSATED,
-    }
+#: An effect in one of these can no longer change by delivery.
+TERMINAL_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
+    EffectStatus.SUCCEEDED,
+    EffectStatus.FAILED,
+    EffectStatus.CANCELLED,
+    EffectStatus.COMPENSATED,
 )
-
 #: Effects still on their way: not yet attempted, being attempted, handed to
 #: Kafka, or waiting for an operator.
-OPEN_EFFECT_STATUSES: tuple[str, ...] = (
-    EffectStatus.PENDING.value,
-    EffectStatus.IN_FLIGHT.value,
-    EffectStatus.DISPATCHED.value,
-    EffectStatus.UNKNOWN.value,
+OPEN_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
+    EffectStatus.PENDING,
+    EffectStatus.IN_FLIGHT,
+    EffectStatus.DISPATCHED,
+    EffectStatus.UNKNOWN,
 )
 #: Open effects that no deliverer has started: a cancelled run cancels them.
-NOT_STARTED_EFFECT_STATUSES: tuple[str, ...] = (
-    EffectStatus.PENDING.value,
-    EffectStatus.DISPATCHED.value,
+NOT_STARTED_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
+    EffectStatus.PENDING,
+    EffectStatus.DISPATCHED,
 )
+
+
+class StepStatus(StrEnum):
+    """A recorded step: done, or a wait recorded with its deadline and not yet over."""
+
+    COMPLETED = "completed"
+    WAITING = "waiting"
+
+
+class AttemptOutcome(StrEnum):
+    """The word an attempt-log row records for how an attempt (or a change to it) ended."""
+
+    SUCCEEDED = "succeeded"
+    RETRY = "retry"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    #: a completion for an attempt that was no longer the effect's (fencing, G4)
+    STALE = "stale"
+    #: the reconciler resolved an attempt whose lease ran out
+    EXPIRED = "expired"
+    #: an operator closed an ``unknown`` effect
+    RESOLVED = "resolved"
+    #: an operator put a ``failed`` effect back
+    RETRIED = "retried"
+    #: given back unstarted (shutdown, a schema version this deliverer does not know)
+    RELEASED = "released"
+    #: published to Kafka by a relay (stream mode)
+    DISPATCHED = "dispatched"
+    #: settled by asking the sink (``Deliverer.lookup``)
+    LOOKED_UP = "looked_up"
+
+
+class Lease(NamedTuple):
+    """Who holds a claimed row, and the attempt number that fences its writes (G4)."""
+
+    owner: str
+    attempt: int
+
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -171,7 +222,8 @@ class RunRecord(_Record):
     wait_signal: str | None = None
     wait_effect: UUID | None = None
     step_retries: dict[str, int] = Field(default_factory=dict)
-    migrations: list[dict[str, Any]] = Field(default_factory=list)
+    #: Agent-version upgrades this run went through: ``{from, to, at, worker}``.
+    upgrades: list[dict[str, Any]] = Field(default_factory=list)
     cancel_reason: str | None = None
 
     @property
@@ -193,7 +245,7 @@ class StepRecord(_Record):
     error: Any = None
     completed_at: datetime
     #: "waiting": a sleep or wait recorded with its deadline, not yet satisfied.
-    status: str = "completed"
+    status: StepStatus = StepStatus.COMPLETED
 
 
 class Effect(_Record):

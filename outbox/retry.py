@@ -1,9 +1,9 @@
-"""The retry policy: a pure function from (attempt, outcome) to what happens next.
+"""Backoff arithmetic: the retry policy's delays, and the idle backoff of claim loops.
 
-Exponential backoff with full jitter (each wait uniform in [0, min(cap, base·2^(n-1))]),
-a sink's ``Retry-After`` as a floor, and a cap on attempts after which the effect
-fails with the last reason. Pure so that unit tests drive it directly; the
-daemon and the reconciler both call it.
+Exponential backoff with full jitter (each wait uniform in [0, min(cap, base·2^(n-1))]).
+Pure so that unit tests drive it directly; the deliverers, the reconciler and
+the run workers all use it (what an outcome *means* is decided in
+:mod:`outbox.delivery.attempt`).
 
 Written here rather than taken from tenacity or backoff: those wrap a call in a
 loop inside one process, while our "loop" is a row rescheduled in PostgreSQL
@@ -15,13 +15,8 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
 
-from outbox.delivery import Failed, Outcome, Retry, Succeeded, Unknown
-
-__all__ = ["Decision", "RetryPolicy", "decide"]
-
-# 2.0 ** 1024 overflows a float; past ~1000 doublings every ceiling is the cap anyway.
+__all__ = ["IdleBackoff", "RetryPolicy"]
 
 
 @dataclass(frozen=True)
@@ -44,42 +39,21 @@ class RetryPolicy:
         return (rng or random).uniform(0, ceiling)
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What to record: the new status, the delay before the next attempt, why."""
+class IdleBackoff:
+    """How long a claim loop waits when it found too little: short after work, up to a ceiling.
 
-    status: str  # succeeded | pending | failed | unknown
-    outcome: str  # the attempt log's word: succeeded | retry | failed | unknown
-    delay: float = 0.0
-    result: Any = None
-    error: str | None = None
-    detail: Any = None
+    A NOTIFY usually wakes the loop sooner; this is the backstop poll. It
+    doubles from ``floor`` while the loop keeps finding nothing, and drops back
+    to ``floor`` as soon as it finds work.
+    """
 
+    def __init__(self, ceiling: float, floor: float = 0.01) -> None:
+        self.floor = floor
+        self.ceiling = max(ceiling, floor)
+        self.current = floor
 
-def decide(
-    outcome: Outcome,
-    *,
-    attempt: int,
-    max_attempts: int,
-    policy: RetryPolicy,
-    rng: random.Random | None = None,
-) -> Decision:
-    """Turn a deliverer's outcome for attempt number ``attempt`` into a decision."""
-    if isinstance(outcome, Succeeded):
-        return Decision("succeeded", "succeeded", result=outcome.result)
-    if isinstance(outcome, Failed):
-        return Decision("failed", "failed", error=outcome.reason, detail=outcome.detail)
-    if isinstance(outcome, Unknown):
-        return Decision("unknown", "unknown", error=outcome.reason, detail=outcome.detail)
-    assert isinstance(outcome, Retry)
-    if attempt >= max_attempts:
-        return Decision(
-            "failed",
-            "retry",
-            error=f"gave up after {attempt} attempts: {outcome.reason}",
-            detail=outcome.detail,
-        )
-    delay = policy.backoff(attempt, rng)
-    if outcome.after is not None:
-        delay = max(delay, outcome.after)
-    return Decision("pending", "retry", delay=delay, error=outcome.reason, detail=outcome.detail)
+    def found(self, work: bool) -> float:
+        """Record whether the last claim found work; return the wait before the next one."""
+        wait = self.current
+        self.current = self.floor if work else min(self.ceiling, self.current * 2)
+        return self.floor if work else wait

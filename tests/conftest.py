@@ -22,8 +22,8 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from outbox import EmbeddedServer, Outbox
+from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
-from outbox.storage.store import make_engine
 
 TEMPLATE = "outbox_template"
 _counter = itertools.count()

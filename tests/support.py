@@ -9,8 +9,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from outbox.delivery import Deliverer
-from outbox.delivery.daemon import DeliverSettings, DeliveryDaemon
-from outbox.storage.async_store import AsyncDeliveryStore, make_async_engine
+from outbox.delivery.daemon import DeliveryDaemon
+from outbox.delivery.settings import DeliverySettings
+from outbox.storage.async_store import AsyncStore
+from outbox.storage.engine import make_async_engine
 
 T = TypeVar("T")
 
@@ -21,7 +23,7 @@ class DaemonThread:
     def __init__(self, dsn: str, deliverers: Mapping[str, Deliverer], **settings: Any) -> None:
         self.dsn = dsn
         self.deliverers = deliverers
-        self.settings = DeliverSettings(**settings)
+        self.settings = DeliverySettings(**settings)
         self.daemon: DeliveryDaemon | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
@@ -30,8 +32,8 @@ class DaemonThread:
 
     def _main(self) -> None:
         async def main() -> None:
-            store = AsyncDeliveryStore(make_async_engine(self.dsn))
-            self.daemon = DeliveryDaemon(store, self.dsn, self.deliverers, self.settings)
+            store = AsyncStore(make_async_engine(self.dsn))
+            self.daemon = DeliveryDaemon(store, self.deliverers, self.settings)
             self._loop = asyncio.get_running_loop()
             self._ready.set()
             try:

@@ -9,8 +9,8 @@ import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.engine import make_engine, resolve_dsn
 from outbox.storage.migrate import applied_versions, migrate, shipped
-from outbox.storage.store import make_engine
 
 __all__ = ["COMMANDS"]
 
@@ -20,8 +20,6 @@ __all__ = ["COMMANDS"]
 @pass_cli
 def migrate_command(cli: CliContext, as_json: bool) -> None:
     """Apply pending migrations (idempotent; safe when run twice at once)."""
-    from outbox.storage.database import resolve_dsn
-
     dsn, _ = resolve_dsn(cli.settings)
     engine = make_engine(dsn)
     try:

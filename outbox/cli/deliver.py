@@ -7,17 +7,21 @@ import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import click
+import pydantic
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.delivery import Deliverer
-from outbox.storage.async_store import AsyncDeliveryStore, make_async_engine
-from outbox.storage.database import open_engine
-from outbox.storage.store import libpq_dsn
+from outbox.delivery.settings import DeliverySettings, RelaySettings, StreamSettings
+from outbox.storage.async_store import AsyncStore
+from outbox.storage.engine import libpq_dsn, make_async_engine, open_engine
 
 __all__ = ["COMMANDS"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+S = TypeVar("S", bound=pydantic.BaseModel)
 
 config_option = click.option(
     "--config",
@@ -49,36 +53,62 @@ def checked_dsn(cli: CliContext) -> str:
         engine.dispose()
 
 
+def _default(name: str) -> Any:
+    return DeliverySettings.model_fields[name].default
+
+
+def setting_option(name: str, *flags: str, type: Any, help: str) -> Callable[[F], F]:
+    """An option for a ``DeliverySettings`` field: its default shown, passed on only when set."""
+    return click.option(
+        *flags, name, type=type, default=None, help=f"{help}  [default: {_default(name)}]"
+    )
+
+
+_seconds = click.FloatRange(min=0.001, max=86_400)
+
+
 @click.command("deliver")
 @config_option
 @kind_option
-@click.option("--concurrency", type=click.IntRange(1, 10_000), default=200, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1, 10_000), default=100, show_default=True)
-@click.option(
-    "--lease",
+@setting_option(
+    "concurrency", "--concurrency", type=click.IntRange(1, 10_000), help="Calls in flight at once."
+)
+@setting_option(
+    "batch_size",
+    "--batch-size",
+    type=click.IntRange(1, 10_000),
+    help="Effects claimed per statement (stream mode: records read per poll).",
+)
+@setting_option(
     "lease_seconds",
-    type=float,
-    default=10.0,
-    show_default=True,
+    "--lease",
+    type=_seconds,
     help="Seconds an attempt is leased; heartbeats extend it.",
 )
-@click.option(
-    "--poll",
+@setting_option(
     "poll_seconds",
-    type=float,
-    default=1.0,
-    show_default=True,
-    help="Longest wait between claims when idle (NOTIFY usually wakes sooner).",
+    "--poll",
+    type=_seconds,
+    help="Longest wait between claims when idle (stream mode: the consumer's poll timeout).",
 )
-@click.option(
-    "--grace",
+@setting_option(
     "grace_seconds",
-    type=float,
-    default=30.0,
-    show_default=True,
+    "--grace",
+    type=click.FloatRange(min=0, max=86_400),
     help="On SIGTERM, how long in-flight calls may take to finish.",
 )
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus /metrics here.")
+@setting_option(
+    "reconcile_seconds",
+    "--reconcile-every",
+    type=_seconds,
+    help="How often expired attempts are reconciled.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65_535),
+    default=None,
+    help="Serve Prometheus /metrics on 127.0.0.1 at this port.",
+)
 @click.option("--log-json", is_flag=True, help="Log JSON lines.")
 @click.option(
     "--from-kafka",
@@ -91,12 +121,16 @@ def checked_dsn(cli: CliContext) -> str:
 @click.option(
     "--group",
     envvar="OUTBOX_KAFKA_GROUP",
-    default="outbox-deliverers",
+    default=StreamSettings.model_fields["group"].default,
     show_default=True,
     help="Kafka consumer group (stream mode).",
 )
 @click.option(
-    "--topic-prefix", envvar="OUTBOX_KAFKA_TOPIC_PREFIX", default="outbox.", show_default=True
+    "--topic-prefix",
+    envvar="OUTBOX_KAFKA_TOPIC_PREFIX",
+    default=StreamSettings.model_fields["topic_prefix"].default,
+    show_default=True,
+    help="Effects of kind K are read from topic PREFIX+K (stream mode).",
 )
 @click.option(
     "--kafka-option",
@@ -108,60 +142,72 @@ def checked_dsn(cli: CliContext) -> str:
 @pass_cli
 def deliver(
     cli: CliContext,
+    /,
     config_path: Path | None,
     kinds: tuple[str, ...],
-    concurrency: int,
-    batch_size: int,
-    lease_seconds: float,
-    poll_seconds: float,
-    grace_seconds: float,
     metrics_port: int | None,
     log_json: bool,
     kafka: str | None,
     group: str,
     topic_prefix: str,
     kafka_options: tuple[str, ...],
+    **chosen: Any,
 ) -> None:
-    """Deliver pending effects until SIGTERM/SIGINT (then finish in-flight calls and exit 0)."""
+    """Deliver pending effects until SIGTERM/SIGINT (then finish in-flight calls and exit 0).
+
+    Poll mode claims from PostgreSQL; with --from-kafka the same daemon reads
+    what `outbox relay` published. Every option acts in both modes.
+    """
     from outbox.cli.logs import configure
-    from outbox.delivery.daemon import DeliverSettings, DeliveryDaemon
+    from outbox.delivery.daemon import DeliveryDaemon
     from outbox.delivery.metrics import DeliveryMetrics
 
     configure(logging.INFO, as_json=log_json)
+    given = {name: value for name, value in chosen.items() if value is not None}
+    if kafka is None and kafka_options:
+        raise click.UsageError("--kafka-option needs --from-kafka")
     deliverers = load_deliverers(config_path, kinds)
     dsn = checked_dsn(cli)
+    metrics = DeliveryMetrics()
+    settings: DeliverySettings
     if kafka is not None:
-        from outbox.delivery.stream import StreamDeliverer, StreamSettings
-
-        stream = StreamSettings(
+        settings = validated_settings(
+            StreamSettings,
             bootstrap_servers=kafka,
             group=group,
             topic_prefix=topic_prefix,
-            max_records=batch_size,
-            lease_seconds=lease_seconds,
             consumer=_kafka_options(kafka_options),
+            **given,
         )
-        serve_until_signal(
-            dsn,
-            lambda store: StreamDeliverer(store, deliverers, stream),
-            f"stream-delivering kinds {sorted(deliverers)} from {kafka}",
-        )
-        return
-    settings = DeliverSettings(
-        concurrency=concurrency,
-        batch_size=batch_size,
-        lease_seconds=lease_seconds,
-        poll_seconds=poll_seconds,
-        grace_seconds=grace_seconds,
-    )
-    metrics = DeliveryMetrics()
+    else:
+        settings = validated_settings(DeliverySettings, **given)
     if metrics_port is not None:
         metrics.serve(metrics_port)
+
+    def make(store: AsyncStore) -> DeliveryDaemon:
+        source = None
+        if isinstance(settings, StreamSettings):
+            from outbox.delivery.stream import KafkaSource
+
+            source = KafkaSource(store, sorted(deliverers), settings)
+        return DeliveryDaemon(store, deliverers, settings, source=source, metrics=metrics)
+
+    mode = f"from Kafka {kafka} (group {group})" if kafka else "from PostgreSQL"
     serve_until_signal(
-        dsn,
-        lambda store: DeliveryDaemon(store, dsn, deliverers, settings, metrics),
-        f"delivering kinds {sorted(deliverers)} as {settings.owner}",
+        dsn, make, f"delivering kinds {sorted(deliverers)} {mode} as {settings.owner}"
     )
+
+
+def validated_settings(model: type[S], **values: Any) -> S:
+    """Settings from command-line values; a bad value is one clear line naming the option."""
+    try:
+        return model(**values)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise click.BadParameter(
+            f"{first.get('input')!r}: {first['msg']}", param_hint=field
+        ) from None
 
 
 class _Daemon(Protocol):
@@ -170,13 +216,11 @@ class _Daemon(Protocol):
     async def run(self) -> None: ...
 
 
-def serve_until_signal(
-    dsn: str, make: Callable[[AsyncDeliveryStore], _Daemon], banner: str
-) -> None:
+def serve_until_signal(dsn: str, make: Callable[[AsyncStore], _Daemon], banner: str) -> None:
     """Run an async daemon until SIGTERM/SIGINT asks it to stop gracefully."""
 
     async def main() -> None:
-        store = AsyncDeliveryStore(make_async_engine(dsn, pool_size=4))
+        store = AsyncStore(make_async_engine(dsn, pool_size=4))
         daemon = make(store)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -220,8 +264,8 @@ def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--batch-size", type=click.IntRange(1, 100_000), default=500, show_default=True)
 @click.option(
     "--dispatch-ttl",
-    type=float,
-    default=300.0,
+    type=click.FloatRange(min=0.001),
+    default=RelaySettings.model_fields["dispatch_ttl_seconds"].default,
     show_default=True,
     help="Seconds before an undelivered dispatch is dispatched again.",
 )
@@ -247,12 +291,13 @@ def relay(
 ) -> None:
     """Stream mode: publish pending effects to Kafka for `outbox deliver --from-kafka`."""
     from outbox.cli.logs import configure
-    from outbox.delivery.stream import Relay, RelaySettings
+    from outbox.delivery.stream import Relay
 
     configure(logging.INFO, as_json=log_json)
     chosen = sorted(kinds) or sorted(load_deliverers(config_path, ()))
     dsn = checked_dsn(cli)
-    settings = RelaySettings(
+    settings = validated_settings(
+        RelaySettings,
         bootstrap_servers=kafka,
         topic_prefix=topic_prefix,
         batch_size=batch_size,
@@ -261,7 +306,7 @@ def relay(
     )
     serve_until_signal(
         dsn,
-        lambda store: Relay(store, dsn, chosen, settings),
+        lambda store: Relay(store, chosen, settings),
         f"relaying kinds {chosen} to {kafka} as {settings.owner}",
     )
 
@@ -283,13 +328,12 @@ def reconcile_command(
 ) -> None:
     """Resolve effects whose attempt started but never recorded an end; list the unknown ones."""
     from outbox.delivery.reconcile import reconcile
-    from outbox.storage.async_store import AsyncDeliveryStore, make_async_engine
 
     deliverers = load_deliverers(config_path, kinds)
     dsn = checked_dsn(cli)
 
     async def main() -> Any:
-        store = AsyncDeliveryStore(make_async_engine(dsn, pool_size=2))
+        store = AsyncStore(make_async_engine(dsn, pool_size=2))
         try:
             return await reconcile(
                 store, deliverers, worker="outbox-reconcile", dry_run=dry_run, max_rows=max_rows

@@ -30,12 +30,10 @@ from typing import Any
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from sqlalchemy import func, select
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.client import Outbox
 from outbox.models import TERMINAL_EFFECT_STATUSES, RunStatus
-from outbox.storage.schema import effect_attempts, effects
 
 __all__ = ["COMMANDS"]
 
@@ -118,16 +116,7 @@ class _Demo:
         demo_agent.book_trip(trip, self.sink.url)
 
     def in_flight_of(self, pid: int) -> int:
-        with self.ob.engine.connect() as conn:
-            return int(
-                conn.execute(
-                    select(func.count())
-                    .select_from(effects)
-                    .where(
-                        effects.c.status == "in_flight", effects.c.lease_owner.like(f"%:{pid}:%")
-                    )
-                ).scalar_one()
-            )
+        return self.ob.store.in_flight_of(f"%:{pid}:%")
 
     def tick(self) -> bool:
         """Move every story on; True when all are done."""
@@ -214,24 +203,10 @@ class _Demo:
                 proc.kill()
 
     def tally(self) -> dict[str, int]:
-        mine = effects.c.run_id.in_(self.run_ids)
-        with self.ob.engine.connect() as conn:
-            by_status: dict[str, int] = dict(
-                conn.execute(
-                    select(effects.c.status, func.count()).where(mine).group_by(effects.c.status)
-                ).all()
-            )
-            outcomes: dict[str, int] = dict(
-                conn.execute(
-                    select(effect_attempts.c.outcome, func.count())
-                    .join(effects, effects.c.id == effect_attempts.c.effect_id)
-                    .where(mine)
-                    .group_by(effect_attempts.c.outcome)
-                ).all()
-            )
+        counts = self.ob.store.tally(self.run_ids)
         return {
-            **{f"status:{k}": v for k, v in by_status.items()},
-            **{f"outcome:{k}": v for k, v in outcomes.items()},
+            **{f"status:{k}": v for k, v in counts["status"].items()},
+            **{f"outcome:{k}": v for k, v in counts["outcome"].items()},
         }
 
 

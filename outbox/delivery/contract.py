@@ -19,12 +19,13 @@ from uuid import UUID
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from outbox.errors import ConfigurationError
+from outbox.errors import ConfigurationError, DeliveryError, PermanentError, RetryableError
 
 __all__ = [
     "Deliverer",
     "DelivererConfig",
     "Delivery",
+    "DeliveryError",
     "Failed",
     "NotApplied",
     "Outcome",
@@ -100,21 +101,6 @@ class NotApplied:
 
 
 Outcome = Succeeded | Retry | Failed | Unknown
-
-
-class RetryableError(Exception):
-    """Raise from a deliverer for a transient failure (optionally with ``retry_after`` seconds)."""
-
-    def __init__(
-        self, reason: str, *, retry_after: float | None = None, rate_limited: bool = False
-    ) -> None:
-        super().__init__(reason)
-        self.retry_after = retry_after
-        self.rate_limited = rate_limited
-
-
-class PermanentError(Exception):
-    """Raise from a deliverer when the effect can never succeed as it stands."""
 
 
 class DelivererConfig(BaseModel):

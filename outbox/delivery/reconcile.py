@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
-from outbox.delivery import Deliverer, Delivery, NotApplied, Succeeded, is_async
-from outbox.storage.async_store import AsyncDeliveryStore, Completion
-from outbox.storage.sql.queue import RELAY_OWNER_PREFIX
+from outbox.delivery.attempt import delivery_for
+from outbox.delivery.contract import Deliverer, Delivery, NotApplied, Succeeded, is_async
+from outbox.ids import RELAY_OWNER_PREFIX
+from outbox.models import AttemptOutcome, EffectStatus
+from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 
 __all__ = ["ReconcileItem", "ReconcileReport", "reconcile"]
 
@@ -76,18 +78,8 @@ class ReconcileReport:
         }
 
 
-def _delivery(row: Any) -> Delivery:
-    return Delivery(
-        effect_id=row["id"],
-        run_id=row["run_id"],
-        kind=row["kind"],
-        payload=row["payload"],
-        idempotency_key=row["idempotency_key"],
-        attempt=row["attempt"],
-        schema_version=row["schema_version"],
-        ordering_key=row["ordering_key"],
-        created_at=row["created_at"],
-    )
+def _relay_held(row: ClaimedEffect) -> bool:
+    return (row.lease_owner or "").startswith(RELAY_OWNER_PREFIX)
 
 
 async def _lookup(deliverer: Deliverer, delivery: Delivery) -> Any:
@@ -97,7 +89,7 @@ async def _lookup(deliverer: Deliverer, delivery: Delivery) -> Any:
 
 
 async def reconcile(
-    store: AsyncDeliveryStore,
+    store: AsyncStore,
     deliverers: Mapping[str, Deliverer],
     *,
     worker: str,
@@ -105,8 +97,14 @@ async def reconcile(
     max_rows: int = 1000,
     lease_seconds: float = 30.0,
     default_max_attempts: int = 10,
+    report_skipped: bool = True,
 ) -> ReconcileReport:
-    """Resolve every expired in-flight effect (up to ``max_rows``); report what was done."""
+    """Resolve every expired in-flight effect (up to ``max_rows``); report what was done.
+
+    An expired attempt of a kind none of ``deliverers`` knows is left to a
+    process that knows it (reported as ``skipped`` unless ``report_skipped`` is
+    false), except one a Kafka relay held: publishing again needs no deliverer.
+    """
     report = ReconcileReport(dry_run=dry_run)
     if not dry_run:
         redispatched = await store.redispatch_expired(worker=worker, max_rows=max_rows)
@@ -115,6 +113,8 @@ async def reconcile(
                 "%d dispatched effects were not delivered in time: re-dispatching", redispatched
             )
     for row in await store.expired(max_rows):
+        if not report_skipped and row.kind not in deliverers and not _relay_held(row):
+            continue
         item = await _resolve(
             store,
             deliverers,
@@ -133,30 +133,30 @@ async def reconcile(
                 extra={
                     "effect_id": str(item.effect_id),
                     "attempt": item.attempt,
-                    "key": row["idempotency_key"],
-                    "run_id": str(row["run_id"]),
+                    "key": row.idempotency_key,
+                    "run_id": str(row.run_id),
                 },
             )
     return report
 
 
 async def _resolve(
-    store: AsyncDeliveryStore,
+    store: AsyncStore,
     deliverers: Mapping[str, Deliverer],
-    row: Any,
+    row: ClaimedEffect,
     *,
     worker: str,
     dry_run: bool,
     lease_seconds: float,
     default_max_attempts: int,
 ) -> ReconcileItem | None:
-    effect_id, attempt, kind = row["id"], row["attempt"], row["kind"]
+    effect_id, attempt, kind = row.id, row.attempt, row.kind
 
     def item(action: str, note: str = "") -> ReconcileItem:
         return ReconcileItem(effect_id, kind, attempt, action, note)
 
     lost = f"attempt {attempt} was lost (lease expired without a recorded outcome)"
-    if (row["lease_owner"] or "").startswith(RELAY_OWNER_PREFIX):
+    if _relay_held(row):
         # A relay only publishes to Kafka; a stream deliverer dedups by the effect's
         # state, so publishing again is always safe.
         note = f"{lost} by the Kafka relay; dispatching again"
@@ -174,7 +174,7 @@ async def _resolve(
     deliverer = deliverers.get(kind)
     if deliverer is None:
         return item("skipped", f"no deliverer for kind {kind!r} in this process")
-    max_attempts = row["max_attempts"] or deliverer.max_attempts or default_max_attempts
+    max_attempts = row.max_attempts or deliverer.max_attempts or default_max_attempts
 
     if deliverer.idempotent:
         if attempt >= max_attempts:
@@ -195,7 +195,7 @@ async def _resolve(
         if not await store.take_over(effect_id, attempt, owner=worker, lease_seconds=lease_seconds):
             return None
         try:
-            answer = await _lookup(deliverer, _delivery(row))
+            answer = await _lookup(deliverer, delivery_for(row))
         except Exception as exc:  # the lease runs out again and the next round retries
             log.warning("lookup of effect %s failed: %s", effect_id, exc)
             return item("lookup_failed", f"{type(exc).__name__}: {exc}")
@@ -203,8 +203,8 @@ async def _resolve(
             completion = Completion(
                 effect_id,
                 attempt,
-                "succeeded",
-                "looked_up",
+                EffectStatus.SUCCEEDED,
+                AttemptOutcome.LOOKED_UP,
                 result_json=json.dumps(answer.result),
                 detail_json=json.dumps({"lookup": "applied"}),
             )
@@ -213,8 +213,8 @@ async def _resolve(
             completion = Completion(
                 effect_id,
                 attempt,
-                "pending",
-                "looked_up",
+                EffectStatus.PENDING,
+                AttemptOutcome.LOOKED_UP,
                 error=f"{lost}; the sink has no trace of the key",
                 detail_json=json.dumps({"lookup": "not_applied"}),
             )

@@ -1,19 +1,24 @@
-"""Stream mode: the relay carries pending effects to Kafka; stream deliverers consume and deliver.
+"""Stream mode: a relay carries pending effects to Kafka; a Kafka source feeds the delivery daemon.
 
 ``outbox relay`` claims pending effects with the same claim machinery as the
 poll deliverer (so per-key order holds: the next effect of an ordering key is
 not claimed while one is undecided), publishes each to the topic
 ``<prefix><kind>``, keyed by ordering key (else run id), and marks them
 ``dispatched`` with the same fencing as a completion. Several relays may run.
+A relay also re-dispatches what nobody delivered within ``dispatch_ttl`` and
+rescues the claims of a relay that died, so a relay alone keeps its promises.
 
-``outbox deliver --from-kafka`` runs a consumer group. For each batch of
-records it claims the named effects that are still ``dispatched`` (a record
-for an effect already claimed or finished is a redelivery: skipped), delivers
-them through the same deliverer registry and retry policy as poll mode,
-records the outcomes fenced, and only then commits the offsets. A consumer
-killed with ``kill -9`` loses nothing: its records come again to the group,
-and its claimed attempts are resolved by the reconciler like any lost attempt.
-A dispatch nobody delivers within its TTL is re-dispatched with the same key.
+``outbox deliver --from-kafka`` is the one :class:`~outbox.delivery.daemon.DeliveryDaemon`
+with a :class:`KafkaSource`: for each batch of records it claims the named
+effects that are still ``dispatched`` (a record for an effect already claimed
+or finished is a redelivery: skipped), delivers them exactly as poll mode does
+(same leases, per-kind caps, rate-limit pauses, retry policy, grace period and
+metrics), and commits a partition's offset only once every record up to it
+has its outcome in PostgreSQL. A consumer killed with ``kill -9`` loses
+nothing: its records come again to the group, and its claimed attempts are
+resolved by the reconciler like any lost attempt.
+
+Needs the ``kafka`` extra (kafka-python).
 """
 
 from __future__ import annotations
@@ -22,28 +27,33 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka import errors as kafka_errors
-from pydantic import BaseModel, ConfigDict, Field
+from kafka.structs import OffsetAndMetadata
 
-from deliverers.kafka import close_producer
-from outbox.delivery import Deliverer
-from outbox.delivery.attempt import perform_attempt
-from outbox.delivery.daemon import default_owner
+from outbox.delivery.attempt import released
+from outbox.delivery.leases import Leases
+from outbox.delivery.maintenance import every
 from outbox.delivery.reconcile import reconcile
+from outbox.delivery.settings import RelaySettings, StreamSettings
+from outbox.delivery.sources import wait_or_wake
 from outbox.faults import crash_point
-from outbox.retry import RetryPolicy
-from outbox.storage.async_store import AsyncDeliveryStore, Completion
+from outbox.retry import IdleBackoff
+from outbox.storage.async_store import AsyncStore, ClaimedEffect
 from outbox.storage.notify import listen
-from outbox.storage.sql.queue import EFFECT_QUEUE, RELAY_OWNER_PREFIX
-from outbox.storage.sql.steps import EFFECTS_CHANNEL
+from outbox.storage.sql.common import EFFECTS_CHANNEL
+from outbox.storage.sql.queue import EFFECT_QUEUE
 
-__all__ = ["Relay", "RelaySettings", "StreamDeliverer", "StreamSettings", "topic_for"]
+__all__ = ["KafkaSource", "Relay", "close_producer", "topic_for"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def topic_for(prefix: str, kind: str) -> str:
@@ -51,50 +61,214 @@ def topic_for(prefix: str, kind: str) -> str:
     return f"{prefix}{kind}"
 
 
-class RelaySettings(BaseModel):
-    """How a relay behaves."""
+def close_producer(producer: Any, timeout: float) -> None:
+    """Flush and close; force the close when records are still pending after ``timeout``.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    kafka-python 3.0's ``close(timeout)`` raises from its flush when records are
+    still pending and then leaves the producer open (its sender thread keeps
+    running); stop the sender, which fails the pending records, and close again.
+    """
+    try:
+        producer.close(timeout=timeout)
+        return
+    except Exception as exc:
+        log.warning("Kafka producer did not flush within %gs (%s): closing it anyway", timeout, exc)
+    sender = getattr(producer, "_sender", None)
+    if sender is not None:
+        sender.force_close()
+        sender.join(10)
+    try:
+        producer.close(timeout=0)
+    except Exception:
+        log.exception("closing the Kafka producer failed")
 
-    bootstrap_servers: str
-    topic_prefix: str = "outbox."
-    batch_size: int = Field(default=500, ge=1)
-    lease_seconds: float = Field(default=30.0, gt=0)
-    #: A dispatched effect not delivered within this long is dispatched again.
-    dispatch_ttl_seconds: float = Field(default=300.0, gt=0)
-    poll_seconds: float = Field(default=1.0, gt=0)
-    owner: str = Field(default_factory=lambda: RELAY_OWNER_PREFIX + default_owner())
-    producer: dict[str, Any] = Field(default_factory=dict)
+
+class _Offsets:
+    """Per partition, which read records are not yet recorded: commits never pass the oldest."""
+
+    def __init__(self) -> None:
+        self._open: dict[TopicPartition, dict[int, int]] = defaultdict(dict)  # offset -> refs
+        self._next: dict[TopicPartition, int] = {}
+        self._by_effect: dict[uuid.UUID, list[tuple[TopicPartition, int]]] = defaultdict(list)
+
+    def read(self, tp: TopicPartition, offset: int, effect_id: uuid.UUID | None) -> None:
+        """A record was read; it stays open until its effect is recorded (``None``: never opens)."""
+        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
+        if effect_id is not None:
+            self._open[tp][offset] = self._open[tp].get(offset, 0) + 1
+            self._by_effect[effect_id].append((tp, offset))
+
+    def done(self, effect_id: uuid.UUID) -> None:
+        """Every record naming ``effect_id`` is recorded."""
+        for tp, offset in self._by_effect.pop(effect_id, []):
+            refs = self._open[tp].get(offset, 0) - 1
+            if refs <= 0:
+                self._open[tp].pop(offset, None)
+            else:
+                self._open[tp][offset] = refs
+
+    def committable(self) -> dict[TopicPartition, int]:
+        """The offset each partition may commit: its oldest open record, or all it read."""
+        return {tp: min(self._open[tp], default=nxt) for tp, nxt in self._next.items()}
+
+    def forget(self, keep: set[TopicPartition]) -> None:
+        """Drop partitions this consumer no longer owns (a rebalance moved them)."""
+        for tp in [tp for tp in self._next if tp not in keep]:
+            self._next.pop(tp, None)
+            self._open.pop(tp, None)
 
 
-def _envelope(row: Any) -> bytes:
+def _effect_id(value: bytes) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(json.loads(value)["effect_id"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class KafkaSource:
+    """Claims the effects named by a consumer group's records (see the module docstring)."""
+
+    name = "kafka"
+
+    def __init__(self, store: AsyncStore, kinds: Sequence[str], settings: StreamSettings) -> None:
+        self.store = store
+        self.kinds = list(kinds)
+        self.settings = settings
+        self.skipped = 0
+        self._offsets = _Offsets()
+        self._committed: dict[TopicPartition, int] = {}
+        # kafka-python's consumer is not thread-safe: every call goes through this one thread.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="outbox-kafka-consumer")
+        self._consumer: KafkaConsumer | None = None
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, lambda: fn(*args, **kwargs))
+
+    async def open(self) -> None:
+        """Join the consumer group on the kinds' topics."""
+        topics = [topic_for(self.settings.topic_prefix, kind) for kind in self.kinds]
+        self._consumer = await self._call(
+            KafkaConsumer,
+            *topics,
+            bootstrap_servers=self.settings.bootstrap_servers,
+            group_id=self.settings.group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            **self.settings.consumer,
+        )
+
+    def wake(self) -> None:
+        """Nothing to interrupt: a poll returns within ``poll_seconds``."""
+
+    async def take(self, leases: Leases) -> list[ClaimedEffect]:
+        """Read up to the room there is, then claim the records' effects still dispatched."""
+        assert self._consumer is not None
+        room = min(leases.free, self.settings.batch_size)
+        batch = await self._call(
+            self._consumer.poll,
+            timeout_ms=int(self.settings.poll_seconds * 1000),
+            max_records=room,
+        )
+        named: list[uuid.UUID] = []
+        for tp, records in batch.items():
+            for record in records:
+                effect_id = _effect_id(record.value)
+                if effect_id is None:
+                    log.warning(
+                        "skipping a record that is not an outbox envelope at %s:%d:%d",
+                        record.topic,
+                        record.partition,
+                        record.offset,
+                    )
+                else:
+                    named.append(effect_id)
+                self._offsets.read(tp, record.offset, effect_id)
+        if not named:
+            await self._commit()
+            return []
+        try:
+            claimed = await self.store.claim_dispatched(
+                sorted(set(named)),
+                owner=self.settings.owner,
+                lease_seconds=self.settings.lease_seconds,
+            )
+        except Exception:
+            # Not committed, read again: each record's effect is checked in
+            # PostgreSQL again, so what was recorded meanwhile is skipped.
+            for tp, records in batch.items():
+                await self._call(self._consumer.seek, tp, records[0].offset)
+            for effect_id in set(named):
+                self._offsets.done(effect_id)
+            raise
+        ours = {effect.id for effect in claimed}
+        skipped = set(named) - ours
+        self.skipped += len(skipped)
+        for effect_id in skipped:  # finished already, or claimed through another copy
+            self._offsets.done(effect_id)
+        return claimed
+
+    async def recorded(self, effect_ids: Sequence[uuid.UUID]) -> None:
+        """Outcomes are durable: commit every partition up to its oldest unrecorded record."""
+        for effect_id in effect_ids:
+            self._offsets.done(effect_id)
+        await self._commit()
+
+    async def _commit(self) -> None:
+        assert self._consumer is not None
+        due = {
+            tp: offset
+            for tp, offset in self._offsets.committable().items()
+            if offset > self._committed.get(tp, -1)
+        }
+        if not due:
+            return
+        offsets = {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in due.items()}
+        try:
+            await self._call(self._consumer.commit, offsets)
+        except kafka_errors.CommitFailedError as exc:
+            # The group rebalanced: the partitions' new owner reads these records
+            # again and skips the effects already recorded.
+            log.warning("offsets not committed: %s", exc)
+            self._offsets.forget(await self._call(self._consumer.assignment))
+            return
+        self._committed.update(due)
+
+    async def close(self) -> None:
+        """Commit what is recorded and leave the group."""
+        if self._consumer is not None:
+            try:
+                await self._commit()
+            except Exception as exc:
+                log.warning("final offset commit failed: %s", exc)
+            await self._call(self._consumer.close)
+        self._thread.shutdown(wait=False)
+
+
+def _envelope(effect: ClaimedEffect) -> bytes:
     return json.dumps(
         {
-            "effect_id": str(row["id"]),
-            "run_id": None if row["run_id"] is None else str(row["run_id"]),
-            "kind": row["kind"],
-            "idempotency_key": row["idempotency_key"],
-            "attempt": row["attempt"],
-            "schema_version": row["schema_version"],
-            "ordering_key": row["ordering_key"],
-            "payload": row["payload"],
+            "effect_id": str(effect.id),
+            "run_id": None if effect.run_id is None else str(effect.run_id),
+            "kind": effect.kind,
+            "idempotency_key": effect.idempotency_key,
+            "attempt": effect.attempt,
+            "schema_version": effect.schema_version,
+            "ordering_key": effect.ordering_key,
+            "payload": effect.payload,
         }
     ).encode()
 
 
-def _partition_key(row: Any) -> bytes:
-    key = row["ordering_key"] or row["run_id"] or row["id"]
-    return str(key).encode()
+def _partition_key(effect: ClaimedEffect) -> bytes:
+    return str(effect.ordering_key or effect.run_id or effect.id).encode()
 
 
 class Relay:
     """Publishes pending effects of ``kinds`` to Kafka until :meth:`stop`."""
 
-    def __init__(
-        self, store: AsyncDeliveryStore, dsn: str, kinds: Sequence[str], settings: RelaySettings
-    ) -> None:
+    def __init__(self, store: AsyncStore, kinds: Sequence[str], settings: RelaySettings) -> None:
         self.store = store
-        self.dsn = dsn
         self.kinds = list(kinds)
         self.settings = settings
         self.owner = settings.owner
@@ -111,46 +285,44 @@ class Relay:
     async def run(self) -> None:
         """Relay until stopped."""
         self._producer = await asyncio.to_thread(self._make_producer)
-        listener = asyncio.create_task(listen(self.dsn, EFFECTS_CHANNEL, self._wake))
-        idle = 0.01
+        background = [
+            asyncio.create_task(listen(self.store.dsn, EFFECTS_CHANNEL, self._wake)),
+            asyncio.create_task(every(self.settings.reconcile_seconds, self._reconcile, "relay")),
+        ]
+        idle = IdleBackoff(self.settings.poll_seconds)
         try:
             while not self._stopping.is_set():
                 self._wake.clear()
                 try:
                     sent = await self._relay_batch()
-                except Exception:
+                except Exception as exc:
                     # Whatever it claimed stays leased to this relay; when the lease
-                    # runs out the reconciler dispatches it again (same key).
-                    log.exception("relay batch failed; retrying after the poll interval")
-                    await asyncio.sleep(self.settings.poll_seconds)
+                    # runs out a reconciler dispatches it again (same key).
+                    log.warning("relay batch failed (%s); retrying after the poll interval", exc)
+                    await wait_or_wake(self._wake, self.settings.poll_seconds)
                     continue
-                if sent:
-                    idle = 0.01
-                    continue
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=idle)
-                except TimeoutError:
-                    idle = min(self.settings.poll_seconds, idle * 2)
+                if sent < self.settings.batch_size:
+                    await wait_or_wake(self._wake, idle.found(sent > 0))
         finally:
-            listener.cancel()
-            await asyncio.gather(listener, return_exceptions=True)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             producer, self._producer = self._producer, None
             if producer is not None:
                 await asyncio.to_thread(close_producer, producer, 10)
 
+    async def _reconcile(self) -> None:
+        # Needs no deliverer: a relay's own expired claims and stale dispatches.
+        await reconcile(self.store, {}, worker=f"reconciler:{self.owner}", report_skipped=False)
+
     async def _relay_batch(self) -> int:
         quotas = [({"kind": kind}, self.settings.batch_size) for kind in self.kinds]
-        try:
-            rows = await self.store.claim_many(
-                EFFECT_QUEUE, quotas, owner=self.owner, lease_seconds=self.settings.lease_seconds
-            )
-        except Exception:
-            log.exception("relay claim failed")
-            await asyncio.sleep(self.settings.poll_seconds)
+        effects = await self.store.claim_many(
+            EFFECT_QUEUE, quotas, owner=self.owner, lease_seconds=self.settings.lease_seconds
+        )
+        if not effects:
             return 0
-        if not rows:
-            return 0
-        published, failed = await asyncio.to_thread(self._publish, rows)
+        published, failed = await asyncio.to_thread(self._publish, effects)
         crash_point("after_publish")
         if failed:
             # kafka-python's idempotent producer can stay wedged after a timed-out
@@ -159,24 +331,17 @@ class Relay:
             await self.store.complete(
                 self.owner,
                 [
-                    Completion(
-                        row["id"],
-                        row["attempt"],
-                        "pending",
-                        "released",
-                        delay=1.0,
-                        error=f"publishing to Kafka failed: {error}",
-                    )
-                    for row, error in failed
+                    released(effect, f"publishing to Kafka failed: {error}", delay=1.0)
+                    for effect, error in failed
                 ],
             )
         kept = await self.store.mark_dispatched(
             self.owner,
-            [(row["id"], row["attempt"]) for row in published],
+            [(effect.id, effect.attempt) for effect in published],
             dispatch_ttl=self.settings.dispatch_ttl_seconds,
         )
         self.dispatched += len(kept)
-        return len(rows)
+        return len(effects)
 
     def _make_producer(self) -> KafkaProducer:
         return KafkaProducer(
@@ -196,203 +361,40 @@ class Relay:
         except Exception as exc:  # no broker now: the next batch tries again
             log.warning("Kafka producer could not be recreated: %s", exc)
 
-    def _publish(self, rows: list[Any]) -> tuple[list[Any], list[tuple[Any, str]]]:
+    def _publish(
+        self, effects: list[ClaimedEffect]
+    ) -> tuple[list[ClaimedEffect], list[tuple[ClaimedEffect, str]]]:
         if self._producer is None:
             self._replace_producer()
         if self._producer is None:
-            return [], [(row, "no Kafka broker reachable") for row in rows]
+            return [], [(effect, "no Kafka broker reachable") for effect in effects]
         futures = []
-        for row in rows:
+        for effect in effects:
             headers = [
-                ("idempotency-key", row["idempotency_key"].encode()),
-                ("effect-id", str(row["id"]).encode()),
-                ("attempt", str(row["attempt"]).encode()),
+                ("idempotency-key", effect.idempotency_key.encode()),
+                ("effect-id", str(effect.id).encode()),
+                ("attempt", str(effect.attempt).encode()),
             ]
-            if row["run_id"] is not None:
-                headers.append(("run-id", str(row["run_id"]).encode()))
-            topic = topic_for(self.settings.topic_prefix, row["kind"])
-            futures.append(
-                (
-                    row,
-                    self._producer.send(
-                        topic, key=_partition_key(row), value=_envelope(row), headers=headers
-                    ),
-                )
+            if effect.run_id is not None:
+                headers.append(("run-id", str(effect.run_id).encode()))
+            topic = topic_for(self.settings.topic_prefix, effect.kind)
+            future = self._producer.send(
+                topic, key=_partition_key(effect), value=_envelope(effect), headers=headers
             )
+            futures.append((effect, future))
         try:
             self._producer.flush(timeout=30)
         except Exception as exc:  # the futures below say which records were acknowledged
             log.warning("Kafka flush did not finish: %s", exc)
         published, failed = [], []
-        for row, future in futures:
+        for effect, future in futures:
             # flush() has waited already; waiting again per record could outlast the lease.
             if not future.is_done:
-                failed.append((row, "not acknowledged within the flush timeout"))
+                failed.append((effect, "not acknowledged within the flush timeout"))
                 continue
             try:
                 future.get(timeout=0)
-                published.append(row)
+                published.append(effect)
             except Exception as exc:  # not acknowledged: released, dispatched again later
-                failed.append((row, f"{type(exc).__name__}: {exc}"))
+                failed.append((effect, f"{type(exc).__name__}: {exc}"))
         return published, failed
-
-
-class StreamSettings(BaseModel):
-    """How a stream deliverer behaves."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    bootstrap_servers: str
-    group: str
-    topic_prefix: str = "outbox."
-    max_records: int = Field(default=200, ge=1)
-    lease_seconds: float = Field(default=30.0, gt=0)
-    reconcile_seconds: float = Field(default=2.0, gt=0)
-    owner: str = Field(default_factory=default_owner)
-    retry_base_seconds: float = Field(default=0.5, ge=0)
-    retry_cap_seconds: float = Field(default=300.0, ge=0)
-    max_attempts: int = Field(default=10, ge=1)
-    consumer: dict[str, Any] = Field(default_factory=dict)
-
-
-class StreamDeliverer:
-    """A member of a consumer group delivering the effects the relay dispatched."""
-
-    def __init__(
-        self,
-        store: AsyncDeliveryStore,
-        deliverers: Mapping[str, Deliverer],
-        settings: StreamSettings,
-    ) -> None:
-        self.store = store
-        self.deliverers = dict(deliverers)
-        self.settings = settings
-        self.owner = settings.owner
-        self.policy = RetryPolicy(
-            settings.retry_base_seconds, settings.retry_cap_seconds, settings.max_attempts
-        )
-        self.delivered = 0
-        self.skipped = 0
-        self._stopping = asyncio.Event()
-        self._held: dict[uuid.UUID, int] = {}
-
-    def stop(self) -> None:
-        """Stop after the current batch (its offsets are committed once it is recorded)."""
-        self._stopping.set()
-
-    async def run(self) -> None:
-        """Consume and deliver until stopped."""
-        topics = [topic_for(self.settings.topic_prefix, kind) for kind in self.deliverers]
-        consumer = await asyncio.to_thread(
-            KafkaConsumer,
-            *topics,
-            bootstrap_servers=self.settings.bootstrap_servers,
-            group_id=self.settings.group,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            max_poll_records=self.settings.max_records,
-            **self.settings.consumer,
-        )
-        background = [
-            asyncio.create_task(self._heartbeat()),
-            asyncio.create_task(self._reconcile_loop()),
-        ]
-        try:
-            while not self._stopping.is_set():
-                batch = await asyncio.to_thread(consumer.poll, timeout_ms=500)
-                records = [r for part in batch.values() for r in part]
-                if not records:
-                    continue
-                try:
-                    await self._deliver_batch(records)
-                except Exception:
-                    log.exception("delivering a batch failed; reading it again")
-                    # Uncommitted and re-read: each record's effect is checked in
-                    # PostgreSQL again, so what was recorded is skipped.
-                    for partition, part in batch.items():
-                        consumer.seek(partition, part[0].offset)
-                    await asyncio.sleep(1.0)
-                    continue
-                try:
-                    await asyncio.to_thread(consumer.commit)
-                except kafka_errors.CommitFailedError as exc:
-                    # The group rebalanced: the partitions' new owner reads these
-                    # records again and skips the effects already recorded.
-                    log.warning("offsets not committed: %s", exc)
-        finally:
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-            await asyncio.to_thread(consumer.close)
-            for deliverer in self.deliverers.values():
-                await deliverer.aclose()
-
-    async def _deliver_batch(self, records: list[Any]) -> None:
-        ids = []
-        for record in records:
-            try:
-                ids.append(uuid.UUID(json.loads(record.value)["effect_id"]))
-            except (ValueError, KeyError, TypeError):
-                log.warning(
-                    "skipping a record that is not an outbox envelope at %s:%d:%d",
-                    record.topic,
-                    record.partition,
-                    record.offset,
-                )
-        rows = await self.store.claim_dispatched(
-            sorted(set(ids)), owner=self.owner, lease_seconds=self.settings.lease_seconds
-        )
-        self.skipped += len(ids) - len(rows)
-        for row in rows:
-            self._held[row["id"]] = row["attempt"]
-        try:
-            results = await asyncio.gather(
-                *(
-                    perform_attempt(
-                        self.deliverers[row["kind"]],
-                        row,
-                        policy=self.policy,
-                        default_max_attempts=self.settings.max_attempts,
-                        schema_retry_seconds=300.0,
-                    )
-                    for row in rows
-                    if row["kind"] in self.deliverers
-                )
-            )
-            completions = [completion for completion, _ in results]
-            if completions:
-                await self.store.complete(self.owner, completions)
-            self.delivered += sum(c.status != "pending" for c in completions)
-        finally:
-            for row in rows:
-                self._held.pop(row["id"], None)
-
-    async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.lease_seconds / 3)
-            try:
-                await self.store.extend(
-                    EFFECT_QUEUE,
-                    list(self._held.items()),
-                    owner=self.owner,
-                    lease_seconds=self.settings.lease_seconds,
-                )
-            except Exception as exc:
-                log.warning("heartbeat failed: %s", exc)
-
-    async def _reconcile_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.reconcile_seconds)
-            try:
-                await reconcile(
-                    self.store,
-                    self.deliverers,
-                    worker=f"reconciler:{self.owner}",
-                    lease_seconds=self.settings.lease_seconds,
-                    default_max_attempts=self.settings.max_attempts,
-                )
-                # As in poll mode: cancelled runs move on as their effects finish,
-                # even where no worker of their agent runs.
-                await self.store.advance_stopping_runs()
-            except Exception:
-                log.exception("reconcile round failed")

@@ -10,21 +10,28 @@ from __future__ import annotations
 import json
 import uuid
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
-
-from sqlalchemy import Connection
+from typing import Any, Protocol
 
 from outbox.errors import IdempotencyConflict, ValidationError
 from outbox.ids import uuid7
 from outbox.keys import derive_key
 from outbox.models import Compensation, Effect, EffectIntent, EffectStatus
 from outbox.payloads import content_hash, decode, encode
+from outbox.runs.context import RunContext
+from outbox.storage import Connection
 from outbox.storage.store import effects_json
 from outbox.validation import validated
 
-if TYPE_CHECKING:
-    from outbox.client import Outbox
-    from outbox.runs.run import Run
+
+class RunHandle(Protocol):
+    """What a step transaction needs of its run (``Run`` and its async twin satisfy it)."""
+
+    @property
+    def id(self) -> uuid.UUID: ...
+
+    @property
+    def context(self) -> RunContext: ...
+
 
 __all__ = ["OutboxTransaction", "StepTransaction"]
 
@@ -32,8 +39,8 @@ __all__ = ["OutboxTransaction", "StepTransaction"]
 class _Intents:
     """Intents gathered during one transaction, written in one statement at its end."""
 
-    def __init__(self, outbox: Outbox, conn: Connection) -> None:
-        self._outbox = outbox
+    def __init__(self, ctx: RunContext, conn: Connection) -> None:
+        self._ctx = ctx
         self._conn = conn
         self._rows: list[dict[str, Any]] = []
         self._keys: dict[str, str] = {}
@@ -53,7 +60,7 @@ class _Intents:
         options: dict[str, Any],
     ) -> Effect:
         intent: EffectIntent = validated(EffectIntent, kind=kind, payload=payload, **options)
-        limit = self._outbox.settings.max_payload_bytes
+        limit = self._ctx.settings.max_payload_bytes
         payload_json = encode(intent.payload, field="payload", max_bytes=limit)
         payload_hash = content_hash(payload_json)
         compensate_json = None
@@ -76,8 +83,8 @@ class _Intents:
         if intent.key is not None:
             # A caller's key may already be taken by any run: wait for a racing
             # transaction holding it, then look (so two racers make one row).
-            self._outbox.store.lock_key(self._conn, key)
-            existing = self._outbox.store.effect_by_key(self._conn, key)
+            self._ctx.store.lock_key(self._conn, key)
+            existing = self._ctx.store.effect_by_key(self._conn, key)
             if existing is not None:
                 if existing.payload_hash != payload_hash:
                     raise IdempotencyConflict(key)
@@ -107,7 +114,7 @@ class _Intents:
         """A key of ours that another transaction holds now (after a short insert)."""
         keys = [r["idempotency_key"] for r in self._rows]
         ours = [uuid.UUID(r["id"]) for r in self._rows]
-        taken = self._outbox.store.keys_held_by_others(self._conn, keys, ours)
+        taken = self._ctx.store.keys_held_by_others(self._conn, keys, ours)
         return taken[0] if taken else keys[0]
 
     def as_json(self) -> str:
@@ -140,10 +147,10 @@ def _effect(row: dict[str, Any]) -> Effect:
 class OutboxTransaction:
     """Run-less intents inside one transaction: ``tx.connection`` and ``tx.intend``."""
 
-    def __init__(self, outbox: Outbox, connection: Connection) -> None:
+    def __init__(self, ctx: RunContext, connection: Connection) -> None:
         self.connection = connection
-        self._outbox = outbox
-        self._intents = _Intents(outbox, connection)
+        self._ctx = ctx
+        self._intents = _Intents(ctx, connection)
         self._notified: float | None = None
 
     def intend(self, kind: str, payload: Any, *, key: str | None = None, **options: Any) -> Effect:
@@ -155,8 +162,8 @@ class OutboxTransaction:
     def _flush(self) -> None:
         if not self._intents.pending:
             return
-        self._notified = self._outbox._effects_wakeup.inline()
-        inserted = self._outbox.store.intend_without_run(
+        self._notified = self._ctx.effects_wakeup.inline()
+        inserted = self._ctx.store.intend_without_run(
             self.connection, self._intents.as_json(), notify=self._notified is not None
         )
         if inserted != self._intents.pending:
@@ -173,7 +180,7 @@ class StepTransaction:
     the intents. Do not commit or roll back on it yourself.
     """
 
-    def __init__(self, run: Run, connection: Connection, step_id: str) -> None:
+    def __init__(self, run: RunHandle, connection: Connection, step_id: str) -> None:
         self.connection = connection
         self.run = run
         self.step_id = step_id
@@ -182,18 +189,18 @@ class StepTransaction:
         self._debit = Decimal(0)
         self._reserve = Decimal(0)
         self._ledger: list[dict[str, Any]] = []
-        self._intents = _Intents(run._outbox, connection)
+        self._intents = _Intents(run.context, connection)
 
     def set_state(self, state: Any) -> None:
         """Replace the run's state when this step commits."""
         self._state_json = encode(
-            state, field="state", max_bytes=self.run._outbox.settings.max_payload_bytes
+            state, field="state", max_bytes=self.run.context.settings.max_payload_bytes
         )
 
     def set_plan(self, plan: Any) -> None:
         """Replace the run's plan (task list) when this step commits."""
         self._plan_json = encode(
-            plan, field="plan", max_bytes=self.run._outbox.settings.max_payload_bytes
+            plan, field="plan", max_bytes=self.run.context.settings.max_payload_bytes
         )
 
     def intend(

@@ -6,9 +6,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from sqlalchemy import Connection
+from typing import Any, TypeVar
 
 from outbox.errors import (
     BudgetExceeded,
@@ -20,15 +18,23 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.faults import crash_point
-from outbox.models import TERMINAL_RUN_STATUSES, Effect, RunRecord, RunStatus, StepRecord
+from outbox.models import (
+    LIVE_RUN_STATUSES,
+    TERMINAL_RUN_STATUSES,
+    Effect,
+    Lease,
+    RunRecord,
+    RunStatus,
+    StepRecord,
+    StepStatus,
+)
 from outbox.payloads import decode, encode
+from outbox.runs.context import RunContext
 from outbox.runs.intents import StepTransaction
-from outbox.runs.waits import WaitSpec, check_wait, recorded_error
-from outbox.storage.sql import runs as run_sql
+from outbox.runs.waits import WaitSpec, block_until, check_wait, recorded_error
+from outbox.storage import Connection
+from outbox.storage.run_tx import RunTx
 from outbox.validation import as_uuid
-
-if TYPE_CHECKING:
-    from outbox.client import Outbox
 
 __all__ = ["Run", "Suspended"]
 
@@ -66,13 +72,13 @@ class Run:
 
     def __init__(
         self,
-        outbox: Outbox,
+        ctx: RunContext,
         record: RunRecord,
         steps: list[StepRecord],
         *,
-        lease: tuple[str, int] | None = None,
+        lease: Lease | None = None,
     ) -> None:
-        self._outbox = outbox
+        self._ctx = ctx
         self._record = record
         self._steps = {s.step_id: s for s in steps}
         self._lease = lease
@@ -85,6 +91,11 @@ class Run:
     def id(self) -> uuid.UUID:
         """The run's id."""
         return self._record.id
+
+    @property
+    def context(self) -> RunContext:
+        """The store, settings and wake-ups this handle writes through."""
+        return self._ctx
 
     @property
     def record(self) -> RunRecord:
@@ -129,7 +140,7 @@ class Run:
     @property
     def completed_steps(self) -> list[str]:
         """Step ids completed so far, in order (a wait still under way is not among them)."""
-        done = [s for s in self._steps.values() if s.status == "completed"]
+        done = [s for s in self._steps.values() if s.status == StepStatus.COMPLETED]
         return [s.step_id for s in sorted(done, key=lambda s: s.seq)]
 
     def step(self, step_id: str) -> StepRecord | None:
@@ -138,11 +149,11 @@ class Run:
 
     def effects(self) -> list[Effect]:
         """Every effect this run intended, in intent order, with its delivery state."""
-        return self._outbox.store.list_effects(run_id=self.id, limit=1_000_000)
+        return self._ctx.store.list_effects(run_id=self.id, limit=1_000_000)
 
     def refresh(self) -> Run:
         """Re-read the run and its steps from the store."""
-        loaded = self._outbox.store.load_run(self.id)
+        loaded = self._ctx.store.load_run(self.id)
         if loaded is None:
             raise RunNotFound(self.id)
         self._record, steps = loaded
@@ -171,7 +182,7 @@ class Run:
         self._check_live()
         self.active_step = step_id
         result_json = encode(
-            fn(*args, **kwargs), field="result", max_bytes=self._outbox.settings.max_payload_bytes
+            fn(*args, **kwargs), field="result", max_bytes=self._ctx.settings.max_payload_bytes
         )
         return self._commit(step_id, "call", result_json, None, None)
 
@@ -254,15 +265,15 @@ class Run:
     def _wait(self, step_id: str, spec: WaitSpec) -> Any:
         step_id = self._check_step_id(step_id)
         recorded = self._steps.get(step_id)
-        if recorded is not None and recorded.status == "completed":
+        if recorded is not None and recorded.status == StepStatus.COMPLETED:
             return self._replay(recorded)
         self._check_live()
         self.active_step = step_id
-        store = self._outbox.store
+        store = self._ctx.store
         while True:
-            with store.begin() as conn:
-                self._lock_for_write(conn)
-                outcome = check_wait(conn, self.id, step_id, spec, park=self._lease is not None)
+            with store.run_tx() as tx:
+                self._lock_for_write(tx)
+                outcome = check_wait(tx, self.id, step_id, spec, park=self._lease is not None)
             if isinstance(outcome, StepRecord):
                 self._steps[step_id] = outcome
                 self._record = self._record.model_copy(update={"current_step": step_id})
@@ -271,26 +282,25 @@ class Run:
             if self._lease is not None:
                 self._record = self._record.model_copy(update={"status": RunStatus.WAITING})
                 raise Suspended(self.id, step_id)
-            self._outbox._block_until(spec, outcome.seconds_left, self.id)
+            block_until(self._ctx.dsn, spec, outcome.seconds_left, self.id)
 
-    def _lock_for_write(self, conn: Connection) -> None:
+    def _lock_for_write(self, tx: RunTx) -> None:
         """Lock the run row and check that this handle may still write to it."""
-        row = conn.execute(run_sql.lock_run(), {"run_id": self.id}).first()
-        if row is None:
-            raise RunNotFound(self.id)
-        status = RunStatus(row.status)
-        if status not in (RunStatus.RUNNABLE, RunStatus.RUNNING, RunStatus.WAITING):
-            self._record = self._record.model_copy(update={"status": status})
-            raise RunTerminal(self.id, status.value)
+        locked = tx.lock(self.id)
+        if locked.status not in LIVE_RUN_STATUSES:
+            self._record = self._record.model_copy(update={"status": locked.status})
+            raise RunTerminal(self.id, locked.status.value)
         if self._lease is not None and (
-            status != RunStatus.RUNNING or (row.lease_owner, row.attempt) != self._lease
+            locked.status != RunStatus.RUNNING or locked.lease != self._lease
         ):
-            raise LeaseLost(f"run_id={str(self.id)!r}: lease attempt {self._lease[1]} was lost")
+            raise LeaseLost(
+                f"run_id={str(self.id)!r}: lease attempt {self._lease.attempt} was lost"
+            )
 
     # -- internals --------------------------------------------------------------
 
     def _check_step_id(self, step_id: Any) -> str:
-        limit = self._outbox.settings.max_step_id_length
+        limit = self._ctx.settings.max_step_id_length
         if not isinstance(step_id, str):
             raise ValidationError("step_id", step_id, "must be a string")
         if not step_id.strip():
@@ -316,15 +326,15 @@ class Run:
         fn: Callable[[StepTransaction], Any] | None,
         connection: Connection | None,
     ) -> Any:
-        store = self._outbox.store
-        wakeup = self._outbox._effects_wakeup
+        store = self._ctx.store
+        wakeup = self._ctx.effects_wakeup
         notified: float | None = None
         try:
             with store.begin(connection) as conn:
                 tx = StepTransaction(self, conn, step_id)
                 if fn is not None:
                     result_json = encode(
-                        fn(tx), field="result", max_bytes=self._outbox.settings.max_payload_bytes
+                        fn(tx), field="result", max_bytes=self._ctx.settings.max_payload_bytes
                     )
                 has_intents = tx._intents.pending > 0
                 notified = wakeup.inline() if has_intents else None
@@ -386,23 +396,20 @@ class Run:
     def _fence_params(self) -> dict[str, Any]:
         if self._lease is None:
             return {}
-        return {"fence_owner": self._lease[0], "fence_attempt": self._lease[1]}
+        return {"fence_owner": self._lease.owner, "fence_attempt": self._lease.attempt}
 
     def _refusal(self, conn: Connection, debit: Decimal) -> OutboxError:
         """Explain why the run refused a step (it wrote nothing)."""
-        current = self._outbox.store.run_record(conn, self.id)
+        current = self._ctx.store.run_record(conn, self.id)
         if current is None:
             return RunNotFound(self.id)
         self._record = current
-        if current.status in TERMINAL_RUN_STATUSES or current.status not in (
-            RunStatus.RUNNABLE,
-            RunStatus.RUNNING,
-            RunStatus.WAITING,
-        ):
+        if current.status not in LIVE_RUN_STATUSES:
             return RunTerminal(self.id, current.status.value)
         if self._lease is not None and (current.lease_owner, current.attempt) != self._lease:
             return LeaseLost(
-                f"run_id={str(self.id)!r}: lease attempt {self._lease[1]} of {self._lease[0]!r} "
+                f"run_id={str(self.id)!r}: lease attempt {self._lease.attempt} "
+                f"of {self._lease.owner!r} "
                 f"was taken over (now attempt {current.attempt} of {current.lease_owner!r})"
             )
         budget = current.budget or Decimal(0)
@@ -410,10 +417,10 @@ class Run:
         return BudgetExceeded(self.id, float(debit), float(remaining))
 
     def _finish(self, status: RunStatus, *, result: Any = None, error: Any = None) -> None:
-        limit = self._outbox.settings.max_payload_bytes
+        limit = self._ctx.settings.max_payload_bytes
         result_json = None if result is None else encode(result, field="result", max_bytes=limit)
         error_json = None if error is None else encode(error, field="error", max_bytes=limit)
-        done = self._outbox.store.finish_run(
+        done = self._ctx.store.finish_run(
             self.id, status=status.value, result=result_json, error=error_json, fence=self._lease
         )
         if not done:

@@ -1,9 +1,9 @@
-"""Signals, and how a run stops: cancellation, then compensation in reverse order.
+"""How a run stops: cancellation, then compensation in reverse order.
 
-Every function takes a SQLAlchemy ``Connection`` inside a transaction and
-locks the run row first, so signals, waits and cancellation of one run never
-interleave. Sync callers pass ``engine.begin()``; the async daemon passes the
-same functions to ``AsyncConnection.run_sync``.
+Every function takes a :class:`~outbox.storage.run_tx.RunTx` inside a
+transaction and locks the run row first, so signals, waits and cancellation of
+one run never interleave. Sync callers use ``Store.run_tx()``; the async daemon
+passes the same functions to ``AsyncStore.run_sync``.
 
 Stopping: ``cancel`` marks the run ``cancelling`` and cancels its effects that
 have not started; in-flight ones finish. Once none is in flight (and none is
@@ -19,114 +19,57 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, text
-
-from outbox.errors import RunNotFound, RunTerminal
+from outbox.errors import RunTerminal
 from outbox.ids import uuid7
 from outbox.keys import compensation_key
-from outbox.models import NOT_STARTED_EFFECT_STATUSES, TERMINAL_EFFECT_STATUSES, RunStatus
+from outbox.models import (
+    LIVE_RUN_STATUSES,
+    NOT_STARTED_EFFECT_STATUSES,
+    STOPPING_RUN_STATUSES,
+    TERMINAL_EFFECT_STATUSES,
+    EffectStatus,
+    RunStatus,
+)
 from outbox.payloads import content_hash, encode
-from outbox.storage.sql import runs as run_sql
-from outbox.storage.sql import steps as sql
+from outbox.storage.run_tx import RunTx
 from outbox.storage.store import effects_json
 
-__all__ = [
-    "SignalReceipt",
-    "advance_stopping_run",
-    "advance_stopping_runs",
-    "cancel_run",
-    "send_signal",
-]
+__all__ = ["advance_stopping_run", "advance_stopping_runs", "cancel_run"]
 
 log = logging.getLogger(__name__)
 
-_LIVE = (RunStatus.RUNNABLE, RunStatus.RUNNING, RunStatus.WAITING)
 
-
-@dataclass(frozen=True)
-class SignalReceipt:
-    """What happened to a signal: stored (or a duplicate of one stored), and did it wake the run."""
-
-    signal_id: uuid.UUID | None
-    duplicate: bool
-    woke_run: bool
-
-
-def _locked_status(conn: Connection, run_id: uuid.UUID) -> RunStatus:
-    row = conn.execute(run_sql.lock_run(), {"run_id": run_id}).first()
-    if row is None:
-        raise RunNotFound(run_id)
-    return RunStatus(row.status)
-
-
-def send_signal(
-    conn: Connection, run_id: uuid.UUID, name: str, payload_json: str, dedup_key: str
-) -> SignalReceipt:
-    """Store a signal for a live run and wake it if it waits for this name."""
-    status = _locked_status(conn, run_id)
-    if status not in _LIVE:
-        raise RunTerminal(run_id, status.value)
-    signal_id = uuid7()
-    inserted = conn.execute(
-        run_sql.insert_signal(),
-        {
-            "signal_id": signal_id,
-            "w_run": run_id,
-            "s_name": name,
-            "payload": payload_json,
-            "dedup_key": dedup_key,
-        },
-    ).first()
-    if inserted is None:
-        return SignalReceipt(None, duplicate=True, woke_run=False)
-    woke = conn.execute(run_sql.wake_signalled_run(), {"run_id": run_id, "name": name}).first()
-    # Plain scripts blocked in wait_signal listen here.
-    conn.execute(
-        text("SELECT pg_notify(:channel, :run)"),
-        {"channel": run_sql.SIGNALS_CHANNEL, "run": str(run_id)},
-    )
-    return SignalReceipt(signal_id, duplicate=False, woke_run=woke is not None)
-
-
-def cancel_run(conn: Connection, run_id: uuid.UUID, reason: str) -> RunStatus:
+def cancel_run(tx: RunTx, run_id: uuid.UUID, reason: str) -> RunStatus:
     """Mark the run ``cancelling`` and cancel its effects that have not started."""
-    status = _locked_status(conn, run_id)
-    if status in (RunStatus.CANCELLING, RunStatus.COMPENSATING):
+    status = tx.lock(run_id).status
+    if status in STOPPING_RUN_STATUSES:
         return status  # already stopping: cancelling twice changes nothing
-    if status not in _LIVE:
+    if status not in LIVE_RUN_STATUSES:
         raise RunTerminal(run_id, status.value)
-    conn.execute(
-        run_sql.mark_run(), {"run_id": run_id, "new_status": "cancelling", "reason": reason}
-    )
-    cancelled = conn.execute(
-        run_sql.cancel_pending_effects(),
-        {"stopping_run": run_id, "reason": f"run cancelled: {reason}"},
-    ).all()
+    tx.mark(run_id, RunStatus.CANCELLING, reason)
+    cancelled = tx.cancel_pending_effects(run_id, f"run cancelled: {reason}")
     log.info(
         "run %s cancelling (%d pending effects cancelled)",
         run_id,
-        len(cancelled),
+        cancelled,
         extra={"run_id": str(run_id)},
     )
     return RunStatus.CANCELLING
 
 
-def advance_stopping_run(conn: Connection, run_id: uuid.UUID) -> RunStatus:
+def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
     """Move a cancelling or compensating run on as far as its effects allow."""
-    status = _locked_status(conn, run_id)
-    if status not in (RunStatus.CANCELLING, RunStatus.COMPENSATING):
+    status = tx.lock(run_id).status
+    if status not in STOPPING_RUN_STATUSES:
         return status
-    rows = conn.execute(run_sql.run_effects_for_stopping(), {"stopping_run": run_id}).all()
+    rows = tx.effects_for_stopping(run_id)
     originals = [r for r in rows if r.compensates is None]
     compensations = [r for r in rows if r.compensates is not None]
 
     def finish(new_status: RunStatus) -> RunStatus:
-        conn.execute(
-            run_sql.mark_run(), {"run_id": run_id, "new_status": new_status.value, "reason": None}
-        )
+        tx.mark(run_id, new_status)
         log.info("run %s %s", run_id, new_status.value, extra={"run_id": str(run_id)})
         return new_status
 
@@ -135,34 +78,30 @@ def advance_stopping_run(conn: Connection, run_id: uuid.UUID) -> RunStatus:
         # pending again, and a relay may have handed one to Kafka meanwhile: neither
         # will be delivered now.
         if any(r.status in NOT_STARTED_EFFECT_STATUSES for r in originals):
-            conn.execute(
-                run_sql.cancel_pending_effects(),
-                {"stopping_run": run_id, "reason": "run cancelled"},
-            )
-            rows = conn.execute(run_sql.run_effects_for_stopping(), {"stopping_run": run_id}).all()
-            originals = [r for r in rows if r.compensates is None]
-        if any(r.status in ("in_flight", "unknown") for r in originals):
+            tx.cancel_pending_effects(run_id, "run cancelled")
+            originals = [r for r in tx.effects_for_stopping(run_id) if r.compensates is None]
+        if any(r.status in (EffectStatus.IN_FLIGHT, EffectStatus.UNKNOWN) for r in originals):
             return status  # in-flight calls finish first; unknown ones wait for an operator
         to_undo = [
-            r for r in reversed(originals) if r.status == "succeeded" and r.compensate is not None
+            r
+            for r in reversed(originals)
+            if r.status == EffectStatus.SUCCEEDED and r.compensate is not None
         ]
         if not to_undo:
             return finish(RunStatus.CANCELLED)
-        _intend_compensations(conn, run_id, to_undo)
-        conn.execute(
-            run_sql.mark_run(), {"run_id": run_id, "new_status": "compensating", "reason": None}
-        )
+        _intend_compensations(tx, run_id, to_undo)
+        tx.mark(run_id, RunStatus.COMPENSATING)
         return RunStatus.COMPENSATING
 
     if any(r.status not in TERMINAL_EFFECT_STATUSES for r in compensations):
         return status
-    if all(r.status == "succeeded" for r in compensations):
-        conn.execute(run_sql.mark_compensated(), {"ids": [r.compensates for r in compensations]})
+    if all(r.status == EffectStatus.SUCCEEDED for r in compensations):
+        tx.mark_compensated([r.compensates for r in compensations])
         return finish(RunStatus.COMPENSATED)
     return finish(RunStatus.COMPENSATION_FAILED)
 
 
-def _intend_compensations(conn: Connection, run_id: uuid.UUID, to_undo: list[Any]) -> None:
+def _intend_compensations(tx: RunTx, run_id: uuid.UUID, to_undo: list[Any]) -> None:
     intents = []
     for index, original in enumerate(to_undo):
         compensate = original.compensate
@@ -185,10 +124,7 @@ def _intend_compensations(conn: Connection, run_id: uuid.UUID, to_undo: list[Any
                 "delay_seconds": 0.0,
             }
         )
-    conn.execute(
-        sql.intend_for_stopping_run(),
-        {"run_id": run_id, "step_id": "compensate", "effects": effects_json(intents)},
-    )
+    tx.intend_compensations(run_id, effects_json(intents))
     log.info(
         "run %s: %d compensating effects intended",
         run_id,
@@ -197,14 +133,13 @@ def _intend_compensations(conn: Connection, run_id: uuid.UUID, to_undo: list[Any
     )
 
 
-def advance_stopping_runs(conn: Connection, max_rows: int = 100) -> dict[str, int]:
+def advance_stopping_runs(tx: RunTx, max_rows: int = 100) -> dict[str, int]:
     """One sweep over stopping runs; returns how many ended in each state."""
-    ids = [r.id for r in conn.execute(run_sql.stopping_runs(), {"max_rows": max_rows})]
     moved: dict[str, int] = {}
-    for run_id in ids:
-        nested = conn.begin_nested()
+    for run_id in tx.stopping_runs(max_rows):
+        nested = tx.savepoint()
         try:
-            status = advance_stopping_run(conn, run_id)
+            status = advance_stopping_run(tx, run_id)
             nested.commit()
         except Exception:
             nested.rollback()

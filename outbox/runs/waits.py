@@ -14,24 +14,35 @@ effect wakes it.
 
 from __future__ import annotations
 
-import json
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Connection
-
 from outbox.errors import EffectFailed, EffectTimeout, OutboxError, SignalTimeout, WaitTimeout
-from outbox.models import StepRecord
-from outbox.storage.sql import runs as run_sql
+from outbox.models import EffectStatus, StepRecord, StepStatus
+from outbox.storage.notify import wait_for_notify
+from outbox.storage.run_tx import RunTx
+from outbox.storage.sql.common import SIGNALS_CHANNEL
 
-__all__ = ["EFFECT_RECHECK_SECONDS", "Pending", "WaitSpec", "check_wait", "recorded_error"]
+__all__ = [
+    "EFFECT_RECHECK_SECONDS",
+    "Pending",
+    "WaitSpec",
+    "block_until",
+    "check_wait",
+    "recorded_error",
+]
 
 # Parked on an effect, a run is woken by the effect's completion. Completions
 # that do not go through a deliverer (an operator's resolve, the reconciler
 # giving up) do not wake it, so a slow timer re-checks as well.
 EFFECT_RECHECK_SECONDS = 30.0
+#: A plain script blocked in a wait re-checks at least this often.
+BLOCKING_RECHECK_SECONDS = 5.0
+
+_ENDED_BADLY = (EffectStatus.FAILED, EffectStatus.CANCELLED, EffectStatus.COMPENSATED)
 
 
 @dataclass(frozen=True)
@@ -44,15 +55,13 @@ class WaitSpec:
     signal: str | None = None
     effect_id: UUID | None = None
 
-    def detail_json(self) -> str:
+    def detail(self) -> dict[str, Any]:
         """What the waiting step records besides its deadline."""
-        return json.dumps(
-            {
-                "wait": self.kind,
-                "signal": self.signal,
-                "effect": None if self.effect_id is None else str(self.effect_id),
-            }
-        )
+        return {
+            "wait": self.kind,
+            "signal": self.signal,
+            "effect": None if self.effect_id is None else str(self.effect_id),
+        }
 
 
 @dataclass(frozen=True)
@@ -75,55 +84,41 @@ def recorded_error(step_id: str, error: Any) -> OutboxError:
 
 
 def _complete(
-    conn: Connection,
-    run_id: UUID,
-    step_id: str,
-    kind: str,
-    *,
-    result: Any = None,
-    error: Any = None,
+    tx: RunTx, run_id: UUID, step_id: str, kind: str, *, result: Any = None, error: Any = None
 ) -> StepRecord:
-    row = conn.execute(
-        run_sql.complete_wait_step(),
-        {
-            "w_run": run_id,
-            "w_step": step_id,
-            "wait_result": None if result is None else json.dumps(result),
-            "wait_error": None if error is None else json.dumps(error),
-        },
-    ).one()
+    seq, completed_at = tx.complete_wait(run_id, step_id, result=result, error=error)
     return StepRecord(
         run_id=run_id,
         step_id=step_id,
-        seq=row.seq,
+        seq=seq,
         kind=kind,
         result=result,
         error=error,
-        completed_at=row.completed_at,
+        completed_at=completed_at,
     )
 
 
+def _effect_failed(effect_id: UUID | None, status: str, reason: str | None) -> dict[str, Any]:
+    return {"type": "EffectFailed", "effect": str(effect_id), "status": status, "reason": reason}
+
+
 def check_wait(
-    conn: Connection, run_id: UUID, step_id: str, spec: WaitSpec, *, park: bool
+    tx: RunTx, run_id: UUID, step_id: str, spec: WaitSpec, *, park: bool
 ) -> StepRecord | Pending:
     """Record the wait if new, then complete it or report it pending (the run row is locked).
 
     With ``park``, a pending wait also parks the run as ``waiting`` (the caller
     is a worker that holds the run's lease, checked before this call).
     """
-    conn.execute(
-        run_sql.insert_wait_step(),
-        {
-            "w_run": run_id,
-            "w_step": step_id,
-            "kind": spec.kind,
-            "seconds": spec.seconds,
-            "until": None if spec.until is None else spec.until.isoformat(),
-            "detail": spec.detail_json(),
-        },
+    step = tx.record_wait(
+        run_id,
+        step_id,
+        kind=spec.kind,
+        seconds=spec.seconds,
+        until=spec.until,
+        detail=spec.detail(),
     )
-    step = conn.execute(run_sql.wait_step(), {"w_run": run_id, "w_step": step_id}).one()
-    if step.status == "completed":  # recorded meanwhile by another handle of this run
+    if step.status == StepStatus.COMPLETED:  # recorded meanwhile by another handle of this run
         return StepRecord(
             run_id=run_id,
             step_id=step_id,
@@ -135,73 +130,45 @@ def check_wait(
         )
     if spec.kind == "sleep":
         if step.due:
-            return _complete(conn, run_id, step_id, spec.kind)
+            return _complete(tx, run_id, step_id, spec.kind)
     elif spec.kind == "signal":
-        payload = conn.execute(
-            run_sql.consume_signal(), {"w_run": run_id, "w_step": step_id, "s_name": spec.signal}
-        ).first()
-        if payload is not None:
-            return _complete(conn, run_id, step_id, spec.kind, result=payload[0])
+        assert spec.signal is not None
+        found, payload = tx.consume_signal(run_id, step_id, spec.signal)
+        if found:
+            return _complete(tx, run_id, step_id, spec.kind, result=payload)
         if step.due:
-            return _complete(
-                conn,
-                run_id,
-                step_id,
-                spec.kind,
-                error={"type": "SignalTimeout", "signal": spec.signal},
-            )
+            error = {"type": "SignalTimeout", "signal": spec.signal}
+            return _complete(tx, run_id, step_id, spec.kind, error=error)
     elif spec.kind == "effect":
-        effect = conn.execute(
-            run_sql.await_effect(), {"awaited_effect": spec.effect_id, "awaiting_run": run_id}
-        ).first()
+        assert spec.effect_id is not None
+        effect = tx.await_effect(run_id, spec.effect_id)
         if effect is None:
-            return _complete(
-                conn,
-                run_id,
-                step_id,
-                spec.kind,
-                error={
-                    "type": "EffectFailed",
-                    "effect": str(spec.effect_id),
-                    "status": "missing",
-                    "reason": "no such effect",
-                },
-            )
-        if effect.status == "succeeded":
-            return _complete(conn, run_id, step_id, spec.kind, result=effect.result)
-        if effect.status in ("failed", "cancelled", "compensated"):
-            return _complete(
-                conn,
-                run_id,
-                step_id,
-                spec.kind,
-                error={
-                    "type": "EffectFailed",
-                    "effect": str(spec.effect_id),
-                    "status": effect.status,
-                    "reason": effect.last_error,
-                },
-            )
+            error = _effect_failed(spec.effect_id, "missing", "no such effect")
+            return _complete(tx, run_id, step_id, spec.kind, error=error)
+        if effect.status == EffectStatus.SUCCEEDED:
+            return _complete(tx, run_id, step_id, spec.kind, result=effect.result)
+        if effect.status in _ENDED_BADLY:
+            error = _effect_failed(spec.effect_id, effect.status, effect.last_error)
+            return _complete(tx, run_id, step_id, spec.kind, error=error)
         if step.due:
-            return _complete(
-                conn,
-                run_id,
-                step_id,
-                spec.kind,
-                error={"type": "EffectTimeout", "effect": str(spec.effect_id)},
-            )
-    seconds_left = None if step.seconds_left is None else max(0.0, float(step.seconds_left))
+            error = {"type": "EffectTimeout", "effect": str(spec.effect_id)}
+            return _complete(tx, run_id, step_id, spec.kind, error=error)
     if park:
-        wake_in = seconds_left
+        wake_in = step.seconds_left
         if spec.kind == "effect":
-            wake_in = min(seconds_left or EFFECT_RECHECK_SECONDS, EFFECT_RECHECK_SECONDS)
-        conn.execute(
-            run_sql.suspend_run(),
-            {
-                "run_id": run_id,
-                "wake_in": wake_in,
-                "signal_name": spec.signal,
-                "effect_id": spec.effect_id,
-            },
-        )
-    return Pending(seconds_left)
+            wake_in = min(step.seconds_left or EFFECT_RECHECK_SECONDS, EFFECT_RECHECK_SECONDS)
+        tx.suspend(run_id, wake_in=wake_in, signal=spec.signal, effect_id=spec.effect_id)
+    return Pending(step.seconds_left)
+
+
+def block_until(dsn: str, spec: WaitSpec, seconds_left: float | None, run_id: UUID) -> None:
+    """Outside a worker a wait blocks: sleep, LISTEN for this run's signals, or poll an effect."""
+    horizon = BLOCKING_RECHECK_SECONDS
+    if seconds_left is not None:
+        horizon = min(max(seconds_left, 0.0), horizon)
+    if spec.kind == "signal":
+        wait_for_notify(dsn, SIGNALS_CHANNEL, horizon, payload=str(run_id))
+    elif spec.kind == "effect":
+        time.sleep(min(horizon, 0.2))
+    else:
+        time.sleep(horizon)

@@ -20,23 +20,21 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from uuid import UUID
 
-import psycopg
 from pydantic import BaseModel, ConfigDict, Field
 
-from outbox.delivery.daemon import default_owner
 from outbox.errors import LeaseLost, RunTerminal
-from outbox.models import RunRecord, RunStatus
+from outbox.ids import default_owner
+from outbox.models import Lease, RunRecord, RunStatus
 from outbox.payloads import encode
 from outbox.retry import RetryPolicy
+from outbox.runs.context import RunContext, StateUpgrade
 from outbox.runs.run import Run, Suspended
-from outbox.storage.sql.steps import RUNS_CHANNEL
-from outbox.storage.store import libpq_dsn
-
-if TYPE_CHECKING:
-    from outbox.client import Outbox
+from outbox.runs.stopping import advance_stopping_runs
+from outbox.storage.notify import listen_blocking
+from outbox.storage.sql.common import RUNS_CHANNEL
 
 __all__ = ["Worker", "WorkerSettings"]
 
@@ -61,17 +59,17 @@ class WorkerSettings(BaseModel):
 
 
 class Worker:
-    """Executes runs of ``agent`` at ``version`` (and of versions migrated to it)."""
+    """Executes runs of ``agent`` at ``version`` (and of older versions upgraded to it)."""
 
     def __init__(
         self,
-        outbox: Outbox,
+        ctx: RunContext,
         agent: str,
         version: str,
         handler: Callable[[Run], Any],
         settings: WorkerSettings,
     ) -> None:
-        self.outbox = outbox
+        self.ctx = ctx
         self.agent = agent
         self.version = version
         self.handler = handler
@@ -105,7 +103,7 @@ class Worker:
             self.owner,
             self.agent,
             self.version,
-            sorted(self._migrations()) or "no other version",
+            sorted(self._upgrades()) or "no other version",
         )
         with ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="outbox-run") as pool:
             try:
@@ -125,11 +123,11 @@ class Worker:
 
     # -- claiming ---------------------------------------------------------------------
 
-    def _migrations(self) -> dict[str, Callable[[Any], Any]]:
-        return self.outbox.migrations.get((self.agent, self.version), {})
+    def _upgrades(self) -> dict[str, StateUpgrade]:
+        return self.ctx.upgrades.into(self.agent, self.version)
 
     def _claim_loop(self, pool: ThreadPoolExecutor) -> None:
-        versions = [self.version, *self._migrations()]
+        versions = [self.version, *self._upgrades()]
         idle = 0.01
         while not self._stopping.is_set():
             free = self.settings.concurrency - len(self._held)
@@ -137,7 +135,7 @@ class Worker:
             if free > 0:
                 self._wake.clear()
                 try:
-                    rows = self.outbox.store.claim_runs(
+                    rows = self.ctx.store.claim_runs(
                         [({"agent": self.agent, "agent_version": v}, free) for v in versions],
                         owner=self.owner,
                         lease_seconds=self.settings.lease_seconds,
@@ -164,15 +162,15 @@ class Worker:
             self.counts[outcome] = self.counts.get(outcome, 0) + 1
 
     def _execute(self, record: RunRecord) -> None:
-        lease = (self.owner, record.attempt)
+        lease = Lease(self.owner, record.attempt)
         context = {"run_id": str(record.id), "worker": self.owner, "attempt": record.attempt}
         try:
             if record.agent_version != self.version:
-                record = self._migrate(record, lease)
-            loaded = self.outbox.store.load_run(record.id)
+                record = self._upgrade(record, lease)
+            loaded = self.ctx.store.load_run(record.id)
             if loaded is None:
                 return
-            run = Run(self.outbox, record, loaded[1], lease=lease)
+            run = Run(self.ctx, record, loaded[1], lease=lease)
             try:
                 result = self.handler(run)
             except Suspended:
@@ -201,31 +199,29 @@ class Worker:
                 self._held.pop(record.id, None)
             self._wake.set()
 
-    def _migrate(self, record: RunRecord, lease: tuple[str, int]) -> RunRecord:
-        fn = self._migrations()[record.agent_version]
+    def _upgrade(self, record: RunRecord, lease: Lease) -> RunRecord:
+        fn = self._upgrades()[record.agent_version]
         state = encode(
-            fn(record.state), field="state", max_bytes=self.outbox.settings.max_payload_bytes
+            fn(record.state), field="state", max_bytes=self.ctx.settings.max_payload_bytes
         )
-        migrated = self.outbox.store.migrate_run(
+        upgraded = self.ctx.store.upgrade_run(
             record.id,
             lease,
             from_version=record.agent_version,
             to_version=self.version,
             state_json=state,
         )
-        if migrated is None:
-            raise LeaseLost(f"run_id={str(record.id)!r}: lost while migrating")
+        if upgraded is None:
+            raise LeaseLost(f"run_id={str(record.id)!r}: lost while upgrading")
         log.info(
-            "run migrated %s -> %s",
+            "run upgraded %s -> %s",
             record.agent_version,
             self.version,
             extra={"run_id": str(record.id)},
         )
-        return migrated
+        return upgraded
 
-    def _step_failed(
-        self, run: Run, exc: Exception, lease: tuple[str, int], context: dict[str, Any]
-    ) -> None:
+    def _step_failed(self, run: Run, exc: Exception, lease: Lease, context: dict[str, Any]) -> None:
         step = run.active_step or "<handler>"
         failures = run.record.step_retries.get(step, 0) + 1
         delay = self._policy.backoff(failures)
@@ -239,7 +235,7 @@ class Worker:
             "traceback": "".join(traceback.format_exception(exc))[-4000:],
             "failures": failures,
         }
-        status = self.outbox.store.record_step_failure(
+        status = self.ctx.store.record_step_failure(
             run.id,
             lease,
             step=step,
@@ -263,22 +259,11 @@ class Worker:
     # -- background -----------------------------------------------------------------------
 
     def _listen(self) -> None:
-        dsn = libpq_dsn(self.outbox.engine.url)
-        while not self._stopping.is_set():
-            try:
-                with psycopg.connect(dsn, autocommit=True) as conn:
-                    conn.execute(f"LISTEN {RUNS_CHANNEL}")
-                    self._wake.set()
-                    while not self._stopping.is_set():
-                        for _ in conn.notifies(timeout=1.0, stop_after=1):
-                            self._wake.set()
-            except Exception as exc:
-                log.warning("LISTEN connection lost (%s); polling", exc)
-                time.sleep(1.0)
+        listen_blocking(self.ctx.dsn, RUNS_CHANNEL, self._wake, self._stopping)
 
     def _sweep(self) -> None:
         last_heartbeat = last_stopping = 0.0
-        store = self.outbox.store
+        store = self.ctx.store
         while not self._stopping.is_set():
             time.sleep(self.settings.sweep_seconds)
             try:
@@ -301,6 +286,7 @@ class Worker:
                             )
                 if now - last_stopping >= 1.0:
                     last_stopping = now
-                    self.outbox.advance_stopping_runs()
+                    with store.run_tx() as tx:
+                        advance_stopping_runs(tx)
             except Exception:
                 log.exception("worker sweep failed")

@@ -25,12 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-from sqlalchemy import delete, func, select, text
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from outbox.errors import NotFound, OutboxError, RunTerminal, ValidationError
-from outbox.models import OPEN_EFFECT_STATUSES
-from outbox.storage.schema import effects, runs, webhook_replays
+from outbox.errors import NotFound, OutboxError, ReplayRefused, RunTerminal, ValidationError
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -84,23 +80,15 @@ class _StateCollector:
         self._outbox = outbox
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        with self._outbox.engine.connect() as conn:
-            run_rows = conn.execute(
-                select(runs.c.status, func.count()).group_by(runs.c.status)
-            ).all()
-            effect_rows = conn.execute(
-                select(effects.c.status, effects.c.kind, func.count())
-                .where(effects.c.status.in_(OPEN_EFFECT_STATUSES))
-                .group_by(effects.c.status, effects.c.kind)
-            ).all()
+        counts = self._outbox.store.state_counts()
         gauge = GaugeMetricFamily("outbox_runs", "Runs by status", labels=["status"])
-        for status, n in run_rows:
+        for status, n in counts.runs.items():
             gauge.add_metric([status], n)
         yield gauge
         gauge = GaugeMetricFamily(
             "outbox_effects", "Unfinished effects by state and kind", labels=["state", "kind"]
         )
-        for status, kind, n in effect_rows:
+        for (status, kind), n in counts.effects.items():
             gauge.add_metric([status, kind], n)
         yield gauge
 
@@ -176,8 +164,7 @@ class SignalServer:
     def _get(self, handler: BaseHTTPRequestHandler) -> None:
         if handler.path == "/healthz":
             try:
-                with self.outbox.engine.connect() as conn:
-                    conn.execute(text("SELECT 1"))
+                self.outbox.store.ping()
             except Exception as exc:
                 self._reply(handler, 503, {"ok": False, "error": str(exc)[:200]})
                 return
@@ -210,16 +197,23 @@ class SignalServer:
             self._reply(handler, 401, {"error": refusal})
             return
         assert signature is not None
-        if not self._first_sight(signature):
-            self._reply(handler, 409, {"error": "replayed: this signature was already accepted"})
-            return
+        self._forget_old()
         try:
             message = json.loads(body or b"{}")
             if not isinstance(message, dict):
                 raise ValueError("the body must be a JSON object")
             receipt = self.outbox.signal(
-                match[1], match[2], message.get("payload"), dedup_key=message.get("dedup_key")
+                match[1],
+                match[2],
+                message.get("payload"),
+                dedup_key=message.get("dedup_key"),
+                # Marked used in the signal's own transaction: a request refused
+                # (unknown run, a failure) can be sent again.
+                request_id=hashlib.sha256(signature.encode()).hexdigest(),
             )
+        except ReplayRefused:
+            self._reply(handler, 409, {"error": "replayed: this signature was already accepted"})
+            return
         except (ValueError, ValidationError) as exc:
             self._reply(handler, 400, {"error": str(exc)})
             return
@@ -242,27 +236,11 @@ class SignalServer:
             },
         )
 
-    def _first_sight(self, signature: str) -> bool:
-        digest = hashlib.sha256(signature.encode()).hexdigest()
-        with self.outbox.engine.begin() as conn:
-            inserted = conn.execute(
-                pg_insert(webhook_replays)
-                .values(signature=digest)
-                .on_conflict_do_nothing()
-                .returning(webhook_replays.c.signature)
-            ).first()
-            self._forget_old(conn)
-        return inserted is not None
-
-    def _forget_old(self, conn: Any) -> None:
+    def _forget_old(self) -> None:
         # Signatures older than the tolerance can no longer pass the freshness check.
         with self._cleanup_lock:
             if time.monotonic() - self._last_cleanup < 60:
                 return
             self._last_cleanup = time.monotonic()
-        conn.execute(
-            delete(webhook_replays).where(
-                webhook_replays.c.seen_at
-                < func.now() - text(f"interval '{int(self.tolerance * 2)} seconds'")
-            )
-        )
+        with self.outbox.store.run_tx() as tx:
+            tx.forget_replays(self.tolerance * 2)

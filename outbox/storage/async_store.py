@@ -1,52 +1,74 @@
 """The database side of delivery (async): claim, heartbeat, complete, reconcile, report.
 
-The daemon and the reconciler call these methods; they never see SQL. Each
+The daemons and the reconciler call these methods; they never see SQL. Each
 method is one short transaction, so no transaction is ever held across a
-call to the outside world.
+call to the outside world. Claimed rows come back as :class:`ClaimedEffect`
+values, and every driver error as :class:`~outbox.errors.DatabaseError`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Any, TypeVar
 from uuid import UUID
 
-from sqlalchemy import func, select, text
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.faults import crash_point
-from outbox.models import OPEN_EFFECT_STATUSES
-from outbox.runs.stopping import advance_stopping_runs
-from outbox.storage.schema import effects
-from outbox.storage.sql import queue
-from outbox.storage.sql.steps import const
-from outbox.storage.store import psycopg_url
+from outbox.storage.engine import translate_errors
+from outbox.storage.run_tx import RunTx
+from outbox.storage.sql import effects as effect_sql
+from outbox.storage.sql import maintenance, queue
+from outbox.storage.store import read_state_counts
 
-__all__ = ["AsyncDeliveryStore", "Completion", "make_async_engine"]
+__all__ = ["AsyncStore", "ClaimedEffect", "Completion"]
+
+T = TypeVar("T")
 
 
-def make_async_engine(
-    dsn: str,
-    *,
-    pool_size: int = 4,
-    application_name: str = "outbox-deliver",
-    idle_in_transaction_ms: int = 60_000,
-) -> AsyncEngine:
-    """An async engine on psycopg 3, with the connection count bounded."""
-    return create_async_engine(
-        psycopg_url(dsn),
-        pool_size=pool_size,
-        max_overflow=0,
-        # No ping per checkout (a round trip per transaction): a dropped
-        # connection fails its statement, is discarded, and the loop retries.
-        pool_pre_ping=False,
-        connect_args={
-            "options": f"-c idle_in_transaction_session_timeout={idle_in_transaction_ms}",
-            "application_name": application_name,
-        },
-    )
+@dataclass(frozen=True, slots=True)
+class ClaimedEffect:
+    """A claimed attempt at one effect, as the delivery side sees it."""
+
+    id: UUID
+    run_id: UUID | None
+    kind: str
+    payload: Any
+    idempotency_key: str
+    attempt: int
+    max_attempts: int | None
+    schema_version: int
+    ordering_key: str | None
+    created_at: datetime
+    attempt_started_at: datetime | None
+    lease_owner: str | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> ClaimedEffect:
+        """Build from a row of ``outbox_effects``."""
+        return cls(
+            id=row["id"],
+            run_id=row["run_id"],
+            kind=row["kind"],
+            payload=row["payload"],
+            idempotency_key=row["idempotency_key"],
+            attempt=row["attempt"],
+            max_attempts=row["max_attempts"],
+            schema_version=row["schema_version"],
+            ordering_key=row["ordering_key"],
+            created_at=row["created_at"],
+            attempt_started_at=row["attempt_started_at"],
+            lease_owner=row["lease_owner"],
+        )
+
+    @property
+    def started_iso(self) -> str | None:
+        """When this attempt started, as the attempt log records it."""
+        return None if self.attempt_started_at is None else self.attempt_started_at.isoformat()
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +105,20 @@ class Completion:
         )
 
 
-class AsyncDeliveryStore:
+def _claimed(rows: Any) -> list[ClaimedEffect]:
+    return [ClaimedEffect.from_row(row) for row in rows.mappings()]
+
+
+class AsyncStore:
     """Delivery statements on one async engine."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+
+    @property
+    def dsn(self) -> str:
+        """The database, for connections of its own (LISTEN)."""
+        return self.engine.url.render_as_string(hide_password=False)
 
     async def claim_many(
         self,
@@ -96,23 +127,23 @@ class AsyncDeliveryStore:
         *,
         owner: str,
         lease_seconds: float,
-    ) -> list[Any]:
+    ) -> list[ClaimedEffect]:
         """Claim from each partition, all in one transaction (claimed rows are all returned)."""
-        rows: list[Any] = []
-        async with self.engine.connect() as conn:
-            if len(quotas) == 1:
-                # One statement claims and records the attempt's start, so alone it
-                # needs no explicit transaction: autocommit saves the BEGIN and COMMIT
-                # round trips on the commit -> handler start path. With several, a
-                # failure part-way must not leave claims that were never returned.
-                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            for partition, limit in quotas:
-                params = queue.claim_params(
-                    partition, limit=limit, owner=owner, lease_seconds=lease_seconds
-                )
-                result = await conn.execute(queue.claim(spec), params)
-                rows.extend(result.mappings())
-            await conn.commit()
+        rows: list[ClaimedEffect] = []
+        with translate_errors("claiming effects"):
+            async with self.engine.connect() as conn:
+                if len(quotas) == 1:
+                    # One statement claims and records the attempt's start, so alone it
+                    # needs no explicit transaction: autocommit saves the BEGIN and COMMIT
+                    # round trips on the commit -> handler start path. With several, a
+                    # failure part-way must not leave claims that were never returned.
+                    conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                for partition, limit in quotas:
+                    params = queue.claim_params(
+                        partition, limit=limit, owner=owner, lease_seconds=lease_seconds
+                    )
+                    rows += _claimed(await conn.execute(queue.claim(spec), params))
+                await conn.commit()
         return rows
 
     async def extend(
@@ -127,27 +158,31 @@ class AsyncDeliveryStore:
         if not held:
             return set()
         params = queue.extend_params(held, owner=owner, lease_seconds=lease_seconds)
-        async with self.engine.begin() as conn:
-            result = await conn.execute(queue.extend_leases(spec), params)
-            return {row[0] for row in result}
+        with translate_errors("extending leases"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(queue.extend_leases(spec), params)
+                return {row[0] for row in result}
 
     async def complete(self, owner: str, done: Sequence[Completion]) -> list[tuple[UUID, str]]:
         """Record a batch of attempt outcomes (fenced); returns (effect id, logged outcome)."""
         payload = "[" + ",".join(c.as_json() for c in done) + "]"
-        async with self.engine.begin() as conn:
-            result = await conn.execute(
-                queue.complete_effects(),
-                {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]},
-            )
-            logged = [(row[0], row[1]) for row in result]
-            crash_point("during_completion")
+        with translate_errors("recording outcomes"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(
+                    effect_sql.complete_effects(),
+                    {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]},
+                )
+                logged = [(row[0], row[1]) for row in result]
+                crash_point("during_completion")
         return logged
 
-    async def expired(self, max_rows: int) -> list[Any]:
+    async def expired(self, max_rows: int) -> list[ClaimedEffect]:
         """In-flight effects whose lease ran out."""
-        async with self.engine.connect() as conn:
-            result = await conn.execute(queue.expired_effects(), {"max_rows": max_rows})
-            return list(result.mappings())
+        with translate_errors("finding expired attempts"):
+            async with self.engine.connect() as conn:
+                return _claimed(
+                    await conn.execute(effect_sql.expired_effects(), {"max_rows": max_rows})
+                )
 
     async def expire(
         self,
@@ -160,51 +195,48 @@ class AsyncDeliveryStore:
         worker: str,
     ) -> bool:
         """Resolve one expired attempt (compare-and-set); False when someone else did."""
-        async with self.engine.begin() as conn:
-            result = await conn.execute(
-                queue.expire_effect(),
-                {
-                    "effect_id": effect_id,
-                    "expected_attempt": attempt,
-                    "new_status": new_status,
-                    "note": note,
-                    "resolution": resolution,
-                    "worker": worker,
-                },
-            )
-            return result.first() is not None
+        params = {
+            "effect_id": effect_id,
+            "expected_attempt": attempt,
+            "new_status": new_status,
+            "note": note,
+            "resolution": resolution,
+            "worker": worker,
+        }
+        with translate_errors("expiring an attempt"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(effect_sql.expire_effect(), params)
+                return result.first() is not None
 
     async def take_over(
         self, effect_id: UUID, attempt: int, *, owner: str, lease_seconds: float
     ) -> bool:
         """Lease an expired attempt to ``owner`` (compare-and-set)."""
-        async with self.engine.begin() as conn:
-            result = await conn.execute(
-                queue.take_over_effect(),
-                {
-                    "effect_id": effect_id,
-                    "expected_attempt": attempt,
-                    "owner": owner,
-                    "lease_seconds": lease_seconds,
-                },
-            )
-            return result.first() is not None
+        params = {
+            "effect_id": effect_id,
+            "expected_attempt": attempt,
+            "owner": owner,
+            "lease_seconds": lease_seconds,
+        }
+        with translate_errors("taking over an attempt"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(effect_sql.take_over_effect(), params)
+                return result.first() is not None
 
     async def mark_unknown_kinds(
         self, known: Sequence[str], *, grace_seconds: float, note_prefix: str, max_rows: int = 1000
     ) -> int:
         """Note on pending effects of kinds no deliverer here knows; returns how many."""
-        async with self.engine.begin() as conn:
-            result = await conn.execute(
-                queue.mark_unknown_kinds(),
-                {
-                    "known": list(known),
-                    "grace_seconds": grace_seconds,
-                    "note_prefix": note_prefix,
-                    "max_rows": max_rows,
-                },
-            )
-            return len(result.all())
+        params = {
+            "known": list(known),
+            "grace_seconds": grace_seconds,
+            "note_prefix": note_prefix,
+            "max_rows": max_rows,
+        }
+        with translate_errors("noting unknown kinds"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(effect_sql.mark_unknown_kinds(), params)
+                return len(result.all())
 
     # -- stream mode -----------------------------------------------------------------
 
@@ -216,52 +248,47 @@ class AsyncDeliveryStore:
             return set()
         params = queue.extend_params(held, owner=owner, lease_seconds=0)
         params["dispatch_ttl"] = dispatch_ttl
-        async with self.engine.begin() as conn:
-            result = await conn.execute(queue.mark_dispatched(), params)
-            return {row[0] for row in result}
+        with translate_errors("marking effects dispatched"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(effect_sql.mark_dispatched(), params)
+                return {row[0] for row in result}
 
     async def claim_dispatched(
         self, ids: Sequence[UUID], *, owner: str, lease_seconds: float
-    ) -> list[Any]:
+    ) -> list[ClaimedEffect]:
         """Claim the effects named by Kafka records that are still ``dispatched``."""
         if not ids:
             return []
-        async with self.engine.begin() as conn:
-            result = await conn.execute(
-                queue.claim_dispatched(),
-                {"ids": list(ids), "owner": owner, "lease_seconds": lease_seconds},
-            )
-            return list(result.mappings())
+        params = {"ids": list(ids), "owner": owner, "lease_seconds": lease_seconds}
+        with translate_errors("claiming dispatched effects"):
+            async with self.engine.begin() as conn:
+                return _claimed(await conn.execute(effect_sql.claim_dispatched(), params))
 
     async def redispatch_expired(self, *, worker: str, max_rows: int = 1000) -> int:
         """Dispatched effects not delivered within their TTL go back to ``pending``."""
-        async with self.engine.begin() as conn:
-            result = await conn.execute(
-                queue.redispatch_expired(), {"worker": worker, "max_rows": max_rows}
-            )
-            return len(result.all())
+        params = {"worker": worker, "max_rows": max_rows}
+        with translate_errors("re-dispatching"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(effect_sql.redispatch_expired(), params)
+                return len(result.all())
 
-    async def advance_stopping_runs(self) -> dict[str, int]:
-        """One sweep over cancelling and compensating runs (see :mod:`outbox.runs.stopping`)."""
-        async with self.engine.begin() as conn:
-            return await conn.run_sync(advance_stopping_runs)
+    # -- the rest ----------------------------------------------------------------------
 
-    async def open_counts(self) -> tuple[dict[tuple[str, str], int], float]:
-        """Unfinished effects per (status, kind), and the age in seconds of the oldest pending."""
-        open_statuses = [const(s) for s in OPEN_EFFECT_STATUSES]
-        counts_q = (
-            select(effects.c.status, effects.c.kind, func.count())
-            .where(effects.c.status.in_(open_statuses))
-            .group_by(effects.c.status, effects.c.kind)
-        )
-        oldest_q = text(
-            "SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0) "
-            "FROM outbox_effects WHERE status = 'pending'"
-        )
-        async with self.engine.connect() as conn:
-            counts = {(s, k): n for s, k, n in (await conn.execute(counts_q)).all()}
-            oldest = float((await conn.execute(oldest_q)).scalar_one())
-        return counts, oldest
+    async def run_sync(self, fn: Callable[[RunTx], T], what: str = "a run transaction") -> T:
+        """Run sync domain logic (``runs.stopping``, say) on a :class:`RunTx` in one transaction."""
+
+        def call(conn: Connection) -> T:
+            return fn(RunTx(conn))
+
+        with translate_errors(what):
+            async with self.engine.begin() as conn:
+                return await conn.run_sync(call)
+
+    async def state_counts(self) -> maintenance.StateCounts:
+        """Runs by status, open effects by (status, kind), oldest pending age."""
+        with translate_errors("counting states"):
+            async with self.engine.connect() as conn:
+                return await conn.run_sync(read_state_counts)
 
     async def dispose(self) -> None:
         """Close every connection."""

@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import psycopg
 
-from outbox.storage.store import libpq_dsn
+from outbox.storage.engine import libpq_dsn
 
-__all__ = ["WakeupThrottle", "listen"]
+__all__ = ["WakeupThrottle", "listen", "listen_blocking", "wait_for_notify"]
 
 log = logging.getLogger(__name__)
 
@@ -140,3 +140,30 @@ async def listen(dsn: str, channel: str, wake: asyncio.Event) -> None:
             log.warning("LISTEN %s connection lost (%s); polling until it is back", channel, exc)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
+
+
+def listen_blocking(
+    dsn: str, channel: str, wake: threading.Event, stopping: threading.Event
+) -> None:
+    """Thread twin of :func:`listen`: set ``wake`` on every NOTIFY until ``stopping`` is set."""
+    while not stopping.is_set():
+        try:
+            with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+                conn.execute(f"LISTEN {channel}")
+                wake.set()
+                while not stopping.is_set():
+                    for _ in conn.notifies(timeout=1.0, stop_after=1):
+                        wake.set()
+        except Exception as exc:
+            log.warning("LISTEN %s connection lost (%s); polling", channel, exc)
+            stopping.wait(1.0)
+
+
+def wait_for_notify(dsn: str, channel: str, timeout: float, *, payload: str | None = None) -> bool:
+    """Block up to ``timeout`` seconds for a NOTIFY on ``channel`` (with ``payload``, if given)."""
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        conn.execute(f"LISTEN {channel}")
+        for note in conn.notifies(timeout=timeout):
+            if payload is None or note.payload == payload:
+                return True
+    return False

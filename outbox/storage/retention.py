@@ -26,13 +26,12 @@ from sqlalchemy import Engine, Integer, bindparam, delete, exists, func, select
 from sqlalchemy.dialects.postgresql import INTERVAL
 
 from outbox.errors import ValidationError
-from outbox.models import OPEN_EFFECT_STATUSES
+from outbox.models import OPEN_EFFECT_STATUSES, TERMINAL_RUN_STATUSES
 from outbox.storage.schema import consumed_keys, effects, runs, webhook_replays
-from outbox.storage.sql.steps import const
+from outbox.storage.sql.common import in_statuses
 
 __all__ = ["GcReport", "collect_garbage", "parse_horizon"]
 
-_FINISHED_RUNS = ("completed", "failed", "cancelled", "compensated", "compensation_failed")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
@@ -58,12 +57,12 @@ def _runs_batch() -> Any:
     horizon = func.now() - bindparam("horizon", type_=INTERVAL)
     still_open = exists().where(
         effects.c.run_id == runs.c.id,
-        effects.c.status.in_([const(s) for s in OPEN_EFFECT_STATUSES]),
+        in_statuses(effects.c.status, OPEN_EFFECT_STATUSES),
     )
     doomed = (
         select(runs.c.id)
         .where(
-            runs.c.status.in_([const(s) for s in _FINISHED_RUNS]),
+            in_statuses(runs.c.status, TERMINAL_RUN_STATUSES),
             runs.c.updated_at < horizon,
             ~still_open,
         )
@@ -82,7 +81,7 @@ def _effects_batch() -> Any:
         .where(
             effects.c.completed_at < horizon,
             effects.c.run_id.is_(None),
-            effects.c.status.not_in([const(s) for s in OPEN_EFFECT_STATUSES]),
+            ~in_statuses(effects.c.status, OPEN_EFFECT_STATUSES),
         )
         .order_by(effects.c.completed_at)
         .limit(bindparam("batch", type_=Integer))

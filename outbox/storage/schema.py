@@ -32,6 +32,17 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
+from outbox.models import (
+    LIVE_RUN_STATUSES,
+    OPEN_EFFECT_STATUSES,
+    STOPPING_RUN_STATUSES,
+    TERMINAL_RUN_STATUSES,
+    EffectStatus,
+    RunStatus,
+    StepStatus,
+)
+from outbox.storage.sql.common import sql_in
+
 __all__ = [
     "budget_ledger",
     "consumed_keys",
@@ -41,40 +52,14 @@ __all__ = [
     "migrations",
     "runs",
     "signals",
-    "sql_in",
     "steps",
     "webhook_replays",
 ]
 
 metadata = MetaData()
 
-RUN_STATUSES = (
-    "runnable",
-    "running",
-    "waiting",
-    "completed",
-    "failed",
-    "cancelling",
-    "cancelled",
-    "compensating",
-    "compensated",
-    "compensation_failed",
-)
-EFFECT_STATUSES = (
-    "pending",
-    "in_flight",
-    "dispatched",
-    "succeeded",
-    "failed",
-    "unknown",
-    "cancelled",
-    "compensated",
-)
-
-
-def sql_in(column: str, values: tuple[str, ...]) -> str:
-    """SQL text ``column IN (...)`` for a fixed set of status literals."""
-    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+RUN_STATUSES = tuple(RunStatus)
+EFFECT_STATUSES = tuple(EffectStatus)
 
 
 def _ts(name: str, *, nullable: bool = True, default_now: bool = False) -> Column[object]:
@@ -124,7 +109,7 @@ runs = Table(
     Column("wait_signal", Text),
     Column("wait_effect", UUID(as_uuid=True)),
     Column("step_retries", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
-    Column("migrations", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("upgrades", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
     Column("cancel_reason", Text),
     CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
     # every step updates the row: room on the page keeps those updates HOT (0004)
@@ -146,9 +131,7 @@ Index("outbox_runs_created", runs.c.created_at)
 Index(
     "outbox_runs_finished",
     runs.c.updated_at,
-    postgresql_where=text(
-        "status IN ('completed', 'failed', 'cancelled', 'compensated', 'compensation_failed')"
-    ),
+    postgresql_where=text(sql_in("status", TERMINAL_RUN_STATUSES)),
 )
 # Timers fire by index, not by scanning every waiting run.
 Index(
@@ -164,13 +147,13 @@ Index(
 Index(
     "outbox_runs_stopping",
     runs.c.updated_at,
-    postgresql_where=text("status IN ('cancelling', 'compensating')"),
+    postgresql_where=text(sql_in("status", STOPPING_RUN_STATUSES)),
 )
 Index(
     "outbox_runs_versions",
     runs.c.agent,
     runs.c.agent_version,
-    postgresql_where=text("status IN ('runnable', 'running', 'waiting')"),
+    postgresql_where=text(sql_in("status", LIVE_RUN_STATUSES)),
 )
 
 # What a run started from never changes (G6: the versioned inputs it is pinned to).
@@ -207,7 +190,7 @@ steps = Table(
     # "waiting": a sleep or wait recorded with its deadline, not yet satisfied
     Column("status", Text, nullable=False, server_default=text("'completed'")),
     PrimaryKeyConstraint("run_id", "step_id", name="outbox_steps_pkey"),
-    CheckConstraint("status IN ('completed', 'waiting')", name="outbox_steps_status_check"),
+    CheckConstraint(sql_in("status", StepStatus), name="outbox_steps_status_check"),
 )
 
 effects = Table(
@@ -264,9 +247,7 @@ Index(
     "outbox_effects_ordering",
     effects.c.ordering_key,
     effects.c.seq,
-    postgresql_where=text(
-        "ordering_key IS NOT NULL AND status IN ('pending', 'in_flight', 'dispatched', 'unknown')"
-    ),
+    postgresql_where=text("ordering_key IS NOT NULL AND " + sql_in("status", OPEN_EFFECT_STATUSES)),
 )
 # 0003: dispatched to Kafka but not delivered within the TTL -> re-dispatch
 Index(

@@ -9,88 +9,29 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-import sqlalchemy.exc
-from sqlalchemy import Connection, Engine, create_engine, select, text
+import sqlalchemy
+from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.engine import URL, make_url
 
-from outbox.errors import DatabaseError, IdempotencyConflict
-from outbox.models import Effect, EffectAttempt, RunRecord, StepRecord
+from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
+from outbox.storage.engine import translate_errors
+from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
-from outbox.storage.sql import queue
+from outbox.storage.sql import effects as effect_sql
+from outbox.storage.sql import maintenance, queue
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as sql
+from outbox.storage.sql.common import LIVE_CONDITION
 
-__all__ = [
-    "StepOutcome",
-    "Store",
-    "effects_json",
-    "libpq_dsn",
-    "make_engine",
-    "psycopg_url",
-    "translate_errors",
-]
+__all__ = ["StepOutcome", "Store", "effects_json", "mark_consumed", "read_state_counts"]
 
 log = logging.getLogger(__name__)
-
-
-def make_engine(
-    dsn: str,
-    *,
-    pool_size: int = 5,
-    idle_in_transaction_ms: int = 60_000,
-    application_name: str = "outbox",
-) -> Engine:
-    """An engine on psycopg 3 for any ``postgresql://`` DSN."""
-    url = psycopg_url(dsn)
-    options = f"-c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
-    return create_engine(
-        url,
-        pool_size=pool_size,
-        max_overflow=pool_size,
-        pool_pre_ping=False,
-        connect_args={"options": options, "application_name": application_name},
-    )
-
-
-def psycopg_url(dsn: str) -> URL:
-    """A SQLAlchemy URL on psycopg 3 for any ``postgresql://`` DSN."""
-    url = make_url(dsn)
-    if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
-        url = url.set(drivername="postgresql+psycopg")
-    return url
-
-
-def libpq_dsn(dsn: str | URL) -> str:
-    """A plain libpq DSN (what psycopg.connect takes) for a SQLAlchemy URL or DSN."""
-    url = make_url(dsn) if isinstance(dsn, str) else dsn
-    return url.set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-@contextmanager
-def translate_errors(action: str) -> Iterator[None]:
-    """Re-raise driver errors as :class:`DatabaseError`, keeping the original as the cause."""
-    try:
-        yield
-    except sqlalchemy.exc.IntegrityError as exc:
-        constraint = getattr(getattr(exc.orig, "diag", None), "constraint_name", None)
-        if constraint == "outbox_effects_idempotency_key":
-            detail = getattr(getattr(exc.orig, "diag", None), "message_detail", None) or ""
-            match = re.search(r"\(idempotency_key\)=\((.*)\) already exists", detail)
-            key = match[1] if match else "<unknown>"
-            raise IdempotencyConflict(key, f"while {action}: already intended") from exc
-        raise DatabaseError(f"{action} failed: {exc.orig}") from exc
-    except sqlalchemy.exc.DBAPIError as exc:
-        raise DatabaseError(f"{action} failed: {exc.orig}") from exc
-    except sqlalchemy.exc.SQLAlchemyError as exc:
-        raise DatabaseError(f"{action} failed: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -118,6 +59,12 @@ class Store:
             else:
                 with connection.begin_nested():
                     yield connection
+
+    @contextmanager
+    def run_tx(self, connection: Connection | None = None) -> Iterator[RunTx]:
+        """A run-scoped transaction (waits, signals, stopping): see :class:`RunTx`."""
+        with self.begin(connection) as conn:
+            yield RunTx(conn)
 
     # -- runs -----------------------------------------------------------------
 
@@ -165,12 +112,12 @@ class Store:
         status: str,
         result: str | None,
         error: str | None,
-        fence: tuple[str, int] | None,
+        fence: Lease | None,
     ) -> bool:
         """Move a live run to a terminal status; False when it was not live (or not ours)."""
         query = (
             runs.update()
-            .where(runs.c.id == run_id, sql.LIVE_CONDITION)
+            .where(runs.c.id == run_id, LIVE_CONDITION)
             .values(
                 status=status,
                 result=_jsonb(result),
@@ -181,7 +128,7 @@ class Store:
             )
         )
         if fence is not None:
-            query = query.where(runs.c.lease_owner == fence[0], runs.c.attempt == fence[1])
+            query = query.where(runs.c.lease_owner == fence.owner, runs.c.attempt == fence.attempt)
         with translate_errors("finishing a run"), self.engine.begin() as conn:
             return conn.execute(query).rowcount == 1
 
@@ -246,7 +193,9 @@ class Store:
 
     def operator_change(self, which: str, params: dict[str, Any]) -> bool:
         """An operator's compare-and-set on one effect (``resolve`` or ``retry``)."""
-        statement = {"resolve": queue.resolve_unknown, "retry": queue.retry_failed}[which]()
+        statement = {"resolve": effect_sql.resolve_unknown, "retry": effect_sql.retry_failed}[
+            which
+        ]()
         with translate_errors(f"{which} of an effect"), self.engine.begin() as conn:
             return conn.execute(statement, params).first() is not None
 
@@ -296,7 +245,7 @@ class Store:
     def record_step_failure(
         self,
         run_id: UUID,
-        lease: tuple[str, int],
+        lease: Lease,
         *,
         step: str,
         max_retries: int,
@@ -306,8 +255,8 @@ class Store:
         """Count a step's failure (fenced); returns the run's new status, None if not ours."""
         params = {
             "run_id": run_id,
-            "fence_owner": lease[0],
-            "fence_attempt": lease[1],
+            "fence_owner": lease.owner,
+            "fence_attempt": lease.attempt,
             "step_key": step,
             "max_retries": max_retries,
             "delay": delay,
@@ -317,26 +266,26 @@ class Store:
             row = conn.execute(run_sql.record_step_failure(), params).first()
         return None if row is None else str(row.status)
 
-    def migrate_run(
+    def upgrade_run(
         self,
         run_id: UUID,
-        lease: tuple[str, int],
+        lease: Lease,
         *,
         from_version: str,
         to_version: str,
         state_json: str,
     ) -> RunRecord | None:
-        """Move a claimed run to ``to_version`` with migrated state (fenced)."""
+        """Move a claimed run to ``to_version`` with upgraded state (fenced)."""
         params = {
             "run_id": run_id,
-            "fence_owner": lease[0],
-            "fence_attempt": lease[1],
+            "fence_owner": lease.owner,
+            "fence_attempt": lease.attempt,
             "from_version": from_version,
             "to_version": to_version,
-            "migrated_state": state_json,
+            "upgraded_state": state_json,
         }
-        with translate_errors("migrating a run"), self.engine.begin() as conn:
-            row = conn.execute(run_sql.migrate_run(), params).first()
+        with translate_errors("upgrading a run"), self.engine.begin() as conn:
+            row = conn.execute(run_sql.upgrade_run(), params).first()
         return None if row is None else RunRecord.model_validate(row._mapping)
 
     def notify(self, channel: str) -> None:
@@ -349,12 +298,58 @@ class Store:
             conn.execute(text("SELECT pg_notify(:channel, '')"), {"channel": channel})
             conn.commit()
 
-    def count_by_status(self, table: str) -> dict[str, int]:
-        """Rows per status in ``outbox_runs`` or ``outbox_effects``."""
-        target = {"runs": runs, "effects": effects}[table]
-        query = select(target.c.status, sqlalchemy.func.count()).group_by(target.c.status)
-        with translate_errors("counting"), self.engine.connect() as conn:
-            return {status: n for status, n in conn.execute(query).all()}
+    def run_versions(self) -> list[dict[str, Any]]:
+        """Unfinished runs per agent, version and status (a version with none may retire)."""
+        with translate_errors("counting runs per version"), self.engine.connect() as conn:
+            rows = conn.execute(run_sql.run_versions()).all()
+        return [
+            {"agent": r.agent, "version": r.agent_version, "status": r.status, "runs": r.runs}
+            for r in rows
+        ]
+
+    def ping(self) -> None:
+        """One round trip to the server (health checks); raises :class:`DatabaseError`."""
+        with translate_errors("checking the database"), self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+    def state_counts(self) -> maintenance.StateCounts:
+        """Runs by status, open effects by (status, kind), age of the oldest pending effect."""
+        with translate_errors("counting states"), self.engine.connect() as conn:
+            return read_state_counts(conn)
+
+    def tally(self, run_ids: Sequence[UUID]) -> dict[str, dict[str, int]]:
+        """Effects of these runs by status, and their attempt-log rows by outcome."""
+        with translate_errors("tallying effects"), self.engine.connect() as conn:
+            return {
+                "status": dict(
+                    conn.execute(maintenance.effects_by_status(), {"ids": list(run_ids)}).all()
+                ),
+                "outcome": dict(
+                    conn.execute(maintenance.attempts_by_outcome(), {"ids": list(run_ids)}).all()
+                ),
+            }
+
+    def in_flight_of(self, owner_pattern: str) -> int:
+        """Effects in flight under lease owners matching the SQL ``LIKE`` pattern."""
+        with translate_errors("counting in-flight effects"), self.engine.connect() as conn:
+            return int(
+                conn.execute(maintenance.in_flight_like(), {"pattern": owner_pattern}).scalar_one()
+            )
+
+
+def read_state_counts(conn: Connection) -> maintenance.StateCounts:
+    """Runs by status, open effects by (status, kind), oldest pending age (sync or ``run_sync``)."""
+    return maintenance.StateCounts(
+        runs={status: n for status, n in conn.execute(maintenance.run_counts()).all()},
+        effects={(s, k): n for s, k, n in conn.execute(maintenance.open_effect_counts()).all()},
+        oldest_pending_seconds=float(conn.execute(maintenance.oldest_pending_age()).scalar_one()),
+    )
+
+
+def mark_consumed(conn: Connection, group: str, key: str) -> bool:
+    """Mark ``key`` processed by consumer ``group`` in the caller's transaction; False if it was."""
+    params = {"group": group, "key": key}
+    return conn.execute(maintenance.mark_consumed(), params).first() is not None
 
 
 def _jsonb(value: str | None) -> Any:

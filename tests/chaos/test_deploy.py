@@ -90,5 +90,5 @@ def test_shim_with_worker_processes(ob: Outbox, sub_env: dict[str, str], tmp_pat
     done = ob.run(old.id)
     assert done.version == "2"
     assert done.record.result == {"finished_by": "2", "state": {"tasks": ["a", "b"], "schema": 2}}
-    assert [(m["from"], m["to"]) for m in done.record.migrations] == [("1", "2")]
+    assert [(m["from"], m["to"]) for m in done.record.upgrades] == [("1", "2")]
     assert done.completed_steps == ["plan", "go"]

@@ -30,9 +30,9 @@ from sqlalchemy import text
 
 from deliverers.testing import Fault
 from outbox import EmbeddedServer, Outbox
+from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params
-from outbox.storage.store import make_engine
 from tests.chaos import invariants
 from tests.chaos.workload import (
     Fleet,

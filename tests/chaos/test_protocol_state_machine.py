@@ -1,7 +1,7 @@
 """The claim / lease / complete / reconcile protocol as a Hypothesis state machine.
 
 Every rule runs the real statements of :mod:`outbox.storage.sql.queue`, through the
-deliverers' own :class:`~outbox.storage.async_store.AsyncDeliveryStore` (claim,
+deliverers' own :class:`~outbox.storage.async_store.AsyncStore` (claim,
 heartbeat, complete) and :func:`outbox.delivery.reconcile.reconcile`, against the real
 database (rows are read and leases expired with the sync engine). The
 machine keeps the tickets each owner holds (effect, attempt) and checks,
@@ -44,7 +44,8 @@ from sqlalchemy import Engine, select, text
 from deliverers.testing import RecordingDeliverer
 from outbox import Outbox
 from outbox.delivery.reconcile import reconcile
-from outbox.storage.async_store import AsyncDeliveryStore, Completion, make_async_engine
+from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.engine import make_async_engine
 from outbox.storage.schema import EFFECT_STATUSES, effect_attempts, effects
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
@@ -70,7 +71,7 @@ def rows(conn: Any) -> dict[UUID, Any]:
 
 class ProtocolMachine(RuleBasedStateMachine):
     ob: ClassVar[Outbox]
-    store: ClassVar[AsyncDeliveryStore]
+    store: ClassVar[AsyncStore]
     loop: ClassVar[asyncio.AbstractEventLoop]
 
     def __init__(self) -> None:
@@ -125,13 +126,15 @@ class ProtocolMachine(RuleBasedStateMachine):
             )
         )
         assert len(claimed) <= limit
+        after = self.snapshot()
         for row in claimed:
-            was = before[row["id"]]
+            was = before[row.id]
             assert was.status == "pending" and was.kind == kind, (was.status, was.kind)
-            assert was.available_at <= row["attempt_started_at"], "claimed before it was due"
-            assert row["attempt"] == was.attempt + 1, "a claim is a new attempt"
-            assert (row["status"], row["lease_owner"]) == ("in_flight", owner)
-            ticket = Ticket(row["id"], row["attempt"], owner)
+            assert was.available_at <= row.attempt_started_at, "claimed before it was due"
+            assert row.attempt == was.attempt + 1, "a claim is a new attempt"
+            assert row.lease_owner == owner
+            assert (after[row.id].status, after[row.id].lease_owner) == ("in_flight", owner)
+            ticket = Ticket(row.id, row.attempt, owner)
             assert (ticket.effect_id, ticket.attempt) not in self.issued, "handed out twice"
             self.issued.add((ticket.effect_id, ticket.attempt))
             self.tickets.append(ticket)
@@ -290,7 +293,7 @@ def machine(dsn: str) -> Iterator[type[ProtocolMachine]]:
     loop = asyncio.new_event_loop()
     ProtocolMachine.ob = Outbox.connect(dsn)
     ProtocolMachine.loop = loop
-    ProtocolMachine.store = AsyncDeliveryStore(make_async_engine(dsn, pool_size=2))
+    ProtocolMachine.store = AsyncStore(make_async_engine(dsn, pool_size=2))
     try:
         yield ProtocolMachine
     finally:

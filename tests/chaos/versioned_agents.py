@@ -23,4 +23,4 @@ def v2(run: Run) -> Any:
 
 def shim(ob: Outbox) -> None:
     """The deploy's `--setup`: version 2 workers may take version 1 runs, migrating state."""
-    ob.register_migration("deploy", "1", "2", lambda state: {"tasks": state["todo"], "schema": 2})
+    ob.register_upgrade("deploy", "1", "2", lambda state: {"tasks": state["todo"], "schema": 2})

@@ -13,8 +13,10 @@ import asyncio
 from typing import Any
 
 from outbox import Outbox
-from outbox.storage.async_store import AsyncDeliveryStore, Completion, make_async_engine
-from outbox.storage.sql.queue import EFFECT_QUEUE, RELAY_OWNER_PREFIX
+from outbox.ids import RELAY_OWNER_PREFIX
+from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.engine import make_async_engine
+from outbox.storage.sql.queue import EFFECT_QUEUE
 
 RELAY = RELAY_OWNER_PREFIX + "host:1:abc"
 
@@ -38,21 +40,21 @@ def test_a_record_read_before_the_relay_marks_it_dispatched_is_delivered(
     intend(ob, 2)
 
     async def main() -> dict[str, Any]:
-        store = AsyncDeliveryStore(make_async_engine(dsn))
+        store = AsyncStore(make_async_engine(dsn))
         try:
             held = await store.claim_many(
                 EFFECT_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=30
             )
-            ids = [row["id"] for row in held]
+            ids = [row.id for row in held]
             # The consumer reads the records while the relay waits for its acks.
             taken = await store.claim_dispatched(ids, owner="stream-1", lease_seconds=30)
             # The relay's mark comes late: fenced, it keeps nothing.
             kept = await store.mark_dispatched(
-                RELAY, [(row["id"], row["attempt"]) for row in held], dispatch_ttl=60
+                RELAY, [(row.id, row.attempt) for row in held], dispatch_ttl=60
             )
             logged = await store.complete(
                 "stream-1",
-                [Completion(row["id"], row["attempt"], "succeeded", "succeeded") for row in taken],
+                [Completion(row.id, row.attempt, "succeeded", "succeeded") for row in taken],
             )
             return {"held": held, "taken": taken, "kept": kept, "logged": logged}
         finally:
@@ -60,8 +62,8 @@ def test_a_record_read_before_the_relay_marks_it_dispatched_is_delivered(
 
     out = asyncio.run(main())
     assert len(out["held"]) == 2
-    assert {r["id"] for r in out["taken"]} == {r["id"] for r in out["held"]}
-    assert {r["attempt"] for r in out["taken"]} == {1}, "the relay's attempt, not a new one"
+    assert {r.id for r in out["taken"]} == {r.id for r in out["held"]}
+    assert {r.attempt for r in out["taken"]} == {1}, "the relay's attempt, not a new one"
     assert out["kept"] == set()
     assert sorted(outcome for _, outcome in out["logged"]) == ["succeeded", "succeeded"]
     assert status_and_owner(ob) == [("succeeded", None), ("succeeded", None)]
@@ -73,13 +75,13 @@ def test_an_effect_held_by_a_deliverer_is_not_taken_by_a_stream_deliverer(
     intend(ob, 1)
 
     async def main() -> tuple[list[Any], list[Any]]:
-        store = AsyncDeliveryStore(make_async_engine(dsn))
+        store = AsyncStore(make_async_engine(dsn))
         try:
             held = await store.claim_many(
                 EFFECT_QUEUE, [({"kind": "k"}, 10)], owner="poll-deliverer", lease_seconds=30
             )
             taken = await store.claim_dispatched(
-                [row["id"] for row in held], owner="stream-1", lease_seconds=30
+                [row.id for row in held], owner="stream-1", lease_seconds=30
             )
             return held, taken
         finally:
@@ -100,19 +102,19 @@ def test_cancelling_a_run_cancels_its_dispatched_effects(ob: Outbox, dsn: str) -
     run.transaction("s", lambda tx: tx.intend("k", {"i": 1}) and None)
 
     async def dispatch() -> None:
-        store = AsyncDeliveryStore(make_async_engine(dsn))
+        store = AsyncStore(make_async_engine(dsn))
         try:
             held = await store.claim_many(
                 EFFECT_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=30
             )
             await store.mark_dispatched(
-                RELAY, [(row["id"], row["attempt"]) for row in held], dispatch_ttl=60
+                RELAY, [(row.id, row.attempt) for row in held], dispatch_ttl=60
             )
         finally:
             await store.dispose()
 
     async def late_record() -> list[Any]:
-        store = AsyncDeliveryStore(make_async_engine(dsn))
+        store = AsyncStore(make_async_engine(dsn))
         try:
             ids = [e.id for e in ob.effects(limit=10)]
             return await store.claim_dispatched(ids, owner="stream-1", lease_seconds=30)

@@ -22,7 +22,8 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from sqlalchemy import Connection, func, select, text
 
-from deliverers.kafka import DedupConsumer, DedupStats, KafkaDeliverer
+from deliverers.kafka import KafkaDeliverer
+from deliverers.kafka_dedup import DedupConsumer, DedupStats
 from deliverers.testing import TANSU_CONSUMER_TUNING
 from outbox import Outbox
 from outbox.models import Effect

@@ -9,9 +9,9 @@ import pytest
 from sqlalchemy import Engine, text
 
 from outbox import Outbox, SchemaOutdated, SchemaTooNew, Settings
+from outbox.storage.engine import make_engine
 from outbox.storage.migrate import applied_versions, migrate, shipped
 from outbox.storage.schema import metadata
-from outbox.storage.store import make_engine
 
 CATALOG = {
     "columns": """

@@ -16,7 +16,8 @@ from outbox import EffectStatus, Outbox, RunStateError
 from outbox.cli import cli
 from outbox.delivery import Deliverer
 from outbox.delivery.reconcile import ReconcileReport, reconcile
-from outbox.storage.async_store import AsyncDeliveryStore, make_async_engine
+from outbox.storage.async_store import AsyncStore
+from outbox.storage.engine import make_async_engine
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
 
@@ -29,7 +30,7 @@ def lose_attempts(dsn: str, kinds: list[str]) -> None:
     """Claim every pending effect as a deliverer that then dies: leases expire at once."""
 
     async def main() -> None:
-        store = AsyncDeliveryStore(make_async_engine(dsn))
+        store = AsyncStore(make_async_engine(dsn))
         try:
             await store.claim_many(
                 EFFECT_QUEUE,
@@ -45,7 +46,7 @@ def lose_attempts(dsn: str, kinds: list[str]) -> None:
 
 def run_reconcile(dsn: str, deliverers: dict[str, Deliverer], **kw: Any) -> ReconcileReport:
     async def main() -> ReconcileReport:
-        store = AsyncDeliveryStore(make_async_engine(dsn))
+        store = AsyncStore(make_async_engine(dsn))
         try:
             return await reconcile(store, deliverers, worker="test-reconciler", **kw)
         finally:
@@ -120,7 +121,7 @@ def test_two_reconcilers_at_once_resolve_each_attempt_once(ob: Outbox, dsn: str)
     lose_attempts(dsn, ["k.idem", "k.blind"])
 
     async def both() -> list[ReconcileReport]:
-        stores = [AsyncDeliveryStore(make_async_engine(dsn)) for _ in range(2)]
+        stores = [AsyncStore(make_async_engine(dsn)) for _ in range(2)]
         deliverers: dict[str, Deliverer] = {
             "k.idem": RecordingDeliverer("k.idem", idempotent=True),
             "k.blind": RecordingDeliverer("k.blind", idempotent=False),

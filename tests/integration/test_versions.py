@@ -60,12 +60,12 @@ def test_a_registered_shim_migrates_state_and_is_recorded(ob: Outbox) -> None:
     def shim(state: dict[str, Any]) -> dict[str, Any]:
         return {"tasks": state["todo"], "schema": 2}
 
-    ob.register_migration("agent", "1", "2", shim)
+    ob.register_upgrade("agent", "1", "2", shim)
     with WorkerThread(ob, "agent", "2", v2):
         wait_for(lambda: ob.run(old.id).status == RunStatus.COMPLETED)
     done = ob.run(old.id)
     assert done.version == "2"
     assert done.record.result == {"finished_by": "2", "state": {"tasks": ["a", "b"], "schema": 2}}
-    (migration,) = done.record.migrations
+    (migration,) = done.record.upgrades
     assert (migration["from"], migration["to"]) == ("1", "2")
     assert done.completed_steps == ["plan", "go"], "recorded steps were not redone"

@@ -7,7 +7,7 @@ import time
 import psycopg
 
 from outbox import Outbox, Settings
-from outbox.storage.sql.steps import EFFECTS_CHANNEL
+from outbox.storage.sql.common import EFFECTS_CHANNEL
 
 
 def _listen(dsn: str) -> psycopg.Connection:

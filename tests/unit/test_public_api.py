@@ -29,3 +29,51 @@ def test_public_callables_have_docstrings() -> None:
             for attr, member in vars(obj).items():
                 if not attr.startswith("_") and inspect.isfunction(member):
                     assert member.__doc__, f"{name}.{attr}"
+
+
+def test_all_is_sorted() -> None:
+    import outbox.delivery
+
+    for module in (outbox, outbox.delivery):
+        assert list(module.__all__) == sorted(module.__all__), module.__name__
+
+
+def test_the_deliverer_author_surface_is_complete() -> None:
+    import outbox.delivery
+    from outbox.delivery import contract
+
+    assert set(outbox.delivery.__all__) == set(contract.__all__) | {"is_async"}
+    for name in outbox.delivery.__all__:
+        assert getattr(outbox.delivery, name) is getattr(contract, name), name
+        obj = getattr(outbox.delivery, name)
+        assert obj.__doc__, name
+
+
+def _drawn_tree() -> dict[str, str]:
+    """Each class in the tree drawn in outbox/errors.py's docstring, mapped to its drawn parent."""
+    doc = errors.__doc__ or ""
+    lines = [
+        line for line in doc.splitlines() if line.strip().startswith(("OutboxError", "├", "│", "└"))
+    ]
+    parents: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    for line in lines:
+        stripped = line.lstrip(" │├└─")
+        name = stripped.split()[0] if stripped.strip() else ""
+        if not name:
+            continue
+        depth = len(line) - len(stripped)
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        if stack:
+            parents[name] = stack[-1][1]
+        stack.append((depth, name))
+    return parents
+
+
+def test_the_error_tree_in_the_docstring_matches_the_classes() -> None:
+    drawn = _drawn_tree()
+    assert set(drawn) | {"OutboxError"} == set(errors.__all__)
+    for name, parent in drawn.items():
+        cls = getattr(errors, name)
+        assert cls.__bases__[0] is getattr(errors, parent), f"{name} is drawn under {parent}"

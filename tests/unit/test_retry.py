@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox.delivery import Failed, Outcome, Retry, Succeeded, Unknown
-from outbox.retry import Decision, RetryPolicy, decide
+from outbox.delivery.attempt import Decision, decide
+from outbox.retry import RetryPolicy
 
 
 class TopOfRange(random.Random):

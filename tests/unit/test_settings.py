@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError as PydanticValidationError
 
-from outbox.delivery.daemon import DeliverSettings
+from outbox.delivery.settings import DeliverySettings
 from outbox.errors import ConfigurationError
 from outbox.settings import Settings
 
@@ -38,6 +38,6 @@ def test_settings_are_frozen() -> None:
 def test_a_deliverer_owner_may_not_pose_as_a_relay() -> None:
     """Stream deliverers take effects held by relay owners: a deliverer may not use that name."""
     with pytest.raises(PydanticValidationError, match="owner") as caught:
-        DeliverSettings(owner="relay:host:1:abc")
+        DeliverySettings(owner="relay:host:1:abc")
     assert "relay:" in str(caught.value)
-    assert DeliverSettings(owner="deliverer:host:1").owner == "deliverer:host:1"
+    assert DeliverySettings(owner="deliverer:host:1").owner == "deliverer:host:1"

@@ -1,4 +1,4 @@
-"""SQL of durable runs: waits, signals, suspension, step retries, migrations, sweeps, stopping.
+"""SQL of durable runs: waits, signals, suspension, step retries, upgrades, sweeps, stopping.
 
 Pure functions returning SQLAlchemy Core statements, executed by
 :mod:`outbox.run_store`. Writes about a run held by a worker are fenced by
@@ -23,17 +23,22 @@ from sqlalchemy import (
     func,
     null,
     select,
-    text,
 )
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from outbox.models import NOT_STARTED_EFFECT_STATUSES
+from outbox.models import LIVE_RUN_STATUSES, NOT_STARTED_EFFECT_STATUSES, STOPPING_RUN_STATUSES
 from outbox.storage.schema import effects, runs, signals, steps
-from outbox.storage.sql.steps import RUNS_CHANNEL, AnySelect, const, json_param
+from outbox.storage.sql.common import (
+    RUNS_CHANNEL,
+    SECONDS,
+    AnySelect,
+    const,
+    in_statuses,
+    json_param,
+)
 
 __all__ = [
-    "SIGNALS_CHANNEL",
     "await_effect",
     "cancel_pending_effects",
     "complete_wait_step",
@@ -43,20 +48,18 @@ __all__ = [
     "lock_run",
     "mark_compensated",
     "mark_run",
-    "migrate_run",
     "record_step_failure",
     "rescue_expired_runs",
     "run_effects_for_stopping",
     "run_versions",
     "stopping_runs",
     "suspend_run",
+    "upgrade_run",
     "wait_step",
     "wake_due_timers",
     "wake_signalled_run",
 ]
 
-SIGNALS_CHANNEL = "outbox_signals"
-_SECONDS = text("interval '1 second'")
 _RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
 # Statements that write outbox_steps or outbox_signals bind these instead of
 # run_id/step_id/name, which are columns there.
@@ -83,7 +86,7 @@ def insert_wait_step() -> Any:
     """
     deadline = func.coalesce(
         cast(bindparam("until", type_=Text), DateTime(timezone=True)),
-        func.now() + bindparam("seconds", type_=Float) * _SECONDS,
+        func.now() + bindparam("seconds", type_=Float) * SECONDS,
     )
     return (
         pg_insert(steps)
@@ -191,7 +194,7 @@ def suspend_run() -> Any:
         .values(
             status=const("waiting"),
             available_at=func.now(),
-            wake_at=func.now() + bindparam("wake_in", type_=Float) * _SECONDS,
+            wake_at=func.now() + bindparam("wake_in", type_=Float) * SECONDS,
             wait_signal=bindparam("signal_name", type_=Text),
             wait_effect=bindparam("effect_id", type_=UUID(as_uuid=True)),
             lease_owner=null(),
@@ -308,7 +311,7 @@ def record_step_failure() -> Any:
             step_retries=runs.c.step_retries.op("||")(func.jsonb_build_object(key, count)),
             status=case((exhausted, const("failed")), else_=const("runnable")),
             error=case((exhausted, json_param("failure")), else_=runs.c.error),
-            available_at=func.now() + bindparam("delay", type_=Float) * _SECONDS,
+            available_at=func.now() + bindparam("delay", type_=Float) * SECONDS,
             lease_owner=null(),
             lease_expires_at=null(),
             updated_at=func.now(),
@@ -318,8 +321,8 @@ def record_step_failure() -> Any:
 
 
 @cache
-def migrate_run() -> Any:
-    """Move a claimed run from ``from_version`` to ``to_version`` with migrated state, recorded."""
+def upgrade_run() -> Any:
+    """Move a claimed run from ``from_version`` to ``to_version`` with upgraded state, recorded."""
     entry = func.jsonb_build_object(
         "from",
         bindparam("from_version", type_=Text),
@@ -335,8 +338,8 @@ def migrate_run() -> Any:
         .where(*_fenced(), runs.c.agent_version == bindparam("from_version", type_=Text))
         .values(
             agent_version=bindparam("to_version", type_=Text),
-            state=json_param("migrated_state"),
-            migrations=runs.c.migrations + func.jsonb_build_array(entry),
+            state=json_param("upgraded_state"),
+            upgrades=runs.c.upgrades + func.jsonb_build_array(entry),
             updated_at=func.now(),
         )
         .returning(*runs.c)
@@ -345,7 +348,7 @@ def migrate_run() -> Any:
 
 def run_versions() -> AnySelect:
     """Unfinished runs per agent, version and status (when can a version be retired?)."""
-    live = runs.c.status.in_([const("runnable"), const("running"), const("waiting")])
+    live = in_statuses(runs.c.status, LIVE_RUN_STATUSES)
     return (
         select(runs.c.agent, runs.c.agent_version, runs.c.status, func.count().label("runs"))
         .where(live)
@@ -381,7 +384,7 @@ def cancel_pending_effects() -> Any:
         effects.update()
         .where(
             effects.c.run_id == _OF_RUN,
-            effects.c.status.in_([const(s) for s in NOT_STARTED_EFFECT_STATUSES]),
+            in_statuses(effects.c.status, NOT_STARTED_EFFECT_STATUSES),
             effects.c.compensates.is_(None),
         )
         .values(
@@ -398,7 +401,7 @@ def stopping_runs() -> AnySelect:
     """Runs being cancelled or compensated, oldest change first (by index)."""
     return (
         select(runs.c.id)
-        .where(runs.c.status.in_([const("cancelling"), const("compensating")]))
+        .where(in_statuses(runs.c.status, STOPPING_RUN_STATUSES))
         .order_by(runs.c.updated_at)
         .limit(bindparam("max_rows", type_=Integer))
     )

@@ -16,14 +16,11 @@ from sqlalchemy import (
     Float,
     Integer,
     Numeric,
-    Select,
     Text,
     bindparam,
-    cast,
     column,
     func,
     literal,
-    literal_column,
     select,
     text,
     true,
@@ -33,54 +30,28 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement, TableValuedAlias, TextClause
 
 from outbox.models import RunStatus
-from outbox.storage.schema import budget_ledger, effects, runs, sql_in, steps
+from outbox.storage.schema import budget_ledger, effects, runs, steps
+from outbox.storage.sql.common import (
+    EFFECTS_CHANNEL,
+    LIVE_CONDITION,
+    RUNS_CHANNEL,
+    AnySelect,
+    const,
+    json_param,
+)
 
 __all__ = [
-    "EFFECTS_CHANNEL",
-    "LIVE_CONDITION",
-    "LIVE_RUN_STATUSES",
-    "RUNS_CHANNEL",
     "commit_step",
-    "const",
     "effect_by_key",
     "insert_run",
     "intend_for_stopping_run",
     "intend_without_run",
-    "json_param",
     "list_effects",
     "list_runs",
     "run_with_steps",
 ]
 
-# Rows of mixed columns; SQLAlchemy 2.1 types Select by its column tuple.
-AnySelect = Select[*tuple[Any, ...]]
-
-EFFECTS_CHANNEL = "outbox_effects"
-RUNS_CHANNEL = "outbox_runs"
-
-# A run accepts new steps only in these states.
-LIVE_RUN_STATUSES = (RunStatus.RUNNABLE.value, RunStatus.RUNNING.value, RunStatus.WAITING.value)
-LIVE_CONDITION = text(sql_in("outbox_runs.status", LIVE_RUN_STATUSES))
 _RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
-
-
-def const(value: str) -> ColumnElement[str]:
-    """A string constant written into the SQL, not bound.
-
-    Status comparisons must be literals: a partial index (``WHERE status =
-    'pending'``) is only usable by a generic prepared plan when the predicate
-    is spelled out, and psycopg prepares statements after a few executions.
-    """
-    return literal_column("'" + value.replace("'", "''") + "'", Text)
-
-
-def json_param(name: str) -> ColumnElement[object]:
-    """A bind parameter carrying canonical JSON text, cast to jsonb by the server.
-
-    The text comes from :func:`outbox.payloads.encode`; passing it through as
-    text avoids a second serialisation in the driver.
-    """
-    return cast(bindparam(name, type_=Text), JSONB)
 
 
 def insert_run(*, notify: bool) -> AnySelect:

@@ -1,0 +1,158 @@
+"""The attempts one delivering process holds, and the gate that decides which may start now.
+
+Whatever the source (a claim in PostgreSQL, a record from Kafka), a claimed
+attempt is *held* until its outcome is recorded. It starts when its kind has
+room under the deliverer's ``concurrency`` cap and is not paused by a
+rate-limit answer (``Retry(rate_limited=True)``); until then it waits here,
+its lease kept alive by the one heartbeat. A poll source asks for
+:meth:`Leases.quotas` so it claims no more than can start; a Kafka source
+takes what its records name, and the gate holds back the excess.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from uuid import UUID
+
+from outbox.delivery.contract import Deliverer
+from outbox.delivery.metrics import DeliveryMetrics
+from outbox.storage.async_store import AsyncStore, ClaimedEffect
+from outbox.storage.sql.queue import EFFECT_QUEUE
+
+__all__ = ["Held", "Leases"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Held:
+    """A claimed attempt until its outcome is recorded."""
+
+    effect: ClaimedEffect
+    started: bool = False
+    lease_lost: bool = False
+
+
+class Leases:
+    """Held attempts, per-kind room and rate-limit pauses, and their one heartbeat."""
+
+    def __init__(
+        self, deliverers: Mapping[str, Deliverer], concurrency: int, metrics: DeliveryMetrics
+    ) -> None:
+        self.deliverers = deliverers
+        self.concurrency = concurrency
+        self.metrics = metrics
+        self.held: dict[UUID, Held] = {}
+        self._running: dict[str, int] = dict.fromkeys(deliverers, 0)
+        self._waiting: dict[str, deque[UUID]] = {kind: deque() for kind in deliverers}
+        self._paused_until: dict[str, float] = {}
+        self._kinds_rr = list(deliverers)
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    @property
+    def free(self) -> int:
+        """How many more attempts this process may hold."""
+        return self.concurrency - len(self.held)
+
+    def _room(self, kind: str) -> int:
+        cap = self.deliverers[kind].concurrency
+        if cap is None:
+            return self.concurrency
+        return cap - self._running[kind] - len(self._waiting[kind])
+
+    def paused(self, kind: str, now: float | None = None) -> bool:
+        """True while a rate-limit answer holds this kind back."""
+        return self._paused_until.get(kind, 0.0) > (time.monotonic() if now is None else now)
+
+    def quotas(self, batch_size: int) -> list[tuple[dict[str, str], int]]:
+        """How many of each kind a claim may take now: room, pauses and fairness between kinds."""
+        free = self.free
+        now = time.monotonic()
+        quotas: list[tuple[dict[str, str], int]] = []
+        self._kinds_rr = self._kinds_rr[1:] + self._kinds_rr[:1]
+        for kind in self._kinds_rr:
+            if free <= 0:
+                break
+            if self.paused(kind, now):
+                continue
+            room = min(free, self._room(kind), batch_size)
+            if room > 0:
+                quotas.append(({"kind": kind}, room))
+                free -= room
+        return quotas
+
+    def hold(self, effect: ClaimedEffect) -> None:
+        """Keep a claimed attempt; it waits for :meth:`startable`."""
+        self.held[effect.id] = Held(effect)
+        self._waiting[effect.kind].append(effect.id)
+        self.metrics.in_flight.set(len(self.held))
+
+    def startable(self) -> list[ClaimedEffect]:
+        """Held attempts that may start now (marked started)."""
+        now = time.monotonic()
+        ready: list[ClaimedEffect] = []
+        for kind, waiting in self._waiting.items():
+            if not waiting or self.paused(kind, now):
+                continue
+            cap = self.deliverers[kind].concurrency
+            while waiting and (cap is None or self._running[kind] < cap):
+                held = self.held.get(waiting.popleft())
+                if held is None:
+                    continue
+                held.started = True
+                self._running[kind] += 1
+                ready.append(held.effect)
+        return ready
+
+    def unstarted(self) -> list[ClaimedEffect]:
+        """Held attempts not started (given back at shutdown); they leave the queue."""
+        pending = [self.held[i].effect for w in self._waiting.values() for i in w if i in self.held]
+        for waiting in self._waiting.values():
+            waiting.clear()
+        return pending
+
+    def next_resume(self) -> float | None:
+        """Seconds until the earliest pause with attempts waiting behind it ends (None: none)."""
+        now = time.monotonic()
+        ends = [
+            until - now
+            for kind, until in self._paused_until.items()
+            if until > now and self._waiting[kind]
+        ]
+        return min(ends) if ends else None
+
+    def pause(self, kind: str, seconds: float) -> None:
+        """Hold back new attempts of ``kind`` for ``seconds`` (a sink said: too many requests)."""
+        until = max(self._paused_until.get(kind, 0.0), time.monotonic() + seconds)
+        self._paused_until[kind] = until
+        log.info("kind %s rate-limited for %.1fs", kind, seconds)
+
+    def release(self, effect_id: UUID) -> Held | None:
+        """Forget an attempt whose outcome was recorded."""
+        held = self.held.pop(effect_id, None)
+        if held is not None and held.started:
+            self._running[held.effect.kind] -= 1
+        self.metrics.in_flight.set(len(self.held))
+        return held
+
+    async def heartbeat(self, store: AsyncStore, owner: str, lease_seconds: float) -> None:
+        """Push out every held lease; note, count and log the ones taken over (G4 holds anyway)."""
+        held = [(i, h.effect.attempt) for i, h in list(self.held.items()) if not h.lease_lost]
+        kept = await store.extend(EFFECT_QUEUE, held, owner=owner, lease_seconds=lease_seconds)
+        for effect_id, attempt in held:
+            entry = self.held.get(effect_id)
+            if entry is not None and effect_id not in kept and not entry.lease_lost:
+                entry.lease_lost = True
+                self.metrics.leases_lost.labels(kind=entry.effect.kind).inc()
+                log.warning(
+                    "lease on effect %s attempt %d was lost; its outcome will be recorded as stale",
+                    effect_id,
+                    attempt,
+                    extra={"effect_id": str(effect_id), "attempt": attempt},
+                )

@@ -1,0 +1,108 @@
+"""Settings of the delivering processes: one base for poll and stream mode, and the relay's.
+
+Every option ``outbox deliver`` takes is a field here, with its default written
+once; the CLI shows these defaults and passes only what the user set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from outbox.ids import RELAY_OWNER_PREFIX, default_owner
+from outbox.retry import RetryPolicy
+
+__all__ = ["DeliverySettings", "RelaySettings", "StreamSettings"]
+
+
+class DeliverySettings(BaseModel):
+    """How one delivery daemon behaves, whatever its source of effects (poll or Kafka)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: Calls in flight at once. Twice the batch size: the next claim can start
+    #: while the previous batch's completion commits (measured in bench/).
+    concurrency: int = Field(default=200, ge=1, le=10_000)
+    #: Effects claimed per statement (poll), or records read per poll (stream).
+    batch_size: int = Field(default=100, ge=1, le=10_000)
+    #: Seconds an attempt is leased; heartbeats extend it three times per lease.
+    lease_seconds: float = Field(default=10.0, gt=0, le=86_400)
+    #: Longest wait between claims when idle (poll: NOTIFY usually wakes sooner;
+    #: stream: the Kafka consumer's poll timeout).
+    poll_seconds: float = Field(default=1.0, gt=0, le=3600)
+    #: How often expired attempts are reconciled and stopping runs moved on.
+    reconcile_seconds: float = Field(default=1.0, gt=0, le=3600)
+    #: On stop, how long in-flight calls may take to finish.
+    grace_seconds: float = Field(default=30.0, ge=0, le=86_400)
+    #: A pending effect of a kind no deliverer here knows gets a note after this long.
+    unknown_kind_grace_seconds: float = Field(default=60.0, ge=0)
+    #: An effect whose payload schema version this deliverer does not know waits this long.
+    schema_retry_seconds: float = Field(default=300.0, ge=0)
+    #: How often the effect gauges are refreshed.
+    stats_seconds: float = Field(default=15.0, gt=0)
+    owner: str = Field(default_factory=default_owner, min_length=1, max_length=200)
+    retry_base_seconds: float = Field(default=0.5, ge=0)
+    retry_cap_seconds: float = Field(default=300.0, ge=0)
+    max_attempts: int = Field(default=10, ge=1, le=1000)
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        """How often leases are pushed out: three times per lease."""
+        return self.lease_seconds / 3
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        """The backoff shape."""
+        return RetryPolicy(self.retry_base_seconds, self.retry_cap_seconds, self.max_attempts)
+
+    @field_validator("owner")
+    @classmethod
+    def _not_a_relay(cls, owner: str) -> str:
+        # Stream deliverers take effects from relay-named owners; a deliverer so
+        # named would have its calls taken from it mid-flight.
+        if owner.startswith(RELAY_OWNER_PREFIX):
+            raise ValueError(f"a deliverer's owner may not start with {RELAY_OWNER_PREFIX!r}")
+        return owner
+
+
+class StreamSettings(DeliverySettings):
+    """A stream deliverer: a delivery daemon whose effects come from a Kafka consumer group."""
+
+    bootstrap_servers: str = Field(min_length=1)
+    group: str = Field(default="outbox-deliverers", min_length=1)
+    topic_prefix: str = "outbox."
+    #: Extra kafka-python consumer settings (``--kafka-option KEY=VALUE``).
+    consumer: dict[str, Any] = Field(default_factory=dict)
+
+
+def _relay_owner() -> str:
+    return RELAY_OWNER_PREFIX + default_owner()
+
+
+class RelaySettings(BaseModel):
+    """How a relay behaves: claim pending effects, publish them to Kafka, mark them dispatched."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bootstrap_servers: str = Field(min_length=1)
+    topic_prefix: str = "outbox."
+    batch_size: int = Field(default=500, ge=1, le=100_000)
+    lease_seconds: float = Field(default=30.0, gt=0, le=86_400)
+    #: A dispatched effect not delivered within this long is dispatched again.
+    dispatch_ttl_seconds: float = Field(default=300.0, gt=0)
+    poll_seconds: float = Field(default=1.0, gt=0, le=3600)
+    #: How often a relay re-dispatches expired dispatches and rescues dead relays' claims.
+    reconcile_seconds: float = Field(default=1.0, gt=0, le=3600)
+    owner: str = Field(default_factory=_relay_owner, min_length=1, max_length=200)
+    #: Extra kafka-python producer settings.
+    producer: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("owner")
+    @classmethod
+    def _is_a_relay(cls, owner: str) -> str:
+        # A stream deliverer takes an effect a relay holds once it read its record;
+        # that is only safe for an owner that never calls the sink itself.
+        if not owner.startswith(RELAY_OWNER_PREFIX):
+            raise ValueError(f"a relay's owner must start with {RELAY_OWNER_PREFIX!r}")
+        return owner

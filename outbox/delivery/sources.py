@@ -1,0 +1,120 @@
+"""Where a delivery daemon's attempts come from: claims in PostgreSQL, or records from Kafka.
+
+A source hands the daemon claimed attempts (:meth:`EffectSource.take`) and is
+told when their outcomes are durable (:meth:`EffectSource.recorded`): a poll
+source has nothing to do then; a Kafka source commits offsets, never ahead of
+what PostgreSQL holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+from uuid import UUID
+
+from outbox.delivery.leases import Leases
+from outbox.delivery.settings import DeliverySettings
+from outbox.faults import crash_point
+from outbox.retry import IdleBackoff
+from outbox.storage.async_store import AsyncStore, ClaimedEffect
+from outbox.storage.notify import listen
+from outbox.storage.sql.common import EFFECTS_CHANNEL
+from outbox.storage.sql.queue import EFFECT_QUEUE
+
+__all__ = ["EffectSource", "PollSource", "wait_or_wake"]
+
+log = logging.getLogger(__name__)
+
+
+class EffectSource(Protocol):
+    """What a delivery daemon takes its attempts from."""
+
+    #: Said in the daemon's banner and logs ("poll", "kafka").
+    name: str
+
+    async def open(self) -> None:
+        """Connect (LISTEN, a consumer group); called once before the first :meth:`take`."""
+
+    async def take(self, leases: Leases) -> list[ClaimedEffect]:
+        """Claimed attempts within the room ``leases`` has; waits a while when there are none."""
+        ...
+
+    async def recorded(self, effect_ids: Sequence[UUID]) -> None:
+        """The outcomes of these attempts are committed in PostgreSQL."""
+
+    def wake(self) -> None:
+        """Something changed (room, work requeued, stop): stop waiting in :meth:`take`."""
+
+    async def close(self) -> None:
+        """Release connections; the daemon calls it last."""
+
+
+async def wait_or_wake(event: asyncio.Event, seconds: float) -> None:
+    """Wait until ``event`` is set or ``seconds`` pass."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout=seconds)
+
+
+class PollSource:
+    """Claims pending effects with ``FOR UPDATE SKIP LOCKED``, woken by ``NOTIFY``, with a poll.
+
+    Claims are bounded batches, one statement per kind and only as many as can
+    start now, so memory does not grow with the backlog.
+    """
+
+    name = "poll"
+
+    def __init__(self, store: AsyncStore, settings: DeliverySettings) -> None:
+        self.store = store
+        self.settings = settings
+        self._wake = asyncio.Event()
+        self._idle = IdleBackoff(settings.poll_seconds)
+        self._listener: asyncio.Task[None] | None = None
+        self._wait_first = 0.0
+
+    async def open(self) -> None:
+        """Start listening for committed intents."""
+        self._listener = asyncio.create_task(listen(self.store.dsn, EFFECTS_CHANNEL, self._wake))
+
+    def wake(self) -> None:
+        """Claim again now."""
+        self._wake.set()
+
+    async def take(self, leases: Leases) -> list[ClaimedEffect]:
+        """Claim what fits; after a claim that found less than asked, wait (NOTIFY or backoff)."""
+        if self._wait_first:
+            await wait_or_wake(self._wake, self._wait_first)
+        quotas = leases.quotas(self.settings.batch_size)
+        if not quotas:
+            self._wait_first = self.settings.poll_seconds
+            return []
+        self._wake.clear()
+        try:
+            rows = await self.store.claim_many(
+                EFFECT_QUEUE,
+                quotas,
+                owner=self.settings.owner,
+                lease_seconds=self.settings.lease_seconds,
+            )
+        except Exception as exc:
+            log.warning("claim failed (%s); retrying after the poll interval", exc)
+            self._wait_first = self.settings.poll_seconds
+            return []
+        if rows:
+            crash_point("after_claim")
+        full = len(rows) == sum(n for _, n in quotas)
+        # A full batch: more is likely waiting, claim again at once.
+        self._wait_first = 0.0 if full else self._idle.found(bool(rows))
+        return rows
+
+    async def recorded(self, effect_ids: Sequence[UUID]) -> None:
+        """Nothing to do: the claim itself was the source's state."""
+
+    async def close(self) -> None:
+        """Stop listening."""
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.gather(self._listener, return_exceptions=True)

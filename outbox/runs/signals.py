@@ -1,0 +1,36 @@
+"""Signals: an approval, a webhook or an event sent to a run, kept until a wait consumes it."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from outbox.errors import RunTerminal
+from outbox.ids import uuid7
+from outbox.models import LIVE_RUN_STATUSES
+from outbox.storage.run_tx import RunTx
+
+__all__ = ["SignalReceipt", "send_signal"]
+
+
+@dataclass(frozen=True)
+class SignalReceipt:
+    """What happened to a signal: stored (or a duplicate of one stored), and did it wake the run."""
+
+    signal_id: uuid.UUID | None
+    duplicate: bool
+    woke_run: bool
+
+
+def send_signal(
+    tx: RunTx, run_id: uuid.UUID, name: str, payload_json: str, dedup_key: str
+) -> SignalReceipt:
+    """Store a signal for a live run and wake it if it waits for this name."""
+    status = tx.lock(run_id).status
+    if status not in LIVE_RUN_STATUSES:
+        raise RunTerminal(run_id, status.value)
+    signal_id = uuid7()
+    if not tx.insert_signal(signal_id, run_id, name, payload_json, dedup_key):
+        return SignalReceipt(None, duplicate=True, woke_run=False)
+    woke = tx.wake_signalled(run_id, name)
+    return SignalReceipt(signal_id, duplicate=False, woke_run=woke)

@@ -1,0 +1,223 @@
+"""The statements of one run-scoped transaction: waits, signals and stopping, by name.
+
+Waits, signals and cancellation of one run serialise on the run row's lock,
+which :meth:`RunTx.lock` takes first. The domain logic (what a wait decides,
+how a stopping run moves on) lives in :mod:`outbox.runs`; it calls these
+methods and never sees SQL. Sync callers get a ``RunTx`` from
+``Store.run_tx()``; the async daemon runs the same logic through
+``AsyncStore.run_sync``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+from outbox.errors import RunNotFound
+from outbox.models import Lease, RunStatus
+from outbox.storage.sql import maintenance
+from outbox.storage.sql import runs as run_sql
+from outbox.storage.sql import steps as step_sql
+from outbox.storage.sql.common import SIGNALS_CHANNEL
+
+__all__ = ["LockedRun", "RunTx", "WaitRow"]
+
+
+@dataclass(frozen=True)
+class LockedRun:
+    """The run row as its lock found it."""
+
+    status: RunStatus
+    lease: Lease | None
+
+
+@dataclass(frozen=True)
+class WaitRow:
+    """A wait step as recorded, with its deadline judged in database time."""
+
+    status: str
+    result: Any
+    error: Any
+    seq: int
+    completed_at: datetime
+    due: bool
+    seconds_left: float | None
+
+
+class RunTx:
+    """Named statements on one connection inside a transaction (the caller commits)."""
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+
+    def _run(self, statement: Any, params: dict[str, Any]) -> Any:
+        return self.connection.execute(statement, params)
+
+    # -- the run row ---------------------------------------------------------------
+
+    def lock(self, run_id: uuid.UUID) -> LockedRun:
+        """Lock the run row until commit; :class:`RunNotFound` when there is none."""
+        row = self._run(run_sql.lock_run(), {"run_id": run_id}).first()
+        if row is None:
+            raise RunNotFound(run_id)
+        lease = None if row.lease_owner is None else Lease(row.lease_owner, row.attempt)
+        return LockedRun(RunStatus(row.status), lease)
+
+    def mark(self, run_id: uuid.UUID, status: RunStatus, reason: str | None = None) -> None:
+        """Set the locked run's status (and cancel reason); clears its lease and waits."""
+        self._run(
+            run_sql.mark_run(), {"run_id": run_id, "new_status": status.value, "reason": reason}
+        )
+
+    # -- waits ------------------------------------------------------------------------
+
+    def record_wait(
+        self,
+        run_id: uuid.UUID,
+        step_id: str,
+        *,
+        kind: str,
+        seconds: float | None,
+        until: datetime | None,
+        detail: dict[str, Any],
+    ) -> WaitRow:
+        """Record a wait the first time it is met (deadline in database time); return its row."""
+        self._run(
+            run_sql.insert_wait_step(),
+            {
+                "w_run": run_id,
+                "w_step": step_id,
+                "kind": kind,
+                "seconds": seconds,
+                "until": None if until is None else until.isoformat(),
+                "detail": json.dumps(detail),
+            },
+        )
+        row = self._run(run_sql.wait_step(), {"w_run": run_id, "w_step": step_id}).one()
+        return WaitRow(
+            status=row.status,
+            result=row.result,
+            error=row.error,
+            seq=row.seq,
+            completed_at=row.completed_at,
+            due=bool(row.due),
+            seconds_left=None if row.seconds_left is None else max(0.0, float(row.seconds_left)),
+        )
+
+    def complete_wait(
+        self, run_id: uuid.UUID, step_id: str, *, result: Any = None, error: Any = None
+    ) -> tuple[int, datetime]:
+        """A wait is over: record its result or error; returns the step's (seq, completed_at)."""
+        row = self._run(
+            run_sql.complete_wait_step(),
+            {
+                "w_run": run_id,
+                "w_step": step_id,
+                "wait_result": None if result is None else json.dumps(result),
+                "wait_error": None if error is None else json.dumps(error),
+            },
+        ).one()
+        return row.seq, row.completed_at
+
+    def consume_signal(self, run_id: uuid.UUID, step_id: str, name: str) -> tuple[bool, Any]:
+        """Take the oldest unconsumed signal ``name`` for this step: (found, payload)."""
+        row = self._run(
+            run_sql.consume_signal(), {"w_run": run_id, "w_step": step_id, "s_name": name}
+        ).first()
+        return (False, None) if row is None else (True, row[0])
+
+    def await_effect(self, run_id: uuid.UUID, effect_id: uuid.UUID) -> Any:
+        """Mark the effect awaited by the run and read (status, result, last_error), or None."""
+        return self._run(
+            run_sql.await_effect(), {"awaited_effect": effect_id, "awaiting_run": run_id}
+        ).first()
+
+    def suspend(
+        self,
+        run_id: uuid.UUID,
+        *,
+        wake_in: float | None,
+        signal: str | None,
+        effect_id: uuid.UUID | None,
+    ) -> None:
+        """Park the locked run as ``waiting``: no lease, process or connection is held."""
+        self._run(
+            run_sql.suspend_run(),
+            {"run_id": run_id, "wake_in": wake_in, "signal_name": signal, "effect_id": effect_id},
+        )
+
+    # -- signals ----------------------------------------------------------------------
+
+    def insert_signal(
+        self, signal_id: uuid.UUID, run_id: uuid.UUID, name: str, payload_json: str, dedup_key: str
+    ) -> bool:
+        """Store a signal once per (run, dedup key); False for a duplicate."""
+        row = self._run(
+            run_sql.insert_signal(),
+            {
+                "signal_id": signal_id,
+                "w_run": run_id,
+                "s_name": name,
+                "payload": payload_json,
+                "dedup_key": dedup_key,
+            },
+        ).first()
+        return row is not None
+
+    def wake_signalled(self, run_id: uuid.UUID, name: str) -> bool:
+        """Make the run runnable if it waits for this signal; True when it did."""
+        woke = self._run(run_sql.wake_signalled_run(), {"run_id": run_id, "name": name}).first()
+        # Plain scripts blocked in wait_signal listen here.
+        self.connection.execute(
+            text("SELECT pg_notify(:channel, :run)"),
+            {"channel": SIGNALS_CHANNEL, "run": str(run_id)},
+        )
+        return woke is not None
+
+    def mark_replay(self, digest: str) -> bool:
+        """Remember a webhook signature; False when it was seen before (a replay)."""
+        return self._run(maintenance.mark_replay(), {"digest": digest}).first() is not None
+
+    def forget_replays(self, older_than_seconds: float) -> None:
+        """Forget signatures older than the freshness window."""
+        self._run(maintenance.forget_replays(), {"seconds": older_than_seconds})
+
+    # -- stopping ---------------------------------------------------------------------
+
+    def cancel_pending_effects(self, run_id: uuid.UUID, reason: str) -> int:
+        """Cancel the run's effects that have not started; returns how many."""
+        return len(
+            self._run(
+                run_sql.cancel_pending_effects(), {"stopping_run": run_id, "reason": reason}
+            ).all()
+        )
+
+    def effects_for_stopping(self, run_id: uuid.UUID) -> list[Any]:
+        """Every effect of the run in intent order: id, status, compensate, compensates, key."""
+        return list(self._run(run_sql.run_effects_for_stopping(), {"stopping_run": run_id}).all())
+
+    def mark_compensated(self, effect_ids: Sequence[uuid.UUID]) -> None:
+        """Succeeded effects whose compensation succeeded become ``compensated``."""
+        self._run(run_sql.mark_compensated(), {"ids": list(effect_ids)})
+
+    def intend_compensations(self, run_id: uuid.UUID, effects_json: str) -> int:
+        """Insert a stopping run's compensating intents (JSON array); returns how many were new."""
+        row = self._run(
+            step_sql.intend_for_stopping_run(),
+            {"run_id": run_id, "step_id": "compensate", "effects": effects_json},
+        ).one()
+        return int(row.inserted)
+
+    def stopping_runs(self, max_rows: int) -> list[uuid.UUID]:
+        """Cancelling and compensating runs, oldest change first."""
+        return [r.id for r in self._run(run_sql.stopping_runs(), {"max_rows": max_rows})]
+
+    def savepoint(self) -> Any:
+        """A nested transaction (one stopping run's failure must not undo the others)."""
+        return self.connection.begin_nested()

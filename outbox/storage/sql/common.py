@@ -1,0 +1,77 @@
+"""What every statement builder shares: literals, JSON parameters, channels, status predicates.
+
+Status predicates are derived from the named sets in :mod:`outbox.models`, so
+each set of statuses is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import Select, Text, bindparam, cast, literal_column, text
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.sql.expression import ColumnElement, TextClause
+
+from outbox.models import LIVE_RUN_STATUSES
+
+__all__ = [
+    "EFFECTS_CHANNEL",
+    "LIVE_CONDITION",
+    "RUNS_CHANNEL",
+    "SECONDS",
+    "SIGNALS_CHANNEL",
+    "AnySelect",
+    "const",
+    "in_statuses",
+    "json_param",
+    "sql_in",
+]
+
+# Rows of mixed columns; SQLAlchemy 2.1 types Select by its column tuple.
+AnySelect = Select[*tuple[Any, ...]]
+
+#: Deliverers LISTEN here: intents committed.
+EFFECTS_CHANNEL = "outbox_effects"
+#: Run workers LISTEN here: a run became runnable.
+RUNS_CHANNEL = "outbox_runs"
+#: A plain script blocked in ``wait_signal`` LISTENs here (payload: the run id).
+SIGNALS_CHANNEL = "outbox_signals"
+
+SECONDS = text("interval '1 second'")
+
+
+def const(value: str) -> ColumnElement[str]:
+    """A string constant written into the SQL, not bound.
+
+    Status comparisons must be literals: a partial index (``WHERE status =
+    'pending'``) is only usable by a generic prepared plan when the predicate
+    is spelled out, and psycopg prepares statements after a few executions.
+    """
+    return literal_column("'" + value.replace("'", "''") + "'", Text)
+
+
+def json_param(name: str) -> ColumnElement[object]:
+    """A bind parameter carrying canonical JSON text, cast to jsonb by the server.
+
+    The text comes from :func:`outbox.payloads.encode`; passing it through as
+    text avoids a second serialisation in the driver.
+    """
+    return cast(bindparam(name, type_=Text), JSONB)
+
+
+def in_statuses(
+    column: ColumnElement[Any], statuses: Iterable[StrEnum | str]
+) -> ColumnElement[bool]:
+    """``column IN ('a', 'b')`` with the statuses written as literals (see :func:`const`)."""
+    return column.in_([const(str(s)) for s in statuses])
+
+
+def sql_in(column: str, values: Iterable[StrEnum | str]) -> str:
+    """SQL text ``column IN (...)`` for a fixed set of status literals (DDL predicates)."""
+    return f"{column} IN ({', '.join(repr(str(v)) for v in values)})"
+
+
+#: A run accepts new steps only while live.
+LIVE_CONDITION: TextClause = text(sql_in("outbox_runs.status", LIVE_RUN_STATUSES))

@@ -1,0 +1,439 @@
+"""The delivery SQL on effects: completion, expiry and take-over, operator changes, stream dispatch.
+
+Every statement is a compare-and-set on (status, lease owner, attempt): a
+deliverer whose lease was taken over changes nothing (G4). Each change that
+ends or moves an attempt is written to the attempt log in the same statement.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    DateTime,
+    Float,
+    Integer,
+    Text,
+    all_,
+    and_,
+    any_,
+    bindparam,
+    case,
+    column,
+    func,
+    null,
+    or_,
+    select,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.sql.expression import ColumnElement
+
+from outbox.ids import RELAY_OWNER_PREFIX
+from outbox.models import TERMINAL_EFFECT_STATUSES
+from outbox.storage.schema import effect_attempts, effects, runs
+from outbox.storage.sql.common import (
+    RUNS_CHANNEL,
+    SECONDS,
+    AnySelect,
+    const,
+    in_statuses,
+    json_param,
+)
+from outbox.storage.sql.queue import held_rows
+
+__all__ = [
+    "claim_dispatched",
+    "complete_effects",
+    "expire_effect",
+    "expired_effects",
+    "mark_dispatched",
+    "mark_unknown_kinds",
+    "redispatch_expired",
+    "resolve_unknown",
+    "retry_failed",
+    "take_over_effect",
+]
+
+
+def _done() -> Any:
+    return (
+        func.jsonb_to_recordset(json_param("done"))
+        .table_valued(
+            column("id", UUID(as_uuid=True)),
+            column("attempt", Integer),
+            column("status", Text),
+            column("outcome", Text),
+            column("result", JSONB),
+            column("error", Text),
+            column("delay", Float),
+            column("detail", JSONB),
+            column("started_at", DateTime(timezone=True)),
+        )
+        .render_derived(name="d", with_types=True)
+    )
+
+
+@cache
+def complete_effects() -> Any:
+    """Record the outcomes of a batch of attempts, fenced, with their attempt log.
+
+    Parameters: ``owner``, ``done`` (a JSON array of ``{id, attempt, status,
+    outcome, result, error, delay, detail, started_at}``) and ``ids`` (the same
+    ids). A row changes only while it still holds that attempt: in flight under
+    ``owner``, or set aside by the reconciler (``unknown``, or back to ``pending``) without a newer
+    attempt having started, in which case this late answer is the truth about
+    that attempt. Otherwise the completion is stale: it is logged as ``stale``
+    (with what it reported) and changes nothing else (G4).
+    Returns ``(effect_id, outcome)`` per logged attempt.
+    """
+    e = effects
+    d = _done()
+    ours = e.c.lease_owner == bindparam("owner", type_=Text)
+    holds_attempt = and_(
+        # The planner cannot estimate a recordset's size; naming the ids keeps it
+        # on the primary key instead of a scan of every open effect.
+        e.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
+        e.c.id == d.c.id,
+        e.c.attempt == d.c.attempt,
+        or_(
+            and_(e.c.status == const("in_flight"), ours),
+            in_statuses(e.c.status, ("unknown", "pending")),
+        ),
+    )
+    updated = (
+        e.update()
+        .where(holds_attempt)
+        .values(
+            status=d.c.status,
+            result=case((d.c.status == const("succeeded"), d.c.result), else_=e.c.result),
+            last_error=d.c.error,
+            available_at=case(
+                (d.c.status == const("pending"), func.now() + d.c.delay * SECONDS),
+                else_=e.c.available_at,
+            ),
+            lease_owner=null(),
+            lease_expires_at=null(),
+            completed_at=case(
+                (in_statuses(d.c.status, TERMINAL_EFFECT_STATUSES), func.now()), else_=null()
+            ),
+            updated_at=func.now(),
+        )
+        .returning(e.c.id, e.c.status, e.c.awaited_by)
+        .cte("updated")
+    )
+    # A run parked on one of these effects (``run.await_effect``) goes on now. The
+    # park wrote ``awaited_by`` on the effect row, so this statement sees it even
+    # when the park committed while it waited for that row's lock; the run row is
+    # then re-read at its latest version, which is why its state is tested in the
+    # SET (a WHERE on status would be judged on the older version).
+    terminal = in_statuses(updated.c.status, TERMINAL_EFFECT_STATUSES)
+    woke = and_(runs.c.status == const("waiting"), runs.c.wait_effect == updated.c.id)
+    woken = (
+        runs.update()
+        .where(runs.c.id == updated.c.awaited_by, terminal)
+        .values(
+            status=case((woke, const("runnable")), else_=runs.c.status),
+            available_at=case((woke, func.now()), else_=runs.c.available_at),
+            wake_at=case((woke, null()), else_=runs.c.wake_at),
+            wait_effect=case((woke, null()), else_=runs.c.wait_effect),
+        )
+        .returning(runs.c.id, func.pg_notify(RUNS_CHANNEL, ""))
+        .cte("woken")
+    )
+    d2 = _done()
+    stale = updated.c.id.is_(None)
+    logged = select(
+        d2.c.id,
+        d2.c.attempt,
+        bindparam("owner", type_=Text),
+        d2.c.started_at,
+        case((stale, const("stale")), else_=d2.c.outcome),
+        case(
+            (stale, func.jsonb_build_object("reported", d2.c.outcome, "detail", d2.c.detail)),
+            else_=d2.c.detail,
+        ),
+    ).select_from(d2.outerjoin(updated, updated.c.id == d2.c.id))
+    return (
+        pg_insert(effect_attempts)
+        .from_select(["effect_id", "attempt", "worker", "started_at", "outcome", "detail"], logged)
+        .returning(effect_attempts.c.effect_id, effect_attempts.c.outcome)
+        .add_cte(woken)
+    )
+
+
+def expired_effects() -> AnySelect:
+    """In-flight effects whose lease ran out (their deliverer died or stalled), oldest first."""
+    return (
+        select(effects)
+        .where(effects.c.status == const("in_flight"), effects.c.lease_expires_at < func.now())
+        .order_by(effects.c.lease_expires_at)
+        .limit(bindparam("max_rows", type_=Integer))
+    )
+
+
+def _expired_cas() -> list[ColumnElement[bool]]:
+    return [
+        effects.c.id == bindparam("effect_id", type_=UUID(as_uuid=True)),
+        effects.c.attempt == bindparam("expected_attempt", type_=Integer),
+        effects.c.status == const("in_flight"),
+        effects.c.lease_expires_at < func.now(),
+    ]
+
+
+def _log_changes(changed: Any, *, worker: Any, outcome: Any, detail: Any = None) -> Any:
+    """Insert one attempt-log row per row a ``changed`` CTE returned.
+
+    ``changed`` must return ``id``, ``attempt`` and ``attempt_started_at``; when
+    it returns nothing (another process won the compare-and-set), nothing is logged.
+    """
+    return (
+        pg_insert(effect_attempts)
+        .from_select(
+            ["effect_id", "attempt", "worker", "started_at", "outcome", "detail"],
+            select(
+                changed.c.id,
+                changed.c.attempt,
+                worker,
+                changed.c.attempt_started_at,
+                outcome,
+                null() if detail is None else detail,
+            ),
+        )
+        .returning(effect_attempts.c.effect_id)
+    )
+
+
+@cache
+def expire_effect() -> Any:
+    """Resolve one expired attempt as ``new_status`` (pending | unknown | failed), logged.
+
+    Parameters: ``effect_id``, ``expected_attempt``, ``new_status``, ``note``,
+    ``resolution``, ``worker``. Changes nothing (and logs nothing) when another
+    reconciler or a late completion got there first.
+    """
+    changed = (
+        effects.update()
+        .where(*_expired_cas())
+        .values(
+            status=bindparam("new_status", type_=Text),
+            lease_owner=null(),
+            lease_expires_at=null(),
+            available_at=func.now(),
+            last_error=bindparam("note", type_=Text),
+            completed_at=case(
+                (bindparam("new_status", type_=Text) == const("failed"), func.now()), else_=null()
+            ),
+            updated_at=func.now(),
+        )
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
+        .cte("changed")
+    )
+    return _log_changes(
+        changed,
+        worker=bindparam("worker", type_=Text),
+        outcome=const("expired"),
+        detail=func.jsonb_build_object(
+            "resolution",
+            bindparam("resolution", type_=Text),
+            "note",
+            bindparam("note", type_=Text),
+        ),
+    )
+
+
+@cache
+def take_over_effect() -> Any:
+    """Lease an expired attempt to the reconciler (same attempt) while it asks the sink."""
+    return (
+        effects.update()
+        .where(*_expired_cas())
+        .values(
+            lease_owner=bindparam("owner", type_=Text),
+            lease_expires_at=func.now() + bindparam("lease_seconds", type_=Float) * SECONDS,
+            updated_at=func.now(),
+        )
+        .returning(effects.c.id)
+    )
+
+
+def _operator_change(from_status: str, values: dict[str, Any], outcome: str) -> Any:
+    changed = (
+        effects.update()
+        .where(
+            effects.c.id == bindparam("effect_id", type_=UUID(as_uuid=True)),
+            effects.c.status == const(from_status),
+        )
+        .values(**values, lease_owner=null(), lease_expires_at=null(), updated_at=func.now())
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
+        .cte("changed")
+    )
+    return _log_changes(
+        changed,
+        worker=bindparam("operator", type_=Text),
+        outcome=const(outcome),
+        detail=json_param("detail"),
+    )
+
+
+@cache
+def resolve_unknown() -> Any:
+    """An operator closes an ``unknown`` effect as ``new_status``; logged with who and why.
+
+    Parameters: ``effect_id``, ``new_status``, ``operator``, ``detail`` (JSON).
+    """
+    new_status = bindparam("new_status", type_=Text)
+    return _operator_change(
+        "unknown",
+        {
+            "status": new_status,
+            "available_at": func.now(),
+            "completed_at": case((new_status == const("pending"), null()), else_=func.now()),
+        },
+        "resolved",
+    )
+
+
+@cache
+def retry_failed() -> Any:
+    """Put a ``failed`` effect back to ``pending`` with ``extra_attempts`` more tries."""
+    return _operator_change(
+        "failed",
+        {
+            "status": const("pending"),
+            "available_at": func.now(),
+            "completed_at": null(),
+            "max_attempts": effects.c.attempt + bindparam("extra_attempts", type_=Integer),
+        },
+        "retried",
+    )
+
+
+# -- stream mode (Kafka) -----------------------------------------------------------------
+
+
+@cache
+def mark_dispatched() -> Any:
+    """The relay published these attempts to Kafka: ``dispatched`` until ``dispatch_ttl`` runs out.
+
+    Parameters: ``owner`` (the relay), ``held`` (JSON ``[{id, attempt}]``),
+    ``dispatch_ttl`` (seconds). Fenced like a completion; logged as ``dispatched``.
+    """
+    held = held_rows()
+    changed = (
+        effects.update()
+        .where(
+            effects.c.id == held.c.id,
+            effects.c.attempt == held.c.attempt,
+            effects.c.status == const("in_flight"),
+            effects.c.lease_owner == bindparam("owner", type_=Text),
+        )
+        .values(
+            status=const("dispatched"),
+            lease_owner=null(),
+            lease_expires_at=func.now() + bindparam("dispatch_ttl", type_=Float) * SECONDS,
+            updated_at=func.now(),
+        )
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
+        .cte("changed")
+    )
+    return _log_changes(changed, worker=bindparam("owner", type_=Text), outcome=const("dispatched"))
+
+
+@cache
+def claim_dispatched() -> Any:
+    """A stream deliverer claims dispatched effects it read from Kafka (others are skipped).
+
+    Parameters: ``ids`` (array), ``owner``, ``lease_seconds``. An effect that is
+    no longer ``dispatched`` (delivered already, or claimed through another copy
+    of its record) is not returned: redelivered records are harmless.
+
+    An effect still held by a relay is taken too: the relay marks effects
+    dispatched only after the broker acknowledged them, so a quick consumer
+    reads the record first. The record is the proof that the publish landed;
+    the relay's later mark (fenced on its owner) then changes nothing.
+    """
+    e = effects
+    return (
+        e.update()
+        .where(
+            e.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
+            or_(
+                e.c.status == const("dispatched"),
+                and_(
+                    e.c.status == const("in_flight"),
+                    e.c.lease_owner.startswith(RELAY_OWNER_PREFIX, autoescape=True),
+                ),
+            ),
+        )
+        .values(
+            status=const("in_flight"),
+            lease_owner=bindparam("owner", type_=Text),
+            lease_expires_at=func.now() + bindparam("lease_seconds", type_=Float) * SECONDS,
+            # The relay's claim already counted this attempt and fenced it; a new
+            # number comes with the next dispatch.
+            attempt_started_at=func.now(),
+            updated_at=func.now(),
+        )
+        .returning(*e.c)
+    )
+
+
+@cache
+def redispatch_expired() -> Any:
+    """Dispatched effects nobody delivered within their TTL go back to ``pending`` (same key)."""
+    due = (
+        select(effects.c.id)
+        .where(effects.c.status == const("dispatched"), effects.c.lease_expires_at < func.now())
+        .order_by(effects.c.lease_expires_at)
+        .limit(bindparam("max_rows", type_=Integer))
+        .with_for_update(skip_locked=True)
+        .cte("due")
+    )
+    changed = (
+        effects.update()
+        .where(effects.c.id == due.c.id)
+        .values(
+            status=const("pending"),
+            lease_expires_at=null(),
+            available_at=func.now(),
+            last_error=const("dispatched but not delivered in time: re-dispatching"),
+            updated_at=func.now(),
+        )
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
+        .cte("changed")
+    )
+    return _log_changes(
+        changed,
+        worker=bindparam("worker", type_=Text),
+        outcome=const("expired"),
+        detail=func.jsonb_build_object("resolution", const("re-dispatch")),
+    )
+
+
+@cache
+def mark_unknown_kinds() -> Any:
+    """Note on pending effects that no deliverer here knows their kind (status unchanged).
+
+    Parameters: ``known`` (array of kinds), ``grace_seconds``, ``max_rows``, ``note_prefix``.
+    """
+    note = func.concat(bindparam("note_prefix", type_=Text), effects.c.kind)
+    target = (
+        select(effects.c.id)
+        .where(
+            effects.c.status == const("pending"),
+            effects.c.kind != all_(bindparam("known", type_=ARRAY(Text))),
+            effects.c.created_at < func.now() - bindparam("grace_seconds", type_=Float) * SECONDS,
+            effects.c.last_error.is_distinct_from(note),
+        )
+        .limit(bindparam("max_rows", type_=Integer))
+        .cte("target")
+    )
+    return (
+        effects.update()
+        .where(effects.c.id == target.c.id)
+        .values(last_error=note, updated_at=func.now())
+        .returning(effects.c.id)
+    )

@@ -1,0 +1,130 @@
+"""Upkeep and reporting statements: state counts, tallies, replay marks, consumed keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    Float,
+    Text,
+    any_,
+    bindparam,
+    delete,
+    func,
+    select,
+)
+from sqlalchemy.dialects.postgresql import UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from outbox.models import OPEN_EFFECT_STATUSES, EffectStatus
+from outbox.storage.schema import consumed_keys, effect_attempts, effects, runs, webhook_replays
+from outbox.storage.sql.common import SECONDS, AnySelect, const, in_statuses
+
+__all__ = [
+    "StateCounts",
+    "attempts_by_outcome",
+    "effects_by_status",
+    "forget_replays",
+    "in_flight_like",
+    "mark_consumed",
+    "mark_replay",
+    "oldest_pending_age",
+    "open_effect_counts",
+    "run_counts",
+]
+
+
+@dataclass(frozen=True)
+class StateCounts:
+    """What the metrics gauges show: runs by status, open effects by (status, kind)."""
+
+    runs: dict[str, int] = field(default_factory=dict)
+    effects: dict[tuple[str, str], int] = field(default_factory=dict)
+    oldest_pending_seconds: float = 0.0
+
+
+def run_counts() -> AnySelect:
+    """Runs per status."""
+    return select(runs.c.status, func.count()).group_by(runs.c.status)
+
+
+def open_effect_counts() -> AnySelect:
+    """Unfinished effects per (status, kind); finished ones never enter the count."""
+    return (
+        select(effects.c.status, effects.c.kind, func.count())
+        .where(in_statuses(effects.c.status, OPEN_EFFECT_STATUSES))
+        .group_by(effects.c.status, effects.c.kind)
+    )
+
+
+def oldest_pending_age() -> AnySelect:
+    """Seconds since the oldest pending effect was intended (0 when none is pending)."""
+    age = func.extract("epoch", func.now() - func.min(effects.c.created_at))
+    return select(func.coalesce(age, 0)).where(effects.c.status == const(EffectStatus.PENDING))
+
+
+def _of_runs() -> Any:
+    return effects.c.run_id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True))))
+
+
+def effects_by_status() -> AnySelect:
+    """Effects of the runs ``:ids`` per status."""
+    return select(effects.c.status, func.count()).where(_of_runs()).group_by(effects.c.status)
+
+
+def attempts_by_outcome() -> AnySelect:
+    """Attempt-log rows of the effects of the runs ``:ids`` per outcome."""
+    return (
+        select(effect_attempts.c.outcome, func.count())
+        .join(effects, effects.c.id == effect_attempts.c.effect_id)
+        .where(_of_runs())
+        .group_by(effect_attempts.c.outcome)
+    )
+
+
+def in_flight_like() -> AnySelect:
+    """How many effects are in flight under lease owners matching ``:pattern`` (SQL LIKE)."""
+    return (
+        select(func.count())
+        .select_from(effects)
+        .where(
+            effects.c.status == const(EffectStatus.IN_FLIGHT),
+            effects.c.lease_owner.like(bindparam("pattern", type_=Text)),
+        )
+    )
+
+
+@cache
+def mark_replay() -> Any:
+    """Remember a webhook signature digest ``:digest``; returns it only the first time."""
+    return (
+        pg_insert(webhook_replays)
+        .values(signature=bindparam("digest", type_=Text))
+        .on_conflict_do_nothing()
+        .returning(webhook_replays.c.signature)
+    )
+
+
+@cache
+def forget_replays() -> Any:
+    """Forget signatures older than ``:seconds`` (they fail the freshness check anyway)."""
+    return delete(webhook_replays).where(
+        webhook_replays.c.seen_at < func.now() - bindparam("seconds", type_=Float) * SECONDS
+    )
+
+
+@cache
+def mark_consumed() -> Any:
+    """A consumer group processed ``:key``; returns it only the first time."""
+    return (
+        pg_insert(consumed_keys)
+        .values(
+            consumer_group=bindparam("group", type_=Text),
+            idempotency_key=bindparam("key", type_=Text),
+        )
+        .on_conflict_do_nothing()
+        .returning(consumed_keys.c.idempotency_key)
+    )
