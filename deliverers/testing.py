@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -35,6 +36,15 @@ __all__ = [
     "RecordingDeliverer",
     "TansuBroker",
 ]
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """A client that hangs up mid-answer (a deliverer killed or out of time) is not an error."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 class RecordingDeliverer(Deliverer):
@@ -130,7 +140,7 @@ class IdempotentHttpSink:
             do_PUT = do_POST
             do_PATCH = do_POST
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server = _QuietServer((host, port), Handler)
         self._server.daemon_threads = True
         # socketserver's accept queue holds 5: a burst of deliverer connections on a
         # busy machine would wait past their timeout. A real server queues more.

@@ -213,7 +213,7 @@ class EmbeddedServerError(DatabaseError):
 
 
 class DeliveryError(OutboxError):
-    """Raised by a deliverer to say how an attempt ended; the daemon reads it, callers never see it."""
+    """Raised by a deliverer to say how an attempt ended; the daemon reads it, callers do not."""
 
 
 class RetryableError(DeliveryError):

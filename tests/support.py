@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from outbox.delivery import Deliverer
 from outbox.delivery.daemon import DeliveryDaemon
 from outbox.delivery.settings import DeliverySettings
+from outbox.delivery.sources import EffectSource
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine
 
@@ -18,12 +19,27 @@ T = TypeVar("T")
 
 
 class DaemonThread:
-    """A real DeliveryDaemon on its own event loop in a background thread."""
+    """A real DeliveryDaemon on its own event loop in a background thread.
 
-    def __init__(self, dsn: str, deliverers: Mapping[str, Deliverer], **settings: Any) -> None:
+    ``source`` builds the daemon's source from its store (default: poll), and
+    ``companions`` other daemons (a relay) run on the same loop until it stops.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        deliverers: Mapping[str, Deliverer],
+        *,
+        settings: DeliverySettings | None = None,
+        source: Callable[[AsyncStore], EffectSource] | None = None,
+        companions: Callable[[AsyncStore], list[Any]] | None = None,
+        **fields: Any,
+    ) -> None:
         self.dsn = dsn
         self.deliverers = deliverers
-        self.settings = DeliverySettings(**settings)
+        self.settings = settings or DeliverySettings(**fields)
+        self._source = source
+        self._companions = companions
         self.daemon: DeliveryDaemon | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
@@ -33,12 +49,18 @@ class DaemonThread:
     def _main(self) -> None:
         async def main() -> None:
             store = AsyncStore(make_async_engine(self.dsn))
-            self.daemon = DeliveryDaemon(store, self.deliverers, self.settings)
+            source = None if self._source is None else self._source(store)
+            self.daemon = DeliveryDaemon(store, self.deliverers, self.settings, source=source)
+            others = [] if self._companions is None else self._companions(store)
             self._loop = asyncio.get_running_loop()
             self._ready.set()
+            tasks = [asyncio.create_task(other.run()) for other in others]
             try:
                 await self.daemon.run()
             finally:
+                for other in others:
+                    other.stop()
+                await asyncio.gather(*tasks, return_exceptions=True)
                 await store.dispose()
 
         try:

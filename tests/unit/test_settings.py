@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pydantic
 import pytest
 from pydantic import ValidationError as PydanticValidationError
 
@@ -41,3 +42,22 @@ def test_a_deliverer_owner_may_not_pose_as_a_relay() -> None:
         DeliverySettings(owner="relay:host:1:abc")
     assert "relay:" in str(caught.value)
     assert DeliverySettings(owner="deliverer:host:1").owner == "deliverer:host:1"
+
+
+def test_stream_settings_share_every_default_and_rule_of_poll_mode() -> None:
+    from outbox.delivery.settings import StreamSettings
+
+    stream = StreamSettings(bootstrap_servers="localhost:9092")
+    poll = DeliverySettings()
+    shared = set(DeliverySettings.model_fields) - {"owner"}
+    assert {f: getattr(stream, f) for f in shared} == {f: getattr(poll, f) for f in shared}
+    with pytest.raises(pydantic.ValidationError, match="may not start with 'relay:'"):
+        StreamSettings(bootstrap_servers="localhost:9092", owner="relay:host:1:abc")
+
+
+def test_a_relay_owner_must_look_like_one() -> None:
+    from outbox.delivery.settings import RelaySettings
+
+    assert RelaySettings(bootstrap_servers="k:9092").owner.startswith("relay:")
+    with pytest.raises(pydantic.ValidationError, match="must start with 'relay:'"):
+        RelaySettings(bootstrap_servers="k:9092", owner="host:1")

@@ -1,0 +1,223 @@
+"""Stream mode is the same delivery daemon as poll mode, fed by a Kafka source.
+
+Each test runs a real relay and a real DeliveryDaemon with a KafkaSource
+against a Tansu broker, and checks one behaviour poll mode has and stream mode
+once lacked: per-kind concurrency caps, rate-limit pauses, the schema-version
+retry delay, lost-lease reports, and the command line's options (metrics,
+grace, concurrency) acting with --from-kafka.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import update
+
+from deliverers.testing import (
+    TANSU_CONSUMER_TUNING,
+    IdempotentHttpSink,
+    RecordingDeliverer,
+    TansuBroker,
+)
+from outbox import EffectStatus, Outbox
+from outbox.delivery import Deliverer, Delivery, Outcome, Retry, Succeeded
+from outbox.delivery.settings import RelaySettings, StreamSettings
+from outbox.delivery.stream import KafkaSource, Relay
+from outbox.storage.async_store import AsyncStore
+from outbox.storage.schema import effects
+from tests.support import DaemonThread, wait_for
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+def stream_daemon(
+    dsn: str, broker: TansuBroker, deliverers: dict[str, Deliverer], **fields: Any
+) -> DaemonThread:
+    """A relay and a stream deliverer on one loop, as `outbox relay` and `deliver --from-kafka`."""
+    for kind in deliverers:
+        broker.create_topic(f"outbox.{kind}", partitions=2)
+    settings = StreamSettings(
+        bootstrap_servers=broker.bootstrap,
+        group="drift",
+        consumer=dict(TANSU_CONSUMER_TUNING),
+        **fields,
+    )
+    relay_settings = RelaySettings(bootstrap_servers=broker.bootstrap, poll_seconds=0.2)
+
+    def source(store: AsyncStore) -> KafkaSource:
+        return KafkaSource(store, sorted(deliverers), settings)
+
+    def relay(store: AsyncStore) -> list[Relay]:
+        return [Relay(store, sorted(deliverers), relay_settings)]
+
+    return DaemonThread(dsn, deliverers, settings=settings, source=source, companions=relay)
+
+
+def intend(ob: Outbox, kind: str, n: int, **options: Any) -> None:
+    run = ob.start_run("agent", "1")
+    run.transaction(
+        f"{kind}-{n}", lambda tx: [tx.intend(kind, {"n": i}, **options) for i in range(n)] and None
+    )
+
+
+def all_succeeded(ob: Outbox, n: int) -> Callable[[], bool]:
+    def check() -> bool:
+        found = ob.effects(limit=1000)
+        return len(found) == n and all(e.status == EffectStatus.SUCCEEDED for e in found)
+
+    return check
+
+
+def test_stream_mode_honours_a_kinds_concurrency_cap(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    intend(ob, "k.limited", 12)
+    peak, current = [0], [0]
+    lock = threading.Lock()
+
+    def count(delivery: Delivery) -> Outcome:
+        with lock:
+            current[0] += 1
+            peak[0] = max(peak[0], current[0])
+        time.sleep(0.05)
+        with lock:
+            current[0] -= 1
+        return Succeeded()
+
+    limited = RecordingDeliverer("k.limited", outcome=count)
+    limited.concurrency = 2
+    with stream_daemon(dsn, kafka_broker, {"k.limited": limited}, concurrency=32):
+        wait_for(all_succeeded(ob, 12), timeout=60, message="delivery")
+    assert peak[0] == 2
+
+
+def test_stream_mode_pauses_a_rate_limited_kind(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    intend(ob, "k.slow", 3)
+    calls: list[float] = []
+
+    def limited(delivery: Delivery) -> Outcome:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            return Retry("HTTP 429", after=1.5, rate_limited=True)
+        return Succeeded()
+
+    slow = RecordingDeliverer("k.slow", outcome=limited)
+    with stream_daemon(dsn, kafka_broker, {"k.slow": slow}, concurrency=1, retry_base_seconds=0.01):
+        wait_for(all_succeeded(ob, 3), timeout=60, message="delivery")
+    assert all(t - calls[0] >= 1.5 for t in calls[1:]), "k.slow waited out its pause"
+
+
+def test_stream_mode_uses_the_schema_retry_setting(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    intend(ob, "k.v", 1, schema_version=2)
+    recorder = RecordingDeliverer("k.v")
+    with stream_daemon(dsn, kafka_broker, {"k.v": recorder}, schema_retry_seconds=123):
+        wait_for(lambda: ob.effects()[0].last_error is not None, timeout=60, message="released")
+    effect = ob.effects()[0]
+    assert effect.status == EffectStatus.PENDING and recorder.deliveries == []
+    assert effect.available_at is not None and effect.attempt_started_at is not None
+    delay = (effect.available_at - effect.attempt_started_at).total_seconds()
+    assert 120 < delay < 130, delay
+
+
+def test_stream_mode_reports_a_lost_lease(ob: Outbox, dsn: str, kafka_broker: TansuBroker) -> None:
+    intend(ob, "k.block", 1)
+    release = threading.Event()
+    blocked = RecordingDeliverer("k.block", outcome=lambda d: release.wait(60) and Succeeded())
+    with stream_daemon(
+        dsn, kafka_broker, {"k.block": blocked}, lease_seconds=0.6, reconcile_seconds=3600
+    ) as daemon:
+        wait_for(lambda: blocked.deliveries, timeout=60, message="the call started")
+        with ob.engine.begin() as conn:  # another process took the attempt over
+            conn.execute(update(effects).values(lease_owner="someone-else"))
+        assert daemon.daemon is not None
+        lost = daemon.daemon.metrics.leases_lost.labels(kind="k.block")
+        wait_for(lambda: lost._value.get() >= 1, message="the heartbeat noticed")
+        release.set()
+        wait_for(lambda: any(a.outcome == "stale" for a in ob.store.attempts(ob.effects()[0].id)))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_deliver_from_kafka_honours_metrics_port_concurrency_and_grace(
+    ob: Outbox, sub_env: dict[str, str], tmp_path: Path, kafka_broker: TansuBroker
+) -> None:
+    kafka_broker.create_topic("outbox.http.request", partitions=2)
+    config = tmp_path / "deliverers.toml"
+    config.write_text('[kinds."http.request"]\nallow_private = ["127.0.0.1"]\n')
+    port = _free_port()
+    tuning = [a for k, v in TANSU_CONSUMER_TUNING.items() for a in ("--kafka-option", f"{k}={v}")]
+    with IdempotentHttpSink(latency=3.0) as sink:
+        run = ob.start_run("agent", "1")
+        run.transaction(
+            "s",
+            lambda tx: (
+                [
+                    tx.intend("http.request", {"url": f"{sink.url}/x", "json": {"n": i}})
+                    for i in range(4)
+                ]
+                and None
+            ),
+        )
+        logs = tmp_path / "procs.log"
+        with logs.open("ab") as log:
+            common = ["--config", str(config)]
+            relay = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "outbox",
+                    "relay",
+                    "--kafka",
+                    kafka_broker.bootstrap,
+                    *common,
+                ],
+                env=sub_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            stream = subprocess.Popen(
+                [
+                    sys.executable, "-m", "outbox", "deliver", "--from-kafka",
+                    kafka_broker.bootstrap, *common, *tuning,
+                    "--concurrency", "1", "--grace", "1", "--metrics-port", str(port),
+                ],
+                env=sub_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        try:
+            wait_for(lambda: sink.in_progress > 0, timeout=60, message="a call in flight")
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+            assert "outbox_in_flight 1.0" in body, body
+            time.sleep(1.0)
+            assert sink.in_progress == 1, "--concurrency 1 allows one call at a time"
+            started = time.monotonic()
+            stream.send_signal(signal.SIGTERM)
+            stream.wait(30)
+            # The call takes 3 s; the grace period is 1 s: the daemon leaves it to its lease.
+            assert time.monotonic() - started < 2.9, "exited within --grace"
+            assert stream.returncode == 0
+        finally:
+            for proc in (relay, stream):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(10)
+    assert "grace period over: abandoning 1 calls" in logs.read_text()

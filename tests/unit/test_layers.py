@@ -1,0 +1,132 @@
+"""Imports run one way: cli → client → delivery → runs → storage → base modules.
+
+Walks the AST of every module (module-level, function-local and
+``TYPE_CHECKING`` imports alike) and checks the contracts of the layout.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Lower layers may not import higher ones. Base modules (errors, models, ...)
+# sit under storage and import nothing of the layers.
+LAYERS = ["storage", "runs", "delivery", "client", "serve", "cli"]
+BASE = {"errors", "models", "settings", "retry", "payloads", "keys", "ids", "validation", "faults"}
+# The one permitted upward edge: a finished effect moves a stopping run on.
+ALLOWED = {("delivery", "runs.stopping")}
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str) -> list[tuple[str, int]]:
+    """Every module a file imports (absolute names), with the line."""
+    tree = ast.parse(source)
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, node.lineno))
+            found += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
+    return found
+
+
+def layer_of(module: str) -> str | None:
+    """The layer an ``outbox.*`` module belongs to (None for base modules and the package)."""
+    parts = module.split(".")
+    if parts[0] != "outbox" or len(parts) < 2:
+        return None
+    if parts[1] in BASE or parts[1] in ("demo", "json_schemas", "__main__"):
+        return "base" if parts[1] in BASE else "cli"
+    return parts[1] if parts[1] in LAYERS else None
+
+
+def violations(files: dict[str, str]) -> list[str]:
+    """Each import that points from a layer to a higher one, or out of bounds.
+
+    ``files`` maps a module's path relative to the repository to its source.
+    """
+    found = []
+    for relative, source in files.items():
+        here = _name(ROOT / relative)
+        mine = layer_of(here)
+        for target, line in imports_of(source):
+            where = f"{relative}:{line} imports {target}"
+            top = target.split(".")[0]
+            if top == "deliverers" and here.split(".")[:2] != ["outbox", "cli"]:
+                found.append(f"{where}: only outbox.cli may import deliverers")
+            if top in ("sqlalchemy", "psycopg") and mine not in ("storage",):
+                found.append(f"{where}: only outbox.storage imports the database driver")
+            theirs = layer_of(target)
+            if mine is None or theirs is None or theirs == mine:
+                continue
+            if mine == "base":
+                found.append(f"{where}: base modules import no layer")
+                continue
+            if theirs == "base":
+                continue
+            rest = ".".join(target.split(".")[1:3])
+            if LAYERS.index(theirs) > LAYERS.index(mine) and (mine, rest) not in ALLOWED:
+                found.append(f"{where}: {mine} may not import {theirs}")
+    return found
+
+
+def test_the_package_imports_one_way() -> None:
+    files = {str(p.relative_to(ROOT)): p.read_text() for p in _modules("outbox")}
+    assert violations(files) == []
+
+
+def test_deliverers_use_the_deliverer_surface_only() -> None:
+    bad = []
+    for path in _modules("deliverers"):
+        for target, line in imports_of(path.read_text()):
+            if target.startswith("outbox.") and not target.startswith(
+                ("outbox.delivery", "outbox.errors", "outbox.validation", "outbox.payloads")
+            ):
+                if path.name == "kafka_dedup.py" and target.startswith("outbox.storage"):
+                    continue  # the consumer side writes its dedup marks in PostgreSQL
+                bad.append(f"{path.name}:{line} imports {target}")
+            if target.split(".")[0] in ("sqlalchemy", "psycopg"):
+                bad.append(f"{path.name}:{line} imports {target}")
+    assert bad == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        (
+            "outbox/storage/bad.py",
+            "from outbox.runs.run import Run\n",
+            "storage may not import runs",
+        ),
+        (
+            "outbox/storage/bad.py",
+            "from outbox.delivery import Deliverer\n",
+            "storage may not import delivery",
+        ),
+        ("outbox/runs/bad.py", "from outbox.client import Outbox\n", "runs may not import client"),
+        ("outbox/runs/bad.py", "import deliverers.http\n", "only outbox.cli may import deliverers"),
+        ("outbox/client.py", "def f():\n    from deliverers import registry\n", "only outbox.cli"),
+        ("outbox/runs/bad.py", "from sqlalchemy import text\n", "only outbox.storage imports"),
+        (
+            "outbox/models.py",
+            "from outbox.storage import Connection\n",
+            "base modules import no layer",
+        ),
+    ],
+)
+def test_the_checker_catches_a_wrong_import(module: str, source: str, expected: str) -> None:
+    found = violations({module: source})
+    assert any(expected in v for v in found), found
