@@ -153,7 +153,7 @@ async def perform_attempt(
         log.warning(note, extra=context)
         return released(effect, note, delay=schema_retry_seconds), None
     outcome = await _call(deliverer, effect, context)
-    crash_point("after_call")
+    crash_point("after_call", effect.kind, run=effect.run_id)
     max_attempts = effect.max_attempts or deliverer.max_attempts or default_max_attempts
     decision = decide(outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy)
     try:

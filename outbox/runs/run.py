@@ -181,9 +181,10 @@ class Run:
             return self._replay(self._steps[step_id])
         self._check_live()
         self.active_step = step_id
-        result_json = encode(
-            fn(*args, **kwargs), field="result", max_bytes=self._ctx.settings.max_payload_bytes
-        )
+        crash_point("step_start", step_id, run=self.id)
+        value = fn(*args, **kwargs)
+        crash_point("step_end", step_id, run=self.id)
+        result_json = encode(value, field="result", max_bytes=self._ctx.settings.max_payload_bytes)
         return self._commit(step_id, "call", result_json, None, None)
 
     def transaction(
@@ -281,6 +282,7 @@ class Run:
                 return self._replay(outcome)
             if self._lease is not None:
                 self._record = self._record.model_copy(update={"status": RunStatus.WAITING})
+                crash_point("parked", step_id, run=self.id)
                 raise Suspended(self.id, step_id)
             block_until(self._ctx.dsn, spec, outcome.seconds_left, self.id)
 
@@ -333,8 +335,11 @@ class Run:
             with store.begin(connection) as conn:
                 tx = StepTransaction(self, conn, step_id)
                 if fn is not None:
+                    crash_point("step_start", step_id, run=self.id)
+                    value = fn(tx)
+                    crash_point("step_end", step_id, run=self.id)
                     result_json = encode(
-                        fn(tx), field="result", max_bytes=self._ctx.settings.max_payload_bytes
+                        value, field="result", max_bytes=self._ctx.settings.max_payload_bytes
                     )
                 has_intents = tx._intents.pending > 0
                 notified = wakeup.inline() if has_intents else None
@@ -356,7 +361,7 @@ class Run:
                     fenced=self._lease is not None,
                     notify=notified is not None,
                 )
-                crash_point("before_step_commit")
+                crash_point("before_step_commit", step_id, run=self.id)
                 if not outcome.run_ok:
                     raise self._refusal(conn, tx._debit + tx._reserve)
                 if outcome.step_seq is None:
@@ -371,6 +376,9 @@ class Run:
             assert recorded is not None
             self._steps[step_id] = recorded
             return self._replay(recorded)
+        if connection is None:
+            # Committed; a wake-up owed to the deliverers is not sent yet.
+            crash_point("after_commit", step_id, run=self.id)
         if has_intents and connection is None:
             wakeup.committed(notified)
         self._record = self._record.model_copy(
@@ -390,7 +398,7 @@ class Run:
             completed_at=datetime.now(UTC),
         )
         self.active_step = None
-        crash_point("after_step")
+        crash_point("after_step", step_id, run=self.id)
         return result
 
     def _fence_params(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from uuid import UUID
 from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.errors import LeaseLost, RunTerminal
+from outbox.faults import crash_point
 from outbox.ids import default_owner
 from outbox.models import Lease, RunRecord, RunStatus
 from outbox.payloads import encode
@@ -213,6 +214,7 @@ class Worker:
         )
         if upgraded is None:
             raise LeaseLost(f"run_id={str(record.id)!r}: lost while upgrading")
+        crash_point("after_upgrade", f"{record.agent_version}->{self.version}", run=record.id)
         log.info(
             "run upgraded %s -> %s",
             record.agent_version,

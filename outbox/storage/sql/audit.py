@@ -1,0 +1,64 @@
+"""Read-only statements for an audit of a whole (scratch) database: ``outbox check``'s evidence.
+
+They read every row of a table; they are meant for the small databases a check
+or a chaos test makes, never for a production one.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from sqlalchemy import func, select
+
+from outbox.storage.schema import effect_attempts, effects, steps
+from outbox.storage.sql.common import AnySelect
+
+__all__ = ["all_attempts", "all_effects", "all_steps", "effect_kinds", "effect_status_counts"]
+
+
+@cache
+def all_effects() -> AnySelect:
+    """Every intent, in intent order, with what an audit compares."""
+    return select(
+        effects.c.id,
+        effects.c.idempotency_key,
+        effects.c.kind,
+        effects.c.status,
+        effects.c.attempt,
+        effects.c.payload,
+        effects.c.run_id,
+        effects.c.step_id,
+    ).order_by(effects.c.seq)
+
+
+@cache
+def all_attempts() -> AnySelect:
+    """Every attempt-log row, in the order it was written."""
+    return select(
+        effect_attempts.c.id,
+        effect_attempts.c.effect_id,
+        effect_attempts.c.attempt,
+        effect_attempts.c.outcome,
+        effect_attempts.c.worker,
+        effect_attempts.c.detail,
+    ).order_by(effect_attempts.c.id)
+
+
+@cache
+def all_steps() -> AnySelect:
+    """Every step record (completed and waiting), in the order they were written."""
+    return select(steps.c.run_id, steps.c.step_id, steps.c.kind, steps.c.status).order_by(
+        steps.c.seq
+    )
+
+
+@cache
+def effect_status_counts() -> AnySelect:
+    """Effects per status (every status present)."""
+    return select(effects.c.status, func.count()).group_by(effects.c.status)
+
+
+@cache
+def effect_kinds() -> AnySelect:
+    """The effect kinds intended so far."""
+    return select(effects.c.kind).distinct().order_by(effects.c.kind)

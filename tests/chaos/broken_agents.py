@@ -1,0 +1,73 @@
+"""Agents for ``outbox check``'s own tests: two with a classic mistake each, and a correct one.
+
+They post to the check's recording sink (``OUTBOX_CHECK_SINK``, set in the
+worker processes of a check), so what they send outside the outbox is seen.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+
+from outbox import Run, StepTransaction
+
+
+def _sink() -> str:
+    return os.environ["OUTBOX_CHECK_SINK"]
+
+
+def _customer() -> dict[str, str]:
+    return {"id": "C-42", "email": "new@example.com"}
+
+
+def emails_from_plain_python(run: Run) -> Any:
+    """BROKEN: the welcome email is sent by plain Python between steps, not intended.
+
+    Every resume runs that code again: a crash anywhere after it sends a second email.
+    """
+    customer = run.call("load-customer", _customer)
+    httpx.post(
+        f"{_sink()}/emails",
+        json={"operation": f"{run.id}:welcome-email", "to": customer["email"]},
+    ).raise_for_status()
+    run.transaction("mark-welcomed", lambda tx: tx.set_state({"welcomed": customer["id"]}))
+    return run.transaction("open-account", lambda tx: _open_account(tx, run, customer))
+
+
+def charges_inside_a_call(run: Run) -> Any:
+    """BROKEN: a non-idempotent charge is made inside a recorded call, not intended.
+
+    A recorded call runs again when its process dies before the result is recorded.
+    """
+
+    def charge() -> Any:
+        response = httpx.post(
+            f"{_sink()}/charges", json={"operation": f"{run.id}:charge", "amount": 120}
+        )
+        response.raise_for_status()
+        return {"charged": True}
+
+    receipt = run.call("charge-card", charge)
+    return run.transaction("record-receipt", lambda tx: tx.set_state({"receipt": receipt}))
+
+
+def onboards_correctly(run: Run) -> Any:
+    """CORRECT: the email and the account are intended in steps; a deliverer sends them."""
+    customer = run.call("load-customer", _customer)
+
+    def welcome(tx: StepTransaction) -> None:
+        tx.set_state({"welcomed": customer["id"]})
+        tx.intend("email.send", {"to": customer["email"], "template": "welcome"})
+
+    run.transaction("send-welcome", welcome)
+    approval = run.wait_signal("approval", name="approved", timeout=600)
+    return run.transaction("open-account", lambda tx: _open_account(tx, run, customer, approval))
+
+
+def _open_account(
+    tx: StepTransaction, run: Run, customer: dict[str, str], approval: Any = None
+) -> dict[str, Any]:
+    tx.intend("accounts.open", {"operation": f"{run.id}:open", "customer": customer["id"]})
+    return {"customer": customer["id"], "approved_by": approval}
