@@ -101,8 +101,13 @@ class _Check:
         return result
 
     def many(self, plans: Sequence[TrialPlan], reference: Reference | None) -> list[TrialResult]:
+        """Trials ``jobs`` at a time; a hand-over (a reference of its own) is compared with none."""
+
+        def one(plan: TrialPlan) -> TrialResult:
+            return self.trial(plan, None if plan.role == "handover" else reference)
+
         with ThreadPoolExecutor(self.options.jobs, thread_name_prefix="outbox-check") as pool:
-            return list(pool.map(lambda p: self.trial(p, reference), plans))
+            return list(pool.map(one, plans))
 
     def isolate(self, chain: TrialResult, reference: Reference) -> list[TrialResult]:
         """Single crashes of a failing chain, in order, until a batch has one that fails."""

@@ -27,7 +27,7 @@ from typing import Literal, Protocol
 
 from outbox.faults import CRASH_ENV, TRACE_ENV
 
-__all__ = ["Fleet", "ForkedOutbox", "Process", "spawn_outbox"]
+__all__ = ["Fleet", "ForkedOutbox", "Process", "spawn_outbox", "start_deliverer"]
 
 #: What the fork server imports once, before it forks anything.
 PRELOAD = ["outbox.cli", "deliverers.record", "deliverers.http"]
@@ -84,6 +84,14 @@ def spawn_outbox(
             stdout=handle,
             stderr=subprocess.STDOUT,
         )
+
+
+def start_deliverer(
+    env: Mapping[str, str], config: Path, log: Path, *extra: str, crash_at: str | None = None
+) -> subprocess.Popen[bytes]:
+    """``outbox deliver`` with ``config`` (lease 1 s, poll 0.2 s), armed at ``crash_at`` if given."""
+    args = ["deliver", "--config", str(config), "--lease", LEASE_SECONDS, "--poll", "0.2"]
+    return spawn_outbox([*args, *extra], env, log, crash_at=crash_at)
 
 
 def _child_env(env: Mapping[str, str], crash_at: str | None, trace: Path | None) -> dict[str, str]:

@@ -7,11 +7,13 @@ person reads, :meth:`CheckReport.as_dict` the JSON a CI job keeps, and
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from outbox.testing.compare import GLOBAL, split
@@ -370,7 +372,8 @@ def render(report: CheckReport, console: Console) -> None:
     """Print the table, the warnings, and the first violation (or the all-clear)."""
     options = report.options
     console.print(
-        f"[bold]outbox check[/] {options.handler} ({options.agent} {options.version}); "
+        f"[bold]outbox check[/] {escape(options.handler)} "
+        f"({escape(options.agent)} {escape(options.version)}); "
         f"{options.runs} run(s) per trial, sink: {options.sink}"
     )
     rows = report.rows() if report.baseline is not None and report.baseline.ok else []
@@ -380,10 +383,16 @@ def render(report: CheckReport, console: Console) -> None:
             table.add_column(name, overflow="fold")
         for row in rows:
             style = _STYLE.get(row.outcome, "dim")
-            table.add_row(row.point, row.role, row.where, f"[{style}]{row.outcome}[/]", row.detail)
+            table.add_row(
+                row.point,
+                row.role,
+                escape(row.where),
+                f"[{style}]{row.outcome}[/]",
+                escape(row.detail),
+            )
         console.print(table)
     for warning in report.warnings:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
     first = report.first_violation()
     crashes = sum(len(r.crashes) for r in report.results)
     if first is None:
@@ -393,24 +402,24 @@ def render(report: CheckReport, console: Console) -> None:
             f"({report.seconds:.0f} s)"
         )
         return
-    console.print(f"[bold red]FAILED[/] at {first.trial} ({report.seconds:.0f} s)")
-    console.print(f"  what:      {first.detail}")
+    console.print(f"[bold red]FAILED[/] at {escape(first.trial)} ({report.seconds:.0f} s)")
+    console.print(f"  what:      {escape(first.detail)}")
     if first.explanation:
-        console.print(f"  why:       {first.explanation}")
+        console.print(f"  why:       {escape(first.explanation)}")
     if first.output:
         console.print("  output:")
         console.print(first.output, markup=False, highlight=False)
-    console.print(f"  reproduce: {first.reproduce}")
+    # whole lines, never wrapped: they are meant to be copied
+    console.print(f"  reproduce: {first.reproduce}", markup=False, highlight=False, soft_wrap=True)
     if first.logs:
-        console.print(f"  logs:      {first.logs}")
+        console.print(f"  logs:      {first.logs}", markup=False, highlight=False, soft_wrap=True)
 
 
 def plain_text(report: CheckReport, width: int = 140) -> str:
     """The rendered report as plain text (for an assertion message)."""
-    console = Console(record=True, width=width, force_terminal=False, color_system=None)
-    with console.capture():
-        render(report, console)
-    return console.export_text()
+    out = io.StringIO()
+    render(report, Console(file=out, width=width, force_terminal=False, color_system=None))
+    return out.getvalue()
 
 
 def summarize(results: Sequence[TrialResult]) -> dict[str, int]:
