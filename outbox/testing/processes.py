@@ -89,7 +89,7 @@ def spawn_outbox(
 def start_deliverer(
     env: Mapping[str, str], config: Path, log: Path, *extra: str, crash_at: str | None = None
 ) -> subprocess.Popen[bytes]:
-    """``outbox deliver`` with ``config`` (lease 1 s, poll 0.2 s), armed at ``crash_at`` if given."""
+    """``outbox deliver`` with ``config`` (lease 1 s, poll 0.2 s), armed at ``crash_at``."""
     args = ["deliver", "--config", str(config), "--lease", LEASE_SECONDS, "--poll", "0.2"]
     return spawn_outbox([*args, *extra], env, log, crash_at=crash_at)
 
