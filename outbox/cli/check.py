@@ -149,7 +149,8 @@ def check(
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "options"
         shown = f"={first['input']!r}" if first["loc"] else ""
-        raise click.UsageError(f"{where}{shown}: {first['msg']}") from None
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise click.UsageError(f"{where}{shown}: {message}") from None
 
     progress = Progress(
         TextColumn("[bold]{task.description}"),

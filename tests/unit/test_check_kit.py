@@ -295,3 +295,26 @@ def test_the_explanation_tells_a_call_inside_a_step_from_plain_code() -> None:
     killed.events = [ev("step_start", "charge", t=1.0), ev("step_end", "charge", t=2.5)]
     killed.events += [ev("step_start", "other", pid=2, t=9.0)]  # killed there: a zero-length span
     assert "'charge'" in explain("duplicate_operations", "op", killed)
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["a:b", "--agent", "a"], "Missing option '--version'"),
+        (["a:b", "--agent", "a", "--version", "1", "--inputs", "{bad"], "--inputs: not JSON"),
+        (["a:b", "--agent", "a", "--version", "1", "--signal", "go"], "expected NAME=JSON"),
+        (["a:b", "--agent", "a", "--version", "1", "--upgrade-to", "2"], "go together"),
+        (["no_colon", "--agent", "a", "--version", "1"], "handler='no_colon'"),
+    ],
+)
+def test_bad_command_lines_are_one_clear_line_and_exit_2(args: list[str], message: str) -> None:
+    from click.testing import CliRunner
+
+    from outbox.cli import cli
+
+    result = CliRunner().invoke(cli, ["check", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
