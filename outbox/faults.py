@@ -13,7 +13,9 @@ process under test:
   when it dies there), which is how ``outbox check`` learns an agent's points
   and counts how often each step function ran.
 
-With both unset, :func:`crash_point` costs two dictionary lookups.
+The environment is read once, at the first point a process reaches (a step
+goes through five points: with both unset, each costs a global lookup);
+:func:`reset` reads it again, for a test that changes it in-process.
 
 Points of an agent worker (:mod:`outbox.runs`): ``step_start`` (a recorded step's
 function is about to run), ``step_end`` (it returned; its checkpoint is not
@@ -40,7 +42,7 @@ import signal
 import threading
 import time
 
-__all__ = ["CRASH_ENV", "POINTS", "TRACE_ENV", "crash_point", "parse_target"]
+__all__ = ["CRASH_ENV", "POINTS", "TRACE_ENV", "crash_point", "parse_target", "reset"]
 
 WORKER_POINTS = (
     "step_start",
@@ -60,6 +62,23 @@ TRACE_ENV = "OUTBOX_TEST_TRACE"
 
 _lock = threading.Lock()
 _hits: dict[str, int] = {}
+#: (crash target, trace file) as the environment said at the first point reached.
+_config: tuple[tuple[str, str | None, int] | None, str | None] | None = None
+
+
+def _read_config() -> tuple[tuple[str, str | None, int] | None, str | None]:
+    global _config
+    raw = os.environ.get(CRASH_ENV)
+    _config = (parse_target(raw) if raw else None, os.environ.get(TRACE_ENV) or None)
+    return _config
+
+
+def reset() -> None:
+    """Read the environment again at the next point, and forget the hits counted so far."""
+    global _config
+    with _lock:
+        _config = None
+        _hits.clear()
 
 
 def parse_target(raw: str) -> tuple[str, str | None, int]:
@@ -99,13 +118,12 @@ def crash_point(name: str, where: str | None = None, *, run: object = None) -> N
     ``where`` says which occurrence this is (a step id, an effect kind);
     ``run`` the run it belongs to, for the trace.
     """
-    raw = os.environ.get(CRASH_ENV)
-    trace = os.environ.get(TRACE_ENV)
-    if not raw and not trace:
+    armed, trace = _config if _config is not None else _read_config()
+    if armed is None and trace is None:
         return
     crash = False
-    if raw:
-        target, target_where, count = parse_target(raw)
+    if armed is not None:
+        target, target_where, count = armed
         if target == name and (target_where is None or target_where == where):
             with _lock:
                 _hits[name] = _hits.get(name, 0) + 1

@@ -88,7 +88,7 @@ def _signals(raw: tuple[str, ...]) -> dict[str, Any]:
     help="Only this trial: a crash point, or point@step as the report names it (repeatable).",
 )
 @click.option(
-    "--jobs", type=click.IntRange(1, 32), default=4, show_default=True, help="Trials at once."
+    "--jobs", type=click.IntRange(1, 32), default=8, show_default=True, help="Trials at once."
 )
 @click.option(
     "--timeout",

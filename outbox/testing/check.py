@@ -106,8 +106,13 @@ class _Check:
         def one(plan: TrialPlan) -> TrialResult:
             return self.trial(plan, None if plan.role == "handover" else reference)
 
-        with ThreadPoolExecutor(self.options.jobs, thread_name_prefix="outbox-check") as pool:
+        pool = ThreadPoolExecutor(self.options.jobs, thread_name_prefix="outbox-check")
+        try:
             return list(pool.map(one, plans))
+        finally:
+            # On an interrupt, trials not started yet are dropped; running ones end soon
+            # (their processes are killed and their databases dropped as they unwind).
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def isolate(self, chain: TrialResult, reference: Reference) -> list[TrialResult]:
         """Single crashes of a failing chain, in order, until a batch has one that fails."""

@@ -183,7 +183,7 @@ class Reference:
             if tag == GLOBAL:
                 ref.global_ops[masked] += n
             else:
-                counters[tag][masked] = n
+                counters.setdefault(tag, Counter())[masked] = n
         for a in applied:
             if a.key is None and a.operation:
                 ref.keyless.add(split(a.operation)[1])

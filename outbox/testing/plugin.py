@@ -76,7 +76,7 @@ class OutboxCheck:
         setup: Callable[..., Any] | str | None = None,
         upgrade_handler: Callable[..., Any] | str | None = None,
         only: Sequence[str] = (),
-        jobs: int = 4,
+        jobs: int = 8,
         timeout: float = 60.0,
     ) -> CheckReport:
         """Check ``handler``; fail the test with the report on any violation."""

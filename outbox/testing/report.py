@@ -21,7 +21,7 @@ from outbox.testing.crash import CRASH_POINTS, DELIVERER_POINTS, UPGRADE_POINTS,
 from outbox.testing.crash import target as crash_target
 from outbox.testing.invariants import Applied
 from outbox.testing.plan import CheckOptions, TrialPlan
-from outbox.testing.trial import TrialResult
+from outbox.testing.trial import Crash, TrialResult
 
 __all__ = ["CheckReport", "Row", "Violation", "explain", "render"]
 
@@ -256,6 +256,11 @@ class CheckReport:
                 )
                 continue
             chain = by_id.get(point.name)
+            tried = {r.plan.targets[0] for r in self.results if r.plan.point == point.name}
+            if chain is None and not tried:
+                steps = f"{len(plan.targets)} step(s)"
+                rows.append(Row(point.name, "worker", steps, "skipped", SKIPPED, point.name))
+                continue
             singles = {
                 r.plan.targets[0]: r
                 for r in self.results
@@ -315,7 +320,15 @@ class CheckReport:
             "runs_per_trial": self.options.runs,
             "sink": self.options.sink,
             "seconds": round(self.seconds, 1),
-            "trials": len(self.results) + (self.baseline is not None),
+            "trials": [
+                {
+                    "id": r.plan.id,
+                    "ok": r.ok,
+                    "seconds": round(r.seconds, 1),
+                    "crashes": [target_of(c) for c in r.crashes],
+                }
+                for r in [*([self.baseline] if self.baseline else []), *self.results]
+            ],
             "crashes": sum(len(r.crashes) for r in self.results),
             "rows": [r.as_dict() for r in self.rows()],
             "first_violation": None if first is None else first.as_dict(),
@@ -327,6 +340,11 @@ class CheckReport:
             "warnings": self.warnings,
             "command": self.options.command(),
         }
+
+
+def target_of(crash: Crash) -> str:
+    """``point@where`` of a crash."""
+    return crash_target(crash.point, crash.where)
 
 
 def _never(point: str) -> str:

@@ -271,7 +271,7 @@ def test_rows_follow_the_catalogue_and_the_first_violation_is_a_single_crash() -
     assert rows[("step_end", "load")].outcome == "ok"
     assert rows[("step_end", "pay")].outcome == "VIOLATION"
     assert "<id>:email (run 0190a0a0): intended 0x, applied 2x" in rows[("step_end", "pay")].detail
-    assert rows[("step_start", "load")].outcome == "skipped"
+    assert rows[("step_start", "2 step(s)")].outcome == "skipped"
     assert rows[("after_step", "load")].outcome == "ok"
     assert rows[("after_step", "pay")].outcome == "not reached"
     assert rows[("parked", "-")].detail == "the agent never waits"

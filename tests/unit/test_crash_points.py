@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,13 +54,24 @@ def test_every_catalogued_point_exists_in_the_code_and_has_words() -> None:
         assert point.when and point.expected, point.name
 
 
+@pytest.fixture(autouse=True)
+def fresh_config() -> Iterator[None]:
+    faults.reset()
+    yield
+    faults.reset()
+
+
 def test_an_unarmed_point_traces_when_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(CRASH_ENV, raising=False)
+    monkeypatch.delenv(TRACE_ENV, raising=False)
     crash_point("after_step", "a")  # neither variable: nothing happens, nothing is written
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv(TRACE_ENV, str(trace))
+    crash_point("after_step", "b")  # read once: still off until reset
+    assert not trace.exists()
+    faults.reset()
     crash_point("step_start", "fetch", run="r1")
     crash_point("step_end", "fetch", run="r1")
     crash_point("step_start", "fetch", run="r2")
