@@ -95,7 +95,7 @@ def _signals(raw: tuple[str, ...]) -> dict[str, Any]:
     type=click.FloatRange(min=1, max=3600),
     default=60.0,
     show_default=True,
-    help="Seconds a trial may go without progress before it is given up.",
+    help="Seconds a trial may go with nothing moving before it is reported as stuck.",
 )
 @click.option("--keep-logs", is_flag=True, help="Keep the processes' logs even when it passes.")
 @json_option

@@ -27,7 +27,8 @@ from outbox.storage.scratch import ScratchDatabases
 from outbox.testing.compare import Reference, split
 from outbox.testing.plan import BASELINE, CheckOptions, TrialPlan, plan_trials, select
 from outbox.testing.report import CheckReport
-from outbox.testing.trial import TrialContext, TrialResult, run_trial
+from outbox.testing.supervisor import TrialContext
+from outbox.testing.trial import TrialResult, run_trial
 from outbox.validation import import_callable
 
 __all__ = ["Progress", "check_agent", "scratch_server"]
@@ -205,7 +206,8 @@ def check_agent(
                 ctx = TrialContext(options, databases, workdir, declarations=declarations)
                 _Check(options, ctx, progress).run(report)
             finally:
-                databases.drop_all()
+                if server_dsn or options.dsn:  # a temporary server goes whole
+                    databases.drop_all()
     finally:
         report.seconds = time.monotonic() - started
         if report.ok and not keep_logs:

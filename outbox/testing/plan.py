@@ -69,7 +69,8 @@ class CheckOptions(BaseModel):
     only: tuple[str, ...] = ()
     #: Trials run at once.
     jobs: int = Field(default=8, ge=1, le=32)
-    #: Seconds a trial may go without progress (no process started, runs not ended).
+    #: Seconds a trial may go with nothing moving (no run, effect or crash point) before
+    #: it is reported as stuck.
     timeout: float = Field(default=60.0, gt=0, le=3600)
 
     @field_validator("inputs", "signals")
