@@ -8,7 +8,6 @@ person reads, :meth:`CheckReport.as_dict` the JSON a CI job keeps, and
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -438,12 +437,3 @@ def plain_text(report: CheckReport, width: int = 140) -> str:
     out = io.StringIO()
     render(report, Console(file=out, width=width, force_terminal=False, color_system=None))
     return out.getvalue()
-
-
-def summarize(results: Sequence[TrialResult]) -> dict[str, int]:
-    """Trials per outcome (progress lines)."""
-    counts: dict[str, int] = {}
-    for result in results:
-        key = "ok" if result.ok else "failed"
-        counts[key] = counts.get(key, 0) + 1
-    return counts

@@ -145,6 +145,10 @@ class Supervisor:
         self.deliverer = self.fleet.deliverer("--grace", "2", crash_at=crash_at)
         return self.deliverer
 
+    def disarm_deliverer(self) -> None:
+        """Deliverers started from now on (for new kinds) carry no crash point."""
+        self._deliverer_armed = None
+
     def _serve_new_kinds(self) -> None:
         """Record mode: a kind no deliverer here serves appeared; start one for it."""
         new = set(self.ctx.kinds) - self._served

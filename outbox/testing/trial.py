@@ -122,7 +122,7 @@ def _drive(plan: TrialPlan, sup: Supervisor, result: TrialResult) -> list[Proces
         if deliverer.poll() is not None:
             sup.start_deliverer()
         else:  # never reached: it finished the work itself
-            sup._deliverer_armed = None
+            sup.disarm_deliverer()
         return armed
     sup.start_deliverer()
     if plan.role == "baseline":
