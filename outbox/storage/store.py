@@ -358,6 +358,18 @@ class Store:
         with translate_errors("counting effects"), self.engine.connect() as conn:
             return {str(s): int(n) for s, n in conn.execute(audit.effect_status_counts()).all()}
 
+    def expire_leases_of(self, owner_pattern: str) -> int:
+        """End now the run and effect leases of owners matching ``owner_pattern`` (SQL LIKE).
+
+        Only for an owner known to be dead (``outbox check`` saw its process
+        exit): the runs are rescued and the attempts reconciled as if the
+        leases had run out.
+        """
+        params = {"owner_pattern": owner_pattern}
+        with translate_errors("ending a dead owner's leases"), self.engine.begin() as conn:
+            ended = len(conn.execute(audit.expire_run_leases(), params).all())
+            return ended + len(conn.execute(audit.expire_effect_leases(), params).all())
+
     def effect_kinds(self) -> list[str]:
         """The effect kinds intended so far."""
         with translate_errors("listing effect kinds"), self.engine.connect() as conn:

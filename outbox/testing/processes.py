@@ -5,18 +5,15 @@ environment, never inherited by the next one), and a trace file can be shared
 by all of them (``OUTBOX_TEST_TRACE``).
 
 Two ways to start one: ``python -m outbox ...`` (:func:`spawn_outbox`), or a
-fork of a server process that imported the package once (:class:`ForkedOutbox`,
-multiprocessing's ``forkserver``). A fork is the same command in a real
-process, started in milliseconds instead of half a CPU-second of imports:
-``outbox check`` kills and replaces workers dozens of times.
+fork of a server process that imported the package once
+(:class:`~outbox.testing.forkserver.ForkedOutbox`). A fork is the same
+command in a real process, started in milliseconds instead of half a
+CPU-second of imports: ``outbox check`` kills and replaces workers dozens of
+times.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-import os
-import runpy
 import signal
 import subprocess
 import sys
@@ -26,11 +23,9 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from outbox.faults import CRASH_ENV, TRACE_ENV
+from outbox.testing.forkserver import ForkedOutbox
 
-__all__ = ["Fleet", "ForkedOutbox", "Process", "spawn_outbox", "start_deliverer"]
-
-#: What the fork server imports once, before it forks anything.
-PRELOAD = ["outbox.cli", "deliverers.record", "deliverers.http"]
+__all__ = ["Fleet", "Process", "spawn_outbox", "start_deliverer"]
 
 
 class Process(Protocol):
@@ -104,69 +99,6 @@ def _child_env(env: Mapping[str, str], crash_at: str | None, trace: Path | None)
     return child
 
 
-def _run_cli(args: list[str], env: dict[str, str], log: str, sys_path: list[str]) -> None:
-    """In a forked child: become ``outbox ARGS`` with this environment, writing to ``log``."""
-    os.environ.clear()
-    os.environ.update(env)
-    sys.path[:] = sys_path
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    sys.argv = ["outbox", *args]
-    # exactly what ``python -m outbox ARGS`` runs (the fork server imported it already)
-    runpy.run_module("outbox", run_name="__main__", alter_sys=True)
-
-
-class ForkedOutbox:
-    """``outbox ARGS`` in a process forked from a server that imported the package once.
-
-    It behaves as ``subprocess.Popen`` does where a fleet needs it (``pid``,
-    ``poll``, ``wait``, ``send_signal``; a negative return code is the signal
-    that ended it).
-    """
-
-    def __init__(self, args: list[str], env: Mapping[str, str], log: Path) -> None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        self._process = context.Process(
-            target=_run_cli,
-            # ``python -m outbox`` would have the working directory first on its path
-            args=(args, dict(env), str(log), [os.getcwd(), *sys.path]),
-            name=f"outbox {' '.join(args[:2])}",
-        )
-        self._process.start()
-        assert self._process.pid is not None
-        self.pid: int = self._process.pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        """The exit code, or None while it runs."""
-        if self.returncode is None:
-            self.returncode = self._process.exitcode
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Wait for it to end; ``subprocess.TimeoutExpired`` if it has not in time."""
-        self._process.join(timeout)
-        code = self.poll()
-        if code is None:
-            raise subprocess.TimeoutExpired(f"outbox process {self.pid}", timeout or 0)
-        return code
-
-    def send_signal(self, sig: int) -> None:
-        """Signal it (nothing if it has ended)."""
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it ended just now
-                os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL."""
-        self.send_signal(signal.SIGKILL)
-
-
 @dataclass
 class Fleet:
     """Worker and deliverer processes of one database, each with its own log file.
@@ -183,7 +115,9 @@ class Fleet:
     agent: str = "chaos-load"
     version: str = "1"
     trace: Path | None = None
-    #: ``subprocess``: ``python -m outbox``; ``fork``: :class:`ForkedOutbox`.
+    #: Seconds of the processes' leases.
+    lease: str = LEASE_SECONDS
+    #: ``subprocess``: ``python -m outbox``; ``fork``: a fork of the fork server.
     launcher: Literal["subprocess", "fork"] = "subprocess"
     procs: list[Process] = field(default_factory=list)
     names: dict[int, str] = field(default_factory=dict)
@@ -204,7 +138,7 @@ class Fleet:
     def deliverer(self, *extra: str, crash_at: str | None = None) -> Process:
         """An ``outbox deliver`` process (lease 1 s, poll 0.2 s)."""
         config = [] if self.config is None else ["--config", str(self.config)]
-        args = ["deliver", *config, "--lease", LEASE_SECONDS, "--poll", "0.2", *extra]
+        args = ["deliver", *config, "--lease", self.lease, "--poll", "0.2", *extra]
         return self._spawn("deliver", args, crash_at)
 
     def worker(
@@ -225,7 +159,7 @@ class Fleet:
             "--version",
             version or self.version,
             "--lease",
-            LEASE_SECONDS,
+            self.lease,
             *(["--setup", setup] if setup else []),
             *extra,
         ]

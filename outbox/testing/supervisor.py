@@ -224,9 +224,16 @@ class Supervisor:
             )
 
     def wait_for_exit(self, proc: Process) -> bool:
-        """Until ``proc`` exits (True) or every run ended and every effect settled (False)."""
+        """Until ``proc`` exits (True) or every run ended and every effect settled (False).
+
+        A process killed at its crash point is known dead: its leases are ended
+        at once, rather than waited out, so the next process takes over now
+        (the usual rescue and reconciliation do it, as after a lease ran out).
+        """
         while True:
             if proc.poll() is not None:
+                if proc.returncode == -signal.SIGKILL:
+                    self.ob.store.expire_leases_of(f"%:{proc.pid}:%")
                 return True
             if self.tick():
                 return proc.poll() is not None

@@ -48,6 +48,9 @@ __all__ = ["Crash", "TrialResult", "run_trial"]
 
 log = logging.getLogger(__name__)
 
+#: Leases of a check's workers and deliverers.
+CHECK_LEASE_SECONDS = "5"
+
 
 @dataclass(frozen=True)
 class Crash:
@@ -242,6 +245,9 @@ def run_trial(
         agent=ctx.options.agent,
         version=ctx.options.version,
         trace=trace,
+        # Long enough that a starved process keeps its lease on a busy machine; a
+        # killed one's leases are ended when its death is seen (Supervisor.wait_for_exit).
+        lease=CHECK_LEASE_SECONDS,
         launcher="fork",
     )
     try:

@@ -1,19 +1,29 @@
-"""Read-only statements for an audit of a whole (scratch) database: ``outbox check``'s evidence.
+"""Statements of ``outbox check``: the audit of a whole scratch database, and a dead owner's leases.
 
-They read every row of a table; they are meant for the small databases a check
-or a chaos test makes, never for a production one.
+The audit reads every row of a table: it is meant for the small databases a
+check or a chaos test makes, never for a production one.
 """
 
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Text, bindparam, func, select
 
-from outbox.storage.schema import effect_attempts, effects, steps
-from outbox.storage.sql.common import AnySelect
+from outbox.models import EffectStatus, RunStatus
+from outbox.storage.schema import effect_attempts, effects, runs, steps
+from outbox.storage.sql.common import AnySelect, const
 
-__all__ = ["all_attempts", "all_effects", "all_steps", "effect_kinds", "effect_status_counts"]
+__all__ = [
+    "all_attempts",
+    "all_effects",
+    "all_steps",
+    "effect_kinds",
+    "effect_status_counts",
+    "expire_effect_leases",
+    "expire_run_leases",
+]
 
 
 @cache
@@ -62,3 +72,35 @@ def effect_status_counts() -> AnySelect:
 def effect_kinds() -> AnySelect:
     """The effect kinds intended so far."""
     return select(effects.c.kind).distinct().order_by(effects.c.kind)
+
+
+@cache
+def expire_run_leases() -> Any:
+    """End now the leases on runs held by owners matching ``:owner_pattern`` (SQL LIKE).
+
+    For a process known to be dead (its exit was seen): its leases would run
+    out anyway; ending them now lets the usual rescue take its runs at once.
+    """
+    return (
+        runs.update()
+        .where(
+            runs.c.status == const(RunStatus.RUNNING),
+            runs.c.lease_owner.like(bindparam("owner_pattern", type_=Text)),
+        )
+        .values(lease_expires_at=func.now())
+        .returning(runs.c.id)
+    )
+
+
+@cache
+def expire_effect_leases() -> Any:
+    """The same for effects in flight: the reconciler resolves them at its next pass."""
+    return (
+        effects.update()
+        .where(
+            effects.c.status == const(EffectStatus.IN_FLIGHT),
+            effects.c.lease_owner.like(bindparam("owner_pattern", type_=Text)),
+        )
+        .values(lease_expires_at=func.now())
+        .returning(effects.c.id)
+    )
