@@ -112,7 +112,7 @@ class _Check:
             return list(pool.map(one, plans))
         finally:
             # On an interrupt, trials not started yet are dropped; running ones end soon
-            # (their processes are killed and their databases dropped as they unwind).
+            # (their processes are killed as they unwind).
             pool.shutdown(wait=True, cancel_futures=True)
 
     def isolate(self, chain: TrialResult, reference: Reference) -> list[TrialResult]:

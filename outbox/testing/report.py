@@ -300,8 +300,11 @@ class CheckReport:
                 if role == "deliverer"
                 else f"{self.options.version}->{self.options.upgrade_to}"
             )
+            handover = by_id.get("handover")
             if result is not None:
                 rows.append(_row(name, role, where, result, name))
+            elif role == "upgrade" and handover is not None and not handover.ok:
+                rows.append(Row(name, role, where, "skipped", "the hand-over itself failed", name))
             elif name in planned:
                 rows.append(Row(name, role, where, "skipped", SKIPPED, name))
             else:
