@@ -14,7 +14,9 @@ lock some thread holds). It speaks JSON lines on its standard streams:
 - out: ``{"pid": N}`` in answer to each request, in order, and ``{"exit": N,
   "code": C}`` when a child ends (``C`` negative: the signal that ended it).
 
-It exits when its standard input closes (the checking process is gone).
+It exits when its standard input closes (the checking process is gone), and
+kills the children still running then: a check that was itself killed leaves
+no worker behind.
 Unlike ``multiprocessing``'s forkserver it never re-imports the caller's main
 module in a child.
 """
@@ -102,6 +104,8 @@ def serve() -> None:
     selector.register(wake_r, selectors.EVENT_READ, "child")
     pending = b""
 
+    children: set[int] = set()
+
     def reap() -> None:
         while True:
             try:
@@ -110,8 +114,10 @@ def serve() -> None:
                 return
             if pid == 0:
                 return
+            children.discard(pid)
             code = os.waitstatus_to_exitcode(status)
-            out.write(json.dumps({"exit": pid, "code": code}) + "\n")
+            with contextlib.suppress(OSError):  # the checking process may be gone
+                out.write(json.dumps({"exit": pid, "code": code}) + "\n")
 
     while True:
         for key, _ in selector.select():
@@ -122,7 +128,12 @@ def serve() -> None:
                 continue
             chunk = os.read(0, 1 << 16)
             if not chunk:
-                reap()
+                for pid in children:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                for _ in list(children):
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(-1, 0)
                 return
             pending += chunk
             while b"\n" in pending:
@@ -132,6 +143,7 @@ def serve() -> None:
                 if pid == 0:
                     selector.close()
                     _child(request, [out.fileno(), wake_r, wake_w])
+                children.add(pid)
                 out.write(json.dumps({"pid": pid}) + "\n")
 
 
@@ -172,16 +184,25 @@ class ForkServer:
             return cls._shared
 
     def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            message = json.loads(line)
-            with self._changed:
-                if "pid" in message:
-                    self._pids.append(int(message["pid"]))
-                else:
-                    self._exits[int(message["exit"])] = int(message["code"])
-                self._changed.notify_all()
+        with stream:
+            for line in stream:
+                message = json.loads(line)
+                with self._changed:
+                    if "pid" in message:
+                        self._pids.append(int(message["pid"]))
+                    else:
+                        self._exits[int(message["exit"])] = int(message["code"])
+                    self._changed.notify_all()
         with self._changed:  # the server is gone: nothing more will be said
             self._changed.notify_all()
+
+    def close(self, timeout: float = 30) -> int:
+        """End the server (its children still running are killed); its exit code."""
+        with contextlib.suppress(OSError):
+            self._stdin.close()
+        code = self._proc.wait(timeout=timeout)
+        self._reader.join(timeout=timeout)
+        return code
 
     def fork(self, args: list[str], env: Mapping[str, str], log: Path) -> int:
         """Start ``outbox ARGS``; its pid. The log exists when this returns."""
