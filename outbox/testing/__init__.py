@@ -12,10 +12,11 @@ recorded step replayed without re-running its function, the same result.
 Modules: :mod:`~outbox.testing.crash` (the crash points and the trace),
 :mod:`~outbox.testing.invariants` (the checker), :mod:`~outbox.testing.compare`
 (the uninterrupted reference), :mod:`~outbox.testing.plan`,
-:mod:`~outbox.testing.trial` and :mod:`~outbox.testing.check` (running the
-trials), :mod:`~outbox.testing.report` (the table), :mod:`~outbox.testing.processes`
-and :mod:`~outbox.testing.workload` (real processes and a synthetic load, used by
-the project's own chaos tests).
+:mod:`~outbox.testing.trial`, :mod:`~outbox.testing.supervisor` and
+:mod:`~outbox.testing.check` (running the trials), :mod:`~outbox.testing.report`
+(the table), :mod:`~outbox.testing.processes` and :mod:`~outbox.testing.forkserver`
+(real worker and deliverer processes), :mod:`~outbox.testing.workload` (a
+synthetic load for the project's own chaos tests).
 
 Names are imported lazily, so the pytest plugin costs nothing until used.
 """
