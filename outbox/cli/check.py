@@ -88,12 +88,12 @@ def _signals(raw: tuple[str, ...]) -> dict[str, Any]:
     help="Only this trial: a crash point, or point@step as the report names it (repeatable).",
 )
 @click.option(
-    "--jobs", type=click.IntRange(1, 32), default=8, show_default=True, help="Trials at once."
+    "--jobs", type=click.IntRange(1, 32), default=4, show_default=True, help="Trials at once."
 )
 @click.option(
     "--timeout",
     type=click.FloatRange(min=1, max=3600),
-    default=60.0,
+    default=120.0,
     show_default=True,
     help="Seconds a trial may go with nothing moving before it is reported as stuck.",
 )

@@ -68,10 +68,10 @@ class CheckOptions(BaseModel):
     #: Only these trials (ids as a report prints them, e.g. ``step_end@charge``).
     only: tuple[str, ...] = ()
     #: Trials run at once.
-    jobs: int = Field(default=8, ge=1, le=32)
+    jobs: int = Field(default=4, ge=1, le=32)
     #: Seconds a trial may go with nothing moving (no run, effect or crash point) before
     #: it is reported as stuck.
-    timeout: float = Field(default=60.0, gt=0, le=3600)
+    timeout: float = Field(default=120.0, gt=0, le=3600)
 
     @field_validator("inputs", "signals")
     @classmethod

@@ -76,8 +76,8 @@ class OutboxCheck:
         setup: Callable[..., Any] | str | None = None,
         upgrade_handler: Callable[..., Any] | str | None = None,
         only: Sequence[str] = (),
-        jobs: int = 8,
-        timeout: float = 60.0,
+        jobs: int = 4,
+        timeout: float = 120.0,
     ) -> CheckReport:
         """Check ``handler``; fail the test with the report on any violation."""
         from outbox.testing.check import check_agent

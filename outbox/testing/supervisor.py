@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from outbox.client import Outbox
@@ -204,18 +205,36 @@ class Supervisor:
                     f"a process exited with status {code}:\n{self.fleet.log_of(proc)[-3000:]}"
                 )
         finished = all(r.status.value in TERMINAL for r in records)
+        self._never_signalled(records)
         counts = self.ob.store.effect_counts()
-        # Anything that moved (a run, an effect, a point reached) is progress.
-        trace = self.logs / "trace.jsonl"
+        # Anything that moved (a run, an effect, a point reached, a line a process
+        # wrote: one starting up on a busy machine) is progress.
         seen = (
             tuple((r.status, r.current_step, r.attempt) for r in records),
             tuple(sorted(counts.items())),
-            trace.stat().st_size if trace.exists() else 0,
+            sum(f.stat().st_size for f in self.logs.iterdir() if f.suffix in (".log", ".jsonl")),
         )
         if seen != self._seen:
             self._seen = seen
             self._progress()
         return finished and not any(counts.get(s, 0) for s in _OPEN_EFFECTS)
+
+    def _never_signalled(self, records: list[RunRecord]) -> None:
+        """A run parked for a signal the check cannot send, and no timeout soon: stuck."""
+        patience = timedelta(seconds=self.ctx.options.timeout)
+        for record in records:
+            name = record.wait_signal
+            if (
+                record.status == RunStatus.WAITING
+                and name is not None
+                and name not in self.ctx.options.signals
+                and (record.wake_at is None or record.wake_at > datetime.now(UTC) + patience)
+            ):
+                raise TrialError(
+                    f"run {str(record.id)[:8]} waits for signal {name!r}, which the check "
+                    f"does not send: pass --signal {name}=JSON (outbox_check(..., "
+                    f"signals={{{name!r}: ...}}))"
+                )
 
     def _late(self) -> None:
         if time.monotonic() > self.deadline:

@@ -182,3 +182,13 @@ def test_the_real_deliverers_config_can_stand_in_for_the_recording_sink(
     assert report.ok
     assert stats["duplicate_operations"] == [] and stats["duplicate_keys_applied"] == []
     assert stats["redeliveries"] >= 1, "the deliverer killed after a call: its calls were redone"
+
+
+def test_a_run_waiting_for_a_signal_nobody_sends_stops_the_check_naming_it(
+    outbox_check: OutboxCheck,
+) -> None:
+    with pytest.raises(pytest.fail.Exception) as failed:
+        outbox_check(broken_agents.onboards_correctly, agent="onboarding")
+    message = str(failed.value)
+    assert "FAILED at uninterrupted" in message
+    assert "waits for signal 'approved'" in message and "--signal approved=JSON" in message
