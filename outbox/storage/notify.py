@@ -29,7 +29,14 @@ import psycopg
 
 from outbox.storage.engine import libpq_dsn
 
-__all__ = ["WakeupThrottle", "listen", "listen_blocking", "wait_for_notify"]
+__all__ = [
+    "WakeupThrottle",
+    "listen",
+    "listen_blocking",
+    "notify_once",
+    "wait_for_notify",
+    "wait_for_notify_async",
+]
 
 log = logging.getLogger(__name__)
 
@@ -167,3 +174,25 @@ def wait_for_notify(dsn: str, channel: str, timeout: float, *, payload: str | No
             if payload is None or note.payload == payload:
                 return True
     return False
+
+
+async def wait_for_notify_async(
+    dsn: str, channel: str, timeout: float, *, payload: str | None = None
+) -> bool:
+    """Async twin of :func:`wait_for_notify`: wait up to ``timeout`` s without blocking the loop."""
+    async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        await conn.execute(f"LISTEN {channel}")
+        async for note in conn.notifies(timeout=timeout):
+            if payload is None or note.payload == payload:
+                return True
+    return False
+
+
+def notify_once(dsn: str, channel: str) -> None:
+    """One NOTIFY on a connection of its own (a trailing wake-up sent from a thread).
+
+    An async client's engine belongs to its event loop; the throttle's thread
+    cannot use it, and a trailing NOTIFY is rare (at most one per window).
+    """
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        conn.execute("SELECT pg_notify(%s, '')", (channel,))
