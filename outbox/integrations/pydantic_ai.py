@@ -29,12 +29,7 @@ Outside a run the capability is transparent: the agent runs as usual.
 
 from __future__ import annotations
 
-import contextvars
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from datetime import timedelta
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from pydantic_ai import Agent
@@ -49,7 +44,18 @@ from pydantic_ai.durable_exec import (
 )
 from pydantic_ai.models import Model
 
-from outbox.errors import ValidationError
+from outbox.integrations._scope import (
+    _SCOPE,
+    TokenPrice,
+    current_run,
+    effect,
+    in_run,
+    in_step,
+    model_step,
+    scope_now,
+    tokens,
+    wait_for_signal,
+)
 from outbox.runs.async_run import AsyncRun
 from outbox.runs.run_base import Suspended
 
@@ -63,117 +69,10 @@ __all__ = [
     "wait_for_signal",
 ]
 
-#: Budget units one model request costs, from its usage (default: its total tokens).
-TokenPrice = Callable[[Mapping[str, Any]], float]
 
-
-def tokens(usage: Mapping[str, Any]) -> float:
-    """Input plus output tokens of one recorded model response."""
-    return float(usage.get("input_tokens", 0) or 0) + float(usage.get("output_tokens", 0) or 0)
-
-
-@dataclass
-class _Scope:
-    """One agent run inside one agent-outbox run: step ids are counted per name."""
-
-    run: AsyncRun
-    prefix: str
-    price: TokenPrice
-    counts: dict[str, int] = field(default_factory=dict)
-    step: str | None = None
-
-    def next_step_id(self, name: str) -> str:
-        n = self.counts.get(name, 0) + 1
-        self.counts[name] = n
-        return f"{self.prefix}{name}#{n}"
-
-
-_scope: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
-    "outbox_pydantic_ai_scope", default=None
-)
-
-
-def _current() -> _Scope:
-    scope = _scope.get()
-    if scope is None:
-        raise ValidationError(
-            "run", None, "no agent-outbox run here: call this inside run_agent() or in_run()"
-        )
-    return scope
-
-
-def current_run() -> AsyncRun:
-    """The run the current agent step belongs to (inside :func:`run_agent`)."""
-    return _current().run
-
-
-@asynccontextmanager
-async def in_run(
-    run: AsyncRun, *, prefix: str = "agent:", price: TokenPrice = tokens
-) -> AsyncIterator[AsyncRun]:
-    """Make agent runs inside this block steps of ``run``, their ids starting with ``prefix``.
-
-    Step ids are counted per operation in the order the agent reaches them, so
-    the agent's own control flow must be deterministic given recorded results
-    (as in every durable-execution engine). Use distinct prefixes for several
-    agent runs in one agent-outbox run.
-    """
-    token = _scope.set(_Scope(run, prefix, price))
-    try:
-        yield run
-    finally:
-        _scope.reset(token)
-
-
-async def run_agent(
-    run: AsyncRun,
-    agent: Agent[Any, Any],
-    *args: Any,
-    prefix: str = "agent:",
-    price: TokenPrice = tokens,
-    **kwargs: Any,
-) -> Any:
-    """``await agent.run(*args, **kwargs)`` as steps of ``run`` (see :func:`in_run`)."""
-    async with in_run(run, prefix=prefix, price=price):
-        return await agent.run(*args, **kwargs)
-
-
-async def effect(
-    kind: str,
-    payload: Any,
-    *,
-    timeout: timedelta | float | None = None,
-    **options: Any,
-) -> Any:
-    """Inside a tool: intend effect ``kind`` and return its result once a deliverer has it.
-
-    The intent commits in its own step with a key derived from the run and the
-    tool call, so every redelivery and every replay carries the same key. The
-    run is parked while the effect is under way (no process or connection
-    held) and the tool resumes with the deliverer's result; a failed effect
-    raises :class:`~outbox.EffectFailed`. ``options`` are those of
-    ``tx.intend`` (``compensate``, ``cost``, ``ordering_key``, ...).
-    """
-    scope = _current()
-    base = scope.step or scope.next_step_id("effect")
-    run = scope.run
-
-    async def intend(tx: Any) -> str:
-        return str((await tx.intend(kind, payload, **options)).id)
-
-    effect_id = await run.transaction(f"{base}:intend", intend)
-    return await run.await_effect(uuid.UUID(effect_id), timeout=timeout, step_id=f"{base}:done")
-
-
-async def wait_for_signal(name: str, *, timeout: timedelta | float | None = None) -> Any:
-    """Inside a tool: wait for signal ``name`` (a human's approval) and return its payload.
-
-    Raises :class:`~outbox.SignalTimeout` when ``timeout`` passes first (and on
-    every replay). The run is parked while it waits.
-    """
-    scope = _current()
-    base = scope.step or scope.next_step_id("signal")
-    return await scope.run.wait_signal(f"{base}:{name}", name=name, timeout=timeout)
+def _usage(response: Any) -> Mapping[str, Any]:
+    usage = response.get("usage") if isinstance(response, dict) else None
+    return usage or {}
 
 
 class _Backend(JournalCallableOperationBackend[None]):
@@ -195,39 +94,30 @@ class _Backend(JournalCallableOperationBackend[None]):
         cache_key: tuple[object, ...],
         config: None,
     ) -> object:
-        scope = _current()
+        scope = scope_now()
         step_id = scope.next_step_id(name)
         run = scope.run
         if isinstance(operation_id, ModelRequestId):
-            return await _model_step(scope, step_id, body)
-        outer = scope.step
-        scope.step = step_id
-        try:
+            return await model_step(scope, step_id, body, _usage)
+        with in_step(step_id):
             return await run.call(step_id, body)
-        finally:
-            scope.step = outer
 
 
-async def _model_step(scope: _Scope, step_id: str, body: Callable[[], Awaitable[object]]) -> Any:
-    """A model request: called once, recorded with its usage debited from the budget."""
-    run = scope.run
-    recorded = run.step(step_id)
-    if recorded is not None:
-        return await run.transaction(step_id, _unreachable)  # replays (or raises) as recorded
-    response: Any = await body()
-    usage = response.get("usage") or {} if isinstance(response, dict) else {}
-    cost = scope.price(usage)
+async def run_agent(
+    run: AsyncRun,
+    agent: Agent[Any, Any],
+    *args: Any,
+    prefix: str = "agent:",
+    price: TokenPrice = tokens,
+    **kwargs: Any,
+) -> Any:
+    """``await agent.run(*args, **kwargs)`` with its requests and tool calls as steps of ``run``.
 
-    def record(tx: Any) -> Any:
-        if cost > 0:
-            tx.spend(cost, "model tokens")
-        return response
-
-    return await run.transaction(step_id, record)
-
-
-def _unreachable(tx: Any) -> Any:  # pragma: no cover - a recorded step never runs its function
-    raise AssertionError("a recorded step ran its function")
+    Returns the agent's result. See :func:`in_run` for ``prefix`` and
+    ``price`` (budget units per request from its usage; default: tokens).
+    """
+    async with in_run(run, prefix=prefix, price=price):
+        return await agent.run(*args, **kwargs)
 
 
 class OutboxDurability(BaseDurabilityCapability[Any]):
@@ -259,11 +149,11 @@ class OutboxDurability(BaseDurabilityCapability[Any]):
     @property
     def in_durable_context(self) -> bool:
         """Inside :func:`run_agent` / :func:`in_run`."""
-        return _scope.get() is not None
+        return _SCOPE.get() is not None
 
     def get_default_run_id(self) -> str | None:
         """A run id the same on every replay (the agent-outbox run id and a counter)."""
-        scope = _scope.get()
+        scope = _SCOPE.get()
         if scope is None:
             return None
         n = scope.counts.get("agent-run", 0) + 1
