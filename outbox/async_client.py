@@ -40,7 +40,7 @@ from outbox.settings import Settings
 from outbox.storage import AsyncConnection, AsyncEngine
 from outbox.storage.async_run_store import AsyncRunStore
 from outbox.storage.engine import open_async_engine
-from outbox.storage.notify import WakeupThrottle, notify_once
+from outbox.storage.notify import Notifier, WakeupThrottle
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
 from outbox.validation import as_uuid
 
@@ -69,10 +69,13 @@ class AsyncOutbox:
         dsn = self.aio.dsn
         window = self.settings.notify_window_ms / 1000
         # The trailing NOTIFY is sent from the throttle's thread, on a connection of its own.
+        self._notifier = Notifier(dsn)
         self._effects_wakeup = WakeupThrottle(
-            lambda: notify_once(dsn, EFFECTS_CHANNEL), window_s=window
+            lambda: self._notifier.send(EFFECTS_CHANNEL), window_s=window
         )
-        self._runs_wakeup = WakeupThrottle(lambda: notify_once(dsn, RUNS_CHANNEL), window_s=window)
+        self._runs_wakeup = WakeupThrottle(
+            lambda: self._notifier.send(RUNS_CHANNEL), window_s=window
+        )
         #: Agent-version upgrades workers of this client may apply (:meth:`register_upgrade`).
         self.upgrades = upgrades or VersionUpgrades()
         self._ctx = AsyncRunContext(
@@ -101,6 +104,7 @@ class AsyncOutbox:
         """Send owed wake-ups and release every connection."""
         await asyncio.to_thread(self._effects_wakeup.close)
         await asyncio.to_thread(self._runs_wakeup.close)
+        await asyncio.to_thread(self._notifier.close)
         await self.aio.dispose()
 
     async def __aenter__(self) -> AsyncOutbox:

@@ -87,14 +87,22 @@ async def run_graph(
     """``await graph.ainvoke(graph_input, config)``, its model and tool calls steps of ``run``.
 
     Returns what ``ainvoke`` returns. A graph compiled with a checkpointer
-    gets ``thread_id`` = the run's id unless ``config`` names one.
+    (LangGraph's Postgres saver, say) gets ``thread_id`` = the run's id unless
+    ``config`` names one, and a thread that already has a checkpoint is
+    resumed from it (``ainvoke(None, ...)``) instead of being given its input
+    again; a finished thread returns its final state.
     """
     merged = RunnableConfig(**(config or {}))
-    if getattr(graph, "checkpointer", None):
-        configurable = dict(merged.get("configurable") or {})
-        configurable.setdefault("thread_id", str(run.id))
-        merged["configurable"] = configurable
     async with in_run(run, prefix=prefix, price=price):
+        if getattr(graph, "checkpointer", None):
+            configurable = dict(merged.get("configurable") or {})
+            configurable.setdefault("thread_id", str(run.id))
+            merged["configurable"] = configurable
+            snapshot = await graph.aget_state(merged)
+            if snapshot.values and not snapshot.next:
+                return snapshot.values  # the graph finished before the interruption
+            if snapshot.next:
+                graph_input = None  # continue from the last checkpoint
         return await graph.ainvoke(graph_input, merged, **kwargs)
 
 

@@ -24,16 +24,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
 from outbox.storage.engine import libpq_dsn
 
 __all__ = [
+    "Notifier",
     "WakeupThrottle",
     "listen",
     "listen_blocking",
-    "notify_once",
     "wait_for_notify",
     "wait_for_notify_async",
 ]
@@ -188,11 +189,37 @@ async def wait_for_notify_async(
     return False
 
 
-def notify_once(dsn: str, channel: str) -> None:
-    """One NOTIFY on a connection of its own (a trailing wake-up sent from a thread).
+class Notifier:
+    """NOTIFY on one connection of its own, kept open (trailing wake-ups sent from a thread).
 
-    An async client's engine belongs to its event loop; the throttle's thread
-    cannot use it, and a trailing NOTIFY is rare (at most one per window).
+    An async client's engine belongs to its event loop, so the throttle's
+    thread cannot use it; opening a connection per NOTIFY would cost the server
+    a backend start each time (under load, up to one per window). A dropped
+    connection is opened again on the next send.
     """
-    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
-        conn.execute("SELECT pg_notify(%s, '')", (channel,))
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = libpq_dsn(dsn)
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def send(self, channel: str) -> None:
+        """One NOTIFY on ``channel`` (autocommit: nothing durable rides on it)."""
+        with self._lock:
+            try:
+                if self._conn is None or self._conn.closed:
+                    self._conn = psycopg.connect(self._dsn, autocommit=True)
+                self._conn.execute("SELECT pg_notify(%s, '')", (channel,))
+            except psycopg.Error:
+                self._close()
+                raise
+
+    def close(self) -> None:
+        """Close the connection (sends after this reopen it)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
