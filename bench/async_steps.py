@@ -167,7 +167,7 @@ def table(results: dict[str, Any]) -> str:
     """The figures as the Markdown table docs/performance.md shows."""
     base = results["sync, 1 run"]["steps_per_s"]["median"]
     lines = [
-        "| client | steps/s | × sync, 1 run | client CPU per step | waiting for a CPU |",
+        "| client | steps/s | vs sync, 1 run | client CPU per step | waiting for a CPU |",
         "|---|---|---|---|---|",
     ]
     for name, r in results.items():
