@@ -70,3 +70,57 @@ def test_a_killed_worker_resumes_the_graph_without_calling_the_model_again_or_re
     assert stats["keys_applied"] == 2 and stats["duplicate_keys_applied"] == []
     assert stats["operations_applied"] == 2 and stats["duplicate_operations"] == []
     assert done.record.spent == 3 * (USAGE["input_tokens"] + USAGE["output_tokens"])
+
+
+def test_run_graph_resumes_a_checkpointed_thread_instead_of_restarting_it(
+    dsn: str, tmp_path: Path
+) -> None:
+    """With LangGraph's checkpointer beside it: the thread continues, its input is not re-added."""
+    import asyncio
+
+    from langchain_core.messages import AIMessage
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    from outbox import AsyncOutbox
+    from outbox.integrations.langgraph import RecordedModel, run_graph
+    from tests.integrations.langgraph_agent import ScriptedChatModel
+
+    model_log = tmp_path / "model.log"
+    chat = ScriptedChatModel(
+        log=str(model_log), responses=[AIMessage("drafted", usage_metadata=USAGE)]
+    )
+    model = RecordedModel(chat)
+    failures = ["the mail server is down"]
+
+    async def draft(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    async def send(state: MessagesState) -> dict[str, Any]:
+        if failures:
+            raise RuntimeError(failures.pop())
+        return {"messages": [AIMessage("sent")]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("draft", draft)
+    builder.add_node("send", send)
+    builder.add_edge(START, "draft")
+    builder.add_edge("draft", "send")
+    builder.add_edge("send", END)
+    graph = builder.compile(checkpointer=InMemorySaver())
+
+    async def main() -> tuple[list[str], list[str]]:
+        async with await AsyncOutbox.connect(dsn) as ob:
+            run = await ob.start_run("drafts", "1", {})
+            ask = {"messages": [("user", "write to ACME")]}
+            with pytest.raises(RuntimeError, match="mail server"):
+                await run_graph(run, graph, ask)
+            state = await run_graph(await ob.run(run.id), graph, ask)
+            again = await run_graph(await ob.run(run.id), graph, ask)  # finished: its state
+            assert again["messages"] == state["messages"]
+            return [m.content for m in state["messages"]], (await ob.run(run.id)).completed_steps
+
+    contents, steps = asyncio.run(main())
+    assert contents == ["write to ACME", "drafted", "sent"]
+    assert lines(model_log) == ["request 1"]
+    assert len([s for s in steps if s.startswith("graph:model:")]) == 1
