@@ -116,3 +116,41 @@ def test_an_approval_tool_waits_for_a_signal_with_a_deadline(dsn: str, tmp_path:
     approved, late_steps = asyncio.run(main())
     assert approved == "approved by ops"
     assert "agent:approvals__model.request#1" in late_steps
+
+
+def test_a_replayed_agent_run_with_test_model_calls_neither_model_nor_tools(dsn: str) -> None:
+    from pydantic_ai import Agent
+    from pydantic_ai.models.test import TestModel
+
+    from outbox.integrations.pydantic_ai import OutboxDurability, run_agent
+
+    class CountingTestModel(TestModel):
+        requests = 0
+
+        async def request(self, *args: Any, **kwargs: Any) -> Any:
+            CountingTestModel.requests += 1
+            return await super().request(*args, **kwargs)
+
+    agent = Agent(CountingTestModel(), name="lookup", capabilities=[OutboxDurability()])
+    lookups: list[str] = []
+
+    @agent.tool_plain
+    def lookup_order(order_id: str) -> str:
+        """Look an order up."""
+        lookups.append(order_id)
+        return f"order {order_id}: 12.50"
+
+    async def main() -> tuple[Any, Any, list[str], Any]:
+        async with await AsyncOutbox.connect(dsn) as ob:
+            run = await ob.start_run("lookup", "1", {}, budget=100_000)
+            first = await run_agent(run, agent, "look up o-17")
+            calls = (CountingTestModel.requests, list(lookups))
+            replayed = await run_agent(await ob.run(run.id), agent, "look up o-17")
+            assert (CountingTestModel.requests, lookups) == calls
+            done = await ob.run(run.id)
+            return first.output, replayed.output, done.completed_steps, done.record.spent
+
+    first, replayed, steps, spent = asyncio.run(main())
+    assert first == replayed and lookups == ["a"]
+    assert CountingTestModel.requests == 2 == len([s for s in steps if "model.request" in s])
+    assert spent > 0
