@@ -22,6 +22,7 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.ids import uuid7
+from outbox.intent_rules import MAX_KEY_LENGTH
 from outbox.models import (
     Effect,
     EffectStatus,
@@ -42,7 +43,7 @@ from outbox.storage.engine import open_engine
 from outbox.storage.notify import WakeupThrottle
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
 from outbox.storage.store import Store
-from outbox.validation import as_uuid, validated
+from outbox.validation import as_uuid, name_field, row_limit, validated
 
 __all__ = ["Outbox"]
 
@@ -150,7 +151,11 @@ class Outbox:
         self, *, status: str | None = None, agent: str | None = None, limit: int = 100
     ) -> list[RunRecord]:
         """Recent runs, newest first."""
-        return self.store.list_runs(status=status, agent=agent, limit=limit)
+        if status is not None and status not in RunStatus.__members__.values():
+            raise ValidationError("status", status, f"not one of {[s.value for s in RunStatus]}")
+        if agent is not None:
+            name_field(agent, "agent")
+        return self.store.list_runs(status=status, agent=agent, limit=row_limit(limit))
 
     # -- effects ----------------------------------------------------------------
 
@@ -173,8 +178,10 @@ class Outbox:
         """Effects in intent order, filtered by run, status or kind."""
         if status is not None and status not in EffectStatus.__members__.values():
             raise ValidationError("status", status, f"not one of {[s.value for s in EffectStatus]}")
+        if kind is not None:
+            name_field(kind, "kind")
         rid = None if run_id is None else as_uuid(run_id, "run_id")
-        return self.store.list_effects(run_id=rid, status=status, kind=kind, limit=limit)
+        return self.store.list_effects(run_id=rid, status=status, kind=kind, limit=row_limit(limit))
 
     def resolve_effect(
         self, effect_id: uuid.UUID | str, *, outcome: str, note: str, operator: str
@@ -271,10 +278,11 @@ class Outbox:
         sent again.
         """
         rid = as_uuid(run_id, "run_id")
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise ValidationError("name", name, "must be a non-empty string of at most 200")
-        if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
-            raise ValidationError("dedup_key", dedup_key, "must be a non-empty string")
+        name_field(name, "name")
+        if dedup_key is not None:
+            name_field(dedup_key, "dedup_key", max_length=MAX_KEY_LENGTH)
+        if request_id is not None:
+            name_field(request_id, "request_id", max_length=MAX_KEY_LENGTH)
         payload_json = encode(payload, field="payload", max_bytes=self.settings.max_payload_bytes)
         with self.store.run_tx() as tx:
             if request_id is not None and not tx.mark_replay(request_id):
@@ -329,4 +337,4 @@ class Outbox:
         recorded replay. Call ``.run()`` to work until ``.stop()``. Settings:
         see :class:`~outbox.WorkerSettings`.
         """
-        return Worker(self._ctx, agent, version, handler, WorkerSettings(**settings))
+        return Worker(self._ctx, agent, version, handler, validated(WorkerSettings, **settings))

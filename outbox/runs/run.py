@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -18,6 +19,7 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.faults import crash_point
+from outbox.intent_rules import MAX_DELAY_SECONDS, check_identifier
 from outbox.models import (
     LIVE_RUN_STATUSES,
     TERMINAL_RUN_STATUSES,
@@ -34,7 +36,7 @@ from outbox.runs.intents import StepTransaction
 from outbox.runs.waits import WaitSpec, block_until, check_wait, recorded_error
 from outbox.storage import Connection
 from outbox.storage.run_tx import RunTx
-from outbox.validation import as_uuid
+from outbox.validation import as_uuid, name_field
 
 __all__ = ["Run", "Suspended"]
 
@@ -61,9 +63,19 @@ class Suspended(BaseException):
 def _seconds(value: timedelta | float | None, field: str) -> float | None:
     if value is None:
         return None
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if seconds != seconds or seconds < 0:
-        raise ValidationError(field, value, "must be a non-negative duration")
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
+    else:
+        raise ValidationError(field, value, "must be a timedelta or a number of seconds")
+    if not 0 <= seconds <= MAX_DELAY_SECONDS:  # NaN fails both comparisons
+        raise ValidationError(
+            field, value, f"must be a duration from 0 to {MAX_DELAY_SECONDS} seconds (ten years)"
+        )
     return seconds
 
 
@@ -239,8 +251,7 @@ class Run:
         here. If ``timeout`` passes first, :class:`~outbox.SignalTimeout` is
         recorded at this step and raised now and on every replay.
         """
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise ValidationError("name", name, "must be a non-empty string of at most 200")
+        name_field(name, "name")
         spec = WaitSpec("signal", seconds=_seconds(timeout, "timeout"), signal=name)
         return self._wait(step_id, spec)
 
@@ -307,7 +318,7 @@ class Run:
             raise ValidationError("step_id", step_id, "must not be empty")
         if len(step_id) > limit:
             raise ValidationError("step_id", step_id, f"is {len(step_id)} characters, over {limit}")
-        return step_id
+        return check_identifier(step_id, "step_id")
 
     def _check_live(self) -> None:
         if self.status in TERMINAL_RUN_STATUSES:

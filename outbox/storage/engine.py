@@ -17,7 +17,7 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from outbox.errors import DatabaseError, IdempotencyConflict
+from outbox.errors import DatabaseError, IdempotencyConflict, ValidationError
 from outbox.settings import Settings
 from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.migrate import check_schema, migrate
@@ -106,6 +106,12 @@ def translate_errors(action: str) -> Iterator[None]:
             match = re.search(r"\(idempotency_key\)=\((.*)\) already exists", detail)
             key = match[1] if match else "<unknown>"
             raise IdempotencyConflict(key, f"while {action}: already intended") from exc
+        if constraint == "outbox_runs_pkey":
+            detail = getattr(getattr(exc.orig, "diag", None), "message_detail", None) or ""
+            match = re.search(r"\(id\)=\((.*)\) already exists", detail)
+            raise ValidationError(
+                "run_id", match[1] if match else "<unknown>", "a run with this id exists already"
+            ) from exc
         raise DatabaseError(f"{action} failed: {exc.orig}") from exc
     except sqlalchemy.exc.DBAPIError as exc:
         raise DatabaseError(f"{action} failed: {exc.orig}") from exc
