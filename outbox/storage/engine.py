@@ -17,10 +17,21 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from outbox.errors import DatabaseError, IdempotencyConflict, ValidationError
+from outbox.errors import (
+    ConfigurationError,
+    DatabaseError,
+    EmbeddedServerError,
+    IdempotencyConflict,
+    ValidationError,
+)
 from outbox.settings import Settings
 from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.migrate import check_schema, migrate
+
+DSN_FORM = "expected postgresql://user:password@host:port/database (OUTBOX_DSN or --dsn)"
+POSTGRES_DRIVERS = frozenset(
+    {"postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2"}
+)
 
 __all__ = [
     "libpq_dsn",
@@ -35,7 +46,13 @@ __all__ = [
 
 def psycopg_url(dsn: str | URL) -> URL:
     """A SQLAlchemy URL on psycopg 3 for any ``postgresql://`` DSN."""
-    url = make_url(dsn) if isinstance(dsn, str) else dsn
+    try:
+        url = make_url(dsn) if isinstance(dsn, str) else dsn
+    except sqlalchemy.exc.ArgumentError:
+        # Not repeated: a mangled DSN may still hold a password.
+        raise ConfigurationError(f"dsn is not a URL; {DSN_FORM}") from None
+    if url.drivername not in POSTGRES_DRIVERS:
+        raise ConfigurationError(f"dsn names {url.drivername!r}, not PostgreSQL; {DSN_FORM}")
     if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
         url = url.set(drivername="postgresql+psycopg")
     return url
@@ -122,8 +139,15 @@ def translate_errors(action: str) -> Iterator[None]:
 def resolve_dsn(settings: Settings) -> tuple[str, bool]:
     """The DSN to use and whether it points at the embedded server (started if needed)."""
     if settings.dsn:
+        psycopg_url(settings.dsn)  # refuse a DSN that is not PostgreSQL's before connecting
         return settings.dsn, False
-    return EmbeddedServer(settings.home).ensure_running(), True
+    try:
+        return EmbeddedServer(settings.home).ensure_running(), True
+    except OSError as exc:
+        raise EmbeddedServerError(
+            f"home={str(settings.home)!r} (OUTBOX_HOME or --home) cannot hold the embedded "
+            f"server: {exc.strerror or exc}"
+        ) from exc
 
 
 def open_engine(settings: Settings, *, application_name: str = "outbox") -> Engine:
@@ -143,7 +167,8 @@ def open_engine(settings: Settings, *, application_name: str = "outbox") -> Engi
     auto = embedded if settings.auto_migrate is None else settings.auto_migrate
     try:
         if auto:
-            migrate(engine)
+            with translate_errors("migrating"):
+                migrate(engine)
         with translate_errors("checking the schema"), engine.connect() as conn:
             check_schema(conn)
     except BaseException:
