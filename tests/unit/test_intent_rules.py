@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -83,3 +84,12 @@ def test_the_rules_are_data() -> None:
         assert isinstance(rule.names, frozenset)
         assert all(name == name.lower() for name in rule.names)
     assert isinstance(intent_rules.CREDENTIAL_NAME_PATTERN, str)
+
+
+def test_every_rule_is_documented_in_one_place() -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    section = docs.split("## What an intent may contain", 1)[1].split("\n## ", 1)[0]
+    for code in REASONS:
+        assert f"`{code}`" in section, code
+    for name in intent_rules.FRAMING_HEADERS | intent_rules.CREDENTIAL_QUERY_NAMES:
+        assert name in section.lower(), name
