@@ -300,6 +300,7 @@ class Outbox:
         rid = as_uuid(run_id, "run_id")
         if not isinstance(reason, str) or not reason.strip():
             raise ValidationError("reason", reason, "say why the run is cancelled")
+        name_field(reason, "reason", max_length=2000)
         with self.store.run_tx() as tx:
             cancel_run(tx, rid, reason)
         with self.store.run_tx() as tx:
@@ -337,4 +338,6 @@ class Outbox:
         recorded replay. Call ``.run()`` to work until ``.stop()``. Settings:
         see :class:`~outbox.WorkerSettings`.
         """
+        name_field(agent, "agent")
+        name_field(version, "version", max_length=100)
         return Worker(self._ctx, agent, version, handler, validated(WorkerSettings, **settings))

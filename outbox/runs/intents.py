@@ -21,7 +21,7 @@ from outbox.payloads import content_hash, decode, encode, encode_sized
 from outbox.runs.context import RunContext
 from outbox.storage import Connection
 from outbox.storage.store import effects_json
-from outbox.validation import validated
+from outbox.validation import name_field, validated
 
 
 class RunHandle(Protocol):
@@ -302,8 +302,7 @@ class StepTransaction:
         raises :class:`~outbox.BudgetExceeded`.
         """
         value = _amount(amount)
-        if not isinstance(reason, str) or not reason.strip() or len(reason) > 200:
-            raise ValidationError("reason", reason, "must be a non-empty string of at most 200")
+        name_field(reason, "reason")
         if any(e["entry"] == "spend" and e["reason"] == reason for e in self._ledger):
             raise ValidationError("reason", reason, "already spent for in this step")
         self._debit += value

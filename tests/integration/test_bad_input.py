@@ -371,6 +371,10 @@ def test_bad_identifiers_are_typed_not_database_errors(ob: Outbox, run_with_hist
         ("dedup_key", lambda: ob.signal(run_with_history.id, "go", dedup_key="d\x00")),
         ("request_id", lambda: ob.signal(run_with_history.id, "go", request_id="r\x00")),
         ("name", lambda: run_with_history.wait_signal("w", name="go\x00", timeout=0)),
+        ("reason", lambda: ob.cancel(run_with_history.id, "because\x00")),
+        ("reason", lambda: ob.cancel(run_with_history.id, "because\ud800")),
+        ("reason", lambda: run_with_history.transaction("s", lambda tx: tx.spend(1, "r\x00"))),
+        ("agent", lambda: ob.worker("a\x00", "1", lambda run: None)),
     ]
     for field, call in cases:
         with pytest.raises(ValidationError) as info:
