@@ -26,6 +26,7 @@ from outbox.client import (
     not_changed,
     resolve_params,
     retry_params,
+    run_filters,
     signal_sender,
 )
 from outbox.errors import EffectNotFound, RunNotFound
@@ -42,7 +43,7 @@ from outbox.storage.async_run_store import AsyncRunStore
 from outbox.storage.engine import open_async_engine
 from outbox.storage.notify import Notifier, WakeupThrottle
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
-from outbox.validation import as_uuid
+from outbox.validation import as_uuid, name_field, validated
 
 __all__ = ["AsyncOutbox", "BlockingAsyncWorker"]
 
@@ -144,7 +145,8 @@ class AsyncOutbox:
         self, *, status: str | None = None, agent: str | None = None, limit: int = 100
     ) -> list[RunRecord]:
         """Recent runs, newest first."""
-        return await self.aio.call(self.aio.sync.list_runs, status=status, agent=agent, limit=limit)
+        filters = run_filters(status=status, agent=agent, limit=limit)
+        return await self.aio.call(self.aio.sync.list_runs, **filters)
 
     # -- effects ----------------------------------------------------------------
 
@@ -264,7 +266,11 @@ class AsyncOutbox:
         loop). Leases, heartbeats, waits and version pinning are those of the
         sync worker. Settings: see :class:`~outbox.WorkerSettings`.
         """
-        return AsyncWorker(self._ctx, agent, version, handler, WorkerSettings(**settings))
+        name_field(agent, "agent")
+        name_field(version, "version", max_length=100)
+        return AsyncWorker(
+            self._ctx, agent, version, handler, validated(WorkerSettings, **settings)
+        )
 
 
 class BlockingAsyncWorker:

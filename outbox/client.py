@@ -23,6 +23,7 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.ids import uuid7
+from outbox.intent_rules import MAX_KEY_LENGTH
 from outbox.models import (
     Effect,
     EffectStatus,
@@ -44,7 +45,7 @@ from outbox.storage.notify import WakeupThrottle
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
 from outbox.storage.store import Store
-from outbox.validation import as_uuid, validated
+from outbox.validation import as_uuid, name_field, row_limit, validated
 
 if TYPE_CHECKING:
     from outbox.async_client import BlockingAsyncWorker
@@ -139,7 +140,7 @@ class Outbox:
         self, *, status: str | None = None, agent: str | None = None, limit: int = 100
     ) -> list[RunRecord]:
         """Recent runs, newest first."""
-        return self.store.list_runs(status=status, agent=agent, limit=limit)
+        return self.store.list_runs(**run_filters(status=status, agent=agent, limit=limit))
 
     # -- effects ----------------------------------------------------------------
 
@@ -278,6 +279,9 @@ class Outbox:
         :class:`~outbox.AsyncRun`, and ``concurrency`` of them run at once on
         one event loop (an :class:`~outbox.AsyncWorker` driven from ``.run()``).
         """
+        name_field(agent, "agent")
+        name_field(version, "version", max_length=100)
+        worker_settings = validated(WorkerSettings, **settings)
         if inspect.iscoroutinefunction(handler):
             from outbox.async_client import BlockingAsyncWorker
 
@@ -287,9 +291,9 @@ class Outbox:
                 agent,
                 version,
                 handler,
-                WorkerSettings(**settings),
+                worker_settings,
             )
-        return Worker(self._ctx, agent, version, handler, WorkerSettings(**settings))
+        return Worker(self._ctx, agent, version, handler, worker_settings)
 
 
 # -- rules both clients apply before they touch the database ---------------------------
@@ -333,8 +337,19 @@ def effect_filters(
     """Validated filters of ``effects()``."""
     if status is not None and status not in EffectStatus.__members__.values():
         raise ValidationError("status", status, f"not one of {[s.value for s in EffectStatus]}")
+    if kind is not None:
+        name_field(kind, "kind")
     rid = None if run_id is None else as_uuid(run_id, "run_id")
-    return {"run_id": rid, "status": status, "kind": kind, "limit": limit}
+    return {"run_id": rid, "status": status, "kind": kind, "limit": row_limit(limit)}
+
+
+def run_filters(*, status: str | None, agent: str | None, limit: int) -> dict[str, Any]:
+    """Validated filters of ``runs()``."""
+    if status is not None and status not in RunStatus.__members__.values():
+        raise ValidationError("status", status, f"not one of {[s.value for s in RunStatus]}")
+    if agent is not None:
+        name_field(agent, "agent")
+    return {"status": status, "agent": agent, "limit": row_limit(limit)}
 
 
 def resolve_params(*, outcome: str, note: str, operator: str) -> dict[str, Any]:
@@ -379,10 +394,11 @@ def signal_sender(
 ) -> Callable[[RunTx], SignalReceipt]:
     """Validate a signal; return what stores it in a run transaction (both twins)."""
     rid = as_uuid(run_id, "run_id")
-    if not isinstance(name, str) or not name.strip() or len(name) > 200:
-        raise ValidationError("name", name, "must be a non-empty string of at most 200")
-    if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
-        raise ValidationError("dedup_key", dedup_key, "must be a non-empty string")
+    name_field(name, "name")
+    if dedup_key is not None:
+        name_field(dedup_key, "dedup_key", max_length=MAX_KEY_LENGTH)
+    if request_id is not None:
+        name_field(request_id, "request_id", max_length=MAX_KEY_LENGTH)
     payload_json = encode(payload, field="payload", max_bytes=settings.max_payload_bytes)
     key = dedup_key or uuid.uuid4().hex
 
@@ -399,4 +415,5 @@ def cancel_args(run_id: uuid.UUID | str, reason: str) -> uuid.UUID:
     rid = as_uuid(run_id, "run_id")
     if not isinstance(reason, str) or not reason.strip():
         raise ValidationError("reason", reason, "say why the run is cancelled")
+    name_field(reason, "reason", max_length=2000)
     return rid

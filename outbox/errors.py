@@ -34,6 +34,7 @@ worker's handler when its run parks in a wait, as psycopg's ``Rollback`` is.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 __all__ = [
@@ -65,8 +66,20 @@ __all__ = [
 ]
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 3
+
+
 def _show(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    # Whatever a caller passed must not break the error that refuses it: a value
+    # nested thousands deep or an integer of thousands of digits has no repr().
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):
+        try:
+            text = _SHORT.repr(value)
+        except (RecursionError, ValueError):
+            text = f"<{type(value).__name__} that cannot be shown>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from outbox.cli._common import CliContext, console, emit, json_option, pass_cli
+from outbox.cli._common import CliContext, console, emit, json_option, listening, pass_cli
 from outbox.errors import ConfigurationError
 from outbox.validation import import_callable
 
@@ -23,7 +23,14 @@ __all__ = ["COMMANDS"]
 @click.option("--agent", required=True, help="Agent name of the runs to execute.")
 @click.option("--version", "version", required=True, help="Agent version this code is.")
 @click.option("--concurrency", type=click.IntRange(1, 1000), default=4, show_default=True)
-@click.option("--lease", "lease_seconds", type=float, default=30.0, show_default=True)
+@click.option(
+    "--lease",
+    "lease_seconds",
+    type=click.FloatRange(min=0.001, max=86_400),
+    default=30.0,
+    show_default=True,
+    help="Seconds a run is leased; heartbeats extend it.",
+)
 @click.option(
     "--setup",
     "setup_path",
@@ -78,6 +85,8 @@ def signal_command(
         payload = json.loads(data)
     except ValueError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--data") from None
+    except RecursionError:
+        raise click.BadParameter("nested too deeply", param_hint="--data") from None
     receipt = cli.outbox.signal(run_id, name, payload, dedup_key=dedup_key)
     data_out = {
         "signal_id": None if receipt.signal_id is None else str(receipt.signal_id),
@@ -109,8 +118,12 @@ def _secret(secret_file: Path | None) -> bytes:
 
 @click.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8080, show_default=True)
-@click.option("--secret-file", type=click.Path(path_type=Path, dir_okay=False), default=None)
+@click.option("--port", type=click.IntRange(0, 65_535), default=8080, show_default=True)
+@click.option(
+    "--secret-file",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False, readable=True),
+    default=None,
+)
 @click.option(
     "--tolerance",
     type=float,
@@ -127,9 +140,10 @@ def serve(
     from outbox.serve.webhooks import SignalServer
 
     configure(logging.INFO)
-    server = SignalServer(
-        cli.outbox, _secret(secret_file), host=host, port=port, tolerance=tolerance
-    )
+    secret = _secret(secret_file)
+    ob = cli.outbox
+    with listening(host, port):
+        server = SignalServer(ob, secret, host=host, port=port, tolerance=tolerance)
 
     def stop(*_: Any) -> None:
         import threading
@@ -147,14 +161,15 @@ COMMANDS = [worker, signal_command, serve]
 
 @click.command("sink")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65_535), default=8080, show_default=True)
 def sink(host: str, port: int) -> None:
     """A sample HTTP sink that honours Idempotency-Key (GET /stats shows what it applied)."""
     import threading
 
     from deliverers.testing import IdempotentHttpSink
 
-    server = IdempotentHttpSink(host=host, port=port).start()
+    with listening(host, port):
+        server = IdempotentHttpSink(host=host, port=port).start()
     console.print(f"sink listening on {server.url} (GET /stats)")
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

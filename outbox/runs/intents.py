@@ -13,15 +13,16 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Protocol
 
-from outbox.errors import IdempotencyConflict, ValidationError
+from outbox.errors import IdempotencyConflict, PayloadError, ValidationError
 from outbox.ids import uuid7
+from outbox.intent_rules import MAX_AMOUNT, check_payload
 from outbox.keys import derive_key
 from outbox.models import Compensation, Effect, EffectIntent, EffectStatus
-from outbox.payloads import content_hash, decode, encode
+from outbox.payloads import content_hash, decode, encode, encode_sized
 from outbox.runs.context import RunContext
 from outbox.storage import Connection
 from outbox.storage.store import effects_json
-from outbox.validation import validated
+from outbox.validation import name_field, validated
 
 
 class RunHandle(Protocol):
@@ -56,7 +57,9 @@ class _Intents:
         self._ctx = ctx
         self._conn = conn
         self._rows: list[dict[str, Any]] = []
-        self._keys: dict[str, str] = {}
+        # key -> (kind, payload hash) of the intents gathered so far
+        self._keys: dict[str, tuple[str, str]] = {}
+        self._bytes = 0
         self.count = 0
 
     @property
@@ -96,13 +99,36 @@ class _Intents:
         key and payload, if any. Both twins call it, then look a caller's key up
         their own way (:meth:`lookup`), then :meth:`record`.
         """
+        settings = self._ctx.settings
         intent: EffectIntent = validated(EffectIntent, kind=kind, payload=payload, **options)
-        limit = self._ctx.settings.max_payload_bytes
-        payload_json = encode(intent.payload, field="payload", max_bytes=limit)
+        check_payload(intent.payload, "payload")
+        limit = settings.max_payload_bytes
+        payload_json, size = encode_sized(intent.payload, field="payload", max_bytes=limit)
         payload_hash = content_hash(payload_json)
         compensate_json = None
         if intent.compensate is not None:
-            compensate_json = encode(intent.compensate, field="compensate", max_bytes=limit)
+            # Encoded as plain data, not through the model (whose JSON dump turns NaN into null).
+            check_payload(intent.compensate.payload, "compensate.payload")
+            compensate_json, extra = encode_sized(
+                {"kind": intent.compensate.kind, "payload": intent.compensate.payload},
+                field="compensate",
+                max_bytes=limit,
+            )
+            size += extra
+        if self.count >= settings.max_step_intents:
+            raise ValidationError(
+                "intents",
+                self.count + 1,
+                f"a step or transaction may intend at most {settings.max_step_intents} effects "
+                "(Settings.max_step_intents)",
+            )
+        if self._bytes + size > settings.max_step_bytes:
+            raise PayloadError(
+                "intents",
+                f"<{self._bytes + size} bytes>",
+                f"the payloads of one step or transaction may total at most "
+                f"{settings.max_step_bytes} bytes (Settings.max_step_bytes)",
+            )
         index = self.count
         self.count += 1
         if intent.key is not None:
@@ -112,9 +138,9 @@ class _Intents:
         else:
             key = uuid.uuid4().hex
         if key in self._keys:
-            if self._keys[key] != payload_hash:
+            if self._keys[key] != (intent.kind, payload_hash):
                 raise IdempotencyConflict(
-                    key, "intended twice in this step with different payloads"
+                    key, "intended twice in this step with a different kind or payload"
                 )
             return next(_effect(r) for r in self._rows if r["idempotency_key"] == key)
         row = {
@@ -133,6 +159,7 @@ class _Intents:
             "delay_seconds": intent.delay_seconds,
             "_run_id": run_id,
             "_step_id": step_id,
+            "_size": size,
         }
         return _Prepared(row, caller_key=intent.key is not None)
 
@@ -150,11 +177,11 @@ class _Intents:
         """Gather a prepared intent, or return the existing one that holds its caller's key."""
         row = prepared.row
         if existing is not None:
-            if existing.payload_hash != row["payload_hash"]:
-                raise IdempotencyConflict(prepared.key)
+            _same_intent(existing, prepared.key, row["kind"], row["payload_hash"], row["_run_id"])
             return existing
         self._rows.append(row)
-        self._keys[prepared.key] = row["payload_hash"]
+        self._keys[prepared.key] = (row["kind"], row["payload_hash"])
+        self._bytes += row["_size"]
         return _effect(row)
 
     def taken_key(self) -> str:
@@ -168,6 +195,19 @@ class _Intents:
         return effects_json(
             [{k: v for k, v in r.items() if not k.startswith("_")} for r in self._rows]
         )
+
+
+def _same_intent(
+    existing: Effect, key: str, kind: str, payload_hash: str, run_id: uuid.UUID | None
+) -> None:
+    """A caller's key names one intent: the same kind, payload and owner, or a conflict (G5)."""
+    if existing.run_id != run_id:
+        owner = "no run" if existing.run_id is None else f"run {existing.run_id}"
+        raise IdempotencyConflict(key, f"already intended by {owner}")
+    if existing.kind != kind:
+        raise IdempotencyConflict(key, f"already intended as kind {existing.kind!r}, not {kind!r}")
+    if existing.payload_hash != payload_hash:
+        raise IdempotencyConflict(key)
 
 
 def _effect(row: dict[str, Any]) -> Effect:
@@ -243,6 +283,8 @@ def intend_options(
         "cost": cost,
     }
     if compensate is not None:
+        if not isinstance(compensate, tuple | list) or len(compensate) != 2:
+            raise ValidationError("compensate", compensate, "must be a (kind, payload) pair")
         options["compensate"] = {"kind": compensate[0], "payload": compensate[1]}
     return options
 
@@ -314,11 +356,8 @@ class StepWrites:
         every debit and reservation of the step, the step commits nothing and
         raises :class:`~outbox.BudgetExceeded`.
         """
-        value = Decimal(str(amount))
-        if not value.is_finite() or value <= 0:
-            raise ValidationError("amount", amount, "must be a positive, finite number")
-        if not isinstance(reason, str) or not reason.strip() or len(reason) > 200:
-            raise ValidationError("reason", reason, "must be a non-empty string of at most 200")
+        value = _amount(amount)
+        name_field(reason, "reason")
         if any(e["entry"] == "spend" and e["reason"] == reason for e in self._ledger):
             raise ValidationError("reason", reason, "already spent for in this step")
         self._debit += value
@@ -359,9 +398,10 @@ class StepTransaction(StepWrites):
 
         The idempotency key defaults to one derived from (run, step, index of
         this intent in the step), so a replayed step re-derives the same key.
-        A caller's own ``key`` must be unique across all runs: reusing it with
-        the same payload returns the existing intent, with another payload
-        raises :class:`~outbox.IdempotencyConflict`.
+        A caller's own ``key`` names one intent across all runs: reusing it
+        returns the existing intent when kind, payload and run all match, and
+        raises :class:`~outbox.IdempotencyConflict` otherwise. What a payload
+        may contain: ``outbox.intent_rules`` (no credentials, no framing headers).
         """
         options = intend_options(
             key=key,
@@ -377,3 +417,18 @@ class StepTransaction(StepWrites):
         if not isinstance(prepared, Effect) and prepared.caller_key:
             existing = self._intents.lookup(prepared.key)
         return self._record_intent(prepared, existing, before)
+
+
+def _amount(amount: Any) -> Decimal:
+    """A positive, finite amount of at most ``MAX_AMOUNT``, or a :class:`ValidationError`."""
+    if isinstance(amount, bool) or not isinstance(amount, int | float | Decimal):
+        raise ValidationError("amount", amount, "must be a number")
+    try:
+        value = Decimal(amount) if isinstance(amount, int) else Decimal(str(amount))
+    except ValueError:
+        raise ValidationError("amount", amount, "must be a number") from None
+    if not value.is_finite() or value <= 0 or value > MAX_AMOUNT:
+        raise ValidationError(
+            "amount", amount, f"must be a positive, finite number of at most {MAX_AMOUNT:.0e}"
+        )
+    return value

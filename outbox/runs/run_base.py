@@ -9,6 +9,7 @@ that the async twin runs through ``AsyncConnection.run_sync``.
 
 from __future__ import annotations
 
+import math
 import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -24,6 +25,7 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.faults import crash_point
+from outbox.intent_rules import MAX_DELAY_SECONDS, check_identifier
 from outbox.models import (
     LIVE_RUN_STATUSES,
     TERMINAL_RUN_STATUSES,
@@ -41,7 +43,7 @@ from outbox.runs.waits import Pending, WaitSpec, check_wait, recorded_error
 from outbox.storage import Connection
 from outbox.storage.run_tx import RunTx
 from outbox.storage.store import StepOutcome
-from outbox.validation import as_uuid
+from outbox.validation import as_uuid, name_field
 
 __all__ = ["AlreadyRecorded", "RunBase", "Suspended"]
 
@@ -66,9 +68,19 @@ class Suspended(BaseException):
 def _seconds(value: timedelta | float | None, field: str) -> float | None:
     if value is None:
         return None
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if seconds != seconds or seconds < 0:
-        raise ValidationError(field, value, "must be a non-negative duration")
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
+    else:
+        raise ValidationError(field, value, "must be a timedelta or a number of seconds")
+    if not 0 <= seconds <= MAX_DELAY_SECONDS:  # NaN fails both comparisons
+        raise ValidationError(
+            field, value, f"must be a duration from 0 to {MAX_DELAY_SECONDS} seconds (ten years)"
+        )
     return seconds
 
 
@@ -271,8 +283,7 @@ class RunBase:
 
     @staticmethod
     def _signal_spec(name: str, timeout: timedelta | float | None) -> WaitSpec:
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise ValidationError("name", name, "must be a non-empty string of at most 200")
+        name_field(name, "name")
         return WaitSpec("signal", seconds=_seconds(timeout, "timeout"), signal=name)
 
     @staticmethod
@@ -360,7 +371,7 @@ class RunBase:
             raise ValidationError("step_id", step_id, "must not be empty")
         if len(step_id) > limit:
             raise ValidationError("step_id", step_id, f"is {len(step_id)} characters, over {limit}")
-        return step_id
+        return check_identifier(step_id, "step_id")
 
     def _check_live(self) -> None:
         if self.status in TERMINAL_RUN_STATUSES:

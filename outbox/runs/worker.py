@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.errors import LeaseLost, RunTerminal
 from outbox.ids import default_owner
+from outbox.intent_rules import MAX_DELAY_SECONDS
 from outbox.models import Lease, RunRecord, RunStatus
 from outbox.payloads import decode, encode
 from outbox.retry import RetryPolicy
@@ -45,17 +46,17 @@ log = logging.getLogger(__name__)
 class WorkerSettings(BaseModel):
     """How one agent worker behaves."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     concurrency: int = Field(default=4, ge=1, le=1000)
-    lease_seconds: float = Field(default=30.0, gt=0)
-    poll_seconds: float = Field(default=1.0, gt=0)
-    sweep_seconds: float = Field(default=0.25, gt=0)
+    lease_seconds: float = Field(default=30.0, gt=0, le=86_400)
+    poll_seconds: float = Field(default=1.0, gt=0, le=3600)
+    sweep_seconds: float = Field(default=0.25, gt=0, le=3600)
     #: A step that raises is retried this many times before the run fails.
-    max_step_retries: int = Field(default=3, ge=0)
-    retry_base_seconds: float = Field(default=1.0, ge=0)
-    retry_cap_seconds: float = Field(default=300.0, ge=0)
-    grace_seconds: float = Field(default=30.0, ge=0)
+    max_step_retries: int = Field(default=3, ge=0, le=1000)
+    retry_base_seconds: float = Field(default=1.0, ge=0, le=86_400)
+    retry_cap_seconds: float = Field(default=300.0, ge=0, le=MAX_DELAY_SECONDS)
+    grace_seconds: float = Field(default=30.0, ge=0, le=86_400)
     owner: str = Field(default_factory=default_owner)
 
 

@@ -17,10 +17,21 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from outbox.errors import DatabaseError, IdempotencyConflict
+from outbox.errors import (
+    ConfigurationError,
+    DatabaseError,
+    EmbeddedServerError,
+    IdempotencyConflict,
+    ValidationError,
+)
 from outbox.settings import Settings
 from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.migrate import check_schema, migrate
+
+DSN_FORM = "expected postgresql://user:password@host:port/database (OUTBOX_DSN or --dsn)"
+POSTGRES_DRIVERS = frozenset(
+    {"postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2"}
+)
 
 __all__ = [
     "libpq_dsn",
@@ -36,7 +47,13 @@ __all__ = [
 
 def psycopg_url(dsn: str | URL) -> URL:
     """A SQLAlchemy URL on psycopg 3 for any ``postgresql://`` DSN."""
-    url = make_url(dsn) if isinstance(dsn, str) else dsn
+    try:
+        url = make_url(dsn) if isinstance(dsn, str) else dsn
+    except sqlalchemy.exc.ArgumentError:
+        # Not repeated: a mangled DSN may still hold a password.
+        raise ConfigurationError(f"dsn is not a URL; {DSN_FORM}") from None
+    if url.drivername not in POSTGRES_DRIVERS:
+        raise ConfigurationError(f"dsn names {url.drivername!r}, not PostgreSQL; {DSN_FORM}")
     if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
         url = url.set(drivername="postgresql+psycopg")
     return url
@@ -107,6 +124,12 @@ def translate_errors(action: str) -> Iterator[None]:
             match = re.search(r"\(idempotency_key\)=\((.*)\) already exists", detail)
             key = match[1] if match else "<unknown>"
             raise IdempotencyConflict(key, f"while {action}: already intended") from exc
+        if constraint == "outbox_runs_pkey":
+            detail = getattr(getattr(exc.orig, "diag", None), "message_detail", None) or ""
+            match = re.search(r"\(id\)=\((.*)\) already exists", detail)
+            raise ValidationError(
+                "run_id", match[1] if match else "<unknown>", "a run with this id exists already"
+            ) from exc
         raise DatabaseError(f"{action} failed: {exc.orig}") from exc
     except sqlalchemy.exc.DBAPIError as exc:
         raise DatabaseError(f"{action} failed: {exc.orig}") from exc
@@ -117,8 +140,15 @@ def translate_errors(action: str) -> Iterator[None]:
 def resolve_dsn(settings: Settings) -> tuple[str, bool]:
     """The DSN to use and whether it points at the embedded server (started if needed)."""
     if settings.dsn:
+        psycopg_url(settings.dsn)  # refuse a DSN that is not PostgreSQL's before connecting
         return settings.dsn, False
-    return EmbeddedServer(settings.home).ensure_running(), True
+    try:
+        return EmbeddedServer(settings.home).ensure_running(), True
+    except OSError as exc:
+        raise EmbeddedServerError(
+            f"home={str(settings.home)!r} (OUTBOX_HOME or --home) cannot hold the embedded "
+            f"server: {exc.strerror or exc}"
+        ) from exc
 
 
 def open_engine(settings: Settings, *, application_name: str = "outbox") -> Engine:
@@ -138,7 +168,8 @@ def open_engine(settings: Settings, *, application_name: str = "outbox") -> Engi
     auto = embedded if settings.auto_migrate is None else settings.auto_migrate
     try:
         if auto:
-            migrate(engine)
+            with translate_errors("migrating"):
+                migrate(engine)
         with translate_errors("checking the schema"), engine.connect() as conn:
             check_schema(conn)
     except BaseException:

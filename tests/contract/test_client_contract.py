@@ -186,13 +186,16 @@ def test_a_callers_key_reused_returns_the_intent_or_is_a_conflict_naming_it(
             return str((await tx.intend("k.charge", {"cents": 500}, key="invoice-77")).id)
 
         first = await one.transaction("charge", charge)
-        again = await two.transaction("charge", charge)
+        again = await one.transaction("charge-again", charge)
+        # The key names one intent: another run, another kind or another payload conflicts.
+        with pytest.raises(IdempotencyConflict, match="invoice-77"):
+            await two.transaction("charge", charge)
 
         async def other(tx: Any) -> None:
             await tx.intend("k.charge", {"cents": 900}, key="invoice-77")
 
         with pytest.raises(IdempotencyConflict, match="invoice-77"):
-            await two.transaction("charge-more", other)
+            await one.transaction("charge-more", other)
 
         async def twice(tx: Any) -> None:
             await tx.intend("k.x", {"a": 1}, key="twice-in-one")

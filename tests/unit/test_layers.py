@@ -18,7 +18,18 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["storage", "runs", "delivery", "client", "integrations", "serve", "cli"]
 # Modules named otherwise that belong to a layer.
 ALIASES = {"async_client": "client"}
-BASE = {"errors", "models", "settings", "retry", "payloads", "keys", "ids", "validation", "faults"}
+BASE = {
+    "errors",
+    "models",
+    "settings",
+    "retry",
+    "payloads",
+    "keys",
+    "ids",
+    "validation",
+    "faults",
+    "intent_rules",
+}
 # The one permitted upward edge: a finished effect moves a stopping run on.
 ALLOWED = {("delivery", "runs.stopping")}
 
