@@ -5,7 +5,8 @@
 honours ``Idempotency-Key`` the way Stripe does (the first result for a key is
 stored and replayed; a key reused with a different body is refused with 422),
 counts what it receives, answers lookups, and can be told to misbehave (429
-with ``Retry-After``, 500 before or after applying, hang, be down).
+with ``Retry-After``, 500 before or after applying, hang, be down, answer with
+a binary or UTF-16 error page, trickle its answer a byte at a time).
 """
 
 from __future__ import annotations
@@ -81,10 +82,16 @@ class RecordingDeliverer(Deliverer):
 class Fault:
     """How the sink misbehaves for the next ``times`` requests (``None``: until cleared)."""
 
-    mode: str  # "429" | "500_before" | "500_after" | "hang" | "down"
+    mode: str  # "429" | "500_before" | "500_after" | "hang" | "down" | "bad_body" | "trickle"
     times: int | None = None
     retry_after: str = "1"
     hang_seconds: float = 30.0
+    #: "bad_body": answer this status with ``body`` (default: a UTF-16 error page,
+    #: full of NUL bytes, as some servers send) without applying the effect.
+    status: int = 400
+    body: bytes = "<h1>Bad request</h1>".encode("utf-16")
+    #: "trickle": answer 200 (after applying), one byte of ``body`` every ``interval``.
+    interval: float = 0.5
 
 
 @dataclass
@@ -309,6 +316,13 @@ class IdempotentHttpSink:
             if fault.mode == "500_before":
                 self._reply(handler, 500, {"error": "failed before applying"})
                 return
+            if fault.mode == "bad_body":
+                handler.send_response(fault.status)
+                handler.send_header("Content-Type", "text/html; charset=utf-16")
+                handler.send_header("Content-Length", str(len(fault.body)))
+                handler.end_headers()
+                handler.wfile.write(fault.body)
+                return
             if fault.mode == "hang":
                 time.sleep(fault.hang_seconds)
             if fault.mode == "down":
@@ -319,7 +333,25 @@ class IdempotentHttpSink:
         if fault is not None and fault.mode == "500_after":
             self._reply(handler, 500, {"error": "applied, then failed to answer"})
             return
+        if fault is not None and fault.mode == "trickle":
+            self._trickle(handler, fault)
+            return
         self._reply(handler, status, response)
+
+    def _trickle(self, handler: BaseHTTPRequestHandler, fault: Fault) -> None:
+        """Send the headers, then the body one byte per ``fault.interval`` (a slow-loris sink)."""
+        body = fault.body
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.flush()
+        try:
+            for i in range(len(body)):
+                handler.wfile.write(body[i : i + 1])
+                handler.wfile.flush()
+                time.sleep(fault.interval)
+        except OSError:  # the client gave up: what a deadline is for
+            handler.close_connection = True
 
     def _apply(self, key: str | None, raw: bytes, path: str) -> tuple[int, Any]:
         digest = hashlib.sha256(raw).hexdigest()

@@ -98,6 +98,8 @@ class Completion:
                 "started_at": self.started_at,
             },
             separators=(",", ":"),
+            # A non-finite delay fails here, in this one row, not in the batch's statement.
+            allow_nan=False,
         )
         return (
             f'{head[:-1]},"result":{self.result_json or "null"},'
