@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from uuid import UUID
 
 from outbox.delivery.attempt import perform_attempt, released
 from outbox.delivery.contract import Deliverer, Retry
@@ -259,9 +260,12 @@ class DeliveryDaemon:
     def _account(self, batch: list[Completion], written: Written) -> None:
         now = datetime.now(UTC)
         outcomes = written.logged
+        abandoned: dict[str, list[Completion]] = {}
         for completion in batch:
             if completion.effect_id in written.abandoned:
-                self._abandon(completion, written.abandoned[completion.effect_id])
+                held = self.leases.release(completion.effect_id)
+                if held is not None:
+                    abandoned.setdefault(held.effect.kind, []).append(completion)
                 continue
             if completion.effect_id not in outcomes:
                 continue  # left for a later write
@@ -286,36 +290,40 @@ class DeliveryDaemon:
                 )
             if final:
                 self.delivered += 1
+        for kind, completions in abandoned.items():
+            self._abandon(kind, completions, written.abandoned)
         self._start_ready()
 
-    def _abandon(self, completion: Completion, why: str) -> None:
-        """Nothing could be written for this attempt: stop renewing its lease, pause its kind.
+    def _abandon(self, kind: str, completions: list[Completion], why: dict[UUID, str]) -> None:
+        """Nothing could be written for these attempts (their leases are released): pause ``kind``.
 
-        The reconciler resolves it once the lease runs out (redelivery with the
-        same key for an idempotent sink, ``unknown`` otherwise), here or in a
-        process whose database role can write outcomes. Pausing the kind keeps a
-        deliverer that cannot record anything from calling sinks in a loop.
+        Their leases are no longer renewed, so the reconciler resolves them once
+        they run out (redelivery with the same key for an idempotent sink,
+        ``unknown`` otherwise), here or in a process whose database role can
+        write outcomes. Pausing the kind, longer each time, keeps a deliverer that
+        cannot record anything from calling sinks in a loop.
         """
-        held = self.leases.release(completion.effect_id)
-        if held is None:
-            return
-        kind = held.effect.kind
-        self.metrics.unrecorded.labels(kind=kind).inc()
+        self.metrics.unrecorded.labels(kind=kind).inc(len(completions))
         pause = self._unrecordable_pause.get(kind, UNRECORDABLE_PAUSE_SECONDS / 2) * 2
         pause = min(pause, UNRECORDABLE_PAUSE_MAX_SECONDS)
         self._unrecordable_pause[kind] = pause
-        self.leases.pause(kind, pause)
+        self.leases.pause(kind, pause, why="cannot record outcomes")
+        first = completions[0]
+        reason = why[first.effect_id]
         hint = ""
-        if "SQLSTATE 42501" in why:
-            hint = " (the database role lacks a privilege: see docs/operations.md)"
+        if "SQLSTATE 42501" in reason:
+            hint = " (the database role lacks a privilege: see docs/operations.md, Security)"
         log.error(
-            "effect %s attempt %d: nothing could be recorded (%s)%s; its lease is no longer "
-            "renewed and the reconciler will resolve it when it runs out; kind %s paused %.0fs",
-            completion.effect_id,
-            completion.attempt,
-            why,
+            "%d outcomes of kind %s could not be recorded at all, e.g. effect %s attempt %d: "
+            "%s%s. Their leases are no longer renewed: the reconciler resolves them when the "
+            "leases run out. Kind %s is paused for %.0fs.",
+            len(completions),
+            kind,
+            first.effect_id,
+            first.attempt,
+            reason,
             hint,
             kind,
             pause,
-            extra={"effect_id": str(completion.effect_id), "attempt": completion.attempt},
+            extra={"effect_id": str(first.effect_id), "attempt": first.attempt},
         )

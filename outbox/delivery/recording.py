@@ -152,13 +152,6 @@ class OutcomeWriter:
                 error: BaseException = exc
             # One row the statement cannot take: write it in its minimal form.
             poison = part[0]
-            log.warning(
-                "the outcome of effect %s attempt %d cannot be recorded: %s",
-                poison.effect_id,
-                poison.attempt,
-                describe(error),
-                extra={"effect_id": str(poison.effect_id), "attempt": poison.attempt},
-            )
             minimal = substitute(poison, error)
             if minimal is None:
                 written.abandoned[poison.effect_id] = describe(error)
@@ -166,6 +159,15 @@ class OutcomeWriter:
             try:
                 written.logged.update(await self._complete([minimal], timeout))
                 written.substituted[poison.effect_id] = describe(error)
+                log.warning(
+                    "the outcome of effect %s attempt %d could not be recorded (%s): "
+                    "recorded as %s instead",
+                    poison.effect_id,
+                    poison.attempt,
+                    describe(error),
+                    minimal.status,
+                    extra={"effect_id": str(poison.effect_id), "attempt": poison.attempt},
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
