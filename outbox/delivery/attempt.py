@@ -132,7 +132,7 @@ def released(effect: ClaimedEffect, reason: str, *, delay: float = 0.0) -> Compl
         effect.attempt,
         EffectStatus.PENDING,
         AttemptOutcome.RELEASED,
-        error=reason,
+        error=storable_text(reason),  # may quote a broker's or a sink's words
         delay=delay,
         started_at=effect.started_iso,
     )

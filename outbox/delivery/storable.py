@@ -120,10 +120,15 @@ def _clean(value: Any, depth: int) -> Any:
     return _escape(_as_text(value))
 
 
+# One encoder, made once: json.dumps with any option builds a new one per call,
+# which costs more than encoding a small result.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
 def _fast(value: Any) -> str | None:
     """The JSON text when ``value`` is already storable as it is, else None."""
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        text = _ENCODER.encode(value)
     except (TypeError, ValueError, RecursionError):
         return None
     # json escapes a NUL as \u0000; a literal backslash-u0000 text shows up here
@@ -146,9 +151,7 @@ def storable_json(value: Any, *, max_bytes: int) -> str | None:
         return None
     text = _fast(value)
     if text is None:
-        text = json.dumps(
-            _clean(value, 0), ensure_ascii=False, allow_nan=False, separators=(",", ":")
-        )
+        text = _ENCODER.encode(_clean(value, 0))
     size = len(text.encode("utf-8"))
     if size <= max_bytes:
         return text
