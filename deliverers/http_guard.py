@@ -253,7 +253,7 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
             refusal = self.policy.refusal(host, address)
             if refusal is not None:
                 raise AddressRefused(refusal)
-            addresses.append(str(address))
+            addresses.append(answer)  # as answered: an IPv6 scope stays on
         return addresses
 
     async def connect_tcp(
