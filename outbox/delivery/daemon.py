@@ -108,11 +108,21 @@ class DeliveryDaemon:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            # The writer finishes the write it is in (bounded by the deadline): a write
-            # cancelled half-way could not tell whether it had committed.
+            # The writer may finish the write it is in until the deadline: a write
+            # cancelled half-way cannot tell whether it committed. Past the deadline
+            # (a write started before the stop, on a locked table, say) it is cancelled
+            # and its outcomes are left to the reconciler, as after a crash.
             self._closing = True
             self._done_ready.set()
-            await asyncio.gather(writer, return_exceptions=True)
+            left = max(self._deadline - time.monotonic(), LAST_WRITE_SECONDS)
+            finished, _ = await asyncio.wait({writer}, timeout=left)
+            if not finished:
+                log.warning(
+                    "grace period over while outcomes were being written; the reconciler "
+                    "resolves those attempts when their leases run out"
+                )
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
             await self._flush()
             await self.source.close()
             for deliverer in self.deliverers.values():
@@ -251,10 +261,12 @@ class DeliveryDaemon:
                 self._write_retry,
             )
             self._done = left + self._done
-            wait = self._write_retry
-            if self._deadline is not None:
-                wait = min(wait, max(0.0, self._deadline - time.monotonic()))
-            await asyncio.sleep(wait)
+            if self._deadline is None:
+                await wait_or_wake(self._stopping, self._write_retry)  # a stop cuts it short
+            else:
+                await asyncio.sleep(
+                    min(self._write_retry, max(0.0, self._deadline - time.monotonic()))
+                )
             self._write_retry = min(self._write_retry * 2, RECORD_RETRY_MAX_SECONDS)
 
     def _account(self, batch: list[Completion], written: Written) -> None:

@@ -14,10 +14,12 @@ import asyncio
 import time
 from typing import Any
 
+import psycopg
+
 from deliverers.python_call import PythonCallConfig, PythonCallDeliverer
 from deliverers.testing import RecordingDeliverer
 from outbox import Outbox
-from outbox.delivery import Deliverer
+from outbox.delivery import Deliverer, Succeeded
 from outbox.delivery.recording import OutcomeWriter
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.storage.async_store import AsyncStore, Completion
@@ -195,3 +197,35 @@ def test_a_role_that_can_record_nothing_pauses_lets_leases_lapse_and_stops_on_ti
     # A kind that cannot record is paused (1 s, 2 s, 4 s, ...): no loop of calls.
     assert calls <= 12, f"{calls} calls in a few seconds: the deliverer spins"
     assert all(e.status.value in ("pending", "in_flight") for e in ob.effects(limit=10))
+
+
+def test_a_write_that_hangs_at_shutdown_is_given_up_when_the_grace_runs_out(
+    ob: Outbox, dsn: str
+) -> None:
+    """The attempt log is locked (by a migration, say): outcomes cannot be written in time.
+
+    One batch's write is already waiting on the lock when the stop comes, the
+    other calls finish after it: both kinds of write end with the grace period.
+    """
+    intend(ob, ["k"] * 4)
+    calls: list[float] = []
+
+    def slow(delivery: Any) -> Any:
+        calls.append(time.monotonic())
+        time.sleep(0.2 if len(calls) == 1 else 1.5)
+        return Succeeded()
+
+    deliverer = RecordingDeliverer("k", outcome=slow)
+    daemon = DaemonThread(dsn, {"k": deliverer}, grace_seconds=3.0)
+    with psycopg.connect(dsn) as locker, daemon:
+        wait_for(lambda: calls, message="the first call")
+        locker.execute("LOCK TABLE outbox_effect_attempts IN ACCESS EXCLUSIVE MODE")
+        wait_for(lambda: len(calls) == 4, message="every call started")
+        time.sleep(0.5)  # the first outcome's write now waits on the lock
+        stopping = time.monotonic()
+        daemon.stop(timeout=20)
+        took = time.monotonic() - stopping
+        locker.rollback()
+    assert took < 3.0 + 1.5, f"stop took {took:.1f}s with --grace 3"
+    # Nothing was lost: the attempts are in flight, for the reconciler once their leases lapse.
+    assert {e.status.value for e in ob.effects(limit=10)} <= {"in_flight", "pending"}
