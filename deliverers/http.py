@@ -182,6 +182,9 @@ class HttpDeliverer(Deliverer):
         self.http: HttpConfig = self.config
         self.policy = AddressPolicy(self.http.allowed_hosts, self.http.allow_private)
         self.resolver = resolver or system_resolver
+        # Made once, here: loading the CA bundle takes a while, and inside a call it
+        # would count against that call's deadline.
+        self._ssl_context = httpx.create_ssl_context()
         self._client: httpx.AsyncClient | None = None
         install_log_redaction()
 
@@ -189,7 +192,12 @@ class HttpDeliverer(Deliverer):
         if self._client is None:
             limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
             self._client = httpx.AsyncClient(
-                transport=GuardedTransport(self.policy, resolver=self.resolver, limits=limits),
+                transport=GuardedTransport(
+                    self.policy,
+                    resolver=self.resolver,
+                    limits=limits,
+                    ssl_context=self._ssl_context,
+                ),
                 follow_redirects=self.http.follow_redirects,
                 max_redirects=self.http.max_redirects,
                 # No environment proxies (the guard could not see where a proxy
@@ -227,11 +235,12 @@ class HttpDeliverer(Deliverer):
         extensions: dict[str, Any] = {"trace": sent.trace, ORIGIN: _origin(request.url)}
         if request.credential is not None:
             extensions[CREDENTIAL_HEADER] = self.http.credentials[request.credential].header
+        client = self._client_for_loop()
         try:
             # One deadline for the whole exchange; httpx's own timeout bounds each
             # read, which a sink trickling a byte at a time never trips.
             async with asyncio.timeout(request.timeout):
-                async with self._client_for_loop().stream(
+                async with client.stream(
                     request.method,
                     request.url,
                     headers=headers,
@@ -291,9 +300,10 @@ class HttpDeliverer(Deliverer):
             raise NotImplementedError("no lookup_url configured")
         url = template.format(key=quote(delivery.idempotency_key, safe=""))
         deadline = self.http.lookup_timeout
+        client = self._client_for_loop()
         try:
             async with asyncio.timeout(deadline):
-                async with self._client_for_loop().stream(
+                async with client.stream(
                     "GET", url, timeout=deadline, extensions={ORIGIN: _origin(url)}
                 ) as response:
                     body, _ = await self._read(response)

@@ -238,6 +238,15 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
         if refusal is not None:
             raise AddressRefused(refusal)
         try:
+            ipaddress.ip_address(host.partition("%")[0])
+        except ValueError:
+            pass
+        else:  # an address literal: nothing to resolve
+            literal = self.policy.refusal(host, ipaddress.ip_address(host.partition("%")[0]))
+            if literal is not None:
+                raise AddressRefused(literal)
+            return [host]
+        try:
             answers = list(await self.resolver(host, port))
         except (OSError, UnicodeError) as exc:
             # Fail closed: no address was checked, so none is connected to.
