@@ -98,6 +98,8 @@ class Completion:
                 "started_at": self.started_at,
             },
             separators=(",", ":"),
+            # A non-finite delay fails here, in this one row, not in the batch's statement.
+            allow_nan=False,
         )
         return (
             f'{head[:-1]},"result":{self.result_json or "null"},'
@@ -236,6 +238,18 @@ class AsyncStore:
         with translate_errors("noting unknown kinds"):
             async with self.engine.begin() as conn:
                 result = await conn.execute(effect_sql.mark_unknown_kinds(), params)
+                return len(result.all())
+
+    async def note_blocked_by_order(self, *, grace_seconds: float, max_rows: int = 1000) -> int:
+        """Note on effects held back by their ordering key what holds them; returns how many.
+
+        Also clears such notes whose block is gone. Not for the claim path: a
+        maintenance round calls it.
+        """
+        params = {"grace_seconds": grace_seconds, "max_rows": max_rows}
+        with translate_errors("noting effects held back by their ordering key"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(effect_sql.note_blocked_by_order(), params)
                 return len(result.all())
 
     # -- stream mode -----------------------------------------------------------------
