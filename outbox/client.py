@@ -42,6 +42,7 @@ from outbox.storage.engine import open_engine
 from outbox.storage.notify import WakeupThrottle
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
 from outbox.storage.store import Store
+from outbox.tracing import current_traceparent, run_span
 from outbox.validation import as_uuid, validated
 
 __all__ = ["Outbox"]
@@ -123,17 +124,20 @@ class Outbox:
             start.inputs, field="inputs", max_bytes=self.settings.max_payload_bytes
         )
         notify = self._runs_wakeup.inline()
-        record = self.store.insert_run(
-            {
-                "id": uuid7() if run_id is None else as_uuid(run_id, "run_id"),
-                "agent": start.agent,
-                "agent_version": start.version,
-                "inputs": inputs_json,
-                "inputs_hash": content_hash(inputs_json),
-                "budget": None if start.budget is None else Decimal(str(start.budget)),
-            },
-            notify=notify is not None,
-        )
+        with run_span(agent=start.agent, version=start.version):
+            record = self.store.insert_run(
+                {
+                    "id": uuid7() if run_id is None else as_uuid(run_id, "run_id"),
+                    "agent": start.agent,
+                    "agent_version": start.version,
+                    "inputs": inputs_json,
+                    "inputs_hash": content_hash(inputs_json),
+                    "budget": None if start.budget is None else Decimal(str(start.budget)),
+                    # The run's trace: its steps are spans of it, in whichever process.
+                    "trace_parent": current_traceparent(),
+                },
+                notify=notify is not None,
+            )
         self._runs_wakeup.committed(notify)
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
         return Run(self._ctx, record, [])

@@ -32,6 +32,7 @@ from outbox.models import AttemptOutcome, EffectStatus
 from outbox.payloads import encode
 from outbox.retry import RetryPolicy
 from outbox.storage.async_store import ClaimedEffect, Completion
+from outbox.tracing import current_traceparent, delivery_span
 
 __all__ = ["RESULT_LIMIT", "Decision", "decide", "delivery_for", "perform_attempt", "released"]
 
@@ -107,6 +108,7 @@ def delivery_for(effect: ClaimedEffect, payload: Any = None) -> Delivery:
         schema_version=effect.schema_version,
         ordering_key=effect.ordering_key,
         created_at=effect.created_at,
+        traceparent=current_traceparent(),
     )
 
 
@@ -152,10 +154,24 @@ async def perform_attempt(
         )
         log.warning(note, extra=context)
         return released(effect, note, delay=schema_retry_seconds), None
-    outcome = await _call(deliverer, effect, context)
-    crash_point("after_call")
-    max_attempts = effect.max_attempts or deliverer.max_attempts or default_max_attempts
-    decision = decide(outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy)
+    with delivery_span(
+        traceparent=effect.trace_parent,
+        kind=effect.kind,
+        key=effect.idempotency_key,
+        attempt=effect.attempt,
+        effect_id=context["effect_id"],
+        run_id=None if effect.run_id is None else context["run_id"],
+    ) as span:
+        outcome = await _call(deliverer, effect, context)
+        crash_point("after_call")
+        max_attempts = effect.max_attempts or deliverer.max_attempts or default_max_attempts
+        decision = decide(
+            outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy
+        )
+        span.outcome(
+            decision.outcome.value,
+            error=None if decision.status == EffectStatus.SUCCEEDED else decision.error,
+        )
     try:
         result_json = (
             None

@@ -34,6 +34,7 @@ from outbox.runs.intents import StepTransaction
 from outbox.runs.waits import WaitSpec, block_until, check_wait, recorded_error
 from outbox.storage import Connection
 from outbox.storage.run_tx import RunTx
+from outbox.tracing import step_span
 from outbox.validation import as_uuid
 
 __all__ = ["Run", "Suspended"]
@@ -181,10 +182,11 @@ class Run:
             return self._replay(self._steps[step_id])
         self._check_live()
         self.active_step = step_id
-        result_json = encode(
-            fn(*args, **kwargs), field="result", max_bytes=self._ctx.settings.max_payload_bytes
-        )
-        return self._commit(step_id, "call", result_json, None, None)
+        with self._span(step_id, "call"):
+            result_json = encode(
+                fn(*args, **kwargs), field="result", max_bytes=self._ctx.settings.max_payload_bytes
+            )
+            return self._commit(step_id, "call", result_json, None, None)
 
     def transaction(
         self,
@@ -204,7 +206,8 @@ class Run:
             return self._replay(self._steps[step_id])
         self._check_live()
         self.active_step = step_id
-        return self._commit(step_id, "transaction", None, fn, connection)
+        with self._span(step_id, "transaction"):
+            return self._commit(step_id, "transaction", None, fn, connection)
 
     def complete(self, result: Any = None) -> None:
         """End the run as ``completed`` with an optional JSON result."""
@@ -262,6 +265,12 @@ class Run:
         spec = WaitSpec("effect", seconds=_seconds(timeout, "timeout"), effect_id=effect_id)
         return self._wait(step_id or f"await:{effect_id}", spec)
 
+    def _span(self, step_id: str, kind: str) -> Any:
+        """The step's span, in the run's trace (see :mod:`outbox.tracing`)."""
+        return step_span(
+            traceparent=self._record.trace_parent, run_id=str(self.id), step_id=step_id, kind=kind
+        )
+
     def _wait(self, step_id: str, spec: WaitSpec) -> Any:
         step_id = self._check_step_id(step_id)
         recorded = self._steps.get(step_id)
@@ -269,6 +278,10 @@ class Run:
             return self._replay(recorded)
         self._check_live()
         self.active_step = step_id
+        with self._span(step_id, f"wait.{spec.kind}"):
+            return self._wait_loop(step_id, spec)
+
+    def _wait_loop(self, step_id: str, spec: WaitSpec) -> Any:
         store = self._ctx.store
         while True:
             with store.run_tx() as tx:

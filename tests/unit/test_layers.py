@@ -16,7 +16,18 @@ ROOT = Path(__file__).resolve().parents[2]
 # Lower layers may not import higher ones. Base modules (errors, models, ...)
 # sit under storage and import nothing of the layers.
 LAYERS = ["storage", "runs", "delivery", "client", "serve", "cli"]
-BASE = {"errors", "models", "settings", "retry", "payloads", "keys", "ids", "validation", "faults"}
+BASE = {
+    "errors",
+    "models",
+    "settings",
+    "retry",
+    "payloads",
+    "keys",
+    "ids",
+    "validation",
+    "faults",
+    "tracing",
+}
 # The one permitted upward edge: a finished effect moves a stopping run on.
 ALLOWED = {("delivery", "runs.stopping")}
 
