@@ -215,13 +215,26 @@ class Outbox:
         return self.effect(effect.id)
 
     def retry_effect(
-        self, effect_id: uuid.UUID | str, *, operator: str, extra_attempts: int = 3
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        operator: str,
+        extra_attempts: int = 3,
+        note: str | None = None,
     ) -> Effect:
-        """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries."""
+        """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries.
+
+        Recorded in the attempt log with ``operator`` and, when given, ``note`` (why).
+        """
         if extra_attempts < 1:
             raise ValidationError("extra_attempts", extra_attempts, "must be at least 1")
+        if note is not None and not note.strip():
+            raise ValidationError("note", note, "say why, or leave the note out")
         effect = self.effect(effect_id)
-        detail = encode({"extra_attempts": extra_attempts, "by": operator}, field="detail")
+        entry: dict[str, Any] = {"extra_attempts": extra_attempts, "by": operator}
+        if note is not None:
+            entry["note"] = note
+        detail = encode(entry, field="detail")
         changed = self.store.operator_change(
             "retry",
             {

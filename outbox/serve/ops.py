@@ -39,7 +39,8 @@ class Cached(Generic[T]):
 
     def __init__(self, load: Callable[[], T], ttl: float) -> None:
         self._load = load
-        self._ttl = ttl
+        #: Seconds a loaded value is reused.
+        self.ttl = ttl
         self._lock = threading.Lock()
         self._value: T | None = None
         self._at = float("-inf")
@@ -49,7 +50,7 @@ class Cached(Generic[T]):
     def get(self) -> T:
         """The value, loaded again when older than ``ttl``."""
         with self._lock:
-            if self._value is None or time.monotonic() - self._at >= self._ttl:
+            if self._value is None or time.monotonic() - self._at >= self.ttl:
                 self._value = self._load()
                 self._at = time.monotonic()
                 self.loads += 1
