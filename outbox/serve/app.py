@@ -61,6 +61,7 @@ def build_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials)
             return RedirectResponse("/console/", status_code=303)
 
         routes.append(Route("/", home, methods=["GET"]))
+        routes.append(Route("/console", home, methods=["GET"]))
     app = Starlette(
         routes=routes,
         exception_handlers={404: _not_found, 405: _not_allowed, Exception: _server_error},

@@ -7,7 +7,8 @@ See :mod:`outbox.serve.console.pages` for the pages and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 from starlette.routing import Route, Router
 
@@ -22,11 +23,39 @@ if TYPE_CHECKING:
 __all__ = ["console_app"]
 
 
-def console_app(outbox: Outbox, credentials: Credentials, counts: CachedCounts) -> Router:
+class ServerTiming:
+    """Adds ``Server-Timing: app;dur=<ms>`` (time to the response's headers) to each page.
+
+    Browsers show it in their developer tools; ``python -m bench.console`` reads it.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+
+        async def timed(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                took = (time.perf_counter() - started) * 1000
+                message.setdefault("headers", [])
+                message["headers"] = [
+                    *message["headers"],
+                    (b"server-timing", f"app;dur={took:.1f}".encode()),
+                ]
+            await send(message)
+
+        await self.app(scope, receive, timed)
+
+
+def console_app(outbox: Outbox, credentials: Credentials, counts: CachedCounts) -> Any:
     """The console's routes (mount them at ``/console``)."""
     c = Console(outbox, ConsoleAuth(credentials), counts)
     get, post = ["GET"], ["POST"]
-    return Router(
+    router = Router(
         routes=[
             Route("/", c.overview, methods=get),
             Route("/runs", c.runs, methods=get),
@@ -43,3 +72,4 @@ def console_app(outbox: Outbox, credentials: Credentials, counts: CachedCounts) 
             Route("/logout", c.logout, methods=post),
         ]
     )
+    return ServerTiming(router)
