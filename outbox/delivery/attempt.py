@@ -159,15 +159,13 @@ async def perform_attempt(
         kind=effect.kind,
         key=effect.idempotency_key,
         attempt=effect.attempt,
-        effect_id=context["effect_id"],
-        run_id=None if effect.run_id is None else context["run_id"],
+        effect_id=str(effect.id),
+        run_id=None if effect.run_id is None else str(effect.run_id),
     ) as span:
         outcome = await _call(deliverer, effect, context)
         crash_point("after_call")
         max_attempts = effect.max_attempts or deliverer.max_attempts or default_max_attempts
-        decision = decide(
-            outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy
-        )
+        decision = decide(outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy)
         span.outcome(
             decision.outcome.value,
             error=None if decision.status == EffectStatus.SUCCEEDED else decision.error,

@@ -22,10 +22,10 @@ from starlette.responses import JSONResponse, Response
 
 from outbox.errors import OutboxError
 from outbox.serve.settings import Credentials
+from outbox.storage.sql.maintenance import StateCounts
 
 if TYPE_CHECKING:
     from outbox.client import Outbox
-    from outbox.storage.sql.maintenance import StateCounts
 
 __all__ = ["CachedCounts", "Health", "Metrics", "bearer"]
 
@@ -57,7 +57,7 @@ class Cached(Generic[T]):
             return self._value
 
 
-class CachedCounts(Cached["StateCounts"]):
+class CachedCounts(Cached[StateCounts]):
     """Runs by status and open effects by (status, kind), at most one query per ``ttl``."""
 
     def __init__(self, outbox: Outbox, ttl: float) -> None:
@@ -118,7 +118,7 @@ class Metrics:
     def __init__(self, counts: CachedCounts, credentials: Credentials) -> None:
         self.credentials = credentials
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(counts))  # type: ignore[arg-type]
+        self.registry.register(_StateCollector(counts))
 
     async def handle(self, request: Request) -> Response:
         """Refuse without the token; else the gauges."""

@@ -101,6 +101,7 @@ class BodyLimit:
         self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Read the body (bounded), then call the app with it replayed."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -145,8 +146,11 @@ class BodyLimit:
         except Exception as exc:
             # Starlette answered 500 already; one line here, the trace only at DEBUG.
             log.error(
-                "%s %s failed: %s: %s", scope.get("method"), scope.get("path"),
-                type(exc).__name__, exc,
+                "%s %s failed: %s: %s",
+                scope.get("method"),
+                scope.get("path"),
+                type(exc).__name__,
+                exc,
             )
             log.debug("trace", exc_info=True)
 

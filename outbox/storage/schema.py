@@ -283,9 +283,7 @@ Index(
 Index(
     "outbox_effects_stopped",
     effects.c.id,
-    postgresql_where=text(
-        sql_in("status", (EffectStatus.CANCELLED, EffectStatus.COMPENSATED))
-    ),
+    postgresql_where=text(sql_in("status", (EffectStatus.CANCELLED, EffectStatus.COMPENSATED))),
 )
 
 effect_attempts = Table(

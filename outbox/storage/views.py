@@ -86,7 +86,9 @@ class ConsoleViews:
         more = len(rows) > limit
         rows = rows[:limit]
         last = rows[-1] if rows and more else None
-        return Page(rows, None if last is None else f"{last['created_at'].isoformat()}~{last['id']}")
+        return Page(
+            rows, None if last is None else f"{last['created_at'].isoformat()}~{last['id']}"
+        )
 
     def effects(
         self,
@@ -159,7 +161,9 @@ class ConsoleViews:
                 effects=_rows(conn.execute(sql.effects_of_run(), part)),
             )
 
-    def effect(self, effect_id: UUID) -> tuple[Effect, list[EffectAttempt], list[dict[str, Any]]] | None:
+    def effect(
+        self, effect_id: UUID
+    ) -> tuple[Effect, list[EffectAttempt], list[dict[str, Any]]] | None:
         """One effect, its attempt log, and the effects that compensate it."""
         with translate_errors("loading an effect"), self.engine.connect() as conn:
             row = conn.execute(select(effects).where(effects.c.id == effect_id)).first()

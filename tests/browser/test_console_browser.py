@@ -228,7 +228,9 @@ def test_console_done_when(
     screenshot(page, "unknown-queue")
 
     # Resolve one with a note: it leaves the queue, the note is in its attempt log.
-    row = page.locator("#unknown tr", has=page.locator(f"a[href='/console/effects/{data['unknown']}']"))
+    row = page.locator(
+        "#unknown tr", has=page.locator(f"a[href='/console/effects/{data['unknown']}']")
+    )
     row.locator("select[name=outcome]").select_option("succeeded")
     row.locator("input[name=note]").fill("delivered: seen in the mail gateway's log, msg 8812")
     row.locator("button").click()

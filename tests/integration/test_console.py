@@ -140,7 +140,11 @@ def test_resolve_goes_to_the_attempt_log_with_who_and_why(
     assert ob.effect(effect_id).status == EffectStatus.SUCCEEDED
     last = ob.store.attempts(ob.effect(effect_id).id)[-1]
     assert last.outcome == "resolved" and last.worker == "alice (console)"
-    assert last.detail == {"as": "succeeded", "note": "seen in the mail log", "by": "alice (console)"}
+    assert last.detail == {
+        "as": "succeeded",
+        "note": "seen in the mail log",
+        "by": "alice (console)",
+    }
 
 
 def test_a_note_is_required(ob: Outbox, console: OutboxServer) -> None:

@@ -6,7 +6,6 @@ Each test talks to a real uvicorn server: on a thread for behaviour, as a real
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
@@ -86,16 +85,13 @@ def test_a_negative_content_length_does_not_skip_the_body_limit(
 ) -> None:
     run = ob.start_run("a", "1")
     head = (
-        f"POST /runs/{run.id}/signals/x HTTP/1.1\r\nHost: x\r\n"
-        "Content-Length: -1\r\n\r\n"
+        f"POST /runs/{run.id}/signals/x HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n"
     ).encode()
     answer = raw_request(server.port, head + b"x" * (2 * 1024 * 1024))
     assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
 
 
-def test_a_chunked_body_without_length_stops_at_the_limit(
-    ob: Outbox, server: OutboxServer
-) -> None:
+def test_a_chunked_body_without_length_stops_at_the_limit(ob: Outbox, server: OutboxServer) -> None:
     run = ob.start_run("a", "1")
     path = f"/runs/{run.id}/signals/x"
 
@@ -175,8 +171,12 @@ def test_malformed_signature_headers_are_refused_not_raised(
     ]:
         head = (
             f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n".encode()
-            + b"X-Outbox-Timestamp: " + timestamp + b"\r\n"
-            + b"X-Outbox-Signature: " + signature + b"\r\n\r\n"
+            + b"X-Outbox-Timestamp: "
+            + timestamp
+            + b"\r\n"
+            + b"X-Outbox-Signature: "
+            + signature
+            + b"\r\n\r\n"
         )
         answer = raw_request(server.port, head + body, read_timeout=3)
         assert answer.startswith(b"HTTP/1.1 401"), answer[:300]
@@ -207,7 +207,9 @@ def test_metrics_want_a_token_and_reuse_their_counts(ob: Outbox, server: OutboxS
     ob.start_run("a", "1")
     url = f"{server.url}/metrics"
     assert httpx.get(url).status_code == 401
-    assert httpx.get(url, headers={"Authorization": "Bearer wrong-token-0000000"}).status_code == 401
+    assert (
+        httpx.get(url, headers={"Authorization": "Bearer wrong-token-0000000"}).status_code == 401
+    )
     auth = {"Authorization": f"Bearer {METRICS.decode()}"}
     counts = server.app.state.counts
     before = counts.loads
@@ -307,16 +309,14 @@ def test_300_mb_streamed_does_not_grow_the_server(
     assert _answers(port)
 
 
-def test_client_disconnects_log_no_trace(
-    ob: Outbox, serve_process: tuple[int, int, Path]
-) -> None:
+def test_client_disconnects_log_no_trace(ob: Outbox, serve_process: tuple[int, int, Path]) -> None:
     port, _, log_path = serve_process
     run = ob.start_run("a", "1")
     for _ in range(20):
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(
                 f"POST /runs/{run.id}/signals/x HTTP/1.1\r\nHost: x\r\n"
-                "Content-Length: 1000\r\n\r\n{\"payload\":".encode()
+                'Content-Length: 1000\r\n\r\n{"payload":'.encode()
             )
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")

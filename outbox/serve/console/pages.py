@@ -121,8 +121,15 @@ class Console:
             unknown_total=sum(
                 n for (s, _), n in counts.effects.items() if s == EffectStatus.UNKNOWN.value
             ),
-            statuses=[s.value for s in (EffectStatus.PENDING, EffectStatus.IN_FLIGHT,
-                                        EffectStatus.DISPATCHED, EffectStatus.UNKNOWN)],
+            statuses=[
+                s.value
+                for s in (
+                    EffectStatus.PENDING,
+                    EffectStatus.IN_FLIGHT,
+                    EffectStatus.DISPATCHED,
+                    EffectStatus.UNKNOWN,
+                )
+            ],
             runs=counts.runs,
             oldest_pending=counts.oldest_pending_seconds,
             delivered=delivered,
@@ -139,7 +146,7 @@ class Console:
             found = await run_in_threadpool(self.views.find, q["q"])
             if found is not None:
                 return RedirectResponse(f"/console/{found[0]}s/{found[1]}", status_code=303)
-        filters = {
+        filters: dict[str, Any] = {
             "agent": q.get("agent") or None,
             "version": q.get("version") or None,
             "status": _choice(q.get("status"), RunStatus),
@@ -334,7 +341,9 @@ class Console:
         operator = self.auth.operator(request)
         if operator is None:
             return self.problem(
-                request, 403, "sign in with the operator credential to act (the console is read-only)"
+                request,
+                403,
+                "sign in with the operator credential to act (the console is read-only)",
             )
         target = _uuid(request.path_params[param])
         if target is None:

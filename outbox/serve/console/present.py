@@ -57,7 +57,10 @@ def _redact_url(url: str) -> str:
         if query:
             pairs = parse_qsl(query, keep_blank_values=True)
             query = urlencode(
-                [(k, REDACTED if _SECRET_NAME.search(k) or k in _TOKEN_PARAMS else v) for k, v in pairs]
+                [
+                    (k, REDACTED if _SECRET_NAME.search(k) or k in _TOKEN_PARAMS else v)
+                    for k, v in pairs
+                ]
             )
         return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
     except ValueError:
@@ -94,7 +97,7 @@ def age(moment: datetime | None, now: datetime | None = None) -> str:
 def duration(seconds: float | None) -> str:
     """``850 ms`` / ``2.4 s`` / ``3m 10s``."""
     if seconds is None:
-        return "–"
+        return "-"
     if seconds < 1:
         return f"{seconds * 1000:.0f} ms"
     if seconds < 60:

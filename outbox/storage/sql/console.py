@@ -198,7 +198,9 @@ def effect_page(
     return query.limit(bindparam("lim", type_=Integer)), params
 
 
-def operator_queue(status: str, *, after: int | None, limit: int) -> tuple[AnySelect, dict[str, Any]]:
+def operator_queue(
+    status: str, *, after: int | None, limit: int
+) -> tuple[AnySelect, dict[str, Any]]:
     """``unknown`` or ``failed`` effects, oldest first, with their last attempt's record."""
     last = (
         select(effect_attempts.c.outcome, effect_attempts.c.detail, effect_attempts.c.worker)

@@ -22,7 +22,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.models import OPEN_EFFECT_STATUSES, EffectStatus
 from outbox.storage.schema import consumed_keys, effect_attempts, effects, runs, webhook_replays
-from outbox.storage.sql.common import SECONDS, AnySelect, const, in_statuses
+from outbox.storage.sql.common import SECONDS, AnySelect, const
 
 __all__ = [
     "StateCounts",
