@@ -27,8 +27,10 @@ CHROMIUM_ARGS = [
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "console"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
+    # Module scope: Playwright's sync API holds an event loop on this thread while it
+    # runs, and every later test that calls asyncio.run() needs it gone.
     from playwright.sync_api import sync_playwright
 
     if not Path(CHROMIUM).exists():
