@@ -42,7 +42,11 @@ def worker(
     setup_path: str | None,
     log_json: bool,
 ) -> None:
-    """Execute runs of one agent version until SIGTERM/SIGINT."""
+    """Execute runs of one agent version until SIGTERM/SIGINT.
+
+    An ``async def`` handler gets an AsyncRun, and --concurrency runs work at
+    once on one event loop.
+    """
     from outbox.cli.logs import configure
 
     configure(logging.INFO, as_json=log_json)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Protocol
 
@@ -34,7 +35,19 @@ class RunHandle(Protocol):
     def context(self) -> RunContext: ...
 
 
-__all__ = ["OutboxTransaction", "StepTransaction"]
+__all__ = ["OutboxTransaction", "StepTransaction", "StepWrites", "intend_options"]
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A validated intent row, not yet gathered (a caller's key may still name an existing one)."""
+
+    row: dict[str, Any]
+    caller_key: bool
+
+    @property
+    def key(self) -> str:
+        return str(self.row["idempotency_key"])
 
 
 class _Intents:
@@ -60,6 +73,30 @@ class _Intents:
         payload: Any,
         options: dict[str, Any],
     ) -> Effect:
+        """Validate and gather one intent (the sync twin: a caller's key is looked up here)."""
+        prepared = self.prepare(
+            run_id=run_id, step_id=step_id, kind=kind, payload=payload, options=options
+        )
+        if isinstance(prepared, Effect):
+            return prepared
+        existing = self.lookup(prepared.key) if prepared.caller_key else None
+        return self.record(prepared, existing)
+
+    def prepare(
+        self,
+        *,
+        run_id: uuid.UUID | None,
+        step_id: str | None,
+        kind: str,
+        payload: Any,
+        options: dict[str, Any],
+    ) -> _Prepared | Effect:
+        """Everything of :meth:`add` but the look-up: validation, encoding, the key (no I/O).
+
+        Returns the intent already gathered in this transaction under the same
+        key and payload, if any. Both twins call it, then look a caller's key up
+        their own way (:meth:`lookup`), then :meth:`record`.
+        """
         intent: EffectIntent = validated(EffectIntent, kind=kind, payload=payload, **options)
         limit = self._ctx.settings.max_payload_bytes
         payload_json = encode(intent.payload, field="payload", max_bytes=limit)
@@ -81,15 +118,6 @@ class _Intents:
                     key, "intended twice in this step with different payloads"
                 )
             return next(_effect(r) for r in self._rows if r["idempotency_key"] == key)
-        if intent.key is not None:
-            # A caller's key may already be taken by any run: wait for a racing
-            # transaction holding it, then look (so two racers make one row).
-            self._ctx.store.lock_key(self._conn, key)
-            existing = self._ctx.store.effect_by_key(self._conn, key)
-            if existing is not None:
-                if existing.payload_hash != payload_hash:
-                    raise IdempotencyConflict(key)
-                return existing
         row = {
             "id": str(uuid7()),
             "step_index": index,
@@ -109,8 +137,27 @@ class _Intents:
             "_run_id": run_id,
             "_step_id": step_id,
         }
+        return _Prepared(row, caller_key=intent.key is not None)
+
+    def lookup(self, key: str) -> Effect | None:
+        """The effect already holding a caller's ``key``, in this transaction (sync; I/O).
+
+        A caller's key may already be taken by any run: wait for a racing
+        transaction holding it, then look (so two racers make one row). The
+        async twin runs this same method through ``AsyncConnection.run_sync``.
+        """
+        self._ctx.store.lock_key(self._conn, key)
+        return self._ctx.store.effect_by_key(self._conn, key)
+
+    def record(self, prepared: _Prepared, existing: Effect | None) -> Effect:
+        """Gather a prepared intent, or return the existing one that holds its caller's key."""
+        row = prepared.row
+        if existing is not None:
+            if existing.payload_hash != row["payload_hash"]:
+                raise IdempotencyConflict(prepared.key)
+            return existing
         self._rows.append(row)
-        self._keys[key] = payload_hash
+        self._keys[prepared.key] = row["payload_hash"]
         return _effect(row)
 
     def taken_key(self) -> str:
@@ -164,11 +211,15 @@ class OutboxTransaction:
         )
 
     def _flush(self) -> None:
+        self._flush_on(self.connection)
+
+    def _flush_on(self, connection: Connection) -> None:
+        """Write the gathered intents (sync; the async twin runs it through ``run_sync``)."""
         if not self._intents.pending:
             return
         self._notified = self._ctx.effects_wakeup.inline()
         inserted = self._ctx.store.intend_without_run(
-            self.connection, self._intents.as_json(), notify=self._notified is not None
+            connection, self._intents.as_json(), notify=self._notified is not None
         )
         if inserted != self._intents.pending:
             raise IdempotencyConflict(
@@ -176,16 +227,39 @@ class OutboxTransaction:
             )
 
 
-class StepTransaction:
-    """What an atomic step's function receives: one open transaction.
+def intend_options(
+    *,
+    key: str | None,
+    ordering_key: str | None,
+    max_attempts: int | None,
+    delay_seconds: float,
+    schema_version: int,
+    compensate: tuple[str, Any] | None,
+    cost: float | None,
+) -> dict[str, Any]:
+    """The options of ``StepTransaction.intend`` (and its async twin) as ``EffectIntent`` fields."""
+    options: dict[str, Any] = {
+        "key": key,
+        "ordering_key": ordering_key,
+        "max_attempts": max_attempts,
+        "delay_seconds": delay_seconds,
+        "schema_version": schema_version,
+        "cost": cost,
+    }
+    if compensate is not None:
+        options["compensate"] = {"kind": compensate[0], "payload": compensate[1]}
+    return options
 
-    ``connection`` is a SQLAlchemy ``Connection`` in that transaction: rows the
-    caller writes on it commit (or roll back) together with the checkpoint and
-    the intents. Do not commit or roll back on it yourself.
+
+class StepWrites:
+    """What a step writes besides the caller's rows: state, plan, debits and intents (both twins).
+
+    ``intents_connection`` is the sync ``Connection`` the step's transaction
+    runs on; the async twin passes its ``AsyncConnection.sync_connection`` and
+    uses it only inside ``run_sync``.
     """
 
-    def __init__(self, run: RunHandle, connection: Connection, step_id: str) -> None:
-        self.connection = connection
+    def __init__(self, run: RunHandle, intents_connection: Connection, step_id: str) -> None:
         self.run = run
         self.step_id = step_id
         self._state_json: str | None = None
@@ -193,7 +267,7 @@ class StepTransaction:
         self._debit = Decimal(0)
         self._reserve = Decimal(0)
         self._ledger: list[dict[str, Any]] = []
-        self._intents = _Intents(run.context, connection)
+        self._intents = _Intents(run.context, intents_connection)
 
     def set_state(self, state: Any) -> None:
         """Replace the run's state when this step commits."""
@@ -207,48 +281,29 @@ class StepTransaction:
             plan, field="plan", max_bytes=self.run.context.settings.max_payload_bytes
         )
 
-    def intend(
-        self,
-        kind: str,
-        payload: Any,
-        *,
-        key: str | None = None,
-        ordering_key: str | None = None,
-        max_attempts: int | None = None,
-        delay_seconds: float = 0.0,
-        schema_version: int = 1,
-        compensate: tuple[str, Any] | None = None,
-        cost: float | None = None,
-    ) -> Effect:
-        """Record that effect ``kind`` with ``payload`` must happen, once, if this step commits.
-
-        The idempotency key defaults to one derived from (run, step, index of
-        this intent in the step), so a replayed step re-derives the same key.
-        A caller's own ``key`` must be unique across all runs: reusing it with
-        the same payload returns the existing intent, with another payload
-        raises :class:`~outbox.IdempotencyConflict`.
-        """
-        options: dict[str, Any] = {
-            "key": key,
-            "ordering_key": ordering_key,
-            "max_attempts": max_attempts,
-            "delay_seconds": delay_seconds,
-            "schema_version": schema_version,
-            "cost": cost,
-        }
-        if compensate is not None:
-            options["compensate"] = {"kind": compensate[0], "payload": compensate[1]}
+    def _prepare_intent(
+        self, kind: str, payload: Any, options: dict[str, Any]
+    ) -> tuple[_Prepared | Effect, int]:
         before = self._intents.pending
-        effect = self._intents.add(
+        prepared = self._intents.prepare(
             run_id=self.run.id, step_id=self.step_id, kind=kind, payload=payload, options=options
         )
+        return prepared, before
+
+    def _record_intent(
+        self, prepared: _Prepared | Effect, existing: Effect | None, before: int
+    ) -> Effect:
+        if isinstance(prepared, Effect):
+            effect = prepared
+        else:
+            effect = self._intents.record(prepared, existing)
         if effect.cost is not None and self._intents.pending > before:
             # Reserved when the intent commits; the effect's outcome settles it.
             self._reserve += effect.cost
             self._ledger.append(
                 {
                     "entry": "reserve",
-                    "reason": kind,
+                    "reason": effect.kind,
                     "amount": str(effect.cost),
                     "effect_id": str(effect.id),
                 }
@@ -277,3 +332,52 @@ class StepTransaction:
 
     def _ledger_json(self) -> str | None:
         return json.dumps(self._ledger) if self._ledger else None
+
+
+class StepTransaction(StepWrites):
+    """What an atomic step's function receives: one open transaction.
+
+    ``connection`` is a SQLAlchemy ``Connection`` in that transaction: rows the
+    caller writes on it commit (or roll back) together with the checkpoint and
+    the intents. Do not commit or roll back on it yourself.
+    """
+
+    def __init__(self, run: RunHandle, connection: Connection, step_id: str) -> None:
+        super().__init__(run, connection, step_id)
+        self.connection = connection
+
+    def intend(
+        self,
+        kind: str,
+        payload: Any,
+        *,
+        key: str | None = None,
+        ordering_key: str | None = None,
+        max_attempts: int | None = None,
+        delay_seconds: float = 0.0,
+        schema_version: int = 1,
+        compensate: tuple[str, Any] | None = None,
+        cost: float | None = None,
+    ) -> Effect:
+        """Record that effect ``kind`` with ``payload`` must happen, once, if this step commits.
+
+        The idempotency key defaults to one derived from (run, step, index of
+        this intent in the step), so a replayed step re-derives the same key.
+        A caller's own ``key`` must be unique across all runs: reusing it with
+        the same payload returns the existing intent, with another payload
+        raises :class:`~outbox.IdempotencyConflict`.
+        """
+        options = intend_options(
+            key=key,
+            ordering_key=ordering_key,
+            max_attempts=max_attempts,
+            delay_seconds=delay_seconds,
+            schema_version=schema_version,
+            compensate=compensate,
+            cost=cost,
+        )
+        prepared, before = self._prepare_intent(kind, payload, options)
+        existing = None
+        if not isinstance(prepared, Effect) and prepared.caller_key:
+            existing = self._intents.lookup(prepared.key)
+        return self._record_intent(prepared, existing, before)

@@ -26,6 +26,7 @@ __all__ = [
     "libpq_dsn",
     "make_async_engine",
     "make_engine",
+    "open_async_engine",
     "open_engine",
     "psycopg_url",
     "resolve_dsn",
@@ -144,3 +145,23 @@ def open_engine(settings: Settings, *, application_name: str = "outbox") -> Engi
         engine.dispose()
         raise
     return engine
+
+
+def open_async_engine(settings: Settings, *, application_name: str = "outbox") -> AsyncEngine:
+    """The async twin of :func:`open_engine` (call it in a thread: it may start a server).
+
+    The schema is migrated or checked through a short-lived sync engine, by the
+    same code; the async engine then gets the same pool size and session settings.
+    """
+    check = open_engine(settings, application_name=application_name)
+    try:
+        url = check.url
+    finally:
+        check.dispose()
+    return create_async_engine(
+        psycopg_url(url),
+        pool_size=settings.pool_size,
+        max_overflow=settings.pool_size,
+        pool_pre_ping=False,
+        connect_args=_connect_args(settings.idle_in_transaction_timeout_ms, application_name),
+    )

@@ -166,3 +166,37 @@ ob.close()
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [None, None, None]
+
+
+def test_steps_of_a_run_are_spans_of_its_trace_sync_and_async(
+    ob: Outbox, dsn: str, spans: InMemorySpanExporter
+) -> None:
+    import asyncio
+
+    from outbox import AsyncOutbox
+
+    run = ob.start_run("agent", "1")
+    run.call("look", lambda: 1)
+    run.transaction("write", lambda tx: tx.intend("x.y", {"a": 1}).idempotency_key)
+
+    async def resume() -> None:
+        async with await AsyncOutbox.connect(dsn) as aob:
+            arun = await aob.run(run.id)
+
+            async def step(tx: Any) -> str:
+                return str((await tx.intend("x.y", {"a": 2})).kind)
+
+            await arun.transaction("later", step)
+
+    asyncio.run(resume())
+    finished = {s.name: s for s in spans.get_finished_spans()}
+    root = finished["outbox.run agent"]
+    for name in ("outbox.step look", "outbox.step write", "outbox.step later"):
+        step = finished[name]
+        assert step.context.trace_id == root.context.trace_id
+        assert step.parent is not None and step.parent.span_id == root.context.span_id
+    stored = {e.step_id: e.trace_parent for e in ob.effects(run_id=run.id)}
+    assert stored == {
+        "write": tp(finished["outbox.step write"]),
+        "later": tp(finished["outbox.step later"]),
+    }
