@@ -213,6 +213,9 @@ class HttpDeliverer(Deliverer):
         headers["Idempotency-Key"] = delivery.idempotency_key
         headers["X-Outbox-Effect-Id"] = str(delivery.effect_id)
         headers["X-Outbox-Attempt"] = str(delivery.attempt)
+        if delivery.traceparent is not None:
+            # The attempt's span: the sink's own spans join the intent's trace.
+            headers["traceparent"] = delivery.traceparent
         if delivery.run_id is not None:
             headers["X-Outbox-Run-Id"] = str(delivery.run_id)
         if request.credential is not None:

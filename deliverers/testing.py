@@ -315,6 +315,7 @@ class IdempotentHttpSink:
                 "key": key,
                 "effect_id": handler.headers.get("X-Outbox-Effect-Id"),
                 "attempt": handler.headers.get("X-Outbox-Attempt"),
+                "traceparent": handler.headers.get("traceparent"),
                 "body": raw.decode(),
             }
         )

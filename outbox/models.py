@@ -263,6 +263,8 @@ class RunRecord(_Record):
     #: Agent-version upgrades this run went through: ``{from, to, at, worker}``.
     upgrades: list[dict[str, Any]] = Field(default_factory=list)
     cancel_reason: str | None = None
+    #: The W3C ``traceparent`` of the run's trace (None: started outside any trace).
+    trace_parent: str | None = None
 
     @property
     def remaining_budget(self) -> Decimal | None:
@@ -314,6 +316,8 @@ class Effect(_Record):
     attempt_started_at: datetime | None = None
     created_at: datetime | None = None
     completed_at: datetime | None = None
+    #: The W3C ``traceparent`` current when the intent was written (None: no trace).
+    trace_parent: str | None = None
 
     @property
     def terminal(self) -> bool:

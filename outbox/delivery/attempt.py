@@ -32,6 +32,7 @@ from outbox.faults import crash_point
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.retry import RetryPolicy
 from outbox.storage.async_store import ClaimedEffect, Completion
+from outbox.tracing import current_traceparent, delivery_span
 
 __all__ = [
     "MAX_DELAY_SECONDS",
@@ -122,6 +123,7 @@ def delivery_for(effect: ClaimedEffect, payload: Any = None) -> Delivery:
         schema_version=effect.schema_version,
         ordering_key=effect.ordering_key,
         created_at=effect.created_at,
+        traceparent=current_traceparent(),
     )
 
 
@@ -167,10 +169,22 @@ async def perform_attempt(
         )
         log.warning(note, extra=context)
         return released(effect, note, delay=schema_retry_seconds), None
-    outcome = await _call(deliverer, effect, context)
-    crash_point("after_call")
-    max_attempts = effect.max_attempts or deliverer.max_attempts or default_max_attempts
-    decision = decide(outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy)
+    with delivery_span(
+        traceparent=effect.trace_parent,
+        kind=effect.kind,
+        key=effect.idempotency_key,
+        attempt=effect.attempt,
+        effect_id=str(effect.id),
+        run_id=None if effect.run_id is None else str(effect.run_id),
+    ) as span:
+        outcome = await _call(deliverer, effect, context)
+        crash_point("after_call")
+        max_attempts = effect.max_attempts or deliverer.max_attempts or default_max_attempts
+        decision = decide(outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy)
+        span.outcome(
+            decision.outcome.value,
+            error=None if decision.status == EffectStatus.SUCCEEDED else decision.error,
+        )
     completion = record_of(effect, decision)
     # A success is the common case and logs at DEBUG: at thousands of effects a
     # second, a line each would cost more than the delivery.

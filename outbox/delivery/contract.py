@@ -56,6 +56,8 @@ class Delivery:
     schema_version: int = 1
     ordering_key: str | None = None
     created_at: Any = None
+    #: The W3C ``traceparent`` of this attempt's span (send it on, as HTTP does), or None.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

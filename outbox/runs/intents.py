@@ -22,6 +22,7 @@ from outbox.payloads import content_hash, decode, encode, encode_sized
 from outbox.runs.context import RunContext
 from outbox.storage import Connection
 from outbox.storage.store import effects_json
+from outbox.tracing import current_traceparent
 from outbox.validation import name_field, validated
 
 
@@ -157,6 +158,8 @@ class _Intents:
             "compensates": None,
             "cost": intent.cost,
             "delay_seconds": intent.delay_seconds,
+            # The trace current at tx.intend: every delivery attempt is a span of it.
+            "trace_parent": current_traceparent(),
             "_run_id": run_id,
             "_step_id": step_id,
             "_size": size,
@@ -228,6 +231,7 @@ def _effect(row: dict[str, Any]) -> Effect:
         if row["compensate"] is None
         else Compensation.model_validate_json(row["compensate"]),
         cost=None if row["cost"] is None else Decimal(str(row["cost"])),
+        trace_parent=row["trace_parent"],
     )
 
 

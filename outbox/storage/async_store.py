@@ -46,6 +46,8 @@ class ClaimedEffect:
     created_at: datetime
     attempt_started_at: datetime | None
     lease_owner: str | None
+    #: The W3C traceparent stored with the intent (None: written outside any trace).
+    trace_parent: str | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> ClaimedEffect:
@@ -63,6 +65,7 @@ class ClaimedEffect:
             created_at=row["created_at"],
             attempt_started_at=row["attempt_started_at"],
             lease_owner=row["lease_owner"],
+            trace_parent=row.get("trace_parent"),
         )
 
     @property

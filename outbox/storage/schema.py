@@ -111,6 +111,8 @@ runs = Table(
     Column("step_retries", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("upgrades", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
     Column("cancel_reason", Text),
+    # 0006: the W3C traceparent of the run's trace (its steps are spans of it)
+    Column("trace_parent", Text),
     CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
     # every step updates the row: room on the page keeps those updates HOT (0004)
     postgresql_with={"fillfactor": "80"},
@@ -226,6 +228,8 @@ effects = Table(
     _ts("completed_at"),
     # 0002: the run parked on this effect (run.await_effect); see queue.complete_effects
     Column("awaited_by", UUID(as_uuid=True)),
+    # 0006: the W3C traceparent current at tx.intend (each attempt is a span of its trace)
+    Column("trace_parent", Text),
     UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
     CheckConstraint(sql_in("status", EFFECT_STATUSES), name="outbox_effects_status_check"),
 )
@@ -267,6 +271,19 @@ Index(
     effects.c.status,
     effects.c.seq,
     postgresql_where=text("status IN ('unknown', 'failed')"),
+)
+
+# 0006: the console finds an effect's compensation, and stopped effects, without a scan;
+# neither index is written by the intent, claim or completion of an ordinary effect.
+Index(
+    "outbox_effects_compensates",
+    effects.c.compensates,
+    postgresql_where=text("compensates IS NOT NULL"),
+)
+Index(
+    "outbox_effects_stopped",
+    effects.c.id,
+    postgresql_where=text(sql_in("status", (EffectStatus.CANCELLED, EffectStatus.COMPENSATED))),
 )
 
 effect_attempts = Table(
