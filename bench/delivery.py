@@ -21,7 +21,7 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from bench.sinks import NOOP_KIND
 from outbox.delivery import Deliverer, Delivery, Outcome, Succeeded
 from outbox.delivery.daemon import DeliveryDaemon
 from outbox.delivery.settings import DeliverySettings
-from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 from outbox.storage.engine import make_async_engine
 from outbox.storage.sql.effects import complete_effects
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim
@@ -61,6 +61,14 @@ UPDATE outbox_effects
        completed_at = now(), updated_at = now()
  WHERE id = ANY(%(ids)s)
 """
+
+
+def succeeded(claimed: Sequence[ClaimedEffect]) -> list[Completion]:
+    """A no-op sink's outcomes: every attempt succeeded."""
+    return [
+        Completion(e.id, e.attempt, "succeeded", "succeeded", started_at=e.started_iso)
+        for e in claimed
+    ]
 
 
 def check(ok: bool, what: str) -> None:
@@ -282,12 +290,8 @@ async def _store_loop(dsn: str, n: int, batch: int) -> dict[str, Any]:
                 claim_s += time.perf_counter() - t
                 if not rows:
                     break
-                ok = [
-                    Completion(e.id, e.attempt, "succeeded", "succeeded", started_at=e.started_iso)
-                    for e in rows
-                ]
                 t = time.perf_counter()
-                await store.complete("loop", ok)
+                await store.complete("loop", succeeded(rows))
                 complete_s += time.perf_counter() - t
                 done, batches = done + len(rows), batches + 1
     finally:

@@ -35,9 +35,9 @@ import psycopg
 import sqlalchemy
 
 from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
-from outbox.storage.sql.steps import EFFECTS_CHANNEL
-from outbox.storage.store import make_engine
+from outbox.storage.sql.common import EFFECTS_CHANNEL
 
 REPO = Path(__file__).resolve().parent.parent
 DATABASE = "outbox_bench"
