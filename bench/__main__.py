@@ -83,6 +83,7 @@ def run(bench: Bench, chosen: list[str], quick: bool, profile: bool) -> dict[str
     results: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     foreign: dict[str, float] = {}
+    durations: dict[str, float] = {}
     workdir = bench.home / "work"
     workdir.mkdir(exist_ok=True)
     others = ForeignCpu(bench.server.pgdata)
@@ -102,13 +103,14 @@ def run(bench: Bench, chosen: list[str], quick: bool, profile: bool) -> dict[str
             skipped[name] = f"failed: {exc!r}"[:2000]
             continue
         seconds = time.perf_counter() - began
-        results[name]["section_seconds"] = seconds
         foreign[name] = others.since_mark() / seconds
+        durations[name] = seconds
         if profile:
             results[name]["top_statements"] = top_statements(bench)
         if foreign[name] > report.DISTURBED:
             log(f"WARNING: other processes used {foreign[name]:.0%} of a CPU meanwhile")
-    return {"results": results, "skipped": skipped, "foreign_cpu_share_by_section": foreign}
+    meta = {"foreign_cpu_share_by_section": foreign, "section_seconds": durations}
+    return {"results": results, "skipped": skipped, "meta": meta}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         suite="quick" if args.quick else "default",
         seconds=time.perf_counter() - began,
         loadavg_after=os.getloadavg(),
-        foreign_cpu_share_by_section=outcome.pop("foreign_cpu_share_by_section"),
+        **outcome.pop("meta"),
     )
     data = {"meta": meta, **outcome}
     print(report.summary_text(data))

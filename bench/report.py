@@ -41,11 +41,12 @@ def num(x: float | None, digits: int = 0) -> str:
     return "n/a" if x is None else f"{x:,.{digits}f}"
 
 
-def rng(s: Any, digits: int = 0) -> str:
+def rng(s: Any, digits: int = 0, unit: str = "") -> str:
     """``median (min-max)`` of a summary; a plain number as is."""
     if isinstance(s, dict) and "median" in s and s["min"] != s["max"]:
-        return f"{s['median']:,.{digits}f} ({s['min']:,.{digits}f}-{s['max']:,.{digits}f})"
-    return num(med(s), digits)
+        lo, hi = f"{s['min']:,.{digits}f}", f"{s['max']:,.{digits}f}"
+        return f"{s['median']:,.{digits}f}{unit} ({lo}-{hi})"
+    return num(med(s), digits) + unit * (med(s) is not None)
 
 
 def div(a: Any, b: Any) -> float | None:
@@ -68,9 +69,8 @@ def cell(record: dict[str, Any], spec: str) -> str:
     value = get(record, *key.split("."))
     if not f:
         return "n/a" if value is None else str(value)
-    if f[0] == "r":
-        return rng(value, int(f[1:]))
-    return num(med(value), int(f[1:])) + ("x" if f[0] == "x" and med(value) is not None else "")
+    digits = int(f[1:])
+    return rng(value, digits) if f[0] == "r" else rng(med(value), digits, "x" * (f[0] == "x"))
 
 
 def table(columns: str, records: Iterable[dict[str, Any]]) -> str:
@@ -102,7 +102,7 @@ class Targets(list[dict[str, Any]]):
         """A target on ``a / b``, or on ``of=`` (the same ratio measured per repetition)."""
         digits = 2 if kw.get("most") else 0
         of = kw.pop("of", None) or div(a, b)
-        shown = f"{rng(of, 2)}x ({num(med(a), digits)} vs {num(med(b), digits)} {unit})"
+        shown = f"{rng(of, 2, 'x')} ({num(med(a), digits)} vs {num(med(b), digits)} {unit})"
         self.add(target, of, goal, shown, **kw)
 
 
@@ -218,7 +218,7 @@ DBOS = (
     " | DBOS write tx/workflow=write_tx_per_workflow:m1 | outbox steps/s (same N)=ours:m0"
     " | outbox / DBOS=x:x1"
 )
-DELIVERY = "what=what | effects (jobs)/s=rate:r0 | x SQL loop=x:x3 | details=details"
+DELIVERY = "what=what | effects (jobs)/s=rate:r0 | x SQL loop=x:x2 | details=details"
 LATENCY = (
     "=label | n=pooled.count | p50 ms=pooled.p50_ms:m2 | p90 ms=pooled.p90_ms:m2"
     " | p99 ms=pooled.p99_ms:m2 | max ms=pooled.max_ms:m2 | p50 per rep=per_rep.p50_ms:r2"
