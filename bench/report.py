@@ -215,7 +215,8 @@ NOTIFY = (
 )
 DBOS = (
     "threads=n | DBOS workflows/s=workflows_per_s:r0 | DBOS steps/s=steps_per_s:r0"
-    " | DBOS write tx/workflow=write_tx_per_workflow:m1 | outbox steps/s (same N)=ours:m0"
+    " | DBOS write tx/workflow=write_tx_per_workflow:m1"
+    " | DBOS WAL B/workflow=wal_bytes_per_workflow:m0 | outbox steps/s (same N)=ours:m0"
     " | outbox / DBOS=x:x1"
 )
 DELIVERY = "what=what | effects (jobs)/s=rate:r0 | x SQL loop=x:x2 | details=details"
@@ -378,12 +379,12 @@ def delivery_sections(r: dict[str, Any]) -> list[Section]:
         if "outbox" in lat
         else ""
     )
-    two = num(div(get(procs, "2", "rate"), get(procs, "1", "rate")), 2)
+    two = div(get(procs, "2", "rate"), get(procs, "1", "rate"))
+    caption = "A process's rate runs from its first claim to the last completion."
     return [
         (
             "Delivery throughput",
-            f"Two processes / one: {two}x. A process's rate runs from its first claim to the last"
-            " completion.",
+            caption + (f" Two processes / one: {two:.2f}x." if two else ""),
             DELIVERY,
             rows,
         ),

@@ -42,7 +42,7 @@ scratch = Table(
 #: Variant -> notify_window_ms: the default throttle, a NOTIFY in every commit, none (an hour).
 DEFAULT_WINDOW = Settings.model_fields["notify_window_ms"].default
 VARIANTS = {"step": DEFAULT_WINDOW, "step_notify_every_commit": 0.0, "step_no_notify": 3_600_000.0}
-Work = Callable[[int], None]
+Work = Callable[[int], object]
 
 
 def run_writers(
