@@ -17,8 +17,9 @@ picks some; ``--quick`` shrinks each one):
   scale          claims with 10k/1M/10M finished rows; `outbox gc` retention
   stream         stream mode (relay + Kafka) vs poll mode, same processes
 
-It prints the targets, writes every figure as JSON (``--json``) and the page
-(``--report``; by default docs/performance.md after a full run). The full run
+It prints the targets, writes every figure as JSON (``--json``, by default
+bench/results/last.json) and the page (``--report``; by default
+docs/performance.md after a full run). The full run
 takes about 40 minutes on a 2-core machine, ``--quick`` about 8. Run it on a
 quiet machine: each section records how much CPU other processes used meanwhile.
 """
@@ -63,6 +64,7 @@ PG_STAT_STATEMENTS = {
     "pg_stat_statements.track_planning": "on",
 }
 PAGE = REPO / "docs" / "performance.md"
+LAST = REPO / "bench" / "results" / "last.json"  # kept (git-ignored), to re-render with --render
 
 
 def top_statements(bench: Bench) -> list[dict[str, Any]]:
@@ -122,7 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--only", nargs="+", metavar="SECTION", help="run only these sections")
     parser.add_argument("--quick", action="store_true", help="smaller and fewer repetitions")
-    parser.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
+    parser.add_argument(
+        "--json", metavar="PATH", default=str(LAST), help=f"every figure as JSON (default: {LAST})"
+    )
     parser.add_argument(
         "--report",
         metavar="PATH",
@@ -168,9 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     data = {"meta": meta, **outcome}
     print(report.summary_text(data))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(data, indent=2, default=str) + "\n")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(data, indent=2, default=str) + "\n")
     if page is not None:
         page.write_text(report.markdown(data))
         log(f"wrote {page}")

@@ -254,6 +254,16 @@ DAEMON_DETAILS = (
     " {claim_ms_per_batch:.1f} ms, complete {complete_ms_per_batch:.1f} ms, rest"
     " {other_ms_per_batch:.1f} ms; CPU/effect client {client_cpu_us_per_effect:.0f} µs"
 )
+BASELINE_DETAILS = (
+    "CPU/batch client {client_cpu_ms_per_batch:.1f} ms, server* {server_cpu_ms_per_batch:.1f} ms"
+)
+LOOP_DETAILS = (
+    "claim {claim_ms_per_batch:.1f} ms + complete {complete_ms_per_batch:.1f} ms per batch"
+)
+JOB_DETAILS = (
+    "first start → last success {rate_events:,.0f} jobs/s; worker CPU {worker_cpu_us_per_job:,.0f}"
+    " µs/job"
+)
 PROCESS_DETAILS = (
     "CPU/effect: deliverers {deliverer_cpu_us_per_effect:.0f} µs, rest (PostgreSQL)"
     " {other_cpu_us_per_effect:.0f} µs; busiest process did {share_of_busiest:.0%};"
@@ -267,20 +277,22 @@ def write_sections(r: dict[str, Any]) -> list[Section]:
     def rate(section: Any, n: str, name: str) -> Any:
         return get(section, n, name, "rate")
 
-    floor, notify = [], []
+    ratios = []  # derived from both tables, for the floor and the NOTIFY tables
     for n in keys(pg):
-        insert_tx, shape, never = rate(pg, n, "insert_tx"), rate(pg, n, "step_shape"), None
-        floor.append(
-            {"n": n, "shape": div(shape, insert_tx), "step": div(rate(w, n, "step"), shape)}
-        )
-        floor[-1]["bare"] = div(rate(w, n, "bare_insert"), insert_tx)
+        insert_tx, shape = rate(pg, n, "insert_tx"), rate(pg, n, "step_shape")
         never = rate(w, n, "step_no_notify")
-        every = get(pg, n, "insert_notify", "ratio_to_insert_tx")
-        tenth = get(pg, n, "insert_notify_1_in_10", "ratio_to_insert_tx")
-        always = div(rate(w, n, "step_notify_every_commit"), never)
-        throttled = div(rate(w, n, "step"), never)
-        notify.append({"n": n, "every": every, "tenth": tenth, "always": always})
-        notify[-1]["throttled"] = throttled
+        ratios.append(
+            {
+                "n": n,
+                "bare": div(rate(w, n, "bare_insert"), insert_tx),
+                "step": div(rate(w, n, "step"), shape),
+                "shape": div(shape, insert_tx),
+                "every": get(pg, n, "insert_notify", "ratio_to_insert_tx"),
+                "tenth": get(pg, n, "insert_notify_1_in_10", "ratio_to_insert_tx"),
+                "always": div(rate(w, n, "step_notify_every_commit"), never),
+                "throttled": div(rate(w, n, "step"), never),
+            }
+        )
     scripts = "\n".join(
         f"- `{k}`: `{' '.join(v.split())}`" for k, v in pg.get("scripts", {}).items()
     )
@@ -305,38 +317,28 @@ def write_sections(r: dict[str, Any]) -> list[Section]:
             PGBENCH,
             [{"n": n, "name": f"`{k}`", **c} for n in keys(pg) for k, c in pg[n].items()],
         ),
-        ("Python against the floor", "Same clients and writers.", FLOOR, floor),
-        ("The commit-time NOTIFY and the wake-up design", "", NOTIFY, notify),
+        ("Python against the floor", "Same clients and writers.", FLOOR, ratios),
+        ("The commit-time NOTIFY and the wake-up design", "", NOTIFY, ratios),
         ("Checkpointed steps versus DBOS Transact", "Two no-op steps per workflow.", DBOS, steps),
     ]
 
 
 def delivery_sections(r: dict[str, Any]) -> list[Section]:
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def add(what: str, record: dict[str, Any], details: str) -> None:
+        x = div(record["rate"], get(r, "baseline", "autocommit", "rate"))
+        rows.append({"what": what, **record, "x": x, "details": fill(details, record)})
+
     for k, b in (r.get("baseline") or {}).items():
         if isinstance(b, dict):
-            cpu = "CPU/batch client {client_cpu_ms_per_batch:.1f} ms, server*"
-            cpu += " {server_cpu_ms_per_batch:.1f} ms"
-            rows.append(
-                {"what": f"pure-SQL claim 100 + complete loop ({k})", **b, "details": fill(cpu, b)}
-            )
+            add(f"pure-SQL claim 100 + complete loop ({k})", b, BASELINE_DETAILS)
     for name, d in (r.get("daemon") or {}).items():
         for size, b in d.get("backlogs", {}).items():
-            what = f"DeliveryDaemon in-process, {name} (concurrency {d['concurrency']}),"
-            what += f" backlog {int(size):,}"
-            rows.append({"what": what, **b, "details": fill(DAEMON_DETAILS, b)})
+            what = f"DeliveryDaemon in-process, {name} (concurrency {d['concurrency']})"
+            add(f"{what}, backlog {int(size):,}", b, DAEMON_DETAILS)
     if loop := get(r, "daemon", "store_loop"):
-        details = fill(
-            "claim {claim_ms_per_batch:.1f} ms + complete {complete_ms_per_batch:.1f} ms per batch",
-            loop,
-        )
-        rows.append(
-            {
-                "what": "AsyncStore claim_many/complete loop, no daemon (diagnostic)",
-                **loop,
-                "details": details,
-            }
-        )
+        add("AsyncStore claim_many/complete loop, no daemon (diagnostic)", loop, LOOP_DETAILS)
     procs = r.get("processes") or {}
     for label, text in (
         ("1", "one `outbox deliver` process"),
@@ -344,26 +346,12 @@ def delivery_sections(r: dict[str, Any]) -> list[Section]:
         ("1_concurrency_100", "one process, `--concurrency 100` (diagnostic)"),
     ):
         if p := procs.get(label):
-            rows.append(
-                {
-                    "what": f"{text}, {procs['n']:,} effects",
-                    **p,
-                    "details": fill(PROCESS_DETAILS, p),
-                }
-            )
+            add(f"{text}, {procs['n']:,} effects", p, PROCESS_DETAILS)
     pr = r.get("procrastinate") or {}
     for k in keys(pr):
-        details = f"first start → last success {rng(pr[k]['rate_events'])} jobs/s; worker CPU "
-        details += fill("{worker_cpu_us_per_job:,.0f} µs/job", pr[k])
-        rows.append(
-            {
-                "what": f"one Procrastinate worker, concurrency {k}, {pr['n']:,} no-op jobs",
-                **pr[k],
-                "details": details,
-            }
+        add(
+            f"one Procrastinate worker, concurrency {k}, {pr['n']:,} no-op jobs", pr[k], JOB_DETAILS
         )
-    for row in rows:
-        row["x"] = div(row["rate"], get(r, "baseline", "autocommit", "rate"))
     lat = r.get("latency") or {}
     labels = {
         "outbox": "outbox, DeliveryDaemon in-process: commit → `deliver()` start",
@@ -445,16 +433,14 @@ def other_sections(r: dict[str, Any]) -> list[Section]:
     caption += f" {num(get(ret, 'archive', 'archive_mb'))} MB."
     out.append(("Retention: `outbox gc`", caption, GC, gc))
     st, shapes = r.get("stream") or {}, []
-    for k, s in st.items():
-        if isinstance(s, dict):
-            cpu = s["cpu_us_per_effect"]
-            roles = " / ".join(
-                num(cpu.get(role)) for role in ("relays", "deliverers", "broker", "rest")
+    for k, x in st.items():
+        if isinstance(x, dict):
+            cpu = x["cpu_us_per_effect"]
+            roles = [num(cpu.get(role)) for role in ("relays", "deliverers", "broker", "rest")]
+            shapes.append({**x, "shape": k.replace("_", " "), "cpu": " / ".join(roles)})
+            shapes[-1].update(
+                rate=x, x=x.get("ratio_to_poll", 1), busy=f"{cpu['machine_busy']:.0%}"
             )
-            rate = {k: s[k] for k in ("median", "min", "max")}
-            x = s.get("ratio_to_poll", 1)
-            shapes.append({"shape": k.replace("_", " "), "rate": rate, "x": x, "cpu": roles})
-            shapes[-1]["busy"] = f"{cpu['machine_busy']:.0%}"
     caption = f"{num(st.get('n'))} no-op effects per drain; `stream R D`: R relays, D deliverers."
     out.append(("Stream mode versus poll mode", caption, STREAM, shapes))
     for name, section in r.items():
