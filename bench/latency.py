@@ -36,10 +36,9 @@ from bench.harness import (
 )
 from bench.processes import DelivererProcess
 from bench.sinks import LATENCY_KIND, LATENCY_LOG_ENV
-from outbox import Outbox
+from outbox import Outbox, StepTransaction
 from outbox.delivery import Deliverer, Delivery, Outcome, Succeeded
 from outbox.delivery.settings import DeliverySettings
-from outbox.runs.intents import StepTransaction
 
 RATE = 100.0
 WARMUP = 20

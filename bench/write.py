@@ -28,8 +28,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 
 from bench.harness import DATABASE, Bench, Meter, log, run_python, summarize, summary
-from outbox import Outbox, Settings
-from outbox.runs.intents import StepTransaction
+from outbox import Outbox, Settings, StepTransaction
 from outbox.storage.engine import make_engine
 
 WRITE_KIND = "bench.write"
