@@ -20,7 +20,7 @@ picks some; ``--quick`` shrinks each one):
 It prints the targets, writes every figure as JSON (``--json``, by default
 bench/results/last.json) and the page (``--report``; by default
 docs/performance.md after a full run). The full run
-takes about 40 minutes on a 2-core machine, ``--quick`` about 8. Run it on a
+takes about 45 minutes on a 2-core machine, ``--quick`` about 10. Run it on a
 quiet machine: each section records how much CPU other processes used meanwhile.
 """
 
@@ -102,7 +102,7 @@ def run(bench: Bench, chosen: list[str], quick: bool, profile: bool) -> dict[str
             results[name] = SECTIONS[name](bench, workdir, quick)
         except Exception as exc:  # one broken section must not lose the others
             log(f"section {name} FAILED: {exc!r}")
-            skipped[name] = f"failed: {exc!r}"[:2000]
+            skipped[name] = f"failed: {type(exc).__name__}: {exc}"[-4000:]
             continue
         seconds = time.perf_counter() - began
         foreign[name] = others.since_mark() / seconds

@@ -511,8 +511,15 @@ def markdown(data: dict[str, Any]) -> str:
             parts += ["", f"### {title}", "", *([caption, ""] if caption else []), text]
     if data.get("skipped"):
         parts += ["", "## Not measured in this run", ""]
-        parts += [f"- {k}: {why}" for k, why in data["skipped"].items()]
+        parts += [f"- {k}: {brief(why)}" for k, why in data["skipped"].items()]
     return "\n".join(parts) + "\n"
+
+
+def brief(why: str) -> str:
+    """Why a section was not measured, in a line: its first, and the error a process printed."""
+    lines = [line.strip() for line in why.replace("\\n", "\n").splitlines() if line.strip()]
+    errors = [line for line in lines[1:] if line.startswith("error:")]
+    return " … ".join(f"`{line}`" if n else line for n, line in enumerate(lines[:1] + errors[-1:]))
 
 
 def summary_text(data: dict[str, Any]) -> str:
