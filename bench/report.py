@@ -13,6 +13,7 @@ medians of a record.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 from typing import Any
 
@@ -110,9 +111,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """Every DESIGN.md performance target this run measured, with its verdict."""
     t = Targets()
     w, pg = r.get("write", {}), r.get("pgbench", {})
-    wal = get(w, "1", "step", "wal_bytes_per_tx")
+    # The median over writer counts: one checkpoint's full-page writes skew a single one.
+    wals = [med(get(w, n, "step", "wal_bytes_per_tx")) for n in keys(w)]
+    wal = statistics.median(x for x in wals if x is not None) if any(wals) else None
     shape = num(med(get(pg, "1", "step_shape", "wal_bytes_per_tx")))
-    shown = f"{num(med(wal))} B (pgbench step_shape: {shape} B)"
+    shown = f"{num(wal)} B (median over writer counts; pgbench step_shape: {shape} B)"
     t.add("write: ≤ 700 B of WAL per step with one intent", wal, 700, shown, most=True)
     for n, goal in (("1", 0.75), ("8", 0.6)):
         step, bare = get(w, n, "step", "rate"), get(w, n, "bare_insert", "rate")
