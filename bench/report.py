@@ -439,7 +439,9 @@ def other_sections(r: dict[str, Any]) -> list[Section]:
     for k, x in st.items():
         if isinstance(x, dict):
             cpu = x["cpu_us_per_effect"]
-            roles = [num(cpu.get(role)) for role in ("relays", "deliverers", "broker", "rest")]
+            roles = [
+                num(cpu[k]) if k in cpu else "-" for k in ("relays", "deliverers", "broker", "rest")
+            ]
             shapes.append({**x, "shape": k.replace("_", " "), "cpu": " / ".join(roles)})
             shapes[-1].update(
                 rate=x, x=x.get("ratio_to_poll", 1), busy=f"{cpu['machine_busy']:.0%}"
