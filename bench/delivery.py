@@ -324,7 +324,7 @@ def daemon(bench: Bench, workdir: Path, quick: bool) -> dict[str, Any]:
         backlogs: dict[str, Any] = {}
         with DaemonRunner(bench.dsn, {NOOP_KIND: NoopDeliverer(NOOP_KIND)}, settings) as runner:
             daemon_drain(bench, runner, 1000)  # warm: connections, plans
-            sizes = {500: 5 if quick else 9, n: 3 if quick else 5}
+            sizes = {500: 3 if quick else 9, n: 2 if quick else 5}
             if name != "default":
                 sizes = {n: 1 if quick else 3}
             for size, reps in sizes.items():
