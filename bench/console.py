@@ -102,7 +102,7 @@ def load(dsn: str) -> dict[str, float]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for statement in LOAD:
             began = time.perf_counter()
-            conn.execute(statement, {"runs": RUNS, "per_run": EFFECTS_PER_RUN})  # type: ignore[arg-type]
+            conn.execute(statement, {"runs": RUNS, "per_run": EFFECTS_PER_RUN})
             took[statement.split()[2] if statement.strip() != "ANALYZE" else "analyze"] = (
                 time.perf_counter() - began
             )
