@@ -24,12 +24,13 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from sqlalchemy import Engine
 
 from bench.delivery import BACKLOG_INSERT, Bench, log, percentile, succeeded, summary
 from bench.write import wal_lsn
+from outbox.storage.archive import ArchiveWriter
 from outbox.storage.retention import collect_garbage
 from outbox.storage.sql import queue
 from outbox.storage.store import make_engine
@@ -183,7 +184,7 @@ def measure_level(
 
 
 def gc_run(
-    engine: Engine, older_than: timedelta, *, archive: IO[str] | None = None
+    engine: Engine, older_than: timedelta, *, archive: ArchiveWriter | None = None
 ) -> dict[str, Any]:
     """collect_garbage with every batch (one transaction each) timed."""
     durations: list[float] = []
@@ -276,8 +277,8 @@ def retention(bench: Bench, engine: Engine, workdir: Path, reps: int) -> dict[st
     # The archive variant: rows written as JSON lines before they are deleted.
     load_finished(bench, finished_rows(bench) + 100_000, finished_rows(bench))
     path = workdir / "gc-archive.jsonl"
-    with path.open("w") as handle:
-        archived = gc_run(engine, timedelta(days=1), archive=handle)
+    with ArchiveWriter.open(path) as writer:
+        archived = gc_run(engine, timedelta(days=1), archive=writer)
     archived["archive_mb"] = path.stat().st_size / 2**20
     path.unlink()
     log(f"gc with archive: {archived['rows_per_s']:.0f} rows/s")
