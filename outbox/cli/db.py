@@ -12,26 +12,50 @@ import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.storage.embedded import EmbeddedServer
-from outbox.storage.engine import make_engine, resolve_dsn
+from outbox.storage.engine import make_engine, resolve_dsn, translate_errors
 from outbox.storage.migrate import applied_versions, migrate, shipped
 
 __all__ = ["COMMANDS"]
 
 
 @click.command("migrate")
+@click.option(
+    "--accept-changed",
+    "accept_changed",
+    type=click.IntRange(1),
+    multiple=True,
+    metavar="VERSION",
+    help="Accept that applied migration VERSION differs from the shipped file "
+    "(after checking the database matches it); records the new checksum.",
+)
+@click.option(
+    "--to",
+    "target",
+    type=click.IntRange(1),
+    default=None,
+    metavar="VERSION",
+    help="Apply migrations up to this version only.",
+)
 @json_option
 @pass_cli
-def migrate_command(cli: CliContext, as_json: bool) -> None:
-    """Apply pending migrations (idempotent; safe when run twice at once)."""
+def migrate_command(
+    cli: CliContext, accept_changed: tuple[int, ...], target: int | None, as_json: bool
+) -> None:
+    """Apply pending migrations (idempotent; safe when run twice at once).
+
+    An applied migration whose shipped file changed since is refused by name
+    (a checksum is recorded for each); a failing migration is named with the
+    server's reason.
+    """
     dsn, _ = resolve_dsn(cli.settings)
     engine = make_engine(dsn)
     try:
-        done = migrate(engine)
-        with engine.connect() as conn:
+        done = migrate(engine, accept_changed=accept_changed, target=target)
+        with translate_errors("reading the schema version"), engine.connect() as conn:
             versions = applied_versions(conn)
     finally:
         engine.dispose()
-    names = [f"{m.version:04d}_{m.name}" for m in done]
+    names = [m.label for m in done]
     report = {"applied": names, "schema_version": max(versions), "known": shipped()[-1].version}
     emit(
         report,
