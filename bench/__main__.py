@@ -380,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report_path = REPO / "docs" / "performance.md"
 
     home = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+    home.chmod(0o711)  # run as root, the server runs as another user, who must enter it
     workdir = home / "work"
     workdir.mkdir()
     bench = Bench(home, "on")

@@ -1284,6 +1284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
 
     home = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+    home.chmod(0o711)  # run as root, the server runs as another user, who must enter it
     bench = Bench(home, args.durability)
     began = time.perf_counter()
     try:

@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     n, reps = (2_000, 2) if args.quick else (20_000, 3)
     with tempfile.TemporaryDirectory(prefix="outbox-bench-stream-") as tmp:
+        Path(tmp).chmod(0o711)  # run as root, the server runs as another user
         results = measure(n, reps, Path(tmp))
     for key in ["poll_1", "poll_2", *(_stream_key(r, c) for r, c in STREAM_SHAPES)]:
         row = results[key]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from outbox.delivery import Deliverer
@@ -131,3 +133,14 @@ class WorkerThread:
         assert not self._thread.is_alive(), "worker did not stop"
         if self.error is not None:
             raise self.error
+
+
+def embedded_home(prefix: str = "outbox-test-home-") -> Path:
+    """A new directory for an embedded server, which its OS user can enter.
+
+    Run as root, the server runs as another user, and agent-outbox does not
+    loosen directories it did not make: a test's own directory is opened here.
+    """
+    home = Path(tempfile.mkdtemp(prefix=prefix))
+    home.chmod(0o711)
+    return home
