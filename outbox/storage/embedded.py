@@ -348,7 +348,7 @@ class EmbeddedServer:
             if self.run_as is not None:
                 entry = self._server_user()
                 os.chown(path, entry.pw_uid, entry.pw_gid)
-        if current:
+        if _allows_trust(current):
             log.warning(
                 "embedded PostgreSQL in %s allowed trust logins; now peer only", self.pgdata
             )

@@ -158,14 +158,18 @@ def delete_by_ids(table: Table) -> Any:
 
 @cache
 def doomed_keys(table: Table) -> Any:
-    """Delete up to ``batch`` consumed keys or webhook replay marks older than ``horizon``."""
+    """Delete up to ``batch`` consumed keys or webhook replay marks older than ``horizon``.
+
+    Not locked first (``FOR UPDATE`` would need the UPDATE privilege, which
+    ``outbox_operator`` has no use for here): nobody updates these rows, and of
+    two ``gc`` runs picking the same rows only one deletes (and archives) each.
+    """
     if table is consumed_keys:
         key = (consumed_keys.c.consumer_group, consumed_keys.c.idempotency_key)
         picked = (
             select(*key)
             .where(consumed_keys.c.consumed_at < _horizon())
             .limit(bindparam("batch", type_=Integer))
-            .with_for_update(skip_locked=True)
         )
         return delete(consumed_keys).where(tuple_(*key).in_(picked)).returning(*consumed_keys.c)
     if table is webhook_replays:
@@ -173,7 +177,6 @@ def doomed_keys(table: Table) -> Any:
             select(webhook_replays.c.signature)
             .where(webhook_replays.c.seen_at < _horizon())
             .limit(bindparam("batch", type_=Integer))
-            .with_for_update(skip_locked=True)
         )
         return (
             delete(webhook_replays)
