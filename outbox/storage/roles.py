@@ -36,7 +36,7 @@ from outbox.storage.engine import translate_errors
 from outbox.storage.schema import metadata
 from outbox.storage.sql.common import sql_in
 
-__all__ = ["ROLES", "RoleSpec", "apply_roles", "role_script"]
+__all__ = ["ROLES", "RoleSpec", "apply_roles", "grants_markdown", "role_script"]
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 
@@ -258,3 +258,20 @@ def apply_roles(engine: Engine, prefix: str = "outbox_", schema: str = "public")
             # As written: no parameters, so ``%`` in format() stays as it is.
             driver.execute(statement)
     return [f"{prefix}{spec.suffix}" for spec in ROLES]
+
+
+def grants_markdown(prefix: str = "outbox_") -> str:
+    """The grants as Markdown tables, one per role (docs/operations.md shows exactly this)."""
+    parts = []
+    for spec in ROLES:
+        rows = [
+            f"| `{table}` | {', '.join(privileges)} |"
+            for table, privileges in spec.grants.items()
+            if privileges != ("SELECT",)
+        ]
+        head = f"**`{prefix}{spec.suffix}`**: {spec.purpose}. SELECT on every outbox table"
+        if rows:
+            parts.append(f"{head}, and:\n\n| table | privileges |\n|---|---|\n" + "\n".join(rows))
+        else:
+            parts.append(head + ".")
+    return "\n\n".join(parts) + "\n"

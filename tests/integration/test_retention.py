@@ -310,3 +310,20 @@ def test_absurd_horizons_are_one_clear_error(text: str) -> None:
 
     with pytest.raises(ValidationError, match="older_than"):
         parse_horizon(text)
+
+
+def test_bad_gc_input_is_one_line(dsn: str, tmp_path: Path) -> None:
+    env = {**os.environ, "OUTBOX_DSN": dsn}
+    for args in (
+        ["--older-than", "99999999999d"],
+        ["--older-than", "30d", "--archive", str(tmp_path / "missing" / "a.jsonl")],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "outbox", "gc", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.count("\n") == 1 and "ValidationError" in done.stderr, done.stderr
