@@ -61,7 +61,7 @@ _SUPERSEDED = {
     # 0004 builds its indexes CONCURRENTLY now; the indexes are the same.
     4: frozenset({"22946482ba44acb4f8cbfa0e2b578caab1322a8f3add37bc2a29a0e6f067eff0"}),
 }
-_LOCK_POLL_SECONDS = 0.2
+_LOCK_POLL_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
