@@ -158,7 +158,8 @@ or outbox.storage.archive.read_archive (docs/operations.md).
     type=click.IntRange(1, 100_000),
     default=1000,
     show_default=True,
-    help="Runs (with their history), run-less effects or keys per transaction.",
+    help="Per transaction: runs with at most this many effects between them, or "
+    "run-less effects, or keys.",
 )
 @click.option(
     "--archive",

@@ -96,16 +96,23 @@ class GcReport:
 class _Batch:
     """One transaction of ``gc``: deletes rows, counts them, keeps them for the archive."""
 
-    def __init__(self, conn: Connection, report: GcReport) -> None:
+    def __init__(self, conn: Connection, report: GcReport, *, keep_rows: bool) -> None:
         self.conn = conn
         self.report = report
+        #: Whether the deleted rows are read back (for the archive) or only counted.
+        self.keep_rows = keep_rows
         self.rows: dict[str, list[Any]] = {}
 
-    def delete(self, table: str, statement: Any, params: dict[str, Any]) -> list[Any]:
-        rows = list(self.conn.execute(statement, params).mappings())
-        self.rows.setdefault(table, []).extend(rows)
-        self.report.deleted[table] += len(rows)
-        return rows
+    def delete(self, table: str, statement: Any, params: dict[str, Any]) -> int:
+        result = self.conn.execute(statement, params)
+        if self.keep_rows:
+            rows = list(result.mappings())
+            self.rows.setdefault(table, []).extend(rows)
+            count = len(rows)
+        else:
+            count = result.rowcount
+        self.report.deleted[table] += count
+        return count
 
     def archive_to(self, archive: ArchiveWriter) -> None:
         """Write the batch's rows, parents first.
@@ -132,30 +139,43 @@ def _run_batch(batch: _Batch, params: dict[str, Any]) -> int:
         if row.status in _OPEN:
             reopened.add(row.run_id)  # an operator put it back to pending meanwhile
     # A run with an effect someone else holds locked, or one open again, waits for the next gc.
-    ids = [r for r in picked if r not in reopened and held.get(r, 0) == totals.get(r, 0)]
+    eligible = [r for r in picked if r not in reopened and held.get(r, 0) == totals.get(r, 0)]
+    # The transaction stays short for big runs too: runs with at most ``batch`` effects
+    # between them (a bigger run goes alone); the rest come in the next batch.
+    ids: list[UUID] = []
+    effect_count = 0
+    for run_id in eligible:
+        if ids and effect_count + totals.get(run_id, 0) > params["batch"]:
+            break
+        ids.append(run_id)
+        effect_count += totals.get(run_id, 0)
+    trimmed = len(ids) < len(eligible)
     if not ids:
         return len(picked)
     chosen = set(ids)
     effect_ids = [row.id for row in locked if row.run_id in chosen]
-    batch.delete(effect_attempts.name, sql.delete_attempts(), {"ids": effect_ids})
-    batch.delete(effects.name, sql.delete_by_ids(effects), {"ids": effect_ids})
+    rows = batch.keep_rows
+    batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows), {"ids": effect_ids})
+    batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows), {"ids": effect_ids})
     for child in sql.RUN_CHILDREN:
-        batch.delete(child.name, sql.delete_run_children(child), {"ids": ids})
-    batch.delete(runs.name, sql.delete_by_ids(runs), {"ids": ids})
-    return len(picked)
+        batch.delete(child.name, sql.delete_run_children(child, rows=rows), {"ids": ids})
+    batch.delete(runs.name, sql.delete_by_ids(runs, rows=rows), {"ids": ids})
+    # Trimmed: more doomed runs are known to be there, whatever was picked.
+    return int(params["batch"]) if trimmed else len(picked)
 
 
 def _runless_batch(batch: _Batch, params: dict[str, Any]) -> int:
     picked = [row[0] for row in batch.conn.execute(sql.doomed_runless_effects(), params)]
     if picked:
-        batch.delete(effect_attempts.name, sql.delete_attempts(), {"ids": picked})
-        batch.delete(effects.name, sql.delete_by_ids(effects), {"ids": picked})
+        rows = batch.keep_rows
+        batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows), {"ids": picked})
+        batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows), {"ids": picked})
     return len(picked)
 
 
 def _keys_batch(table: Any) -> Callable[[_Batch, dict[str, Any]], int]:
     def run(batch: _Batch, params: dict[str, Any]) -> int:
-        return len(batch.delete(table.name, sql.doomed_keys(table), params))
+        return batch.delete(table.name, sql.doomed_keys(table, rows=batch.keep_rows), params)
 
     return run
 
@@ -179,7 +199,8 @@ def collect_garbage(
 ) -> GcReport:
     """Delete finished history older than ``older_than``; with ``archive``, archive it first.
 
-    Each batch is one transaction: up to ``batch`` runs with all their rows, or
+    Each batch is one transaction: up to ``batch`` runs with all their rows and
+    at most ``batch`` effects between them (a run with more goes alone), or
     ``batch`` run-less effects with their attempts, or ``batch`` keys. Every
     deleted row is written to ``archive`` and made durable before its batch
     commits. ``dry_run`` runs the first batch of each phase and rolls it back
@@ -203,7 +224,7 @@ def collect_garbage(
         while True:
             with translate_errors(f"gc of {phase}"), engine.begin() as conn:
                 before = sum(report.deleted.values())
-                work = _Batch(conn, report)
+                work = _Batch(conn, report, keep_rows=archive is not None and not dry_run)
                 picked = run(work, params)
                 if dry_run:
                     conn.rollback()

@@ -327,3 +327,23 @@ def test_bad_gc_input_is_one_line(dsn: str, tmp_path: Path) -> None:
         )
         assert done.returncode == 1, done.stderr
         assert done.stderr.count("\n") == 1 and "ValidationError" in done.stderr, done.stderr
+
+
+def test_a_batch_holds_runs_with_at_most_batch_effects_between_them(ob: Outbox) -> None:
+    for _ in range(4):
+        run = ob.start_run("a", "1")
+        run.transaction("s", lambda tx: [tx.intend("k.x", {"i": i}) for i in range(2)] and None)
+        run.complete()
+    with ob.engine.begin() as conn:
+        conn.execute(update(effects).values(status="succeeded", completed_at=OLD))
+        conn.execute(update(runs).values(updated_at=OLD))
+    sizes: list[int] = []
+
+    def progress(phase: str, picked: int) -> None:
+        if phase == "outbox_runs":
+            sizes.append(count(ob, effects))
+
+    report = collect_garbage(ob.engine, parse_horizon("30d"), batch=3, progress=progress)
+    assert report.deleted["outbox_runs"] == 4 and report.deleted["outbox_effects"] == 8
+    # 3 runs fit the batch, but 2 + 2 effects do not: one run (2 effects) per transaction.
+    assert sizes == [6, 4, 2, 0]

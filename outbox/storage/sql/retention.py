@@ -127,25 +127,27 @@ def doomed_runless_effects() -> AnySelect:
     )
 
 
-@cache
-def delete_attempts() -> Any:
-    """Delete the attempt log of the effects ``ids``, returning every row."""
-    return (
-        delete(effect_attempts)
-        .where(effect_attempts.c.effect_id == any_(_ids()))
-        .returning(*effect_attempts.c)
-    )
+def _returning(statement: Any, table: Table, rows: bool) -> Any:
+    # Every column only when the rows are archived: reading payloads back costs.
+    return statement.returning(*table.c) if rows else statement
 
 
 @cache
-def delete_run_children(table: Table) -> Any:
-    """Delete the rows of ``table`` that belong to the runs ``ids``, returning them."""
-    return delete(table).where(table.c.run_id == any_(_ids())).returning(*table.c)
+def delete_attempts(*, rows: bool) -> Any:
+    """Delete the attempt log of the effects ``ids`` (``rows``: returning every row)."""
+    statement = delete(effect_attempts).where(effect_attempts.c.effect_id == any_(_ids()))
+    return _returning(statement, effect_attempts, rows)
 
 
 @cache
-def delete_by_ids(table: Table) -> Any:
-    """Delete rows of ``table`` (runs or effects) by primary key ``ids``, returning them.
+def delete_run_children(table: Table, *, rows: bool) -> Any:
+    """Delete the rows of ``table`` that belong to the runs ``ids`` (``rows``: returning them)."""
+    return _returning(delete(table).where(table.c.run_id == any_(_ids())), table, rows)
+
+
+@cache
+def delete_by_ids(table: Table, *, rows: bool) -> Any:
+    """Delete rows of ``table`` (runs or effects) by primary key ``ids`` (``rows``: returning them).
 
     For runs, a run that still has an effect is left alone, so the cascade of
     ``outbox_effects.run_id`` can never delete an effect that was not archived.
@@ -153,11 +155,11 @@ def delete_by_ids(table: Table) -> Any:
     statement = delete(table).where(table.c.id == any_(_ids()))
     if table is runs:
         statement = statement.where(~exists().where(effects.c.run_id == runs.c.id))
-    return statement.returning(*table.c)
+    return _returning(statement, table, rows)
 
 
 @cache
-def doomed_keys(table: Table) -> Any:
+def doomed_keys(table: Table, *, rows: bool) -> Any:
     """Delete up to ``batch`` consumed keys or webhook replay marks older than ``horizon``.
 
     Not locked first (``FOR UPDATE`` would need the UPDATE privilege, which
@@ -178,9 +180,9 @@ def doomed_keys(table: Table) -> Any:
             .where(webhook_replays.c.seen_at < _horizon())
             .limit(bindparam("batch", type_=Integer))
         )
-        return (
-            delete(webhook_replays)
-            .where(webhook_replays.c.signature.in_(picked))
-            .returning(*webhook_replays.c)
+        return _returning(
+            delete(webhook_replays).where(webhook_replays.c.signature.in_(picked)),
+            webhook_replays,
+            rows,
         )
     raise ValueError(f"no retention rule for {table.name}")
