@@ -20,10 +20,10 @@ With an archive, every deleted row of every table is written to it
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine
@@ -124,68 +124,77 @@ class _Batch:
             archive.write(table, self.rows.get(table, ()))
 
 
-def _run_batch(batch: _Batch, params: dict[str, Any]) -> int:
-    """Delete up to ``batch`` doomed runs with their history; returns runs picked."""
-    conn = batch.conn
-    picked = [row[0] for row in conn.execute(sql.doomed_runs(), params)]
-    if not picked:
-        return 0
-    locked = conn.execute(sql.lock_effects_of_runs(), {"ids": picked}).all()
-    totals: dict[UUID, int] = dict(conn.execute(sql.effects_of_runs(), {"ids": picked}).all())
-    held: dict[UUID, int] = {}
-    reopened: set[UUID] = set()
-    for row in locked:
-        held[row.run_id] = held.get(row.run_id, 0) + 1
-        if row.status in _OPEN:
-            reopened.add(row.run_id)  # an operator put it back to pending meanwhile
-    # A run with an effect someone else holds locked, or one open again, waits for the next gc.
-    eligible = [r for r in picked if r not in reopened and held.get(r, 0) == totals.get(r, 0)]
-    # The transaction stays short for big runs too: runs with at most ``batch`` effects
-    # between them (a bigger run goes alone); the rest come in the next batch.
-    ids: list[UUID] = []
-    effect_count = 0
-    for run_id in eligible:
-        if ids and effect_count + totals.get(run_id, 0) > params["batch"]:
-            break
-        ids.append(run_id)
-        effect_count += totals.get(run_id, 0)
-    trimmed = len(ids) < len(eligible)
-    if not ids:
-        return len(picked)
-    chosen = set(ids)
-    effect_ids = [row.id for row in locked if row.run_id in chosen]
-    rows = batch.keep_rows
-    batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows), {"ids": effect_ids})
-    batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows), {"ids": effect_ids})
-    for child in sql.RUN_CHILDREN:
-        batch.delete(child.name, sql.delete_run_children(child, rows=rows), {"ids": ids})
-    batch.delete(runs.name, sql.delete_by_ids(runs, rows=rows), {"ids": ids})
-    # Trimmed: more doomed runs are known to be there, whatever was picked.
-    return int(params["batch"]) if trimmed else len(picked)
+class _Phase(Protocol):
+    def __call__(self, batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
+        """Run one batch: (rows picked, whether more may be left)."""
+        ...
 
 
-def _runless_batch(batch: _Batch, params: dict[str, Any]) -> int:
+class _RunPhase:
+    """Runs with their history, ``batch`` effects a transaction at most.
+
+    How many runs to pick follows how many fitted last time, so runs with many
+    effects do not make every batch lock runs it then leaves for the next.
+    """
+
+    def __init__(self, batch: int) -> None:
+        self.limit = batch
+
+    def __call__(self, batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
+        conn = batch.conn
+        budget = int(params["batch"])
+        pick = {**params, "batch": self.limit}
+        picked = [row[0] for row in conn.execute(sql.doomed_runs(), pick)]
+        if not picked:
+            return 0, False
+        totals: dict[UUID, int] = dict(conn.execute(sql.effects_of_runs(), {"ids": picked}).all())
+        # At most ``budget`` effects between them (a bigger run goes alone).
+        fitting: list[UUID] = []
+        effect_count = 0
+        for run_id in picked:
+            if fitting and effect_count + totals.get(run_id, 0) > budget:
+                break
+            fitting.append(run_id)
+            effect_count += totals.get(run_id, 0)
+        trimmed = len(fitting) < len(picked)
+        more = trimmed or len(picked) == self.limit
+        self.limit = len(fitting) + 1 if trimmed else min(budget, self.limit * 2)
+        locked = conn.execute(sql.lock_effects_of_runs(), {"ids": fitting}).all()
+        held: dict[UUID, int] = {}
+        reopened: set[UUID] = set()
+        for row in locked:
+            held[row.run_id] = held.get(row.run_id, 0) + 1
+            if row.status in _OPEN:
+                reopened.add(row.run_id)  # an operator put it back to pending meanwhile
+        # A run with an effect someone else holds locked, or open again, waits for the next gc.
+        ids = [r for r in fitting if r not in reopened and held.get(r, 0) == totals.get(r, 0)]
+        if ids:
+            chosen = set(ids)
+            effect_ids = [row.id for row in locked if row.run_id in chosen]
+            rows = batch.keep_rows
+            batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows), {"ids": effect_ids})
+            batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows), {"ids": effect_ids})
+            for child in sql.RUN_CHILDREN:
+                batch.delete(child.name, sql.delete_run_children(child, rows=rows), {"ids": ids})
+            batch.delete(runs.name, sql.delete_by_ids(runs, rows=rows), {"ids": ids})
+        return len(picked), more
+
+
+def _runless_batch(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
     picked = [row[0] for row in batch.conn.execute(sql.doomed_runless_effects(), params)]
     if picked:
         rows = batch.keep_rows
         batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows), {"ids": picked})
         batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows), {"ids": picked})
-    return len(picked)
+    return len(picked), len(picked) == params["batch"]
 
 
-def _keys_batch(table: Any) -> Callable[[_Batch, dict[str, Any]], int]:
-    def run(batch: _Batch, params: dict[str, Any]) -> int:
-        return batch.delete(table.name, sql.doomed_keys(table, rows=batch.keep_rows), params)
+def _keys_batch(table: Any) -> _Phase:
+    def run(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
+        deleted = batch.delete(table.name, sql.doomed_keys(table, rows=batch.keep_rows), params)
+        return deleted, deleted == params["batch"]
 
     return run
-
-
-_PHASES: Sequence[tuple[str, Callable[[_Batch, dict[str, Any]], int]]] = (
-    (runs.name, _run_batch),
-    (effects.name, _runless_batch),
-    (consumed_keys.name, _keys_batch(consumed_keys)),
-    (webhook_replays.name, _keys_batch(webhook_replays)),
-)
 
 
 def collect_garbage(
@@ -220,12 +229,18 @@ def collect_garbage(
             schema_version=max(versions, default=0),
         )
         archive.sync()
-    for phase, run in _PHASES:
+    phases: list[tuple[str, _Phase]] = [
+        (runs.name, _RunPhase(batch)),
+        (effects.name, _runless_batch),
+        (consumed_keys.name, _keys_batch(consumed_keys)),
+        (webhook_replays.name, _keys_batch(webhook_replays)),
+    ]
+    for phase, run in phases:
         while True:
             with translate_errors(f"gc of {phase}"), engine.begin() as conn:
                 before = sum(report.deleted.values())
                 work = _Batch(conn, report, keep_rows=archive is not None and not dry_run)
-                picked = run(work, params)
+                picked, more = run(work, params)
                 if dry_run:
                     conn.rollback()
                 elif archive is not None:
@@ -238,8 +253,8 @@ def collect_garbage(
             if progress is not None:
                 progress(phase, picked)
             deleted_nothing = sum(report.deleted.values()) == before
-            # Fewer than a batch: nothing older is left. A full batch that deleted
-            # nothing: every candidate is locked by someone else; the next gc takes it.
-            if dry_run or picked < batch or deleted_nothing:
+            # Nothing more: nothing older is left. A batch that deleted nothing: every
+            # candidate is locked by someone else; the next gc takes it.
+            if dry_run or not more or deleted_nothing:
                 break
     return report
