@@ -151,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if page is None and not args.quick and not args.only:
         page = PAGE
     home = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+    home.chmod(0o711)  # as root, the server runs as another user, who must enter it
     bench = Bench(home, PG_STAT_STATEMENTS if args.pg_stat_statements else None)
     began = time.perf_counter()
     try:

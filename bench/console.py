@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if dsn is None:
             home = Path(tempfile.mkdtemp(prefix="outbox-bench-console-"))
+            home.chmod(0o711)  # as root, the server runs as another user, who must enter it
             server = EmbeddedServer(home)
             server.ensure_running()
             with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:

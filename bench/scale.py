@@ -19,12 +19,13 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from sqlalchemy import Engine
 
 from bench.delivery import succeeded
 from bench.harness import BACKLOG_INSERT, Bench, log, percentile, summary
+from outbox.storage.archive import ArchiveWriter
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine, make_engine
 from outbox.storage.retention import collect_garbage
@@ -138,7 +139,7 @@ def measure_level(bench: Bench, engine: Engine, reps: int) -> dict[str, Any]:
     }
 
 
-def gc_run(engine: Engine, *, archive: IO[str] | None = None) -> dict[str, Any]:
+def gc_run(engine: Engine, *, archive: ArchiveWriter | None = None) -> dict[str, Any]:
     """collect_garbage of rows older than a day, every batch (one transaction each) timed."""
     ms: list[float] = []
     last = [time.perf_counter()]
@@ -177,8 +178,8 @@ def retention(bench: Bench, engine: Engine, workdir: Path, reps: int) -> dict[st
     out["after_vacuum"] = measure_level(bench, engine, reps)
     load_finished(bench, 100_000)
     path = workdir / "gc-archive.jsonl"
-    with path.open("w") as handle:
-        out["archive"] = gc_run(engine, archive=handle)
+    with ArchiveWriter.open(path) as writer:
+        out["archive"] = gc_run(engine, archive=writer)
     out["archive"]["archive_mb"] = path.stat().st_size / 2**20
     path.unlink()
     return out

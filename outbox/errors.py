@@ -21,7 +21,8 @@
     ├── EffectFailed                an awaited effect ended failed
     ├── SchemaError
     │   ├── SchemaOutdated          the database needs `outbox migrate`
-    │   └── SchemaTooNew            the database was migrated by newer code
+    │   ├── SchemaTooNew            the database was migrated by newer code
+    │   └── MigrationError          a migration failed, or an applied one was changed
     ├── DatabaseError               the store failed (the driver's error is __cause__)
     │   └── EmbeddedServerError     the embedded PostgreSQL failed to start or stop
     └── DeliveryError               raised by a deliverer, read by the daemon
@@ -49,6 +50,7 @@ __all__ = [
     "EmbeddedServerError",
     "IdempotencyConflict",
     "LeaseLost",
+    "MigrationError",
     "NotFound",
     "OutboxError",
     "PayloadError",
@@ -235,6 +237,10 @@ class SchemaOutdated(SchemaError):
 
 class SchemaTooNew(SchemaError):
     """The database was migrated by a newer agent-outbox; refuse rather than corrupt it."""
+
+
+class MigrationError(SchemaError):
+    """A migration failed (named, with the server's reason), or a shipped one was changed."""
 
 
 class DatabaseError(OutboxError):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
@@ -175,3 +177,14 @@ def as_superuser(dsn: str, sql: str, params: Any = None) -> list[Any]:
         conn.execute("SET ROLE NONE")
         cursor = conn.execute(sql, params)
         return cursor.fetchall() if cursor.description else []
+
+
+def embedded_home(prefix: str = "outbox-test-home-") -> Path:
+    """A new directory for an embedded server, which its OS user can enter.
+
+    Run as root, the server runs as another user, and agent-outbox does not
+    loosen directories it did not make: a test's own directory is opened here.
+    """
+    home = Path(tempfile.mkdtemp(prefix=prefix))
+    home.chmod(0o711)
+    return home
