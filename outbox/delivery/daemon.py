@@ -154,7 +154,14 @@ class DeliveryDaemon:
                 await wait_or_wake(self._room, self.settings.poll_seconds)
                 self._start_ready()
                 continue
-            batch = await self.source.take(self.leases)
+            try:
+                batch = await self.source.take(self.leases)
+            except Exception as exc:
+                # A source that failed (a deadlock, a lost connection, a broker
+                # away) has kept nothing it could not give back: try again later.
+                log.warning("taking effects from %s failed (%s); retrying", self.source.name, exc)
+                await wait_or_wake(self._room, self.settings.poll_seconds)
+                continue
             if self._stopping.is_set():
                 for effect in batch:
                     self._record(released(effect, "released unstarted at shutdown"))
