@@ -331,7 +331,7 @@ class DeliveryDaemon:
         reason = why[first.effect_id]
         hint = ""
         if "SQLSTATE 42501" in reason:
-            hint = " (the database role lacks a privilege: see docs/operations.md)"
+            hint = " (the database role lacks a privilege: see docs/howto/run-deliverers.md)"
         log.error(
             "%d outcomes of kind %s could not be recorded at all, e.g. effect %s attempt %d: "
             "%s%s. Their leases are no longer renewed: the reconciler resolves them when the "
