@@ -32,6 +32,7 @@ from outbox.errors import (
     SchemaOutdated,
     SchemaTooNew,
     SignalTimeout,
+    StepAlreadyRecorded,
     ValidationError,
     WaitTimeout,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "Settings",
     "SignalReceipt",
     "SignalTimeout",
+    "StepAlreadyRecorded",
     "StepRecord",
     "StepStatus",
     "StepTransaction",
