@@ -30,9 +30,11 @@ from outbox import (
     ValidationError,
     derive_key,
 )
+from outbox.intent_rules import REASONS, find_violation
 from outbox.payloads import content_hash, encode
 from outbox.storage.engine import translate_errors
 from outbox.storage.notify import wait_for_notify
+from tests.intent_rule_cases import IDENTIFIER_CASES, PAYLOAD_CASES
 
 EMAIL = {"to": "ap@example.com", "subject": "October"}
 
@@ -302,7 +304,7 @@ REFUSED = [
     ("cost", {"cost": -1}, "OB001"),
     ("cost", {"cost": "1e20"}, "OB001"),
     ("compensate", {"compensate": json.dumps({"kind": "x"})}, "OB001"),
-    ("compensate.kind", {"compensate": json.dumps({"kind": "a b", "payload": 1})}, "OB001"),
+    ("compensate", {"compensate": json.dumps({"kind": "a b", "payload": 1})}, "OB001"),
     ("payload", {"payload": json.dumps({"a": "x" * (1024 * 1024)})}, "OB002"),
     ("payload", {"payload": "[" * 101 + "]" * 101}, "OB002"),
     ("payload", {"payload": "1" + "0" * 4300}, "OB002"),
@@ -361,7 +363,7 @@ def test_http_payloads_that_follow_the_rules_are_accepted(db: Any) -> None:
         db,
         "http.request",
         {
-            "url": "https://example.com/orders?page=2&tokenizer=simple",
+            "url": "https://example.com/orders?page=2&lang=en#top",
             "headers": {"Content-Type": "application/json", "X-Request-Id": "r1"},
             "json": {"user": "me", "token_count": 3},
             "credential": "orders-api",
@@ -370,17 +372,22 @@ def test_http_payloads_that_follow_the_rules_are_accepted(db: Any) -> None:
     assert row[2] is True
 
 
-def test_a_step_has_a_size_cap(db: Any) -> None:
+def test_a_step_and_a_transaction_have_size_caps(db: Any) -> None:
     run_id = start_run(db)
-    db.execute("SET outbox.max_payload_bytes = 10000000")
-    big = json.dumps({"a": "x" * (9 * 1024 * 1024)})
-    db.execute("SELECT outbox_intend('blob.put', %s, run_id => %s, step_id => 's')", [big, run_id])
+    db.execute("SET outbox.max_step_intents = 2")
+    db.execute("SET outbox.max_step_bytes = 100")
+    for i in range(2):
+        intend(db, "a.b", i, run_id=run_id, step_id="s")
     with pytest.raises(psycopg.Error) as caught:
-        db.execute(
-            "SELECT outbox_intend('blob.put', %s, run_id => %s, step_id => 's')", [big, run_id]
-        )
-    assert caught.value.sqlstate == "OB002"
-    assert "16777216 bytes" in str(caught.value)
+        intend(db, "a.b", 3, run_id=run_id, step_id="s")
+    assert (caught.value.sqlstate, caught.value.diag.column_name) == ("OB001", "intents")
+    db.rollback()  # (which also undid the SETs)
+    db.execute("SET outbox.max_step_bytes = 100")
+    intend(db, "a.b", "x" * 60)
+    with pytest.raises(psycopg.Error) as caught:
+        intend(db, "a.b", "y" * 60)
+    assert (caught.value.sqlstate, caught.value.diag.column_name) == ("OB002", "intents")
+    assert "at most 100 bytes" in str(caught.value)
 
 
 # -- errors seen from Python ---------------------------------------------------------
@@ -560,3 +567,55 @@ def test_intents_wake_deliverers_at_most_once_per_window(dsn: str, db: Any) -> N
     db.execute("SET outbox.notify_window_ms = 0")
     assert intend_while_listening() is True
     assert intend_while_listening() is True, "a window of 0 notifies every commit"
+
+
+# -- the shared rule cases (tests/intent_rule_cases.py) ---------------------------------
+
+
+def _storable(value: Any) -> bool:
+    # NUL and lone surrogates cannot reach PostgreSQL at all: the driver or jsonb refuses them
+    text_ = json.dumps(value)
+    return "\\u0000" not in text_ and not any(0xD800 <= ord(c) <= 0xDFFF for c in str(value))
+
+
+@pytest.mark.parametrize(
+    ("payload", "refusal"),
+    [c for c in PAYLOAD_CASES if _storable(c[0])],
+    ids=[str(i) for i, c in enumerate(PAYLOAD_CASES) if _storable(c[0])],
+)
+def test_payload_rules_agree_with_python(
+    db: Any, payload: Any, refusal: tuple[str, str] | None
+) -> None:
+    found = find_violation(payload, "payload")
+    assert ((found.code, found.field) if found else None) == refusal  # the table is Python's
+    row = db.execute(
+        "SELECT outbox_payload_violation(%s::jsonb, 'payload')", [json.dumps(payload)]
+    ).fetchone()
+    assert row is not None
+    got = None if row[0] is None else (row[0]["rule"], row[0]["field"])
+    assert got == refusal
+    if refusal is not None:
+        with pytest.raises(psycopg.Error) as caught:
+            intend(db, "http.request", payload)
+        assert caught.value.sqlstate == "OB001"
+        detail = json.loads(caught.value.diag.message_detail or "{}")
+        assert (detail["rule"], detail["field"]) == refusal
+        assert detail["reason"] == REASONS[refusal[0]]
+        db.rollback()
+
+
+@pytest.mark.parametrize(
+    ("value", "code"),
+    [c for c in IDENTIFIER_CASES if _storable(c[0])],
+    ids=[repr(c[0]) for c in IDENTIFIER_CASES if _storable(c[0])],
+)
+def test_identifier_rules_agree_with_python(db: Any, value: str, code: str | None) -> None:
+    db.autocommit = True
+    for field in ("key", "ordering_key"):
+        if code is None:
+            intend(db, "k", {}, **{field: value + field})
+            continue
+        with pytest.raises(psycopg.Error) as caught:
+            intend(db, "k", {}, **{field: value})
+        detail = json.loads(caught.value.diag.message_detail or "{}")
+        assert (detail["rule"], detail["field"]) == (code, field)

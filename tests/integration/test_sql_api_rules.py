@@ -1,8 +1,9 @@
-"""The SQL API enforces the Python client's rules: one list, compared here with the Python constants.
+"""The SQL API enforces the Python client's rules: one list, held equal to the Python constants.
 
 ``outbox_intent_rules()`` (migration 0006) holds every limit and list the SQL
-functions check. When a Python rule changes, this test fails until the SQL
-rule is changed by a new migration.
+functions check; ``outbox.intent_rules`` and ``Settings`` hold Python's. When a
+Python rule changes, this test fails until a new migration changes the SQL
+rule. (The shared refusal cases run in ``test_sql_api.py``.)
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from deliverers.http import RESERVED_HEADERS, SECRET_HEADERS
-from outbox import EffectIntent, RunStart, Settings
+from outbox import RunStart, Settings
+from outbox import intent_rules as rules_py
 from outbox.models import LIVE_RUN_STATUSES
 
 DOCS = Path(__file__).parents[2] / "docs" / "sql-api.md"
@@ -29,43 +30,60 @@ def rules(dsn: str) -> dict[str, Any]:
     return dict(row[0])
 
 
-def _field(model: type[Any], name: str) -> dict[str, Any]:
-    schema = model.model_json_schema()["properties"][name]
-    # optional fields are anyOf [constrained, null]
-    return next((s for s in schema.get("anyOf", []) if s.get("type") != "null"), schema)
+def _same_characters(sql_pattern: str, python_pattern: str) -> None:
+    # The SQL spells its character classes with escapes and from U+0001 (text
+    # cannot hold a NUL); both must match exactly the same characters.
+    sql, python = re.compile(sql_pattern), re.compile(python_pattern)
+    for code in range(1, 0x3000):
+        char = chr(code)
+        assert bool(sql.search(char)) == bool(python.search(char)), hex(code)
 
 
-def test_intent_limits_are_the_python_models(rules: dict[str, Any]) -> None:
-    kind = _field(EffectIntent, "kind")
-    assert rules["kind_pattern"] == kind["pattern"]
-    assert rules["kind_max_length"] == kind["maxLength"]
-    assert rules["key_max_length"] == _field(EffectIntent, "key")["maxLength"]
-    assert rules["ordering_key_max_length"] == _field(EffectIntent, "ordering_key")["maxLength"]
-    attempts = _field(EffectIntent, "max_attempts")
-    assert (rules["max_attempts_min"], rules["max_attempts_max"]) == (
-        attempts["minimum"],
-        attempts["maximum"],
-    )
-    assert rules["schema_version_min"] == _field(EffectIntent, "schema_version")["minimum"]
-    assert rules["agent_max_length"] == _field(RunStart, "agent")["maxLength"]
-    assert rules["version_max_length"] == _field(RunStart, "version")["maxLength"]
+def _rule(rule: rules_py.NameRule) -> dict[str, Any]:
+    return {
+        "code": rule.code,
+        "names": sorted(rule.names),
+        "prefixes": list(rule.prefixes),
+        "pattern": rule.pattern,
+    }
 
 
-def test_defaults_are_the_python_settings(rules: dict[str, Any]) -> None:
+def test_intent_rules_are_pythons(rules: dict[str, Any]) -> None:
+    assert rules["kind_pattern"] == rules_py.KIND_PATTERN
+    assert rules["max_kind_length"] == rules_py.MAX_KIND_LENGTH
+    assert rules["max_key_length"] == rules_py.MAX_KEY_LENGTH
+    assert rules["max_attempts"] == rules_py.MAX_ATTEMPTS
+    assert rules["max_schema_version"] == rules_py.MAX_SCHEMA_VERSION
+    assert rules["max_delay_seconds"] == rules_py.MAX_DELAY_SECONDS
+    assert rules["max_amount"] == rules_py.MAX_AMOUNT
+    assert rules["headers_field"] == rules_py.HEADERS_FIELD
+    assert rules["url_field"] == rules_py.URL_FIELD
+    assert rules["header_name_pattern"] == rules_py.HEADER_NAME_PATTERN
+    assert rules["credential_value_pattern"] == rules_py.CREDENTIAL_VALUE_PATTERN
+    assert rules["header_name_rules"] == [_rule(r) for r in rules_py.HEADER_NAME_RULES]
+    assert rules["query_name_rules"] == [_rule(r) for r in rules_py.QUERY_NAME_RULES]
+    assert rules["reasons"] == dict(rules_py.REASONS)
+    _same_characters(rules["control_characters"], rules_py.CONTROL_CHARACTERS)
+    _same_characters(rules["header_value_forbidden"], rules_py.HEADER_VALUE_FORBIDDEN)
+
+
+def test_run_limits_are_the_python_models(rules: dict[str, Any]) -> None:
+    schema = RunStart.model_json_schema()["properties"]
+    assert rules["max_agent_length"] == schema["agent"]["maxLength"]
+    assert rules["max_version_length"] == schema["version"]["maxLength"]
+
+
+def test_settings_defaults_are_pythons(rules: dict[str, Any]) -> None:
     settings = Settings()
-    assert rules["max_payload_bytes"] == settings.max_payload_bytes
-    assert rules["step_id_max_length"] == settings.max_step_id_length
-    assert rules["notify_window_ms"] == settings.notify_window_ms
+    for name in (
+        "max_payload_bytes",
+        "max_step_intents",
+        "max_step_bytes",
+        "max_step_id_length",
+        "notify_window_ms",
+    ):
+        assert rules[name] == getattr(settings, name), name
     assert rules["live_run_statuses"] == [s.value for s in LIVE_RUN_STATUSES]
-
-
-def test_header_rules_cover_the_http_deliverers(rules: dict[str, Any]) -> None:
-    assert set(SECRET_HEADERS) <= set(rules["secret_headers"])
-    assert set(RESERVED_HEADERS) <= set(rules["framing_headers"])
-    assert all(h == h.lower() for h in rules["secret_headers"] + rules["framing_headers"])
-    pattern = re.compile(rules["secret_header_pattern"])
-    assert pattern.search("x-auth-token") and pattern.search("x-session-id")
-    assert not pattern.search("x-request-id") and not pattern.search("content-type")
 
 
 def test_every_documented_function_exists_after_migrate(dsn: str) -> None:

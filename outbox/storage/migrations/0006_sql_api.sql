@@ -14,43 +14,90 @@ CREATE SEQUENCE outbox_wake_clock_runs START WITH 0 MINVALUE 0;
 -- @functions: outbox/storage/schema.py runs everything below this line after
 -- creating the tables, so a fresh schema gets exactly these definitions.
 
--- Every limit and list the functions enforce, in one place. A test compares it
--- with the Python client's constants (tests/integration/test_sql_api_rules.py).
+-- Every limit and list the SQL API enforces, in one place: outbox.intent_rules
+-- (the Python client's rules, with their codes and reasons), the Settings
+-- defaults, and the limits that keep a value readable by every client (JSON
+-- depth and integer digits). tests/integration/test_sql_api_rules.py holds it
+-- equal to the Python constants. A session or database may override the
+-- settings (outbox_setting: SET outbox.max_payload_bytes = ...).
 CREATE FUNCTION outbox_intent_rules() RETURNS jsonb
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 SELECT '{
   "kind_pattern": "^[A-Za-z0-9_.:-]+$",
-  "kind_max_length": 200,
-  "key_max_length": 500,
-  "ordering_key_max_length": 500,
-  "agent_max_length": 200,
-  "version_max_length": 100,
-  "step_id_max_length": 200,
-  "signal_name_max_length": 200,
-  "dedup_key_max_length": 500,
-  "reason_max_length": 200,
-  "max_attempts_min": 1,
-  "max_attempts_max": 1000,
-  "schema_version_min": 1,
-  "delay_seconds_max": 315360000,
-  "amount_max": 1000000000000000,
+  "max_kind_length": 200,
+  "max_key_length": 500,
+  "max_attempts": 1000,
+  "max_schema_version": 2147483647,
+  "max_delay_seconds": 315360000,
+  "max_amount": 1000000000000000,
+  "max_agent_length": 200,
+  "max_version_length": 100,
+  "max_name_length": 200,
   "max_payload_bytes": 1048576,
+  "max_step_intents": 10000,
+  "max_step_bytes": 67108864,
+  "max_step_id_length": 200,
+  "notify_window_ms": 3.0,
   "max_json_depth": 100,
   "max_integer_digits": 4300,
-  "step_max_intents": 1000,
-  "step_max_bytes": 16777216,
-  "notify_window_ms": 3,
   "live_run_statuses": ["runnable", "running", "waiting"],
-  "control_characters": "[\\x01-\\x1f\\x7f-\\x9f]",
-  "framing_headers": ["connection", "content-length", "expect", "host", "idempotency-key",
-                      "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-                      "upgrade"],
-  "secret_headers": ["api-key", "authorization", "cookie", "proxy-authorization",
-                     "x-api-key", "x-auth-token"],
-  "secret_header_pattern": "(^|[-_])(token|secret|password|passwd|apikey|api-key|api_key|session)([-_]|$)",
-  "url_secret_params": ["access_token", "api_key", "apikey", "client_secret", "id_token",
-                        "password", "refresh_token", "secret", "token"]
+  "control_characters": "[\\x01-\\x1f\\x7f-\\x9f\\u2028\\u2029]",
+  "headers_field": "headers",
+  "url_field": "url",
+  "header_name_pattern": "^[!#$%&''*+.^_`|~0-9A-Za-z-]+$",
+  "header_value_forbidden": "[\\x01-\\x08\\x0a-\\x1f\\x7f-\\x9f\\u2028\\u2029]",
+  "header_name_rules": [
+    {
+      "code": "framing-header",
+      "names": ["connection", "content-length", "expect", "host", "http2-settings", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"],
+      "prefixes": ["proxy-"],
+      "pattern": null
+    },
+    {
+      "code": "reserved-header",
+      "names": ["idempotency-key"],
+      "prefixes": ["x-outbox-"],
+      "pattern": null
+    },
+    {
+      "code": "credential-header",
+      "names": ["authorization", "cookie", "set-cookie", "www-authenticate"],
+      "prefixes": [],
+      "pattern": "token|secret|passw(or)?d|passphrase|credential|session|cookie|api-?key|access-?key|private-?key|secret-?key|authori[sz]ation|authentication|(^|-)auth(-|$)"
+    }
+  ],
+  "query_name_rules": [
+    {
+      "code": "credential-query-parameter",
+      "names": ["authorization", "cookie", "jwt", "pass", "pwd", "set-cookie", "sig", "signature", "www-authenticate", "x-amz-credential", "x-amz-signature", "x-goog-credential", "x-goog-signature"],
+      "prefixes": [],
+      "pattern": "token|secret|passw(or)?d|passphrase|credential|session|cookie|api-?key|access-?key|private-?key|secret-?key|authori[sz]ation|authentication|(^|-)auth(-|$)"
+    }
+  ],
+  "credential_value_pattern": "^\\s*(bearer|basic)\\s+[A-Za-z0-9._~+/-]{16,}=*\\s*$",
+  "reasons": {
+    "control-character": "holds a control character (CR, LF, NUL, ...), which is refused",
+    "surrogate": "holds a lone surrogate, which is not valid Unicode text",
+    "headers-type": "must be an object of header names to text values",
+    "header-name-syntax": "is not a valid header name (an HTTP token: letters, digits and !#$%&''*+.^_`|~-)",
+    "header-value-type": "must be text",
+    "header-value-control": "holds a control character (CR, LF, NUL, ...) other than a tab",
+    "credential-value": "is an authorization scheme and its secret; payloads are stored in plain text, so credentials go by reference: name one in the payload''s ''credential'' field and configure it in the deliverers config ([kinds.<kind>.credentials.<name>] with env = ... or file = ...)",
+    "url-type": "must be text",
+    "url-control": "holds a control character (CR, LF, NUL, ...)",
+    "url-userinfo": "holds a user name or password before the host; payloads are stored in plain text, so credentials go by reference: name one in the payload''s ''credential'' field and configure it in the deliverers config ([kinds.<kind>.credentials.<name>] with env = ... or file = ...)",
+    "framing-header": "is a hop-by-hop or framing header: the HTTP client sets it",
+    "reserved-header": "is set by the deliverer (the idempotency key travels as the intent''s key)",
+    "credential-header": "carries a credential; payloads are stored in plain text, so credentials go by reference: name one in the payload''s ''credential'' field and configure it in the deliverers config ([kinds.<kind>.credentials.<name>] with env = ... or file = ...)",
+    "credential-query-parameter": "carries a credential; payloads are stored in plain text, so credentials go by reference: name one in the payload''s ''credential'' field and configure it in the deliverers config ([kinds.<kind>.credentials.<name>] with env = ... or file = ...)"
+  }
 }'::jsonb
+$$;
+
+-- A setting: outbox.<name> if the session or database sets it, else the rule.
+CREATE FUNCTION outbox_setting(name text) RETURNS text
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT coalesce(nullif(current_setting('outbox.' || name, true), ''), outbox_intent_rules()->>name)
 $$;
 
 -- Hex sha256 over length-prefixed parts (8-byte big-endian length, then the
@@ -121,9 +168,11 @@ BEGIN
 END
 $$;
 
--- Refuse an argument (OB001) or a JSON value (OB002), naming the field and the
--- value as outbox.errors.ValidationError does.
-CREATE FUNCTION outbox_refuse(code text, field text, value text, reason text) RETURNS void
+-- Refuse an argument (OB001) or a JSON value (OB002), naming the field and
+-- showing the value as outbox.errors.ValidationError does; rule is the
+-- outbox.intent_rules code when one applies.
+CREATE FUNCTION outbox_refuse(code text, field text, value text, reason text,
+                              rule text DEFAULT NULL) RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
     shown text := CASE WHEN value IS NULL THEN 'NULL'
@@ -132,7 +181,8 @@ DECLARE
 BEGIN
     RAISE EXCEPTION USING ERRCODE = code, MESSAGE = field || '=' || shown || ': ' || reason,
         COLUMN = field,
-        DETAIL = jsonb_build_object('field', field, 'value', left(value, 200), 'reason', reason)::text;
+        DETAIL = jsonb_strip_nulls(jsonb_build_object(
+            'field', field, 'value', left(value, 200), 'reason', reason, 'rule', rule))::text;
 END
 $$;
 
@@ -164,12 +214,15 @@ SELECT outbox_raise('OB006',
 $$;
 
 -- A name, id or key: present (unless optional), within its length, no control
--- characters (they forge log lines and break headers), not blank if so asked.
+-- character (rule control-character: they forge log lines and break the
+-- headers a key is sent in), not blank if so asked.
 CREATE FUNCTION outbox_check_text(
     field text, value text, max_length integer, required boolean DEFAULT true,
     not_blank boolean DEFAULT false
 ) RETURNS void
     LANGUAGE plpgsql AS $$
+DECLARE
+    rules jsonb := outbox_intent_rules();
 BEGIN
     IF value IS NULL THEN
         IF required THEN
@@ -184,8 +237,9 @@ BEGIN
         PERFORM outbox_refuse('OB001', field, value,
             format('is %s characters, over %s', char_length(value), max_length));
     END IF;
-    IF value ~ (outbox_intent_rules()->>'control_characters') THEN
-        PERFORM outbox_refuse('OB001', field, value, 'contains a control character');
+    IF value ~ (rules->>'control_characters') THEN
+        PERFORM outbox_refuse('OB001', field, value, rules->'reasons'->>'control-character',
+                              'control-character');
     END IF;
 END
 $$;
@@ -196,15 +250,15 @@ CREATE FUNCTION outbox_check_kind(field text, value text) RETURNS void
 DECLARE
     rules jsonb := outbox_intent_rules();
 BEGIN
-    PERFORM outbox_check_text(field, value, (rules->>'kind_max_length')::integer);
+    PERFORM outbox_check_text(field, value, (rules->>'max_kind_length')::integer);
     IF value !~ (rules->>'kind_pattern') THEN
-        PERFORM outbox_refuse('OB001', field, value,
-            'must match ' || (rules->>'kind_pattern'));
+        PERFORM outbox_refuse('OB001', field, value, 'must match ' || (rules->>'kind_pattern'));
     END IF;
 END
 $$;
 
--- An amount (budget, cost, spend): finite, not negative, within amount_max.
+-- An amount (budget, cost, spend): finite, not negative (positive if so asked),
+-- at most max_amount.
 CREATE FUNCTION outbox_check_amount(field text, value numeric, positive boolean DEFAULT false)
     RETURNS void
     LANGUAGE plpgsql AS $$
@@ -219,25 +273,19 @@ BEGIN
         PERFORM outbox_refuse('OB001', field, value::text,
             CASE WHEN positive THEN 'must be positive' ELSE 'must not be negative' END);
     END IF;
-    IF value > (outbox_intent_rules()->>'amount_max')::numeric THEN
+    IF value > (outbox_intent_rules()->>'max_amount')::numeric THEN
         PERFORM outbox_refuse('OB001', field, value::text,
-            'is over ' || (outbox_intent_rules()->>'amount_max'));
+            'must be at most ' || (outbox_intent_rules()->>'max_amount'));
     END IF;
 END
 $$;
 
--- The largest payload accepted: outbox.max_payload_bytes if the session or
--- database sets it, else the rule.
-CREATE FUNCTION outbox_max_payload_bytes() RETURNS integer
-    LANGUAGE sql STABLE PARALLEL SAFE AS $$
-SELECT coalesce(nullif(current_setting('outbox.max_payload_bytes', true), '')::integer,
-                (outbox_intent_rules()->>'max_payload_bytes')::integer)
-$$;
-
--- A JSON value to store (payload, inputs, state, result): readable by every
--- client (nesting depth, integer digits, no float overflow), within max_bytes.
--- Returns its canonical text. NUL characters and NaN cannot reach here: jsonb
--- refuses them when the argument is cast.
+-- A JSON value to store (payload, inputs, state, result, error): readable by
+-- every client (at most max_json_depth levels of nesting; no integer of more
+-- than max_integer_digits digits, which Python cannot read; no fraction beyond
+-- a double's range, which would read as infinity) and at most max_bytes of
+-- canonical JSON. Returns the canonical text. NUL characters and NaN never
+-- reach here: jsonb refuses them when the argument is cast.
 CREATE FUNCTION outbox_check_json(field text, value jsonb, max_bytes integer) RETURNS text
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -254,17 +302,13 @@ BEGIN
             format('is nested more than %s levels deep', depth));
     END IF;
     IF jsonb_path_exists(value,
-            'strict $.** ? (@.type() == "number" && (@ >= $big || @ <= -$big))',
+            'strict $.** ? (@.type() == "number" && (@ >= $big || @ <= -$big
+                            || (@.floor() != @ && (@ >= 1e308 || @ <= -1e308))))',
             jsonb_build_object('big', ('1e' || digits)::numeric))
     THEN
         PERFORM outbox_refuse('OB002', field, left(value::text, 80),
-            format('holds a number of more than %s digits', digits));
-    END IF;
-    IF jsonb_path_exists(value,
-            'strict $.** ? (@.type() == "number" && @.floor() != @ && (@ >= 1e308 || @ <= -1e308))')
-    THEN
-        PERFORM outbox_refuse('OB002', field, left(value::text, 80),
-            'holds a fractional number beyond the range of a double (it would read as infinity)');
+            format('holds an integer too long to write (over %s digits) or a fraction beyond '
+                   'the range of a double', digits));
     END IF;
     canonical := outbox_canonical_json(value);
     size := octet_length(canonical);
@@ -276,59 +320,204 @@ BEGIN
 END
 $$;
 
--- An HTTP-shaped payload (a top-level "url" string or "headers" object, whatever
--- the kind: a deliverer config may map any kind to http.request): no header
--- that frames the request or carries a secret, no control characters in header
--- names or values, no credentials in the URL (userinfo or token parameters).
--- Secrets travel by reference: the deliverer config names them.
-CREATE FUNCTION outbox_check_http_shape(field text, payload jsonb) RETURNS void
-    LANGUAGE plpgsql AS $$
+-- The Python type name of a JSON value, as outbox.intent_rules shows it.
+CREATE FUNCTION outbox_json_type_name(value jsonb) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE jsonb_typeof(value)
+       WHEN 'object' THEN 'dict' WHEN 'array' THEN 'list' WHEN 'string' THEN 'str'
+       WHEN 'boolean' THEN 'bool' WHEN 'null' THEN 'NoneType'
+       ELSE CASE WHEN value::text ~ '^-?[0-9]+$' THEN 'int' ELSE 'float' END END
+$$;
+
+-- A value shown in an error with control and non-ASCII characters escaped
+-- (Python's ascii()), so an error cannot forge a log line.
+CREATE FUNCTION outbox_printable(value text) RETURNS text
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+SELECT string_agg(CASE
+         WHEN c = '\' THEN '\\'
+         WHEN c = E'\t' THEN '\t' WHEN c = E'\n' THEN '\n' WHEN c = E'\r' THEN '\r'
+         WHEN ascii(c) BETWEEN 32 AND 126 THEN c
+         WHEN ascii(c) < 256 THEN '\x' || lpad(to_hex(ascii(c)), 2, '0')
+         WHEN ascii(c) < 65536 THEN '\u' || lpad(to_hex(ascii(c)), 4, '0')
+         ELSE '\U' || lpad(to_hex(ascii(c)), 8, '0') END, '' ORDER BY n)
+  FROM regexp_split_to_table(value, '') WITH ORDINALITY AS t(c, n)
+$$;
+
+-- The code of the first rule of rule_list (outbox.intent_rules.NameRule) that
+-- refuses a normalised name, or NULL.
+CREATE FUNCTION outbox_name_rule(rule_list jsonb, normalised text) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT r.rule->>'code'
+  FROM jsonb_array_elements(rule_list) WITH ORDINALITY AS r(rule, n)
+ WHERE r.rule->'names' ? normalised
+    OR EXISTS (SELECT 1 FROM jsonb_array_elements_text(r.rule->'prefixes') AS p(prefix)
+                WHERE starts_with(normalised, p.prefix))
+    OR (jsonb_typeof(r.rule->'pattern') = 'string' AND normalised ~* (r.rule->>'pattern'))
+ ORDER BY r.n
+ LIMIT 1
+$$;
+
+-- A URL query name decoded as urllib.parse.unquote_plus does ('+' is a space,
+-- %XX a UTF-8 byte); left as it is when the bytes are not UTF-8.
+CREATE FUNCTION outbox_url_unquote(value text) RETURNS text
+    LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
+DECLARE
+    plain text := replace(value, '+', ' ');
+    bytes bytea := ''::bytea;
+    part text;
+BEGIN
+    IF position('%' IN plain) = 0 THEN
+        RETURN plain;
+    END IF;
+    FOR part IN SELECT m[1] FROM regexp_matches(plain, '(%[0-9A-Fa-f]{2}|[^%]+|%)', 'g') AS m LOOP
+        IF part ~ '^%[0-9A-Fa-f]{2}$' THEN
+            bytes := bytes || decode(substr(part, 2), 'hex');
+        ELSE
+            bytes := bytes || convert_to(part, 'UTF8');
+        END IF;
+    END LOOP;
+    BEGIN
+        RETURN convert_from(bytes, 'UTF8');
+    EXCEPTION WHEN character_not_in_repertoire OR untranslatable_character THEN
+        RETURN plain;
+    END;
+END
+$$;
+
+-- A URL as it may be shown: no userinfo, no query or fragment values.
+CREATE FUNCTION outbox_url_redacted(scheme text, netloc text, path text, query text, fragment text)
+    RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT coalesce(scheme, '') || '://' || regexp_replace(coalesce(netloc, ''), '^.*@', '')
+       || coalesce(path, '')
+       || CASE WHEN coalesce(query, '') = '' THEN ''
+               ELSE '?' || (SELECT string_agg(outbox_url_unquote(split_part(q, '=', 1)) || '=...', '&')
+                              FROM unnest(string_to_array(query, '&')) AS q
+                             WHERE q <> '') END
+       || CASE WHEN coalesce(fragment, '') = '' THEN '' ELSE '#...' END
+$$;
+
+-- The first rule of outbox.intent_rules a payload breaks, as
+-- {"rule": code, "field": ..., "shown": ...}, or NULL. Only a JSON object's
+-- top-level "headers" object and "url" string are looked at (whatever the
+-- kind: a deliverer config may map any kind to http.request); headers first.
+CREATE FUNCTION outbox_payload_violation(payload jsonb, field text) RETURNS jsonb
+    LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 DECLARE
     rules jsonb := outbox_intent_rules();
-    cc text := rules->>'control_characters';
+    headers jsonb;
+    where_ text;
     h record;
+    code text;
     url text;
+    parts text[];
+    scheme text;
+    rest text;
+    netloc text;
     query text;
+    fragment text;
+    piece text;
     param text;
 BEGIN
-    IF jsonb_typeof(payload) <> 'object' THEN
-        RETURN;
+    IF jsonb_typeof(payload) IS DISTINCT FROM 'object' THEN
+        RETURN NULL;
     END IF;
-    IF jsonb_typeof(payload->'headers') = 'object' THEN
-        FOR h IN SELECT e.k AS name, lower(e.k) AS lname, e.v AS value
-                   FROM jsonb_each(payload->'headers') AS e(k, v) LOOP
-            IF h.name ~ cc OR (jsonb_typeof(h.value) = 'string' AND (h.value #>> '{}') ~ cc) THEN
-                PERFORM outbox_refuse('OB001', field || '.headers.' || h.name, h.value #>> '{}',
-                    'a header name or value contains a control character');
+    headers := payload->(rules->>'headers_field');
+    where_ := field || '.' || (rules->>'headers_field');
+    IF headers IS NOT NULL AND jsonb_typeof(headers) <> 'null' THEN
+        IF jsonb_typeof(headers) <> 'object' THEN
+            RETURN jsonb_build_object('rule', 'headers-type', 'field', where_,
+                                      'shown', outbox_json_type_name(headers));
+        END IF;
+        FOR h IN SELECT e.k AS name, e.v AS value FROM jsonb_each(headers) AS e(k, v) LOOP
+            IF h.name !~ (rules->>'header_name_pattern') THEN
+                RETURN jsonb_build_object('rule', 'header-name-syntax', 'field', where_,
+                                          'shown', outbox_printable(h.name));
             END IF;
-            IF rules->'framing_headers' ? h.lname THEN
-                PERFORM outbox_refuse('OB001', field || '.headers', h.name,
-                    'frames the request or is hop-by-hop: the deliverer sets it');
+            code := outbox_name_rule(rules->'header_name_rules', replace(lower(h.name), '_', '-'));
+            IF code IS NOT NULL THEN
+                RETURN jsonb_build_object('rule', code, 'field', where_, 'shown', h.name);
             END IF;
-            IF rules->'secret_headers' ? h.lname OR h.lname ~ (rules->>'secret_header_pattern') THEN
-                PERFORM outbox_refuse('OB001', field || '.headers', h.name,
-                    'carries a secret: name a configured credential instead');
+            IF jsonb_typeof(h.value) <> 'string' THEN
+                RETURN jsonb_build_object('rule', 'header-value-type', 'field', where_ || '.' || h.name,
+                                          'shown', outbox_json_type_name(h.value));
+            END IF;
+            IF (h.value #>> '{}') ~ (rules->>'header_value_forbidden') THEN
+                -- the value itself is not shown: it may be a secret
+                RETURN jsonb_build_object('rule', 'header-value-control', 'field', where_ || '.' || h.name,
+                    'shown', format('<%s characters>', char_length(h.value #>> '{}')));
+            END IF;
+            IF (h.value #>> '{}') ~* (rules->>'credential_value_pattern') THEN
+                RETURN jsonb_build_object('rule', 'credential-value', 'field', where_ || '.' || h.name,
+                    'shown', (regexp_match(h.value #>> '{}', '(\S+)'))[1] || ' <hidden>');
             END IF;
         END LOOP;
     END IF;
-    IF jsonb_typeof(payload->'url') = 'string' THEN
-        url := payload->>'url';
-        IF url ~ cc THEN
-            PERFORM outbox_refuse('OB001', field || '.url', url, 'contains a control character');
-        END IF;
-        IF url ~ '^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@' THEN
-            PERFORM outbox_refuse('OB001', field || '.url', regexp_replace(url, '//[^/?#]*@', '//***@'),
-                'carries credentials (userinfo): name a configured credential instead');
-        END IF;
-        query := substring(url FROM '\?([^#]*)');
-        IF query IS NOT NULL THEN
-            FOREACH param IN ARRAY string_to_array(query, '&') LOOP
-                IF rules->'url_secret_params' ? lower(split_part(param, '=', 1)) THEN
-                    PERFORM outbox_refuse('OB001', field || '.url', split_part(param, '=', 1),
-                        'is a credential query parameter: name a configured credential instead');
-                END IF;
-            END LOOP;
-        END IF;
+
+    where_ := field || '.' || (rules->>'url_field');
+    IF payload->(rules->>'url_field') IS NULL OR jsonb_typeof(payload->(rules->>'url_field')) = 'null' THEN
+        RETURN NULL;
+    END IF;
+    IF jsonb_typeof(payload->(rules->>'url_field')) <> 'string' THEN
+        RETURN jsonb_build_object('rule', 'url-type', 'field', where_,
+                                  'shown', outbox_json_type_name(payload->(rules->>'url_field')));
+    END IF;
+    url := payload->>(rules->>'url_field');
+    -- urllib.parse.urlsplit: scheme, then //netloc up to / ? #, then #fragment, then ?query
+    parts := regexp_match(ltrim(url, ' '), '^([A-Za-z][A-Za-z0-9+.-]*):(.*)$');
+    scheme := lower(parts[1]);
+    rest := coalesce(parts[2], ltrim(url, ' '));
+    IF left(rest, 2) = '//' THEN
+        parts := regexp_match(substr(rest, 3), '^([^/?#]*)(.*)$');
+        netloc := parts[1];
+        rest := parts[2];
+    END IF;
+    IF position('#' IN rest) > 0 THEN
+        fragment := substr(rest, position('#' IN rest) + 1);
+        rest := left(rest, position('#' IN rest) - 1);
+    END IF;
+    IF position('?' IN rest) > 0 THEN
+        query := substr(rest, position('?' IN rest) + 1);
+        rest := left(rest, position('?' IN rest) - 1);
+    END IF;
+    IF url ~ (rules->>'control_characters') THEN
+        RETURN jsonb_build_object('rule', 'url-control', 'field', where_, 'shown',
+            outbox_printable(outbox_url_redacted(scheme, netloc, rest, query, fragment)));
+    END IF;
+    IF (position('[' IN coalesce(netloc, '')) > 0) <> (position(']' IN coalesce(netloc, '')) > 0) THEN
+        RETURN NULL;  -- urlsplit refuses it (ValueError); so does the deliverer
+    END IF;
+    IF position('@' IN coalesce(netloc, '')) > 0 THEN
+        RETURN jsonb_build_object('rule', 'url-userinfo', 'field', where_,
+            'shown', outbox_url_redacted(scheme, netloc, rest, query, fragment));
+    END IF;
+    FOREACH piece IN ARRAY ARRAY[query, fragment] LOOP
+        CONTINUE WHEN piece IS NULL OR position('=' IN piece) = 0;
+        -- some servers split parameters on ';' as well as '&'
+        FOREACH param IN ARRAY string_to_array(replace(piece, ';', '&'), '&') LOOP
+            CONTINUE WHEN param = '';
+            code := outbox_name_rule(rules->'query_name_rules',
+                replace(lower(outbox_url_unquote(split_part(param, '=', 1))), '_', '-'));
+            IF code IS NOT NULL THEN
+                RETURN jsonb_build_object('rule', code, 'field', where_,
+                    'shown', outbox_url_redacted(scheme, netloc, rest, query, fragment));
+            END IF;
+        END LOOP;
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+
+-- Refuse a payload that breaks a rule of outbox.intent_rules (OB001, with the
+-- rule's code and reason).
+CREATE FUNCTION outbox_check_payload(payload jsonb, field text) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    found jsonb := outbox_payload_violation(payload, field);
+BEGIN
+    IF found IS NOT NULL THEN
+        PERFORM outbox_refuse('OB001', found->>'field', found->>'shown',
+                              outbox_intent_rules()->'reasons'->>(found->>'rule'), found->>'rule');
     END IF;
 END
 $$;
@@ -347,9 +536,7 @@ $$;
 CREATE FUNCTION outbox_wake(channel text) RETURNS boolean
     LANGUAGE plpgsql AS $$
 DECLARE
-    window_us double precision := 1000 * coalesce(
-        nullif(current_setting('outbox.notify_window_ms', true), '')::double precision,
-        (outbox_intent_rules()->>'notify_window_ms')::double precision);
+    window_us double precision := 1000 * outbox_setting('notify_window_ms')::double precision;
     now_us bigint := floor(extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
     last_us bigint;
     flag text := 'outbox.notified_' || channel;
@@ -376,9 +563,9 @@ END
 $$;
 
 -- What this transaction wrote through the SQL API for each (run, step) not yet
--- committed: the next intent index, counts, budget debits and reservations.
--- Kept in a transaction-local setting, so a rollback (or a rollback to a
--- savepoint) forgets it together with the rows.
+-- committed: the next intent index, how many intents and bytes, budget debits
+-- and reservations. Kept in transaction-local settings, so a rollback (or a
+-- rollback to a savepoint) forgets it together with the rows.
 CREATE FUNCTION outbox_tx_steps() RETURNS jsonb
     LANGUAGE sql STABLE AS $$
 SELECT coalesce(nullif(current_setting('outbox.tx_steps', true), ''), '{}')::jsonb
@@ -412,8 +599,8 @@ BEGIN
         END IF;
         RETURN entry;
     END IF;
-    PERFORM outbox_check_text('step_id', p_step_id,
-        (outbox_intent_rules()->>'step_id_max_length')::integer, true, true);
+    PERFORM outbox_check_text('step_id', p_step_id, outbox_setting('max_step_id_length')::integer,
+                              true, true);
     SELECT r.status INTO run_status FROM outbox_runs AS r WHERE r.id = p_run_id;
     IF NOT FOUND THEN
         PERFORM outbox_raise_run_not_found(p_run_id);
@@ -427,7 +614,7 @@ BEGIN
     entry := jsonb_build_object('next', 0, 'count', 0, 'bytes', 0, 'debit', 0, 'reserve', 0,
                                 'ledger', '[]'::jsonb, 'done', false);
     -- saved now: the commit-time check (outbox_effects_step_committed) only
-    -- looks at rows inserted while this setting is present
+    -- sees rows inserted while this setting is present
     PERFORM outbox_tx_save_step(p_run_id, p_step_id, entry);
     RETURN entry;
 END
@@ -436,6 +623,7 @@ $$;
 -- Record that effect kind with payload must happen, once, when this transaction
 -- commits. With run_id and step_id the intent belongs to that step (call
 -- outbox_commit_step for it before committing); without, it belongs to no run.
+-- The rules are the Python client's (outbox.intent_rules, EffectIntent).
 CREATE FUNCTION outbox_intend(
     kind text,
     payload jsonb,
@@ -456,8 +644,9 @@ CREATE FUNCTION outbox_intend(
     LANGUAGE plpgsql AS $$
 DECLARE
     rules jsonb := outbox_intent_rules();
-    max_bytes integer := outbox_max_payload_bytes();
+    max_bytes integer := outbox_setting('max_payload_bytes')::integer;
     canonical text;
+    size bigint;
     p_hash text;
     p_key text := outbox_intend.key;
     idx integer;
@@ -470,27 +659,24 @@ BEGIN
         PERFORM outbox_refuse('OB001', 'payload', NULL,
             'is required (pass ''null''::jsonb for a JSON null)');
     END IF;
-    canonical := outbox_check_json('payload', outbox_intend.payload, max_bytes);
-    PERFORM outbox_check_http_shape('payload', outbox_intend.payload);
-    PERFORM outbox_check_text('key', p_key, (rules->>'key_max_length')::integer, false);
+    PERFORM outbox_check_text('key', p_key, (rules->>'max_key_length')::integer, false);
     PERFORM outbox_check_text('ordering_key', outbox_intend.ordering_key,
-        (rules->>'ordering_key_max_length')::integer, false);
+                              (rules->>'max_key_length')::integer, false);
     IF outbox_intend.max_attempts IS NOT NULL
-       AND outbox_intend.max_attempts NOT BETWEEN (rules->>'max_attempts_min')::integer
-                                              AND (rules->>'max_attempts_max')::integer THEN
+       AND outbox_intend.max_attempts NOT BETWEEN 1 AND (rules->>'max_attempts')::integer THEN
         PERFORM outbox_refuse('OB001', 'max_attempts', outbox_intend.max_attempts::text,
-            format('must be between %s and %s', rules->>'max_attempts_min', rules->>'max_attempts_max'));
+            'must be between 1 and ' || (rules->>'max_attempts'));
     END IF;
     IF outbox_intend.delay_seconds IS NULL
-       OR NOT outbox_intend.delay_seconds BETWEEN 0 AND (rules->>'delay_seconds_max')::double precision THEN
+       OR NOT outbox_intend.delay_seconds BETWEEN 0 AND (rules->>'max_delay_seconds')::double precision THEN
         PERFORM outbox_refuse('OB001', 'delay_seconds', outbox_intend.delay_seconds::text,
-            'must be between 0 and ' || (rules->>'delay_seconds_max'));
+            'must be between 0 and ' || (rules->>'max_delay_seconds'));
     END IF;
-    IF outbox_intend.schema_version IS NULL
-       OR outbox_intend.schema_version < (rules->>'schema_version_min')::integer THEN
+    IF outbox_intend.schema_version IS NULL OR outbox_intend.schema_version < 1 THEN
         PERFORM outbox_refuse('OB001', 'schema_version', outbox_intend.schema_version::text,
-            'must be at least ' || (rules->>'schema_version_min'));
+            'must be at least 1');
     END IF;
+    PERFORM outbox_check_amount('cost', outbox_intend.cost);
     IF outbox_intend.compensate IS NOT NULL THEN
         IF jsonb_typeof(outbox_intend.compensate) <> 'object'
            OR NOT outbox_intend.compensate ? 'kind' OR NOT outbox_intend.compensate ? 'payload'
@@ -499,11 +685,18 @@ BEGIN
             PERFORM outbox_refuse('OB001', 'compensate', left(outbox_intend.compensate::text, 80),
                 'must be {"kind": "...", "payload": ...}');
         END IF;
-        PERFORM outbox_check_kind('compensate.kind', outbox_intend.compensate->>'kind');
-        PERFORM outbox_check_json('compensate', outbox_intend.compensate, max_bytes);
-        PERFORM outbox_check_http_shape('compensate.payload', outbox_intend.compensate->'payload');
+        IF (outbox_intend.compensate->>'kind') !~ (rules->>'kind_pattern') THEN
+            PERFORM outbox_refuse('OB001', 'compensate', outbox_intend.compensate->>'kind',
+                format('kind %L must match %s', outbox_intend.compensate->>'kind', rules->>'kind_pattern'));
+        END IF;
     END IF;
-    PERFORM outbox_check_amount('cost', outbox_intend.cost);
+    PERFORM outbox_check_payload(outbox_intend.payload, 'payload');
+    canonical := outbox_check_json('payload', outbox_intend.payload, max_bytes);
+    size := octet_length(canonical);
+    IF outbox_intend.compensate IS NOT NULL THEN
+        PERFORM outbox_check_payload(outbox_intend.compensate->'payload', 'compensate.payload');
+        size := size + octet_length(outbox_check_json('compensate', outbox_intend.compensate, max_bytes));
+    END IF;
     p_hash := encode(sha256(convert_to(canonical, 'UTF8')), 'hex');
 
     IF (outbox_intend.run_id IS NULL) <> (outbox_intend.step_id IS NULL) THEN
@@ -516,18 +709,26 @@ BEGIN
         IF idx < 0 THEN
             PERFORM outbox_refuse('OB001', 'step_index', idx::text, 'must not be negative');
         END IF;
-        IF (entry->>'count')::integer + 1 > (rules->>'step_max_intents')::integer THEN
-            PERFORM outbox_refuse('OB002', 'step_id', outbox_intend.step_id,
-                format('takes more than %s intents', rules->>'step_max_intents'));
-        END IF;
-        IF (entry->>'bytes')::bigint + octet_length(canonical) > (rules->>'step_max_bytes')::bigint THEN
-            PERFORM outbox_refuse('OB002', 'step_id', outbox_intend.step_id,
-                format('intents over %s bytes in one step', rules->>'step_max_bytes'));
-        END IF;
-        p_key := coalesce(p_key, outbox_derive_key(outbox_intend.run_id, outbox_intend.step_id, idx));
     ELSIF outbox_intend.step_index IS NOT NULL THEN
         PERFORM outbox_refuse('OB001', 'step_index', outbox_intend.step_index::text,
             'belongs to a step: pass run_id and step_id too');
+    ELSE
+        -- intents of no run count per transaction, like Python's OutboxTransaction
+        entry := coalesce(nullif(current_setting('outbox.tx_intents', true), ''),
+                          '{"count": 0, "bytes": 0}')::jsonb;
+    END IF;
+    IF (entry->>'count')::integer >= outbox_setting('max_step_intents')::integer THEN
+        PERFORM outbox_refuse('OB001', 'intents', ((entry->>'count')::integer + 1)::text,
+            format('a step or transaction may intend at most %s effects (outbox.max_step_intents)',
+                   outbox_setting('max_step_intents')));
+    END IF;
+    IF (entry->>'bytes')::bigint + size > outbox_setting('max_step_bytes')::bigint THEN
+        PERFORM outbox_refuse('OB002', 'intents', format('<%s bytes>', (entry->>'bytes')::bigint + size),
+            format('the payloads of one step or transaction may total at most %s bytes '
+                   '(outbox.max_step_bytes)', outbox_setting('max_step_bytes')));
+    END IF;
+    IF outbox_intend.run_id IS NOT NULL THEN
+        p_key := coalesce(p_key, outbox_derive_key(outbox_intend.run_id, outbox_intend.step_id, idx));
     ELSE
         p_key := coalesce(p_key, replace(gen_random_uuid()::text, '-', ''));
     END IF;
@@ -549,8 +750,8 @@ BEGIN
     IF NOT created THEN
         -- The key is taken (by this transaction, or by one that committed while
         -- our insert waited for it): the same intent again is answered with the
-        -- existing effect; anything else is a conflict.
-        SELECT e.id, e.kind, e.payload, e.payload_hash, e.run_id, e.step_id, e.step_index
+        -- existing effect; anything else is a conflict (G5).
+        SELECT e.id, e.kind, e.payload, e.payload_hash, e.run_id
           INTO existing FROM outbox_effects AS e WHERE e.idempotency_key = p_key;
         IF NOT FOUND THEN
             PERFORM outbox_raise_conflict(p_key, 'intended concurrently by another transaction');
@@ -561,31 +762,37 @@ BEGIN
             -- another transaction recorded this step while our insert waited for its key
             PERFORM outbox_raise_step_recorded(outbox_intend.run_id, outbox_intend.step_id);
         END IF;
-        IF existing.kind <> outbox_intend.kind
-           OR existing.run_id IS DISTINCT FROM outbox_intend.run_id
-           OR NOT (existing.payload_hash = p_hash OR existing.payload = outbox_intend.payload) THEN
-            PERFORM outbox_raise_conflict(p_key, 'already intended with a different ' ||
-                CASE WHEN existing.kind <> outbox_intend.kind THEN 'kind'
-                     WHEN existing.run_id IS DISTINCT FROM outbox_intend.run_id THEN 'run'
-                     ELSE 'payload' END);
+        IF existing.run_id IS DISTINCT FROM outbox_intend.run_id THEN
+            PERFORM outbox_raise_conflict(p_key, 'already intended by '
+                || coalesce('run ' || existing.run_id::text, 'no run'));
+        END IF;
+        IF existing.kind <> outbox_intend.kind THEN
+            PERFORM outbox_raise_conflict(p_key,
+                format('already intended as kind %L, not %L', existing.kind, outbox_intend.kind));
+        END IF;
+        -- equal payloads hash equally; a float Python writes with an exponent is
+        -- compared as a jsonb value (see outbox_canonical_json)
+        IF NOT (existing.payload_hash = p_hash OR existing.payload = outbox_intend.payload) THEN
+            PERFORM outbox_raise_conflict(p_key, 'already intended with a different payload');
         END IF;
         effect_id := existing.id;
     END IF;
 
-    IF outbox_intend.run_id IS NOT NULL THEN
+    entry := entry || jsonb_build_object('count', (entry->>'count')::integer + 1);
+    IF created THEN
+        entry := entry || jsonb_build_object('bytes', (entry->>'bytes')::bigint + size);
+    END IF;
+    IF outbox_intend.run_id IS NULL THEN
+        PERFORM set_config('outbox.tx_intents', entry::text, true);
+    ELSE
         entry := entry || jsonb_build_object('next', idx + 1);
-        IF created THEN
+        IF created AND outbox_intend.cost IS NOT NULL THEN
+            -- reserved when the step commits; the effect's outcome settles it
             entry := entry || jsonb_build_object(
-                'count', (entry->>'count')::integer + 1,
-                'bytes', (entry->>'bytes')::bigint + octet_length(canonical));
-            IF outbox_intend.cost IS NOT NULL THEN
-                -- reserved when the step commits; the effect's outcome settles it
-                entry := entry || jsonb_build_object(
-                    'reserve', (entry->>'reserve')::numeric + outbox_intend.cost,
-                    'ledger', (entry->'ledger') || jsonb_build_array(jsonb_build_object(
-                        'entry', 'reserve', 'reason', outbox_intend.kind,
-                        'amount', outbox_intend.cost, 'effect_id', effect_id)));
-            END IF;
+                'reserve', (entry->>'reserve')::numeric + outbox_intend.cost,
+                'ledger', (entry->'ledger') || jsonb_build_array(jsonb_build_object(
+                    'entry', 'reserve', 'reason', outbox_intend.kind,
+                    'amount', outbox_intend.cost, 'effect_id', effect_id)));
         END IF;
         PERFORM outbox_tx_save_step(outbox_intend.run_id, outbox_intend.step_id, entry);
     END IF;
@@ -607,7 +814,7 @@ BEGIN
     END IF;
     PERFORM outbox_check_amount('amount', outbox_spend.amount, true);
     PERFORM outbox_check_text('reason', outbox_spend.reason,
-        (outbox_intent_rules()->>'reason_max_length')::integer, true, true);
+        (outbox_intent_rules()->>'max_name_length')::integer, true, true);
     IF jsonb_path_exists(entry->'ledger', '$[*] ? (@.entry == "spend" && @.reason == $r)',
                          jsonb_build_object('r', outbox_spend.reason)) THEN
         PERFORM outbox_refuse('OB001', 'reason', outbox_spend.reason, 'already spent for in this step');
@@ -638,7 +845,7 @@ CREATE FUNCTION outbox_commit_step(
 )
     LANGUAGE plpgsql AS $$
 DECLARE
-    max_bytes integer := outbox_max_payload_bytes();
+    max_bytes integer := outbox_setting('max_payload_bytes')::integer;
     tx_step jsonb := outbox_tx_step(outbox_commit_step.run_id, outbox_commit_step.step_id);
     item jsonb;
     n integer := 0;
@@ -787,9 +994,9 @@ DECLARE
     started uuid;
     existing record;
 BEGIN
-    PERFORM outbox_check_text('agent', outbox_start_run.agent, (rules->>'agent_max_length')::integer);
-    PERFORM outbox_check_text('version', outbox_start_run.version, (rules->>'version_max_length')::integer);
-    canonical := outbox_check_json('inputs', p_inputs, outbox_max_payload_bytes());
+    PERFORM outbox_check_text('agent', outbox_start_run.agent, (rules->>'max_agent_length')::integer);
+    PERFORM outbox_check_text('version', outbox_start_run.version, (rules->>'max_version_length')::integer);
+    canonical := outbox_check_json('inputs', p_inputs, outbox_setting('max_payload_bytes')::integer);
     PERFORM outbox_check_amount('budget', outbox_start_run.budget);
     p_hash := encode(sha256(convert_to(canonical, 'UTF8')), 'hex');
     INSERT INTO outbox_runs AS r (id, agent, agent_version, inputs, inputs_hash, status, budget)
@@ -818,7 +1025,7 @@ CREATE FUNCTION outbox_finish_run(run_id uuid, status text, result jsonb DEFAULT
                                   error jsonb DEFAULT NULL) RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
-    max_bytes integer := outbox_max_payload_bytes();
+    max_bytes integer := outbox_setting('max_payload_bytes')::integer;
     current_status text;
 BEGIN
     IF outbox_finish_run.status IS NULL OR outbox_finish_run.status NOT IN ('completed', 'failed') THEN
@@ -862,12 +1069,12 @@ DECLARE
     run_status text;
     woke uuid;
 BEGIN
-    PERFORM outbox_check_text('name', outbox_signal.name, (rules->>'signal_name_max_length')::integer,
+    PERFORM outbox_check_text('name', outbox_signal.name, (rules->>'max_name_length')::integer,
                               true, true);
     PERFORM outbox_check_text('dedup_key', outbox_signal.dedup_key,
-                              (rules->>'dedup_key_max_length')::integer, false);
+                              (rules->>'max_key_length')::integer, false);
     PERFORM outbox_check_json('payload', coalesce(outbox_signal.payload, 'null'::jsonb),
-                              outbox_max_payload_bytes());
+                              outbox_setting('max_payload_bytes')::integer);
     -- waits, signals and cancellation of a run serialise on its row (run_tx.lock)
     SELECT r.status INTO run_status FROM outbox_runs AS r WHERE r.id = outbox_signal.run_id FOR UPDATE;
     IF NOT FOUND THEN
