@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import derive_key
+from tests.chaos.deliverer_process import start_deliverer
 
 CLIENT = Path(__file__).parents[2] / "clients" / "typescript"
 
@@ -108,3 +109,48 @@ def test_keys_are_the_same_in_python_sql_and_typescript(
     typescript = [node_keys.stdout.readline().strip() for _ in triples]
     assert [r[0] for r in rows] == python
     assert typescript == python
+
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "polyglot"
+
+
+def test_the_polyglot_example_runs(
+    built_client: Path, dsn: str, sub_env: dict[str, str], tmp_path: Path
+) -> None:
+    npm = shutil.which("npm")
+    assert npm is not None
+    if not (EXAMPLE / "node_modules").is_dir():
+        done = subprocess.run([npm, "ci"], cwd=EXAMPLE, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+    done = subprocess.run(
+        [npm, "run", "build"], cwd=EXAMPLE, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with IdempotentHttpSink() as sink:
+        deliverer = start_deliverer(sub_env, EXAMPLE / "deliverers.toml", tmp_path / "deliver.log")
+        try:
+            env = {**sub_env, "EMAIL_API_URL": f"{sink.url}/email"}
+            outputs = []
+            for _ in range(2):  # the second time is a retried request: it replays
+                done = subprocess.run(
+                    [npm, "start", "--silent", "--", "o-1001", "ada@example.com", "42.50"],
+                    cwd=EXAMPLE,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert done.returncode == 0, done.stdout + done.stderr
+                outputs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        finally:
+            deliverer.terminate()
+            assert deliverer.wait(timeout=60) == 0, (tmp_path / "deliver.log").read_text()
+        stats = sink.stats()
+    assert outputs[0] == outputs[1]
+    assert outputs[0]["email"] == "succeeded" and outputs[0]["result"]["status"] == 200
+    assert stats["operations_applied"] == 1 and stats["duplicate_operations"] == []
+    with psycopg.connect(dsn) as conn:
+        orders = conn.execute("SELECT id, customer, total FROM shop_orders").fetchall()
+        emails = conn.execute("SELECT count(*) FROM outbox_effects").fetchone()
+    assert [(o[0], o[1], str(o[2])) for o in orders] == [("o-1001", "ada@example.com", "42.50")]
+    assert emails == (1,)

@@ -963,6 +963,11 @@ BEGIN
     END IF;
     PERFORM outbox_tx_save_step(outbox_commit_step.run_id, outbox_commit_step.step_id,
                                 tx_step || '{"done": true}'::jsonb);
+    IF (tx_step->>'bytes')::bigint > 0 THEN
+        -- Asked again at the step's end, nearer the commit: an intend that was
+        -- refused a NOTIFY early in a long transaction may be granted one now.
+        PERFORM outbox_wake('outbox_effects');
+    END IF;
 END
 $$;
 
