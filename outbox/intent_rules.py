@@ -36,7 +36,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote_plus, urlsplit
 
 from outbox.errors import ValidationError
 
@@ -311,24 +311,46 @@ def check_payload(payload: Any, field: str = "payload") -> None:
         raise found.error()
 
 
+# The same few header and parameter names come back intent after intent: their
+# verdict is remembered (bounded), so a payload's names cost a dict lookup each.
+_MAX_REMEMBERED = 4096
+_header_codes: dict[str, str | None] = {}
+_query_codes: dict[str, str | None] = {}
+_QUERY_NAMES = re.compile(r"(?:^|[&;])([^=&;]*)=")
+
+
+def _rule_code(
+    name: str, rules: tuple[NameRule, ...], remembered: dict[str, str | None]
+) -> str | None:
+    try:
+        return remembered[name]
+    except KeyError:
+        pass
+    normalised = normalise_name(name)
+    code = next((rule.code for rule in rules if rule.matches(normalised)), None)
+    if len(remembered) < _MAX_REMEMBERED:
+        remembered[name] = code
+    return code
+
+
 def _headers_violation(headers: Any, field: str) -> Violation | None:
     if not isinstance(headers, dict):
         return Violation("headers-type", field, type(headers).__name__)
     for name, value in headers.items():
         if not isinstance(name, str) or _HEADER_NAME.match(name) is None:
             return Violation("header-name-syntax", field, _printable(name))
-        normalised = normalise_name(name)
-        for rule in HEADER_NAME_RULES:
-            if rule.matches(normalised):
-                return Violation(rule.code, field, name)
-        where = f"{field}.{name}"
+        code = _rule_code(name, HEADER_NAME_RULES, _header_codes)
+        if code is not None:
+            return Violation(code, field, name)
         if not isinstance(value, str):
-            return Violation("header-value-type", where, type(value).__name__)
+            return Violation("header-value-type", f"{field}.{name}", type(value).__name__)
         if _HEADER_VALUE_FORBIDDEN.search(value) is not None:
             # The value itself is not shown: it may be a secret.
-            return Violation("header-value-control", where, f"<{len(value)} characters>")
+            shown = f"<{len(value)} characters>"
+            return Violation("header-value-control", f"{field}.{name}", shown)
         if _CREDENTIAL_VALUE.match(value) is not None:
-            return Violation("credential-value", where, value.split()[0] + " <hidden>")
+            shown = value.split()[0] + " <hidden>"
+            return Violation("credential-value", f"{field}.{name}", shown)
     return None
 
 
@@ -337,6 +359,8 @@ def _url_violation(url: Any, field: str) -> Violation | None:
         return Violation("url-type", field, type(url).__name__)
     if _URL_FORBIDDEN.search(url) is not None:
         return Violation("url-control", field, _printable(_redacted(url)))
+    if "@" not in url and "=" not in url:
+        return None  # no userinfo, no parameters: nothing more to look at
     try:
         parts = urlsplit(url)
     except ValueError:  # e.g. an unbalanced [ in the host: the deliverer refuses the URL
@@ -344,14 +368,12 @@ def _url_violation(url: Any, field: str) -> Violation | None:
     if "@" in parts.netloc:
         return Violation("url-userinfo", field, _redacted(url))
     for text in (parts.query, parts.fragment):
-        if "=" not in text:
-            continue
-        # Some servers split parameters on ';' as well as '&'.
-        for name, _ in parse_qsl(text.replace(";", "&"), keep_blank_values=True):
-            normalised = normalise_name(name)
-            for rule in QUERY_NAME_RULES:
-                if rule.matches(normalised):
-                    return Violation(rule.code, field, _redacted(url))
+        # Some servers split parameters on ';' as well as '&'; names may be %-encoded.
+        for name in _QUERY_NAMES.findall(text):
+            if "%" in name or "+" in name:
+                name = unquote_plus(name)
+            if _rule_code(name, QUERY_NAME_RULES, _query_codes) is not None:
+                return Violation("credential-query-parameter", field, _redacted(url))
     return None
 
 

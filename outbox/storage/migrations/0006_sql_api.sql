@@ -503,7 +503,7 @@ BEGIN
         CONTINUE WHEN piece IS NULL OR position('=' IN piece) = 0;
         -- some servers split parameters on ';' as well as '&'
         FOREACH param IN ARRAY string_to_array(replace(piece, ';', '&'), '&') LOOP
-            CONTINUE WHEN param = '';
+            CONTINUE WHEN position('=' IN param) = 0;  -- a name is what comes before "="
             code := outbox_name_rule(rules->'query_name_rules',
                 replace(lower(outbox_url_unquote(split_part(param, '=', 1))), '_', '-'));
             IF code IS NOT NULL THEN
