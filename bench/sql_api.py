@@ -278,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--durability", choices=["on", "off"], default="on")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--scripts", nargs="+", choices=list(SCRIPTS), default=list(SCRIPTS))
+    parser.add_argument("--no-python", action="store_true", help="pgbench only")
     args = parser.parse_args(argv)
 
     home = Path(tempfile.mkdtemp(prefix="outbox-bench-sql-api-"))
@@ -307,13 +309,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return pgbench(server, paths[name], clients, args.seconds, OPTIONS.get(name, ""))
 
             one("sql_step")  # warm: caches, plans, the functions' compiled bodies
-            rates = measure(list(SCRIPTS), args.reps, one, f"pgbench -c {clients}")
-            for figures in rates.values():
-                figures["to_step_statement"] = figures["rate"] / rates["step_statement"]["rate"]
-                figures["to_insert_intent"] = figures["rate"] / rates["insert_intent"]["rate"]
+            rates = measure(args.scripts, args.reps, one, f"pgbench -c {clients}")
+            for base in ("step_statement", "insert_intent", "sql_step"):
+                for figures in rates.values():
+                    if base in rates:
+                        figures[f"to_{base}"] = figures["rate"] / rates[base]["rate"]
             results[f"pgbench_{clients}"] = rates
             results[f"load_after_pgbench_{clients}"] = load_average()
-        for writers in args.clients:
+        for writers in [] if args.no_python else args.clients:
 
             def client(name: str, writers: int = writers) -> dict[str, float]:
                 reset(dsn)
