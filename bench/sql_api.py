@@ -17,7 +17,9 @@ One embedded PostgreSQL in a temporary directory, then:
    - ``insert_intent``: the caller's row plus one intent row inserted by hand
      (``INSERT``), no NOTIFY (the floor of plain outbox use);
    - ``insert_intent_notify``: the same with a ``NOTIFY`` in every transaction;
-   - ``sql_intend``: the caller's row plus ``outbox_intend(kind, payload)``.
+   - ``sql_intend``: the caller's row plus ``outbox_intend(kind, payload)``,
+     and the same with a window of 0 (``sql_intend_notify_every_commit``) and
+     of an hour (``sql_intend_no_notify``).
 
 2. The Python client at 1 and 8 writer threads: ``run.transaction`` with one
    intent (its own one-statement step) against the same step written through
@@ -94,11 +96,15 @@ SCRIPTS: dict[str, str] = {
 }
 SCRIPTS["sql_step_notify_every_commit"] = SCRIPTS["sql_step"]
 SCRIPTS["sql_step_no_notify"] = SCRIPTS["sql_step"]
+SCRIPTS["sql_intend_notify_every_commit"] = SCRIPTS["sql_intend"]
+SCRIPTS["sql_intend_no_notify"] = SCRIPTS["sql_intend"]
 SCRIPTS["insert_intent_notify"] = SCRIPTS["insert_intent"] + "NOTIFY outbox_effects;\n"
 #: Session settings per script (PGOPTIONS).
 OPTIONS = {
     "sql_step_notify_every_commit": "-c outbox.notify_window_ms=0",
     "sql_step_no_notify": "-c outbox.notify_window_ms=3600000",
+    "sql_intend_notify_every_commit": "-c outbox.notify_window_ms=0",
+    "sql_intend_no_notify": "-c outbox.notify_window_ms=3600000",
 }
 SETUP = """
 CREATE TABLE IF NOT EXISTS bench_orders (id uuid PRIMARY KEY, body jsonb NOT NULL);
