@@ -224,6 +224,11 @@ def test_keys_derived_in_sql_equal_pythons(
     assert [r[0] for r in rows] == [derive_key(*t) for t in triples]
 
 
+def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    keys = st.text().filter(lambda s: "\x00" not in s)
+    return st.lists(children, max_size=4) | st.dictionaries(keys, children, max_size=4)
+
+
 JSON = st.recursive(
     st.none()
     | st.booleans()
@@ -233,10 +238,7 @@ JSON = st.recursive(
         lambda f: "e" not in repr(f) and repr(f) != "-0.0"
     )
     | st.text().filter(lambda s: "\x00" not in s),
-    lambda children: (
-        st.lists(children, max_size=4)
-        | st.dictionaries(st.text().filter(lambda s: "\x00" not in s), children, max_size=4)
-    ),
+    _containers,
     max_leaves=12,
 )
 
