@@ -34,6 +34,7 @@ setting), which isolates CPU and lock costs from the disk.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -52,7 +53,7 @@ from typing import Any
 import psycopg
 from sqlalchemy import text
 
-from outbox import Outbox
+from outbox import Outbox, StepTransaction
 from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
@@ -200,6 +201,9 @@ def python_rate(
     runs = [ob.start_run("bench-python", "1") for _ in range(writers)]
     barrier = threading.Barrier(writers + 1)
 
+    def step(tx: StepTransaction, w: int, i: int) -> None:
+        tx.intend("bench.sql", {"w": w, "i": i})
+
     def loop(w: int) -> None:
         run = runs[w]
         i = 0
@@ -213,9 +217,7 @@ def python_rate(
                             statement, {"run_id": run.id, "step_id": f"s{i}", "intents": intents}
                         )
                 else:
-                    run.transaction(
-                        f"s{i}", lambda tx, w=w, i=i: tx.intend("bench.sql", {"w": w, "i": i})
-                    )
+                    run.transaction(f"s{i}", functools.partial(step, w=w, i=i))
                 i += 1
         except BaseException as exc:  # reported below
             errors.append(exc)

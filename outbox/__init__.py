@@ -7,6 +7,7 @@ record the outcome, fenced against stale workers.
 
 from __future__ import annotations
 
+from outbox.async_client import AsyncOutbox
 from outbox.client import Outbox
 from outbox.errors import (
     BudgetExceeded,
@@ -50,6 +51,8 @@ from outbox.models import (
     StepRecord,
     StepStatus,
 )
+from outbox.runs.async_run import AsyncOutboxTransaction, AsyncRun, AsyncStepTransaction
+from outbox.runs.async_worker import AsyncWorker
 from outbox.runs.intents import OutboxTransaction, StepTransaction
 from outbox.runs.run import Run, Suspended
 from outbox.runs.signals import SignalReceipt
@@ -61,6 +64,11 @@ from outbox.storage.migrate import migrate
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncOutbox",
+    "AsyncOutboxTransaction",
+    "AsyncRun",
+    "AsyncStepTransaction",
+    "AsyncWorker",
     "AttemptOutcome",
     "BudgetExceeded",
     "Compensation",

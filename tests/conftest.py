@@ -33,6 +33,17 @@ _counter = itertools.count()
 TEST_SERVER_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_outbox_environment() -> Iterator[None]:
+    """A developer's OUTBOX_* variables must not leak into the suite (or its subprocesses)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("OUTBOX_")}
+    for name in saved:
+        if name != "OUTBOX_TEST_DSN":
+            del os.environ[name]
+    yield
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[EmbeddedServer | None]:
     if os.environ.get("OUTBOX_TEST_DSN"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -49,18 +50,50 @@ def _register() -> None:
 _register()
 
 
+def _one_line(text: str) -> str:
+    """A driver's message spans lines (DETAIL, HINT): an error is printed on one."""
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    click.echo(f"error: {_one_line(message)}", err=True)
+    sys.exit(code)
+
+
+def _not_utf8(arguments: list[str]) -> int | None:
+    """The position of the first argument that was not UTF-8, if any.
+
+    Python keeps such bytes as lone surrogates, which no database column,
+    header or log line can hold.
+    """
+    for position, argument in enumerate(arguments, start=1):
+        try:
+            argument.encode()
+        except UnicodeEncodeError:
+            return position
+    return None
+
+
 def main() -> None:
-    """Entry point of the ``outbox`` script: typed errors become one clear line and exit 1."""
+    """Entry point of the ``outbox`` script: bad input becomes one clear line and exit 1 or 2."""
+    position = _not_utf8(sys.argv[1:])
+    if position is not None:
+        shown = ascii(sys.argv[position])
+        _fail(f"argument {position} ({shown}) is not valid UTF-8", code=2)
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
+        hint = ""
+        if isinstance(exc, click.UsageError) and exc.ctx is not None:
+            hint = f" (see `{exc.ctx.command_path} --help`)"
+        _fail(exc.format_message() + hint, code=exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except OutboxError as exc:
-        click.echo(f"error: {type(exc).__name__}: {exc}", err=True)
-        sys.exit(1)
+        _fail(f"{type(exc).__name__}: {exc}")
+    except OSError as exc:
+        # The environment refused: a file, a directory, an address to listen on.
+        _fail(f"{type(exc).__name__}: {exc}")

@@ -9,7 +9,7 @@ import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.storage.embedded import EmbeddedServer
-from outbox.storage.engine import make_engine, resolve_dsn
+from outbox.storage.engine import make_engine, resolve_dsn, translate_errors
 from outbox.storage.migrate import applied_versions, migrate, shipped
 
 __all__ = ["COMMANDS"]
@@ -23,9 +23,10 @@ def migrate_command(cli: CliContext, as_json: bool) -> None:
     dsn, _ = resolve_dsn(cli.settings)
     engine = make_engine(dsn)
     try:
-        done = migrate(engine)
-        with engine.connect() as conn:
-            versions = applied_versions(conn)
+        with translate_errors("migrating"):
+            done = migrate(engine)
+            with engine.connect() as conn:
+                versions = applied_versions(conn)
     finally:
         engine.dispose()
     names = [f"{m.version:04d}_{m.name}" for m in done]
@@ -132,6 +133,10 @@ def gc(
     from outbox.storage.retention import collect_garbage, open_archive, parse_horizon
 
     horizon = parse_horizon(older_than)
+    if archive is not None and not archive.parent.is_dir():
+        raise click.BadParameter(
+            f"directory {str(archive.parent)!r} does not exist", param_hint="'--archive'"
+        )
     handle = open_archive(archive)
     try:
         with console.status("collecting garbage…") as status:

@@ -12,7 +12,15 @@ from typing import Any, Protocol, TypeVar
 import click
 import pydantic
 
-from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli._common import (
+    CliContext,
+    console,
+    emit,
+    json_option,
+    listening,
+    pass_cli,
+    table,
+)
 from outbox.delivery import Deliverer
 from outbox.delivery.settings import DeliverySettings, RelaySettings, StreamSettings
 from outbox.storage.async_store import AsyncStore
@@ -182,7 +190,8 @@ def deliver(
     else:
         settings = validated_settings(DeliverySettings, **given)
     if metrics_port is not None:
-        metrics.serve(metrics_port)
+        with listening("127.0.0.1", metrics_port, hint="'--metrics-port'"):
+            metrics.serve(metrics_port)
 
     def make(store: AsyncStore) -> DeliveryDaemon:
         source = None
@@ -264,7 +273,7 @@ def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--batch-size", type=click.IntRange(1, 100_000), default=500, show_default=True)
 @click.option(
     "--dispatch-ttl",
-    type=click.FloatRange(min=0.001),
+    type=click.FloatRange(min=0.001, max=86_400),
     default=RelaySettings.model_fields["dispatch_ttl_seconds"].default,
     show_default=True,
     help="Seconds before an undelivered dispatch is dispatched again.",

@@ -34,6 +34,8 @@ __all__ = ["GcReport", "collect_garbage", "parse_horizon"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+#: now() minus a longer horizon falls out of PostgreSQL's timestamps (and means nothing).
+MAX_HORIZON = timedelta(days=365_000)
 
 
 def parse_horizon(text: str) -> timedelta:
@@ -41,7 +43,15 @@ def parse_horizon(text: str) -> timedelta:
     match = _DURATION.match(text)
     if match is None:
         raise ValidationError("older_than", text, "expected a number and a unit: s, m, h, d, w")
-    return timedelta(**{_UNITS[match[2]]: float(match[1])})
+    try:
+        horizon = timedelta(**{_UNITS[match[2]]: float(match[1])})
+    except OverflowError:
+        horizon = timedelta.max
+    if horizon > MAX_HORIZON:
+        raise ValidationError(
+            "older_than", text, f"is longer than {MAX_HORIZON.days} days (a thousand years)"
+        )
+    return horizon
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The SQL API (migration 0006): the contract other languages call inside their own transaction.
+"""The SQL API (migration 0007): the contract other languages call inside their own transaction.
 
 Every call here is plain SQL on a psycopg connection, as a TypeScript or Go
 service would send it; the Python client then reads what was written.

@@ -1,6 +1,6 @@
 """The SQL API enforces the Python client's rules: one list, held equal to the Python constants.
 
-``outbox_intent_rules()`` (migration 0006) holds every limit and list the SQL
+``outbox_intent_rules()`` (migration 0007) holds every limit and list the SQL
 functions check; ``outbox.intent_rules`` and ``Settings`` hold Python's. When a
 Python rule changes, this test fails until a new migration changes the SQL
 rule. (The shared refusal cases run in ``test_sql_api.py``.)

@@ -1,4 +1,4 @@
--- agent-outbox 0006: the SQL API. Functions any language calls inside its own
+-- agent-outbox 0007: the SQL API. Functions any language calls inside its own
 -- transaction to start a run, write intents, record a step and send a signal,
 -- with the Python client's rules (docs/sql-api.md lists every function, argument
 -- and SQLSTATE). Must stay equal to outbox/storage/schema.py
