@@ -76,7 +76,7 @@ def populate(ob: Outbox, dsn: str, sink: IdempotentHttpSink) -> dict[str, Any]:
                         "http.request",
                         {
                             "method": "POST",
-                            "url": f"{sink.url}/tickets?api_key=k-{i}",
+                            "url": f"{sink.url}/tickets?ticket=k-{i}",
                             "headers": {"X-Source": agent},
                             "json": {"operation": f"{agent}-{i}"},
                         },
