@@ -117,16 +117,6 @@ class Leases:
             waiting.clear()
         return pending
 
-    def next_resume(self) -> float | None:
-        """Seconds until the earliest pause with attempts waiting behind it ends (None: none)."""
-        now = time.monotonic()
-        ends = [
-            until - now
-            for kind, until in self._paused_until.items()
-            if until > now and self._waiting[kind]
-        ]
-        return min(ends) if ends else None
-
     def pause(self, kind: str, seconds: float, *, why: str = "rate-limited") -> None:
         """Hold back new attempts of ``kind`` for ``seconds`` (a sink said: too many requests)."""
         until = max(self._paused_until.get(kind, 0.0), time.monotonic() + seconds)
