@@ -49,7 +49,7 @@ def stream_daemon(
     settings = StreamSettings(
         bootstrap_servers=broker.bootstrap,
         group="drift",
-        consumer=dict(TANSU_CONSUMER_TUNING),
+        consumer={**TANSU_CONSUMER_TUNING, **fields.pop("consumer", {})},
         **fields,
     )
     relay_settings = RelaySettings(bootstrap_servers=broker.bootstrap, poll_seconds=0.2)
@@ -63,10 +63,11 @@ def stream_daemon(
     return DaemonThread(dsn, deliverers, settings=settings, source=source, companions=relay)
 
 
-def intend(ob: Outbox, kind: str, n: int, **options: Any) -> None:
+def intend(ob: Outbox, kind: str, n: int, step: str = "", **options: Any) -> None:
     run = ob.start_run("agent", "1")
     run.transaction(
-        f"{kind}-{n}", lambda tx: [tx.intend(kind, {"n": i}, **options) for i in range(n)] and None
+        step or f"{kind}-{n}",
+        lambda tx: [tx.intend(kind, {"n": i}, **options) for i in range(n)] and None,
     )
 
 
@@ -221,3 +222,107 @@ def test_deliver_from_kafka_honours_metrics_port_concurrency_and_grace(
                     proc.kill()
                     proc.wait(10)
     assert "grace period over: abandoning 1 calls" in logs.read_text()
+
+
+def test_a_broker_frozen_mid_stream_ends_nothing_and_loses_nothing(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    """The broker stops (SIGSTOP) for 15 s while both calls are in flight.
+
+    Their outcomes are recorded during the freeze; the commits time out (5 s
+    here) and reads come back empty. The daemon goes on, and once the broker
+    is back the rest is delivered, each effect once.
+    """
+    intend(ob, "k.frozen", 2)
+
+    def slow(delivery: Delivery) -> Outcome:
+        time.sleep(1.5)
+        return Succeeded()
+
+    recorder = RecordingDeliverer("k.frozen", outcome=slow)
+    with stream_daemon(
+        dsn,
+        kafka_broker,
+        {"k.frozen": recorder},
+        poll_seconds=0.2,
+        consumer={"request_timeout_ms": 5000},
+    ) as daemon:
+        wait_for(lambda: len(recorder.deliveries) == 2, timeout=60, message="both calls")
+        kafka_broker.pause()
+        try:
+            time.sleep(15)
+            assert daemon.error is None and daemon._thread.is_alive(), "the daemon is running"
+        finally:
+            kafka_broker.resume()
+        intend(ob, "k.frozen", 2, step="after")
+        wait_for(all_succeeded(ob, 4), timeout=90, message="delivery")
+    assert sorted(recorder.keys) == sorted(set(recorder.keys)) and len(recorder.keys) == 4
+
+
+def test_deliver_from_kafka_stops_within_grace_with_the_broker_frozen(
+    ob: Outbox, sub_env: dict[str, str], tmp_path: Path, kafka_broker: TansuBroker
+) -> None:
+    """SIGTERM while the broker is frozen and outcomes wait to be committed: out within --grace.
+
+    The calls in flight finish and are recorded (the sink takes 1 s; --grace
+    is 3), the offsets cannot be committed, the process exits 0 within about
+    the grace period; later deliverers read those records again and skip
+    them: the sink applies each key once and is never asked twice.
+    """
+    kafka_broker.create_topic("outbox.http.request", partitions=2)
+    config = tmp_path / "deliverers.toml"
+    config.write_text('[kinds."http.request"]\nallow_private = ["127.0.0.1"]\n')
+    tuning = [a for k, v in TANSU_CONSUMER_TUNING.items() for a in ("--kafka-option", f"{k}={v}")]
+    with IdempotentHttpSink(latency=1.0) as sink:
+        run = ob.start_run("agent", "1")
+        run.transaction(
+            "s",
+            lambda tx: (
+                [
+                    tx.intend("http.request", {"url": f"{sink.url}/x", "json": {"operation": i}})
+                    for i in range(8)
+                ]
+                and None
+            ),
+        )
+        logs = tmp_path / "procs.log"
+
+        def spawn(*args: str) -> subprocess.Popen[bytes]:
+            with logs.open("ab") as log:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "outbox", *args, "--config", str(config)],
+                    env=sub_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+
+        relay = spawn("relay", "--kafka", kafka_broker.bootstrap)
+        deliver = [
+            "deliver", "--from-kafka", kafka_broker.bootstrap, *tuning, "--concurrency", "2",
+        ]  # fmt: skip
+        first = spawn(*deliver, "--grace", "3")
+        later = None
+        try:
+            wait_for(
+                lambda: ob.effects(status="succeeded", limit=100), timeout=60, message="a success"
+            )
+            wait_for(lambda: sink.in_progress > 0, timeout=30, message="calls in flight")
+            kafka_broker.pause()
+            started = time.monotonic()
+            first.send_signal(signal.SIGTERM)
+            first.wait(60)
+            took = time.monotonic() - started
+            assert first.returncode == 0, logs.read_text()[-3000:]
+            assert took < 3 + 2, f"exited after {took:.1f}s, --grace 3"
+            kafka_broker.resume()
+            later = spawn(*deliver)
+            wait_for(all_succeeded(ob, 8), timeout=120, message="delivery")
+        finally:
+            kafka_broker.resume()
+            for proc in (relay, first, later):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait(10)
+        stats = sink.stats()
+    assert stats["keys_applied"] == 8 and stats["duplicate_keys_applied"] == []
+    assert stats["redeliveries"] == 0, "no call was made twice"
