@@ -9,6 +9,7 @@ grace, concurrency) acting with --from-kafka.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import subprocess
@@ -31,6 +32,7 @@ from deliverers.testing import (
 )
 from outbox import EffectStatus, Outbox
 from outbox.delivery import Deliverer, Delivery, Outcome, Retry, Succeeded
+from outbox.delivery.daemon import DeliveryDaemon
 from outbox.delivery.settings import RelaySettings, StreamSettings
 from outbox.delivery.stream import KafkaSource, Relay
 from outbox.storage.async_store import AsyncStore
@@ -73,7 +75,7 @@ def intend(ob: Outbox, kind: str, n: int, step: str = "", **options: Any) -> Non
 
 def all_succeeded(ob: Outbox, n: int) -> Callable[[], bool]:
     def check() -> bool:
-        found = ob.effects(limit=1000)
+        found = ob.effects(limit=10_000)
         return len(found) == n and all(e.status == EffectStatus.SUCCEEDED for e in found)
 
     return check
@@ -326,3 +328,67 @@ def test_deliver_from_kafka_stops_within_grace_with_the_broker_frozen(
         stats = sink.stats()
     assert stats["keys_applied"] == 8 and stats["duplicate_keys_applied"] == []
     assert stats["redeliveries"] == 0, "no call was made twice"
+
+
+@pytest.mark.parametrize("mode", ["poll", "stream"])
+def test_attempts_waiting_behind_a_kinds_cap_keep_their_leases(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker, mode: str
+) -> None:
+    """Six attempts of a kind capped at one call, each 0.6 s, leases of 1 s.
+
+    The later ones wait up to 3 s for their turn (stream mode reads them all
+    at once); the heartbeat keeps every held lease, started or not, so the
+    reconciler (every 0.2 s) never takes one back: each key is delivered once.
+    """
+    intend(ob, "k.queue", 6)
+
+    def slow(delivery: Delivery) -> Outcome:
+        time.sleep(0.6)
+        return Succeeded()
+
+    capped = RecordingDeliverer("k.queue", outcome=slow)
+    capped.concurrency = 1
+    fields: dict[str, Any] = {"lease_seconds": 1.0, "reconcile_seconds": 0.2}
+    if mode == "stream":
+        running = stream_daemon(dsn, kafka_broker, {"k.queue": capped}, **fields)
+    else:
+        running = DaemonThread(dsn, {"k.queue": capped}, **fields)
+    with running:
+        wait_for(all_succeeded(ob, 6), timeout=60, message="delivery")
+    assert sorted(capped.keys) == sorted(set(capped.keys)) and len(capped.keys) == 6
+    for effect in ob.effects(limit=10):
+        assert "expired" not in [a.outcome for a in ob.store.attempts(effect.id)]
+
+
+def test_a_large_backlog_is_read_no_faster_than_there_is_room(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    """2,000 records wait in the topic; the deliverer may hold 8 attempts.
+
+    Sampled on the daemon's own loop while it drains: it never holds more than
+    8 attempts nor keeps more than 8 records open; when it is done, nothing is
+    left open or claimed in its offset book (nothing leaks).
+    """
+    run = ob.start_run("agent", "1")
+    run.transaction("s", lambda tx: [tx.intend("k.bulk", {"n": i}) for i in range(2000)] and None)
+    recorder = RecordingDeliverer("k.bulk")
+    peaks = {"held": 0, "open": 0}
+
+    async def sample(daemon: DeliveryDaemon, source: KafkaSource) -> None:
+        while True:
+            peaks["held"] = max(peaks["held"], len(daemon.leases))
+            peaks["open"] = max(peaks["open"], len(source.offsets))
+            await asyncio.sleep(0.005)
+
+    with stream_daemon(dsn, kafka_broker, {"k.bulk": recorder}, concurrency=8) as running:
+        daemon = running.daemon
+        assert daemon is not None and running._loop is not None
+        source = daemon.source
+        assert isinstance(source, KafkaSource)
+        sampler = asyncio.run_coroutine_threadsafe(sample(daemon, source), running._loop)
+        wait_for(lambda: len(recorder.deliveries) >= 2000, timeout=180, message="delivery")
+        wait_for(all_succeeded(ob, 2000), timeout=60, message="recorded")
+        sampler.cancel()
+        assert source.offsets.claims == 0 and len(source.offsets) == 0
+    assert 0 < peaks["held"] <= 8 and peaks["open"] <= 8, peaks
+    assert len(set(recorder.keys)) == 2000
