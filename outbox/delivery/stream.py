@@ -26,13 +26,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import queue
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
@@ -45,6 +43,7 @@ from outbox.delivery.offsets import Offsets, Read
 from outbox.delivery.reconcile import reconcile
 from outbox.delivery.settings import RelaySettings, StreamSettings
 from outbox.delivery.sources import wait_or_wake
+from outbox.delivery.threads import DaemonThreads
 from outbox.faults import crash_point
 from outbox.retry import IdleBackoff
 from outbox.storage.async_store import AsyncStore, ClaimedEffect
@@ -89,44 +88,6 @@ def close_producer(producer: Any, timeout: float) -> None:
         producer.close(timeout=0)
     except Exception:
         log.exception("closing the Kafka producer failed")
-
-
-class _ConsumerThread:
-    """Runs calls one at a time on one daemon thread: kafka-python's consumer is not thread-safe.
-
-    Not a ``ThreadPoolExecutor``: the interpreter joins those threads at exit,
-    so one call stuck on a frozen broker would keep the process alive past its
-    grace period. A call abandoned at shutdown ends with the process.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    def call(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """Run ``fn`` after every call submitted before it; await the result."""
-        future: Future[T] = Future()
-        self._calls.put((future, fn))
-        return asyncio.wrap_future(future)
-
-    def shutdown(self) -> None:
-        """End the thread after the calls already submitted."""
-        self._calls.put(None)
-
-    def _serve(self) -> None:
-        while (item := self._calls.get()) is not None:
-            future, fn = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn()
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
 
 
 class _Rebalances(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -177,7 +138,10 @@ class KafkaSource:
         self._woken = threading.Event()
         self._woken_at = 0.0
         self._wake = asyncio.Event()
-        self._thread: _ConsumerThread | None = None
+        # kafka-python's consumer is not thread-safe: every call goes through this
+        # one thread, a daemon thread, so a call stuck on a frozen broker past the
+        # grace period never holds the process (see outbox.delivery.threads).
+        self._thread: DaemonThreads | None = None
         self._consumer: KafkaConsumer | None = None
         # Touched on the consumer thread only.
         self._commit: tuple[Any, dict[TopicPartition, int]] | None = None
@@ -186,12 +150,12 @@ class KafkaSource:
 
     async def _call(self, fn: Callable[[], T]) -> T:
         assert self._thread is not None
-        return await self._thread.call(fn)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
 
     async def open(self) -> None:
         """Join the consumer group on the kinds' topics."""
         topics = [topic_for(self.settings.topic_prefix, kind) for kind in self.kinds]
-        self._thread = _ConsumerThread("outbox-kafka-consumer")
+        self._thread = DaemonThreads(1, "outbox-kafka-consumer")
 
         def connect() -> KafkaConsumer:
             consumer = KafkaConsumer(
@@ -366,7 +330,7 @@ class KafkaSource:
         except Exception as exc:
             log.warning("closing the Kafka consumer failed: %s", exc)
         finally:
-            thread.shutdown()
+            thread.shutdown(wait=False)
 
 
 def _commit_args(offsets: dict[TopicPartition, int]) -> dict[TopicPartition, OffsetAndMetadata]:
