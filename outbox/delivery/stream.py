@@ -13,10 +13,20 @@ with a :class:`KafkaSource`: for each batch of records it claims the named
 effects that are still ``dispatched`` (a record for an effect already claimed
 or finished is a redelivery: skipped), delivers them exactly as poll mode does
 (same leases, per-kind caps, rate-limit pauses, retry policy, grace period and
-metrics), and commits a partition's offset only once every record up to it
-has its outcome in PostgreSQL. A consumer killed with ``kill -9`` loses
+metrics), and commits a partition's offset only up to its oldest record
+whose fate is open (:mod:`outbox.delivery.offsets`): one whose claim has not
+succeeded, one an effect was claimed through whose outcome is not recorded,
+or a copy of such an effect. A consumer killed with ``kill -9`` loses
 nothing: its records come again to the group, and its claimed attempts are
 resolved by the reconciler like any lost attempt.
+
+The source never waits on the broker where it would stall delivery or a
+stop: commits are asynchronous (one at a time, sent before each read), a read
+is a poll cut into short slices that :meth:`KafkaSource.wake` ends, a read or
+claim that fails is logged and tried again after a pause (never an error out
+of ``take``), and :meth:`KafkaSource.close` is bounded by the time it is given
+(the rest of ``--grace``), its consumer thread a daemon thread that cannot hold
+the process.
 
 Needs the ``kafka`` extra (kafka-python).
 """
