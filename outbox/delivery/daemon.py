@@ -178,6 +178,19 @@ class DeliveryDaemon:
         if self._stopping.is_set():
             self._record(released(effect, "released unstarted at shutdown"))
             return
+        if not self.leases.may_call(effect.id, self.settings.lease_seconds):
+            # It waited (behind a cap, a pause) and its lease may be another's now:
+            # a reconciler that took it over redelivers or asks the sink, so a call
+            # here could be a second one. Given back unstarted; fenced, so it is
+            # logged as stale if the lease is indeed no longer ours.
+            log.warning(
+                "effect %s attempt %d: lease lost while it waited; not called",
+                effect.id,
+                effect.attempt,
+                extra={"effect_id": str(effect.id), "attempt": effect.attempt},
+            )
+            self._record(released(effect, "lease lost before the call started: not called"))
+            return
         try:
             completion, outcome = await perform_attempt(
                 self.deliverers[effect.kind],

@@ -267,7 +267,10 @@ class KafkaSource:
         """On the consumer thread: send the due commit, then poll in slices until woken."""
         consumer = self._consumer
         assert consumer is not None
-        self._send_commit(consumer, due)
+        try:
+            self._send_commit(consumer, due)
+        except Exception as exc:  # never a reason not to read: committed with a later read
+            log.warning("sending an offset commit failed: %s", exc)
         deadline = time.monotonic() + self.settings.poll_seconds
         while True:
             left = deadline - time.monotonic()

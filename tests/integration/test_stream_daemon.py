@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from deliverers.testing import (
     TANSU_CONSUMER_TUNING,
@@ -392,3 +392,98 @@ def test_a_large_backlog_is_read_no_faster_than_there_is_room(
         assert source.offsets.claims == 0 and len(source.offsets) == 0
     assert 0 < peaks["held"] <= 8 and peaks["open"] <= 8, peaks
     assert len(set(recorder.keys)) == 2000
+
+
+def test_an_attempt_whose_lease_was_taken_while_it_waited_is_not_called(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    """An attempt waits behind a kind's cap; meanwhile another process takes its lease over.
+
+    (A reconciler took it over, as it does when a lease ran out, to ask the
+    sink; the test writes that take-over.) The heartbeat notices the loss.
+    Expected: when its turn comes the attempt is not started (the sink cannot
+    dedup: a call now would be a second one beside the new owner's), its slot
+    is freed, and what it reports is logged as stale, changing nothing.
+    (Stream mode: it reads what its records name, so attempts wait behind caps;
+    poll mode claims only what can start.)
+    """
+    release = threading.Event()
+
+    def first_blocks(delivery: Delivery) -> Outcome:
+        if delivery.payload["n"] == 0:
+            release.wait(60)
+        return Succeeded()
+
+    capped = RecordingDeliverer("k.once", idempotent=False, outcome=first_blocks)
+    capped.concurrency = 1
+    with stream_daemon(
+        dsn, kafka_broker, {"k.once": capped}, lease_seconds=1.5, reconcile_seconds=3600
+    ) as daemon:
+        assert daemon.daemon is not None
+        intend(ob, "k.once", 2)
+        wait_for(lambda: capped.deliveries, timeout=60, message="the first call")
+
+        def by_n(n: int) -> Any:
+            return next(e for e in ob.effects() if e.payload["n"] == n)
+
+        wait_for(lambda: by_n(1).status == "in_flight", message="both held")
+        waiting = by_n(1)
+        with ob.engine.begin() as conn:
+            conn.execute(
+                update(effects)
+                .where(effects.c.id == waiting.id)
+                .values(lease_owner="reconciler:elsewhere")
+            )
+        lost = daemon.daemon.metrics.leases_lost.labels(kind="k.once")
+        wait_for(lambda: lost._value.get() >= 1, message="the heartbeat noticed")
+        release.set()
+        wait_for(lambda: by_n(0).status == EffectStatus.SUCCEEDED, message="the first")
+        wait_for(
+            lambda: any(a.outcome == "stale" for a in ob.store.attempts(waiting.id)),
+            message="the waiting attempt given back",
+        )
+        assert len(daemon.daemon.leases) == 0
+    assert [d.payload["n"] for d in capped.deliveries] == [0], "the lost attempt was not called"
+    assert ob.effect(waiting.id).status == "in_flight", "left to its new owner"
+
+
+def test_an_attempt_whose_lease_could_not_be_renewed_while_it_waited_is_not_called(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    """An attempt waits behind a kind's cap while its row is locked for longer than a lease.
+
+    The heartbeat cannot extend it (its statement waits on the lock), so by
+    the time the lock is gone the lease may have run out and been taken over.
+    Expected: when its turn comes it is given back instead of called (before:
+    called under attempt 1); it is dispatched again and delivered once, under
+    a new attempt.
+    """
+    release = threading.Event()
+
+    def first_blocks(delivery: Delivery) -> Outcome:
+        if delivery.payload["n"] == 0:
+            release.wait(60)
+        return Succeeded()
+
+    capped = RecordingDeliverer("k.locked", idempotent=False, outcome=first_blocks)
+    capped.concurrency = 1
+    with stream_daemon(
+        dsn, kafka_broker, {"k.locked": capped}, lease_seconds=1.5, reconcile_seconds=3600
+    ):
+        intend(ob, "k.locked", 2)
+        wait_for(lambda: capped.deliveries, timeout=60, message="the first call")
+
+        def by_n(n: int) -> Any:
+            return next(e for e in ob.effects() if e.payload["n"] == n)
+
+        wait_for(lambda: by_n(1).status == "in_flight", message="both held")
+        waiting = by_n(1)
+        with ob.engine.begin() as conn:
+            conn.execute(select(effects.c.id).where(effects.c.id == waiting.id).with_for_update())
+            time.sleep(2.0)  # longer than the lease: no heartbeat gets through
+            release.set()  # the first call returns: the second's turn
+            time.sleep(0.5)
+        wait_for(all_succeeded(ob, 2), timeout=60, message="delivered after the lock")
+    assert [d.payload["n"] for d in capped.deliveries] == [0, 1]
+    log = [(a.attempt, a.outcome) for a in ob.store.attempts(waiting.id)]
+    assert (1, "released") in log and log[-1][1] == "succeeded" and log[-1][0] > 1, log
