@@ -34,6 +34,7 @@ Needs the ``kafka`` extra (kafka-python).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -44,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import errors as kafka_errors
 from kafka.structs import OffsetAndMetadata
 
 from outbox.delivery.attempt import released
@@ -69,6 +71,8 @@ T = TypeVar("T")
 
 #: A consumer poll is cut into slices this long, so a stop ends it within one.
 POLL_SLICE_SECONDS = 0.1
+#: What kafka-python raises when no broker answers (not a bad setting).
+_UNREACHABLE = (kafka_errors.KafkaTimeoutError, kafka_errors.KafkaConnectionError)
 #: ``close(timeout)`` waits this much longer than ``timeout`` for the consumer to let go.
 CLOSE_SLACK_SECONDS = 0.25
 
@@ -152,7 +156,9 @@ class KafkaSource:
         # one thread, a daemon thread, so a call stuck on a frozen broker past the
         # grace period never holds the process (see outbox.delivery.threads).
         self._thread: DaemonThreads | None = None
+        #: Set on the consumer thread once connected (the first read waits for it).
         self._consumer: KafkaConsumer | None = None
+        self._connecting: asyncio.Future[None] | None = None
         # Touched on the consumer thread only.
         self._commit: tuple[Any, dict[TopicPartition, int]] | None = None
         self._committed: dict[TopicPartition, int] = {}
@@ -163,22 +169,72 @@ class KafkaSource:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
 
     async def open(self) -> None:
-        """Join the consumer group on the kinds' topics."""
-        topics = [topic_for(self.settings.topic_prefix, kind) for kind in self.kinds]
-        self._thread = DaemonThreads(1, "outbox-kafka-consumer")
+        """Start joining the consumer group; a bad consumer setting is an error here.
 
-        def connect() -> KafkaConsumer:
-            consumer = KafkaConsumer(
+        A broker that cannot be reached is not: it is logged, and each read
+        tries again (the daemon starts and stops as usual meanwhile).
+        """
+        self._thread = DaemonThreads(1, "outbox-kafka-consumer")
+        await self._connected(since=0.0)
+
+    async def _connected(self, since: float) -> bool:
+        """Whether the consumer is ready; waits for an attempt to connect, unless woken.
+
+        Raises what is not a broker out of reach (a bad setting).
+        """
+        if self._consumer is not None:
+            return True
+        assert self._thread is not None
+        if self._connecting is None:
+            self._connecting = asyncio.wrap_future(self._thread.submit(self._connect))
+        if not await self._unless_woken(self._connecting, since):
+            return False  # still connecting: the attempt goes on
+        connecting, self._connecting = self._connecting, None
+        try:
+            connecting.result()
+        except _UNREACHABLE as exc:
+            log.warning(
+                "Kafka is not reachable at %s (%s); trying again",
+                self.settings.bootstrap_servers,
+                exc,
+            )
+            return False
+        return True
+
+    def _connect(self) -> None:
+        """On the consumer thread: make the consumer and subscribe."""
+        consumer = KafkaConsumer.__new__(KafkaConsumer)
+        try:
+            consumer.__init__(
                 bootstrap_servers=self.settings.bootstrap_servers,
                 group_id=self.settings.group,
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
                 **self.settings.consumer,
             )
+            topics = [topic_for(self.settings.topic_prefix, kind) for kind in self.kinds]
             consumer.subscribe(topics, listener=self._rebalances)
-            return consumer
+        except BaseException:
+            # kafka-python starts its I/O thread before it reaches the broker and
+            # leaves it running when that fails: one more thread per attempt.
+            client = getattr(consumer, "_client", None)
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.close()
+            raise
+        self._consumer = consumer
 
-        self._consumer = await self._call(connect)
+    async def _unless_woken(self, work: asyncio.Future[Any], since: float) -> bool:
+        """Wait for ``work``; False as soon as :meth:`wake` is called (or was, after ``since``)."""
+        if self._woken_at > since:
+            return work.done()
+        self._wake.clear()
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({work, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+        return work.done()
 
     def wake(self) -> None:
         """Cut a read or a pause short (room, a stop): a read returns within a poll slice."""
@@ -226,6 +282,14 @@ class KafkaSource:
 
     async def _read(self, room: int, started: float) -> list[Read]:
         """Commit what may be committed, then poll up to ``room`` records; their reads."""
+        try:
+            ready = await self._connected(started)
+        except Exception as exc:
+            log.warning("joining the Kafka consumer group failed (%s); trying again", exc)
+            ready = False
+        if not ready:
+            await self._rest(started)
+            return []
         self._woken.clear()
         due = self.offsets.committable()
         try:
@@ -320,14 +384,16 @@ class KafkaSource:
 
     async def close(self, timeout: float) -> None:
         """Commit what is recorded and leave the group, within ``timeout`` seconds."""
-        consumer, thread = self._consumer, self._thread
-        self._consumer = None
-        if consumer is None or thread is None:
+        thread, self._thread = self._thread, None
+        if thread is None:
             return
         due = self.offsets.committable()
         deadline = time.monotonic() + timeout
 
-        def finish() -> None:
+        def finish() -> None:  # after any attempt to connect still under way
+            consumer, self._consumer = self._consumer, None
+            if consumer is None:
+                return
             offsets = self._uncommitted(consumer, due)
             if offsets:
                 try:
@@ -337,7 +403,8 @@ class KafkaSource:
             consumer.close(autocommit=False, timeout_ms=_ms_left(deadline))
 
         try:
-            await asyncio.wait_for(self._call(finish), max(timeout, 0.0) + CLOSE_SLACK_SECONDS)
+            closing = asyncio.get_running_loop().run_in_executor(thread, finish)
+            await asyncio.wait_for(closing, max(timeout, 0.0) + CLOSE_SLACK_SECONDS)
         except TimeoutError:
             log.warning("the Kafka consumer did not close within %gs: left behind", timeout)
         except Exception as exc:
@@ -393,7 +460,15 @@ class Relay:
 
     async def run(self) -> None:
         """Relay until stopped."""
-        self._producer = await asyncio.to_thread(self._make_producer)
+        try:
+            self._producer = await asyncio.to_thread(self._make_producer)
+        except _UNREACHABLE as exc:
+            # Not fatal: each batch makes the producer again until the broker answers.
+            log.warning(
+                "Kafka is not reachable at %s (%s); trying again with each batch",
+                self.settings.bootstrap_servers,
+                exc,
+            )
         background = [
             asyncio.create_task(listen(self.store.dsn, EFFECTS_CHANNEL, self._wake)),
             asyncio.create_task(every(self.settings.reconcile_seconds, self._reconcile, "relay")),

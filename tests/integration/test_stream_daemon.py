@@ -487,3 +487,41 @@ def test_an_attempt_whose_lease_could_not_be_renewed_while_it_waited_is_not_call
     assert [d.payload["n"] for d in capped.deliveries] == [0, 1]
     log = [(a.attempt, a.outcome) for a in ob.store.attempts(waiting.id)]
     assert (1, "released") in log and log[-1][1] == "succeeded" and log[-1][0] > 1, log
+
+
+def test_a_broker_that_is_not_up_yet_is_waited_for(ob: Outbox, dsn: str, tmp_path: Path) -> None:
+    """The relay and the stream deliverer start before the broker (2 s bootstrap timeouts).
+
+    Expected: neither ends (before: the consumer's KafkaTimeoutError ended the
+    deliverer, the producer's the relay); they keep trying, and once the broker
+    is up every effect is delivered, once.
+    """
+    broker = TansuBroker(tmp_path / "tansu.log")  # its port refuses connections until start()
+    settings = StreamSettings(
+        bootstrap_servers=broker.bootstrap,
+        group="late",
+        consumer={**TANSU_CONSUMER_TUNING, "bootstrap_timeout_ms": 2000},
+        poll_seconds=0.2,
+    )
+    relay_settings = RelaySettings(
+        bootstrap_servers=broker.bootstrap, poll_seconds=0.2, producer={"max_block_ms": 2000}
+    )
+    recorder = RecordingDeliverer("k.late")
+    running = DaemonThread(
+        dsn,
+        {"k.late": recorder},
+        settings=settings,
+        source=lambda store: KafkaSource(store, ["k.late"], settings),
+        companions=lambda store: [Relay(store, ["k.late"], relay_settings)],
+    )
+    try:
+        with running:
+            intend(ob, "k.late", 3)
+            time.sleep(5)  # two failed attempts to join, and the relay's too
+            assert running.error is None and running._thread.is_alive()
+            broker.start()
+            broker.create_topic("outbox.k.late", partitions=2)
+            wait_for(all_succeeded(ob, 3), timeout=90, message="delivery")
+    finally:
+        broker.stop()
+    assert len(recorder.keys) == 3 == len(set(recorder.keys))
