@@ -13,6 +13,8 @@ error; every call into Kafka, ``close`` included, ends within its time.
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -242,5 +244,38 @@ def test_a_frozen_broker_neither_fails_nor_blocks_take_recorded_or_close(
         _, took = await within(10, source.close(1))
         assert took < 2
         broker.resume()
+
+    run(main, dsn)
+
+
+def test_a_broker_out_of_reach_is_tried_again_without_leaking_threads(dsn: str) -> None:
+    """Nothing listens at the bootstrap address: ``open`` and ``take`` say so and go on.
+
+    Each attempt to join fails after its bootstrap timeout (0.3 s here);
+    kafka-python leaves an I/O thread behind each failed attempt unless it is
+    closed, so after five attempts there is still at most one.
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: connections are refused
+
+    async def main(store: AsyncStore) -> None:
+        source = KafkaSource(
+            store,
+            [KIND],
+            StreamSettings(
+                bootstrap_servers=f"127.0.0.1:{port}",
+                group=GROUP,
+                poll_seconds=0.05,
+                consumer={"bootstrap_timeout_ms": 300},
+            ),
+        )
+        await source.open()
+        for _ in range(4):
+            assert await source.take(leases()) == []
+        io_threads = [t for t in threading.enumerate() if t.name.startswith("kafka-io")]
+        assert len(io_threads) <= 1, io_threads
+        _, took = await within(5, source.close(1))
+        assert took < 2
 
     run(main, dsn)
