@@ -7,6 +7,7 @@ record the outcome, fenced against stale workers.
 
 from __future__ import annotations
 
+from outbox.async_client import AsyncOutbox
 from outbox.client import Outbox
 from outbox.errors import (
     BudgetExceeded,
@@ -19,6 +20,7 @@ from outbox.errors import (
     EmbeddedServerError,
     IdempotencyConflict,
     LeaseLost,
+    MigrationError,
     NotFound,
     OutboxError,
     PayloadError,
@@ -32,6 +34,7 @@ from outbox.errors import (
     SchemaOutdated,
     SchemaTooNew,
     SignalTimeout,
+    StepAlreadyRecorded,
     ValidationError,
     WaitTimeout,
 )
@@ -49,6 +52,8 @@ from outbox.models import (
     StepRecord,
     StepStatus,
 )
+from outbox.runs.async_run import AsyncOutboxTransaction, AsyncRun, AsyncStepTransaction
+from outbox.runs.async_worker import AsyncWorker
 from outbox.runs.intents import OutboxTransaction, StepTransaction
 from outbox.runs.run import Run, Suspended
 from outbox.runs.signals import SignalReceipt
@@ -60,6 +65,11 @@ from outbox.storage.migrate import migrate
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncOutbox",
+    "AsyncOutboxTransaction",
+    "AsyncRun",
+    "AsyncStepTransaction",
+    "AsyncWorker",
     "AttemptOutcome",
     "BudgetExceeded",
     "Compensation",
@@ -77,6 +87,7 @@ __all__ = [
     "EmbeddedServerError",
     "IdempotencyConflict",
     "LeaseLost",
+    "MigrationError",
     "NotFound",
     "Outbox",
     "OutboxError",
@@ -98,6 +109,7 @@ __all__ = [
     "Settings",
     "SignalReceipt",
     "SignalTimeout",
+    "StepAlreadyRecorded",
     "StepRecord",
     "StepStatus",
     "StepTransaction",

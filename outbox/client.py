@@ -7,12 +7,13 @@ was recorded without running its function again (G5).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from outbox.errors import (
     EffectNotFound,
@@ -22,6 +23,7 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.ids import uuid7
+from outbox.intent_rules import MAX_KEY_LENGTH
 from outbox.models import (
     Effect,
     EffectStatus,
@@ -40,9 +42,14 @@ from outbox.settings import Settings
 from outbox.storage import Connection, Engine
 from outbox.storage.engine import open_engine
 from outbox.storage.notify import WakeupThrottle
+from outbox.storage.run_tx import RunTx
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
 from outbox.storage.store import Store
-from outbox.validation import as_uuid, validated
+from outbox.tracing import current_traceparent, run_span
+from outbox.validation import as_uuid, name_field, row_limit, validated
+
+if TYPE_CHECKING:
+    from outbox.async_client import BlockingAsyncWorker
 
 __all__ = ["Outbox"]
 
@@ -83,10 +90,7 @@ class Outbox:
         needed and migrated automatically; another database must be migrated
         with ``outbox migrate`` first.
         """
-        if settings is None:
-            settings = Settings.from_env(dsn=dsn, **overrides)
-        elif dsn is not None or overrides:
-            settings = settings.model_copy(update={"dsn": dsn or settings.dsn, **overrides})
+        settings = connect_settings(dsn, settings, overrides)
         return cls(open_engine(settings), settings)
 
     def close(self) -> None:
@@ -118,22 +122,12 @@ class Outbox:
         and :meth:`Run.transaction`, or let a worker of that agent and version
         claim it. ``budget`` caps what its steps may spend (G7).
         """
-        start = validated(RunStart, agent=agent, version=version, inputs=inputs, budget=budget)
-        inputs_json = encode(
-            start.inputs, field="inputs", max_bytes=self.settings.max_payload_bytes
-        )
+        row = new_run_row(self.settings, agent, version, inputs, budget, run_id)
         notify = self._runs_wakeup.inline()
-        record = self.store.insert_run(
-            {
-                "id": uuid7() if run_id is None else as_uuid(run_id, "run_id"),
-                "agent": start.agent,
-                "agent_version": start.version,
-                "inputs": inputs_json,
-                "inputs_hash": content_hash(inputs_json),
-                "budget": None if start.budget is None else Decimal(str(start.budget)),
-            },
-            notify=notify is not None,
-        )
+        with run_span(agent=row["agent"], version=row["agent_version"]):
+            # The run's trace: its steps are spans of it, in whichever process.
+            row["trace_parent"] = current_traceparent()
+            record = self.store.insert_run(row, notify=notify is not None)
         self._runs_wakeup.committed(notify)
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
         return Run(self._ctx, record, [])
@@ -150,7 +144,7 @@ class Outbox:
         self, *, status: str | None = None, agent: str | None = None, limit: int = 100
     ) -> list[RunRecord]:
         """Recent runs, newest first."""
-        return self.store.list_runs(status=status, agent=agent, limit=limit)
+        return self.store.list_runs(**run_filters(status=status, agent=agent, limit=limit))
 
     # -- effects ----------------------------------------------------------------
 
@@ -171,10 +165,8 @@ class Outbox:
         limit: int = 100,
     ) -> list[Effect]:
         """Effects in intent order, filtered by run, status or kind."""
-        if status is not None and status not in EffectStatus.__members__.values():
-            raise ValidationError("status", status, f"not one of {[s.value for s in EffectStatus]}")
-        rid = None if run_id is None else as_uuid(run_id, "run_id")
-        return self.store.list_effects(run_id=rid, status=status, kind=kind, limit=limit)
+        filters = effect_filters(run_id=run_id, status=status, kind=kind, limit=limit)
+        return self.store.list_effects(**filters)
 
     def resolve_effect(
         self, effect_id: uuid.UUID | str, *, outcome: str, note: str, operator: str
@@ -185,53 +177,30 @@ class Outbox:
         must not be retried) or ``retry`` (it did not: deliver it again, same key).
         Recorded in the attempt log with ``operator`` and ``note``.
         """
-        choices = {"succeeded": "succeeded", "failed": "failed", "retry": "pending"}
-        if outcome not in choices:
-            raise ValidationError("outcome", outcome, f"must be one of {sorted(choices)}")
-        if not note.strip():
-            raise ValidationError("note", note, "say why (it is kept in the attempt log)")
+        params = resolve_params(outcome=outcome, note=note, operator=operator)
         effect = self.effect(effect_id)
-        detail = encode({"as": outcome, "note": note, "by": operator}, field="note")
-        changed = self.store.operator_change(
-            "resolve",
-            {
-                "effect_id": effect.id,
-                "new_status": choices[outcome],
-                "operator": operator,
-                "detail": detail,
-            },
-        )
-        if not changed:
-            raise RunStateError(
-                f"effect_id={str(effect.id)!r} is {effect.status.value}, not unknown: "
-                "only unknown effects are resolved"
-            )
+        if not self.store.operator_change("resolve", {"effect_id": effect.id, **params}):
+            raise not_changed(effect, "resolve")
         if outcome == "retry":
             self._effects_wakeup.committed(None)
         return self.effect(effect.id)
 
     def retry_effect(
-        self, effect_id: uuid.UUID | str, *, operator: str, extra_attempts: int = 3
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        operator: str,
+        extra_attempts: int = 3,
+        note: str | None = None,
     ) -> Effect:
-        """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries."""
-        if extra_attempts < 1:
-            raise ValidationError("extra_attempts", extra_attempts, "must be at least 1")
+        """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries.
+
+        Recorded in the attempt log with ``operator`` and, when given, ``note`` (why).
+        """
+        params = retry_params(extra_attempts=extra_attempts, operator=operator, note=note)
         effect = self.effect(effect_id)
-        detail = encode({"extra_attempts": extra_attempts, "by": operator}, field="detail")
-        changed = self.store.operator_change(
-            "retry",
-            {
-                "effect_id": effect.id,
-                "extra_attempts": extra_attempts,
-                "operator": operator,
-                "detail": detail,
-            },
-        )
-        if not changed:
-            raise RunStateError(
-                f"effect_id={str(effect.id)!r} is {effect.status.value}, not failed: "
-                "only failed effects are retried (resolve unknown ones)"
-            )
+        if not self.store.operator_change("retry", {"effect_id": effect.id, **params}):
+            raise not_changed(effect, "retry")
         self._effects_wakeup.committed(None)
         return self.effect(effect.id)
 
@@ -270,16 +239,9 @@ class Outbox:
         :class:`ReplayRefused`, and a request refused for another reason can be
         sent again.
         """
-        rid = as_uuid(run_id, "run_id")
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise ValidationError("name", name, "must be a non-empty string of at most 200")
-        if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
-            raise ValidationError("dedup_key", dedup_key, "must be a non-empty string")
-        payload_json = encode(payload, field="payload", max_bytes=self.settings.max_payload_bytes)
+        send = signal_sender(self.settings, run_id, name, payload, dedup_key, request_id)
         with self.store.run_tx() as tx:
-            if request_id is not None and not tx.mark_replay(request_id):
-                raise ReplayRefused("request_id", request_id)
-            return send_signal(tx, rid, name, payload_json, dedup_key or uuid.uuid4().hex)
+            return send(tx)
 
     def cancel(self, run_id: uuid.UUID | str, reason: str) -> RunStatus:
         """Stop a run: pending effects are cancelled, in-flight ones finish, then compensation.
@@ -289,9 +251,7 @@ class Outbox:
         ``compensating`` while effects are still under way: workers and
         deliverers finish the job).
         """
-        rid = as_uuid(run_id, "run_id")
-        if not isinstance(reason, str) or not reason.strip():
-            raise ValidationError("reason", reason, "say why the run is cancelled")
+        rid = cancel_args(run_id, reason)
         with self.store.run_tx() as tx:
             cancel_run(tx, rid, reason)
         with self.store.run_tx() as tx:
@@ -321,12 +281,157 @@ class Outbox:
         self.upgrades.register(agent, from_version, to_version, fn)
 
     def worker(
-        self, agent: str, version: str, handler: Callable[[Run], Any], **settings: Any
-    ) -> Worker:
+        self, agent: str, version: str, handler: Callable[..., Any], **settings: Any
+    ) -> Worker | BlockingAsyncWorker:
         """A worker that executes runnable runs of exactly this agent and version.
 
         ``handler(run)`` is called for each claimed run; steps it already
         recorded replay. Call ``.run()`` to work until ``.stop()``. Settings:
-        see :class:`~outbox.WorkerSettings`.
+        see :class:`~outbox.WorkerSettings`. An ``async def`` handler gets an
+        :class:`~outbox.AsyncRun`, and ``concurrency`` of them run at once on
+        one event loop (an :class:`~outbox.AsyncWorker` driven from ``.run()``).
         """
-        return Worker(self._ctx, agent, version, handler, WorkerSettings(**settings))
+        name_field(agent, "agent")
+        name_field(version, "version", max_length=100)
+        worker_settings = validated(WorkerSettings, **settings)
+        if inspect.iscoroutinefunction(handler):
+            from outbox.async_client import BlockingAsyncWorker
+
+            return BlockingAsyncWorker(
+                self.settings.model_copy(update={"dsn": self._ctx.dsn}),
+                self.upgrades,
+                agent,
+                version,
+                handler,
+                worker_settings,
+            )
+        return Worker(self._ctx, agent, version, handler, worker_settings)
+
+
+# -- rules both clients apply before they touch the database ---------------------------
+
+
+def connect_settings(
+    dsn: str | None, settings: Settings | None, overrides: dict[str, Any]
+) -> Settings:
+    """The settings ``connect(dsn, settings=..., **overrides)`` means (both twins)."""
+    if settings is None:
+        return Settings.from_env(dsn=dsn, **overrides)
+    if dsn is not None or overrides:
+        return settings.model_copy(update={"dsn": dsn or settings.dsn, **overrides})
+    return settings
+
+
+def new_run_row(
+    settings: Settings,
+    agent: str,
+    version: str,
+    inputs: Any,
+    budget: float | None,
+    run_id: uuid.UUID | str | None,
+) -> dict[str, Any]:
+    """The validated row of a new run (``start_run`` in both twins)."""
+    start = validated(RunStart, agent=agent, version=version, inputs=inputs, budget=budget)
+    inputs_json = encode(start.inputs, field="inputs", max_bytes=settings.max_payload_bytes)
+    return {
+        "id": uuid7() if run_id is None else as_uuid(run_id, "run_id"),
+        "agent": start.agent,
+        "agent_version": start.version,
+        "inputs": inputs_json,
+        "inputs_hash": content_hash(inputs_json),
+        "budget": None if start.budget is None else Decimal(str(start.budget)),
+        "trace_parent": None,
+    }
+
+
+def effect_filters(
+    *, run_id: uuid.UUID | str | None, status: str | None, kind: str | None, limit: int
+) -> dict[str, Any]:
+    """Validated filters of ``effects()``."""
+    if status is not None and status not in EffectStatus.__members__.values():
+        raise ValidationError("status", status, f"not one of {[s.value for s in EffectStatus]}")
+    if kind is not None:
+        name_field(kind, "kind")
+    rid = None if run_id is None else as_uuid(run_id, "run_id")
+    return {"run_id": rid, "status": status, "kind": kind, "limit": row_limit(limit)}
+
+
+def run_filters(*, status: str | None, agent: str | None, limit: int) -> dict[str, Any]:
+    """Validated filters of ``runs()``."""
+    if status is not None and status not in RunStatus.__members__.values():
+        raise ValidationError("status", status, f"not one of {[s.value for s in RunStatus]}")
+    if agent is not None:
+        name_field(agent, "agent")
+    return {"status": status, "agent": agent, "limit": row_limit(limit)}
+
+
+def resolve_params(*, outcome: str, note: str, operator: str) -> dict[str, Any]:
+    """Validated parameters of an operator's ``resolve`` (all but the effect id)."""
+    choices = {"succeeded": "succeeded", "failed": "failed", "retry": "pending"}
+    if outcome not in choices:
+        raise ValidationError("outcome", outcome, f"must be one of {sorted(choices)}")
+    if not note.strip():
+        raise ValidationError("note", note, "say why (it is kept in the attempt log)")
+    detail = encode({"as": outcome, "note": note, "by": operator}, field="note")
+    return {"new_status": choices[outcome], "operator": operator, "detail": detail}
+
+
+def retry_params(*, extra_attempts: int, operator: str, note: str | None = None) -> dict[str, Any]:
+    """Validated parameters of an operator's ``retry`` (all but the effect id)."""
+    if extra_attempts < 1:
+        raise ValidationError("extra_attempts", extra_attempts, "must be at least 1")
+    if note is not None and not note.strip():
+        raise ValidationError("note", note, "say why, or leave the note out")
+    entry: dict[str, Any] = {"extra_attempts": extra_attempts, "by": operator}
+    if note is not None:
+        entry["note"] = note
+    detail = encode(entry, field="detail")
+    return {"extra_attempts": extra_attempts, "operator": operator, "detail": detail}
+
+
+def not_changed(effect: Effect, which: str) -> RunStateError:
+    """Why an operator's compare-and-set changed nothing."""
+    if which == "resolve":
+        return RunStateError(
+            f"effect_id={str(effect.id)!r} is {effect.status.value}, not unknown: "
+            "only unknown effects are resolved"
+        )
+    return RunStateError(
+        f"effect_id={str(effect.id)!r} is {effect.status.value}, not failed: "
+        "only failed effects are retried (resolve unknown ones)"
+    )
+
+
+def signal_sender(
+    settings: Settings,
+    run_id: uuid.UUID | str,
+    name: str,
+    payload: Any,
+    dedup_key: str | None,
+    request_id: str | None,
+) -> Callable[[RunTx], SignalReceipt]:
+    """Validate a signal; return what stores it in a run transaction (both twins)."""
+    rid = as_uuid(run_id, "run_id")
+    name_field(name, "name")
+    if dedup_key is not None:
+        name_field(dedup_key, "dedup_key", max_length=MAX_KEY_LENGTH)
+    if request_id is not None:
+        name_field(request_id, "request_id", max_length=MAX_KEY_LENGTH)
+    payload_json = encode(payload, field="payload", max_bytes=settings.max_payload_bytes)
+    key = dedup_key or uuid.uuid4().hex
+
+    def send(tx: RunTx) -> SignalReceipt:
+        if request_id is not None and not tx.mark_replay(request_id):
+            raise ReplayRefused("request_id", request_id)
+        return send_signal(tx, rid, name, payload_json, key)
+
+    return send
+
+
+def cancel_args(run_id: uuid.UUID | str, reason: str) -> uuid.UUID:
+    """Validate a cancellation; returns the run id."""
+    rid = as_uuid(run_id, "run_id")
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValidationError("reason", reason, "say why the run is cancelled")
+    name_field(reason, "reason", max_length=2000)
+    return rid

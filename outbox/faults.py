@@ -31,7 +31,8 @@ Points of a deliverer (:mod:`outbox.delivery`): ``after_claim`` (claimed, before
 the outside call), ``after_call`` (the sink answered, before the completion is
 written), ``during_completion`` (the completion statement ran, before its
 commit); of a relay: ``after_publish`` (Kafka acknowledged the records, before
-they are marked dispatched).
+they are marked dispatched); of ``outbox gc``: ``gc_archived`` (a batch is
+archived and fsynced, before its delete commits).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ WORKER_POINTS = (
 )
 DELIVERER_POINTS = ("after_claim", "after_call", "during_completion")
 RELAY_POINTS = ("after_publish",)
-POINTS = frozenset(WORKER_POINTS + DELIVERER_POINTS + RELAY_POINTS)
+MAINTENANCE_POINTS = ("gc_archived",)
+POINTS = frozenset(WORKER_POINTS + DELIVERER_POINTS + RELAY_POINTS + MAINTENANCE_POINTS)
 CRASH_ENV = "OUTBOX_TEST_CRASH_AT"
 TRACE_ENV = "OUTBOX_TEST_TRACE"
 

@@ -6,7 +6,7 @@ Schemas are exported to ``schemas/`` (``outbox schemas export``).
 
 from __future__ import annotations
 
-import math
+import re
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
@@ -14,6 +14,17 @@ from typing import Any, NamedTuple
 from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from outbox.intent_rules import (
+    KIND_PATTERN,
+    MAX_AMOUNT,
+    MAX_ATTEMPTS,
+    MAX_DELAY_SECONDS,
+    MAX_KEY_LENGTH,
+    MAX_KIND_LENGTH,
+    MAX_SCHEMA_VERSION,
+    identifier_violation,
+)
 
 __all__ = [
     "LIVE_RUN_STATUSES",
@@ -153,22 +164,36 @@ class _Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore", from_attributes=True)
 
 
+_KIND = re.compile(KIND_PATTERN)
+
+
+def _no_bool(value: Any) -> Any:
+    # bool is an int to Python: budget=True would be a budget of 1.
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a bool")
+    return value
+
+
+def _plain_text(value: str | None) -> str | None:
+    if value is not None:
+        found = identifier_violation(value, "")
+        if found is not None:
+            raise ValueError(found.reason)
+    return value
+
+
 class RunStart(BaseModel):
     """What ``Outbox.start_run`` accepts; validated before anything is written."""
 
-    model_config = _FROZEN
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    agent: str = Field(min_length=1, max_length=200)
+    agent: str = Field(min_length=1, max_length=200, strict=True)
     version: str = Field(min_length=1, max_length=100, strict=True)
     inputs: Any = None
-    budget: float | None = Field(default=None, ge=0)
+    budget: float | None = Field(default=None, ge=0, le=MAX_AMOUNT)
 
-    @field_validator("budget")
-    @classmethod
-    def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
+    _budget_is_a_number = field_validator("budget", mode="before")(_no_bool)
+    _names_are_text = field_validator("agent", "version")(_plain_text)
 
 
 class Compensation(BaseModel):
@@ -181,19 +206,32 @@ class Compensation(BaseModel):
 
 
 class EffectIntent(BaseModel):
-    """What ``tx.intend`` accepts for one effect."""
+    """What ``tx.intend`` accepts for one effect (the rules: ``outbox.intent_rules``)."""
 
-    model_config = _FROZEN
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    kind: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:-]+$")
+    kind: str = Field(min_length=1, max_length=MAX_KIND_LENGTH, pattern=KIND_PATTERN)
     payload: Any
-    key: str | None = Field(default=None, min_length=1, max_length=500)
-    ordering_key: str | None = Field(default=None, min_length=1, max_length=500)
-    max_attempts: int | None = Field(default=None, ge=1, le=1000)
-    delay_seconds: float = Field(default=0.0, ge=0)
-    schema_version: int = Field(default=1, ge=1)
+    key: str | None = Field(default=None, min_length=1, max_length=MAX_KEY_LENGTH, strict=True)
+    ordering_key: str | None = Field(
+        default=None, min_length=1, max_length=MAX_KEY_LENGTH, strict=True
+    )
+    max_attempts: int | None = Field(default=None, ge=1, le=MAX_ATTEMPTS, strict=True)
+    delay_seconds: float = Field(default=0.0, ge=0, le=MAX_DELAY_SECONDS)
+    schema_version: int = Field(default=1, ge=1, le=MAX_SCHEMA_VERSION, strict=True)
     compensate: Compensation | None = None
-    cost: float | None = Field(default=None, ge=0)
+    cost: float | None = Field(default=None, ge=0, le=MAX_AMOUNT)
+
+    _numbers_are_numbers = field_validator("delay_seconds", "cost", mode="before")(_no_bool)
+    _keys_are_text = field_validator("key", "ordering_key")(_plain_text)
+
+    @field_validator("compensate")
+    @classmethod
+    def _compensation_kind(cls, value: Compensation | None) -> Compensation | None:
+        # Checked here, not on Compensation: records stored before this rule must stay readable.
+        if value is not None and _KIND.match(value.kind) is None:
+            raise ValueError(f"kind {value.kind!r} must match {KIND_PATTERN}")
+        return value
 
 
 class RunRecord(_Record):
@@ -225,6 +263,8 @@ class RunRecord(_Record):
     #: Agent-version upgrades this run went through: ``{from, to, at, worker}``.
     upgrades: list[dict[str, Any]] = Field(default_factory=list)
     cancel_reason: str | None = None
+    #: The W3C ``traceparent`` of the run's trace (None: started outside any trace).
+    trace_parent: str | None = None
 
     @property
     def remaining_budget(self) -> Decimal | None:
@@ -276,6 +316,8 @@ class Effect(_Record):
     attempt_started_at: datetime | None = None
     created_at: datetime | None = None
     completed_at: datetime | None = None
+    #: The W3C ``traceparent`` current when the intent was written (None: no trace).
+    trace_parent: str | None = None
 
     @property
     def terminal(self) -> bool:

@@ -15,6 +15,10 @@ from outbox.payloads import DEFAULT_MAX_BYTES
 __all__ = ["ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "OUTBOX_"
+DEFAULT_MAX_STEP_INTENTS = 10_000
+DEFAULT_MAX_STEP_BYTES = 64 * 1024 * 1024
+#: A step's intents travel as one text parameter, which PostgreSQL caps at 1 GB.
+MAX_STEP_BYTES = 512 * 1024 * 1024
 
 
 class Settings(BaseModel):
@@ -22,6 +26,8 @@ class Settings(BaseModel):
 
     ``dsn`` ``None`` means the embedded PostgreSQL in ``home`` (started on demand
     and shared by every process on the machine that uses the same ``home``).
+    :meth:`from_env` reads it from ``OUTBOX_DSN``, or from the file named by
+    ``OUTBOX_DSN_FILE``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -29,11 +35,17 @@ class Settings(BaseModel):
     dsn: str | None = None
     home: Path = Field(default=Path(".outbox"))
     max_payload_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0)
+    #: At most this many intents in one step or transaction (they are written
+    #: in one statement; a runaway loop should fail here, not in PostgreSQL).
+    max_step_intents: int = Field(default=DEFAULT_MAX_STEP_INTENTS, gt=0)
+    #: At most this many bytes of intent payloads (and compensations) in one step.
+    max_step_bytes: int = Field(default=DEFAULT_MAX_STEP_BYTES, gt=0, le=MAX_STEP_BYTES)
     max_step_id_length: int = Field(default=200, gt=0)
     pool_size: int = Field(default=5, gt=0)
     # Our sessions never sit idle inside a transaction for long: an open
     # transaction stops vacuum and slows every claim (DESIGN.md, lessons).
-    idle_in_transaction_timeout_ms: int = Field(default=60_000, ge=0)
+    # PostgreSQL takes at most a signed 32-bit number of milliseconds (0: no timeout).
+    idle_in_transaction_timeout_ms: int = Field(default=60_000, ge=0, le=2**31 - 1)
     # A writer sends at most one NOTIFY per window inline; commits in between
     # are covered by one trailing NOTIFY (see outbox/wakeup.py).
     notify_window_ms: float = Field(default=3.0, ge=0)
@@ -48,6 +60,17 @@ class Settings(BaseModel):
             raw = env.get(ENV_PREFIX + name.upper())
             if raw is not None and raw != "":
                 values[name] = raw
+        dsn_file = env.get(ENV_PREFIX + "DSN_FILE")
+        if dsn_file and "dsn" in values and overrides.get("dsn") is None:
+            raise ConfigurationError(
+                f"{ENV_PREFIX}DSN and {ENV_PREFIX}DSN_FILE are both set: keep one"
+            )
+        if dsn_file and overrides.get("dsn") is None:
+            # A secret mounted as a file keeps the password out of the environment too.
+            try:
+                values["dsn"] = Path(dsn_file).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigurationError(f"{ENV_PREFIX}DSN_FILE={dsn_file!r}: {exc}") from exc
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**values)

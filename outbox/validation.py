@@ -10,8 +10,12 @@ from typing import Any
 import pydantic
 
 from outbox.errors import ConfigurationError, ValidationError
+from outbox.intent_rules import check_identifier
 
-__all__ = ["as_uuid", "import_callable", "validated"]
+__all__ = ["as_uuid", "import_callable", "name_field", "row_limit", "validated"]
+
+#: The most rows a listing returns at once.
+MAX_ROW_LIMIT = 1_000_000
 
 
 def validated(model: type[pydantic.BaseModel], **values: Any) -> Any:
@@ -21,7 +25,8 @@ def validated(model: type[pydantic.BaseModel], **values: Any) -> Any:
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or model.__name__
-        raise ValidationError(field, first.get("input"), first["msg"]) from None
+        reason = first["msg"].removeprefix("Value error, ")
+        raise ValidationError(field, first.get("input"), reason) from None
 
 
 def as_uuid(value: uuid.UUID | str, field: str) -> uuid.UUID:
@@ -32,6 +37,24 @@ def as_uuid(value: uuid.UUID | str, field: str) -> uuid.UUID:
         return uuid.UUID(str(value))
     except ValueError:
         raise ValidationError(field, value, "not a UUID") from None
+
+
+def name_field(value: Any, field: str, *, max_length: int = 200) -> str:
+    """A non-empty name of at most ``max_length`` characters with no control character."""
+    if not isinstance(value, str):
+        raise ValidationError(field, value, "must be a string")
+    if not value.strip():
+        raise ValidationError(field, value, "must not be empty")
+    if len(value) > max_length:
+        raise ValidationError(field, value, f"is {len(value)} characters, over {max_length}")
+    return check_identifier(value, field)
+
+
+def row_limit(value: Any, field: str = "limit") -> int:
+    """How many rows a listing may return: an integer from 0 to :data:`MAX_ROW_LIMIT`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ROW_LIMIT:
+        raise ValidationError(field, value, f"must be an integer from 0 to {MAX_ROW_LIMIT}")
+    return value
 
 
 def import_callable(path: str, *, field: str = "function") -> Callable[..., Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from sqlalchemy.engine import make_url
 from outbox import EmbeddedServer, Outbox
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
+from tests.support import embedded_home
 
 TEMPLATE = "outbox_template"
 _counter = itertools.count()
@@ -33,13 +33,24 @@ _counter = itertools.count()
 TEST_SERVER_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_outbox_environment() -> Iterator[None]:
+    """A developer's OUTBOX_* variables must not leak into the suite (or its subprocesses)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("OUTBOX_")}
+    for name in saved:
+        if name != "OUTBOX_TEST_DSN":
+            del os.environ[name]
+    yield
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[EmbeddedServer | None]:
     if os.environ.get("OUTBOX_TEST_DSN"):
         yield None
         return
     # Not under pytest's own temp root: a concurrent pytest session rotates that away.
-    home = Path(tempfile.mkdtemp(prefix="outbox-test-pg-"))
+    home = embedded_home("outbox-test-pg-")
     server = EmbeddedServer(home, settings=TEST_SERVER_SETTINGS)
     server.ensure_running()
     yield server

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
 from outbox.cli._common import CliContext
+from outbox.cli._dsn import choose_dsn
 from outbox.errors import OutboxError
 
 __all__ = ["cli", "main"]
@@ -19,7 +21,15 @@ __all__ = ["cli", "main"]
     "--dsn",
     envvar="OUTBOX_DSN",
     default=None,
-    help="PostgreSQL DSN. Default: the embedded server in --home.",
+    help="PostgreSQL DSN. Default: the embedded server in --home. A password here shows "
+    "in the process list: prefer OUTBOX_DSN or --dsn-file.",
+)
+@click.option(
+    "--dsn-file",
+    envvar="OUTBOX_DSN_FILE",
+    default=None,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Read the DSN from this file (a secret mounted 0600, say).",
 )
 @click.option(
     "--home",
@@ -30,18 +40,20 @@ __all__ = ["cli", "main"]
 )
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 @click.pass_context
-def cli(ctx: click.Context, dsn: str | None, home: Path | None, verbose: int) -> None:
+def cli(
+    ctx: click.Context, dsn: str | None, dsn_file: Path | None, home: Path | None, verbose: int
+) -> None:
     """agent-outbox: durable steps and effectively-once side effects for long-running agents."""
     level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ctx.obj = CliContext(dsn=dsn, home=home)
+    ctx.obj = CliContext(dsn=choose_dsn(ctx, dsn, dsn_file), home=home)
     ctx.call_on_close(ctx.obj.close)
 
 
 def _register() -> None:
-    from outbox.cli import check, db, deliver, demo, effects, runs, schemas, worker
+    from outbox.cli import check, db, deliver, demo, effects, roles, runs, schemas, worker
 
-    for module in (check, db, deliver, demo, effects, runs, schemas, worker):
+    for module in (check, db, deliver, demo, effects, roles, runs, schemas, worker):
         for command in module.COMMANDS:
             cli.add_command(command)
 
@@ -49,18 +61,50 @@ def _register() -> None:
 _register()
 
 
+def _one_line(text: str) -> str:
+    """A driver's message spans lines (DETAIL, HINT): an error is printed on one."""
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    click.echo(f"error: {_one_line(message)}", err=True)
+    sys.exit(code)
+
+
+def _not_utf8(arguments: list[str]) -> int | None:
+    """The position of the first argument that was not UTF-8, if any.
+
+    Python keeps such bytes as lone surrogates, which no database column,
+    header or log line can hold.
+    """
+    for position, argument in enumerate(arguments, start=1):
+        try:
+            argument.encode()
+        except UnicodeEncodeError:
+            return position
+    return None
+
+
 def main() -> None:
-    """Entry point of the ``outbox`` script: typed errors become one clear line and exit 1."""
+    """Entry point of the ``outbox`` script: bad input becomes one clear line and exit 1 or 2."""
+    position = _not_utf8(sys.argv[1:])
+    if position is not None:
+        shown = ascii(sys.argv[position])
+        _fail(f"argument {position} ({shown}) is not valid UTF-8", code=2)
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
+        hint = ""
+        if isinstance(exc, click.UsageError) and exc.ctx is not None:
+            hint = f" (see `{exc.ctx.command_path} --help`)"
+        _fail(exc.format_message() + hint, code=exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except OutboxError as exc:
-        click.echo(f"error: {type(exc).__name__}: {exc}", err=True)
-        sys.exit(1)
+        _fail(f"{type(exc).__name__}: {exc}")
+    except OSError as exc:
+        # The environment refused: a file, a directory, an address to listen on.
+        _fail(f"{type(exc).__name__}: {exc}")

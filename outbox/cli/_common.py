@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
@@ -20,7 +22,7 @@ from rich.table import Table
 from outbox.client import Outbox
 from outbox.settings import Settings
 
-__all__ = ["CliContext", "emit", "json_option", "pass_cli", "short", "table"]
+__all__ = ["CliContext", "emit", "json_option", "listening", "pass_cli", "short", "table"]
 
 # Piped output is read by scripts and logs, not by a narrow terminal: do not wrap it at 80.
 console = Console() if Console().is_terminal else Console(width=200)
@@ -51,6 +53,28 @@ class CliContext:
 
 
 pass_cli = click.make_pass_decorator(CliContext)
+
+
+@contextmanager
+def listening(host: str, port: int, *, hint: str = "'--host' / '--port'") -> Iterator[None]:
+    """Turn a failure to listen (unknown host, address in use) into one line naming the options."""
+    try:
+        yield
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise click.BadParameter(
+            f"cannot listen on {host}:{port}: {reason}", param_hint=hint
+        ) from None
+
+
+def can_listen(host: str, port: int) -> None:
+    """Bind and release ``host:port`` (raises ``OSError``), so a server fails before it starts."""
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+        return
+
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 

@@ -12,9 +12,18 @@ from typing import Any, Protocol, TypeVar
 import click
 import pydantic
 
-from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli._common import (
+    CliContext,
+    console,
+    emit,
+    json_option,
+    listening,
+    pass_cli,
+    table,
+)
 from outbox.delivery import Deliverer
 from outbox.delivery.settings import DeliverySettings, RelaySettings, StreamSettings
+from outbox.delivery.threads import DaemonThreads, default_workers
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import libpq_dsn, make_async_engine, open_engine
 
@@ -182,7 +191,8 @@ def deliver(
     else:
         settings = validated_settings(DeliverySettings, **given)
     if metrics_port is not None:
-        metrics.serve(metrics_port)
+        with listening("127.0.0.1", metrics_port, hint="'--metrics-port'"):
+            metrics.serve(metrics_port)
 
     def make(store: AsyncStore) -> DeliveryDaemon:
         source = None
@@ -220,9 +230,13 @@ def serve_until_signal(dsn: str, make: Callable[[AsyncStore], _Daemon], banner: 
     """Run an async daemon until SIGTERM/SIGINT asks it to stop gracefully."""
 
     async def main() -> None:
+        loop = asyncio.get_running_loop()
+        # Blocking calls (a synchronous deliverer, a lookup) run on daemon threads:
+        # one the daemon abandons at the end of --grace must not hold the process
+        # until it returns, as asyncio.run and the interpreter would wait for it.
+        loop.set_default_executor(DaemonThreads(default_workers(), "outbox-call"))
         store = AsyncStore(make_async_engine(dsn, pool_size=4))
         daemon = make(store)
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop)
         logging.getLogger("outbox.cli").info(banner)
@@ -264,7 +278,7 @@ def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--batch-size", type=click.IntRange(1, 100_000), default=500, show_default=True)
 @click.option(
     "--dispatch-ttl",
-    type=click.FloatRange(min=0.001),
+    type=click.FloatRange(min=0.001, max=86_400),
     default=RelaySettings.model_fields["dispatch_ttl_seconds"].default,
     show_default=True,
     help="Seconds before an undelivered dispatch is dispatched again.",

@@ -21,7 +21,7 @@ def schemas() -> None:
 @click.option(
     "--dir",
     "directory",
-    type=click.Path(path_type=Path),
+    type=click.Path(path_type=Path, file_okay=False),
     default=Path("schemas"),
     show_default=True,
 )

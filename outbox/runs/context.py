@@ -8,10 +8,11 @@ from typing import Any
 
 from outbox.errors import ValidationError
 from outbox.settings import Settings
+from outbox.storage.async_run_store import AsyncRunStore
 from outbox.storage.notify import WakeupThrottle
 from outbox.storage.store import Store
 
-__all__ = ["RunContext", "VersionUpgrades"]
+__all__ = ["AsyncRunContext", "RunContext", "VersionUpgrades"]
 
 #: ``fn(state) -> new_state``, run once per run when a newer worker takes it.
 StateUpgrade = Callable[[Any], Any]
@@ -48,3 +49,15 @@ class RunContext:
     def dsn(self) -> str:
         """The database, for connections of its own (LISTEN)."""
         return self.store.engine.url.render_as_string(hide_password=False)
+
+
+@dataclass(frozen=True)
+class AsyncRunContext(RunContext):
+    """The async twin's context: ``aio`` awaits the very methods of ``store``.
+
+    ``store`` is the sync :class:`Store` over the async engine's ``sync_engine``:
+    shared logic that takes a connection or a ``RunTx`` runs on it inside
+    ``aio.call``/``aio.run_tx``/``run_sync``, never directly on the event loop.
+    """
+
+    aio: AsyncRunStore

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Protocol
 
-from outbox.errors import IdempotencyConflict, ValidationError
+from outbox.errors import IdempotencyConflict, PayloadError, ValidationError
 from outbox.ids import uuid7
+from outbox.intent_rules import MAX_AMOUNT, check_payload
 from outbox.keys import derive_key
 from outbox.models import Compensation, Effect, EffectIntent, EffectStatus
-from outbox.payloads import content_hash, decode, encode
+from outbox.payloads import content_hash, decode, encode, encode_sized
 from outbox.runs.context import RunContext
 from outbox.storage import Connection
 from outbox.storage.store import effects_json
-from outbox.validation import validated
+from outbox.tracing import current_traceparent
+from outbox.validation import name_field, validated
 
 
 class RunHandle(Protocol):
@@ -33,7 +36,19 @@ class RunHandle(Protocol):
     def context(self) -> RunContext: ...
 
 
-__all__ = ["OutboxTransaction", "StepTransaction"]
+__all__ = ["OutboxTransaction", "StepTransaction", "StepWrites", "intend_options"]
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A validated intent row, not yet gathered (a caller's key may still name an existing one)."""
+
+    row: dict[str, Any]
+    caller_key: bool
+
+    @property
+    def key(self) -> str:
+        return str(self.row["idempotency_key"])
 
 
 class _Intents:
@@ -43,7 +58,9 @@ class _Intents:
         self._ctx = ctx
         self._conn = conn
         self._rows: list[dict[str, Any]] = []
-        self._keys: dict[str, str] = {}
+        # key -> (kind, payload hash) of the intents gathered so far
+        self._keys: dict[str, tuple[str, str]] = {}
+        self._bytes = 0
         self.count = 0
 
     @property
@@ -59,13 +76,60 @@ class _Intents:
         payload: Any,
         options: dict[str, Any],
     ) -> Effect:
+        """Validate and gather one intent (the sync twin: a caller's key is looked up here)."""
+        prepared = self.prepare(
+            run_id=run_id, step_id=step_id, kind=kind, payload=payload, options=options
+        )
+        if isinstance(prepared, Effect):
+            return prepared
+        existing = self.lookup(prepared.key) if prepared.caller_key else None
+        return self.record(prepared, existing)
+
+    def prepare(
+        self,
+        *,
+        run_id: uuid.UUID | None,
+        step_id: str | None,
+        kind: str,
+        payload: Any,
+        options: dict[str, Any],
+    ) -> _Prepared | Effect:
+        """Everything of :meth:`add` but the look-up: validation, encoding, the key (no I/O).
+
+        Returns the intent already gathered in this transaction under the same
+        key and payload, if any. Both twins call it, then look a caller's key up
+        their own way (:meth:`lookup`), then :meth:`record`.
+        """
+        settings = self._ctx.settings
         intent: EffectIntent = validated(EffectIntent, kind=kind, payload=payload, **options)
-        limit = self._ctx.settings.max_payload_bytes
-        payload_json = encode(intent.payload, field="payload", max_bytes=limit)
+        check_payload(intent.payload, "payload")
+        limit = settings.max_payload_bytes
+        payload_json, size = encode_sized(intent.payload, field="payload", max_bytes=limit)
         payload_hash = content_hash(payload_json)
         compensate_json = None
         if intent.compensate is not None:
-            compensate_json = encode(intent.compensate, field="compensate", max_bytes=limit)
+            # Encoded as plain data, not through the model (whose JSON dump turns NaN into null).
+            check_payload(intent.compensate.payload, "compensate.payload")
+            compensate_json, extra = encode_sized(
+                {"kind": intent.compensate.kind, "payload": intent.compensate.payload},
+                field="compensate",
+                max_bytes=limit,
+            )
+            size += extra
+        if self.count >= settings.max_step_intents:
+            raise ValidationError(
+                "intents",
+                self.count + 1,
+                f"a step or transaction may intend at most {settings.max_step_intents} effects "
+                "(Settings.max_step_intents)",
+            )
+        if self._bytes + size > settings.max_step_bytes:
+            raise PayloadError(
+                "intents",
+                f"<{self._bytes + size} bytes>",
+                f"the payloads of one step or transaction may total at most "
+                f"{settings.max_step_bytes} bytes (Settings.max_step_bytes)",
+            )
         index = self.count
         self.count += 1
         if intent.key is not None:
@@ -75,20 +139,11 @@ class _Intents:
         else:
             key = uuid.uuid4().hex
         if key in self._keys:
-            if self._keys[key] != payload_hash:
+            if self._keys[key] != (intent.kind, payload_hash):
                 raise IdempotencyConflict(
-                    key, "intended twice in this step with different payloads"
+                    key, "intended twice in this step with a different kind or payload"
                 )
             return next(_effect(r) for r in self._rows if r["idempotency_key"] == key)
-        if intent.key is not None:
-            # A caller's key may already be taken by any run: wait for a racing
-            # transaction holding it, then look (so two racers make one row).
-            self._ctx.store.lock_key(self._conn, key)
-            existing = self._ctx.store.effect_by_key(self._conn, key)
-            if existing is not None:
-                if existing.payload_hash != payload_hash:
-                    raise IdempotencyConflict(key)
-                return existing
         row = {
             "id": str(uuid7()),
             "step_index": index,
@@ -103,11 +158,33 @@ class _Intents:
             "compensates": None,
             "cost": intent.cost,
             "delay_seconds": intent.delay_seconds,
+            # The trace current at tx.intend: every delivery attempt is a span of it.
+            "trace_parent": current_traceparent(),
             "_run_id": run_id,
             "_step_id": step_id,
+            "_size": size,
         }
+        return _Prepared(row, caller_key=intent.key is not None)
+
+    def lookup(self, key: str) -> Effect | None:
+        """The effect already holding a caller's ``key``, in this transaction (sync; I/O).
+
+        A caller's key may already be taken by any run: wait for a racing
+        transaction holding it, then look (so two racers make one row). The
+        async twin runs this same method through ``AsyncConnection.run_sync``.
+        """
+        self._ctx.store.lock_key(self._conn, key)
+        return self._ctx.store.effect_by_key(self._conn, key)
+
+    def record(self, prepared: _Prepared, existing: Effect | None) -> Effect:
+        """Gather a prepared intent, or return the existing one that holds its caller's key."""
+        row = prepared.row
+        if existing is not None:
+            _same_intent(existing, prepared.key, row["kind"], row["payload_hash"], row["_run_id"])
+            return existing
         self._rows.append(row)
-        self._keys[key] = payload_hash
+        self._keys[prepared.key] = (row["kind"], row["payload_hash"])
+        self._bytes += row["_size"]
         return _effect(row)
 
     def taken_key(self) -> str:
@@ -121,6 +198,19 @@ class _Intents:
         return effects_json(
             [{k: v for k, v in r.items() if not k.startswith("_")} for r in self._rows]
         )
+
+
+def _same_intent(
+    existing: Effect, key: str, kind: str, payload_hash: str, run_id: uuid.UUID | None
+) -> None:
+    """A caller's key names one intent: the same kind, payload and owner, or a conflict (G5)."""
+    if existing.run_id != run_id:
+        owner = "no run" if existing.run_id is None else f"run {existing.run_id}"
+        raise IdempotencyConflict(key, f"already intended by {owner}")
+    if existing.kind != kind:
+        raise IdempotencyConflict(key, f"already intended as kind {existing.kind!r}, not {kind!r}")
+    if existing.payload_hash != payload_hash:
+        raise IdempotencyConflict(key)
 
 
 def _effect(row: dict[str, Any]) -> Effect:
@@ -141,6 +231,7 @@ def _effect(row: dict[str, Any]) -> Effect:
         if row["compensate"] is None
         else Compensation.model_validate_json(row["compensate"]),
         cost=None if row["cost"] is None else Decimal(str(row["cost"])),
+        trace_parent=row["trace_parent"],
     )
 
 
@@ -160,11 +251,15 @@ class OutboxTransaction:
         )
 
     def _flush(self) -> None:
+        self._flush_on(self.connection)
+
+    def _flush_on(self, connection: Connection) -> None:
+        """Write the gathered intents (sync; the async twin runs it through ``run_sync``)."""
         if not self._intents.pending:
             return
         self._notified = self._ctx.effects_wakeup.inline()
         inserted = self._ctx.store.intend_without_run(
-            self.connection, self._intents.as_json(), notify=self._notified is not None
+            connection, self._intents.as_json(), notify=self._notified is not None
         )
         if inserted != self._intents.pending:
             raise IdempotencyConflict(
@@ -172,16 +267,41 @@ class OutboxTransaction:
             )
 
 
-class StepTransaction:
-    """What an atomic step's function receives: one open transaction.
+def intend_options(
+    *,
+    key: str | None,
+    ordering_key: str | None,
+    max_attempts: int | None,
+    delay_seconds: float,
+    schema_version: int,
+    compensate: tuple[str, Any] | None,
+    cost: float | None,
+) -> dict[str, Any]:
+    """The options of ``StepTransaction.intend`` (and its async twin) as ``EffectIntent`` fields."""
+    options: dict[str, Any] = {
+        "key": key,
+        "ordering_key": ordering_key,
+        "max_attempts": max_attempts,
+        "delay_seconds": delay_seconds,
+        "schema_version": schema_version,
+        "cost": cost,
+    }
+    if compensate is not None:
+        if not isinstance(compensate, tuple | list) or len(compensate) != 2:
+            raise ValidationError("compensate", compensate, "must be a (kind, payload) pair")
+        options["compensate"] = {"kind": compensate[0], "payload": compensate[1]}
+    return options
 
-    ``connection`` is a SQLAlchemy ``Connection`` in that transaction: rows the
-    caller writes on it commit (or roll back) together with the checkpoint and
-    the intents. Do not commit or roll back on it yourself.
+
+class StepWrites:
+    """What a step writes besides the caller's rows: state, plan, debits and intents (both twins).
+
+    ``intents_connection`` is the sync ``Connection`` the step's transaction
+    runs on; the async twin passes its ``AsyncConnection.sync_connection`` and
+    uses it only inside ``run_sync``.
     """
 
-    def __init__(self, run: RunHandle, connection: Connection, step_id: str) -> None:
-        self.connection = connection
+    def __init__(self, run: RunHandle, intents_connection: Connection, step_id: str) -> None:
         self.run = run
         self.step_id = step_id
         self._state_json: str | None = None
@@ -189,7 +309,7 @@ class StepTransaction:
         self._debit = Decimal(0)
         self._reserve = Decimal(0)
         self._ledger: list[dict[str, Any]] = []
-        self._intents = _Intents(run.context, connection)
+        self._intents = _Intents(run.context, intents_connection)
 
     def set_state(self, state: Any) -> None:
         """Replace the run's state when this step commits."""
@@ -202,6 +322,68 @@ class StepTransaction:
         self._plan_json = encode(
             plan, field="plan", max_bytes=self.run.context.settings.max_payload_bytes
         )
+
+    def _prepare_intent(
+        self, kind: str, payload: Any, options: dict[str, Any]
+    ) -> tuple[_Prepared | Effect, int]:
+        before = self._intents.pending
+        prepared = self._intents.prepare(
+            run_id=self.run.id, step_id=self.step_id, kind=kind, payload=payload, options=options
+        )
+        return prepared, before
+
+    def _record_intent(
+        self, prepared: _Prepared | Effect, existing: Effect | None, before: int
+    ) -> Effect:
+        if isinstance(prepared, Effect):
+            effect = prepared
+        else:
+            effect = self._intents.record(prepared, existing)
+        if effect.cost is not None and self._intents.pending > before:
+            # Reserved when the intent commits; the effect's outcome settles it.
+            self._reserve += effect.cost
+            self._ledger.append(
+                {
+                    "entry": "reserve",
+                    "reason": effect.kind,
+                    "amount": str(effect.cost),
+                    "effect_id": str(effect.id),
+                }
+            )
+        return effect
+
+    def spend(self, amount: float | Decimal, reason: str) -> None:
+        """Debit the run's budget by ``amount`` for ``reason`` (a model call, say) if this commits.
+
+        Keyed by (run, step, reason): a step records its debits once, so a
+        replay or a retry cannot spend twice. If the run's budget cannot cover
+        every debit and reservation of the step, the step commits nothing and
+        raises :class:`~outbox.BudgetExceeded`.
+        """
+        value = _amount(amount)
+        name_field(reason, "reason")
+        if any(e["entry"] == "spend" and e["reason"] == reason for e in self._ledger):
+            raise ValidationError("reason", reason, "already spent for in this step")
+        self._debit += value
+        self._ledger.append(
+            {"entry": "spend", "reason": reason, "amount": str(value), "effect_id": None}
+        )
+
+    def _ledger_json(self) -> str | None:
+        return json.dumps(self._ledger) if self._ledger else None
+
+
+class StepTransaction(StepWrites):
+    """What an atomic step's function receives: one open transaction.
+
+    ``connection`` is a SQLAlchemy ``Connection`` in that transaction: rows the
+    caller writes on it commit (or roll back) together with the checkpoint and
+    the intents. Do not commit or roll back on it yourself.
+    """
+
+    def __init__(self, run: RunHandle, connection: Connection, step_id: str) -> None:
+        super().__init__(run, connection, step_id)
+        self.connection = connection
 
     def intend(
         self,
@@ -220,56 +402,37 @@ class StepTransaction:
 
         The idempotency key defaults to one derived from (run, step, index of
         this intent in the step), so a replayed step re-derives the same key.
-        A caller's own ``key`` must be unique across all runs: reusing it with
-        the same payload returns the existing intent, with another payload
-        raises :class:`~outbox.IdempotencyConflict`.
+        A caller's own ``key`` names one intent across all runs: reusing it
+        returns the existing intent when kind, payload and run all match, and
+        raises :class:`~outbox.IdempotencyConflict` otherwise. What a payload
+        may contain: ``outbox.intent_rules`` (no credentials, no framing headers).
         """
-        options: dict[str, Any] = {
-            "key": key,
-            "ordering_key": ordering_key,
-            "max_attempts": max_attempts,
-            "delay_seconds": delay_seconds,
-            "schema_version": schema_version,
-            "cost": cost,
-        }
-        if compensate is not None:
-            options["compensate"] = {"kind": compensate[0], "payload": compensate[1]}
-        before = self._intents.pending
-        effect = self._intents.add(
-            run_id=self.run.id, step_id=self.step_id, kind=kind, payload=payload, options=options
+        options = intend_options(
+            key=key,
+            ordering_key=ordering_key,
+            max_attempts=max_attempts,
+            delay_seconds=delay_seconds,
+            schema_version=schema_version,
+            compensate=compensate,
+            cost=cost,
         )
-        if effect.cost is not None and self._intents.pending > before:
-            # Reserved when the intent commits; the effect's outcome settles it.
-            self._reserve += effect.cost
-            self._ledger.append(
-                {
-                    "entry": "reserve",
-                    "reason": kind,
-                    "amount": str(effect.cost),
-                    "effect_id": str(effect.id),
-                }
-            )
-        return effect
+        prepared, before = self._prepare_intent(kind, payload, options)
+        existing = None
+        if not isinstance(prepared, Effect) and prepared.caller_key:
+            existing = self._intents.lookup(prepared.key)
+        return self._record_intent(prepared, existing, before)
 
-    def spend(self, amount: float | Decimal, reason: str) -> None:
-        """Debit the run's budget by ``amount`` for ``reason`` (a model call, say) if this commits.
 
-        Keyed by (run, step, reason): a step records its debits once, so a
-        replay or a retry cannot spend twice. If the run's budget cannot cover
-        every debit and reservation of the step, the step commits nothing and
-        raises :class:`~outbox.BudgetExceeded`.
-        """
-        value = Decimal(str(amount))
-        if not value.is_finite() or value <= 0:
-            raise ValidationError("amount", amount, "must be a positive, finite number")
-        if not isinstance(reason, str) or not reason.strip() or len(reason) > 200:
-            raise ValidationError("reason", reason, "must be a non-empty string of at most 200")
-        if any(e["entry"] == "spend" and e["reason"] == reason for e in self._ledger):
-            raise ValidationError("reason", reason, "already spent for in this step")
-        self._debit += value
-        self._ledger.append(
-            {"entry": "spend", "reason": reason, "amount": str(value), "effect_id": None}
+def _amount(amount: Any) -> Decimal:
+    """A positive, finite amount of at most ``MAX_AMOUNT``, or a :class:`ValidationError`."""
+    if isinstance(amount, bool) or not isinstance(amount, int | float | Decimal):
+        raise ValidationError("amount", amount, "must be a number")
+    try:
+        value = Decimal(amount) if isinstance(amount, int) else Decimal(str(amount))
+    except ValueError:
+        raise ValidationError("amount", amount, "must be a number") from None
+    if not value.is_finite() or value <= 0 or value > MAX_AMOUNT:
+        raise ValidationError(
+            "amount", amount, f"must be a positive, finite number of at most {MAX_AMOUNT:.0e}"
         )
-
-    def _ledger_json(self) -> str | None:
-        return json.dumps(self._ledger) if self._ledger else None
+    return value

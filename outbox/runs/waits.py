@@ -14,6 +14,7 @@ effect wakes it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,7 +23,7 @@ from uuid import UUID
 
 from outbox.errors import EffectFailed, EffectTimeout, OutboxError, SignalTimeout, WaitTimeout
 from outbox.models import EffectStatus, StepRecord, StepStatus
-from outbox.storage.notify import wait_for_notify
+from outbox.storage.notify import wait_for_notify, wait_for_notify_async
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql.common import SIGNALS_CHANNEL
 
@@ -33,6 +34,7 @@ __all__ = [
     "block_until",
     "check_wait",
     "recorded_error",
+    "wait_until",
 ]
 
 # Parked on an effect, a run is woken by the effect's completion. Completions
@@ -41,6 +43,8 @@ __all__ = [
 EFFECT_RECHECK_SECONDS = 30.0
 #: A plain script blocked in a wait re-checks at least this often.
 BLOCKING_RECHECK_SECONDS = 5.0
+#: Outside a worker, an awaited effect is polled this often.
+EFFECT_POLL_SECONDS = 0.2
 
 _ENDED_BADLY = (EffectStatus.FAILED, EffectStatus.CANCELLED, EffectStatus.COMPENSATED)
 
@@ -161,14 +165,30 @@ def check_wait(
     return Pending(step.seconds_left)
 
 
-def block_until(dsn: str, spec: WaitSpec, seconds_left: float | None, run_id: UUID) -> None:
-    """Outside a worker a wait blocks: sleep, LISTEN for this run's signals, or poll an effect."""
+def _horizon(seconds_left: float | None) -> float:
     horizon = BLOCKING_RECHECK_SECONDS
     if seconds_left is not None:
         horizon = min(max(seconds_left, 0.0), horizon)
+    return horizon
+
+
+def block_until(dsn: str, spec: WaitSpec, seconds_left: float | None, run_id: UUID) -> None:
+    """Outside a worker a wait blocks: sleep, LISTEN for this run's signals, or poll an effect."""
+    horizon = _horizon(seconds_left)
     if spec.kind == "signal":
         wait_for_notify(dsn, SIGNALS_CHANNEL, horizon, payload=str(run_id))
     elif spec.kind == "effect":
-        time.sleep(min(horizon, 0.2))
+        time.sleep(min(horizon, EFFECT_POLL_SECONDS))
     else:
         time.sleep(horizon)
+
+
+async def wait_until(dsn: str, spec: WaitSpec, seconds_left: float | None, run_id: UUID) -> None:
+    """Async twin of :func:`block_until`: the event loop keeps running other runs meanwhile."""
+    horizon = _horizon(seconds_left)
+    if spec.kind == "signal":
+        await wait_for_notify_async(dsn, SIGNALS_CHANNEL, horizon, payload=str(run_id))
+    elif spec.kind == "effect":
+        await asyncio.sleep(min(horizon, EFFECT_POLL_SECONDS))
+    else:
+        await asyncio.sleep(horizon)

@@ -28,16 +28,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from outbox.errors import LeaseLost, RunTerminal
 from outbox.faults import crash_point
 from outbox.ids import default_owner
+from outbox.intent_rules import MAX_DELAY_SECONDS
 from outbox.models import Lease, RunRecord, RunStatus
-from outbox.payloads import encode
+from outbox.payloads import decode, encode
 from outbox.retry import RetryPolicy
 from outbox.runs.context import RunContext, StateUpgrade
 from outbox.runs.run import Run, Suspended
+from outbox.runs.run_base import RunBase
 from outbox.runs.stopping import advance_stopping_runs
 from outbox.storage.notify import listen_blocking
 from outbox.storage.sql.common import RUNS_CHANNEL
 
-__all__ = ["Worker", "WorkerSettings"]
+__all__ = ["Worker", "WorkerCore", "WorkerSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +47,149 @@ log = logging.getLogger(__name__)
 class WorkerSettings(BaseModel):
     """How one agent worker behaves."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     concurrency: int = Field(default=4, ge=1, le=1000)
-    lease_seconds: float = Field(default=30.0, gt=0)
-    poll_seconds: float = Field(default=1.0, gt=0)
-    sweep_seconds: float = Field(default=0.25, gt=0)
+    lease_seconds: float = Field(default=30.0, gt=0, le=86_400)
+    poll_seconds: float = Field(default=1.0, gt=0, le=3600)
+    sweep_seconds: float = Field(default=0.25, gt=0, le=3600)
     #: A step that raises is retried this many times before the run fails.
-    max_step_retries: int = Field(default=3, ge=0)
-    retry_base_seconds: float = Field(default=1.0, ge=0)
-    retry_cap_seconds: float = Field(default=300.0, ge=0)
-    grace_seconds: float = Field(default=30.0, ge=0)
+    max_step_retries: int = Field(default=3, ge=0, le=1000)
+    retry_base_seconds: float = Field(default=1.0, ge=0, le=86_400)
+    retry_cap_seconds: float = Field(default=300.0, ge=0, le=MAX_DELAY_SECONDS)
+    grace_seconds: float = Field(default=30.0, ge=0, le=86_400)
     owner: str = Field(default_factory=default_owner)
 
 
-class Worker:
+class WorkerCore:
+    """What the sync and the async worker share: claims, upgrades, failures, leases (no I/O)."""
+
+    def __init__(self, ctx: RunContext, agent: str, version: str, settings: WorkerSettings) -> None:
+        self.ctx = ctx
+        self.agent = agent
+        self.version = version
+        self.settings = settings
+        self.owner = settings.owner
+        self._held: dict[UUID, int] = {}
+        self._lock = threading.Lock()
+        self._policy = RetryPolicy(settings.retry_base_seconds, settings.retry_cap_seconds)
+        #: Handler outcomes so far: completed, failed, suspended, retried, abandoned.
+        self.counts: dict[str, int] = {}
+
+    def _upgrades(self) -> dict[str, StateUpgrade]:
+        return self.ctx.upgrades.into(self.agent, self.version)
+
+    def _log_start(self) -> None:
+        log.info(
+            "worker %s: %s %s (also from %s)",
+            self.owner,
+            self.agent,
+            self.version,
+            sorted(self._upgrades()) or "no other version",
+        )
+
+    def _quotas(self, free: int) -> list[tuple[dict[str, str], int]]:
+        """The partitions this worker claims from: its version, then those it may upgrade."""
+        versions = [self.version, *self._upgrades()]
+        return [({"agent": self.agent, "agent_version": v}, free) for v in versions]
+
+    def _count(self, outcome: str) -> None:
+        with self._lock:
+            self.counts[outcome] = self.counts.get(outcome, 0) + 1
+
+    def _hold(self, record: RunRecord) -> None:
+        with self._lock:
+            self._held[record.id] = record.attempt
+
+    def _release(self, run_id: UUID) -> None:
+        with self._lock:
+            self._held.pop(run_id, None)
+
+    def _held_now(self) -> list[tuple[UUID, int]]:
+        with self._lock:
+            return list(self._held.items())
+
+    @staticmethod
+    def _context(record: RunRecord, owner: str) -> dict[str, Any]:
+        return {"run_id": str(record.id), "worker": owner, "attempt": record.attempt}
+
+    def _upgrade_args(self, record: RunRecord, lease: Lease) -> dict[str, Any]:
+        """``Store.upgrade_run`` arguments: the registered upgrade applied to the run's state."""
+        fn = self._upgrades()[record.agent_version]
+        state = encode(
+            fn(record.state), field="state", max_bytes=self.ctx.settings.max_payload_bytes
+        )
+        return {
+            "from_version": record.agent_version,
+            "to_version": self.version,
+            "state_json": state,
+        }
+
+    def _upgraded(self, record: RunRecord, upgraded: RunRecord | None) -> RunRecord:
+        if upgraded is None:
+            raise LeaseLost(f"run_id={str(record.id)!r}: lost while upgrading")
+        crash_point("after_upgrade", f"{record.agent_version}->{self.version}", run=record.id)
+        log.info(
+            "run upgraded %s -> %s",
+            record.agent_version,
+            self.version,
+            extra={"run_id": str(record.id)},
+        )
+        return upgraded
+
+    def _failure_args(self, run: RunBase, exc: Exception) -> dict[str, Any]:
+        """``Store.record_step_failure`` arguments for a step that raised ``exc``."""
+        step = run.active_step or "<handler>"
+        failures = run.record.step_retries.get(step, 0) + 1
+        delay = self._policy.backoff(failures)
+        retry_after = getattr(exc, "retry_after", None)
+        if isinstance(retry_after, int | float):
+            delay = max(delay, float(retry_after))
+        failure = {
+            "step": step,
+            "type": type(exc).__name__,
+            "message": str(exc)[:2000],
+            "traceback": "".join(traceback.format_exception(exc))[-4000:],
+            "failures": failures,
+        }
+        return {
+            "step": step,
+            "max_retries": self.settings.max_step_retries,
+            "delay": delay,
+            "failure_json": encode(failure, field="error"),
+        }
+
+    def _failure_recorded(
+        self, status: str | None, args: dict[str, Any], exc: Exception, context: dict[str, Any]
+    ) -> None:
+        step = args["step"]
+        failures = decode(args["failure_json"])["failures"]
+        if status == "failed":
+            self._count("failed")
+            log.warning(
+                "run failed at step %s after %d failures: %s", step, failures, exc, extra=context
+            )
+        elif status == "runnable":
+            self._count("retried")
+            log.info(
+                "step %s failed (%s); retry %d in %.1fs",
+                step,
+                exc,
+                failures,
+                args["delay"],
+                extra=context,
+            )
+        else:
+            self._count("abandoned")
+
+    @staticmethod
+    def _report_lost(held: list[tuple[UUID, int]], kept: set[UUID]) -> None:
+        for run_id, _ in held:
+            if run_id not in kept:
+                log.warning("lease on run %s was lost", run_id, extra={"run_id": str(run_id)})
+
+
+class Worker(WorkerCore):
     """Executes runs of ``agent`` at ``version`` (and of older versions upgraded to it)."""
 
     def __init__(
@@ -70,19 +200,10 @@ class Worker:
         handler: Callable[[Run], Any],
         settings: WorkerSettings,
     ) -> None:
-        self.ctx = ctx
-        self.agent = agent
-        self.version = version
+        super().__init__(ctx, agent, version, settings)
         self.handler = handler
-        self.settings = settings
-        self.owner = settings.owner
-        self._held: dict[UUID, int] = {}
-        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._policy = RetryPolicy(settings.retry_base_seconds, settings.retry_cap_seconds)
-        #: Handler outcomes so far: completed, failed, suspended, retried, abandoned.
-        self.counts: dict[str, int] = {}
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -99,13 +220,7 @@ class Worker:
         ]
         for thread in background:
             thread.start()
-        log.info(
-            "worker %s: %s %s (also from %s)",
-            self.owner,
-            self.agent,
-            self.version,
-            sorted(self._upgrades()) or "no other version",
-        )
+        self._log_start()
         with ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="outbox-run") as pool:
             try:
                 self._claim_loop(pool)
@@ -124,11 +239,7 @@ class Worker:
 
     # -- claiming ---------------------------------------------------------------------
 
-    def _upgrades(self) -> dict[str, StateUpgrade]:
-        return self.ctx.upgrades.into(self.agent, self.version)
-
     def _claim_loop(self, pool: ThreadPoolExecutor) -> None:
-        versions = [self.version, *self._upgrades()]
         idle = 0.01
         while not self._stopping.is_set():
             free = self.settings.concurrency - len(self._held)
@@ -137,15 +248,14 @@ class Worker:
                 self._wake.clear()
                 try:
                     rows = self.ctx.store.claim_runs(
-                        [({"agent": self.agent, "agent_version": v}, free) for v in versions],
+                        self._quotas(free),
                         owner=self.owner,
                         lease_seconds=self.settings.lease_seconds,
                     )
                 except Exception:
                     log.exception("claiming runs failed")
                 for record in rows:
-                    with self._lock:
-                        self._held[record.id] = record.attempt
+                    self._hold(record)
                     try:
                         pool.submit(self._execute, record)
                     except RuntimeError:  # the interpreter is exiting; the lease will expire
@@ -158,17 +268,15 @@ class Worker:
 
     # -- one run ------------------------------------------------------------------------
 
-    def _count(self, outcome: str) -> None:
-        with self._lock:
-            self.counts[outcome] = self.counts.get(outcome, 0) + 1
-
     def _execute(self, record: RunRecord) -> None:
         lease = Lease(self.owner, record.attempt)
-        context = {"run_id": str(record.id), "worker": self.owner, "attempt": record.attempt}
+        context = self._context(record, self.owner)
+        store = self.ctx.store
         try:
             if record.agent_version != self.version:
-                record = self._upgrade(record, lease)
-            loaded = self.ctx.store.load_run(record.id)
+                upgraded = store.upgrade_run(record.id, lease, **self._upgrade_args(record, lease))
+                record = self._upgraded(record, upgraded)
+            loaded = store.load_run(record.id)
             if loaded is None:
                 return
             run = Run(self.ctx, record, loaded[1], lease=lease)
@@ -183,7 +291,9 @@ class Worker:
                 log.warning("run left by this worker: %s", exc, extra=context)
                 return
             except Exception as exc:
-                self._step_failed(run, exc, lease, context)
+                args = self._failure_args(run, exc)
+                status = store.record_step_failure(run.id, lease, **args)
+                self._failure_recorded(status, args, exc, context)
                 return
             if run.status not in (RunStatus.COMPLETED, RunStatus.FAILED):
                 try:
@@ -196,67 +306,8 @@ class Worker:
         except Exception:
             log.exception("worker error on run", extra=context)
         finally:
-            with self._lock:
-                self._held.pop(record.id, None)
+            self._release(record.id)
             self._wake.set()
-
-    def _upgrade(self, record: RunRecord, lease: Lease) -> RunRecord:
-        fn = self._upgrades()[record.agent_version]
-        state = encode(
-            fn(record.state), field="state", max_bytes=self.ctx.settings.max_payload_bytes
-        )
-        upgraded = self.ctx.store.upgrade_run(
-            record.id,
-            lease,
-            from_version=record.agent_version,
-            to_version=self.version,
-            state_json=state,
-        )
-        if upgraded is None:
-            raise LeaseLost(f"run_id={str(record.id)!r}: lost while upgrading")
-        crash_point("after_upgrade", f"{record.agent_version}->{self.version}", run=record.id)
-        log.info(
-            "run upgraded %s -> %s",
-            record.agent_version,
-            self.version,
-            extra={"run_id": str(record.id)},
-        )
-        return upgraded
-
-    def _step_failed(self, run: Run, exc: Exception, lease: Lease, context: dict[str, Any]) -> None:
-        step = run.active_step or "<handler>"
-        failures = run.record.step_retries.get(step, 0) + 1
-        delay = self._policy.backoff(failures)
-        retry_after = getattr(exc, "retry_after", None)
-        if isinstance(retry_after, int | float):
-            delay = max(delay, float(retry_after))
-        failure = {
-            "step": step,
-            "type": type(exc).__name__,
-            "message": str(exc)[:2000],
-            "traceback": "".join(traceback.format_exception(exc))[-4000:],
-            "failures": failures,
-        }
-        status = self.ctx.store.record_step_failure(
-            run.id,
-            lease,
-            step=step,
-            max_retries=self.settings.max_step_retries,
-            delay=delay,
-            failure_json=encode(failure, field="error"),
-        )
-        if status == "failed":
-            self._count("failed")
-            log.warning(
-                "run failed at step %s after %d failures: %s", step, failures, exc, extra=context
-            )
-        elif status == "runnable":
-            self._count("retried")
-            log.info(
-                "step %s failed (%s); retry %d in %.1fs", step, exc, failures, delay, extra=context
-            )
-        else:
-            self._count("abandoned")
 
     # -- background -----------------------------------------------------------------------
 
@@ -276,16 +327,11 @@ class Worker:
                 now = time.monotonic()
                 if now - last_heartbeat >= self.settings.lease_seconds / 3:
                     last_heartbeat = now
-                    with self._lock:
-                        held = list(self._held.items())
+                    held = self._held_now()
                     kept = store.extend_run_leases(
                         held, owner=self.owner, lease_seconds=self.settings.lease_seconds
                     )
-                    for run_id, _ in held:
-                        if run_id not in kept:
-                            log.warning(
-                                "lease on run %s was lost", run_id, extra={"run_id": str(run_id)}
-                            )
+                    self._report_lost(held, kept)
                 if now - last_stopping >= 1.0:
                     last_stopping = now
                     with store.run_tx() as tx:

@@ -8,35 +8,65 @@ and slows every claim (DESIGN.md, lessons).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from decimal import Decimal
+from typing import Any
 
+import psycopg
 import sqlalchemy.exc
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from outbox.errors import DatabaseError, IdempotencyConflict
+from outbox.errors import (
+    BudgetExceeded,
+    ConfigurationError,
+    DatabaseError,
+    EmbeddedServerError,
+    IdempotencyConflict,
+    OutboxError,
+    PayloadError,
+    RunNotFound,
+    RunStateError,
+    RunTerminal,
+    StepAlreadyRecorded,
+    ValidationError,
+)
 from outbox.settings import Settings
 from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.migrate import check_schema, migrate
+
+DSN_FORM = "expected postgresql://user:password@host:port/database (OUTBOX_DSN or --dsn)"
+POSTGRES_DRIVERS = frozenset(
+    {"postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2"}
+)
 
 __all__ = [
     "libpq_dsn",
     "make_async_engine",
     "make_engine",
+    "open_async_engine",
     "open_engine",
     "psycopg_url",
     "redacted_dsn",
     "resolve_dsn",
+    "sql_api_error",
     "translate_errors",
 ]
 
 
 def psycopg_url(dsn: str | URL) -> URL:
     """A SQLAlchemy URL on psycopg 3 for any ``postgresql://`` DSN."""
-    url = make_url(dsn) if isinstance(dsn, str) else dsn
+    try:
+        url = make_url(dsn) if isinstance(dsn, str) else dsn
+    except sqlalchemy.exc.ArgumentError:
+        # Not repeated: a mangled DSN may still hold a password.
+        raise ConfigurationError(f"dsn is not a URL; {DSN_FORM}") from None
+    if url.drivername not in POSTGRES_DRIVERS:
+        raise ConfigurationError(f"dsn names {url.drivername!r}, not PostgreSQL; {DSN_FORM}")
     if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
         url = url.set(drivername="postgresql+psycopg")
     return url
@@ -99,34 +129,115 @@ def make_async_engine(
     )
 
 
+def sql_api_error(sqlstate: str | None, message: str, detail: str | None) -> OutboxError | None:
+    """The typed error for a SQL API refusal (SQLSTATE class ``OB``), else None.
+
+    ``detail`` is the JSON object the SQL functions put in the error's DETAIL
+    (docs/sql-api.md, "Errors"): the fields each exception is built from.
+    """
+    if sqlstate is None or not sqlstate.startswith("OB"):
+        return None
+    try:
+        fields: dict[str, Any] = json.loads(detail or "{}")
+    except ValueError:
+        fields = {}
+    match sqlstate:
+        case "OB001":
+            return ValidationError(fields.get("field", "?"), fields.get("value"), fields["reason"])
+        case "OB002":
+            return PayloadError(fields.get("field", "?"), fields.get("value"), fields["reason"])
+        case "OB003":
+            return IdempotencyConflict(fields["key"], fields["reason"])
+        case "OB004":
+            return RunNotFound(fields["run_id"])
+        case "OB005":
+            return RunTerminal(fields["run_id"], fields["status"])
+        case "OB006":
+            return StepAlreadyRecorded(fields["run_id"], fields["step_id"])
+        case "OB007":
+            return BudgetExceeded(
+                fields["run_id"],
+                float(Decimal(str(fields["requested"]))),
+                float(Decimal(str(fields["remaining"]))),
+            )
+        case "OB008":
+            return RunStateError(message)
+    return DatabaseError(message, sqlstate=sqlstate)
+
+
 @contextmanager
 def translate_errors(action: str) -> Iterator[None]:
     """Re-raise driver errors as :class:`DatabaseError`, keeping the original as the cause.
 
     A unique violation on the idempotency key becomes :class:`IdempotencyConflict`
-    naming the key. Usable around ``await`` too: it only looks at what is raised.
+    naming the key; a SQL API refusal (SQLSTATE ``OB...``) becomes its typed error
+    (:func:`sql_api_error`). Usable around ``await`` too: it only looks at what is raised.
     """
     try:
         yield
-    except sqlalchemy.exc.IntegrityError as exc:
-        constraint = getattr(getattr(exc.orig, "diag", None), "constraint_name", None)
-        if constraint == "outbox_effects_idempotency_key":
-            detail = getattr(getattr(exc.orig, "diag", None), "message_detail", None) or ""
+    except sqlalchemy.exc.DBAPIError as exc:
+        diag = getattr(exc.orig, "diag", None)
+        typed = sql_api_error(
+            getattr(exc.orig, "sqlstate", None),
+            getattr(diag, "message_primary", None) or str(exc.orig),
+            getattr(diag, "message_detail", None),
+        )
+        if typed is not None:
+            raise typed from exc
+        constraint = getattr(diag, "constraint_name", None)
+        if (
+            isinstance(exc, sqlalchemy.exc.IntegrityError)
+            and constraint == "outbox_effects_idempotency_key"
+        ):
+            detail = getattr(diag, "message_detail", None) or ""
             match = re.search(r"\(idempotency_key\)=\((.*)\) already exists", detail)
             key = match[1] if match else "<unknown>"
             raise IdempotencyConflict(key, f"while {action}: already intended") from exc
-        raise DatabaseError(f"{action} failed: {exc.orig}") from exc
-    except sqlalchemy.exc.DBAPIError as exc:
-        raise DatabaseError(f"{action} failed: {exc.orig}") from exc
+        if isinstance(exc, sqlalchemy.exc.IntegrityError) and constraint == "outbox_runs_pkey":
+            detail = getattr(diag, "message_detail", None) or ""
+            match = re.search(r"\(id\)=\((.*)\) already exists", detail)
+            raise ValidationError(
+                "run_id", match[1] if match else "<unknown>", "a run with this id exists already"
+            ) from exc
+        raise DatabaseError(f"{action} failed: {exc.orig}", **_nature(exc)) from exc
     except sqlalchemy.exc.SQLAlchemyError as exc:
-        raise DatabaseError(f"{action} failed: {exc}") from exc
+        raise DatabaseError(f"{action} failed: {exc}", **_nature(exc)) from exc
+
+
+#: SQLSTATE classes of errors that say nothing about the statement itself:
+#: connection (08), transaction rollback: serialization, deadlock (40), resources
+#: (53), operator intervention: shutdown, cancel (57), system (58).
+TRANSIENT_SQLSTATE_CLASSES = frozenset({"08", "40", "53", "57", "58"})
+
+
+def _nature(exc: sqlalchemy.exc.SQLAlchemyError) -> dict[str, Any]:
+    """``sqlstate`` and ``transient`` of a driver error, for :class:`DatabaseError`."""
+    if isinstance(exc, sqlalchemy.exc.TimeoutError | sqlalchemy.exc.DisconnectionError):
+        return {"sqlstate": None, "transient": True}  # the pool: no statement ran
+    orig = getattr(exc, "orig", None)
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate:
+        return {"sqlstate": sqlstate, "transient": sqlstate[:2] in TRANSIENT_SQLSTATE_CLASSES}
+    # No code from the server: the connection failed, or the driver refused the
+    # parameters before sending them (an encoding error), which would recur.
+    connection_lost = bool(getattr(exc, "connection_invalidated", False)) or isinstance(
+        orig, psycopg.OperationalError | psycopg.InterfaceError
+    )
+    return {"sqlstate": None, "transient": connection_lost}
 
 
 def resolve_dsn(settings: Settings) -> tuple[str, bool]:
     """The DSN to use and whether it points at the embedded server (started if needed)."""
     if settings.dsn:
+        psycopg_url(settings.dsn)  # refuse a DSN that is not PostgreSQL's before connecting
         return settings.dsn, False
-    return EmbeddedServer(settings.home).ensure_running(), True
+    try:
+        return EmbeddedServer(settings.home).ensure_running(), True
+    except OSError as exc:
+        raise EmbeddedServerError(
+            f"home={str(settings.home)!r} (OUTBOX_HOME or --home) cannot hold the embedded "
+            f"server: {exc.strerror or exc}"
+        ) from exc
 
 
 def open_engine(settings: Settings, *, application_name: str = "outbox") -> Engine:
@@ -146,10 +257,31 @@ def open_engine(settings: Settings, *, application_name: str = "outbox") -> Engi
     auto = embedded if settings.auto_migrate is None else settings.auto_migrate
     try:
         if auto:
-            migrate(engine)
+            with translate_errors("migrating"):
+                migrate(engine)
         with translate_errors("checking the schema"), engine.connect() as conn:
             check_schema(conn)
     except BaseException:
         engine.dispose()
         raise
     return engine
+
+
+def open_async_engine(settings: Settings, *, application_name: str = "outbox") -> AsyncEngine:
+    """The async twin of :func:`open_engine` (call it in a thread: it may start a server).
+
+    The schema is migrated or checked through a short-lived sync engine, by the
+    same code; the async engine then gets the same pool size and session settings.
+    """
+    check = open_engine(settings, application_name=application_name)
+    try:
+        url = check.url
+    finally:
+        check.dispose()
+    return create_async_engine(
+        psycopg_url(url),
+        pool_size=settings.pool_size,
+        max_overflow=settings.pool_size,
+        pool_pre_ping=False,
+        connect_args=_connect_args(settings.idle_in_transaction_timeout_ms, application_name),
+    )

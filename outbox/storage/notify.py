@@ -24,12 +24,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
 from outbox.storage.engine import libpq_dsn
 
-__all__ = ["WakeupThrottle", "listen", "listen_blocking", "wait_for_notify"]
+__all__ = [
+    "Notifier",
+    "WakeupThrottle",
+    "listen",
+    "listen_blocking",
+    "wait_for_notify",
+    "wait_for_notify_async",
+]
 
 log = logging.getLogger(__name__)
 
@@ -167,3 +175,51 @@ def wait_for_notify(dsn: str, channel: str, timeout: float, *, payload: str | No
             if payload is None or note.payload == payload:
                 return True
     return False
+
+
+async def wait_for_notify_async(
+    dsn: str, channel: str, timeout: float, *, payload: str | None = None
+) -> bool:
+    """Async twin of :func:`wait_for_notify`: wait up to ``timeout`` s without blocking the loop."""
+    async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        await conn.execute(f"LISTEN {channel}")
+        async for note in conn.notifies(timeout=timeout):
+            if payload is None or note.payload == payload:
+                return True
+    return False
+
+
+class Notifier:
+    """NOTIFY on one connection of its own, kept open (trailing wake-ups sent from a thread).
+
+    An async client's engine belongs to its event loop, so the throttle's
+    thread cannot use it; opening a connection per NOTIFY would cost the server
+    a backend start each time (under load, up to one per window). A dropped
+    connection is opened again on the next send.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = libpq_dsn(dsn)
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def send(self, channel: str) -> None:
+        """One NOTIFY on ``channel`` (autocommit: nothing durable rides on it)."""
+        with self._lock:
+            try:
+                if self._conn is None or self._conn.closed:
+                    self._conn = psycopg.connect(self._dsn, autocommit=True)
+                self._conn.execute("SELECT pg_notify(%s, '')", (channel,))
+            except psycopg.Error:
+                self._close()
+                raise
+
+    def close(self) -> None:
+        """Close the connection (sends after this reopen it)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

@@ -10,11 +10,14 @@ claim cost does not grow with the number of finished rows kept for history.
 
 from __future__ import annotations
 
+from importlib import resources
+
 from sqlalchemy import (
     DDL,
     BigInteger,
     CheckConstraint,
     Column,
+    Connection,
     DateTime,
     ForeignKey,
     Identity,
@@ -23,6 +26,7 @@ from sqlalchemy import (
     MetaData,
     Numeric,
     PrimaryKeyConstraint,
+    Sequence,
     Table,
     Text,
     UniqueConstraint,
@@ -52,6 +56,7 @@ __all__ = [
     "migrations",
     "runs",
     "signals",
+    "sql_api_ddl",
     "steps",
     "webhook_replays",
 ]
@@ -111,6 +116,8 @@ runs = Table(
     Column("step_retries", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("upgrades", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
     Column("cancel_reason", Text),
+    # 0006: the W3C traceparent of the run's trace (its steps are spans of it)
+    Column("trace_parent", Text),
     CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
     # every step updates the row: room on the page keeps those updates HOT (0004)
     postgresql_with={"fillfactor": "80"},
@@ -226,6 +233,8 @@ effects = Table(
     _ts("completed_at"),
     # 0002: the run parked on this effect (run.await_effect); see queue.complete_effects
     Column("awaited_by", UUID(as_uuid=True)),
+    # 0006: the W3C traceparent current at tx.intend (each attempt is a span of its trace)
+    Column("trace_parent", Text),
     UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
     CheckConstraint(sql_in("status", EFFECT_STATUSES), name="outbox_effects_status_check"),
 )
@@ -267,6 +276,19 @@ Index(
     effects.c.status,
     effects.c.seq,
     postgresql_where=text("status IN ('unknown', 'failed')"),
+)
+
+# 0006: the console finds an effect's compensation, and stopped effects, without a scan;
+# neither index is written by the intent, claim or completion of an ordinary effect.
+Index(
+    "outbox_effects_compensates",
+    effects.c.compensates,
+    postgresql_where=text("compensates IS NOT NULL"),
+)
+Index(
+    "outbox_effects_stopped",
+    effects.c.id,
+    postgresql_where=text(sql_in("status", (EffectStatus.CANCELLED, EffectStatus.COMPENSATED))),
 )
 
 effect_attempts = Table(
@@ -399,3 +421,31 @@ consumed_keys = Table(
     _ts("consumed_at", nullable=False, default_now=True),
     PrimaryKeyConstraint("consumer_group", "idempotency_key", name="outbox_consumed_keys_pkey"),
 )
+
+# 0007: the SQL API (docs/sql-api.md). When its writers last sent a NOTIFY per channel
+# (microseconds; setval is not transactional, so no writer waits on another).
+Sequence("outbox_wake_clock_effects", start=0, minvalue=0, metadata=metadata)
+Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
+
+SQL_API_MIGRATION = "0007_sql_api.sql"
+_FUNCTIONS_MARKER = "-- @functions"
+
+
+def sql_api_ddl() -> str:
+    """The SQL API's functions and trigger: the part of its migration below ``-- @functions``.
+
+    Read from the migration itself, so a fresh schema and a migrated one get
+    the same definitions from one text. A later migration that replaces one of
+    these functions must be read here too.
+    """
+    text_ = resources.files("outbox.storage.migrations").joinpath(SQL_API_MIGRATION).read_text()
+    return text_[text_.index(_FUNCTIONS_MARKER) :]
+
+
+@event.listens_for(metadata, "after_create")
+def _create_sql_api(target: MetaData, connection: Connection, **kw: object) -> None:
+    # One multi-statement script with no parameters: psycopg sends it as a
+    # simple query (as outbox.storage.migrate does), so "%" stays literal.
+    driver = connection.connection.driver_connection
+    assert driver is not None
+    driver.execute(sql_api_ddl())

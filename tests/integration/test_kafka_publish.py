@@ -25,7 +25,7 @@ from sqlalchemy import Connection, func, select, text
 from deliverers.kafka import KafkaDeliverer
 from deliverers.kafka_dedup import DedupConsumer, DedupStats
 from deliverers.testing import TANSU_CONSUMER_TUNING
-from outbox import Outbox
+from outbox import Outbox, ValidationError
 from outbox.models import Effect
 from outbox.storage.schema import consumed_keys
 from tests.support import DaemonThread, wait_for
@@ -254,7 +254,6 @@ def test_bad_records_fail_with_a_clear_reason(ob: Outbox, dsn: str, kafka_broker
     kafka_broker.create_topic(topic, 1)
     payloads: dict[str, dict[str, Any]] = {
         "ok": {"topic": topic, "value": {"fine": True}},
-        "reserved": {"topic": topic, "value": 1, "headers": {"Idempotency-Key": "forged"}},
         "run-id": {"topic": topic, "value": 1, "headers": {"run-id": "forged"}},
         "elsewhere": {"topic": unique_topic("secret"), "value": 1},
         "both": {"topic": topic, "value": 1, "value_b64": "AAEC"},
@@ -262,6 +261,9 @@ def test_bad_records_fail_with_a_clear_reason(ob: Outbox, dsn: str, kafka_broker
         "bad-topic": {"topic": "no spaces allowed", "value": 1},
         "too-large": {"topic": topic, "value": "x" * 4000},
     }
+    # A forged idempotency key never gets this far: intend refuses it (outbox.intent_rules).
+    with pytest.raises(ValidationError, match="set by the deliverer"):
+        intend(ob, [{"topic": topic, "value": 1, "headers": {"Idempotency-Key": "forged"}}])
     intend(ob, list(payloads.values()))
     deliverer = deliverer_for(
         kafka_broker, allowed_topics=["allowed-*"], producer={"max_request_size": 2048}
@@ -274,7 +276,6 @@ def test_bad_records_fail_with_a_clear_reason(ob: Outbox, dsn: str, kafka_broker
     by_name = dict(zip(payloads, effects(ob), strict=True))  # effects come in intent order
     assert by_name["ok"].status.value == "succeeded"
     expected = {
-        "reserved": "header 'Idempotency-Key' is reserved",
         "run-id": "header 'run-id' is reserved",
         "elsewhere": "is not in allowed_topics",
         "both": "not both",

@@ -76,15 +76,15 @@ def test_stale_handle_replays_what_another_process_recorded(ob: Outbox) -> None:
 
 
 def test_caller_key_reused_with_same_payload_returns_the_existing_intent(ob: Outbox) -> None:
-    run_a = ob.start_run("billing", "1")
-    run_b = ob.start_run("billing", "1")
-    first = run_a.transaction(
+    run = ob.start_run("billing", "1")
+    first = run.transaction(
         "charge", lambda tx: str(tx.intend("payment.charge", {"cents": 500}, key="invoice-42").id)
     )
-    second = run_b.transaction(
-        "charge", lambda tx: str(tx.intend("payment.charge", {"cents": 500}, key="invoice-42").id)
+    again = run.transaction(
+        "charge-again",
+        lambda tx: str(tx.intend("payment.charge", {"cents": 500}, key="invoice-42").id),
     )
-    assert first == second
+    assert first == again
     assert len(ob.effects()) == 1
 
 
@@ -100,6 +100,50 @@ def test_caller_key_reused_with_other_payload_is_a_conflict_naming_the_key(ob: O
         )
     assert info.value.key == "invoice-42"
     assert ob.run(run_b.id).completed_steps == [], "the conflicting step wrote nothing"
+
+
+@pytest.mark.parametrize("other", ["kind", "run", "no run"])
+def test_caller_key_reused_with_same_payload_by_another_kind_or_owner_is_a_conflict(
+    ob: Outbox, other: str
+) -> None:
+    # M3: the key names one intent; the same payload under another kind or owner
+    # used to return the existing effect silently, and the new intent was never written.
+    run = ob.start_run("billing", "1")
+    run.transaction(
+        "charge", lambda tx: tx.intend("payment.charge", {"cents": 500}, key="invoice-42") and None
+    )
+    kind = "payment.refund" if other == "kind" else "payment.charge"
+    with pytest.raises(IdempotencyConflict, match="invoice-42") as info:
+        if other == "no run":
+            with ob.transaction() as tx:
+                tx.intend(kind, {"cents": 500}, key="invoice-42")
+        else:
+            owner = run if other == "kind" else ob.start_run("billing", "1")
+            owner.transaction("again", lambda tx: tx.intend(kind, {"cents": 500}, key="invoice-42"))
+    assert info.value.key == "invoice-42"
+    assert len(ob.effects()) == 1
+    assert ob.effects()[0].run_id == run.id
+
+
+def test_same_key_twice_in_one_step_with_another_kind_is_a_conflict(ob: Outbox) -> None:
+    run = ob.start_run("billing", "1")
+
+    def twice(tx: StepTransaction) -> None:
+        tx.intend("payment.charge", {"cents": 5}, key="k-1")
+        tx.intend("payment.refund", {"cents": 5}, key="k-1")
+
+    with pytest.raises(IdempotencyConflict, match="k-1"):
+        run.transaction("s", twice)
+    assert ob.effects() == []
+
+
+def test_run_less_transactions_share_a_caller_key(ob: Outbox) -> None:
+    with ob.transaction() as tx:
+        first = tx.intend("email.send", {"to": "a"}, key="order-7-confirmation")
+    with ob.transaction() as tx:
+        again = tx.intend("email.send", {"to": "a"}, key="order-7-confirmation")
+    assert first.id == again.id
+    assert len(ob.effects()) == 1
 
 
 def test_same_key_twice_in_one_step_with_other_payload_is_a_conflict(ob: Outbox) -> None:

@@ -16,10 +16,24 @@ ROOT = Path(__file__).resolve().parents[2]
 # Lower layers may not import higher ones. Base modules (errors, models, ...)
 # sit under storage and import nothing of the layers. ``testing`` (the
 # crash-consistency kit) composes the client and the deliverers, as the CLI does.
-LAYERS = ["storage", "runs", "delivery", "client", "serve", "testing", "cli"]
+LAYERS = ["storage", "runs", "delivery", "client", "integrations", "serve", "testing", "cli"]
 # The composition roots: the only packages that import ``deliverers``.
 COMPOSERS = (["outbox", "cli"], ["outbox", "testing"])
-BASE = {"errors", "models", "settings", "retry", "payloads", "keys", "ids", "validation", "faults"}
+# Modules named otherwise that belong to a layer.
+ALIASES = {"async_client": "client"}
+BASE = {
+    "errors",
+    "models",
+    "settings",
+    "retry",
+    "payloads",
+    "keys",
+    "ids",
+    "validation",
+    "faults",
+    "intent_rules",
+    "tracing",
+}
 # The one permitted upward edge: a finished effect moves a stopping run on.
 ALLOWED = {("delivery", "runs.stopping")}
 
@@ -53,7 +67,8 @@ def layer_of(module: str) -> str | None:
         return None
     if parts[1] in BASE or parts[1] in ("demo", "json_schemas", "__main__"):
         return "base" if parts[1] in BASE else "cli"
-    return parts[1] if parts[1] in LAYERS else None
+    layer = ALIASES.get(parts[1], parts[1])
+    return layer if layer in LAYERS else None
 
 
 def violations(files: dict[str, str]) -> list[str]:

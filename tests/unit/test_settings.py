@@ -61,3 +61,38 @@ def test_a_relay_owner_must_look_like_one() -> None:
     assert RelaySettings(bootstrap_servers="k:9092").owner.startswith("relay:")
     with pytest.raises(pydantic.ValidationError, match="must start with 'relay:'"):
         RelaySettings(bootstrap_servers="k:9092", owner="host:1")
+
+
+def test_step_caps_have_defaults_and_come_from_the_environment() -> None:
+    settings = Settings()
+    assert settings.max_step_intents == 10_000
+    assert settings.max_step_bytes == 64 * 1024 * 1024
+    env = {"OUTBOX_MAX_STEP_INTENTS": "50", "OUTBOX_MAX_STEP_BYTES": "4096"}
+    assert Settings.from_env(env).max_step_intents == 50
+    assert Settings.from_env(env).max_step_bytes == 4096
+    with pytest.raises(ConfigurationError, match="OUTBOX_MAX_STEP_BYTES"):
+        Settings.from_env({"OUTBOX_MAX_STEP_BYTES": str(2 * 1024**3)})
+
+
+@pytest.mark.parametrize("value", ["99999999999", "2147483648", "-1"])
+def test_idle_in_transaction_timeout_is_bounded(value: str) -> None:
+    # L1: PostgreSQL refused the unbounded value at connect time with a two-line error.
+    with pytest.raises(ConfigurationError, match="OUTBOX_IDLE_IN_TRANSACTION_TIMEOUT_MS"):
+        Settings.from_env({"OUTBOX_IDLE_IN_TRANSACTION_TIMEOUT_MS": value})
+
+
+@pytest.mark.parametrize(
+    ("dsn", "reason"),
+    [
+        ("garbage", "not a URL"),
+        ("mysql://user:hunter2@db/x", "not PostgreSQL"),
+        ("http://example.com", "not PostgreSQL"),
+    ],
+)
+def test_a_dsn_that_is_not_postgresql_is_a_configuration_error(dsn: str, reason: str) -> None:
+    from outbox.storage.engine import psycopg_url, resolve_dsn
+
+    with pytest.raises(ConfigurationError, match=reason) as info:
+        resolve_dsn(Settings(dsn=dsn))
+    assert "hunter2" not in str(info.value)
+    assert psycopg_url("postgresql://u@h/db").drivername == "postgresql+psycopg"

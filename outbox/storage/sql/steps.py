@@ -66,6 +66,7 @@ def insert_run(*, notify: bool) -> AnySelect:
             inputs_hash=bindparam("inputs_hash"),
             status=const(RunStatus.RUNNABLE.value),
             budget=bindparam("budget", type_=Numeric),
+            trace_parent=bindparam("trace_parent", type_=Text),
         )
         .returning(*runs.c)
         .cte("ins")
@@ -90,6 +91,7 @@ _EFFECT_FIELDS = (
     column("compensates", UUID(as_uuid=True)),
     column("cost", Numeric),
     column("delay_seconds", Float),
+    column("trace_parent", Text),
 )
 
 _EFFECT_INSERT_COLUMNS = [
@@ -109,6 +111,7 @@ _EFFECT_INSERT_COLUMNS = [
     "cost",
     "status",
     "available_at",
+    "trace_parent",
 ]
 
 
@@ -139,6 +142,7 @@ def _effect_select(rows: TableValuedAlias, run_id: ColumnElement[Any]) -> AnySel
         rows.c.cost,
         const("pending"),
         func.now() + rows.c.delay_seconds * text("interval '1 second'"),
+        rows.c.trace_parent,
     )
 
 

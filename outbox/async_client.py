@@ -1,0 +1,339 @@
+"""The async client: :class:`AsyncOutbox`, the twin of :class:`~outbox.Outbox` for async agents.
+
+The same names and the same semantics, awaited: ``await AsyncOutbox.connect()``,
+``await ob.start_run(...)``, ``await run.call(...)``, ``await run.transaction(...)``
+(``tx.connection`` is an ``AsyncConnection``), waits, signals, cancellation and
+``async with ob.transaction() as tx``. Validation comes from the helpers both
+clients call (:mod:`outbox.client`), statements from :class:`~outbox.storage.store.Store`
+awaited through :class:`~outbox.storage.async_run_store.AsyncRunStore`, and the
+rules of a run from :class:`~outbox.runs.run_base.RunBase`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from outbox.client import (
+    cancel_args,
+    connect_settings,
+    effect_filters,
+    new_run_row,
+    not_changed,
+    resolve_params,
+    retry_params,
+    run_filters,
+    signal_sender,
+)
+from outbox.errors import EffectNotFound, RunNotFound
+from outbox.models import Effect, RunRecord, RunStatus
+from outbox.runs.async_run import AsyncOutboxTransaction, AsyncRun
+from outbox.runs.async_worker import AsyncWorker
+from outbox.runs.context import AsyncRunContext, VersionUpgrades
+from outbox.runs.signals import SignalReceipt
+from outbox.runs.stopping import advance_stopping_run, advance_stopping_runs, cancel_run
+from outbox.runs.worker import WorkerSettings
+from outbox.settings import Settings
+from outbox.storage import AsyncConnection, AsyncEngine
+from outbox.storage.async_run_store import AsyncRunStore
+from outbox.storage.engine import open_async_engine
+from outbox.storage.notify import Notifier, WakeupThrottle
+from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
+from outbox.tracing import current_traceparent, run_span
+from outbox.validation import as_uuid, name_field, validated
+
+__all__ = ["AsyncOutbox", "BlockingAsyncWorker"]
+
+log = logging.getLogger(__name__)
+
+
+class AsyncOutbox:
+    """Entry point for async agents: a connection pool on the outbox store.
+
+    Use ``await AsyncOutbox.connect()``; ``await ob.close()`` (or ``async with``)
+    when done. One instance serves every task of its event loop.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        settings: Settings | None = None,
+        *,
+        upgrades: VersionUpgrades | None = None,
+    ) -> None:
+        self.settings = settings or Settings()
+        self.engine = engine
+        self.aio = AsyncRunStore(engine)
+        dsn = self.aio.dsn
+        window = self.settings.notify_window_ms / 1000
+        # The trailing NOTIFY is sent from the throttle's thread, on a connection of its own.
+        self._notifier = Notifier(dsn)
+        self._effects_wakeup = WakeupThrottle(
+            lambda: self._notifier.send(EFFECTS_CHANNEL), window_s=window
+        )
+        self._runs_wakeup = WakeupThrottle(
+            lambda: self._notifier.send(RUNS_CHANNEL), window_s=window
+        )
+        #: Agent-version upgrades workers of this client may apply (:meth:`register_upgrade`).
+        self.upgrades = upgrades or VersionUpgrades()
+        self._ctx = AsyncRunContext(
+            self.aio.sync,
+            self.settings,
+            self._effects_wakeup,
+            self._runs_wakeup,
+            self.upgrades,
+            aio=self.aio,
+        )
+
+    @classmethod
+    async def connect(
+        cls, dsn: str | None = None, *, settings: Settings | None = None, **overrides: Any
+    ) -> AsyncOutbox:
+        """Connect to ``dsn``, else ``OUTBOX_DSN``, else the embedded PostgreSQL in ``./.outbox``.
+
+        As :meth:`outbox.Outbox.connect`; starting the embedded server and
+        checking the schema happen in a thread, off the event loop.
+        """
+        settings = connect_settings(dsn, settings, overrides)
+        engine = await asyncio.to_thread(open_async_engine, settings)
+        return cls(engine, settings)
+
+    async def close(self) -> None:
+        """Send owed wake-ups and release every connection."""
+        await asyncio.to_thread(self._effects_wakeup.close)
+        await asyncio.to_thread(self._runs_wakeup.close)
+        await asyncio.to_thread(self._notifier.close)
+        await self.aio.dispose()
+
+    async def __aenter__(self) -> AsyncOutbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- runs -------------------------------------------------------------------
+
+    async def start_run(
+        self,
+        agent: str,
+        version: str,
+        inputs: Any = None,
+        *,
+        budget: float | None = None,
+        run_id: uuid.UUID | str | None = None,
+    ) -> AsyncRun:
+        """Start a run of ``agent`` pinned to ``version`` (see :meth:`outbox.Outbox.start_run`)."""
+        row = new_run_row(self.settings, agent, version, inputs, budget, run_id)
+        notify = self._runs_wakeup.inline()
+        with run_span(agent=row["agent"], version=row["agent_version"]):
+            # The run's trace: its steps are spans of it, in whichever process.
+            row["trace_parent"] = current_traceparent()
+            record = await self.aio.call(self.aio.sync.insert_run, row, notify=notify is not None)
+        self._runs_wakeup.committed(notify)
+        log.info("run started", extra={"run_id": str(record.id), "agent": agent})
+        return AsyncRun(self._ctx, record, [])
+
+    async def run(self, run_id: uuid.UUID | str) -> AsyncRun:
+        """Load a run (in any process) to inspect or resume it."""
+        rid = as_uuid(run_id, "run_id")
+        loaded = await self.aio.call(self.aio.sync.load_run, rid)
+        if loaded is None:
+            raise RunNotFound(rid)
+        return AsyncRun(self._ctx, *loaded)
+
+    async def runs(
+        self, *, status: str | None = None, agent: str | None = None, limit: int = 100
+    ) -> list[RunRecord]:
+        """Recent runs, newest first."""
+        filters = run_filters(status=status, agent=agent, limit=limit)
+        return await self.aio.call(self.aio.sync.list_runs, **filters)
+
+    # -- effects ----------------------------------------------------------------
+
+    async def effect(self, effect_id: uuid.UUID | str) -> Effect:
+        """One effect by id."""
+        eid = as_uuid(effect_id, "effect_id")
+        found = await self.aio.call(self.aio.sync.get_effect, eid)
+        if found is None:
+            raise EffectNotFound(eid)
+        return found
+
+    async def effects(
+        self,
+        *,
+        run_id: uuid.UUID | str | None = None,
+        status: str | None = None,
+        kind: str | None = None,
+        limit: int = 100,
+    ) -> list[Effect]:
+        """Effects in intent order, filtered by run, status or kind."""
+        filters = effect_filters(run_id=run_id, status=status, kind=kind, limit=limit)
+        return await self.aio.call(self.aio.sync.list_effects, **filters)
+
+    async def resolve_effect(
+        self, effect_id: uuid.UUID | str, *, outcome: str, note: str, operator: str
+    ) -> Effect:
+        """Close an ``unknown`` effect (see :meth:`outbox.Outbox.resolve_effect`)."""
+        params = resolve_params(outcome=outcome, note=note, operator=operator)
+        effect = await self.effect(effect_id)
+        changed = await self.aio.call(
+            self.aio.sync.operator_change, "resolve", {"effect_id": effect.id, **params}
+        )
+        if not changed:
+            raise not_changed(effect, "resolve")
+        if outcome == "retry":
+            self._effects_wakeup.committed(None)
+        return await self.effect(effect.id)
+
+    async def retry_effect(
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        operator: str,
+        extra_attempts: int = 3,
+        note: str | None = None,
+    ) -> Effect:
+        """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries."""
+        params = retry_params(extra_attempts=extra_attempts, operator=operator, note=note)
+        effect = await self.effect(effect_id)
+        changed = await self.aio.call(
+            self.aio.sync.operator_change, "retry", {"effect_id": effect.id, **params}
+        )
+        if not changed:
+            raise not_changed(effect, "retry")
+        self._effects_wakeup.committed(None)
+        return await self.effect(effect.id)
+
+    @asynccontextmanager
+    async def transaction(
+        self, connection: AsyncConnection | None = None
+    ) -> AsyncIterator[AsyncOutboxTransaction]:
+        """Intents that belong to no run, committed with the caller's rows (plain outbox use).
+
+        ``async with ob.transaction() as tx: await tx.intend(...)``. With
+        ``connection`` (an ``AsyncConnection``), the intents join the caller's
+        open transaction (in a savepoint) and commit when the caller commits.
+        """
+        async with self.aio.begin(connection) as conn:
+            tx = AsyncOutboxTransaction(self._ctx, conn)
+            yield tx
+            await tx._flush()
+        if connection is None:
+            self._effects_wakeup.committed(tx._notified)
+
+    # -- signals, stopping, versions ----------------------------------------------
+
+    async def signal(
+        self,
+        run_id: uuid.UUID | str,
+        name: str,
+        payload: Any = None,
+        *,
+        dedup_key: str | None = None,
+        request_id: str | None = None,
+    ) -> SignalReceipt:
+        """Send signal ``name`` with a JSON ``payload`` to a run (``Outbox.signal``'s twin)."""
+        send = signal_sender(self.settings, run_id, name, payload, dedup_key, request_id)
+        return await self.aio.run_tx(send)
+
+    async def cancel(self, run_id: uuid.UUID | str, reason: str) -> RunStatus:
+        """Stop a run (see :meth:`outbox.Outbox.cancel`); returns its status now."""
+        rid = cancel_args(run_id, reason)
+        await self.aio.run_tx(lambda tx: cancel_run(tx, rid, reason))
+        status = await self.aio.run_tx(lambda tx: advance_stopping_run(tx, rid))
+        self._effects_wakeup.committed(None)
+        return status
+
+    async def advance_stopping_runs(self) -> dict[str, int]:
+        """Move cancelling and compensating runs on (workers and deliverers do this on a timer)."""
+        return await self.aio.run_tx(advance_stopping_runs)
+
+    async def run_versions(self) -> list[dict[str, Any]]:
+        """Unfinished runs per agent, version and status (a version with none may retire)."""
+        return await self.aio.call(self.aio.sync.run_versions)
+
+    def register_upgrade(
+        self, agent: str, from_version: str, to_version: str, fn: Callable[[Any], Any]
+    ) -> None:
+        """Let workers of ``to_version`` take runs of ``from_version`` (see ``Outbox``'s)."""
+        self.upgrades.register(agent, from_version, to_version, fn)
+
+    def worker(
+        self,
+        agent: str,
+        version: str,
+        handler: Callable[[AsyncRun], Awaitable[Any]],
+        **settings: Any,
+    ) -> AsyncWorker:
+        """An async worker: ``await handler(run)`` for up to ``concurrency`` runs at once.
+
+        ``await worker.run()`` works until ``worker.stop()`` (called on the same
+        loop). Leases, heartbeats, waits and version pinning are those of the
+        sync worker. Settings: see :class:`~outbox.WorkerSettings`.
+        """
+        name_field(agent, "agent")
+        name_field(version, "version", max_length=100)
+        return AsyncWorker(
+            self._ctx, agent, version, handler, validated(WorkerSettings, **settings)
+        )
+
+
+class BlockingAsyncWorker:
+    """An :class:`AsyncWorker` with the sync worker's face: ``run()`` blocks, ``stop()`` anywhere.
+
+    What ``Outbox.worker`` (and ``outbox worker``) returns for an ``async def``
+    handler: ``run()`` opens an :class:`AsyncOutbox` on its own event loop.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        upgrades: VersionUpgrades,
+        agent: str,
+        version: str,
+        handler: Callable[[AsyncRun], Awaitable[Any]],
+        worker_settings: WorkerSettings,
+    ) -> None:
+        self.settings = settings
+        self.upgrades = upgrades
+        self.agent = agent
+        self.version = version
+        self.handler = handler
+        self.worker_settings = worker_settings
+        self.worker: AsyncWorker | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_requested = False
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Handler outcomes so far (see :attr:`outbox.Worker.counts`)."""
+        return {} if self.worker is None else dict(self.worker.counts)
+
+    def run(self) -> None:
+        """Work until :meth:`stop`."""
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        engine = await asyncio.to_thread(open_async_engine, self.settings)
+        ob = AsyncOutbox(engine, self.settings, upgrades=self.upgrades)
+        try:
+            self.worker = ob.worker(
+                self.agent, self.version, self.handler, **self.worker_settings.model_dump()
+            )
+            self._loop = asyncio.get_running_loop()
+            if self._stop_requested:
+                return
+            await self.worker.run()
+        finally:
+            await ob.close()
+
+    def stop(self) -> None:
+        """Stop claiming (from any thread or a signal handler); handlers get their grace."""
+        self._stop_requested = True
+        loop, worker = self._loop, self.worker
+        if loop is not None and worker is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(worker.stop)
