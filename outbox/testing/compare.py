@@ -133,9 +133,17 @@ def _tag(text: str | None, run_ids: Sequence[str]) -> str:
 def tag_operations(
     intents: Iterable[Intent], applied: Iterable[Applied], run_ids: Sequence[str]
 ) -> tuple[list[Intent], list[Applied]]:
-    """Prefix each operation with the run it belongs to (``<run id>|op``, or ``*|op``)."""
+    """Prefix each operation with the run it belongs to (``<run id>|op``, or ``*|op``).
+
+    An intent belongs to its run; a run-less one (``Outbox.transaction``), like a
+    request at the sink, to the run its payload names, if any: an agent that
+    intends outside its steps is then compared run by run, as its sink sees it.
+    """
     tagged_intents = [
-        replace(i, operation=f"{i.run if i.run in run_ids else GLOBAL}|{i.operation}")
+        replace(
+            i,
+            operation=f"{i.run if i.run in run_ids else _tag(i.payload, run_ids)}|{i.operation}",
+        )
         for i in intents
     ]
     tagged_applied = [

@@ -112,6 +112,8 @@ class Intent:
     operation: str | None = None
     run: str | None = None
     step: str | None = None
+    #: The payload as JSON text: a run-less intent is placed by the run it names.
+    payload: str | None = None
 
 
 @dataclass(frozen=True)
@@ -365,6 +367,7 @@ def _intent(row: Mapping[str, Any], normalize: Normalize) -> Intent:
         operation=operation_of(row["kind"], row["payload"], normalize),
         run=None if row["run_id"] is None else str(row["run_id"]),
         step=row["step_id"],
+        payload=json.dumps(row["payload"], default=str),
     )
 
 

@@ -61,7 +61,7 @@ WHY = {
 SKIPPED = "not selected by --only"
 
 KEYLESS = (
-    "it reached the sink without an idempotency key, so nothing can tell the second call "
+    "reached the sink without an idempotency key, so nothing can tell the second call "
     "from the first: it was made by the agent's own code (outside tx.intend), which runs "
     "again when a crashed run resumes. Intend it in a step instead: "
     "run.transaction(step, lambda tx: tx.intend(kind, payload))."
@@ -71,6 +71,13 @@ IN_A_CALL = (
     "the process dies before its result is recorded (a step's function runs at least once, "
     "not exactly once: run.call is for reads). Intend the operation in a step instead: a "
     "deliverer then sends it with a stable idempotency key."
+)
+RUN_LESS = (
+    "It was intended outside the run's steps (Outbox.transaction), with a new random key "
+    "each time: that code runs again when a crashed run resumes, and intends the operation "
+    "again under a key no sink has seen. Intend it in a step (run.transaction(step, lambda "
+    "tx: tx.intend(kind, payload))), or give it a key of its own derived from the run "
+    "(key=f'{run.id}:charge')."
 )
 
 
@@ -131,7 +138,10 @@ def explain(kind: str, item: str, result: TrialResult) -> str:
         if keyless:
             step = _inside_step(keyless, result)
             return "It " + (KEYLESS if step is None else IN_A_CALL.format(step=step))
+    if kind in ("duplicate_operations", "duplicate_intents"):
         intents = [i for i in result.intents if i.operation == item]
+        if len(intents) > 1 and any(i.run is None for i in intents):
+            return RUN_LESS
         if len(intents) > 1:
             return WHY["duplicate_intents"]
     return WHY.get(kind, "")

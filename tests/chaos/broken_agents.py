@@ -1,4 +1,4 @@
-"""Agents for ``outbox check``'s own tests: two with a classic mistake each, and a correct one.
+"""Agents for ``outbox check``'s own tests: classic mistakes, and a correct agent, sync and async.
 
 They post to the check's recording sink (``OUTBOX_CHECK_SINK``, set in the
 worker processes of a check), so what they send outside the outbox is seen.
@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from outbox import Run, StepTransaction
+from outbox import AsyncRun, AsyncStepTransaction, Outbox, Run, StepTransaction
 
 
 def _sink() -> str:
@@ -71,3 +71,55 @@ def _open_account(
 ) -> dict[str, Any]:
     tx.intend("accounts.open", {"operation": f"{run.id}:open", "customer": customer["id"]})
     return {"customer": customer["id"], "approved_by": approval}
+
+
+def charges_without_a_stable_key(run: Run) -> Any:
+    """BROKEN: a charge is intended outside any step, with no key of its own.
+
+    A run-less intent without a key gets a fresh random one each time: every
+    resume that passes here intends a second charge, under a second key that no
+    sink could dedup.
+    """
+    order = run.call("load-order", lambda: {"id": "O-7", "amount": 120})
+    with Outbox.connect() as ob, ob.transaction() as tx:
+        tx.intend("payments.charge", {"operation": f"{run.id}:charge", "amount": order["amount"]})
+    return run.transaction("mark-charged", lambda tx: tx.set_state({"charged": order["id"]}))
+
+
+# -- the same agents, async (an ``async def`` handler gets an AsyncRun) ------------------
+
+
+async def emails_from_plain_python_async(run: AsyncRun) -> Any:
+    """BROKEN, async: the welcome email is sent by plain Python between steps."""
+    customer = await run.call("load-customer", _customer)
+    async with httpx.AsyncClient() as client:
+        response = await client.post(
+            f"{_sink()}/emails",
+            json={"operation": f"{run.id}:welcome-email", "to": customer["email"]},
+        )
+        response.raise_for_status()
+    await run.transaction("mark-welcomed", lambda tx: tx.set_state({"welcomed": customer["id"]}))
+
+    async def open_account(tx: AsyncStepTransaction) -> dict[str, Any]:
+        await tx.intend("accounts.open", {"operation": f"{run.id}:open", "customer": customer["id"]})
+        return {"customer": customer["id"]}
+
+    return await run.transaction("open-account", open_account)
+
+
+async def onboards_correctly_async(run: AsyncRun) -> Any:
+    """CORRECT, async: the email and the account are intended in steps; a deliverer sends them."""
+    customer = await run.call("load-customer", _customer)
+
+    async def welcome(tx: AsyncStepTransaction) -> None:
+        tx.set_state({"welcomed": customer["id"]})
+        await tx.intend("email.send", {"to": customer["email"], "template": "welcome"})
+
+    await run.transaction("send-welcome", welcome)
+    approval = await run.wait_signal("approval", name="approved", timeout=600)
+
+    async def open_account(tx: AsyncStepTransaction) -> dict[str, Any]:
+        await tx.intend("accounts.open", {"operation": f"{run.id}:open", "customer": customer["id"]})
+        return {"customer": customer["id"], "approved_by": approval}
+
+    return await run.transaction("open-account", open_account)

@@ -192,3 +192,30 @@ def test_a_run_waiting_for_a_signal_nobody_sends_stops_the_check_naming_it(
     message = str(failed.value)
     assert "FAILED at uninterrupted" in message
     assert "waits for signal 'approved'" in message and "--signal approved=JSON" in message
+
+
+def test_a_charge_intended_outside_a_step_without_a_key_is_caught(
+    outbox_check: OutboxCheck,
+) -> None:
+    with pytest.raises(pytest.fail.Exception) as failed:
+        outbox_check(broken_agents.charges_without_a_stable_key, agent="checkout")
+    message = str(failed.value)
+    print(message)
+    assert "FAILED at" in message
+    assert "<id>:charge" in message
+
+
+def test_an_async_agent_that_waits_for_a_signal_passes(outbox_check: OutboxCheck) -> None:
+    report = outbox_check(
+        broken_agents.onboards_correctly_async, signals={"approved": {"by": "ops@example.com"}}
+    )
+    print(report.as_dict())
+    assert report.ok
+
+
+def test_an_async_agent_emailing_from_plain_python_is_caught(outbox_check: OutboxCheck) -> None:
+    with pytest.raises(pytest.fail.Exception) as failed:
+        outbox_check(broken_agents.emails_from_plain_python_async, agent="onboarding")
+    message = str(failed.value)
+    print(message)
+    assert "FAILED at" in message

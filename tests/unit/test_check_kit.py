@@ -73,6 +73,17 @@ def test_operations_are_tagged_with_their_run() -> None:
     assert [a.operation for a in tagged_applied] == [f"{RUN_A}|<id>:charge", "*|POST /emails#1"]
 
 
+def test_a_run_less_intent_belongs_to_the_run_its_payload_names() -> None:
+    intents = [
+        Intent("e1", "k1", "k", "succeeded", 1, "<id>:charge", payload=f'{{"op": "{RUN_B}"}}'),
+        Intent("e2", "k2", "k", "succeeded", 1, "nightly", payload='{"op": "nightly"}'),
+    ]
+    applied = [Applied("k1", "<id>:charge", "/record/k", f'{{"op": "{RUN_B}"}}')]
+    tagged_intents, tagged_applied = tag_operations(intents, applied, [RUN_A, RUN_B])
+    assert [i.operation for i in tagged_intents] == [f"{RUN_B}|<id>:charge", "*|nightly"]
+    assert tagged_applied[0].operation == tagged_intents[0].operation
+
+
 # -- the checker with expectations -----------------------------------------------------------
 
 
@@ -295,6 +306,17 @@ def test_the_explanation_tells_a_call_inside_a_step_from_plain_code() -> None:
     killed.events = [ev("step_start", "charge", t=1.0), ev("step_end", "charge", t=2.5)]
     killed.events += [ev("step_start", "other", pid=2, t=9.0)]  # killed there: a zero-length span
     assert "'charge'" in explain("duplicate_operations", "op", killed)
+
+
+def test_the_explanation_tells_an_intent_made_outside_the_steps_from_a_changing_step_id() -> None:
+    plan = TrialPlan("step_start@mark", "worker", "step_start", ("mark",))
+    twice = [Intent(f"e{n}", f"k{n}", "k", "succeeded", 1, "op") for n in (1, 2)]
+    run_less = result(plan, intents=twice, applied=[Applied(f"k{n}", "op") for n in (1, 2)])
+    for kind in ("duplicate_operations", "duplicate_intents"):
+        assert "outside the run's steps" in explain(kind, "op", run_less)
+    in_steps = [Intent(f"e{n}", f"k{n}", "k", "succeeded", 1, "op", run=RUN_A) for n in (1, 2)]
+    changing = result(plan, intents=in_steps)
+    assert "Keep step ids stable" in explain("duplicate_intents", "op", changing)
 
 
 # -- the command line ----------------------------------------------------------------------------
