@@ -86,6 +86,21 @@ def charges_without_a_stable_key(run: Run) -> Any:
     return run.transaction("mark-charged", lambda tx: tx.set_state({"charged": order["id"]}))
 
 
+def charges_with_a_key_of_its_own(run: Run) -> Any:
+    """CORRECT: the same run-less charge, with a key derived from the run.
+
+    A resume that passes here again finds the intent already made under that key.
+    """
+    order = run.call("load-order", lambda: {"id": "O-7", "amount": 120})
+    with Outbox.connect() as ob, ob.transaction() as tx:
+        tx.intend(
+            "payments.charge",
+            {"operation": f"{run.id}:charge", "amount": order["amount"]},
+            key=f"{run.id}:charge",
+        )
+    return run.transaction("mark-charged", lambda tx: tx.set_state({"charged": order["id"]}))
+
+
 # -- the same agents, async (an ``async def`` handler gets an AsyncRun) ------------------
 
 

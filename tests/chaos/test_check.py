@@ -194,28 +194,58 @@ def test_a_run_waiting_for_a_signal_nobody_sends_stops_the_check_naming_it(
     assert "waits for signal 'approved'" in message and "--signal approved=JSON" in message
 
 
+
 def test_a_charge_intended_outside_a_step_without_a_key_is_caught(
     outbox_check: OutboxCheck,
 ) -> None:
     with pytest.raises(pytest.fail.Exception) as failed:
         outbox_check(broken_agents.charges_without_a_stable_key, agent="checkout")
     message = str(failed.value)
-    print(message)
-    assert "FAILED at" in message
-    assert "<id>:charge" in message
+    assert "FAILED at step_start@mark-charged" in message  # the first crash after the intent
+    assert "duplicate_operations: operation <id>:charge" in message
+    assert "intended 2x, applied 2x" in message
+    assert "outside the run's steps" in message and "key=f'{run.id}:charge'" in message
+    assert "--only step_start@mark-charged" in message
 
 
-def test_an_async_agent_that_waits_for_a_signal_passes(outbox_check: OutboxCheck) -> None:
+def test_the_same_charge_with_a_key_derived_from_the_run_passes(outbox_check: OutboxCheck) -> None:
+    report = outbox_check(
+        broken_agents.charges_with_a_key_of_its_own,
+        agent="checkout",
+        only=["step_start@mark-charged", "after_call"],
+    )
+    assert report.ok
+    rows = {(r.point, r.where): r.outcome for r in report.rows()}
+    assert rows[("step_start", "mark-charged")] == rows[("after_call", "first time")] == "ok"
+
+
+def test_an_async_agent_that_waits_for_a_signal_passes_at_every_point(
+    outbox_check: OutboxCheck,
+) -> None:
     report = outbox_check(
         broken_agents.onboards_correctly_async, signals={"approved": {"by": "ops@example.com"}}
     )
-    print(report.as_dict())
     assert report.ok
+    rows = {(r.point, r.where): r.outcome for r in report.rows()}
+    steps = ("load-customer", "send-welcome", "open-account")
+    for point in ("step_start", "step_end", "before_step_commit", "after_commit", "after_step"):
+        assert [rows[(point, step)] for step in steps] == ["ok"] * 3, point
+    assert rows[("parked", "approval")] == "ok"
+    for point in ("after_claim", "after_call", "during_completion"):
+        assert rows[(point, "first time")] == "ok"
+    assert report.baseline is not None
+    results = [o.result for o in report.baseline.outcomes.values()]
+    assert results and all(
+        r == {"customer": "C-42", "approved_by": {"by": "ops@example.com"}} for r in results
+    )
 
 
 def test_an_async_agent_emailing_from_plain_python_is_caught(outbox_check: OutboxCheck) -> None:
     with pytest.raises(pytest.fail.Exception) as failed:
-        outbox_check(broken_agents.emails_from_plain_python_async, agent="onboarding")
+        outbox_check(
+            broken_agents.emails_from_plain_python_async, agent="onboarding", only=["step_start"]
+        )
     message = str(failed.value)
-    print(message)
-    assert "FAILED at" in message
+    assert "FAILED at step_start@mark-welcomed" in message
+    assert "duplicate_operations: operation <id>:welcome-email" in message
+    assert "outside tx.intend" in message
