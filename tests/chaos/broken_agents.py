@@ -116,7 +116,8 @@ async def emails_from_plain_python_async(run: AsyncRun) -> Any:
     await run.transaction("mark-welcomed", lambda tx: tx.set_state({"welcomed": customer["id"]}))
 
     async def open_account(tx: AsyncStepTransaction) -> dict[str, Any]:
-        await tx.intend("accounts.open", {"operation": f"{run.id}:open", "customer": customer["id"]})
+        account = {"operation": f"{run.id}:open", "customer": customer["id"]}
+        await tx.intend("accounts.open", account)
         return {"customer": customer["id"]}
 
     return await run.transaction("open-account", open_account)
@@ -134,7 +135,8 @@ async def onboards_correctly_async(run: AsyncRun) -> Any:
     approval = await run.wait_signal("approval", name="approved", timeout=600)
 
     async def open_account(tx: AsyncStepTransaction) -> dict[str, Any]:
-        await tx.intend("accounts.open", {"operation": f"{run.id}:open", "customer": customer["id"]})
+        account = {"operation": f"{run.id}:open", "customer": customer["id"]}
+        await tx.intend("accounts.open", account)
         return {"customer": customer["id"], "approved_by": approval}
 
     return await run.transaction("open-account", open_account)

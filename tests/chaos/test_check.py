@@ -1,10 +1,13 @@
 """``outbox check`` end to end: real workers and deliverers killed at every crash point.
 
-The demo agent passes and the table is printed; two deliberately broken
-agents are caught, the crash point and the duplicated operation named, and the
-printed command reproduces the failure alone; a correct agent that waits for a
-signal and an agent whose runs are handed over to a new version pass; the
-``outbox_check`` fixture (the shipped pytest plugin) does the same from a test.
+The demo agent passes and the table is printed; deliberately broken agents
+(an email from plain Python, a charge inside a recorded call, a charge intended
+outside the steps without a key of its own) are caught, the crash point and the
+duplicated operation named, and the printed command reproduces the failure
+alone; a correct agent that waits for a signal, the keyless charge given a key
+derived from the run, and an agent whose runs are handed over to a new version
+pass; an ``async def`` agent is checked the same way; the ``outbox_check``
+fixture (the shipped pytest plugin) does the same from a test.
 """
 
 from __future__ import annotations
@@ -192,7 +195,6 @@ def test_a_run_waiting_for_a_signal_nobody_sends_stops_the_check_naming_it(
     message = str(failed.value)
     assert "FAILED at uninterrupted" in message
     assert "waits for signal 'approved'" in message and "--signal approved=JSON" in message
-
 
 
 def test_a_charge_intended_outside_a_step_without_a_key_is_caught(
