@@ -51,8 +51,11 @@ def scratch_server(dsn: str | None = None) -> Iterator[str]:
     if dsn is not None:
         yield dsn
         return
-    # A short path: the server's Unix socket lives in it.
+    # A short path: the server's Unix socket lives in it. Made here, so it may be
+    # opened to traversal: run as root, the server runs as another OS user, who
+    # must enter it (its data directory inside stays private to that user).
     home = Path(tempfile.mkdtemp(prefix="outbox-check-"))
+    home.chmod(0o711)
     server = EmbeddedServer(home, settings=SCRATCH_SETTINGS)
     try:
         yield server.ensure_running()

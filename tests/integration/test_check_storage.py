@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psycopg
 import pytest
 
@@ -10,6 +12,7 @@ from outbox.errors import DatabaseError
 from outbox.storage.engine import redacted_dsn
 from outbox.storage.scratch import ScratchDatabases
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params
+from outbox.testing.check import scratch_server
 
 
 def databases(admin_dsn: str) -> list[str]:
@@ -32,6 +35,21 @@ def test_scratch_databases_are_migrated_clones_dropped_at_the_end(admin_dsn: str
     finally:
         scratch.drop_all()
     assert [d for d in databases(admin_dsn) if d.startswith("kit_test")] == []
+
+
+def test_the_default_scratch_server_is_an_embedded_one_started_and_removed() -> None:
+    # As a user runs it from a fresh clone: no DSN. Run as root (CI, containers),
+    # the server's OS user must be able to enter the directory the check made.
+    with scratch_server() as dsn:
+        socket_dir = Path(str(psycopg.conninfo.conninfo_to_dict(dsn)["host"]))
+        home = next(p for p in socket_dir.parents if p.name.startswith("outbox-check-"))
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        scratch = ScratchDatabases(dsn, prefix="kit_default")
+        with Outbox.connect(scratch.clone()) as ob:
+            assert ob.start_run("a", "1").status == RunStatus.RUNNABLE
+        scratch.drop_all()
+    assert not home.exists()
 
 
 def test_a_server_that_refuses_is_one_clear_error() -> None:
