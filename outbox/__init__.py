@@ -10,12 +10,14 @@ from __future__ import annotations
 from outbox.async_client import AsyncOutbox
 from outbox.client import Outbox
 from outbox.errors import (
+    ApprovalRefused,
     BudgetExceeded,
     ConfigurationError,
     DatabaseError,
     DeliveryError,
     EffectFailed,
     EffectNotFound,
+    EffectRejected,
     EffectTimeout,
     EmbeddedServerError,
     IdempotencyConflict,
@@ -36,6 +38,7 @@ from outbox.errors import (
     ValidationError,
     WaitTimeout,
 )
+from outbox.gates import ApprovalPolicy, Condition, Gate, OnTimeout
 from outbox.keys import compensation_key, derive_key
 from outbox.models import (
     AttemptOutcome,
@@ -44,6 +47,7 @@ from outbox.models import (
     EffectAttempt,
     EffectIntent,
     EffectStatus,
+    RunMode,
     RunRecord,
     RunStart,
     RunStatus,
@@ -63,6 +67,8 @@ from outbox.storage.migrate import migrate
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApprovalPolicy",
+    "ApprovalRefused",
     "AsyncOutbox",
     "AsyncOutboxTransaction",
     "AsyncRun",
@@ -71,6 +77,7 @@ __all__ = [
     "AttemptOutcome",
     "BudgetExceeded",
     "Compensation",
+    "Condition",
     "ConfigurationError",
     "DatabaseError",
     "DeliveryError",
@@ -79,13 +86,16 @@ __all__ = [
     "EffectFailed",
     "EffectIntent",
     "EffectNotFound",
+    "EffectRejected",
     "EffectStatus",
     "EffectTimeout",
     "EmbeddedServer",
     "EmbeddedServerError",
+    "Gate",
     "IdempotencyConflict",
     "LeaseLost",
     "NotFound",
+    "OnTimeout",
     "Outbox",
     "OutboxError",
     "OutboxTransaction",
@@ -94,6 +104,7 @@ __all__ = [
     "ReplayRefused",
     "RetryableError",
     "Run",
+    "RunMode",
     "RunNotFound",
     "RunRecord",
     "RunStart",

@@ -19,18 +19,22 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from outbox.client import (
+    approval_decider,
     cancel_args,
     connect_settings,
     effect_filters,
     new_run_row,
     not_changed,
+    refused,
     resolve_params,
     retry_params,
     run_filters,
     signal_sender,
 )
 from outbox.errors import EffectNotFound, RunNotFound
+from outbox.gates import Gate
 from outbox.models import Effect, RunRecord, RunStatus
+from outbox.runs.approvals import expire_approvals
 from outbox.runs.async_run import AsyncOutboxTransaction, AsyncRun
 from outbox.runs.async_worker import AsyncWorker
 from outbox.runs.context import AsyncRunContext, VersionUpgrades
@@ -43,7 +47,7 @@ from outbox.storage.async_run_store import AsyncRunStore
 from outbox.storage.engine import open_async_engine
 from outbox.storage.notify import Notifier, WakeupThrottle
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
-from outbox.validation import as_uuid, name_field, validated
+from outbox.validation import as_uuid, name_field, row_limit, validated
 
 __all__ = ["AsyncOutbox", "BlockingAsyncWorker"]
 
@@ -124,9 +128,10 @@ class AsyncOutbox:
         *,
         budget: float | None = None,
         run_id: uuid.UUID | str | None = None,
+        mode: str = "live",
     ) -> AsyncRun:
         """Start a run of ``agent`` pinned to ``version`` (see :meth:`outbox.Outbox.start_run`)."""
-        row = new_run_row(self.settings, agent, version, inputs, budget, run_id)
+        row = new_run_row(self.settings, agent, version, inputs, budget, run_id, mode)
         notify = self._runs_wakeup.inline()
         record = await self.aio.call(self.aio.sync.insert_run, row, notify=notify is not None)
         self._runs_wakeup.committed(notify)
@@ -198,6 +203,76 @@ class AsyncOutbox:
             raise not_changed(effect, "retry")
         self._effects_wakeup.committed(None)
         return await self.effect(effect.id)
+
+    # -- approvals ----------------------------------------------------------------
+
+    async def approve_effect(
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        digest: str,
+        note: str,
+        by: str,
+        request_id: str | None = None,
+        via: str = "api",
+    ) -> Effect:
+        """Release a held effect if ``digest`` is its payload's (see ``Outbox.approve_effect``)."""
+        decide_in = approval_decider(
+            effect_id,
+            approve=True,
+            digest=digest,
+            note=note,
+            by=by,
+            via=via,
+            request_id=request_id,
+        )
+        decision = await self.aio.run_tx(decide_in)
+        refused(decision)
+        self._effects_wakeup.committed(None)
+        return await self.effect(decision.effect_id)
+
+    async def reject_effect(
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        note: str,
+        by: str,
+        digest: str | None = None,
+        request_id: str | None = None,
+        via: str = "api",
+    ) -> Effect:
+        """End a held effect as ``rejected`` (see ``Outbox.reject_effect``)."""
+        decide_in = approval_decider(
+            effect_id,
+            approve=False,
+            digest=digest,
+            note=note,
+            by=by,
+            via=via,
+            request_id=request_id,
+        )
+        decision = await self.aio.run_tx(decide_in)
+        refused(decision)
+        self._runs_wakeup.committed(None)
+        return await self.effect(decision.effect_id)
+
+    async def expire_approvals(self, max_rows: int = 100) -> dict[str, int]:
+        """Apply ``on_timeout`` to held effects past their deadline."""
+        limit = row_limit(max_rows)
+        return await self.aio.run_tx(lambda tx: expire_approvals(tx, limit))
+
+    async def apply_gates(self, gates: list[Gate], *, prune: bool = False) -> list[str]:
+        """Store approval gates (see ``Outbox.apply_gates``)."""
+        rows = [g.row() for g in gates]
+        return await self.aio.call(self.aio.sync.apply_gates, rows, prune=prune)
+
+    async def gates(self) -> list[Gate]:
+        """The approval gates in force, by name."""
+        return [Gate.from_row(r) for r in await self.aio.call(self.aio.sync.list_gates)]
+
+    async def remove_gates(self, names: list[str]) -> list[str]:
+        """Remove gates by name; returns those that existed."""
+        return await self.aio.call(self.aio.sync.remove_gates, names)
 
     @asynccontextmanager
     async def transaction(

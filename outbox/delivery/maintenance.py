@@ -18,6 +18,7 @@ from outbox.delivery.leases import Leases
 from outbox.delivery.metrics import DeliveryMetrics
 from outbox.delivery.reconcile import reconcile
 from outbox.delivery.settings import DeliverySettings
+from outbox.runs.approvals import expire_approvals
 from outbox.runs.stopping import advance_stopping_runs
 from outbox.storage.async_store import AsyncStore
 
@@ -91,6 +92,9 @@ class Maintenance:
         if report.items:
             # Effects put back to pending are ours to claim now, not at the next poll.
             self.on_requeued()
+        # Approval deadlines that passed get their on_timeout (a cancelled run among
+        # them moves on below).
+        await self.store.run_sync(expire_approvals, "acting on approval deadlines")
         # Cancelled runs move on as their effects finish, even where no worker of
         # their agent runs.
         await self.store.run_sync(advance_stopping_runs, "advancing stopping runs")

@@ -49,6 +49,7 @@ __all__ = [
     "complete_effects",
     "expire_effect",
     "expired_effects",
+    "log_changes",
     "mark_dispatched",
     "mark_unknown_kinds",
     "redispatch_expired",
@@ -183,7 +184,7 @@ def _expired_cas() -> list[ColumnElement[bool]]:
     ]
 
 
-def _log_changes(changed: Any, *, worker: Any, outcome: Any, detail: Any = None) -> Any:
+def log_changes(changed: Any, *, worker: Any, outcome: Any, detail: Any = None) -> Any:
     """Insert one attempt-log row per row a ``changed`` CTE returned.
 
     ``changed`` must return ``id``, ``attempt`` and ``attempt_started_at``; when
@@ -231,7 +232,7 @@ def expire_effect() -> Any:
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return _log_changes(
+    return log_changes(
         changed,
         worker=bindparam("worker", type_=Text),
         outcome=const("expired"),
@@ -270,7 +271,7 @@ def _operator_change(from_status: str, values: dict[str, Any], outcome: str) -> 
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return _log_changes(
+    return log_changes(
         changed,
         worker=bindparam("operator", type_=Text),
         outcome=const(outcome),
@@ -339,7 +340,7 @@ def mark_dispatched() -> Any:
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return _log_changes(changed, worker=bindparam("owner", type_=Text), outcome=const("dispatched"))
+    return log_changes(changed, worker=bindparam("owner", type_=Text), outcome=const("dispatched"))
 
 
 @cache
@@ -405,7 +406,7 @@ def redispatch_expired() -> Any:
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return _log_changes(
+    return log_changes(
         changed,
         worker=bindparam("worker", type_=Text),
         outcome=const("expired"),
