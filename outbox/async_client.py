@@ -22,6 +22,7 @@ from outbox.client import (
     approval_decider,
     cancel_args,
     connect_settings,
+    diff_args,
     effect_filters,
     new_run_row,
     not_changed,
@@ -31,6 +32,7 @@ from outbox.client import (
     run_filters,
     signal_sender,
 )
+from outbox.effect_diff import RunDiff, diff_effects
 from outbox.errors import EffectNotFound, RunNotFound
 from outbox.gates import Gate
 from outbox.models import Effect, RunRecord, RunStatus
@@ -152,6 +154,16 @@ class AsyncOutbox:
         """Recent runs, newest first."""
         filters = run_filters(status=status, agent=agent, limit=limit)
         return await self.aio.call(self.aio.sync.list_runs, **filters)
+
+    async def diff_runs(self, run_a: uuid.UUID | str, run_b: uuid.UUID | str) -> RunDiff:
+        """Compare the effects two runs intended (see :meth:`outbox.Outbox.diff_runs`)."""
+        a, b = diff_args(run_a, run_b)
+        sync = self.aio.sync
+        found = {rid: await self.aio.call(sync.list_effects, run_id=rid, limit=1_000_000) for rid in (a, b)}
+        for rid in (a, b):
+            if not found[rid] and await self.aio.call(sync.load_run, rid) is None:
+                raise RunNotFound(rid)
+        return diff_effects(a, found[a], b, found[b])
 
     # -- effects ----------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from outbox.errors import (
     RunStateError,
     ValidationError,
 )
+from outbox.effect_diff import RunDiff, diff_effects
 from outbox.gates import Gate
 from outbox.ids import uuid7
 from outbox.intent_rules import MAX_KEY_LENGTH
@@ -153,6 +154,20 @@ class Outbox:
     ) -> list[RunRecord]:
         """Recent runs, newest first."""
         return self.store.list_runs(**run_filters(status=status, agent=agent, limit=limit))
+
+    def diff_runs(self, run_a: uuid.UUID | str, run_b: uuid.UUID | str) -> RunDiff:
+        """Compare the effects two runs intended (a dry run against a real one, say).
+
+        See :mod:`outbox.effect_diff`: effects are matched by step and index and
+        compared on kind, payload, compensation, ordering key and key, with each
+        run's own id written ``{run}``.
+        """
+        a, b = diff_args(run_a, run_b)
+        found = {rid: self.store.list_effects(run_id=rid, limit=1_000_000) for rid in (a, b)}
+        for rid in (a, b):
+            if not found[rid] and self.store.load_run(rid) is None:
+                raise RunNotFound(rid)
+        return diff_effects(a, found[a], b, found[b])
 
     # -- effects ----------------------------------------------------------------
 
@@ -484,6 +499,11 @@ def not_changed(effect: Effect, which: str) -> RunStateError:
         f"effect_id={str(effect.id)!r} is {effect.status.value}, not failed: "
         "only failed effects are retried (resolve unknown ones)"
     )
+
+
+def diff_args(run_a: uuid.UUID | str, run_b: uuid.UUID | str) -> tuple[uuid.UUID, uuid.UUID]:
+    """Validated run ids of ``diff_runs`` (both twins)."""
+    return as_uuid(run_a, "run_a"), as_uuid(run_b, "run_b")
 
 
 def approval_decider(

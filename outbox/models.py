@@ -10,10 +10,10 @@ import re
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, field_validator
 
 from outbox.gates import ApprovalPolicy
 from outbox.intent_rules import (
@@ -204,6 +204,9 @@ class Lease(NamedTuple):
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
+#: A link of a hash chain: 32 bytes, written as hex in JSON.
+ChainHash = Annotated[bytes, PlainSerializer(lambda value: value.hex(), return_type=str, when_used="json")]
+
 
 class _Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore", from_attributes=True)
@@ -351,7 +354,7 @@ class StepRecord(_Record):
     #: "waiting": a sleep or wait recorded with its deadline, not yet satisfied.
     status: StepStatus = StepStatus.COMPLETED
     #: this step's link in the run's hash chain (``outbox audit verify``); None while waiting
-    hash: bytes | None = None
+    hash: ChainHash | None = None
 
 
 class Effect(_Record):
@@ -413,4 +416,4 @@ class EffectAttempt(_Record):
     outcome: str
     detail: Any = None
     #: this row's link in the effect's hash chain (``outbox audit verify``)
-    hash: bytes | None = None
+    hash: ChainHash | None = None

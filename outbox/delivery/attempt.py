@@ -63,7 +63,12 @@ def decide(
 ) -> Decision:
     """Turn a deliverer's outcome for attempt number ``attempt`` into a decision (pure)."""
     if isinstance(outcome, Succeeded):
-        return Decision(EffectStatus.SUCCEEDED, AttemptOutcome.SUCCEEDED, result=outcome.result)
+        return Decision(
+            EffectStatus.SUCCEEDED,
+            AttemptOutcome.SUCCEEDED,
+            result=outcome.result,
+            detail=outcome.detail,
+        )
     if isinstance(outcome, Failed):
         return Decision(
             EffectStatus.FAILED, AttemptOutcome.FAILED, error=outcome.reason, detail=outcome.detail

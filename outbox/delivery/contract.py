@@ -54,9 +54,10 @@ class Delivery:
 
 @dataclass(frozen=True, slots=True)
 class Succeeded:
-    """The sink applied the effect; ``result`` (JSON) is recorded."""
+    """The sink applied the effect; ``result`` (JSON) is recorded (``detail`` in the attempt log)."""
 
     result: Any = None
+    detail: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from outbox.faults import crash_point
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import effects as effect_sql
+from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import maintenance, queue
 from outbox.storage.store import read_state_counts
 
@@ -237,6 +238,30 @@ class AsyncStore:
             async with self.engine.begin() as conn:
                 result = await conn.execute(effect_sql.mark_unknown_kinds(), params)
                 return len(result.all())
+
+    async def recorded_result(self, effect_id: UUID) -> tuple[bool, Any]:
+        """The result a real run recorded for the intent a dry-run effect stands for."""
+        with translate_errors("looking up a recorded result"):
+            async with self.engine.connect() as conn:
+                row = (
+                    await conn.execute(gov_sql.recorded_result(), {"effect_id": effect_id})
+                ).first()
+        return (False, None) if row is None else (True, row[0])
+
+    async def note_attempt(
+        self, effect_id: UUID, attempt: int, *, owner: str, note: Mapping[str, Any]
+    ) -> bool:
+        """Store a deliverer's note about the current attempt (fenced); False if no longer ours."""
+        params = {
+            "effect_id": effect_id,
+            "expected_attempt": attempt,
+            "owner": owner,
+            "note": json.dumps({**note, "attempt": attempt}),
+        }
+        with translate_errors("noting an attempt"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(gov_sql.note_attempt(), params)
+                return result.first() is not None
 
     # -- stream mode -----------------------------------------------------------------
 
