@@ -79,7 +79,7 @@ def decide(
         tx.log_effect_event(
             effect_id, by, AttemptOutcome.APPROVAL_REFUSED, {**detail, "reason": reason}
         )
-        log.warning("effect %s: %s refused: %s", effect_id, decision, reason)
+        log.info("effect %s: %s refused: %s", effect_id, decision, reason)
         return ApprovalDecision(effect_id, status, reason)
 
     if row.status != EffectStatus.AWAITING_APPROVAL:

@@ -175,15 +175,35 @@ class SignalServer:
             self._reply(handler, 404, {"error": "not found"})
 
     def _post(self, handler: BaseHTTPRequestHandler) -> None:
+        from outbox.serve.approvals import APPROVAL_ROUTE, handle_approval
+
+        approval = APPROVAL_ROUTE.match(handler.path) is not None
         match = _ROUTE.match(handler.path)
-        if match is None:
-            self._reply(handler, 404, {"error": "POST /runs/{run_id}/signals/{name}"})
+        if match is None and not approval:
+            self._reply(
+                handler,
+                404,
+                {"error": "POST /runs/{run_id}/signals/{name} or /effects/{effect_id}/approval"},
+            )
             return
         length = int(handler.headers.get("Content-Length") or 0)
         if length > MAX_BODY:
             self._reply(handler, 413, {"error": f"body over {MAX_BODY} bytes"})
             return
         body = handler.rfile.read(length)
+        if approval:
+            self._forget_old()
+            status, answer = handle_approval(
+                self.outbox,
+                self.secret,
+                path=handler.path,
+                header=handler.headers.get,
+                body=body,
+                tolerance=self.tolerance,
+            )
+            self._reply(handler, status, answer)
+            return
+        assert match is not None
         signature = handler.headers.get(SIGNATURE_HEADER)
         refusal = verify(
             self.secret,

@@ -1,0 +1,102 @@
+"""``POST /effects/{effect_id}/approval``: approve or reject a held effect by a signed request.
+
+Signed exactly like the signal webhook (:func:`outbox.serve.webhooks.sign`: HMAC-SHA256
+of ``"<timestamp>.<path>.<body>"`` under the deployment's secret, in
+``X-Outbox-Signature``, with ``X-Outbox-Timestamp``), refused when stale, and
+accepted once (the signature is remembered in the decision's own transaction).
+The body::
+
+    {"decision": "approve", "digest": "<sha256 of the payload>", "note": "why", "by": "who"}
+
+``decision`` is ``approve`` or ``reject`` (a rejection may name the digest too).
+Answers: 200 with the effect's new status; 409 when the approval is refused
+(wrong digest, not awaiting approval, past its deadline) or replayed; 401
+unsigned or badly signed; 400 bad body; 404 no such effect.
+
+The handler is a plain function of (path, headers, body), so any HTTP server
+can mount it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from outbox.errors import (
+    ApprovalRefused,
+    NotFound,
+    OutboxError,
+    ReplayRefused,
+    ValidationError,
+)
+from outbox.serve.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
+
+if TYPE_CHECKING:
+    from outbox.client import Outbox
+
+__all__ = ["APPROVAL_ROUTE", "ApprovalRequest", "handle_approval"]
+
+APPROVAL_ROUTE = re.compile(r"^/effects/([0-9a-fA-F-]{36})/approval$")
+
+
+class ApprovalRequest(BaseModel):
+    """The body of an approval request."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    decision: Literal["approve", "reject"]
+    digest: str | None = None
+    note: str = Field(min_length=1, max_length=2000)
+    by: str = Field(min_length=1, max_length=200)
+
+
+def handle_approval(
+    outbox: Outbox,
+    secret: bytes,
+    *,
+    path: str,
+    header: Callable[[str], str | None],
+    body: bytes,
+    tolerance: float,
+) -> tuple[int, dict[str, Any]]:
+    """Verify, decide, and answer ``(status, json)`` for one request to :data:`APPROVAL_ROUTE`."""
+    match = APPROVAL_ROUTE.match(path)
+    if match is None:
+        return 404, {"error": "POST /effects/{effect_id}/approval"}
+    signature = header(SIGNATURE_HEADER)
+    refusal = verify(
+        secret, header(TIMESTAMP_HEADER), signature, path, body, tolerance=tolerance
+    )
+    if refusal is not None:
+        return 401, {"error": refusal}
+    assert signature is not None
+    try:
+        request = ApprovalRequest.model_validate(json.loads(body or b"{}"))
+    except (ValueError, pydantic.ValidationError) as exc:
+        return 400, {"error": str(exc).splitlines()[0][:300]}
+    decide = outbox.approve_effect if request.decision == "approve" else outbox.reject_effect
+    options: dict[str, Any] = {"note": request.note, "by": request.by, "via": "http"}
+    try:
+        effect = decide(  # type: ignore[operator]
+            match[1],
+            digest=request.digest,
+            request_id=hashlib.sha256(signature.encode()).hexdigest(),
+            **options,
+        )
+    except ReplayRefused:
+        return 409, {"error": "replayed: this signature was already accepted"}
+    except ApprovalRefused as exc:
+        return 409, {"error": str(exc), "refused": exc.reason}
+    except ValidationError as exc:
+        return 400, {"error": str(exc)}
+    except NotFound as exc:
+        return 404, {"error": str(exc)}
+    except OutboxError as exc:
+        return 500, {"error": str(exc)}
+    return 200, {"effect_id": str(effect.id), "status": effect.status.value}
