@@ -123,8 +123,10 @@ class HttpConfig(DelivererConfig):
     #: How much of a response body is read at most, and how much is recorded.
     read_limit_bytes: int = Field(default=1024 * 1024, ge=0)
     excerpt_bytes: int = Field(default=2048, ge=0)
-    #: Optional URL template the sink answers for a key (``{key}``): 2xx applied, 404 not.
+    #: URL template the sink answers for a key (``{key}``): see :meth:`HttpDeliverer.lookup`.
     lookup_url: str | None = None
+    #: Name of a credential (in ``credentials``) sent with lookups.
+    lookup_credential: str | None = None
     user_agent: str = "agent-outbox"
 
 
@@ -281,7 +283,18 @@ class HttpDeliverer(Deliverer):
         return Failed(f"HTTP {status}", detail=record)
 
     async def lookup(self, delivery: Delivery) -> Any:
-        """Ask the sink's lookup URL about the key (only when ``lookup_url`` is configured)."""
+        """Ask the sink's ``lookup_url`` whether it applied the key (the read-back contract).
+
+        ``GET`` the URL template with ``{key}`` (URL-quoted), the
+        ``Idempotency-Key`` header and the ``lookup_credential``, then:
+
+        - 404, or 2xx with a JSON object whose ``applied`` is ``false``: not
+          applied (the reconciler sends it again, same key);
+        - 2xx otherwise: applied; a JSON object's ``response`` (else the whole
+          body) is recorded as the effect's result;
+        - anything else (or no answer): unknown yet; the reconciler asks again
+          next round and never resends meanwhile.
+        """
         template = self.http.lookup_url
         if template is None:
             raise NotImplementedError("no lookup_url configured")
@@ -289,14 +302,30 @@ class HttpDeliverer(Deliverer):
         refusal = await self._refusal(url)
         if refusal is not None:
             raise PermissionError(refusal)
-        response = await self._client_for_loop().get(url, timeout=10.0)
+        headers = {"Idempotency-Key": delivery.idempotency_key}
+        if self.http.lookup_credential is not None:
+            credential = self.http.credentials.get(self.http.lookup_credential)
+            if credential is None:
+                raise ConfigurationError(
+                    f"lookup_credential {self.http.lookup_credential!r} is not configured"
+                )
+            headers[credential.header] = credential.value()
+        response = await self._client_for_loop().get(url, headers=headers, timeout=10.0)
         if response.status_code == 404:
             return NotApplied()
         response.raise_for_status()
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict) and answer.get("applied") is False:
+            return NotApplied()
+        recorded = answer.get("response", answer) if isinstance(answer, dict) else None
         return Succeeded(
             {
                 "status": response.status_code,
                 "looked_up": True,
+                "response": recorded,
                 "body": response.text[: self.http.excerpt_bytes],
             }
         )

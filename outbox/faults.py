@@ -10,7 +10,9 @@ Points: ``after_claim`` (claimed, before the outside call), ``after_call``
 (the completion statement ran, before its commit), ``after_publish`` (a
 relay's records were acknowledged by Kafka, before they are marked
 dispatched), ``after_step`` (a run's step committed, before the next),
-``before_step_commit`` (inside a step's transaction, before commit).
+``before_step_commit`` (inside a step's transaction, before commit),
+``after_note`` (a deliverer's note about its attempt was stored, before it
+calls the sink).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ POINTS = frozenset(
         "after_publish",
         "after_step",
         "before_step_commit",
+        "after_note",
     }
 )
 ENV = "OUTBOX_TEST_CRASH_AT"

@@ -47,6 +47,8 @@ class ClaimedEffect:
     created_at: datetime
     attempt_started_at: datetime | None
     lease_owner: str | None
+    #: what the deliverer noted before calling, for this attempt only (else None)
+    attempt_note: Any = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> ClaimedEffect:
@@ -64,6 +66,7 @@ class ClaimedEffect:
             created_at=row["created_at"],
             attempt_started_at=row["attempt_started_at"],
             lease_owner=row["lease_owner"],
+            attempt_note=_current_note(row.get("attempt_note"), row["attempt"]),
         )
 
     @property
@@ -104,6 +107,13 @@ class Completion:
             f'{head[:-1]},"result":{self.result_json or "null"},'
             f'"detail":{self.detail_json or "null"}}}'
         )
+
+
+def _current_note(note: Any, attempt: int) -> Any:
+    """A stored note counts only for the attempt that wrote it."""
+    if isinstance(note, dict) and note.get("attempt") == attempt:
+        return note
+    return None
 
 
 def _claimed(rows: Any) -> list[ClaimedEffect]:
@@ -184,6 +194,15 @@ class AsyncStore:
                 return _claimed(
                     await conn.execute(effect_sql.expired_effects(), {"max_rows": max_rows})
                 )
+
+    async def unknown_of(self, kinds: Sequence[str], max_rows: int) -> list[ClaimedEffect]:
+        """``unknown`` effects of these kinds (their deliverer can ask the sink), oldest first."""
+        if not kinds:
+            return []
+        params = {"kinds": list(kinds), "max_rows": max_rows}
+        with translate_errors("finding unknown effects"):
+            async with self.engine.connect() as conn:
+                return _claimed(await conn.execute(effect_sql.unknown_of_kinds(), params))
 
     async def expire(
         self,

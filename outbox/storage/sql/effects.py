@@ -56,6 +56,7 @@ __all__ = [
     "resolve_unknown",
     "retry_failed",
     "take_over_effect",
+    "unknown_of_kinds",
 ]
 
 
@@ -171,6 +172,19 @@ def expired_effects() -> AnySelect:
         select(effects)
         .where(effects.c.status == const("in_flight"), effects.c.lease_expires_at < func.now())
         .order_by(effects.c.lease_expires_at)
+        .limit(bindparam("max_rows", type_=Integer))
+    )
+
+
+def unknown_of_kinds() -> AnySelect:
+    """``unknown`` effects of ``:kinds`` (by the needs-operator index), oldest first."""
+    return (
+        select(effects)
+        .where(
+            effects.c.status == const("unknown"),
+            effects.c.kind == any_(bindparam("kinds", type_=ARRAY(Text))),
+        )
+        .order_by(effects.c.seq)
         .limit(bindparam("max_rows", type_=Integer))
     )
 
