@@ -16,6 +16,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 from outbox.client import (
@@ -32,6 +33,7 @@ from outbox.client import (
     run_filters,
     signal_sender,
 )
+from outbox.chain import Break, record_from_rows, verify_record
 from outbox.effect_diff import RunDiff, diff_effects
 from outbox.errors import EffectNotFound, RunNotFound
 from outbox.gates import Gate
@@ -164,6 +166,20 @@ class AsyncOutbox:
             if not found[rid] and await self.aio.call(sync.load_run, rid) is None:
                 raise RunNotFound(rid)
         return diff_effects(a, found[a], b, found[b])
+
+    # -- the tamper-evident record --------------------------------------------------
+
+    async def audit_record(self, run_id: uuid.UUID | str) -> dict[str, Any]:
+        """A self-contained record of a run (see :meth:`outbox.Outbox.audit_record`)."""
+        rid = as_uuid(run_id, "run_id")
+        rows = await self.aio.call(self.aio.sync.audit_rows, rid)
+        if not rows:
+            raise RunNotFound(rid)
+        return record_from_rows(rows, exported_at=datetime.now(UTC))
+
+    async def verify_run(self, run_id: uuid.UUID | str) -> list[Break]:
+        """Recompute a run's hash chains from the database: every break (empty: none)."""
+        return verify_record(await self.audit_record(run_id))
 
     # -- effects ----------------------------------------------------------------
 

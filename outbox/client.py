@@ -13,6 +13,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,6 +25,7 @@ from outbox.errors import (
     RunStateError,
     ValidationError,
 )
+from outbox.chain import Break, record_from_rows, verify_record
 from outbox.effect_diff import RunDiff, diff_effects
 from outbox.gates import Gate
 from outbox.ids import uuid7
@@ -168,6 +170,28 @@ class Outbox:
             if not found[rid] and self.store.load_run(rid) is None:
                 raise RunNotFound(rid)
         return diff_effects(a, found[a], b, found[b])
+
+    # -- the tamper-evident record --------------------------------------------------
+
+    def audit_record(self, run_id: uuid.UUID | str) -> dict[str, Any]:
+        """A self-contained record of a run: inputs, steps, effects, attempts, approvals (unsigned).
+
+        Read in one snapshot; ``outbox.chain.sign_record`` signs it and
+        ``outbox.chain.verify_record`` (or the script in ``docs/audit.md``) checks it.
+        """
+        rid = as_uuid(run_id, "run_id")
+        rows = self.store.audit_rows(rid)
+        if not rows:
+            raise RunNotFound(rid)
+        return record_from_rows(rows, exported_at=datetime.now(UTC))
+
+    def verify_run(self, run_id: uuid.UUID | str) -> list[Break]:
+        """Recompute a run's hash chains from the database: every break (empty: none)."""
+        return verify_record(self.audit_record(run_id))
+
+    def audited_runs(self, limit: int = 100_000) -> list[uuid.UUID]:
+        """Run ids, newest first: what ``outbox audit verify`` checks when no run is named."""
+        return self.store.run_ids(row_limit(limit))
 
     # -- effects ----------------------------------------------------------------
 

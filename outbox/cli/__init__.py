@@ -40,9 +40,9 @@ def cli(ctx: click.Context, dsn: str | None, home: Path | None, verbose: int) ->
 
 
 def _register() -> None:
-    from outbox.cli import db, deliver, demo, effects, gates, runs, schemas, worker
+    from outbox.cli import audit, db, deliver, demo, effects, gates, runs, schemas, worker
 
-    for module in (db, deliver, demo, effects, gates, runs, schemas, worker):
+    for module in (audit, db, deliver, demo, effects, gates, runs, schemas, worker):
         for command in module.COMMANDS:
             cli.add_command(command)
 
