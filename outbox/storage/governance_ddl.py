@@ -83,25 +83,25 @@ ATTEMPT_CHAIN_DDL = (
     """CREATE FUNCTION outbox_attempts_chain() RETURNS trigger
     LANGUAGE plpgsql AS $$
 DECLARE
+    ours boolean;
     prev bytea;
 BEGIN
     -- Appends to one effect's chain take turns on the effect's row. The statement that
     -- logs an attempt has nearly always just changed that row, so holds its lock; one
     -- that did not (a stale completion) takes the lock here and draws a new id, so that
     -- id order stays chain order.
-    PERFORM 1 FROM outbox_effects
-     WHERE id = NEW.effect_id
-       AND xmin::text = (pg_current_xact_id()::text::bigint % 4294967296)::text;
-    IF NOT FOUND THEN
+    SELECT e.xmin::text = (pg_current_xact_id()::text::bigint % 4294967296)::text,
+           outbox_effect_genesis(e.id, e.run_id, e.kind, e.idempotency_key, e.payload_hash)
+      INTO ours, prev
+      FROM outbox_effects e WHERE e.id = NEW.effect_id;
+    IF NOT ours THEN
         PERFORM 1 FROM outbox_effects WHERE id = NEW.effect_id FOR UPDATE;
         NEW.id := nextval(pg_get_serial_sequence('outbox_effect_attempts', 'id'));
     END IF;
-    SELECT a.hash INTO prev FROM outbox_effect_attempts a
-     WHERE a.effect_id = NEW.effect_id ORDER BY a.id DESC LIMIT 1;
-    IF prev IS NULL THEN
-        SELECT outbox_effect_genesis(e.id, e.run_id, e.kind, e.idempotency_key, e.payload_hash)
-          INTO prev FROM outbox_effects e WHERE e.id = NEW.effect_id;
-    END IF;
+    -- The newest link of this effect's chain, else its genesis.
+    SELECT coalesce((SELECT a.hash FROM outbox_effect_attempts a
+                      WHERE a.effect_id = NEW.effect_id ORDER BY a.id DESC LIMIT 1), prev)
+      INTO prev;
     NEW.hash := outbox_attempt_hash(prev, NEW.effect_id, NEW.attempt, NEW.worker,
                                     NEW.started_at, NEW.finished_at, NEW.outcome, NEW.detail);
     RETURN NEW;
