@@ -49,7 +49,9 @@ SELECT gen_random_uuid(), 'bench.chain', '{"n": 1}'::jsonb, md5('x'),
 
 def wal(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint").fetchone()
+        row = conn.execute(
+            "SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint"
+        ).fetchone()
     assert row is not None
     return int(row[0])
 

@@ -51,6 +51,7 @@ from kafka import KafkaProducer
 from kafka import errors as kafka_errors
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deliverers.kafka_readback import choose_partition, find_record
 from outbox.delivery import (
     Deliverer,
     DelivererConfig,
@@ -62,7 +63,6 @@ from outbox.delivery import (
     Succeeded,
     Unknown,
 )
-from deliverers.kafka_readback import choose_partition, find_record
 from outbox.delivery.stream import close_producer
 
 __all__ = [
@@ -466,7 +466,9 @@ class KafkaDeliverer(Deliverer):
             **settings,
         )
 
-    def _before_send(self, producer: Any, record: KafkaRecord, delivery: Delivery) -> tuple[int, int]:
+    def _before_send(
+        self, producer: Any, record: KafkaRecord, delivery: Delivery
+    ) -> tuple[int, int]:
         """The partition this record goes to and that partition's end offset now."""
         from kafka import TopicPartition
 

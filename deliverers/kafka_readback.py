@@ -1,4 +1,4 @@
-"""Read-back for ``kafka.publish``: was a record with this idempotency key written?
+"""Read-back for ``kafka.publish``: is a record with this idempotency key in the log.
 
 Kafka cannot dedup a resend across producer sessions, so after a crash between
 the send and its record the only safe question is "is it in the log?". To make
@@ -41,7 +41,7 @@ def choose_partition(partitions: set[int], key: bytes | None, idempotency_key: s
     if not ordered:
         raise ValueError("the topic has no partitions")
     if key is not None:
-        return ordered[(murmur2(key) & 0x7FFFFFFF) % len(ordered)]
+        return ordered[(int(murmur2(key)) & 0x7FFFFFFF) % len(ordered)]
     digest = hashlib.sha256(idempotency_key.encode()).digest()
     return ordered[int.from_bytes(digest[:8], "big") % len(ordered)]
 
@@ -72,7 +72,9 @@ def find_record(
     deadline = time.monotonic() + timeout_seconds
     while consumer.position(tp) < end:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"read-back of {tp.topic}[{tp.partition}] took over {timeout_seconds}s")
+            raise TimeoutError(
+                f"read-back of {tp.topic}[{tp.partition}] took over {timeout_seconds}s"
+            )
         batch = consumer.poll(timeout_ms=500, max_records=500)
         for record in batch.get(tp, []):
             if record.offset >= end:

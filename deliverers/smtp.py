@@ -13,6 +13,7 @@ Where no folder receives sent mail, leave it off: only an operator can tell.
 
 from __future__ import annotations
 
+import contextlib
 import imaplib
 import os
 import smtplib
@@ -142,7 +143,6 @@ class SmtpDeliverer(Deliverer):
             {"message_id": msg["Message-ID"], "accepted": accepted, "refused": refused}
         )
 
-
     def _message_id(self, delivery: Delivery) -> str:
         assert isinstance(self.config, SmtpConfig)
         return f"<{delivery.idempotency_key}@{self.config.message_id_domain}>"
@@ -167,10 +167,8 @@ class SmtpDeliverer(Deliverer):
             if status != "OK":
                 raise RuntimeError(f"IMAP search failed: {found!r}")
         finally:
-            try:
+            with contextlib.suppress(imaplib.IMAP4.error, OSError):
                 client.logout()
-            except (imaplib.IMAP4.error, OSError):
-                pass
         if found and found[0] and found[0].split():
             return Succeeded(
                 {"message_id": message_id, "looked_up": True, "folder": config.imap_folder}

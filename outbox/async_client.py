@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
+from outbox.chain import Break, record_from_rows, verify_record
 from outbox.client import (
     approval_decider,
     cancel_args,
@@ -33,7 +34,6 @@ from outbox.client import (
     run_filters,
     signal_sender,
 )
-from outbox.chain import Break, record_from_rows, verify_record
 from outbox.effect_diff import RunDiff, diff_effects
 from outbox.errors import EffectNotFound, RunNotFound
 from outbox.gates import Gate
@@ -161,7 +161,10 @@ class AsyncOutbox:
         """Compare the effects two runs intended (see :meth:`outbox.Outbox.diff_runs`)."""
         a, b = diff_args(run_a, run_b)
         sync = self.aio.sync
-        found = {rid: await self.aio.call(sync.list_effects, run_id=rid, limit=1_000_000) for rid in (a, b)}
+        found = {
+            rid: await self.aio.call(sync.list_effects, run_id=rid, limit=1_000_000)
+            for rid in (a, b)
+        }
         for rid in (a, b):
             if not found[rid] and await self.aio.call(sync.load_run, rid) is None:
                 raise RunNotFound(rid)

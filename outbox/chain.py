@@ -165,7 +165,7 @@ def _walk(rows: Sequence[Mapping[str, Any]], start: bytes, link: Any) -> tuple[b
 
 
 def verify_record(record: Mapping[str, Any]) -> list[Break]:
-    """Every break in a run record (empty: it holds): digests, the step chain, each attempt chain."""
+    """Every break in a run record (empty: it holds): digests, step chain, attempt chains."""
     breaks: list[Break] = []
     run = record["run"]
     rid = run["id"]
@@ -259,7 +259,9 @@ def verify_signature(record: Mapping[str, Any], trusted_public_keys: Iterable[st
     ed25519 = _ed25519()
     signature = record.get("signature") or {}
     trusted = list(trusted_public_keys)
-    if signature.get("algorithm") != "ed25519" or (trusted and signature["public_key"] not in trusted):
+    if signature.get("algorithm") != "ed25519" or (
+        trusted and signature["public_key"] not in trusted
+    ):
         return False
     key = ed25519.Ed25519PublicKey.from_public_bytes(bytes.fromhex(signature["public_key"]))
     try:

@@ -17,6 +17,8 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from outbox.chain import Break, record_from_rows, verify_record
+from outbox.effect_diff import RunDiff, diff_effects
 from outbox.errors import (
     ApprovalRefused,
     EffectNotFound,
@@ -25,8 +27,6 @@ from outbox.errors import (
     RunStateError,
     ValidationError,
 )
-from outbox.chain import Break, record_from_rows, verify_record
-from outbox.effect_diff import RunDiff, diff_effects
 from outbox.gates import Gate
 from outbox.ids import uuid7
 from outbox.intent_rules import MAX_KEY_LENGTH
@@ -309,7 +309,7 @@ class Outbox:
         return self.effect(decision.effect_id)
 
     def expire_approvals(self, max_rows: int = 100) -> dict[str, int]:
-        """Apply ``on_timeout`` to held effects past their deadline (deliverers do this on a timer)."""
+        """Apply ``on_timeout`` to held effects past their deadline (deliverers do it too)."""
         with self.store.run_tx() as tx:
             return expire_approvals(tx, row_limit(max_rows))
 
@@ -540,7 +540,7 @@ def approval_decider(
     via: str,
     request_id: str | None = None,
 ) -> Callable[[RunTx], ApprovalDecision]:
-    """Validate an approval or rejection; return what decides it in a run transaction (both twins)."""
+    """Validate an approval or rejection; return what decides it in a run transaction."""
     eid = as_uuid(effect_id, "effect_id")
     if approve and digest is None:
         raise ValidationError(

@@ -38,9 +38,12 @@ def _normalise(value: Any, run_id: str) -> Any:
 
 def _key(effect: Effect, run_id: uuid.UUID) -> str:
     key = effect.idempotency_key
-    if effect.step_id is not None and effect.step_index is not None:
-        if key == derive_key(run_id, effect.step_id, effect.step_index):
-            return "(derived)"
+    if (
+        effect.step_id is not None
+        and effect.step_index is not None
+        and key == derive_key(run_id, effect.step_id, effect.step_index)
+    ):
+        return "(derived)"
     return key.removeprefix(f"{DRY_RUN_KIND_PREFIX}{run_id}:")
 
 
@@ -64,7 +67,7 @@ def intended(effect: Effect, run_id: uuid.UUID) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class EffectChange:
-    """One position where the runs differ: ``added`` (only in B), ``removed`` (only in A), ``changed``."""
+    """Where the runs differ: ``added`` (only in B), ``removed`` (only in A), ``changed``."""
 
     step_id: str | None
     index: int | None
@@ -115,7 +118,9 @@ def diff_effects(
     """Compare what two runs intended, position by position (in intent order)."""
 
     def by_position(run_id: uuid.UUID, found: Sequence[Effect]) -> dict[Any, dict[str, Any]]:
-        return {(e.step_id, e.step_index, e.compensates is not None): intended(e, run_id) for e in found}
+        return {
+            (e.step_id, e.step_index, e.compensates is not None): intended(e, run_id) for e in found
+        }
 
     a, b = by_position(run_a, effects_a), by_position(run_b, effects_b)
     order = list(a) + [p for p in b if p not in a]

@@ -165,7 +165,7 @@ class ApprovalPolicy(BaseModel):
 
 
 class Gate(ApprovalPolicy):
-    """A config-declared gate: intents of ``kind`` whose payload meets ``when`` wait for approval."""
+    """A declared gate: intents of ``kind`` whose payload meets ``when`` wait for approval."""
 
     name: str = Field(min_length=1, max_length=200, pattern=KIND_PATTERN)
     kind: str = Field(min_length=1, max_length=200, pattern=KIND_PATTERN)

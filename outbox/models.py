@@ -144,7 +144,7 @@ DRY_RUN_KIND_PREFIX = "dry-run:"
 
 
 def real_kind(kind: str) -> str:
-    """The kind an effect was intended as (a dry run's effects carry :data:`DRY_RUN_KIND_PREFIX`)."""
+    """The kind an effect was intended as (without :data:`DRY_RUN_KIND_PREFIX`)."""
     return kind.removeprefix(DRY_RUN_KIND_PREFIX)
 
 
@@ -205,7 +205,9 @@ class Lease(NamedTuple):
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 #: A link of a hash chain: 32 bytes, written as hex in JSON.
-ChainHash = Annotated[bytes, PlainSerializer(lambda value: value.hex(), return_type=str, when_used="json")]
+ChainHash = Annotated[
+    bytes, PlainSerializer(lambda value: value.hex(), return_type=str, when_used="json")
+]
 
 
 class _Record(BaseModel):

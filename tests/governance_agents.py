@@ -12,7 +12,10 @@ def pay(run: Run) -> dict[str, Any]:
     sink, amount, kind = run.inputs["sink"], run.inputs["amount"], run.inputs["kind"]
 
     def intend(tx: Any) -> str:
-        payload = {"url": f"{sink}/payments", "json": {"operation": f"{run.id}:pay", "amount": amount}}
+        payload = {
+            "url": f"{sink}/payments",
+            "json": {"operation": f"{run.id}:pay", "amount": amount},
+        }
         return str(tx.intend(kind, payload).id)
 
     effect_id = run.transaction("pay", intend)

@@ -235,9 +235,7 @@ def deliver(
         return DeliveryDaemon(store, chosen, settings, source=source, metrics=metrics)
 
     mode = f"from Kafka {kafka} (group {group})" if kafka else "from PostgreSQL"
-    serve_until_signal(
-        dsn, make, f"delivering kinds {sorted(serving)} {mode} as {settings.owner}"
-    )
+    serve_until_signal(dsn, make, f"delivering kinds {sorted(serving)} {mode} as {settings.owner}")
 
 
 def validated_settings(model: type[S], **values: Any) -> S:

@@ -152,7 +152,8 @@ def effects_retry(cli: CliContext, effect_id: str, extra_attempts: int, as_json:
 @click.option(
     "--digest",
     required=True,
-    help="sha256 of the payload you approve (`outbox effects show ID`): no other payload is released.",
+    help="sha256 of the payload you approve (`outbox effects show ID`); "
+    "no other payload is released.",
 )
 @click.option("--note", required=True, help="Why (kept in the attempt log).")
 @click.option("--by", "operator", default=None, help="Who approves (default: your user).")

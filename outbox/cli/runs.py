@@ -110,7 +110,14 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
                 "what would have happened (a dry run: no sink was called)",
                 ["step", "#", "kind", "payload", "result (stub)", "status"],
                 [
-                    (e.step_id, e.step_index, real_kind(e.kind), e.payload, e.result, e.status.value)
+                    (
+                        e.step_id,
+                        e.step_index,
+                        real_kind(e.kind),
+                        e.payload,
+                        e.result,
+                        e.status.value,
+                    )
                     for e in effects
                 ],
             )
@@ -200,10 +207,7 @@ def runs_diff(cli: CliContext, run_a: str, run_b: str, as_json: bool) -> None:
         table(
             f"{len(found.changes)} difference(s) in {found.compared} intended effect(s)",
             ["step", "#", "change", "fields", "A", "B"],
-            [
-                (c.step_id, c.index, c.change, ", ".join(c.fields), c.a, c.b)
-                for c in found.changes
-            ],
+            [(c.step_id, c.index, c.change, ", ".join(c.fields), c.a, c.b) for c in found.changes],
         )
 
     emit(found.as_dict(), as_json, render)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 from uuid import UUID
@@ -52,7 +52,7 @@ class AttemptNotes:
 
     def __init__(
         self,
-        write: Callable[[Mapping[str, Any]], Awaitable[bool]],
+        write: Callable[[Mapping[str, Any]], Coroutine[Any, Any, bool]],
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         self._write = write
@@ -92,7 +92,7 @@ class Delivery:
 
 @dataclass(frozen=True, slots=True)
 class Succeeded:
-    """The sink applied the effect; ``result`` (JSON) is recorded (``detail`` in the attempt log)."""
+    """The sink applied the effect; ``result`` (JSON) is recorded, ``detail`` logged."""
 
     result: Any = None
     detail: Any = None

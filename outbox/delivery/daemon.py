@@ -169,7 +169,9 @@ class DeliveryDaemon:
         owner = effect.lease_owner or self.owner
 
         async def write(note: Mapping[str, Any]) -> bool:
-            written = await self.store.note_attempt(effect.id, effect.attempt, owner=owner, note=note)
+            written = await self.store.note_attempt(
+                effect.id, effect.attempt, owner=owner, note=note
+            )
             crash_point("after_note")
             return written
 

@@ -206,7 +206,6 @@ async def _ask(
     return item(action, note)
 
 
-
 async def _resolve(
     store: AsyncStore,
     deliverers: Mapping[str, Deliverer],

@@ -70,9 +70,7 @@ def handle_approval(
     if match is None:
         return 404, {"error": "POST /effects/{effect_id}/approval"}
     signature = header(SIGNATURE_HEADER)
-    refusal = verify(
-        secret, header(TIMESTAMP_HEADER), signature, path, body, tolerance=tolerance
-    )
+    refusal = verify(secret, header(TIMESTAMP_HEADER), signature, path, body, tolerance=tolerance)
     if refusal is not None:
         return 401, {"error": refusal}
     assert signature is not None
@@ -80,15 +78,15 @@ def handle_approval(
         request = ApprovalRequest.model_validate(json.loads(body or b"{}"))
     except (ValueError, pydantic.ValidationError) as exc:
         return 400, {"error": str(exc).splitlines()[0][:300]}
-    decide = outbox.approve_effect if request.decision == "approve" else outbox.reject_effect
-    options: dict[str, Any] = {"note": request.note, "by": request.by, "via": "http"}
+    request_id = hashlib.sha256(signature.encode()).hexdigest()
+    given = {"note": request.note, "by": request.by, "request_id": request_id, "via": "http"}
     try:
-        effect = decide(  # type: ignore[operator]
-            match[1],
-            digest=request.digest,
-            request_id=hashlib.sha256(signature.encode()).hexdigest(),
-            **options,
-        )
+        if request.decision == "approve":
+            if request.digest is None:
+                return 400, {"error": "digest: an approval names the digest of the payload"}
+            effect = outbox.approve_effect(match[1], digest=request.digest, **given)
+        else:
+            effect = outbox.reject_effect(match[1], digest=request.digest, **given)
     except ReplayRefused:
         return 409, {"error": "replayed: this signature was already accepted"}
     except ApprovalRefused as exc:

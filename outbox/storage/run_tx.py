@@ -192,7 +192,7 @@ class RunTx:
     # -- approvals --------------------------------------------------------------------
 
     def lock_effect(self, effect_id: uuid.UUID) -> Any:
-        """The effect row locked until commit (status, payload, digest, approval, ``due``), or None."""
+        """The effect row locked until commit (status, digest, approval, ``due``), or None."""
         return self._run(gov_sql.lock_effect(), {"effect_id": effect_id}).first()
 
     def approve_held(self, effect_id: uuid.UUID, approver: str, detail: dict[str, Any]) -> bool:

@@ -221,7 +221,7 @@ class Store:
             return [r[0] for r in conn.execute(gov_sql.delete_gates(keep=False), {"names": names})]
 
     def audit_rows(self, run_id: UUID) -> dict[str, Any]:
-        """Everything the audit of one run reads, in one snapshot (a repeatable-read transaction)."""
+        """Everything the audit of one run reads, in one snapshot (repeatable read)."""
         run_q, _ = sql.run_with_steps()
         with translate_errors("reading a run's record"), self.engine.connect() as conn:
             conn = conn.execution_options(isolation_level="REPEATABLE READ")

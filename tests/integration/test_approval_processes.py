@@ -55,13 +55,20 @@ on_timeout = "cancel_run"
 def spawn(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
     with log.open("ab") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "outbox", *args], env=env, stdout=handle, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "outbox", *args],
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
         )
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "outbox", *args], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "outbox", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -154,7 +161,9 @@ def test_a_held_payment_is_released_only_by_its_own_digest_and_the_run_resumes(
     refused = cli(env, "effects", "approve", str(held.id), "--digest", wrong, "--note", "ok")
     assert refused.returncode == 1 and "approval refused" in refused.stderr
     assert "\n" not in refused.stderr.strip(), "one line, no traceback"
-    answer = signed_decision(port, held.id, {"decision": "approve", "digest": wrong, "note": "ok", "by": "cfo"})
+    answer = signed_decision(
+        port, held.id, {"decision": "approve", "digest": wrong, "note": "ok", "by": "cfo"}
+    )
     assert answer.status_code == 409 and "another payload" in answer.json()["error"]
     time.sleep(0.5)
     assert ob.effect(held.id).status == EffectStatus.AWAITING_APPROVAL
@@ -171,14 +180,18 @@ def test_a_held_payment_is_released_only_by_its_own_digest_and_the_run_resumes(
     assert stats["operations_applied"] == 2 and stats["keys_received"] == 2
     assert stats["duplicate_operations"] == []
     log = [(a.outcome, a.worker) for a in ob.store.attempts(held.id)]
-    assert log[:3] == [("approval_refused", log[0][1]), ("approval_refused", "cfo"), ("approved", "cfo")]
+    assert log[:3] == [
+        ("approval_refused", log[0][1]),
+        ("approval_refused", "cfo"),
+        ("approved", "cfo"),
+    ]
     assert log[-1][0] == "succeeded"
 
 
 def test_an_approval_past_the_deadline_is_refused_and_the_run_is_cancelled(
     ob: Outbox, stack: tuple[IdempotentHttpSink, dict[str, str], int]
 ) -> None:
-    sink, env, port = stack
+    sink, env, _ = stack
     run = ob.start_run("payer", "1", {"sink": sink.url, "amount": 5, "kind": "payments.urgent"})
     held = held_effect(ob, run.id)
     assert held.approval["on_timeout"] == "cancel_run" and held.approval_deadline is not None

@@ -26,14 +26,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "outbox", *args], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "outbox", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
 @pytest.fixture
 def history(ob: Outbox, dsn: str) -> Iterator[Any]:
     """A run with a call, a wait on a signal, steps with effects, deliveries and an approval."""
-    ob.apply_gates([Gate(name="big", kind="k.pay", when=[{"pointer": "/n", "op": "gt", "value": 5}])])
+    ob.apply_gates(
+        [Gate(name="big", kind="k.pay", when=[{"pointer": "/n", "op": "gt", "value": 5}])]
+    )
     run = ob.start_run("auditor", "1", {"month": "2026-10", "note": "naïve ✓"})
     run.call("fetch", lambda: {"rows": [1, 2, 3]})
 
@@ -140,12 +146,17 @@ def test_an_exported_record_verifies_with_the_independent_script(
     public = made.stdout.strip()
     assert key.stat().st_mode & 0o077 == 0, "the private key is the owner's only"
     out = tmp_path / "run.json"
-    exported = cli(sub_env, "audit", "export", str(history.id), "--key", str(key), "--out", str(out))
+    exported = cli(
+        sub_env, "audit", "export", str(history.id), "--key", str(key), "--out", str(out)
+    )
     assert exported.returncode == 0, exported.stderr
     record = json.loads(out.read_text())
     assert record["signature"]["public_key"] == public
     assert record["run"]["inputs"] == {"month": "2026-10", "note": "naïve ✓"}
-    assert {a["outcome"] for e in record["effects"] for a in e["attempts"]} >= {"approved", "succeeded"}
+    assert {a["outcome"] for e in record["effects"] for a in e["attempts"]} >= {
+        "approved",
+        "succeeded",
+    }
 
     script = independent_script(tmp_path)
     checked = subprocess.run(
@@ -158,7 +169,9 @@ def test_an_exported_record_verifies_with_the_independent_script(
     record["approvals"][0]["note"] = "approved by the board"
     forged = tmp_path / "forged.json"
     forged.write_text(json.dumps(record))
-    refused = subprocess.run([sys.executable, str(script), str(forged)], capture_output=True, text=True)
+    refused = subprocess.run(
+        [sys.executable, str(script), str(forged)], capture_output=True, text=True
+    )
     assert refused.returncode != 0 and "signature" in refused.stderr
     other = subprocess.run(
         [sys.executable, str(script), str(out), "00" * 32], capture_output=True, text=True

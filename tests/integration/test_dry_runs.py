@@ -81,7 +81,7 @@ def _posted(delivery: Any) -> Any:
 
 
 def _dry_with_lookup(dsn: str, config: DryRunConfig) -> dict[str, Any]:
-    """A dry registry whose recorded-result lookup uses its own store (the CLI wires the daemon's)."""
+    """A dry registry whose recorded-result lookup has its own store (the CLI uses the daemon's)."""
     from outbox.storage.async_store import AsyncStore
     from outbox.storage.engine import make_async_engine
 
