@@ -9,6 +9,9 @@ pointed at another).
 Anything unsigned, signed wrongly, older than the tolerance, or a signature
 already seen (stored in PostgreSQL, so every server process shares it) is
 refused before it touches the run.
+
+``POST /effects/{effect_id}/approval`` decides an effect held by an approval
+gate, signed the same way (:mod:`outbox.serve.approvals`).
 """
 
 from __future__ import annotations
