@@ -243,3 +243,26 @@ def test_the_async_twin_approves_and_rejects(gated: Outbox, dsn: str) -> None:
             assert [g.name for g in await aob.gates()] == ["large-payments"]
 
     asyncio.run(main())
+
+
+def test_the_async_twin_has_dry_runs_diffs_and_the_audit(ob: Outbox, dsn: str) -> None:
+    live, _ = pay(ob, 7)
+
+    async def main() -> None:
+        async with await AsyncOutbox.connect(dsn) as aob:
+            dry = await aob.start_run("payer", "1", mode="dry_run")
+            assert dry.dry_run
+
+            async def step(tx: Any) -> None:
+                await tx.intend("payments.send", {"json": {"amount": 7}})
+
+            await dry.transaction("pay", step)
+            [effect] = await dry.effects()
+            assert effect.kind == "dry-run:payments.send"
+            assert (await aob.diff_runs(live.id, dry.id)).identical
+            assert await aob.verify_run(dry.id) == []
+            record = await aob.audit_record(dry.id)
+            assert record["run"]["mode"] == "dry_run" and len(record["steps"]) == 1
+            assert await aob.expire_approvals() == {}
+
+    asyncio.run(main())
