@@ -26,9 +26,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psycopg
-from sqlalchemy import Engine
+from sqlalchemy import ColumnElement, Engine
 
 from outbox import EmbeddedServer, Outbox
 from outbox.gates import Gate
@@ -103,7 +104,11 @@ def complete_round(engine: Engine, dsn: str, batches: int) -> dict[str, float]:
 def unchained_steps() -> Iterator[None]:
     """``commit_step`` without the step-chain computation (the B side of the comparison)."""
     original = step_sql.next_step_head
-    step_sql.next_step_head = lambda *args: schema.runs.c.step_head  # type: ignore[assignment]
+
+    def head_unchanged(step_id: Any, kind: Any, result: Any, error: Any) -> ColumnElement[Any]:
+        return schema.runs.c.step_head
+
+    step_sql.next_step_head = head_unchanged
     step_sql.commit_step.cache_clear()
     try:
         yield
@@ -117,7 +122,11 @@ def step_round(ob: Outbox, dsn: str, steps: int) -> dict[str, float]:
     before = wal(dsn)
     started = time.perf_counter()
     for i in range(steps):
-        run.transaction(f"s{i}", lambda tx, i=i: tx.intend("bench.step", {"i": i}) and None)
+
+        def step(tx: Any, i: int = i) -> None:
+            tx.intend("bench.step", {"i": i})
+
+        run.transaction(f"s{i}", step)
     elapsed = time.perf_counter() - started
     return {"steps_per_s": steps / elapsed, "wal_bytes_per_step": (wal(dsn) - before) / steps}
 
@@ -158,13 +167,11 @@ def main() -> None:
         with psycopg.connect(dsns["unchained"], autocommit=True) as conn:
             conn.execute("DROP TRIGGER outbox_attempts_chain ON outbox_effect_attempts")
         engines = {name: make_engine(dsn) for name, dsn in dsns.items()}
-        completion = alternate(
-            args.rounds,
-            {
-                name: (lambda n=name: complete_round(engines[n], dsns[n], args.batches))
-                for name in dsns
-            },
-        )
+
+        def completing(name: str) -> Callable[[], dict[str, float]]:
+            return lambda: complete_round(engines[name], dsns[name], args.batches)
+
+        completion = alternate(args.rounds, {name: completing(name) for name in dsns})
         ob = Outbox.connect(dsns["chained"])
 
         def unchained() -> dict[str, float]:

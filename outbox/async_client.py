@@ -51,6 +51,7 @@ from outbox.storage.async_run_store import AsyncRunStore
 from outbox.storage.engine import open_async_engine
 from outbox.storage.notify import Notifier, WakeupThrottle
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
+from outbox.tracing import current_traceparent, run_span
 from outbox.validation import as_uuid, name_field, row_limit, validated
 
 __all__ = ["AsyncOutbox", "BlockingAsyncWorker"]
@@ -137,7 +138,10 @@ class AsyncOutbox:
         """Start a run of ``agent`` pinned to ``version`` (see :meth:`outbox.Outbox.start_run`)."""
         row = new_run_row(self.settings, agent, version, inputs, budget, run_id, mode)
         notify = self._runs_wakeup.inline()
-        record = await self.aio.call(self.aio.sync.insert_run, row, notify=notify is not None)
+        with run_span(agent=row["agent"], version=row["agent_version"]):
+            # The run's trace: its steps are spans of it, in whichever process.
+            row["trace_parent"] = current_traceparent()
+            record = await self.aio.call(self.aio.sync.insert_run, row, notify=notify is not None)
         self._runs_wakeup.committed(notify)
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
         return AsyncRun(self._ctx, record, [])
@@ -222,10 +226,15 @@ class AsyncOutbox:
         return await self.effect(effect.id)
 
     async def retry_effect(
-        self, effect_id: uuid.UUID | str, *, operator: str, extra_attempts: int = 3
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        operator: str,
+        extra_attempts: int = 3,
+        note: str | None = None,
     ) -> Effect:
         """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries."""
-        params = retry_params(extra_attempts=extra_attempts, operator=operator)
+        params = retry_params(extra_attempts=extra_attempts, operator=operator, note=note)
         effect = await self.effect(effect_id)
         changed = await self.aio.call(
             self.aio.sync.operator_change, "retry", {"effect_id": effect.id, **params}

@@ -53,6 +53,7 @@ from outbox.storage.notify import WakeupThrottle
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
 from outbox.storage.store import Store
+from outbox.tracing import current_traceparent, run_span
 from outbox.validation import as_uuid, name_field, row_limit, validated
 
 if TYPE_CHECKING:
@@ -138,7 +139,10 @@ class Outbox:
         """
         row = new_run_row(self.settings, agent, version, inputs, budget, run_id, mode)
         notify = self._runs_wakeup.inline()
-        record = self.store.insert_run(row, notify=notify is not None)
+        with run_span(agent=row["agent"], version=row["agent_version"]):
+            # The run's trace: its steps are spans of it, in whichever process.
+            row["trace_parent"] = current_traceparent()
+            record = self.store.insert_run(row, notify=notify is not None)
         self._runs_wakeup.committed(notify)
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
         return Run(self._ctx, record, [])
@@ -233,10 +237,18 @@ class Outbox:
         return self.effect(effect.id)
 
     def retry_effect(
-        self, effect_id: uuid.UUID | str, *, operator: str, extra_attempts: int = 3
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        operator: str,
+        extra_attempts: int = 3,
+        note: str | None = None,
     ) -> Effect:
-        """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries."""
-        params = retry_params(extra_attempts=extra_attempts, operator=operator)
+        """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries.
+
+        Recorded in the attempt log with ``operator`` and, when given, ``note`` (why).
+        """
+        params = retry_params(extra_attempts=extra_attempts, operator=operator, note=note)
         effect = self.effect(effect_id)
         if not self.store.operator_change("retry", {"effect_id": effect.id, **params}):
             raise not_changed(effect, "retry")
@@ -469,6 +481,7 @@ def new_run_row(
         "inputs_hash": content_hash(inputs_json),
         "budget": None if start.budget is None else Decimal(str(start.budget)),
         "dry_run": start.mode == RunMode.DRY_RUN,
+        "trace_parent": None,
     }
 
 
@@ -504,11 +517,16 @@ def resolve_params(*, outcome: str, note: str, operator: str) -> dict[str, Any]:
     return {"new_status": choices[outcome], "operator": operator, "detail": detail}
 
 
-def retry_params(*, extra_attempts: int, operator: str) -> dict[str, Any]:
+def retry_params(*, extra_attempts: int, operator: str, note: str | None = None) -> dict[str, Any]:
     """Validated parameters of an operator's ``retry`` (all but the effect id)."""
     if extra_attempts < 1:
         raise ValidationError("extra_attempts", extra_attempts, "must be at least 1")
-    detail = encode({"extra_attempts": extra_attempts, "by": operator}, field="detail")
+    if note is not None and not note.strip():
+        raise ValidationError("note", note, "say why, or leave the note out")
+    entry: dict[str, Any] = {"extra_attempts": extra_attempts, "by": operator}
+    if note is not None:
+        entry["note"] = note
+    detail = encode(entry, field="detail")
     return {"extra_attempts": extra_attempts, "operator": operator, "detail": detail}
 
 

@@ -12,7 +12,8 @@ relay's records were acknowledged by Kafka, before they are marked
 dispatched), ``after_step`` (a run's step committed, before the next),
 ``before_step_commit`` (inside a step's transaction, before commit),
 ``after_note`` (a deliverer's note about its attempt was stored, before it
-calls the sink).
+calls the sink);
+``gc_archived`` (a ``gc`` batch is archived and fsynced, before its delete commits).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ POINTS = frozenset(
         "after_step",
         "before_step_commit",
         "after_note",
+        "gc_archived",
     }
 )
 ENV = "OUTBOX_TEST_CRASH_AT"

@@ -327,6 +327,8 @@ class RunRecord(_Record):
     #: Agent-version upgrades this run went through: ``{from, to, at, worker}``.
     upgrades: list[dict[str, Any]] = Field(default_factory=list)
     cancel_reason: str | None = None
+    #: The W3C ``traceparent`` of the run's trace (None: started outside any trace).
+    trace_parent: str | None = None
     #: a dry run's effects go to a recording deliverer, never to a sink
     dry_run: bool = False
 
@@ -387,6 +389,8 @@ class Effect(_Record):
     attempt_started_at: datetime | None = None
     created_at: datetime | None = None
     completed_at: datetime | None = None
+    #: The W3C ``traceparent`` current when the intent was written (None: no trace).
+    trace_parent: str | None = None
     #: the gate that held it for approval (``gate``, ``timeout``, ``on_timeout``, ...), if any
     approval: Any = None
     approval_deadline: datetime | None = None

@@ -23,6 +23,7 @@ from outbox.payloads import content_hash, decode, encode, encode_sized
 from outbox.runs.context import RunContext
 from outbox.storage import Connection
 from outbox.storage.store import effects_json
+from outbox.tracing import current_traceparent
 from outbox.validation import name_field, validated
 
 
@@ -176,6 +177,8 @@ class _Intents:
             "approval": None
             if intent.approval is None or dry_run
             else policy_json(intent.approval, "intent"),
+            # The trace current at tx.intend: every delivery attempt is a span of it.
+            "trace_parent": current_traceparent(),
             "_run_id": run_id,
             "_step_id": step_id,
             "_size": size,
@@ -249,6 +252,7 @@ def _effect(row: dict[str, Any]) -> Effect:
         else Compensation.model_validate_json(row["compensate"]),
         cost=None if row["cost"] is None else Decimal(str(row["cost"])),
         approval=decode(row["approval"]),
+        trace_parent=row["trace_parent"],
     )
 
 

@@ -47,8 +47,9 @@ class Run(RunBase):
         step_id, recorded = self._recorded_or_start(step_id)
         if recorded is not None:
             return self._replay(recorded)
-        result_json = self._encode_result(fn(*args, **kwargs))
-        return self._commit(step_id, "call", result_json, None, None)
+        with self._span(step_id, "call"):
+            result_json = self._encode_result(fn(*args, **kwargs))
+            return self._commit(step_id, "call", result_json, None, None)
 
     def transaction(
         self,
@@ -66,7 +67,8 @@ class Run(RunBase):
         step_id, recorded = self._recorded_or_start(step_id)
         if recorded is not None:
             return self._replay(recorded)
-        return self._commit(step_id, "transaction", None, fn, connection)
+        with self._span(step_id, "transaction"):
+            return self._commit(step_id, "transaction", None, fn, connection)
 
     def complete(self, result: Any = None) -> None:
         """End the run as ``completed`` with an optional JSON result."""
@@ -121,6 +123,10 @@ class Run(RunBase):
         step_id, recorded = self._wait_recorded(step_id)
         if recorded is not None:
             return self._replay(recorded)
+        with self._span(step_id, f"wait.{spec.kind}"):
+            return self._wait_loop(step_id, spec)
+
+    def _wait_loop(self, step_id: str, spec: WaitSpec) -> Any:
         while True:
             with self._ctx.store.run_tx() as tx:
                 outcome = self._check_wait(tx, step_id, spec)

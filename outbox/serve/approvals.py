@@ -13,8 +13,8 @@ Answers: 200 with the effect's new status; 409 when the approval is refused
 (wrong digest, not awaiting approval, past its deadline) or replayed; 401
 unsigned or badly signed; 400 bad body; 404 no such effect.
 
-The handler is a plain function of (path, headers, body), so any HTTP server
-can mount it.
+:func:`handle_approval` is a plain function of (path, headers, body);
+:class:`ApprovalEndpoint` mounts it on ``outbox serve``'s Starlette app.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from outbox.errors import (
     ApprovalRefused,
@@ -35,14 +38,29 @@ from outbox.errors import (
     ReplayRefused,
     ValidationError,
 )
-from outbox.serve.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
+from outbox.serve.transport import BODY_KEY
+from outbox.serve.webhooks import (
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    SignalEndpoint,
+    too_deep,
+    verify,
+)
 
 if TYPE_CHECKING:
     from outbox.client import Outbox
 
-__all__ = ["APPROVAL_ROUTE", "ApprovalRequest", "handle_approval"]
+__all__ = [
+    "APPROVAL_PATH",
+    "APPROVAL_ROUTE",
+    "ApprovalEndpoint",
+    "ApprovalRequest",
+    "handle_approval",
+]
 
 APPROVAL_ROUTE = re.compile(r"^/effects/([0-9a-fA-F-]{36})/approval$")
+#: The same route in Starlette's path syntax.
+APPROVAL_PATH = "/effects/{effect_id}/approval"
 
 
 class ApprovalRequest(BaseModel):
@@ -74,9 +92,11 @@ def handle_approval(
     if refusal is not None:
         return 401, {"error": refusal}
     assert signature is not None
+    if too_deep(body):
+        return 400, {"error": "JSON nested too deep"}
     try:
         request = ApprovalRequest.model_validate(json.loads(body or b"{}"))
-    except (ValueError, pydantic.ValidationError) as exc:
+    except (ValueError, RecursionError, pydantic.ValidationError) as exc:
         return 400, {"error": str(exc).splitlines()[0][:300]}
     request_id = hashlib.sha256(signature.encode()).hexdigest()
     given = {"note": request.note, "by": request.by, "request_id": request_id, "via": "http"}
@@ -98,3 +118,39 @@ def handle_approval(
     except OutboxError as exc:
         return 500, {"error": str(exc)}
     return 200, {"effect_id": str(effect.id), "status": effect.status.value}
+
+
+class ApprovalEndpoint:
+    """The Starlette endpoint of :data:`APPROVAL_PATH` for one Outbox (503 without a secret)."""
+
+    def __init__(self, outbox: Outbox, secret: bytes | None, tolerance: float) -> None:
+        self.outbox = outbox
+        self.secret = secret
+        self.tolerance = tolerance
+        # Shares the signal endpoint's sweep of old signatures (one table holds both).
+        self._signals = SignalEndpoint(outbox, secret, tolerance)
+
+    async def handle(self, request: Request) -> JSONResponse:
+        """Verify and decide in a worker thread; answer as :func:`handle_approval` does."""
+        if self.secret is None:
+            return JSONResponse(
+                {"error": "approvals over HTTP are off: OUTBOX_WEBHOOK_SECRET is not set"},
+                status_code=503,
+            )
+        body: bytes = request.scope.get(BODY_KEY, b"")
+        path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path
+        secret = self.secret
+
+        def decide() -> tuple[int, dict[str, Any]]:
+            self._signals._forget_old()
+            return handle_approval(
+                self.outbox,
+                secret,
+                path=path,
+                header=request.headers.get,
+                body=body,
+                tolerance=self.tolerance,
+            )
+
+        status, answer = await run_in_threadpool(decide)
+        return JSONResponse(answer, status_code=status)

@@ -1,6 +1,6 @@
-"""Functions and triggers of effect governance (migration 0006), as DDL text.
+"""Functions and triggers of effect governance (migration 0010), as DDL text.
 
-``schema.py`` attaches these to the metadata and ``migrations/0006_governance.sql``
+``schema.py`` attaches these to the metadata and ``migrations/0010_governance.sql``
 holds the same text (a test checks that a migrated database and a fresh one
 agree, function bodies included).
 

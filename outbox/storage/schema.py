@@ -10,12 +10,15 @@ claim cost does not grow with the number of finished rows kept for history.
 
 from __future__ import annotations
 
+from importlib import resources
+
 from sqlalchemy import (
     DDL,
     BigInteger,
     Boolean,
     CheckConstraint,
     Column,
+    Connection,
     DateTime,
     Float,
     ForeignKey,
@@ -25,6 +28,7 @@ from sqlalchemy import (
     MetaData,
     Numeric,
     PrimaryKeyConstraint,
+    Sequence,
     Table,
     Text,
     UniqueConstraint,
@@ -62,6 +66,7 @@ __all__ = [
     "migrations",
     "runs",
     "signals",
+    "sql_api_ddl",
     "steps",
     "webhook_replays",
 ]
@@ -74,7 +79,7 @@ def _ddl(target: object, statements: tuple[str, ...], when: str = "after_create"
         event.listen(target, when, DDL(statement.replace("%", "%%")))  # type: ignore[no-untyped-call]
 
 
-# 0006: hash chains and gate rules are SQL functions the tables' triggers and
+# 0010: hash chains and gate rules are SQL functions the tables' triggers and
 # statements call, so they exist before any table.
 _ddl(metadata, CHAIN_FUNCTIONS_DDL + GATE_FUNCTIONS_DDL, "before_create")
 
@@ -131,7 +136,9 @@ runs = Table(
     Column("step_retries", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("upgrades", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
     Column("cancel_reason", Text),
-    # 0006: a dry run's effects go to a recording deliverer; the head of its step chain
+    # 0006: the W3C traceparent of the run's trace (its steps are spans of it)
+    Column("trace_parent", Text),
+    # 0010: a dry run's effects go to a recording deliverer; the head of its step chain
     Column("dry_run", Boolean, nullable=False, server_default=text("false")),
     Column("step_head", BYTEA),
     CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
@@ -211,7 +218,7 @@ steps = Table(
     _ts("completed_at", nullable=False, default_now=True),
     # "waiting": a sleep or wait recorded with its deadline, not yet satisfied
     Column("status", Text, nullable=False, server_default=text("'completed'")),
-    # 0006: this step's link in the run's hash chain (NULL while a wait is under way)
+    # 0010: this step's link in the run's hash chain (NULL while a wait is under way)
     Column("hash", BYTEA),
     PrimaryKeyConstraint("run_id", "step_id", name="outbox_steps_pkey"),
     CheckConstraint(sql_in("status", StepStatus), name="outbox_steps_status_check"),
@@ -250,10 +257,12 @@ effects = Table(
     _ts("completed_at"),
     # 0002: the run parked on this effect (run.await_effect); see queue.complete_effects
     Column("awaited_by", UUID(as_uuid=True)),
-    # 0006: the approval gate holding it (NULL: none) and that gate's deadline
+    # 0006: the W3C traceparent current at tx.intend (each attempt is a span of its trace)
+    Column("trace_parent", Text),
+    # 0010: the approval gate holding it (NULL: none) and that gate's deadline
     Column("approval", JSONB),
     _ts("approval_deadline"),
-    # 0006: what a deliverer noted about the current attempt before calling (read-back)
+    # 0010: what a deliverer noted about the current attempt before calling (read-back)
     Column("attempt_note", JSONB),
     UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
     CheckConstraint(sql_in("status", EFFECT_STATUSES), name="outbox_effects_status_check"),
@@ -297,11 +306,24 @@ Index(
     effects.c.seq,
     postgresql_where=text(sql_in("status", NEEDS_PERSON_EFFECT_STATUSES)),
 )
-# 0006: approval deadlines fire by index; only held effects with a deadline sit in it
+# 0010: approval deadlines fire by index; only held effects with a deadline sit in it
 Index(
     "outbox_effects_approval_due",
     effects.c.approval_deadline,
     postgresql_where=text("status = 'awaiting_approval' AND approval_deadline IS NOT NULL"),
+)
+
+# 0006: the console finds an effect's compensation, and stopped effects, without a scan;
+# neither index is written by the intent, claim or completion of an ordinary effect.
+Index(
+    "outbox_effects_compensates",
+    effects.c.compensates,
+    postgresql_where=text("compensates IS NOT NULL"),
+)
+Index(
+    "outbox_effects_stopped",
+    effects.c.id,
+    postgresql_where=text(sql_in("status", (EffectStatus.CANCELLED, EffectStatus.COMPENSATED))),
 )
 
 effect_attempts = Table(
@@ -321,10 +343,10 @@ effect_attempts = Table(
     # succeeded | retry | failed | stale | expired | resolved | released
     Column("outcome", Text, nullable=False),
     Column("detail", JSONB),
-    # 0006: sha256 over this row and the effect's previous row (see governance_ddl)
+    # 0010: sha256 over this row and the effect's previous row (see governance_ddl)
     Column("hash", BYTEA),
 )
-# 0006: (effect, id), so the chain's newest row is one index probe
+# 0010: (effect, id), so the chain's newest row is one index probe
 Index("outbox_effect_attempts_effect", effect_attempts.c.effect_id, effect_attempts.c.id)
 _ddl(effect_attempts, ATTEMPT_CHAIN_DDL)
 
@@ -393,7 +415,7 @@ webhook_replays = Table(
     _ts("seen_at", nullable=False, default_now=True),
 )
 
-# Cost settlement of costly intents: see migration 0002 for why it is a trigger (0006:
+# Cost settlement of costly intents: see migration 0002 for why it is a trigger (0010:
 # a rejected intent releases its reservation). plpgsql resolves the ledger only when
 # the trigger runs, so the effects table is enough.
 _ddl(effects, EFFECT_COST_DDL)
@@ -408,7 +430,41 @@ consumed_keys = Table(
     PrimaryKeyConstraint("consumer_group", "idempotency_key", name="outbox_consumed_keys_pkey"),
 )
 
-# 0006: approval gates from the deliverers config (``outbox gates apply``); the
+# 0007: the SQL API (docs/sql-api.md). When its writers last sent a NOTIFY per channel
+# (microseconds; setval is not transactional, so no writer waits on another).
+Sequence("outbox_wake_clock_effects", start=0, minvalue=0, metadata=metadata)
+Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
+
+SQL_API_MIGRATION = "0007_sql_api.sql"
+#: Migrations whose part below ``-- @functions`` (re)defines SQL API functions, in order.
+SQL_API_MIGRATIONS = (SQL_API_MIGRATION, "0010_governance.sql")
+_FUNCTIONS_MARKER = "-- @functions"
+
+
+def sql_api_ddl() -> str:
+    """The SQL API's functions and trigger: each migration's part below ``-- @functions``.
+
+    Read from the migrations themselves, so a fresh schema and a migrated one get
+    the same definitions from one text. A later migration that replaces one of
+    these functions is listed in :data:`SQL_API_MIGRATIONS` too.
+    """
+    parts = []
+    for name in SQL_API_MIGRATIONS:
+        text_ = resources.files("outbox.storage.migrations").joinpath(name).read_text()
+        parts.append(text_[text_.index(_FUNCTIONS_MARKER) :])
+    return "\n".join(parts)
+
+
+@event.listens_for(metadata, "after_create")
+def _create_sql_api(target: MetaData, connection: Connection, **kw: object) -> None:
+    # One multi-statement script with no parameters: psycopg sends it as a
+    # simple query (as outbox.storage.migrate does), so "%" stays literal.
+    driver = connection.connection.driver_connection
+    assert driver is not None
+    driver.execute(sql_api_ddl())
+
+
+# 0010: approval gates from the deliverers config (``outbox gates apply``); the
 # statement that writes an intent evaluates them (``outbox.gates``)
 gates = Table(
     "outbox_gates",

@@ -29,6 +29,7 @@ from outbox.storage.sql import maintenance, queue
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as sql
 from outbox.storage.sql.common import LIVE_CONDITION
+from outbox.storage.views import ConsoleViews
 
 __all__ = ["StepOutcome", "Store", "effects_json", "mark_consumed", "read_state_counts"]
 
@@ -49,6 +50,8 @@ class Store:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        #: The operator console's reads (paginated, by index, off the hot paths).
+        self.views = ConsoleViews(engine)
 
     @contextmanager
     def begin(self, connection: Connection | None = None) -> Iterator[Connection]:

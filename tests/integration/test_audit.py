@@ -1,5 +1,5 @@
 """The tamper-evident record: chains computed by PostgreSQL, recomputed by `outbox audit verify`;
-a signed export checked by the independent script of docs/audit.md."""
+a signed export checked by the independent script of docs/reference/audit.md."""
 
 from __future__ import annotations
 
@@ -128,8 +128,8 @@ def test_editing_a_row_by_hand_makes_verify_fail_and_name_it(
 
 
 def independent_script(tmp_path: Path) -> Path:
-    """The verifier exactly as docs/audit.md shows it."""
-    text = (ROOT / "docs" / "audit.md").read_text()
+    """The verifier exactly as docs/reference/audit.md shows it."""
+    text = (ROOT / "docs" / "reference" / "audit.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     script = next(b for b in blocks if "NOT VERIFIED" in b)
     path = tmp_path / "verify_record.py"

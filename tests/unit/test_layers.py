@@ -32,6 +32,7 @@ BASE = {
     "gates",
     "effect_diff",
     "chain",
+    "tracing",
 }
 # The permitted upward edges: a finished effect moves a stopping run on, and a
 # passed approval deadline is acted on (rejected, or its run cancelled).

@@ -72,6 +72,7 @@ def insert_run(*, notify: bool) -> AnySelect:
             status=const(RunStatus.RUNNABLE.value),
             budget=bindparam("budget", type_=Numeric),
             dry_run=bindparam("dry_run"),
+            trace_parent=bindparam("trace_parent", type_=Text),
         )
         .returning(*runs.c)
         .cte("ins")
@@ -98,6 +99,7 @@ _EFFECT_FIELDS = (
     column("delay_seconds", Float),
     # the intent's own approval policy (JSON), if it asked for one
     column("approval", JSONB),
+    column("trace_parent", Text),
 )
 
 _EFFECT_INSERT_COLUMNS = [
@@ -119,6 +121,7 @@ _EFFECT_INSERT_COLUMNS = [
     "available_at",
     "approval",
     "approval_deadline",
+    "trace_parent",
 ]
 
 
@@ -197,6 +200,7 @@ def _effect_select(
             ),
             else_=null(),
         ),
+        rows.c.trace_parent,
     ).select_from(source)
 
 
