@@ -513,3 +513,141 @@ BEGIN
     END IF;
 END
 $$;
+
+-- Record step_id of run_id: its result, the run's new state and plan (NULL
+-- keeps them), the budget its intents reserve and its debits, and (with
+-- intents, a JSON array of outbox_intend arguments) more intents. All of it
+-- commits with the caller's transaction, or none of it. The step joins the run's
+-- hash chain (step_head), computed here as the Python client's commit_step does.
+CREATE OR REPLACE FUNCTION outbox_commit_step(
+    run_id uuid,
+    step_id text,
+    result jsonb DEFAULT NULL,
+    state jsonb DEFAULT NULL,
+    plan jsonb DEFAULT NULL,
+    intents jsonb DEFAULT NULL,
+    step_kind text DEFAULT 'transaction',
+    OUT step_seq bigint,
+    OUT effect_ids uuid[]
+)
+    LANGUAGE plpgsql AS $$
+DECLARE
+    max_bytes integer := outbox_setting('max_payload_bytes')::integer;
+    tx_step jsonb := outbox_tx_step(outbox_commit_step.run_id, outbox_commit_step.step_id);
+    item jsonb;
+    n integer := 0;
+    made record;
+    unknown_field text;
+    found_run record;
+    head bytea;
+    p_result jsonb := coalesce(outbox_commit_step.result, 'null'::jsonb);
+BEGIN
+    IF outbox_commit_step.step_kind IS NULL OR outbox_commit_step.step_kind NOT IN ('transaction', 'call') THEN
+        PERFORM outbox_refuse('OB001', 'step_kind', outbox_commit_step.step_kind,
+            'must be transaction or call');
+    END IF;
+    IF outbox_commit_step.result IS NOT NULL THEN
+        PERFORM outbox_check_json('result', outbox_commit_step.result, max_bytes);
+    END IF;
+    IF outbox_commit_step.state IS NOT NULL THEN
+        PERFORM outbox_check_json('state', outbox_commit_step.state, max_bytes);
+    END IF;
+    IF outbox_commit_step.plan IS NOT NULL THEN
+        PERFORM outbox_check_json('plan', outbox_commit_step.plan, max_bytes);
+    END IF;
+    effect_ids := ARRAY[]::uuid[];
+    IF outbox_commit_step.intents IS NOT NULL THEN
+        IF jsonb_typeof(outbox_commit_step.intents) <> 'array' THEN
+            PERFORM outbox_refuse('OB001', 'intents', left(outbox_commit_step.intents::text, 80),
+                'must be a JSON array of intents');
+        END IF;
+        FOR item IN SELECT value FROM jsonb_array_elements(outbox_commit_step.intents) LOOP
+            IF jsonb_typeof(item) <> 'object' THEN
+                PERFORM outbox_refuse('OB001', format('intents[%s]', n), left(item::text, 80),
+                    'must be an object');
+            END IF;
+            SELECT k INTO unknown_field FROM jsonb_object_keys(item) AS k
+             WHERE k NOT IN ('kind', 'payload', 'key', 'ordering_key', 'step_index', 'max_attempts',
+                             'delay_seconds', 'schema_version', 'compensate', 'cost', 'approval')
+             LIMIT 1;
+            IF unknown_field IS NOT NULL THEN
+                PERFORM outbox_refuse('OB001', format('intents[%s].%s', n, unknown_field), NULL,
+                    'is not an argument of outbox_intend');
+            END IF;
+            SELECT * INTO made FROM outbox_intend(
+                kind => item->>'kind',
+                payload => item->'payload',
+                key => item->>'key',
+                ordering_key => item->>'ordering_key',
+                run_id => outbox_commit_step.run_id,
+                step_id => outbox_commit_step.step_id,
+                step_index => (item->>'step_index')::integer,
+                max_attempts => (item->>'max_attempts')::integer,
+                delay_seconds => coalesce((item->>'delay_seconds')::double precision, 0),
+                schema_version => coalesce((item->>'schema_version')::integer, 1),
+                compensate => item->'compensate',
+                cost => (item->>'cost')::numeric,
+                approval => item->'approval');
+            effect_ids := effect_ids || made.effect_id;
+            n := n + 1;
+        END LOOP;
+        tx_step := outbox_tx_steps()->outbox_tx_step_slot(outbox_commit_step.run_id, outbox_commit_step.step_id);
+    END IF;
+
+    UPDATE outbox_runs AS r
+       SET state = coalesce(outbox_commit_step.state, r.state),
+           plan = coalesce(outbox_commit_step.plan, r.plan),
+           current_step = outbox_commit_step.step_id,
+           spent = r.spent + (tx_step->>'debit')::numeric,
+           reserved = r.reserved + (tx_step->>'reserve')::numeric,
+           -- the run's step chain (see outbox/storage/governance_ddl.py)
+           step_head = outbox_step_hash(
+               coalesce(r.step_head, outbox_run_genesis(r.id, r.agent, r.inputs_hash)),
+               r.id, outbox_commit_step.step_id, outbox_commit_step.step_kind, p_result, NULL, now())
+           -- updated_at is left alone: a step's update must stay HOT (see sql/steps.py)
+     WHERE r.id = outbox_commit_step.run_id
+       AND r.status = ANY (outbox_live_run_statuses())
+       AND (r.budget IS NULL
+            OR r.spent + r.reserved + (tx_step->>'debit')::numeric + (tx_step->>'reserve')::numeric <= r.budget)
+    RETURNING r.step_head INTO head;
+    IF NOT FOUND THEN
+        SELECT r.status, r.budget, r.spent, r.reserved INTO found_run
+          FROM outbox_runs AS r WHERE r.id = outbox_commit_step.run_id;
+        IF NOT FOUND THEN
+            PERFORM outbox_raise_run_not_found(outbox_commit_step.run_id);
+        ELSIF NOT found_run.status = ANY (outbox_live_run_statuses()) THEN
+            PERFORM outbox_raise_run_ended(outbox_commit_step.run_id, found_run.status);
+        ELSE
+            PERFORM outbox_raise('OB007',
+                format('run_id=%L: step needs %s but only %s remains', outbox_commit_step.run_id,
+                       (tx_step->>'debit')::numeric + (tx_step->>'reserve')::numeric,
+                       found_run.budget - found_run.spent - found_run.reserved),
+                jsonb_build_object('run_id', outbox_commit_step.run_id,
+                    'requested', (tx_step->>'debit')::numeric + (tx_step->>'reserve')::numeric,
+                    'remaining', found_run.budget - found_run.spent - found_run.reserved));
+        END IF;
+    END IF;
+
+    INSERT INTO outbox_steps AS s (run_id, step_id, kind, result, hash)
+    VALUES (outbox_commit_step.run_id, outbox_commit_step.step_id, outbox_commit_step.step_kind,
+            p_result, head)
+    ON CONFLICT ON CONSTRAINT outbox_steps_pkey DO NOTHING
+    RETURNING s.seq INTO step_seq;
+    IF step_seq IS NULL THEN
+        PERFORM outbox_raise_step_recorded(outbox_commit_step.run_id, outbox_commit_step.step_id);
+    END IF;
+
+    IF jsonb_array_length(tx_step->'ledger') > 0 THEN
+        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
+        SELECT outbox_commit_step.run_id, outbox_commit_step.step_id, l.effect_id, l.reason, l.entry, l.amount
+          FROM jsonb_to_recordset(tx_step->'ledger') AS l(entry text, reason text, amount numeric, effect_id uuid);
+    END IF;
+    PERFORM outbox_tx_save_step(outbox_commit_step.run_id, outbox_commit_step.step_id,
+                                tx_step || '{"done": true}'::jsonb);
+    IF (tx_step->>'bytes')::bigint > 0 THEN
+        -- Asked again at the step's end, nearer the commit: an intend that was
+        -- refused a NOTIFY early in a long transaction may be granted one now.
+        PERFORM outbox_wake('outbox_effects');
+    END IF;
+END
+$$;
