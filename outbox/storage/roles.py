@@ -213,6 +213,16 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
     for spec in ROLES:
         for table, privileges in spec.grants.items():
             out.append(f"GRANT {', '.join(privileges)} ON {schema}.{table} TO {names[spec.suffix]}")
+    # The attempt-log chain trigger draws a fresh id when it must re-lock the effect
+    # (outbox_attempts_chain): an explicit nextval needs USAGE on the identity's sequence.
+    attempts_seq = f"{schema}.outbox_effect_attempts_id_seq"
+    out.append(f"REVOKE ALL ON SEQUENCE {attempts_seq} FROM {every}")
+    logging_roles = [
+        names[spec.suffix]
+        for spec in ROLES
+        if "INSERT" in spec.grants.get("outbox_effect_attempts", ())
+    ]
+    out.append(f"GRANT USAGE ON SEQUENCE {attempts_seq} TO {', '.join(logging_roles)}")
     # Who may insert into outbox_effects, and what.
     stopping = sql_in("r.status", STOPPING_RUN_STATUSES)
     out.append(
