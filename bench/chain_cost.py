@@ -151,6 +151,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="outbox-bench-chain-"))
+    home.chmod(0o711)  # run as root, the server runs as its own user and must enter it
     server = EmbeddedServer(home)
     server.ensure_running()
     try:
