@@ -18,6 +18,7 @@ from typing import Any
 
 from outbox.errors import ValidationError
 from outbox.faults import crash_point
+from outbox.gates import ApprovalPolicy
 from outbox.models import Effect, RunStatus
 from outbox.runs.context import AsyncRunContext
 from outbox.runs.intents import OutboxTransaction, StepWrites, _Prepared, intend_options
@@ -93,6 +94,7 @@ class AsyncStepTransaction(StepWrites):
         schema_version: int = 1,
         compensate: tuple[str, Any] | None = None,
         cost: float | None = None,
+        approval: bool | ApprovalPolicy | dict[str, Any] | None = None,
     ) -> Awaitable[Effect]:
         """Record that effect ``kind`` with ``payload`` must happen, once, if this step commits.
 
@@ -109,6 +111,7 @@ class AsyncStepTransaction(StepWrites):
             schema_version=schema_version,
             compensate=compensate,
             cost=cost,
+            approval=approval,
         )
 
         async def intend() -> Effect:
