@@ -30,6 +30,7 @@ from outbox.delivery.sources import EffectSource, PollSource, wait_or_wake
 from outbox.delivery.storable import storable_text
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
+from outbox.storage.owner_lock import OwnerLock
 
 __all__ = ["DeliveryDaemon"]
 
@@ -45,6 +46,9 @@ UNRECORDABLE_PAUSE_SECONDS = 1.0
 UNRECORDABLE_PAUSE_MAX_SECONDS = 60.0
 #: At shutdown, a write past the grace period still gets this long (one try).
 LAST_WRITE_SECONDS = 0.25
+#: How long the first claim waits for the owner's session lock. Without it this
+#: daemon's death is seen only when its leases run out; it claims anyway.
+OWNER_LOCK_WAIT_SECONDS = 5.0
 
 
 class DeliveryDaemon:
@@ -96,6 +100,15 @@ class DeliveryDaemon:
         maintenance = Maintenance(
             self.store, self.deliverers, self.settings, self.leases, self.metrics, self.source.wake
         )
+        owner_lock = OwnerLock(self.store.dsn, self.owner) if self.settings.early_recovery else None
+        if owner_lock is not None:
+            owner_lock.start()
+            if not await owner_lock.wait_held(OWNER_LOCK_WAIT_SECONDS):
+                log.warning(
+                    "owner %s: no session lock yet; if this process dies its attempts "
+                    "wait for their leases",
+                    self.owner,
+                )
         await self.source.open()
         background = maintenance.start()
         writer = asyncio.create_task(self._write_completions(), name="completions")
@@ -125,6 +138,8 @@ class DeliveryDaemon:
                 await asyncio.gather(writer, return_exceptions=True)
             await self._flush()
             await self.source.close(max(self._deadline - time.monotonic(), LAST_WRITE_SECONDS))
+            if owner_lock is not None:
+                await owner_lock.close()
             for deliverer in self.deliverers.values():
                 # Clients such as httpx's belong to this event loop: close them on it.
                 await deliverer.aclose()

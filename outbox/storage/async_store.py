@@ -22,7 +22,7 @@ from outbox.faults import crash_point
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import effects as effect_sql
-from outbox.storage.sql import maintenance, queue
+from outbox.storage.sql import maintenance, owners, queue
 from outbox.storage.store import read_state_counts
 
 __all__ = ["AsyncStore", "ClaimedEffect", "Completion"]
@@ -254,6 +254,48 @@ class AsyncStore:
             async with self.engine.begin() as conn:
                 result = await conn.execute(effect_sql.note_blocked_by_order(), params)
                 return len(result.all())
+
+    # -- owners that are gone (outbox.storage.sql.owners) ---------------------------
+
+    async def gone_owners(
+        self, kinds: Sequence[str], *, restart_grace: float
+    ) -> list[tuple[str, bool]]:
+        """Registered owners whose lock is free: (owner, holds an attempt of ``kinds``)."""
+        params = {"kinds": list(kinds), "restart_grace": restart_grace}
+        with translate_errors("looking for deliverers that are gone"):
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                result = await conn.execute(owners.gone_owners(), params)
+                return [(row[0], bool(row[1])) for row in result]
+
+    async def expire_gone_owner(
+        self,
+        owner: str,
+        limits: Mapping[str, int],
+        *,
+        note: str,
+        worker: str,
+        restart_grace: float,
+    ) -> list[UUID]:
+        """Put a gone owner's attempts of the kinds in ``limits`` back to pending (logged)."""
+        params = {
+            "owner": owner,
+            "limits": json.dumps([{"kind": k, "max_attempts": n} for k, n in limits.items()]),
+            "note": note,
+            "worker": worker,
+            "restart_grace": restart_grace,
+        }
+        with translate_errors("putting back the attempts of a deliverer that is gone"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(owners.expire_gone_owner(), params)
+                return [row[0] for row in result]
+
+    async def forget_gone_owners(self, candidates: Sequence[str], *, restart_grace: float) -> int:
+        """Unregister gone owners that hold nothing (checked again); returns how many."""
+        params = {"owners": list(candidates), "restart_grace": restart_grace}
+        with translate_errors("forgetting deliverers that are gone"):
+            async with self.engine.begin() as conn:
+                return len((await conn.execute(owners.forget_gone_owners(), params)).all())
 
     # -- stream mode -----------------------------------------------------------------
 

@@ -138,6 +138,8 @@ ROLES: tuple[RoleSpec, ...] = (
             "outbox_effects": ("SELECT", "INSERT", _update(_EFFECT_DELIVERY)),
             "outbox_effect_attempts": ("SELECT", "INSERT"),
             "outbox_budget_ledger": ("SELECT", "INSERT"),
+            # a daemon registers the owner whose session lock it holds (0011)
+            "outbox_owners": ("SELECT", "INSERT", _update(("registered_at",)), "DELETE"),
         },
     ),
     RoleSpec(
@@ -158,6 +160,7 @@ ROLES: tuple[RoleSpec, ...] = (
             "outbox_budget_ledger": ("SELECT", "INSERT", "DELETE"),
             "outbox_webhook_replays": ("SELECT", "DELETE"),
             "outbox_consumed_keys": ("SELECT", "DELETE"),
+            "outbox_owners": ("SELECT", "DELETE"),
         },
     ),
     RoleSpec("reader", "read everything; change nothing", dict(_READ_ALL)),
