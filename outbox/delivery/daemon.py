@@ -24,7 +24,7 @@ from outbox.delivery.contract import Deliverer, Retry
 from outbox.delivery.leases import Leases
 from outbox.delivery.maintenance import Maintenance
 from outbox.delivery.metrics import DeliveryMetrics
-from outbox.delivery.recording import OutcomeWriter, Written, describe
+from outbox.delivery.recording import ClaimRider, OutcomeWriter, Written, describe
 from outbox.delivery.settings import DeliverySettings
 from outbox.delivery.sources import EffectSource, PollSource, wait_or_wake
 from outbox.delivery.storable import storable_text
@@ -181,12 +181,16 @@ class DeliveryDaemon:
                 for effect in batch:
                     self._record(released(effect, "released unstarted at shutdown"))
                 break
-            for effect in batch:
-                if effect.kind in self.deliverers:
-                    self.leases.hold(effect)
-                else:  # a record of a kind this process does not deliver
-                    self._record(released(effect, f"no deliverer for kind {effect.kind!r} here"))
-            self._start_ready()
+            self._hold(batch)
+
+    def _hold(self, batch: list[ClaimedEffect]) -> None:
+        """Hold claimed attempts and start those that may start."""
+        for effect in batch:
+            if effect.kind in self.deliverers:
+                self.leases.hold(effect)
+            else:  # a record of a kind this process does not deliver
+                self._record(released(effect, f"no deliverer for kind {effect.kind!r} here"))
+        self._start_ready()
 
     def _start_ready(self) -> None:
         for effect in self.leases.startable():
@@ -269,8 +273,21 @@ class DeliveryDaemon:
     async def _flush(self) -> None:
         while self._done:
             batch, self._done = self._done, []
-            written = await self._writer.write(batch, timeout=self._write_timeout())
-            self._account(batch, written)
+            if isinstance(self.source, PollSource) and not self._stopping.is_set():
+                # Outcomes of batch N and the claim of batch N+1, one transaction.
+                quotas = self.source.rider_quotas(self.leases, freeing=len(batch))
+                rider = ClaimRider(quotas, self.settings.lease_seconds) if quotas else None
+                with self.leases.reserving(quotas, freeing=len(batch)):
+                    written = await self._writer.write(
+                        batch, timeout=self._write_timeout(), rider=rider
+                    )
+                self._account(batch, written)
+                if rider is not None and not written.left:
+                    self.source.claimed(written.claimed, quotas)
+                    self._hold(written.claimed)
+            else:
+                written = await self._writer.write(batch, timeout=self._write_timeout())
+                self._account(batch, written)
             finished = [*written.logged, *written.abandoned]
             if finished:
                 try:

@@ -181,6 +181,38 @@ class AsyncStore:
                 crash_point("during_completion")
         return logged
 
+    async def complete_and_claim(
+        self,
+        owner: str,
+        done: Sequence[Completion],
+        spec: queue.QueueSpec,
+        quotas: Sequence[tuple[dict[str, str], int]],
+        *,
+        lease_seconds: float,
+    ) -> tuple[list[tuple[UUID, str]], list[ClaimedEffect]]:
+        """:meth:`complete` and :meth:`claim_many` in one transaction: one commit per batch.
+
+        The claim runs after the completion, so it sees what the completion
+        freed (the next effect of an ordering key, say). Either both commit or
+        neither does.
+        """
+        payload = "[" + ",".join(c.as_json() for c in done) + "]"
+        rows: list[ClaimedEffect] = []
+        with translate_errors("recording outcomes and claiming effects"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(
+                    effect_sql.complete_effects(),
+                    {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]},
+                )
+                logged = [(row[0], row[1]) for row in result]
+                crash_point("during_completion")
+                for partition, limit in quotas:
+                    params = queue.claim_params(
+                        partition, limit=limit, owner=owner, lease_seconds=lease_seconds
+                    )
+                    rows += _claimed(await conn.execute(queue.claim(spec), params))
+        return logged, rows
+
     async def expired(self, max_rows: int) -> list[ClaimedEffect]:
         """In-flight effects whose lease ran out."""
         with translate_errors("finding expired attempts"):
