@@ -213,13 +213,24 @@ class AsyncStore:
                     rows += _claimed(await conn.execute(queue.claim(spec), params))
         return logged, rows
 
-    async def expired(self, max_rows: int) -> list[ClaimedEffect]:
-        """In-flight effects whose lease ran out."""
+    async def expired(
+        self, max_rows: int, *, redispatch_as: str | None = None
+    ) -> tuple[int, list[ClaimedEffect]]:
+        """In-flight effects whose lease ran out; returns (re-dispatched, expired).
+
+        With ``redispatch_as`` (a worker name), dispatched effects not delivered
+        within their TTL go back to ``pending`` first, in the same transaction
+        (one commit per reconcile round, not two).
+        """
         with translate_errors("finding expired attempts"):
-            async with self.engine.connect() as conn:
-                return _claimed(
-                    await conn.execute(effect_sql.expired_effects(), {"max_rows": max_rows})
-                )
+            async with self.engine.begin() as conn:
+                redispatched = 0
+                if redispatch_as is not None:
+                    params = {"worker": redispatch_as, "max_rows": max_rows}
+                    result = await conn.execute(effect_sql.redispatch_expired(), params)
+                    redispatched = len(result.all())
+                rows = await conn.execute(effect_sql.expired_effects(), {"max_rows": max_rows})
+                return redispatched, _claimed(rows)
 
     async def expire(
         self,
@@ -354,14 +365,6 @@ class AsyncStore:
         with translate_errors("claiming dispatched effects"):
             async with self.engine.begin() as conn:
                 return _claimed(await conn.execute(effect_sql.claim_dispatched(), params))
-
-    async def redispatch_expired(self, *, worker: str, max_rows: int = 1000) -> int:
-        """Dispatched effects not delivered within their TTL go back to ``pending``."""
-        params = {"worker": worker, "max_rows": max_rows}
-        with translate_errors("re-dispatching"):
-            async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.redispatch_expired(), params)
-                return len(result.all())
 
     # -- the rest ----------------------------------------------------------------------
 
