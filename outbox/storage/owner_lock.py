@@ -21,9 +21,10 @@ __all__ = ["OwnerLock"]
 
 log = logging.getLogger(__name__)
 
-#: How often an idle lock session is checked to be alive (a dropped connection
-#: is usually noticed at once; this bounds the rest).
-CHECK_SECONDS = 2.0
+#: How often an idle lock session is checked to be alive. A dropped connection
+#: (a server restart, a terminated backend) is noticed at once, its socket
+#: closing; this bounds a silent one, rarely, since every check is a commit.
+CHECK_SECONDS = 30.0
 
 
 class OwnerLock:
