@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 from sqlalchemy import Connection
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox.faults import crash_point
 from outbox.storage.engine import translate_errors
@@ -114,6 +114,23 @@ def _claimed(rows: Any) -> list[ClaimedEffect]:
     return [ClaimedEffect.from_row(row) for row in rows.mappings()]
 
 
+async def _claim_on(
+    conn: AsyncConnection,
+    spec: queue.QueueSpec,
+    quotas: Sequence[tuple[dict[str, str], int]],
+    owner: str,
+    lease_seconds: float,
+) -> list[ClaimedEffect]:
+    """The claim of each partition's quota on ``conn`` (the caller owns the transaction)."""
+    rows: list[ClaimedEffect] = []
+    for partition, limit in quotas:
+        params = queue.claim_params(
+            partition, limit=limit, owner=owner, lease_seconds=lease_seconds
+        )
+        rows += _claimed(await conn.execute(queue.claim(spec), params))
+    return rows
+
+
 class AsyncStore:
     """Delivery statements on one async engine."""
 
@@ -134,7 +151,6 @@ class AsyncStore:
         lease_seconds: float,
     ) -> list[ClaimedEffect]:
         """Claim from each partition, all in one transaction (claimed rows are all returned)."""
-        rows: list[ClaimedEffect] = []
         with translate_errors("claiming effects"):
             async with self.engine.connect() as conn:
                 if len(quotas) == 1:
@@ -143,11 +159,7 @@ class AsyncStore:
                     # round trips on the commit -> handler start path. With several, a
                     # failure part-way must not leave claims that were never returned.
                     conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                for partition, limit in quotas:
-                    params = queue.claim_params(
-                        partition, limit=limit, owner=owner, lease_seconds=lease_seconds
-                    )
-                    rows += _claimed(await conn.execute(queue.claim(spec), params))
+                rows = await _claim_on(conn, spec, quotas, owner, lease_seconds)
                 await conn.commit()
         return rows
 
@@ -197,7 +209,6 @@ class AsyncStore:
         neither does.
         """
         payload = "[" + ",".join(c.as_json() for c in done) + "]"
-        rows: list[ClaimedEffect] = []
         with translate_errors("recording outcomes and claiming effects"):
             async with self.engine.begin() as conn:
                 result = await conn.execute(
@@ -206,11 +217,7 @@ class AsyncStore:
                 )
                 logged = [(row[0], row[1]) for row in result]
                 crash_point("during_completion")
-                for partition, limit in quotas:
-                    params = queue.claim_params(
-                        partition, limit=limit, owner=owner, lease_seconds=lease_seconds
-                    )
-                    rows += _claimed(await conn.execute(queue.claim(spec), params))
+                rows = await _claim_on(conn, spec, quotas, owner, lease_seconds)
         return logged, rows
 
     async def expired(
