@@ -100,7 +100,8 @@ def test_kill_9_idempotent_back_at_once_blind_waits_for_lease(
         def idempotent_done() -> bool:
             got = rows(
                 dsn,
-                "SELECT count(*) FROM outbox_effects WHERE kind = 'http.request' AND status = 'succeeded'",
+                "SELECT count(*) FROM outbox_effects "
+                "WHERE kind = 'http.request' AND status = 'succeeded'",
             )
             return got[0][0] == N
 
@@ -139,7 +140,8 @@ def test_kill_9_idempotent_back_at_once_blind_waits_for_lease(
             lambda: (
                 rows(
                     dsn,
-                    "SELECT count(*) FROM outbox_effects WHERE kind = 'http.blind' AND status = 'unknown'",
+                    "SELECT count(*) FROM outbox_effects "
+                    "WHERE kind = 'http.blind' AND status = 'unknown'",
                 )[0][0]
                 == N
             ),

@@ -1,4 +1,4 @@
-"""Outcomes of batch N and the claim of batch N+1 commit in one transaction; poison still isolated."""
+"""Outcomes of batch N and the claim of batch N+1 commit together; poison is still isolated."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_a_poison_outcome_with_a_claim_is_isolated_and_claims_nothing(ob: Outbox
         finally:
             await store.dispose()
 
-    written, claimed, poison = asyncio.run(main())
+    written, _, poison = asyncio.run(main())
     assert list(written.substituted) == [poison] and not written.left and not written.abandoned
     assert written.claimed == [], "the claim rolled back with the refused write"
     states = dict(sql(dsn, "SELECT status, count(*) FROM outbox_effects GROUP BY status"))

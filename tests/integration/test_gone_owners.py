@@ -1,4 +1,4 @@
-"""Owner locks: a deliverer whose session lock is free is gone; a restart or a blip is not a death."""
+"""Owner locks: a deliverer whose session lock is free is gone; a restart or blip is no death."""
 
 from __future__ import annotations
 
