@@ -30,7 +30,8 @@ import pytest
 from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox
 from outbox.storage.engine import libpq_dsn
-from tests.chaos.deliverer_process import start_deliverer, write_config
+from outbox.testing.processes import start_deliverer
+from outbox.testing.workload import write_config
 from tests.chaos.test_deliverer_crash import intend_both_kinds
 from tests.support import wait_for
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import derive_key
-from tests.chaos.deliverer_process import start_deliverer
+from outbox.testing.processes import start_deliverer
 
 CLIENT = Path(__file__).parents[2] / "clients" / "typescript"
 
