@@ -103,3 +103,29 @@ def odd_result(payload: Any, key: str) -> dict[Any, Any]:
         "raw": b"\xff\xfe",
         "nested": {1: ["x\x00"]},
     }
+
+
+async def slow_async_handler(run: Any) -> None:
+    """A worker handler that outlasts any grace period (async)."""
+    await asyncio.sleep(600)
+
+
+def slow_handler(run: Any) -> None:
+    """A worker handler that outlasts any grace period (sync)."""
+    import time
+
+    time.sleep(600)
+
+
+async def sleepy_async_handler(run: Any) -> str:
+    """A worker handler that finishes 4 s after it starts (async)."""
+    await asyncio.sleep(4)
+    return "done"
+
+
+def sleepy_handler(run: Any) -> str:
+    """A worker handler that finishes 4 s after it starts (sync)."""
+    import time
+
+    time.sleep(4)
+    return "done"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -24,54 +25,79 @@ from outbox.validation import import_callable
 
 __all__ = ["COMMANDS"]
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _worker_default(name: str) -> Any:
+    from outbox.runs.worker import WorkerSettings
+
+    return WorkerSettings.model_fields[name].default
+
+
+def worker_option(name: str, *flags: str, type: Any, help: str) -> Callable[[F], F]:
+    """An option for a ``WorkerSettings`` field: its default shown, passed on only when set."""
+    return click.option(
+        *flags, name, type=type, default=None, help=f"{help}  [default: {_worker_default(name)}]"
+    )
+
 
 @click.command("worker")
 @click.argument("handler_path", metavar="MODULE:FUNCTION")
 @click.option("--agent", required=True, help="Agent name of the runs to execute.")
 @click.option("--version", "version", required=True, help="Agent version this code is.")
-@click.option("--concurrency", type=click.IntRange(1, 1000), default=4, show_default=True)
-@click.option(
-    "--lease",
+@worker_option(
+    "concurrency",
+    "--concurrency",
+    type=click.IntRange(1, 1000),
+    help="Runs worked on at once (waiting runs do not count).",
+)
+@worker_option(
     "lease_seconds",
+    "--lease",
     type=click.FloatRange(min=0.001, max=86_400),
-    default=30.0,
-    show_default=True,
     help="Seconds a run is leased; heartbeats extend it.",
+)
+@worker_option(
+    "grace_seconds",
+    "--grace",
+    type=click.FloatRange(min=0, max=86_400),
+    help="On SIGTERM, how long running handlers may take to finish.",
 )
 @click.option(
     "--setup",
     "setup_path",
     default=None,
     metavar="MODULE:FUNCTION",
-    help="Called with the Outbox first (e.g. to register version migrations).",
+    help="Called with the Outbox first (e.g. to register version upgrades).",
 )
-@click.option("--log-json", is_flag=True)
+@click.option("--log-json", is_flag=True, help="Log JSON lines.")
 @pass_cli
 def worker(
     cli: CliContext,
+    /,
     handler_path: str,
     agent: str,
     version: str,
-    concurrency: int,
-    lease_seconds: float,
     setup_path: str | None,
     log_json: bool,
+    **chosen: Any,
 ) -> None:
     """Execute runs of one agent version until SIGTERM/SIGINT.
 
     An ``async def`` handler gets an AsyncRun, and --concurrency runs work at
-    once on one event loop.
+    once on one event loop. On SIGTERM no run is claimed any more; handlers
+    still running after --grace keep their lease until it runs out, then their
+    runs resume elsewhere from the last recorded step.
     """
     from outbox.cli.logs import configure
 
     configure(logging.INFO, as_json=log_json)
+    given = {name: value for name, value in chosen.items() if value is not None}
     handler = import_callable(handler_path, field="handler")
     ob = cli.outbox
     if setup_path is not None:
         import_callable(setup_path, field="setup")(ob)
-    runner = ob.worker(
-        agent, version, handler, concurrency=concurrency, lease_seconds=lease_seconds
-    )
+    runner = ob.worker(agent, version, handler, **given)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: runner.stop())
     runner.run()

@@ -1,7 +1,7 @@
 """Agent workers: claim runnable runs of one agent version, run the handler, keep the lease.
 
 A worker claims runs with the same claim/lease/fence machinery the deliverers
-use (:mod:`outbox.storage.sql.queue`), calls ``handler(run)`` in a thread pool, and pushes
+use (:mod:`outbox.storage.sql.queue`), calls ``handler(run)`` in a thread of its own, and pushes
 its leases out while handlers run. A run whose worker died becomes runnable
 again when its lease expires and is resumed by another worker: its recorded
 steps replay, so the handler continues at the first step not yet recorded.
@@ -19,7 +19,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from uuid import UUID
 
@@ -201,13 +200,16 @@ class Worker(WorkerCore):
         super().__init__(ctx, agent, version, settings)
         self.handler = handler
         self._wake = threading.Event()
+        #: Set by :meth:`stop`: claim no more. ``_stopping`` follows after the grace
+        #: period; until then the sweep keeps renewing the leases of running handlers.
+        self._closing = threading.Event()
         self._stopping = threading.Event()
 
     # -- lifecycle ------------------------------------------------------------------
 
     def stop(self) -> None:
         """Stop claiming; running handlers get ``grace_seconds`` to finish."""
-        self._stopping.set()
+        self._closing.set()
         self._wake.set()
 
     def run(self) -> None:
@@ -219,27 +221,25 @@ class Worker(WorkerCore):
         for thread in background:
             thread.start()
         self._log_start()
-        with ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="outbox-run") as pool:
-            try:
-                self._claim_loop(pool)
-            finally:
-                deadline = time.monotonic() + self.settings.grace_seconds
-                while self._held and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                if self._held:
-                    log.warning(
-                        "grace period over: %d runs are left to their leases", len(self._held)
-                    )
-                pool.shutdown(wait=False, cancel_futures=True)
-                self._stopping.set()
-                for thread in background:  # they notice within a second
-                    thread.join(timeout=5)
+        try:
+            self._claim_loop()
+        finally:
+            deadline = time.monotonic() + self.settings.grace_seconds
+            while self._held and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if self._held:
+                # Their threads are daemons: they do not hold the process open. Their
+                # leases are no longer renewed, so the runs resume elsewhere.
+                log.warning("grace period over: %d runs are left to their leases", len(self._held))
+            self._stopping.set()
+            for thread in background:  # they notice within a second
+                thread.join(timeout=5)
 
     # -- claiming ---------------------------------------------------------------------
 
-    def _claim_loop(self, pool: ThreadPoolExecutor) -> None:
+    def _claim_loop(self) -> None:
         idle = 0.01
-        while not self._stopping.is_set():
+        while not self._closing.is_set():
             free = self.settings.concurrency - len(self._held)
             rows: list[RunRecord] = []
             if free > 0:
@@ -254,10 +254,16 @@ class Worker(WorkerCore):
                     log.exception("claiming runs failed")
                 for record in rows:
                     self._hold(record)
+                    # One daemon thread per run (at most ``concurrency``): a handler
+                    # still running when the grace period ends must not keep the
+                    # process alive, as a pool's threads would at exit.
+                    thread = threading.Thread(
+                        target=self._execute, args=(record,), name="outbox-run", daemon=True
+                    )
                     try:
-                        pool.submit(self._execute, record)
+                        thread.start()
                     except RuntimeError:  # the interpreter is exiting; the lease will expire
-                        self._stopping.set()
+                        self._closing.set()
                         break
             if rows and len(rows) >= free:
                 continue
