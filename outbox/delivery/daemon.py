@@ -77,6 +77,7 @@ class DeliveryDaemon:
         #: When shutdown must be over (set by :meth:`stop`): calls, writes, everything.
         self._deadline: float | None = None
         self._closing = False
+        self._maintenance: Maintenance | None = None
         #: Attempts whose final outcome (not a retry) this daemon recorded.
         self.delivered = 0
 
@@ -93,7 +94,7 @@ class DeliveryDaemon:
 
     async def run(self) -> None:
         """Deliver until stopped, then drain gracefully."""
-        maintenance = Maintenance(
+        self._maintenance = maintenance = Maintenance(
             self.store, self.deliverers, self.settings, self.leases, self.metrics, self.source.wake
         )
         await self.source.open()
@@ -155,6 +156,8 @@ class DeliveryDaemon:
                 self._start_ready()
                 continue
             batch = await self.source.take(self.leases)
+            if batch:
+                self._changed()
             if self._stopping.is_set():
                 for effect in batch:
                     self._record(released(effect, "released unstarted at shutdown"))
@@ -208,6 +211,10 @@ class DeliveryDaemon:
             self.leases.pause(effect.kind, outcome.after if outcome.after is not None else 1.0)
         self._record(completion)
 
+    def _changed(self) -> None:
+        if self._maintenance is not None:
+            self._maintenance.changed()
+
     def _record(self, completion: Completion) -> None:
         self._done.append(completion)
         self._done_ready.set()
@@ -233,6 +240,7 @@ class DeliveryDaemon:
             self._account(batch, written)
             finished = [*written.logged, *written.abandoned]
             if finished:
+                self._changed()
                 try:
                     await self.source.recorded(finished)
                 except Exception as exc:  # the source re-reads; recorded effects are skipped

@@ -42,7 +42,8 @@ class DeliverySettings(BaseModel):
     blocked_note_grace_seconds: float = Field(default=30.0, ge=0)
     #: An effect whose payload schema version this deliverer does not know waits this long.
     schema_retry_seconds: float = Field(default=300.0, ge=0)
-    #: How often the effect gauges are refreshed.
+    #: How often the effect gauges are counted again (and within a second of a
+    #: claim or an outcome recorded by this daemon).
     stats_seconds: float = Field(default=15.0, gt=0)
     owner: str = Field(default_factory=default_owner, min_length=1, max_length=200)
     retry_base_seconds: float = Field(default=0.5, ge=0)
