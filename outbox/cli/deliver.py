@@ -21,6 +21,7 @@ from outbox.cli._common import (
     pass_cli,
     table,
 )
+from outbox.cli.reports import ReconcileReport
 from outbox.delivery import Deliverer
 from outbox.delivery.settings import DeliverySettings, RelaySettings, StreamSettings
 from outbox.storage.async_store import AsyncStore
@@ -325,7 +326,7 @@ def relay(
 @kind_option
 @click.option("--dry-run", is_flag=True, help="Report what would be done; change nothing.")
 @click.option("--max-rows", type=click.IntRange(1, 1_000_000), default=10_000, show_default=True)
-@json_option
+@json_option(ReconcileReport)
 @pass_cli
 def reconcile_command(
     cli: CliContext,
@@ -355,20 +356,22 @@ def reconcile_command(
     with console.status("reconciling…"):
         report = asyncio.run(main())
     unknown = cli.outbox.effects(status="unknown", limit=max_rows)
-    data = {
-        **report.as_dict(),
-        "unknown": [
-            {
-                "id": str(e.id),
-                "kind": e.kind,
-                "run_id": str(e.run_id),
-                "attempt": e.attempt,
-                "key": e.idempotency_key,
-                "last_error": e.last_error,
-            }
-            for e in unknown
-        ],
-    }
+    data = ReconcileReport.model_validate(
+        {
+            **report.as_dict(),
+            "unknown": [
+                {
+                    "id": e.id,
+                    "kind": e.kind,
+                    "run_id": e.run_id,
+                    "attempt": e.attempt,
+                    "key": e.idempotency_key,
+                    "last_error": e.last_error,
+                }
+                for e in unknown
+            ],
+        }
+    )
 
     def render() -> None:
         title = "reconcile (dry run)" if dry_run else "reconcile"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from outbox.cli._common import CliContext, emit, json_option, pass_cli, table
-from outbox.models import EffectStatus
+from outbox.cli.reports import EffectDetailReport, EffectListReport
+from outbox.models import Effect, EffectStatus
 
 __all__ = ["COMMANDS"]
 
@@ -20,7 +21,7 @@ def effects() -> None:
 @click.option("--status", type=click.Choice([s.value for s in EffectStatus]), default=None)
 @click.option("--kind", default=None)
 @click.option("--limit", type=click.IntRange(1, 1_000_000), default=100, show_default=True)
-@json_option
+@json_option(EffectListReport)
 @pass_cli
 def effects_list(
     cli: CliContext,
@@ -33,7 +34,7 @@ def effects_list(
     """List effects in intent order."""
     found = cli.outbox.effects(run_id=run_id, status=status, kind=kind, limit=limit)
     emit(
-        found,
+        EffectListReport(found),
         as_json,
         lambda: table(
             f"effects ({len(found)})",
@@ -57,7 +58,7 @@ def effects_list(
 
 @effects.command("show")
 @click.argument("effect_id")
-@json_option
+@json_option(EffectDetailReport)
 @pass_cli
 def effects_show(cli: CliContext, effect_id: str, as_json: bool) -> None:
     """Show one effect with its payload, result and attempt log."""
@@ -79,7 +80,7 @@ def effects_show(cli: CliContext, effect_id: str, as_json: bool) -> None:
             ],
         )
 
-    emit({"effect": effect, "attempts": attempts}, as_json, render)
+    emit(EffectDetailReport(effect=effect, attempts=attempts), as_json, render)
 
 
 def _operator() -> str:
@@ -99,7 +100,7 @@ def _operator() -> str:
 )
 @click.option("--note", required=True, help="Why (kept in the attempt log).")
 @click.option("--by", "operator", default=None, help="Who resolves it (default: your user).")
-@json_option
+@json_option(Effect)
 @pass_cli
 def effects_resolve(
     cli: CliContext, effect_id: str, outcome: str, note: str, operator: str | None, as_json: bool
@@ -130,7 +131,7 @@ def effects_resolve(
     help="How many more attempts it gets.",
 )
 @click.option("--note", default=None, help="Why (kept in the attempt log).")
-@json_option
+@json_option(Effect)
 @pass_cli
 def effects_retry(
     cli: CliContext, effect_id: str, extra_attempts: int, note: str | None, as_json: bool

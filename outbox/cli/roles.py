@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli.reports import RoleLine, RolesReport
 
 __all__ = ["COMMANDS"]
 
@@ -28,7 +29,7 @@ __all__ = ["COMMANDS"]
     is_flag=True,
     help="Print the SQL instead of running it (to review, or to run with psql).",
 )
-@json_option
+@json_option(RolesReport)
 @pass_cli
 def roles(cli: CliContext, prefix: str, schema: str, print_only: bool, as_json: bool) -> None:
     r"""Create or update the agent, deliverer, operator and reader roles and their grants.
@@ -52,13 +53,16 @@ def roles(cli: CliContext, prefix: str, schema: str, print_only: bool, as_json: 
         return
     with console.status("granting…"):
         names = apply_roles(cli.outbox.engine, prefix, schema)
-    data = [
-        {"role": name, "purpose": spec.purpose} for name, spec in zip(names, ROLES, strict=True)
-    ]
+    report = RolesReport(
+        roles=[
+            RoleLine(role=name, purpose=spec.purpose)
+            for name, spec in zip(names, ROLES, strict=True)
+        ]
+    )
     emit(
-        {"roles": data},
+        report,
         as_json,
-        lambda: table("roles", ["role", "purpose"], [(d["role"], d["purpose"]) for d in data]),
+        lambda: table("roles", ["role", "purpose"], [(r.role, r.purpose) for r in report.roles]),
     )
 
 

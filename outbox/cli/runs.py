@@ -5,7 +5,15 @@ from __future__ import annotations
 import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli.reports import (
+    Budget,
+    CancelReport,
+    RunDetailReport,
+    RunListReport,
+    VersionsReport,
+)
 from outbox.models import RunStatus
+from outbox.validation import as_uuid
 
 __all__ = ["COMMANDS"]
 
@@ -19,7 +27,7 @@ def runs() -> None:
 @click.option("--status", type=click.Choice([s.value for s in RunStatus]), default=None)
 @click.option("--agent", default=None)
 @click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
-@json_option
+@json_option(RunListReport)
 @pass_cli
 def runs_list(
     cli: CliContext, status: str | None, agent: str | None, limit: int, as_json: bool
@@ -27,7 +35,7 @@ def runs_list(
     """List recent runs, newest first."""
     found = cli.outbox.runs(status=status, agent=agent, limit=limit)
     emit(
-        found,
+        RunListReport(found),
         as_json,
         lambda: table(
             f"runs ({len(found)})",
@@ -51,26 +59,26 @@ def runs_list(
 
 @runs.command("show")
 @click.argument("run_id")
-@json_option
+@json_option(RunDetailReport)
 @pass_cli
 def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
     """Show one run: inputs, state, plan, budget, steps and effects."""
     run = cli.outbox.run(run_id)
     record = run.record
-    steps = [run.step(s) for s in run.completed_steps]
+    steps = [s for s in (run.step(s) for s in run.completed_steps) if s is not None]
     effects = run.effects()
     remaining = None if record.budget is None else record.budget - record.spent - record.reserved
-    data = {
-        "run": record,
-        "budget": {
-            "budget": record.budget,
-            "spent": record.spent,
-            "reserved": record.reserved,
-            "remaining": remaining,
-        },
-        "steps": steps,
-        "effects": effects,
-    }
+    data = RunDetailReport(
+        run=record,
+        budget=Budget(
+            budget=record.budget,
+            spent=record.spent,
+            reserved=record.reserved,
+            remaining=remaining,
+        ),
+        steps=steps,
+        effects=effects,
+    )
 
     def render() -> None:
         table(
@@ -97,11 +105,7 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
         table(
             "steps",
             ["#", "step", "kind", "result", "completed"],
-            [
-                (i + 1, s.step_id, s.kind, s.result, s.completed_at)
-                for i, s in enumerate(steps)
-                if s is not None
-            ],
+            [(i + 1, s.step_id, s.kind, s.result, s.completed_at) for i, s in enumerate(steps)],
         )
         table(
             "effects",
@@ -126,7 +130,7 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
     default=0.0,
     help="Wait up to this many seconds for compensation to finish.",
 )
-@json_option
+@json_option(CancelReport)
 @pass_cli
 def runs_cancel(
     cli: CliContext, run_id: str, reason: str, wait_seconds: float, as_json: bool
@@ -142,20 +146,20 @@ def runs_cancel(
         ob.advance_stopping_runs()
         status = ob.run(run_id).status
     emit(
-        {"run_id": run_id, "status": status.value},
+        CancelReport(run_id=as_uuid(run_id, "run_id"), status=status),
         as_json,
         lambda: console.print(f"run {run_id}: {status.value}"),
     )
 
 
 @runs.command("versions")
-@json_option
+@json_option(VersionsReport)
 @pass_cli
 def runs_versions(cli: CliContext, as_json: bool) -> None:
     """Unfinished runs per agent version: a version with none left can be retired."""
     rows = cli.outbox.run_versions()
     emit(
-        rows,
+        VersionsReport.model_validate(rows),
         as_json,
         lambda: table(
             "unfinished runs by version",

@@ -21,6 +21,7 @@ from outbox.cli._common import (
     pass_cli,
 )
 from outbox.errors import ConfigurationError
+from outbox.runs.signals import SignalReceipt
 from outbox.validation import import_callable
 
 __all__ = ["COMMANDS"]
@@ -108,7 +109,7 @@ def worker(
 @click.argument("name")
 @click.option("--data", default="null", help="The payload, as JSON.")
 @click.option("--dedup-key", default=None, help="Sending the same key again is a no-op.")
-@json_option
+@json_option(SignalReceipt)
 @pass_cli
 def signal_command(
     cli: CliContext, run_id: str, name: str, data: str, dedup_key: str | None, as_json: bool
@@ -121,13 +122,8 @@ def signal_command(
     except RecursionError:
         raise click.BadParameter("nested too deeply", param_hint="--data") from None
     receipt = cli.outbox.signal(run_id, name, payload, dedup_key=dedup_key)
-    data_out = {
-        "signal_id": None if receipt.signal_id is None else str(receipt.signal_id),
-        "duplicate": receipt.duplicate,
-        "woke_run": receipt.woke_run,
-    }
     emit(
-        data_out,
+        receipt,
         as_json,
         lambda: console.print(
             "duplicate: already received"
