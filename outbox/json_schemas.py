@@ -7,8 +7,8 @@ each ``--json`` report (``outbox.cli.schemas.exported_models``).
 from __future__ import annotations
 
 import json
-from importlib.metadata import entry_points
 from collections.abc import Mapping
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -57,7 +57,9 @@ def write_schemas(
     return written
 
 
-def check_schemas(directory: Path, models: Mapping[str, type[BaseModel]] | None = None) -> list[str]:
+def check_schemas(
+    directory: Path, models: Mapping[str, type[BaseModel]] | None = None
+) -> list[str]:
     """Names whose file is missing, different, or left over from a removed model."""
     chosen = boundary_models() if models is None else models
     expected = {f"{name}.json": render(model) for name, model in chosen.items()}

@@ -271,7 +271,13 @@ def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
     show_default=True,
     help="Effects of kind K go to topic PREFIX+K.",
 )
-@click.option("--batch-size", type=click.IntRange(1, 100_000), default=500, show_default=True)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 100_000),
+    default=RelaySettings.model_fields["batch_size"].default,
+    show_default=True,
+    help="Effects claimed, published and marked per round.",
+)
 @click.option(
     "--dispatch-ttl",
     type=click.FloatRange(min=0.001, max=86_400),
@@ -286,7 +292,7 @@ def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
     metavar="KEY=VALUE",
     help="Extra kafka-python producer setting (repeatable).",
 )
-@click.option("--log-json", is_flag=True)
+@click.option("--log-json", is_flag=True, help="Log JSON lines.")
 @pass_cli
 def relay(
     cli: CliContext,
@@ -325,7 +331,13 @@ def relay(
 @config_option
 @kind_option
 @click.option("--dry-run", is_flag=True, help="Report what would be done; change nothing.")
-@click.option("--max-rows", type=click.IntRange(1, 1_000_000), default=10_000, show_default=True)
+@click.option(
+    "--max-rows",
+    type=click.IntRange(1, 1_000_000),
+    default=10_000,
+    show_default=True,
+    help="Resolve (and list as unknown) at most this many effects.",
+)
 @json_option(ReconcileReport)
 @pass_cli
 def reconcile_command(

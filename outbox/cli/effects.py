@@ -18,9 +18,20 @@ def effects() -> None:
 
 @effects.command("list")
 @click.option("--run", "run_id", default=None, help="Only effects of this run.")
-@click.option("--status", type=click.Choice([s.value for s in EffectStatus]), default=None)
-@click.option("--kind", default=None)
-@click.option("--limit", type=click.IntRange(1, 1_000_000), default=100, show_default=True)
+@click.option(
+    "--status",
+    type=click.Choice([s.value for s in EffectStatus]),
+    default=None,
+    help="Only effects in this state.",
+)
+@click.option("--kind", default=None, help="Only effects of this kind.")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 1_000_000),
+    default=100,
+    show_default=True,
+    help="At most this many.",
+)
 @json_option(EffectListReport)
 @pass_cli
 def effects_list(

@@ -24,9 +24,20 @@ def runs() -> None:
 
 
 @runs.command("list")
-@click.option("--status", type=click.Choice([s.value for s in RunStatus]), default=None)
-@click.option("--agent", default=None)
-@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
+@click.option(
+    "--status",
+    type=click.Choice([s.value for s in RunStatus]),
+    default=None,
+    help="Only runs in this status.",
+)
+@click.option("--agent", default=None, help="Only runs of this agent.")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 100_000),
+    default=50,
+    show_default=True,
+    help="At most this many.",
+)
 @json_option(RunListReport)
 @pass_cli
 def runs_list(

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-
-from outbox.cli._common import console, emit, json_option
 from pydantic import BaseModel
 
+from outbox.cli._common import console, emit, json_option
 from outbox.cli.reports import SchemasCheckReport, SchemasExportReport, report_models
 from outbox.json_schemas import boundary_models, check_schemas, write_schemas
 
@@ -32,6 +31,7 @@ def schemas() -> None:
     type=click.Path(path_type=Path, file_okay=False),
     default=Path("schemas"),
     show_default=True,
+    help="Write the files here.",
 )
 @json_option(SchemasExportReport)
 def schemas_export(directory: Path, as_json: bool) -> None:
@@ -51,6 +51,7 @@ def schemas_export(directory: Path, as_json: bool) -> None:
     type=click.Path(path_type=Path),
     default=Path("schemas"),
     show_default=True,
+    help="Compare with the files here.",
 )
 @json_option(SchemasCheckReport)
 def schemas_check(directory: Path, as_json: bool) -> None:

@@ -150,8 +150,16 @@ def _settings(**values: Any) -> Any:
 
 
 @click.command("serve")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65_535), default=8080, show_default=True)
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to listen on (keep it local)."
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65_535),
+    default=8080,
+    show_default=True,
+    help="Port to listen on.",
+)
 @click.option(
     "--secret-file",
     type=click.Path(path_type=Path, exists=True, dir_okay=False, readable=True),
@@ -177,12 +185,42 @@ def _settings(**values: Any) -> Any:
     show_default=True,
     help="Seconds a signed request stays valid.",
 )
-@click.option("--max-concurrency", type=int, default=100, show_default=True)
-@click.option("--header-timeout", type=float, default=10.0, show_default=True)
-@click.option("--body-timeout", type=float, default=30.0, show_default=True)
-@click.option("--idle-timeout", type=float, default=5.0, show_default=True)
-@click.option("--console/--no-console", "with_console", default=True, show_default=True)
-@click.option("--log-json", is_flag=True)
+@click.option(
+    "--max-concurrency",
+    type=int,
+    default=100,
+    show_default=True,
+    help="Connections and requests in progress at once; more are answered 503.",
+)
+@click.option(
+    "--header-timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds a client has to send a request's headers.",
+)
+@click.option(
+    "--body-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds a client has to send a request's body (else 408).",
+)
+@click.option(
+    "--idle-timeout",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds an idle keep-alive connection is kept open.",
+)
+@click.option(
+    "--console/--no-console",
+    "with_console",
+    default=True,
+    show_default=True,
+    help="Serve the operator console at /console.",
+)
+@click.option("--log-json", is_flag=True, help="Log JSON lines.")
 @pass_cli
 def serve(
     cli: CliContext,
@@ -245,8 +283,14 @@ COMMANDS = [worker, signal_command, serve]
 
 
 @click.command("sink")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65_535), default=8080, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65_535),
+    default=8080,
+    show_default=True,
+    help="Port to listen on.",
+)
 def sink(host: str, port: int) -> None:
     """A sample HTTP sink that honours Idempotency-Key (GET /stats shows what it applied)."""
     import threading

@@ -47,15 +47,24 @@ class WorkerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
+    #: Runs worked on at once (a run parked in a wait does not count).
     concurrency: int = Field(default=4, ge=1, le=1000)
+    #: Seconds a claimed run is leased; heartbeats extend it three times per lease.
     lease_seconds: float = Field(default=30.0, gt=0, le=86_400)
+    #: Longest wait between claims when idle (a NOTIFY usually wakes the worker sooner).
     poll_seconds: float = Field(default=1.0, gt=0, le=3600)
+    #: How often timers are fired, runs of dead workers rescued and stopping runs moved on.
     sweep_seconds: float = Field(default=0.25, gt=0, le=3600)
     #: A step that raises is retried this many times before the run fails.
     max_step_retries: int = Field(default=3, ge=0, le=1000)
+    #: Backoff before a failed step's run is retried: doubling from this...
     retry_base_seconds: float = Field(default=1.0, ge=0, le=86_400)
+    #: ... up to this (a ``retry_after`` attribute on the exception wins).
     retry_cap_seconds: float = Field(default=300.0, ge=0, le=MAX_DELAY_SECONDS)
+    #: On stop, how long running handlers may take to finish (their leases are kept);
+    #: a handler still running then is left to its lease.
     grace_seconds: float = Field(default=30.0, ge=0, le=86_400)
+    #: This worker's name in leases and logs (default: host, process id and a random part).
     owner: str = Field(default_factory=default_owner)
 
 

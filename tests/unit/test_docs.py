@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from functools import cache
 from pathlib import Path
 
@@ -146,6 +147,14 @@ def dotted_exists(name: str) -> bool:
 
 
 @cache
+def entry_point_groups() -> frozenset[str]:
+    """Entry-point groups pyproject.toml declares (``outbox.deliverers``)."""
+    with (ROOT / "pyproject.toml").open("rb") as handle:
+        project = tomllib.load(handle)["project"]
+    return frozenset(project.get("entry-points", {}))
+
+
+@cache
 def trace_names() -> frozenset[str]:
     """Span and attribute names of ``outbox/tracing.py`` (``outbox.effect.kind``, ...)."""
     found = set()
@@ -176,7 +185,9 @@ def missing_references(path: Path) -> list[str]:
                 missing.append(f"{where} (no such file)")
             if head.endswith(".py"):
                 last_file = head
-        elif _DOTTED.match(head) and not (dotted_exists(head) or head in trace_names()):
+        elif _DOTTED.match(head) and not (
+            dotted_exists(head) or head in trace_names() or head in entry_point_groups()
+        ):
             missing.append(f"{where} (no such module or name)")
         for file_name, test in _TEST_REF.findall(span):
             if file_name:
@@ -207,6 +218,16 @@ def test_every_relative_link_resolves(page: Path) -> None:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_named_file_module_and_test_exists(page: Path) -> None:
     assert missing_references(page) == []
+
+
+def test_every_page_the_code_names_exists() -> None:
+    """Error hints, help texts and docstrings that send a reader to a page."""
+    named = set()
+    for package in ("outbox", "deliverers", "bench"):
+        for path in (ROOT / package).rglob("*.py"):
+            named.update(re.findall(r"\bdocs/[\w/.-]+\.md", path.read_text(encoding="utf-8")))
+    assert named, "no page named at all: the pattern is wrong"
+    assert sorted(n for n in named if not (ROOT / n).exists()) == []
 
 
 def test_the_checkers_catch_what_they_should(tmp_path: Path) -> None:
