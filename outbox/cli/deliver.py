@@ -146,7 +146,9 @@ _seconds = click.FloatRange(min=0.001, max=86_400)
     "kafka_options",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Extra kafka-python consumer setting (repeatable).",
+    help="Extra kafka-python KafkaConsumer setting, e.g. session_timeout_ms=6000 "
+    "(repeatable; the group's timeouts decide how fast it settles: see "
+    "docs/howto/stream-mode.md).",
 )
 @pass_cli
 def deliver(
@@ -290,7 +292,7 @@ def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
     "kafka_options",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Extra kafka-python producer setting (repeatable).",
+    help="Extra kafka-python KafkaProducer setting, e.g. compression_type=gzip (repeatable).",
 )
 @click.option("--log-json", is_flag=True, help="Log JSON lines.")
 @pass_cli
