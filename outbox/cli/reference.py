@@ -667,6 +667,7 @@ BLOCKS: dict[tuple[str, str], Callable[[], str]] = {
 def render_page(text: str, blocks: dict[str, str], page: str = "page") -> str:
     """``text`` with each named block's body replaced; a missing marker is an error."""
     for name, body in blocks.items():
+        body = re.sub(r"\n{3,}", "\n\n", body.strip("\n"))  # one blank line at most
         begin, end = MARK_BEGIN.format(name=name), MARK_END.format(name=name)
         if begin not in text or end not in text:
             raise ValueError(f"{page}: the markers of block {name!r} are missing")
