@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 from outbox.delivery import PermanentError, RetryableError
@@ -112,7 +113,6 @@ async def slow_async_handler(run: Any) -> None:
 
 def slow_handler(run: Any) -> None:
     """A worker handler that outlasts any grace period (sync)."""
-    import time
 
     time.sleep(600)
 
@@ -125,7 +125,13 @@ async def sleepy_async_handler(run: Any) -> str:
 
 def sleepy_handler(run: Any) -> str:
     """A worker handler that finishes 4 s after it starts (sync)."""
-    import time
 
     time.sleep(4)
     return "done"
+
+
+def sleeps(payload: Any, key: str) -> dict[str, Any]:
+    """Sync, slow: sleeps ``payload["seconds"]`` (a call that outlives a grace period)."""
+    _note("sleeps", payload, key)
+    time.sleep(float(payload["seconds"]))
+    return {"slept": payload["seconds"]}

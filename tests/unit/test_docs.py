@@ -155,6 +155,14 @@ def entry_point_groups() -> frozenset[str]:
 
 
 @cache
+def sql_settings() -> frozenset[str]:
+    """``outbox.<field>`` settings of PostgreSQL the SQL API reads (``Settings`` field names)."""
+    from outbox.settings import Settings
+
+    return frozenset(f"outbox.{name}" for name in Settings.model_fields)
+
+
+@cache
 def trace_names() -> frozenset[str]:
     """Span and attribute names of ``outbox/tracing.py`` (``outbox.effect.kind``, ...)."""
     found = set()
@@ -186,7 +194,10 @@ def missing_references(path: Path) -> list[str]:
             if head.endswith(".py"):
                 last_file = head
         elif _DOTTED.match(head) and not (
-            dotted_exists(head) or head in trace_names() or head in entry_point_groups()
+            dotted_exists(head)
+            or head in trace_names()
+            or head in entry_point_groups()
+            or head in sql_settings()
         ):
             missing.append(f"{where} (no such module or name)")
         for file_name, test in _TEST_REF.findall(span):
