@@ -7,6 +7,7 @@ independently of the generator, so a name the generator missed fails too.
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 from pathlib import Path
@@ -129,3 +130,46 @@ def test_every_environment_variable_the_code_reads_is_in_the_settings_reference(
     assert sorted(read - documented) == []
     text = page("settings.md")
     assert all(f"`{name}`" in text for name in documented)
+
+
+def _classes_deriving(package: str, bases: set[str]) -> set[str]:
+    """Class names under ``package`` deriving (through classes found there) from ``bases``."""
+    found: dict[str, list[str]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                found[node.name] = [ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases]
+    derived: set[str] = set()
+    while True:
+        more = {name for name, parents in found.items() if set(parents) & (bases | derived)}
+        if more <= derived:
+            return derived
+        derived |= more
+
+
+def test_every_settings_class_has_a_section() -> None:
+    """A new ``...Settings`` model gets a line in ``settings_classes()`` (and so a table)."""
+    declared = {
+        name for name in _classes_deriving("outbox", {"BaseModel"}) if name.endswith("Settings")
+    }
+    listed = {model.__name__ for model, *_ in reference.settings_classes()}
+    assert declared == listed, "add the class to outbox/cli/reference.py's settings_classes()"
+    text = page("settings.md")
+    assert all(f"### `{name}`" in text for name in listed)
+
+
+def test_every_shipped_deliverer_config_is_in_the_reference() -> None:
+    """A config model in ``deliverers/`` belongs to a shipped (entry-point) type: listed."""
+    declared = _classes_deriving("deliverers", {"DelivererConfig"})
+    listed = {model.__name__ for model in reference.config_models()}
+    assert declared, "no DelivererConfig subclass found"
+    assert declared <= listed, "register the type in pyproject.toml's outbox.deliverers"
+
+
+def test_the_consumer_tuning_shown_is_the_one_the_tests_use() -> None:
+    """docs/howto/stream-mode.md shows ``TANSU_CONSUMER_TUNING`` option by option."""
+    from deliverers.testing import TANSU_CONSUMER_TUNING
+
+    text = (ROOT / "docs" / "howto" / "stream-mode.md").read_text(encoding="utf-8")
+    shown = dict(re.findall(r"--kafka-option (\w+)=(\d+)", text))
+    assert shown == {key: str(value) for key, value in TANSU_CONSUMER_TUNING.items()}
