@@ -173,3 +173,30 @@ def test_the_consumer_tuning_shown_is_the_one_the_tests_use() -> None:
     text = (ROOT / "docs" / "howto" / "stream-mode.md").read_text(encoding="utf-8")
     shown = dict(re.findall(r"--kafka-option (\w+)=(\d+)", text))
     assert shown == {key: str(value) for key, value in TANSU_CONSUMER_TUNING.items()}
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        outbox.Outbox,
+        outbox.AsyncOutbox,
+        outbox.Run,
+        outbox.AsyncRun,
+        outbox.StepTransaction,
+        outbox.AsyncStepTransaction,
+        outbox.OutboxTransaction,
+        outbox.AsyncOutboxTransaction,
+        outbox.Worker,
+        outbox.AsyncWorker,
+    ],
+    ids=lambda cls: cls.__name__,
+)
+def test_every_public_method_of_the_client_is_in_the_client_reference(cls: type) -> None:
+    """What an agent calls (``ob.x``, ``run.x``, ``tx.x``) is described in client.md."""
+    text = page("client.md")
+    missing = [
+        name
+        for name in dir(cls)
+        if not name.startswith("_") and not re.search(rf"`[^`]*\b{name}\b[^`]*`", text)
+    ]
+    assert missing == [], f"{cls.__name__}: {missing} not in docs/reference/client.md"
