@@ -114,6 +114,13 @@ def test_config_maps_alias_kinds_to_types_with_their_settings(tmp_path: Path) ->
     assert http.http.credentials == {"billing": Credential(env="BILLING_TOKEN", prefix="Bearer ")}
 
 
+@pytest.mark.parametrize("text", ["", "[kinds]\n", "# nothing yet\n"])
+def test_a_config_without_kinds_counts_as_no_config(tmp_path: Path, text: str) -> None:
+    """docs/reference/deliverers-config.md: every installed type then serves its own kind."""
+    registry = build_registry(load_config(write(tmp_path, text)))
+    assert set(registry) == set(available_types())
+
+
 def test_the_same_type_can_serve_several_kinds() -> None:
     registry = build_registry(
         kinds(
