@@ -155,7 +155,9 @@ def test_every_settings_class_has_a_section() -> None:
     listed = {model.__name__ for model, *_ in reference.settings_classes()}
     assert declared == listed, "add the class to outbox/cli/reference.py's settings_classes()"
     text = page("settings.md")
-    assert all(f"### `{name}`" in text for name in listed)
+    for name in listed:
+        assert f"### `{name}`" in text
+        assert f"| [`{name}`](#{name.lower()}) |" in text, f"{name}: a row in the table at the top"
 
 
 def test_every_shipped_deliverer_config_is_in_the_reference() -> None:
