@@ -241,6 +241,14 @@ def test_every_page_the_code_names_exists() -> None:
     assert sorted(n for n in named if not (ROOT / n).exists()) == []
 
 
+def test_every_page_is_in_the_index() -> None:
+    """docs/README.md links every page, so a new how-to or reference page is found."""
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / target.partition("#")[0]).resolve() for _, target in links(index)}
+    pages = [p for p in PAGES if p.parent != ROOT and p != index]
+    assert [str(p.relative_to(ROOT)) for p in pages if p.resolve() not in linked] == []
+
+
 def test_the_checkers_catch_what_they_should(tmp_path: Path) -> None:
     assert slug("G5 Replay") == "g5-replay"
     assert slug("`outbox serve`: signals, console") == "outbox-serve-signals-console"
