@@ -100,7 +100,10 @@ class Maintenance:
                 log.warning("stats round failed: %s", exc)
             counted = time.monotonic()
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout=self.settings.stats_seconds)
+                # Not asyncio.wait_for: on 3.11 it returns normally when the event is
+                # set just as the round is cancelled, and the round would live on.
+                async with asyncio.timeout(self.settings.stats_seconds):
+                    await self._changed.wait()
             except TimeoutError:
                 continue
             await asyncio.sleep(max(0.0, counted + STATS_AFTER_CHANGE_SECONDS - time.monotonic()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 from prometheus_client import CollectorRegistry
@@ -45,3 +46,39 @@ def test_a_delivery_clears_the_effect_gauges_within_seconds(ob: Outbox, dsn: str
             timeout=10,
             message="the gauges counted again after the delivery",
         )
+
+
+def test_the_stats_round_ends_when_cancelled_just_after_a_change(dsn: str) -> None:
+    """A change noted as the daemon stops must not swallow the round's cancellation.
+
+    The daemon notes a change while it records its last outcomes and then cancels
+    its rounds; Python 3.11's ``asyncio.wait_for`` returns normally when the
+    awaited event is set at the moment of the cancel, and a round waiting with it
+    lived on, so the daemon never stopped.
+    """
+    from outbox.delivery.leases import Leases
+    from outbox.delivery.maintenance import Maintenance
+    from outbox.delivery.metrics import DeliveryMetrics
+    from outbox.delivery.settings import DeliverySettings
+    from outbox.storage.async_store import AsyncStore
+    from outbox.storage.engine import make_async_engine
+
+    async def main() -> None:
+        store = AsyncStore(make_async_engine(dsn))
+        metrics = DeliveryMetrics()
+        settings = DeliverySettings(stats_seconds=60)
+        maintenance = Maintenance(
+            store, {}, settings, Leases({}, 1, metrics), metrics, lambda: None
+        )
+        try:
+            rounds = asyncio.create_task(maintenance._stats_rounds())
+            await asyncio.sleep(1.0)  # the first count is done; waiting for a change
+            maintenance.changed()
+            rounds.cancel()
+            done, _ = await asyncio.wait({rounds}, timeout=5)
+            assert done == {rounds}, "the stats round outlived its cancellation"
+            assert rounds.cancelled()
+        finally:
+            await store.dispose()
+
+    asyncio.run(main())
