@@ -11,25 +11,32 @@ run) uses that record's model.
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import Any
 from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, RootModel
 
-from outbox.models import Effect, EffectAttempt, RunRecord, RunStatus, StepRecord
+from outbox.gates import Gate
+from outbox.models import Effect, EffectAttempt, RunMode, RunRecord, RunStatus, StepRecord
 
 __all__ = [
     "ArchiveSummaryReport",
+    "AuditVerifyReport",
     "CancelReport",
     "DbStatusReport",
     "DbStopReport",
     "DemoReport",
     "EffectDetailReport",
     "EffectListReport",
+    "GateListReport",
+    "GatesApplyReport",
+    "GatesRemoveReport",
     "GcReport",
     "MigrateReport",
     "ReconcileReport",
     "RolesReport",
     "RunDetailReport",
+    "RunDiffReport",
     "RunListReport",
     "SchemasCheckReport",
     "SchemasExportReport",
@@ -211,6 +218,8 @@ class RunDetailReport(Report):
     steps: list[StepRecord]
     #: Its effects, in intent order.
     effects: list[Effect]
+    #: ``dry_run``: its effects went to a recording deliverer, never to a sink.
+    mode: RunMode
 
 
 class CancelReport(Report):
@@ -231,6 +240,57 @@ class VersionLine(Report):
 
 class VersionsReport(RootModel[list[VersionLine]]):
     """``outbox runs versions --json``: a version with no line left can retire."""
+
+
+class DiffChange(Report):
+    """Where two runs differ: ``added`` (only in B), ``removed`` (only in A), ``changed``."""
+
+    step_id: str | None
+    index: int | None
+    change: str
+    #: What differs of a changed effect (kind, payload, compensate, ordering_key, key).
+    fields: list[str]
+    #: The effect in run A and in run B, each run's own id written ``{run}``.
+    a: dict[str, Any] | None
+    b: dict[str, Any] | None
+
+
+class RunDiffReport(Report):
+    """``outbox runs diff RUN_A RUN_B --json``: the effects two runs intended, compared."""
+
+    run_a: UUID
+    run_b: UUID
+    #: Effects compared (matched by step and index).
+    compared: int
+    identical: bool
+    changes: list[DiffChange]
+
+
+class AuditVerifyReport(Report):
+    """``outbox audit verify [RUN] --json``: the hash chains checked, and where they break."""
+
+    runs_checked: int
+    intact: bool
+    #: Run id → its breaks, the first first.
+    broken: dict[str, list[str]]
+
+
+class GatesApplyReport(Report):
+    """``outbox gates apply --json``: the gates stored."""
+
+    applied: list[str]
+    #: Whether gates the file does not declare were removed (``--prune``).
+    pruned: bool
+
+
+class GateListReport(RootModel[list[Gate]]):
+    """``outbox gates list --json``: the gates in force."""
+
+
+class GatesRemoveReport(Report):
+    """``outbox gates remove NAME... --json``: the gates removed."""
+
+    removed: list[str]
 
 
 class SchemasExportReport(RootModel[list[str]]):
