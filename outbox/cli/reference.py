@@ -52,6 +52,7 @@ __all__ = [
     "config_models",
     "environment",
     "field_meaning",
+    "gate_models",
     "main",
     "metric_families",
     "render_page",
@@ -257,6 +258,32 @@ def deliverers_block() -> str:
     return "\n".join(parts).rstrip()
 
 
+def gate_models() -> list[type[BaseModel]]:
+    """The models of an ``[[approvals]]`` table of the deliverers config and its conditions."""
+    from outbox.gates import Condition, Gate
+
+    return [Gate, Condition]
+
+
+def approvals_block() -> str:
+    from outbox.gates import Condition, Gate
+
+    order = [
+        "name",
+        "kind",
+        "when",
+        *(n for n in Gate.model_fields if n not in {"name", "kind", "when"}),
+    ]
+    return "\n".join(
+        [
+            f"`outbox.gates.Gate`: {summary(Gate)}\n",
+            fields_table(Gate, order, toml=True),
+            f"\nEach entry of `when` (`outbox.gates.Condition`): {summary(Condition)}\n",
+            fields_table(Condition, toml=True),
+        ]
+    )
+
+
 def config_models() -> list[type[BaseModel]]:
     """Every config model of a shipped deliverer, nested tables included."""
     from outbox.delivery import DelivererConfig
@@ -403,6 +430,7 @@ BLOCKS: dict[tuple[str, str], Callable[[], str]] = {
     ("docs/reference/settings.md", "settings"): settings_block,
     ("docs/reference/settings.md", "environment"): environment_block,
     ("docs/reference/deliverers-config.md", "deliverers"): deliverers_block,
+    ("docs/reference/deliverers-config.md", "approvals"): approvals_block,
     ("docs/reference/cli.md", "commands"): cli_block,
     ("docs/reference/errors.md", "errors"): errors_block,
     ("docs/reference/client.md", "exports"): _outbox_exports,

@@ -68,7 +68,7 @@ def test_every_deliverer_config_key_is_in_the_reference_with_its_meaning() -> No
     text = page("deliverers-config.md")
     shipped = {s.name for s in reference.shipped_deliverers()}
     assert {"http.request", "python.call", "smtp.send"} <= shipped
-    for model in reference.config_models():
+    for model in [*reference.config_models(), *reference.gate_models()]:
         for name in model.model_fields:
             assert f"| `{name}` |" in text, f"{model.__name__}.{name}"
             assert reference.field_meaning(model, name), f"{model.__name__}.{name}: no `#:`"
