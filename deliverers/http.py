@@ -102,9 +102,13 @@ class Credential(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: The header the secret is sent in.
     header: str = "Authorization"
+    #: Read the secret from this environment variable at each call...
     env: str | None = None
+    #: ... or from this file (exactly one of the two).
     file: Path | None = None
+    #: Put before the secret (``"Bearer "``).
     prefix: str = ""
 
     @model_validator(mode="after")
@@ -132,9 +136,11 @@ class HttpConfig(DelivererConfig):
     allowed_hosts: list[str] | None = None
     #: Private/loopback/link-local hosts or networks (CIDR) that may be called anyway.
     allow_private: list[str] = Field(default_factory=list)
+    #: Credentials by name: a payload's ``credential`` names one (never the secret).
     credentials: dict[str, Credential] = Field(default_factory=dict)
-    #: How much of a response body is read at most, and how much is recorded.
+    #: How much of a response body is read at most.
     read_limit_bytes: int = Field(default=1024 * 1024, ge=0)
+    #: How much of it is kept in the attempt log.
     excerpt_bytes: int = Field(default=2048, ge=0)
     #: URL template the sink answers for a key (``{key}``): see :meth:`HttpDeliverer.lookup`.
     lookup_url: str | None = None
@@ -145,7 +151,9 @@ class HttpConfig(DelivererConfig):
     #: Follow 3xx answers (each hop is checked like the first; credentials stay
     #: with the first origin). Off by default: an effect's URL is where it goes.
     follow_redirects: bool = False
+    #: Most redirects followed for one call.
     max_redirects: int = Field(default=5, ge=0, le=20)
+    #: The ``User-Agent`` header sent.
     user_agent: str = "agent-outbox"
 
 

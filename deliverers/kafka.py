@@ -220,11 +220,13 @@ class KafkaConfig(DelivererConfig):
 
     #: ``host:port`` of one or more brokers, comma-separated.
     bootstrap_servers: str = "localhost:9092"
+    #: The producer's client id (in broker logs and quotas).
     client_id: str = "agent-outbox"
     #: When set, only these topics (``fnmatch`` patterns, case-sensitive); others fail.
     allowed_topics: list[str] | None = None
     #: How long one produce request may wait for the broker's answer.
     request_timeout_ms: int = Field(default=30_000, ge=1)
+    #: How long the producer waits to batch records before sending.
     linger_ms: int = Field(default=0, ge=0)
     #: How long to wait for a connection, topic metadata or buffer space before sending.
     max_block_ms: int = Field(default=10_000, ge=1)
@@ -238,6 +240,7 @@ class KafkaConfig(DelivererConfig):
     read_back: bool = True
     #: The longest range a read-back scans; beyond it the lookup fails (asked again later).
     read_back_max_records: int = Field(default=100_000, ge=1)
+    #: How long a read-back may take in all; beyond it the lookup fails (asked again later).
     read_back_timeout_seconds: float = Field(default=30.0, gt=0)
 
     @field_validator("producer")

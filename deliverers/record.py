@@ -50,8 +50,11 @@ BLIND_PREFIX = "/blind/"
 class RecordConfig(DelivererConfig):
     """Settings of a stand-in: where the recording sink listens, and whether it answers lookups."""
 
+    #: Where the recording sink listens (``outbox check`` sets it to its own sink).
     url: str = "http://127.0.0.1:8080"
+    #: Whether the stand-in answers "was this key applied?" as the real kind's deliverer does.
     lookup: bool = False
+    #: Seconds one post to the recording sink may take.
     timeout: float = 10.0
 
 

@@ -53,20 +53,33 @@ class Email(BaseModel):
 class SmtpConfig(DelivererConfig):
     """Where and how to send."""
 
+    #: The SMTP server.
     host: str = "localhost"
+    #: Its port.
     port: int = Field(default=25, ge=1, le=65535)
+    #: Upgrade the connection with STARTTLS before logging in.
     starttls: bool = False
+    #: Log in as this user (none: no login)...
     username: str | None = None
+    #: ... with the password in this environment variable (read at each send).
     password_env: str | None = None
+    #: ``From`` when the payload names no sender.
     default_sender: str = "agent-outbox@localhost"
+    #: ``Message-ID`` is ``<idempotency key@this>``: search the mail log for it.
     message_id_domain: str = "agent-outbox"
+    #: Seconds one SMTP conversation may take.
     timeout: float = Field(default=30.0, gt=0)
     #: Read-back: an IMAP server whose ``imap_folder`` receives every message sent.
     imap_host: str | None = None
+    #: Its port.
     imap_port: int = Field(default=993, ge=1, le=65535)
+    #: Connect with TLS (IMAPS); false: plain IMAP.
     imap_ssl: bool = True
+    #: Log in as this user (none: no login)...
     imap_username: str | None = None
+    #: ... with the password in this environment variable (read at each lookup).
     imap_password_env: str | None = None
+    #: The folder searched for the Message-ID.
     imap_folder: str = "Sent"
 
 

@@ -21,7 +21,7 @@ algorithm, for ``outbox audit verify`` and for a run record exported by
 
 A record is signed with Ed25519 (the optional ``cryptography`` package: ``pip
 install 'agent-outbox[audit]'``) over its canonical JSON without ``signature``;
-anyone holding the public key can check it, no secret needed. ``docs/audit.md``
+anyone holding the public key can check it, no secret needed. ``docs/reference/audit.md``
 has an independent verifier of a few dozen lines.
 
 What a chain cannot show: a row rewritten *with every later link recomputed*,

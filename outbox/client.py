@@ -181,7 +181,7 @@ class Outbox:
         """A self-contained record of a run: inputs, steps, effects, attempts, approvals (unsigned).
 
         Read in one snapshot; ``outbox.chain.sign_record`` signs it and
-        ``outbox.chain.verify_record`` (or the script in ``docs/audit.md``) checks it.
+        ``outbox.chain.verify_record`` (or the script in ``docs/reference/audit.md``) checks it.
         """
         rid = as_uuid(run_id, "run_id")
         rows = self.store.audit_rows(rid)

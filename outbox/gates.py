@@ -104,8 +104,12 @@ class Condition(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
+    #: A JSON Pointer into the payload (``/json/amount``); one that does not resolve
+    #: makes the condition false.
     pointer: str = Field(max_length=1000)
+    #: ``eq``, ``ne``, ``gt``, ``ge``, ``lt``, ``le`` (on numbers), ``in`` (a list), ``exists``.
     op: Op
+    #: What the payload's value is compared with (none for ``exists``).
     value: Any = None
 
     @field_validator("pointer")
@@ -147,6 +151,7 @@ class ApprovalPolicy(BaseModel):
 
     #: seconds from the intent's commit (``None``: no deadline); TOML also takes ``"24h"``
     timeout: float | None = Field(default=None, gt=0, le=MAX_DELAY_SECONDS)
+    #: What happens when the deadline passes: ``reject``, ``cancel_run`` or ``escalate``.
     on_timeout: OnTimeout = OnTimeout.REJECT
     #: who is told when the deadline passes (``on_timeout = "escalate"``): logged and recorded
     escalate_to: str | None = Field(default=None, min_length=1, max_length=500)
@@ -167,8 +172,12 @@ class ApprovalPolicy(BaseModel):
 class Gate(ApprovalPolicy):
     """A declared gate: intents of ``kind`` whose payload meets ``when`` wait for approval."""
 
+    #: The gate's name (``outbox gates list``, ``remove NAME``); applying a gate of the
+    #: same name replaces it.
     name: str = Field(min_length=1, max_length=200, pattern=KIND_PATTERN)
+    #: The effect kind whose intents it holds.
     kind: str = Field(min_length=1, max_length=200, pattern=KIND_PATTERN)
+    #: Conditions that must all hold (none: every intent of the kind is held).
     when: list[Condition] = Field(default_factory=list, max_length=50)
 
     @classmethod

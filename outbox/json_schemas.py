@@ -1,8 +1,13 @@
-"""JSON Schemas of every model that crosses a boundary, kept in ``schemas/``."""
+"""JSON Schemas of every model that crosses a boundary, kept in ``schemas/``.
+
+The records and deliverer payloads are listed here; the CLI adds the model of
+each ``--json`` report (``outbox.cli.schemas.exported_models``).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -39,20 +44,25 @@ def render(model: type[BaseModel]) -> str:
     return json.dumps(model.model_json_schema(), indent=2, sort_keys=True) + "\n"
 
 
-def write_schemas(directory: Path) -> list[Path]:
-    """Write every schema; return the paths written."""
+def write_schemas(
+    directory: Path, models: Mapping[str, type[BaseModel]] | None = None
+) -> list[Path]:
+    """Write every schema (of ``models``, default :func:`boundary_models`); return the paths."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, model in boundary_models().items():
+    for name, model in (boundary_models() if models is None else models).items():
         path = directory / f"{name}.json"
         path.write_text(render(model))
         written.append(path)
     return written
 
 
-def check_schemas(directory: Path) -> list[str]:
+def check_schemas(
+    directory: Path, models: Mapping[str, type[BaseModel]] | None = None
+) -> list[str]:
     """Names whose file is missing, different, or left over from a removed model."""
-    expected = {f"{name}.json": render(model) for name, model in boundary_models().items()}
+    chosen = boundary_models() if models is None else models
+    expected = {f"{name}.json": render(model) for name, model in chosen.items()}
     drift = [
         name
         for name, text in expected.items()

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from outbox.chain import public_key_of, sign_record, verify_record
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli.reports import AuditVerifyReport
 
 __all__ = ["COMMANDS"]
 
@@ -30,7 +31,7 @@ def audit() -> None:
     show_default=True,
     help="Without RUN: check this many runs, newest first.",
 )
-@json_option
+@json_option(AuditVerifyReport)
 @pass_cli
 def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool) -> None:
     """Recompute the hash chains of one run (or of every run) and report the first break.
@@ -55,7 +56,7 @@ def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool)
             if found:
                 broken[str(rid)] = [str(b) for b in found]
             progress.advance(task)
-    report = {"runs_checked": len(run_ids), "intact": not broken, "broken": broken}
+    report = AuditVerifyReport(runs_checked=len(run_ids), intact=not broken, broken=broken)
 
     def render() -> None:
         if not broken:
@@ -91,7 +92,7 @@ def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool)
 )
 @pass_cli
 def audit_export(cli: CliContext, run_id: str, key_path: Path, out_path: Path | None) -> None:
-    """Write a signed, self-contained JSON record of a run (docs/audit.md verifies it)."""
+    """Write a signed, self-contained JSON record of a run (docs/reference/audit.md verifies it)."""
     record = cli.outbox.audit_record(run_id)
     breaks = verify_record(record)
     if breaks:

@@ -11,6 +11,7 @@ import pydantic
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from outbox.cli._common import console, emit, json_option
+from outbox.cli.reports import CheckReport
 
 __all__ = ["COMMANDS"]
 
@@ -98,7 +99,7 @@ def _signals(raw: tuple[str, ...]) -> dict[str, Any]:
     help="Seconds a trial may go with nothing moving before it is reported as stuck.",
 )
 @click.option("--keep-logs", is_flag=True, help="Keep the processes' logs even when it passes.")
-@json_option
+@json_option(CheckReport)
 def check(
     handler_path: str,
     agent: str,
@@ -175,7 +176,7 @@ def check(
             progress.console.print(f"  {result.plan.id}: {mark} ({result.seconds:.1f} s)")
 
         report = check_agent(options, progress=advance, keep_logs=keep_logs)
-    emit(report.as_dict(), as_json, lambda: render(report, console))
+    emit(CheckReport.model_validate(report.as_dict()), as_json, lambda: render(report, console))
     if not report.ok:
         raise SystemExit(1)
 

@@ -21,6 +21,7 @@ from outbox.cli._common import (
     pass_cli,
     table,
 )
+from outbox.cli.reports import ReconcileReport
 from outbox.delivery import Deliverer
 from outbox.delivery.settings import DeliverySettings, RelaySettings, StreamSettings
 from outbox.delivery.threads import DaemonThreads, default_workers
@@ -159,7 +160,9 @@ _seconds = click.FloatRange(min=0.001, max=86_400)
     "kafka_options",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Extra kafka-python consumer setting (repeatable).",
+    help="Extra kafka-python KafkaConsumer setting, e.g. session_timeout_ms=6000 "
+    "(repeatable; the group's timeouts decide how fast it settles: see "
+    "docs/howto/stream-mode.md).",
 )
 @pass_cli
 def deliver(
@@ -306,7 +309,13 @@ def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
     show_default=True,
     help="Effects of kind K go to topic PREFIX+K.",
 )
-@click.option("--batch-size", type=click.IntRange(1, 100_000), default=500, show_default=True)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 100_000),
+    default=RelaySettings.model_fields["batch_size"].default,
+    show_default=True,
+    help="Effects claimed, published and marked per round.",
+)
 @click.option(
     "--dispatch-ttl",
     type=click.FloatRange(min=0.001, max=86_400),
@@ -319,9 +328,9 @@ def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
     "kafka_options",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Extra kafka-python producer setting (repeatable).",
+    help="Extra kafka-python KafkaProducer setting, e.g. compression_type=gzip (repeatable).",
 )
-@click.option("--log-json", is_flag=True)
+@click.option("--log-json", is_flag=True, help="Log JSON lines.")
 @pass_cli
 def relay(
     cli: CliContext,
@@ -360,8 +369,14 @@ def relay(
 @config_option
 @kind_option
 @click.option("--dry-run", is_flag=True, help="Report what would be done; change nothing.")
-@click.option("--max-rows", type=click.IntRange(1, 1_000_000), default=10_000, show_default=True)
-@json_option
+@click.option(
+    "--max-rows",
+    type=click.IntRange(1, 1_000_000),
+    default=10_000,
+    show_default=True,
+    help="Resolve (and list as unknown) at most this many effects.",
+)
+@json_option(ReconcileReport)
 @pass_cli
 def reconcile_command(
     cli: CliContext,
@@ -391,20 +406,22 @@ def reconcile_command(
     with console.status("reconciling…"):
         report = asyncio.run(main())
     unknown = cli.outbox.effects(status="unknown", limit=max_rows)
-    data = {
-        **report.as_dict(),
-        "unknown": [
-            {
-                "id": str(e.id),
-                "kind": e.kind,
-                "run_id": str(e.run_id),
-                "attempt": e.attempt,
-                "key": e.idempotency_key,
-                "last_error": e.last_error,
-            }
-            for e in unknown
-        ],
-    }
+    data = ReconcileReport.model_validate(
+        {
+            **report.as_dict(),
+            "unknown": [
+                {
+                    "id": e.id,
+                    "kind": e.kind,
+                    "run_id": e.run_id,
+                    "attempt": e.attempt,
+                    "key": e.idempotency_key,
+                    "last_error": e.last_error,
+                }
+                for e in unknown
+            ],
+        }
+    )
 
     def render() -> None:
         title = "reconcile (dry run)" if dry_run else "reconcile"

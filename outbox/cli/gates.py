@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli.reports import GateListReport, GatesApplyReport, GatesRemoveReport
 from outbox.gates import Gate, gates_from_config
 
 __all__ = ["COMMANDS", "config_gates"]
@@ -51,37 +52,41 @@ def gates() -> None:
     help="Deliverers config (TOML) with [[approvals]] tables.",
 )
 @click.option("--prune", is_flag=True, help="Also remove gates the file does not declare.")
-@json_option
+@json_option(GatesApplyReport)
 @pass_cli
 def gates_apply(cli: CliContext, config_path: Path, prune: bool, as_json: bool) -> None:
     """Store the gates of a config file (replacing gates of the same name)."""
     declared = config_gates(config_path)
     stored = cli.outbox.apply_gates(declared, prune=prune)
     emit(
-        {"applied": stored, "pruned": prune},
+        GatesApplyReport(applied=stored, pruned=prune),
         as_json,
         lambda: console.print(f"{len(stored)} gate(s) applied: {', '.join(stored) or '-'}"),
     )
 
 
 @gates.command("list")
-@json_option
+@json_option(GateListReport)
 @pass_cli
 def gates_list(cli: CliContext, as_json: bool) -> None:
     """The gates in force."""
     found = cli.outbox.gates()
-    emit(found, as_json, lambda: table(f"gates ({len(found)})", _COLUMNS, _rows(found)))
+    emit(
+        GateListReport(found),
+        as_json,
+        lambda: table(f"gates ({len(found)})", _COLUMNS, _rows(found)),
+    )
 
 
 @gates.command("remove")
 @click.argument("names", nargs=-1, required=True)
-@json_option
+@json_option(GatesRemoveReport)
 @pass_cli
 def gates_remove(cli: CliContext, names: tuple[str, ...], as_json: bool) -> None:
     """Remove gates by name."""
     removed = cli.outbox.remove_gates(list(names))
     emit(
-        {"removed": removed},
+        GatesRemoveReport(removed=removed),
         as_json,
         lambda: console.print(f"{len(removed)} gate(s) removed: {', '.join(removed) or '-'}"),
     )

@@ -5,7 +5,16 @@ from __future__ import annotations
 import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli.reports import (
+    Budget,
+    CancelReport,
+    RunDetailReport,
+    RunDiffReport,
+    RunListReport,
+    VersionsReport,
+)
 from outbox.models import RunStatus, real_kind
+from outbox.validation import as_uuid
 
 __all__ = ["COMMANDS"]
 
@@ -16,10 +25,21 @@ def runs() -> None:
 
 
 @runs.command("list")
-@click.option("--status", type=click.Choice([s.value for s in RunStatus]), default=None)
-@click.option("--agent", default=None)
-@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
-@json_option
+@click.option(
+    "--status",
+    type=click.Choice([s.value for s in RunStatus]),
+    default=None,
+    help="Only runs in this status.",
+)
+@click.option("--agent", default=None, help="Only runs of this agent.")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 100_000),
+    default=50,
+    show_default=True,
+    help="At most this many.",
+)
+@json_option(RunListReport)
 @pass_cli
 def runs_list(
     cli: CliContext, status: str | None, agent: str | None, limit: int, as_json: bool
@@ -27,7 +47,7 @@ def runs_list(
     """List recent runs, newest first."""
     found = cli.outbox.runs(status=status, agent=agent, limit=limit)
     emit(
-        found,
+        RunListReport(found),
         as_json,
         lambda: table(
             f"runs ({len(found)})",
@@ -51,27 +71,27 @@ def runs_list(
 
 @runs.command("show")
 @click.argument("run_id")
-@json_option
+@json_option(RunDetailReport)
 @pass_cli
 def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
     """Show one run: inputs, state, plan, budget, steps and effects."""
     run = cli.outbox.run(run_id)
     record = run.record
-    steps = [run.step(s) for s in run.completed_steps]
+    steps = [s for s in (run.step(s) for s in run.completed_steps) if s is not None]
     effects = run.effects()
     remaining = None if record.budget is None else record.budget - record.spent - record.reserved
-    data = {
-        "run": record,
-        "budget": {
-            "budget": record.budget,
-            "spent": record.spent,
-            "reserved": record.reserved,
-            "remaining": remaining,
-        },
-        "steps": steps,
-        "effects": effects,
-        "mode": record.mode.value,
-    }
+    data = RunDetailReport(
+        run=record,
+        budget=Budget(
+            budget=record.budget,
+            spent=record.spent,
+            reserved=record.reserved,
+            remaining=remaining,
+        ),
+        steps=steps,
+        effects=effects,
+        mode=record.mode,
+    )
 
     def render() -> None:
         table(
@@ -99,11 +119,7 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
         table(
             "steps",
             ["#", "step", "kind", "result", "completed"],
-            [
-                (i + 1, s.step_id, s.kind, s.result, s.completed_at)
-                for i, s in enumerate(steps)
-                if s is not None
-            ],
+            [(i + 1, s.step_id, s.kind, s.result, s.completed_at) for i, s in enumerate(steps)],
         )
         if record.dry_run:
             table(
@@ -145,7 +161,7 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
     default=0.0,
     help="Wait up to this many seconds for compensation to finish.",
 )
-@json_option
+@json_option(CancelReport)
 @pass_cli
 def runs_cancel(
     cli: CliContext, run_id: str, reason: str, wait_seconds: float, as_json: bool
@@ -161,20 +177,20 @@ def runs_cancel(
         ob.advance_stopping_runs()
         status = ob.run(run_id).status
     emit(
-        {"run_id": run_id, "status": status.value},
+        CancelReport(run_id=as_uuid(run_id, "run_id"), status=status),
         as_json,
         lambda: console.print(f"run {run_id}: {status.value}"),
     )
 
 
 @runs.command("versions")
-@json_option
+@json_option(VersionsReport)
 @pass_cli
 def runs_versions(cli: CliContext, as_json: bool) -> None:
     """Unfinished runs per agent version: a version with none left can be retired."""
     rows = cli.outbox.run_versions()
     emit(
-        rows,
+        VersionsReport.model_validate(rows),
         as_json,
         lambda: table(
             "unfinished runs by version",
@@ -187,7 +203,7 @@ def runs_versions(cli: CliContext, as_json: bool) -> None:
 @runs.command("diff")
 @click.argument("run_a")
 @click.argument("run_b")
-@json_option
+@json_option(RunDiffReport)
 @pass_cli
 def runs_diff(cli: CliContext, run_a: str, run_b: str, as_json: bool) -> None:
     """Compare the effects two runs intended (exit 1 when they differ, like diff).
@@ -210,7 +226,7 @@ def runs_diff(cli: CliContext, run_a: str, run_b: str, as_json: bool) -> None:
             [(c.step_id, c.index, c.change, ", ".join(c.fields), c.a, c.b) for c in found.changes],
         )
 
-    emit(found.as_dict(), as_json, render)
+    emit(RunDiffReport.model_validate(found.as_dict()), as_json, render)
     if not found.identical:
         sys.exit(1)
 

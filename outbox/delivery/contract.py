@@ -160,9 +160,16 @@ class DelivererConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: The deliverer type serving this kind (an ``outbox.deliverers`` entry point
+    #: name); default: the kind's own name.
     type: str | None = None
+    #: Whether the sink dedups on the idempotency key, overriding the type's own
+    #: declaration: decides whether a lost attempt is redelivered or ``unknown``.
     idempotent: bool | None = None
+    #: Attempts an effect of this kind gets (unless its intent says).
     max_attempts: int = Field(default=10, ge=1, le=1000)
+    #: At most this many calls of this kind at once in one daemon (default: no limit
+    #: of its own, only the daemon's ``concurrency``).
     concurrency: int | None = Field(default=None, ge=1)
 
 

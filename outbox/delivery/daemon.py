@@ -83,6 +83,7 @@ class DeliveryDaemon:
         #: When shutdown must be over (set by :meth:`stop`): calls, writes, everything.
         self._deadline: float | None = None
         self._closing = False
+        self._maintenance: Maintenance | None = None
         #: Attempts whose final outcome (not a retry) this daemon recorded.
         self.delivered = 0
 
@@ -99,7 +100,7 @@ class DeliveryDaemon:
 
     async def run(self) -> None:
         """Deliver until stopped, then drain gracefully."""
-        maintenance = Maintenance(
+        self._maintenance = maintenance = Maintenance(
             self.store, self.deliverers, self.settings, self.leases, self.metrics, self.source.wake
         )
         owner_lock = OwnerLock(self.store.dsn, self.owner) if self.settings.early_recovery else None
@@ -179,6 +180,8 @@ class DeliveryDaemon:
                 log.warning("taking effects from %s failed (%s); retrying", self.source.name, exc)
                 await wait_or_wake(self._room, self.settings.poll_seconds)
                 continue
+            if batch:
+                self._changed()
             if self._stopping.is_set():
                 for effect in batch:
                     self._record(released(effect, "released unstarted at shutdown"))
@@ -246,6 +249,10 @@ class DeliveryDaemon:
             self._pause(effect.kind, outcome.after if outcome.after is not None else 1.0)
         self._record(completion)
 
+    def _changed(self) -> None:
+        if self._maintenance is not None:
+            self._maintenance.changed()
+
     def _notes(self, effect: ClaimedEffect) -> AttemptNotes:
         """Where this attempt's deliverer notes what a later lookup needs (fenced by attempt)."""
         owner = effect.lease_owner or self.owner
@@ -306,6 +313,7 @@ class DeliveryDaemon:
                 self._account(batch, written)
             finished = [*written.logged, *written.abandoned]
             if finished:
+                self._changed()
                 try:
                     await self.source.recorded(finished)
                 except Exception as exc:  # the source re-reads; recorded effects are skipped

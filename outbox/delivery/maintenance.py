@@ -31,6 +31,9 @@ UNKNOWN_KIND_NOTE = "no deliverer is registered for kind "
 #: Pending effects of kinds nobody here knows, and effects held back by their
 #: ordering key, are noted at most this often (and on the first round).
 UNKNOWN_KINDS_EVERY = 30.0
+#: After this daemon claims or records something, the effect gauges are counted
+#: again within this long (and at most this often while work goes on).
+STATS_AFTER_CHANGE_SECONDS = 1.0
 
 
 async def every(
@@ -68,6 +71,7 @@ class Maintenance:
         self.metrics = metrics
         self.on_requeued = on_requeued
         self._last_kinds_check = 0.0
+        self._changed = asyncio.Event()
         self.gone = GoneOwners(
             store,
             deliverers,
@@ -83,7 +87,7 @@ class Maintenance:
         tasks = [
             asyncio.create_task(every(s.heartbeat_seconds, self.heartbeat, "heartbeat")),
             asyncio.create_task(every(s.reconcile_seconds, self.reconcile, "reconcile")),
-            asyncio.create_task(every(s.stats_seconds, self.stats, "stats", first=True)),
+            asyncio.create_task(self._stats_rounds()),
         ]
         if s.early_recovery and self.gone.limits:
             tasks.append(
@@ -97,6 +101,34 @@ class Maintenance:
         """Put back the idempotent attempts of deliverers whose session lock is free."""
         if await self.gone.check():
             self.on_requeued()  # ours to claim now, not at the next poll
+
+    def changed(self) -> None:
+        """Note that the daemon claimed or recorded effects: the gauges are counted again soon."""
+        self._changed.set()
+
+    async def _stats_rounds(self) -> None:
+        """Count every ``stats_seconds``, and within a second of a change made here.
+
+        Changes made by other processes show at the next round; a change made here
+        (a delivery finished, say) does not leave a stale gauge for ``stats_seconds``.
+        """
+        while True:
+            self._changed.clear()
+            try:
+                await self.stats()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("stats round failed: %s", exc)
+            counted = time.monotonic()
+            try:
+                # Not asyncio.wait_for: on 3.11 it returns normally when the event is
+                # set just as the round is cancelled, and the round would live on.
+                async with asyncio.timeout(self.settings.stats_seconds):
+                    await self._changed.wait()
+            except TimeoutError:
+                continue
+            await asyncio.sleep(max(0.0, counted + STATS_AFTER_CHANGE_SECONDS - time.monotonic()))
 
     async def heartbeat(self) -> None:
         """Push out the leases of every held attempt."""

@@ -53,9 +53,14 @@ class EffectSource(Protocol):
 
 
 async def wait_or_wake(event: asyncio.Event, seconds: float) -> None:
-    """Wait until ``event`` is set or ``seconds`` pass."""
+    """Wait until ``event`` is set or ``seconds`` pass.
+
+    ``asyncio.timeout``, not ``asyncio.wait_for``: on 3.11 the latter swallows a
+    cancellation that comes as the event is set.
+    """
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout=seconds)
+        async with asyncio.timeout(seconds):
+            await event.wait()
 
 
 class PollSource:

@@ -32,7 +32,9 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: Address to listen on (put a TLS-terminating proxy in front to expose it).
     host: str = Field(default="127.0.0.1", min_length=1)
+    #: Port to listen on (0: any free port).
     port: int = Field(default=8080, ge=0, le=65535)
     #: Seconds a signed request stays valid.
     tolerance: float = Field(default=300.0, gt=0, le=86_400)

@@ -7,7 +7,7 @@ agree, function bodies included).
 The hash chains (``outbox audit verify``) are computed here, in PostgreSQL, by
 the statement that writes a row: an attempt-log row by a trigger, a step by
 the one-statement checkpoint itself. The algorithm, which
-``outbox.audit`` and the independent script in ``docs/audit.md`` recompute:
+``outbox.audit`` and the independent script in ``docs/reference/audit.md`` recompute:
 
 - ``lp(v)`` is ``'~'`` for NULL, else ``<octet length of v in UTF-8>:<v>``;
   ``us(t)`` is a timestamp as integer microseconds since the Unix epoch;

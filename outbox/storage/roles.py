@@ -287,7 +287,10 @@ def apply_roles(engine: Engine, prefix: str = "outbox_", schema: str = "public")
 
 
 def grants_markdown(prefix: str = "outbox_") -> str:
-    """The grants as Markdown tables, one per role (docs/howto/run-deliverers.md shows these)."""
+    """The grants as Markdown tables, one per role.
+
+    docs/howto/secure-a-deployment.md shows exactly this (a test checks).
+    """
     parts = []
     for spec in ROLES:
         rows = [

@@ -115,6 +115,17 @@ def test_config_maps_alias_kinds_to_types_with_their_settings(tmp_path: Path) ->
     assert http.http.credentials == {"billing": Credential(env="BILLING_TOKEN", prefix="Bearer ")}
 
 
+@pytest.mark.parametrize("text", ["", "[kinds]\n", "# nothing yet\n"])
+def test_a_config_without_kinds_counts_as_no_config(tmp_path: Path, text: str) -> None:
+    """docs/reference/deliverers-config.md: every installed type then serves its own kind.
+
+    Except a stand-in (``testing.record``, ``default_registered`` false): it is
+    served only where a config names it.
+    """
+    registry = build_registry(load_config(write(tmp_path, text)))
+    assert set(registry) == {n for n, c in available_types().items() if c.default_registered}
+
+
 def test_the_same_type_can_serve_several_kinds() -> None:
     registry = build_registry(
         kinds(
