@@ -31,7 +31,6 @@ from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox
 from outbox.storage.engine import libpq_dsn
 from tests.chaos.deliverer_process import start_deliverer, write_config
-from tests.chaos.test_deliverer_crash import intend_both_kinds
 from tests.support import wait_for
 
 LEASE = 15.0
@@ -45,6 +44,19 @@ def sink() -> Iterator[IdempotentHttpSink]:
     # killed, however long the peer takes to start; quick after the kill.
     with IdempotentHttpSink(latency=FIRST_CALL_SECONDS) as running:
         yield running
+
+
+def intend_both_kinds(ob: Outbox, sink_url: str, n: int) -> None:
+    """``n`` intents of each kind, whose calls may take longer than the first ones' sleep."""
+    run = ob.start_run("agent", "1")
+
+    def step(tx: Any) -> None:
+        for i in range(n):
+            for kind, path in (("http.request", "a"), ("http.blind", "b")):
+                payload = {"url": f"{sink_url}/{path}", "json": {"operation": f"{path}{i}"}}
+                tx.intend(kind, {**payload, "timeout": 2 * FIRST_CALL_SECONDS})
+
+    run.transaction("s", step)
 
 
 def rows(dsn: str, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
