@@ -4,7 +4,7 @@ Two ``outbox deliver --lease 10`` processes (the victim and a peer) run a
 sink that takes 0.5 s (idempotent; it logs each key when called,
 :func:`bench.sinks.slow`); a backlog of 192 effects is committed, and the
 victim gets SIGKILL mid-call once it holds a batch. The peer's reconciler sees
-the victim's session lock gone and puts its attempts back (migration 0011);
+the victim's session lock gone and puts its attempts back (migration 0012);
 the clock runs from the kill until every effect the dead one held has
 succeeded again; the sink's log and the attempt log are then checked for
 duplicates.

@@ -44,7 +44,7 @@ class DeliverySettings(BaseModel):
     #: retry at least every 2 s). Leases cover whatever is really lost meanwhile.
     restart_grace_seconds: float = Field(default=5.0, ge=0, le=86_400)
     #: Put a gone deliverer's idempotent attempts back without waiting for their
-    #: leases (False: leases only, as before 0011).
+    #: leases (False: leases only, as before 0012).
     early_recovery: bool = True
     #: On stop, how long in-flight calls may take to finish.
     grace_seconds: float = Field(default=30.0, ge=0, le=86_400)

@@ -1,4 +1,4 @@
-"""The ``outbox serve`` application: signals, health, metrics and the operator console.
+"""The ``outbox serve`` application: signals, approvals, health, metrics and the console.
 
 :func:`build_app` composes the Starlette routes; :class:`OutboxServer` runs
 them on uvicorn with the limits of :class:`~outbox.serve.settings.ServeSettings`.
@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 
+from outbox.serve.approvals import APPROVAL_PATH, ApprovalEndpoint
 from outbox.serve.ops import CachedCounts, Health, Metrics
 from outbox.serve.settings import Credentials, ServeSettings
 from outbox.serve.transport import HttpServer
@@ -47,6 +48,11 @@ def build_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials)
         Route(
             SIGNAL_ROUTE,
             SignalEndpoint(outbox, credentials.webhook_secret, settings.tolerance).handle,
+            methods=["POST"],
+        ),
+        Route(
+            APPROVAL_PATH,
+            ApprovalEndpoint(outbox, credentials.webhook_secret, settings.tolerance).handle,
             methods=["POST"],
         ),
         Route("/healthz", Health(outbox).handle, methods=["GET"]),

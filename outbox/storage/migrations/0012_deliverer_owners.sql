@@ -1,4 +1,4 @@
--- agent-outbox 0011: deliverers that hold a session lock, so their death is seen at once.
+-- agent-outbox 0012: deliverers that hold a session lock, so their death is seen at once.
 -- Must stay equal to outbox/storage/schema.py (tests/integration/test_migrations.py checks it).
 --
 -- A delivery daemon holds a session-level advisory lock named after its lease
