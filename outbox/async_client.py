@@ -166,12 +166,15 @@ class AsyncOutbox:
         self,
         *,
         run_id: uuid.UUID | str | None = None,
+        step_id: str | None = None,
         status: str | None = None,
         kind: str | None = None,
         limit: int = 100,
     ) -> list[Effect]:
-        """Effects in intent order, filtered by run, status or kind."""
-        filters = effect_filters(run_id=run_id, status=status, kind=kind, limit=limit)
+        """Effects in intent order, filtered by run (and step of that run), status or kind."""
+        filters = effect_filters(
+            run_id=run_id, step_id=step_id, status=status, kind=kind, limit=limit
+        )
         return await self.aio.call(self.aio.sync.list_effects, **filters)
 
     async def resolve_effect(

@@ -1,4 +1,4 @@
-"""The ``outbox serve`` application: signals, health, metrics and the operator console.
+"""The ``outbox serve`` application: signals, health, metrics, the HTTP API and the console.
 
 :func:`build_app` composes the Starlette routes; :class:`OutboxServer` runs
 them on uvicorn with the limits of :class:`~outbox.serve.settings.ServeSettings`.
@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 
+from outbox.serve.api import API_PREFIX, api_app
 from outbox.serve.ops import CachedCounts, Health, Metrics
 from outbox.serve.settings import Credentials, ServeSettings
 from outbox.serve.transport import HttpServer
@@ -51,6 +52,7 @@ def build_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials)
         ),
         Route("/healthz", Health(outbox).handle, methods=["GET"]),
         Route("/metrics", Metrics(counts, credentials).handle, methods=["GET"]),
+        Mount(API_PREFIX, app=api_app(outbox, settings, credentials)),
     ]
     if settings.console:
         from outbox.serve.console import console_app

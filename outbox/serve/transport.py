@@ -107,7 +107,7 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await _refuse(send, 413, f"body over {self.max_bytes} bytes")
+            await _refuse(send, 413, f"body over {self.max_bytes} bytes", "body_too_large")
             return
         chunks: list[bytes] = []
         size = 0
@@ -118,14 +118,16 @@ class BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), timeout=max(left, 0.001))
             except TimeoutError:
-                await _refuse(send, 408, f"body not received within {self.timeout:g}s")
+                await _refuse(
+                    send, 408, f"body not received within {self.timeout:g}s", "body_timeout"
+                )
                 return
             if message["type"] == "http.disconnect":
                 return  # the client went away: nothing to answer, nothing to log
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await _refuse(send, 413, f"body over {self.max_bytes} bytes")
+                await _refuse(send, 413, f"body over {self.max_bytes} bytes", "body_too_large")
                 return
             chunks.append(chunk)
             more = bool(message.get("more_body", False))
@@ -165,8 +167,9 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _refuse(send: Send, status: int, error: str) -> None:
-    body = json.dumps({"error": error}).encode()
+async def _refuse(send: Send, status: int, error: str, code: str) -> None:
+    # ``code`` is the HTTP API's error code (docs/http-api.md); other routes ignore it.
+    body = json.dumps({"error": error, "code": code}).encode()
     with contextlib.suppress(OSError, RuntimeError):
         await send(
             {

@@ -183,6 +183,14 @@ class Store:
             rows = conn.execute(sql.list_effects(**filters)).all()
         return [Effect.model_validate(r._mapping) for r in rows]
 
+    def finished_effects(self, effect_ids: Sequence[UUID]) -> list[Effect]:
+        """Those of ``effect_ids`` that are terminal (succeeded, failed, cancelled, compensated)."""
+        if not effect_ids:
+            return []
+        with translate_errors("checking awaited effects"), self.engine.connect() as conn:
+            rows = conn.execute(sql.finished_effects(), {"ids": list(effect_ids)}).all()
+        return [Effect.model_validate(r._mapping) for r in rows]
+
     def attempts(self, effect_id: UUID) -> list[EffectAttempt]:
         """The attempt log of one effect, oldest first."""
         query = (

@@ -25,11 +25,12 @@ from sqlalchemy import (
     text,
     true,
 )
+from sqlalchemy.dialects.postgresql import ARRAY as postgresql_array
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement, TableValuedAlias, TextClause
 
-from outbox.models import RunStatus
+from outbox.models import TERMINAL_EFFECT_STATUSES, RunStatus
 from outbox.storage.schema import budget_ledger, effects, runs, steps
 from outbox.storage.sql.common import (
     EFFECTS_CHANNEL,
@@ -37,12 +38,14 @@ from outbox.storage.sql.common import (
     RUNS_CHANNEL,
     AnySelect,
     const,
+    in_statuses,
     json_param,
 )
 
 __all__ = [
     "commit_step",
     "effect_by_key",
+    "finished_effects",
     "insert_run",
     "intend_for_stopping_run",
     "intend_without_run",
@@ -331,16 +334,32 @@ def list_runs(
 def list_effects(
     *,
     run_id: object = None,
+    step_id: str | None = None,
     status: str | None = None,
     kind: str | None = None,
     limit: int = 100,
 ) -> AnySelect:
-    """Effects in intent order, optionally filtered by run, status or kind."""
+    """Effects in intent order, optionally filtered by run (and step), status or kind."""
     query = select(effects).order_by(effects.c.seq).limit(limit)
     if run_id is not None:
         query = query.where(effects.c.run_id == run_id)
+    if step_id is not None:
+        query = query.where(effects.c.step_id == step_id)
     if status is not None:
         query = query.where(effects.c.status == status)
     if kind is not None:
         query = query.where(effects.c.kind == kind)
     return query
+
+
+def finished_effects() -> AnySelect:
+    """Of the effects ``:ids``, those that can no longer change by delivery (one index probe each).
+
+    Awaiting effects (``outbox serve``'s long poll) asks this for every awaited
+    id at once, so a hundred waiters cost one query per poll, not a hundred.
+    """
+    ids = bindparam("ids", type_=postgresql_array(UUID(as_uuid=True)))
+    return select(effects).where(
+        effects.c.id == func.any(ids),
+        in_statuses(effects.c.status, TERMINAL_EFFECT_STATUSES),
+    )
