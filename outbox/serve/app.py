@@ -44,6 +44,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 def build_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials) -> Starlette:
     """The Starlette app of one server (console included when ``settings.console``)."""
     counts = CachedCounts(outbox, settings.counts_cache_seconds)
+    api = api_app(outbox, settings, credentials)
     routes: list[BaseRoute] = [
         Route(
             SIGNAL_ROUTE,
@@ -52,7 +53,7 @@ def build_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials)
         ),
         Route("/healthz", Health(outbox).handle, methods=["GET"]),
         Route("/metrics", Metrics(counts, credentials).handle, methods=["GET"]),
-        Mount(API_PREFIX, app=api_app(outbox, settings, credentials)),
+        Mount(API_PREFIX, app=api),
     ]
     if settings.console:
         from outbox.serve.console import console_app
@@ -69,6 +70,7 @@ def build_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials)
         exception_handlers={404: _not_found, 405: _not_allowed, Exception: _server_error},
     )
     app.state.counts = counts
+    app.state.api = api
     return app
 
 

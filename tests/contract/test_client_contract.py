@@ -175,6 +175,46 @@ def test_a_stale_handle_replays_what_another_handle_recorded(twin: Twin, ob: Out
     assert ob.run(run_id).effects() == [] and rows(ob) == []
 
 
+def test_a_handle_tells_a_replay_from_a_recording(twin: Twin) -> None:
+    async def body(client: Any) -> Any:
+        run = await client.start_run("contract", "1", {})
+        stale = await client.run(run.id)
+
+        async def step(tx: Any) -> str:
+            await tx.intend("k.x", {"n": 1})
+            return "r"
+
+        seen = []
+        for handle in (run, run, stale):
+            await handle.transaction("s", step)
+            seen.append(handle.last_replayed)
+        return seen
+
+    # Recorded by this handle; replayed by it; recorded by another first (adopted).
+    assert twin.run(body) == [False, True, True]
+
+
+def test_effects_filter_by_the_step_of_a_run(twin: Twin) -> None:
+    async def body(client: Any) -> Any:
+        run = await client.start_run("contract", "1", {})
+
+        async def two(tx: Any) -> None:
+            await tx.intend("k.x", {"n": 1})
+            await tx.intend("k.x", {"n": 2})
+
+        async def one(tx: Any) -> None:
+            await tx.intend("k.x", {"n": 3})
+
+        await run.transaction("two", two)
+        await run.transaction("one", one)
+        found = [e.payload["n"] for e in await client.effects(run_id=run.id, step_id="two")]
+        with pytest.raises(ValidationError, match="step_id"):
+            await client.effects(step_id="two")
+        return found
+
+    assert twin.run(body) == [1, 2]
+
+
 def test_a_callers_key_reused_returns_the_intent_or_is_a_conflict_naming_it(
     twin: Twin, ob: Outbox
 ) -> None:

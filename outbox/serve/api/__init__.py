@@ -40,9 +40,11 @@ _PUBLIC = frozenset({OPENAPI_PATH, API_PREFIX + OPENAPI_PATH})
 class ApiAuth:
     """ASGI middleware: every API request but the OpenAPI document needs the API token."""
 
-    def __init__(self, app: ASGIApp, credentials: Credentials) -> None:
+    def __init__(self, app: ASGIApp, credentials: Credentials, handlers: ApiHandlers) -> None:
         self.app = app
         self.credentials = credentials
+        #: The handlers behind it (their long-poll watch, say).
+        self.handlers = handlers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Refuse without the token (401), or when the API is off (503); else pass on."""
@@ -81,7 +83,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return error_response("internal", "the request failed; send it again")
 
 
-def api_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials) -> ASGIApp:
+def api_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials) -> ApiAuth:
     """The API's ASGI app, to be mounted at :data:`API_PREFIX`."""
     handlers = ApiHandlers(outbox, settings)
     document = openapi_document()
@@ -97,5 +99,4 @@ def api_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials) -
         routes=routes,
         exception_handlers={404: _not_found, 405: _not_allowed, Exception: _server_error},
     )
-    app.state.handlers = handlers
-    return ApiAuth(app, credentials)
+    return ApiAuth(app, credentials, handlers)
