@@ -90,4 +90,6 @@ class OutboxServer(HttpServer):
         self.settings = settings or ServeSettings()
         self.credentials = credentials or Credentials()
         self.app = build_app(outbox, self.settings, self.credentials)
-        super().__init__(self.app, self.settings)
+        super().__init__(
+            self.app, self.settings, on_stop=[self.app.state.api.handlers.watch.release]
+        )

@@ -520,3 +520,23 @@ def test_long_polls_take_at_most_half_the_request_slots(ob: Outbox) -> None:
             assert [r.json()["done"] for r in results] == [False, False]
     finally:
         running.shutdown()
+
+
+def test_a_stopping_server_answers_its_long_polls_at_once(ob: Outbox) -> None:
+    running = serve(ob)
+    with ApiClient(running.url, timeout=30) as api:
+        effect_id = one_effect(api, "http://127.0.0.1:9")
+        answers: list[httpx.Response] = []
+        waiter = threading.Thread(
+            target=lambda: answers.append(api.get(f"/effects/{effect_id}/outcome?wait=60"))
+        )
+        waiter.start()
+        watch = running.app.state.api.handlers.watch
+        wait_for(lambda: watch.waiting == 1, timeout=10, message="the poll to wait")
+        began = time.monotonic()
+        running.shutdown()
+        took = time.monotonic() - began
+        waiter.join(10)
+    # Not held until uvicorn's grace period runs out and cut: answered, done=false.
+    assert took < 3, f"shutdown took {took:.1f}s"
+    assert answers and answers[0].status_code == 200 and answers[0].json()["done"] is False

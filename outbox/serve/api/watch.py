@@ -49,8 +49,9 @@ class EffectWatch:
         self._load = load
         self.interval = interval
         self.max_waiters = max_waiters
-        self._waiters: dict[UUID, set[asyncio.Future[Effect]]] = {}
+        self._waiters: dict[UUID, set[asyncio.Future[Effect | None]]] = {}
         self._count = 0
+        self._released = False
         self._poller: asyncio.Task[None] | None = None
         #: Polls made so far (for tests and curiosity).
         self.polls = 0
@@ -60,16 +61,30 @@ class EffectWatch:
         """Waits in progress."""
         return self._count
 
+    def release(self) -> None:
+        """End every wait now, and every later one at once (the server is stopping).
+
+        Called on the event loop. A released wait returns ``None``, as if it
+        had run out, so its client gets an answer instead of a cut connection.
+        """
+        self._released = True
+        for waiters in self._waiters.values():
+            for future in waiters:
+                if not future.done():
+                    future.set_result(None)
+
     async def wait(self, effect_id: UUID, timeout: float) -> Effect | None:
         """The effect once it has ended, or ``None`` when ``timeout`` seconds pass first.
 
         Cancelling the call (the client went away) leaves nothing behind.
         """
+        if self._released:
+            return None
         if self._count >= self.max_waiters:
             raise TooManyWaiters(
                 f"{self._count} long polls in progress (at most {self.max_waiters})"
             )
-        future: asyncio.Future[Effect] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Effect | None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(effect_id, set()).add(future)
         self._count += 1
         try:
