@@ -132,10 +132,17 @@ class Outbox:
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
         return Run(self._ctx, record, [])
 
-    def run(self, run_id: uuid.UUID | str) -> Run:
-        """Load a run (in any process) to inspect or resume it."""
-        rid = as_uuid(run_id, "run_id")
-        loaded = self.store.load_run(rid)
+    def run(self, run_id: uuid.UUID | str, *, step_id: str | None = None) -> Run:
+        """Load a run (in any process) to inspect or resume it.
+
+        With ``step_id``, the handle knows only that step of the run's history
+        (if it was recorded): it reads two rows, not every step, for a caller
+        that records that one step and lets the handle go (the HTTP API does,
+        per request). That step replays as always; its ``completed_steps``
+        lists at most that step, so use a full handle for anything else.
+        """
+        rid = run_args(run_id, step_id)
+        loaded = self.store.load_run(rid, step_id)
         if loaded is None:
             raise RunNotFound(rid)
         return Run(self._ctx, *loaded)
@@ -345,6 +352,14 @@ def new_run_row(
         "budget": None if start.budget is None else Decimal(str(start.budget)),
         "trace_parent": None,
     }
+
+
+def run_args(run_id: uuid.UUID | str, step_id: str | None) -> uuid.UUID:
+    """Validated arguments of ``run()`` (both twins); returns the run id."""
+    rid = as_uuid(run_id, "run_id")
+    if step_id is not None:
+        name_field(step_id, "step_id", max_length=MAX_KEY_LENGTH)
+    return rid
 
 
 def effect_filters(

@@ -77,14 +77,17 @@ class Store:
             row = conn.execute(sql.insert_run(notify=notify), params).one()
         return RunRecord.model_validate(row._mapping)
 
-    def load_run(self, run_id: UUID) -> tuple[RunRecord, list[StepRecord]] | None:
-        """A run and its completed steps, or ``None``."""
-        run_q, steps_q = sql.run_with_steps()
+    def load_run(
+        self, run_id: UUID, step_id: str | None = None
+    ) -> tuple[RunRecord, list[StepRecord]] | None:
+        """A run and its recorded steps (only ``step_id``'s, when given), or ``None``."""
+        run_q, steps_q = sql.run_with_steps(one_step=step_id is not None)
+        params = {"run_id": run_id, "step_id": step_id}
         with translate_errors("loading a run"), self.engine.connect() as conn:
-            row = conn.execute(run_q, {"run_id": run_id}).one_or_none()
+            row = conn.execute(run_q, params).one_or_none()
             if row is None:
                 return None
-            steps = conn.execute(steps_q, {"run_id": run_id}).all()
+            steps = conn.execute(steps_q, params).all()
         return (
             RunRecord.model_validate(row._mapping),
             [StepRecord.model_validate(s._mapping) for s in steps],

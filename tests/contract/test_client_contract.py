@@ -194,6 +194,36 @@ def test_a_handle_tells_a_replay_from_a_recording(twin: Twin) -> None:
     assert twin.run(body) == [False, True, True]
 
 
+def test_a_handle_for_one_step_reads_only_it_and_still_replays(twin: Twin, ob: Outbox) -> None:
+    calls: list[str] = []
+
+    async def body(client: Any) -> Any:
+        run = await client.start_run("contract", "1", {})
+        for step_id in ("a", "b"):
+
+            async def step(tx: Any, step_id: str = step_id) -> str:
+                calls.append(step_id)
+                await tx.intend("k.x", {"step": step_id})
+                return step_id
+
+            await run.transaction(step_id, step)
+        one = await client.run(run.id, step_id="b")
+        known = one.completed_steps
+        replayed = await one.transaction("b", step)
+        # A step it did not load still replays, found when its commit meets it.
+        other = await client.run(run.id, step_id="b")
+        adopted = await other.transaction("a", step)
+        with pytest.raises(ValidationError, match="step_id"):
+            await client.run(run.id, step_id="")
+        return known, replayed, one.last_replayed, adopted, other.last_replayed, run.id
+
+    known, replayed, was, adopted, too, run_id = twin.run(body)
+    assert (known, replayed, was, adopted, too) == (["b"], "b", True, "a", True)
+    # The function the second handle ran for "a" (step b's) ran once, rolled back whole.
+    assert calls == ["a", "b", "b"]
+    assert [e.payload for e in ob.effects(run_id=run_id)] == [{"step": "a"}, {"step": "b"}]
+
+
 def test_effects_filter_by_the_step_of_a_run(twin: Twin) -> None:
     async def body(client: Any) -> Any:
         run = await client.start_run("contract", "1", {})

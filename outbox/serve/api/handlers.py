@@ -189,7 +189,8 @@ class ApiHandlers:
         return await run_in_threadpool(self._record_step, run_id, body)
 
     def _record_step(self, run_id: uuid.UUID, body: StepRequest) -> Response:
-        run = self.outbox.run(run_id)
+        # Only this step of the run's history: a request per step must not read them all.
+        run = self.outbox.run(run_id, step_id=body.step_id)
         written: list[Effect] = []
 
         def step(tx: StepTransaction) -> Any:

@@ -311,12 +311,12 @@ def effect_by_key() -> AnySelect:
     return select(effects).where(effects.c.idempotency_key == bindparam("key"))
 
 
-def run_with_steps() -> tuple[AnySelect, AnySelect]:
-    """The run ``:run_id`` and its completed steps in completion order."""
-    return (
-        select(runs).where(runs.c.id == bindparam("run_id")),
-        select(steps).where(steps.c.run_id == bindparam("run_id")).order_by(steps.c.seq),
-    )
+def run_with_steps(*, one_step: bool = False) -> tuple[AnySelect, AnySelect]:
+    """The run ``:run_id`` and its recorded steps in order (``one_step``: only ``:step_id``)."""
+    steps_q = select(steps).where(steps.c.run_id == bindparam("run_id"))
+    if one_step:
+        steps_q = steps_q.where(steps.c.step_id == bindparam("step_id"))
+    return (select(runs).where(runs.c.id == bindparam("run_id")), steps_q.order_by(steps.c.seq))
 
 
 def list_runs(
