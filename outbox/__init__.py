@@ -34,6 +34,7 @@ from outbox.errors import (
     SchemaOutdated,
     SchemaTooNew,
     SignalTimeout,
+    StepAlreadyRecorded,
     ValidationError,
     WaitTimeout,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "Settings",
     "SignalReceipt",
     "SignalTimeout",
+    "StepAlreadyRecorded",
     "StepRecord",
     "StepStatus",
     "StepTransaction",

@@ -142,7 +142,7 @@ webhook replay marks older than it. Each batch is one short transaction.
   {"table": "outbox_runs", "row": {...every column...}}
 Rows of a batch come parents first (a run, its steps, signals, ledger,
 effects, then their attempts). Read it back with `outbox archive read FILE`
-or outbox.storage.archive.read_archive (docs/operations.md).
+or outbox.storage.archive.read_archive (docs/howto/run-deliverers.md).
 """
 
 

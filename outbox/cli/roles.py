@@ -42,7 +42,7 @@ def roles(cli: CliContext, prefix: str, schema: str, print_only: bool, as_json: 
     Group roles without LOGIN: give each login one of them, e.g.
       CREATE ROLE billing_agent LOGIN PASSWORD '...' IN ROLE outbox_agent;
     Run as the owner of the outbox tables (or a superuser); running it again
-    brings the grants back to exactly these. docs/operations.md shows them.
+    brings the grants back to exactly these. docs/howto/run-deliverers.md shows them.
     """
     from outbox.storage.roles import ROLES, apply_roles, role_script
 

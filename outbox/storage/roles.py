@@ -261,7 +261,7 @@ def apply_roles(engine: Engine, prefix: str = "outbox_", schema: str = "public")
 
 
 def grants_markdown(prefix: str = "outbox_") -> str:
-    """The grants as Markdown tables, one per role (docs/operations.md shows exactly this)."""
+    """The grants as Markdown tables, one per role (docs/howto/run-deliverers.md shows these)."""
     parts = []
     for spec in ROLES:
         rows = [

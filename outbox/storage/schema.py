@@ -10,11 +10,14 @@ claim cost does not grow with the number of finished rows kept for history.
 
 from __future__ import annotations
 
+from importlib import resources
+
 from sqlalchemy import (
     DDL,
     BigInteger,
     CheckConstraint,
     Column,
+    Connection,
     DateTime,
     ForeignKey,
     Identity,
@@ -23,6 +26,7 @@ from sqlalchemy import (
     MetaData,
     Numeric,
     PrimaryKeyConstraint,
+    Sequence,
     Table,
     Text,
     UniqueConstraint,
@@ -52,6 +56,7 @@ __all__ = [
     "migrations",
     "runs",
     "signals",
+    "sql_api_ddl",
     "steps",
     "webhook_replays",
 ]
@@ -416,3 +421,31 @@ consumed_keys = Table(
     _ts("consumed_at", nullable=False, default_now=True),
     PrimaryKeyConstraint("consumer_group", "idempotency_key", name="outbox_consumed_keys_pkey"),
 )
+
+# 0007: the SQL API (docs/sql-api.md). When its writers last sent a NOTIFY per channel
+# (microseconds; setval is not transactional, so no writer waits on another).
+Sequence("outbox_wake_clock_effects", start=0, minvalue=0, metadata=metadata)
+Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
+
+SQL_API_MIGRATION = "0007_sql_api.sql"
+_FUNCTIONS_MARKER = "-- @functions"
+
+
+def sql_api_ddl() -> str:
+    """The SQL API's functions and trigger: the part of its migration below ``-- @functions``.
+
+    Read from the migration itself, so a fresh schema and a migrated one get
+    the same definitions from one text. A later migration that replaces one of
+    these functions must be read here too.
+    """
+    text_ = resources.files("outbox.storage.migrations").joinpath(SQL_API_MIGRATION).read_text()
+    return text_[text_.index(_FUNCTIONS_MARKER) :]
+
+
+@event.listens_for(metadata, "after_create")
+def _create_sql_api(target: MetaData, connection: Connection, **kw: object) -> None:
+    # One multi-statement script with no parameters: psycopg sends it as a
+    # simple query (as outbox.storage.migrate does), so "%" stays literal.
+    driver = connection.connection.driver_connection
+    assert driver is not None
+    driver.execute(sql_api_ddl())

@@ -324,14 +324,23 @@ def mark_dispatched() -> Any:
     ``dispatch_ttl`` (seconds). Fenced like a completion; logged as ``dispatched``.
     """
     held = held_rows()
-    changed = (
-        effects.update()
+    # Rows are locked in id order, as claim_dispatched locks them: a relay's mark
+    # and a stream deliverer's claim of the same effects never deadlock.
+    locked = (
+        select(effects.c.id)
+        .select_from(effects.join(held, effects.c.id == held.c.id))
         .where(
-            effects.c.id == held.c.id,
             effects.c.attempt == held.c.attempt,
             effects.c.status == const("in_flight"),
             effects.c.lease_owner == bindparam("owner", type_=Text),
         )
+        .order_by(effects.c.id)
+        .with_for_update(of=effects)
+        .cte("locked")
+    )
+    changed = (
+        effects.update()
+        .where(effects.c.id == locked.c.id)
         .values(
             status=const("dispatched"),
             lease_owner=null(),
@@ -358,8 +367,10 @@ def claim_dispatched() -> Any:
     the relay's later mark (fenced on its owner) then changes nothing.
     """
     e = effects
-    return (
-        e.update()
+    # Locked in id order (so is mark_dispatched): two deliverers reading copies of
+    # the same records, or a relay marking them, wait for each other, never deadlock.
+    locked = (
+        select(e.c.id)
         .where(
             e.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
             or_(
@@ -370,6 +381,13 @@ def claim_dispatched() -> Any:
                 ),
             ),
         )
+        .order_by(e.c.id)
+        .with_for_update()
+        .cte("locked")
+    )
+    return (
+        e.update()
+        .where(e.c.id == locked.c.id)
         .values(
             status=const("in_flight"),
             lease_owner=bindparam("owner", type_=Text),
