@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from decimal import Decimal
 from typing import Any
 
@@ -112,6 +113,26 @@ def test_plain_transaction_commits_intents_with_caller_rows(twin: Twin, ob: Outb
     effect_id = twin.run(body)
     assert rows(ob) == ["order 7"]
     assert [e.id for e in ob.effects()] == [effect_id]
+
+
+def test_a_json_null_payload_is_stored_as_json_null(twin: Twin, ob: Outbox) -> None:
+    # The rules accept null (tests/intent_rule_cases.py) and the SQL API stores
+    # 'null'::jsonb; the clients once sent it as SQL NULL and failed at commit.
+    async def body(client: Any) -> Any:
+        run = await client.start_run("contract", "1")
+
+        async def step(tx: Any) -> Any:
+            return str((await tx.intend("email.send", None)).id)
+
+        in_step = uuid.UUID(await run.transaction("s", step))
+        async with client.transaction() as tx:
+            run_less = await tx.intend("email.send", None)
+        return in_step, run_less.id
+
+    ids = twin.run(body)
+    stored = {e.id: e for e in ob.effects()}
+    assert set(stored) == set(ids)
+    assert [stored[i].payload for i in ids] == [None, None]
 
 
 # -- G5: replay -----------------------------------------------------------------------

@@ -29,9 +29,11 @@ from outbox.errors import (
     RunTerminal,
     ValidationError,
 )
+from outbox.intent_rules import REASONS
 from outbox.serve.api.models import ERROR_CODES, ApiError
 from outbox.serve.transport import BODY_KEY
 from outbox.serve.webhooks import MAX_DEPTH, too_deep
+from outbox.validation import rule_of
 
 __all__ = [
     "ApiRefusal",
@@ -56,11 +58,12 @@ def error_response(
     message: str,
     *,
     field: str | None = None,
+    rule: str | None = None,
     key: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """The JSON answer of a refusal (status from :data:`ERROR_CODES`)."""
-    body = ApiError(error=message[:_MAX_MESSAGE], code=code, field=field, key=key)
+    body = ApiError(error=message[:_MAX_MESSAGE], code=code, field=field, rule=rule, key=key)
     return JSONResponse(
         body.model_dump(mode="json", exclude_none=True),
         status_code=ERROR_CODES[code][0],
@@ -77,6 +80,7 @@ class ApiRefusal(Exception):
         message: str,
         *,
         field: str | None = None,
+        rule: str | None = None,
         key: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
@@ -85,6 +89,7 @@ class ApiRefusal(Exception):
         self.code = code
         self.message = message
         self.field = field
+        self.rule = rule
         self.key = key
         self.headers = headers
 
@@ -96,14 +101,19 @@ class ApiRefusal(Exception):
     def response(self) -> JSONResponse:
         """The answer."""
         return error_response(
-            self.code, self.message, field=self.field, key=self.key, headers=self.headers
+            self.code,
+            self.message,
+            field=self.field,
+            rule=self.rule,
+            key=self.key,
+            headers=self.headers,
         )
 
 
 def refusal_of(exc: OutboxError) -> ApiRefusal:
     """The answer to one of the client's errors."""
     if isinstance(exc, ValidationError):  # PayloadError included
-        return ApiRefusal("invalid", str(exc), field=exc.field)
+        return ApiRefusal("invalid", str(exc), field=exc.field, rule=exc.rule)
     if isinstance(exc, IdempotencyConflict):
         return ApiRefusal("idempotency_conflict", str(exc), key=exc.key)
     if isinstance(exc, RunNotFound):
@@ -128,7 +138,7 @@ def within(prefix: str, exc: OutboxError) -> Exception:
     """``exc`` about a part of the request (``intents[2]``): its field named from the top."""
     if isinstance(exc, ValidationError):
         field = exc.field if exc.field.startswith(prefix.split("[")[0]) else f"{prefix}.{exc.field}"
-        return ApiRefusal("invalid", f"{field}={_after_field(exc)}", field=field)
+        return ApiRefusal("invalid", f"{field}={_after_field(exc)}", field=field, rule=exc.rule)
     if isinstance(exc, IdempotencyConflict):
         return ApiRefusal("idempotency_conflict", str(exc), field=f"{prefix}.key", key=exc.key)
     return exc
@@ -152,8 +162,9 @@ def _loc(loc: tuple[int | str, ...]) -> str:
 def _invalid(exc: pydantic.ValidationError, prefix: str = "") -> ApiRefusal:
     first = exc.errors()[0]
     field = _loc((*((prefix,) if prefix else ()), *first["loc"])) or "body"
-    reason = first["msg"].removeprefix("Value error, ")
-    return ApiRefusal("invalid", f"{field}: {reason}", field=field)
+    rule = rule_of(first)
+    reason = REASONS[rule] if rule else first["msg"].removeprefix("Value error, ")
+    return ApiRefusal("invalid", f"{field}: {reason}", field=field, rule=rule)
 
 
 def _no_constant(name: str) -> Any:

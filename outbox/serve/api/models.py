@@ -2,9 +2,12 @@
 
 The request models reuse the client's own boundary models (``RunStart``,
 ``EffectIntent``), so a field is refused by the same rule whether it comes from
-Python or over HTTP; the client then checks everything again on the way in
-(payload rules, sizes, keys). The OpenAPI document (``schemas/http-api.openapi.json``)
-is generated from these models (:mod:`outbox.serve.api.openapi`).
+Python or over HTTP. Fields the client checks itself (a step id, a debit, a
+signal's name) are only typed here: the client's checks (``outbox.intent_rules``,
+``outbox.validation``, its settings) refuse them, so there is one implementation
+of every rule, and the SQL API is held to the same cases. The OpenAPI document
+(``schemas/http-api.openapi.json``) is generated from these models
+(:mod:`outbox.serve.api.openapi`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from outbox.intent_rules import MAX_AMOUNT, MAX_KEY_LENGTH
 from outbox.models import (
     Effect,
     EffectAttempt,
@@ -76,8 +78,8 @@ class Spend(BaseModel):
 
     model_config = _BODY
 
-    amount: float = Field(gt=0, le=MAX_AMOUNT)
-    reason: str = Field(min_length=1, max_length=200)
+    amount: float = Field(description="A positive amount of at most 1e15.")
+    reason: str = Field(description="What the debit is for; once per step.")
 
 
 class StepRequest(BaseModel):
@@ -93,9 +95,9 @@ class StepRequest(BaseModel):
     model_config = _BODY
 
     step_id: str = Field(
-        min_length=1,
-        max_length=200,
-        description="Names the step within its run, once: the step's idempotency key.",
+        description="Names the step within its run, once: the step's idempotency key "
+        "(not empty, no control character, at most the server's max_step_id_length, 200 "
+        "by default).",
     )
     result: Any = Field(default=None, description="What a replay of this step returns.")
     state: Any = Field(default=None, description="The run's new state (left out: unchanged).")
@@ -113,12 +115,10 @@ class SignalRequest(BaseModel):
 
     model_config = _BODY
 
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(description="The signal's name: not empty, no control character.")
     payload: Any = None
     dedup_key: str | None = Field(
         default=None,
-        min_length=1,
-        max_length=MAX_KEY_LENGTH,
         description="The same key is accepted once (a retry is answered duplicate).",
     )
 
@@ -145,7 +145,7 @@ class RunQuery(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     status: RunStatus | None = None
-    agent: str | None = Field(default=None, min_length=1, max_length=200)
+    agent: str | None = None
     limit: int = Field(default=100, ge=1, le=MAX_LIST_LIMIT)
 
 
@@ -155,9 +155,9 @@ class EffectQuery(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     run_id: UUID | None = None
-    step_id: str | None = Field(default=None, min_length=1, max_length=MAX_KEY_LENGTH)
+    step_id: str | None = None
     status: EffectStatus | None = None
-    kind: str | None = Field(default=None, min_length=1, max_length=200)
+    kind: str | None = None
     limit: int = Field(default=100, ge=1, le=MAX_LIST_LIMIT)
 
 
@@ -311,10 +311,13 @@ class ApiError(BaseModel):
     """Every refusal: a message for people, a stable ``code`` for programs.
 
     ``field`` names the offending input (``intents[1].payload.headers``) when
-    there is one; ``key`` is the idempotency key of a conflict.
+    there is one; ``rule`` is the intent rule it breaks (the codes of
+    ``outbox.intent_rules``, the same the SQL API reports); ``key`` is the
+    idempotency key of a conflict.
     """
 
     error: str
     code: ErrorCode
     field: str | None = None
+    rule: str | None = None
     key: str | None = None

@@ -21,6 +21,7 @@ from sqlalchemy import (
     column,
     func,
     literal,
+    literal_column,
     select,
     text,
     true,
@@ -134,7 +135,8 @@ def _effect_select(rows: TableValuedAlias, run_id: ColumnElement[Any]) -> AnySel
         bindparam("step_id", type_=Text),
         rows.c.step_index,
         rows.c.kind,
-        rows.c.payload,
+        # A JSON null payload reads back from the recordset as SQL NULL: store it as JSON.
+        func.coalesce(rows.c.payload, literal_column("'null'::jsonb", JSONB)),
         rows.c.payload_hash,
         rows.c.schema_version,
         rows.c.idempotency_key,
