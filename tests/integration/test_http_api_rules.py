@@ -11,6 +11,7 @@ write are answered with what the first call recorded.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import uuid
 from collections.abc import Iterator
@@ -205,3 +206,29 @@ def test_every_write_retried_with_its_own_id_changes_nothing(ob: Outbox, api: Ap
     conflict = post(api, f"/runs/{other}/steps", key_again)
     assert refusal(conflict)[:2] == (409, "idempotency_conflict")
     assert conflict.json()["field"] == "intents[0].key" and conflict.json()["key"] == "mine-1"
+
+
+# -- the token ------------------------------------------------------------------------
+
+
+def test_only_the_api_token_opens_the_api_and_it_opens_nothing_else(ob: Outbox) -> None:
+    operator, metrics = "operator-token-0123456789", "metrics-token-0123456789"
+    credentials = Credentials(
+        operator_token=operator.encode(), metrics_token=metrics.encode(), api_token=TOKEN.encode()
+    )
+    running = OutboxServer(ob, ServeSettings(port=0), credentials).start()
+    try:
+        for other in (operator, metrics):
+            with ApiClient(running.url, token=other) as api:
+                answer = api.post("/runs", json={"agent": "a", "version": "1"})
+                assert answer.status_code == 401 and answer.json()["code"] == "unauthenticated"
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        assert httpx.get(f"{running.url}/metrics", headers=bearer).status_code == 401
+        # The console reads for anyone; signing in to act wants the operator's token.
+        with httpx.Client(base_url=running.url, follow_redirects=False) as browser:
+            page = browser.get("/console/login")
+            csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)[1]  # type: ignore[index]
+            login = {"csrf": csrf, "name": "agent", "token": TOKEN, "next": "/console/"}
+            assert browser.post("/console/login", data=login).status_code == 403
+    finally:
+        running.shutdown()

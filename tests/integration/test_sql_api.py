@@ -287,7 +287,7 @@ def test_each_sqlstate_becomes_the_python_clients_error(ob: Outbox, db: Any) -> 
         translate_errors("calling the SQL API"),
         ob.engine.begin() as conn,
     ):
-        conn.execute(text("SELECT outbox_intend('k', '{\"headers\": {\"Cookie\": \"a\"}}')"))
+        conn.execute(text('SELECT outbox_intend(\'k\', \'{"headers": {"Cookie": "a"}}\')'))
     assert (broken.value.field, broken.value.rule) == ("payload.headers", "credential-header")
 
     with ob.engine.begin() as conn:
