@@ -10,12 +10,14 @@ from __future__ import annotations
 from outbox.async_client import AsyncOutbox
 from outbox.client import Outbox
 from outbox.errors import (
+    ApprovalRefused,
     BudgetExceeded,
     ConfigurationError,
     DatabaseError,
     DeliveryError,
     EffectFailed,
     EffectNotFound,
+    EffectRejected,
     EffectTimeout,
     EmbeddedServerError,
     IdempotencyConflict,
@@ -38,6 +40,7 @@ from outbox.errors import (
     ValidationError,
     WaitTimeout,
 )
+from outbox.gates import ApprovalPolicy, Condition, Gate, OnTimeout
 from outbox.keys import compensation_key, derive_key
 from outbox.models import (
     AttemptOutcome,
@@ -46,6 +49,7 @@ from outbox.models import (
     EffectAttempt,
     EffectIntent,
     EffectStatus,
+    RunMode,
     RunRecord,
     RunStart,
     RunStatus,
@@ -65,6 +69,8 @@ from outbox.storage.migrate import migrate
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApprovalPolicy",
+    "ApprovalRefused",
     "AsyncOutbox",
     "AsyncOutboxTransaction",
     "AsyncRun",
@@ -73,6 +79,7 @@ __all__ = [
     "AttemptOutcome",
     "BudgetExceeded",
     "Compensation",
+    "Condition",
     "ConfigurationError",
     "DatabaseError",
     "DeliveryError",
@@ -81,14 +88,17 @@ __all__ = [
     "EffectFailed",
     "EffectIntent",
     "EffectNotFound",
+    "EffectRejected",
     "EffectStatus",
     "EffectTimeout",
     "EmbeddedServer",
     "EmbeddedServerError",
+    "Gate",
     "IdempotencyConflict",
     "LeaseLost",
     "MigrationError",
     "NotFound",
+    "OnTimeout",
     "Outbox",
     "OutboxError",
     "OutboxTransaction",
@@ -97,6 +107,7 @@ __all__ = [
     "ReplayRefused",
     "RetryableError",
     "Run",
+    "RunMode",
     "RunNotFound",
     "RunRecord",
     "RunStart",

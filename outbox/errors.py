@@ -20,6 +20,8 @@
     │   ├── SignalTimeout           ... for a signal
     │   └── EffectTimeout           ... for an effect to finish
     ├── EffectFailed                an awaited effect ended failed
+    │   └── EffectRejected          ... because a person (or an approval deadline) rejected it
+    ├── ApprovalRefused             an approval named the wrong digest, came late, or twice
     ├── SchemaError
     │   ├── SchemaOutdated          the database needs `outbox migrate`
     │   ├── SchemaTooNew            the database was migrated by newer code
@@ -41,12 +43,14 @@ import reprlib
 from typing import Any
 
 __all__ = [
+    "ApprovalRefused",
     "BudgetExceeded",
     "ConfigurationError",
     "DatabaseError",
     "DeliveryError",
     "EffectFailed",
     "EffectNotFound",
+    "EffectRejected",
     "EffectTimeout",
     "EmbeddedServerError",
     "IdempotencyConflict",
@@ -246,6 +250,40 @@ class EffectFailed(OutboxError):
         self.status = status
         self.error = error
         super().__init__(f"effect_id={str(effect_id)!r} ended {status}: {error or 'no reason'}")
+
+
+class EffectRejected(EffectFailed):
+    """An effect held for approval was rejected: by a person (``by``, ``note``) or its deadline.
+
+    It never reached the sink. A run awaiting it sees this (recorded, so every
+    replay raises it again); ``except EffectFailed`` catches it too.
+    """
+
+    def __init__(self, effect_id: Any, note: str | None, by: str | None = None) -> None:
+        self.effect_id = effect_id
+        self.status = "rejected"
+        self.error = note
+        self.note = note
+        self.by = by
+        who = f" by {by}" if by else ""
+        Exception.__init__(
+            self, f"effect_id={str(effect_id)!r} was rejected{who}: {note or 'no reason'}"
+        )
+
+
+class ApprovalRefused(OutboxError):
+    """An approval or rejection that changed nothing: the effect is as it was.
+
+    ``reason`` says why: the digest names another payload (an approval of one
+    payload never releases another), the effect is not awaiting approval (it was
+    decided already: an approval is used once), or its deadline passed (its
+    ``on_timeout`` was applied instead). The refusal is kept in the attempt log.
+    """
+
+    def __init__(self, effect_id: Any, reason: str) -> None:
+        self.effect_id = effect_id
+        self.reason = reason
+        super().__init__(f"effect_id={str(effect_id)!r}: approval refused: {reason}")
 
 
 class SchemaError(OutboxError):

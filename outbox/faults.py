@@ -11,6 +11,8 @@ Points: ``after_claim`` (claimed, before the outside call), ``after_call``
 relay's records were acknowledged by Kafka, before they are marked
 dispatched), ``after_step`` (a run's step committed, before the next),
 ``before_step_commit`` (inside a step's transaction, before commit),
+``after_note`` (a deliverer's note about its attempt was stored, before it
+calls the sink);
 ``gc_archived`` (a ``gc`` batch is archived and fsynced, before its delete commits).
 """
 
@@ -30,6 +32,7 @@ POINTS = frozenset(
         "after_publish",
         "after_step",
         "before_step_commit",
+        "after_note",
         "gc_archived",
     }
 )

@@ -63,6 +63,7 @@ __all__ = [
     "QUERY_NAME_RULES",
     "RESERVED_HEADERS",
     "RESERVED_HEADER_PREFIXES",
+    "RESERVED_KIND_PREFIXES",
     "URL_FIELD",
     "NameRule",
     "Violation",
@@ -77,6 +78,10 @@ __all__ = [
 
 #: An effect kind (and a compensation's kind): a dotted name, as deliverers are registered.
 KIND_PATTERN = r"^[A-Za-z0-9_.:-]+$"
+#: Kinds a caller cannot name: the dry-run namespace (``outbox.models.DRY_RUN_KIND_PREFIX``)
+#: belongs to dry runs, so a real intent can never be served by the recording deliverer
+#: and a dry run's effect can never be served by a real one.
+RESERVED_KIND_PREFIXES = ("dry-run:",)
 MAX_KIND_LENGTH = 200
 #: Idempotency keys and ordering keys.
 MAX_KEY_LENGTH = 500

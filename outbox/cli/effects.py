@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from outbox.cli._common import CliContext, emit, json_option, pass_cli, table
+from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.models import EffectStatus
 
 __all__ = ["COMMANDS"]
@@ -70,6 +70,8 @@ def effects_show(cli: CliContext, effect_id: str, as_json: bool) -> None:
             ["field", "value"],
             [(k, v) for k, v in effect.model_dump().items()],
         )
+        # In full: an approval names it (`outbox effects approve ID --digest ...`).
+        console.print(f"digest: {effect.digest}")
         table(
             "attempts",
             ["attempt", "worker", "started", "finished", "outcome", "detail"],
@@ -147,6 +149,58 @@ def effects_retry(
             ["effect", "status", "max attempts"],
             [(effect.id, effect.status.value, effect.max_attempts)],
         ),
+    )
+
+
+@effects.command("approve")
+@click.argument("effect_id")
+@click.option(
+    "--digest",
+    required=True,
+    help="sha256 of the payload you approve (`outbox effects show ID`); "
+    "no other payload is released.",
+)
+@click.option("--note", required=True, help="Why (kept in the attempt log).")
+@click.option("--by", "operator", default=None, help="Who approves (default: your user).")
+@json_option
+@pass_cli
+def effects_approve(
+    cli: CliContext, effect_id: str, digest: str, note: str, operator: str | None, as_json: bool
+) -> None:
+    """Release an effect held for approval (once; only the payload with this digest)."""
+    effect = cli.outbox.approve_effect(
+        effect_id, digest=digest, note=note, by=operator or _operator(), via="cli"
+    )
+    emit(
+        effect,
+        as_json,
+        lambda: console.print(f"approved: effect {effect.id} is {effect.status.value}"),
+    )
+
+
+@effects.command("reject")
+@click.argument("effect_id")
+@click.option("--note", required=True, help="Why (kept in the attempt log; the agent sees it).")
+@click.option("--digest", default=None, help="Only if the payload has this digest.")
+@click.option("--by", "operator", default=None, help="Who rejects (default: your user).")
+@json_option
+@pass_cli
+def effects_reject(
+    cli: CliContext,
+    effect_id: str,
+    note: str,
+    digest: str | None,
+    operator: str | None,
+    as_json: bool,
+) -> None:
+    """End an effect held for approval as rejected: it never reaches the sink."""
+    effect = cli.outbox.reject_effect(
+        effect_id, note=note, digest=digest, by=operator or _operator(), via="cli"
+    )
+    emit(
+        effect,
+        as_json,
+        lambda: table("rejected", ["effect", "status"], [(effect.id, effect.status.value)]),
     )
 
 

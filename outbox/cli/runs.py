@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
-from outbox.models import RunStatus
+from outbox.models import RunStatus, real_kind
 
 __all__ = ["COMMANDS"]
 
@@ -70,6 +70,7 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
         },
         "steps": steps,
         "effects": effects,
+        "mode": record.mode.value,
     }
 
     def render() -> None:
@@ -78,6 +79,7 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
             ["field", "value"],
             [
                 ("agent", f"{record.agent} {record.agent_version}"),
+                ("mode", record.mode.value),
                 ("status", record.status.value),
                 ("inputs", record.inputs),
                 ("inputs hash", record.inputs_hash),
@@ -103,14 +105,31 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
                 if s is not None
             ],
         )
-        table(
-            "effects",
-            ["id", "step", "kind", "status", "attempt", "key"],
-            [
-                (e.id, e.step_id, e.kind, e.status.value, e.attempt, e.idempotency_key[:16])
-                for e in effects
-            ],
-        )
+        if record.dry_run:
+            table(
+                "what would have happened (a dry run: no sink was called)",
+                ["step", "#", "kind", "payload", "result (stub)", "status"],
+                [
+                    (
+                        e.step_id,
+                        e.step_index,
+                        real_kind(e.kind),
+                        e.payload,
+                        e.result,
+                        e.status.value,
+                    )
+                    for e in effects
+                ],
+            )
+        else:
+            table(
+                "effects",
+                ["id", "step", "kind", "status", "attempt", "key"],
+                [
+                    (e.id, e.step_id, e.kind, e.status.value, e.attempt, e.idempotency_key[:16])
+                    for e in effects
+                ],
+            )
         console.print()
 
     emit(data, as_json, render)
@@ -163,6 +182,37 @@ def runs_versions(cli: CliContext, as_json: bool) -> None:
             [(r["agent"], r["version"], r["status"], r["runs"]) for r in rows],
         ),
     )
+
+
+@runs.command("diff")
+@click.argument("run_a")
+@click.argument("run_b")
+@json_option
+@pass_cli
+def runs_diff(cli: CliContext, run_a: str, run_b: str, as_json: bool) -> None:
+    """Compare the effects two runs intended (exit 1 when they differ, like diff).
+
+    Effects are matched by step and index and compared on kind, payload,
+    compensation, ordering key and key; each run's own id is written {run}, so
+    a dry run and a real run of the same inputs compare equal.
+    """
+    import sys
+
+    found = cli.outbox.diff_runs(run_a, run_b)
+
+    def render() -> None:
+        if found.identical:
+            console.print(f"no difference in intended effects ({found.compared} compared)")
+            return
+        table(
+            f"{len(found.changes)} difference(s) in {found.compared} intended effect(s)",
+            ["step", "#", "change", "fields", "A", "B"],
+            [(c.step_id, c.index, c.change, ", ".join(c.fields), c.a, c.b) for c in found.changes],
+        )
+
+    emit(found.as_dict(), as_json, render)
+    if not found.identical:
+        sys.exit(1)
 
 
 COMMANDS = [runs]

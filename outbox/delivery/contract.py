@@ -10,8 +10,9 @@ asks the sink whether a key was applied: the reconciler uses both after a crash.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 from uuid import UUID
@@ -28,6 +29,7 @@ from outbox.errors import (
 )
 
 __all__ = [
+    "AttemptNotes",
     "Deliverer",
     "DelivererConfig",
     "Delivery",
@@ -43,9 +45,43 @@ __all__ = [
 ]
 
 
+class AttemptNotes:
+    """Where a deliverer writes, before it calls the sink, what it will need to ask it later.
+
+    Kafka's deliverer notes the partition and the offset it will publish after,
+    so that :meth:`Deliverer.lookup` can read the partition back from there
+    after a crash. The note is stored on the effect, fenced by the attempt: it
+    returns False when the attempt is no longer this deliverer's (then do not
+    call the sink). ``write`` is awaited by async deliverers; a plain deliverer,
+    which runs in a worker thread, calls ``write_blocking``.
+    """
+
+    def __init__(
+        self,
+        write: Callable[[Mapping[str, Any]], Coroutine[Any, Any, bool]],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._write = write
+        self._loop = loop
+
+    async def write(self, note: Mapping[str, Any]) -> bool:
+        """Store ``note`` (JSON) for this attempt; False when the attempt is no longer ours."""
+        return await self._write(note)
+
+    def write_blocking(self, note: Mapping[str, Any], timeout: float = 30.0) -> bool:
+        """:meth:`write` from a worker thread (a plain ``deliver`` runs in one)."""
+        return asyncio.run_coroutine_threadsafe(self._write(note), self._loop).result(timeout)
+
+
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """One attempt at one effect, as a deliverer sees it."""
+    """One attempt at one effect, as a deliverer sees it.
+
+    ``notes`` (during ``deliver``) stores a note for this attempt before the call;
+    ``note`` (during ``lookup``) is the note the attempt being looked up stored,
+    or None when it stored none (a deliverer that notes before every call then
+    knows the call never happened).
+    """
 
     effect_id: UUID
     run_id: UUID | None
@@ -56,15 +92,18 @@ class Delivery:
     schema_version: int = 1
     ordering_key: str | None = None
     created_at: Any = None
+    notes: AttemptNotes | None = None
+    note: Any = None
     #: The W3C ``traceparent`` of this attempt's span (send it on, as HTTP does), or None.
     traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Succeeded:
-    """The sink applied the effect; ``result`` (JSON) is recorded."""
+    """The sink applied the effect; ``result`` (JSON) is recorded, ``detail`` logged."""
 
     result: Any = None
+    detail: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,11 @@ import logging
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from typing import Any
 from uuid import UUID
 
 from outbox.delivery.attempt import perform_attempt, released
-from outbox.delivery.contract import Deliverer, Retry
+from outbox.delivery.contract import AttemptNotes, Deliverer, Retry
 from outbox.delivery.leases import Leases
 from outbox.delivery.maintenance import Maintenance
 from outbox.delivery.metrics import DeliveryMetrics
@@ -28,6 +29,7 @@ from outbox.delivery.recording import OutcomeWriter, Written, describe
 from outbox.delivery.settings import DeliverySettings
 from outbox.delivery.sources import EffectSource, PollSource, wait_or_wake
 from outbox.delivery.storable import storable_text
+from outbox.faults import crash_point
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 
@@ -205,6 +207,7 @@ class DeliveryDaemon:
                 policy=self.settings.retry_policy,
                 default_max_attempts=self.settings.max_attempts,
                 schema_retry_seconds=self.settings.schema_retry_seconds,
+                notes=self._notes(effect),
             )
         except Exception as exc:
             # A bug around the call (a deliverer's parse_payload, say): without a record
@@ -223,6 +226,19 @@ class DeliveryDaemon:
         if isinstance(outcome, Retry) and outcome.rate_limited:
             self._pause(effect.kind, outcome.after if outcome.after is not None else 1.0)
         self._record(completion)
+
+    def _notes(self, effect: ClaimedEffect) -> AttemptNotes:
+        """Where this attempt's deliverer notes what a later lookup needs (fenced by attempt)."""
+        owner = effect.lease_owner or self.owner
+
+        async def write(note: Mapping[str, Any]) -> bool:
+            written = await self.store.note_attempt(
+                effect.id, effect.attempt, owner=owner, note=note
+            )
+            crash_point("after_note")
+            return written
+
+        return AttemptNotes(write, asyncio.get_running_loop())
 
     def _pause(self, kind: str, seconds: float, why: str = "rate-limited") -> None:
         """Hold ``kind`` back; what waits behind the pause starts when it ends.

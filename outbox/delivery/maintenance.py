@@ -18,6 +18,7 @@ from outbox.delivery.leases import Leases
 from outbox.delivery.metrics import DeliveryMetrics
 from outbox.delivery.reconcile import reconcile
 from outbox.delivery.settings import DeliverySettings
+from outbox.runs.approvals import expire_approvals
 from outbox.runs.stopping import advance_stopping_runs
 from outbox.storage.async_store import AsyncStore
 
@@ -81,13 +82,18 @@ class Maintenance:
         await self.leases.heartbeat(self.store, self.settings.owner, self.settings.lease_seconds)
 
     async def reconcile(self) -> None:
-        """Resolve expired attempts, move cancelled runs on, note what holds effects back.
+        """Resolve expired attempts, act on approval deadlines, move cancelled runs on, note holds.
 
         Each part runs even when another failed (a role without a privilege one
         part needs still gets the others done); the first failure is raised.
         """
         failures: list[Exception] = []
-        for part in (self._resolve_expired, self._advance_stopping, self._notes):
+        for part in (
+            self._resolve_expired,
+            self._expire_approvals,
+            self._advance_stopping,
+            self._notes,
+        ):
             try:
                 await part()
             except asyncio.CancelledError:
@@ -108,6 +114,11 @@ class Maintenance:
         if report.items:
             # Effects put back to pending are ours to claim now, not at the next poll.
             self.on_requeued()
+
+    async def _expire_approvals(self) -> None:
+        # Approval deadlines that passed get their on_timeout (a cancelled run among
+        # them moves on in _advance_stopping, which runs next).
+        await self.store.run_sync(expire_approvals, "acting on approval deadlines")
 
     async def _advance_stopping(self) -> None:
         # Cancelled runs move on as their effects finish, even where no worker of

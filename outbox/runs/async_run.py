@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from outbox.errors import ValidationError
+from outbox.gates import ApprovalPolicy
 from outbox.models import Effect, RunStatus
 from outbox.runs.context import AsyncRunContext
 from outbox.runs.intents import OutboxTransaction, StepWrites, _Prepared, intend_options
@@ -92,6 +93,7 @@ class AsyncStepTransaction(StepWrites):
         schema_version: int = 1,
         compensate: tuple[str, Any] | None = None,
         cost: float | None = None,
+        approval: bool | ApprovalPolicy | dict[str, Any] | None = None,
     ) -> Awaitable[Effect]:
         """Record that effect ``kind`` with ``payload`` must happen, once, if this step commits.
 
@@ -108,6 +110,7 @@ class AsyncStepTransaction(StepWrites):
             schema_version=schema_version,
             compensate=compensate,
             cost=cost,
+            approval=approval,
         )
 
         async def intend() -> Effect:

@@ -14,10 +14,11 @@ from decimal import Decimal
 from typing import Any, Protocol
 
 from outbox.errors import IdempotencyConflict, PayloadError, ValidationError
+from outbox.gates import ApprovalPolicy, policy_json
 from outbox.ids import uuid7
 from outbox.intent_rules import MAX_AMOUNT, check_payload
 from outbox.keys import derive_key
-from outbox.models import Compensation, Effect, EffectIntent, EffectStatus
+from outbox.models import DRY_RUN_KIND_PREFIX, Compensation, Effect, EffectIntent, EffectStatus
 from outbox.payloads import content_hash, decode, encode, encode_sized
 from outbox.runs.context import RunContext
 from outbox.storage import Connection
@@ -34,6 +35,9 @@ class RunHandle(Protocol):
 
     @property
     def context(self) -> RunContext: ...
+
+    @property
+    def dry_run(self) -> bool: ...
 
 
 __all__ = ["OutboxTransaction", "StepTransaction", "StepWrites", "intend_options"]
@@ -93,12 +97,18 @@ class _Intents:
         kind: str,
         payload: Any,
         options: dict[str, Any],
+        dry_run: bool = False,
     ) -> _Prepared | Effect:
         """Everything of :meth:`add` but the look-up: validation, encoding, the key (no I/O).
 
         Returns the intent already gathered in this transaction under the same
         key and payload, if any. Both twins call it, then look a caller's key up
         their own way (:meth:`lookup`), then :meth:`record`.
+
+        In a dry run the kind (and a compensation's) goes to the dry-run namespace,
+        where no real deliverer claims it, and a caller's key is made the run's own,
+        so a dry run never takes a key a real intent will need. It asks for no
+        approval: nothing it intends can reach the world.
         """
         settings = self._ctx.settings
         intent: EffectIntent = validated(EffectIntent, kind=kind, payload=payload, **options)
@@ -106,12 +116,16 @@ class _Intents:
         limit = settings.max_payload_bytes
         payload_json, size = encode_sized(intent.payload, field="payload", max_bytes=limit)
         payload_hash = content_hash(payload_json)
+        kind = DRY_RUN_KIND_PREFIX + intent.kind if dry_run else intent.kind
         compensate_json = None
         if intent.compensate is not None:
             # Encoded as plain data, not through the model (whose JSON dump turns NaN into null).
             check_payload(intent.compensate.payload, "compensate.payload")
+            compensate_kind = intent.compensate.kind
+            if dry_run:
+                compensate_kind = DRY_RUN_KIND_PREFIX + compensate_kind
             compensate_json, extra = encode_sized(
-                {"kind": intent.compensate.kind, "payload": intent.compensate.payload},
+                {"kind": compensate_kind, "payload": intent.compensate.payload},
                 field="compensate",
                 max_bytes=limit,
             )
@@ -134,12 +148,14 @@ class _Intents:
         self.count += 1
         if intent.key is not None:
             key = intent.key
+            if dry_run:
+                key = f"{DRY_RUN_KIND_PREFIX}{run_id}:{key}"
         elif run_id is not None and step_id is not None:
             key = derive_key(run_id, step_id, index)
         else:
             key = uuid.uuid4().hex
         if key in self._keys:
-            if self._keys[key] != (intent.kind, payload_hash):
+            if self._keys[key] != (kind, payload_hash):
                 raise IdempotencyConflict(
                     key, "intended twice in this step with a different kind or payload"
                 )
@@ -147,7 +163,7 @@ class _Intents:
         row = {
             "id": str(uuid7()),
             "step_index": index,
-            "kind": intent.kind,
+            "kind": kind,
             "payload": payload_json,
             "payload_hash": payload_hash,
             "schema_version": intent.schema_version,
@@ -158,6 +174,9 @@ class _Intents:
             "compensates": None,
             "cost": intent.cost,
             "delay_seconds": intent.delay_seconds,
+            "approval": None
+            if intent.approval is None or dry_run
+            else policy_json(intent.approval, "intent"),
             # The trace current at tx.intend: every delivery attempt is a span of it.
             "trace_parent": current_traceparent(),
             "_run_id": run_id,
@@ -225,12 +244,14 @@ def _effect(row: dict[str, Any]) -> Effect:
         schema_version=row["schema_version"],
         idempotency_key=row["idempotency_key"],
         ordering_key=row["ordering_key"],
-        status=EffectStatus.PENDING,
+        # as written by this intent: a config gate may still hold it (``ob.effect(id)``)
+        status=EffectStatus.PENDING if row["approval"] is None else EffectStatus.AWAITING_APPROVAL,
         max_attempts=row["max_attempts"],
         compensate=None
         if row["compensate"] is None
         else Compensation.model_validate_json(row["compensate"]),
         cost=None if row["cost"] is None else Decimal(str(row["cost"])),
+        approval=decode(row["approval"]),
         trace_parent=row["trace_parent"],
     )
 
@@ -276,6 +297,7 @@ def intend_options(
     schema_version: int,
     compensate: tuple[str, Any] | None,
     cost: float | None,
+    approval: bool | ApprovalPolicy | dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The options of ``StepTransaction.intend`` (and its async twin) as ``EffectIntent`` fields."""
     options: dict[str, Any] = {
@@ -286,6 +308,10 @@ def intend_options(
         "schema_version": schema_version,
         "cost": cost,
     }
+    if approval is True:
+        options["approval"] = {}
+    elif approval is not None and approval is not False:
+        options["approval"] = approval
     if compensate is not None:
         if not isinstance(compensate, tuple | list) or len(compensate) != 2:
             raise ValidationError("compensate", compensate, "must be a (kind, payload) pair")
@@ -328,7 +354,12 @@ class StepWrites:
     ) -> tuple[_Prepared | Effect, int]:
         before = self._intents.pending
         prepared = self._intents.prepare(
-            run_id=self.run.id, step_id=self.step_id, kind=kind, payload=payload, options=options
+            run_id=self.run.id,
+            step_id=self.step_id,
+            kind=kind,
+            payload=payload,
+            options=options,
+            dry_run=self.run.dry_run,
         )
         return prepared, before
 
@@ -397,6 +428,7 @@ class StepTransaction(StepWrites):
         schema_version: int = 1,
         compensate: tuple[str, Any] | None = None,
         cost: float | None = None,
+        approval: bool | ApprovalPolicy | dict[str, Any] | None = None,
     ) -> Effect:
         """Record that effect ``kind`` with ``payload`` must happen, once, if this step commits.
 
@@ -406,6 +438,11 @@ class StepTransaction(StepWrites):
         returns the existing intent when kind, payload and run all match, and
         raises :class:`~outbox.IdempotencyConflict` otherwise. What a payload
         may contain: ``outbox.intent_rules`` (no credentials, no framing headers).
+
+        ``approval`` (``True``, or ``{"timeout": 3600, "on_timeout": "reject"}``,
+        see :class:`~outbox.ApprovalPolicy`) holds the effect as
+        ``awaiting_approval`` until a person approves its payload; a gate of the
+        deliverers config may hold it without asking (``outbox.gates``).
         """
         options = intend_options(
             key=key,
@@ -415,6 +452,7 @@ class StepTransaction(StepWrites):
             schema_version=schema_version,
             compensate=compensate,
             cost=cost,
+            approval=approval,
         )
         prepared, before = self._prepare_intent(kind, payload, options)
         existing = None

@@ -125,6 +125,11 @@ class RunBase:
         return self._record
 
     @property
+    def dry_run(self) -> bool:
+        """True for a dry run: its effects go to a recording deliverer, never to a sink."""
+        return self._record.dry_run
+
+    @property
     def agent(self) -> str:
         """The agent that runs it."""
         return self._record.agent

@@ -1,4 +1,4 @@
-"""The ``outbox serve`` application: signals, health, metrics, the HTTP API and the console.
+"""``outbox serve``: signals, approvals, health, metrics, the HTTP API and the console.
 
 :func:`build_app` composes the Starlette routes; :class:`OutboxServer` runs
 them on uvicorn with the limits of :class:`~outbox.serve.settings.ServeSettings`.
@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 
 from outbox.serve.api import API_PREFIX, api_app
+from outbox.serve.approvals import APPROVAL_PATH, ApprovalEndpoint
 from outbox.serve.ops import CachedCounts, Health, Metrics
 from outbox.serve.settings import Credentials, ServeSettings
 from outbox.serve.transport import HttpServer
@@ -49,6 +50,11 @@ def build_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials)
         Route(
             SIGNAL_ROUTE,
             SignalEndpoint(outbox, credentials.webhook_secret, settings.tolerance).handle,
+            methods=["POST"],
+        ),
+        Route(
+            APPROVAL_PATH,
+            ApprovalEndpoint(outbox, credentials.webhook_secret, settings.tolerance).handle,
             methods=["POST"],
         ),
         Route("/healthz", Health(outbox).handle, methods=["GET"]),

@@ -10,6 +10,9 @@ already seen (stored in PostgreSQL, so every server process shares it) is
 refused before it touches the run. The signature is marked used in the same
 transaction that stores the signal, so a request refused for another reason
 (an unknown run, a failure) can be sent again.
+
+``POST /effects/{effect_id}/approval`` decides an effect held by an approval
+gate, signed the same way (:mod:`outbox.serve.approvals`).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from outbox.faults import crash_point
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import effects as effect_sql
+from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import maintenance, queue
 from outbox.storage.store import read_state_counts
 
@@ -46,6 +47,8 @@ class ClaimedEffect:
     created_at: datetime
     attempt_started_at: datetime | None
     lease_owner: str | None
+    #: what the deliverer noted before calling, for this attempt only (else None)
+    attempt_note: Any = None
     #: The W3C traceparent stored with the intent (None: written outside any trace).
     trace_parent: str | None = None
 
@@ -65,6 +68,7 @@ class ClaimedEffect:
             created_at=row["created_at"],
             attempt_started_at=row["attempt_started_at"],
             lease_owner=row["lease_owner"],
+            attempt_note=_current_note(row.get("attempt_note"), row["attempt"]),
             trace_parent=row.get("trace_parent"),
         )
 
@@ -108,6 +112,13 @@ class Completion:
             f'{head[:-1]},"result":{self.result_json or "null"},'
             f'"detail":{self.detail_json or "null"}}}'
         )
+
+
+def _current_note(note: Any, attempt: int) -> Any:
+    """A stored note counts only for the attempt that wrote it."""
+    if isinstance(note, dict) and note.get("attempt") == attempt:
+        return note
+    return None
 
 
 def _claimed(rows: Any) -> list[ClaimedEffect]:
@@ -189,6 +200,15 @@ class AsyncStore:
                     await conn.execute(effect_sql.expired_effects(), {"max_rows": max_rows})
                 )
 
+    async def unknown_of(self, kinds: Sequence[str], max_rows: int) -> list[ClaimedEffect]:
+        """``unknown`` effects of these kinds (their deliverer can ask the sink), oldest first."""
+        if not kinds:
+            return []
+        params = {"kinds": list(kinds), "max_rows": max_rows}
+        with translate_errors("finding unknown effects"):
+            async with self.engine.connect() as conn:
+                return _claimed(await conn.execute(effect_sql.unknown_of_kinds(), params))
+
     async def expire(
         self,
         effect_id: UUID,
@@ -242,6 +262,30 @@ class AsyncStore:
             async with self.engine.begin() as conn:
                 result = await conn.execute(effect_sql.mark_unknown_kinds(), params)
                 return len(result.all())
+
+    async def recorded_result(self, effect_id: UUID) -> tuple[bool, Any]:
+        """The result a real run recorded for the intent a dry-run effect stands for."""
+        with translate_errors("looking up a recorded result"):
+            async with self.engine.connect() as conn:
+                row = (
+                    await conn.execute(gov_sql.recorded_result(), {"effect_id": effect_id})
+                ).first()
+        return (False, None) if row is None else (True, row[0])
+
+    async def note_attempt(
+        self, effect_id: UUID, attempt: int, *, owner: str, note: Mapping[str, Any]
+    ) -> bool:
+        """Store a deliverer's note about the current attempt (fenced); False if no longer ours."""
+        params = {
+            "effect_id": effect_id,
+            "expected_attempt": attempt,
+            "owner": owner,
+            "note": json.dumps({**note, "attempt": attempt}),
+        }
+        with translate_errors("noting an attempt"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(gov_sql.note_attempt(), params)
+                return result.first() is not None
 
     async def note_blocked_by_order(self, *, grace_seconds: float, max_rows: int = 1000) -> int:
         """Note on effects held back by their ordering key what holds them; returns how many.

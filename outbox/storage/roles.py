@@ -6,14 +6,15 @@ Four group roles (``NOLOGIN``); give each login one of them
 - ``outbox_agent``: starts runs, commits steps with their intents, sends and
   consumes signals, parks and wakes its runs. It cannot complete, retry or
   delete an effect: of ``outbox_effects`` it may only insert fresh intents
-  (``pending``, never attempted) and mark one awaited.
+  (``pending`` or held for approval, never attempted) and mark one awaited.
 - ``outbox_deliverer``: claims, heartbeats, completes and reconciles effects,
   and moves stopping runs on (which updates ``outbox_runs`` and intends their
   compensations). It cannot change what an effect is (kind, payload, key) and
   cannot insert intents: only the compensations an agent declared on a
   succeeded effect of a run being cancelled.
 - ``outbox_operator``: resolves, retries and cancels (its cancel moves the run
-  on like a deliverer), reconciles, and deletes history (``outbox gc``).
+  on like a deliverer), approves and rejects held effects, manages approval
+  gates, reconciles, and deletes history (``outbox gc``).
 - ``outbox_reader``: reads every table.
 
 Column privileges restrict updates; a row-level security policy on
@@ -89,7 +90,10 @@ _RUN_AGENT = (
     "wait_effect",
     "step_retries",
     "upgrades",
+    "step_head",
 )
+# Columns of outbox_effects an approval decision, a deadline or an escalation change.
+_EFFECT_APPROVAL = ("approval", "approval_deadline")
 
 Grant = tuple[str, ...]  # privileges; "UPDATE(a, b)" for columns
 
@@ -119,7 +123,7 @@ ROLES: tuple[RoleSpec, ...] = (
             "outbox_steps": (
                 "SELECT",
                 "INSERT",
-                _update(("status", "result", "error", "completed_at")),
+                _update(("status", "result", "error", "completed_at", "hash")),
             ),
             "outbox_effects": ("SELECT", "INSERT", _update(("awaited_by",))),
             "outbox_signals": ("SELECT", "INSERT", _update(("consumed_by", "consumed_at"))),
@@ -135,14 +139,20 @@ ROLES: tuple[RoleSpec, ...] = (
         {
             **_READ_ALL,
             "outbox_runs": ("SELECT", _update(_RUN_STOPPING)),
-            "outbox_effects": ("SELECT", "INSERT", _update(_EFFECT_DELIVERY)),
+            "outbox_effects": (
+                "SELECT",
+                "INSERT",
+                _update((*_EFFECT_DELIVERY, *_EFFECT_APPROVAL, "attempt_note")),
+            ),
             "outbox_effect_attempts": ("SELECT", "INSERT"),
             "outbox_budget_ledger": ("SELECT", "INSERT"),
+            # `outbox deliver` stores the config's approval gates at start-up
+            "outbox_gates": ("SELECT", "INSERT", "UPDATE", "DELETE"),
         },
     ),
     RoleSpec(
         "operator",
-        "resolve, retry, cancel, reconcile, gc; no intents",
+        "resolve, retry, cancel, approve and reject, manage gates, reconcile, gc; no intents",
         {
             **_READ_ALL,
             "outbox_runs": ("SELECT", _update(_RUN_STOPPING), "DELETE"),
@@ -150,9 +160,10 @@ ROLES: tuple[RoleSpec, ...] = (
             "outbox_effects": (
                 "SELECT",
                 "INSERT",
-                _update((*_EFFECT_DELIVERY, "max_attempts")),
+                _update((*_EFFECT_DELIVERY, *_EFFECT_APPROVAL, "max_attempts")),
                 "DELETE",
             ),
+            "outbox_gates": ("SELECT", "INSERT", "UPDATE", "DELETE"),
             "outbox_effect_attempts": ("SELECT", "INSERT", "DELETE"),
             "outbox_signals": ("SELECT", "DELETE"),
             "outbox_budget_ledger": ("SELECT", "INSERT", "DELETE"),
@@ -202,6 +213,16 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
     for spec in ROLES:
         for table, privileges in spec.grants.items():
             out.append(f"GRANT {', '.join(privileges)} ON {schema}.{table} TO {names[spec.suffix]}")
+    # The attempt-log chain trigger draws a fresh id when it must re-lock the effect
+    # (outbox_attempts_chain): an explicit nextval needs USAGE on the identity's sequence.
+    attempts_seq = f"{schema}.outbox_effect_attempts_id_seq"
+    out.append(f"REVOKE ALL ON SEQUENCE {attempts_seq} FROM {every}")
+    logging_roles = [
+        names[spec.suffix]
+        for spec in ROLES
+        if "INSERT" in spec.grants.get("outbox_effect_attempts", ())
+    ]
+    out.append(f"GRANT USAGE ON SEQUENCE {attempts_seq} TO {', '.join(logging_roles)}")
     # Who may insert into outbox_effects, and what.
     stopping = sql_in("r.status", STOPPING_RUN_STATUSES)
     out.append(
@@ -233,9 +254,11 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
         f"CREATE POLICY outbox_every_row ON {effects} AS PERMISSIVE FOR ALL TO PUBLIC "
         "USING (true) WITH CHECK (true)"
     )
+    # An intent commits pending, or held by an approval gate (awaiting_approval).
     fresh = (
-        f"status = '{EffectStatus.PENDING}' AND attempt = 0 AND lease_owner IS NULL "
-        "AND result IS NULL AND completed_at IS NULL AND awaited_by IS NULL"
+        f"status IN ('{EffectStatus.PENDING}', '{EffectStatus.AWAITING_APPROVAL}') "
+        "AND attempt = 0 AND lease_owner IS NULL AND result IS NULL "
+        "AND completed_at IS NULL AND awaited_by IS NULL"
     )
     out.append(f"DROP POLICY IF EXISTS outbox_intents ON {effects}")
     out.append(

@@ -15,10 +15,12 @@ from importlib import resources
 from sqlalchemy import (
     DDL,
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     Connection,
     DateTime,
+    Float,
     ForeignKey,
     Identity,
     Index,
@@ -34,16 +36,23 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID
 
 from outbox.models import (
     LIVE_RUN_STATUSES,
+    NEEDS_PERSON_EFFECT_STATUSES,
     OPEN_EFFECT_STATUSES,
     STOPPING_RUN_STATUSES,
     TERMINAL_RUN_STATUSES,
     EffectStatus,
     RunStatus,
     StepStatus,
+)
+from outbox.storage.governance_ddl import (
+    ATTEMPT_CHAIN_DDL,
+    CHAIN_FUNCTIONS_DDL,
+    EFFECT_COST_DDL,
+    GATE_FUNCTIONS_DDL,
 )
 from outbox.storage.sql.common import sql_in
 
@@ -52,6 +61,7 @@ __all__ = [
     "consumed_keys",
     "effect_attempts",
     "effects",
+    "gates",
     "metadata",
     "migrations",
     "runs",
@@ -62,6 +72,16 @@ __all__ = [
 ]
 
 metadata = MetaData()
+
+
+def _ddl(target: object, statements: tuple[str, ...], when: str = "after_create") -> None:
+    for statement in statements:
+        event.listen(target, when, DDL(statement.replace("%", "%%")))  # type: ignore[no-untyped-call]
+
+
+# 0010: hash chains and gate rules are SQL functions the tables' triggers and
+# statements call, so they exist before any table.
+_ddl(metadata, CHAIN_FUNCTIONS_DDL + GATE_FUNCTIONS_DDL, "before_create")
 
 RUN_STATUSES = tuple(RunStatus)
 EFFECT_STATUSES = tuple(EffectStatus)
@@ -118,6 +138,9 @@ runs = Table(
     Column("cancel_reason", Text),
     # 0006: the W3C traceparent of the run's trace (its steps are spans of it)
     Column("trace_parent", Text),
+    # 0010: a dry run's effects go to a recording deliverer; the head of its step chain
+    Column("dry_run", Boolean, nullable=False, server_default=text("false")),
+    Column("step_head", BYTEA),
     CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
     # every step updates the row: room on the page keeps those updates HOT (0004)
     postgresql_with={"fillfactor": "80"},
@@ -181,8 +204,7 @@ $$""",
           OR OLD.inputs IS DISTINCT FROM NEW.inputs)
     EXECUTE FUNCTION outbox_runs_refuse_input_change()""",
 )
-for _ddl in RUNS_IMMUTABLE_DDL:
-    event.listen(runs, "after_create", DDL(_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
+_ddl(runs, RUNS_IMMUTABLE_DDL)
 
 steps = Table(
     "outbox_steps",
@@ -196,6 +218,8 @@ steps = Table(
     _ts("completed_at", nullable=False, default_now=True),
     # "waiting": a sleep or wait recorded with its deadline, not yet satisfied
     Column("status", Text, nullable=False, server_default=text("'completed'")),
+    # 0010: this step's link in the run's hash chain (NULL while a wait is under way)
+    Column("hash", BYTEA),
     PrimaryKeyConstraint("run_id", "step_id", name="outbox_steps_pkey"),
     CheckConstraint(sql_in("status", StepStatus), name="outbox_steps_status_check"),
 )
@@ -235,6 +259,11 @@ effects = Table(
     Column("awaited_by", UUID(as_uuid=True)),
     # 0006: the W3C traceparent current at tx.intend (each attempt is a span of its trace)
     Column("trace_parent", Text),
+    # 0010: the approval gate holding it (NULL: none) and that gate's deadline
+    Column("approval", JSONB),
+    _ts("approval_deadline"),
+    # 0010: what a deliverer noted about the current attempt before calling (read-back)
+    Column("attempt_note", JSONB),
     UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
     CheckConstraint(sql_in("status", EFFECT_STATUSES), name="outbox_effects_status_check"),
 )
@@ -275,7 +304,13 @@ Index(
     "outbox_effects_needs_operator",
     effects.c.status,
     effects.c.seq,
-    postgresql_where=text("status IN ('unknown', 'failed')"),
+    postgresql_where=text(sql_in("status", NEEDS_PERSON_EFFECT_STATUSES)),
+)
+# 0010: approval deadlines fire by index; only held effects with a deadline sit in it
+Index(
+    "outbox_effects_approval_due",
+    effects.c.approval_deadline,
+    postgresql_where=text("status = 'awaiting_approval' AND approval_deadline IS NOT NULL"),
 )
 
 # 0006: the console finds an effect's compensation, and stopped effects, without a scan;
@@ -308,8 +343,12 @@ effect_attempts = Table(
     # succeeded | retry | failed | stale | expired | resolved | released
     Column("outcome", Text, nullable=False),
     Column("detail", JSONB),
+    # 0010: sha256 over this row and the effect's previous row (see governance_ddl)
+    Column("hash", BYTEA),
 )
-Index("outbox_effect_attempts_effect", effect_attempts.c.effect_id, effect_attempts.c.attempt)
+# 0010: (effect, id), so the chain's newest row is one index probe
+Index("outbox_effect_attempts_effect", effect_attempts.c.effect_id, effect_attempts.c.id)
+_ddl(effect_attempts, ATTEMPT_CHAIN_DDL)
 
 signals = Table(
     "outbox_signals",
@@ -376,41 +415,10 @@ webhook_replays = Table(
     _ts("seen_at", nullable=False, default_now=True),
 )
 
-# Cost settlement of costly intents: see migration 0002 for why it is a trigger.
-EFFECT_COST_DDL = (
-    """CREATE FUNCTION outbox_effects_settle_cost() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW.status = 'succeeded' THEN
-        UPDATE outbox_runs
-           SET reserved = reserved - NEW.cost, spent = spent + NEW.cost
-         WHERE id = NEW.run_id;
-        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
-        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'commit', NEW.cost);
-    ELSIF NEW.status IN ('failed', 'cancelled') THEN
-        UPDATE outbox_runs SET reserved = reserved - NEW.cost WHERE id = NEW.run_id;
-        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
-        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'release', NEW.cost);
-    ELSIF OLD.status IN ('failed', 'cancelled') THEN
-        -- an operator put it back: it holds its reservation again
-        UPDATE outbox_runs SET reserved = reserved + NEW.cost WHERE id = NEW.run_id;
-        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
-        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'reserve', NEW.cost);
-    END IF;
-    RETURN NULL;
-END
-$$""",
-    """CREATE TRIGGER outbox_effects_settle_cost
-    AFTER UPDATE OF status ON outbox_effects FOR EACH ROW
-    WHEN (NEW.cost IS NOT NULL AND NEW.run_id IS NOT NULL
-          AND OLD.status IS DISTINCT FROM NEW.status
-          AND (NEW.status IN ('succeeded', 'failed', 'cancelled')
-               OR OLD.status IN ('failed', 'cancelled')))
-    EXECUTE FUNCTION outbox_effects_settle_cost()""",
-)
-# plpgsql resolves the ledger only when the trigger runs, so the effects table is enough.
-for _ddl in EFFECT_COST_DDL:
-    event.listen(effects, "after_create", DDL(_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
+# Cost settlement of costly intents: see migration 0002 for why it is a trigger (0010:
+# a rejected intent releases its reservation). plpgsql resolves the ledger only when
+# the trigger runs, so the effects table is enough.
+_ddl(effects, EFFECT_COST_DDL)
 
 # 0003: idempotency keys a Kafka consumer group has processed (deliverers.kafka.DedupConsumer)
 consumed_keys = Table(
@@ -428,18 +436,23 @@ Sequence("outbox_wake_clock_effects", start=0, minvalue=0, metadata=metadata)
 Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
 
 SQL_API_MIGRATION = "0007_sql_api.sql"
+#: Migrations whose part below ``-- @functions`` (re)defines SQL API functions, in order.
+SQL_API_MIGRATIONS = (SQL_API_MIGRATION, "0010_governance.sql")
 _FUNCTIONS_MARKER = "-- @functions"
 
 
 def sql_api_ddl() -> str:
-    """The SQL API's functions and trigger: the part of its migration below ``-- @functions``.
+    """The SQL API's functions and trigger: each migration's part below ``-- @functions``.
 
-    Read from the migration itself, so a fresh schema and a migrated one get
+    Read from the migrations themselves, so a fresh schema and a migrated one get
     the same definitions from one text. A later migration that replaces one of
-    these functions must be read here too.
+    these functions is listed in :data:`SQL_API_MIGRATIONS` too.
     """
-    text_ = resources.files("outbox.storage.migrations").joinpath(SQL_API_MIGRATION).read_text()
-    return text_[text_.index(_FUNCTIONS_MARKER) :]
+    parts = []
+    for name in SQL_API_MIGRATIONS:
+        text_ = resources.files("outbox.storage.migrations").joinpath(name).read_text()
+        parts.append(text_[text_.index(_FUNCTIONS_MARKER) :])
+    return "\n".join(parts)
 
 
 @event.listens_for(metadata, "after_create")
@@ -449,3 +462,22 @@ def _create_sql_api(target: MetaData, connection: Connection, **kw: object) -> N
     driver = connection.connection.driver_connection
     assert driver is not None
     driver.execute(sql_api_ddl())
+
+
+# 0010: approval gates from the deliverers config (``outbox gates apply``); the
+# statement that writes an intent evaluates them (``outbox.gates``)
+gates = Table(
+    "outbox_gates",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("kind", Text, nullable=False),
+    Column("conditions", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("timeout_seconds", Float),
+    Column("on_timeout", Text, nullable=False, server_default=text("'reject'")),
+    Column("escalate_to", Text),
+    _ts("updated_at", nullable=False, default_now=True),
+    CheckConstraint(
+        "on_timeout IN ('reject', 'cancel_run', 'escalate')", name="outbox_gates_on_timeout_check"
+    ),
+)
+Index("outbox_gates_kind", gates.c.kind)

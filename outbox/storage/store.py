@@ -24,6 +24,7 @@ from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
 from outbox.storage.sql import effects as effect_sql
+from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import maintenance, queue
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as sql
@@ -213,6 +214,53 @@ class Store:
         with translate_errors(f"{which} of an effect"), self.engine.begin() as conn:
             return conn.execute(statement, params).first() is not None
 
+    # -- governance -------------------------------------------------------------------
+
+    def apply_gates(self, rows: list[dict[str, Any]], *, prune: bool) -> list[str]:
+        """Upsert gate rows in one transaction; ``prune`` deletes gates not among them."""
+        with translate_errors("storing approval gates"), self.engine.begin() as conn:
+            stored = [conn.execute(gov_sql.upsert_gate(), row).scalar_one() for row in rows]
+            if prune:
+                conn.execute(gov_sql.delete_gates(keep=True), {"names": stored})
+        return stored
+
+    def list_gates(self) -> list[dict[str, Any]]:
+        """Every approval gate as stored, by name."""
+        with translate_errors("listing approval gates"), self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(gov_sql.list_gates())]
+
+    def remove_gates(self, names: list[str]) -> list[str]:
+        """Delete gates by name; returns those deleted."""
+        with translate_errors("removing approval gates"), self.engine.begin() as conn:
+            return [r[0] for r in conn.execute(gov_sql.delete_gates(keep=False), {"names": names})]
+
+    def audit_rows(self, run_id: UUID) -> dict[str, Any]:
+        """Everything the audit of one run reads, in one snapshot (repeatable read)."""
+        run_q, _ = sql.run_with_steps()
+        with translate_errors("reading a run's record"), self.engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                run = conn.execute(run_q, {"run_id": run_id}).one_or_none()
+                if run is None:
+                    return {}
+                params = {"run_id": run_id}
+                return {
+                    "run": dict(run._mapping),
+                    "steps": [dict(r._mapping) for r in conn.execute(gov_sql.run_steps(), params)],
+                    "effects": [
+                        dict(r._mapping) for r in conn.execute(gov_sql.run_effects(), params)
+                    ],
+                    "attempts": [
+                        dict(r._mapping) for r in conn.execute(gov_sql.attempts_of_run(), params)
+                    ],
+                }
+
+    def run_ids(self, limit: int) -> list[UUID]:
+        """Run ids, newest first (what ``outbox audit verify`` checks without a run named)."""
+        with translate_errors("listing runs"), self.engine.connect() as conn:
+            query = select(runs.c.id).order_by(runs.c.created_at.desc()).limit(limit)
+            return [row[0] for row in conn.execute(query)]
+
     # -- runs in workers ---------------------------------------------------------------
 
     def claim_runs(
@@ -375,10 +423,12 @@ def _jsonb(value: str | None) -> Any:
 def effects_json(rows: Sequence[dict[str, Any]]) -> str:
     """The ``:effects`` parameter: a JSON array whose payloads are spliced in as canonical text."""
     parts = []
+    spliced = ("payload", "compensate", "approval")
     for row in rows:
-        fields = {k: v for k, v in row.items() if k not in ("payload", "compensate")}
+        fields = {k: v for k, v in row.items() if k not in spliced}
         head = json.dumps(fields, separators=(",", ":"), default=str)
         parts.append(
-            f'{head[:-1]},"payload":{row["payload"]},"compensate":{row["compensate"] or "null"}}}'
+            f'{head[:-1]},"payload":{row["payload"]},"compensate":{row["compensate"] or "null"}'
+            f',"approval":{row.get("approval") or "null"}}}'
         )
     return "[" + ",".join(parts) + "]"

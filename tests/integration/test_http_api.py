@@ -360,11 +360,16 @@ def test_a_start_with_its_own_run_id_is_safe_to_retry(ob: Outbox, api: ApiClient
     again = api.post("/runs", json={**body, "inputs": {"m": 10}})
     assert (first.status_code, again.status_code) == (201, 200)
     assert again.json()["replayed"] is True and again.json()["run"]["id"] == run_id
-    for field, value in (("inputs", {"m": 11}), ("version", "2"), ("budget", 6), ("agent", "x")):
+    changed = (("inputs", {"m": 11}), ("version", "2"), ("budget", 6), ("agent", "x"))
+    for field, value in (*changed, ("mode", "dry_run")):
         answer = api.post("/runs", json={**body, field: value})
         assert answer.status_code == 409, answer.text
         assert (answer.json()["code"], answer.json()["field"]) == ("run_conflict", field)
     assert len(ob.runs()) == 1
+    # A dry run started over HTTP is one, as start_run(..., mode="dry_run") makes it.
+    dry = api.post("/runs", json={"agent": "billing", "version": "1", "mode": "dry_run"})
+    assert dry.status_code == 201 and dry.json()["run"]["dry_run"] is True
+    assert ob.run(dry.json()["run"]["id"]).record.mode.value == "dry_run"
 
 
 def test_signals_reach_the_run_once_per_dedup_key(ob: Outbox, api: ApiClient) -> None:

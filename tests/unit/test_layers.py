@@ -29,10 +29,14 @@ BASE = {
     "validation",
     "faults",
     "intent_rules",
+    "gates",
+    "effect_diff",
+    "chain",
     "tracing",
 }
-# The one permitted upward edge: a finished effect moves a stopping run on.
-ALLOWED = {("delivery", "runs.stopping")}
+# The permitted upward edges: a finished effect moves a stopping run on, and a
+# passed approval deadline is acted on (rejected, or its run cancelled).
+ALLOWED = {("delivery", "runs.stopping"), ("delivery", "runs.approvals")}
 
 
 def _modules(package: str) -> list[Path]:

@@ -20,9 +20,9 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.dml import Update
 
 from outbox.models import AttemptOutcome, EffectStatus, RunStatus, StepStatus
-from outbox.storage.sql import effects, maintenance, queue, runs, steps
+from outbox.storage.sql import effects, governance, maintenance, queue, runs, steps
 
-MODULES = [steps, queue, effects, runs, maintenance]
+MODULES = [steps, queue, effects, runs, maintenance, governance]
 # Literals a statement may compare a status (or an attempt-log outcome) with.
 KNOWN = {str(v) for enum in (RunStatus, EffectStatus, StepStatus, AttemptOutcome) for v in enum}
 VARIANTS: dict[str, list[dict[str, Any]]] = {
@@ -38,8 +38,18 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     "extend_leases": [{"spec": queue.EFFECT_QUEUE}, {"spec": queue.RUN_QUEUE}],
     "list_runs": [{}, {"status": "running", "agent": "a", "limit": 5}],
     "list_effects": [{}, {"status": "pending", "kind": "k", "limit": 5}],
+    "delete_gates": [{"keep": False}, {"keep": True}],
 }
-NOT_BUILDERS = {"claim_params", "extend_params", "StateCounts", "held_rows", "QueueSpec"}
+NOT_BUILDERS = {
+    "claim_params",
+    "extend_params",
+    "StateCounts",
+    "held_rows",
+    "QueueSpec",
+    # parts of statements, not statements
+    "log_changes",
+    "next_step_head",
+}
 
 
 def builders() -> Iterator[tuple[str, Any, dict[str, Any]]]:

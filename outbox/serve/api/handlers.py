@@ -122,7 +122,12 @@ class ApiHandlers:
     def _start_run(self, body: StartRunRequest) -> Response:
         try:
             run = self.outbox.start_run(
-                body.agent, body.version, body.inputs, budget=body.budget, run_id=body.run_id
+                body.agent,
+                body.version,
+                body.inputs,
+                budget=body.budget,
+                run_id=body.run_id,
+                mode=body.mode.value,
             )
             return _answer(201, RunAnswer(run=run.record, replayed=False))
         except OutboxError as exc:
@@ -144,7 +149,13 @@ class ApiHandlers:
     def _differs(self, existing: RunRecord, body: StartRunRequest) -> str | None:
         """The first argument of a repeated start that differs from the run's, if any."""
         row = new_run_row(
-            self.outbox.settings, body.agent, body.version, body.inputs, body.budget, body.run_id
+            self.outbox.settings,
+            body.agent,
+            body.version,
+            body.inputs,
+            body.budget,
+            body.run_id,
+            body.mode.value,
         )
         if existing.agent != row["agent"]:
             return "agent"
@@ -157,6 +168,8 @@ class ApiHandlers:
             budget is not None and existing.budget != budget
         ):
             return "budget"
+        if existing.mode != body.mode:
+            return "mode"
         return None
 
     @refusals

@@ -269,7 +269,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     ),
     "run_conflict": (
         409,
-        "a run with this run_id exists with another agent, version, inputs or budget "
+        "a run with this run_id exists with another agent, version, inputs, budget or mode "
         "(`field` names the first that differs)",
     ),
     "run_terminal": (409, "the run has ended: it takes no more steps or signals"),

@@ -83,8 +83,9 @@ OPERATIONS: tuple[Operation, ...] = (
         "Start a run",
         "Starts a run of `agent` pinned to `version` with immutable `inputs`. "
         "Send your own `run_id` to make the call safe to retry: the same id and "
-        "arguments answer 200 with `replayed: true`; another agent, version, inputs "
-        "or budget under that id is a 409 `run_conflict` naming the field.",
+        "arguments answer 200 with `replayed: true`; another agent, version, inputs, "
+        "budget or mode under that id is a 409 `run_conflict` naming the field. `mode: "
+        "dry_run` starts a dry run: its intents go to recording stubs, never to a sink.",
         {201: RunAnswer, 200: RunAnswer},
         body=StartRunRequest,
         refusals=(*_BODY_REFUSALS, "run_conflict"),

@@ -13,26 +13,30 @@ from functools import cache
 from typing import Any
 
 from sqlalchemy import (
+    Boolean,
     Float,
     Integer,
     Numeric,
     Text,
     bindparam,
+    case,
+    cast,
     column,
     func,
     literal,
     literal_column,
+    null,
     select,
     text,
     true,
 )
 from sqlalchemy.dialects.postgresql import ARRAY as postgresql_array
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement, TableValuedAlias, TextClause
 
 from outbox.models import TERMINAL_EFFECT_STATUSES, RunStatus
-from outbox.storage.schema import budget_ledger, effects, runs, steps
+from outbox.storage.schema import budget_ledger, effects, gates, runs, steps
 from outbox.storage.sql.common import (
     EFFECTS_CHANNEL,
     LIVE_CONDITION,
@@ -52,6 +56,7 @@ __all__ = [
     "intend_without_run",
     "list_effects",
     "list_runs",
+    "next_step_head",
     "run_with_steps",
 ]
 
@@ -70,6 +75,7 @@ def insert_run(*, notify: bool) -> AnySelect:
             inputs_hash=bindparam("inputs_hash"),
             status=const(RunStatus.RUNNABLE.value),
             budget=bindparam("budget", type_=Numeric),
+            dry_run=bindparam("dry_run"),
             trace_parent=bindparam("trace_parent", type_=Text),
         )
         .returning(*runs.c)
@@ -95,6 +101,8 @@ _EFFECT_FIELDS = (
     column("compensates", UUID(as_uuid=True)),
     column("cost", Numeric),
     column("delay_seconds", Float),
+    # the intent's own approval policy (JSON), if it asked for one
+    column("approval", JSONB),
     column("trace_parent", Text),
 )
 
@@ -115,6 +123,8 @@ _EFFECT_INSERT_COLUMNS = [
     "cost",
     "status",
     "available_at",
+    "approval",
+    "approval_deadline",
     "trace_parent",
 ]
 
@@ -128,7 +138,47 @@ def _effect_rows() -> TableValuedAlias:
     )
 
 
-def _effect_select(rows: TableValuedAlias, run_id: ColumnElement[Any]) -> AnySelect:
+def _effect_select(
+    rows: TableValuedAlias, run_id: ColumnElement[Any], *, after: Any = None
+) -> AnySelect:
+    """The rows to insert: each intent, held as ``awaiting_approval`` when a gate applies.
+
+    The gates of ``outbox_gates`` are evaluated here, in the statement that
+    writes the intent: no round trip, and no writer can skip them. A matching
+    config gate wins over the intent's own policy (an intent can add a gate,
+    never loosen one). With no gate for the kind this is one probe of an
+    index on a small table.
+    """
+    gate = (
+        select(gates.c.name, gates.c.timeout_seconds, gates.c.on_timeout, gates.c.escalate_to)
+        .where(
+            gates.c.kind == rows.c.kind,
+            func.outbox_gate_matches(gates.c.conditions, rows.c.payload, type_=Boolean),
+        )
+        .order_by(gates.c.name)
+        .limit(1)
+        .lateral("gate")
+    )
+    policy = case(
+        (
+            gate.c.name.is_not(None),
+            func.jsonb_build_object(
+                "gate",
+                gate.c.name,
+                "timeout",
+                gate.c.timeout_seconds,
+                "on_timeout",
+                gate.c.on_timeout,
+                "escalate_to",
+                gate.c.escalate_to,
+            ),
+        ),
+        else_=rows.c.approval,
+    )
+    held = policy.is_not(None)
+    source = rows.outerjoin(gate, true())
+    if after is not None:
+        source = source.join(after, true())
     return select(
         rows.c.id,
         run_id,
@@ -145,9 +195,31 @@ def _effect_select(rows: TableValuedAlias, run_id: ColumnElement[Any]) -> AnySel
         rows.c.compensate,
         rows.c.compensates,
         rows.c.cost,
-        const("pending"),
+        case((held, const("awaiting_approval")), else_=const("pending")),
         func.now() + rows.c.delay_seconds * text("interval '1 second'"),
+        policy,
+        case(
+            (
+                held,
+                func.now() + cast(policy["timeout"].astext, Float) * text("interval '1 second'"),
+            ),
+            else_=null(),
+        ),
         rows.c.trace_parent,
+    ).select_from(source)
+
+
+def next_step_head(step_id: Any, kind: Any, result: Any, error: Any) -> ColumnElement[Any]:
+    """The run's new step-chain head once this step completes (an ``outbox_runs`` SET value).
+
+    Computed by the statement that records the step, so chaining costs no round
+    trip; the step row stores the same value as its ``hash``.
+    """
+    previous = func.coalesce(
+        runs.c.step_head, func.outbox_run_genesis(runs.c.id, runs.c.agent, runs.c.inputs_hash)
+    )
+    return func.outbox_step_hash(
+        previous, runs.c.id, step_id, kind, result, error, func.now(), type_=BYTEA
     )
 
 
@@ -197,19 +269,26 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
             reserved=runs.c.reserved + bindparam("reserve", type_=Numeric),
             # updated_at is left alone: it is indexed, and a step's update must stay
             # HOT (no index touched); it tracks lifecycle changes, steps have their own time.
+            step_head=next_step_head(
+                bindparam("step_id", type_=Text),
+                bindparam("kind", type_=Text),
+                json_param("step_result"),
+                null(),
+            ),
         )
-        .returning(runs.c.id)
+        .returning(runs.c.id, runs.c.step_head)
         .cte("run_upd")
     )
     step_ins = (
         pg_insert(steps)
         .from_select(
-            ["run_id", "step_id", "kind", "result"],
+            ["run_id", "step_id", "kind", "result", "hash"],
             select(
                 run_upd.c.id,
                 bindparam("step_id", type_=Text),
                 bindparam("kind", type_=Text),
                 json_param("step_result"),
+                run_upd.c.step_head,
             ),
         )
         .on_conflict_do_nothing(constraint="outbox_steps_pkey")
@@ -221,7 +300,7 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
         pg_insert(effects)
         .from_select(
             _EFFECT_INSERT_COLUMNS,
-            _effect_select(rows, _RUN_ID).select_from(rows).join(step_ins, true()),
+            _effect_select(rows, _RUN_ID, after=step_ins),
         )
         .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
         .returning(effects.c.id)
@@ -277,7 +356,7 @@ def intend_without_run(*, notify: bool) -> AnySelect:
         pg_insert(effects)
         .from_select(
             _EFFECT_INSERT_COLUMNS,
-            _effect_select(rows, literal(None, UUID(as_uuid=True))).select_from(rows),
+            _effect_select(rows, literal(None, UUID(as_uuid=True))),
         )
         .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
         .returning(effects.c.id)
@@ -297,7 +376,7 @@ def intend_for_stopping_run() -> AnySelect:
     rows = _effect_rows()
     eff_ins = (
         pg_insert(effects)
-        .from_select(_EFFECT_INSERT_COLUMNS, _effect_select(rows, _RUN_ID).select_from(rows))
+        .from_select(_EFFECT_INSERT_COLUMNS, _effect_select(rows, _RUN_ID))
         .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
         .returning(effects.c.id)
         .cte("eff_ins")
