@@ -240,7 +240,7 @@ class EffectOutcome(BaseModel):
     """Where an awaited effect is.
 
     ``done`` is true once the effect can no longer change by delivery
-    (succeeded, failed, cancelled, compensated); false when the wait ran out
+    (succeeded, failed, cancelled, compensated, rejected); false when the wait ran out
     first (ask again). ``result`` is what the sink answered (succeeded), and
     ``error`` why it did not succeed.
     """

@@ -190,11 +190,11 @@ OPERATIONS: tuple[Operation, ...] = (
         "/effects/{effect_id}/outcome",
         "await_effect",
         "Await an effect's outcome (long poll)",
-        "Answers as soon as the effect has ended (succeeded, failed, cancelled or "
-        "compensated: `done: true`), or when `wait` seconds have passed "
+        "Answers as soon as the effect has ended (succeeded, failed, cancelled, "
+        "compensated or rejected: `done: true`), or when `wait` seconds have passed "
         "(`done: false`: ask again). Waiting writes nothing, so a client that "
-        "goes away leaves nothing behind. `unknown` is not an end: an operator "
-        "decides it.",
+        "goes away leaves nothing behind. `unknown` and `awaiting_approval` are not "
+        "ends: a person decides them.",
         {200: EffectOutcome},
         query=WaitQuery,
         refusals=("invalid", "effect_not_found", "too_many_waiters"),
