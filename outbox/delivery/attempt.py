@@ -189,7 +189,7 @@ async def perform_attempt(
         run_id=None if effect.run_id is None else str(effect.run_id),
     ) as span:
         outcome = await _call(deliverer, effect, context, notes)
-        crash_point("after_call")
+        crash_point("after_call", effect.kind, run=effect.run_id)
         max_attempts = effect.max_attempts or deliverer.max_attempts or default_max_attempts
         decision = decide(outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy)
         span.outcome(

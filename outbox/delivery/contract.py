@@ -175,6 +175,9 @@ class Deliverer:
 
     #: The sink dedups on the idempotency key: a crash mid-call is redelivered.
     default_idempotent: ClassVar[bool] = False
+    #: Without a config file, the default registry serves the kind of this type's name.
+    #: False for types that only make sense configured (the test stand-in).
+    default_registered: ClassVar[bool] = True
     #: Validates payloads (and is exported to ``schemas/``); None accepts any JSON.
     payload_model: ClassVar[type[BaseModel] | None] = None
     #: Validates this deliverer's settings.

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from outbox.delivery.contract import Deliverer
 from outbox.delivery.leases import Leases
+from outbox.delivery.liveness import GoneOwners
 from outbox.delivery.metrics import DeliveryMetrics
 from outbox.delivery.reconcile import reconcile
 from outbox.delivery.settings import DeliverySettings
@@ -67,15 +68,35 @@ class Maintenance:
         self.metrics = metrics
         self.on_requeued = on_requeued
         self._last_kinds_check = 0.0
+        self.gone = GoneOwners(
+            store,
+            deliverers,
+            owner=settings.owner,
+            grace_seconds=settings.gone_grace_seconds,
+            restart_grace_seconds=settings.restart_grace_seconds,
+            default_max_attempts=settings.max_attempts,
+        )
 
     def start(self) -> list[asyncio.Task[None]]:
         """Start every round; the caller cancels the tasks when it stops."""
         s = self.settings
-        return [
+        tasks = [
             asyncio.create_task(every(s.heartbeat_seconds, self.heartbeat, "heartbeat")),
             asyncio.create_task(every(s.reconcile_seconds, self.reconcile, "reconcile")),
             asyncio.create_task(every(s.stats_seconds, self.stats, "stats", first=True)),
         ]
+        if s.early_recovery and self.gone.limits:
+            tasks.append(
+                asyncio.create_task(
+                    every(s.gone_check_seconds, self.recover_gone, "gone deliverers", first=True)
+                )
+            )
+        return tasks
+
+    async def recover_gone(self) -> None:
+        """Put back the idempotent attempts of deliverers whose session lock is free."""
+        if await self.gone.check():
+            self.on_requeued()  # ours to claim now, not at the next poll
 
     async def heartbeat(self) -> None:
         """Push out the leases of every held attempt."""

@@ -107,13 +107,10 @@ async def reconcile(
     false), except one a Kafka relay held: publishing again needs no deliverer.
     """
     report = ReconcileReport(dry_run=dry_run)
-    if not dry_run:
-        redispatched = await store.redispatch_expired(worker=worker, max_rows=max_rows)
-        if redispatched:
-            log.info(
-                "%d dispatched effects were not delivered in time: re-dispatching", redispatched
-            )
-    for row in await store.expired(max_rows):
+    redispatched, expired = await store.expired(max_rows, redispatch_as=None if dry_run else worker)
+    if redispatched:
+        log.info("%d dispatched effects were not delivered in time: re-dispatching", redispatched)
+    for row in expired:
         if not report_skipped and row.kind not in deliverers and not _relay_held(row):
             continue
         item = await _resolve(

@@ -33,6 +33,19 @@ class DeliverySettings(BaseModel):
     poll_seconds: float = Field(default=1.0, gt=0, le=3600)
     #: How often expired attempts are reconciled and stopping runs moved on.
     reconcile_seconds: float = Field(default=1.0, gt=0, le=3600)
+    #: How often the session locks of other deliverers are checked: a registered
+    #: deliverer whose lock is free is gone (outbox.delivery.liveness).
+    gone_check_seconds: float = Field(default=0.5, gt=0, le=3600)
+    #: A deliverer found gone must still be gone this long later before its
+    #: idempotent attempts are put back (a lock session that reconnects is not a death).
+    gone_grace_seconds: float = Field(default=0.4, ge=0, le=3600)
+    #: After a PostgreSQL (re)start every session lock is free: for this long no
+    #: deliverer counts as gone, while the live ones take their locks again (they
+    #: retry at least every 2 s). Leases cover whatever is really lost meanwhile.
+    restart_grace_seconds: float = Field(default=5.0, ge=0, le=86_400)
+    #: Put a gone deliverer's idempotent attempts back without waiting for their
+    #: leases (False: leases only, as before 0012).
+    early_recovery: bool = True
     #: On stop, how long in-flight calls may take to finish.
     grace_seconds: float = Field(default=30.0, ge=0, le=86_400)
     #: A pending effect of a kind no deliverer here knows gets a note after this long.

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from outbox.errors import ValidationError
+from outbox.faults import crash_point
 from outbox.gates import ApprovalPolicy
 from outbox.models import Effect, RunStatus
 from outbox.runs.context import AsyncRunContext
@@ -190,12 +191,14 @@ class AsyncRun(RunBase):
         if recorded is not None:
             return self._replay(recorded)
         with self._span(step_id, "call"):
+            crash_point("step_start", step_id, run=self.id)
             if inspect.iscoroutinefunction(fn):
                 value = await fn(*args, **kwargs)
             else:
                 value = await asyncio.to_thread(fn, *args, **kwargs)
                 if inspect.isawaitable(value):
                     value = await value
+            crash_point("step_end", step_id, run=self.id)
             return await self._commit(step_id, "call", self._encode_result(value), None, None)
 
     async def transaction(
@@ -285,9 +288,11 @@ class AsyncRun(RunBase):
             async with aio.begin(connection) as conn:
                 tx = AsyncStepTransaction(self, conn, step_id)
                 if fn is not None:
+                    crash_point("step_start", step_id, run=self.id)
                     value = fn(tx)
                     if inspect.isawaitable(value):
                         value = await value
+                    crash_point("step_end", step_id, run=self.id)
                     _check_awaited(tx._unawaited, f"step {step_id!r}")
                     result_json = self._encode_result(value)
                 has_intents = tx._intents.pending > 0
@@ -298,6 +303,9 @@ class AsyncRun(RunBase):
         except AlreadyRecorded:
             recorded = await aio.call(self._ctx.store.step_record, self.id, step_id)
             return self._adopt(step_id, recorded)
+        if connection is None:
+            # Committed; a wake-up owed to the deliverers is not sent yet.
+            crash_point("after_commit", step_id, run=self.id)
         if has_intents and connection is None:
             wakeup.committed(notified)
         return self._recorded(step_id, kind, tx, result_json, outcome)

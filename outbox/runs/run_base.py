@@ -240,7 +240,7 @@ class RunBase:
             fenced=self._lease is not None,
             notify=notified is not None,
         )
-        crash_point("before_step_commit")
+        crash_point("before_step_commit", step_id, run=self.id)
         if not outcome.run_ok:
             raise self._refusal(conn, tx._debit + tx._reserve)
         if outcome.step_seq is None:
@@ -277,7 +277,7 @@ class RunBase:
             completed_at=datetime.now(UTC),
         )
         self.active_step = None
-        crash_point("after_step")
+        crash_point("after_step", step_id, run=self.id)
         return result
 
     def _adopt(self, step_id: str, recorded: StepRecord | None) -> Any:
@@ -339,6 +339,7 @@ class RunBase:
             return True, self._replay(outcome)
         if self._lease is not None:
             self._record = self._record.model_copy(update={"status": RunStatus.WAITING})
+            crash_point("parked", step_id, run=self.id)
             raise Suspended(self.id, step_id)
         return False, None
 

@@ -26,6 +26,7 @@ from uuid import UUID
 from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.errors import LeaseLost, RunTerminal
+from outbox.faults import crash_point
 from outbox.ids import default_owner
 from outbox.intent_rules import MAX_DELAY_SECONDS
 from outbox.models import Lease, RunRecord, RunStatus
@@ -127,6 +128,7 @@ class WorkerCore:
     def _upgraded(self, record: RunRecord, upgraded: RunRecord | None) -> RunRecord:
         if upgraded is None:
             raise LeaseLost(f"run_id={str(record.id)!r}: lost while upgrading")
+        crash_point("after_upgrade", f"{record.agent_version}->{self.version}", run=record.id)
         log.info(
             "run upgraded %s -> %s",
             record.agent_version,

@@ -16,14 +16,14 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 from sqlalchemy import Connection
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox.faults import crash_point
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
-from outbox.storage.sql import maintenance, queue
+from outbox.storage.sql import maintenance, owners, queue
 from outbox.storage.store import read_state_counts
 
 __all__ = ["AsyncStore", "ClaimedEffect", "Completion"]
@@ -125,6 +125,23 @@ def _claimed(rows: Any) -> list[ClaimedEffect]:
     return [ClaimedEffect.from_row(row) for row in rows.mappings()]
 
 
+async def _claim_on(
+    conn: AsyncConnection,
+    spec: queue.QueueSpec,
+    quotas: Sequence[tuple[dict[str, str], int]],
+    owner: str,
+    lease_seconds: float,
+) -> list[ClaimedEffect]:
+    """The claim of each partition's quota on ``conn`` (the caller owns the transaction)."""
+    rows: list[ClaimedEffect] = []
+    for partition, limit in quotas:
+        params = queue.claim_params(
+            partition, limit=limit, owner=owner, lease_seconds=lease_seconds
+        )
+        rows += _claimed(await conn.execute(queue.claim(spec), params))
+    return rows
+
+
 class AsyncStore:
     """Delivery statements on one async engine."""
 
@@ -145,7 +162,6 @@ class AsyncStore:
         lease_seconds: float,
     ) -> list[ClaimedEffect]:
         """Claim from each partition, all in one transaction (claimed rows are all returned)."""
-        rows: list[ClaimedEffect] = []
         with translate_errors("claiming effects"):
             async with self.engine.connect() as conn:
                 if len(quotas) == 1:
@@ -154,11 +170,7 @@ class AsyncStore:
                     # round trips on the commit -> handler start path. With several, a
                     # failure part-way must not leave claims that were never returned.
                     conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                for partition, limit in quotas:
-                    params = queue.claim_params(
-                        partition, limit=limit, owner=owner, lease_seconds=lease_seconds
-                    )
-                    rows += _claimed(await conn.execute(queue.claim(spec), params))
+                rows = await _claim_on(conn, spec, quotas, owner, lease_seconds)
                 await conn.commit()
         return rows
 
@@ -192,13 +204,51 @@ class AsyncStore:
                 crash_point("during_completion")
         return logged
 
-    async def expired(self, max_rows: int) -> list[ClaimedEffect]:
-        """In-flight effects whose lease ran out."""
-        with translate_errors("finding expired attempts"):
-            async with self.engine.connect() as conn:
-                return _claimed(
-                    await conn.execute(effect_sql.expired_effects(), {"max_rows": max_rows})
+    async def complete_and_claim(
+        self,
+        owner: str,
+        done: Sequence[Completion],
+        spec: queue.QueueSpec,
+        quotas: Sequence[tuple[dict[str, str], int]],
+        *,
+        lease_seconds: float,
+    ) -> tuple[list[tuple[UUID, str]], list[ClaimedEffect]]:
+        """:meth:`complete` and :meth:`claim_many` in one transaction: one commit per batch.
+
+        The claim runs after the completion, so it sees what the completion
+        freed (the next effect of an ordering key, say). Either both commit or
+        neither does.
+        """
+        payload = "[" + ",".join(c.as_json() for c in done) + "]"
+        with translate_errors("recording outcomes and claiming effects"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(
+                    effect_sql.complete_effects(),
+                    {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]},
                 )
+                logged = [(row[0], row[1]) for row in result]
+                crash_point("during_completion")
+                rows = await _claim_on(conn, spec, quotas, owner, lease_seconds)
+        return logged, rows
+
+    async def expired(
+        self, max_rows: int, *, redispatch_as: str | None = None
+    ) -> tuple[int, list[ClaimedEffect]]:
+        """In-flight effects whose lease ran out; returns (re-dispatched, expired).
+
+        With ``redispatch_as`` (a worker name), dispatched effects not delivered
+        within their TTL go back to ``pending`` first, in the same transaction
+        (one commit per reconcile round, not two).
+        """
+        with translate_errors("finding expired attempts"):
+            async with self.engine.begin() as conn:
+                redispatched = 0
+                if redispatch_as is not None:
+                    params = {"worker": redispatch_as, "max_rows": max_rows}
+                    result = await conn.execute(effect_sql.redispatch_expired(), params)
+                    redispatched = len(result.all())
+                rows = await conn.execute(effect_sql.expired_effects(), {"max_rows": max_rows})
+                return redispatched, _claimed(rows)
 
     async def unknown_of(self, kinds: Sequence[str], max_rows: int) -> list[ClaimedEffect]:
         """``unknown`` effects of these kinds (their deliverer can ask the sink), oldest first."""
@@ -299,6 +349,48 @@ class AsyncStore:
                 result = await conn.execute(effect_sql.note_blocked_by_order(), params)
                 return len(result.all())
 
+    # -- owners that are gone (outbox.storage.sql.owners) ---------------------------
+
+    async def gone_owners(
+        self, kinds: Sequence[str], *, restart_grace: float
+    ) -> list[tuple[str, bool]]:
+        """Registered owners whose lock is free: (owner, holds an attempt of ``kinds``)."""
+        params = {"kinds": list(kinds), "restart_grace": restart_grace}
+        with translate_errors("looking for deliverers that are gone"):
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                result = await conn.execute(owners.gone_owners(), params)
+                return [(row[0], bool(row[1])) for row in result]
+
+    async def expire_gone_owner(
+        self,
+        owner: str,
+        limits: Mapping[str, int],
+        *,
+        note: str,
+        worker: str,
+        restart_grace: float,
+    ) -> list[UUID]:
+        """Put a gone owner's attempts of the kinds in ``limits`` back to pending (logged)."""
+        params = {
+            "owner": owner,
+            "limits": json.dumps([{"kind": k, "max_attempts": n} for k, n in limits.items()]),
+            "note": note,
+            "worker": worker,
+            "restart_grace": restart_grace,
+        }
+        with translate_errors("putting back the attempts of a deliverer that is gone"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(owners.expire_gone_owner(), params)
+                return [row[0] for row in result]
+
+    async def forget_gone_owners(self, candidates: Sequence[str], *, restart_grace: float) -> int:
+        """Unregister gone owners that hold nothing (checked again); returns how many."""
+        params = {"owners": list(candidates), "restart_grace": restart_grace}
+        with translate_errors("forgetting deliverers that are gone"):
+            async with self.engine.begin() as conn:
+                return len((await conn.execute(owners.forget_gone_owners(), params)).all())
+
     # -- stream mode -----------------------------------------------------------------
 
     async def mark_dispatched(
@@ -324,14 +416,6 @@ class AsyncStore:
         with translate_errors("claiming dispatched effects"):
             async with self.engine.begin() as conn:
                 return _claimed(await conn.execute(effect_sql.claim_dispatched(), params))
-
-    async def redispatch_expired(self, *, worker: str, max_rows: int = 1000) -> int:
-        """Dispatched effects not delivered within their TTL go back to ``pending``."""
-        params = {"worker": worker, "max_rows": max_rows}
-        with translate_errors("re-dispatching"):
-            async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.redispatch_expired(), params)
-                return len(result.all())
 
     # -- the rest ----------------------------------------------------------------------
 

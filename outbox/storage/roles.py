@@ -148,6 +148,8 @@ ROLES: tuple[RoleSpec, ...] = (
             "outbox_budget_ledger": ("SELECT", "INSERT"),
             # `outbox deliver` stores the config's approval gates at start-up
             "outbox_gates": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+            # a daemon registers the owner whose session lock it holds (0012)
+            "outbox_owners": ("SELECT", "INSERT", _update(("registered_at",)), "DELETE"),
         },
     ),
     RoleSpec(
@@ -169,6 +171,7 @@ ROLES: tuple[RoleSpec, ...] = (
             "outbox_budget_ledger": ("SELECT", "INSERT", "DELETE"),
             "outbox_webhook_replays": ("SELECT", "DELETE"),
             "outbox_consumed_keys": ("SELECT", "DELETE"),
+            "outbox_owners": ("SELECT", "DELETE"),
         },
     ),
     RoleSpec("reader", "read everything; change nothing", dict(_READ_ALL)),

@@ -64,6 +64,7 @@ __all__ = [
     "gates",
     "metadata",
     "migrations",
+    "owners",
     "runs",
     "signals",
     "sql_api_ddl",
@@ -413,6 +414,14 @@ webhook_replays = Table(
     metadata,
     Column("signature", Text, primary_key=True),
     _ts("seen_at", nullable=False, default_now=True),
+)
+
+# 0012: delivery daemons that hold their owner's session lock (outbox.storage.owner_lock)
+owners = Table(
+    "outbox_owners",
+    metadata,
+    Column("owner", Text, primary_key=True),
+    _ts("registered_at", nullable=False, default_now=True),
 )
 
 # Cost settlement of costly intents: see migration 0002 for why it is a trigger (0010:

@@ -19,13 +19,14 @@ import sqlalchemy
 from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.dialects.postgresql import JSONB
 
+from outbox.faults import crash_point
 from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
+from outbox.storage.sql import audit, maintenance, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
-from outbox.storage.sql import maintenance, queue
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as sql
 from outbox.storage.sql.common import LIVE_CONDITION
@@ -348,6 +349,7 @@ class Store:
         }
         with translate_errors("upgrading a run"), self.engine.begin() as conn:
             row = conn.execute(run_sql.upgrade_run(), params).first()
+            crash_point("during_upgrade", f"{from_version}->{to_version}", run=run_id)
         return None if row is None else RunRecord.model_validate(row._mapping)
 
     def notify(self, channel: str) -> None:
@@ -397,6 +399,43 @@ class Store:
             return int(
                 conn.execute(maintenance.in_flight_like(), {"pattern": owner_pattern}).scalar_one()
             )
+
+    # -- audit (``outbox check``, chaos tests): whole tables of a small scratch database --
+
+    def audit(self) -> dict[str, list[dict[str, Any]]]:
+        """Every intent, attempt-log row and step record, as plain rows, in one snapshot."""
+        with translate_errors("reading the audit"), self.engine.begin() as conn:
+            conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+            return {
+                name: [dict(row._mapping) for row in conn.execute(statement)]
+                for name, statement in (
+                    ("effects", audit.all_effects()),
+                    ("attempts", audit.all_attempts()),
+                    ("steps", audit.all_steps()),
+                )
+            }
+
+    def effect_counts(self) -> dict[str, int]:
+        """Effects per status (every status present)."""
+        with translate_errors("counting effects"), self.engine.connect() as conn:
+            return {str(s): int(n) for s, n in conn.execute(audit.effect_status_counts()).all()}
+
+    def expire_leases_of(self, owner_pattern: str) -> int:
+        """End now the run and effect leases of owners matching ``owner_pattern`` (SQL LIKE).
+
+        Only for an owner known to be dead (``outbox check`` saw its process
+        exit): the runs are rescued and the attempts reconciled as if the
+        leases had run out.
+        """
+        params = {"owner_pattern": owner_pattern}
+        with translate_errors("ending a dead owner's leases"), self.engine.begin() as conn:
+            ended = len(conn.execute(audit.expire_run_leases(), params).all())
+            return ended + len(conn.execute(audit.expire_effect_leases(), params).all())
+
+    def effect_kinds(self) -> list[str]:
+        """The effect kinds intended so far."""
+        with translate_errors("listing effect kinds"), self.engine.connect() as conn:
+            return [str(k) for k in conn.execute(audit.effect_kinds()).scalars()]
 
 
 def read_state_counts(conn: Connection) -> maintenance.StateCounts:

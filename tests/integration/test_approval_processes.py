@@ -24,7 +24,7 @@ from deliverers.testing import IdempotentHttpSink
 from outbox import EffectStatus, Outbox, RunStatus
 from outbox.payloads import content_hash, encode
 from outbox.serve.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
-from tests.chaos.deliverer_process import start_deliverer
+from outbox.testing.processes import start_deliverer
 from tests.support import wait_for
 
 pytestmark = pytest.mark.slow

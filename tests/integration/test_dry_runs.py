@@ -15,7 +15,7 @@ from deliverers.testing import IdempotentHttpSink, RecordingDeliverer
 from outbox import EffectStatus, Outbox, RunMode, ValidationError
 from outbox.delivery.dry_run import DryRunConfig, dry_run_config, dry_run_registry
 from outbox.demo import agent as demo_agent
-from tests.chaos.deliverer_process import start_deliverer
+from outbox.testing.processes import start_deliverer
 from tests.support import DaemonThread, wait_for
 
 

@@ -27,7 +27,7 @@ from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox, derive_key
 from outbox.serve.app import OutboxServer
 from outbox.serve.settings import Credentials, ServeSettings
-from tests.chaos.deliverer_process import start_deliverer
+from outbox.testing.processes import start_deliverer
 
 CLIENT = Path(__file__).parents[2] / "clients" / "typescript"
 
