@@ -31,6 +31,7 @@ from outbox.client import (
     refused,
     resolve_params,
     retry_params,
+    run_args,
     run_filters,
     signal_sender,
 )
@@ -146,10 +147,17 @@ class AsyncOutbox:
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
         return AsyncRun(self._ctx, record, [])
 
-    async def run(self, run_id: uuid.UUID | str) -> AsyncRun:
-        """Load a run (in any process) to inspect or resume it."""
-        rid = as_uuid(run_id, "run_id")
-        loaded = await self.aio.call(self.aio.sync.load_run, rid)
+    async def run(self, run_id: uuid.UUID | str, *, step_id: str | None = None) -> AsyncRun:
+        """Load a run (in any process) to inspect or resume it.
+
+        With ``step_id``, the handle knows only that step of the run's history
+        (if it was recorded): it reads two rows, not every step, for a caller
+        that records that one step and lets the handle go (the HTTP API does,
+        per request). That step replays as always; its ``completed_steps``
+        lists at most that step, so use a full handle for anything else.
+        """
+        rid = run_args(run_id, step_id)
+        loaded = await self.aio.call(self.aio.sync.load_run, rid, step_id)
         if loaded is None:
             raise RunNotFound(rid)
         return AsyncRun(self._ctx, *loaded)
@@ -202,12 +210,15 @@ class AsyncOutbox:
         self,
         *,
         run_id: uuid.UUID | str | None = None,
+        step_id: str | None = None,
         status: str | None = None,
         kind: str | None = None,
         limit: int = 100,
     ) -> list[Effect]:
-        """Effects in intent order, filtered by run, status or kind."""
-        filters = effect_filters(run_id=run_id, status=status, kind=kind, limit=limit)
+        """Effects in intent order, filtered by run (and step of that run), status or kind."""
+        filters = effect_filters(
+            run_id=run_id, step_id=step_id, status=status, kind=kind, limit=limit
+        )
         return await self.aio.call(self.aio.sync.list_effects, **filters)
 
     async def resolve_effect(

@@ -147,10 +147,17 @@ class Outbox:
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
         return Run(self._ctx, record, [])
 
-    def run(self, run_id: uuid.UUID | str) -> Run:
-        """Load a run (in any process) to inspect or resume it."""
-        rid = as_uuid(run_id, "run_id")
-        loaded = self.store.load_run(rid)
+    def run(self, run_id: uuid.UUID | str, *, step_id: str | None = None) -> Run:
+        """Load a run (in any process) to inspect or resume it.
+
+        With ``step_id``, the handle knows only that step of the run's history
+        (if it was recorded): it reads two rows, not every step, for a caller
+        that records that one step and lets the handle go (the HTTP API does,
+        per request). That step replays as always; its ``completed_steps``
+        lists at most that step, so use a full handle for anything else.
+        """
+        rid = run_args(run_id, step_id)
+        loaded = self.store.load_run(rid, step_id)
         if loaded is None:
             raise RunNotFound(rid)
         return Run(self._ctx, *loaded)
@@ -211,12 +218,15 @@ class Outbox:
         self,
         *,
         run_id: uuid.UUID | str | None = None,
+        step_id: str | None = None,
         status: str | None = None,
         kind: str | None = None,
         limit: int = 100,
     ) -> list[Effect]:
-        """Effects in intent order, filtered by run, status or kind."""
-        filters = effect_filters(run_id=run_id, status=status, kind=kind, limit=limit)
+        """Effects in intent order, filtered by run (and step of that run), status or kind."""
+        filters = effect_filters(
+            run_id=run_id, step_id=step_id, status=status, kind=kind, limit=limit
+        )
         return self.store.list_effects(**filters)
 
     def resolve_effect(
@@ -485,8 +495,21 @@ def new_run_row(
     }
 
 
+def run_args(run_id: uuid.UUID | str, step_id: str | None) -> uuid.UUID:
+    """Validated arguments of ``run()`` (both twins); returns the run id."""
+    rid = as_uuid(run_id, "run_id")
+    if step_id is not None:
+        name_field(step_id, "step_id", max_length=MAX_KEY_LENGTH)
+    return rid
+
+
 def effect_filters(
-    *, run_id: uuid.UUID | str | None, status: str | None, kind: str | None, limit: int
+    *,
+    run_id: uuid.UUID | str | None,
+    status: str | None,
+    kind: str | None,
+    limit: int,
+    step_id: str | None = None,
 ) -> dict[str, Any]:
     """Validated filters of ``effects()``."""
     if status is not None and status not in EffectStatus.__members__.values():
@@ -494,7 +517,13 @@ def effect_filters(
     if kind is not None:
         name_field(kind, "kind")
     rid = None if run_id is None else as_uuid(run_id, "run_id")
-    return {"run_id": rid, "status": status, "kind": kind, "limit": row_limit(limit)}
+    filters: dict[str, Any] = {"run_id": rid, "status": status, "kind": kind}
+    if step_id is not None:
+        # A step id means something only within its run (and the run's index finds it).
+        if rid is None:
+            raise ValidationError("step_id", step_id, "filter by run_id too")
+        filters["step_id"] = name_field(step_id, "step_id", max_length=MAX_KEY_LENGTH)
+    return {**filters, "limit": row_limit(limit)}
 
 
 def run_filters(*, status: str | None, agent: str | None, limit: int) -> dict[str, Any]:

@@ -123,12 +123,16 @@ class ValidationError(OutboxError, ValueError):
     """A caller passed a value that cannot be accepted.
 
     ``field`` names the offending input and ``value`` holds it (shortened in the message).
+    ``rule`` is the stable code of the intent rule it breaks (``outbox.intent_rules``,
+    e.g. ``credential-header``), when one does: the SQL API and the HTTP API report
+    the same code.
     """
 
-    def __init__(self, field: str, value: Any, reason: str) -> None:
+    def __init__(self, field: str, value: Any, reason: str, *, rule: str | None = None) -> None:
         self.field = field
         self.value = value
         self.reason = reason
+        self.rule = rule
         super().__init__(f"{field}={_show(value)}: {reason}")
 
 

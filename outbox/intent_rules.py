@@ -275,7 +275,7 @@ class Violation:
 
     def error(self) -> ValidationError:
         """The typed error a caller gets."""
-        return ValidationError(self.field, self.shown, self.reason)
+        return ValidationError(self.field, self.shown, self.reason, rule=self.code)
 
 
 def identifier_violation(value: str, field: str) -> Violation | None:

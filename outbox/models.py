@@ -14,6 +14,7 @@ from typing import Annotated, Any, NamedTuple
 from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, field_validator
+from pydantic_core import PydanticCustomError
 
 from outbox.gates import ApprovalPolicy
 from outbox.intent_rules import (
@@ -236,7 +237,8 @@ def _plain_text(value: str | None) -> str | None:
     if value is not None:
         found = identifier_violation(value, "")
         if found is not None:
-            raise ValueError(found.reason)
+            # The rule's code as the error's type: boundaries report it (ValidationError.rule).
+            raise PydanticCustomError(found.code, "{reason}", {"reason": found.reason})
     return value
 
 

@@ -175,6 +175,7 @@ def environment() -> list[tuple[str, str, str]]:
         (serve.WEBHOOK_SECRET_ENV, "HMAC secret of signed signals (at least 16 bytes)."),
         (serve.OPERATOR_TOKEN_ENV, "Who holds it may act in the console (at least 16 bytes)."),
         (serve.METRICS_TOKEN_ENV, "Bearer token of `/metrics` (at least 16 bytes)."),
+        (serve.API_TOKEN_ENV, "Bearer token of the HTTP API, `/api/v1` (at least 16 bytes)."),
     ):
         found[variable] = ("`outbox serve`", meaning)
         found[variable + "_FILE"] = ("`outbox serve`", f"A file holding `{variable}`.")

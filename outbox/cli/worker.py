@@ -179,6 +179,13 @@ def _settings(**values: Any) -> Any:
     help="Bearer token of /metrics (else OUTBOX_METRICS_TOKEN[_FILE]).",
 )
 @click.option(
+    "--api-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Bearer token of the HTTP API, /api/v1 (else OUTBOX_API_TOKEN[_FILE]); "
+    "without one the API is off.",
+)
+@click.option(
     "--tolerance",
     type=float,
     default=300.0,
@@ -214,6 +221,20 @@ def _settings(**values: Any) -> Any:
     help="Seconds an idle keep-alive connection is kept open.",
 )
 @click.option(
+    "--max-body-bytes",
+    type=int,
+    default=1024 * 1024,
+    show_default=True,
+    help="Largest request body read (more is answered 413, unread).",
+)
+@click.option(
+    "--max-wait",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Longest an HTTP API long poll waits for an effect, in seconds.",
+)
+@click.option(
     "--console/--no-console",
     "with_console",
     default=True,
@@ -229,15 +250,18 @@ def serve(
     secret_file: Path | None,
     operator_token_file: Path | None,
     metrics_token_file: Path | None,
+    api_token_file: Path | None,
     tolerance: float,
     max_concurrency: int,
     header_timeout: float,
     body_timeout: float,
     idle_timeout: float,
+    max_body_bytes: int,
+    max_wait: float,
     with_console: bool,
     log_json: bool,
 ) -> None:
-    """Signed signals over HTTP, /healthz, /metrics and the operator console (/console)."""
+    """Signed signals, the HTTP API (/api/v1), /healthz, /metrics and the console (/console)."""
     from outbox.cli.logs import configure
     from outbox.serve.app import OutboxServer
     from outbox.serve.settings import Credentials
@@ -250,16 +274,20 @@ def serve(
         header_timeout=header_timeout,
         body_timeout=body_timeout,
         idle_timeout=idle_timeout,
+        max_body_bytes=max_body_bytes,
+        max_wait=max_wait,
         console=with_console,
     )
     credentials = Credentials.from_env(
         webhook_secret_file=secret_file,
         operator_token_file=operator_token_file,
         metrics_token_file=metrics_token_file,
+        api_token_file=api_token_file,
     )
-    if credentials.webhook_secret is None and not with_console:
+    if credentials.webhook_secret is None and credentials.api_token is None and not with_console:
         raise ConfigurationError(
-            "OUTBOX_WEBHOOK_SECRET is not set (or pass --secret-file): signals are never unsigned"
+            "OUTBOX_WEBHOOK_SECRET and OUTBOX_API_TOKEN are not set (or pass --secret-file, "
+            "--api-token-file): with no console either, there is nothing to serve"
         )
     configure(logging.INFO, as_json=log_json)
     with listening(host, port):
@@ -267,10 +295,11 @@ def serve(
     server = OutboxServer(cli.outbox, settings, credentials)
     log = logging.getLogger("outbox.serve")
     log.info(
-        "serving on http://%s:%d (signals %s, console %s)",
+        "serving on http://%s:%d (signals %s, HTTP API %s, console %s)",
         host,
         port,
         "on" if credentials.webhook_secret else "off: no OUTBOX_WEBHOOK_SECRET",
+        "on at /api/v1" if credentials.api_token else "off: no OUTBOX_API_TOKEN",
         ("read-write for the operator" if credentials.operator_token else "read-only")
         if with_console
         else "off",

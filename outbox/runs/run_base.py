@@ -102,6 +102,10 @@ class RunBase:
         self._lease = lease
         #: The step being attempted now (a worker counts a failure against it).
         self.active_step: str | None = None
+        #: True when the last step (``call``, ``transaction`` or a wait) returned what
+        #: was recorded before, by this handle or another process, instead of
+        #: recording it now (an HTTP replay answers 200 rather than 201 with it).
+        self.last_replayed = False
 
     # -- what it is -------------------------------------------------------------
 
@@ -187,7 +191,8 @@ class RunBase:
     def _recorded_or_start(self, step_id: Any) -> tuple[str, StepRecord | None]:
         """Check the step id; return its record if it is known, else mark it active."""
         step_id = self._check_step_id(step_id)
-        if step_id in self._steps:
+        self.last_replayed = step_id in self._steps
+        if self.last_replayed:
             return step_id, self._steps[step_id]
         self._check_live()
         self.active_step = step_id
@@ -279,6 +284,8 @@ class RunBase:
         """Another process recorded this step first; ours was rolled back whole."""
         assert recorded is not None
         self._steps[step_id] = recorded
+        self.active_step = None
+        self.last_replayed = True
         return self._replay(recorded)
 
     # -- waiting (G8) -------------------------------------------------------------
@@ -311,6 +318,7 @@ class RunBase:
     def _wait_recorded(self, step_id: Any) -> tuple[str, StepRecord | None]:
         step_id = self._check_step_id(step_id)
         recorded = self._steps.get(step_id)
+        self.last_replayed = recorded is not None and recorded.status == StepStatus.COMPLETED
         if recorded is not None and recorded.status == StepStatus.COMPLETED:
             return step_id, recorded
         self._check_live()

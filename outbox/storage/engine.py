@@ -143,7 +143,8 @@ def sql_api_error(sqlstate: str | None, message: str, detail: str | None) -> Out
         fields = {}
     match sqlstate:
         case "OB001":
-            return ValidationError(fields.get("field", "?"), fields.get("value"), fields["reason"])
+            field, value, rule = fields.get("field", "?"), fields.get("value"), fields.get("rule")
+            return ValidationError(field, value, fields["reason"], rule=rule)
         case "OB002":
             return PayloadError(fields.get("field", "?"), fields.get("value"), fields["reason"])
         case "OB003":

@@ -79,14 +79,17 @@ class Store:
             row = conn.execute(sql.insert_run(notify=notify), params).one()
         return RunRecord.model_validate(row._mapping)
 
-    def load_run(self, run_id: UUID) -> tuple[RunRecord, list[StepRecord]] | None:
-        """A run and its completed steps, or ``None``."""
-        run_q, steps_q = sql.run_with_steps()
+    def load_run(
+        self, run_id: UUID, step_id: str | None = None
+    ) -> tuple[RunRecord, list[StepRecord]] | None:
+        """A run and its recorded steps (only ``step_id``'s, when given), or ``None``."""
+        run_q, steps_q = sql.run_with_steps(one_step=step_id is not None)
+        params = {"run_id": run_id, "step_id": step_id}
         with translate_errors("loading a run"), self.engine.connect() as conn:
-            row = conn.execute(run_q, {"run_id": run_id}).one_or_none()
+            row = conn.execute(run_q, params).one_or_none()
             if row is None:
                 return None
-            steps = conn.execute(steps_q, {"run_id": run_id}).all()
+            steps = conn.execute(steps_q, params).all()
         return (
             RunRecord.model_validate(row._mapping),
             [StepRecord.model_validate(s._mapping) for s in steps],
@@ -183,6 +186,14 @@ class Store:
         """Effects in intent order."""
         with translate_errors("listing effects"), self.engine.connect() as conn:
             rows = conn.execute(sql.list_effects(**filters)).all()
+        return [Effect.model_validate(r._mapping) for r in rows]
+
+    def finished_effects(self, effect_ids: Sequence[UUID]) -> list[Effect]:
+        """Those of ``effect_ids`` that are terminal (succeeded, failed, cancelled, compensated)."""
+        if not effect_ids:
+            return []
+        with translate_errors("checking awaited effects"), self.engine.connect() as conn:
+            rows = conn.execute(sql.finished_effects(), {"ids": list(effect_ids)}).all()
         return [Effect.model_validate(r._mapping) for r in rows]
 
     def attempts(self, effect_id: UUID) -> list[EffectAttempt]:

@@ -24,16 +24,18 @@ from sqlalchemy import (
     column,
     func,
     literal,
+    literal_column,
     null,
     select,
     text,
     true,
 )
+from sqlalchemy.dialects.postgresql import ARRAY as postgresql_array
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement, TableValuedAlias, TextClause
 
-from outbox.models import RunStatus
+from outbox.models import TERMINAL_EFFECT_STATUSES, RunStatus
 from outbox.storage.schema import budget_ledger, effects, gates, runs, steps
 from outbox.storage.sql.common import (
     EFFECTS_CHANNEL,
@@ -41,12 +43,14 @@ from outbox.storage.sql.common import (
     RUNS_CHANNEL,
     AnySelect,
     const,
+    in_statuses,
     json_param,
 )
 
 __all__ = [
     "commit_step",
     "effect_by_key",
+    "finished_effects",
     "insert_run",
     "intend_for_stopping_run",
     "intend_without_run",
@@ -181,7 +185,8 @@ def _effect_select(
         bindparam("step_id", type_=Text),
         rows.c.step_index,
         rows.c.kind,
-        rows.c.payload,
+        # A JSON null payload reads back from the recordset as SQL NULL: store it as JSON.
+        func.coalesce(rows.c.payload, literal_column("'null'::jsonb", JSONB)),
         rows.c.payload_hash,
         rows.c.schema_version,
         rows.c.idempotency_key,
@@ -387,12 +392,12 @@ def effect_by_key() -> AnySelect:
     return select(effects).where(effects.c.idempotency_key == bindparam("key"))
 
 
-def run_with_steps() -> tuple[AnySelect, AnySelect]:
-    """The run ``:run_id`` and its completed steps in completion order."""
-    return (
-        select(runs).where(runs.c.id == bindparam("run_id")),
-        select(steps).where(steps.c.run_id == bindparam("run_id")).order_by(steps.c.seq),
-    )
+def run_with_steps(*, one_step: bool = False) -> tuple[AnySelect, AnySelect]:
+    """The run ``:run_id`` and its recorded steps in order (``one_step``: only ``:step_id``)."""
+    steps_q = select(steps).where(steps.c.run_id == bindparam("run_id"))
+    if one_step:
+        steps_q = steps_q.where(steps.c.step_id == bindparam("step_id"))
+    return (select(runs).where(runs.c.id == bindparam("run_id")), steps_q.order_by(steps.c.seq))
 
 
 def list_runs(
@@ -410,16 +415,32 @@ def list_runs(
 def list_effects(
     *,
     run_id: object = None,
+    step_id: str | None = None,
     status: str | None = None,
     kind: str | None = None,
     limit: int = 100,
 ) -> AnySelect:
-    """Effects in intent order, optionally filtered by run, status or kind."""
+    """Effects in intent order, optionally filtered by run (and step), status or kind."""
     query = select(effects).order_by(effects.c.seq).limit(limit)
     if run_id is not None:
         query = query.where(effects.c.run_id == run_id)
+    if step_id is not None:
+        query = query.where(effects.c.step_id == step_id)
     if status is not None:
         query = query.where(effects.c.status == status)
     if kind is not None:
         query = query.where(effects.c.kind == kind)
     return query
+
+
+def finished_effects() -> AnySelect:
+    """Of the effects ``:ids``, those that can no longer change by delivery (one index probe each).
+
+    Awaiting effects (``outbox serve``'s long poll) asks this for every awaited
+    id at once, so a hundred waiters cost one query per poll, not a hundred.
+    """
+    ids = bindparam("ids", type_=postgresql_array(UUID(as_uuid=True)))
+    return select(effects).where(
+        effects.c.id == func.any(ids),
+        in_statuses(effects.c.status, TERMINAL_EFFECT_STATUSES),
+    )
