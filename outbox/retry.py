@@ -12,11 +12,31 @@ between processes; only the arithmetic is needed, and it is these few lines.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import random
 from dataclasses import dataclass
 
-__all__ = ["IdleBackoff", "RetryPolicy"]
+__all__ = ["IdleBackoff", "RetryPolicy", "wait_or_wake"]
+
+
+async def wait_or_wake(event: asyncio.Event, seconds: float) -> bool:
+    """Wait until ``event`` is set or ``seconds`` pass; True when it was set.
+
+    ``asyncio.timeout``, not ``asyncio.wait_for``: on 3.11 the latter swallows a
+    cancellation that comes as the event is set, and a stopping loop hangs. An
+    event already set still yields to the loop once: ``Event.wait`` would return
+    without yielding, and a caller looping on a set event would starve every
+    other task.
+    """
+    if event.is_set():
+        await asyncio.sleep(0)
+        return True
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    return event.is_set()
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ what PostgreSQL holds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Protocol
@@ -18,7 +17,7 @@ from uuid import UUID
 from outbox.delivery.leases import Leases
 from outbox.delivery.settings import DeliverySettings
 from outbox.faults import crash_point
-from outbox.retry import IdleBackoff
+from outbox.retry import IdleBackoff, wait_or_wake
 from outbox.storage.async_store import AsyncStore, ClaimedEffect
 from outbox.storage.notify import listen
 from outbox.storage.sql.common import EFFECTS_CHANNEL
@@ -50,17 +49,6 @@ class EffectSource(Protocol):
 
     async def close(self, timeout: float) -> None:
         """Release connections within ``timeout`` seconds; the daemon calls it last."""
-
-
-async def wait_or_wake(event: asyncio.Event, seconds: float) -> None:
-    """Wait until ``event`` is set or ``seconds`` pass.
-
-    ``asyncio.timeout``, not ``asyncio.wait_for``: on 3.11 the latter swallows a
-    cancellation that comes as the event is set.
-    """
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(seconds):
-            await event.wait()
 
 
 class PollSource:

@@ -14,13 +14,13 @@ waiting.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from outbox.errors import LeaseLost, RunTerminal
 from outbox.models import Lease, RunRecord, RunStatus
+from outbox.retry import wait_or_wake
 from outbox.runs.async_run import AsyncRun
 from outbox.runs.context import AsyncRunContext
 from outbox.runs.run_base import Suspended
@@ -110,8 +110,7 @@ class AsyncWorker(WorkerCore):
                     task.add_done_callback(self._tasks.discard)
             if rows and len(rows) >= free:
                 continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), idle)
+            await wait_or_wake(self._wake, idle)
             idle = 0.01 if rows else min(self.settings.poll_seconds, idle * 2)
 
     # -- one run ------------------------------------------------------------------------

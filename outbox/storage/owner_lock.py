@@ -14,6 +14,7 @@ import logging
 
 import psycopg
 
+from outbox.retry import wait_or_wake
 from outbox.storage.engine import libpq_dsn
 from outbox.storage.sql.owners import FORGET_OWNER, REGISTER_OWNER, TAKE_OWNER_LOCK
 
@@ -43,11 +44,7 @@ class OwnerLock:
 
     async def wait_held(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the lock; False if it is not held by then."""
-        try:
-            await asyncio.wait_for(self.held.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_or_wake(self.held, timeout)
 
     async def _keep(self) -> None:
         backoff = 0.1

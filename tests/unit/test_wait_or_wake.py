@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from outbox.delivery.sources import wait_or_wake
+from outbox.retry import wait_or_wake
 
 
 def test_the_event_wakes_it_and_the_time_ends_it() -> None:
@@ -36,3 +36,26 @@ def test_a_cancel_as_the_event_is_set_is_not_swallowed() -> None:
         return waiting.cancelled()
 
     assert asyncio.run(main())
+
+
+def test_a_loop_over_an_event_left_set_lets_other_tasks_run() -> None:
+    """A worker whose slots are full loops on a set event; the runs it holds must progress."""
+
+    async def main() -> int:
+        event = asyncio.Event()
+        event.set()
+        progressed = 0
+
+        async def other() -> None:
+            nonlocal progressed
+            for _ in range(10):
+                progressed += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        for _ in range(100):
+            assert await wait_or_wake(event, 1)
+        await task
+        return progressed
+
+    assert asyncio.run(main()) == 10
