@@ -26,7 +26,9 @@ from outbox.errors import (
     PermanentError,
     ReplayRefused,
     RetryableError,
+    RunExists,
     RunNotFound,
+    RunPaused,
     RunStateError,
     RunTerminal,
     SchemaError,
@@ -44,6 +46,7 @@ from outbox.models import (
     EffectAttempt,
     EffectIntent,
     EffectStatus,
+    OnConflict,
     RunRecord,
     RunStart,
     RunStatus,
@@ -54,6 +57,7 @@ from outbox.runs.async_run import AsyncOutboxTransaction, AsyncRun, AsyncStepTra
 from outbox.runs.async_worker import AsyncWorker
 from outbox.runs.intents import OutboxTransaction, StepTransaction
 from outbox.runs.run import Run, Suspended
+from outbox.runs.run_base import Paused
 from outbox.runs.signals import SignalReceipt
 from outbox.runs.worker import Worker, WorkerSettings
 from outbox.settings import Settings
@@ -86,15 +90,19 @@ __all__ = [
     "IdempotencyConflict",
     "LeaseLost",
     "NotFound",
+    "OnConflict",
     "Outbox",
     "OutboxError",
     "OutboxTransaction",
+    "Paused",
     "PayloadError",
     "PermanentError",
     "ReplayRefused",
     "RetryableError",
     "Run",
+    "RunExists",
     "RunNotFound",
+    "RunPaused",
     "RunRecord",
     "RunStart",
     "RunStateError",

@@ -20,13 +20,16 @@ from outbox.intent_rules import (
     MAX_AMOUNT,
     MAX_ATTEMPTS,
     MAX_DELAY_SECONDS,
+    MAX_FAIRNESS_KEY_LENGTH,
     MAX_KEY_LENGTH,
     MAX_KIND_LENGTH,
+    MAX_PRIORITY,
     MAX_SCHEMA_VERSION,
     identifier_violation,
 )
 
 __all__ = [
+    "ACTIVE_RUN_STATUSES",
     "LIVE_RUN_STATUSES",
     "NOT_STARTED_EFFECT_STATUSES",
     "OPEN_EFFECT_STATUSES",
@@ -40,6 +43,7 @@ __all__ = [
     "EffectIntent",
     "EffectStatus",
     "Lease",
+    "OnConflict",
     "RunRecord",
     "RunStart",
     "RunStatus",
@@ -61,17 +65,22 @@ class RunStatus(StrEnum):
     COMPENSATING = "compensating"
     COMPENSATED = "compensated"
     COMPENSATION_FAILED = "compensation_failed"
+    #: held by an operator (``outbox runs pause``): not claimed, its effects not delivered
+    PAUSED = "paused"
 
 
 # Named sets of statuses: the SQL (predicates, partial indexes, CHECK
 # constraints) is built from these, so each set is written once.
 
-#: A run in one of these accepts steps, signals and effects.
-LIVE_RUN_STATUSES: tuple[RunStatus, ...] = (
+#: A run in one of these accepts steps and effects.
+ACTIVE_RUN_STATUSES: tuple[RunStatus, ...] = (
     RunStatus.RUNNABLE,
     RunStatus.RUNNING,
     RunStatus.WAITING,
 )
+#: A run in one of these has not ended: it accepts signals, can be cancelled,
+#: and keeps its agent version in use. A paused run is live but takes no steps.
+LIVE_RUN_STATUSES: tuple[RunStatus, ...] = (*ACTIVE_RUN_STATUSES, RunStatus.PAUSED)
 #: A run being cancelled: effects finish, then compensation runs.
 STOPPING_RUN_STATUSES: tuple[RunStatus, ...] = (RunStatus.CANCELLING, RunStatus.COMPENSATING)
 #: A run in one of these has ended for good.
@@ -96,6 +105,8 @@ class EffectStatus(StrEnum):
     UNKNOWN = "unknown"
     CANCELLED = "cancelled"
     COMPENSATED = "compensated"
+    #: not yet attempted, held while its run is paused (``pending`` again at resume)
+    PAUSED = "paused"
 
 
 #: An effect in one of these can no longer change by delivery.
@@ -106,17 +117,20 @@ TERMINAL_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
     EffectStatus.COMPENSATED,
 )
 #: Effects still on their way: not yet attempted, being attempted, handed to
-#: Kafka, or waiting for an operator.
+#: Kafka, waiting for an operator, or held by a paused run.
 OPEN_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
     EffectStatus.PENDING,
     EffectStatus.IN_FLIGHT,
     EffectStatus.DISPATCHED,
     EffectStatus.UNKNOWN,
+    EffectStatus.PAUSED,
 )
-#: Open effects that no deliverer has started: a cancelled run cancels them.
+#: Open effects that no deliverer has started: a cancelled run cancels them,
+#: a paused run holds them (as ``paused``).
 NOT_STARTED_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
     EffectStatus.PENDING,
     EffectStatus.DISPATCHED,
+    EffectStatus.PAUSED,
 )
 
 
@@ -182,6 +196,15 @@ def _plain_text(value: str | None) -> str | None:
     return value
 
 
+class OnConflict(StrEnum):
+    """What ``start_run(key=...)`` does when a run with that key exists (same inputs)."""
+
+    #: return the existing run (a second start is a no-op)
+    RETURN_EXISTING = "return_existing"
+    #: refuse with :class:`~outbox.RunExists`
+    REJECT = "reject"
+
+
 class RunStart(BaseModel):
     """What ``Outbox.start_run`` accepts; validated before anything is written."""
 
@@ -191,9 +214,16 @@ class RunStart(BaseModel):
     version: str = Field(min_length=1, max_length=100, strict=True)
     inputs: Any = None
     budget: float | None = Field(default=None, ge=0, le=MAX_AMOUNT)
+    #: A business key: one run per key (a second start returns it or is refused).
+    key: str | None = Field(default=None, min_length=1, max_length=MAX_KEY_LENGTH, strict=True)
+    on_conflict: OnConflict = OnConflict.RETURN_EXISTING
+    #: Higher is claimed first by workers; the run's effects inherit it.
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, strict=True)
+    #: Workers share capacity between fairness keys; the run's effects inherit it.
+    fairness_key: str = Field(default="", max_length=MAX_FAIRNESS_KEY_LENGTH, strict=True)
 
     _budget_is_a_number = field_validator("budget", mode="before")(_no_bool)
-    _names_are_text = field_validator("agent", "version")(_plain_text)
+    _names_are_text = field_validator("agent", "version", "key", "fairness_key")(_plain_text)
 
 
 class Compensation(BaseModel):
@@ -221,9 +251,13 @@ class EffectIntent(BaseModel):
     schema_version: int = Field(default=1, ge=1, le=MAX_SCHEMA_VERSION, strict=True)
     compensate: Compensation | None = None
     cost: float | None = Field(default=None, ge=0, le=MAX_AMOUNT)
+    #: None: the run's (0 without a run). Higher is claimed first.
+    priority: int | None = Field(default=None, ge=-MAX_PRIORITY, le=MAX_PRIORITY, strict=True)
+    #: None: the run's ("" without a run). Claims share capacity between fairness keys.
+    fairness_key: str | None = Field(default=None, max_length=MAX_FAIRNESS_KEY_LENGTH, strict=True)
 
     _numbers_are_numbers = field_validator("delay_seconds", "cost", mode="before")(_no_bool)
-    _keys_are_text = field_validator("key", "ordering_key")(_plain_text)
+    _keys_are_text = field_validator("key", "ordering_key", "fairness_key")(_plain_text)
 
     @field_validator("compensate")
     @classmethod
@@ -263,6 +297,21 @@ class RunRecord(_Record):
     #: Agent-version upgrades this run went through: ``{from, to, at, worker}``.
     upgrades: list[dict[str, Any]] = Field(default_factory=list)
     cancel_reason: str | None = None
+    #: The business key it was started with (one run per key), if any.
+    key: str | None = None
+    priority: int = 0
+    fairness_key: str = ""
+    #: Set while paused (or while a pause waits for the step in flight to finish).
+    paused_at: datetime | None = None
+    pause_reason: str | None = None
+    #: The run this one was forked from (``outbox runs fork``), and the step it restarted at.
+    forked_from: UUID | None = None
+    forked_at_step: str | None = None
+
+    @property
+    def paused(self) -> bool:
+        """True while paused, or while a pause waits for the step in flight to finish."""
+        return self.paused_at is not None
 
     @property
     def remaining_budget(self) -> Decimal | None:
@@ -314,6 +363,8 @@ class Effect(_Record):
     attempt_started_at: datetime | None = None
     created_at: datetime | None = None
     completed_at: datetime | None = None
+    priority: int = 0
+    fairness_key: str = ""
 
     @property
     def terminal(self) -> bool:

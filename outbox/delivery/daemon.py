@@ -150,9 +150,15 @@ class DeliveryDaemon:
         if self._stopping.is_set():
             self._record(released(effect, "released unstarted at shutdown"))
             return
+        try:
+            attempt = await self.store.with_payload(effect)
+        except Exception as exc:  # the payload is read again with the next attempt
+            log.warning("effect %s: its payload could not be read: %s", effect.id, exc)
+            self._record(released(effect, f"payload could not be read: {exc}", delay=1.0))
+            return
         completion, outcome = await perform_attempt(
             self.deliverers[effect.kind],
-            effect,
+            attempt,
             policy=self.settings.retry_policy,
             default_max_attempts=self.settings.max_attempts,
             schema_retry_seconds=self.settings.schema_retry_seconds,

@@ -195,7 +195,7 @@ async def _resolve(
         if not await store.take_over(effect_id, attempt, owner=worker, lease_seconds=lease_seconds):
             return None
         try:
-            answer = await _lookup(deliverer, delivery_for(row))
+            answer = await _lookup(deliverer, delivery_for(await store.with_payload(row)))
         except Exception as exc:  # the lease runs out again and the next round retries
             log.warning("lookup of effect %s failed: %s", effect_id, exc)
             return item("lookup_failed", f"{type(exc).__name__}: {exc}")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
+from outbox.blobs import Stored
 from outbox.models import Effect, RunStatus
 from outbox.runs.intents import StepTransaction
 from outbox.runs.run_base import AlreadyRecorded, RunBase, Suspended
@@ -47,8 +48,8 @@ class Run(RunBase):
         step_id, recorded = self._recorded_or_start(step_id)
         if recorded is not None:
             return self._replay(recorded)
-        result_json = self._encode_result(fn(*args, **kwargs))
-        return self._commit(step_id, "call", result_json, None, None)
+        result = self._encode_result(fn(*args, **kwargs))
+        return self._commit(step_id, "call", result, None, None)
 
     def transaction(
         self,
@@ -136,7 +137,7 @@ class Run(RunBase):
         self,
         step_id: str,
         kind: str,
-        result_json: str | None,
+        result: Stored | None,
         fn: Callable[[StepTransaction], Any] | None,
         connection: Connection | None,
     ) -> Any:
@@ -146,19 +147,19 @@ class Run(RunBase):
             with store.begin(connection) as conn:
                 tx = StepTransaction(self, conn, step_id)
                 if fn is not None:
-                    result_json = self._encode_result(fn(tx))
+                    result = self._encode_result(fn(tx))
                 has_intents = tx._intents.pending > 0
                 notified = wakeup.inline() if has_intents else None
-                outcome = self._close_step(conn, tx, step_id, kind, result_json, notified)
+                outcome = self._close_step(conn, tx, step_id, kind, result, notified)
         except AlreadyRecorded:
             return self._adopt(step_id, store.step_record(self.id, step_id))
         if has_intents and connection is None:
             wakeup.committed(notified)
-        return self._recorded(step_id, kind, tx, result_json, outcome)
+        return self._recorded(step_id, kind, tx, result, outcome)
 
     def _finish(self, status: RunStatus, *, result: Any = None, error: Any = None) -> None:
         params = self._finish_params(status, result, error)
-        if not self._ctx.store.finish_run(self.id, **params):
+        if not self._ctx.store.finish_run(self.id, **self._finish_args(params)):
             self.refresh()
             raise self._not_finished()
         self._finished(status, params)

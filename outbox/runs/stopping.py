@@ -21,6 +21,7 @@ import logging
 import uuid
 from typing import Any
 
+from outbox.blobs import ValueLimits, store_value
 from outbox.errors import RunTerminal
 from outbox.ids import uuid7
 from outbox.keys import compensation_key
@@ -32,7 +33,8 @@ from outbox.models import (
     EffectStatus,
     RunStatus,
 )
-from outbox.payloads import content_hash, encode
+from outbox.payloads import content_hash
+from outbox.settings import DEFAULT_BLOB_THRESHOLD_BYTES, MAX_VALUE_BYTES
 from outbox.storage.run_tx import RunTx
 from outbox.storage.store import effects_json
 
@@ -101,18 +103,25 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
     return finish(RunStatus.COMPENSATION_FAILED)
 
 
+#: A compensation's payload was checked when it was intended; a large one goes by reference.
+_COMPENSATION_LIMITS = ValueLimits(MAX_VALUE_BYTES, DEFAULT_BLOB_THRESHOLD_BYTES)
+
+
 def _intend_compensations(tx: RunTx, run_id: uuid.UUID, to_undo: list[Any]) -> None:
     intents = []
     for index, original in enumerate(to_undo):
         compensate = original.compensate
-        payload_json = encode(compensate["payload"], field="compensate.payload")
+        payload = store_value(
+            compensate["payload"], field="compensate.payload", limits=_COMPENSATION_LIMITS
+        )
+        tx.put_blobs(run_id, [payload.blob])
         intents.append(
             {
                 "id": str(uuid7()),
                 "step_index": index,
                 "kind": compensate["kind"],
-                "payload": payload_json,
-                "payload_hash": content_hash(payload_json),
+                "payload": payload.json,
+                "payload_hash": content_hash(payload.value_json),
                 "schema_version": 1,
                 "idempotency_key": compensation_key(original.idempotency_key),
                 # one at a time, newest original first
@@ -122,6 +131,8 @@ def _intend_compensations(tx: RunTx, run_id: uuid.UUID, to_undo: list[Any]) -> N
                 "compensates": str(original.id),
                 "cost": None,
                 "delay_seconds": 0.0,
+                "priority": original.priority,
+                "fairness_key": original.fairness_key,
             }
         )
     tx.intend_compensations(run_id, effects_json(intents))

@@ -8,6 +8,7 @@ values, and every driver error as :class:`~outbox.errors.DatabaseError`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ from uuid import UUID
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from outbox.blobs import reference_hash
 from outbox.faults import crash_point
+from outbox.storage import blob_store
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import effects as effect_sql
@@ -127,8 +130,13 @@ class AsyncStore:
         *,
         owner: str,
         lease_seconds: float,
+        rates: Mapping[str, queue.Rate] | None = None,
     ) -> list[ClaimedEffect]:
-        """Claim from each partition, all in one transaction (claimed rows are all returned)."""
+        """Claim from each partition, all in one transaction (claimed rows are all returned).
+
+        ``rates`` maps a kind to its declared rate: that kind's claims take no
+        more than the rate allows, shared with every process through PostgreSQL.
+        """
         rows: list[ClaimedEffect] = []
         with translate_errors("claiming effects"):
             async with self.engine.connect() as conn:
@@ -139,12 +147,28 @@ class AsyncStore:
                     # failure part-way must not leave claims that were never returned.
                     conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
                 for partition, limit in quotas:
+                    rate = None if rates is None else rates.get(partition.get("kind", ""))
                     params = queue.claim_params(
-                        partition, limit=limit, owner=owner, lease_seconds=lease_seconds
+                        partition, limit=limit, owner=owner, lease_seconds=lease_seconds, rate=rate
                     )
-                    rows += _claimed(await conn.execute(queue.claim(spec), params))
+                    statement = queue.claim(spec, rated=rate is not None)
+                    rows += _claimed(await conn.execute(statement, params))
                 await conn.commit()
         return rows
+
+    async def with_payload(self, effect: ClaimedEffect) -> ClaimedEffect:
+        """The attempt with its payload read back if it was stored by reference.
+
+        Claims never read blobs; a deliverer reads one just before calling its
+        sink, so it holds one large payload per call in flight, not per claim.
+        """
+        sha = reference_hash(effect.payload)
+        if sha is None:
+            return effect
+        with translate_errors("reading a payload"):
+            async with self.engine.connect() as conn:
+                values = await conn.run_sync(blob_store.fetch, [sha])
+        return dataclasses.replace(effect, payload=values[sha])
 
     async def extend(
         self,

@@ -44,12 +44,15 @@ from outbox.models import (
 from outbox.storage.sql.common import sql_in
 
 __all__ = [
+    "blob_refs",
+    "blobs",
     "budget_ledger",
     "consumed_keys",
     "effect_attempts",
     "effects",
     "metadata",
     "migrations",
+    "rate_limits",
     "runs",
     "signals",
     "steps",
@@ -111,17 +114,31 @@ runs = Table(
     Column("step_retries", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("upgrades", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
     Column("cancel_reason", Text),
+    # 0006: run control. One run per business key; claims by priority, fair between keys;
+    # pause; forks (a new run replaying another's steps up to a point).
+    Column("key", Text),
+    Column("priority", Integer, nullable=False, server_default=text("0")),
+    Column("fairness_key", Text, nullable=False, server_default=text("''")),
+    _ts("paused_at"),
+    Column("pause_reason", Text),
+    Column("forked_from", UUID(as_uuid=True)),
+    Column("forked_at_step", Text),
     CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
     # every step updates the row: room on the page keeps those updates HOT (0004)
     postgresql_with={"fillfactor": "80"},
 )
+# A claim walks the lanes (priority, fairness key) of one partition, then each lane in
+# available_at order (see queue.claim); the plain case is one lane.
 Index(
     "outbox_runs_claimable",
     runs.c.agent,
     runs.c.agent_version,
+    runs.c.priority,
+    runs.c.fairness_key,
     runs.c.available_at,
     postgresql_where=text("status = 'runnable'"),
 )
+Index("outbox_runs_key", runs.c.key, unique=True, postgresql_where=text("key IS NOT NULL"))
 Index(
     "outbox_runs_leased",
     runs.c.lease_expires_at,
@@ -189,6 +206,9 @@ steps = Table(
     _ts("completed_at", nullable=False, default_now=True),
     # "waiting": a sleep or wait recorded with its deadline, not yet satisfied
     Column("status", Text, nullable=False, server_default=text("'completed'")),
+    # 0006: the state and plan this step set (NULL: unchanged), so a fork starts from them
+    Column("state", JSONB),
+    Column("plan", JSONB),
     PrimaryKeyConstraint("run_id", "step_id", name="outbox_steps_pkey"),
     CheckConstraint(sql_in("status", StepStatus), name="outbox_steps_status_check"),
 )
@@ -226,14 +246,20 @@ effects = Table(
     _ts("completed_at"),
     # 0002: the run parked on this effect (run.await_effect); see queue.complete_effects
     Column("awaited_by", UUID(as_uuid=True)),
+    # 0006: claims take higher priority first and share capacity between fairness keys
+    Column("priority", Integer, nullable=False, server_default=text("0")),
+    Column("fairness_key", Text, nullable=False, server_default=text("''")),
     UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
     CheckConstraint(sql_in("status", EFFECT_STATUSES), name="outbox_effects_status_check"),
 )
 # Claims go kind by kind, so a backlog of one kind (or of a kind no deliverer
-# knows) never slows the claims of another.
+# knows) never slows the claims of another; within a kind, lane by lane
+# (priority, fairness key), each lane in intent order (see queue.claim).
 Index(
     "outbox_effects_claimable",
     effects.c.kind,
+    effects.c.priority,
+    effects.c.fairness_key,
     effects.c.available_at,
     effects.c.seq,
     postgresql_where=text("status = 'pending'"),
@@ -398,4 +424,59 @@ consumed_keys = Table(
     Column("idempotency_key", Text, nullable=False),
     _ts("consumed_at", nullable=False, default_now=True),
     PrimaryKeyConstraint("consumer_group", "idempotency_key", name="outbox_consumed_keys_pkey"),
+)
+
+# 0006: an effect of a paused run that would become pending again (a retry, the
+# reconciler, an operator) is held as paused instead. Inserts decide it in
+# commit_step; this covers every other way back to pending, and its WHEN clause
+# keeps it out of claims and completions that do not go back to pending.
+EFFECT_PAUSE_DDL = (
+    """CREATE FUNCTION outbox_effects_hold_paused() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM outbox_runs WHERE id = NEW.run_id AND paused_at IS NOT NULL) THEN
+        NEW.status := 'paused';
+    END IF;
+    RETURN NEW;
+END
+$$""",
+    """CREATE TRIGGER outbox_effects_hold_paused
+    BEFORE UPDATE OF status ON outbox_effects FOR EACH ROW
+    WHEN (NEW.status = 'pending' AND OLD.status <> 'pending' AND OLD.status <> 'paused'
+          AND NEW.run_id IS NOT NULL)
+    EXECUTE FUNCTION outbox_effects_hold_paused()""",
+)
+for _ddl in EFFECT_PAUSE_DDL:
+    event.listen(effects, "after_create", DDL(_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
+
+# 0006: values over Settings.blob_threshold_bytes, stored once (outbox.blobs). Rows hold a
+# reference; blob_refs says which run (or run-less effect) uses which blob, so
+# `outbox gc` can delete the blobs nothing uses once their owners are gone.
+blobs = Table(
+    "outbox_blobs",
+    metadata,
+    Column("sha256", Text, primary_key=True),
+    Column("bytes", BigInteger, nullable=False),
+    Column("data", Text, nullable=False),
+    _ts("created_at", nullable=False, default_now=True),
+    # refreshed by every write that uses it; the upsert's row lock keeps gc off it
+    _ts("used_at", nullable=False, default_now=True),
+)
+blob_refs = Table(
+    "outbox_blob_refs",
+    metadata,
+    # a run id, or the id of an effect that belongs to no run
+    Column("owner", UUID(as_uuid=True), nullable=False),
+    Column("sha256", Text, ForeignKey("outbox_blobs.sha256"), nullable=False),
+    PrimaryKeyConstraint("owner", "sha256", name="outbox_blob_refs_pkey"),
+)
+Index("outbox_blob_refs_sha256", blob_refs.c.sha256)
+
+# 0006: a kind's declared rate (calls per second), shared by every deliverer process:
+# the theoretical arrival time of the next call (GCRA), moved on by each claim.
+rate_limits = Table(
+    "outbox_rate_limits",
+    metadata,
+    Column("kind", Text, primary_key=True),
+    _ts("tat", nullable=False),
 )

@@ -20,9 +20,9 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.dml import Update
 
 from outbox.models import AttemptOutcome, EffectStatus, RunStatus, StepStatus
-from outbox.storage.sql import effects, maintenance, queue, runs, steps
+from outbox.storage.sql import blobs, control, effects, maintenance, queue, runs, steps
 
-MODULES = [steps, queue, effects, runs, maintenance]
+MODULES = [steps, queue, effects, runs, maintenance, control, blobs]
 # Literals a statement may compare a status (or an attempt-log outcome) with.
 KNOWN = {str(v) for enum in (RunStatus, EffectStatus, StepStatus, AttemptOutcome) for v in enum}
 VARIANTS: dict[str, list[dict[str, Any]]] = {
@@ -34,12 +34,23 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     ],
     "intend_without_run": [{"notify": False}, {"notify": True}],
     "insert_run": [{"notify": False}, {"notify": True}],
-    "claim": [{"spec": queue.EFFECT_QUEUE}, {"spec": queue.RUN_QUEUE}],
+    "claim": [
+        {"spec": queue.EFFECT_QUEUE},
+        {"spec": queue.RUN_QUEUE},
+        {"spec": queue.EFFECT_QUEUE, "rated": True},
+    ],
     "extend_leases": [{"spec": queue.EFFECT_QUEUE}, {"spec": queue.RUN_QUEUE}],
     "list_runs": [{}, {"status": "running", "agent": "a", "limit": 5}],
     "list_effects": [{}, {"status": "pending", "kind": "k", "limit": 5}],
 }
-NOT_BUILDERS = {"claim_params", "extend_params", "StateCounts", "held_rows", "QueueSpec"}
+NOT_BUILDERS = {
+    "claim_params",
+    "extend_params",
+    "StateCounts",
+    "held_rows",
+    "QueueSpec",
+    "Rate",
+}
 
 
 def builders() -> Iterator[tuple[str, Any, dict[str, Any]]]:

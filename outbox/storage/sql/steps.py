@@ -18,6 +18,7 @@ from sqlalchemy import (
     Numeric,
     Text,
     bindparam,
+    case,
     column,
     func,
     literal,
@@ -32,8 +33,8 @@ from sqlalchemy.sql.expression import ColumnElement, TableValuedAlias, TextClaus
 from outbox.models import RunStatus
 from outbox.storage.schema import budget_ledger, effects, runs, steps
 from outbox.storage.sql.common import (
+    ACTIVE_CONDITION,
     EFFECTS_CHANNEL,
-    LIVE_CONDITION,
     RUNS_CHANNEL,
     AnySelect,
     const,
@@ -55,7 +56,11 @@ _RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
 
 
 def insert_run(*, notify: bool) -> AnySelect:
-    """Insert one run (parameters named like the columns) and return it."""
+    """Insert one run (parameters named like the columns) and return it.
+
+    A run with a ``key`` another run holds is not inserted (no row returned):
+    one run per business key.
+    """
     ins = (
         pg_insert(runs)
         .values(
@@ -66,7 +71,11 @@ def insert_run(*, notify: bool) -> AnySelect:
             inputs_hash=bindparam("inputs_hash"),
             status=const(RunStatus.RUNNABLE.value),
             budget=bindparam("budget", type_=Numeric),
+            key=bindparam("key", type_=Text),
+            priority=bindparam("priority", type_=Integer),
+            fairness_key=bindparam("fairness_key", type_=Text),
         )
+        .on_conflict_do_nothing(index_elements=[runs.c.key], index_where=runs.c.key.isnot(None))
         .returning(*runs.c)
         .cte("ins")
     )
@@ -90,6 +99,8 @@ _EFFECT_FIELDS = (
     column("compensates", UUID(as_uuid=True)),
     column("cost", Numeric),
     column("delay_seconds", Float),
+    column("priority", Integer),
+    column("fairness_key", Text),
 )
 
 _EFFECT_INSERT_COLUMNS = [
@@ -107,6 +118,8 @@ _EFFECT_INSERT_COLUMNS = [
     "compensate",
     "compensates",
     "cost",
+    "priority",
+    "fairness_key",
     "status",
     "available_at",
 ]
@@ -121,7 +134,11 @@ def _effect_rows() -> TableValuedAlias:
     )
 
 
-def _effect_select(rows: TableValuedAlias, run_id: ColumnElement[Any]) -> AnySelect:
+def _effect_select(
+    rows: TableValuedAlias,
+    run_id: ColumnElement[Any],
+    status: ColumnElement[Any] | None = None,
+) -> AnySelect:
     return select(
         rows.c.id,
         run_id,
@@ -137,7 +154,9 @@ def _effect_select(rows: TableValuedAlias, run_id: ColumnElement[Any]) -> AnySel
         rows.c.compensate,
         rows.c.compensates,
         rows.c.cost,
-        const("pending"),
+        rows.c.priority,
+        rows.c.fairness_key,
+        const("pending") if status is None else status,
         func.now() + rows.c.delay_seconds * text("interval '1 second'"),
     )
 
@@ -154,15 +173,18 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
     (JSON array of budget ledger entries). (No parameter is named like a
     column of ``outbox_runs``: SQLAlchemy would add it to the UPDATE's SET.)
 
-    Returns one row ``(run_ok, step_seq, inserted)``: ``run_ok`` is 0 when the
-    run is missing, ended, over budget or (fenced) leased by someone else;
-    ``step_seq`` is NULL when the step was already recorded (a replay or a
-    racing process won); ``inserted`` counts intents written. Each part only
-    happens when the one before it did, so a failed check writes nothing.
+    Returns one row ``(run_ok, step_seq, inserted, paused)``: ``run_ok`` is 0
+    when the run is missing, ended, paused, over budget or (fenced) leased by
+    someone else; ``step_seq`` is NULL when the step was already recorded (a
+    replay or a racing process won); ``inserted`` counts intents written;
+    ``paused`` is true when a pause waits for this step (its intents are then
+    written ``paused``, not ``pending``). Each part only happens when the one
+    before it did, so a failed check writes nothing. The step row keeps the
+    state and plan it set, so a fork can start from any step.
     """
     conditions: list[ColumnElement[bool] | TextClause] = [
         runs.c.id == _RUN_ID,
-        LIVE_CONDITION,
+        ACTIVE_CONDITION,
         (runs.c.budget.is_(None))
         | (
             runs.c.spent
@@ -189,18 +211,20 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
             # updated_at is left alone: it is indexed, and a step's update must stay
             # HOT (no index touched); it tracks lifecycle changes, steps have their own time.
         )
-        .returning(runs.c.id)
+        .returning(runs.c.id, runs.c.paused_at.isnot(None).label("paused"))
         .cte("run_upd")
     )
     step_ins = (
         pg_insert(steps)
         .from_select(
-            ["run_id", "step_id", "kind", "result"],
+            ["run_id", "step_id", "kind", "result", "state", "plan"],
             select(
                 run_upd.c.id,
                 bindparam("step_id", type_=Text),
                 bindparam("kind", type_=Text),
                 json_param("step_result"),
+                json_param("new_state"),
+                json_param("new_plan"),
             ),
         )
         .on_conflict_do_nothing(constraint="outbox_steps_pkey")
@@ -208,11 +232,16 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
         .cte("step_ins")
     )
     rows = _effect_rows()
+    # A pause that waits for this step holds its intents (resume releases them).
+    held = case((run_upd.c.paused, const("paused")), else_=const("pending"))
     eff_ins = (
         pg_insert(effects)
         .from_select(
             _EFFECT_INSERT_COLUMNS,
-            _effect_select(rows, _RUN_ID).select_from(rows).join(step_ins, true()),
+            _effect_select(rows, _RUN_ID, held)
+            .select_from(rows)
+            .join(step_ins, true())
+            .join(run_upd, true()),
         )
         .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
         .returning(effects.c.id)
@@ -222,6 +251,7 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
         select(func.count()).select_from(run_upd).scalar_subquery().label("run_ok"),
         select(step_ins.c.seq).scalar_subquery().label("step_seq"),
         select(func.count()).select_from(eff_ins).scalar_subquery().label("inserted"),
+        select(run_upd.c.paused).scalar_subquery().label("paused"),
     ]
     if ledger:
         entries = (
