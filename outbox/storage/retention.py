@@ -8,7 +8,10 @@ long transaction (which would stop vacuum and slow every claim).
 What goes: runs that ended before the horizon (with their steps, effects,
 attempts, signals and ledger, by cascade) once none of their effects is still
 open, and run-less effects that finished before the horizon. Consumer dedup
-keys and webhook replay marks older than the horizon go too.
+keys and webhook replay marks older than the horizon go too. Then the large
+values stored by reference (``outbox_blobs``) that nothing uses any more: their
+owners' references go first, then every blob no reference names (a blob a
+writer is using at that moment is locked, and skipped).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from sqlalchemy.dialects.postgresql import INTERVAL
 from outbox.errors import ValidationError
 from outbox.models import OPEN_EFFECT_STATUSES, TERMINAL_RUN_STATUSES
 from outbox.storage.schema import consumed_keys, effects, runs, webhook_replays
+from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql.common import in_statuses
 
 __all__ = ["GcReport", "collect_garbage", "parse_horizon"]
@@ -161,6 +165,22 @@ def collect_garbage(
                 conn.rollback()
         report.batches += 1
         report.deleted[table] = count
+    for table, statement in (
+        ("outbox_blob_refs", blob_sql.delete_orphan_refs()),
+        ("outbox_blobs", blob_sql.delete_unused_blobs()),
+    ):
+        # Not by horizon: a value nothing refers to is never read again.
+        while True:
+            with engine.begin() as conn:
+                count = len(conn.execute(statement, {"batch": batch}).all())
+                if dry_run:
+                    conn.rollback()
+            report.batches += 1
+            report.deleted[table] = report.deleted.get(table, 0) + count
+            if progress is not None:
+                progress(table, count)
+            if count < batch or dry_run:
+                break
     return report
 
 

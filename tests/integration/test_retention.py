@@ -10,7 +10,7 @@ from sqlalchemy import func, select, update
 
 from outbox import Outbox
 from outbox.cli import cli
-from outbox.storage.schema import effect_attempts, effects, runs, steps
+from outbox.storage.schema import blobs, effect_attempts, effects, runs, steps
 
 
 def count(ob: Outbox, table) -> int:  # type: ignore[no-untyped-def]
@@ -72,8 +72,9 @@ def test_gc_deletes_old_finished_history_and_keeps_the_rest(
     assert report["deleted"]["outbox_runs"] == 2
     assert report["deleted"]["outbox_effects"] == 2
     # --batch 1: one row per transaction, then one finding nothing, for runs and for
-    # effects; then one statement each for consumed keys and webhook replays.
-    assert report["batches"] == 3 + 3 + 2, "one row per transaction"
+    # effects; then one statement each for consumed keys and webhook replays, and for
+    # blob references and blobs (none here).
+    assert report["batches"] == 3 + 3 + 2 + 2, "one row per transaction"
     remaining = {r.id for r in ob.runs()}
     assert remaining == {old_open.id, recent.id, live.id}
     assert count(ob, steps) == 1 and count(ob, effects) == 1  # old_open's step and effect
@@ -84,3 +85,34 @@ def test_gc_deletes_old_finished_history_and_keeps_the_rest(
         str(old_done.id),
         str(old_done_too.id),
     }
+
+
+def test_gc_deletes_the_large_values_nothing_uses_any_more(ob: Outbox, dsn: str) -> None:
+    big = {"transcript": "x" * 100_000}
+    other = {"transcript": "y" * 100_000}
+    shared = {"transcript": "z" * 100_000}
+    old = ob.start_run("a", "1", big)
+    old.transaction("s", lambda tx: tx.set_state(shared) or tx.intend("k.x", other) and None)
+    old.complete()
+    live = ob.start_run("a", "1", shared)  # the same value as old's state: one blob, two owners
+    with ob.transaction() as tx:
+        tx.intend("k.x", {"runless": "w" * 100_000}, key="old-runless")
+    with ob.engine.begin() as conn:
+        conn.execute(
+            update(effects).values(
+                status="succeeded", completed_at=func.now() - func.make_interval(0, 0, 0, 40)
+            )
+        )
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == old.id)
+            .values(updated_at=func.now() - func.make_interval(0, 0, 0, 40))
+        )
+    assert count(ob, blobs) == 4
+    result = CliRunner().invoke(cli, ["--dsn", dsn, "gc", "--older-than", "30d", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["deleted"]["outbox_blobs"] == 3
+    assert report["deleted"]["outbox_blob_refs"] == 4  # old's three and the run-less effect's
+    assert count(ob, blobs) == 1
+    assert ob.run(live.id).inputs == shared, "a blob another run uses stays"
