@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox.blobs import reference_hash
 from outbox.faults import crash_point
 from outbox.storage import blob_store
+from outbox.storage.claims import ClaimMode
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import effects as effect_sql
@@ -117,6 +118,7 @@ class AsyncStore:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        self._claims = ClaimMode()
 
     @property
     def dsn(self) -> str:
@@ -151,8 +153,16 @@ class AsyncStore:
                     params = queue.claim_params(
                         partition, limit=limit, owner=owner, lease_seconds=lease_seconds, rate=rate
                     )
-                    statement = queue.claim(spec, rated=rate is not None)
-                    rows += _claimed(await conn.execute(statement, params))
+                    again = True
+                    while again:  # at most twice: plain, then lanes (see ClaimMode)
+                        statement, lanes = self._claims.statement(
+                            spec, partition, rated=rate is not None
+                        )
+                        result = await conn.execute(statement, params)
+                        found, again = self._claims.claimed(
+                            spec, partition, lanes, result.mappings()
+                        )
+                        rows += [ClaimedEffect.from_row(row) for row in found]
                 await conn.commit()
         return rows
 

@@ -23,6 +23,7 @@ from outbox.blobs import Blob
 from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
 from outbox.storage import blob_store
 from outbox.storage.blob_store import EFFECT_FIELDS, RUN_FIELDS, STEP_FIELDS
+from outbox.storage.claims import ClaimMode
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
@@ -53,6 +54,7 @@ class Store:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._claims = ClaimMode()
 
     @contextmanager
     def begin(self, connection: Connection | None = None) -> Iterator[Connection]:
@@ -258,13 +260,18 @@ class Store:
     ) -> list[RunRecord]:
         """Claim runnable runs of the given (agent, version) partitions, in one transaction."""
         claimed: list[RunRecord] = []
+        spec = queue.RUN_QUEUE
         with translate_errors("claiming runs"), self.engine.begin() as conn:
             for partition, limit in quotas:
                 params = queue.claim_params(
                     partition, limit=limit, owner=owner, lease_seconds=lease_seconds
                 )
-                rows = conn.execute(queue.claim(queue.RUN_QUEUE), params).all()
-                claimed += [RunRecord.model_validate(r._mapping) for r in rows]
+                again = True
+                while again:  # at most twice: plain, then lanes (see ClaimMode)
+                    statement, lanes = self._claims.statement(spec, partition, rated=False)
+                    rows = conn.execute(statement, params).mappings().all()
+                    found, again = self._claims.claimed(spec, partition, lanes, rows)
+                    claimed += [RunRecord.model_validate(r) for r in found]
         return claimed
 
     def extend_run_leases(

@@ -33,15 +33,21 @@ def test_the_step_in_flight_is_recorded_then_the_worker_lets_the_run_go(ob: Outb
         assert release.wait(30)
         return "finished"
 
+    def after(tx: StepTransaction) -> None:
+        calls.append("after")
+        tx.intend("k.x", {})
+
     def handler(run: Run) -> Any:
         run.call("slow", slow_tool)
-        run.transaction("after", lambda tx: calls.append("after") or tx.intend("k.x", {}) and None)
+        run.transaction("after", after)
         return "done"
 
     with WorkerThread(ob, "agent", "1", handler) as worker:
         run = ob.start_run("agent", "1")
         assert entered.wait(30)
-        assert ob.pause(run.id, "operator hold") == RunStatus.RUNNING, "pausing: a step is in flight"
+        assert ob.pause(run.id, "operator hold") == RunStatus.RUNNING, (
+            "pausing: a step is in flight"
+        )
         release.set()
         wait_for(lambda: ob.run(run.id).status == RunStatus.PAUSED, message="parked")
         paused = ob.run(run.id)
@@ -155,8 +161,9 @@ def test_intents_of_the_step_a_pause_waited_for_are_held(ob: Outbox, dsn: str) -
         return "done"
 
     recorder = RecordingDeliverer("k.later")
-    with WorkerThread(ob, "agent", "1", handler), DaemonThread(
-        dsn, {"k.later": recorder}, poll_seconds=0.1
+    with (
+        WorkerThread(ob, "agent", "1", handler),
+        DaemonThread(dsn, {"k.later": recorder}, poll_seconds=0.1),
     ):
         run = ob.start_run("agent", "1")
         assert entered.wait(30)

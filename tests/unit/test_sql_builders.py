@@ -35,9 +35,11 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     "intend_without_run": [{"notify": False}, {"notify": True}],
     "insert_run": [{"notify": False}, {"notify": True}],
     "claim": [
-        {"spec": queue.EFFECT_QUEUE},
-        {"spec": queue.RUN_QUEUE},
-        {"spec": queue.EFFECT_QUEUE, "rated": True},
+        {"spec": spec, "rated": rated, "lanes": lanes}
+        for spec in (queue.EFFECT_QUEUE, queue.RUN_QUEUE)
+        for rated in (False, True)
+        for lanes in (False, True)
+        if spec is queue.EFFECT_QUEUE or not rated
     ],
     "extend_leases": [{"spec": queue.EFFECT_QUEUE}, {"spec": queue.RUN_QUEUE}],
     "list_runs": [{}, {"status": "running", "agent": "a", "limit": 5}],
@@ -128,8 +130,10 @@ def _sql(statement: Any) -> str:
 
 
 def test_claims_skip_locked_rows_and_start_a_new_attempt() -> None:
-    for spec in (queue.EFFECT_QUEUE, queue.RUN_QUEUE):
-        sql = _sql(queue.claim(spec))
+    for spec, lanes in [
+        (s, lanes) for s in (queue.EFFECT_QUEUE, queue.RUN_QUEUE) for lanes in (0, 1)
+    ]:
+        sql = _sql(queue.claim(spec, lanes=bool(lanes)))
         assert "FOR UPDATE SKIP LOCKED" in sql
         assert f"attempt=({spec.table.name}.attempt + %(attempt_1)s::INTEGER)" in sql
 

@@ -30,13 +30,16 @@ from sqlalchemy import (
     Table,
     Text,
     all_,
+    and_,
     any_,
     bindparam,
     cast,
     column,
     exists,
+    false,
     func,
     literal_column,
+    not_,
     or_,
     select,
     true,
@@ -217,32 +220,137 @@ def _rate_bucket() -> tuple[Any, Any]:
     return held, budget
 
 
+def _claim_rows(spec: QueueSpec, picked: Any, multi: Any, held: Any) -> AnySelect:
+    """Claim the ``picked`` ids; one row per claimed row (at least one), with ``multi_lane``.
+
+    The rows are claimed by id, as one array (a generic plan cannot misjudge
+    the batch's size). A claim that found nothing still returns one row (its
+    claimed columns NULL) so ``multi_lane`` always reaches the caller. With
+    ``held`` (a rated claim), the kind's rate bucket is charged for the rows.
+    """
+    t = spec.table
+    values: dict[str, Any] = {
+        "status": const(spec.claimed),
+        "lease_owner": bindparam("owner", type_=Text),
+        "lease_expires_at": func.now() + bindparam("lease_seconds", type_=Float) * SECONDS,
+        "attempt": t.c.attempt + 1,
+        "updated_at": func.now(),
+    }
+    if spec.records_attempt_start:
+        values["attempt_started_at"] = func.now()
+    returned = t.c if spec.returning is None else [t.c[name] for name in spec.returning]
+    # cast: "= ANY ((SELECT ...))" compares with one array; "= ANY (SELECT ...)" with rows
+    ids = cast(select(func.array_agg(picked.c.id)).scalar_subquery(), ARRAY(UUID(as_uuid=True)))
+    claimed = (
+        t.update().where(t.c.id == any_(ids)).values(**values).returning(*returned).cte("claimed")
+    )
+    flag = select(multi.label("multi_lane")).cte("flag")
+    result = (
+        select(claimed, flag.c.multi_lane)
+        .select_from(flag.outerjoin(claimed, true()))
+        .order_by(claimed.c.priority.desc(), *(claimed.c[name] for name in spec.order))
+    )
+    if held is not None:
+        charged = select(func.count()).select_from(claimed).scalar_subquery()
+        base = func.greatest(
+            func.coalesce(select(held.c.tat).scalar_subquery(), func.now()), func.now()
+        )
+        step = charged / bindparam("rate", type_=Float) * SECONDS
+        ins = pg_insert(rate_limits).from_select(
+            ["kind", "tat"],
+            select(bindparam("part_kind", type_=Text), base + step).where(charged > _int(0)),
+        )
+        charge = ins.on_conflict_do_update(
+            index_elements=[rate_limits.c.kind],
+            set_={"tat": func.greatest(rate_limits.c.tat, func.now()) + step},
+        ).cte("charge")
+        result = result.add_cte(charge)
+    return result
+
+
+def _limit(rated: bool) -> tuple[Any, Any]:
+    """The batch size (a rated claim's is what its rate allows now) and the rate row held."""
+    if not rated:
+        return bindparam("claim_limit", type_=Integer), None
+    held, budget = _rate_bucket()
+    return select(budget.c.n).scalar_subquery(), held
+
+
 @cache
-def claim(spec: QueueSpec, *, rated: bool = False) -> AnySelect:
+def claim(spec: QueueSpec, *, rated: bool = False, lanes: bool = False) -> AnySelect:
     """Claim up to ``claim_limit`` ready rows of one partition for ``owner``.
 
     Parameters: ``part_<column>`` for each partition column, ``claim_limit``,
     ``owner``, ``lease_seconds``; with ``rated`` (effects only), ``rate`` and
     ``burst``: the kind's declared rate, shared through ``outbox_rate_limits``.
-    Returns the claimed rows, attempt incremented, highest priority first.
+    Returns the claimed rows, attempt incremented, highest priority first, each
+    with ``multi_lane``: more than one lane (priority and fairness key) holds
+    ready rows. A claim that took nothing returns one row of NULLs and the flag.
 
-    One statement. It lists the partition's lanes (distinct priority and
-    fairness key among ready rows, one index probe each), takes from each lane
-    its share of the batch (the batch split evenly between the lanes of one
+    Two statements, one per case. The plain one (``lanes=False``) finds the
+    partition's first and last lane (two index probes); when they are the same
+    lane (no priorities or fairness keys in use, or just one of each) it takes
+    that lane's rows in ``order``, the claim as it always was. When they differ
+    it takes nothing and says ``multi_lane``: the caller claims again with the
+    lanes statement (:func:`_lanes_pick`), and keeps using it while more than
+    one lane holds rows (:class:`outbox.storage.claims.ClaimMode`). So a claim
+    costs what it did as long as there is only one lane.
+    """
+    limit, held = _limit(rated)
+    if lanes:
+        picked, multi = _lanes_pick(spec, limit)
+    else:
+        picked, multi = _single_lane_pick(spec, limit)
+    return _claim_rows(spec, picked, multi, held)
+
+
+def _single_lane_pick(spec: QueueSpec, limit: Any) -> tuple[Any, Any]:
+    """The rows of the partition's only lane in queue order, if only one lane holds ready rows."""
+    t = spec.table
+
+    def end(descending: bool) -> Any:
+        cols = [t.c[c].desc() if descending else t.c[c] for c in LANE]
+        return (
+            select(*(t.c[c] for c in LANE))
+            .where(*_ready(spec, t))
+            .order_by(*cols)
+            .limit(_int(1))
+            .cte("last_lane" if descending else "first_lane")
+        )
+
+    first, last = end(False), end(True)
+    lane = {c: select(first.c[c]).scalar_subquery() for c in LANE}
+    one_lane = and_(*(lane[c] == select(last.c[c]).scalar_subquery() for c in LANE))
+    conditions = [
+        *_ready(spec, t),
+        *(t.c[c] == lane[c] for c in LANE),
+        one_lane,
+        t.c.available_at <= func.now(),
+    ]
+    if spec.per_key_ordering:
+        conditions.append(_ordering_free(t))
+    picked = (
+        select(t.c.id)
+        .where(*conditions)
+        .order_by(*(t.c[name] for name in spec.order))
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .cte("picked")
+    )
+    return picked, func.coalesce(not_(one_lane), false())
+
+
+def _lanes_pick(spec: QueueSpec, limit: Any) -> tuple[Any, Any]:
+    """A batch shared between lanes: higher priority first, round-robin between fairness keys.
+
+    It lists the partition's lanes (distinct priority and fairness key among
+    ready rows, a loose index scan: one probe each), takes from each lane its
+    share of the batch (the batch split evenly between the lanes of one
     priority), then, when some lanes had less than their share, more from the
-    lanes that had their full share. Of those, it keeps the batch by priority,
+    lanes that had their full share. Of those it keeps the batch by priority,
     then round-robin between lanes (each lane's first row, then each one's
     second...), so a backlog under one fairness key never holds back another.
-    Without priorities and fairness keys there is one lane, read as before in
-    ``order``. The rows are then claimed by id, as one array (a generic plan
-    cannot misjudge the batch's size).
     """
-    t = spec.table
-    limit: Any = bindparam("claim_limit", type_=Integer)
-    held = None
-    if rated:
-        held, budget = _rate_bucket()
-        limit = select(budget.c.n).scalar_subquery()
     lanes = _lanes(spec)
     sized = select(
         *(lanes.c[c] for c in LANE),
@@ -304,40 +412,8 @@ def claim(spec: QueueSpec, *, rated: bool = False) -> AnySelect:
         .limit(limit)
         .cte("picked")
     )
-    values: dict[str, Any] = {
-        "status": const(spec.claimed),
-        "lease_owner": bindparam("owner", type_=Text),
-        "lease_expires_at": func.now() + bindparam("lease_seconds", type_=Float) * SECONDS,
-        "attempt": t.c.attempt + 1,
-        "updated_at": func.now(),
-    }
-    if spec.records_attempt_start:
-        values["attempt_started_at"] = func.now()
-    returned = t.c if spec.returning is None else [t.c[name] for name in spec.returning]
-    # cast: "= ANY ((SELECT ...))" compares with one array; "= ANY (SELECT ...)" with rows
-    ids = cast(select(func.array_agg(picked.c.id)).scalar_subquery(), ARRAY(UUID(as_uuid=True)))
-    claimed = (
-        t.update().where(t.c.id == any_(ids)).values(**values).returning(*returned).cte("claimed")
-    )
-    result = select(claimed).order_by(
-        claimed.c.priority.desc(), *(claimed.c[name] for name in order)
-    )
-    if held is not None:
-        charged = select(func.count()).select_from(claimed).scalar_subquery()
-        base = func.greatest(
-            func.coalesce(select(held.c.tat).scalar_subquery(), func.now()), func.now()
-        )
-        step = charged / bindparam("rate", type_=Float) * SECONDS
-        ins = pg_insert(rate_limits).from_select(
-            ["kind", "tat"],
-            select(bindparam("part_kind", type_=Text), base + step).where(charged > _int(0)),
-        )
-        charge = ins.on_conflict_do_update(
-            index_elements=[rate_limits.c.kind],
-            set_={"tat": func.greatest(rate_limits.c.tat, func.now()) + step},
-        ).cte("charge")
-        result = result.add_cte(charge)
-    return result
+    multi = select(func.count()).select_from(lanes).scalar_subquery() > _int(1)
+    return picked, multi
 
 
 class Rate(NamedTuple):

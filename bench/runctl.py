@@ -1,0 +1,592 @@
+"""Run-control figures: claims before and after, large payloads, fairness, lanes, the write path.
+
+    python -m bench.runctl [--only SECTIONS] [--baseline-ref main] [--reps 3] [--json PATH]
+
+Sections (``--only`` takes a comma-separated list):
+
+  claims     the plain claim (no priorities, one fairness key): p50/p99 of claims of 100
+             and of 1 from a 30,000-effect backlog, this code beside a baseline's
+  write      steps/s of one writer (``run.transaction``: state + one intent), beside a baseline
+  large      claim p50/p99 draining 10,000 effects with small payloads, with large payloads
+             stored by reference, and (to show what that buys) the same large payloads in
+             the row; row and table sizes
+  fairness   two fairness keys: tenant A holds a 50,000-effect backlog (topped up), tenant B
+             trickles 10 effects/s; B's commit -> handler start latency, and the same
+             trickle without fairness keys (one lane, first in first out)
+  lanes      claim p50 with 1, 10 and 100 fairness keys holding backlogs (one probe per lane)
+
+``--baseline-ref REF`` (or ``--baseline DIR`` holding an ``outbox`` package) runs the
+``claims`` and ``write`` sections with that code too, each measurement in a child
+process importing that ``outbox`` against a database that code migrated, interleaved
+with this code's. Without a baseline those sections measure this code only.
+
+With ``OUTBOX_DSN`` set it uses that server (scratch databases are created and
+dropped); otherwise it starts an embedded PostgreSQL in a temporary directory with
+default durability (fsync on) and removes it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from sqlalchemy.engine import make_url
+
+REPO = Path(__file__).resolve().parent.parent
+SECTIONS = ("claims", "write", "large", "fairness", "lanes")
+MB = 1024 * 1024
+
+
+# -- helpers --------------------------------------------------------------------------
+
+
+def libpq(dsn: str) -> str:
+    return make_url(dsn).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def with_database(dsn: str, name: str) -> str:
+    return make_url(dsn).set(database=name).render_as_string(hide_password=False)
+
+
+@contextmanager
+def scratch(admin: str, name: str) -> Iterator[str]:
+    """A fresh, empty database for one measurement."""
+    with psycopg.connect(libpq(admin), autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {name}")
+    try:
+        yield with_database(admin, name)
+    finally:
+        with psycopg.connect(libpq(admin), autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def migrated(dsn: str) -> None:
+    from outbox.storage.engine import make_engine
+    from outbox.storage.migrate import migrate
+
+    engine = make_engine(dsn)
+    migrate(engine)
+    engine.dispose()
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median and min-max of per-repetition figures."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def quantiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {
+        "n": len(ordered),
+        "p50": at(0.50),
+        "p90": at(0.90),
+        "p99": at(0.99),
+        "max": ordered[-1],
+    }
+
+
+def backlog(dsn: str, kind: str, n: int, *, fairness_key: str | None = None) -> None:
+    """``n`` pending no-op effects inserted with SQL (columns every schema version has)."""
+    lane = "" if fairness_key is None else ", fairness_key"
+    value = "" if fairness_key is None else f", '{fairness_key}'"
+    with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+        conn.execute(
+            f"""INSERT INTO outbox_effects
+                  (id, kind, payload, payload_hash, idempotency_key, status, available_at{lane})
+                SELECT gen_random_uuid(), %(kind)s, '{{"n": 1}}'::jsonb, md5('x'),
+                       md5(%(tag)s || g::text), 'pending', now(){value}
+                  FROM generate_series(1, %(n)s) AS g""",
+            {"kind": kind, "n": n, "tag": uuid.uuid4().hex},
+        )
+        conn.execute("ANALYZE outbox_effects")
+
+
+def claim_times(dsn: str, kind: str, batch: int, claims: int) -> list[float]:
+    """Seconds each of ``claims`` claims of ``batch`` took (AsyncStore.claim_many, as a daemon)."""
+    from outbox.storage.async_store import AsyncStore
+    from outbox.storage.engine import make_async_engine
+    from outbox.storage.sql.queue import EFFECT_QUEUE
+
+    async def go() -> list[float]:
+        store = AsyncStore(make_async_engine(dsn))
+        times = []
+        try:
+            for _ in range(5):  # warm: connection, prepared statement, plan
+                await store.claim_many(
+                    EFFECT_QUEUE, [({"kind": kind}, batch)], owner="bench", lease_seconds=600
+                )
+            for _ in range(claims):
+                started = time.perf_counter()
+                rows = await store.claim_many(
+                    EFFECT_QUEUE, [({"kind": kind}, batch)], owner="bench", lease_seconds=600
+                )
+                times.append(time.perf_counter() - started)
+                assert len(rows) == batch, f"claimed {len(rows)} of {batch}"
+        finally:
+            await store.dispose()
+        return times
+
+    return asyncio.run(go())
+
+
+# -- children: one measurement with whichever outbox package is importable --------------
+
+
+def child_claims(dsn: str) -> dict[str, Any]:
+    migrated(dsn)
+    backlog(dsn, "bench.plain", 30_000)
+    with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE outbox_effects")
+        conn.execute("CHECKPOINT")
+    batch = claim_times(dsn, "bench.plain", 100, 200)
+    single = claim_times(dsn, "bench.plain", 1, 200)
+    return {"batch_100": quantiles(batch), "batch_1": quantiles(single)}
+
+
+def child_write(dsn: str, seconds: float = 4.0) -> dict[str, Any]:
+    from outbox import Outbox
+
+    migrated(dsn)
+    with Outbox.connect(dsn) as ob:
+        run = ob.start_run("bench", "1", {})
+        n = 0
+
+        def step(tx: Any) -> None:
+            tx.set_state({"n": n})
+            tx.intend("bench.write", {"n": n})
+
+        for _ in range(50):  # warm
+            run.transaction(f"w{n}", step)
+            n += 1
+        started = time.perf_counter()
+        count = 0
+        while time.perf_counter() - started < seconds:
+            run.transaction(f"s{n}", step)
+            n += 1
+            count += 1
+        return {"steps_per_s": count / (time.perf_counter() - started)}
+
+
+CHILDREN: dict[str, Callable[[str], dict[str, Any]]] = {
+    "claims": child_claims,
+    "write": child_write,
+}
+
+
+def in_child(section: str, dsn: str, baseline: Path | None) -> dict[str, Any]:
+    """Run one measurement in a child process, with the baseline's ``outbox`` if given."""
+    env = dict(os.environ)
+    paths = [str(REPO)] if baseline is None else [str(baseline), str(REPO)]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.runctl", "--child", section, "--dsn", dsn],
+        env=env,
+        cwd=tempfile.gettempdir(),  # so REPO's outbox is not first on the path by accident
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"child {section} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def before_after(admin: str, section: str, baseline: Path | None, reps: int) -> dict[str, Any]:
+    """``section`` measured ``reps`` times with this code (and the baseline's), interleaved."""
+    variants = {"this": None} if baseline is None else {"this": None, "baseline": baseline}
+    got: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    for rep in range(reps):
+        for name, code in variants.items():
+            with scratch(admin, f"bench_runctl_{section}") as dsn:
+                got[name].append(in_child(section, dsn, code))
+            print(f"  {section} rep {rep + 1} {name}: {got[name][-1]}", flush=True)
+    return got
+
+
+# -- large payloads ---------------------------------------------------------------------
+
+
+def fill_payloads(dsn: str, kind: str, n: int, size: int, threshold: int) -> float:
+    """``n`` effects of ``kind`` whose payloads are ``size`` bytes of distinct text."""
+    from outbox import Outbox
+
+    started = time.perf_counter()
+    with Outbox.connect(dsn, blob_threshold_bytes=threshold) as ob:
+        run = ob.start_run("bench", "1", {})
+        per_step = 50
+        for s in range(n // per_step):
+
+            def step(tx: Any, s: int = s) -> None:
+                for i in range(per_step):
+                    body = os.urandom(size // 2).hex()[: size - 40]
+                    tx.intend(kind, {"n": s * per_step + i, "body": body})
+
+            run.transaction(f"fill-{s}", step)
+    return time.perf_counter() - started
+
+
+def sizes(dsn: str, kind: str) -> dict[str, float]:
+    with psycopg.connect(libpq(dsn)) as conn:
+        row = conn.execute(
+            "SELECT avg(pg_column_size(e.*)), max(pg_column_size(e.*)) FROM outbox_effects e "
+            "WHERE kind = %s",
+            (kind,),
+        ).fetchone()
+        table = conn.execute(
+            "SELECT pg_total_relation_size('outbox_effects'),"
+            " pg_total_relation_size('outbox_blobs')"
+        ).fetchone()
+    return {
+        "row_bytes_avg": float(row[0]),
+        "row_bytes_max": float(row[1]),
+        "effects_table_mb": table[0] / MB,
+        "blobs_table_mb": table[1] / MB,
+    }
+
+
+def large_section(admin: str, reps: int, n: int, size: int) -> dict[str, Any]:
+    variants = {
+        "small payloads (100 B)": (100, 16 * 1024),
+        f"large payloads ({size // 1024} KiB) by reference": (size, 16 * 1024),
+        f"large payloads ({size // 1024} KiB) in the row": (size, 2 * size),
+    }
+    out: dict[str, Any] = {}
+    for name, (payload, threshold) in variants.items():
+        runs = []
+        for _rep in range(reps):
+            with scratch(admin, "bench_runctl_large") as dsn:
+                migrated(dsn)
+                fill = fill_payloads(dsn, "bench.large", n, payload, threshold)
+                with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+                    conn.execute("VACUUM ANALYZE")
+                    conn.execute("CHECKPOINT")
+                found = sizes(dsn, "bench.large")
+                times = claim_times(dsn, "bench.large", 100, n // 100 - 5)
+                runs.append({"fill_seconds": fill, **found, **quantiles(times)})
+                print(f"  large {name}: p50 {runs[-1]['p50'] * 1000:.2f} ms", flush=True)
+        out[name] = {
+            key: spread([r[key] for r in runs])
+            for key in runs[0]
+            if isinstance(runs[0][key], float)
+        }
+    return out
+
+
+# -- fairness -----------------------------------------------------------------------------
+
+
+def fairness_run(dsn: str, *, fair: bool, seconds: float, hold: int) -> dict[str, Any]:
+    """Tenant A holds ``hold`` pending effects; B trickles 10/s. B's commit -> start latency."""
+    from outbox import Outbox
+    from outbox.delivery import Deliverer, Delivery, Outcome, Succeeded
+    from outbox.delivery.daemon import DeliveryDaemon
+    from outbox.delivery.settings import DeliverySettings
+    from outbox.storage.async_store import AsyncStore
+    from outbox.storage.engine import make_async_engine
+
+    kind = "bench.fair"
+    starts: dict[int, float] = {}
+    delivered = [0]
+
+    class NoOp(Deliverer):
+        default_idempotent = True
+
+        async def deliver(self, delivery: Delivery) -> Outcome:  # type: ignore[override]
+            if "trickle" in delivery.payload:
+                starts[delivery.payload["trickle"]] = time.time()
+            delivered[0] += 1
+            return Succeeded()
+
+    backlog(dsn, kind, hold, fairness_key="a")
+    stop = threading.Event()
+    loop_ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    def daemon_thread() -> None:
+        async def main() -> None:
+            store = AsyncStore(make_async_engine(dsn))
+            daemon = DeliveryDaemon(store, {kind: NoOp(kind)}, DeliverySettings())
+            holder["daemon"], holder["loop"] = daemon, asyncio.get_running_loop()
+            loop_ready.set()
+            try:
+                await daemon.run()
+            finally:
+                await store.dispose()
+
+        asyncio.run(main())
+
+    def top_up() -> None:  # A keeps holding its backlog while the trickle runs
+        with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+            while not stop.wait(0.25):
+                (pending,) = conn.execute(
+                    "SELECT count(*) FROM outbox_effects WHERE status = 'pending'"
+                    " AND fairness_key = 'a'"
+                ).fetchone()
+                if pending < hold:
+                    backlog(dsn, kind, hold - pending, fairness_key="a")
+
+    daemon = threading.Thread(target=daemon_thread, daemon=True)
+    daemon.start()
+    assert loop_ready.wait(30)
+    filler = threading.Thread(target=top_up, daemon=True)
+    filler.start()
+    committed: dict[int, float] = {}
+    with Outbox.connect(dsn) as ob:
+        run = ob.start_run("bench", "1", {}, fairness_key="b" if fair else "a")
+        time.sleep(1.0)  # the daemon is draining A's backlog at full speed
+        before = delivered[0]
+        began = time.time()
+        i = 0
+        while time.time() - began < seconds:
+            due = began + i * 0.1
+            time.sleep(max(0.0, due - time.time()))
+            run.transaction(f"t{i}", lambda tx, i=i: tx.intend(kind, {"trickle": i}) and None)
+            committed[i] = time.time()
+            i += 1
+        rate = (delivered[0] - before) / (time.time() - began)
+        deadline = time.time() + 120
+        while len(starts) < len(committed) and time.time() < deadline:
+            time.sleep(0.05)
+    stop.set()
+    filler.join(10)
+    holder["loop"].call_soon_threadsafe(holder["daemon"].stop)
+    daemon.join(60)
+    latencies = [starts[k] - committed[k] for k in committed if k in starts]
+    with psycopg.connect(libpq(dsn)) as conn:
+        (left,) = conn.execute(
+            "SELECT count(*) FROM outbox_effects WHERE status = 'pending' AND fairness_key = 'a'"
+        ).fetchone()
+    return {
+        **quantiles(latencies),
+        "trickle_sent": len(committed),
+        "trickle_started": len(starts),
+        "effects_per_s": rate,
+        "a_pending_at_end": int(left),
+    }
+
+
+def fairness_section(admin: str, reps: int, seconds: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, fair, window in (
+        ("two fairness keys", True, seconds),
+        ("one lane (no fairness keys), for comparison", False, min(seconds, 10.0)),
+    ):
+        runs = []
+        for _rep in range(reps if fair else 1):
+            with scratch(admin, "bench_runctl_fair") as dsn:
+                migrated(dsn)
+                runs.append(fairness_run(dsn, fair=fair, seconds=window, hold=50_000))
+            print(
+                f"  fairness {name}: p50 {runs[-1]['p50'] * 1000:.1f} ms "
+                f"p99 {runs[-1]['p99'] * 1000:.1f} ms ({runs[-1]['trickle_started']} of "
+                f"{runs[-1]['trickle_sent']} started; {runs[-1]['effects_per_s']:.0f}/s)",
+                flush=True,
+            )
+        out[name] = {"reps": runs}
+    return out
+
+
+# -- lanes ----------------------------------------------------------------------------------
+
+
+def lanes_section(admin: str, reps: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for lanes in (1, 10, 100):
+        p50s = []
+        for _rep in range(reps):
+            with scratch(admin, "bench_runctl_lanes") as dsn:
+                migrated(dsn)
+                per = max(2_000, 40_000 // lanes)
+                for lane in range(lanes):
+                    backlog(dsn, "bench.lanes", per, fairness_key=f"tenant-{lane:03d}")
+                with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+                    conn.execute("VACUUM ANALYZE outbox_effects")
+                p50s.append(quantiles(claim_times(dsn, "bench.lanes", 100, 150))["p50"])
+        out[str(lanes)] = spread(p50s)
+        print(f"  lanes {lanes}: p50 {out[str(lanes)]['median'] * 1000:.2f} ms", flush=True)
+    return out
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def ms(value: float) -> str:
+    return f"{value * 1000:.2f}"
+
+
+def render(results: dict[str, Any]) -> str:
+    """The figures as the Markdown tables docs/performance.md shows."""
+    lines: list[str] = []
+    claims = results.get("claims")
+    if claims:
+        lines += [
+            "| code | claim of 100: p50 ms | p99 ms | claim of 1: p50 ms | p99 ms |",
+            "|---|---|---|---|---|",
+        ]
+        for name, reps in claims.items():
+            b = spread([r["batch_100"]["p50"] for r in reps])
+            b99 = spread([r["batch_100"]["p99"] for r in reps])
+            one = spread([r["batch_1"]["p50"] for r in reps])
+            one99 = spread([r["batch_1"]["p99"] for r in reps])
+            lines.append(
+                f"| {name} | {ms(b['median'])} ({ms(b['min'])}-{ms(b['max'])}) "
+                f"| {ms(b99['median'])} | {ms(one['median'])} ({ms(one['min'])}-{ms(one['max'])}) "
+                f"| {ms(one99['median'])} |"
+            )
+        if "baseline" in claims:
+            this = statistics.median(r["batch_100"]["p50"] for r in claims["this"])
+            base = statistics.median(r["batch_100"]["p50"] for r in claims["baseline"])
+            lines.append(f"\nclaim of 100, this / baseline p50: {this / base:.2f}x")
+        lines.append("")
+    write = results.get("write")
+    if write:
+        lines += ["| code | steps/s (one writer) |", "|---|---|"]
+        for name, reps in write.items():
+            s = spread([r["steps_per_s"] for r in reps])
+            lines.append(f"| {name} | {s['median']:,.0f} ({s['min']:,.0f}-{s['max']:,.0f}) |")
+        lines.append("")
+    large = results.get("large")
+    if large:
+        lines += [
+            "| payloads | claim of 100: p50 ms | p99 ms | row bytes (avg) | outbox_effects MB "
+            "| outbox_blobs MB |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, r in large.items():
+            lines.append(
+                f"| {name} | {ms(r['p50']['median'])} ({ms(r['p50']['min'])}-"
+                f"{ms(r['p50']['max'])}) | {ms(r['p99']['median'])} "
+                f"| {r['row_bytes_avg']['median']:,.0f} | {r['effects_table_mb']['median']:,.1f} "
+                f"| {r['blobs_table_mb']['median']:,.1f} |"
+            )
+        names = list(large)
+        ratio = large[names[1]]["p50"]["median"] / large[names[0]]["p50"]["median"]
+        lines.append(f"\nby reference / small, claim p50: {ratio:.2f}x")
+        lines.append("")
+    fairness = results.get("fairness")
+    if fairness:
+        lines += [
+            "| trickle of tenant B, 10/s, while A holds 50,000 | n | p50 ms | p90 ms | p99 ms "
+            "| max ms | effects/s delivered |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, data in fairness.items():
+            for r in data["reps"]:
+                lines.append(
+                    f"| {name} | {r['n']} | {ms(r['p50'])} | {ms(r['p90'])} | {ms(r['p99'])} "
+                    f"| {ms(r['max'])} | {r['effects_per_s']:,.0f} |"
+                )
+        lines.append("")
+    lanes = results.get("lanes")
+    if lanes:
+        lines += ["| lanes with a backlog | claim of 100: p50 ms |", "|---|---|"]
+        for count, s in lanes.items():
+            lines.append(f"| {count} | {ms(s['median'])} ({ms(s['min'])}-{ms(s['max'])}) |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def baseline_dir(ref: str | None, path: Path | None, work: Path) -> Path | None:
+    """A directory holding the baseline's ``outbox`` package (from ``git archive REF``)."""
+    if path is not None:
+        return path
+    if ref is None:
+        return None
+    target = work / "baseline"
+    target.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ref, "outbox"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.runctl", description=__doc__)
+    parser.add_argument("--only", default=",".join(SECTIONS))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--baseline-ref", default=None, help="git ref to compare with (e.g. main)")
+    parser.add_argument("--baseline", type=Path, default=None, help="dir with an outbox package")
+    parser.add_argument("--large-effects", type=int, default=10_000)
+    parser.add_argument("--large-bytes", type=int, default=64 * 1024)
+    parser.add_argument("--fair-seconds", type=float, default=30.0)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dsn", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        print(json.dumps(CHILDREN[args.child](args.dsn)))
+        return 0
+
+    sections = [s for s in args.only.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    work = Path(tempfile.mkdtemp(prefix="outbox-bench-runctl-"))
+    server = None
+    admin = os.environ.get("OUTBOX_DSN")
+    if not admin:
+        from outbox.storage.embedded import EmbeddedServer
+
+        server = EmbeddedServer(work / "pg")
+        admin = server.ensure_running()
+    results: dict[str, Any] = {"meta": {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
+    try:
+        baseline = baseline_dir(args.baseline_ref, args.baseline, work)
+        results["meta"]["baseline"] = args.baseline_ref or (
+            str(args.baseline) if args.baseline else None
+        )
+        with psycopg.connect(libpq(admin)) as conn:
+            results["meta"]["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
+        results["meta"]["load_before"] = os.getloadavg()
+        for section in sections:
+            print(f"{section}…", flush=True)
+            if section in CHILDREN:
+                results[section] = before_after(admin, section, baseline, args.reps)
+            elif section == "large":
+                results[section] = large_section(
+                    admin, args.reps, args.large_effects, args.large_bytes
+                )
+            elif section == "fairness":
+                results[section] = fairness_section(admin, args.reps, args.fair_seconds)
+            elif section == "lanes":
+                results[section] = lanes_section(admin, args.reps)
+        results["meta"]["load_after"] = os.getloadavg()
+    finally:
+        if server is not None:
+            server.stop(mode="fast")
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(render(results))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
