@@ -245,10 +245,17 @@ def _claim_rows(spec: QueueSpec, picked: Any, multi: Any, held: Any) -> AnySelec
         t.update().where(t.c.id == any_(ids)).values(**values).returning(*returned).cte("claimed")
     )
     flag = select(multi.label("multi_lane")).cte("flag")
+    rows: Any
+    if "pos" in picked.c:  # the order the batch was picked in: round-robin between lanes
+        rows = claimed.join(picked, picked.c.id == claimed.c.id)
+        order: list[Any] = [picked.c.pos]
+    else:
+        rows = claimed
+        order = [claimed.c.priority.desc(), *(claimed.c[name] for name in spec.order)]
     result = (
         select(claimed, flag.c.multi_lane)
-        .select_from(flag.outerjoin(claimed, true()))
-        .order_by(claimed.c.priority.desc(), *(claimed.c[name] for name in spec.order))
+        .select_from(flag.outerjoin(rows, true()))
+        .order_by(*order)
     )
     if held is not None:
         charged = select(func.count()).select_from(claimed).scalar_subquery()
@@ -283,9 +290,10 @@ def claim(spec: QueueSpec, *, rated: bool = False, lanes: bool = False) -> AnySe
     Parameters: ``part_<column>`` for each partition column, ``claim_limit``,
     ``owner``, ``lease_seconds``; with ``rated`` (effects only), ``rate`` and
     ``burst``: the kind's declared rate, shared through ``outbox_rate_limits``.
-    Returns the claimed rows, attempt incremented, highest priority first, each
-    with ``multi_lane``: more than one lane (priority and fairness key) holds
-    ready rows. A claim that took nothing returns one row of NULLs and the flag.
+    Returns the claimed rows, attempt incremented, highest priority first (then
+    in queue order, or round-robin between lanes), each with ``multi_lane``:
+    more than one lane (priority and fairness key) holds ready rows. A claim
+    that took nothing returns one row of NULLs and the flag.
 
     Two statements, one per case. The plain one (``lanes=False``) finds the
     partition's first and last lane (two index probes); when they are the same
@@ -401,14 +409,11 @@ def _lanes_pick(spec: QueueSpec, limit: Any) -> tuple[Any, Any]:
             *(more.c[name] for name in order),
         ),
     ).subquery("ranked")
+    turns = [ranked.c.priority.desc(), ranked.c.phase, ranked.c.turn]
+    turns += [ranked.c[name] for name in order]
     picked = (
-        select(ranked.c.id)
-        .order_by(
-            ranked.c.priority.desc(),
-            ranked.c.phase,
-            ranked.c.turn,
-            *(ranked.c[name] for name in order),
-        )
+        select(ranked.c.id, func.row_number().over(order_by=turns).label("pos"))
+        .order_by(*turns)
         .limit(limit)
         .cte("picked")
     )
