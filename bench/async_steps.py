@@ -192,6 +192,7 @@ def main() -> None:
     admin = os.environ.get("OUTBOX_DSN")
     if not admin:
         home = Path(tempfile.mkdtemp(prefix="outbox-bench-async-"))
+        home.chmod(0o711)  # as root, the server runs as another user, who must enter it
         server = EmbeddedServer(home)
         admin = server.ensure_running()
     dsn = make_url(admin).set(database=DATABASE).render_as_string(hide_password=False)

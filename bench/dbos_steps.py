@@ -1,27 +1,29 @@
-"""DBOS Transact running no-op two-step workflows (a subprocess of ``python -m bench``).
+"""DBOS Transact running no-op two-step workflows: ``python -m bench.dbos_steps URL ...``.
 
-``python -m bench.dbos_steps URL --threads 1,8 --seconds S --reps R`` launches
-DBOS with ``URL`` as its system database (on the benchmark's server), warms up,
-then for each thread count runs ``wf(i)`` (two ``@DBOS.step`` no-ops) in a loop
-from that many threads for ``S`` seconds, ``R`` times, and prints one JSON
-object: workflows/s, steps/s (2 per workflow) and write transactions per
-workflow (transaction ids consumed on the server while measuring).
-
-DBOS keeps process-global state (and its own threads), so it runs in a process
-of its own rather than inside the benchmark.
+A subprocess of the benchmark (DBOS keeps process-global state and threads of
+its own), with ``URL`` as its system database on the benchmark's server. After
+a warm-up, for each thread count, workflows run in a loop from that many
+threads, timed by the same harness as the outbox's writers
+(:func:`bench.write.run_writers`); it prints one JSON object: per thread count,
+one record per repetition (steps/s = 2 x workflows/s; write transactions and
+WAL per workflow, measured on the server).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
-import threading
-import time
+from pathlib import Path
 from typing import Any
 
-import psycopg
 from dbos import DBOS, DBOSConfig
+
+from bench.harness import Bench
+from bench.write import Work, run_writers
+
+ids = itertools.count()  # every workflow gets its own id
 
 
 @DBOS.step()
@@ -41,50 +43,8 @@ def two_step_workflow(i: int) -> int:
     return i
 
 
-def next_xid(url: str) -> int:
-    with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text").fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def measure(url: str, threads: int, seconds: float, offset: int) -> dict[str, float]:
-    counts = [0] * threads
-    stop = threading.Event()
-    barrier = threading.Barrier(threads + 1)
-    errors: list[BaseException] = []
-
-    def loop(t: int) -> None:
-        barrier.wait()
-        n = 0
-        try:
-            while not stop.is_set():
-                two_step_workflow(offset + t * 10_000_000 + n)
-                n += 1
-        except BaseException as exc:
-            errors.append(exc)
-        counts[t] = n
-
-    workers = [threading.Thread(target=loop, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    xid = next_xid(url)
-    barrier.wait()
-    started = time.perf_counter()
-    time.sleep(seconds)
-    stop.set()
-    for w in workers:
-        w.join(60)
-    wall = time.perf_counter() - started
-    xids = next_xid(url) - xid - 1
-    if errors:
-        raise RuntimeError(f"a workflow failed: {errors[0]!r}") from errors[0]
-    done = sum(counts)
-    return {
-        "workflows_per_s": done / wall,
-        "steps_per_s": 2 * done / wall,
-        "write_tx_per_workflow": xids / max(1, done),
-    }
+def workflows(w: int) -> Work:
+    return lambda i: two_step_workflow(next(ids))
 
 
 def main() -> None:
@@ -95,24 +55,27 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     logging.getLogger("dbos").setLevel(logging.WARNING)
-    config: DBOSConfig = {
-        "name": "outbox-bench",
-        "system_database_url": args.url,
-        "log_level": "WARNING",
-    }
+    config: DBOSConfig = {"name": "outbox-bench", "system_database_url": args.url}
     DBOS(config=config)
     DBOS.launch()
+    bench = Bench(Path.cwd())  # for its queries only: the parent runs the server
+    bench.dsn = args.url
     out: dict[str, Any] = {}
     try:
-        for i in range(100):  # warm: connections, prepared plans
-            two_step_workflow(-1 - i)
-        offset = 0
-        for threads in (int(t) for t in args.threads.split(",")):
-            reps = []
+        for _ in range(100):  # warm: connections, prepared plans
+            two_step_workflow(next(ids))
+        for threads in args.threads.split(","):
+            out[threads] = []
             for _ in range(args.reps):
-                offset += 100_000_000
-                reps.append(measure(args.url, threads, args.seconds, offset))
-            out[str(threads)] = reps
+                got = run_writers(bench, int(threads), args.seconds, workflows)
+                out[threads].append(
+                    {
+                        "workflows_per_s": got["rate"],
+                        "steps_per_s": 2 * got["rate"],
+                        "write_tx_per_workflow": got["write_xids_per_tx"],
+                        "wal_bytes_per_workflow": got["wal_bytes_per_tx"],
+                    }
+                )
     finally:
         DBOS.destroy()
     print(json.dumps(out))

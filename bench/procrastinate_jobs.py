@@ -1,20 +1,17 @@
-"""Procrastinate 3.10 beside the outbox (subprocesses of ``python -m bench``).
+"""Procrastinate 3.10 beside the outbox: ``python -m bench.procrastinate_jobs DSN COMMAND``.
 
-``python -m bench.procrastinate_jobs DSN COMMAND ...`` on its own database of
-the benchmark's server, with the ``PsycopgConnector``:
+A subprocess of the benchmark, on its own database of the same server, with the
+``PsycopgConnector``. Commands (each prints one JSON line):
 
-- ``schema``: apply Procrastinate's schema (``procrastinate schema --apply``).
-- ``drain --n N --concurrency C --reps R``: per rep, empty the job tables,
-  defer N no-op jobs (``batch_defer_async``, committed), then time one worker
-  (``run_worker_async(wait=False)``: it returns once the queue is empty) from
-  its start to its return; also from the first job's ``started`` event to the
-  last ``succeeded`` one. Prints JSON.
-- ``worker --expect K``: a worker (LISTEN/NOTIFY on, defaults otherwise) whose
-  job records ``time.time()`` when it starts; after K jobs it stops and prints
-  ``{i: start}`` as JSON.
+- ``schema``: apply Procrastinate's schema;
+- ``drain --n N --concurrency C --reps R``: per repetition (after a small warm
+  one), defer N no-op jobs, then time one worker from its start until it returns
+  on an empty queue (``run_worker_async(wait=False)``), and from the first
+  ``started`` event to the last ``succeeded`` one;
+- ``worker --expect K``: a worker with its defaults (LISTEN/NOTIFY) whose job
+  records ``time.time()`` when it starts; after K jobs it prints ``{i: start}``;
 - ``writer --rate R --seconds S --warmup W``: defers one job every 1/R s with
-  the synchronous API, recording ``time.time()`` after each ``defer`` returns
-  (the job is committed), and prints ``[[i, committed_at], ...]``.
+  the synchronous API and prints ``[[i, time after defer returned], ...]``.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import asyncio
 import json
 import logging
 import resource
-import sys
 import time
 from typing import Any
 
@@ -32,7 +28,7 @@ import psycopg
 from procrastinate import App, PsycopgConnector
 
 started_at: dict[int, float] = {}
-expected = 0
+expected = [0]
 enough = asyncio.Event()
 
 
@@ -46,7 +42,7 @@ def make_app(dsn: str) -> App:
     @app.task(name="bench_latency")
     async def bench_latency(i: int) -> None:
         started_at[i] = time.time()
-        if len(started_at) >= expected:
+        if len(started_at) >= expected[0]:
             enough.set()
 
     return app
@@ -57,87 +53,63 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def reset(dsn: str) -> None:
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await conn.execute(
-            "TRUNCATE procrastinate_jobs, procrastinate_events, procrastinate_periodic_defers, "
-            "procrastinate_workers CASCADE"
-        )
-        await conn.execute("CHECKPOINT")
-
-
 async def drain(dsn: str, n: int, concurrency: int, reps: int) -> list[dict[str, float]]:
     app = make_app(dsn)
-    task = app.tasks["bench_noop"]
     out = []
-    async with app.open_async():
-        for rep in range(reps + 1):  # the first is a warm-up
-            size = min(n, 500) if rep == 0 else n
-            await reset(dsn)
+    async with app.open_async(), await psycopg.AsyncConnection.connect(dsn, autocommit=True) as db:
+        for rep in range(reps + 1):  # the first, small, warms
+            size = n if rep else min(n, 500)
+            await db.execute(
+                "TRUNCATE procrastinate_jobs, procrastinate_events, procrastinate_periodic_defers,"
+                " procrastinate_workers CASCADE"
+            )
+            await db.execute("CHECKPOINT")
             for first in range(0, size, 5000):
                 jobs: list[dict[str, Any]] = [
                     {"i": i} for i in range(first, min(size, first + 5000))
                 ]
-                await task.batch_defer_async(*jobs)
-            cpu = cpu_seconds()
-            began = time.perf_counter()
+                await app.tasks["bench_noop"].batch_defer_async(*jobs)
+            cpu, began = cpu_seconds(), time.perf_counter()
             await app.run_worker_async(
                 wait=False, concurrency=concurrency, install_signal_handlers=False
             )
-            wall = time.perf_counter() - began
-            cpu = cpu_seconds() - cpu
-            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-                cur = await conn.execute(
-                    "SELECT count(*) FILTER (WHERE status = 'succeeded') FROM procrastinate_jobs"
-                )
-                row = await cur.fetchone()
-                cur = await conn.execute(
-                    "SELECT extract(epoch FROM max(at) FILTER (WHERE type = 'succeeded') "
-                    "- min(at) FILTER (WHERE type = 'started'))::float8 FROM procrastinate_events"
-                )
-                span = await cur.fetchone()
-            if not row or row[0] != size:
-                raise RuntimeError(f"procrastinate finished {row} of {size} jobs")
-            if rep == 0:
-                continue
-            events_s = float(span[0]) if span and span[0] else wall
-            out.append(
-                {
-                    "rate": n / wall,
-                    "rate_events": n / events_s,
-                    "seconds": wall,
-                    "worker_cpu_us_per_job": 1e6 * cpu / n,
-                }
+            wall, cpu = time.perf_counter() - began, cpu_seconds() - cpu
+            cur = await db.execute(
+                "SELECT (SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'),"
+                " extract(epoch FROM max(at) FILTER (WHERE type = 'succeeded')"
+                " - min(at) FILTER (WHERE type = 'started'))::float8 FROM procrastinate_events"
             )
+            done, span = await cur.fetchone() or (0, None)
+            if done != size:
+                raise RuntimeError(f"procrastinate finished {done} of {size} jobs")
+            if rep:
+                events = n / float(span) if span else n / wall
+                out.append({"rate": n / wall, "rate_events": events, "seconds": wall})
+                out[-1]["worker_cpu_us_per_job"] = 1e6 * cpu / n
     return out
 
 
 async def worker(dsn: str, expect: int) -> dict[int, float]:
-    global expected
-    expected = expect
+    expected[0] = expect
     app = make_app(dsn)
     async with app.open_async():
         running = asyncio.create_task(app.run_worker_async(install_signal_handlers=False))
-        waiting = asyncio.create_task(enough.wait())
-        await asyncio.wait({running, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {running, asyncio.create_task(enough.wait())}, return_when="FIRST_COMPLETED"
+        )
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
-        waiting.cancel()
     return started_at
 
 
 def writer(dsn: str, rate: float, seconds: float, warmup: int) -> list[tuple[int, float]]:
     app = make_app(dsn)
-    task = app.tasks["bench_latency"]
     commits: list[tuple[int, float]] = []
     with app.open():
-        total = warmup + round(rate * seconds)
         begin = time.perf_counter()
-        for i in range(total):
-            pause = begin + i / rate - time.perf_counter()
-            if pause > 0:
-                time.sleep(pause)
-            task.defer(i=i)
+        for i in range(warmup + round(rate * seconds)):
+            time.sleep(max(0.0, begin + i / rate - time.perf_counter()))
+            app.tasks["bench_latency"].defer(i=i)
             commits.append((i, time.time()))
     return commits
 
@@ -151,14 +123,13 @@ def main() -> None:
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--reps", type=int, default=3)
-    p = sub.add_parser("worker")
-    p.add_argument("--expect", type=int, required=True)
+    sub.add_parser("worker").add_argument("--expect", type=int, required=True)
     p = sub.add_parser("writer")
     p.add_argument("--rate", type=float, required=True)
     p.add_argument("--seconds", type=float, required=True)
     p.add_argument("--warmup", type=int, default=20)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING)
     result: Any
     if args.command == "schema":
         app = make_app(args.dsn)

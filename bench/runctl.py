@@ -14,6 +14,9 @@ Sections (``--only`` takes a comma-separated list):
              trickles 10 effects/s; B's commit -> handler start latency, and the same
              trickle without fairness keys (one lane, first in first out)
   lanes      claim p50 with 1, 10 and 100 fairness keys holding backlogs (one probe per lane)
+  pause      how long pausing and resuming a run with 10,000 pending effects takes, and the
+             claim p50 of another run's backlog while they are held (paused rows leave the
+             claim index, as in-flight ones do)
 
 ``--baseline-ref REF`` (or ``--baseline DIR`` holding an ``outbox`` package) runs the
 ``claims`` and ``write`` sections with that code too, each measurement in a child
@@ -48,7 +51,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("claims", "write", "large", "fairness", "lanes")
+SECTIONS = ("claims", "write", "large", "fairness", "lanes", "pause")
 MB = 1024 * 1024
 
 
@@ -256,6 +259,7 @@ def sizes(dsn: str, kind: str) -> dict[str, float]:
             "SELECT pg_total_relation_size('outbox_effects'),"
             " pg_total_relation_size('outbox_blobs')"
         ).fetchone()
+    assert row is not None and table is not None
     return {
         "row_bytes_avg": float(row[0]),
         "row_bytes_max": float(row[1]),
@@ -361,7 +365,7 @@ def deliverer_thread(dsn: str, starts: dict[int, float], delivered: list[int]) -
     class NoOp(Deliverer):
         default_idempotent = True
 
-        async def deliver(self, delivery: Delivery) -> Outcome:  # type: ignore[override]
+        async def deliver(self, delivery: Delivery) -> Outcome:
             if "trickle" in delivery.payload:
                 starts[delivery.payload["trickle"]] = time.time()
             delivered[0] += 1
@@ -439,7 +443,11 @@ def fairness_run(
         while time.time() - began < seconds:
             due = began + i * 0.1
             time.sleep(max(0.0, due - time.time()))
-            run.transaction(f"t{i}", lambda tx, i=i: tx.intend(FAIR_KIND, {"trickle": i}) and None)
+
+            def trickle(tx: Any, i: int = i) -> None:
+                tx.intend(FAIR_KIND, {"trickle": i})
+
+            run.transaction(f"t{i}", trickle)
             committed[i] = time.time()
             i += 1
         rate = (delivered[0] - before) / (time.time() - began)
@@ -518,6 +526,49 @@ def lanes_section(admin: str, reps: int) -> dict[str, Any]:
         out[str(lanes)] = spread(p50s)
         print(f"  lanes {lanes}: p50 {out[str(lanes)]['median'] * 1000:.2f} ms", flush=True)
     return out
+
+
+# -- pause ------------------------------------------------------------------------------------
+
+
+def pause_section(admin: str, reps: int) -> dict[str, Any]:
+    from outbox import Outbox
+
+    got: list[dict[str, float]] = []
+    for _rep in range(reps):
+        with scratch(admin, "bench_runctl_pause") as dsn:
+            migrated(dsn)
+            backlog(dsn, "bench.other", 30_000)
+            with Outbox.connect(dsn) as ob:
+                run = ob.start_run("bench", "1", {})
+                with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+                    conn.execute(
+                        """INSERT INTO outbox_effects (id, run_id, kind, payload, payload_hash,
+                                  idempotency_key, status)
+                           SELECT gen_random_uuid(), %(run)s, 'bench.held', '{}'::jsonb, 'x',
+                                  md5(%(run)s::text || g::text), 'pending'
+                             FROM generate_series(1, 10000) g""",
+                        {"run": run.id},
+                    )
+                    conn.execute("VACUUM ANALYZE outbox_effects")
+                before = quantiles(claim_times(dsn, "bench.other", 100, 50))["p50"]
+                started = time.perf_counter()
+                ob.pause(run.id, "bench")
+                paused = time.perf_counter() - started
+                during = quantiles(claim_times(dsn, "bench.other", 100, 50))["p50"]
+                started = time.perf_counter()
+                ob.resume(run.id)
+                resumed = time.perf_counter() - started
+            got.append(
+                {
+                    "pause_s": paused,
+                    "resume_s": resumed,
+                    "claim_p50_before": before,
+                    "claim_p50_while_paused": during,
+                }
+            )
+            print(f"  pause: {got[-1]}", flush=True)
+    return {key: spread([g[key] for g in got]) for key in got[0]}
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -604,6 +655,22 @@ def render(results: dict[str, Any]) -> str:
         for count, s in lanes.items():
             lines.append(f"| {count} | {ms(s['median'])} ({ms(s['min'])}-{ms(s['max'])}) |")
         lines.append("")
+    pause = results.get("pause")
+    if pause:
+
+        def cell(key: str) -> str:
+            f = pause[key]
+            return f"{ms(f['median'])} ms ({ms(f['min'])}-{ms(f['max'])})"
+
+        lines += [
+            "| a run with 10,000 pending effects | median (min-max) |",
+            "|---|---|",
+            f"| pause | {cell('pause_s')} |",
+            f"| resume | {cell('resume_s')} |",
+            f"| another kind's claim of 100, p50, before the pause | {cell('claim_p50_before')} |",
+            f"| the same while the 10,000 are held | {cell('claim_p50_while_paused')} |",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -662,7 +729,8 @@ def main(argv: list[str] | None = None) -> int:
             str(args.baseline) if args.baseline else None
         )
         with psycopg.connect(libpq(admin)) as conn:
-            results["meta"]["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
+            version = conn.execute("SHOW server_version").fetchone()
+            results["meta"]["postgresql"] = version[0] if version else None
         results["meta"]["load_before"] = os.getloadavg()
         for section in sections:
             print(f"{section}…", flush=True)
@@ -676,6 +744,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[section] = fairness_section(admin, args.reps, args.fair_seconds, work)
             elif section == "lanes":
                 results[section] = lanes_section(admin, args.reps)
+            elif section == "pause":
+                results[section] = pause_section(admin, args.reps)
         results["meta"]["load_after"] = os.getloadavg()
     finally:
         if server is not None:

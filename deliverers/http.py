@@ -3,19 +3,23 @@
 2xx succeeded; 408, 425, 429 and 5xx, timeouts and connection errors are
 retried (``Retry-After`` honoured, in seconds or as an HTTP date; a 429 slows
 the whole kind); any other status fails. The status and a bounded excerpt of
-the body are recorded. A payload cannot reach private, loopback or link-local
-addresses unless the config allows them, so an intent cannot turn the
-deliverer into an SSRF tool; credentials come from the environment or a file
-named in the config, never from the payload.
+the body are recorded. Each call has one deadline for the whole exchange
+(connect, send, every byte of the answer: a sink trickling its answer cannot
+hold a call past its ``timeout``) and reads at most ``read_limit_bytes`` of
+any answer, lookups included. A payload cannot reach private, loopback,
+link-local or other special-purpose addresses unless the config allows them,
+so an intent cannot turn the deliverer into an SSRF tool: every connection
+resolves its host once and connects to the address it checked
+(:mod:`deliverers.http_guard`), redirect hops included. Credentials come from
+the environment or a file named in the config, never from the payload, and are
+not carried to another origin by a redirect. Logged URLs hide their query
+string and userinfo.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fnmatch
-import ipaddress
 import os
-import socket
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -25,6 +29,14 @@ from urllib.parse import quote, urlsplit
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deliverers.http_guard import (
+    AddressPolicy,
+    AddressRefused,
+    GuardedTransport,
+    Resolver,
+    install_log_redaction,
+    system_resolver,
+)
 from outbox.delivery import (
     Deliverer,
     DelivererConfig,
@@ -125,6 +137,12 @@ class HttpConfig(DelivererConfig):
     excerpt_bytes: int = Field(default=2048, ge=0)
     #: Optional URL template the sink answers for a key (``{key}``): 2xx applied, 404 not.
     lookup_url: str | None = None
+    #: The deadline of one lookup, answer included.
+    lookup_timeout: float = Field(default=10.0, gt=0, le=300)
+    #: Follow 3xx answers (each hop is checked like the first; credentials stay
+    #: with the first origin). Off by default: an effect's URL is where it goes.
+    follow_redirects: bool = False
+    max_redirects: int = Field(default=5, ge=0, le=20)
     user_agent: str = "agent-outbox"
 
 
@@ -146,70 +164,58 @@ def parse_retry_after(value: str | None, *, now: datetime | None = None) -> floa
 
 
 class HttpDeliverer(Deliverer):
-    """Calls an HTTP endpoint; idempotent by default (the sink is expected to honour the key)."""
+    """Calls an HTTP endpoint; idempotent by default (the sink is expected to honour the key).
+
+    ``resolver`` answers host names (default: the system's ``getaddrinfo``);
+    tests pass their own to play a rebinding DNS server.
+    """
 
     default_idempotent: ClassVar[bool] = True
     payload_model: ClassVar[type[BaseModel] | None] = HttpRequest
     config_model: ClassVar[type[DelivererConfig]] = HttpConfig
 
-    def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
+    def __init__(
+        self, kind: str, config: DelivererConfig | None = None, *, resolver: Resolver | None = None
+    ) -> None:
         super().__init__(kind, config)
         assert isinstance(self.config, HttpConfig)
         self.http: HttpConfig = self.config
-        self._networks = []
-        self._private_names = set()
-        for entry in self.http.allow_private:
-            try:
-                self._networks.append(ipaddress.ip_network(entry, strict=False))
-            except ValueError:
-                self._private_names.add(entry.lower())
+        self.policy = AddressPolicy(self.http.allowed_hosts, self.http.allow_private)
+        self.resolver = resolver or system_resolver
+        # Made once, here: loading the CA bundle takes a while, and inside a call it
+        # would count against that call's deadline.
+        self._ssl_context = httpx.create_ssl_context()
         self._client: httpx.AsyncClient | None = None
+        install_log_redaction()
 
     def _client_for_loop(self) -> httpx.AsyncClient:
         if self._client is None:
+            limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
             self._client = httpx.AsyncClient(
-                follow_redirects=False,  # a redirect could lead past the allowlist
+                transport=GuardedTransport(
+                    self.policy,
+                    resolver=self.resolver,
+                    limits=limits,
+                    ssl_context=self._ssl_context,
+                ),
+                follow_redirects=self.http.follow_redirects,
+                max_redirects=self.http.max_redirects,
+                # No environment proxies (the guard could not see where a proxy
+                # connects) and no .netrc credentials for a payload's URL.
+                trust_env=False,
                 headers={"User-Agent": self.http.user_agent},
-                limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+                event_hooks={"request": [_drop_credentials_across_origins]},
             )
         return self._client
-
-    async def _refusal(self, url: str) -> str | None:
-        host = (urlsplit(url).hostname or "").lower()
-        allowed = self.http.allowed_hosts
-        if allowed is not None and not any(fnmatch.fnmatch(host, p.lower()) for p in allowed):
-            return f"url host {host!r} is not in allowed_hosts"
-        if host in self._private_names:
-            return None
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                host, None, type=socket.SOCK_STREAM
-            )
-        except OSError:
-            return None  # unresolvable: the request fails and is retried like any network error
-        for info in infos:
-            address = ipaddress.ip_address(info[4][0])
-            if any(address in net for net in self._networks):
-                continue
-            if (
-                address.is_private
-                or address.is_loopback
-                or address.is_link_local
-                or address.is_reserved
-                or address.is_multicast
-                or address.is_unspecified
-            ):
-                return (
-                    f"url host {host!r} resolves to non-public address {address}; "
-                    "allow it with allow_private in the deliverer config"
-                )
-        return None
 
     def _headers(self, request: HttpRequest, delivery: Delivery) -> dict[str, str]:
         headers = dict(request.headers)
         headers["Idempotency-Key"] = delivery.idempotency_key
         headers["X-Outbox-Effect-Id"] = str(delivery.effect_id)
         headers["X-Outbox-Attempt"] = str(delivery.attempt)
+        if delivery.traceparent is not None:
+            # The attempt's span: the sink's own spans join the intent's trace.
+            headers["traceparent"] = delivery.traceparent
         if delivery.run_id is not None:
             headers["X-Outbox-Run-Id"] = str(delivery.run_id)
         if request.credential is not None:
@@ -220,33 +226,43 @@ class HttpDeliverer(Deliverer):
         return headers
 
     async def deliver(self, delivery: Delivery) -> Outcome:
-        """Make the request once; classify the answer."""
+        """Make the request once, within one deadline; classify the answer."""
         request: HttpRequest = delivery.payload
-        refusal = await self._refusal(request.url)
-        if refusal is not None:
-            return Failed(refusal)
         try:
             headers = self._headers(request, delivery)
         except KeyError as exc:
             return Failed(f"credential {exc.args[0]!r} is not configured for kind {self.kind!r}")
         except (ConfigurationError, OSError) as exc:
             return Retry(f"credential unavailable: {exc}")
+        sent = _SentFlag()
+        extensions: dict[str, Any] = {"trace": sent.trace, ORIGIN: _origin(request.url)}
+        if request.credential is not None:
+            extensions[CREDENTIAL_HEADER] = self.http.credentials[request.credential].header
         client = self._client_for_loop()
         try:
-            async with client.stream(
-                request.method,
-                request.url,
-                headers=headers,
-                json=request.json_body if request.json_body is not None else None,
-                timeout=request.timeout,
-            ) as response:
-                body, truncated = await self._read(response)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            return Retry(f"not sent: {type(exc).__name__}: {exc}")  # never reached the sink
-        except httpx.HTTPError as exc:
-            reason = f"{type(exc).__name__} after the request was sent: {exc}"
-            if isinstance(exc, httpx.TimeoutException):
-                reason = f"timed out after {request.timeout}s ({type(exc).__name__})"
+            # One deadline for the whole exchange; httpx's own timeout bounds each
+            # read, which a sink trickling a byte at a time never trips.
+            async with asyncio.timeout(request.timeout):
+                async with client.stream(
+                    request.method,
+                    request.url,
+                    headers=headers,
+                    json=request.json_body if request.json_body is not None else None,
+                    timeout=request.timeout,
+                    extensions=extensions,
+                ) as response:
+                    body, truncated = await self._read(response)
+        except AddressRefused as exc:
+            return Failed(str(exc))
+        except (TimeoutError, httpx.HTTPError) as exc:
+            timed_out = isinstance(exc, TimeoutError | httpx.TimeoutException)
+            what = f"timed out after {request.timeout}s" if timed_out else f"{exc}"
+            if not sent.value or isinstance(exc, httpx.ConnectError | httpx.PoolTimeout):
+                return Retry(f"not sent: {type(exc).__name__}: {what}")  # never reached the sink
+            if timed_out:
+                reason = f"timed out after {request.timeout}s: no complete answer"
+            else:
+                reason = f"{type(exc).__name__} after the request was sent: {exc}"
             # A sink that cannot dedup may have applied it: an operator decides.
             return Retry(reason) if self.idempotent else Unknown(reason)
         return self._classify(response, body, truncated)
@@ -286,10 +302,18 @@ class HttpDeliverer(Deliverer):
         if template is None:
             raise NotImplementedError("no lookup_url configured")
         url = template.format(key=quote(delivery.idempotency_key, safe=""))
-        refusal = await self._refusal(url)
-        if refusal is not None:
-            raise PermissionError(refusal)
-        response = await self._client_for_loop().get(url, timeout=10.0)
+        deadline = self.http.lookup_timeout
+        client = self._client_for_loop()
+        try:
+            async with asyncio.timeout(deadline):
+                async with client.stream(
+                    "GET", url, timeout=deadline, extensions={ORIGIN: _origin(url)}
+                ) as response:
+                    body, _ = await self._read(response)
+        except AddressRefused as exc:
+            raise PermissionError(str(exc)) from exc
+        except TimeoutError as exc:
+            raise TimeoutError(f"lookup gave no complete answer within {deadline}s") from exc
         if response.status_code == 404:
             return NotApplied()
         response.raise_for_status()
@@ -297,7 +321,7 @@ class HttpDeliverer(Deliverer):
             {
                 "status": response.status_code,
                 "looked_up": True,
-                "body": response.text[: self.http.excerpt_bytes],
+                "body": body[: self.http.excerpt_bytes].decode("utf-8", errors="replace"),
             }
         )
 
@@ -311,3 +335,39 @@ class HttpDeliverer(Deliverer):
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+
+#: Request extensions the redirect hook reads: where the call started, and the
+#: header that carries its credential.
+ORIGIN = "outbox.origin"
+CREDENTIAL_HEADER = "outbox.credential_header"
+
+
+def _origin(url: str | httpx.URL) -> tuple[str, str, int | None]:
+    parsed = httpx.URL(url)
+    return parsed.scheme, parsed.host, parsed.port
+
+
+async def _drop_credentials_across_origins(request: httpx.Request) -> None:
+    """On a redirect hop to another origin, the credential stays behind.
+
+    httpx drops ``Authorization`` there, but a credential may use any header
+    (``X-Api-Key``, say).
+    """
+    origin = request.extensions.get(ORIGIN)
+    if origin is not None and origin != _origin(request.url):
+        header = request.extensions.get(CREDENTIAL_HEADER)
+        if header is not None:
+            request.headers.pop(header, None)
+        request.headers.pop("Authorization", None)
+
+
+class _SentFlag:
+    """Set once the request's headers start going out (httpcore's trace events)."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+    async def trace(self, event: str, info: dict[str, Any]) -> None:
+        if ".send_request_headers." in event:
+            self.value = True

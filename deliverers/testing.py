@@ -5,7 +5,8 @@
 honours ``Idempotency-Key`` the way Stripe does (the first result for a key is
 stored and replayed; a key reused with a different body is refused with 422),
 counts what it receives, answers lookups, and can be told to misbehave (429
-with ``Retry-After``, 500 before or after applying, hang, be down).
+with ``Retry-After``, 500 before or after applying, hang, be down, answer with
+a binary or UTF-16 error page, trickle its answer a byte at a time).
 """
 
 from __future__ import annotations
@@ -81,10 +82,20 @@ class RecordingDeliverer(Deliverer):
 class Fault:
     """How the sink misbehaves for the next ``times`` requests (``None``: until cleared)."""
 
-    mode: str  # "429" | "500_before" | "500_after" | "hang" | "down"
+    #: "429" | "500_before" | "500_after" | "hang" | "down" | "bad_body" | "trickle" | "redirect"
+    mode: str
     times: int | None = None
     retry_after: str = "1"
     hang_seconds: float = 30.0
+    #: "bad_body": answer this status with ``body`` (default: a UTF-16 error page,
+    #: full of NUL bytes, as some servers send) without applying the effect.
+    status: int = 400
+    body: bytes = "<h1>Bad request</h1>".encode("utf-16")
+    #: "trickle": answer 200 (after applying; to a GET, at once), one byte of
+    #: ``body`` every ``interval``.
+    interval: float = 0.5
+    #: "redirect": answer ``status`` (a 3xx) pointing at ``location``, without applying.
+    location: str = ""
 
 
 @dataclass
@@ -95,7 +106,13 @@ class _State:
     applied_count: Counter[str] = field(default_factory=Counter)
     operations: Counter[str] = field(default_factory=Counter)
     requests: int = 0
+    #: GET requests (lookups, stats, big bodies); ``requests`` counts the others.
+    gets: int = 0
     faults: list[Fault] = field(default_factory=list)
+    #: Bytes of ``/big/`` bodies actually written (a reader that stops early gets fewer).
+    big_bytes_sent: int = 0
+    #: Credential-like headers (Authorization, X-Api-Key) of every request received.
+    credentials_seen: list[dict[str, str]] = field(default_factory=list)
 
 
 class IdempotentHttpSink:
@@ -240,6 +257,16 @@ class IdempotentHttpSink:
         handler.wfile.write(data)
 
     def _get(self, handler: BaseHTTPRequestHandler) -> None:
+        with self._lock:
+            self.state.gets += 1
+        self._note_credentials(handler)
+        fault = self._next_fault()
+        if fault is not None and fault.mode == "trickle":
+            self._trickle(handler, fault)
+            return
+        if fault is not None and fault.mode == "redirect":
+            self._redirect(handler, fault)
+            return
         if handler.path.startswith("/idempotency/"):
             key = handler.path.removeprefix("/idempotency/")
             with self._lock:
@@ -261,6 +288,8 @@ class IdempotentHttpSink:
                 while sent < size:
                     handler.wfile.write(chunk[: size - sent])
                     sent += min(len(chunk), size - sent)
+                    with self._lock:
+                        self.state.big_bytes_sent += min(len(chunk), size - sent)
             except OSError:
                 pass
         else:
@@ -274,6 +303,7 @@ class IdempotentHttpSink:
             handler.close_connection = True
             return
         key = handler.headers.get("Idempotency-Key")
+        self._note_credentials(handler)
         with self._lock:
             self.state.requests += 1
             if key:
@@ -285,6 +315,7 @@ class IdempotentHttpSink:
                 "key": key,
                 "effect_id": handler.headers.get("X-Outbox-Effect-Id"),
                 "attempt": handler.headers.get("X-Outbox-Attempt"),
+                "traceparent": handler.headers.get("traceparent"),
                 "body": raw.decode(),
             }
         )
@@ -309,6 +340,16 @@ class IdempotentHttpSink:
             if fault.mode == "500_before":
                 self._reply(handler, 500, {"error": "failed before applying"})
                 return
+            if fault.mode == "redirect":
+                self._redirect(handler, fault)
+                return
+            if fault.mode == "bad_body":
+                handler.send_response(fault.status)
+                handler.send_header("Content-Type", "text/html; charset=utf-16")
+                handler.send_header("Content-Length", str(len(fault.body)))
+                handler.end_headers()
+                handler.wfile.write(fault.body)
+                return
             if fault.mode == "hang":
                 time.sleep(fault.hang_seconds)
             if fault.mode == "down":
@@ -319,7 +360,40 @@ class IdempotentHttpSink:
         if fault is not None and fault.mode == "500_after":
             self._reply(handler, 500, {"error": "applied, then failed to answer"})
             return
+        if fault is not None and fault.mode == "trickle":
+            self._trickle(handler, fault)
+            return
         self._reply(handler, status, response)
+
+    def _note_credentials(self, handler: BaseHTTPRequestHandler) -> None:
+        seen = {
+            name: value
+            for name, value in handler.headers.items()
+            if name.lower() in ("authorization", "x-api-key")
+        }
+        with self._lock:
+            self.state.credentials_seen.append(seen)
+
+    def _redirect(self, handler: BaseHTTPRequestHandler, fault: Fault) -> None:
+        handler.send_response(fault.status)
+        handler.send_header("Location", fault.location)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    def _trickle(self, handler: BaseHTTPRequestHandler, fault: Fault) -> None:
+        """Send the headers, then the body one byte per ``fault.interval`` (a slow-loris sink)."""
+        body = fault.body
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.flush()
+        try:
+            for i in range(len(body)):
+                handler.wfile.write(body[i : i + 1])
+                handler.wfile.flush()
+                time.sleep(fault.interval)
+        except OSError:  # the client gave up: what a deadline is for
+            handler.close_connection = True
 
     def _apply(self, key: str | None, raw: bytes, path: str) -> tuple[int, Any]:
         digest = hashlib.sha256(raw).hexdigest()

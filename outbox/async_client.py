@@ -47,6 +47,7 @@ from outbox.storage.async_run_store import AsyncRunStore
 from outbox.storage.engine import open_async_engine
 from outbox.storage.notify import Notifier, WakeupThrottle
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
+from outbox.tracing import current_traceparent, run_span
 from outbox.validation import as_uuid, name_field, validated
 
 __all__ = ["AsyncOutbox", "BlockingAsyncWorker"]
@@ -148,9 +149,12 @@ class AsyncOutbox:
         )
         notify = self._runs_wakeup.inline()
         insert = self.aio.sync.insert_run
-        record, created = await self.aio.call(
-            insert, new.row, notify=notify is not None, blobs=[new.inputs.blob]
-        )
+        with run_span(agent=new.row["agent"], version=new.row["agent_version"]):
+            # The run's trace: its steps are spans of it, in whichever process.
+            new.row["trace_parent"] = current_traceparent()
+            record, created = await self.aio.call(
+                insert, new.row, notify=notify is not None, blobs=[new.inputs.blob]
+            )
         if created:
             self._runs_wakeup.committed(notify)
         record = started_run(new, record, created)
@@ -212,10 +216,15 @@ class AsyncOutbox:
         return await self.effect(effect.id)
 
     async def retry_effect(
-        self, effect_id: uuid.UUID | str, *, operator: str, extra_attempts: int = 3
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        operator: str,
+        extra_attempts: int = 3,
+        note: str | None = None,
     ) -> Effect:
         """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries."""
-        params = retry_params(extra_attempts=extra_attempts, operator=operator)
+        params = retry_params(extra_attempts=extra_attempts, operator=operator, note=note)
         effect = await self.effect(effect_id)
         changed = await self.aio.call(
             self.aio.sync.operator_change, "retry", {"effect_id": effect.id, **params}

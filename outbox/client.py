@@ -51,6 +51,7 @@ from outbox.storage.notify import WakeupThrottle
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
 from outbox.storage.store import Store
+from outbox.tracing import current_traceparent, run_span
 from outbox.validation import as_uuid, name_field, row_limit, validated
 
 if TYPE_CHECKING:
@@ -151,9 +152,12 @@ class Outbox:
             fairness_key=fairness_key,
         )
         notify = self._runs_wakeup.inline()
-        record, created = self.store.insert_run(
-            new.row, notify=notify is not None, blobs=[new.inputs.blob]
-        )
+        with run_span(agent=new.row["agent"], version=new.row["agent_version"]):
+            # The run's trace: its steps are spans of it, in whichever process.
+            new.row["trace_parent"] = current_traceparent()
+            record, created = self.store.insert_run(
+                new.row, notify=notify is not None, blobs=[new.inputs.blob]
+            )
         if created:
             self._runs_wakeup.committed(notify)
         record = started_run(new, record, created)
@@ -216,10 +220,18 @@ class Outbox:
         return self.effect(effect.id)
 
     def retry_effect(
-        self, effect_id: uuid.UUID | str, *, operator: str, extra_attempts: int = 3
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        operator: str,
+        extra_attempts: int = 3,
+        note: str | None = None,
     ) -> Effect:
-        """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries."""
-        params = retry_params(extra_attempts=extra_attempts, operator=operator)
+        """Put a ``failed`` effect back to ``pending`` (same key) with ``extra_attempts`` tries.
+
+        Recorded in the attempt log with ``operator`` and, when given, ``note`` (why).
+        """
+        params = retry_params(extra_attempts=extra_attempts, operator=operator, note=note)
         effect = self.effect(effect_id)
         if not self.store.operator_change("retry", {"effect_id": effect.id, **params}):
             raise not_changed(effect, "retry")
@@ -432,6 +444,7 @@ def new_run(
         "key": start.key,
         "priority": start.priority,
         "fairness_key": start.fairness_key,
+        "trace_parent": None,
     }
     return NewRun(row, stored, start.on_conflict)
 
@@ -488,11 +501,16 @@ def resolve_params(*, outcome: str, note: str, operator: str) -> dict[str, Any]:
     return {"new_status": choices[outcome], "operator": operator, "detail": detail}
 
 
-def retry_params(*, extra_attempts: int, operator: str) -> dict[str, Any]:
+def retry_params(*, extra_attempts: int, operator: str, note: str | None = None) -> dict[str, Any]:
     """Validated parameters of an operator's ``retry`` (all but the effect id)."""
     if extra_attempts < 1:
         raise ValidationError("extra_attempts", extra_attempts, "must be at least 1")
-    detail = encode({"extra_attempts": extra_attempts, "by": operator}, field="detail")
+    if note is not None and not note.strip():
+        raise ValidationError("note", note, "say why, or leave the note out")
+    entry: dict[str, Any] = {"extra_attempts": extra_attempts, "by": operator}
+    if note is not None:
+        entry["note"] = note
+    detail = encode(entry, field="detail")
     return {"extra_attempts": extra_attempts, "operator": operator, "detail": detail}
 
 

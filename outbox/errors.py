@@ -23,7 +23,8 @@
     ├── EffectFailed                an awaited effect ended failed
     ├── SchemaError
     │   ├── SchemaOutdated          the database needs `outbox migrate`
-    │   └── SchemaTooNew            the database was migrated by newer code
+    │   ├── SchemaTooNew            the database was migrated by newer code
+    │   └── MigrationError          a migration failed, or an applied one was changed
     ├── DatabaseError               the store failed (the driver's error is __cause__)
     │   └── EmbeddedServerError     the embedded PostgreSQL failed to start or stop
     └── DeliveryError               raised by a deliverer, read by the daemon
@@ -36,6 +37,7 @@ worker's handler when its run parks in a wait, as psycopg's ``Rollback`` is.
 
 from __future__ import annotations
 
+import math
 import reprlib
 from typing import Any
 
@@ -50,6 +52,7 @@ __all__ = [
     "EmbeddedServerError",
     "IdempotencyConflict",
     "LeaseLost",
+    "MigrationError",
     "NotFound",
     "OutboxError",
     "PayloadError",
@@ -85,6 +88,25 @@ def _show(value: Any, limit: int = 80) -> str:
         except (RecursionError, ValueError):
             text = f"<{type(value).__name__} that cannot be shown>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_seconds(field: str, value: Any) -> float | None:
+    """``value`` as a number of seconds (``None`` stays ``None``), refused unless finite and >= 0.
+
+    A delay read from a deliverer ends up in ``now() + delay``: infinity or NaN
+    would fail the statement that records it, so it is refused where it is made.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValidationError(field, value, "must be a number of seconds")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past float's range
+        seconds = math.inf
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValidationError(field, value, "must be a finite number of seconds >= 0")
+    return seconds
 
 
 class OutboxError(Exception):
@@ -239,8 +261,23 @@ class SchemaTooNew(SchemaError):
     """The database was migrated by a newer agent-outbox; refuse rather than corrupt it."""
 
 
+class MigrationError(SchemaError):
+    """A migration failed (named, with the server's reason), or a shipped one was changed."""
+
+
 class DatabaseError(OutboxError):
-    """PostgreSQL refused or failed an operation; the driver's error is ``__cause__``."""
+    """PostgreSQL refused or failed an operation; the driver's error is ``__cause__``.
+
+    ``sqlstate`` is PostgreSQL's error code when the server gave one.
+    ``transient`` says the same statement may well succeed later (a lost
+    connection, a deadlock, a server shutting down); otherwise it failed on
+    what it was given or on what the role may do, and would fail again.
+    """
+
+    def __init__(self, message: str, *, sqlstate: str | None = None, transient: bool = False):
+        super().__init__(message)
+        self.sqlstate = sqlstate
+        self.transient = transient
 
 
 class EmbeddedServerError(DatabaseError):
@@ -261,7 +298,7 @@ class RetryableError(DeliveryError):
         self, reason: str, *, retry_after: float | None = None, rate_limited: bool = False
     ) -> None:
         super().__init__(reason)
-        self.retry_after = retry_after
+        self.retry_after = check_seconds("retry_after", retry_after)
         self.rate_limited = rate_limited
 
 

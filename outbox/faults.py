@@ -10,7 +10,8 @@ Points: ``after_claim`` (claimed, before the outside call), ``after_call``
 (the completion statement ran, before its commit), ``after_publish`` (a
 relay's records were acknowledged by Kafka, before they are marked
 dispatched), ``after_step`` (a run's step committed, before the next),
-``before_step_commit`` (inside a step's transaction, before commit).
+``before_step_commit`` (inside a step's transaction, before commit),
+``gc_archived`` (a ``gc`` batch is archived and fsynced, before its delete commits).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ POINTS = frozenset(
         "after_publish",
         "after_step",
         "before_step_commit",
+        "gc_archived",
     }
 )
 ENV = "OUTBOX_TEST_CRASH_AT"

@@ -4,7 +4,7 @@ The rules are named constants and tables (no logic hidden in branches), so the
 same rules can be written as PostgreSQL functions for agents in other languages
 and a test can hold both to the same cases. Each refusal carries a stable
 ``code`` (the SQL port returns the same codes) and names the field; it never
-repeats a value that may be a secret. ``docs/api.md`` ("What an intent may
+repeats a value that may be a secret. ``docs/reference/client.md`` ("What an intent may
 contain") documents them for people.
 
 What is checked:

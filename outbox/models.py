@@ -297,6 +297,8 @@ class RunRecord(_Record):
     #: Agent-version upgrades this run went through: ``{from, to, at, worker}``.
     upgrades: list[dict[str, Any]] = Field(default_factory=list)
     cancel_reason: str | None = None
+    #: The W3C ``traceparent`` of the run's trace (None: started outside any trace).
+    trace_parent: str | None = None
     #: The business key it was started with (one run per key), if any.
     key: str | None = None
     priority: int = 0
@@ -365,6 +367,8 @@ class Effect(_Record):
     completed_at: datetime | None = None
     priority: int = 0
     fairness_key: str = ""
+    #: The W3C ``traceparent`` current when the intent was written (None: no trace).
+    trace_parent: str | None = None
 
     @property
     def terminal(self) -> bool:

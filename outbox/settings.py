@@ -32,6 +32,8 @@ class Settings(BaseModel):
 
     ``dsn`` ``None`` means the embedded PostgreSQL in ``home`` (started on demand
     and shared by every process on the machine that uses the same ``home``).
+    :meth:`from_env` reads it from ``OUTBOX_DSN``, or from the file named by
+    ``OUTBOX_DSN_FILE``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -72,6 +74,17 @@ class Settings(BaseModel):
             raw = env.get(ENV_PREFIX + name.upper())
             if raw is not None and raw != "":
                 values[name] = raw
+        dsn_file = env.get(ENV_PREFIX + "DSN_FILE")
+        if dsn_file and "dsn" in values and overrides.get("dsn") is None:
+            raise ConfigurationError(
+                f"{ENV_PREFIX}DSN and {ENV_PREFIX}DSN_FILE are both set: keep one"
+            )
+        if dsn_file and overrides.get("dsn") is None:
+            # A secret mounted as a file keeps the password out of the environment too.
+            try:
+                values["dsn"] = Path(dsn_file).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigurationError(f"{ENV_PREFIX}DSN_FILE={dsn_file!r}: {exc}") from exc
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**values)

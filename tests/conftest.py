@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from sqlalchemy.engine import make_url
 from outbox import EmbeddedServer, Outbox
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
+from tests.support import embedded_home
 
 TEMPLATE = "outbox_template"
 _counter = itertools.count()
@@ -50,7 +50,7 @@ def pg_server() -> Iterator[EmbeddedServer | None]:
         yield None
         return
     # Not under pytest's own temp root: a concurrent pytest session rotates that away.
-    home = Path(tempfile.mkdtemp(prefix="outbox-test-pg-"))
+    home = embedded_home("outbox-test-pg-")
     server = EmbeddedServer(home, settings=TEST_SERVER_SETTINGS)
     server.ensure_running()
     yield server

@@ -73,3 +73,33 @@ class Namespace:
     def nested(payload: Any, key: str) -> str:
         _note("nested", payload, key)
         return f"nested:{key}"
+
+
+def raises_nul(payload: Any, key: str) -> None:
+    """An error message holding what PostgreSQL cannot store: a NUL and a lone surrogate."""
+    _note("raises_nul", payload, key)
+    raise ValueError("bad\x00news from \udcff the sink")
+
+
+def rejects_nul(payload: Any, key: str) -> None:
+    """A permanent failure whose message holds a NUL."""
+    _note("rejects_nul", payload, key)
+    raise PermanentError("account\x00closed")
+
+
+def retry_forever(payload: Any, key: str) -> None:
+    """A transient failure asking for an infinite wait (refused where it is made)."""
+    _note("retry_forever", payload, key)
+    raise RetryableError("come back never", retry_after=float("inf"))
+
+
+def odd_result(payload: Any, key: str) -> dict[Any, Any]:
+    """A result JSON cannot hold as it is: NaN, infinity, NUL, bytes, a non-text key."""
+    _note("odd_result", payload, key)
+    return {
+        "ratio": float("nan"),
+        "big": float("inf"),
+        "text": "a\x00b",
+        "raw": b"\xff\xfe",
+        "nested": {1: ["x\x00"]},
+    }

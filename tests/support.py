@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
+
+import psycopg
+from sqlalchemy.engine import make_url
 
 from outbox.delivery import Deliverer
 from outbox.delivery.daemon import DeliveryDaemon
@@ -131,3 +137,54 @@ class WorkerThread:
         assert not self._thread.is_alive(), "worker did not stop"
         if self.error is not None:
             raise self.error
+
+
+@contextmanager
+def limited_role(dsn: str, *revoke: str) -> Iterator[str]:
+    """Every new session on ``dsn``'s database runs as a role that lacks ``revoke`` privileges.
+
+    The role may read and write every table (as a deliverer's role would)
+    except what ``revoke`` takes away, each an SQL fragment such as
+    ``"UPDATE ON outbox_runs"``. It applies to sessions opened from now on,
+    subprocesses included (``ALTER DATABASE ... SET role``), so no login or
+    password is involved. Yields the role's name.
+    """
+    database = make_url(dsn).database
+    role = f"limited_{database}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} NOLOGIN")
+        conn.execute(f"GRANT USAGE ON SCHEMA public TO {role}")
+        conn.execute(
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}"
+        )
+        conn.execute(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}")
+        for privilege in revoke:
+            conn.execute(f"REVOKE {privilege} FROM {role}")
+        conn.execute(f"ALTER DATABASE {database} SET role = '{role}'")
+    try:
+        yield role
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SET ROLE NONE")
+            conn.execute(f"ALTER DATABASE {database} RESET role")
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
+
+
+def as_superuser(dsn: str, sql: str, params: Any = None) -> list[Any]:
+    """Rows of ``sql`` run on a new connection as the session's own (super)user."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET ROLE NONE")
+        cursor = conn.execute(sql, params)
+        return cursor.fetchall() if cursor.description else []
+
+
+def embedded_home(prefix: str = "outbox-test-home-") -> Path:
+    """A new directory for an embedded server, which its OS user can enter.
+
+    Run as root, the server runs as another user, and agent-outbox does not
+    loosen directories it did not make: a test's own directory is opened here.
+    """
+    home = Path(tempfile.mkdtemp(prefix=prefix))
+    home.chmod(0o711)
+    return home

@@ -10,6 +10,7 @@ from typing import NoReturn
 import click
 
 from outbox.cli._common import CliContext
+from outbox.cli._dsn import choose_dsn
 from outbox.errors import OutboxError
 
 __all__ = ["cli", "main"]
@@ -20,7 +21,15 @@ __all__ = ["cli", "main"]
     "--dsn",
     envvar="OUTBOX_DSN",
     default=None,
-    help="PostgreSQL DSN. Default: the embedded server in --home.",
+    help="PostgreSQL DSN. Default: the embedded server in --home. A password here shows "
+    "in the process list: prefer OUTBOX_DSN or --dsn-file.",
+)
+@click.option(
+    "--dsn-file",
+    envvar="OUTBOX_DSN_FILE",
+    default=None,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Read the DSN from this file (a secret mounted 0600, say).",
 )
 @click.option(
     "--home",
@@ -31,18 +40,20 @@ __all__ = ["cli", "main"]
 )
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 @click.pass_context
-def cli(ctx: click.Context, dsn: str | None, home: Path | None, verbose: int) -> None:
+def cli(
+    ctx: click.Context, dsn: str | None, dsn_file: Path | None, home: Path | None, verbose: int
+) -> None:
     """agent-outbox: durable steps and effectively-once side effects for long-running agents."""
     level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ctx.obj = CliContext(dsn=dsn, home=home)
+    ctx.obj = CliContext(dsn=choose_dsn(ctx, dsn, dsn_file), home=home)
     ctx.call_on_close(ctx.obj.close)
 
 
 def _register() -> None:
-    from outbox.cli import db, deliver, demo, effects, runs, schemas, worker
+    from outbox.cli import db, deliver, demo, effects, roles, runs, schemas, worker
 
-    for module in (db, deliver, demo, effects, runs, schemas, worker):
+    for module in (db, deliver, demo, effects, roles, runs, schemas, worker):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,6 +65,15 @@ def listening(host: str, port: int, *, hint: str = "'--host' / '--port'") -> Ite
         raise click.BadParameter(
             f"cannot listen on {host}:{port}: {reason}", param_hint=hint
         ) from None
+
+
+def can_listen(host: str, port: int) -> None:
+    """Bind and release ``host:port`` (raises ``OSError``), so a server fails before it starts."""
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+        return
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

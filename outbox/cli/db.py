@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
+from uuid import UUID
 
 import click
 
@@ -16,20 +19,43 @@ __all__ = ["COMMANDS"]
 
 
 @click.command("migrate")
+@click.option(
+    "--accept-changed",
+    "accept_changed",
+    type=click.IntRange(1),
+    multiple=True,
+    metavar="VERSION",
+    help="Accept that applied migration VERSION differs from the shipped file "
+    "(after checking the database matches it); records the new checksum.",
+)
+@click.option(
+    "--to",
+    "target",
+    type=click.IntRange(1),
+    default=None,
+    metavar="VERSION",
+    help="Apply migrations up to this version only.",
+)
 @json_option
 @pass_cli
-def migrate_command(cli: CliContext, as_json: bool) -> None:
-    """Apply pending migrations (idempotent; safe when run twice at once)."""
+def migrate_command(
+    cli: CliContext, accept_changed: tuple[int, ...], target: int | None, as_json: bool
+) -> None:
+    """Apply pending migrations (idempotent; safe when run twice at once).
+
+    An applied migration whose shipped file changed since is refused by name
+    (a checksum is recorded for each); a failing migration is named with the
+    server's reason.
+    """
     dsn, _ = resolve_dsn(cli.settings)
     engine = make_engine(dsn)
     try:
-        with translate_errors("migrating"):
-            done = migrate(engine)
-            with engine.connect() as conn:
-                versions = applied_versions(conn)
+        done = migrate(engine, accept_changed=accept_changed, target=target)
+        with translate_errors("reading the schema version"), engine.connect() as conn:
+            versions = applied_versions(conn)
     finally:
         engine.dispose()
-    names = [f"{m.version:04d}_{m.name}" for m in done]
+    names = [m.label for m in done]
     report = {"applied": names, "schema_version": max(versions), "known": shipped()[-1].version}
     emit(
         report,
@@ -101,7 +127,26 @@ def db_stop(cli: CliContext, as_json: bool) -> None:
     )
 
 
-@click.command("gc")
+GC_HELP = """Delete (or archive and delete) finished history older than a horizon.
+
+\b
+What goes: runs that ended before the horizon with no open effect, with
+their steps, effects, attempt log, signals and budget ledger; run-less
+effects finished before it, with their attempts; consumer dedup keys and
+webhook replay marks older than it. Each batch is one short transaction.
+
+\b
+--archive FILE appends every deleted row of every table to FILE (created
+0600) as JSON lines, fsynced before the batch's delete commits:
+  {"archive": "agent-outbox", "format": 1, ...}     one header per gc run
+  {"table": "outbox_runs", "row": {...every column...}}
+Rows of a batch come parents first (a run, its steps, signals, ledger,
+effects, then their attempts). Read it back with `outbox archive read FILE`
+or outbox.storage.archive.read_archive (docs/howto/run-deliverers.md).
+"""
+
+
+@click.command("gc", help=GC_HELP)
 @click.option(
     "--older-than",
     required=True,
@@ -113,49 +158,48 @@ def db_stop(cli: CliContext, as_json: bool) -> None:
     type=click.IntRange(1, 100_000),
     default=1000,
     show_default=True,
-    help="Rows per transaction (short transactions keep vacuum working).",
+    help="Per transaction: runs with at most this many effects between them, or "
+    "run-less effects, or keys.",
 )
 @click.option(
     "--archive",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="Append deleted runs and effects to this JSON-lines file first.",
+    help="Append every deleted row to this JSON-lines file first (see above).",
 )
 @click.option(
-    "--dry-run", is_flag=True, help="Count the first batch of each table; delete nothing."
+    "--dry-run", is_flag=True, help="Count the first batch of each phase; delete nothing."
 )
 @json_option
 @pass_cli
 def gc(
     cli: CliContext, older_than: str, batch: int, archive: Path | None, dry_run: bool, as_json: bool
 ) -> None:
-    """Delete (or archive and delete) finished runs and effects older than a horizon."""
-    from outbox.storage.retention import collect_garbage, open_archive, parse_horizon
+    from outbox.storage.archive import ArchiveWriter
+    from outbox.storage.retention import collect_garbage, parse_horizon
 
     horizon = parse_horizon(older_than)
-    if archive is not None and not archive.parent.is_dir():
-        raise click.BadParameter(
-            f"directory {str(archive.parent)!r} does not exist", param_hint="'--archive'"
-        )
-    handle = open_archive(archive)
+    engine = cli.outbox.engine
+    writer = None if archive is None or dry_run else ArchiveWriter.open(archive)
     try:
         with console.status("collecting garbage…") as status:
             report = collect_garbage(
-                cli.outbox.engine,
+                engine,
                 horizon,
                 batch=batch,
-                archive=handle,
+                archive=writer,
                 dry_run=dry_run,
-                progress=lambda table, n: status.update(f"{table}: {n} more"),
+                progress=lambda phase, n: status.update(f"{phase}: {n} more"),
             )
     finally:
-        if handle is not None:
-            handle.close()
+        if writer is not None:
+            writer.close()
     data = {
         "older_than": older_than,
         "dry_run": dry_run,
         "deleted": report.deleted,
         "batches": report.batches,
+        "archive": None if writer is None else str(archive),
     }
     emit(
         data,
@@ -163,9 +207,75 @@ def gc(
         lambda: table(
             f"gc (older than {older_than}){' dry run' if dry_run else ''}",
             ["table", "deleted"],
-            sorted(report.deleted.items()),
+            list(report.deleted.items()),
         ),
     )
 
 
-COMMANDS = [migrate_command, db, gc]
+@click.group("archive")
+def archive_group() -> None:
+    """Read what `outbox gc --archive` wrote."""
+
+
+@archive_group.command("read")
+@click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--rows", is_flag=True, help="Print the rows (one JSON object a line), not a summary."
+)
+@click.option("--table", "only_table", default=None, help="Only rows of this table.")
+@click.option(
+    "--run",
+    "run_id",
+    type=click.UUID,
+    default=None,
+    help="Only the rows of this run (its steps, effects, attempts, signals, ledger).",
+)
+@json_option
+def archive_read(
+    path: Path, rows: bool, only_table: str | None, run_id: UUID | None, as_json: bool
+) -> None:
+    """Summarise an archive (gc runs, rows per table), or print its rows."""
+    from outbox.storage.archive import read_archive, summarize_archive
+
+    if rows or only_table or run_id:
+        for entry in _filtered(read_archive(path), only_table, run_id):
+            click.echo(entry.as_json())
+        return
+    summary = summarize_archive(path)
+    data = {
+        "gc_runs": summary.headers,
+        "rows": summary.rows,
+        "torn_lines_skipped": summary.torn_lines,
+    }
+    emit(
+        data,
+        as_json,
+        lambda: table(
+            f"{path}: {len(summary.headers)} gc run(s)"
+            + (f", {summary.torn_lines} torn line(s) skipped" if summary.torn_lines else ""),
+            ["table", "rows"],
+            sorted(summary.rows.items()),
+        ),
+    )
+
+
+def _filtered(entries: Iterable[Any], only_table: str | None, run_id: UUID | None) -> Iterator[Any]:
+    effect_ids: set[UUID] = set()
+    for entry in entries:
+        if run_id is not None:
+            row = entry.row
+            if entry.table == "outbox_runs":
+                mine = row.get("id") == run_id
+            elif entry.table == "outbox_effect_attempts":
+                mine = row.get("effect_id") in effect_ids
+            else:
+                mine = row.get("run_id") == run_id
+                if mine and entry.table == "outbox_effects":
+                    effect_ids.add(row["id"])
+            if not mine:
+                continue
+        if only_table is None or entry.table == only_table:
+            yield entry
+
+
+COMMANDS = [migrate_command, db, gc, archive_group]

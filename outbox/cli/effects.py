@@ -129,11 +129,16 @@ def effects_resolve(
     show_default=True,
     help="How many more attempts it gets.",
 )
+@click.option("--note", default=None, help="Why (kept in the attempt log).")
 @json_option
 @pass_cli
-def effects_retry(cli: CliContext, effect_id: str, extra_attempts: int, as_json: bool) -> None:
+def effects_retry(
+    cli: CliContext, effect_id: str, extra_attempts: int, note: str | None, as_json: bool
+) -> None:
     """Put a failed effect back to pending, with the same idempotency key."""
-    effect = cli.outbox.retry_effect(effect_id, operator=_operator(), extra_attempts=extra_attempts)
+    effect = cli.outbox.retry_effect(
+        effect_id, operator=_operator(), extra_attempts=extra_attempts, note=note
+    )
     emit(
         effect,
         as_json,

@@ -1,17 +1,24 @@
-"""``outbox worker`` (runs an agent), ``outbox signal`` and ``outbox serve`` (signals over HTTP)."""
+"""``outbox worker`` (runs an agent), ``outbox signal`` and ``outbox serve`` (signals, console)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 from pathlib import Path
 from typing import Any
 
 import click
 
-from outbox.cli._common import CliContext, console, emit, json_option, listening, pass_cli
+from outbox.cli._common import (
+    CliContext,
+    can_listen,
+    console,
+    emit,
+    json_option,
+    listening,
+    pass_cli,
+)
 from outbox.errors import ConfigurationError
 from outbox.validation import import_callable
 
@@ -105,15 +112,19 @@ def signal_command(
     )
 
 
-def _secret(secret_file: Path | None) -> bytes:
-    if secret_file is not None:
-        return secret_file.read_bytes().strip()
-    value = os.environ.get("OUTBOX_WEBHOOK_SECRET")
-    if not value:
-        raise ConfigurationError(
-            "OUTBOX_WEBHOOK_SECRET is not set (or pass --secret-file): signals are never unsigned"
-        )
-    return value.encode()
+def _settings(**values: Any) -> Any:
+    from pydantic import ValidationError as PydanticError
+
+    from outbox.serve.settings import ServeSettings
+
+    try:
+        return ServeSettings(**values)
+    except PydanticError as exc:
+        first = exc.errors()[0]
+        option = "--" + str(first["loc"][0]).replace("_", "-")
+        raise click.BadParameter(
+            f"{first.get('input')!r}: {first['msg']}", param_hint=option
+        ) from None
 
 
 @click.command("serve")
@@ -123,6 +134,19 @@ def _secret(secret_file: Path | None) -> bytes:
     "--secret-file",
     type=click.Path(path_type=Path, exists=True, dir_okay=False, readable=True),
     default=None,
+    help="The webhook signing secret (else OUTBOX_WEBHOOK_SECRET[_FILE]).",
+)
+@click.option(
+    "--operator-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Who holds this token may act in the console (else OUTBOX_OPERATOR_TOKEN[_FILE]).",
+)
+@click.option(
+    "--metrics-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Bearer token of /metrics (else OUTBOX_METRICS_TOKEN[_FILE]).",
 )
 @click.option(
     "--tolerance",
@@ -131,28 +155,67 @@ def _secret(secret_file: Path | None) -> bytes:
     show_default=True,
     help="Seconds a signed request stays valid.",
 )
+@click.option("--max-concurrency", type=int, default=100, show_default=True)
+@click.option("--header-timeout", type=float, default=10.0, show_default=True)
+@click.option("--body-timeout", type=float, default=30.0, show_default=True)
+@click.option("--idle-timeout", type=float, default=5.0, show_default=True)
+@click.option("--console/--no-console", "with_console", default=True, show_default=True)
+@click.option("--log-json", is_flag=True)
 @pass_cli
 def serve(
-    cli: CliContext, host: str, port: int, secret_file: Path | None, tolerance: float
+    cli: CliContext,
+    host: str,
+    port: int,
+    secret_file: Path | None,
+    operator_token_file: Path | None,
+    metrics_token_file: Path | None,
+    tolerance: float,
+    max_concurrency: int,
+    header_timeout: float,
+    body_timeout: float,
+    idle_timeout: float,
+    with_console: bool,
+    log_json: bool,
 ) -> None:
-    """Accept signed signals over HTTP; expose /healthz and /metrics."""
+    """Signed signals over HTTP, /healthz, /metrics and the operator console (/console)."""
     from outbox.cli.logs import configure
-    from outbox.serve.webhooks import SignalServer
+    from outbox.serve.app import OutboxServer
+    from outbox.serve.settings import Credentials
 
-    configure(logging.INFO)
-    secret = _secret(secret_file)
-    ob = cli.outbox
+    settings = _settings(
+        host=host,
+        port=port,
+        tolerance=tolerance,
+        max_concurrency=max_concurrency,
+        header_timeout=header_timeout,
+        body_timeout=body_timeout,
+        idle_timeout=idle_timeout,
+        console=with_console,
+    )
+    credentials = Credentials.from_env(
+        webhook_secret_file=secret_file,
+        operator_token_file=operator_token_file,
+        metrics_token_file=metrics_token_file,
+    )
+    if credentials.webhook_secret is None and not with_console:
+        raise ConfigurationError(
+            "OUTBOX_WEBHOOK_SECRET is not set (or pass --secret-file): signals are never unsigned"
+        )
+    configure(logging.INFO, as_json=log_json)
     with listening(host, port):
-        server = SignalServer(ob, secret, host=host, port=port, tolerance=tolerance)
-
-    def stop(*_: Any) -> None:
-        import threading
-
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop)
-    logging.getLogger("outbox.serve.webhooks").info("serving on http://%s:%d", host, server.port)
+        can_listen(host, port)
+    server = OutboxServer(cli.outbox, settings, credentials)
+    log = logging.getLogger("outbox.serve")
+    log.info(
+        "serving on http://%s:%d (signals %s, console %s)",
+        host,
+        port,
+        "on" if credentials.webhook_secret else "off: no OUTBOX_WEBHOOK_SECRET",
+        ("read-write for the operator" if credentials.operator_token else "read-only")
+        if with_console
+        else "off",
+    )
+    # uvicorn stops on SIGTERM/SIGINT, finishing requests in progress.
     server.serve_forever()
 
 

@@ -7,8 +7,8 @@ payloads, outcomes and retries are treated the same way whatever the source.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -27,18 +27,32 @@ from outbox.delivery.contract import (
     Unknown,
     is_async,
 )
+from outbox.delivery.storable import MAX_DETAIL_BYTES, storable_json, storable_text
 from outbox.faults import crash_point
 from outbox.models import AttemptOutcome, EffectStatus
-from outbox.payloads import encode
 from outbox.retry import RetryPolicy
 from outbox.storage.async_store import ClaimedEffect, Completion
+from outbox.tracing import current_traceparent, delivery_span
 
-__all__ = ["RESULT_LIMIT", "Decision", "decide", "delivery_for", "perform_attempt", "released"]
+__all__ = [
+    "MAX_DELAY_SECONDS",
+    "RESULT_LIMIT",
+    "Decision",
+    "decide",
+    "delivery_for",
+    "perform_attempt",
+    "record_of",
+    "released",
+]
 
 log = logging.getLogger(__name__)
 
 #: A sink's answer is recorded up to this size.
 RESULT_LIMIT = 64 * 1024
+#: The longest wait before a retry, whatever a sink or the policy asks: one
+#: week. Longer answers are bounded here, not refused (a week is already far
+#: past any real Retry-After), and a delay stays within PostgreSQL's interval range.
+MAX_DELAY_SECONDS = 7 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,8 @@ def decide(
     delay = policy.backoff(attempt, rng)
     if outcome.after is not None:
         delay = max(delay, outcome.after)
+    if not math.isfinite(delay) or delay > MAX_DELAY_SECONDS:
+        delay = MAX_DELAY_SECONDS
     return Decision(
         EffectStatus.PENDING,
         AttemptOutcome.RETRY,
@@ -107,6 +123,7 @@ def delivery_for(effect: ClaimedEffect, payload: Any = None) -> Delivery:
         schema_version=effect.schema_version,
         ordering_key=effect.ordering_key,
         created_at=effect.created_at,
+        traceparent=current_traceparent(),
     )
 
 
@@ -117,7 +134,7 @@ def released(effect: ClaimedEffect, reason: str, *, delay: float = 0.0) -> Compl
         effect.attempt,
         EffectStatus.PENDING,
         AttemptOutcome.RELEASED,
-        error=reason,
+        error=storable_text(reason),  # may quote a broker's or a sink's words
         delay=delay,
         started_at=effect.started_iso,
     )
@@ -152,18 +169,23 @@ async def perform_attempt(
         )
         log.warning(note, extra=context)
         return released(effect, note, delay=schema_retry_seconds), None
-    outcome = await _call(deliverer, effect, context)
-    crash_point("after_call")
-    max_attempts = effect.max_attempts or deliverer.max_attempts or default_max_attempts
-    decision = decide(outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy)
-    try:
-        result_json = (
-            None
-            if decision.result is None
-            else encode(decision.result, field="result", max_bytes=RESULT_LIMIT)
+    with delivery_span(
+        traceparent=effect.trace_parent,
+        kind=effect.kind,
+        key=effect.idempotency_key,
+        attempt=effect.attempt,
+        effect_id=str(effect.id),
+        run_id=None if effect.run_id is None else str(effect.run_id),
+    ) as span:
+        outcome = await _call(deliverer, effect, context)
+        crash_point("after_call")
+        max_attempts = effect.max_attempts or deliverer.max_attempts or default_max_attempts
+        decision = decide(outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy)
+        span.outcome(
+            decision.outcome.value,
+            error=None if decision.status == EffectStatus.SUCCEEDED else decision.error,
         )
-    except Exception as exc:
-        result_json = json.dumps({"unrecordable_result": str(exc)[:500]})
+    completion = record_of(effect, decision)
     # A success is the common case and logs at DEBUG: at thousands of effects a
     # second, a line each would cost more than the delivery.
     level = {
@@ -176,21 +198,31 @@ async def perform_attempt(
         effect.id,
         effect.attempt,
         decision.outcome.value,
-        f" ({decision.error})" if decision.error else "",
+        f" ({completion.error})" if completion.error else "",
         extra=context,
     )
-    completion = Completion(
+    return completion, outcome
+
+
+def record_of(effect: ClaimedEffect, decision: Decision) -> Completion:
+    """The completion to write for ``decision``: every part made storable (see :mod:`.storable`).
+
+    Whatever the deliverer put in its outcome (a NUL-laden error page, a lone
+    surrogate, ``NaN``, megabytes) is escaped and capped here, so one outcome
+    cannot fail the statement that records its whole batch.
+    """
+    error = None if decision.error is None else storable_text(decision.error)
+    return Completion(
         effect.id,
         effect.attempt,
         decision.status,
         decision.outcome,
-        result_json=result_json,
-        error=decision.error,
+        result_json=storable_json(decision.result, max_bytes=RESULT_LIMIT),
+        error=error,
         delay=decision.delay,
-        detail_json=_attempt_detail(decision.error, decision.detail),
+        detail_json=_attempt_detail(error, decision.detail),
         started_at=effect.started_iso,
     )
-    return completion, outcome
 
 
 async def _call(deliverer: Deliverer, effect: ClaimedEffect, context: dict[str, Any]) -> Outcome:
@@ -207,14 +239,16 @@ async def _call(deliverer: Deliverer, effect: ClaimedEffect, context: dict[str, 
         else:
             outcome = await asyncio.to_thread(deliverer.deliver, delivery)
     except RetryableError as exc:
-        return Retry(str(exc), after=exc.retry_after, rate_limited=exc.rate_limited)
+        return Retry(storable_text(exc), after=exc.retry_after, rate_limited=exc.rate_limited)
     except PermanentError as exc:
-        return Failed(str(exc))
+        return Failed(storable_text(exc))
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        log.warning("deliverer raised %s: %s", type(exc).__name__, exc, extra=context)
-        return Retry(f"{type(exc).__name__}: {exc}")
+        # storable_text: the message may hold anything, and its __str__ may even raise
+        reason = f"{type(exc).__name__}: {storable_text(exc)}"
+        log.warning("deliverer raised %s", reason, extra=context)
+        return Retry(reason)
     if not isinstance(outcome, Succeeded | Retry | Failed | Unknown):
         return Failed(f"deliverer returned {type(outcome).__name__}, not an outcome")
     return outcome
@@ -229,7 +263,7 @@ def _attempt_detail(error: str | None, detail: Any) -> str | None:
         entry["info"] = detail
     if error is not None:
         entry["error"] = error
-    return json.dumps(entry, default=str)
+    return storable_json(entry, max_bytes=MAX_DETAIL_BYTES)
 
 
 def _pydantic_summary(exc: pydantic.ValidationError) -> str:

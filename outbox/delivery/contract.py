@@ -20,7 +20,13 @@ from uuid import UUID
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from outbox.errors import ConfigurationError, DeliveryError, PermanentError, RetryableError
+from outbox.errors import (
+    ConfigurationError,
+    DeliveryError,
+    PermanentError,
+    RetryableError,
+    check_seconds,
+)
 from outbox.storage.sql.queue import Rate
 
 __all__ = [
@@ -52,6 +58,8 @@ class Delivery:
     schema_version: int = 1
     ordering_key: str | None = None
     created_at: Any = None
+    #: The W3C ``traceparent`` of this attempt's span (send it on, as HTTP does), or None.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,11 @@ class Retry:
     after: float | None = None
     rate_limited: bool = False
     detail: Any = None
+
+    def __post_init__(self) -> None:
+        # Refused here, where the deliverer made it: an infinite or NaN delay would
+        # fail the statement recording the attempt (and its whole batch).
+        object.__setattr__(self, "after", check_seconds("Retry.after", self.after))
 
 
 @dataclass(frozen=True, slots=True)

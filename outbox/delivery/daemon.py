@@ -15,17 +15,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from uuid import UUID
 
 from outbox.delivery.attempt import perform_attempt, released
 from outbox.delivery.contract import Deliverer, Retry
 from outbox.delivery.leases import Leases
 from outbox.delivery.maintenance import Maintenance
 from outbox.delivery.metrics import DeliveryMetrics
+from outbox.delivery.recording import OutcomeWriter, Written, describe
 from outbox.delivery.settings import DeliverySettings
 from outbox.delivery.sources import EffectSource, PollSource, wait_or_wake
+from outbox.delivery.storable import storable_text
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 
@@ -33,8 +35,16 @@ __all__ = ["DeliveryDaemon"]
 
 log = logging.getLogger(__name__)
 
-#: After a failed write of outcomes, wait this long before trying again.
+#: After a transient failure to write outcomes, wait this long before trying
+#: again, doubling up to RECORD_RETRY_MAX_SECONDS while the failures go on.
 RECORD_RETRY_SECONDS = 0.5
+RECORD_RETRY_MAX_SECONDS = 10.0
+#: A kind whose outcomes cannot be written at all is paused this long, doubling
+#: up to UNRECORDABLE_PAUSE_MAX_SECONDS while it goes on: no claims, no calls.
+UNRECORDABLE_PAUSE_SECONDS = 1.0
+UNRECORDABLE_PAUSE_MAX_SECONDS = 60.0
+#: At shutdown, a write past the grace period still gets this long (one try).
+LAST_WRITE_SECONDS = 0.25
 
 
 class DeliveryDaemon:
@@ -61,6 +71,12 @@ class DeliveryDaemon:
         self._done: list[Completion] = []
         self._done_ready = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._writer = OutcomeWriter(store, self.owner)
+        self._write_retry = RECORD_RETRY_SECONDS
+        self._unrecordable_pause: dict[str, float] = {}
+        #: When shutdown must be over (set by :meth:`stop`): calls, writes, everything.
+        self._deadline: float | None = None
+        self._closing = False
         #: Attempts whose final outcome (not a retry) this daemon recorded.
         self.delivered = 0
 
@@ -69,6 +85,8 @@ class DeliveryDaemon:
     def stop(self) -> None:
         """Stop taking work; in-flight calls get ``grace_seconds`` to finish."""
         log.info("stopping: no new claims; waiting for %d in-flight calls", len(self.leases))
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.settings.grace_seconds
         self._stopping.set()
         self._room.set()
         self.source.wake()
@@ -85,12 +103,26 @@ class DeliveryDaemon:
             await self._take_loop()
             await self._drain()
         finally:
+            if self._deadline is None:  # ended by an error, not by stop(): still bounded
+                self._deadline = time.monotonic() + self.settings.grace_seconds
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            # The writer may finish the write it is in until the deadline: a write
+            # cancelled half-way cannot tell whether it committed. Past the deadline
+            # (a write started before the stop, on a locked table, say) it is cancelled
+            # and its outcomes are left to the reconciler, as after a crash.
+            self._closing = True
             self._done_ready.set()
-            writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
+            left = max(self._deadline - time.monotonic(), LAST_WRITE_SECONDS)
+            finished, _ = await asyncio.wait({writer}, timeout=left)
+            if not finished:
+                log.warning(
+                    "grace period over while outcomes were being written; the reconciler "
+                    "resolves those attempts when their leases run out"
+                )
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
             await self._flush()
             await self.source.close()
             for deliverer in self.deliverers.values():
@@ -100,7 +132,7 @@ class DeliveryDaemon:
     async def _drain(self) -> None:
         for effect in self.leases.unstarted():
             self._record(released(effect, "released unstarted at shutdown"))
-        deadline = time.monotonic() + self.settings.grace_seconds
+        deadline = self._deadline or time.monotonic() + self.settings.grace_seconds
         while any(not t.done() for t in self._tasks) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         pending = [t for t in self._tasks if not t.done()]
@@ -122,7 +154,14 @@ class DeliveryDaemon:
                 await wait_or_wake(self._room, self.settings.poll_seconds)
                 self._start_ready()
                 continue
-            batch = await self.source.take(self.leases)
+            try:
+                batch = await self.source.take(self.leases)
+            except Exception as exc:
+                # A source that failed (a deadlock, a lost connection, a broker
+                # away) has kept nothing it could not give back: try again later.
+                log.warning("taking effects from %s failed (%s); retrying", self.source.name, exc)
+                await wait_or_wake(self._room, self.settings.poll_seconds)
+                continue
             if self._stopping.is_set():
                 for effect in batch:
                     self._record(released(effect, "released unstarted at shutdown"))
@@ -156,13 +195,28 @@ class DeliveryDaemon:
             log.warning("effect %s: its payload could not be read: %s", effect.id, exc)
             self._record(released(effect, f"payload could not be read: {exc}", delay=1.0))
             return
-        completion, outcome = await perform_attempt(
-            self.deliverers[effect.kind],
-            attempt,
-            policy=self.settings.retry_policy,
-            default_max_attempts=self.settings.max_attempts,
-            schema_retry_seconds=self.settings.schema_retry_seconds,
-        )
+        try:
+            completion, outcome = await perform_attempt(
+                self.deliverers[effect.kind],
+                attempt,
+                policy=self.settings.retry_policy,
+                default_max_attempts=self.settings.max_attempts,
+                schema_retry_seconds=self.settings.schema_retry_seconds,
+            )
+        except Exception as exc:
+            # A bug around the call (a deliverer's parse_payload, say): without a record
+            # the attempt would be held, its lease renewed, for ever. The call may have
+            # been made, so it goes to an operator rather than out again.
+            log.exception("attempt at effect %s failed outside the call", effect.id)
+            completion = Completion(
+                effect.id,
+                effect.attempt,
+                EffectStatus.UNKNOWN,
+                AttemptOutcome.UNKNOWN,
+                error=storable_text(f"the attempt failed: {type(exc).__name__}: {exc}"),
+                started_at=effect.started_iso,
+            )
+            outcome = None
         if isinstance(outcome, Retry) and outcome.rate_limited:
             self.leases.pause(effect.kind, outcome.after if outcome.after is not None else 1.0)
         self._record(completion)
@@ -174,38 +228,81 @@ class DeliveryDaemon:
     # -- recording outcomes -------------------------------------------------------
 
     async def _write_completions(self) -> None:
-        while True:
+        while not self._closing:
             await self._done_ready.wait()
             self._done_ready.clear()
             await self._flush()
 
+    def _write_timeout(self) -> float | None:
+        """How long one write may take: unbounded while running, the grace left when stopping."""
+        if self._deadline is None:
+            return None
+        return max(self._deadline - time.monotonic(), LAST_WRITE_SECONDS)
+
     async def _flush(self) -> None:
         while self._done:
             batch, self._done = self._done, []
-            try:
-                logged = await self.store.complete(self.owner, batch)
-            except Exception as exc:
-                log.warning("recording %d outcomes failed (%s); retrying", len(batch), exc)
-                self._done = batch + self._done
-                await asyncio.sleep(RECORD_RETRY_SECONDS)
+            written = await self._writer.write(batch, timeout=self._write_timeout())
+            self._account(batch, written)
+            finished = [*written.logged, *written.abandoned]
+            if finished:
+                try:
+                    await self.source.recorded(finished)
+                except Exception as exc:  # the source re-reads; recorded effects are skipped
+                    log.warning("source could not take note of %d outcomes: %s", len(batch), exc)
+                self._room.set()  # slots are free again
+                self.source.wake()
+            if not written.left:
+                self._write_retry = RECORD_RETRY_SECONDS
                 continue
-            self._account(batch, dict(logged))
-            try:
-                await self.source.recorded([c.effect_id for c in batch])
-            except Exception as exc:  # the source re-reads; recorded effects are skipped
-                log.warning("source could not take note of %d outcomes: %s", len(batch), exc)
-            self._room.set()  # slots are free again
-            self.source.wake()
+            left = written.left + self._done
+            self._done = []
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                # Their leases run out (heartbeats have stopped) and the reconciler of
+                # a living process resolves them, as after a crash.
+                log.warning(
+                    "grace period over: %d outcomes not recorded (%s); their leases will run "
+                    "out and the reconciler will resolve them",
+                    len(left),
+                    describe(written.error) if written.error else "no time left",
+                )
+                return
+            log.warning(
+                "recording %d outcomes failed (%s); retrying in %.1fs",
+                len(left),
+                describe(written.error) if written.error else "?",
+                self._write_retry,
+            )
+            self._done = left + self._done
+            if self._deadline is None:
+                await wait_or_wake(self._stopping, self._write_retry)  # a stop cuts it short
+            else:
+                await asyncio.sleep(
+                    min(self._write_retry, max(0.0, self._deadline - time.monotonic()))
+                )
+            self._write_retry = min(self._write_retry * 2, RECORD_RETRY_MAX_SECONDS)
 
-    def _account(self, batch: list[Completion], outcomes: dict[uuid.UUID, str]) -> None:
+    def _account(self, batch: list[Completion], written: Written) -> None:
         now = datetime.now(UTC)
+        outcomes = written.logged
+        abandoned: dict[str, list[Completion]] = {}
         for completion in batch:
+            if completion.effect_id in written.abandoned:
+                held = self.leases.release(completion.effect_id)
+                if held is not None:
+                    abandoned.setdefault(held.effect.kind, []).append(completion)
+                continue
+            if completion.effect_id not in outcomes:
+                continue  # left for a later write
             held = self.leases.release(completion.effect_id)
             if held is None:
                 continue
             kind = held.effect.kind
-            outcome = outcomes.get(completion.effect_id, AttemptOutcome.STALE)
-            final = completion.status != EffectStatus.PENDING
+            substituted = completion.effect_id in written.substituted
+            if not substituted:  # this kind's outcomes can be written (again)
+                self._unrecordable_pause.pop(kind, None)
+            outcome = outcomes[completion.effect_id]
+            final = substituted or completion.status != EffectStatus.PENDING
             latency = (now - held.effect.created_at).total_seconds() if final else None
             self.metrics.attempt_recorded(kind, outcome, latency)
             if outcome == AttemptOutcome.STALE:
@@ -218,4 +315,40 @@ class DeliveryDaemon:
                 )
             if final:
                 self.delivered += 1
+        for kind, completions in abandoned.items():
+            self._abandon(kind, completions, written.abandoned)
         self._start_ready()
+
+    def _abandon(self, kind: str, completions: list[Completion], why: dict[UUID, str]) -> None:
+        """Nothing could be written for these attempts (their leases are released): pause ``kind``.
+
+        Their leases are no longer renewed, so the reconciler resolves them once
+        they run out (redelivery with the same key for an idempotent sink,
+        ``unknown`` otherwise), here or in a process whose database role can
+        write outcomes. Pausing the kind, longer each time, keeps a deliverer that
+        cannot record anything from calling sinks in a loop.
+        """
+        self.metrics.unrecorded.labels(kind=kind).inc(len(completions))
+        pause = self._unrecordable_pause.get(kind, UNRECORDABLE_PAUSE_SECONDS / 2) * 2
+        pause = min(pause, UNRECORDABLE_PAUSE_MAX_SECONDS)
+        self._unrecordable_pause[kind] = pause
+        self.leases.pause(kind, pause, why="cannot record outcomes")
+        first = completions[0]
+        reason = why[first.effect_id]
+        hint = ""
+        if "SQLSTATE 42501" in reason:
+            hint = " (the database role lacks a privilege: see docs/howto/run-deliverers.md)"
+        log.error(
+            "%d outcomes of kind %s could not be recorded at all, e.g. effect %s attempt %d: "
+            "%s%s. Their leases are no longer renewed: the reconciler resolves them when the "
+            "leases run out. Kind %s is paused for %.0fs.",
+            len(completions),
+            kind,
+            first.effect_id,
+            first.attempt,
+            reason,
+            hint,
+            kind,
+            pause,
+            extra={"effect_id": str(first.effect_id), "attempt": first.attempt},
+        )

@@ -129,11 +129,11 @@ class Leases:
         ]
         return min(ends) if ends else None
 
-    def pause(self, kind: str, seconds: float) -> None:
+    def pause(self, kind: str, seconds: float, *, why: str = "rate-limited") -> None:
         """Hold back new attempts of ``kind`` for ``seconds`` (a sink said: too many requests)."""
         until = max(self._paused_until.get(kind, 0.0), time.monotonic() + seconds)
         self._paused_until[kind] = until
-        log.info("kind %s rate-limited for %.1fs", kind, seconds)
+        log.info("kind %s %s: paused for %.1fs", kind, why, seconds)
 
     def release(self, effect_id: UUID) -> Held | None:
         """Forget an attempt whose outcome was recorded."""

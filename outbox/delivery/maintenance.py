@@ -26,7 +26,8 @@ __all__ = ["UNKNOWN_KIND_NOTE", "Maintenance", "every"]
 log = logging.getLogger(__name__)
 
 UNKNOWN_KIND_NOTE = "no deliverer is registered for kind "
-#: Pending effects of kinds nobody here knows are noted at most this often.
+#: Pending effects of kinds nobody here knows, and effects held back by their
+#: ordering key, are noted at most this often (and on the first round).
 UNKNOWN_KINDS_EVERY = 30.0
 
 
@@ -80,7 +81,23 @@ class Maintenance:
         await self.leases.heartbeat(self.store, self.settings.owner, self.settings.lease_seconds)
 
     async def reconcile(self) -> None:
-        """Resolve expired attempts, move cancelled runs on, note kinds nobody delivers."""
+        """Resolve expired attempts, move cancelled runs on, note what holds effects back.
+
+        Each part runs even when another failed (a role without a privilege one
+        part needs still gets the others done); the first failure is raised.
+        """
+        failures: list[Exception] = []
+        for part in (self._resolve_expired, self._advance_stopping, self._notes):
+            try:
+                await part()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+    async def _resolve_expired(self) -> None:
         report = await reconcile(
             self.store,
             self.deliverers,
@@ -91,16 +108,24 @@ class Maintenance:
         if report.items:
             # Effects put back to pending are ours to claim now, not at the next poll.
             self.on_requeued()
+
+    async def _advance_stopping(self) -> None:
         # Cancelled runs move on as their effects finish, even where no worker of
         # their agent runs.
         await self.store.run_sync(advance_stopping_runs, "advancing stopping runs")
-        if time.monotonic() - self._last_kinds_check > UNKNOWN_KINDS_EVERY:
-            self._last_kinds_check = time.monotonic()
-            await self.store.mark_unknown_kinds(
-                sorted(self.deliverers),
-                grace_seconds=self.settings.unknown_kind_grace_seconds,
-                note_prefix=UNKNOWN_KIND_NOTE,
-            )
+
+    async def _notes(self) -> None:
+        if time.monotonic() - self._last_kinds_check <= UNKNOWN_KINDS_EVERY:
+            return
+        self._last_kinds_check = time.monotonic()
+        await self.store.mark_unknown_kinds(
+            sorted(self.deliverers),
+            grace_seconds=self.settings.unknown_kind_grace_seconds,
+            note_prefix=UNKNOWN_KIND_NOTE,
+        )
+        await self.store.note_blocked_by_order(
+            grace_seconds=self.settings.blocked_note_grace_seconds
+        )
 
     async def stats(self) -> None:
         """Refresh the effect gauges from the database."""

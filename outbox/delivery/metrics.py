@@ -46,6 +46,12 @@ class DeliveryMetrics:
             ["kind"],
             registry=self.registry,
         )
+        self.unrecorded = Counter(
+            "outbox_outcomes_unrecorded",
+            "Attempts whose outcome could not be written at all (left to the reconciler)",
+            ["kind"],
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "outbox_in_flight", "Calls this daemon is making now", registry=self.registry
         )

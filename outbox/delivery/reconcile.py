@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
-from outbox.delivery.attempt import delivery_for
+from outbox.delivery.attempt import RESULT_LIMIT, delivery_for
 from outbox.delivery.contract import Deliverer, Delivery, NotApplied, Succeeded, is_async
+from outbox.delivery.storable import storable_json, storable_text
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
@@ -197,15 +198,17 @@ async def _resolve(
         try:
             answer = await _lookup(deliverer, delivery_for(await store.with_payload(row)))
         except Exception as exc:  # the lease runs out again and the next round retries
-            log.warning("lookup of effect %s failed: %s", effect_id, exc)
-            return item("lookup_failed", f"{type(exc).__name__}: {exc}")
+            reason = f"{type(exc).__name__}: {storable_text(exc)}"
+            log.warning("lookup of effect %s failed: %s", effect_id, reason)
+            return item("lookup_failed", reason)
         if isinstance(answer, Succeeded):
             completion = Completion(
                 effect_id,
                 attempt,
                 EffectStatus.SUCCEEDED,
                 AttemptOutcome.LOOKED_UP,
-                result_json=json.dumps(answer.result),
+                # a sink's answer, like a delivery's: made storable before it reaches SQL
+                result_json=storable_json(answer.result, max_bytes=RESULT_LIMIT),
                 detail_json=json.dumps({"lookup": "applied"}),
             )
             action, note = "looked_up_succeeded", f"{lost}; the sink has the key: succeeded"

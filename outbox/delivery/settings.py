@@ -37,6 +37,9 @@ class DeliverySettings(BaseModel):
     grace_seconds: float = Field(default=30.0, ge=0, le=86_400)
     #: A pending effect of a kind no deliverer here knows gets a note after this long.
     unknown_kind_grace_seconds: float = Field(default=60.0, ge=0)
+    #: A pending effect held back this long by an earlier one of its ordering key
+    #: gets a note naming that effect and its state.
+    blocked_note_grace_seconds: float = Field(default=30.0, ge=0)
     #: An effect whose payload schema version this deliverer does not know waits this long.
     schema_retry_seconds: float = Field(default=300.0, ge=0)
     #: How often the effect gauges are refreshed.

@@ -25,7 +25,7 @@ After ``kill -9`` an agent-outbox worker re-invokes the graph from its input;
 recorded calls replay in microseconds and the graph continues where it
 stopped. LangGraph's own checkpointer (``langgraph-checkpoint-postgres``) can
 stay: it records graph state per super-step, not whether an effect happened,
-so it does not make tools or nodes safe to repeat; see docs/integrations.md.
+so it does not make tools or nodes safe to repeat; see docs/howto/async-and-frameworks.md.
 """
 
 from __future__ import annotations

@@ -192,13 +192,14 @@ class AsyncRun(RunBase):
         step_id, recorded = self._recorded_or_start(step_id)
         if recorded is not None:
             return self._replay(recorded)
-        if inspect.iscoroutinefunction(fn):
-            value = await fn(*args, **kwargs)
-        else:
-            value = await asyncio.to_thread(fn, *args, **kwargs)
-            if inspect.isawaitable(value):
-                value = await value
-        return await self._commit(step_id, "call", self._encode_result(value), None, None)
+        with self._span(step_id, "call"):
+            if inspect.iscoroutinefunction(fn):
+                value = await fn(*args, **kwargs)
+            else:
+                value = await asyncio.to_thread(fn, *args, **kwargs)
+                if inspect.isawaitable(value):
+                    value = await value
+            return await self._commit(step_id, "call", self._encode_result(value), None, None)
 
     async def transaction(
         self,
@@ -218,7 +219,8 @@ class AsyncRun(RunBase):
         step_id, recorded = self._recorded_or_start(step_id)
         if recorded is not None:
             return self._replay(recorded)
-        return await self._commit(step_id, "transaction", None, fn, connection)
+        with self._span(step_id, "transaction"):
+            return await self._commit(step_id, "transaction", None, fn, connection)
 
     async def complete(self, result: Any = None) -> None:
         """End the run as ``completed`` with an optional JSON result."""
@@ -258,6 +260,10 @@ class AsyncRun(RunBase):
         step_id, recorded = self._wait_recorded(step_id)
         if recorded is not None:
             return self._replay(recorded)
+        with self._span(step_id, f"wait.{spec.kind}"):
+            return await self._wait_loop(step_id, spec)
+
+    async def _wait_loop(self, step_id: str, spec: WaitSpec) -> Any:
         while True:
             outcome = await self._actx.aio.run_tx(lambda tx: self._check_wait(tx, step_id, spec))
             done, result = self._wait_done(step_id, outcome)

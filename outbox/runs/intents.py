@@ -23,6 +23,7 @@ from outbox.payloads import content_hash, decode, encode_sized
 from outbox.runs.context import RunContext
 from outbox.storage import Connection
 from outbox.storage.store import effects_json
+from outbox.tracing import current_traceparent
 from outbox.validation import name_field, validated
 
 
@@ -167,6 +168,8 @@ class _Intents:
             "delay_seconds": intent.delay_seconds,
             "priority": lane[0] if intent.priority is None else intent.priority,
             "fairness_key": lane[1] if intent.fairness_key is None else intent.fairness_key,
+            # The trace current at tx.intend: every delivery attempt is a span of it.
+            "trace_parent": current_traceparent(),
             "_run_id": run_id,
             "_step_id": step_id,
             "_size": size,
@@ -246,6 +249,7 @@ def _effect(row: dict[str, Any]) -> Effect:
         cost=None if row["cost"] is None else Decimal(str(row["cost"])),
         priority=row["priority"],
         fairness_key=row["fairness_key"],
+        trace_parent=row["trace_parent"],
     )
 
 

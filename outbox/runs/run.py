@@ -48,8 +48,9 @@ class Run(RunBase):
         step_id, recorded = self._recorded_or_start(step_id)
         if recorded is not None:
             return self._replay(recorded)
-        result = self._encode_result(fn(*args, **kwargs))
-        return self._commit(step_id, "call", result, None, None)
+        with self._span(step_id, "call"):
+            result = self._encode_result(fn(*args, **kwargs))
+            return self._commit(step_id, "call", result, None, None)
 
     def transaction(
         self,
@@ -67,7 +68,8 @@ class Run(RunBase):
         step_id, recorded = self._recorded_or_start(step_id)
         if recorded is not None:
             return self._replay(recorded)
-        return self._commit(step_id, "transaction", None, fn, connection)
+        with self._span(step_id, "transaction"):
+            return self._commit(step_id, "transaction", None, fn, connection)
 
     def complete(self, result: Any = None) -> None:
         """End the run as ``completed`` with an optional JSON result."""
@@ -122,6 +124,10 @@ class Run(RunBase):
         step_id, recorded = self._wait_recorded(step_id)
         if recorded is not None:
             return self._replay(recorded)
+        with self._span(step_id, f"wait.{spec.kind}"):
+            return self._wait_loop(step_id, spec)
+
+    def _wait_loop(self, step_id: str, spec: WaitSpec) -> Any:
         while True:
             with self._ctx.store.run_tx() as tx:
                 outcome = self._check_wait(tx, step_id, spec)

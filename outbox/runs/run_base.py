@@ -45,6 +45,7 @@ from outbox.runs.waits import Pending, WaitSpec, check_wait, recorded_error
 from outbox.storage import Connection
 from outbox.storage.run_tx import RunTx
 from outbox.storage.store import StepOutcome
+from outbox.tracing import step_span
 from outbox.validation import as_uuid, name_field
 
 __all__ = ["AlreadyRecorded", "Paused", "RunBase", "Suspended"]
@@ -201,6 +202,12 @@ class RunBase:
         self._check_live()
         self.active_step = step_id
         return step_id, None
+
+    def _span(self, step_id: str, kind: str) -> Any:
+        """The step's span, in the run's trace (see :mod:`outbox.tracing`)."""
+        return step_span(
+            traceparent=self._record.trace_parent, run_id=str(self.id), step_id=step_id, kind=kind
+        )
 
     def _encode_result(self, value: Any) -> Stored:
         return store_value(value, field="result", limits=self._ctx.settings.value_limits)

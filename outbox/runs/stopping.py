@@ -21,7 +21,6 @@ import logging
 import uuid
 from typing import Any
 
-from outbox.blobs import ValueLimits, store_value
 from outbox.errors import RunTerminal
 from outbox.ids import uuid7
 from outbox.keys import compensation_key
@@ -33,8 +32,8 @@ from outbox.models import (
     EffectStatus,
     RunStatus,
 )
-from outbox.payloads import content_hash
-from outbox.settings import DEFAULT_BLOB_THRESHOLD_BYTES, MAX_VALUE_BYTES
+from outbox.payloads import content_hash, encode
+from outbox.settings import MAX_VALUE_BYTES
 from outbox.storage.run_tx import RunTx
 from outbox.storage.store import effects_json
 
@@ -103,25 +102,22 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
     return finish(RunStatus.COMPENSATION_FAILED)
 
 
-#: A compensation's payload was checked when it was intended; a large one goes by reference.
-_COMPENSATION_LIMITS = ValueLimits(MAX_VALUE_BYTES, DEFAULT_BLOB_THRESHOLD_BYTES)
-
-
 def _intend_compensations(tx: RunTx, run_id: uuid.UUID, to_undo: list[Any]) -> None:
     intents = []
     for index, original in enumerate(to_undo):
         compensate = original.compensate
-        payload = store_value(
-            compensate["payload"], field="compensate.payload", limits=_COMPENSATION_LIMITS
+        # In the row, as declared (its size was checked then); a role's insert policy
+        # compares it with the declaration (outbox.storage.roles).
+        payload_json = encode(
+            compensate["payload"], field="compensate.payload", max_bytes=MAX_VALUE_BYTES
         )
-        tx.put_blobs(run_id, [payload.blob])
         intents.append(
             {
                 "id": str(uuid7()),
                 "step_index": index,
                 "kind": compensate["kind"],
-                "payload": payload.json,
-                "payload_hash": content_hash(payload.value_json),
+                "payload": payload_json,
+                "payload_hash": content_hash(payload_json),
                 "schema_version": 1,
                 "idempotency_key": compensation_key(original.idempotency_key),
                 # one at a time, newest original first

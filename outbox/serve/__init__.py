@@ -1,1 +1,1 @@
-"""``outbox serve``: signals over HTTP, health and metrics."""
+"""``outbox serve``: signed signals over HTTP, health, metrics and the operator console."""

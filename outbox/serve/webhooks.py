@@ -1,14 +1,15 @@
-"""``outbox serve``: signals over HTTP (signed), health and metrics.
+"""Signed signals: ``POST /runs/{run_id}/signals/{name}``.
 
-``POST /runs/{run_id}/signals/{name}`` with a JSON body ``{"payload": ...,
-"dedup_key": "..."}``, signed like Stripe's webhooks: the header
-``X-Outbox-Timestamp`` carries unix seconds and ``X-Outbox-Signature`` carries
-``sha256=<hex HMAC-SHA256 of "<timestamp>.<path>.<body>" under the deployment's
-secret>`` (the path is signed too, so a body signed for one run cannot be
-pointed at another).
+The JSON body is ``{"payload": ..., "dedup_key": "..."}``, signed like Stripe's
+webhooks: the header ``X-Outbox-Timestamp`` carries unix seconds and
+``X-Outbox-Signature`` carries ``sha256=<hex HMAC-SHA256 of
+"<timestamp>.<path>.<body>" under the deployment's secret>`` (the path is signed
+too, so a body signed for one run cannot be pointed at another).
 Anything unsigned, signed wrongly, older than the tolerance, or a signature
 already seen (stored in PostgreSQL, so every server process shares it) is
-refused before it touches the run.
+refused before it touches the run. The signature is marked used in the same
+transaction that stores the signal, so a request refused for another reason
+(an unknown run, a failure) can be sent again.
 """
 
 from __future__ import annotations
@@ -20,27 +21,32 @@ import logging
 import re
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from outbox.errors import NotFound, OutboxError, ReplayRefused, RunTerminal, ValidationError
+from outbox.serve.transport import BODY_KEY
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from outbox.client import Outbox
 
-__all__ = ["SignalServer", "sign", "verify"]
+__all__ = ["SIGNATURE_HEADER", "TIMESTAMP_HEADER", "SignalEndpoint", "sign", "verify"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("outbox.serve")
 
 TIMESTAMP_HEADER = "X-Outbox-Timestamp"
 SIGNATURE_HEADER = "X-Outbox-Signature"
-_ROUTE = re.compile(r"^/runs/([0-9a-fA-F-]{36})/signals/([A-Za-z0-9_.:-]{1,200})$")
-MAX_BODY = 1024 * 1024
+#: Route of signed signals (Starlette path syntax).
+SIGNAL_ROUTE = "/runs/{run_id}/signals/{name}"
+_RUN_ID = re.compile(r"^[0-9a-fA-F-]{36}$")
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+_TIMESTAMP = re.compile(r"^[0-9]{1,12}$")
+_SIGNATURE = re.compile(r"^sha256=[0-9a-f]{64}$")
+#: JSON nested deeper than this is refused before it is parsed.
+MAX_DEPTH = 64
 
 
 def sign(secret: bytes, timestamp: int, path: str, body: bytes) -> str:
@@ -59,181 +65,124 @@ def verify(
     tolerance: float,
     now: float | None = None,
 ) -> str | None:
-    """None when the request is authentic and fresh, else why it is refused."""
+    """None when the request is authentic and fresh, else why it is refused.
+
+    Header values are checked for shape before use, so any text a client
+    sends yields a refusal, never an exception.
+    """
     if not timestamp or not signature:
         return "unsigned: both X-Outbox-Timestamp and X-Outbox-Signature are required"
-    if not timestamp.isdigit():
-        return "bad timestamp"
+    if not _TIMESTAMP.match(timestamp):
+        return "bad timestamp: expected unix seconds"
     age = (time.time() if now is None else now) - int(timestamp)
     if abs(age) > tolerance:
         return f"stale: timestamp is {age:.0f}s away from now (tolerance {tolerance:.0f}s)"
+    if not _SIGNATURE.match(signature):
+        return "bad signature: expected sha256=<64 hex digits>"
     expected = sign(secret, int(timestamp), path, body)
-    if not hmac.compare_digest(expected, signature):
+    if not hmac.compare_digest(expected.encode(), signature.encode()):
         return "bad signature"
     return None
 
 
-class _StateCollector:
-    """Runs and unfinished effects by status, read at scrape time."""
+def too_deep(body: bytes, limit: int = MAX_DEPTH) -> bool:
+    """True when the JSON text nests arrays/objects deeper than ``limit`` (outside strings)."""
+    depth = 0
+    in_string = escaped = False
+    for byte in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return False
 
-    def __init__(self, outbox: Outbox) -> None:
-        self._outbox = outbox
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        counts = self._outbox.store.state_counts()
-        gauge = GaugeMetricFamily("outbox_runs", "Runs by status", labels=["status"])
-        for status, n in counts.runs.items():
-            gauge.add_metric([status], n)
-        yield gauge
-        gauge = GaugeMetricFamily(
-            "outbox_effects", "Unfinished effects by state and kind", labels=["state", "kind"]
-        )
-        for (status, kind), n in counts.effects.items():
-            gauge.add_metric([status, kind], n)
-        yield gauge
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
 
 
-class SignalServer:
-    """A threaded HTTP server; ``serve_forever`` until ``shutdown``."""
+class SignalEndpoint:
+    """The Starlette endpoint for signed signals of one Outbox."""
 
-    def __init__(
-        self,
-        outbox: Outbox,
-        secret: bytes,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 8080,
-        tolerance: float = 300.0,
-    ) -> None:
-        if len(secret) < 16:
-            raise ValidationError("secret", "<hidden>", "must be at least 16 bytes")
+    def __init__(self, outbox: Outbox, secret: bytes | None, tolerance: float) -> None:
         self.outbox = outbox
         self.secret = secret
         self.tolerance = tolerance
-        self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(outbox))
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:
-                log.info("%s %s", self.address_string(), format % args)
-
-            def do_GET(self) -> None:
-                server._get(self)
-
-            def do_POST(self) -> None:
-                server._post(self)
-
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
         self._last_cleanup = 0.0
         self._cleanup_lock = threading.Lock()
 
-    @property
-    def port(self) -> int:
-        """The port actually bound (useful with port 0)."""
-        return int(self.httpd.server_address[1])
-
-    def serve_forever(self) -> None:
-        """Serve until :meth:`shutdown`."""
-        self.httpd.serve_forever(poll_interval=0.2)
-
-    def shutdown(self) -> None:
-        """Stop serving and close the socket."""
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    # -- handlers ---------------------------------------------------------------
-
-    def _reply(
-        self,
-        handler: BaseHTTPRequestHandler,
-        status: int,
-        body: Any,
-        content_type: str = "application/json",
-    ) -> None:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        handler.send_response(status)
-        handler.send_header("Content-Type", content_type)
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        handler.wfile.write(data)
-
-    def _get(self, handler: BaseHTTPRequestHandler) -> None:
-        if handler.path == "/healthz":
-            try:
-                self.outbox.store.ping()
-            except Exception as exc:
-                self._reply(handler, 503, {"ok": False, "error": str(exc)[:200]})
-                return
-            self._reply(handler, 200, {"ok": True})
-        elif handler.path == "/metrics":
-            self._reply(handler, 200, generate_latest(self.registry), "text/plain; version=0.0.4")
-        else:
-            self._reply(handler, 404, {"error": "not found"})
-
-    def _post(self, handler: BaseHTTPRequestHandler) -> None:
-        match = _ROUTE.match(handler.path)
-        if match is None:
-            self._reply(handler, 404, {"error": "POST /runs/{run_id}/signals/{name}"})
-            return
-        length = int(handler.headers.get("Content-Length") or 0)
-        if length > MAX_BODY:
-            self._reply(handler, 413, {"error": f"body over {MAX_BODY} bytes"})
-            return
-        body = handler.rfile.read(length)
-        signature = handler.headers.get(SIGNATURE_HEADER)
+    async def handle(self, request: Request) -> JSONResponse:
+        """Verify, then store the signal; 202 with the receipt."""
+        run_id = request.path_params["run_id"]
+        name = request.path_params["name"]
+        if not _RUN_ID.match(run_id) or not _NAME.match(name):
+            return _error(404, "POST /runs/{run_id}/signals/{name}")
+        if self.secret is None:
+            return _error(503, "signals are off: OUTBOX_WEBHOOK_SECRET is not set")
+        body: bytes = request.scope.get(BODY_KEY, b"")
+        signature = request.headers.get(SIGNATURE_HEADER)
         refusal = verify(
             self.secret,
-            handler.headers.get(TIMESTAMP_HEADER),
+            request.headers.get(TIMESTAMP_HEADER),
             signature,
-            handler.path,
+            request.scope.get("raw_path", b"").decode("latin-1") or request.url.path,
             body,
             tolerance=self.tolerance,
         )
         if refusal is not None:
-            self._reply(handler, 401, {"error": refusal})
-            return
+            return _error(401, refusal)
         assert signature is not None
-        self._forget_old()
+        if too_deep(body):
+            return _error(400, f"JSON nested deeper than {MAX_DEPTH} levels")
         try:
             message = json.loads(body or b"{}")
-            if not isinstance(message, dict):
-                raise ValueError("the body must be a JSON object")
+        except (ValueError, RecursionError) as exc:
+            return _error(400, f"not JSON: {str(exc)[:200]}")
+        if not isinstance(message, dict):
+            return _error(400, "the body must be a JSON object")
+        return await run_in_threadpool(self._store, run_id, name, message, signature)
+
+    def _store(
+        self, run_id: str, name: str, message: dict[str, Any], signature: str
+    ) -> JSONResponse:
+        self._forget_old()
+        try:
             receipt = self.outbox.signal(
-                match[1],
-                match[2],
+                run_id,
+                name,
                 message.get("payload"),
                 dedup_key=message.get("dedup_key"),
-                # Marked used in the signal's own transaction: a request refused
-                # (unknown run, a failure) can be sent again.
                 request_id=hashlib.sha256(signature.encode()).hexdigest(),
             )
         except ReplayRefused:
-            self._reply(handler, 409, {"error": "replayed: this signature was already accepted"})
-            return
-        except (ValueError, ValidationError) as exc:
-            self._reply(handler, 400, {"error": str(exc)})
-            return
+            return _error(409, "replayed: this signature was already accepted")
+        except ValidationError as exc:
+            return _error(400, str(exc)[:1000])
         except NotFound as exc:
-            self._reply(handler, 404, {"error": str(exc)})
-            return
+            return _error(404, str(exc))
         except RunTerminal as exc:
-            self._reply(handler, 409, {"error": str(exc)})
-            return
+            return _error(409, str(exc))
         except OutboxError as exc:
-            self._reply(handler, 500, {"error": str(exc)})
-            return
-        self._reply(
-            handler,
-            202,
+            log.warning("signal to run %s failed: %s", run_id, exc)
+            return _error(500, "the signal could not be stored; send it again")
+        return JSONResponse(
             {
                 "signal_id": None if receipt.signal_id is None else str(receipt.signal_id),
                 "duplicate": receipt.duplicate,
                 "woke_run": receipt.woke_run,
             },
+            status_code=202,
         )
 
     def _forget_old(self) -> None:

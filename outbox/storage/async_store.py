@@ -50,6 +50,8 @@ class ClaimedEffect:
     created_at: datetime
     attempt_started_at: datetime | None
     lease_owner: str | None
+    #: The W3C traceparent stored with the intent (None: written outside any trace).
+    trace_parent: str | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> ClaimedEffect:
@@ -67,6 +69,7 @@ class ClaimedEffect:
             created_at=row["created_at"],
             attempt_started_at=row["attempt_started_at"],
             lease_owner=row["lease_owner"],
+            trace_parent=row.get("trace_parent"),
         )
 
     @property
@@ -102,6 +105,8 @@ class Completion:
                 "started_at": self.started_at,
             },
             separators=(",", ":"),
+            # A non-finite delay fails here, in this one row, not in the batch's statement.
+            allow_nan=False,
         )
         return (
             f'{head[:-1]},"result":{self.result_json or "null"},'
@@ -270,6 +275,18 @@ class AsyncStore:
         with translate_errors("noting unknown kinds"):
             async with self.engine.begin() as conn:
                 result = await conn.execute(effect_sql.mark_unknown_kinds(), params)
+                return len(result.all())
+
+    async def note_blocked_by_order(self, *, grace_seconds: float, max_rows: int = 1000) -> int:
+        """Note on effects held back by their ordering key what holds them; returns how many.
+
+        Also clears such notes whose block is gone. Not for the claim path: a
+        maintenance round calls it.
+        """
+        params = {"grace_seconds": grace_seconds, "max_rows": max_rows}
+        with translate_errors("noting effects held back by their ordering key"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(effect_sql.note_blocked_by_order(), params)
                 return len(result.all())
 
     # -- stream mode -----------------------------------------------------------------

@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import psycopg
 import sqlalchemy.exc
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
@@ -130,11 +132,33 @@ def translate_errors(action: str) -> Iterator[None]:
             raise ValidationError(
                 "run_id", match[1] if match else "<unknown>", "a run with this id exists already"
             ) from exc
-        raise DatabaseError(f"{action} failed: {exc.orig}") from exc
+        raise DatabaseError(f"{action} failed: {exc.orig}", **_nature(exc)) from exc
     except sqlalchemy.exc.DBAPIError as exc:
-        raise DatabaseError(f"{action} failed: {exc.orig}") from exc
+        raise DatabaseError(f"{action} failed: {exc.orig}", **_nature(exc)) from exc
     except sqlalchemy.exc.SQLAlchemyError as exc:
-        raise DatabaseError(f"{action} failed: {exc}") from exc
+        raise DatabaseError(f"{action} failed: {exc}", **_nature(exc)) from exc
+
+
+#: SQLSTATE classes of errors that say nothing about the statement itself:
+#: connection (08), transaction rollback: serialization, deadlock (40), resources
+#: (53), operator intervention: shutdown, cancel (57), system (58).
+TRANSIENT_SQLSTATE_CLASSES = frozenset({"08", "40", "53", "57", "58"})
+
+
+def _nature(exc: sqlalchemy.exc.SQLAlchemyError) -> dict[str, Any]:
+    """``sqlstate`` and ``transient`` of a driver error, for :class:`DatabaseError`."""
+    if isinstance(exc, sqlalchemy.exc.TimeoutError | sqlalchemy.exc.DisconnectionError):
+        return {"sqlstate": None, "transient": True}  # the pool: no statement ran
+    orig = getattr(exc, "orig", None)
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate:
+        return {"sqlstate": sqlstate, "transient": sqlstate[:2] in TRANSIENT_SQLSTATE_CLASSES}
+    # No code from the server: the connection failed, or the driver refused the
+    # parameters before sending them (an encoding error), which would recur.
+    connection_lost = bool(getattr(exc, "connection_invalidated", False)) or isinstance(
+        orig, psycopg.OperationalError | psycopg.InterfaceError
+    )
+    return {"sqlstate": None, "transient": connection_lost}
 
 
 def resolve_dsn(settings: Settings) -> tuple[str, bool]:

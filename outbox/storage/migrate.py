@@ -1,8 +1,23 @@
 """Versioned migrations: numbered ``.sql`` files shipped in the package, applied under a lock.
 
 Each file runs in its own transaction together with its row in
-``outbox_migrations``; a transaction-scoped advisory lock makes two processes
-migrating at once take turns, and the second finds nothing left to do.
+``outbox_migrations`` (version, name, sha256 of the file). A file whose first
+lines include ``-- outbox:no-transaction`` runs outside a transaction instead,
+one statement at a time (for ``CREATE INDEX CONCURRENTLY``, which keeps writes
+going while an index builds on a big table); its row is written after its last
+statement, and it must be safe to run again after a failure part-way (``DROP
+INDEX CONCURRENTLY IF EXISTS`` first). Its statements end with ``;`` at the end
+of a line, and it holds no dollar-quoted bodies.
+
+Processes migrating at once take turns on a session advisory lock, taken by
+polling (a session blocked on the lock inside a statement would hold a
+snapshot that ``CREATE INDEX CONCURRENTLY`` waits for); the second finds
+nothing left to do.
+
+Before anything is applied, the checksum recorded for every applied migration
+is compared with the shipped file: a difference means this code does not know
+what the database ran, and ``migrate`` refuses, naming the migration, unless
+the operator accepts it (``outbox migrate --accept-changed VERSION``).
 """
 
 from __future__ import annotations
@@ -10,20 +25,43 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
+import psycopg
+import sqlalchemy.exc
 from sqlalchemy import Connection, Engine, text
 
-from outbox.errors import SchemaOutdated, SchemaTooNew
+from outbox.errors import DatabaseError, MigrationError, SchemaOutdated, SchemaTooNew
 
-__all__ = ["Migration", "applied_versions", "check_schema", "migrate", "pending", "shipped"]
+__all__ = [
+    "NO_TRANSACTION",
+    "Migration",
+    "applied_versions",
+    "check_schema",
+    "migrate",
+    "pending",
+    "shipped",
+]
 
 log = logging.getLogger(__name__)
 
 # Any constant works; it only has to be the same in every process.
 _LOCK_ID = 0x0B0C5EED
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+#: The marker line that makes a migration run outside a transaction.
+NO_TRANSACTION = "-- outbox:no-transaction"
+# Shipped files rewritten after release whose old text did the same thing; a
+# database that recorded an old checksum is equivalent (the migrated-equals-fresh
+# test holds for both) and its record is brought up to date silently.
+_SUPERSEDED = {
+    # 0004 builds its indexes CONCURRENTLY now; the indexes are the same.
+    4: frozenset({"22946482ba44acb4f8cbfa0e2b578caab1322a8f3add37bc2a29a0e6f067eff0"}),
+}
+_LOCK_POLL_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -35,9 +73,33 @@ class Migration:
     sql: str
 
     @property
+    def label(self) -> str:
+        """``0004_retention``: how messages name it."""
+        return f"{self.version:04d}_{self.name}"
+
+    @property
     def checksum(self) -> str:
         """sha256 of the file, recorded so an edited, already-applied file is noticed."""
         return hashlib.sha256(self.sql.encode()).hexdigest()
+
+    @property
+    def transactional(self) -> bool:
+        """False when the file carries the ``-- outbox:no-transaction`` marker."""
+        return not any(line.strip() == NO_TRANSACTION for line in self.sql.splitlines())
+
+    def statements(self) -> list[str]:
+        """The statements of a no-transaction file, one by one (comments dropped)."""
+        found, current = [], []
+        for line in self.sql.splitlines():
+            if line.strip().startswith("--") or not line.strip():
+                continue
+            current.append(line)
+            if line.rstrip().endswith(";"):
+                found.append("\n".join(current))
+                current = []
+        if current:
+            found.append("\n".join(current))
+        return found
 
 
 def shipped() -> list[Migration]:
@@ -65,50 +127,153 @@ def pending(conn: Connection) -> list[Migration]:
     return [m for m in shipped() if m.version not in done]
 
 
-def check_schema(conn: Connection) -> None:
-    """Raise unless the database schema is exactly what this code expects."""
-    done = applied_versions(conn)
-    known = [m.version for m in shipped()]
-    newer = [v for v in done if v > known[-1]]
+def _refuse_newer(done: Collection[int]) -> None:
+    known = shipped()[-1].version
+    newer = [v for v in done if v > known]
     if newer:
         raise SchemaTooNew(
             f"database schema version {max(newer)} is newer than this agent-outbox "
-            f"(knows up to {known[-1]}); upgrade agent-outbox instead of running old code on it"
+            f"(knows up to {known}); upgrade agent-outbox instead of running old code on it"
         )
-    missing = [v for v in known if v not in done]
+
+
+def check_schema(conn: Connection) -> None:
+    """Raise unless the database schema is exactly what this code expects."""
+    done = applied_versions(conn)
+    _refuse_newer(done)
+    missing = [m.version for m in shipped() if m.version not in done]
     if missing:
         raise SchemaOutdated(f"database is missing migrations {missing}; run `outbox migrate`")
 
 
-def migrate(engine: Engine) -> list[Migration]:
-    """Apply every pending migration; return those applied by this call.
+# -- applying -----------------------------------------------------------------------------
 
-    Refuses (``SchemaTooNew``) when the database was migrated by newer code.
-    """
-    applied: list[Migration] = []
+
+def _recorded(pg: psycopg.Connection[Any]) -> dict[int, str]:
+    row = pg.execute("SELECT to_regclass('outbox_migrations') IS NOT NULL").fetchone()
+    if row is None or not row[0]:
+        return {}
+    return dict(pg.execute("SELECT version, checksum FROM outbox_migrations").fetchall())
+
+
+def _verify_checksums(
+    pg: psycopg.Connection[Any], recorded: dict[int, str], accept_changed: Collection[int]
+) -> None:
+    changed = []
     for migration in shipped():
-        with engine.begin() as conn:
-            conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _LOCK_ID})
-            done = applied_versions(conn)
-            if done and max(done) > shipped()[-1].version:
-                check_schema(conn)
-            if migration.version in done:
-                continue
-            log.info("applying migration %04d_%s", migration.version, migration.name)
-            # psycopg runs a parameterless multi-statement script in one go.
-            driver = conn.connection.driver_connection
-            assert driver is not None
-            driver.execute(migration.sql)
-            conn.execute(
-                text(
-                    "INSERT INTO outbox_migrations (version, name, checksum) "
-                    "VALUES (:version, :name, :checksum)"
-                ),
-                {
-                    "version": migration.version,
-                    "name": migration.name,
-                    "checksum": migration.checksum,
-                },
+        found = recorded.get(migration.version)
+        if found is None or found == migration.checksum:
+            continue
+        if found in _SUPERSEDED.get(migration.version, ()):
+            log.info("migration %s: recording the checksum of its current text", migration.label)
+        elif migration.version in accept_changed:
+            log.warning(
+                "migration %s differs from what this database applied (recorded %s, "
+                "shipped %s): accepted by the operator",
+                migration.label,
+                found[:12],
+                migration.checksum[:12],
             )
-            applied.append(migration)
+        else:
+            changed.append(migration)
+            continue
+        pg.execute(
+            "UPDATE outbox_migrations SET checksum = %s WHERE version = %s",
+            [migration.checksum, migration.version],
+        )
+    if changed:
+        names = ", ".join(m.label for m in changed)
+        versions = " ".join(f"--accept-changed {m.version}" for m in changed)
+        raise MigrationError(
+            f"shipped migration {names} differs from the one this database applied "
+            f"(checksum mismatch): refusing to migrate. Never edit an applied migration; "
+            f"if the database is known to match, run `outbox migrate {versions}`"
+        )
+
+
+def _first_line(exc: BaseException | None) -> str:
+    diag = getattr(exc, "diag", None)
+    message = getattr(diag, "message_primary", None) or str(exc)
+    return message.strip().splitlines()[0] if message.strip() else type(exc).__name__
+
+
+def _apply(pg: psycopg.Connection[Any], migration: Migration) -> None:
+    record = (
+        "INSERT INTO outbox_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+        [migration.version, migration.name, migration.checksum],
+    )
+    log.info("applying migration %s", migration.label)
+    try:
+        if migration.transactional:
+            with pg.transaction():
+                # psycopg runs a parameterless multi-statement script in one go.
+                pg.execute(migration.sql.encode())
+                pg.execute(*record)
+        else:
+            for statement in migration.statements():
+                pg.execute(statement.encode())
+            pg.execute(*record)
+    except psycopg.Error as exc:
+        then = (
+            "nothing of it was applied"
+            if migration.transactional
+            else "it runs outside a transaction: fix the cause and run `outbox migrate` again"
+        )
+        raise MigrationError(
+            f"migration {migration.label} failed: {_first_line(exc)} ({then})"
+        ) from exc
+
+
+def _lock(pg: psycopg.Connection[Any]) -> None:
+    waited = False
+    while True:
+        row = pg.execute("SELECT pg_try_advisory_lock(%s)", [_LOCK_ID]).fetchone()
+        if row is not None and row[0]:
+            return
+        if not waited:
+            log.info("another process is migrating this database; waiting for it")
+            waited = True
+        time.sleep(_LOCK_POLL_SECONDS)
+
+
+def migrate(
+    engine: Engine, *, accept_changed: Collection[int] = (), target: int | None = None
+) -> list[Migration]:
+    """Apply every pending migration (up to ``target``); return those applied by this call.
+
+    Refuses (``SchemaTooNew``) when the database was migrated by newer code, and
+    (``MigrationError``) when an applied migration's recorded checksum differs
+    from the shipped file, unless its version is in ``accept_changed``.
+    """
+    try:
+        raw = engine.raw_connection()
+    except sqlalchemy.exc.DBAPIError as exc:
+        raise DatabaseError(f"connecting to migrate failed: {_first_line(exc.orig)}") from exc
+    except psycopg.Error as exc:  # the pool hands out the driver's own error here
+        raise DatabaseError(f"connecting to migrate failed: {_first_line(exc)}") from exc
+    pg: psycopg.Connection[Any] = raw.driver_connection  # type: ignore[assignment]
+    applied: list[Migration] = []
+    try:
+        pg.autocommit = True
+        _lock(pg)
+        try:
+            recorded = _recorded(pg)
+            _refuse_newer(recorded)
+            _verify_checksums(pg, recorded, accept_changed)
+            for migration in shipped():
+                if migration.version in recorded:
+                    continue
+                if target is not None and migration.version > target:
+                    break
+                _apply(pg, migration)
+                applied.append(migration)
+        finally:
+            if not pg.closed:
+                pg.execute("SELECT pg_advisory_unlock(%s)", [_LOCK_ID])
+    except psycopg.Error as exc:
+        raise DatabaseError(f"migrating failed: {_first_line(exc)}") from exc
+    finally:
+        if not pg.closed:
+            pg.autocommit = False
+        raw.close()
     return applied

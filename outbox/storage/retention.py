@@ -5,41 +5,78 @@ a table that only grows still costs disk, vacuum and backups. ``outbox gc``
 deletes in small batches, each its own short transaction, so it never holds a
 long transaction (which would stop vacuum and slow every claim).
 
-What goes: runs that ended before the horizon (with their steps, effects,
-attempts, signals and ledger, by cascade) once none of their effects is still
-open, and run-less effects that finished before the horizon. Consumer dedup
-keys and webhook replay marks older than the horizon go too. Then the large
-values stored by reference (``outbox_blobs``) that nothing uses any more: their
-owners' references go first, then every blob no reference names (a blob a
-writer is using at that moment is locked, and skipped).
+What goes, batch by batch:
+
+1. runs that ended before the horizon once none of their effects is still
+   open, with everything that belongs to them: steps, effects (payload, key,
+   result), the effects' attempt log, signals and budget ledger;
+2. run-less effects that finished before the horizon, with their attempt log;
+3. consumer dedup keys and webhook replay marks older than the horizon;
+4. the large values stored by reference (:mod:`outbox.blobs`) that nothing uses
+   any more: a run's or run-less effect's references go with it (and any left
+   by an owner deleted otherwise go here), then every blob no reference names.
+   A blob a writer is using at that moment is locked by it, and skipped.
+
+With an archive, every deleted row of every table is written to it
+(:mod:`outbox.storage.archive`) and fsynced before its batch commits.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
-from typing import IO, Any
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+from uuid import UUID
 
-from sqlalchemy import Engine, Integer, bindparam, delete, exists, func, select
-from sqlalchemy.dialects.postgresql import INTERVAL
+from sqlalchemy import Connection, Engine
 
 from outbox.errors import ValidationError
-from outbox.models import OPEN_EFFECT_STATUSES, TERMINAL_RUN_STATUSES
-from outbox.storage.schema import consumed_keys, effects, runs, webhook_replays
+from outbox.faults import crash_point
+from outbox.models import OPEN_EFFECT_STATUSES
+from outbox.storage.archive import ArchiveWriter
+from outbox.storage.engine import translate_errors
+from outbox.storage.migrate import applied_versions
+from outbox.storage.schema import (
+    blob_refs,
+    blobs,
+    budget_ledger,
+    consumed_keys,
+    effect_attempts,
+    effects,
+    runs,
+    signals,
+    steps,
+    webhook_replays,
+)
 from outbox.storage.sql import blobs as blob_sql
-from outbox.storage.sql.common import in_statuses
+from outbox.storage.sql import retention as sql
 
-__all__ = ["GcReport", "collect_garbage", "parse_horizon"]
+__all__ = ["GC_TABLES", "GcReport", "collect_garbage", "parse_horizon"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 #: now() minus a longer horizon falls out of PostgreSQL's timestamps (and means nothing).
 MAX_HORIZON = timedelta(days=365_000)
+
+#: Every table ``gc`` deletes from, parents before their children (the archive's order).
+GC_TABLES: tuple[str, ...] = tuple(
+    t.name
+    for t in (
+        runs,
+        steps,
+        signals,
+        budget_ledger,
+        effects,
+        effect_attempts,
+        consumed_keys,
+        webhook_replays,
+        blob_refs,
+        blobs,
+    )
+)
+_OPEN = {str(s) for s in OPEN_EFFECT_STATUSES}
 
 
 def parse_horizon(text: str) -> timedelta:
@@ -60,63 +97,128 @@ def parse_horizon(text: str) -> timedelta:
 
 @dataclass
 class GcReport:
-    """Rows deleted per table, and batches (transactions) used."""
+    """Rows deleted per table (every table, zero included), and batches (transactions) used."""
 
-    deleted: dict[str, int] = field(default_factory=dict)
+    deleted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GC_TABLES, 0))
     batches: int = 0
     dry_run: bool = False
 
 
-def _runs_batch() -> Any:
-    horizon = func.now() - bindparam("horizon", type_=INTERVAL)
-    still_open = exists().where(
-        effects.c.run_id == runs.c.id,
-        in_statuses(effects.c.status, OPEN_EFFECT_STATUSES),
-    )
-    doomed = (
-        select(runs.c.id)
-        .where(
-            in_statuses(runs.c.status, TERMINAL_RUN_STATUSES),
-            runs.c.updated_at < horizon,
-            ~still_open,
-        )
-        .order_by(runs.c.updated_at)
-        .limit(bindparam("batch", type_=Integer))
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    return delete(runs).where(runs.c.id.in_(doomed)).returning(*runs.c)
+class _Batch:
+    """One transaction of ``gc``: deletes rows, counts them, keeps them for the archive."""
+
+    def __init__(self, conn: Connection, report: GcReport, *, keep_rows: bool) -> None:
+        self.conn = conn
+        self.report = report
+        #: Whether the deleted rows are read back (for the archive) or only counted.
+        self.keep_rows = keep_rows
+        self.rows: dict[str, list[Any]] = {}
+
+    def delete(self, table: str, statement: Any, params: dict[str, Any]) -> int:
+        result = self.conn.execute(statement, params)
+        if self.keep_rows:
+            rows = list(result.mappings())
+            self.rows.setdefault(table, []).extend(rows)
+            count = len(rows)
+        else:
+            count = result.rowcount
+        self.report.deleted[table] += count
+        return count
+
+    def archive_to(self, archive: ArchiveWriter) -> None:
+        """Write the batch's rows, parents first.
+
+        A run comes before its effects and an effect before its attempts, so a
+        reader can follow one run through the file in one pass.
+        """
+        for table in GC_TABLES:
+            archive.write(table, self.rows.get(table, ()))
 
 
-def _effects_batch() -> Any:
-    horizon = func.now() - bindparam("horizon", type_=INTERVAL)
-    doomed = (
-        select(effects.c.id)
-        .where(
-            effects.c.completed_at < horizon,
-            effects.c.run_id.is_(None),
-            ~in_statuses(effects.c.status, OPEN_EFFECT_STATUSES),
-        )
-        .order_by(effects.c.completed_at)
-        .limit(bindparam("batch", type_=Integer))
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    return delete(effects).where(effects.c.id.in_(doomed)).returning(*effects.c)
+class _Phase(Protocol):
+    def __call__(self, batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
+        """Run one batch: (rows picked, whether more may be left)."""
+        ...
 
 
-def _small_tables() -> list[tuple[str, Any]]:
-    horizon = func.now() - bindparam("horizon", type_=INTERVAL)
-    return [
-        (
-            "outbox_consumed_keys",
-            delete(consumed_keys).where(consumed_keys.c.consumed_at < horizon),
-        ),
-        (
-            "outbox_webhook_replays",
-            delete(webhook_replays).where(webhook_replays.c.seen_at < horizon),
-        ),
-    ]
+class _RunPhase:
+    """Runs with their history, ``batch`` effects a transaction at most.
+
+    How many runs to pick follows how many fitted last time, so runs with many
+    effects do not make every batch lock runs it then leaves for the next.
+    """
+
+    def __init__(self, batch: int) -> None:
+        self.limit = batch
+
+    def __call__(self, batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
+        conn = batch.conn
+        budget = int(params["batch"])
+        pick = {**params, "batch": self.limit}
+        picked = [row[0] for row in conn.execute(sql.doomed_runs(), pick)]
+        if not picked:
+            return 0, False
+        totals: dict[UUID, int] = dict(conn.execute(sql.effects_of_runs(), {"ids": picked}).all())
+        # At most ``budget`` effects between them (a bigger run goes alone).
+        fitting: list[UUID] = []
+        effect_count = 0
+        for run_id in picked:
+            if fitting and effect_count + totals.get(run_id, 0) > budget:
+                break
+            fitting.append(run_id)
+            effect_count += totals.get(run_id, 0)
+        trimmed = len(fitting) < len(picked)
+        more = trimmed or len(picked) == self.limit
+        self.limit = len(fitting) + 1 if trimmed else min(budget, self.limit * 2)
+        locked = conn.execute(sql.lock_effects_of_runs(), {"ids": fitting}).all()
+        held: dict[UUID, int] = {}
+        reopened: set[UUID] = set()
+        for row in locked:
+            held[row.run_id] = held.get(row.run_id, 0) + 1
+            if row.status in _OPEN:
+                reopened.add(row.run_id)  # an operator put it back to pending meanwhile
+        # A run with an effect someone else holds locked, or open again, waits for the next gc.
+        ids = [r for r in fitting if r not in reopened and held.get(r, 0) == totals.get(r, 0)]
+        if ids:
+            chosen = set(ids)
+            effect_ids = [row.id for row in locked if row.run_id in chosen]
+            rows = batch.keep_rows
+            batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows), {"ids": effect_ids})
+            batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows), {"ids": effect_ids})
+            for child in sql.RUN_CHILDREN:
+                batch.delete(child.name, sql.delete_run_children(child, rows=rows), {"ids": ids})
+            batch.delete(blob_refs.name, blob_sql.delete_refs_of(rows=rows), {"ids": ids})
+            batch.delete(runs.name, sql.delete_by_ids(runs, rows=rows), {"ids": ids})
+        return len(picked), more
+
+
+def _runless_batch(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
+    picked = [row[0] for row in batch.conn.execute(sql.doomed_runless_effects(), params)]
+    if picked:
+        rows = batch.keep_rows
+        batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows), {"ids": picked})
+        batch.delete(blob_refs.name, blob_sql.delete_refs_of(rows=rows), {"ids": picked})
+        batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows), {"ids": picked})
+    return len(picked), len(picked) == params["batch"]
+
+
+def _values_batch(table: Any) -> _Phase:
+    """References whose owner is gone, or blobs no reference names (not by horizon)."""
+    statement = blob_sql.delete_orphan_refs if table is blob_refs else blob_sql.delete_unused_blobs
+
+    def run(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
+        deleted = batch.delete(table.name, statement(rows=batch.keep_rows), params)
+        return deleted, deleted == params["batch"]
+
+    return run
+
+
+def _keys_batch(table: Any) -> _Phase:
+    def run(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
+        deleted = batch.delete(table.name, sql.doomed_keys(table, rows=batch.keep_rows), params)
+        return deleted, deleted == params["batch"]
+
+    return run
 
 
 def collect_garbage(
@@ -124,66 +226,61 @@ def collect_garbage(
     older_than: timedelta,
     *,
     batch: int = 1000,
-    archive: IO[str] | None = None,
+    archive: ArchiveWriter | None = None,
     dry_run: bool = False,
     progress: Callable[[str, int], None] | None = None,
 ) -> GcReport:
-    """Delete finished history older than ``older_than``; with ``archive``, write it first.
+    """Delete finished history older than ``older_than``; with ``archive``, archive it first.
 
-    Archived rows are JSON lines (``{"table": ..., "row": {...}}``) of the runs
-    and run-less effects deleted (a run's steps and effects go with it by cascade).
+    Each batch is one transaction: up to ``batch`` runs with all their rows and
+    at most ``batch`` effects between them (a run with more goes alone), or
+    ``batch`` run-less effects with their attempts, or ``batch`` keys. Every
+    deleted row is written to ``archive`` and made durable before its batch
+    commits. ``dry_run`` runs the first batch of each phase and rolls it back
+    (the report counts what it would have deleted; nothing is archived).
+    ``progress(phase, picked)`` is called after each batch.
     """
     if batch < 1:
         raise ValidationError("batch", batch, "must be at least 1")
     report = GcReport(dry_run=dry_run)
     params = {"horizon": older_than, "batch": batch}
-    for table, statement in (("outbox_runs", _runs_batch()), ("outbox_effects", _effects_batch())):
+    if archive is not None and not dry_run:
+        with translate_errors("reading the schema version"), engine.connect() as conn:
+            versions = applied_versions(conn)
+        archive.header(
+            written_at=datetime.now(UTC),
+            older_than_seconds=older_than.total_seconds(),
+            schema_version=max(versions, default=0),
+        )
+        archive.sync()
+    phases: list[tuple[str, _Phase]] = [
+        (runs.name, _RunPhase(batch)),
+        (effects.name, _runless_batch),
+        (consumed_keys.name, _keys_batch(consumed_keys)),
+        (webhook_replays.name, _keys_batch(webhook_replays)),
+        (blob_refs.name, _values_batch(blob_refs)),
+        (blobs.name, _values_batch(blobs)),
+    ]
+    for phase, run in phases:
         while True:
-            with engine.begin() as conn:
-                rows = conn.execute(statement, params).mappings().all()
+            with translate_errors(f"gc of {phase}"), engine.begin() as conn:
+                before = sum(report.deleted.values())
+                work = _Batch(conn, report, keep_rows=archive is not None and not dry_run)
+                picked, more = run(work, params)
                 if dry_run:
                     conn.rollback()
                 elif archive is not None:
-                    for row in rows:
-                        archive.write(
-                            json.dumps({"table": table, "row": dict(row)}, default=str) + "\n"
-                        )
+                    work.archive_to(archive)
                     # On disk before the delete commits: a crash must not lose rows
                     # that are gone from the database and missing from the archive.
-                    archive.flush()
-                    os.fsync(archive.fileno())
+                    archive.sync()
+                    crash_point("gc_archived")
             report.batches += 1
-            report.deleted[table] = report.deleted.get(table, 0) + len(rows)
             if progress is not None:
-                progress(table, len(rows))
-            if len(rows) < batch or dry_run:
-                break
-    for table, statement in _small_tables():
-        with engine.begin() as conn:
-            count = conn.execute(statement, {"horizon": older_than}).rowcount
-            if dry_run:
-                conn.rollback()
-        report.batches += 1
-        report.deleted[table] = count
-    for table, statement in (
-        ("outbox_blob_refs", blob_sql.delete_orphan_refs()),
-        ("outbox_blobs", blob_sql.delete_unused_blobs()),
-    ):
-        # Not by horizon: a value nothing refers to is never read again.
-        while True:
-            with engine.begin() as conn:
-                count = len(conn.execute(statement, {"batch": batch}).all())
-                if dry_run:
-                    conn.rollback()
-            report.batches += 1
-            report.deleted[table] = report.deleted.get(table, 0) + count
-            if progress is not None:
-                progress(table, count)
-            if count < batch or dry_run:
+                progress(phase, picked)
+            deleted_nothing = sum(report.deleted.values()) == before
+            # Nothing more: nothing older is left. A batch that deleted nothing: every
+            # candidate is locked by someone else; the next gc takes it.
+            if dry_run or not more or deleted_nothing:
                 break
     return report
-
-
-def open_archive(path: Path | None) -> IO[str] | None:
-    """An append-only archive file, or None."""
-    return None if path is None else path.open("a")

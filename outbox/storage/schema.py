@@ -114,8 +114,10 @@ runs = Table(
     Column("step_retries", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("upgrades", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
     Column("cancel_reason", Text),
-    # 0006: run control. One run per business key; claims by priority, fair between keys;
-    # pause; forks (a new run replaying another's steps up to a point).
+    # 0006: the W3C traceparent of the run's trace (its steps are spans of it)
+    Column("trace_parent", Text),
+    # 0007: run control. One run per business key; claims by priority, fair between
+    # keys; pause; forks (a new run replaying another's steps up to a point).
     Column("key", Text),
     Column("priority", Integer, nullable=False, server_default=text("0")),
     Column("fairness_key", Text, nullable=False, server_default=text("''")),
@@ -130,7 +132,7 @@ runs = Table(
 # A claim walks the lanes (priority, fairness key) of one partition, then each lane in
 # available_at order (see queue.claim); the plain case is one lane.
 Index(
-    "outbox_runs_claimable",
+    "outbox_runs_lanes",
     runs.c.agent,
     runs.c.agent_version,
     runs.c.priority,
@@ -166,8 +168,9 @@ Index(
     runs.c.updated_at,
     postgresql_where=text(sql_in("status", STOPPING_RUN_STATUSES)),
 )
+# A paused run still holds its agent version (0008: the live statuses with paused).
 Index(
-    "outbox_runs_versions",
+    "outbox_runs_unfinished",
     runs.c.agent,
     runs.c.agent_version,
     postgresql_where=text(sql_in("status", LIVE_RUN_STATUSES)),
@@ -206,7 +209,7 @@ steps = Table(
     _ts("completed_at", nullable=False, default_now=True),
     # "waiting": a sleep or wait recorded with its deadline, not yet satisfied
     Column("status", Text, nullable=False, server_default=text("'completed'")),
-    # 0006: the state and plan this step set (NULL: unchanged), so a fork starts from them
+    # 0007: the state and plan this step set (NULL: unchanged), so a fork starts from them
     Column("state", JSONB),
     Column("plan", JSONB),
     PrimaryKeyConstraint("run_id", "step_id", name="outbox_steps_pkey"),
@@ -246,7 +249,9 @@ effects = Table(
     _ts("completed_at"),
     # 0002: the run parked on this effect (run.await_effect); see queue.complete_effects
     Column("awaited_by", UUID(as_uuid=True)),
-    # 0006: claims take higher priority first and share capacity between fairness keys
+    # 0006: the W3C traceparent current at tx.intend (each attempt is a span of its trace)
+    Column("trace_parent", Text),
+    # 0007: claims take higher priority first and share capacity between fairness keys
     Column("priority", Integer, nullable=False, server_default=text("0")),
     Column("fairness_key", Text, nullable=False, server_default=text("''")),
     UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
@@ -256,7 +261,7 @@ effects = Table(
 # knows) never slows the claims of another; within a kind, lane by lane
 # (priority, fairness key), each lane in intent order (see queue.claim).
 Index(
-    "outbox_effects_claimable",
+    "outbox_effects_lanes",
     effects.c.kind,
     effects.c.priority,
     effects.c.fairness_key,
@@ -269,8 +274,9 @@ Index(
     effects.c.lease_expires_at,
     postgresql_where=text("status = 'in_flight'"),
 )
+# An open effect, a paused one too, holds back later effects of its key (0008).
 Index(
-    "outbox_effects_ordering",
+    "outbox_effects_open_ordering",
     effects.c.ordering_key,
     effects.c.seq,
     postgresql_where=text("ordering_key IS NOT NULL AND " + sql_in("status", OPEN_EFFECT_STATUSES)),
@@ -293,6 +299,19 @@ Index(
     effects.c.status,
     effects.c.seq,
     postgresql_where=text("status IN ('unknown', 'failed')"),
+)
+
+# 0006: the console finds an effect's compensation, and stopped effects, without a scan;
+# neither index is written by the intent, claim or completion of an ordinary effect.
+Index(
+    "outbox_effects_compensates",
+    effects.c.compensates,
+    postgresql_where=text("compensates IS NOT NULL"),
+)
+Index(
+    "outbox_effects_stopped",
+    effects.c.id,
+    postgresql_where=text(sql_in("status", (EffectStatus.CANCELLED, EffectStatus.COMPENSATED))),
 )
 
 effect_attempts = Table(
@@ -426,7 +445,7 @@ consumed_keys = Table(
     PrimaryKeyConstraint("consumer_group", "idempotency_key", name="outbox_consumed_keys_pkey"),
 )
 
-# 0006: an effect of a paused run that would become pending again (a retry, the
+# 0007: an effect of a paused run that would become pending again (a retry, the
 # reconciler, an operator) is held as paused instead. Inserts decide it in
 # commit_step; this covers every other way back to pending, and its WHEN clause
 # keeps it out of claims and completions that do not go back to pending.
@@ -449,7 +468,7 @@ $$""",
 for _ddl in EFFECT_PAUSE_DDL:
     event.listen(effects, "after_create", DDL(_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
 
-# 0006: values over Settings.blob_threshold_bytes, stored once (outbox.blobs). Rows hold a
+# 0007: values over Settings.blob_threshold_bytes, stored once (outbox.blobs). Rows hold a
 # reference; blob_refs says which run (or run-less effect) uses which blob, so
 # `outbox gc` can delete the blobs nothing uses once their owners are gone.
 blobs = Table(
@@ -472,7 +491,7 @@ blob_refs = Table(
 )
 Index("outbox_blob_refs_sha256", blob_refs.c.sha256)
 
-# 0006: a kind's declared rate (calls per second), shared by every deliverer process:
+# 0007: a kind's declared rate (calls per second), shared by every deliverer process:
 # the theoretical arrival time of the next call (GCRA), moved on by each claim.
 rate_limits = Table(
     "outbox_rate_limits",

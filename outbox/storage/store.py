@@ -32,6 +32,7 @@ from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as sql
 from outbox.storage.sql.common import ACTIVE_CONDITION
+from outbox.storage.views import ConsoleViews
 
 __all__ = ["StepOutcome", "Store", "effects_json", "mark_consumed", "read_state_counts"]
 
@@ -55,6 +56,8 @@ class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._claims = ClaimMode()
+        #: The operator console's reads (paginated, by index, off the hot paths).
+        self.views = ConsoleViews(engine)
 
     @contextmanager
     def begin(self, connection: Connection | None = None) -> Iterator[Connection]:

@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +44,7 @@ from tests.chaos.workload import (
     write_config,
 )
 from tests.conftest import TEST_SERVER_SETTINGS
-from tests.support import wait_for
+from tests.support import embedded_home, wait_for
 
 OURS = "chaos-%"  # application_name prefix of the test process's own connections
 
@@ -267,7 +266,7 @@ def own_server() -> Iterator[tuple[EmbeddedServer, str]]:
     delivered, a completion already reported): durability the suite otherwise
     trades for speed, but the very thing this test is about.
     """
-    home = Path(tempfile.mkdtemp(prefix="outbox-chaos-pg-"))
+    home = embedded_home("outbox-chaos-pg-")
     server = EmbeddedServer(home, settings={**TEST_SERVER_SETTINGS, "synchronous_commit": "on"})
     try:
         dsn = server.ensure_running()

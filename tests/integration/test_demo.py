@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from outbox import EmbeddedServer
+from tests.support import embedded_home
 
 
 @pytest.mark.slow
 def test_outbox_demo_on_a_fresh_home(tmp_path: Path) -> None:
-    home = tmp_path / ".outbox"
+    home = embedded_home() / ".outbox"
     env = {k: v for k, v in os.environ.items() if k != "OUTBOX_DSN"}
     env["OUTBOX_HOME"] = str(home)
     try:

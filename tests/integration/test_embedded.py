@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import CompletedProcess
 
+import psycopg
 import pytest
 
-from outbox import EmbeddedServer, Outbox
+from outbox import EmbeddedServer, EmbeddedServerError, Outbox
+from tests.support import embedded_home
 
 
 def _outbox(
@@ -32,10 +38,12 @@ def _outbox(
 
 
 @pytest.fixture
-def home(tmp_path: Path):  # type: ignore[no-untyped-def]
-    path = tmp_path / ".outbox"
+def home():  # type: ignore[no-untyped-def]
+    base = embedded_home()
+    path = base / ".outbox"
     yield path
     EmbeddedServer(path).stop(mode="immediate")
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_processes_share_one_server_and_the_cli_manages_it(home: Path) -> None:
@@ -89,3 +97,135 @@ def test_concurrent_first_starts_make_one_server(home: Path) -> None:
         assert proc.returncode == 0, err
         pids.add(json.loads(out)["pid"])
     assert len(pids) == 1
+
+
+# -- who can connect (H4) -----------------------------------------------------------------
+
+AS_ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not AS_ROOT, reason="switching OS users needs root")
+TRUST_HBA = "local all all trust\nhost all all 127.0.0.1/32 trust\n"
+
+
+def _modes(paths: list[Path]) -> dict[Path, int]:
+    return {p: stat.S_IMODE(p.stat().st_mode) for p in paths}
+
+
+def _allows_trust(server: EmbeddedServer) -> bool:
+    for line in (server.pgdata / "pg_hba.conf").read_text().splitlines():
+        if "trust" in line.split("#", 1)[0].split():
+            return True
+    return False
+
+
+def _server_uid(server: EmbeddedServer) -> int:
+    return pwd.getpwnam(server.run_as).pw_uid if server.run_as else os.geteuid()
+
+
+def _psql(
+    server: EmbeddedServer, user: str | None, role: str = "postgres"
+) -> CompletedProcess[str]:
+    """``SELECT 1`` through the server's socket, as OS ``user`` (None: this process)."""
+    args = [str(server.bin("psql")), "-X", "-w", "-h", str(server.socket_dir)]
+    args += ["-U", role, "-d", "outbox", "-c", "SELECT 1"]
+    if user is not None:
+        args = ["runuser", "-u", user, "--", *args]
+    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+
+
+def _assert_private(server: EmbeddedServer) -> None:
+    for directory in {server.socket_dir, server.pgdata}:
+        info = directory.stat()
+        assert stat.S_IMODE(info.st_mode) == 0o700, directory
+        assert info.st_uid == _server_uid(server), directory
+    assert not _allows_trust(server)
+
+
+@pytest.fixture
+def long_home():  # type: ignore[no-untyped-def]
+    base = embedded_home()
+    path = base / ("d" * 90) / ".outbox"
+    yield path
+    EmbeddedServer(path).stop(mode="immediate")
+    shutil.rmtree(EmbeddedServer(path).socket_dir, ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_long_data_path_keeps_the_socket_private_and_logins_authenticated(
+    long_home: Path,
+) -> None:
+    above = [p for p in long_home.parents if p.exists()]
+    before = _modes(above)
+    server = EmbeddedServer(long_home)
+    assert len(str(server.pgdata)) >= 86
+    dsn = server.ensure_running()
+    assert server.socket_dir != server.pgdata, "too long for a socket in the data directory"
+    _assert_private(server)
+    assert _modes(above) == before, "no directory above the data changed its mode"
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT current_user").fetchone() == ("postgres",)
+    assert _psql(server, None).returncode == 0
+    if not AS_ROOT:
+        return
+    # Another local user reaches neither the socket...
+    refused = _psql(server, "nobody")
+    assert refused.returncode != 0 and "Permission denied" in refused.stderr, refused.stderr
+    # ...nor, with the directory opened on purpose, a login without a password.
+    socket = server.socket_dir / ".s.PGSQL.5432"
+    server.socket_dir.chmod(0o755)
+    socket.chmod(0o777)
+    try:
+        as_superuser = _psql(server, "nobody")
+        assert "Peer authentication failed" in as_superuser.stderr, as_superuser.stderr
+        as_other_role = _psql(server, "nobody", role="nobody")
+        assert as_other_role.returncode != 0
+        assert "no password supplied" in as_other_role.stderr, as_other_role.stderr
+    finally:
+        socket.chmod(0o700)
+    # The next attach puts the directory back to private.
+    EmbeddedServer(long_home).ensure_running()
+    _assert_private(server)
+
+
+@pytest.mark.slow
+def test_a_server_of_an_older_version_is_locked_down_on_the_next_attach(long_home: Path) -> None:
+    server = EmbeddedServer(long_home)
+    server.ensure_running()
+    # What older versions left: trust logins and a world-writable socket directory.
+    (server.pgdata / "pg_hba.conf").write_text(TRUST_HBA)
+    server._pg_ctl(["reload"])
+    server.socket_dir.chmod(0o777)
+    if AS_ROOT:
+        os.chown(server.socket_dir, 0, 0)
+    EmbeddedServer(long_home).ensure_running()
+    _assert_private(server)
+    if AS_ROOT:
+        server.socket_dir.chmod(0o755)
+        (server.socket_dir / ".s.PGSQL.5432").chmod(0o777)
+        refused = _psql(server, "nobody")
+        assert "Peer authentication failed" in refused.stderr, "reloaded, trust is gone"
+
+
+@needs_root
+def test_a_private_directory_above_the_home_is_not_loosened() -> None:
+    base = embedded_home()
+    try:
+        private = base / "private"
+        private.mkdir(mode=0o700)
+        with pytest.raises(EmbeddedServerError, match=r"cannot enter .*private \(mode 0700"):
+            EmbeddedServer(private / "home").ensure_running()
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+        assert not (private / "home" / "pg").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.slow
+@needs_root
+def test_a_socket_directory_made_by_another_user_is_refused(long_home: Path) -> None:
+    server = EmbeddedServer(long_home)
+    nobody = pwd.getpwnam("nobody")
+    server.socket_dir.mkdir(mode=0o777)
+    os.chown(server.socket_dir, nobody.pw_uid, nobody.pw_gid)
+    with pytest.raises(EmbeddedServerError, match="belongs to another user"):
+        server.ensure_running()
+    assert not server.status().running

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine, text
 
-from outbox import Outbox, SchemaOutdated, SchemaTooNew, Settings
+from outbox import MigrationError, Outbox, SchemaOutdated, SchemaTooNew, Settings
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import applied_versions, migrate, shipped
 from outbox.storage.schema import metadata
+from tests.support import wait_for
 
 CATALOG = {
     "columns": """
@@ -117,3 +121,153 @@ def test_an_unmigrated_external_database_is_refused_until_migrated(empty_dsn: st
         Outbox.connect(empty_dsn)
     Outbox.connect(settings=Settings(dsn=empty_dsn, auto_migrate=True)).close()
     Outbox.connect(empty_dsn).close()
+
+
+# -- checksums, failures, non-transactional migrations (L7) --------------------------------
+
+
+def _outbox(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OUTBOX_DSN": dsn}
+    return subprocess.run(
+        [sys.executable, "-m", "outbox", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _set_checksum(engine: Engine, version: int, checksum: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE outbox_migrations SET checksum = :c WHERE version = :v"),
+            {"c": checksum, "v": version},
+        )
+
+
+def _checksum(engine: Engine, version: int) -> str:
+    with engine.connect() as conn:
+        return str(
+            conn.execute(
+                text("SELECT checksum FROM outbox_migrations WHERE version = :v"), {"v": version}
+            ).scalar_one()
+        )
+
+
+def test_an_applied_migration_that_changed_is_refused_by_name(dsn: str) -> None:
+    engine = make_engine(dsn)
+    try:
+        _set_checksum(engine, 2, "0" * 64)
+        with pytest.raises(MigrationError, match=r"0002_durable_runs.*--accept-changed 2"):
+            migrate(engine)
+        refused = _outbox(dsn, "migrate")
+        assert refused.returncode == 1
+        assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+        assert "MigrationError" in refused.stderr and "0002_durable_runs" in refused.stderr
+
+        # The documented escape hatch: accept it, and the shipped checksum is recorded.
+        accepted = _outbox(dsn, "migrate", "--accept-changed", "2", "--json")
+        assert accepted.returncode == 0, accepted.stderr
+        assert _checksum(engine, 2) == shipped()[1].checksum
+        assert migrate(engine) == []
+    finally:
+        engine.dispose()
+
+
+def test_a_database_migrated_with_the_old_text_of_0004_is_not_refused(dsn: str) -> None:
+    engine = make_engine(dsn)
+    try:
+        old = "22946482ba44acb4f8cbfa0e2b578caab1322a8f3add37bc2a29a0e6f067eff0"
+        _set_checksum(engine, 4, old)
+        assert migrate(engine) == []
+        assert _checksum(engine, 4) == next(m for m in shipped() if m.version == 4).checksum
+    finally:
+        engine.dispose()
+
+
+def test_a_failing_migration_is_one_line_naming_it(empty_dsn: str) -> None:
+    engine = make_engine(empty_dsn)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE TABLE outbox_runs (id integer)"))
+    finally:
+        engine.dispose()
+    done = _outbox(empty_dsn, "migrate")
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "migration 0001_initial failed" in done.stderr
+    assert 'relation "outbox_runs" already exists' in done.stderr
+    assert "nothing of it was applied" in done.stderr
+
+
+def test_migrate_on_an_unreachable_server_is_one_line() -> None:
+    done = _outbox("postgresql://outbox@127.0.0.1:1/outbox?connect_timeout=2", "migrate")
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "DatabaseError" in done.stderr
+
+
+def test_0004_builds_its_indexes_without_blocking_intent_writes(empty_dsn: str) -> None:
+    """An upgrade over a table with a long writer in flight lets other writers through.
+
+    A plain CREATE INDEX queues for a SHARE lock behind the open writer, and every
+    later insert queues behind it: intents stop until the writer ends and the
+    index is built. CREATE INDEX CONCURRENTLY waits for the writer too, but
+    takes no lock that inserts queue behind.
+    """
+    engine = make_engine(empty_dsn)
+    insert = text(
+        "INSERT INTO outbox_effects (id, kind, payload, payload_hash, idempotency_key, status)"
+        " VALUES (gen_random_uuid(), 'k', '{}', 'h', :key, 'pending')"
+    )
+    try:
+        migrate(engine, target=3)
+        writer = engine.connect()
+        writer.execute(insert, {"key": "in-flight"})  # its transaction stays open
+        errors: list[BaseException] = []
+
+        def upgrade() -> None:
+            try:
+                migrate(engine)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=upgrade)
+        thread.start()
+        try:
+            wait_for(
+                lambda: _waiting_index_build(engine),
+                timeout=30,
+                message="the index build to wait for the open writer",
+            )
+            with engine.begin() as conn:
+                conn.execute(text("SET LOCAL lock_timeout = '3s'"))
+                conn.execute(insert, {"key": "during-upgrade"})
+        finally:
+            writer.commit()
+            writer.close()
+            thread.join(60)
+        assert not errors, errors
+        with engine.connect() as conn:
+            assert applied_versions(conn) == [m.version for m in shipped()]
+            valid = conn.execute(
+                text(
+                    "SELECT bool_and(indisvalid) FROM pg_index JOIN pg_class c"
+                    " ON c.oid = indexrelid WHERE c.relname LIKE 'outbox_%_finished'"
+                )
+            ).scalar_one()
+        assert valid is True
+    finally:
+        engine.dispose()
+
+
+def _waiting_index_build(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND query LIKE '%CREATE INDEX%' AND wait_event_type = 'Lock'"
+                )
+            ).scalar_one()
+        )

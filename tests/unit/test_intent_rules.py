@@ -87,7 +87,7 @@ def test_the_rules_are_data() -> None:
 
 
 def test_every_rule_is_documented_in_one_place() -> None:
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "client.md").read_text()
     section = docs.split("## What an intent may contain", 1)[1].split("\n## ", 1)[0]
     for code in REASONS:
         assert f"`{code}`" in section, code

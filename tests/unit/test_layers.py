@@ -29,6 +29,7 @@ BASE = {
     "validation",
     "faults",
     "intent_rules",
+    "tracing",
     "blobs",
 }
 # The one permitted upward edge: a finished effect moves a stopping run on.

@@ -44,6 +44,9 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     "extend_leases": [{"spec": queue.EFFECT_QUEUE}, {"spec": queue.RUN_QUEUE}],
     "list_runs": [{}, {"status": "running", "agent": "a", "limit": 5}],
     "list_effects": [{}, {"status": "pending", "kind": "k", "limit": 5}],
+    "delete_refs_of": [{"rows": False}, {"rows": True}],
+    "delete_orphan_refs": [{"rows": False}, {"rows": True}],
+    "delete_unused_blobs": [{"rows": False}, {"rows": True}],
 }
 NOT_BUILDERS = {
     "claim_params",
@@ -158,3 +161,12 @@ def test_every_exported_builder_is_exercised() -> None:
                 assert name in covered, f"{module.__name__}.{name}"
             if inspect.isfunction(fn):
                 assert fn.__doc__, f"{module.__name__}.{name} has no docstring"
+
+
+def test_stream_mode_locks_effects_in_id_order() -> None:
+    # A relay's mark and stream deliverers' claims of the same effects took row
+    # locks in different orders and deadlocked (found by `python -m bench --only
+    # stream`); both now lock in id order first.
+    for statement in (effects.claim_dispatched(), effects.mark_dispatched()):
+        sql = _sql(statement)
+        assert "ORDER BY outbox_effects.id" in sql and "FOR UPDATE" in sql, sql

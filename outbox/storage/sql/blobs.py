@@ -34,6 +34,7 @@ from outbox.storage.sql.common import AnySelect
 __all__ = [
     "copy_refs",
     "delete_orphan_refs",
+    "delete_refs_of",
     "delete_unused_blobs",
     "fetch_blobs",
     "put_blob",
@@ -89,9 +90,23 @@ def copy_refs() -> Any:
     )
 
 
+def _returning(statement: Any, table: Any, rows: bool) -> Any:
+    # Every column only when the rows are archived: a blob's data can be large.
+    return statement.returning(*table.c) if rows else statement
+
+
 @cache
-def delete_orphan_refs() -> Any:
-    """References whose owner (run or run-less effect) is gone, at most ``batch`` of them."""
+def delete_refs_of(*, rows: bool) -> Any:
+    """Delete what the owners ``ids`` (runs or run-less effects) used (``rows``: returning it)."""
+    statement = delete(blob_refs).where(
+        blob_refs.c.owner == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True))))
+    )
+    return _returning(statement, blob_refs, rows)
+
+
+@cache
+def delete_orphan_refs(*, rows: bool) -> Any:
+    """References whose owner is gone (deleted other than by ``gc``), at most ``batch``."""
     gone = (
         select(blob_refs.c.owner, blob_refs.c.sha256)
         .where(
@@ -101,16 +116,20 @@ def delete_orphan_refs() -> Any:
         .limit(bindparam("batch", type_=Integer))
         .cte("gone")
     )
-    return (
-        delete(blob_refs)
-        .where(blob_refs.c.owner == gone.c.owner, blob_refs.c.sha256 == gone.c.sha256)
-        .returning(blob_refs.c.sha256)
+    statement = delete(blob_refs).where(
+        blob_refs.c.owner == gone.c.owner, blob_refs.c.sha256 == gone.c.sha256
     )
+    return _returning(statement, blob_refs, rows)
 
 
 @cache
-def delete_unused_blobs() -> Any:
-    """Blobs no reference names, at most ``batch``; a blob a writer holds is skipped."""
+def delete_unused_blobs(*, rows: bool) -> Any:
+    """Blobs no reference names, at most ``batch``; a blob a writer holds is skipped.
+
+    A writer locks the blob it uses (its upsert, or its reference's foreign-key
+    check) until it commits, so ``SKIP LOCKED`` leaves it alone; once committed,
+    its reference keeps the blob out of this statement.
+    """
     unused = (
         select(blobs.c.sha256)
         .where(~exists().where(blob_refs.c.sha256 == blobs.c.sha256))
@@ -118,4 +137,4 @@ def delete_unused_blobs() -> Any:
         .with_for_update(skip_locked=True)
         .scalar_subquery()
     )
-    return delete(blobs).where(blobs.c.sha256.in_(unused)).returning(blobs.c.sha256, blobs.c.bytes)
+    return _returning(delete(blobs).where(blobs.c.sha256.in_(unused)), blobs, rows)

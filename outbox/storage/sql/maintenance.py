@@ -15,13 +15,14 @@ from sqlalchemy import (
     delete,
     func,
     select,
+    union_all,
 )
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.models import OPEN_EFFECT_STATUSES, EffectStatus
 from outbox.storage.schema import consumed_keys, effect_attempts, effects, runs, webhook_replays
-from outbox.storage.sql.common import SECONDS, AnySelect, const, in_statuses
+from outbox.storage.sql.common import SECONDS, AnySelect, const
 
 __all__ = [
     "StateCounts",
@@ -51,12 +52,20 @@ def run_counts() -> AnySelect:
     return select(runs.c.status, func.count()).group_by(runs.c.status)
 
 
-def open_effect_counts() -> AnySelect:
-    """Unfinished effects per (status, kind); finished ones never enter the count."""
-    return (
-        select(effects.c.status, effects.c.kind, func.count())
-        .where(in_statuses(effects.c.status, OPEN_EFFECT_STATUSES))
-        .group_by(effects.c.status, effects.c.kind)
+def open_effect_counts() -> Any:
+    """Unfinished effects per (status, kind); finished ones never enter the count.
+
+    One branch per open status, each with its status as a literal, so each is
+    read through that status's partial index (claimable, leased, dispatched,
+    needs-operator) and never scans the finished rows.
+    """
+    return union_all(
+        *(
+            select(const(status.value).label("status"), effects.c.kind, func.count())
+            .where(effects.c.status == const(status.value))
+            .group_by(effects.c.kind)
+            for status in OPEN_EFFECT_STATUSES
+        )
     )
 
 

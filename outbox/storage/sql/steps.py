@@ -74,6 +74,7 @@ def insert_run(*, notify: bool) -> AnySelect:
             key=bindparam("key", type_=Text),
             priority=bindparam("priority", type_=Integer),
             fairness_key=bindparam("fairness_key", type_=Text),
+            trace_parent=bindparam("trace_parent", type_=Text),
         )
         .on_conflict_do_nothing(index_elements=[runs.c.key], index_where=runs.c.key.isnot(None))
         .returning(*runs.c)
@@ -101,6 +102,7 @@ _EFFECT_FIELDS = (
     column("delay_seconds", Float),
     column("priority", Integer),
     column("fairness_key", Text),
+    column("trace_parent", Text),
 )
 
 _EFFECT_INSERT_COLUMNS = [
@@ -122,6 +124,7 @@ _EFFECT_INSERT_COLUMNS = [
     "fairness_key",
     "status",
     "available_at",
+    "trace_parent",
 ]
 
 
@@ -158,6 +161,7 @@ def _effect_select(
         rows.c.fairness_key,
         const("pending") if status is None else status,
         func.now() + rows.c.delay_seconds * text("interval '1 second'"),
+        rows.c.trace_parent,
     )
 
 

@@ -1,13 +1,15 @@
--- agent-outbox 0006: run control for long agents. Pause and resume, forks,
+-- agent-outbox 0007: run control for long agents. Pause and resume, forks,
 -- large values by reference, priorities and fairness keys, declared rates,
--- one run per business key.
--- Must stay equal to outbox/schema.py (tests/integration/test_migrations.py checks it).
+-- one run per business key. Its indexes on the big tables are built by 0008,
+-- CONCURRENTLY, after this file's columns exist.
+-- Must stay equal to outbox/storage/schema.py (tests/integration/test_migrations.py checks it).
 
--- Runs: paused is a live status that takes no steps.
+-- Runs: paused is a live status that takes no steps. The constraint is checked
+-- for new rows at once and validated for old ones by 0008 (without blocking writes).
 ALTER TABLE outbox_runs DROP CONSTRAINT outbox_runs_status_check;
 ALTER TABLE outbox_runs ADD CONSTRAINT outbox_runs_status_check CHECK (status IN (
     'runnable', 'running', 'waiting', 'completed', 'failed', 'cancelling', 'cancelled',
-    'compensating', 'compensated', 'compensation_failed', 'paused'));
+    'compensating', 'compensated', 'compensation_failed', 'paused')) NOT VALID;
 ALTER TABLE outbox_runs
     ADD COLUMN key TEXT,
     ADD COLUMN priority INTEGER NOT NULL DEFAULT 0,
@@ -17,18 +19,6 @@ ALTER TABLE outbox_runs
     ADD COLUMN forked_from UUID,
     ADD COLUMN forked_at_step TEXT;
 
--- A claim walks the lanes (priority, fairness key) of its partition, each lane in
--- available_at order; without priorities or keys that is one lane, as before.
-DROP INDEX outbox_runs_claimable;
-CREATE INDEX outbox_runs_claimable
-    ON outbox_runs (agent, agent_version, priority, fairness_key, available_at)
-    WHERE status = 'runnable';
-CREATE UNIQUE INDEX outbox_runs_key ON outbox_runs (key) WHERE key IS NOT NULL;
--- A paused run still holds its agent version.
-DROP INDEX outbox_runs_versions;
-CREATE INDEX outbox_runs_versions ON outbox_runs (agent, agent_version)
-    WHERE status IN ('runnable', 'running', 'waiting', 'paused');
-
 -- The state and plan each step set, so a fork starts from them.
 ALTER TABLE outbox_steps ADD COLUMN state JSONB, ADD COLUMN plan JSONB;
 
@@ -36,19 +26,10 @@ ALTER TABLE outbox_steps ADD COLUMN state JSONB, ADD COLUMN plan JSONB;
 ALTER TABLE outbox_effects DROP CONSTRAINT outbox_effects_status_check;
 ALTER TABLE outbox_effects ADD CONSTRAINT outbox_effects_status_check CHECK (status IN (
     'pending', 'in_flight', 'dispatched', 'succeeded', 'failed', 'unknown', 'cancelled',
-    'compensated', 'paused'));
+    'compensated', 'paused')) NOT VALID;
 ALTER TABLE outbox_effects
     ADD COLUMN priority INTEGER NOT NULL DEFAULT 0,
     ADD COLUMN fairness_key TEXT NOT NULL DEFAULT '';
-DROP INDEX outbox_effects_claimable;
-CREATE INDEX outbox_effects_claimable
-    ON outbox_effects (kind, priority, fairness_key, available_at, seq)
-    WHERE status = 'pending';
--- A paused effect still holds back later effects of its ordering key.
-DROP INDEX outbox_effects_ordering;
-CREATE INDEX outbox_effects_ordering ON outbox_effects (ordering_key, seq)
-    WHERE ordering_key IS NOT NULL
-      AND status IN ('pending', 'in_flight', 'dispatched', 'unknown', 'paused');
 
 -- Every way back to pending (a retry, the reconciler, an operator) holds the
 -- effect of a paused run as paused; commit_step decides it for new intents.

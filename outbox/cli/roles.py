@@ -1,0 +1,65 @@
+"""``outbox roles``: create or update the least-privilege roles, or print their SQL."""
+
+from __future__ import annotations
+
+import click
+
+from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+
+__all__ = ["COMMANDS"]
+
+
+@click.command("roles")
+@click.option(
+    "--prefix",
+    default="outbox_",
+    show_default=True,
+    help="Role names start with this (roles belong to the whole server, not one database).",
+)
+@click.option(
+    "--schema",
+    default="public",
+    show_default=True,
+    help="The schema the outbox tables live in.",
+)
+@click.option(
+    "--print",
+    "print_only",
+    is_flag=True,
+    help="Print the SQL instead of running it (to review, or to run with psql).",
+)
+@json_option
+@pass_cli
+def roles(cli: CliContext, prefix: str, schema: str, print_only: bool, as_json: bool) -> None:
+    r"""Create or update the agent, deliverer, operator and reader roles and their grants.
+
+    \b
+    outbox_agent      start runs, commit steps and intents, signals; no completion
+    outbox_deliverer  claim, heartbeat, complete, reconcile, move stopping runs on;
+                      no intents (only the compensations agents declared)
+    outbox_operator   resolve, retry, cancel, reconcile, gc; no intents
+    outbox_reader     read everything
+    Group roles without LOGIN: give each login one of them, e.g.
+      CREATE ROLE billing_agent LOGIN PASSWORD '...' IN ROLE outbox_agent;
+    Run as the owner of the outbox tables (or a superuser); running it again
+    brings the grants back to exactly these. docs/howto/run-deliverers.md shows them.
+    """
+    from outbox.storage.roles import ROLES, apply_roles, role_script
+
+    if print_only:
+        for statement in role_script(prefix, schema):
+            click.echo(statement + ";\n")
+        return
+    with console.status("granting…"):
+        names = apply_roles(cli.outbox.engine, prefix, schema)
+    data = [
+        {"role": name, "purpose": spec.purpose} for name, spec in zip(names, ROLES, strict=True)
+    ]
+    emit(
+        {"roles": data},
+        as_json,
+        lambda: table("roles", ["role", "purpose"], [(d["role"], d["purpose"]) for d in data]),
+    )
+
+
+COMMANDS = [roles]

@@ -1,0 +1,179 @@
+"""Writing attempt outcomes: one statement per batch, and a poison outcome isolated to its row.
+
+Outcomes are made storable before they get here (:mod:`outbox.delivery.storable`),
+so a batch's completion statement should not fail on what it records. If it
+still does, the error is read:
+
+- **transient** (a lost connection, a deadlock, a server shutting down, a write
+  that ran out of time): nothing is wrong with the batch; what was not written
+  is handed back to be written again later;
+- **anything else** (a value PostgreSQL refuses, a trigger that raises, a role
+  without a privilege): the batch is split in halves until the failing rows
+  stand alone, so every other outcome of the batch is recorded. A failing row
+  is written again in a minimal form (:func:`substitute`); when even that fails
+  (the role may not write outcomes at all) the row is *abandoned*: nothing is
+  written, and the caller stops renewing its lease so that the reconciler
+  resolves it when the lease runs out.
+
+A batch of ``n`` outcomes with ``k`` poison rows costs at most about
+``2k·log2(n)`` extra statements; a batch that fails as a whole (a missing
+privilege) costs ``2n - 1``, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from uuid import UUID
+
+from outbox.delivery.storable import storable_text
+from outbox.errors import DatabaseError
+from outbox.models import AttemptOutcome, EffectStatus
+from outbox.storage.async_store import AsyncStore, Completion
+
+__all__ = ["OutcomeWriter", "Written", "is_transient", "substitute"]
+
+log = logging.getLogger(__name__)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when the same write may well succeed later (nothing is wrong with what it writes)."""
+    if isinstance(exc, DatabaseError):
+        return exc.transient
+    return isinstance(exc, TimeoutError | ConnectionError)
+
+
+def describe(exc: BaseException) -> str:
+    """One storable line naming a write's error (with its SQLSTATE when the server gave one)."""
+    code = getattr(exc, "sqlstate", None)
+    text = storable_text(f"{type(exc).__name__}: {exc}", max_bytes=1024)
+    return f"{text} [SQLSTATE {code}]" if code else text
+
+
+def substitute(completion: Completion, error: BaseException) -> Completion | None:
+    """A minimal record of an attempt whose outcome could not be written (None: no call was made).
+
+    It keeps no result and no detail from the deliverer, only our own words,
+    so it fails only where nothing can be written at all.
+
+    The status it records: ``failed`` when the deliverer reported ``failed``
+    (the sink refused the effect; nothing is lost by ending it), otherwise
+    ``unknown``. The call was made, so ``pending`` would send it again on an
+    outcome we could not even store, and likely hit the same wall every
+    attempt; ``succeeded`` would hand a run awaiting the effect a result it
+    never got; ``failed`` would release its budget and tell compensation that
+    nothing happened, when the sink may have applied it (a 5xx after applying,
+    a success whose result is the poison). ``unknown`` holds the budget and any
+    cancellation, is listed by ``outbox reconcile``, and is resolved by an
+    operator who reads the error here (``--as retry`` redelivers with the same
+    key). An attempt given back unstarted (``released``) made no call: it gets
+    no substitute, and is abandoned to the reconciler instead.
+    """
+    if completion.outcome == AttemptOutcome.RELEASED:
+        return None
+    failed = completion.status == EffectStatus.FAILED
+    status = EffectStatus.FAILED if failed else EffectStatus.UNKNOWN
+    why = describe(error)
+    note = (
+        f"the outcome of attempt {completion.attempt} could not be recorded ({why}); "
+        f"the deliverer reported {completion.status} ({completion.outcome})"
+    )
+    if not failed:
+        note += ": the call was made, so an operator decides (outbox reconcile)"
+    return Completion(
+        completion.effect_id,
+        completion.attempt,
+        status,
+        AttemptOutcome.FAILED if failed else AttemptOutcome.UNKNOWN,
+        error=note,
+        detail_json=json.dumps(
+            {
+                "unrecordable": why,
+                "reported_status": str(completion.status),
+                "reported_outcome": str(completion.outcome),
+            }
+        ),
+        started_at=completion.started_at,
+    )
+
+
+@dataclass
+class Written:
+    """What one :meth:`OutcomeWriter.write` did with a batch."""
+
+    #: Rows written: effect id -> the attempt-log outcome (``stale`` when fenced off).
+    logged: dict[UUID, str] = field(default_factory=dict)
+    #: Rows written in their minimal form instead: effect id -> why the full one failed.
+    substituted: dict[UUID, str] = field(default_factory=dict)
+    #: Rows nothing could be written for: effect id -> why.
+    abandoned: dict[UUID, str] = field(default_factory=dict)
+    #: Rows not written because a transient failure stopped the write (write them later).
+    left: list[Completion] = field(default_factory=list)
+    #: That transient failure.
+    error: BaseException | None = None
+
+
+class OutcomeWriter:
+    """Writes batches of outcomes for ``owner``, isolating the rows a statement cannot take."""
+
+    def __init__(self, store: AsyncStore, owner: str) -> None:
+        self.store = store
+        self.owner = owner
+
+    async def _complete(
+        self, part: list[Completion], timeout: float | None
+    ) -> list[tuple[UUID, str]]:
+        if timeout is None:
+            return await self.store.complete(self.owner, part)
+        return await asyncio.wait_for(self.store.complete(self.owner, part), timeout)
+
+    async def write(self, batch: list[Completion], *, timeout: float | None = None) -> Written:
+        """Write ``batch``; each statement gets at most ``timeout`` seconds (None: no limit)."""
+        written = Written()
+        parts = [list(batch)]  # a stack: the next part to write is on top
+        while parts:
+            part = parts.pop()
+            try:
+                written.logged.update(await self._complete(part, timeout))
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if is_transient(exc):
+                    written.left = part + [c for p in reversed(parts) for c in p]
+                    written.error = exc
+                    return written
+                if len(part) > 1:
+                    middle = len(part) // 2
+                    parts += [part[middle:], part[:middle]]
+                    continue
+                error: BaseException = exc
+            # One row the statement cannot take: write it in its minimal form.
+            poison = part[0]
+            minimal = substitute(poison, error)
+            if minimal is None:
+                written.abandoned[poison.effect_id] = describe(error)
+                continue
+            try:
+                written.logged.update(await self._complete([minimal], timeout))
+                written.substituted[poison.effect_id] = describe(error)
+                log.warning(
+                    "the outcome of effect %s attempt %d could not be recorded (%s): "
+                    "recorded as %s instead",
+                    poison.effect_id,
+                    poison.attempt,
+                    describe(error),
+                    minimal.status,
+                    extra={"effect_id": str(poison.effect_id), "attempt": poison.attempt},
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if is_transient(exc):
+                    written.left = [poison] + [c for p in reversed(parts) for c in p]
+                    written.error = exc
+                    return written
+                written.abandoned[poison.effect_id] = describe(exc)
+        return written

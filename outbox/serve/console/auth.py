@@ -1,0 +1,154 @@
+"""Who may act in the console, and proof that a form was sent by the console itself.
+
+Reading needs nothing beyond reaching the server (it binds 127.0.0.1 by
+default). Acting (resolve, retry, cancel) needs a session, which a person gets
+by entering the operator credential and their name at ``/console/login``; the
+name is what the attempt log records as who. A session is a signed cookie
+(HMAC under a key derived from the operator credential, so rotating the
+credential ends every session), ``HttpOnly`` and ``SameSite=Strict``.
+
+Every POST, the login form included, must carry the CSRF token of the
+browser's ``outbox_csrf`` cookie (double submit: a page on another origin can
+neither read the cookie nor the token) and, when the browser says where the
+request comes from (``Origin``, ``Sec-Fetch-Site``), come from this origin.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from outbox.serve.settings import Credentials
+
+__all__ = ["CSRF_COOKIE", "SESSION_COOKIE", "ConsoleAuth", "Operator"]
+
+SESSION_COOKIE = "outbox_session"
+CSRF_COOKIE = "outbox_csrf"
+#: How long a login lasts.
+SESSION_SECONDS = 12 * 3600
+
+
+@dataclass(frozen=True)
+class Operator:
+    """A person signed in with the operator credential."""
+
+    name: str
+    expires: int
+
+    @property
+    def who(self) -> str:
+        """What the attempt log records."""
+        return f"{self.name} (console)"
+
+
+class ConsoleAuth:
+    """Sessions and CSRF tokens of one console."""
+
+    def __init__(self, credentials: Credentials) -> None:
+        self.credentials = credentials
+        token = credentials.operator_token
+        # Without an operator credential nobody can sign in; the key still
+        # signs CSRF tokens (the login form refuses anyway).
+        seed = token if token is not None else secrets.token_bytes(32)
+        self._key = hmac.new(seed, b"outbox-console-v1", hashlib.sha256).digest()
+
+    @property
+    def enabled(self) -> bool:
+        """True when someone can sign in (an operator credential is configured)."""
+        return self.credentials.operator_token is not None
+
+    # -- sessions ---------------------------------------------------------------
+
+    def _mac(self, purpose: bytes, data: bytes) -> str:
+        return hmac.new(self._key, purpose + b"\0" + data, hashlib.sha256).hexdigest()
+
+    def session_cookie(self, name: str) -> str:
+        """The cookie value of a new session for ``name``."""
+        payload = json.dumps({"n": name, "e": int(time.time()) + SESSION_SECONDS}).encode()
+        data = base64.urlsafe_b64encode(payload).decode()
+        return f"{data}.{self._mac(b'session', data.encode())}"
+
+    def operator(self, request: Request) -> Operator | None:
+        """The signed-in operator of this request, if its session is valid."""
+        if not self.enabled:
+            return None
+        value = request.cookies.get(SESSION_COOKIE, "")
+        data, _, mac = value.partition(".")
+        if not data or not hmac.compare_digest(
+            self._mac(b"session", data.encode()).encode(), mac.encode("utf-8", "replace")
+        ):
+            return None
+        try:
+            fields = json.loads(base64.urlsafe_b64decode(data.encode()))
+            operator = Operator(name=str(fields["n"]), expires=int(fields["e"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+        return operator if operator.expires > time.time() else None
+
+    def sign_in(self, response: Response, request: Request, name: str) -> None:
+        """Set the session cookie on ``response``."""
+        response.set_cookie(
+            SESSION_COOKIE,
+            self.session_cookie(name),
+            max_age=SESSION_SECONDS,
+            path="/console",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+
+    @staticmethod
+    def sign_out(response: Response) -> None:
+        """Clear the session cookie."""
+        response.delete_cookie(SESSION_COOKIE, path="/console")
+
+    # -- CSRF ---------------------------------------------------------------------
+
+    def csrf_seed(self, request: Request) -> tuple[str, bool]:
+        """The browser's CSRF cookie value, and whether it must be set now."""
+        seed = request.cookies.get(CSRF_COOKIE, "")
+        if len(seed) == 43 and seed.replace("-", "").replace("_", "").isalnum():
+            return seed, False
+        return secrets.token_urlsafe(32), True
+
+    def csrf_token(self, seed: str) -> str:
+        """The token forms carry for the cookie ``seed``."""
+        return self._mac(b"csrf", seed.encode())
+
+    @staticmethod
+    def set_csrf_cookie(response: Response, request: Request, seed: str) -> None:
+        """Give the browser its CSRF cookie."""
+        response.set_cookie(
+            CSRF_COOKIE,
+            seed,
+            path="/console",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+
+    def csrf_refusal(self, request: Request, form_token: str | None) -> str | None:
+        """Why this POST is not the console's own form, or None when it is."""
+        origin = request.headers.get("origin")
+        own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+        if origin is not None and origin != own:
+            return f"cross-origin request refused (Origin {origin[:100]!r})"
+        fetch_site = request.headers.get("sec-fetch-site")
+        if fetch_site is not None and fetch_site not in ("same-origin", "none"):
+            return f"cross-site request refused (Sec-Fetch-Site {fetch_site[:40]!r})"
+        seed = request.cookies.get(CSRF_COOKIE)
+        if not seed or not form_token:
+            return "missing CSRF token: reload the page and try again"
+        if not hmac.compare_digest(
+            self.csrf_token(seed).encode(), form_token.encode("utf-8", "replace")
+        ):
+            return "bad CSRF token: reload the page and try again"
+        return None

@@ -1,0 +1,244 @@
+"""The HTTP side of ``outbox serve``: uvicorn with every wait bounded, and a bounded body.
+
+uvicorn bounds idle keep-alive connections and, with ``limit_concurrency``,
+the connections and requests in progress (more are answered 503). It does not
+bound how long a client may take to send its headers, so a few hundred
+half-sent requests would hold their connections for ever: :class:`_GuardedH11`
+closes a connection whose request headers have not all arrived in time.
+:class:`BodyLimit` reads each request's body before anything else sees it,
+stops at the size limit whatever ``Content-Length`` says (or whether it is
+there at all), and gives up when the body takes too long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from outbox.serve.settings import ServeSettings
+
+__all__ = ["BODY_KEY", "BodyLimit", "HttpServer"]
+
+log = logging.getLogger("outbox.serve")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: Where :class:`BodyLimit` leaves the body it read (``request.scope[BODY_KEY]``).
+BODY_KEY = "outbox.body"
+
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's headers."""
+
+    header_timeout = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before:
+            # A request's headers arrived: the body has its own deadline (BodyLimit).
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def _protocol(header_timeout: float) -> type[H11Protocol]:
+    return type("GuardedH11", (_GuardedH11,), {"header_timeout": header_timeout})
+
+
+class BodyLimit:
+    """ASGI middleware: read the whole body first, at most ``max_bytes``, within ``timeout``.
+
+    The body is left in ``scope[BODY_KEY]`` and replayed to the app, so a
+    handler never reads the socket itself. A body over the limit is answered
+    413 as soon as the limit is passed (the rest is never read, and the
+    connection is closed); a body that takes longer than ``timeout`` is
+    answered 408; a client that goes away is dropped without a trace.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int, timeout: float) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Read the body (bounded), then call the app with it replayed."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await _refuse(send, 413, f"body over {self.max_bytes} bytes")
+            return
+        chunks: list[bytes] = []
+        size = 0
+        deadline = time.monotonic() + self.timeout
+        more = True
+        while more:
+            left = deadline - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(left, 0.001))
+            except TimeoutError:
+                await _refuse(send, 408, f"body not received within {self.timeout:g}s")
+                return
+            if message["type"] == "http.disconnect":
+                return  # the client went away: nothing to answer, nothing to log
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await _refuse(send, 413, f"body over {self.max_bytes} bytes")
+                return
+            chunks.append(chunk)
+            more = bool(message.get("more_body", False))
+        body = b"".join(chunks)
+        scope[BODY_KEY] = body
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            # After the body, a receive waits for the disconnect like uvicorn's would.
+            return await receive()
+
+        try:
+            await self.app(scope, replay, send)
+        except Exception as exc:
+            # Starlette answered 500 already; one line here, the trace only at DEBUG.
+            log.error(
+                "%s %s failed: %s: %s",
+                scope.get("method"),
+                scope.get("path"),
+                type(exc).__name__,
+                exc,
+            )
+            log.debug("trace", exc_info=True)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server refuses it before us; never trust it anyway
+    return None
+
+
+async def _refuse(send: Send, status: int, error: str) -> None:
+    body = json.dumps({"error": error}).encode()
+    with contextlib.suppress(OSError, RuntimeError):
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class HttpServer:
+    """One uvicorn server for ``app``, in the foreground or on a thread.
+
+    :meth:`serve_forever` blocks until :meth:`shutdown` (or SIGTERM/SIGINT when
+    it runs on the main thread); :meth:`start` runs it on a daemon thread and
+    returns once the socket is bound.
+    """
+
+    def __init__(self, app: ASGIApp, settings: ServeSettings) -> None:
+        self.settings = settings
+        config = uvicorn.Config(
+            BodyLimit(app, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout),
+            host=settings.host,
+            port=settings.port,
+            http=_protocol(settings.header_timeout),
+            ws="none",
+            lifespan="off",
+            timeout_keep_alive=max(1, round(settings.idle_timeout)),
+            limit_concurrency=settings.max_concurrency,
+            timeout_graceful_shutdown=5,
+            access_log=False,
+            log_config=None,
+            server_header=False,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The port actually bound (useful with port 0)."""
+        for server in self._server.servers:
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return self.settings.port
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8080``."""
+        return f"http://{self.settings.host}:{self.port}"
+
+    def serve_forever(self) -> None:
+        """Serve until :meth:`shutdown` (or a signal, on the main thread)."""
+        self._server.run()
+
+    def start(self, timeout: float = 10.0) -> HttpServer:
+        """Serve from a daemon thread; return once listening."""
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True, name="serve")
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def shutdown(self) -> None:
+        """Stop accepting, finish requests in progress (5 s at most), close."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)

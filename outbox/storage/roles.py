@@ -1,0 +1,291 @@
+"""Least-privilege roles (``outbox roles``): what agents, deliverers, operators and readers may do.
+
+Four group roles (``NOLOGIN``); give each login one of them
+(``CREATE ROLE billing_agent LOGIN PASSWORD '...' IN ROLE outbox_agent``):
+
+- ``outbox_agent``: starts runs (and forks them), commits steps with their
+  intents and the large values they store by reference, sends and consumes
+  signals, parks and wakes its runs. It cannot complete, retry or delete an
+  effect: of ``outbox_effects`` it may only insert fresh intents (``pending``,
+  or ``paused`` for a paused run; never attempted) and mark one awaited.
+- ``outbox_deliverer``: claims (charging a kind's shared rate), heartbeats,
+  completes and reconciles effects, and moves stopping runs on (which updates
+  ``outbox_runs`` and intends their compensations). It cannot change what an
+  effect is (kind, payload, key) and cannot insert intents: only the
+  compensations an agent declared on a succeeded effect of a run being cancelled.
+- ``outbox_operator``: resolves, retries, cancels (its cancel moves the run
+  on like a deliverer), pauses and resumes, reconciles, and deletes history
+  (``outbox gc``, large values included).
+- ``outbox_reader``: reads every table.
+
+Column privileges restrict updates; a row-level security policy on
+``outbox_effects`` restricts inserts (the table owner, which runs migrations,
+is not subject to it). The policy calls ``outbox_is_declared_compensation``, a
+``SECURITY DEFINER`` function owned by the table's owner. Applying the script
+again brings the roles to exactly these grants.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from sqlalchemy import Engine
+
+from outbox.errors import ValidationError
+from outbox.models import STOPPING_RUN_STATUSES, EffectStatus
+from outbox.storage.engine import translate_errors
+from outbox.storage.schema import metadata
+from outbox.storage.sql.common import sql_in
+
+__all__ = ["ROLES", "RoleSpec", "apply_roles", "grants_markdown", "role_script"]
+
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+
+# Columns of outbox_effects that delivery changes (never what the effect is).
+_EFFECT_DELIVERY = (
+    "status",
+    "result",
+    "last_error",
+    "available_at",
+    "lease_owner",
+    "lease_expires_at",
+    "attempt",
+    "attempt_started_at",
+    "completed_at",
+    "updated_at",
+)
+# Columns of outbox_runs that a finished effect, a cancellation or its
+# compensation change (wake a parked run, settle its cost, stop it).
+_RUN_STOPPING = (
+    "status",
+    "cancel_reason",
+    "available_at",
+    "lease_owner",
+    "lease_expires_at",
+    "wake_at",
+    "wait_signal",
+    "wait_effect",
+    "reserved",
+    "spent",
+    "updated_at",
+    "paused_at",
+    "pause_reason",
+)
+# Columns of outbox_runs a worker changes while it drives a run.
+_RUN_AGENT = (
+    "agent_version",
+    "status",
+    "state",
+    "plan",
+    "current_step",
+    "result",
+    "error",
+    "spent",
+    "reserved",
+    "available_at",
+    "lease_owner",
+    "lease_expires_at",
+    "attempt",
+    "updated_at",
+    "wake_at",
+    "wait_signal",
+    "wait_effect",
+    "step_retries",
+    "upgrades",
+)
+
+Grant = tuple[str, ...]  # privileges; "UPDATE(a, b)" for columns
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One group role: its name after the prefix, what it is for, and its grants per table."""
+
+    suffix: str
+    purpose: str
+    grants: dict[str, Grant] = field(default_factory=dict)
+
+
+def _update(columns: tuple[str, ...]) -> str:
+    return f"UPDATE ({', '.join(columns)})"
+
+
+_READ_ALL = {t: ("SELECT",) for t in metadata.tables}
+
+ROLES: tuple[RoleSpec, ...] = (
+    RoleSpec(
+        "agent",
+        "start runs, commit steps and intents, send and consume signals; no completion",
+        {
+            **_READ_ALL,
+            "outbox_runs": ("SELECT", "INSERT", _update(_RUN_AGENT)),
+            "outbox_steps": (
+                "SELECT",
+                "INSERT",
+                _update(("status", "result", "error", "completed_at")),
+            ),
+            "outbox_effects": ("SELECT", "INSERT", _update(("awaited_by",))),
+            "outbox_signals": ("SELECT", "INSERT", _update(("consumed_by", "consumed_at"))),
+            "outbox_budget_ledger": ("SELECT", "INSERT"),
+            # outbox serve remembers signed requests; a Kafka DedupConsumer marks keys
+            "outbox_webhook_replays": ("SELECT", "INSERT", "DELETE"),
+            "outbox_consumed_keys": ("SELECT", "INSERT"),
+            # large values: stored once (the upsert refreshes used_at), used by a run
+            "outbox_blobs": ("SELECT", "INSERT", _update(("used_at",))),
+            "outbox_blob_refs": ("SELECT", "INSERT"),
+        },
+    ),
+    RoleSpec(
+        "deliverer",
+        "claim, heartbeat, complete, reconcile; move stopping runs on; no intents",
+        {
+            **_READ_ALL,
+            "outbox_runs": ("SELECT", _update(_RUN_STOPPING)),
+            "outbox_effects": ("SELECT", "INSERT", _update(_EFFECT_DELIVERY)),
+            "outbox_effect_attempts": ("SELECT", "INSERT"),
+            "outbox_budget_ledger": ("SELECT", "INSERT"),
+            # a kind's declared rate, shared by every deliverer process
+            "outbox_rate_limits": ("SELECT", "INSERT", _update(("tat",))),
+        },
+    ),
+    RoleSpec(
+        "operator",
+        "resolve, retry, cancel, pause and resume, reconcile, gc; no intents",
+        {
+            **_READ_ALL,
+            "outbox_runs": ("SELECT", _update(_RUN_STOPPING), "DELETE"),
+            "outbox_steps": ("SELECT", "DELETE"),
+            "outbox_effects": (
+                "SELECT",
+                "INSERT",
+                _update((*_EFFECT_DELIVERY, "max_attempts")),
+                "DELETE",
+            ),
+            "outbox_effect_attempts": ("SELECT", "INSERT", "DELETE"),
+            "outbox_signals": ("SELECT", "DELETE"),
+            "outbox_budget_ledger": ("SELECT", "INSERT", "DELETE"),
+            "outbox_webhook_replays": ("SELECT", "DELETE"),
+            "outbox_consumed_keys": ("SELECT", "DELETE"),
+            # gc locks a blob nothing uses (skipping one a writer holds), then deletes it
+            "outbox_blobs": ("SELECT", _update(("used_at",)), "DELETE"),
+            "outbox_blob_refs": ("SELECT", "DELETE"),
+        },
+    ),
+    RoleSpec("reader", "read everything; change nothing", dict(_READ_ALL)),
+)
+
+
+def _check(name: str, value: str) -> str:
+    if not _IDENT.match(value):
+        raise ValidationError(name, value, "must be a lower-case SQL identifier (a-z, 0-9, _)")
+    return value
+
+
+def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
+    """The statements that create (or bring up to date) the four roles, in order.
+
+    Run them in one transaction as the owner of the outbox tables (or a superuser).
+    """
+    prefix = _check("prefix", prefix)
+    schema = _check("schema", schema)
+    names = {spec.suffix: f"{prefix}{spec.suffix}" for spec in ROLES}
+    tables = [f"{schema}.{name}" for name in metadata.tables]
+    fn = f"{schema}.outbox_is_declared_compensation"
+    out: list[str] = []
+    for spec in ROLES:
+        role = names[spec.suffix]
+        out.append(
+            "DO $$ BEGIN\n"
+            f"    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN\n"
+            f"        CREATE ROLE {role} NOLOGIN;\n"
+            "    END IF;\n"
+            "EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;\n"
+            "END $$"
+        )
+    every = ", ".join(names.values())
+    out.append(
+        f"DO $$ BEGIN EXECUTE format('GRANT CONNECT ON DATABASE %I TO {every}', "
+        "current_database()); END $$"
+    )
+    out.append(f"GRANT USAGE ON SCHEMA {schema} TO {every}")
+    # Brought to exactly these grants: whatever an earlier version granted goes first.
+    out.append(f"REVOKE ALL ON {', '.join(tables)} FROM {every}")
+    for spec in ROLES:
+        for table, privileges in spec.grants.items():
+            out.append(f"GRANT {', '.join(privileges)} ON {schema}.{table} TO {names[spec.suffix]}")
+    # Who may insert into outbox_effects, and what.
+    stopping = sql_in("r.status", STOPPING_RUN_STATUSES)
+    out.append(
+        f"CREATE OR REPLACE FUNCTION {fn}(original uuid, run uuid, comp_kind text, "
+        "comp_payload jsonb)\n"
+        "RETURNS boolean LANGUAGE sql STABLE SECURITY DEFINER\n"
+        f"SET search_path = pg_catalog, {schema} AS $$\n"
+        "    SELECT EXISTS (\n"
+        "        SELECT 1 FROM outbox_effects o JOIN outbox_runs r ON r.id = o.run_id\n"
+        "         WHERE o.id = original AND o.run_id = run AND o.compensates IS NULL\n"
+        f"           AND o.status = '{EffectStatus.SUCCEEDED}' AND {stopping}\n"
+        "           AND o.compensate ->> 'kind' = comp_kind\n"
+        "           AND o.compensate -> 'payload' = comp_payload)\n"
+        "$$"
+    )
+    out.append(
+        "DO $$ BEGIN EXECUTE format('ALTER FUNCTION "
+        f"{fn}(uuid, uuid, text, jsonb) OWNER TO %I', "
+        f"(SELECT tableowner FROM pg_tables WHERE schemaname = '{schema}' "
+        "AND tablename = 'outbox_effects')); END $$"
+    )
+    out.append(f"REVOKE ALL ON FUNCTION {fn}(uuid, uuid, text, jsonb) FROM PUBLIC")
+    out.append(f"GRANT EXECUTE ON FUNCTION {fn}(uuid, uuid, text, jsonb) TO {every}")
+    effects = f"{schema}.outbox_effects"
+    out.append(f"ALTER TABLE {effects} ENABLE ROW LEVEL SECURITY")
+    # Other roles a deployment already uses keep seeing and writing every row.
+    out.append(f"DROP POLICY IF EXISTS outbox_every_row ON {effects}")
+    out.append(
+        f"CREATE POLICY outbox_every_row ON {effects} AS PERMISSIVE FOR ALL TO PUBLIC "
+        "USING (true) WITH CHECK (true)"
+    )
+    # a paused run's step writes its intents paused (outbox.runs.control)
+    fresh = (
+        f"{sql_in('status', (EffectStatus.PENDING, EffectStatus.PAUSED))} AND attempt = 0 "
+        "AND lease_owner IS NULL "
+        "AND result IS NULL AND completed_at IS NULL AND awaited_by IS NULL"
+    )
+    out.append(f"DROP POLICY IF EXISTS outbox_intents ON {effects}")
+    out.append(
+        f"CREATE POLICY outbox_intents ON {effects} AS RESTRICTIVE FOR INSERT "
+        f"TO {names['agent']}, {names['deliverer']}, {names['operator']}\n"
+        f"WITH CHECK ({fresh} AND (\n"
+        f"    (compensates IS NULL AND pg_has_role(current_user, '{names['agent']}', 'USAGE'))\n"
+        f"    OR (compensates IS NOT NULL AND {fn}(compensates, run_id, kind, payload))))"
+    )
+    return out
+
+
+def apply_roles(engine: Engine, prefix: str = "outbox_", schema: str = "public") -> list[str]:
+    """Create or update the roles in one transaction; returns the role names."""
+    statements = role_script(prefix, schema)
+    with translate_errors("creating roles"), engine.begin() as conn:
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        for statement in statements:
+            # As written: no parameters, so ``%`` in format() stays as it is.
+            driver.execute(statement)
+    return [f"{prefix}{spec.suffix}" for spec in ROLES]
+
+
+def grants_markdown(prefix: str = "outbox_") -> str:
+    """The grants as Markdown tables, one per role (docs/howto/run-deliverers.md shows these)."""
+    parts = []
+    for spec in ROLES:
+        rows = [
+            f"| `{table}` | {', '.join(privileges)} |"
+            for table, privileges in spec.grants.items()
+            if privileges != ("SELECT",)
+        ]
+        head = f"**`{prefix}{spec.suffix}`**: {spec.purpose}. SELECT on every outbox table"
+        if rows:
+            parts.append(f"{head}, and:\n\n| table | privileges |\n|---|---|\n" + "\n".join(rows))
+        else:
+            parts.append(head + ".")
+    return "\n\n".join(parts) + "\n"

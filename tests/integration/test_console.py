@@ -1,0 +1,236 @@
+"""The operator console over HTTP (no browser): pages render, actions go through the client.
+
+The browser tests (tests/browser) click through the same pages in Chromium.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from outbox import Outbox
+from outbox.models import EffectStatus
+from outbox.serve.app import OutboxServer
+from outbox.serve.settings import Credentials, ServeSettings
+
+OPERATOR = "operator-token-0123456789"
+
+
+@pytest.fixture
+def console(ob: Outbox) -> Iterator[OutboxServer]:
+    running = OutboxServer(
+        ob,
+        ServeSettings(port=0, counts_cache_seconds=0),
+        Credentials(operator_token=OPERATOR.encode()),
+    ).start()
+    yield running
+    running.shutdown()
+
+
+def unknown_effect(ob: Outbox, key: str = "invoice-7-mail") -> tuple[str, str]:
+    run = ob.start_run("billing", "v1", budget=10)
+
+    def step(tx):  # type: ignore[no-untyped-def]
+        tx.set_plan(["mail", "done"])
+        tx.spend(1.5, "model")
+        return tx.intend(
+            "http.request",
+            {
+                "method": "POST",
+                "url": "https://mail.example/send",
+                "json": {"to": "cfo@example.com"},
+            },
+            key=key,
+        ).id.hex
+
+    effect_id = run.transaction("send-mail", step)
+    # Secrets a row may still hold (written before the intent rules refused them, or
+    # by hand): the console must not show them. Then what the reconciler does to an
+    # effect of a kind that cannot dedup nor be asked.
+    leaky = {
+        "method": "POST",
+        "url": "https://user:hunter2@mail.example/send?access_token=abc123&x=1",
+        "headers": {"Authorization": "Bearer sk-live-123", "X-Trace": "t"},
+        "json": {"to": "cfo@example.com"},
+    }
+    with ob.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "UPDATE outbox_effects SET status = 'unknown', attempt = 1, payload = %s::jsonb,"
+            " last_error = 'deliverer died mid-call' WHERE id = %s",
+            (json.dumps(leaky), str(effect_id)),
+        )
+    return str(run.id), str(uuid.UUID(effect_id))
+
+
+_clients: list[httpx.Client] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _clients:
+        _clients.pop().close()
+
+
+def browser_like(console: OutboxServer) -> httpx.Client:
+    """A client that keeps cookies, as a browser does."""
+    client = httpx.Client(base_url=console.url, follow_redirects=False)
+    _clients.append(client)
+    return client
+
+
+def signed_in(console: OutboxServer, name: str = "alice") -> httpx.Client:
+    client = browser_like(console)
+    page = client.get("/console/login")
+    csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)[1]  # type: ignore[index]
+    answer = client.post(
+        "/console/login", data={"csrf": csrf, "name": name, "token": OPERATOR, "next": "/console/"}
+    )
+    assert answer.status_code == 303, answer.text
+    return client
+
+
+def csrf_of(page: httpx.Response) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', page.text)[1]  # type: ignore[index]
+
+
+def test_every_page_renders(ob: Outbox, console: OutboxServer) -> None:
+    run_id, effect_id = unknown_effect(ob)
+    for path in [
+        "/console/",
+        "/console/runs",
+        "/console/runs?status=runnable&agent=billing&newer=1h",
+        f"/console/runs/{run_id}",
+        "/console/effects",
+        "/console/effects?status=unknown&kind=http.request",
+        f"/console/effects/{effect_id}",
+        "/console/unknown",
+        "/console/versions",
+        "/console/login",
+    ]:
+        answer = httpx.get(console.url + path)
+        assert answer.status_code == 200, (path, answer.text[:500])
+        assert "Content-Security-Policy" in answer.headers
+    effect_page = httpx.get(f"{console.url}/console/effects/{effect_id}").text
+    assert "invoice-7-mail" in effect_page
+    assert "hunter2" not in effect_page and "sk-live-123" not in effect_page
+    assert "abc123" not in effect_page and "cfo@example.com" in effect_page
+    run_page = httpx.get(f"{console.url}/console/runs/{run_id}").text
+    assert "send-mail" in run_page and "1.5" in run_page and "spend" in run_page
+
+
+def test_search_finds_a_run_by_an_effects_key(ob: Outbox, console: OutboxServer) -> None:
+    run_id, effect_id = unknown_effect(ob)
+    found = httpx.get(f"{console.url}/console/runs", params={"q": "invoice-7-mail"})
+    assert found.status_code == 303 and found.headers["location"] == f"/console/runs/{run_id}"
+    by_id = httpx.get(f"{console.url}/console/runs", params={"q": effect_id})
+    assert by_id.headers["location"] == f"/console/effects/{effect_id}"
+    missing = httpx.get(f"{console.url}/console/runs", params={"q": "no-such-key"})
+    assert missing.status_code == 200 and "Nothing found" in missing.text
+
+
+def test_resolve_goes_to_the_attempt_log_with_who_and_why(
+    ob: Outbox, console: OutboxServer
+) -> None:
+    _, effect_id = unknown_effect(ob)
+    client = signed_in(console, "alice")
+    page = client.get(f"/console/effects/{effect_id}")
+    done = client.post(
+        f"/console/effects/{effect_id}/resolve",
+        data={"csrf": csrf_of(page), "outcome": "succeeded", "note": "seen in the mail log"},
+    )
+    assert done.status_code == 303
+    assert ob.effect(effect_id).status == EffectStatus.SUCCEEDED
+    last = ob.store.attempts(ob.effect(effect_id).id)[-1]
+    assert last.outcome == "resolved" and last.worker == "alice (console)"
+    assert last.detail == {
+        "as": "succeeded",
+        "note": "seen in the mail log",
+        "by": "alice (console)",
+    }
+
+
+def test_a_note_is_required(ob: Outbox, console: OutboxServer) -> None:
+    _, effect_id = unknown_effect(ob)
+    client = signed_in(console)
+    page = client.get(f"/console/effects/{effect_id}")
+    refused = client.post(
+        f"/console/effects/{effect_id}/resolve",
+        data={"csrf": csrf_of(page), "outcome": "failed", "note": "  "},
+    )
+    assert refused.status_code == 400 and "say why" in refused.text
+    assert ob.effect(effect_id).status == EffectStatus.UNKNOWN
+
+
+def test_failed_then_retry_and_cancel(ob: Outbox, console: OutboxServer) -> None:
+    run_id, effect_id = unknown_effect(ob)
+    client = signed_in(console, "bob")
+    csrf = csrf_of(client.get("/console/unknown"))
+    client.post(
+        f"/console/effects/{effect_id}/resolve",
+        data={"csrf": csrf, "outcome": "failed", "note": "the mail bounced"},
+    )
+    assert ob.effect(effect_id).status == EffectStatus.FAILED
+    assert effect_id in client.get("/console/unknown").text  # listed under Failed
+    retried = client.post(
+        f"/console/effects/{effect_id}/retry", data={"csrf": csrf, "note": "address fixed"}
+    )
+    assert retried.status_code == 303
+    assert ob.effect(effect_id).status == EffectStatus.PENDING
+    assert ob.store.attempts(ob.effect(effect_id).id)[-1].detail["note"] == "address fixed"
+    cancelled = client.post(f"/console/runs/{run_id}/cancel", data={"csrf": csrf, "note": "dup"})
+    assert cancelled.status_code == 303
+    assert ob.run(run_id).record.cancel_reason == "dup (by bob (console))"
+
+
+def test_actions_need_the_operator_and_a_csrf_token(ob: Outbox, console: OutboxServer) -> None:
+    _, effect_id = unknown_effect(ob)
+    anonymous = browser_like(console)
+    csrf = csrf_of(anonymous.get("/console/login"))
+    data = {"csrf": csrf, "outcome": "succeeded", "note": "x"}
+    refused = anonymous.post(f"/console/effects/{effect_id}/resolve", data=data)
+    assert refused.status_code == 403 and "sign in" in refused.text
+    wrong = anonymous.post(
+        "/console/login", data={"csrf": csrf, "name": "eve", "token": "not-the-token-000000"}
+    )
+    assert wrong.status_code == 403
+    client = signed_in(console)
+    no_token = client.post(f"/console/effects/{effect_id}/resolve", data={**data, "csrf": ""})
+    assert no_token.status_code == 403 and "CSRF" in no_token.text
+    foreign = client.post(
+        f"/console/effects/{effect_id}/resolve",
+        data={**data, "csrf": csrf_of(client.get("/console/"))},
+        headers={"Origin": "http://evil.example"},
+    )
+    assert foreign.status_code == 403 and "cross-origin" in foreign.text
+    assert ob.effect(effect_id).status == EffectStatus.UNKNOWN
+
+
+def test_read_only_without_an_operator_credential(ob: Outbox) -> None:
+    _, effect_id = unknown_effect(ob)
+    running = OutboxServer(ob, ServeSettings(port=0), Credentials()).start()
+    try:
+        page = httpx.get(f"{running.url}/console/effects/{effect_id}")
+        assert page.status_code == 200 and "no operator credential configured" in page.text
+        assert 'id="resolve-form"' not in page.text
+    finally:
+        running.shutdown()
+
+
+def test_pages_of_runs_follow_the_cursor(ob: Outbox, console: OutboxServer) -> None:
+    ids = {str(ob.start_run("pager", "1").id) for _ in range(120)}
+    seen: set[str] = set()
+    url: str | None = "/console/runs?agent=pager"
+    pages = 0
+    while url:
+        text = httpx.get(console.url + url).text
+        seen |= set(re.findall(r'href="/console/runs/([0-9a-f-]{36})"', text))
+        found = re.search(r'href="([^"]+)" id="next"', text)
+        url = found[1].replace("&amp;", "&") if found else None
+        pages += 1
+    assert seen == ids and pages == 3

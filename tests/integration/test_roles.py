@@ -1,0 +1,323 @@
+"""`outbox roles`: each role, logged in for real, does its job and nothing more.
+
+The roles are created by the real command; logins are real PostgreSQL roles
+with passwords, members of one group role each; the deliverer is a real
+``outbox deliver`` process delivering to a real HTTP sink.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from deliverers.testing import Fault, IdempotentHttpSink
+from outbox import DatabaseError, EffectTimeout, Outbox, Run, RunStatus
+from outbox.cli import cli
+from outbox.storage.engine import libpq_dsn
+from outbox.storage.roles import ROLES
+from tests.support import WorkerThread, wait_for
+
+PASSWORD = "a-test-password"
+
+
+def outbox_cli(dsn: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "outbox", *args],
+        env={**os.environ, "OUTBOX_DSN": dsn, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def refused(dsn: str, *args: str) -> str:
+    """Run a CLI command that must be refused for lack of a privilege; return its stderr."""
+    done = outbox_cli(dsn, *args, check=False)
+    assert done.returncode == 1, (args, done.stdout, done.stderr)
+    assert "permission denied" in done.stderr or "row-level security" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr
+
+
+def denied(dsn: str, sql: str, params: dict[str, Any] | None = None) -> str:
+    """Run one statement as a login; it must be refused by a privilege or the policy."""
+    with psycopg.connect(libpq_dsn(dsn)) as conn, pytest.raises(psycopg.Error) as caught:
+        conn.execute(sql, params)
+    message = str(caught.value)
+    assert "permission denied" in message or "row-level security" in message, message
+    return message
+
+
+@pytest.fixture
+def logins(dsn: str) -> Iterator[dict[str, str]]:
+    """A DSN per role: ``outbox roles`` run as the owner, then one password login per role."""
+    for _ in range(2):  # running it again changes nothing
+        done = CliRunner().invoke(cli, ["--dsn", dsn, "roles", "--json"])
+        assert done.exit_code == 0, done.output
+        created = json.loads(done.stdout)["roles"]
+        assert [r["role"] for r in created] == [f"outbox_{spec.suffix}" for spec in ROLES]
+    suffix = uuid.uuid4().hex[:8]
+    out: dict[str, str] = {}
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        for spec in ROLES:
+            login = f"t_{spec.suffix}_{suffix}"
+            conn.execute(
+                f"CREATE ROLE {login} LOGIN PASSWORD '{PASSWORD}' IN ROLE outbox_{spec.suffix}"
+            )
+            url = make_url(dsn).set(username=login, password=PASSWORD)
+            out[spec.suffix] = url.render_as_string(hide_password=False)
+    yield out
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        for spec in ROLES:
+            conn.execute(f"DROP ROLE IF EXISTS t_{spec.suffix}_{suffix}")
+
+
+@pytest.fixture
+def sink() -> Iterator[IdempotentHttpSink]:
+    with IdempotentHttpSink() as running:
+        yield running
+
+
+def http_intent(sink: IdempotentHttpSink, op: str) -> dict[str, Any]:
+    return {"url": f"{sink.url}/ledger", "json": {"operation": op}}
+
+
+def test_the_agent_drives_runs_and_cannot_complete_an_effect(
+    ob: Outbox, logins: dict[str, str]
+) -> None:
+    agent_dsn = logins["agent"]
+    with Outbox.connect(agent_dsn) as agent:
+        run = agent.start_run("billing", "1", {"invoice": 7}, budget=10)
+        agent.signal(run.id, "approve", {"by": "ops"}, request_id="req-1")
+
+        def step(tx: Any) -> None:
+            tx.spend(1, "llm")
+            tx.intend("k.x", {"n": 1}, cost=2, compensate=("k.undo", {"n": 1}))
+
+        run.transaction("s1", step)
+        assert run.wait_signal("w1", name="approve") == {"by": "ops"}
+        effect = run.effects()[0]
+        with pytest.raises(EffectTimeout):
+            run.await_effect(effect, timeout=0.05)
+        run.sleep("nap", 0)
+        run.complete({"ok": True})
+        with agent.transaction() as tx:
+            tx.intend("k.x", {"n": 2}, key="runless-1")
+        assert len(agent.effects()) == 2
+
+        # A worker logged in as the agent claims, drives, parks and finishes runs.
+        def handler(r: Run) -> str:
+            r.transaction("t", lambda tx: tx.intend("k.x", {"r": str(r.id)}) and None)
+            return "done"
+
+        with WorkerThread(agent, "worker-agent", "1", handler):
+            worked = agent.start_run("worker-agent", "1")
+            wait_for(lambda: ob.run(worked.id).status == RunStatus.COMPLETED)
+
+        # ...and nothing more.
+        with pytest.raises(DatabaseError, match="permission denied"):
+            agent.resolve_effect(effect.id, outcome="succeeded", note="no", operator="agent")
+        with pytest.raises(DatabaseError, match="permission denied"):
+            agent.cancel(agent.start_run("billing", "1").id, "not mine either")
+    denied(
+        agent_dsn,
+        "UPDATE outbox_effects SET status = 'succeeded' WHERE id = %(id)s",
+        {"id": effect.id},
+    )
+    denied(
+        agent_dsn,
+        "INSERT INTO outbox_effects (id, kind, payload, payload_hash, idempotency_key, status)"
+        " VALUES (gen_random_uuid(), 'k.x', '{}', 'h', 'forged', 'succeeded')",
+    )
+    denied(
+        agent_dsn,
+        "INSERT INTO outbox_effect_attempts (effect_id, attempt, outcome) "
+        "VALUES (%(id)s, 1, 'succeeded')",
+        {"id": effect.id},
+    )
+    denied(agent_dsn, "DELETE FROM outbox_runs")
+    assert ob.effect(effect.id).status == "pending"
+
+
+@pytest.mark.slow
+def test_the_deliverer_delivers_and_moves_stopping_runs_on_but_intends_nothing(
+    ob: Outbox, logins: dict[str, str], sink: IdempotentHttpSink, tmp_path: Path
+) -> None:
+    config = tmp_path / "deliverers.toml"
+    config.write_text('[kinds."http.request"]\nallow_private = ["127.0.0.1"]\n')
+    agent = Outbox.connect(logins["agent"])
+    paid = agent.start_run("billing", "1")
+    undo = {"url": f"{sink.url}/ledger", "json": {"operation": "refund"}}
+
+    def charge(tx: Any) -> None:
+        tx.intend("http.request", http_intent(sink, "charge"), compensate=("http.request", undo))
+
+    def notes(tx: Any) -> None:
+        for i in range(3):
+            tx.intend("http.request", http_intent(sink, f"note-{i}"))
+
+    paid.transaction("charge", charge)
+    plain = agent.start_run("billing", "1")
+    plain.transaction("notes", notes)
+    log = (tmp_path / "deliver.log").open("wb")
+    deliverer = subprocess.Popen(
+        [sys.executable, "-m", "outbox", "deliver", "--config", str(config), "--poll", "0.1"],
+        env={**os.environ, "OUTBOX_DSN": logins["deliverer"], "PYTHONUNBUFFERED": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(
+            lambda: [e.status for e in ob.effects()] == ["succeeded"] * 4,
+            timeout=60,
+            message="the deliverer role to deliver every intent",
+        )
+        # Cancelled while a call is in flight: the operator's cancel cannot finish the
+        # job; the deliverer's daemon does once the call ends, intending the refund.
+        # Long enough for the operator's command to start on a busy machine, shorter
+        # than the call's 10 s timeout.
+        sink.inject(Fault("hang", times=1, hang_seconds=8))
+        paid.transaction("ship", lambda tx: tx.intend("http.request", http_intent(sink, "ship")))
+        wait_for(
+            lambda: any(e.status == "in_flight" for e in ob.effects(run_id=paid.id)),
+            message="the slow call",
+        )
+        cancel = outbox_cli(logins["operator"], "runs", "cancel", str(paid.id), "--reason", "x")
+        assert "cancelling" in cancel.stdout, cancel.stdout
+        assert len(ob.effects(run_id=paid.id)) == 2, "the operator intended nothing yet"
+        wait_for(
+            lambda: ob.run(paid.id).status == RunStatus.COMPENSATED,
+            timeout=60,
+            message="the deliverer to intend and deliver the refund",
+        )
+    finally:
+        deliverer.terminate()
+        deliverer.wait(30)
+        log.close()
+        agent.close()
+    assert deliverer.returncode == 0, (tmp_path / "deliver.log").read_text()[-3000:]
+    assert sink.stats()["duplicate_keys_applied"] == []
+    original, _, refund = ob.effects(run_id=paid.id)
+    assert refund.compensates == original.id and refund.status == "succeeded"
+    assert refund.idempotency_key in sink.state.applied
+
+    dsn = logins["deliverer"]
+    with Outbox.connect(dsn) as deliverer_ob:
+        with (
+            pytest.raises(DatabaseError, match="row-level security"),
+            deliverer_ob.transaction() as tx,
+        ):
+            tx.intend("http.request", http_intent(sink, "forged"))
+        with pytest.raises(DatabaseError, match="permission denied"):
+            deliverer_ob.start_run("billing", "1")
+        with pytest.raises(DatabaseError, match="permission denied"):
+            deliverer_ob.signal(plain.id, "go")
+    charge = next(e for e in ob.effects(run_id=paid.id) if e.compensates is None)
+    # Not even a "compensation" the agent never declared.
+    denied(
+        dsn,
+        "INSERT INTO outbox_effects (id, run_id, kind, payload, payload_hash, idempotency_key,"
+        " status, compensates) VALUES (gen_random_uuid(), %(run)s, 'http.request',"
+        " '{\"url\": \"http://127.0.0.1:1/x\"}', 'h', 'forged-2', 'pending', %(orig)s)",
+        {"run": paid.id, "orig": charge.id},
+    )
+    denied(dsn, "UPDATE outbox_effects SET payload = '{}' WHERE id = %(id)s", {"id": charge.id})
+    denied(dsn, "DELETE FROM outbox_effect_attempts")
+    denied(dsn, "UPDATE outbox_runs SET state = '{}'")
+
+
+def test_the_operator_resolves_retries_cancels_and_collects_garbage(
+    ob: Outbox, logins: dict[str, str], tmp_path: Path
+) -> None:
+    run = ob.start_run("billing", "1")
+    run.transaction("s", lambda tx: [tx.intend("k.x", {"n": i}) for i in range(2)] and None)
+    first, second = ob.effects(run_id=run.id)
+    with ob.transaction() as tx:
+        stuck = tx.intend("http.request", {"url": "http://127.0.0.1:9/x"}, key="stuck")
+    with ob.engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE outbox_effects SET status = 'in_flight', attempt = 1, lease_owner = 'gone',"
+                " lease_expires_at = now() - interval '1 minute' WHERE id = :id"
+            ),
+            {"id": stuck.id},
+        )
+        conn.execute(
+            text("UPDATE outbox_effects SET status = 'unknown' WHERE id = :id"), {"id": first.id}
+        )
+        conn.execute(
+            text(
+                "UPDATE outbox_effects SET status = 'failed', completed_at = now() WHERE id = :id"
+            ),
+            {"id": second.id},
+        )
+    dsn = logins["operator"]
+    outbox_cli(dsn, "effects", "resolve", str(first.id), "--as", "succeeded", "--note", "in log")
+    outbox_cli(dsn, "effects", "retry", str(second.id))
+    assert ob.effect(first.id).status == "succeeded" and ob.effect(second.id).status == "pending"
+    outbox_cli(dsn, "reconcile")
+    assert ob.effect(stuck.id).status in ("pending", "unknown")
+    outbox_cli(dsn, "runs", "cancel", str(run.id), "--reason", "customer left")
+    assert ob.run(run.id).status == RunStatus.CANCELLED
+    archive = tmp_path / "gc.jsonl"
+    gc = json.loads(
+        outbox_cli(dsn, "gc", "--older-than", "0s", "--archive", str(archive), "--json").stdout
+    )
+    assert gc["deleted"]["outbox_runs"] == 1 and gc["deleted"]["outbox_effects"] == 2
+    assert gc["deleted"]["outbox_effect_attempts"] >= 2
+    # ...and nothing more.
+    with Outbox.connect(dsn) as operator:
+        with pytest.raises(DatabaseError, match="permission denied"):
+            operator.start_run("billing", "1")
+        with pytest.raises(DatabaseError, match="row-level security"), operator.transaction() as tx:
+            tx.intend("k.x", {"forged": True})
+    denied(dsn, "UPDATE outbox_effects SET payload = '{}'")
+    denied(
+        dsn,
+        "INSERT INTO outbox_signals (id, run_id, name, dedup_key) "
+        "VALUES (gen_random_uuid(), gen_random_uuid(), 'x', 'y')",
+    )
+
+
+def test_the_reader_reads_and_changes_nothing(ob: Outbox, logins: dict[str, str]) -> None:
+    run = ob.start_run("billing", "1")
+    run.transaction("s", lambda tx: tx.intend("k.x", {"n": 1}) and None)
+    effect = ob.effects()[0]
+    dsn = logins["reader"]
+    runner = CliRunner(env={"OUTBOX_DSN": dsn})  # a password in --dsn is warned about
+    listed = runner.invoke(cli, ["runs", "list", "--json"])
+    assert [r["id"] for r in json.loads(listed.stdout)] == [str(run.id)]
+    shown = runner.invoke(cli, ["effects", "show", str(effect.id), "--json"])
+    assert json.loads(shown.stdout)["effect"]["id"] == str(effect.id), shown.output
+    refused(dsn, "runs", "cancel", str(run.id), "--reason", "x")
+    refused(dsn, "effects", "resolve", str(effect.id), "--as", "failed", "--note", "x")
+    refused(dsn, "gc", "--older-than", "0s")
+    with Outbox.connect(dsn) as reader, pytest.raises(DatabaseError, match="permission denied"):
+        reader.start_run("billing", "1")
+    for table in ("outbox_runs", "outbox_effects", "outbox_effect_attempts", "outbox_migrations"):
+        denied(dsn, f"DELETE FROM {table}")
+
+
+def test_roles_print_shows_the_grants(dsn: str) -> None:
+    script = outbox_cli(dsn, "roles", "--print", "--prefix", "app1_").stdout
+    for spec in ROLES:
+        assert f"CREATE ROLE app1_{spec.suffix} NOLOGIN" in script
+    assert "UPDATE (awaited_by) ON public.outbox_effects TO app1_agent" in script
+    assert "ENABLE ROW LEVEL SECURITY" in script
+    bad = outbox_cli(dsn, "roles", "--print", "--prefix", "x; DROP TABLE y", check=False)
+    assert bad.returncode == 1 and "prefix" in bad.stderr

@@ -1,0 +1,87 @@
+"""Pure parts of `outbox serve`: signature checks, JSON depth, redaction, settings."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from outbox.errors import ConfigurationError
+from outbox.serve.console.present import REDACTED, redact
+from outbox.serve.settings import Credentials, ServeSettings
+from outbox.serve.webhooks import sign, too_deep, verify
+
+SECRET = b"0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("timestamp", "signature"),
+    [
+        ("\u00b2", "sha256=" + "0" * 64),  # a digit to str.isdigit(), not to int()
+        ("١٢٣", "sha256=" + "0" * 64),  # Arabic-Indic digits
+        ("1" * 40, "sha256=" + "0" * 64),
+        (None, "sha256=" + "0" * 64),
+        ("now", "x"),
+    ],
+)
+def test_verify_refuses_malformed_timestamps(timestamp: str | None, signature: str) -> None:
+    assert verify(SECRET, timestamp, signature, "/p", b"", tolerance=60) is not None
+
+
+@pytest.mark.parametrize("signature", ["sha256=é" + "0" * 63, "sha256=" + "Z" * 64, "md5=00", ""])
+def test_verify_refuses_malformed_signatures(signature: str) -> None:
+    stamp = str(int(time.time()))
+    assert verify(SECRET, stamp, signature, "/p", b"{}", tolerance=60) is not None
+
+
+def test_verify_accepts_a_good_signature() -> None:
+    stamp = int(time.time())
+    good = sign(SECRET, stamp, "/p", b"{}")
+    assert verify(SECRET, str(stamp), good, "/p", b"{}", tolerance=60) is None
+    assert verify(SECRET, str(stamp), good, "/q", b"{}", tolerance=60) == "bad signature"
+
+
+def test_json_depth_is_measured_outside_strings() -> None:
+    assert too_deep(b"[" * 65 + b"]" * 65)
+    assert not too_deep(b"[" * 64 + b"]" * 64)
+    assert not too_deep(json.dumps({"s": "[" * 1000}).encode())
+    assert not too_deep(json.dumps({"s": '\\"[[[[' * 100}).encode())
+
+
+def test_redaction_of_payloads() -> None:
+    shown = redact(
+        {
+            "url": "https://user:pw@api.example/x?access_token=t1&page=2&api_key=k",
+            "headers": {"Authorization": "Bearer abc", "X-Request": "ok"},
+            "json": {"password": "p", "nested": [{"client_secret": "s", "n": 1}]},
+            "note": "Bearer xyz",
+        }
+    )
+    text = json.dumps(shown)
+    for secret in ("pw", "t1", "abc", '"p"', '"s"', "xyz", "=k"):
+        assert secret not in text, secret
+    assert shown["headers"]["X-Request"] == "ok" and "page=2" in shown["url"]
+    assert shown["json"]["nested"][0] == {"client_secret": REDACTED, "n": 1}
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["tolerance", "header_timeout", "body_timeout", "idle_timeout", "counts_cache_seconds"],
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_settings_refuse_non_finite_and_negative(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        ServeSettings(**{field: value})  # type: ignore[arg-type]
+
+
+def test_credentials_are_long_enough_and_read_from_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigurationError, match="at least 16"):
+        Credentials(operator_token=b"short")
+    token = tmp_path / "token"
+    token.write_text("operator-token-0123456789\n")
+    creds = Credentials.from_env({"OUTBOX_OPERATOR_TOKEN_FILE": str(token)})
+    assert creds.is_operator("operator-token-0123456789") and not creds.is_operator("x")
+    assert creds.may_scrape("operator-token-0123456789")
+    with pytest.raises(ConfigurationError, match="cannot read"):
+        Credentials.from_env({"OUTBOX_METRICS_TOKEN_FILE": str(tmp_path / "missing")})
