@@ -36,6 +36,7 @@ from outbox.errors import (
     SchemaOutdated,
     SchemaTooNew,
     SignalTimeout,
+    StepAlreadyRecorded,
     ValidationError,
     WaitTimeout,
 )
@@ -116,6 +117,7 @@ __all__ = [
     "Settings",
     "SignalReceipt",
     "SignalTimeout",
+    "StepAlreadyRecorded",
     "StepRecord",
     "StepStatus",
     "StepTransaction",

@@ -15,7 +15,8 @@
     ├── RunStateError               the run cannot take this action now
     │   ├── RunTerminal             the run already ended
     │   ├── RunPaused               the run is paused: resume it first
-    │   └── LeaseLost               another worker owns the run now
+    │   ├── LeaseLost               another worker owns the run now
+    │   └── StepAlreadyRecorded     the SQL API found the step recorded: roll back, replay
     ├── BudgetExceeded              a step would spend more than the run's budget
     ├── WaitTimeout                 a wait ran out (recorded; every replay raises it again)
     │   ├── SignalTimeout           ... for a signal
@@ -68,6 +69,7 @@ __all__ = [
     "SchemaOutdated",
     "SchemaTooNew",
     "SignalTimeout",
+    "StepAlreadyRecorded",
     "ValidationError",
     "WaitTimeout",
 ]
@@ -203,6 +205,21 @@ class RunPaused(RunStateError):
 
 class LeaseLost(RunStateError):
     """The caller's lease on a run or effect was taken over; its writes are refused (fencing)."""
+
+
+class StepAlreadyRecorded(RunStateError):
+    """The SQL API refused a step that another transaction (or an earlier attempt) recorded.
+
+    Raised for SQLSTATE ``OB006`` (docs/sql-api.md). The caller's transaction is
+    aborted; roll it back and read the recorded result (``outbox_step``).
+    """
+
+    def __init__(self, run_id: Any, step_id: str) -> None:
+        self.run_id = run_id
+        self.step_id = step_id
+        super().__init__(
+            f"step_id={step_id!r} of run {run_id} is already recorded: roll back and replay it"
+        )
 
 
 class BudgetExceeded(OutboxError):

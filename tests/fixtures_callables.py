@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 from outbox.delivery import PermanentError, RetryableError
@@ -103,3 +104,10 @@ def odd_result(payload: Any, key: str) -> dict[Any, Any]:
         "raw": b"\xff\xfe",
         "nested": {1: ["x\x00"]},
     }
+
+
+def sleeps(payload: Any, key: str) -> dict[str, Any]:
+    """Sync, slow: sleeps ``payload["seconds"]`` (a call that outlives a grace period)."""
+    _note("sleeps", payload, key)
+    time.sleep(float(payload["seconds"]))
+    return {"slept": payload["seconds"]}

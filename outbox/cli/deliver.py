@@ -23,6 +23,7 @@ from outbox.cli._common import (
 )
 from outbox.delivery import Deliverer
 from outbox.delivery.settings import DeliverySettings, RelaySettings, StreamSettings
+from outbox.delivery.threads import DaemonThreads, default_workers
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import libpq_dsn, make_async_engine, open_engine
 
@@ -229,9 +230,13 @@ def serve_until_signal(dsn: str, make: Callable[[AsyncStore], _Daemon], banner: 
     """Run an async daemon until SIGTERM/SIGINT asks it to stop gracefully."""
 
     async def main() -> None:
+        loop = asyncio.get_running_loop()
+        # Blocking calls (a synchronous deliverer, a lookup) run on daemon threads:
+        # one the daemon abandons at the end of --grace must not hold the process
+        # until it returns, as asyncio.run and the interpreter would wait for it.
+        loop.set_default_executor(DaemonThreads(default_workers(), "outbox-call"))
         store = AsyncStore(make_async_engine(dsn, pool_size=4))
         daemon = make(store)
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop)
         logging.getLogger("outbox.cli").info(banner)

@@ -124,7 +124,7 @@ class DeliveryDaemon:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
             await self._flush()
-            await self.source.close()
+            await self.source.close(max(self._deadline - time.monotonic(), LAST_WRITE_SECONDS))
             for deliverer in self.deliverers.values():
                 # Clients such as httpx's belong to this event loop: close them on it.
                 await deliverer.aclose()
@@ -172,10 +172,6 @@ class DeliveryDaemon:
                 else:  # a record of a kind this process does not deliver
                     self._record(released(effect, f"no deliverer for kind {effect.kind!r} here"))
             self._start_ready()
-            resume = self.leases.next_resume()
-            if resume is not None and not batch:
-                await wait_or_wake(self._room, resume)
-                self._start_ready()
 
     def _start_ready(self) -> None:
         for effect in self.leases.startable():
@@ -188,6 +184,19 @@ class DeliveryDaemon:
     async def _deliver(self, effect: ClaimedEffect) -> None:
         if self._stopping.is_set():
             self._record(released(effect, "released unstarted at shutdown"))
+            return
+        if not self.leases.may_call(effect.id, self.settings.lease_seconds):
+            # It waited (behind a cap, a pause) and its lease may be another's now:
+            # a reconciler that took it over redelivers or asks the sink, so a call
+            # here could be a second one. Given back unstarted; fenced, so it is
+            # logged as stale if the lease is indeed no longer ours.
+            log.warning(
+                "effect %s attempt %d: lease lost while it waited; not called",
+                effect.id,
+                effect.attempt,
+                extra={"effect_id": str(effect.id), "attempt": effect.attempt},
+            )
+            self._record(released(effect, "lease lost before the call started: not called"))
             return
         try:
             attempt = await self.store.with_payload(effect)
@@ -218,8 +227,17 @@ class DeliveryDaemon:
             )
             outcome = None
         if isinstance(outcome, Retry) and outcome.rate_limited:
-            self.leases.pause(effect.kind, outcome.after if outcome.after is not None else 1.0)
+            self._pause(effect.kind, outcome.after if outcome.after is not None else 1.0)
         self._record(completion)
+
+    def _pause(self, kind: str, seconds: float, why: str = "rate-limited") -> None:
+        """Hold ``kind`` back; what waits behind the pause starts when it ends.
+
+        Started by a timer rather than by the take loop, which waits in its
+        source (a claim, a Kafka poll) and so may not look again in time.
+        """
+        self.leases.pause(kind, seconds, why=why)
+        asyncio.get_running_loop().call_later(seconds, self._start_ready)
 
     def _record(self, completion: Completion) -> None:
         self._done.append(completion)
@@ -332,7 +350,7 @@ class DeliveryDaemon:
         pause = self._unrecordable_pause.get(kind, UNRECORDABLE_PAUSE_SECONDS / 2) * 2
         pause = min(pause, UNRECORDABLE_PAUSE_MAX_SECONDS)
         self._unrecordable_pause[kind] = pause
-        self.leases.pause(kind, pause, why="cannot record outcomes")
+        self._pause(kind, pause, why="cannot record outcomes")
         first = completions[0]
         reason = why[first.effect_id]
         hint = ""

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from uuid import UUID
 
 from outbox.delivery.contract import Deliverer
@@ -35,6 +35,9 @@ class Held:
     effect: ClaimedEffect
     started: bool = False
     lease_lost: bool = False
+    #: When its lease was last known to run a full lease from (monotonic): the
+    #: claim, then each heartbeat that extended it (taken when the statement began).
+    renewed: float = field(default_factory=time.monotonic)
 
 
 class Leases:
@@ -95,6 +98,18 @@ class Leases:
         self._waiting[effect.kind].append(effect.id)
         self.metrics.in_flight.set(len(self.held))
 
+    def may_call(self, effect_id: UUID, lease_seconds: float) -> bool:
+        """Whether the lease of a held attempt is surely still this process's, so it may start.
+
+        Not when the heartbeat found it taken over, nor when no heartbeat has
+        extended it for a whole lease (the database unreachable or locked): it
+        may have run out and been taken over, and a call now could be a second.
+        """
+        held = self.held.get(effect_id)
+        if held is None:
+            return True
+        return not held.lease_lost and time.monotonic() - held.renewed < lease_seconds
+
     def startable(self) -> list[ClaimedEffect]:
         """Held attempts that may start now (marked started)."""
         now = time.monotonic()
@@ -119,16 +134,6 @@ class Leases:
             waiting.clear()
         return pending
 
-    def next_resume(self) -> float | None:
-        """Seconds until the earliest pause with attempts waiting behind it ends (None: none)."""
-        now = time.monotonic()
-        ends = [
-            until - now
-            for kind, until in self._paused_until.items()
-            if until > now and self._waiting[kind]
-        ]
-        return min(ends) if ends else None
-
     def pause(self, kind: str, seconds: float, *, why: str = "rate-limited") -> None:
         """Hold back new attempts of ``kind`` for ``seconds`` (a sink said: too many requests)."""
         until = max(self._paused_until.get(kind, 0.0), time.monotonic() + seconds)
@@ -146,10 +151,13 @@ class Leases:
     async def heartbeat(self, store: AsyncStore, owner: str, lease_seconds: float) -> None:
         """Push out every held lease; note, count and log the ones taken over (G4 holds anyway)."""
         held = [(i, h.effect.attempt) for i, h in list(self.held.items()) if not h.lease_lost]
+        sent = time.monotonic()
         kept = await store.extend(EFFECT_QUEUE, held, owner=owner, lease_seconds=lease_seconds)
         for effect_id, attempt in held:
             entry = self.held.get(effect_id)
-            if entry is not None and effect_id not in kept and not entry.lease_lost:
+            if entry is not None and effect_id in kept:
+                entry.renewed = sent
+            elif entry is not None and not entry.lease_lost:
                 entry.lease_lost = True
                 self.metrics.leases_lost.labels(kind=entry.effect.kind).inc()
                 log.warning(

@@ -48,8 +48,8 @@ class EffectSource(Protocol):
     def wake(self) -> None:
         """Something changed (room, work requeued, stop): stop waiting in :meth:`take`."""
 
-    async def close(self) -> None:
-        """Release connections; the daemon calls it last."""
+    async def close(self, timeout: float) -> None:
+        """Release connections within ``timeout`` seconds; the daemon calls it last."""
 
 
 async def wait_or_wake(event: asyncio.Event, seconds: float) -> None:
@@ -87,11 +87,15 @@ class PollSource:
         """Claim what fits; after a claim that found less than asked, wait (NOTIFY or backoff)."""
         if self._wait_first:
             await wait_or_wake(self._wake, self._wait_first)
+        # Taken now: a wake-up from here on (NOTIFY, room, a requeue) is for the
+        # next claim. Cleared before deciding, or a wake-up seen while no kind
+        # may claim (all paused, all at their caps) would be seen again at once,
+        # and again: a busy loop for as long as the pause lasts.
+        self._wake.clear()
         quotas = leases.quotas(self.settings.batch_size)
         if not quotas:
             self._wait_first = self.settings.poll_seconds
             return []
-        self._wake.clear()
         try:
             rows = await self.store.claim_many(
                 EFFECT_QUEUE,
@@ -114,8 +118,8 @@ class PollSource:
     async def recorded(self, effect_ids: Sequence[UUID]) -> None:
         """Nothing to do: the claim itself was the source's state."""
 
-    async def close(self) -> None:
-        """Stop listening."""
+    async def close(self, timeout: float) -> None:
+        """Stop listening (at once: ``timeout`` is not needed)."""
         if self._listener is not None:
             self._listener.cancel()
             await asyncio.gather(self._listener, return_exceptions=True)

@@ -13,10 +13,20 @@ with a :class:`KafkaSource`: for each batch of records it claims the named
 effects that are still ``dispatched`` (a record for an effect already claimed
 or finished is a redelivery: skipped), delivers them exactly as poll mode does
 (same leases, per-kind caps, rate-limit pauses, retry policy, grace period and
-metrics), and commits a partition's offset only once every record up to it
-has its outcome in PostgreSQL. A consumer killed with ``kill -9`` loses
+metrics), and commits a partition's offset only up to its oldest record
+whose fate is open (:mod:`outbox.delivery.offsets`): one whose claim has not
+succeeded, one an effect was claimed through whose outcome is not recorded,
+or a copy of such an effect. A consumer killed with ``kill -9`` loses
 nothing: its records come again to the group, and its claimed attempts are
 resolved by the reconciler like any lost attempt.
+
+The source never waits on the broker where it would stall delivery or a
+stop: commits are asynchronous (one at a time, sent before each read), a read
+is a poll cut into short slices that :meth:`KafkaSource.wake` ends, a read or
+claim that fails is logged and tried again after a pause (never an error out
+of ``take``), and :meth:`KafkaSource.close` is bounded by the time it is given
+(the rest of ``--grace``), its consumer thread a daemon thread that cannot hold
+the process.
 
 Needs the ``kafka`` extra (kafka-python).
 """
@@ -24,24 +34,28 @@ Needs the ``kafka`` extra (kafka-python).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import threading
+import time
 import uuid
-from collections import defaultdict
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka import errors as kafka_errors
 from kafka.structs import OffsetAndMetadata
 
 from outbox.delivery.attempt import released
 from outbox.delivery.leases import Leases
 from outbox.delivery.maintenance import every
+from outbox.delivery.offsets import Offsets, Read
 from outbox.delivery.reconcile import reconcile
 from outbox.delivery.settings import RelaySettings, StreamSettings
 from outbox.delivery.sources import wait_or_wake
+from outbox.delivery.threads import DaemonThreads
 from outbox.faults import crash_point
 from outbox.retry import IdleBackoff
 from outbox.storage.async_store import AsyncStore, ClaimedEffect
@@ -54,6 +68,13 @@ __all__ = ["KafkaSource", "Relay", "close_producer", "topic_for"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: A consumer poll is cut into slices this long, so a stop ends it within one.
+POLL_SLICE_SECONDS = 0.1
+#: What kafka-python raises when no broker answers (not a bad setting).
+_UNREACHABLE = (kafka_errors.KafkaTimeoutError, kafka_errors.KafkaConnectionError)
+#: ``close(timeout)`` waits this much longer than ``timeout`` for the consumer to let go.
+CLOSE_SLACK_SECONDS = 0.25
 
 
 def topic_for(prefix: str, kind: str) -> str:
@@ -83,39 +104,20 @@ def close_producer(producer: Any, timeout: float) -> None:
         log.exception("closing the Kafka producer failed")
 
 
-class _Offsets:
-    """Per partition, which read records are not yet recorded: commits never pass the oldest."""
+class _Rebalances(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Notes which partitions a rebalance moved (called on kafka-python's I/O thread)."""
 
     def __init__(self) -> None:
-        self._open: dict[TopicPartition, dict[int, int]] = defaultdict(dict)  # offset -> refs
-        self._next: dict[TopicPartition, int] = {}
-        self._by_effect: dict[uuid.UUID, list[tuple[TopicPartition, int]]] = defaultdict(list)
+        self.moved: deque[list[TopicPartition]] = deque()  # appends are thread-safe
 
-    def read(self, tp: TopicPartition, offset: int, effect_id: uuid.UUID | None) -> None:
-        """A record was read; it stays open until its effect is recorded (``None``: never opens)."""
-        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
-        if effect_id is not None:
-            self._open[tp][offset] = self._open[tp].get(offset, 0) + 1
-            self._by_effect[effect_id].append((tp, offset))
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self.moved.append(list(revoked))
 
-    def done(self, effect_id: uuid.UUID) -> None:
-        """Every record naming ``effect_id`` is recorded."""
-        for tp, offset in self._by_effect.pop(effect_id, []):
-            refs = self._open[tp].get(offset, 0) - 1
-            if refs <= 0:
-                self._open[tp].pop(offset, None)
-            else:
-                self._open[tp][offset] = refs
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        self.moved.append(list(assigned))
 
-    def committable(self) -> dict[TopicPartition, int]:
-        """The offset each partition may commit: its oldest open record, or all it read."""
-        return {tp: min(self._open[tp], default=nxt) for tp, nxt in self._next.items()}
-
-    def forget(self, keep: set[TopicPartition]) -> None:
-        """Drop partitions this consumer no longer owns (a rebalance moved them)."""
-        for tp in [tp for tp in self._next if tp not in keep]:
-            self._next.pop(tp, None)
-            self._open.pop(tp, None)
+    def on_partitions_lost(self, lost: Any) -> None:
+        self.moved.append(list(lost))
 
 
 def _effect_id(value: bytes) -> uuid.UUID | None:
@@ -126,7 +128,13 @@ def _effect_id(value: bytes) -> uuid.UUID | None:
 
 
 class KafkaSource:
-    """Claims the effects named by a consumer group's records (see the module docstring)."""
+    """Claims the effects named by a consumer group's records (see the module docstring).
+
+    Offsets are committed asynchronously, one commit at a time, before each
+    read, up to what :class:`~outbox.delivery.offsets.Offsets` allows; so
+    neither ``take`` nor ``recorded`` ever waits for the broker, and the
+    last commit at :meth:`close` is bounded by the time it is given.
+    """
 
     name = "kafka"
 
@@ -134,115 +142,283 @@ class KafkaSource:
         self.store = store
         self.kinds = list(kinds)
         self.settings = settings
+        #: Records whose effect was not claimed through them (finished, or claimed elsewhere).
         self.skipped = 0
-        self._offsets = _Offsets()
-        self._committed: dict[TopicPartition, int] = {}
-        # kafka-python's consumer is not thread-safe: every call goes through this one thread.
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="outbox-kafka-consumer")
+        self.offsets: Offsets[TopicPartition] = Offsets()
+        #: Reads whose claim failed: claimed again before anything more is read.
+        self._undecided: list[Read] = []
+        self._rebalances = _Rebalances()
+        #: Set by :meth:`wake`: read on the consumer thread between poll slices.
+        self._woken = threading.Event()
+        self._woken_at = 0.0
+        self._wake = asyncio.Event()
+        # kafka-python's consumer is not thread-safe: every call goes through this
+        # one thread, a daemon thread, so a call stuck on a frozen broker past the
+        # grace period never holds the process (see outbox.delivery.threads).
+        self._thread: DaemonThreads | None = None
+        #: Set on the consumer thread once connected (the first read waits for it).
         self._consumer: KafkaConsumer | None = None
+        self._connecting: asyncio.Future[None] | None = None
+        # Touched on the consumer thread only.
+        self._commit: tuple[Any, dict[TopicPartition, int]] | None = None
+        self._committed: dict[TopicPartition, int] = {}
+        self._commit_failures = 0
 
-    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, lambda: fn(*args, **kwargs))
+    async def _call(self, fn: Callable[[], T]) -> T:
+        assert self._thread is not None
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
 
     async def open(self) -> None:
-        """Join the consumer group on the kinds' topics."""
-        topics = [topic_for(self.settings.topic_prefix, kind) for kind in self.kinds]
-        self._consumer = await self._call(
-            KafkaConsumer,
-            *topics,
-            bootstrap_servers=self.settings.bootstrap_servers,
-            group_id=self.settings.group,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            **self.settings.consumer,
-        )
+        """Start joining the consumer group; a bad consumer setting is an error here.
+
+        A broker that cannot be reached is not: it is logged, and each read
+        tries again (the daemon starts and stops as usual meanwhile).
+        """
+        self._thread = DaemonThreads(1, "outbox-kafka-consumer")
+        await self._connected(since=0.0)
+
+    async def _connected(self, since: float) -> bool:
+        """Whether the consumer is ready; waits for an attempt to connect, unless woken.
+
+        Raises what is not a broker out of reach (a bad setting).
+        """
+        if self._consumer is not None:
+            return True
+        assert self._thread is not None
+        if self._connecting is None:
+            self._connecting = asyncio.wrap_future(self._thread.submit(self._connect))
+        if not await self._unless_woken(self._connecting, since):
+            return False  # still connecting: the attempt goes on
+        connecting, self._connecting = self._connecting, None
+        try:
+            connecting.result()
+        except _UNREACHABLE as exc:
+            log.warning(
+                "Kafka is not reachable at %s (%s); trying again",
+                self.settings.bootstrap_servers,
+                exc,
+            )
+            return False
+        return True
+
+    def _connect(self) -> None:
+        """On the consumer thread: make the consumer and subscribe."""
+        consumer = KafkaConsumer.__new__(KafkaConsumer)
+        try:
+            consumer.__init__(
+                bootstrap_servers=self.settings.bootstrap_servers,
+                group_id=self.settings.group,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                **self.settings.consumer,
+            )
+            topics = [topic_for(self.settings.topic_prefix, kind) for kind in self.kinds]
+            consumer.subscribe(topics, listener=self._rebalances)
+        except BaseException:
+            # kafka-python starts its I/O thread before it reaches the broker and
+            # leaves it running when that fails: one more thread per attempt.
+            client = getattr(consumer, "_client", None)
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.close()
+            raise
+        self._consumer = consumer
+
+    async def _unless_woken(self, work: asyncio.Future[Any], since: float) -> bool:
+        """Wait for ``work``; False as soon as :meth:`wake` is called (or was, after ``since``)."""
+        if self._woken_at > since:
+            return work.done()
+        self._wake.clear()
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({work, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+        return work.done()
 
     def wake(self) -> None:
-        """Nothing to interrupt: a poll returns within ``poll_seconds``."""
+        """Cut a read or a pause short (room, a stop): a read returns within a poll slice."""
+        self._woken_at = time.monotonic()
+        self._woken.set()
+        self._wake.set()
 
     async def take(self, leases: Leases) -> list[ClaimedEffect]:
-        """Read up to the room there is, then claim the records' effects still dispatched."""
-        assert self._consumer is not None
-        room = min(leases.free, self.settings.batch_size)
-        batch = await self._call(
-            self._consumer.poll,
-            timeout_ms=int(self.settings.poll_seconds * 1000),
-            max_records=room,
-        )
-        named: list[uuid.UUID] = []
-        for tp, records in batch.items():
-            for record in records:
-                effect_id = _effect_id(record.value)
-                if effect_id is None:
-                    log.warning(
-                        "skipping a record that is not an outbox envelope at %s:%d:%d",
-                        record.topic,
-                        record.partition,
-                        record.offset,
-                    )
-                else:
-                    named.append(effect_id)
-                self._offsets.read(tp, record.offset, effect_id)
-        if not named:
-            await self._commit()
-            return []
+        """Read up to the room there is, then claim the records' effects still dispatched.
+
+        A read that fails, or a claim PostgreSQL refuses, returns nothing after
+        a pause; the records of a refused claim are claimed again first.
+        """
+        started = time.monotonic()
+        reads = self._undecided
+        if not reads:
+            room = min(leases.free, self.settings.batch_size)
+            if room <= 0:
+                return []
+            reads = await self._read(room, started)
+            if not reads:
+                return []
         try:
             claimed = await self.store.claim_dispatched(
-                sorted(set(named)),
+                list({read.effect_id: None for read in reads}),
                 owner=self.settings.owner,
                 lease_seconds=self.settings.lease_seconds,
             )
-        except Exception:
-            # Not committed, read again: each record's effect is checked in
-            # PostgreSQL again, so what was recorded meanwhile is skipped.
-            for tp, records in batch.items():
-                await self._call(self._consumer.seek, tp, records[0].offset)
-            for effect_id in set(named):
-                self._offsets.done(effect_id)
-            raise
-        ours = {effect.id for effect in claimed}
-        skipped = set(named) - ours
-        self.skipped += len(skipped)
-        for effect_id in skipped:  # finished already, or claimed through another copy
-            self._offsets.done(effect_id)
+        except Exception as exc:
+            # The records stay open (nothing is committed past them) and are
+            # claimed again before anything more is read: each record's effect is
+            # checked in PostgreSQL again, so what was recorded meanwhile is skipped.
+            self._undecided = reads
+            log.warning(
+                "claiming the effects of %d records failed (%s); trying again in %gs",
+                len(reads),
+                exc,
+                self.settings.poll_seconds,
+            )
+            await self._rest(started)
+            return []
+        self._undecided = []
+        self.skipped += self.offsets.decide(reads, {effect.id for effect in claimed})
         return claimed
 
-    async def recorded(self, effect_ids: Sequence[uuid.UUID]) -> None:
-        """Outcomes are durable: commit every partition up to its oldest unrecorded record."""
-        for effect_id in effect_ids:
-            self._offsets.done(effect_id)
-        await self._commit()
-
-    async def _commit(self) -> None:
-        assert self._consumer is not None
-        due = {
-            tp: offset
-            for tp, offset in self._offsets.committable().items()
-            if offset > self._committed.get(tp, -1)
-        }
-        if not due:
-            return
-        offsets = {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in due.items()}
+    async def _read(self, room: int, started: float) -> list[Read]:
+        """Commit what may be committed, then poll up to ``room`` records; their reads."""
         try:
-            await self._call(self._consumer.commit, offsets)
-        except kafka_errors.CommitFailedError as exc:
-            # The group rebalanced: the partitions' new owner reads these records
-            # again and skips the effects already recorded.
-            log.warning("offsets not committed: %s", exc)
-            self._offsets.forget(await self._call(self._consumer.assignment))
-            return
-        self._committed.update(due)
+            ready = await self._connected(started)
+        except Exception as exc:
+            log.warning("joining the Kafka consumer group failed (%s); trying again", exc)
+            ready = False
+        if not ready:
+            await self._rest(started)
+            return []
+        self._woken.clear()
+        due = self.offsets.committable()
+        try:
+            batch = await self._call(lambda: self._poll(due, room))
+        except Exception as exc:
+            log.warning(
+                "reading from Kafka failed (%s); trying again in %gs",
+                exc,
+                self.settings.poll_seconds,
+            )
+            await self._rest(started)
+            return []
+        while self._rebalances.moved:  # the group moved partitions: they start afresh
+            self.offsets.reset(self._rebalances.moved.popleft())
+        reads = []
+        for tp, records in batch.items():
+            for record in records:
+                effect_id = _effect_id(record.value)
+                read = self.offsets.read(tp, record.offset, effect_id)
+                if read is not None:
+                    reads.append(read)
+                    continue
+                log.warning(
+                    "skipping a record that is not an outbox envelope at %s:%d:%d",
+                    record.topic,
+                    record.partition,
+                    record.offset,
+                )
+        return reads
 
-    async def close(self) -> None:
-        """Commit what is recorded and leave the group."""
-        if self._consumer is not None:
-            try:
-                await self._commit()
-            except Exception as exc:
-                log.warning("final offset commit failed: %s", exc)
-            await self._call(self._consumer.close)
-        self._thread.shutdown(wait=False)
+    async def _rest(self, since: float) -> None:
+        """After a failure: wait a poll interval, unless woken since ``since`` (a stop, room)."""
+        if self._woken_at > since:
+            return
+        self._wake.clear()
+        await wait_or_wake(self._wake, self.settings.poll_seconds)
+
+    def _poll(self, due: dict[TopicPartition, int], room: int) -> Any:
+        """On the consumer thread: send the due commit, then poll in slices until woken."""
+        consumer = self._consumer
+        assert consumer is not None
+        try:
+            self._send_commit(consumer, due)
+        except Exception as exc:  # never a reason not to read: committed with a later read
+            log.warning("sending an offset commit failed: %s", exc)
+        deadline = time.monotonic() + self.settings.poll_seconds
+        while True:
+            left = deadline - time.monotonic()
+            batch = consumer.poll(
+                timeout_ms=int(max(0.0, min(left, POLL_SLICE_SECONDS)) * 1000), max_records=room
+            )
+            if batch or left <= POLL_SLICE_SECONDS or self._woken.is_set():
+                return batch
+
+    def _send_commit(self, consumer: KafkaConsumer, due: dict[TopicPartition, int]) -> None:
+        """On the consumer thread: one asynchronous commit at a time, of owned partitions only."""
+        if self._commit is not None:
+            sent, offsets = self._commit
+            if not sent.is_done:
+                return
+            self._commit = None
+            if sent.succeeded():
+                self._committed.update(offsets)
+                self._commit_failures = 0
+            else:
+                self._commit_failures += 1
+                if self._commit_failures in (1, 10) or self._commit_failures % 100 == 0:
+                    log.warning(
+                        "committing offsets failed (%s); trying again (%d failures in a row)",
+                        sent.exception,
+                        self._commit_failures,
+                    )
+        offsets = self._uncommitted(consumer, due)
+        if offsets:
+            self._commit = (consumer.commit_async(_commit_args(offsets)), offsets)
+
+    def _uncommitted(
+        self, consumer: KafkaConsumer, due: dict[TopicPartition, int]
+    ) -> dict[TopicPartition, int]:
+        """On the consumer thread: the due offsets of partitions owned, not committed yet."""
+        owned = consumer.assignment()
+        return {
+            tp: offset
+            for tp, offset in due.items()
+            if tp in owned and self._committed.get(tp) != offset
+        }
+
+    async def recorded(self, effect_ids: Sequence[uuid.UUID]) -> None:
+        """Outcomes are durable: their records close (committed with the next read)."""
+        for effect_id in effect_ids:
+            self.offsets.recorded(effect_id)
+
+    async def close(self, timeout: float) -> None:
+        """Commit what is recorded and leave the group, within ``timeout`` seconds."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        due = self.offsets.committable()
+        deadline = time.monotonic() + timeout
+
+        def finish() -> None:  # after any attempt to connect still under way
+            consumer, self._consumer = self._consumer, None
+            if consumer is None:
+                return
+            offsets = self._uncommitted(consumer, due)
+            if offsets:
+                try:
+                    consumer.commit(_commit_args(offsets), timeout_ms=_ms_left(deadline))
+                except Exception as exc:  # read again by the group; recorded effects are skipped
+                    log.warning("final offset commit failed: %s", exc)
+            consumer.close(autocommit=False, timeout_ms=_ms_left(deadline))
+
+        try:
+            closing = asyncio.get_running_loop().run_in_executor(thread, finish)
+            await asyncio.wait_for(closing, max(timeout, 0.0) + CLOSE_SLACK_SECONDS)
+        except TimeoutError:
+            log.warning("the Kafka consumer did not close within %gs: left behind", timeout)
+        except Exception as exc:
+            log.warning("closing the Kafka consumer failed: %s", exc)
+        finally:
+            thread.shutdown(wait=False)
+
+
+def _commit_args(offsets: dict[TopicPartition, int]) -> dict[TopicPartition, OffsetAndMetadata]:
+    return {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in offsets.items()}
+
+
+def _ms_left(deadline: float) -> int:
+    return max(1, int((deadline - time.monotonic()) * 1000))
 
 
 def _envelope(effect: ClaimedEffect) -> bytes:
@@ -284,7 +460,15 @@ class Relay:
 
     async def run(self) -> None:
         """Relay until stopped."""
-        self._producer = await asyncio.to_thread(self._make_producer)
+        try:
+            self._producer = await asyncio.to_thread(self._make_producer)
+        except _UNREACHABLE as exc:
+            # Not fatal: each batch makes the producer again until the broker answers.
+            log.warning(
+                "Kafka is not reachable at %s (%s); trying again with each batch",
+                self.settings.bootstrap_servers,
+                exc,
+            )
         background = [
             asyncio.create_task(listen(self.store.dsn, EFFECTS_CHANNEL, self._wake)),
             asyncio.create_task(every(self.settings.reconcile_seconds, self._reconcile, "relay")),

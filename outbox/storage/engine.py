@@ -8,9 +8,11 @@ and slows every claim (DESIGN.md, lessons).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -20,10 +22,17 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox.errors import (
+    BudgetExceeded,
     ConfigurationError,
     DatabaseError,
     EmbeddedServerError,
     IdempotencyConflict,
+    OutboxError,
+    PayloadError,
+    RunNotFound,
+    RunStateError,
+    RunTerminal,
+    StepAlreadyRecorded,
     ValidationError,
 )
 from outbox.settings import Settings
@@ -43,6 +52,7 @@ __all__ = [
     "open_engine",
     "psycopg_url",
     "resolve_dsn",
+    "sql_api_error",
     "translate_errors",
 ]
 
@@ -110,30 +120,76 @@ def make_async_engine(
     )
 
 
+def sql_api_error(sqlstate: str | None, message: str, detail: str | None) -> OutboxError | None:
+    """The typed error for a SQL API refusal (SQLSTATE class ``OB``), else None.
+
+    ``detail`` is the JSON object the SQL functions put in the error's DETAIL
+    (docs/sql-api.md, "Errors"): the fields each exception is built from.
+    """
+    if sqlstate is None or not sqlstate.startswith("OB"):
+        return None
+    try:
+        fields: dict[str, Any] = json.loads(detail or "{}")
+    except ValueError:
+        fields = {}
+    match sqlstate:
+        case "OB001":
+            return ValidationError(fields.get("field", "?"), fields.get("value"), fields["reason"])
+        case "OB002":
+            return PayloadError(fields.get("field", "?"), fields.get("value"), fields["reason"])
+        case "OB003":
+            return IdempotencyConflict(fields["key"], fields["reason"])
+        case "OB004":
+            return RunNotFound(fields["run_id"])
+        case "OB005":
+            return RunTerminal(fields["run_id"], fields["status"])
+        case "OB006":
+            return StepAlreadyRecorded(fields["run_id"], fields["step_id"])
+        case "OB007":
+            return BudgetExceeded(
+                fields["run_id"],
+                float(Decimal(str(fields["requested"]))),
+                float(Decimal(str(fields["remaining"]))),
+            )
+        case "OB008":
+            return RunStateError(message)
+    return DatabaseError(message, sqlstate=sqlstate)
+
+
 @contextmanager
 def translate_errors(action: str) -> Iterator[None]:
     """Re-raise driver errors as :class:`DatabaseError`, keeping the original as the cause.
 
     A unique violation on the idempotency key becomes :class:`IdempotencyConflict`
-    naming the key. Usable around ``await`` too: it only looks at what is raised.
+    naming the key; a SQL API refusal (SQLSTATE ``OB...``) becomes its typed error
+    (:func:`sql_api_error`). Usable around ``await`` too: it only looks at what is raised.
     """
     try:
         yield
-    except sqlalchemy.exc.IntegrityError as exc:
-        constraint = getattr(getattr(exc.orig, "diag", None), "constraint_name", None)
-        if constraint == "outbox_effects_idempotency_key":
-            detail = getattr(getattr(exc.orig, "diag", None), "message_detail", None) or ""
+    except sqlalchemy.exc.DBAPIError as exc:
+        diag = getattr(exc.orig, "diag", None)
+        typed = sql_api_error(
+            getattr(exc.orig, "sqlstate", None),
+            getattr(diag, "message_primary", None) or str(exc.orig),
+            getattr(diag, "message_detail", None),
+        )
+        if typed is not None:
+            raise typed from exc
+        constraint = getattr(diag, "constraint_name", None)
+        if (
+            isinstance(exc, sqlalchemy.exc.IntegrityError)
+            and constraint == "outbox_effects_idempotency_key"
+        ):
+            detail = getattr(diag, "message_detail", None) or ""
             match = re.search(r"\(idempotency_key\)=\((.*)\) already exists", detail)
             key = match[1] if match else "<unknown>"
             raise IdempotencyConflict(key, f"while {action}: already intended") from exc
-        if constraint == "outbox_runs_pkey":
-            detail = getattr(getattr(exc.orig, "diag", None), "message_detail", None) or ""
+        if isinstance(exc, sqlalchemy.exc.IntegrityError) and constraint == "outbox_runs_pkey":
+            detail = getattr(diag, "message_detail", None) or ""
             match = re.search(r"\(id\)=\((.*)\) already exists", detail)
             raise ValidationError(
                 "run_id", match[1] if match else "<unknown>", "a run with this id exists already"
             ) from exc
-        raise DatabaseError(f"{action} failed: {exc.orig}", **_nature(exc)) from exc
-    except sqlalchemy.exc.DBAPIError as exc:
         raise DatabaseError(f"{action} failed: {exc.orig}", **_nature(exc)) from exc
     except sqlalchemy.exc.SQLAlchemyError as exc:
         raise DatabaseError(f"{action} failed: {exc}", **_nature(exc)) from exc

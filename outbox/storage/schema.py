@@ -10,11 +10,14 @@ claim cost does not grow with the number of finished rows kept for history.
 
 from __future__ import annotations
 
+from importlib import resources
+
 from sqlalchemy import (
     DDL,
     BigInteger,
     CheckConstraint,
     Column,
+    Connection,
     DateTime,
     ForeignKey,
     Identity,
@@ -23,6 +26,7 @@ from sqlalchemy import (
     MetaData,
     Numeric,
     PrimaryKeyConstraint,
+    Sequence,
     Table,
     Text,
     UniqueConstraint,
@@ -55,6 +59,7 @@ __all__ = [
     "rate_limits",
     "runs",
     "signals",
+    "sql_api_ddl",
     "steps",
     "webhook_replays",
 ]
@@ -116,7 +121,7 @@ runs = Table(
     Column("cancel_reason", Text),
     # 0006: the W3C traceparent of the run's trace (its steps are spans of it)
     Column("trace_parent", Text),
-    # 0007: run control. One run per business key; claims by priority, fair between
+    # 0008: run control. One run per business key; claims by priority, fair between
     # keys; pause; forks (a new run replaying another's steps up to a point).
     Column("key", Text),
     Column("priority", Integer, nullable=False, server_default=text("0")),
@@ -168,7 +173,7 @@ Index(
     runs.c.updated_at,
     postgresql_where=text(sql_in("status", STOPPING_RUN_STATUSES)),
 )
-# A paused run still holds its agent version (0008: the live statuses with paused).
+# A paused run still holds its agent version (0009: the live statuses with paused).
 Index(
     "outbox_runs_unfinished",
     runs.c.agent,
@@ -209,7 +214,7 @@ steps = Table(
     _ts("completed_at", nullable=False, default_now=True),
     # "waiting": a sleep or wait recorded with its deadline, not yet satisfied
     Column("status", Text, nullable=False, server_default=text("'completed'")),
-    # 0007: the state and plan this step set (NULL: unchanged), so a fork starts from them
+    # 0008: the state and plan this step set (NULL: unchanged), so a fork starts from them
     Column("state", JSONB),
     Column("plan", JSONB),
     PrimaryKeyConstraint("run_id", "step_id", name="outbox_steps_pkey"),
@@ -251,7 +256,7 @@ effects = Table(
     Column("awaited_by", UUID(as_uuid=True)),
     # 0006: the W3C traceparent current at tx.intend (each attempt is a span of its trace)
     Column("trace_parent", Text),
-    # 0007: claims take higher priority first and share capacity between fairness keys
+    # 0008: claims take higher priority first and share capacity between fairness keys
     Column("priority", Integer, nullable=False, server_default=text("0")),
     Column("fairness_key", Text, nullable=False, server_default=text("''")),
     UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
@@ -274,7 +279,7 @@ Index(
     effects.c.lease_expires_at,
     postgresql_where=text("status = 'in_flight'"),
 )
-# An open effect, a paused one too, holds back later effects of its key (0008).
+# An open effect, a paused one too, holds back later effects of its key (0009).
 Index(
     "outbox_effects_open_ordering",
     effects.c.ordering_key,
@@ -445,7 +450,7 @@ consumed_keys = Table(
     PrimaryKeyConstraint("consumer_group", "idempotency_key", name="outbox_consumed_keys_pkey"),
 )
 
-# 0007: an effect of a paused run that would become pending again (a retry, the
+# 0008: an effect of a paused run that would become pending again (a retry, the
 # reconciler, an operator) is held as paused instead. Inserts decide it in
 # commit_step; this covers every other way back to pending, and its WHEN clause
 # keeps it out of claims and completions that do not go back to pending.
@@ -468,7 +473,7 @@ $$""",
 for _ddl in EFFECT_PAUSE_DDL:
     event.listen(effects, "after_create", DDL(_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
 
-# 0007: values over Settings.blob_threshold_bytes, stored once (outbox.blobs). Rows hold a
+# 0008: values over Settings.blob_threshold_bytes, stored once (outbox.blobs). Rows hold a
 # reference; blob_refs says which run (or run-less effect) uses which blob, so
 # `outbox gc` can delete the blobs nothing uses once their owners are gone.
 blobs = Table(
@@ -491,7 +496,7 @@ blob_refs = Table(
 )
 Index("outbox_blob_refs_sha256", blob_refs.c.sha256)
 
-# 0007: a kind's declared rate (calls per second), shared by every deliverer process:
+# 0008: a kind's declared rate (calls per second), shared by every deliverer process:
 # the theoretical arrival time of the next call (GCRA), moved on by each claim.
 rate_limits = Table(
     "outbox_rate_limits",
@@ -499,3 +504,31 @@ rate_limits = Table(
     Column("kind", Text, primary_key=True),
     _ts("tat", nullable=False),
 )
+
+# 0007: the SQL API (docs/sql-api.md). When its writers last sent a NOTIFY per channel
+# (microseconds; setval is not transactional, so no writer waits on another).
+Sequence("outbox_wake_clock_effects", start=0, minvalue=0, metadata=metadata)
+Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
+
+SQL_API_MIGRATION = "0007_sql_api.sql"
+_FUNCTIONS_MARKER = "-- @functions"
+
+
+def sql_api_ddl() -> str:
+    """The SQL API's functions and trigger: the part of its migration below ``-- @functions``.
+
+    Read from the migration itself, so a fresh schema and a migrated one get
+    the same definitions from one text. A later migration that replaces one of
+    these functions must be read here too.
+    """
+    text_ = resources.files("outbox.storage.migrations").joinpath(SQL_API_MIGRATION).read_text()
+    return text_[text_.index(_FUNCTIONS_MARKER) :]
+
+
+@event.listens_for(metadata, "after_create")
+def _create_sql_api(target: MetaData, connection: Connection, **kw: object) -> None:
+    # One multi-statement script with no parameters: psycopg sends it as a
+    # simple query (as outbox.storage.migrate does), so "%" stays literal.
+    driver = connection.connection.driver_connection
+    assert driver is not None
+    driver.execute(sql_api_ddl())

@@ -76,7 +76,7 @@ def populate(ob: Outbox, dsn: str, sink: IdempotentHttpSink) -> dict[str, Any]:
                         "http.request",
                         {
                             "method": "POST",
-                            "url": f"{sink.url}/tickets?api_key=k-{i}",
+                            "url": f"{sink.url}/tickets?ticket=k-{i}",
                             "headers": {"X-Source": agent},
                             "json": {"operation": f"{agent}-{i}"},
                         },
@@ -103,7 +103,9 @@ def populate(ob: Outbox, dsn: str, sink: IdempotentHttpSink) -> dict[str, Any]:
         }
         first = tx.intend("mail.send", mail, key=KEY)
         second = tx.intend("mail.send", mail, key=KEY + "-cc")
-        bad = tx.intend("http.request", {"url": 42}, key=KEY + "-audit")
+        # A private address the deliverer is not allowed to reach: refused, failed.
+        audit = {"method": "POST", "url": "http://10.255.0.1/audit", "json": {"invoice": 42}}
+        bad = tx.intend("http.request", audit, key=KEY + "-audit")
         return [str(first.id), str(second.id), str(bad.id)]
 
     found["unknown"], found["unknown2"], found["failed"] = billing.transaction("remind", remind)

@@ -39,6 +39,10 @@ CATALOG = {
     "functions": """
         SELECT proname, pg_get_functiondef(oid) FROM pg_proc
         WHERE pronamespace = 'public'::regnamespace ORDER BY 1""",
+    "sequences": """
+        SELECT sequencename, data_type::text, start_value, min_value, max_value, increment_by,
+               cycle, cache_size
+        FROM pg_sequences WHERE schemaname = 'public' ORDER BY 1""",
 }
 
 

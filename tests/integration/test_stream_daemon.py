@@ -9,6 +9,7 @@ grace, concurrency) acting with --from-kafka.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from deliverers.testing import (
     TANSU_CONSUMER_TUNING,
@@ -31,6 +32,7 @@ from deliverers.testing import (
 )
 from outbox import EffectStatus, Outbox
 from outbox.delivery import Deliverer, Delivery, Outcome, Retry, Succeeded
+from outbox.delivery.daemon import DeliveryDaemon
 from outbox.delivery.settings import RelaySettings, StreamSettings
 from outbox.delivery.stream import KafkaSource, Relay
 from outbox.storage.async_store import AsyncStore
@@ -49,7 +51,7 @@ def stream_daemon(
     settings = StreamSettings(
         bootstrap_servers=broker.bootstrap,
         group="drift",
-        consumer=dict(TANSU_CONSUMER_TUNING),
+        consumer={**TANSU_CONSUMER_TUNING, **fields.pop("consumer", {})},
         **fields,
     )
     relay_settings = RelaySettings(bootstrap_servers=broker.bootstrap, poll_seconds=0.2)
@@ -63,16 +65,17 @@ def stream_daemon(
     return DaemonThread(dsn, deliverers, settings=settings, source=source, companions=relay)
 
 
-def intend(ob: Outbox, kind: str, n: int, **options: Any) -> None:
+def intend(ob: Outbox, kind: str, n: int, step: str = "", **options: Any) -> None:
     run = ob.start_run("agent", "1")
     run.transaction(
-        f"{kind}-{n}", lambda tx: [tx.intend(kind, {"n": i}, **options) for i in range(n)] and None
+        step or f"{kind}-{n}",
+        lambda tx: [tx.intend(kind, {"n": i}, **options) for i in range(n)] and None,
     )
 
 
 def all_succeeded(ob: Outbox, n: int) -> Callable[[], bool]:
     def check() -> bool:
-        found = ob.effects(limit=1000)
+        found = ob.effects(limit=10_000)
         return len(found) == n and all(e.status == EffectStatus.SUCCEEDED for e in found)
 
     return check
@@ -221,3 +224,304 @@ def test_deliver_from_kafka_honours_metrics_port_concurrency_and_grace(
                     proc.kill()
                     proc.wait(10)
     assert "grace period over: abandoning 1 calls" in logs.read_text()
+
+
+def test_a_broker_frozen_mid_stream_ends_nothing_and_loses_nothing(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    """The broker stops (SIGSTOP) for 15 s while both calls are in flight.
+
+    Their outcomes are recorded during the freeze; the commits time out (5 s
+    here) and reads come back empty. The daemon goes on, and once the broker
+    is back the rest is delivered, each effect once.
+    """
+    intend(ob, "k.frozen", 2)
+
+    def slow(delivery: Delivery) -> Outcome:
+        time.sleep(1.5)
+        return Succeeded()
+
+    recorder = RecordingDeliverer("k.frozen", outcome=slow)
+    with stream_daemon(
+        dsn,
+        kafka_broker,
+        {"k.frozen": recorder},
+        poll_seconds=0.2,
+        consumer={"request_timeout_ms": 5000},
+    ) as daemon:
+        wait_for(lambda: len(recorder.deliveries) == 2, timeout=60, message="both calls")
+        kafka_broker.pause()
+        try:
+            time.sleep(15)
+            assert daemon.error is None and daemon._thread.is_alive(), "the daemon is running"
+        finally:
+            kafka_broker.resume()
+        intend(ob, "k.frozen", 2, step="after")
+        wait_for(all_succeeded(ob, 4), timeout=90, message="delivery")
+    assert sorted(recorder.keys) == sorted(set(recorder.keys)) and len(recorder.keys) == 4
+
+
+def test_deliver_from_kafka_stops_within_grace_with_the_broker_frozen(
+    ob: Outbox, sub_env: dict[str, str], tmp_path: Path, kafka_broker: TansuBroker
+) -> None:
+    """SIGTERM while the broker is frozen and outcomes wait to be committed: out within --grace.
+
+    The calls in flight finish and are recorded (the sink takes 1 s; --grace
+    is 3), the offsets cannot be committed, the process exits 0 within about
+    the grace period; later deliverers read those records again and skip
+    them: the sink applies each key once and is never asked twice.
+    """
+    kafka_broker.create_topic("outbox.http.request", partitions=2)
+    config = tmp_path / "deliverers.toml"
+    config.write_text('[kinds."http.request"]\nallow_private = ["127.0.0.1"]\n')
+    tuning = [a for k, v in TANSU_CONSUMER_TUNING.items() for a in ("--kafka-option", f"{k}={v}")]
+    with IdempotentHttpSink(latency=1.0) as sink:
+        run = ob.start_run("agent", "1")
+        run.transaction(
+            "s",
+            lambda tx: (
+                [
+                    tx.intend("http.request", {"url": f"{sink.url}/x", "json": {"operation": i}})
+                    for i in range(8)
+                ]
+                and None
+            ),
+        )
+        logs = tmp_path / "procs.log"
+
+        def spawn(*args: str) -> subprocess.Popen[bytes]:
+            with logs.open("ab") as log:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "outbox", *args, "--config", str(config)],
+                    env=sub_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+
+        relay = spawn("relay", "--kafka", kafka_broker.bootstrap)
+        deliver = [
+            "deliver", "--from-kafka", kafka_broker.bootstrap, *tuning, "--concurrency", "2",
+        ]  # fmt: skip
+        first = spawn(*deliver, "--grace", "3")
+        later = None
+        try:
+            wait_for(
+                lambda: ob.effects(status="succeeded", limit=100), timeout=60, message="a success"
+            )
+            wait_for(lambda: sink.in_progress > 0, timeout=30, message="calls in flight")
+            kafka_broker.pause()
+            started = time.monotonic()
+            first.send_signal(signal.SIGTERM)
+            first.wait(60)
+            took = time.monotonic() - started
+            assert first.returncode == 0, logs.read_text()[-3000:]
+            assert took < 3 + 2, f"exited after {took:.1f}s, --grace 3"
+            kafka_broker.resume()
+            later = spawn(*deliver)
+            wait_for(all_succeeded(ob, 8), timeout=120, message="delivery")
+        finally:
+            kafka_broker.resume()
+            for proc in (relay, first, later):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait(10)
+        stats = sink.stats()
+    assert stats["keys_applied"] == 8 and stats["duplicate_keys_applied"] == []
+    assert stats["redeliveries"] == 0, "no call was made twice"
+
+
+@pytest.mark.parametrize("mode", ["poll", "stream"])
+def test_attempts_waiting_behind_a_kinds_cap_keep_their_leases(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker, mode: str
+) -> None:
+    """Six attempts of a kind capped at one call, each 0.6 s, leases of 1 s.
+
+    The later ones wait up to 3 s for their turn (stream mode reads them all
+    at once); the heartbeat keeps every held lease, started or not, so the
+    reconciler (every 0.2 s) never takes one back: each key is delivered once.
+    """
+    intend(ob, "k.queue", 6)
+
+    def slow(delivery: Delivery) -> Outcome:
+        time.sleep(0.6)
+        return Succeeded()
+
+    capped = RecordingDeliverer("k.queue", outcome=slow)
+    capped.concurrency = 1
+    fields: dict[str, Any] = {"lease_seconds": 1.0, "reconcile_seconds": 0.2}
+    if mode == "stream":
+        running = stream_daemon(dsn, kafka_broker, {"k.queue": capped}, **fields)
+    else:
+        running = DaemonThread(dsn, {"k.queue": capped}, **fields)
+    with running:
+        wait_for(all_succeeded(ob, 6), timeout=60, message="delivery")
+    assert sorted(capped.keys) == sorted(set(capped.keys)) and len(capped.keys) == 6
+    for effect in ob.effects(limit=10):
+        assert "expired" not in [a.outcome for a in ob.store.attempts(effect.id)]
+
+
+def test_a_large_backlog_is_read_no_faster_than_there_is_room(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    """2,000 records wait in the topic; the deliverer may hold 8 attempts.
+
+    Sampled on the daemon's own loop while it drains: it never holds more than
+    8 attempts nor keeps more than 8 records open; when it is done, nothing is
+    left open or claimed in its offset book (nothing leaks).
+    """
+    run = ob.start_run("agent", "1")
+    run.transaction("s", lambda tx: [tx.intend("k.bulk", {"n": i}) for i in range(2000)] and None)
+    recorder = RecordingDeliverer("k.bulk")
+    peaks = {"held": 0, "open": 0}
+
+    async def sample(daemon: DeliveryDaemon, source: KafkaSource) -> None:
+        while True:
+            peaks["held"] = max(peaks["held"], len(daemon.leases))
+            peaks["open"] = max(peaks["open"], len(source.offsets))
+            await asyncio.sleep(0.005)
+
+    with stream_daemon(dsn, kafka_broker, {"k.bulk": recorder}, concurrency=8) as running:
+        daemon = running.daemon
+        assert daemon is not None and running._loop is not None
+        source = daemon.source
+        assert isinstance(source, KafkaSource)
+        sampler = asyncio.run_coroutine_threadsafe(sample(daemon, source), running._loop)
+        wait_for(lambda: len(recorder.deliveries) >= 2000, timeout=180, message="delivery")
+        wait_for(all_succeeded(ob, 2000), timeout=60, message="recorded")
+        sampler.cancel()
+        assert source.offsets.claims == 0 and len(source.offsets) == 0
+    assert 0 < peaks["held"] <= 8 and peaks["open"] <= 8, peaks
+    assert len(set(recorder.keys)) == 2000
+
+
+def test_an_attempt_whose_lease_was_taken_while_it_waited_is_not_called(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    """An attempt waits behind a kind's cap; meanwhile another process takes its lease over.
+
+    (A reconciler took it over, as it does when a lease ran out, to ask the
+    sink; the test writes that take-over.) The heartbeat notices the loss.
+    Expected: when its turn comes the attempt is not started (the sink cannot
+    dedup: a call now would be a second one beside the new owner's), its slot
+    is freed, and what it reports is logged as stale, changing nothing.
+    (Stream mode: it reads what its records name, so attempts wait behind caps;
+    poll mode claims only what can start.)
+    """
+    release = threading.Event()
+
+    def first_blocks(delivery: Delivery) -> Outcome:
+        if delivery.payload["n"] == 0:
+            release.wait(60)
+        return Succeeded()
+
+    capped = RecordingDeliverer("k.once", idempotent=False, outcome=first_blocks)
+    capped.concurrency = 1
+    with stream_daemon(
+        dsn, kafka_broker, {"k.once": capped}, lease_seconds=1.5, reconcile_seconds=3600
+    ) as daemon:
+        assert daemon.daemon is not None
+        intend(ob, "k.once", 2)
+        wait_for(lambda: capped.deliveries, timeout=60, message="the first call")
+
+        def by_n(n: int) -> Any:
+            return next(e for e in ob.effects() if e.payload["n"] == n)
+
+        wait_for(lambda: by_n(1).status == "in_flight", message="both held")
+        waiting = by_n(1)
+        with ob.engine.begin() as conn:
+            conn.execute(
+                update(effects)
+                .where(effects.c.id == waiting.id)
+                .values(lease_owner="reconciler:elsewhere")
+            )
+        lost = daemon.daemon.metrics.leases_lost.labels(kind="k.once")
+        wait_for(lambda: lost._value.get() >= 1, message="the heartbeat noticed")
+        release.set()
+        wait_for(lambda: by_n(0).status == EffectStatus.SUCCEEDED, message="the first")
+        wait_for(
+            lambda: any(a.outcome == "stale" for a in ob.store.attempts(waiting.id)),
+            message="the waiting attempt given back",
+        )
+        assert len(daemon.daemon.leases) == 0
+    assert [d.payload["n"] for d in capped.deliveries] == [0], "the lost attempt was not called"
+    assert ob.effect(waiting.id).status == "in_flight", "left to its new owner"
+
+
+def test_an_attempt_whose_lease_could_not_be_renewed_while_it_waited_is_not_called(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    """An attempt waits behind a kind's cap while its row is locked for longer than a lease.
+
+    The heartbeat cannot extend it (its statement waits on the lock), so by
+    the time the lock is gone the lease may have run out and been taken over.
+    Expected: when its turn comes it is given back instead of called (before:
+    called under attempt 1); it is dispatched again and delivered once, under
+    a new attempt.
+    """
+    release = threading.Event()
+
+    def first_blocks(delivery: Delivery) -> Outcome:
+        if delivery.payload["n"] == 0:
+            release.wait(60)
+        return Succeeded()
+
+    capped = RecordingDeliverer("k.locked", idempotent=False, outcome=first_blocks)
+    capped.concurrency = 1
+    with stream_daemon(
+        dsn, kafka_broker, {"k.locked": capped}, lease_seconds=1.5, reconcile_seconds=3600
+    ):
+        intend(ob, "k.locked", 2)
+        wait_for(lambda: capped.deliveries, timeout=60, message="the first call")
+
+        def by_n(n: int) -> Any:
+            return next(e for e in ob.effects() if e.payload["n"] == n)
+
+        wait_for(lambda: by_n(1).status == "in_flight", message="both held")
+        waiting = by_n(1)
+        with ob.engine.begin() as conn:
+            conn.execute(select(effects.c.id).where(effects.c.id == waiting.id).with_for_update())
+            time.sleep(2.0)  # longer than the lease: no heartbeat gets through
+            release.set()  # the first call returns: the second's turn
+            time.sleep(0.5)
+        wait_for(all_succeeded(ob, 2), timeout=60, message="delivered after the lock")
+    assert [d.payload["n"] for d in capped.deliveries] == [0, 1]
+    log = [(a.attempt, a.outcome) for a in ob.store.attempts(waiting.id)]
+    assert (1, "released") in log and log[-1][1] == "succeeded" and log[-1][0] > 1, log
+
+
+def test_a_broker_that_is_not_up_yet_is_waited_for(ob: Outbox, dsn: str, tmp_path: Path) -> None:
+    """The relay and the stream deliverer start before the broker (2 s bootstrap timeouts).
+
+    Expected: neither ends (before: the consumer's KafkaTimeoutError ended the
+    deliverer, the producer's the relay); they keep trying, and once the broker
+    is up every effect is delivered, once.
+    """
+    broker = TansuBroker(tmp_path / "tansu.log")  # its port refuses connections until start()
+    settings = StreamSettings(
+        bootstrap_servers=broker.bootstrap,
+        group="late",
+        consumer={**TANSU_CONSUMER_TUNING, "bootstrap_timeout_ms": 2000},
+        poll_seconds=0.2,
+    )
+    relay_settings = RelaySettings(
+        bootstrap_servers=broker.bootstrap, poll_seconds=0.2, producer={"max_block_ms": 2000}
+    )
+    recorder = RecordingDeliverer("k.late")
+    running = DaemonThread(
+        dsn,
+        {"k.late": recorder},
+        settings=settings,
+        source=lambda store: KafkaSource(store, ["k.late"], settings),
+        companions=lambda store: [Relay(store, ["k.late"], relay_settings)],
+    )
+    try:
+        with running:
+            intend(ob, "k.late", 3)
+            time.sleep(5)  # two failed attempts to join, and the relay's too
+            assert running.error is None and running._thread.is_alive()
+            broker.start()
+            broker.create_topic("outbox.k.late", partitions=2)
+            wait_for(all_succeeded(ob, 3), timeout=90, message="delivery")
+    finally:
+        broker.stop()
+    assert len(recorder.keys) == 3 == len(set(recorder.keys))

@@ -146,6 +146,14 @@ def dotted_exists(name: str) -> bool:
 
 
 @cache
+def sql_settings() -> frozenset[str]:
+    """``outbox.<field>`` settings of PostgreSQL the SQL API reads (``Settings`` field names)."""
+    from outbox.settings import Settings
+
+    return frozenset(f"outbox.{name}" for name in Settings.model_fields)
+
+
+@cache
 def trace_names() -> frozenset[str]:
     """Span and attribute names of ``outbox/tracing.py`` (``outbox.effect.kind``, ...)."""
     found = set()
@@ -176,7 +184,9 @@ def missing_references(path: Path) -> list[str]:
                 missing.append(f"{where} (no such file)")
             if head.endswith(".py"):
                 last_file = head
-        elif _DOTTED.match(head) and not (dotted_exists(head) or head in trace_names()):
+        elif _DOTTED.match(head) and not (
+            dotted_exists(head) or head in trace_names() or head in sql_settings()
+        ):
             missing.append(f"{where} (no such module or name)")
         for file_name, test in _TEST_REF.findall(span):
             if file_name:

@@ -1,11 +1,11 @@
--- agent-outbox 0007: run control for long agents. Pause and resume, forks,
+-- agent-outbox 0008: run control for long agents. Pause and resume, forks,
 -- large values by reference, priorities and fairness keys, declared rates,
--- one run per business key. Its indexes on the big tables are built by 0008,
+-- one run per business key. Its indexes on the big tables are built by 0009,
 -- CONCURRENTLY, after this file's columns exist.
 -- Must stay equal to outbox/storage/schema.py (tests/integration/test_migrations.py checks it).
 
 -- Runs: paused is a live status that takes no steps. The constraint is checked
--- for new rows at once and validated for old ones by 0008 (without blocking writes).
+-- for new rows at once and validated for old ones by 0009 (without blocking writes).
 ALTER TABLE outbox_runs DROP CONSTRAINT outbox_runs_status_check;
 ALTER TABLE outbox_runs ADD CONSTRAINT outbox_runs_status_check CHECK (status IN (
     'runnable', 'running', 'waiting', 'completed', 'failed', 'cancelling', 'cancelled',
