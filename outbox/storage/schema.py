@@ -510,19 +510,24 @@ rate_limits = Table(
 Sequence("outbox_wake_clock_effects", start=0, minvalue=0, metadata=metadata)
 Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
 
-SQL_API_MIGRATION = "0007_sql_api.sql"
+#: The migrations that define the SQL API's functions, in order: 0008 replaces
+#: some of 0007's for run control (pause, lanes, keys, values by reference).
+SQL_API_MIGRATIONS = ("0007_sql_api.sql", "0008_run_control.sql")
 _FUNCTIONS_MARKER = "-- @functions"
 
 
 def sql_api_ddl() -> str:
-    """The SQL API's functions and trigger: the part of its migration below ``-- @functions``.
+    """The SQL API's functions and trigger: each of its migrations below ``-- @functions``.
 
-    Read from the migration itself, so a fresh schema and a migrated one get
-    the same definitions from one text. A later migration that replaces one of
-    these functions must be read here too.
+    Read from the migrations themselves, so a fresh schema and a migrated one
+    get the same definitions from one text. A later migration that replaces one
+    of these functions must be listed in ``SQL_API_MIGRATIONS`` too.
     """
-    text_ = resources.files("outbox.storage.migrations").joinpath(SQL_API_MIGRATION).read_text()
-    return text_[text_.index(_FUNCTIONS_MARKER) :]
+    parts = []
+    for name in SQL_API_MIGRATIONS:
+        text_ = resources.files("outbox.storage.migrations").joinpath(name).read_text()
+        parts.append(text_[text_.index(_FUNCTIONS_MARKER) :])
+    return "\n".join(parts)
 
 
 @event.listens_for(metadata, "after_create")
