@@ -214,6 +214,9 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
     for spec in ROLES:
         for table, privileges in spec.grants.items():
             out.append(f"GRANT {', '.join(privileges)} ON {schema}.{table} TO {names[spec.suffix]}")
+    # The SQL API's wake-up throttle (0007) reads and moves these; an agent calls it.
+    clocks = ", ".join(f"{schema}.{name}" for name in sorted(metadata._sequences))
+    out.append(f"GRANT SELECT, UPDATE ON SEQUENCE {clocks} TO {names['agent']}")
     # Who may insert into outbox_effects, and what.
     stopping = sql_in("r.status", STOPPING_RUN_STATUSES)
     out.append(

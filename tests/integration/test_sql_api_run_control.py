@@ -24,8 +24,9 @@ from outbox import EffectStatus, IdempotencyConflict, Outbox, RunExists, RunPaus
 from outbox.blobs import is_reference
 from outbox.payloads import content_hash, encode
 from outbox.storage.async_store import AsyncStore, ClaimedEffect
-from outbox.storage.engine import make_async_engine, sql_api_error
+from outbox.storage.engine import libpq_dsn, make_async_engine, sql_api_error
 from outbox.storage.sql.queue import EFFECT_QUEUE
+from tests.integration.test_roles import logins  # noqa: F401 (a fixture)
 from tests.sql_api_support import count, intend, start_run
 from tests.support import DaemonThread, wait_for
 
@@ -306,3 +307,19 @@ def test_a_value_shaped_like_a_reference_is_refused_by_the_sql_api(db: Any) -> N
     ]:
         error = refused(db, call, params)
         assert (error.sqlstate, error.diag.column_name) == ("OB002", field), call
+
+
+def test_the_agent_role_drives_run_control_through_the_sql_api(
+    ob: Outbox,
+    logins: dict[str, str],  # noqa: F811 (the fixture imported above)
+) -> None:
+    big = {"transcript": "z" * (100 * 1024)}
+    with psycopg.connect(libpq_dsn(logins["agent"])) as agent:
+        run_id = start_run(agent, inputs=json.dumps(big), key="ticket-9", fairness_key="t1")
+        assert start_run(agent, inputs=json.dumps(big), key="ticket-9") == run_id
+        commit_step(agent, run_id, "s", state=big, intents=[{"kind": "k.a", "payload": big}])
+        agent.commit()
+    loaded = ob.run(run_id)
+    assert loaded.inputs == big and loaded.state == big
+    (effect,) = ob.effects(run_id=run_id)
+    assert effect.payload == big and effect.fairness_key == "t1"

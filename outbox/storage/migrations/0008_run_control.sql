@@ -656,9 +656,15 @@ BEGIN
         SELECT outbox_commit_step.run_id, outbox_commit_step.step_id, l.effect_id, l.reason, l.entry, l.amount
           FROM jsonb_to_recordset(tx_step->'ledger') AS l(entry text, reason text, amount numeric, effect_id uuid);
     END IF;
-    IF run_paused THEN
-        -- a pause committed while this transaction ran (the run row's lock
-        -- orders them): the step's intents are held with the run's others
+    -- A pause (outbox runs pause locks the run row FOR UPDATE) cannot commit
+    -- after this step's first intent: the intent's foreign key holds the row
+    -- (KEY SHARE) until this transaction ends, so each intent saw any pause
+    -- already committed and was written paused. Only a pause set without that
+    -- lock leaves pending intents here; they are held with the run's others.
+    IF run_paused AND EXISTS (
+           SELECT 1 FROM outbox_effects AS e
+            WHERE e.run_id = outbox_commit_step.run_id AND e.step_id = outbox_commit_step.step_id
+              AND e.status = 'pending') THEN
         UPDATE outbox_effects AS e SET status = 'paused'
          WHERE e.run_id = outbox_commit_step.run_id AND e.step_id = outbox_commit_step.step_id
            AND e.status = 'pending';
