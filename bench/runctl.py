@@ -715,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
     work = Path(tempfile.mkdtemp(prefix="outbox-bench-runctl-"))
+    work.chmod(0o711)  # as root, the server runs as another user, who must enter it
     server = None
     admin = os.environ.get("OUTBOX_DSN")
     if not admin:
