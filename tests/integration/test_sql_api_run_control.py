@@ -318,8 +318,13 @@ def test_the_agent_role_drives_run_control_through_the_sql_api(
         run_id = start_run(agent, inputs=json.dumps(big), key="ticket-9", fairness_key="t1")
         assert start_run(agent, inputs=json.dumps(big), key="ticket-9") == run_id
         commit_step(agent, run_id, "s", state=big, intents=[{"kind": "k.a", "payload": big}])
+        agent.execute(
+            "SELECT outbox_finish_run(%s, 'completed', result => %s::jsonb)",
+            (run_id, json.dumps(big)),
+        )
         agent.commit()
     loaded = ob.run(run_id)
     assert loaded.inputs == big and loaded.state == big
+    assert loaded.status == RunStatus.COMPLETED and loaded.record.result == big
     (effect,) = ob.effects(run_id=run_id)
     assert effect.payload == big and effect.fairness_key == "t1"

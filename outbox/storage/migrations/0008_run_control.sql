@@ -802,7 +802,7 @@ BEGIN
     UPDATE outbox_runs AS r
        SET status = outbox_finish_run.status, result = stored_result,
            error = stored_error, lease_owner = NULL, lease_expires_at = NULL,
-           paused_at = NULL, pause_reason = NULL, updated_at = now()
+           updated_at = now()
      WHERE r.id = outbox_finish_run.run_id AND r.status = ANY (outbox_active_run_statuses());
     IF NOT FOUND THEN
         PERFORM outbox_raise_run_refusal(outbox_finish_run.run_id);
