@@ -19,8 +19,12 @@ def _post(tx: StepTransaction, run: Run, step: str, **options: Any) -> str:
 
 
 def held_then_go(run: Run) -> Any:
-    """An effect due in a moment, a wait for "go", then another effect."""
-    first = run.transaction("first", lambda tx: _post(tx, run, "first", delay_seconds=2.0))
+    """An effect due in a few seconds, a wait for "go", then another effect.
+
+    (The delay leaves an operator's ``outbox runs pause`` time to start, even on
+    a loaded machine, before the effect is due.)
+    """
+    first = run.transaction("first", lambda tx: _post(tx, run, "first", delay_seconds=8.0))
     run.wait_signal("go", name="go")
     second = run.transaction("second", lambda tx: _post(tx, run, "second"))
     return [first, second]

@@ -13,8 +13,8 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,11 @@ def test_a_paused_run_s_effects_wait_while_others_flow_and_resume_delivers_them(
         ob.signal(other.id, "go")
         wait_for(lambda: ob.run(other.id).status == RunStatus.COMPLETED, timeout=60)
         wait_for(lambda: statuses(ob, other.id) == [EffectStatus.SUCCEEDED] * 2, timeout=60)
-        time.sleep(2.5)  # past the held effect's delay: it would have been delivered by now
+        # past the held effect's delay (the other run's was delivered at it): it
+        # would have been delivered by now
+        (first,) = ob.effects(run_id=held.id)
+        assert first.available_at is not None
+        wait_for(lambda: datetime.now(UTC) > first.available_at + timedelta(seconds=1), timeout=30)
         assert ob.run(held.id).status == RunStatus.PAUSED
         assert statuses(ob, held.id) == [EffectStatus.PAUSED]
         assert outbox_cli(sub_env, "runs", "resume", str(held.id))["status"] == "runnable"
