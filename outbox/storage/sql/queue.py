@@ -115,6 +115,8 @@ EFFECT_QUEUE = QueueSpec(
         "available_at",
         "priority",
         "fairness_key",
+        # the intent's trace: each attempt is a span of it (outbox.tracing)
+        "trace_parent",
     ),
 )
 RUN_QUEUE = QueueSpec(
