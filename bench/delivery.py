@@ -40,6 +40,8 @@ from outbox.storage.sql.effects import complete_effects
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim
 
 PROCRASTINATE_DB = "procrastinate_bench"
+#: Seconds for every backend to have reported its transaction counts.
+STATS_SETTLE = 1.2
 # The shape of outbox.storage.sql.queue.claim(EFFECT_QUEUE) without the
 # per-ordering-key check (every backlog row has ordering_key NULL), and a
 # completion that only flips the status (no attempt log).
@@ -143,12 +145,12 @@ class StoreProbe:
     def arm(self, target: int) -> None:
         self.calls: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
-        self.claimed = self.nonempty_claims = self.completed = 0
+        self.claimed = self.nonempty_claims = self.completed = self.delivery_tx = 0
         self.claim_durations: list[float] = []
         self.target, self.reached, self.reached_at = target, threading.Event(), 0.0
 
     def _checkout(self, dbapi_conn: Any, record: Any, proxy: Any) -> None:
-        record.info["probe"] = [time.perf_counter(), None, 0]
+        record.info["probe"] = [time.perf_counter(), defaultdict(int)]
 
     def _executed(
         self, conn: Any, cursor: Any, sql: Any, params: Any, context: Any, many: Any
@@ -156,21 +158,26 @@ class StoreProbe:
         probe = conn.info.get("probe")
         if probe is not None:
             statement = getattr(getattr(context, "compiled", None), "statement", None)
-            probe[1] = probe[1] or self.statements.get(id(statement), "other")
-            probe[2] += max(cursor.rowcount, 0)
+            probe[1][self.statements.get(id(statement), "other")] += max(cursor.rowcount, 0)
 
     def _checkin(self, dbapi_conn: Any, record: Any) -> None:
-        began, what, rows = record.info.pop("probe", (0.0, None, 0))
-        if what is None:
+        began, rows = record.info.pop("probe", (0.0, {}))
+        if not rows:
             return
+        # A transaction that completes a batch and claims the next is "complete+claim".
+        what = "+".join(k for k in ("complete", "claim") if k in rows) or "other"
         span = time.perf_counter() - began
         self.calls[what] += 1
         self.seconds[what] += span
-        if what == "claim" and rows:
-            self.nonempty_claims, self.claimed = self.nonempty_claims + 1, self.claimed + rows
-            self.claim_durations.append(span)
-        elif what == "complete":
-            self.completed += rows
+        if rows.get("claim"):
+            self.nonempty_claims += 1
+            self.claimed += rows["claim"]
+            if what == "claim":
+                self.claim_durations.append(span)
+        if rows.get("claim") or "complete" in rows:
+            self.delivery_tx += 1
+        if "complete" in rows:
+            self.completed += rows["complete"]
             if 0 <= self.target <= self.completed and not self.reached.is_set():
                 self.reached_at = time.perf_counter()
                 self.reached.set()
@@ -241,7 +248,14 @@ def daemon_drain(bench: Bench, runner: DaemonRunner, n: int) -> dict[str, Any]:
     """One repetition: a backlog of ``n`` committed at once; time to the last completion."""
     probe = runner.probe
     bench.reset()
-    time.sleep(0.2)  # let the daemon settle into its idle poll
+    # Let the daemon settle into its idle poll, and its backends report their
+    # transaction counts (at most once a second each, at a transaction's end).
+    time.sleep(STATS_SETTLE)
+    idle_commits, idle_from = bench.xact_commits(), time.perf_counter()
+    time.sleep(STATS_SETTLE)
+    commits, commits_from = bench.xact_commits(), time.perf_counter()
+    # Commits per second while idle: the daemon's rounds and these reads.
+    idle_rate = (commits - idle_commits) / (commits_from - idle_from)
     xid = bench.next_xid()
     with bench.backlog(n, NOOP_KIND) as conn:
         probe.arm(n)
@@ -251,17 +265,29 @@ def daemon_drain(bench: Bench, runner: DaemonRunner, n: int) -> dict[str, Any]:
             runner.wait(probe.reached, 600)
     seconds = probe.reached_at - started
     xids = bench.next_xid() - xid - 1  # minus the backlog's own transaction
+    time.sleep(STATS_SETTLE)
+    # Every commit in the database from before the backlog to after the drain,
+    # less the idle rate for the time outside the drain (the settle after it).
+    commits = bench.xact_commits() - commits
+    outside = time.perf_counter() - commits_from - seconds
+    commits_net = commits - idle_rate * outside
     counts = bench.counts()
     check(counts.get("succeeded") == n == counts["attempt_rows"], f"daemon left {counts}")
     batches = max(1, probe.nonempty_claims)
-    claim_s, complete_s = probe.seconds["claim"], probe.seconds["complete"]
+    claim_s = probe.seconds["claim"]
+    complete_s = probe.seconds["complete"] + probe.seconds["complete+claim"]
     return {
         "rate": n / seconds,
         "batches": probe.nonempty_claims,
         "mean_batch": probe.claimed / batches,
-        # Claims that found rows plus completions; the empty claim that finds the
-        # queue drained, and every other store transaction, in the next figure.
-        "tx_per_batch": (probe.nonempty_claims + probe.calls["complete"]) / batches,
+        # Transactions that claimed rows or recorded outcomes (one that did both
+        # counts once); the empty claim that finds the queue drained, and every
+        # other store transaction, in the next figure.
+        "tx_per_batch": probe.delivery_tx / batches,
+        "rode": probe.calls["complete+claim"],
+        "xact_commits_per_batch": commits_net / batches,
+        "xact_commits_per_batch_raw": commits / batches,
+        "idle_commits_per_s": idle_rate,
         "all_tx_per_batch": sum(probe.calls.values()) / batches,
         "claim_ms_per_batch": 1000 * claim_s / batches,
         "complete_ms_per_batch": 1000 * complete_s / batches,

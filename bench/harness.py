@@ -324,6 +324,14 @@ class Bench:
                 conn.execute(BACKLOG_INSERT, {"kind": kind, "tag": uuid.uuid4().hex, "n": step})
             conn.execute("ANALYZE outbox_effects")
 
+    def xact_commits(self) -> int:
+        """Transactions committed in the bench database so far (pg_stat_database)."""
+        return int(
+            self.value(
+                "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+            )
+        )
+
     def next_xid(self) -> int:
         """The next transaction id: the difference of two counts write transactions."""
         return int(self.value("SELECT pg_snapshot_xmax(pg_current_snapshot())::text"))

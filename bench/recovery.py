@@ -1,9 +1,11 @@
 """Recovery after ``kill -9``: effects held by a dead deliverer, delivered again, no duplicates.
 
-A backlog of 192 effects of a sink that takes 0.5 s (idempotent; it logs each
-key when called, :func:`bench.sinks.slow`); one ``outbox deliver --lease 10``
-claims its first batch and gets SIGKILL mid-call; another is started at once.
-The clock runs from the kill until every effect the dead one held has
+Two ``outbox deliver --lease 10`` processes (the victim and a peer) run a
+sink that takes 0.5 s (idempotent; it logs each key when called,
+:func:`bench.sinks.slow`); a backlog of 192 effects is committed, and the
+victim gets SIGKILL mid-call once it holds a batch. The peer's reconciler sees
+the victim's session lock gone and puts its attempts back (migration 0012);
+the clock runs from the kill until every effect the dead one held has
 succeeded again; the sink's log and the attempt log are then checked for
 duplicates.
 """
@@ -19,9 +21,12 @@ from uuid import UUID
 from bench.harness import Bench, log, summarize
 from bench.processes import DelivererProcess, wait_drained
 from bench.sinks import SINK_LOG_ENV, SLOW_KIND, SLOW_SECONDS
+from outbox.delivery.settings import DeliverySettings
 
 LEASE = 10.0
 BACKLOG = 192
+#: DeliverySettings.restart_grace_seconds (its default).
+RESTART_GRACE = DeliverySettings().restart_grace_seconds
 
 
 def held_by(bench: Bench, pid: int) -> list[tuple[UUID, float, str]]:
@@ -34,16 +39,34 @@ def held_by(bench: Bench, pid: int) -> list[tuple[UUID, float, str]]:
     return [(r[0], float(r[1]), str(r[2])) for r in rows]
 
 
+def registered(bench: Bench, pid: int) -> bool:
+    """Whether the deliverer process ``pid`` holds its owner lock (it registered its owner)."""
+    return bool(
+        bench.value("SELECT count(*) FROM outbox_owners WHERE owner LIKE %s", [f"%:{pid}:%"])
+    )
+
+
 def recovery_rep(bench: Bench, workdir: Path) -> dict[str, Any]:
     bench.reset()
     sink_log = workdir / f"sink-{time.monotonic_ns()}.log"
     env = {SINK_LOG_ENV: str(sink_log)}
     options = ["--lease", str(LEASE)]
-    bench.insert_backlog(BACKLOG, SLOW_KIND)
     victim = DelivererProcess(bench, workdir, SLOW_KIND, name="victim", options=options, env=env)
-    rescuer: DelivererProcess | None = None
+    rescuer = DelivererProcess(bench, workdir, SLOW_KIND, name="rescuer", options=options, env=env)
     try:
         deadline = time.monotonic() + 60
+        for proc in (victim, rescuer):
+            proc.wait_started()
+            while not registered(bench, proc.pid):
+                proc.check()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{proc.pid} never took its owner lock:\n{proc.tail()}")
+                time.sleep(0.01)
+        # Just after PostgreSQL starts, every lock is free and no deliverer counts as
+        # gone for a few seconds (a restart must not look like deaths): wait past it.
+        uptime = bench.value("SELECT extract(epoch FROM now() - pg_postmaster_start_time())")
+        time.sleep(max(0.0, RESTART_GRACE + 0.5 - float(uptime)))
+        bench.insert_backlog(BACKLOG, SLOW_KIND)
         while not held_by(bench, victim.pid):  # until it holds its first batch
             victim.check()
             if time.monotonic() > deadline:
@@ -56,9 +79,6 @@ def recovery_rep(bench: Bench, workdir: Path) -> dict[str, Any]:
             raise RuntimeError("the victim held nothing when it was killed")
         ids, held_keys = [h[0] for h in held], {h[2] for h in held}
         expires = max(h[1] for h in held)
-        rescuer = DelivererProcess(
-            bench, workdir, SLOW_KIND, name="rescuer", options=options, env=env
-        )
         deadline = time.monotonic() + 10 * LEASE + 60
         while True:
             done, redelivered, restarted = bench.rows(
@@ -77,8 +97,7 @@ def recovery_rep(bench: Bench, workdir: Path) -> dict[str, Any]:
         wait_drained(bench, [rescuer], timeout=120)
     finally:
         victim.stop()
-        if rescuer is not None:
-            rescuer.stop()
+        rescuer.stop()
     calls = Counter(line.split()[1] for line in sink_log.read_text().splitlines() if line.strip())
     twice = {key for key, count in calls.items() if count > 1}
     keys = {k for (k,) in bench.rows("SELECT idempotency_key FROM outbox_effects")}

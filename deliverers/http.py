@@ -19,6 +19,7 @@ string and userinfo.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -101,9 +102,13 @@ class Credential(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: The header the secret is sent in.
     header: str = "Authorization"
+    #: Read the secret from this environment variable at each call...
     env: str | None = None
+    #: ... or from this file (exactly one of the two).
     file: Path | None = None
+    #: Put before the secret (``"Bearer "``).
     prefix: str = ""
 
     @model_validator(mode="after")
@@ -131,18 +136,24 @@ class HttpConfig(DelivererConfig):
     allowed_hosts: list[str] | None = None
     #: Private/loopback/link-local hosts or networks (CIDR) that may be called anyway.
     allow_private: list[str] = Field(default_factory=list)
+    #: Credentials by name: a payload's ``credential`` names one (never the secret).
     credentials: dict[str, Credential] = Field(default_factory=dict)
-    #: How much of a response body is read at most, and how much is recorded.
+    #: How much of a response body is read at most.
     read_limit_bytes: int = Field(default=1024 * 1024, ge=0)
+    #: How much of it is kept in the attempt log.
     excerpt_bytes: int = Field(default=2048, ge=0)
-    #: Optional URL template the sink answers for a key (``{key}``): 2xx applied, 404 not.
+    #: URL template the sink answers for a key (``{key}``): see :meth:`HttpDeliverer.lookup`.
     lookup_url: str | None = None
+    #: Name of a credential (in ``credentials``) sent with lookups.
+    lookup_credential: str | None = None
     #: The deadline of one lookup, answer included.
     lookup_timeout: float = Field(default=10.0, gt=0, le=300)
     #: Follow 3xx answers (each hop is checked like the first; credentials stay
     #: with the first origin). Off by default: an effect's URL is where it goes.
     follow_redirects: bool = False
+    #: Most redirects followed for one call.
     max_redirects: int = Field(default=5, ge=0, le=20)
+    #: The ``User-Agent`` header sent.
     user_agent: str = "agent-outbox"
 
 
@@ -297,17 +308,38 @@ class HttpDeliverer(Deliverer):
         return Failed(f"HTTP {status}", detail=record)
 
     async def lookup(self, delivery: Delivery) -> Any:
-        """Ask the sink's lookup URL about the key (only when ``lookup_url`` is configured)."""
+        """Ask the sink's ``lookup_url`` whether it applied the key (the read-back contract).
+
+        ``GET`` the URL template with ``{key}`` (URL-quoted), the
+        ``Idempotency-Key`` header and the ``lookup_credential``, then:
+
+        - 404, or 2xx with a JSON object whose ``applied`` is ``false``: not
+          applied (the reconciler sends it again, same key);
+        - 2xx otherwise: applied; a JSON object's ``response`` (else the whole
+          body) is recorded as the effect's result;
+        - anything else (or no answer): unknown yet; the reconciler asks again
+          next round and never resends meanwhile.
+        """
         template = self.http.lookup_url
         if template is None:
             raise NotImplementedError("no lookup_url configured")
         url = template.format(key=quote(delivery.idempotency_key, safe=""))
+        headers = {"Idempotency-Key": delivery.idempotency_key}
+        extensions: dict[str, Any] = {ORIGIN: _origin(url)}
+        if self.http.lookup_credential is not None:
+            credential = self.http.credentials.get(self.http.lookup_credential)
+            if credential is None:
+                raise ConfigurationError(
+                    f"lookup_credential {self.http.lookup_credential!r} is not configured"
+                )
+            headers[credential.header] = credential.value()
+            extensions[CREDENTIAL_HEADER] = credential.header
         deadline = self.http.lookup_timeout
         client = self._client_for_loop()
         try:
             async with asyncio.timeout(deadline):
                 async with client.stream(
-                    "GET", url, timeout=deadline, extensions={ORIGIN: _origin(url)}
+                    "GET", url, headers=headers, timeout=deadline, extensions=extensions
                 ) as response:
                     body, _ = await self._read(response)
         except AddressRefused as exc:
@@ -317,10 +349,18 @@ class HttpDeliverer(Deliverer):
         if response.status_code == 404:
             return NotApplied()
         response.raise_for_status()
+        try:
+            answer = json.loads(body)
+        except (ValueError, RecursionError):
+            answer = None
+        if isinstance(answer, dict) and answer.get("applied") is False:
+            return NotApplied()
+        recorded = answer.get("response", answer) if isinstance(answer, dict) else None
         return Succeeded(
             {
                 "status": response.status_code,
                 "looked_up": True,
+                "response": recorded,
                 "body": body[: self.http.excerpt_bytes].decode("utf-8", errors="replace"),
             }
         )

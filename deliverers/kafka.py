@@ -51,11 +51,13 @@ from kafka import KafkaProducer
 from kafka import errors as kafka_errors
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deliverers.kafka_readback import choose_partition, find_record
 from outbox.delivery import (
     Deliverer,
     DelivererConfig,
     Delivery,
     Failed,
+    NotApplied,
     Outcome,
     Retry,
     Succeeded,
@@ -218,11 +220,13 @@ class KafkaConfig(DelivererConfig):
 
     #: ``host:port`` of one or more brokers, comma-separated.
     bootstrap_servers: str = "localhost:9092"
+    #: The producer's client id (in broker logs and quotas).
     client_id: str = "agent-outbox"
     #: When set, only these topics (``fnmatch`` patterns, case-sensitive); others fail.
     allowed_topics: list[str] | None = None
     #: How long one produce request may wait for the broker's answer.
     request_timeout_ms: int = Field(default=30_000, ge=1)
+    #: How long the producer waits to batch records before sending.
     linger_ms: int = Field(default=0, ge=0)
     #: How long to wait for a connection, topic metadata or buffer space before sending.
     max_block_ms: int = Field(default=10_000, ge=1)
@@ -230,6 +234,14 @@ class KafkaConfig(DelivererConfig):
     delivery_timeout_ms: int | None = Field(default=None, ge=1)
     #: Further kafka-python ``KafkaProducer`` settings (compression_type, security, ...).
     producer: dict[str, Any] = Field(default_factory=dict)
+    #: Read-back (``deliverers.kafka_readback``): note the partition's end offset before
+    #: each send, so that after a crash the reconciler reads the partition back instead
+    #: of asking an operator. Costs one offsets request and one PostgreSQL write per send.
+    read_back: bool = True
+    #: The longest range a read-back scans; beyond it the lookup fails (asked again later).
+    read_back_max_records: int = Field(default=100_000, ge=1)
+    #: How long a read-back may take in all; beyond it the lookup fails (asked again later).
+    read_back_timeout_seconds: float = Field(default=30.0, gt=0)
 
     @field_validator("producer")
     @classmethod
@@ -283,6 +295,9 @@ class KafkaDeliverer(Deliverer):
         self._producer: Any = None
         self._connect_failure: tuple[str, float] | None = None
         self._closers: list[threading.Thread] = []
+        # One consumer answers "end offset now?" before each send (it is not thread-safe).
+        self._offsets_lock = threading.Lock()
+        self._offsets: Any = None
 
     # -- the producer ---------------------------------------------------------------
 
@@ -397,13 +412,22 @@ class KafkaDeliverer(Deliverer):
             producer = self._current_producer()
         except _NotConnected as exc:
             return Retry(f"not sent: no broker available: {exc}")
+        partition = record.partition
+        if self.has_lookup and delivery.notes is not None:
+            try:
+                partition, offset = self._before_send(producer, record, delivery)
+            except (kafka_errors.KafkaError, ValueError) as exc:
+                return Retry(f"not sent: the partition's offset is unknown: {exc}")
+            note = {"topic": record.topic, "partition": partition, "offset": offset}
+            if not delivery.notes.write_blocking(note):
+                return Retry("not sent: this attempt is no longer this deliverer's")
         try:
             future = producer.send(
                 record.topic,
                 value=record.value_bytes(),
                 key=None if record.key is None else record.key.encode(),
                 headers=self.headers(record, delivery),
-                partition=record.partition,
+                partition=partition,
             )
         except REJECTED_ERRORS as exc:
             return Failed(f"refused before sending: {exc}")
@@ -420,6 +444,74 @@ class KafkaDeliverer(Deliverer):
         return Succeeded(
             {"topic": metadata.topic, "partition": metadata.partition, "offset": metadata.offset}
         )
+
+    # -- read-back -------------------------------------------------------------------
+
+    def _consumer(self) -> Any:
+        from kafka import KafkaConsumer
+
+        settings = {
+            k: v
+            for k, v in self.kafka.producer.items()
+            if k.startswith(("security_", "sasl_", "ssl_")) and k in KafkaConsumer.DEFAULT_CONFIG
+        }
+        # An offsets request waits no longer than a send may block: a broker that does
+        # not answer makes the attempt a plain retry (nothing was sent).
+        timeout = max(self.kafka.max_block_ms, 1000)
+        if "bootstrap_timeout_ms" in KafkaConsumer.DEFAULT_CONFIG:
+            settings["bootstrap_timeout_ms"] = timeout
+        return KafkaConsumer(
+            bootstrap_servers=self.kafka.bootstrap_servers,
+            client_id=f"{self.kafka.client_id}-read-back",
+            group_id=None,
+            enable_auto_commit=False,
+            request_timeout_ms=timeout,
+            **settings,
+        )
+
+    def _before_send(
+        self, producer: Any, record: KafkaRecord, delivery: Delivery
+    ) -> tuple[int, int]:
+        """The partition this record goes to and that partition's end offset now."""
+        from kafka import TopicPartition
+
+        partition = record.partition
+        if partition is None:
+            partitions = producer.partitions_for(record.topic)
+            key = None if record.key is None else record.key.encode()
+            partition = choose_partition(set(partitions or ()), key, delivery.idempotency_key)
+        tp = TopicPartition(record.topic, partition)
+        with self._offsets_lock:
+            if self._offsets is None:
+                self._offsets = self._consumer()
+            return partition, int(self._offsets.end_offsets([tp])[tp])
+
+    def lookup(self, delivery: Delivery) -> Any:
+        """Read the noted partition back for a record with the key (blocking; run in a thread).
+
+        An attempt with no note never sent (the note is written before every send).
+        """
+        if not self.kafka.read_back:
+            raise NotImplementedError("read_back is off for this kind")
+        if not isinstance(delivery.note, dict):
+            return NotApplied()
+        consumer = self._consumer()
+        try:
+            return find_record(
+                consumer,
+                delivery.note,
+                delivery.idempotency_key,
+                header=IDEMPOTENCY_HEADER,
+                max_records=self.kafka.read_back_max_records,
+                timeout_seconds=self.kafka.read_back_timeout_seconds,
+            )
+        finally:
+            consumer.close()
+
+    @property
+    def has_lookup(self) -> bool:
+        """With ``read_back`` (the default), for a kind whose consumers do not dedup."""
+        return self.kafka.read_back and not self.idempotent
 
     def _unacknowledged(self, producer: Any, future: Any, exc: Exception) -> Outcome:
         if isinstance(exc, REJECTED_ERRORS):
@@ -438,6 +530,10 @@ class KafkaDeliverer(Deliverer):
         with self._lock:
             producer, self._producer = self._producer, None
             closers, self._closers = self._closers, []
+        with self._offsets_lock:
+            offsets, self._offsets = self._offsets, None
+        if offsets is not None:
+            offsets.close()
         if producer is not None:
             close_producer(producer, self.ack_wait)
         for closer in closers:

@@ -21,7 +21,8 @@ to types with their settings::
     idempotent = true
 
 Without a config file, every installed type serves the kind of its own name
-with default settings.
+with default settings (except types that only make sense configured, such as
+the ``testing.record`` stand-in of ``outbox check``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def build_registry(
     registry: dict[str, Deliverer] = {}
     if not kinds:
         for name, cls in types.items():
-            registry[name] = cls.from_config(name, {})
+            if cls.default_registered:
+                registry[name] = cls.from_config(name, {})
     for kind, raw in kinds.items():
         if not isinstance(raw, Mapping):
             raise ConfigurationError(f"kinds.{kind} must be a table")

@@ -1,13 +1,20 @@
 """``smtp.send``: an email through SMTP, with the idempotency key as its ``Message-ID``.
 
 SMTP servers do not dedup on Message-ID and cannot be asked whether a message
-was accepted, so this deliverer is neither idempotent nor offers a lookup: a
-crash between the send and its record leaves the effect ``unknown`` for an
-operator, never resent blindly. 4xx replies are retried, 5xx fail.
+was accepted, so this deliverer is not idempotent. 4xx replies are retried,
+5xx fail. A crash between the send and its record leaves the effect
+``unknown`` for an operator, never resent blindly, unless read-back is
+configured: many providers (and a Bcc-to-self rule) file every message sent
+through them in a folder; with ``imap_host`` set, the reconciler searches that
+folder (``imap_folder``, default ``Sent``) for the Message-ID before any
+resend: found, succeeded; not found, sent again with the same Message-ID.
+Where no folder receives sent mail, leave it off: only an operator can tell.
 """
 
 from __future__ import annotations
 
+import contextlib
+import imaplib
 import os
 import smtplib
 from email.message import EmailMessage
@@ -20,6 +27,7 @@ from outbox.delivery import (
     DelivererConfig,
     Delivery,
     Failed,
+    NotApplied,
     Outcome,
     Retry,
     Succeeded,
@@ -45,14 +53,34 @@ class Email(BaseModel):
 class SmtpConfig(DelivererConfig):
     """Where and how to send."""
 
+    #: The SMTP server.
     host: str = "localhost"
+    #: Its port.
     port: int = Field(default=25, ge=1, le=65535)
+    #: Upgrade the connection with STARTTLS before logging in.
     starttls: bool = False
+    #: Log in as this user (none: no login)...
     username: str | None = None
+    #: ... with the password in this environment variable (read at each send).
     password_env: str | None = None
+    #: ``From`` when the payload names no sender.
     default_sender: str = "agent-outbox@localhost"
+    #: ``Message-ID`` is ``<idempotency key@this>``: search the mail log for it.
     message_id_domain: str = "agent-outbox"
+    #: Seconds one SMTP conversation may take.
     timeout: float = Field(default=30.0, gt=0)
+    #: Read-back: an IMAP server whose ``imap_folder`` receives every message sent.
+    imap_host: str | None = None
+    #: Its port.
+    imap_port: int = Field(default=993, ge=1, le=65535)
+    #: Connect with TLS (IMAPS); false: plain IMAP.
+    imap_ssl: bool = True
+    #: Log in as this user (none: no login)...
+    imap_username: str | None = None
+    #: ... with the password in this environment variable (read at each lookup).
+    imap_password_env: str | None = None
+    #: The folder searched for the Message-ID.
+    imap_folder: str = "Sent"
 
 
 class SmtpDeliverer(Deliverer):
@@ -70,7 +98,7 @@ class SmtpDeliverer(Deliverer):
         if email.cc:
             msg["Cc"] = ", ".join(email.cc)
         msg["Subject"] = email.subject
-        msg["Message-ID"] = f"<{delivery.idempotency_key}@{self.config.message_id_domain}>"
+        msg["Message-ID"] = self._message_id(delivery)
         msg["X-Outbox-Effect-Id"] = str(delivery.effect_id)
         msg.set_content(email.text)
         if email.html is not None:
@@ -127,6 +155,48 @@ class SmtpDeliverer(Deliverer):
         return Succeeded(
             {"message_id": msg["Message-ID"], "accepted": accepted, "refused": refused}
         )
+
+    def _message_id(self, delivery: Delivery) -> str:
+        assert isinstance(self.config, SmtpConfig)
+        return f"<{delivery.idempotency_key}@{self.config.message_id_domain}>"
+
+    def lookup(self, delivery: Delivery) -> Any:
+        """Search the sent-mail folder for the Message-ID (blocking; run in a thread)."""
+        config = self.config
+        assert isinstance(config, SmtpConfig)
+        if config.imap_host is None:
+            raise NotImplementedError("no imap_host configured")
+        maker = imaplib.IMAP4_SSL if config.imap_ssl else imaplib.IMAP4
+        client = maker(config.imap_host, config.imap_port, timeout=config.timeout)
+        try:
+            if config.imap_username is not None:
+                password = os.environ.get(config.imap_password_env or "", "")
+                client.login(config.imap_username, password)
+            status, _ = client.select(_quoted(config.imap_folder), readonly=True)
+            if status != "OK":
+                raise RuntimeError(f"IMAP folder {config.imap_folder!r} cannot be opened")
+            message_id = self._message_id(delivery)
+            status, found = client.search(None, "HEADER", "Message-ID", _quoted(message_id))
+            if status != "OK":
+                raise RuntimeError(f"IMAP search failed: {found!r}")
+        finally:
+            with contextlib.suppress(imaplib.IMAP4.error, OSError):
+                client.logout()
+        if found and found[0] and found[0].split():
+            return Succeeded(
+                {"message_id": message_id, "looked_up": True, "folder": config.imap_folder}
+            )
+        return NotApplied()
+
+    @property
+    def has_lookup(self) -> bool:
+        """Only with a configured ``imap_host``."""
+        assert isinstance(self.config, SmtpConfig)
+        return self.config.imap_host is not None
+
+
+def _quoted(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _quit_quietly(client: smtplib.SMTP) -> None:

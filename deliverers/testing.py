@@ -83,6 +83,8 @@ class Fault:
     """How the sink misbehaves for the next ``times`` requests (``None``: until cleared)."""
 
     #: "429" | "500_before" | "500_after" | "hang" | "down" | "bad_body" | "trickle" | "redirect"
+    #: | "drop" (read, never apply, hold the connection ``hang_seconds``)
+    #: | "hang_after_apply" (apply, then hold it)
     mode: str
     times: int | None = None
     retry_after: str = "1"
@@ -356,7 +358,13 @@ class IdempotentHttpSink:
                 handler.close_connection = True
                 handler.connection.close()
                 return
+            if fault.mode == "drop":
+                time.sleep(fault.hang_seconds)
+                handler.close_connection = True
+                return
         status, response = self._apply(key, raw, handler.path)
+        if fault is not None and fault.mode == "hang_after_apply":
+            time.sleep(fault.hang_seconds)
         if fault is not None and fault.mode == "500_after":
             self._reply(handler, 500, {"error": "applied, then failed to answer"})
             return

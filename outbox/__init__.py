@@ -10,12 +10,14 @@ from __future__ import annotations
 from outbox.async_client import AsyncOutbox
 from outbox.client import Outbox
 from outbox.errors import (
+    ApprovalRefused,
     BudgetExceeded,
     ConfigurationError,
     DatabaseError,
     DeliveryError,
     EffectFailed,
     EffectNotFound,
+    EffectRejected,
     EffectTimeout,
     EmbeddedServerError,
     IdempotencyConflict,
@@ -40,6 +42,7 @@ from outbox.errors import (
     ValidationError,
     WaitTimeout,
 )
+from outbox.gates import ApprovalPolicy, Condition, Gate, OnTimeout
 from outbox.keys import compensation_key, derive_key
 from outbox.models import (
     AttemptOutcome,
@@ -49,6 +52,7 @@ from outbox.models import (
     EffectIntent,
     EffectStatus,
     OnConflict,
+    RunMode,
     RunRecord,
     RunStart,
     RunStatus,
@@ -69,6 +73,8 @@ from outbox.storage.migrate import migrate
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApprovalPolicy",
+    "ApprovalRefused",
     "AsyncOutbox",
     "AsyncOutboxTransaction",
     "AsyncRun",
@@ -77,6 +83,7 @@ __all__ = [
     "AttemptOutcome",
     "BudgetExceeded",
     "Compensation",
+    "Condition",
     "ConfigurationError",
     "DatabaseError",
     "DeliveryError",
@@ -85,15 +92,18 @@ __all__ = [
     "EffectFailed",
     "EffectIntent",
     "EffectNotFound",
+    "EffectRejected",
     "EffectStatus",
     "EffectTimeout",
     "EmbeddedServer",
     "EmbeddedServerError",
+    "Gate",
     "IdempotencyConflict",
     "LeaseLost",
     "MigrationError",
     "NotFound",
     "OnConflict",
+    "OnTimeout",
     "Outbox",
     "OutboxError",
     "OutboxTransaction",
@@ -104,6 +114,7 @@ __all__ = [
     "RetryableError",
     "Run",
     "RunExists",
+    "RunMode",
     "RunNotFound",
     "RunPaused",
     "RunRecord",

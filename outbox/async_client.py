@@ -16,24 +16,33 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any
 
+from outbox.chain import Break, record_from_rows, verify_record
 from outbox.client import (
+    approval_decider,
     cancel_args,
     connect_settings,
+    diff_args,
     effect_filters,
     fork_args,
     new_run,
     not_changed,
     reason_args,
+    refused,
     resolve_params,
     retry_params,
+    run_args,
     run_filters,
     signal_sender,
     started_run,
 )
+from outbox.effect_diff import RunDiff, diff_effects
 from outbox.errors import EffectNotFound, RunNotFound
+from outbox.gates import Gate
 from outbox.models import Effect, RunRecord, RunStatus
+from outbox.runs.approvals import expire_approvals
 from outbox.runs.async_run import AsyncOutboxTransaction, AsyncRun
 from outbox.runs.async_worker import AsyncWorker
 from outbox.runs.context import AsyncRunContext, VersionUpgrades
@@ -48,7 +57,7 @@ from outbox.storage.engine import open_async_engine
 from outbox.storage.notify import Notifier, WakeupThrottle
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
 from outbox.tracing import current_traceparent, run_span
-from outbox.validation import as_uuid, name_field, validated
+from outbox.validation import as_uuid, name_field, row_limit, validated
 
 __all__ = ["AsyncOutbox", "BlockingAsyncWorker"]
 
@@ -133,6 +142,7 @@ class AsyncOutbox:
         on_conflict: str = "return_existing",
         priority: int = 0,
         fairness_key: str = "",
+        mode: str = "live",
     ) -> AsyncRun:
         """Start a run of ``agent`` pinned to ``version`` (see :meth:`outbox.Outbox.start_run`)."""
         new = new_run(
@@ -146,6 +156,7 @@ class AsyncOutbox:
             on_conflict=on_conflict,
             priority=priority,
             fairness_key=fairness_key,
+            mode=mode,
         )
         notify = self._runs_wakeup.inline()
         insert = self.aio.sync.insert_run
@@ -163,10 +174,17 @@ class AsyncOutbox:
             return await self.run(record.id)
         return AsyncRun(self._ctx, record, [])
 
-    async def run(self, run_id: uuid.UUID | str) -> AsyncRun:
-        """Load a run (in any process) to inspect or resume it."""
-        rid = as_uuid(run_id, "run_id")
-        loaded = await self.aio.call(self.aio.sync.load_run, rid)
+    async def run(self, run_id: uuid.UUID | str, *, step_id: str | None = None) -> AsyncRun:
+        """Load a run (in any process) to inspect or resume it.
+
+        With ``step_id``, the handle knows only that step of the run's history
+        (if it was recorded): it reads two rows, not every step, for a caller
+        that records that one step and lets the handle go (the HTTP API does,
+        per request). That step replays as always; its ``completed_steps``
+        lists at most that step, so use a full handle for anything else.
+        """
+        rid = run_args(run_id, step_id)
+        loaded = await self.aio.call(self.aio.sync.load_run, rid, step_id)
         if loaded is None:
             raise RunNotFound(rid)
         return AsyncRun(self._ctx, *loaded)
@@ -177,6 +195,33 @@ class AsyncOutbox:
         """Recent runs, newest first."""
         filters = run_filters(status=status, agent=agent, limit=limit)
         return await self.aio.call(self.aio.sync.list_runs, **filters)
+
+    async def diff_runs(self, run_a: uuid.UUID | str, run_b: uuid.UUID | str) -> RunDiff:
+        """Compare the effects two runs intended (see :meth:`outbox.Outbox.diff_runs`)."""
+        a, b = diff_args(run_a, run_b)
+        sync = self.aio.sync
+        found = {
+            rid: await self.aio.call(sync.list_effects, run_id=rid, limit=1_000_000)
+            for rid in (a, b)
+        }
+        for rid in (a, b):
+            if not found[rid] and await self.aio.call(sync.load_run, rid) is None:
+                raise RunNotFound(rid)
+        return diff_effects(a, found[a], b, found[b])
+
+    # -- the tamper-evident record --------------------------------------------------
+
+    async def audit_record(self, run_id: uuid.UUID | str) -> dict[str, Any]:
+        """A self-contained record of a run (see :meth:`outbox.Outbox.audit_record`)."""
+        rid = as_uuid(run_id, "run_id")
+        rows = await self.aio.call(self.aio.sync.audit_rows, rid)
+        if not rows:
+            raise RunNotFound(rid)
+        return record_from_rows(rows, exported_at=datetime.now(UTC))
+
+    async def verify_run(self, run_id: uuid.UUID | str) -> list[Break]:
+        """Recompute a run's hash chains from the database: every break (empty: none)."""
+        return verify_record(await self.audit_record(run_id))
 
     # -- effects ----------------------------------------------------------------
 
@@ -192,12 +237,15 @@ class AsyncOutbox:
         self,
         *,
         run_id: uuid.UUID | str | None = None,
+        step_id: str | None = None,
         status: str | None = None,
         kind: str | None = None,
         limit: int = 100,
     ) -> list[Effect]:
-        """Effects in intent order, filtered by run, status or kind."""
-        filters = effect_filters(run_id=run_id, status=status, kind=kind, limit=limit)
+        """Effects in intent order, filtered by run (and step of that run), status or kind."""
+        filters = effect_filters(
+            run_id=run_id, step_id=step_id, status=status, kind=kind, limit=limit
+        )
         return await self.aio.call(self.aio.sync.list_effects, **filters)
 
     async def resolve_effect(
@@ -233,6 +281,76 @@ class AsyncOutbox:
             raise not_changed(effect, "retry")
         self._effects_wakeup.committed(None)
         return await self.effect(effect.id)
+
+    # -- approvals ----------------------------------------------------------------
+
+    async def approve_effect(
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        digest: str,
+        note: str,
+        by: str,
+        request_id: str | None = None,
+        via: str = "api",
+    ) -> Effect:
+        """Release a held effect if ``digest`` is its payload's (see ``Outbox.approve_effect``)."""
+        decide_in = approval_decider(
+            effect_id,
+            approve=True,
+            digest=digest,
+            note=note,
+            by=by,
+            via=via,
+            request_id=request_id,
+        )
+        decision = await self.aio.run_tx(decide_in)
+        refused(decision)
+        self._effects_wakeup.committed(None)
+        return await self.effect(decision.effect_id)
+
+    async def reject_effect(
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        note: str,
+        by: str,
+        digest: str | None = None,
+        request_id: str | None = None,
+        via: str = "api",
+    ) -> Effect:
+        """End a held effect as ``rejected`` (see ``Outbox.reject_effect``)."""
+        decide_in = approval_decider(
+            effect_id,
+            approve=False,
+            digest=digest,
+            note=note,
+            by=by,
+            via=via,
+            request_id=request_id,
+        )
+        decision = await self.aio.run_tx(decide_in)
+        refused(decision)
+        self._runs_wakeup.committed(None)
+        return await self.effect(decision.effect_id)
+
+    async def expire_approvals(self, max_rows: int = 100) -> dict[str, int]:
+        """Apply ``on_timeout`` to held effects past their deadline."""
+        limit = row_limit(max_rows)
+        return await self.aio.run_tx(lambda tx: expire_approvals(tx, limit))
+
+    async def apply_gates(self, gates: list[Gate], *, prune: bool = False) -> list[str]:
+        """Store approval gates (see ``Outbox.apply_gates``)."""
+        rows = [g.row() for g in gates]
+        return await self.aio.call(self.aio.sync.apply_gates, rows, prune=prune)
+
+    async def gates(self) -> list[Gate]:
+        """The approval gates in force, by name."""
+        return [Gate.from_row(r) for r in await self.aio.call(self.aio.sync.list_gates)]
+
+    async def remove_gates(self, names: list[str]) -> list[str]:
+        """Remove gates by name; returns those that existed."""
+        return await self.aio.call(self.aio.sync.remove_gates, names)
 
     @asynccontextmanager
     async def transaction(

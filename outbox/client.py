@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from outbox.blobs import Stored, store_value
+from outbox.chain import Break, record_from_rows, verify_record
+from outbox.effect_diff import RunDiff, diff_effects
 from outbox.errors import (
+    ApprovalRefused,
     EffectNotFound,
     IdempotencyConflict,
     ReplayRefused,
@@ -26,17 +31,20 @@ from outbox.errors import (
     RunStateError,
     ValidationError,
 )
+from outbox.gates import Gate
 from outbox.ids import uuid7
 from outbox.intent_rules import MAX_KEY_LENGTH
 from outbox.models import (
     Effect,
     EffectStatus,
     OnConflict,
+    RunMode,
     RunRecord,
     RunStart,
     RunStatus,
 )
 from outbox.payloads import content_hash, decode, encode
+from outbox.runs.approvals import ApprovalDecision, decide, expire_approvals
 from outbox.runs.context import RunContext, VersionUpgrades
 from outbox.runs.control import fork_run, pause_run, resume_run
 from outbox.runs.intents import OutboxTransaction
@@ -125,6 +133,7 @@ class Outbox:
         on_conflict: str = "return_existing",
         priority: int = 0,
         fairness_key: str = "",
+        mode: str = "live",
     ) -> Run:
         """Start a run of ``agent`` pinned to ``version``, with immutable ``inputs``.
 
@@ -138,6 +147,12 @@ class Outbox:
         (``"reject"``); with others it raises :class:`~outbox.IdempotencyConflict`.
         Workers claim higher ``priority`` first and share their capacity between
         ``fairness_key`` values (a tenant, say); the run's effects inherit both.
+
+        ``mode="dry_run"``: the run executes normally, but its effects go to the
+        recording deliverer of ``outbox deliver --dry-run`` and never reach a
+        sink; each one's result is the declared stub of its kind (or a recorded
+        result). ``outbox runs show`` lists what would have happened and
+        ``outbox runs diff`` compares it with another run.
         """
         new = new_run(
             self.settings,
@@ -150,6 +165,7 @@ class Outbox:
             on_conflict=on_conflict,
             priority=priority,
             fairness_key=fairness_key,
+            mode=mode,
         )
         notify = self._runs_wakeup.inline()
         with run_span(agent=new.row["agent"], version=new.row["agent_version"]):
@@ -166,10 +182,17 @@ class Outbox:
             return self.run(record.id)
         return Run(self._ctx, record, [])
 
-    def run(self, run_id: uuid.UUID | str) -> Run:
-        """Load a run (in any process) to inspect or resume it."""
-        rid = as_uuid(run_id, "run_id")
-        loaded = self.store.load_run(rid)
+    def run(self, run_id: uuid.UUID | str, *, step_id: str | None = None) -> Run:
+        """Load a run (in any process) to inspect or resume it.
+
+        With ``step_id``, the handle knows only that step of the run's history
+        (if it was recorded): it reads two rows, not every step, for a caller
+        that records that one step and lets the handle go (the HTTP API does,
+        per request). That step replays as always; its ``completed_steps``
+        lists at most that step, so use a full handle for anything else.
+        """
+        rid = run_args(run_id, step_id)
+        loaded = self.store.load_run(rid, step_id)
         if loaded is None:
             raise RunNotFound(rid)
         return Run(self._ctx, *loaded)
@@ -179,6 +202,42 @@ class Outbox:
     ) -> list[RunRecord]:
         """Recent runs, newest first."""
         return self.store.list_runs(**run_filters(status=status, agent=agent, limit=limit))
+
+    def diff_runs(self, run_a: uuid.UUID | str, run_b: uuid.UUID | str) -> RunDiff:
+        """Compare the effects two runs intended (a dry run against a real one, say).
+
+        See :mod:`outbox.effect_diff`: effects are matched by step and index and
+        compared on kind, payload, compensation, ordering key and key, with each
+        run's own id written ``{run}``.
+        """
+        a, b = diff_args(run_a, run_b)
+        found = {rid: self.store.list_effects(run_id=rid, limit=1_000_000) for rid in (a, b)}
+        for rid in (a, b):
+            if not found[rid] and self.store.load_run(rid) is None:
+                raise RunNotFound(rid)
+        return diff_effects(a, found[a], b, found[b])
+
+    # -- the tamper-evident record --------------------------------------------------
+
+    def audit_record(self, run_id: uuid.UUID | str) -> dict[str, Any]:
+        """A self-contained record of a run: inputs, steps, effects, attempts, approvals (unsigned).
+
+        Read in one snapshot; ``outbox.chain.sign_record`` signs it and
+        ``outbox.chain.verify_record`` (or the script in ``docs/reference/audit.md``) checks it.
+        """
+        rid = as_uuid(run_id, "run_id")
+        rows = self.store.audit_rows(rid)
+        if not rows:
+            raise RunNotFound(rid)
+        return record_from_rows(rows, exported_at=datetime.now(UTC))
+
+    def verify_run(self, run_id: uuid.UUID | str) -> list[Break]:
+        """Recompute a run's hash chains from the database: every break (empty: none)."""
+        return verify_record(self.audit_record(run_id))
+
+    def audited_runs(self, limit: int = 100_000) -> list[uuid.UUID]:
+        """Run ids, newest first: what ``outbox audit verify`` checks when no run is named."""
+        return self.store.run_ids(row_limit(limit))
 
     # -- effects ----------------------------------------------------------------
 
@@ -194,12 +253,15 @@ class Outbox:
         self,
         *,
         run_id: uuid.UUID | str | None = None,
+        step_id: str | None = None,
         status: str | None = None,
         kind: str | None = None,
         limit: int = 100,
     ) -> list[Effect]:
-        """Effects in intent order, filtered by run, status or kind."""
-        filters = effect_filters(run_id=run_id, status=status, kind=kind, limit=limit)
+        """Effects in intent order, filtered by run (and step of that run), status or kind."""
+        filters = effect_filters(
+            run_id=run_id, step_id=step_id, status=status, kind=kind, limit=limit
+        )
         return self.store.list_effects(**filters)
 
     def resolve_effect(
@@ -237,6 +299,92 @@ class Outbox:
             raise not_changed(effect, "retry")
         self._effects_wakeup.committed(None)
         return self.effect(effect.id)
+
+    # -- approvals ----------------------------------------------------------------
+
+    def approve_effect(
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        digest: str,
+        note: str,
+        by: str,
+        request_id: str | None = None,
+        via: str = "api",
+    ) -> Effect:
+        """Release an effect held for approval, if ``digest`` is its payload's (``Effect.digest``).
+
+        Used once: the effect goes to ``pending`` and deliverers take it now.
+        Raises :class:`~outbox.ApprovalRefused` (nothing released) when the
+        digest names another payload, the effect is not awaiting approval, or
+        its deadline passed (its ``on_timeout`` is applied instead). Approvals
+        and refusals are kept in the attempt log with ``by`` and ``note``.
+        """
+        decide_in = approval_decider(
+            effect_id,
+            approve=True,
+            digest=digest,
+            note=note,
+            by=by,
+            via=via,
+            request_id=request_id,
+        )
+        with self.store.run_tx() as tx:
+            decision = decide_in(tx)
+        refused(decision)
+        self._effects_wakeup.committed(None)
+        return self.effect(decision.effect_id)
+
+    def reject_effect(
+        self,
+        effect_id: uuid.UUID | str,
+        *,
+        note: str,
+        by: str,
+        digest: str | None = None,
+        request_id: str | None = None,
+        via: str = "api",
+    ) -> Effect:
+        """End an effect held for approval as ``rejected``: it never reaches the sink.
+
+        A run awaiting it raises :class:`~outbox.EffectRejected`. With ``digest``,
+        the rejection applies only to that payload. Refusals as in :meth:`approve_effect`.
+        """
+        decide_in = approval_decider(
+            effect_id,
+            approve=False,
+            digest=digest,
+            note=note,
+            by=by,
+            via=via,
+            request_id=request_id,
+        )
+        with self.store.run_tx() as tx:
+            decision = decide_in(tx)
+        refused(decision)
+        self._runs_wakeup.committed(None)
+        return self.effect(decision.effect_id)
+
+    def expire_approvals(self, max_rows: int = 100) -> dict[str, int]:
+        """Apply ``on_timeout`` to held effects past their deadline (deliverers do it too)."""
+        with self.store.run_tx() as tx:
+            return expire_approvals(tx, row_limit(max_rows))
+
+    def apply_gates(self, gates: list[Gate], *, prune: bool = False) -> list[str]:
+        """Store approval gates (replacing those of the same name); ``prune`` removes the rest.
+
+        Returns the names stored. Intents written from now on are checked
+        against them (``outbox gates apply --config`` does this from a file).
+        """
+        return self.store.apply_gates([g.row() for g in gates], prune=prune)
+
+    def gates(self) -> list[Gate]:
+        """The approval gates in force, by name."""
+        return [Gate.from_row(row) for row in self.store.list_gates()]
+
+    def remove_gates(self, names: list[str]) -> list[str]:
+        """Remove gates by name; returns those that existed."""
+        return self.store.remove_gates(names)
 
     @contextmanager
     def transaction(self, connection: Connection | None = None) -> Iterator[OutboxTransaction]:
@@ -420,6 +568,7 @@ def new_run(
     on_conflict: str = "return_existing",
     priority: int = 0,
     fairness_key: str = "",
+    mode: str = "live",
 ) -> NewRun:
     """The validated row of a new run (``start_run`` in both twins)."""
     start = validated(
@@ -432,6 +581,7 @@ def new_run(
         on_conflict=on_conflict,
         priority=priority,
         fairness_key=fairness_key,
+        mode=mode,
     )
     stored = store_value(start.inputs, field="inputs", limits=settings.value_limits)
     row = {
@@ -444,6 +594,7 @@ def new_run(
         "key": start.key,
         "priority": start.priority,
         "fairness_key": start.fairness_key,
+        "dry_run": start.mode == RunMode.DRY_RUN,
         "trace_parent": None,
     }
     return NewRun(row, stored, start.on_conflict)
@@ -469,8 +620,21 @@ def started_run(new: NewRun, record: RunRecord, created: bool) -> RunRecord:
     return record
 
 
+def run_args(run_id: uuid.UUID | str, step_id: str | None) -> uuid.UUID:
+    """Validated arguments of ``run()`` (both twins); returns the run id."""
+    rid = as_uuid(run_id, "run_id")
+    if step_id is not None:
+        name_field(step_id, "step_id", max_length=MAX_KEY_LENGTH)
+    return rid
+
+
 def effect_filters(
-    *, run_id: uuid.UUID | str | None, status: str | None, kind: str | None, limit: int
+    *,
+    run_id: uuid.UUID | str | None,
+    status: str | None,
+    kind: str | None,
+    limit: int,
+    step_id: str | None = None,
 ) -> dict[str, Any]:
     """Validated filters of ``effects()``."""
     if status is not None and status not in EffectStatus.__members__.values():
@@ -478,7 +642,13 @@ def effect_filters(
     if kind is not None:
         name_field(kind, "kind")
     rid = None if run_id is None else as_uuid(run_id, "run_id")
-    return {"run_id": rid, "status": status, "kind": kind, "limit": row_limit(limit)}
+    filters: dict[str, Any] = {"run_id": rid, "status": status, "kind": kind}
+    if step_id is not None:
+        # A step id means something only within its run (and the run's index finds it).
+        if rid is None:
+            raise ValidationError("step_id", step_id, "filter by run_id too")
+        filters["step_id"] = name_field(step_id, "step_id", max_length=MAX_KEY_LENGTH)
+    return {**filters, "limit": row_limit(limit)}
 
 
 def run_filters(*, status: str | None, agent: str | None, limit: int) -> dict[str, Any]:
@@ -525,6 +695,59 @@ def not_changed(effect: Effect, which: str) -> RunStateError:
         f"effect_id={str(effect.id)!r} is {effect.status.value}, not failed: "
         "only failed effects are retried (resolve unknown ones)"
     )
+
+
+def diff_args(run_a: uuid.UUID | str, run_b: uuid.UUID | str) -> tuple[uuid.UUID, uuid.UUID]:
+    """Validated run ids of ``diff_runs`` (both twins)."""
+    return as_uuid(run_a, "run_a"), as_uuid(run_b, "run_b")
+
+
+def approval_decider(
+    effect_id: uuid.UUID | str,
+    *,
+    approve: bool,
+    digest: str | None,
+    note: str,
+    by: str,
+    via: str,
+    request_id: str | None = None,
+) -> Callable[[RunTx], ApprovalDecision]:
+    """Validate an approval or rejection; return what decides it in a run transaction."""
+    eid = as_uuid(effect_id, "effect_id")
+    if approve and digest is None:
+        raise ValidationError(
+            "digest", digest, "an approval names the digest of the payload it approves"
+        )
+    if digest is not None and (
+        not isinstance(digest, str) or re.fullmatch(r"[0-9a-f]{64}", digest) is None
+    ):
+        raise ValidationError("digest", digest, "must be 64 lowercase hex characters (sha256)")
+    if not isinstance(note, str) or not note.strip():
+        raise ValidationError("note", note, "say why (it is kept in the attempt log)")
+    name_field(note, "note", max_length=2000)
+    name_field(by, "by")
+    if request_id is not None:
+        name_field(request_id, "request_id", max_length=MAX_KEY_LENGTH)
+
+    def decide_in(tx: RunTx) -> ApprovalDecision:
+        return decide(
+            tx,
+            eid,
+            approve=approve,
+            digest=digest,
+            note=note,
+            by=by,
+            via=via,
+            request_id=request_id,
+        )
+
+    return decide_in
+
+
+def refused(decision: ApprovalDecision) -> None:
+    """Raise :class:`ApprovalRefused` for a refused decision (after its transaction committed)."""
+    if decision.refusal is not None:
+        raise ApprovalRefused(decision.effect_id, decision.refusal)
 
 
 def signal_sender(

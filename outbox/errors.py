@@ -22,6 +22,8 @@
     │   ├── SignalTimeout           ... for a signal
     │   └── EffectTimeout           ... for an effect to finish
     ├── EffectFailed                an awaited effect ended failed
+    │   └── EffectRejected          ... because a person (or an approval deadline) rejected it
+    ├── ApprovalRefused             an approval named the wrong digest, came late, or twice
     ├── SchemaError
     │   ├── SchemaOutdated          the database needs `outbox migrate`
     │   ├── SchemaTooNew            the database was migrated by newer code
@@ -43,12 +45,14 @@ import reprlib
 from typing import Any
 
 __all__ = [
+    "ApprovalRefused",
     "BudgetExceeded",
     "ConfigurationError",
     "DatabaseError",
     "DeliveryError",
     "EffectFailed",
     "EffectNotFound",
+    "EffectRejected",
     "EffectTimeout",
     "EmbeddedServerError",
     "IdempotencyConflict",
@@ -123,12 +127,16 @@ class ValidationError(OutboxError, ValueError):
     """A caller passed a value that cannot be accepted.
 
     ``field`` names the offending input and ``value`` holds it (shortened in the message).
+    ``rule`` is the stable code of the intent rule it breaks (``outbox.intent_rules``,
+    e.g. ``credential-header``), when one does: the SQL API and the HTTP API report
+    the same code.
     """
 
-    def __init__(self, field: str, value: Any, reason: str) -> None:
+    def __init__(self, field: str, value: Any, reason: str, *, rule: str | None = None) -> None:
         self.field = field
         self.value = value
         self.reason = reason
+        self.rule = rule
         super().__init__(f"{field}={_show(value)}: {reason}")
 
 
@@ -264,6 +272,40 @@ class EffectFailed(OutboxError):
         self.status = status
         self.error = error
         super().__init__(f"effect_id={str(effect_id)!r} ended {status}: {error or 'no reason'}")
+
+
+class EffectRejected(EffectFailed):
+    """An effect held for approval was rejected: by a person (``by``, ``note``) or its deadline.
+
+    It never reached the sink. A run awaiting it sees this (recorded, so every
+    replay raises it again); ``except EffectFailed`` catches it too.
+    """
+
+    def __init__(self, effect_id: Any, note: str | None, by: str | None = None) -> None:
+        self.effect_id = effect_id
+        self.status = "rejected"
+        self.error = note
+        self.note = note
+        self.by = by
+        who = f" by {by}" if by else ""
+        Exception.__init__(
+            self, f"effect_id={str(effect_id)!r} was rejected{who}: {note or 'no reason'}"
+        )
+
+
+class ApprovalRefused(OutboxError):
+    """An approval or rejection that changed nothing: the effect is as it was.
+
+    ``reason`` says why: the digest names another payload (an approval of one
+    payload never releases another), the effect is not awaiting approval (it was
+    decided already: an approval is used once), or its deadline passed (its
+    ``on_timeout`` was applied instead). The refusal is kept in the attempt log.
+    """
+
+    def __init__(self, effect_id: Any, reason: str) -> None:
+        self.effect_id = effect_id
+        self.reason = reason
+        super().__init__(f"effect_id={str(effect_id)!r}: approval refused: {reason}")
 
 
 class SchemaError(OutboxError):

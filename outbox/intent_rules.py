@@ -65,6 +65,7 @@ __all__ = [
     "QUERY_NAME_RULES",
     "RESERVED_HEADERS",
     "RESERVED_HEADER_PREFIXES",
+    "RESERVED_KIND_PREFIXES",
     "URL_FIELD",
     "NameRule",
     "Violation",
@@ -79,6 +80,10 @@ __all__ = [
 
 #: An effect kind (and a compensation's kind): a dotted name, as deliverers are registered.
 KIND_PATTERN = r"^[A-Za-z0-9_.:-]+$"
+#: Kinds a caller cannot name: the dry-run namespace (``outbox.models.DRY_RUN_KIND_PREFIX``)
+#: belongs to dry runs, so a real intent can never be served by the recording deliverer
+#: and a dry run's effect can never be served by a real one.
+RESERVED_KIND_PREFIXES = ("dry-run:",)
 MAX_KIND_LENGTH = 200
 #: Idempotency keys and ordering keys.
 MAX_KEY_LENGTH = 500
@@ -276,7 +281,7 @@ class Violation:
 
     def error(self) -> ValidationError:
         """The typed error a caller gets."""
-        return ValidationError(self.field, self.shown, self.reason)
+        return ValidationError(self.field, self.shown, self.reason, rule=self.code)
 
 
 def identifier_violation(value: str, field: str) -> Violation | None:

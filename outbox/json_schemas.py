@@ -1,8 +1,15 @@
-"""JSON Schemas of every model that crosses a boundary, kept in ``schemas/``."""
+"""JSON Schemas of every model that crosses a boundary, kept in ``schemas/``.
+
+The records and deliverer payloads are listed here; the CLI adds the model of
+each ``--json`` report (``outbox.cli.schemas.exported_models``). Beside one
+schema per model: ``http-api.openapi.json``, the OpenAPI document of ``outbox
+serve``'s HTTP API (generated from its routes and models).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -10,7 +17,17 @@ from pydantic import BaseModel
 
 from outbox import models
 
-__all__ = ["boundary_models", "check_schemas", "render", "write_schemas"]
+__all__ = [
+    "OPENAPI_FILE",
+    "boundary_models",
+    "check_schemas",
+    "documents",
+    "render",
+    "write_schemas",
+]
+
+#: The HTTP API's OpenAPI document, in ``schemas/``.
+OPENAPI_FILE = "http-api.openapi.json"
 
 _CORE: tuple[type[BaseModel], ...] = (
     models.RunStart,
@@ -39,20 +56,34 @@ def render(model: type[BaseModel]) -> str:
     return json.dumps(model.model_json_schema(), indent=2, sort_keys=True) + "\n"
 
 
-def write_schemas(directory: Path) -> list[Path]:
-    """Write every schema; return the paths written."""
+def documents(models: Mapping[str, type[BaseModel]] | None = None) -> dict[str, str]:
+    """File name → text of everything ``schemas/`` holds (``models`` default: boundary ones)."""
+    from outbox.serve.api.openapi import openapi_document
+
+    chosen = boundary_models() if models is None else models
+    found = {f"{name}.json": render(model) for name, model in chosen.items()}
+    found[OPENAPI_FILE] = json.dumps(openapi_document(), indent=2, sort_keys=True) + "\n"
+    return found
+
+
+def write_schemas(
+    directory: Path, models: Mapping[str, type[BaseModel]] | None = None
+) -> list[Path]:
+    """Write every schema (and the OpenAPI document); return the paths written."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, model in boundary_models().items():
-        path = directory / f"{name}.json"
-        path.write_text(render(model))
+    for name, text in documents(models).items():
+        path = directory / name
+        path.write_text(text)
         written.append(path)
     return written
 
 
-def check_schemas(directory: Path) -> list[str]:
+def check_schemas(
+    directory: Path, models: Mapping[str, type[BaseModel]] | None = None
+) -> list[str]:
     """Names whose file is missing, different, or left over from a removed model."""
-    expected = {f"{name}.json": render(model) for name, model in boundary_models().items()}
+    expected = documents(models)
     drift = [
         name
         for name, text in expected.items()

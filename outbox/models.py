@@ -10,11 +10,13 @@ import re
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, field_validator
+from pydantic_core import PydanticCustomError
 
+from outbox.gates import ApprovalPolicy
 from outbox.intent_rules import (
     KIND_PATTERN,
     MAX_AMOUNT,
@@ -25,12 +27,15 @@ from outbox.intent_rules import (
     MAX_KIND_LENGTH,
     MAX_PRIORITY,
     MAX_SCHEMA_VERSION,
+    RESERVED_KIND_PREFIXES,
     identifier_violation,
 )
 
 __all__ = [
     "ACTIVE_RUN_STATUSES",
+    "DRY_RUN_KIND_PREFIX",
     "LIVE_RUN_STATUSES",
+    "NEEDS_PERSON_EFFECT_STATUSES",
     "NOT_STARTED_EFFECT_STATUSES",
     "OPEN_EFFECT_STATUSES",
     "STOPPING_RUN_STATUSES",
@@ -44,11 +49,13 @@ __all__ = [
     "EffectStatus",
     "Lease",
     "OnConflict",
+    "RunMode",
     "RunRecord",
     "RunStart",
     "RunStatus",
     "StepRecord",
     "StepStatus",
+    "real_kind",
 ]
 
 
@@ -107,6 +114,10 @@ class EffectStatus(StrEnum):
     COMPENSATED = "compensated"
     #: not yet attempted, held while its run is paused (``pending`` again at resume)
     PAUSED = "paused"
+    #: held back by an approval gate: never claimed until a person approves its payload
+    AWAITING_APPROVAL = "awaiting_approval"
+    #: a person (or the gate's deadline) refused it: it never reaches the sink
+    REJECTED = "rejected"
 
 
 #: An effect in one of these can no longer change by delivery.
@@ -115,15 +126,17 @@ TERMINAL_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
     EffectStatus.FAILED,
     EffectStatus.CANCELLED,
     EffectStatus.COMPENSATED,
+    EffectStatus.REJECTED,
 )
-#: Effects still on their way: not yet attempted, being attempted, handed to
-#: Kafka, waiting for an operator, or held by a paused run.
+#: Effects still on their way: waiting for an approval, not yet attempted, being
+#: attempted, handed to Kafka, waiting for an operator, or held by a paused run.
 OPEN_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
     EffectStatus.PENDING,
     EffectStatus.IN_FLIGHT,
     EffectStatus.DISPATCHED,
     EffectStatus.UNKNOWN,
     EffectStatus.PAUSED,
+    EffectStatus.AWAITING_APPROVAL,
 )
 #: Open effects that no deliverer has started: a cancelled run cancels them,
 #: a paused run holds them (as ``paused``).
@@ -131,7 +144,32 @@ NOT_STARTED_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
     EffectStatus.PENDING,
     EffectStatus.DISPATCHED,
     EffectStatus.PAUSED,
+    EffectStatus.AWAITING_APPROVAL,
 )
+#: Effects a person must look at: unknown (did it happen?), failed, or awaiting an approval.
+NEEDS_PERSON_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
+    EffectStatus.UNKNOWN,
+    EffectStatus.FAILED,
+    EffectStatus.AWAITING_APPROVAL,
+)
+
+#: The kinds of a dry run's effects start with this: no real deliverer serves such a
+#: kind (a caller cannot name one), so a dry run's effects can never reach a sink.
+DRY_RUN_KIND_PREFIX = "dry-run:"
+
+
+def real_kind(kind: str) -> str:
+    """The kind an effect was intended as (without :data:`DRY_RUN_KIND_PREFIX`)."""
+    return kind.removeprefix(DRY_RUN_KIND_PREFIX)
+
+
+class RunMode(StrEnum):
+    """How a run's effects are delivered."""
+
+    #: to the real sinks
+    LIVE = "live"
+    #: to a recording deliverer that never reaches a sink (``outbox deliver --dry-run``)
+    DRY_RUN = "dry_run"
 
 
 class StepStatus(StrEnum):
@@ -162,6 +200,14 @@ class AttemptOutcome(StrEnum):
     DISPATCHED = "dispatched"
     #: settled by asking the sink (``Deliverer.lookup``)
     LOOKED_UP = "looked_up"
+    #: a person approved the payload (digest) of an effect held by a gate
+    APPROVED = "approved"
+    #: a person rejected an effect held by a gate
+    REJECTED = "rejected"
+    #: an approval that named the wrong digest, or came too late: nothing changed
+    APPROVAL_REFUSED = "approval_refused"
+    #: the gate's deadline passed: its ``on_timeout`` was applied
+    TIMED_OUT = "timed_out"
 
 
 class Lease(NamedTuple):
@@ -172,6 +218,11 @@ class Lease(NamedTuple):
 
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+#: A link of a hash chain: 32 bytes, written as hex in JSON.
+ChainHash = Annotated[
+    bytes, PlainSerializer(lambda value: value.hex(), return_type=str, when_used="json")
+]
 
 
 class _Record(BaseModel):
@@ -188,11 +239,20 @@ def _no_bool(value: Any) -> Any:
     return value
 
 
+def _caller_kind(value: str) -> str:
+    if value.startswith(RESERVED_KIND_PREFIXES):
+        raise ValueError(
+            f"kinds starting with {RESERVED_KIND_PREFIXES[0]!r} are reserved for dry runs"
+        )
+    return value
+
+
 def _plain_text(value: str | None) -> str | None:
     if value is not None:
         found = identifier_violation(value, "")
         if found is not None:
-            raise ValueError(found.reason)
+            # The rule's code as the error's type: boundaries report it (ValidationError.rule).
+            raise PydanticCustomError(found.code, "{reason}", {"reason": found.reason})
     return value
 
 
@@ -221,6 +281,7 @@ class RunStart(BaseModel):
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, strict=True)
     #: Workers share capacity between fairness keys; the run's effects inherit it.
     fairness_key: str = Field(default="", max_length=MAX_FAIRNESS_KEY_LENGTH, strict=True)
+    mode: RunMode = RunMode.LIVE
 
     _budget_is_a_number = field_validator("budget", mode="before")(_no_bool)
     _names_are_text = field_validator("agent", "version", "key", "fairness_key")(_plain_text)
@@ -255,9 +316,12 @@ class EffectIntent(BaseModel):
     priority: int | None = Field(default=None, ge=-MAX_PRIORITY, le=MAX_PRIORITY, strict=True)
     #: None: the run's ("" without a run). Claims share capacity between fairness keys.
     fairness_key: str | None = Field(default=None, max_length=MAX_FAIRNESS_KEY_LENGTH, strict=True)
+    #: wait for a person's approval of this payload before any delivery (see ``outbox.gates``)
+    approval: ApprovalPolicy | None = None
 
     _numbers_are_numbers = field_validator("delay_seconds", "cost", mode="before")(_no_bool)
     _keys_are_text = field_validator("key", "ordering_key", "fairness_key")(_plain_text)
+    _kind_is_not_reserved = field_validator("kind")(_caller_kind)
 
     @field_validator("compensate")
     @classmethod
@@ -265,6 +329,8 @@ class EffectIntent(BaseModel):
         # Checked here, not on Compensation: records stored before this rule must stay readable.
         if value is not None and _KIND.match(value.kind) is None:
             raise ValueError(f"kind {value.kind!r} must match {KIND_PATTERN}")
+        if value is not None:
+            _caller_kind(value.kind)
         return value
 
 
@@ -315,6 +381,14 @@ class RunRecord(_Record):
         """True while paused, or while a pause waits for the step in flight to finish."""
         return self.paused_at is not None
 
+    #: a dry run's effects go to a recording deliverer, never to a sink
+    dry_run: bool = False
+
+    @property
+    def mode(self) -> RunMode:
+        """``live`` or ``dry_run``."""
+        return RunMode.DRY_RUN if self.dry_run else RunMode.LIVE
+
     @property
     def remaining_budget(self) -> Decimal | None:
         """Budget not yet spent nor reserved (None: no budget)."""
@@ -335,6 +409,8 @@ class StepRecord(_Record):
     completed_at: datetime
     #: "waiting": a sleep or wait recorded with its deadline, not yet satisfied.
     status: StepStatus = StepStatus.COMPLETED
+    #: this step's link in the run's hash chain (``outbox audit verify``); None while waiting
+    hash: ChainHash | None = None
 
 
 class Effect(_Record):
@@ -369,6 +445,19 @@ class Effect(_Record):
     fairness_key: str = ""
     #: The W3C ``traceparent`` current when the intent was written (None: no trace).
     trace_parent: str | None = None
+    #: the gate that held it for approval (``gate``, ``timeout``, ``on_timeout``, ...), if any
+    approval: Any = None
+    approval_deadline: datetime | None = None
+
+    @property
+    def digest(self) -> str:
+        """What an approval must name: the sha256 of the canonical payload (``payload_hash``)."""
+        return self.payload_hash
+
+    @property
+    def dry_run(self) -> bool:
+        """True for an effect of a dry run (its kind carries the dry-run prefix)."""
+        return self.kind.startswith(DRY_RUN_KIND_PREFIX)
 
     @property
     def terminal(self) -> bool:
@@ -386,3 +475,5 @@ class EffectAttempt(_Record):
     finished_at: datetime
     outcome: str
     detail: Any = None
+    #: this row's link in the effect's hash chain (``outbox audit verify``)
+    hash: ChainHash | None = None

@@ -38,7 +38,11 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: PostgreSQL DSN (``postgresql://user@host/db``; also read from the file named
+    #: by ``OUTBOX_DSN_FILE``). None: the embedded server in ``home``.
     dsn: str | None = None
+    #: Directory of the embedded PostgreSQL, started on demand and shared by every
+    #: process that uses the same ``home``.
     home: Path = Field(default=Path(".outbox"))
     #: The largest value: inputs, state, plan, a step result, a payload, a signal's payload.
     max_payload_bytes: int = Field(default=DEFAULT_MAX_VALUE_BYTES, gt=0, le=MAX_VALUE_BYTES)
@@ -49,15 +53,19 @@ class Settings(BaseModel):
     max_step_intents: int = Field(default=DEFAULT_MAX_STEP_INTENTS, gt=0)
     #: At most this many bytes of intent payloads (and compensations) in one step.
     max_step_bytes: int = Field(default=DEFAULT_MAX_STEP_BYTES, gt=0, le=MAX_STEP_BYTES)
+    #: Longest step id, in characters.
     max_step_id_length: int = Field(default=200, gt=0)
+    #: Connections this process keeps open (as many again may open in overflow).
     pool_size: int = Field(default=5, gt=0)
-    # Our sessions never sit idle inside a transaction for long: an open
-    # transaction stops vacuum and slows every claim (DESIGN.md, lessons).
-    # PostgreSQL takes at most a signed 32-bit number of milliseconds (0: no timeout).
+    #: Our sessions never sit idle inside a transaction longer (0: no limit): an open
+    #: transaction stops vacuum and slows every claim.
+    # (DESIGN.md, lessons; PostgreSQL takes at most a signed 32-bit number of ms.)
     idle_in_transaction_timeout_ms: int = Field(default=60_000, ge=0, le=2**31 - 1)
-    # A writer sends at most one NOTIFY per window inline; commits in between
-    # are covered by one trailing NOTIFY (see outbox/wakeup.py).
+    #: A writer sends at most one wake-up NOTIFY per window inline; the commits in
+    #: between are covered by one trailing NOTIFY (``outbox.storage.notify.WakeupThrottle``).
     notify_window_ms: float = Field(default=3.0, ge=0)
+    #: None: migrate the embedded server only (another database is migrated with
+    #: ``outbox migrate``); True or False: always or never.
     auto_migrate: bool | None = None
 
     @property

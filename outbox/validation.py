@@ -10,9 +10,9 @@ from typing import Any
 import pydantic
 
 from outbox.errors import ConfigurationError, ValidationError
-from outbox.intent_rules import check_identifier
+from outbox.intent_rules import REASONS, check_identifier
 
-__all__ = ["as_uuid", "import_callable", "name_field", "row_limit", "validated"]
+__all__ = ["as_uuid", "import_callable", "name_field", "row_limit", "rule_of", "validated"]
 
 #: The most rows a listing returns at once.
 MAX_ROW_LIMIT = 1_000_000
@@ -25,8 +25,19 @@ def validated(model: type[pydantic.BaseModel], **values: Any) -> Any:
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or model.__name__
-        reason = first["msg"].removeprefix("Value error, ")
-        raise ValidationError(field, first.get("input"), reason) from None
+        rule = rule_of(first)
+        reason = REASONS[rule] if rule else first["msg"].removeprefix("Value error, ")
+        raise ValidationError(field, first.get("input"), reason, rule=rule) from None
+
+
+#: pydantic's own refusal of a text (a strict ``str`` field) that is one of our rules.
+_PYDANTIC_RULES = {"string_unicode": "surrogate"}
+
+
+def rule_of(error: Any) -> str | None:
+    """The intent rule a pydantic error reports (its type is the rule's code), if any."""
+    kind = _PYDANTIC_RULES.get(error.get("type"), error.get("type"))
+    return kind if kind in REASONS else None
 
 
 def as_uuid(value: uuid.UUID | str, field: str) -> uuid.UUID:

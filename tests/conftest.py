@@ -140,3 +140,9 @@ def kafka_broker(tmp_path: Path) -> Iterator[Any]:
     broker = TansuBroker(tmp_path / "tansu.log").start()
     yield broker
     broker.stop()
+
+
+@pytest.fixture(scope="session")
+def outbox_check_server(admin_dsn: str) -> str:
+    """``outbox_check`` (the shipped pytest fixture) makes its databases on the session's server."""
+    return admin_dsn

@@ -106,6 +106,30 @@ def odd_result(payload: Any, key: str) -> dict[Any, Any]:
     }
 
 
+async def slow_async_handler(run: Any) -> None:
+    """A worker handler that outlasts any grace period (async)."""
+    await asyncio.sleep(600)
+
+
+def slow_handler(run: Any) -> None:
+    """A worker handler that outlasts any grace period (sync)."""
+
+    time.sleep(600)
+
+
+async def sleepy_async_handler(run: Any) -> str:
+    """A worker handler that finishes 4 s after it starts (async)."""
+    await asyncio.sleep(4)
+    return "done"
+
+
+def sleepy_handler(run: Any) -> str:
+    """A worker handler that finishes 4 s after it starts (sync)."""
+
+    time.sleep(4)
+    return "done"
+
+
 def sleeps(payload: Any, key: str) -> dict[str, Any]:
     """Sync, slow: sleeps ``payload["seconds"]`` (a call that outlives a grace period)."""
     _note("sleeps", payload, key)

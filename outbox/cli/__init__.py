@@ -51,9 +51,22 @@ def cli(
 
 
 def _register() -> None:
-    from outbox.cli import db, deliver, demo, effects, roles, runs, schemas, worker
+    from outbox.cli import (
+        audit,
+        check,
+        db,
+        deliver,
+        demo,
+        effects,
+        gates,
+        roles,
+        runs,
+        schemas,
+        worker,
+    )
 
-    for module in (db, deliver, demo, effects, roles, runs, schemas, worker):
+    modules = (audit, check, db, deliver, demo, effects, gates, roles, runs, schemas, worker)
+    for module in modules:
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -11,7 +11,7 @@ from datetime import datetime
 from decimal import Decimal
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 import click
@@ -22,7 +22,18 @@ from rich.table import Table
 from outbox.client import Outbox
 from outbox.settings import Settings
 
-__all__ = ["CliContext", "emit", "json_option", "listening", "pass_cli", "short", "table"]
+__all__ = [
+    "CliContext",
+    "JsonOption",
+    "emit",
+    "json_option",
+    "listening",
+    "pass_cli",
+    "short",
+    "table",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 # Piped output is read by scripts and logs, not by a narrow terminal: do not wrap it at 80.
 console = Console() if Console().is_terminal else Console(width=200)
@@ -76,7 +87,53 @@ def can_listen(host: str, port: int) -> None:
         return
 
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+class JsonOption(click.Option):
+    """``--json``, knowing the model of what the command prints with it."""
+
+    def __init__(self, *args: Any, report: type[BaseModel], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: The report's model: ``emit`` accepts only an instance of it, and its JSON
+        #: Schema is exported as ``schemas/report.<command>.json``.
+        self.report = report
+
+
+def json_option(report: type[BaseModel]) -> Callable[[F], F]:
+    """``--json`` for a command whose report is an instance of ``report``."""
+    if not (isinstance(report, type) and issubclass(report, BaseModel)):
+        raise TypeError("json_option(Model): name the pydantic model the command prints")
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        cls=JsonOption,
+        report=report,
+        help="Print JSON instead of a table (see docs/reference/json.md).",
+    )
+
+
+def _declared_report() -> type[BaseModel] | None:
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return None
+    for param in ctx.command.params:
+        if isinstance(param, JsonOption):
+            return param.report
+    return None
+
+
+def emit(report: BaseModel, as_json: bool, render: Callable[[], None]) -> None:
+    """Print ``report`` as JSON when asked, else call ``render`` (tables for people).
+
+    ``report`` must be an instance of the model the command declared with
+    :func:`json_option`, so the printed JSON is what its schema says.
+    """
+    declared = _declared_report()
+    if declared is not None and not isinstance(report, declared):
+        raise TypeError(f"{type(report).__name__} printed where {declared.__name__} was declared")
+    if as_json:
+        click.echo(report.model_dump_json(indent=2))
+    else:
+        render()
 
 
 def _plain(value: Any) -> Any:
@@ -87,14 +144,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
-
-
-def emit(data: Any, as_json: bool, render: Callable[[], None]) -> None:
-    """Print ``data`` as JSON when asked, else call ``render`` (tables for people)."""
-    if as_json:
-        click.echo(json.dumps(_plain(data), indent=2, default=str))
-    else:
-        render()
 
 
 def short(value: Any, width: int = 60) -> str:

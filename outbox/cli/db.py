@@ -11,6 +11,13 @@ from uuid import UUID
 import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli.reports import (
+    ArchiveSummaryReport,
+    DbStatusReport,
+    DbStopReport,
+    GcReport,
+    MigrateReport,
+)
 from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine, resolve_dsn, translate_errors
 from outbox.storage.migrate import applied_versions, migrate, shipped
@@ -36,7 +43,7 @@ __all__ = ["COMMANDS"]
     metavar="VERSION",
     help="Apply migrations up to this version only.",
 )
-@json_option
+@json_option(MigrateReport)
 @pass_cli
 def migrate_command(
     cli: CliContext, accept_changed: tuple[int, ...], target: int | None, as_json: bool
@@ -56,7 +63,7 @@ def migrate_command(
     finally:
         engine.dispose()
     names = [m.label for m in done]
-    report = {"applied": names, "schema_version": max(versions), "known": shipped()[-1].version}
+    report = MigrateReport(applied=names, schema_version=max(versions), known=shipped()[-1].version)
     emit(
         report,
         as_json,
@@ -80,23 +87,20 @@ def _server(cli: CliContext) -> EmbeddedServer:
 
 def _show_status(server: EmbeddedServer, as_json: bool) -> None:
     status = server.status()
-    data = {
-        k: (str(v) if v is not None and k == "home" else v)
-        for k, v in dataclasses.asdict(status).items()
-    }
+    report = DbStatusReport(**{**dataclasses.asdict(status), "home": str(status.home)})
     emit(
-        data,
+        report,
         as_json,
         lambda: table(
             "embedded PostgreSQL",
             ["field", "value"],
-            [(k, "" if v is None else str(v)) for k, v in data.items()],
+            [(k, "" if v is None else str(v)) for k, v in report.model_dump().items()],
         ),
     )
 
 
 @db.command("status")
-@json_option
+@json_option(DbStatusReport)
 @pass_cli
 def db_status(cli: CliContext, as_json: bool) -> None:
     """Show whether the embedded server is initialised and running, and its DSN."""
@@ -104,7 +108,7 @@ def db_status(cli: CliContext, as_json: bool) -> None:
 
 
 @db.command("start")
-@json_option
+@json_option(DbStatusReport)
 @pass_cli
 def db_start(cli: CliContext, as_json: bool) -> None:
     """Start the embedded server (initialising it the first time) and migrate it."""
@@ -115,13 +119,13 @@ def db_start(cli: CliContext, as_json: bool) -> None:
 
 
 @db.command("stop")
-@json_option
+@json_option(DbStopReport)
 @pass_cli
 def db_stop(cli: CliContext, as_json: bool) -> None:
     """Stop the embedded server."""
     stopped = _server(cli).stop()
     emit(
-        {"stopped": stopped},
+        DbStopReport(stopped=stopped),
         as_json,
         lambda: console.print("stopped" if stopped else "was not running"),
     )
@@ -142,7 +146,7 @@ webhook replay marks older than it. Each batch is one short transaction.
   {"table": "outbox_runs", "row": {...every column...}}
 Rows of a batch come parents first (a run, its steps, signals, ledger,
 effects, then their attempts). Read it back with `outbox archive read FILE`
-or outbox.storage.archive.read_archive (docs/howto/run-deliverers.md).
+or outbox.storage.archive.read_archive (docs/howto/retention-and-migrations.md).
 """
 
 
@@ -170,7 +174,7 @@ or outbox.storage.archive.read_archive (docs/howto/run-deliverers.md).
 @click.option(
     "--dry-run", is_flag=True, help="Count the first batch of each phase; delete nothing."
 )
-@json_option
+@json_option(GcReport)
 @pass_cli
 def gc(
     cli: CliContext, older_than: str, batch: int, archive: Path | None, dry_run: bool, as_json: bool
@@ -194,13 +198,13 @@ def gc(
     finally:
         if writer is not None:
             writer.close()
-    data = {
-        "older_than": older_than,
-        "dry_run": dry_run,
-        "deleted": report.deleted,
-        "batches": report.batches,
-        "archive": None if writer is None else str(archive),
-    }
+    data = GcReport(
+        older_than=older_than,
+        dry_run=dry_run,
+        deleted=report.deleted,
+        batches=report.batches,
+        archive=None if writer is None else str(archive),
+    )
     emit(
         data,
         as_json,
@@ -230,7 +234,7 @@ def archive_group() -> None:
     default=None,
     help="Only the rows of this run (its steps, effects, attempts, signals, ledger).",
 )
-@json_option
+@json_option(ArchiveSummaryReport)
 def archive_read(
     path: Path, rows: bool, only_table: str | None, run_id: UUID | None, as_json: bool
 ) -> None:
@@ -242,11 +246,13 @@ def archive_read(
             click.echo(entry.as_json())
         return
     summary = summarize_archive(path)
-    data = {
-        "gc_runs": summary.headers,
-        "rows": summary.rows,
-        "torn_lines_skipped": summary.torn_lines,
-    }
+    data = ArchiveSummaryReport.model_validate(
+        {
+            "gc_runs": summary.headers,
+            "rows": summary.rows,
+            "torn_lines_skipped": summary.torn_lines,
+        }
+    )
     emit(
         data,
         as_json,

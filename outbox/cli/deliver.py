@@ -21,6 +21,7 @@ from outbox.cli._common import (
     pass_cli,
     table,
 )
+from outbox.cli.reports import ReconcileReport
 from outbox.delivery import Deliverer
 from outbox.delivery.settings import DeliverySettings, RelaySettings, StreamSettings
 from outbox.delivery.threads import DaemonThreads, default_workers
@@ -45,12 +46,18 @@ kind_option = click.option(
 )
 
 
+def read_config(config_path: Path | None) -> dict[str, Any] | None:
+    """The deliverers config file, parsed (None without one)."""
+    from deliverers.registry import load_config
+
+    return load_config(config_path) if config_path is not None else None
+
+
 def load_deliverers(config_path: Path | None, kinds: tuple[str, ...]) -> dict[str, Deliverer]:
     """The registry from entry points and the optional config file."""
-    from deliverers.registry import build_registry, load_config
+    from deliverers.registry import build_registry
 
-    config = load_config(config_path) if config_path is not None else None
-    return build_registry(config, only=list(kinds) or None)
+    return build_registry(read_config(config_path), only=list(kinds) or None)
 
 
 def checked_dsn(cli: CliContext) -> str:
@@ -120,6 +127,13 @@ _seconds = click.FloatRange(min=0.001, max=86_400)
 )
 @click.option("--log-json", is_flag=True, help="Log JSON lines.")
 @click.option(
+    "--dry-run",
+    "dry_run",
+    is_flag=True,
+    help="Serve dry runs only: their effects get stubs ([dry_run] in the config); "
+    "no sink is ever called.",
+)
+@click.option(
     "--from-kafka",
     "kafka",
     envvar="OUTBOX_DELIVER_FROM_KAFKA",
@@ -146,7 +160,9 @@ _seconds = click.FloatRange(min=0.001, max=86_400)
     "kafka_options",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Extra kafka-python consumer setting (repeatable).",
+    help="Extra kafka-python KafkaConsumer setting, e.g. session_timeout_ms=6000 "
+    "(repeatable; the group's timeouts decide how fast it settles: see "
+    "docs/howto/stream-mode.md).",
 )
 @pass_cli
 def deliver(
@@ -156,6 +172,7 @@ def deliver(
     kinds: tuple[str, ...],
     metrics_port: int | None,
     log_json: bool,
+    dry_run: bool,
     kafka: str | None,
     group: str,
     topic_prefix: str,
@@ -165,18 +182,29 @@ def deliver(
     """Deliver pending effects until SIGTERM/SIGINT (then finish in-flight calls and exit 0).
 
     Poll mode claims from PostgreSQL; with --from-kafka the same daemon reads
-    what `outbox relay` published. Every option acts in both modes.
+    what `outbox relay` published. Every option acts in both modes. The
+    config's approval gates ([[approvals]]) are stored at start-up, so every
+    intent written from then on is checked against them.
     """
     from outbox.cli.logs import configure
     from outbox.delivery.daemon import DeliveryDaemon
+    from outbox.delivery.dry_run import dry_run_config, dry_run_registry
     from outbox.delivery.metrics import DeliveryMetrics
+    from outbox.gates import gates_from_config
 
     configure(logging.INFO, as_json=log_json)
     given = {name: value for name, value in chosen.items() if value is not None}
     if kafka is None and kafka_options:
         raise click.UsageError("--kafka-option needs --from-kafka")
+    if dry_run and kafka is not None:
+        raise click.UsageError("--dry-run serves dry runs from PostgreSQL: drop --from-kafka")
+    config = read_config(config_path)
+    gates = gates_from_config(config)
+    stubs = dry_run_config(config)
     deliverers = load_deliverers(config_path, kinds)
     dsn = checked_dsn(cli)
+    if gates:
+        cli.outbox.apply_gates(gates)
     metrics = DeliveryMetrics()
     settings: DeliverySettings
     if kafka is not None:
@@ -194,18 +222,24 @@ def deliver(
         with listening("127.0.0.1", metrics_port, hint="'--metrics-port'"):
             metrics.serve(metrics_port)
 
+    serving = deliverers
+    if dry_run:
+        # Only the recording deliverer: these processes never reach a sink.
+        serving = dry_run_registry(deliverers, stubs, None)
+
     def make(store: AsyncStore) -> DeliveryDaemon:
         source = None
         if isinstance(settings, StreamSettings):
             from outbox.delivery.stream import KafkaSource
 
             source = KafkaSource(store, sorted(deliverers), settings)
-        return DeliveryDaemon(store, deliverers, settings, source=source, metrics=metrics)
+        chosen = deliverers
+        if dry_run:
+            chosen = dry_run_registry(deliverers, stubs, store.recorded_result)
+        return DeliveryDaemon(store, chosen, settings, source=source, metrics=metrics)
 
     mode = f"from Kafka {kafka} (group {group})" if kafka else "from PostgreSQL"
-    serve_until_signal(
-        dsn, make, f"delivering kinds {sorted(deliverers)} {mode} as {settings.owner}"
-    )
+    serve_until_signal(dsn, make, f"delivering kinds {sorted(serving)} {mode} as {settings.owner}")
 
 
 def validated_settings(model: type[S], **values: Any) -> S:
@@ -275,7 +309,13 @@ def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
     show_default=True,
     help="Effects of kind K go to topic PREFIX+K.",
 )
-@click.option("--batch-size", type=click.IntRange(1, 100_000), default=500, show_default=True)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 100_000),
+    default=RelaySettings.model_fields["batch_size"].default,
+    show_default=True,
+    help="Effects claimed, published and marked per round.",
+)
 @click.option(
     "--dispatch-ttl",
     type=click.FloatRange(min=0.001, max=86_400),
@@ -288,9 +328,9 @@ def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
     "kafka_options",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Extra kafka-python producer setting (repeatable).",
+    help="Extra kafka-python KafkaProducer setting, e.g. compression_type=gzip (repeatable).",
 )
-@click.option("--log-json", is_flag=True)
+@click.option("--log-json", is_flag=True, help="Log JSON lines.")
 @pass_cli
 def relay(
     cli: CliContext,
@@ -329,8 +369,14 @@ def relay(
 @config_option
 @kind_option
 @click.option("--dry-run", is_flag=True, help="Report what would be done; change nothing.")
-@click.option("--max-rows", type=click.IntRange(1, 1_000_000), default=10_000, show_default=True)
-@json_option
+@click.option(
+    "--max-rows",
+    type=click.IntRange(1, 1_000_000),
+    default=10_000,
+    show_default=True,
+    help="Resolve (and list as unknown) at most this many effects.",
+)
+@json_option(ReconcileReport)
 @pass_cli
 def reconcile_command(
     cli: CliContext,
@@ -360,20 +406,22 @@ def reconcile_command(
     with console.status("reconciling…"):
         report = asyncio.run(main())
     unknown = cli.outbox.effects(status="unknown", limit=max_rows)
-    data = {
-        **report.as_dict(),
-        "unknown": [
-            {
-                "id": str(e.id),
-                "kind": e.kind,
-                "run_id": str(e.run_id),
-                "attempt": e.attempt,
-                "key": e.idempotency_key,
-                "last_error": e.last_error,
-            }
-            for e in unknown
-        ],
-    }
+    data = ReconcileReport.model_validate(
+        {
+            **report.as_dict(),
+            "unknown": [
+                {
+                    "id": e.id,
+                    "kind": e.kind,
+                    "run_id": e.run_id,
+                    "attempt": e.attempt,
+                    "key": e.idempotency_key,
+                    "last_error": e.last_error,
+                }
+                for e in unknown
+            ],
+        }
+    )
 
     def render() -> None:
         title = "reconcile (dry run)" if dry_run else "reconcile"

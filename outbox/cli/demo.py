@@ -32,6 +32,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli.reports import DemoReport
 from outbox.client import Outbox
 from outbox.models import TERMINAL_EFFECT_STATUSES, RunStatus
 
@@ -212,7 +213,7 @@ class _Demo:
 
 @click.command("demo")
 @click.option("--keep-logs", is_flag=True, help="Keep the child processes' logs and say where.")
-@json_option
+@json_option(DemoReport)
 @pass_cli
 def demo(cli: CliContext, keep_logs: bool, as_json: bool) -> None:
     """Five agent runs, two deliverers, two kill -9s: nothing lost, nothing duplicated."""
@@ -291,54 +292,54 @@ def demo(cli: CliContext, keep_logs: bool, as_json: bool) -> None:
             path.unlink()
         workdir.rmdir()
     emit(summary, as_json, lambda: _render(summary, workdir if keep_logs else None))
-    if summary["duplicates_applied_at_sink"] or summary["lost"] or summary["phantom"]:
+    if summary.duplicates_applied_at_sink or summary.lost or summary.phantom:
         raise SystemExit(1)
 
 
-def _summary(story: _Demo, stats: dict[str, Any], seconds: float) -> dict[str, Any]:
+def _summary(story: _Demo, stats: dict[str, Any], seconds: float) -> DemoReport:
     tally = story.tally()
     intended = sum(v for k, v in tally.items() if k.startswith("status:"))
     # compensated effects were applied, then undone by their refunds
     applied = tally.get("status:succeeded", 0) + tally.get("status:compensated", 0)
     statuses = {r: story.ob.run(r).status.value for r in story.run_ids}
-    return {
-        "runs": len(story.run_ids),
-        "runs_completed": sum(s == "completed" for s in statuses.values()),
-        "runs_compensated": sum(s == "compensated" for s in statuses.values()),
-        "effects_intended": intended,
-        "effects_delivered": applied,
-        "attempts_retried": tally.get("outcome:retry", 0),
-        "attempts_recovered_after_crash": tally.get("outcome:expired", 0),
-        "redeliveries_seen_by_sink": stats["redeliveries"],
-        "duplicates_applied_at_sink": len(stats["duplicate_keys_applied"])
+    return DemoReport(
+        runs=len(story.run_ids),
+        runs_completed=sum(s == "completed" for s in statuses.values()),
+        runs_compensated=sum(s == "compensated" for s in statuses.values()),
+        effects_intended=intended,
+        effects_delivered=applied,
+        attempts_retried=tally.get("outcome:retry", 0),
+        attempts_recovered_after_crash=tally.get("outcome:expired", 0),
+        redeliveries_seen_by_sink=stats["redeliveries"],
+        duplicates_applied_at_sink=len(stats["duplicate_keys_applied"])
         + len(stats["duplicate_operations"]),
-        "lost": (intended - applied) + max(0, applied - stats["keys_applied"]),
-        "phantom": max(0, stats["keys_applied"] - applied),
-        "seconds": round(seconds, 1),
-        "events": story.events,
-    }
+        lost=(intended - applied) + max(0, applied - stats["keys_applied"]),
+        phantom=max(0, stats["keys_applied"] - applied),
+        seconds=round(seconds, 1),
+        events=story.events,
+    )
 
 
-def _render(summary: dict[str, Any], logs: Path | None) -> None:
-    for event in summary["events"]:
+def _render(summary: DemoReport, logs: Path | None) -> None:
+    for event in summary.events:
         console.print(f"  • {event}")
     table(
         "demo summary",
         ["", "count"],
         [
-            ("runs completed", f"{summary['runs_completed']} / {summary['runs']}"),
-            ("runs cancelled and compensated", summary["runs_compensated"]),
-            ("effects intended", summary["effects_intended"]),
-            ("effects delivered", summary["effects_delivered"]),
-            ("attempts retried (429 from the sink)", summary["attempts_retried"]),
+            ("runs completed", f"{summary.runs_completed} / {summary.runs}"),
+            ("runs cancelled and compensated", summary.runs_compensated),
+            ("effects intended", summary.effects_intended),
+            ("effects delivered", summary.effects_delivered),
+            ("attempts retried (429 from the sink)", summary.attempts_retried),
             (
                 "attempts recovered after the deliverer was killed",
-                summary["attempts_recovered_after_crash"],
+                summary.attempts_recovered_after_crash,
             ),
-            ("redeliveries the sink deduplicated", summary["redeliveries_seen_by_sink"]),
-            ("duplicates applied at the sink", summary["duplicates_applied_at_sink"]),
-            ("lost", summary["lost"]),
-            ("seconds", summary["seconds"]),
+            ("redeliveries the sink deduplicated", summary.redeliveries_seen_by_sink),
+            ("duplicates applied at the sink", summary.duplicates_applied_at_sink),
+            ("lost", summary.lost),
+            ("seconds", summary.seconds),
         ],
     )
     if logs is not None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import click
 
-from outbox.cli._common import CliContext, emit, json_option, pass_cli, table
-from outbox.models import EffectStatus
+from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli.reports import EffectDetailReport, EffectListReport
+from outbox.models import Effect, EffectStatus
 
 __all__ = ["COMMANDS"]
 
@@ -17,10 +18,21 @@ def effects() -> None:
 
 @effects.command("list")
 @click.option("--run", "run_id", default=None, help="Only effects of this run.")
-@click.option("--status", type=click.Choice([s.value for s in EffectStatus]), default=None)
-@click.option("--kind", default=None)
-@click.option("--limit", type=click.IntRange(1, 1_000_000), default=100, show_default=True)
-@json_option
+@click.option(
+    "--status",
+    type=click.Choice([s.value for s in EffectStatus]),
+    default=None,
+    help="Only effects in this state.",
+)
+@click.option("--kind", default=None, help="Only effects of this kind.")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 1_000_000),
+    default=100,
+    show_default=True,
+    help="At most this many.",
+)
+@json_option(EffectListReport)
 @pass_cli
 def effects_list(
     cli: CliContext,
@@ -33,7 +45,7 @@ def effects_list(
     """List effects in intent order."""
     found = cli.outbox.effects(run_id=run_id, status=status, kind=kind, limit=limit)
     emit(
-        found,
+        EffectListReport(found),
         as_json,
         lambda: table(
             f"effects ({len(found)})",
@@ -57,7 +69,7 @@ def effects_list(
 
 @effects.command("show")
 @click.argument("effect_id")
-@json_option
+@json_option(EffectDetailReport)
 @pass_cli
 def effects_show(cli: CliContext, effect_id: str, as_json: bool) -> None:
     """Show one effect with its payload, result and attempt log."""
@@ -70,6 +82,8 @@ def effects_show(cli: CliContext, effect_id: str, as_json: bool) -> None:
             ["field", "value"],
             [(k, v) for k, v in effect.model_dump().items()],
         )
+        # In full: an approval names it (`outbox effects approve ID --digest ...`).
+        console.print(f"digest: {effect.digest}")
         table(
             "attempts",
             ["attempt", "worker", "started", "finished", "outcome", "detail"],
@@ -79,7 +93,7 @@ def effects_show(cli: CliContext, effect_id: str, as_json: bool) -> None:
             ],
         )
 
-    emit({"effect": effect, "attempts": attempts}, as_json, render)
+    emit(EffectDetailReport(effect=effect, attempts=attempts), as_json, render)
 
 
 def _operator() -> str:
@@ -99,7 +113,7 @@ def _operator() -> str:
 )
 @click.option("--note", required=True, help="Why (kept in the attempt log).")
 @click.option("--by", "operator", default=None, help="Who resolves it (default: your user).")
-@json_option
+@json_option(Effect)
 @pass_cli
 def effects_resolve(
     cli: CliContext, effect_id: str, outcome: str, note: str, operator: str | None, as_json: bool
@@ -130,7 +144,7 @@ def effects_resolve(
     help="How many more attempts it gets.",
 )
 @click.option("--note", default=None, help="Why (kept in the attempt log).")
-@json_option
+@json_option(Effect)
 @pass_cli
 def effects_retry(
     cli: CliContext, effect_id: str, extra_attempts: int, note: str | None, as_json: bool
@@ -147,6 +161,58 @@ def effects_retry(
             ["effect", "status", "max attempts"],
             [(effect.id, effect.status.value, effect.max_attempts)],
         ),
+    )
+
+
+@effects.command("approve")
+@click.argument("effect_id")
+@click.option(
+    "--digest",
+    required=True,
+    help="sha256 of the payload you approve (`outbox effects show ID`); "
+    "no other payload is released.",
+)
+@click.option("--note", required=True, help="Why (kept in the attempt log).")
+@click.option("--by", "operator", default=None, help="Who approves (default: your user).")
+@json_option(Effect)
+@pass_cli
+def effects_approve(
+    cli: CliContext, effect_id: str, digest: str, note: str, operator: str | None, as_json: bool
+) -> None:
+    """Release an effect held for approval (once; only the payload with this digest)."""
+    effect = cli.outbox.approve_effect(
+        effect_id, digest=digest, note=note, by=operator or _operator(), via="cli"
+    )
+    emit(
+        effect,
+        as_json,
+        lambda: console.print(f"approved: effect {effect.id} is {effect.status.value}"),
+    )
+
+
+@effects.command("reject")
+@click.argument("effect_id")
+@click.option("--note", required=True, help="Why (kept in the attempt log; the agent sees it).")
+@click.option("--digest", default=None, help="Only if the payload has this digest.")
+@click.option("--by", "operator", default=None, help="Who rejects (default: your user).")
+@json_option(Effect)
+@pass_cli
+def effects_reject(
+    cli: CliContext,
+    effect_id: str,
+    note: str,
+    digest: str | None,
+    operator: str | None,
+    as_json: bool,
+) -> None:
+    """End an effect held for approval as rejected: it never reaches the sink."""
+    effect = cli.outbox.reject_effect(
+        effect_id, note=note, digest=digest, by=operator or _operator(), via="cli"
+    )
+    emit(
+        effect,
+        as_json,
+        lambda: table("rejected", ["effect", "status"], [(effect.id, effect.status.value)]),
     )
 
 

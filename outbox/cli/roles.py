@@ -5,11 +5,26 @@ from __future__ import annotations
 import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli.reports import RoleLine, RolesReport
 
 __all__ = ["COMMANDS"]
 
+ROLES_HELP = """Create or update the agent, deliverer, operator and reader roles and their grants.
 
-@click.command("roles")
+    \b
+    outbox_agent      start runs, commit steps and intents, signals; no completion
+    outbox_deliverer  claim, heartbeat, complete, reconcile, move stopping runs on;
+                      no intents (only the compensations agents declared)
+    outbox_operator   resolve, retry, cancel, reconcile, gc; no intents
+    outbox_reader     read everything
+    Group roles without LOGIN: give each login one of them, e.g.
+      CREATE ROLE billing_agent LOGIN PASSWORD '...' IN ROLE outbox_agent;
+    Run as the owner of the outbox tables (or a superuser); running it again
+    brings the grants back to exactly these. docs/howto/secure-a-deployment.md shows them.
+    """
+
+
+@click.command("roles", help=ROLES_HELP)
 @click.option(
     "--prefix",
     default="outbox_",
@@ -28,22 +43,10 @@ __all__ = ["COMMANDS"]
     is_flag=True,
     help="Print the SQL instead of running it (to review, or to run with psql).",
 )
-@json_option
+@json_option(RolesReport)
 @pass_cli
 def roles(cli: CliContext, prefix: str, schema: str, print_only: bool, as_json: bool) -> None:
-    r"""Create or update the agent, deliverer, operator and reader roles and their grants.
-
-    \b
-    outbox_agent      start runs, commit steps and intents, signals; no completion
-    outbox_deliverer  claim, heartbeat, complete, reconcile, move stopping runs on;
-                      no intents (only the compensations agents declared)
-    outbox_operator   resolve, retry, cancel, reconcile, gc; no intents
-    outbox_reader     read everything
-    Group roles without LOGIN: give each login one of them, e.g.
-      CREATE ROLE billing_agent LOGIN PASSWORD '...' IN ROLE outbox_agent;
-    Run as the owner of the outbox tables (or a superuser); running it again
-    brings the grants back to exactly these. docs/howto/run-deliverers.md shows them.
-    """
+    """Create or update the agent, deliverer, operator and reader roles and their grants."""
     from outbox.storage.roles import ROLES, apply_roles, role_script
 
     if print_only:
@@ -52,13 +55,16 @@ def roles(cli: CliContext, prefix: str, schema: str, print_only: bool, as_json: 
         return
     with console.status("granting…"):
         names = apply_roles(cli.outbox.engine, prefix, schema)
-    data = [
-        {"role": name, "purpose": spec.purpose} for name, spec in zip(names, ROLES, strict=True)
-    ]
+    report = RolesReport(
+        roles=[
+            RoleLine(role=name, purpose=spec.purpose)
+            for name, spec in zip(names, ROLES, strict=True)
+        ]
+    )
     emit(
-        {"roles": data},
+        report,
         as_json,
-        lambda: table("roles", ["role", "purpose"], [(d["role"], d["purpose"]) for d in data]),
+        lambda: table("roles", ["role", "purpose"], [(r.role, r.purpose) for r in report.roles]),
     )
 
 

@@ -5,7 +5,19 @@ from __future__ import annotations
 import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, short, table
-from outbox.models import RunStatus
+from outbox.cli.reports import (
+    Budget,
+    CancelReport,
+    ForkReport,
+    PauseReport,
+    ResumeReport,
+    RunDetailReport,
+    RunDiffReport,
+    RunListReport,
+    VersionsReport,
+)
+from outbox.models import RunStatus, real_kind
+from outbox.validation import as_uuid
 
 __all__ = ["COMMANDS"]
 
@@ -16,10 +28,21 @@ def runs() -> None:
 
 
 @runs.command("list")
-@click.option("--status", type=click.Choice([s.value for s in RunStatus]), default=None)
-@click.option("--agent", default=None)
-@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
-@json_option
+@click.option(
+    "--status",
+    type=click.Choice([s.value for s in RunStatus]),
+    default=None,
+    help="Only runs in this status.",
+)
+@click.option("--agent", default=None, help="Only runs of this agent.")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 100_000),
+    default=50,
+    show_default=True,
+    help="At most this many.",
+)
+@json_option(RunListReport)
 @pass_cli
 def runs_list(
     cli: CliContext, status: str | None, agent: str | None, limit: int, as_json: bool
@@ -27,7 +50,7 @@ def runs_list(
     """List recent runs, newest first."""
     found = cli.outbox.runs(status=status, agent=agent, limit=limit)
     emit(
-        found,
+        RunListReport(found),
         as_json,
         lambda: table(
             f"runs ({len(found)})",
@@ -51,26 +74,27 @@ def runs_list(
 
 @runs.command("show")
 @click.argument("run_id")
-@json_option
+@json_option(RunDetailReport)
 @pass_cli
 def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
     """Show one run: inputs, state, plan, budget, steps and effects."""
     run = cli.outbox.run(run_id)
     record = run.record
-    steps = [run.step(s) for s in run.completed_steps]
+    steps = [s for s in (run.step(s) for s in run.completed_steps) if s is not None]
     effects = run.effects()
     remaining = None if record.budget is None else record.budget - record.spent - record.reserved
-    data = {
-        "run": record,
-        "budget": {
-            "budget": record.budget,
-            "spent": record.spent,
-            "reserved": record.reserved,
-            "remaining": remaining,
-        },
-        "steps": steps,
-        "effects": effects,
-    }
+    data = RunDetailReport(
+        run=record,
+        budget=Budget(
+            budget=record.budget,
+            spent=record.spent,
+            reserved=record.reserved,
+            remaining=remaining,
+        ),
+        steps=steps,
+        effects=effects,
+        mode=record.mode,
+    )
 
     def render() -> None:
         table(
@@ -78,6 +102,7 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
             ["field", "value"],
             [
                 ("agent", f"{record.agent} {record.agent_version}"),
+                ("mode", record.mode.value),
                 ("status", record.status.value),
                 *(
                     [("paused", f"since {short(record.paused_at)}: {record.pause_reason}")]
@@ -109,20 +134,33 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
         table(
             "steps",
             ["#", "step", "kind", "result", "completed"],
-            [
-                (i + 1, s.step_id, s.kind, s.result, s.completed_at)
-                for i, s in enumerate(steps)
-                if s is not None
-            ],
+            [(i + 1, s.step_id, s.kind, s.result, s.completed_at) for i, s in enumerate(steps)],
         )
-        table(
-            "effects",
-            ["id", "step", "kind", "status", "attempt", "key"],
-            [
-                (e.id, e.step_id, e.kind, e.status.value, e.attempt, e.idempotency_key[:16])
-                for e in effects
-            ],
-        )
+        if record.dry_run:
+            table(
+                "what would have happened (a dry run: no sink was called)",
+                ["step", "#", "kind", "payload", "result (stub)", "status"],
+                [
+                    (
+                        e.step_id,
+                        e.step_index,
+                        real_kind(e.kind),
+                        e.payload,
+                        e.result,
+                        e.status.value,
+                    )
+                    for e in effects
+                ],
+            )
+        else:
+            table(
+                "effects",
+                ["id", "step", "kind", "status", "attempt", "key"],
+                [
+                    (e.id, e.step_id, e.kind, e.status.value, e.attempt, e.idempotency_key[:16])
+                    for e in effects
+                ],
+            )
         console.print()
 
     emit(data, as_json, render)
@@ -138,7 +176,7 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
     default=0.0,
     help="Wait up to this many seconds for compensation to finish.",
 )
-@json_option
+@json_option(CancelReport)
 @pass_cli
 def runs_cancel(
     cli: CliContext, run_id: str, reason: str, wait_seconds: float, as_json: bool
@@ -154,7 +192,7 @@ def runs_cancel(
         ob.advance_stopping_runs()
         status = ob.run(run_id).status
     emit(
-        {"run_id": run_id, "status": status.value},
+        CancelReport(run_id=as_uuid(run_id, "run_id"), status=status),
         as_json,
         lambda: console.print(f"run {run_id}: {status.value}"),
     )
@@ -163,7 +201,7 @@ def runs_cancel(
 @runs.command("pause")
 @click.argument("run_id")
 @click.option("--reason", required=True, help="Why (kept on the run until it is resumed).")
-@json_option
+@json_option(PauseReport)
 @pass_cli
 def runs_pause(cli: CliContext, run_id: str, reason: str, as_json: bool) -> None:
     """Pause a run: not claimed by workers, its effects not started by deliverers.
@@ -175,7 +213,7 @@ def runs_pause(cli: CliContext, run_id: str, reason: str, as_json: bool) -> None
     status = cli.outbox.pause(run_id, reason)
     note = "paused" if status.value == "paused" else "pausing: the step in flight finishes first"
     emit(
-        {"run_id": run_id, "status": status.value, "reason": reason},
+        PauseReport(run_id=as_uuid(run_id, "run_id"), status=status, reason=reason),
         as_json,
         lambda: console.print(f"run {run_id}: {note}"),
     )
@@ -183,7 +221,7 @@ def runs_pause(cli: CliContext, run_id: str, reason: str, as_json: bool) -> None
 
 @runs.command("resume")
 @click.argument("run_id")
-@json_option
+@json_option(ResumeReport)
 @pass_cli
 def runs_resume(cli: CliContext, run_id: str, as_json: bool) -> None:
     """Resume a paused run: runnable again, its held effects delivered.
@@ -193,7 +231,7 @@ def runs_resume(cli: CliContext, run_id: str, as_json: bool) -> None:
     """
     status = cli.outbox.resume(run_id)
     emit(
-        {"run_id": run_id, "status": status.value},
+        ResumeReport(run_id=as_uuid(run_id, "run_id"), status=status),
         as_json,
         lambda: console.print(f"run {run_id}: {status.value}"),
     )
@@ -213,7 +251,7 @@ def runs_resume(cli: CliContext, run_id: str, as_json: bool) -> None:
     default=None,
     help="Agent version the fork is pinned to (default: the original's).",
 )
-@json_option
+@json_option(ForkReport)
 @pass_cli
 def runs_fork(
     cli: CliContext, run_id: str, from_step: str, version: str | None, as_json: bool
@@ -227,14 +265,15 @@ def runs_fork(
     """
     fork = cli.outbox.fork(run_id, from_step, version=version)
     record = fork.record
-    data = {
-        "run_id": str(record.id),
-        "forked_from": str(record.forked_from),
-        "from_step": from_step,
-        "version": record.agent_version,
-        "replayed_steps": fork.completed_steps,
-        "status": record.status.value,
-    }
+    assert record.forked_from is not None  # a fork always names its original
+    data = ForkReport(
+        run_id=record.id,
+        forked_from=record.forked_from,
+        from_step=from_step,
+        version=record.agent_version,
+        replayed_steps=list(fork.completed_steps),
+        status=record.status,
+    )
     emit(
         data,
         as_json,
@@ -246,13 +285,13 @@ def runs_fork(
 
 
 @runs.command("versions")
-@json_option
+@json_option(VersionsReport)
 @pass_cli
 def runs_versions(cli: CliContext, as_json: bool) -> None:
     """Unfinished runs per agent version: a version with none left can be retired."""
     rows = cli.outbox.run_versions()
     emit(
-        rows,
+        VersionsReport.model_validate(rows),
         as_json,
         lambda: table(
             "unfinished runs by version",
@@ -260,6 +299,37 @@ def runs_versions(cli: CliContext, as_json: bool) -> None:
             [(r["agent"], r["version"], r["status"], r["runs"]) for r in rows],
         ),
     )
+
+
+@runs.command("diff")
+@click.argument("run_a")
+@click.argument("run_b")
+@json_option(RunDiffReport)
+@pass_cli
+def runs_diff(cli: CliContext, run_a: str, run_b: str, as_json: bool) -> None:
+    """Compare the effects two runs intended (exit 1 when they differ, like diff).
+
+    Effects are matched by step and index and compared on kind, payload,
+    compensation, ordering key and key; each run's own id is written {run}, so
+    a dry run and a real run of the same inputs compare equal.
+    """
+    import sys
+
+    found = cli.outbox.diff_runs(run_a, run_b)
+
+    def render() -> None:
+        if found.identical:
+            console.print(f"no difference in intended effects ({found.compared} compared)")
+            return
+        table(
+            f"{len(found.changes)} difference(s) in {found.compared} intended effect(s)",
+            ["step", "#", "change", "fields", "A", "B"],
+            [(c.step_id, c.index, c.change, ", ".join(c.fields), c.a, c.b) for c in found.changes],
+        )
+
+    emit(RunDiffReport.model_validate(found.as_dict()), as_json, render)
+    if not found.identical:
+        sys.exit(1)
 
 
 COMMANDS = [runs]

@@ -5,16 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from pydantic import BaseModel
 
 from outbox.cli._common import console, emit, json_option
-from outbox.json_schemas import check_schemas, write_schemas
+from outbox.cli.reports import SchemasCheckReport, SchemasExportReport, report_models
+from outbox.json_schemas import boundary_models, check_schemas, write_schemas
 
-__all__ = ["COMMANDS"]
+__all__ = ["COMMANDS", "exported_models"]
+
+
+def exported_models() -> dict[str, type[BaseModel]]:
+    """Every model whose schema is in ``schemas/``: boundary records and payloads, and reports."""
+    return dict(sorted({**boundary_models(), **report_models()}.items()))
 
 
 @click.group("schemas")
 def schemas() -> None:
-    """Export or check the JSON Schemas of boundary models."""
+    """Export or check the JSON Schemas of boundary models and --json reports."""
 
 
 @schemas.command("export")
@@ -24,13 +31,14 @@ def schemas() -> None:
     type=click.Path(path_type=Path, file_okay=False),
     default=Path("schemas"),
     show_default=True,
+    help="Write the files here.",
 )
-@json_option
+@json_option(SchemasExportReport)
 def schemas_export(directory: Path, as_json: bool) -> None:
-    """Write one JSON Schema file per boundary model."""
-    written = write_schemas(directory)
+    """Write one JSON Schema file per boundary model and per --json report."""
+    written = write_schemas(directory, exported_models())
     emit(
-        [str(p) for p in written],
+        SchemasExportReport([str(p) for p in written]),
         as_json,
         lambda: console.print(f"wrote {len(written)} schema(s) to {directory}"),
     )
@@ -43,13 +51,14 @@ def schemas_export(directory: Path, as_json: bool) -> None:
     type=click.Path(path_type=Path),
     default=Path("schemas"),
     show_default=True,
+    help="Compare with the files here.",
 )
-@json_option
+@json_option(SchemasCheckReport)
 def schemas_check(directory: Path, as_json: bool) -> None:
     """Exit 1 when a schema file differs from its model."""
-    drift = check_schemas(directory)
+    drift = check_schemas(directory, exported_models())
     emit(
-        {"drift": drift},
+        SchemasCheckReport(drift=drift),
         as_json,
         lambda: console.print("schemas are in sync" if not drift else f"out of date: {drift}"),
     )

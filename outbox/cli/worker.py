@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -20,58 +21,84 @@ from outbox.cli._common import (
     pass_cli,
 )
 from outbox.errors import ConfigurationError
+from outbox.runs.signals import SignalReceipt
 from outbox.validation import import_callable
 
 __all__ = ["COMMANDS"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _worker_default(name: str) -> Any:
+    from outbox.runs.worker import WorkerSettings
+
+    return WorkerSettings.model_fields[name].default
+
+
+def worker_option(name: str, *flags: str, type: Any, help: str) -> Callable[[F], F]:
+    """An option for a ``WorkerSettings`` field: its default shown, passed on only when set."""
+    return click.option(
+        *flags, name, type=type, default=None, help=f"{help}  [default: {_worker_default(name)}]"
+    )
 
 
 @click.command("worker")
 @click.argument("handler_path", metavar="MODULE:FUNCTION")
 @click.option("--agent", required=True, help="Agent name of the runs to execute.")
 @click.option("--version", "version", required=True, help="Agent version this code is.")
-@click.option("--concurrency", type=click.IntRange(1, 1000), default=4, show_default=True)
-@click.option(
-    "--lease",
+@worker_option(
+    "concurrency",
+    "--concurrency",
+    type=click.IntRange(1, 1000),
+    help="Runs worked on at once (waiting runs do not count).",
+)
+@worker_option(
     "lease_seconds",
+    "--lease",
     type=click.FloatRange(min=0.001, max=86_400),
-    default=30.0,
-    show_default=True,
     help="Seconds a run is leased; heartbeats extend it.",
+)
+@worker_option(
+    "grace_seconds",
+    "--grace",
+    type=click.FloatRange(min=0, max=86_400),
+    help="On SIGTERM, how long running handlers may take to finish.",
 )
 @click.option(
     "--setup",
     "setup_path",
     default=None,
     metavar="MODULE:FUNCTION",
-    help="Called with the Outbox first (e.g. to register version migrations).",
+    help="Called with the Outbox first (e.g. to register version upgrades).",
 )
-@click.option("--log-json", is_flag=True)
+@click.option("--log-json", is_flag=True, help="Log JSON lines.")
 @pass_cli
 def worker(
     cli: CliContext,
+    /,
     handler_path: str,
     agent: str,
     version: str,
-    concurrency: int,
-    lease_seconds: float,
     setup_path: str | None,
     log_json: bool,
+    **chosen: Any,
 ) -> None:
     """Execute runs of one agent version until SIGTERM/SIGINT.
 
     An ``async def`` handler gets an AsyncRun, and --concurrency runs work at
-    once on one event loop.
+    once on one event loop. On SIGTERM no run is claimed any more; handlers
+    still running after --grace keep their lease until it runs out, then their
+    runs resume elsewhere from the last recorded step.
     """
     from outbox.cli.logs import configure
 
     configure(logging.INFO, as_json=log_json)
+    given = {name: value for name, value in chosen.items() if value is not None}
     handler = import_callable(handler_path, field="handler")
     ob = cli.outbox
     if setup_path is not None:
         import_callable(setup_path, field="setup")(ob)
-    runner = ob.worker(
-        agent, version, handler, concurrency=concurrency, lease_seconds=lease_seconds
-    )
+    runner = ob.worker(agent, version, handler, **given)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: runner.stop())
     runner.run()
@@ -82,7 +109,7 @@ def worker(
 @click.argument("name")
 @click.option("--data", default="null", help="The payload, as JSON.")
 @click.option("--dedup-key", default=None, help="Sending the same key again is a no-op.")
-@json_option
+@json_option(SignalReceipt)
 @pass_cli
 def signal_command(
     cli: CliContext, run_id: str, name: str, data: str, dedup_key: str | None, as_json: bool
@@ -95,13 +122,8 @@ def signal_command(
     except RecursionError:
         raise click.BadParameter("nested too deeply", param_hint="--data") from None
     receipt = cli.outbox.signal(run_id, name, payload, dedup_key=dedup_key)
-    data_out = {
-        "signal_id": None if receipt.signal_id is None else str(receipt.signal_id),
-        "duplicate": receipt.duplicate,
-        "woke_run": receipt.woke_run,
-    }
     emit(
-        data_out,
+        receipt,
         as_json,
         lambda: console.print(
             "duplicate: already received"
@@ -128,8 +150,16 @@ def _settings(**values: Any) -> Any:
 
 
 @click.command("serve")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65_535), default=8080, show_default=True)
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to listen on (keep it local)."
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65_535),
+    default=8080,
+    show_default=True,
+    help="Port to listen on.",
+)
 @click.option(
     "--secret-file",
     type=click.Path(path_type=Path, exists=True, dir_okay=False, readable=True),
@@ -149,18 +179,69 @@ def _settings(**values: Any) -> Any:
     help="Bearer token of /metrics (else OUTBOX_METRICS_TOKEN[_FILE]).",
 )
 @click.option(
+    "--api-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Bearer token of the HTTP API, /api/v1 (else OUTBOX_API_TOKEN[_FILE]); "
+    "without one the API is off.",
+)
+@click.option(
     "--tolerance",
     type=float,
     default=300.0,
     show_default=True,
     help="Seconds a signed request stays valid.",
 )
-@click.option("--max-concurrency", type=int, default=100, show_default=True)
-@click.option("--header-timeout", type=float, default=10.0, show_default=True)
-@click.option("--body-timeout", type=float, default=30.0, show_default=True)
-@click.option("--idle-timeout", type=float, default=5.0, show_default=True)
-@click.option("--console/--no-console", "with_console", default=True, show_default=True)
-@click.option("--log-json", is_flag=True)
+@click.option(
+    "--max-concurrency",
+    type=int,
+    default=100,
+    show_default=True,
+    help="Connections and requests in progress at once; more are answered 503.",
+)
+@click.option(
+    "--header-timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds a client has to send a request's headers.",
+)
+@click.option(
+    "--body-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds a client has to send a request's body (else 408).",
+)
+@click.option(
+    "--idle-timeout",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds an idle keep-alive connection is kept open.",
+)
+@click.option(
+    "--max-body-bytes",
+    type=int,
+    default=1024 * 1024,
+    show_default=True,
+    help="Largest request body read (more is answered 413, unread).",
+)
+@click.option(
+    "--max-wait",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Longest an HTTP API long poll waits for an effect, in seconds.",
+)
+@click.option(
+    "--console/--no-console",
+    "with_console",
+    default=True,
+    show_default=True,
+    help="Serve the operator console at /console.",
+)
+@click.option("--log-json", is_flag=True, help="Log JSON lines.")
 @pass_cli
 def serve(
     cli: CliContext,
@@ -169,15 +250,18 @@ def serve(
     secret_file: Path | None,
     operator_token_file: Path | None,
     metrics_token_file: Path | None,
+    api_token_file: Path | None,
     tolerance: float,
     max_concurrency: int,
     header_timeout: float,
     body_timeout: float,
     idle_timeout: float,
+    max_body_bytes: int,
+    max_wait: float,
     with_console: bool,
     log_json: bool,
 ) -> None:
-    """Signed signals over HTTP, /healthz, /metrics and the operator console (/console)."""
+    """Signed signals, the HTTP API (/api/v1), /healthz, /metrics and the console (/console)."""
     from outbox.cli.logs import configure
     from outbox.serve.app import OutboxServer
     from outbox.serve.settings import Credentials
@@ -190,16 +274,20 @@ def serve(
         header_timeout=header_timeout,
         body_timeout=body_timeout,
         idle_timeout=idle_timeout,
+        max_body_bytes=max_body_bytes,
+        max_wait=max_wait,
         console=with_console,
     )
     credentials = Credentials.from_env(
         webhook_secret_file=secret_file,
         operator_token_file=operator_token_file,
         metrics_token_file=metrics_token_file,
+        api_token_file=api_token_file,
     )
-    if credentials.webhook_secret is None and not with_console:
+    if credentials.webhook_secret is None and credentials.api_token is None and not with_console:
         raise ConfigurationError(
-            "OUTBOX_WEBHOOK_SECRET is not set (or pass --secret-file): signals are never unsigned"
+            "OUTBOX_WEBHOOK_SECRET and OUTBOX_API_TOKEN are not set (or pass --secret-file, "
+            "--api-token-file): with no console either, there is nothing to serve"
         )
     configure(logging.INFO, as_json=log_json)
     with listening(host, port):
@@ -207,10 +295,11 @@ def serve(
     server = OutboxServer(cli.outbox, settings, credentials)
     log = logging.getLogger("outbox.serve")
     log.info(
-        "serving on http://%s:%d (signals %s, console %s)",
+        "serving on http://%s:%d (signals %s, HTTP API %s, console %s)",
         host,
         port,
         "on" if credentials.webhook_secret else "off: no OUTBOX_WEBHOOK_SECRET",
+        "on at /api/v1" if credentials.api_token else "off: no OUTBOX_API_TOKEN",
         ("read-write for the operator" if credentials.operator_token else "read-only")
         if with_console
         else "off",
@@ -223,8 +312,14 @@ COMMANDS = [worker, signal_command, serve]
 
 
 @click.command("sink")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65_535), default=8080, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65_535),
+    default=8080,
+    show_default=True,
+    help="Port to listen on.",
+)
 def sink(host: str, port: int) -> None:
     """A sample HTTP sink that honours Idempotency-Key (GET /stats shows what it applied)."""
     import threading

@@ -8,6 +8,7 @@ the import path for third-party deliverers; everything it names lives in
 from __future__ import annotations
 
 from outbox.delivery.contract import (
+    AttemptNotes,
     Deliverer,
     DelivererConfig,
     Delivery,
@@ -24,6 +25,7 @@ from outbox.delivery.contract import (
 )
 
 __all__ = [
+    "AttemptNotes",
     "Deliverer",
     "DelivererConfig",
     "Delivery",

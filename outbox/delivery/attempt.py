@@ -16,6 +16,7 @@ from typing import Any
 import pydantic
 
 from outbox.delivery.contract import (
+    AttemptNotes,
     Deliverer,
     Delivery,
     Failed,
@@ -77,7 +78,12 @@ def decide(
 ) -> Decision:
     """Turn a deliverer's outcome for attempt number ``attempt`` into a decision (pure)."""
     if isinstance(outcome, Succeeded):
-        return Decision(EffectStatus.SUCCEEDED, AttemptOutcome.SUCCEEDED, result=outcome.result)
+        return Decision(
+            EffectStatus.SUCCEEDED,
+            AttemptOutcome.SUCCEEDED,
+            result=outcome.result,
+            detail=outcome.detail,
+        )
     if isinstance(outcome, Failed):
         return Decision(
             EffectStatus.FAILED, AttemptOutcome.FAILED, error=outcome.reason, detail=outcome.detail
@@ -111,7 +117,9 @@ def decide(
     )
 
 
-def delivery_for(effect: ClaimedEffect, payload: Any = None) -> Delivery:
+def delivery_for(
+    effect: ClaimedEffect, payload: Any = None, notes: AttemptNotes | None = None
+) -> Delivery:
     """What a deliverer sees of a claimed attempt (``payload`` parsed, else as stored)."""
     return Delivery(
         effect_id=effect.id,
@@ -123,6 +131,8 @@ def delivery_for(effect: ClaimedEffect, payload: Any = None) -> Delivery:
         schema_version=effect.schema_version,
         ordering_key=effect.ordering_key,
         created_at=effect.created_at,
+        notes=notes,
+        note=effect.attempt_note,
         traceparent=current_traceparent(),
     )
 
@@ -147,6 +157,7 @@ async def perform_attempt(
     policy: RetryPolicy,
     default_max_attempts: int,
     schema_retry_seconds: float,
+    notes: AttemptNotes | None = None,
 ) -> tuple[Completion, Outcome | None]:
     """Make the attempt ``effect`` stands for; return its record and the raw outcome.
 
@@ -177,8 +188,8 @@ async def perform_attempt(
         effect_id=str(effect.id),
         run_id=None if effect.run_id is None else str(effect.run_id),
     ) as span:
-        outcome = await _call(deliverer, effect, context)
-        crash_point("after_call")
+        outcome = await _call(deliverer, effect, context, notes)
+        crash_point("after_call", effect.kind, run=effect.run_id)
         max_attempts = effect.max_attempts or deliverer.max_attempts or default_max_attempts
         decision = decide(outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy)
         span.outcome(
@@ -225,14 +236,19 @@ def record_of(effect: ClaimedEffect, decision: Decision) -> Completion:
     )
 
 
-async def _call(deliverer: Deliverer, effect: ClaimedEffect, context: dict[str, Any]) -> Outcome:
+async def _call(
+    deliverer: Deliverer,
+    effect: ClaimedEffect,
+    context: dict[str, Any],
+    notes: AttemptNotes | None,
+) -> Outcome:
     try:
         payload = deliverer.parse_payload(effect.payload)
     except pydantic.ValidationError as exc:
         return Failed(
             f"payload does not match the schema of kind {effect.kind!r}: {_pydantic_summary(exc)}"
         )
-    delivery = delivery_for(effect, payload)
+    delivery = delivery_for(effect, payload, notes)
     try:
         if is_async(deliverer.deliver):
             outcome = await deliverer.deliver(delivery)  # type: ignore[misc]

@@ -10,9 +10,10 @@ asks the sink whether a key was applied: the reconciler uses both after a crash.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 from uuid import UUID
@@ -30,6 +31,7 @@ from outbox.errors import (
 from outbox.storage.sql.queue import Rate
 
 __all__ = [
+    "AttemptNotes",
     "Deliverer",
     "DelivererConfig",
     "Delivery",
@@ -45,9 +47,43 @@ __all__ = [
 ]
 
 
+class AttemptNotes:
+    """Where a deliverer writes, before it calls the sink, what it will need to ask it later.
+
+    Kafka's deliverer notes the partition and the offset it will publish after,
+    so that :meth:`Deliverer.lookup` can read the partition back from there
+    after a crash. The note is stored on the effect, fenced by the attempt: it
+    returns False when the attempt is no longer this deliverer's (then do not
+    call the sink). ``write`` is awaited by async deliverers; a plain deliverer,
+    which runs in a worker thread, calls ``write_blocking``.
+    """
+
+    def __init__(
+        self,
+        write: Callable[[Mapping[str, Any]], Coroutine[Any, Any, bool]],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._write = write
+        self._loop = loop
+
+    async def write(self, note: Mapping[str, Any]) -> bool:
+        """Store ``note`` (JSON) for this attempt; False when the attempt is no longer ours."""
+        return await self._write(note)
+
+    def write_blocking(self, note: Mapping[str, Any], timeout: float = 30.0) -> bool:
+        """:meth:`write` from a worker thread (a plain ``deliver`` runs in one)."""
+        return asyncio.run_coroutine_threadsafe(self._write(note), self._loop).result(timeout)
+
+
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """One attempt at one effect, as a deliverer sees it."""
+    """One attempt at one effect, as a deliverer sees it.
+
+    ``notes`` (during ``deliver``) stores a note for this attempt before the call;
+    ``note`` (during ``lookup``) is the note the attempt being looked up stored,
+    or None when it stored none (a deliverer that notes before every call then
+    knows the call never happened).
+    """
 
     effect_id: UUID
     run_id: UUID | None
@@ -58,15 +94,18 @@ class Delivery:
     schema_version: int = 1
     ordering_key: str | None = None
     created_at: Any = None
+    notes: AttemptNotes | None = None
+    note: Any = None
     #: The W3C ``traceparent`` of this attempt's span (send it on, as HTTP does), or None.
     traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Succeeded:
-    """The sink applied the effect; ``result`` (JSON) is recorded."""
+    """The sink applied the effect; ``result`` (JSON) is recorded, ``detail`` logged."""
 
     result: Any = None
+    detail: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +162,16 @@ class DelivererConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: The deliverer type serving this kind (an ``outbox.deliverers`` entry point
+    #: name); default: the kind's own name.
     type: str | None = None
+    #: Whether the sink dedups on the idempotency key, overriding the type's own
+    #: declaration: decides whether a lost attempt is redelivered or ``unknown``.
     idempotent: bool | None = None
+    #: Attempts an effect of this kind gets (unless its intent says).
     max_attempts: int = Field(default=10, ge=1, le=1000)
+    #: At most this many calls of this kind at once in one daemon (default: no limit
+    #: of its own, only the daemon's ``concurrency``).
     concurrency: int | None = Field(default=None, ge=1)
     #: Calls per second for this kind, shared by every deliverer process through
     #: PostgreSQL (a provider's known quota). None: no rate of its own.
@@ -143,6 +189,9 @@ class Deliverer:
 
     #: The sink dedups on the idempotency key: a crash mid-call is redelivered.
     default_idempotent: ClassVar[bool] = False
+    #: Without a config file, the default registry serves the kind of this type's name.
+    #: False for types that only make sense configured (the test stand-in).
+    default_registered: ClassVar[bool] = True
     #: Validates payloads (and is exported to ``schemas/``); None accepts any JSON.
     payload_model: ClassVar[type[BaseModel] | None] = None
     #: Validates this deliverer's settings.

@@ -17,19 +17,22 @@ import logging
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from typing import Any
 from uuid import UUID
 
 from outbox.delivery.attempt import perform_attempt, released
-from outbox.delivery.contract import Deliverer, Retry
+from outbox.delivery.contract import AttemptNotes, Deliverer, Retry
 from outbox.delivery.leases import Leases
 from outbox.delivery.maintenance import Maintenance
 from outbox.delivery.metrics import DeliveryMetrics
-from outbox.delivery.recording import OutcomeWriter, Written, describe
+from outbox.delivery.recording import ClaimRider, OutcomeWriter, Written, describe
 from outbox.delivery.settings import DeliverySettings
 from outbox.delivery.sources import EffectSource, PollSource, wait_or_wake
 from outbox.delivery.storable import storable_text
+from outbox.faults import crash_point
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
+from outbox.storage.owner_lock import OwnerLock
 
 __all__ = ["DeliveryDaemon"]
 
@@ -45,6 +48,9 @@ UNRECORDABLE_PAUSE_SECONDS = 1.0
 UNRECORDABLE_PAUSE_MAX_SECONDS = 60.0
 #: At shutdown, a write past the grace period still gets this long (one try).
 LAST_WRITE_SECONDS = 0.25
+#: How long the first claim waits for the owner's session lock. Without it this
+#: daemon's death is seen only when its leases run out; it claims anyway.
+OWNER_LOCK_WAIT_SECONDS = 5.0
 
 
 class DeliveryDaemon:
@@ -77,6 +83,7 @@ class DeliveryDaemon:
         #: When shutdown must be over (set by :meth:`stop`): calls, writes, everything.
         self._deadline: float | None = None
         self._closing = False
+        self._maintenance: Maintenance | None = None
         #: Attempts whose final outcome (not a retry) this daemon recorded.
         self.delivered = 0
 
@@ -93,9 +100,18 @@ class DeliveryDaemon:
 
     async def run(self) -> None:
         """Deliver until stopped, then drain gracefully."""
-        maintenance = Maintenance(
+        self._maintenance = maintenance = Maintenance(
             self.store, self.deliverers, self.settings, self.leases, self.metrics, self.source.wake
         )
+        owner_lock = OwnerLock(self.store.dsn, self.owner) if self.settings.early_recovery else None
+        if owner_lock is not None:
+            owner_lock.start()
+            if not await owner_lock.wait_held(OWNER_LOCK_WAIT_SECONDS):
+                log.warning(
+                    "owner %s: no session lock yet; if this process dies its attempts "
+                    "wait for their leases",
+                    self.owner,
+                )
         await self.source.open()
         background = maintenance.start()
         writer = asyncio.create_task(self._write_completions(), name="completions")
@@ -125,6 +141,8 @@ class DeliveryDaemon:
                 await asyncio.gather(writer, return_exceptions=True)
             await self._flush()
             await self.source.close(max(self._deadline - time.monotonic(), LAST_WRITE_SECONDS))
+            if owner_lock is not None:
+                await owner_lock.close()
             for deliverer in self.deliverers.values():
                 # Clients such as httpx's belong to this event loop: close them on it.
                 await deliverer.aclose()
@@ -162,16 +180,22 @@ class DeliveryDaemon:
                 log.warning("taking effects from %s failed (%s); retrying", self.source.name, exc)
                 await wait_or_wake(self._room, self.settings.poll_seconds)
                 continue
+            if batch:
+                self._changed()
             if self._stopping.is_set():
                 for effect in batch:
                     self._record(released(effect, "released unstarted at shutdown"))
                 break
-            for effect in batch:
-                if effect.kind in self.deliverers:
-                    self.leases.hold(effect)
-                else:  # a record of a kind this process does not deliver
-                    self._record(released(effect, f"no deliverer for kind {effect.kind!r} here"))
-            self._start_ready()
+            self._hold(batch)
+
+    def _hold(self, batch: list[ClaimedEffect]) -> None:
+        """Hold claimed attempts and start those that may start."""
+        for effect in batch:
+            if effect.kind in self.deliverers:
+                self.leases.hold(effect)
+            else:  # a record of a kind this process does not deliver
+                self._record(released(effect, f"no deliverer for kind {effect.kind!r} here"))
+        self._start_ready()
 
     def _start_ready(self) -> None:
         for effect in self.leases.startable():
@@ -211,6 +235,7 @@ class DeliveryDaemon:
                 policy=self.settings.retry_policy,
                 default_max_attempts=self.settings.max_attempts,
                 schema_retry_seconds=self.settings.schema_retry_seconds,
+                notes=self._notes(effect),
             )
         except Exception as exc:
             # A bug around the call (a deliverer's parse_payload, say): without a record
@@ -229,6 +254,23 @@ class DeliveryDaemon:
         if isinstance(outcome, Retry) and outcome.rate_limited:
             self._pause(effect.kind, outcome.after if outcome.after is not None else 1.0)
         self._record(completion)
+
+    def _changed(self) -> None:
+        if self._maintenance is not None:
+            self._maintenance.changed()
+
+    def _notes(self, effect: ClaimedEffect) -> AttemptNotes:
+        """Where this attempt's deliverer notes what a later lookup needs (fenced by attempt)."""
+        owner = effect.lease_owner or self.owner
+
+        async def write(note: Mapping[str, Any]) -> bool:
+            written = await self.store.note_attempt(
+                effect.id, effect.attempt, owner=owner, note=note
+            )
+            crash_point("after_note")
+            return written
+
+        return AttemptNotes(write, asyncio.get_running_loop())
 
     def _pause(self, kind: str, seconds: float, why: str = "rate-limited") -> None:
         """Hold ``kind`` back; what waits behind the pause starts when it ends.
@@ -260,10 +302,28 @@ class DeliveryDaemon:
     async def _flush(self) -> None:
         while self._done:
             batch, self._done = self._done, []
-            written = await self._writer.write(batch, timeout=self._write_timeout())
-            self._account(batch, written)
+            if isinstance(self.source, PollSource) and not self._stopping.is_set():
+                # Outcomes of batch N and the claim of batch N+1, one transaction.
+                quotas = self.source.rider_quotas(self.leases, freeing=len(batch))
+                rider = (
+                    ClaimRider(quotas, self.settings.lease_seconds, self.leases.rates)
+                    if quotas
+                    else None
+                )
+                with self.leases.reserving(quotas, freeing=len(batch)):
+                    written = await self._writer.write(
+                        batch, timeout=self._write_timeout(), rider=rider
+                    )
+                self._account(batch, written)
+                if rider is not None and not written.left:
+                    self.source.claimed(written.claimed, quotas)
+                    self._hold(written.claimed)
+            else:
+                written = await self._writer.write(batch, timeout=self._write_timeout())
+                self._account(batch, written)
             finished = [*written.logged, *written.abandoned]
             if finished:
+                self._changed()
                 try:
                     await self.source.recorded(finished)
                 except Exception as exc:  # the source re-reads; recorded effects are skipped

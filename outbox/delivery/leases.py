@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from uuid import UUID
 
@@ -50,6 +51,7 @@ class Leases:
         self.concurrency = concurrency
         self.metrics = metrics
         self.held: dict[UUID, Held] = {}
+        self._reserved = 0
         self._running: dict[str, int] = dict.fromkeys(deliverers, 0)
         self._waiting: dict[str, deque[UUID]] = {kind: deque() for kind in deliverers}
         self._paused_until: dict[str, float] = {}
@@ -62,8 +64,23 @@ class Leases:
 
     @property
     def free(self) -> int:
-        """How many more attempts this process may hold."""
-        return self.concurrency - len(self.held)
+        """How many more attempts this process may hold (claims under way count as held)."""
+        return self.concurrency - len(self.held) - self._reserved
+
+    @contextmanager
+    def reserving(
+        self, quotas: list[tuple[dict[str, str], int]], *, freeing: int = 0
+    ) -> Iterator[None]:
+        """Count the room a claim may fill as taken while it runs (two claims never share it).
+
+        ``freeing``: outcomes written with the claim, whose places it reuses.
+        """
+        reserved = max(0, sum(n for _, n in quotas) - freeing)
+        self._reserved += reserved
+        try:
+            yield
+        finally:
+            self._reserved -= reserved
 
     def _room(self, kind: str) -> int:
         cap = self.deliverers[kind].concurrency
@@ -75,9 +92,13 @@ class Leases:
         """True while a rate-limit answer holds this kind back."""
         return self._paused_until.get(kind, 0.0) > (time.monotonic() if now is None else now)
 
-    def quotas(self, batch_size: int) -> list[tuple[dict[str, str], int]]:
-        """How many of each kind a claim may take now: room, pauses and fairness between kinds."""
-        free = self.free
+    def quotas(self, batch_size: int, *, freeing: int = 0) -> list[tuple[dict[str, str], int]]:
+        """How many of each kind a claim may take now: room, pauses and fairness between kinds.
+
+        ``freeing``: attempts whose outcomes are being recorded in the claim's own
+        transaction, so their places count as free (their per-kind caps do not).
+        """
+        free = self.free + freeing
         now = time.monotonic()
         quotas: list[tuple[dict[str, str], int]] = []
         self._kinds_rr = self._kinds_rr[1:] + self._kinds_rr[:1]

@@ -15,9 +15,11 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from outbox.delivery.contract import Deliverer
 from outbox.delivery.leases import Leases
+from outbox.delivery.liveness import GoneOwners
 from outbox.delivery.metrics import DeliveryMetrics
 from outbox.delivery.reconcile import reconcile
 from outbox.delivery.settings import DeliverySettings
+from outbox.runs.approvals import expire_approvals
 from outbox.runs.stopping import advance_stopping_runs
 from outbox.storage.async_store import AsyncStore
 
@@ -29,6 +31,9 @@ UNKNOWN_KIND_NOTE = "no deliverer is registered for kind "
 #: Pending effects of kinds nobody here knows, and effects held back by their
 #: ordering key, are noted at most this often (and on the first round).
 UNKNOWN_KINDS_EVERY = 30.0
+#: After this daemon claims or records something, the effect gauges are counted
+#: again within this long (and at most this often while work goes on).
+STATS_AFTER_CHANGE_SECONDS = 1.0
 
 
 async def every(
@@ -66,28 +71,82 @@ class Maintenance:
         self.metrics = metrics
         self.on_requeued = on_requeued
         self._last_kinds_check = 0.0
+        self._changed = asyncio.Event()
+        self.gone = GoneOwners(
+            store,
+            deliverers,
+            owner=settings.owner,
+            grace_seconds=settings.gone_grace_seconds,
+            restart_grace_seconds=settings.restart_grace_seconds,
+            default_max_attempts=settings.max_attempts,
+        )
 
     def start(self) -> list[asyncio.Task[None]]:
         """Start every round; the caller cancels the tasks when it stops."""
         s = self.settings
-        return [
+        tasks = [
             asyncio.create_task(every(s.heartbeat_seconds, self.heartbeat, "heartbeat")),
             asyncio.create_task(every(s.reconcile_seconds, self.reconcile, "reconcile")),
-            asyncio.create_task(every(s.stats_seconds, self.stats, "stats", first=True)),
+            asyncio.create_task(self._stats_rounds()),
         ]
+        if s.early_recovery and self.gone.limits:
+            tasks.append(
+                asyncio.create_task(
+                    every(s.gone_check_seconds, self.recover_gone, "gone deliverers", first=True)
+                )
+            )
+        return tasks
+
+    async def recover_gone(self) -> None:
+        """Put back the idempotent attempts of deliverers whose session lock is free."""
+        if await self.gone.check():
+            self.on_requeued()  # ours to claim now, not at the next poll
+
+    def changed(self) -> None:
+        """Note that the daemon claimed or recorded effects: the gauges are counted again soon."""
+        self._changed.set()
+
+    async def _stats_rounds(self) -> None:
+        """Count every ``stats_seconds``, and within a second of a change made here.
+
+        Changes made by other processes show at the next round; a change made here
+        (a delivery finished, say) does not leave a stale gauge for ``stats_seconds``.
+        """
+        while True:
+            self._changed.clear()
+            try:
+                await self.stats()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("stats round failed: %s", exc)
+            counted = time.monotonic()
+            try:
+                # Not asyncio.wait_for: on 3.11 it returns normally when the event is
+                # set just as the round is cancelled, and the round would live on.
+                async with asyncio.timeout(self.settings.stats_seconds):
+                    await self._changed.wait()
+            except TimeoutError:
+                continue
+            await asyncio.sleep(max(0.0, counted + STATS_AFTER_CHANGE_SECONDS - time.monotonic()))
 
     async def heartbeat(self) -> None:
         """Push out the leases of every held attempt."""
         await self.leases.heartbeat(self.store, self.settings.owner, self.settings.lease_seconds)
 
     async def reconcile(self) -> None:
-        """Resolve expired attempts, move cancelled runs on, note what holds effects back.
+        """Resolve expired attempts, act on approval deadlines, move cancelled runs on, note holds.
 
         Each part runs even when another failed (a role without a privilege one
         part needs still gets the others done); the first failure is raised.
         """
         failures: list[Exception] = []
-        for part in (self._resolve_expired, self._advance_stopping, self._notes):
+        for part in (
+            self._resolve_expired,
+            self._expire_approvals,
+            self._advance_stopping,
+            self._notes,
+        ):
             try:
                 await part()
             except asyncio.CancelledError:
@@ -108,6 +167,11 @@ class Maintenance:
         if report.items:
             # Effects put back to pending are ours to claim now, not at the next poll.
             self.on_requeued()
+
+    async def _expire_approvals(self) -> None:
+        # Approval deadlines that passed get their on_timeout (a cancelled run among
+        # them moves on in _advance_stopping, which runs next).
+        await self.store.run_sync(expire_approvals, "acting on approval deadlines")
 
     async def _advance_stopping(self) -> None:
         # Cancelled runs move on as their effects finish, even where no worker of

@@ -107,13 +107,10 @@ async def reconcile(
     false), except one a Kafka relay held: publishing again needs no deliverer.
     """
     report = ReconcileReport(dry_run=dry_run)
-    if not dry_run:
-        redispatched = await store.redispatch_expired(worker=worker, max_rows=max_rows)
-        if redispatched:
-            log.info(
-                "%d dispatched effects were not delivered in time: re-dispatching", redispatched
-            )
-    for row in await store.expired(max_rows):
+    redispatched, expired = await store.expired(max_rows, redispatch_as=None if dry_run else worker)
+    if redispatched:
+        log.info("%d dispatched effects were not delivered in time: re-dispatching", redispatched)
+    for row in expired:
         if not report_skipped and row.kind not in deliverers and not _relay_held(row):
             continue
         item = await _resolve(
@@ -138,7 +135,75 @@ async def reconcile(
                     "run_id": str(row.run_id),
                 },
             )
+    # Effects left ``unknown`` by an ambiguous answer (a timeout after the request
+    # was sent) are settled the same way when their sink can be asked.
+    askable = [k for k, d in deliverers.items() if d.has_lookup and not d.idempotent]
+    for row in await store.unknown_of(askable, max_rows):
+        deliverer = deliverers[row.kind]
+        why = f"attempt {row.attempt} ended unknown"
+        if dry_run:
+            item = ReconcileItem(row.id, row.kind, row.attempt, "lookup", f"{why}; would ask")
+            report.items.append(item)
+            continue
+        max_attempts = row.max_attempts or deliverer.max_attempts or default_max_attempts
+        report.items.append(
+            await _ask(store, deliverer, row, worker=worker, why=why, max_attempts=max_attempts)
+        )
     return report
+
+
+async def _ask(
+    store: AsyncStore,
+    deliverer: Deliverer,
+    row: ClaimedEffect,
+    *,
+    worker: str,
+    why: str,
+    max_attempts: int,
+) -> ReconcileItem:
+    """Ask the sink whether the key was applied, before any resend; log the answer."""
+    effect_id, attempt, kind = row.id, row.attempt, row.kind
+
+    def item(action: str, note: str = "") -> ReconcileItem:
+        return ReconcileItem(effect_id, kind, attempt, action, note)
+
+    try:
+        answer = await _lookup(deliverer, delivery_for(await store.with_payload(row)))
+    except Exception as exc:  # the lease runs out again and the next round retries
+        reason = f"{type(exc).__name__}: {storable_text(exc)}"
+        log.warning("lookup of effect %s failed: %s", effect_id, reason)
+        return item("lookup_failed", reason)
+    if isinstance(answer, Succeeded):
+        completion = Completion(
+            effect_id,
+            attempt,
+            EffectStatus.SUCCEEDED,
+            AttemptOutcome.LOOKED_UP,
+            # a sink's answer, like a delivery's: made storable before it reaches SQL
+            result_json=storable_json(answer.result, max_bytes=RESULT_LIMIT),
+            detail_json=json.dumps({"lookup": "applied", "asked": "before any resend"}),
+        )
+        action, note = "looked_up_succeeded", f"{why}; the sink has the key: succeeded"
+    elif isinstance(answer, NotApplied):
+        give_up = attempt >= max_attempts
+        status = EffectStatus.FAILED if give_up else EffectStatus.PENDING
+        completion = Completion(
+            effect_id,
+            attempt,
+            status,
+            AttemptOutcome.LOOKED_UP,
+            error=f"{why}; the sink has no trace of the key"
+            + (f"; gave up after {attempt} attempts" if give_up else ""),
+            detail_json=json.dumps({"lookup": "not_applied", "asked": "before any resend"}),
+        )
+        action = "looked_up_failed" if give_up else "looked_up_redeliver"
+        note = f"{why}; the sink has no trace: " + ("giving up" if give_up else "redelivering")
+    else:
+        return item("lookup_failed", f"lookup returned {answer!r}")
+    logged = dict(await store.complete(worker, [completion]))
+    if logged.get(effect_id) == AttemptOutcome.STALE:
+        return item("stale", f"{why}; it changed meanwhile: the answer was logged, nothing else")
+    return item(action, note)
 
 
 async def _resolve(
@@ -195,37 +260,7 @@ async def _resolve(
             return item("lookup", f"{lost}; would ask the sink about the key")
         if not await store.take_over(effect_id, attempt, owner=worker, lease_seconds=lease_seconds):
             return None
-        try:
-            answer = await _lookup(deliverer, delivery_for(await store.with_payload(row)))
-        except Exception as exc:  # the lease runs out again and the next round retries
-            reason = f"{type(exc).__name__}: {storable_text(exc)}"
-            log.warning("lookup of effect %s failed: %s", effect_id, reason)
-            return item("lookup_failed", reason)
-        if isinstance(answer, Succeeded):
-            completion = Completion(
-                effect_id,
-                attempt,
-                EffectStatus.SUCCEEDED,
-                AttemptOutcome.LOOKED_UP,
-                # a sink's answer, like a delivery's: made storable before it reaches SQL
-                result_json=storable_json(answer.result, max_bytes=RESULT_LIMIT),
-                detail_json=json.dumps({"lookup": "applied"}),
-            )
-            action, note = "looked_up_succeeded", f"{lost}; the sink has the key: succeeded"
-        elif isinstance(answer, NotApplied):
-            completion = Completion(
-                effect_id,
-                attempt,
-                EffectStatus.PENDING,
-                AttemptOutcome.LOOKED_UP,
-                error=f"{lost}; the sink has no trace of the key",
-                detail_json=json.dumps({"lookup": "not_applied"}),
-            )
-            action, note = "looked_up_redeliver", f"{lost}; the sink has no trace: redelivering"
-        else:
-            return item("lookup_failed", f"lookup returned {answer!r}")
-        await store.complete(worker, [completion])
-        return item(action, note)
+        return await _ask(store, deliverer, row, worker=worker, why=lost, max_attempts=max_attempts)
 
     note = f"{lost}; the sink cannot dedup or be asked: an operator must resolve it"
     if dry_run:

@@ -15,6 +15,12 @@ still does, the error is read:
   written, and the caller stops renewing its lease so that the reconciler
   resolves it when the lease runs out.
 
+A write may carry the claim of the next batch (:class:`ClaimRider`): the first
+statement of the batch then runs in one transaction with that claim, so a
+steady stream of batches costs one commit each. If that transaction fails for
+any reason, nothing of it stays, and the batch is written as above without the
+claim (the daemon's take loop claims instead).
+
 A batch of ``n`` outcomes with ``k`` poison rows costs at most about
 ``2k·log2(n)`` extra statements; a batch that fails as a whole (a missing
 privilege) costs ``2n - 1``, once.
@@ -25,15 +31,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from uuid import UUID
 
 from outbox.delivery.storable import storable_text
 from outbox.errors import DatabaseError
 from outbox.models import AttemptOutcome, EffectStatus
-from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
+from outbox.storage.sql.queue import EFFECT_QUEUE, Rate
 
-__all__ = ["OutcomeWriter", "Written", "is_transient", "substitute"]
+__all__ = ["ClaimRider", "OutcomeWriter", "Written", "is_transient", "substitute"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +107,16 @@ def substitute(completion: Completion, error: BaseException) -> Completion | Non
     )
 
 
+@dataclass(frozen=True)
+class ClaimRider:
+    """A claim to make in the same transaction as a batch's outcomes."""
+
+    quotas: list[tuple[dict[str, str], int]]
+    lease_seconds: float
+    #: Declared rates by kind (see :meth:`AsyncStore.claim_many`).
+    rates: Mapping[str, Rate] | None = None
+
+
 @dataclass
 class Written:
     """What one :meth:`OutcomeWriter.write` did with a batch."""
@@ -113,6 +131,8 @@ class Written:
     left: list[Completion] = field(default_factory=list)
     #: That transient failure.
     error: BaseException | None = None
+    #: What the rider claimed (committed with the outcomes); empty when it did not ride.
+    claimed: list[ClaimedEffect] = field(default_factory=list)
 
 
 class OutcomeWriter:
@@ -129,9 +149,40 @@ class OutcomeWriter:
             return await self.store.complete(self.owner, part)
         return await asyncio.wait_for(self.store.complete(self.owner, part), timeout)
 
-    async def write(self, batch: list[Completion], *, timeout: float | None = None) -> Written:
-        """Write ``batch``; each statement gets at most ``timeout`` seconds (None: no limit)."""
+    async def _complete_and_claim(
+        self, part: list[Completion], rider: ClaimRider, timeout: float | None
+    ) -> tuple[list[tuple[UUID, str]], list[ClaimedEffect]]:
+        call = self.store.complete_and_claim(
+            self.owner,
+            part,
+            EFFECT_QUEUE,
+            rider.quotas,
+            lease_seconds=rider.lease_seconds,
+            rates=rider.rates,
+        )
+        return await (call if timeout is None else asyncio.wait_for(call, timeout))
+
+    async def write(
+        self,
+        batch: list[Completion],
+        *,
+        timeout: float | None = None,
+        rider: ClaimRider | None = None,
+    ) -> Written:
+        """Write ``batch``; each statement gets at most ``timeout`` seconds (None: no limit).
+
+        With a ``rider``, the whole batch is first written together with its claim.
+        """
         written = Written()
+        if rider is not None and rider.quotas and batch:
+            try:
+                logged, written.claimed = await self._complete_and_claim(batch, rider, timeout)
+                written.logged.update(logged)
+                return written
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # rolled back: written again below, without the claim
+                log.debug("outcomes with a claim failed (%s); writing them alone", describe(exc))
         parts = [list(batch)]  # a stack: the next part to write is on top
         while parts:
             part = parts.pop()

@@ -33,6 +33,19 @@ class DeliverySettings(BaseModel):
     poll_seconds: float = Field(default=1.0, gt=0, le=3600)
     #: How often expired attempts are reconciled and stopping runs moved on.
     reconcile_seconds: float = Field(default=1.0, gt=0, le=3600)
+    #: How often the session locks of other deliverers are checked: a registered
+    #: deliverer whose lock is free is gone (outbox.delivery.liveness).
+    gone_check_seconds: float = Field(default=0.5, gt=0, le=3600)
+    #: A deliverer found gone must still be gone this long later before its
+    #: idempotent attempts are put back (a lock session that reconnects is not a death).
+    gone_grace_seconds: float = Field(default=0.4, ge=0, le=3600)
+    #: After a PostgreSQL (re)start every session lock is free: for this long no
+    #: deliverer counts as gone, while the live ones take their locks again (they
+    #: retry at least every 2 s). Leases cover whatever is really lost meanwhile.
+    restart_grace_seconds: float = Field(default=5.0, ge=0, le=86_400)
+    #: Put a gone deliverer's idempotent attempts back without waiting for their
+    #: leases (False: leases only, as before 0012).
+    early_recovery: bool = True
     #: On stop, how long in-flight calls may take to finish.
     grace_seconds: float = Field(default=30.0, ge=0, le=86_400)
     #: A pending effect of a kind no deliverer here knows gets a note after this long.
@@ -42,11 +55,17 @@ class DeliverySettings(BaseModel):
     blocked_note_grace_seconds: float = Field(default=30.0, ge=0)
     #: An effect whose payload schema version this deliverer does not know waits this long.
     schema_retry_seconds: float = Field(default=300.0, ge=0)
-    #: How often the effect gauges are refreshed.
+    #: How often the effect gauges are counted again (and within a second of a
+    #: claim or an outcome recorded by this daemon).
     stats_seconds: float = Field(default=15.0, gt=0)
+    #: This daemon's name in leases, the attempt log and logs (default: host, process
+    #: id and a random part; may not start with the relay's prefix).
     owner: str = Field(default_factory=default_owner, min_length=1, max_length=200)
+    #: Backoff of a retried attempt: doubling from this (with jitter)...
     retry_base_seconds: float = Field(default=0.5, ge=0)
+    #: ... up to this; a sink's ``Retry-After`` wins.
     retry_cap_seconds: float = Field(default=300.0, ge=0)
+    #: Attempts an effect gets when neither its intent nor its kind's config says.
     max_attempts: int = Field(default=10, ge=1, le=1000)
 
     @property
@@ -72,10 +91,14 @@ class DeliverySettings(BaseModel):
 class StreamSettings(DeliverySettings):
     """A stream deliverer: a delivery daemon whose effects come from a Kafka consumer group."""
 
+    #: Kafka bootstrap servers, ``host:port[,host:port...]``.
     bootstrap_servers: str = Field(min_length=1)
+    #: The consumer group the stream deliverers share.
     group: str = Field(default="outbox-deliverers", min_length=1)
+    #: Effects of kind K are read from topic PREFIX+K.
     topic_prefix: str = "outbox."
-    #: Extra kafka-python consumer settings (``--kafka-option KEY=VALUE``).
+    #: Extra kafka-python ``KafkaConsumer`` settings (``--kafka-option KEY=VALUE``), such as
+    #: ``session_timeout_ms`` and ``heartbeat_interval_ms``.
     consumer: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -88,17 +111,23 @@ class RelaySettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: Kafka bootstrap servers, ``host:port[,host:port...]``.
     bootstrap_servers: str = Field(min_length=1)
+    #: Effects of kind K go to topic PREFIX+K.
     topic_prefix: str = "outbox."
+    #: Effects claimed, published and marked per round.
     batch_size: int = Field(default=500, ge=1, le=100_000)
+    #: Seconds a claimed effect is leased to the relay until it is marked dispatched.
     lease_seconds: float = Field(default=30.0, gt=0, le=86_400)
     #: A dispatched effect not delivered within this long is dispatched again.
     dispatch_ttl_seconds: float = Field(default=300.0, gt=0)
+    #: Longest wait between claims when idle (a NOTIFY usually wakes the relay sooner).
     poll_seconds: float = Field(default=1.0, gt=0, le=3600)
     #: How often a relay re-dispatches expired dispatches and rescues dead relays' claims.
     reconcile_seconds: float = Field(default=1.0, gt=0, le=3600)
+    #: This relay's name in leases and logs (must start with the relay prefix).
     owner: str = Field(default_factory=_relay_owner, min_length=1, max_length=200)
-    #: Extra kafka-python producer settings.
+    #: Extra kafka-python ``KafkaProducer`` settings (``--kafka-option KEY=VALUE``).
     producer: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("owner")

@@ -53,9 +53,14 @@ class EffectSource(Protocol):
 
 
 async def wait_or_wake(event: asyncio.Event, seconds: float) -> None:
-    """Wait until ``event`` is set or ``seconds`` pass."""
+    """Wait until ``event`` is set or ``seconds`` pass.
+
+    ``asyncio.timeout``, not ``asyncio.wait_for``: on 3.11 the latter swallows a
+    cancellation that comes as the event is set.
+    """
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout=seconds)
+        async with asyncio.timeout(seconds):
+            await event.wait()
 
 
 class PollSource:
@@ -97,23 +102,38 @@ class PollSource:
             self._wait_first = self.settings.poll_seconds
             return []
         try:
-            rows = await self.store.claim_many(
-                EFFECT_QUEUE,
-                quotas,
-                owner=self.settings.owner,
-                lease_seconds=self.settings.lease_seconds,
-                rates=leases.rates,
-            )
+            with leases.reserving(quotas):  # the outcome writer's claim sees it taken
+                rows = await self.store.claim_many(
+                    EFFECT_QUEUE,
+                    quotas,
+                    owner=self.settings.owner,
+                    lease_seconds=self.settings.lease_seconds,
+                    rates=leases.rates,
+                )
         except Exception as exc:
             log.warning("claim failed (%s); retrying after the poll interval", exc)
             self._wait_first = self.settings.poll_seconds
             return []
+        self.claimed(rows, quotas)
+        return rows
+
+    def rider_quotas(self, leases: Leases, *, freeing: int) -> list[tuple[dict[str, str], int]]:
+        """Quotas of a claim made with ``freeing`` outcomes (see :meth:`Leases.reserving`).
+
+        None while the last claim found the queue short: a claim then waits for a
+        NOTIFY or the backoff (:meth:`take`), not for the next outcomes.
+        """
+        if self._wait_first:
+            return []
+        return leases.quotas(self.settings.batch_size, freeing=freeing)
+
+    def claimed(self, rows: list[ClaimedEffect], quotas: list[tuple[dict[str, str], int]]) -> None:
+        """Note what a claim (here or with outcomes) found: when to claim next."""
         if rows:
             crash_point("after_claim")
         full = len(rows) == sum(n for _, n in quotas)
         # A full batch: more is likely waiting, claim again at once.
         self._wait_first = 0.0 if full else self._idle.found(bool(rows))
-        return rows
 
     async def recorded(self, effect_ids: Sequence[UUID]) -> None:
         """Nothing to do: the claim itself was the source's state."""

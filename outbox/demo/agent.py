@@ -2,8 +2,16 @@
 
 Run as ``python -m outbox.demo.agent RUN_ID SINK_URL`` (the demo starts it,
 kills it with SIGKILL mid-run, and starts it again: recorded steps replay, the
-rest continue). Every effect carries an ``operation`` id, so the sink can tell
-a duplicate *intent* apart from a redelivery of the same one.
+rest continue), or by a worker: ``outbox worker outbox.demo.agent:reconcile_month
+--agent invoice-reconciler --version 1.0.0`` (the sink's URL then comes from
+the run's inputs, default ``http://127.0.0.1:8080``, where ``outbox sink``
+listens). Every effect carries an ``operation`` id, so the sink can tell a
+duplicate *intent* apart from a redelivery of the same one.
+
+Check it survives a kill -9 anywhere::
+
+    outbox check outbox.demo.agent:reconcile_month --agent invoice-reconciler \
+        --version 1.0.0 --inputs '{"month": "2026-10"}'
 """
 
 from __future__ import annotations
@@ -15,10 +23,20 @@ from typing import Any
 
 from outbox import Outbox, Run, StepTransaction
 
-__all__ = ["AGENT", "STEPS", "VERSION", "book_trip", "pay_vendor", "reconcile_month"]
+__all__ = [
+    "AGENT",
+    "DEFAULT_SINK",
+    "STEPS",
+    "VERSION",
+    "book_trip",
+    "pay_vendor",
+    "reconcile_month",
+]
 
 AGENT = "invoice-reconciler"
 VERSION = "1.0.0"
+#: Where effects go when the run's inputs name no sink (``outbox sink``'s default address).
+DEFAULT_SINK = "http://127.0.0.1:8080"
 CHUNKS = 9
 STEPS = 3 + CHUNKS  # fetch invoices, fetch payments, 9 match steps, summary
 
@@ -41,8 +59,19 @@ def fetch_payments(month: str) -> dict[str, int]:
     return paid
 
 
-def reconcile_month(run: Run, sink_url: str, *, step_pause: float = 0.15) -> dict[str, Any]:
-    """The agent. Safe to call again on the same run after any crash."""
+def reconcile_month(
+    run: Run, sink_url: str | None = None, *, step_pause: float | None = None
+) -> dict[str, Any]:
+    """The agent. Safe to call again on the same run after any crash.
+
+    A worker calls it as ``reconcile_month(run)``: the sink's URL and the pause
+    between steps then come from the inputs (``sink``, ``step_pause``; default
+    :data:`DEFAULT_SINK` and no pause).
+    """
+    if sink_url is None:
+        sink_url = str(run.inputs.get("sink") or DEFAULT_SINK)
+    if step_pause is None:
+        step_pause = float(run.inputs.get("step_pause") or 0.0)
     if run.status.value == "completed":
         return dict(run.record.result or {})
     month = run.inputs["month"]
@@ -122,7 +151,7 @@ def pay_vendor(run: Run) -> dict[str, Any]:
 
     Run by an ``outbox worker``: while it waits, the run is parked and holds nothing.
     """
-    sink_url = run.inputs["sink"]
+    sink_url = run.inputs.get("sink") or DEFAULT_SINK
     batch = run.call("prepare-batch", lambda: {"vendor": "ACME", "amount": 12_500})
     approval = run.wait_signal("cfo-approval", name="approval", timeout=3600)
 
@@ -161,7 +190,7 @@ def main(argv: list[str]) -> None:
     """Entry point of an agent process: ``python -m outbox.demo.agent RUN_ID SINK_URL``."""
     run_id, sink_url = argv[1], argv[2]
     with Outbox.connect() as ob:
-        reconcile_month(ob.run(run_id), sink_url)
+        reconcile_month(ob.run(run_id), sink_url, step_pause=0.15)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from typing import Any
 
 from outbox.blobs import Stored
 from outbox.errors import ValidationError
+from outbox.faults import crash_point
+from outbox.gates import ApprovalPolicy
 from outbox.models import Effect, RunStatus
 from outbox.runs.context import AsyncRunContext
 from outbox.runs.intents import OutboxTransaction, StepWrites, _Prepared, intend_options
@@ -95,6 +97,7 @@ class AsyncStepTransaction(StepWrites):
         cost: float | None = None,
         priority: int | None = None,
         fairness_key: str | None = None,
+        approval: bool | ApprovalPolicy | dict[str, Any] | None = None,
     ) -> Awaitable[Effect]:
         """Record that effect ``kind`` with ``payload`` must happen, once, if this step commits.
 
@@ -114,6 +117,7 @@ class AsyncStepTransaction(StepWrites):
             cost=cost,
             priority=priority,
             fairness_key=fairness_key,
+            approval=approval,
         )
 
         async def intend() -> Effect:
@@ -193,12 +197,14 @@ class AsyncRun(RunBase):
         if recorded is not None:
             return self._replay(recorded)
         with self._span(step_id, "call"):
+            crash_point("step_start", step_id, run=self.id)
             if inspect.iscoroutinefunction(fn):
                 value = await fn(*args, **kwargs)
             else:
                 value = await asyncio.to_thread(fn, *args, **kwargs)
                 if inspect.isawaitable(value):
                     value = await value
+            crash_point("step_end", step_id, run=self.id)
             return await self._commit(step_id, "call", self._encode_result(value), None, None)
 
     async def transaction(
@@ -288,9 +294,11 @@ class AsyncRun(RunBase):
             async with aio.begin(connection) as conn:
                 tx = AsyncStepTransaction(self, conn, step_id)
                 if fn is not None:
+                    crash_point("step_start", step_id, run=self.id)
                     value = fn(tx)
                     if inspect.isawaitable(value):
                         value = await value
+                    crash_point("step_end", step_id, run=self.id)
                     _check_awaited(tx._unawaited, f"step {step_id!r}")
                     result = self._encode_result(value)
                 has_intents = tx._intents.pending > 0
@@ -299,6 +307,9 @@ class AsyncRun(RunBase):
         except AlreadyRecorded:
             recorded = await aio.call(self._ctx.store.step_record, self.id, step_id)
             return self._adopt(step_id, recorded)
+        if connection is None:
+            # Committed; a wake-up owed to the deliverers is not sent yet.
+            crash_point("after_commit", step_id, run=self.id)
         if has_intents and connection is None:
             wakeup.committed(notified)
         return self._recorded(step_id, kind, tx, result, outcome)

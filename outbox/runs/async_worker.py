@@ -51,12 +51,15 @@ class AsyncWorker(WorkerCore):
         self.actx = ctx
         self.handler = handler
         self._wake = asyncio.Event()
+        #: Set by :meth:`stop`: claim no more. ``_stopping`` follows after the grace
+        #: period; until then the sweep keeps renewing the leases of running handlers.
+        self._closing = asyncio.Event()
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def stop(self) -> None:
         """Stop claiming; running handlers get ``grace_seconds`` to finish (call on the loop)."""
-        self._stopping.set()
+        self._closing.set()
         self._wake.set()
 
     async def run(self) -> None:
@@ -70,9 +73,7 @@ class AsyncWorker(WorkerCore):
             await self._claim_loop()
         finally:
             if self._tasks:
-                _, left = await asyncio.wait(
-                    set(self._tasks), timeout=self.settings.grace_seconds or None
-                )
+                _, left = await asyncio.wait(set(self._tasks), timeout=self.settings.grace_seconds)
                 if left:
                     log.warning("grace period over: %d runs are left to their leases", len(left))
                     for task in left:
@@ -88,7 +89,7 @@ class AsyncWorker(WorkerCore):
     async def _claim_loop(self) -> None:
         aio, store = self.actx.aio, self.ctx.store
         idle = 0.01
-        while not self._stopping.is_set():
+        while not self._closing.is_set():
             free = self.settings.concurrency - len(self._held)
             rows: list[RunRecord] = []
             if free > 0:

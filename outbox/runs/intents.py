@@ -15,10 +15,18 @@ from typing import Any, Protocol
 
 from outbox.blobs import Blob, Stored, store_value
 from outbox.errors import IdempotencyConflict, PayloadError, ValidationError
+from outbox.gates import ApprovalPolicy, policy_json
 from outbox.ids import uuid7
 from outbox.intent_rules import MAX_AMOUNT, check_payload
 from outbox.keys import derive_key
-from outbox.models import Compensation, Effect, EffectIntent, EffectStatus, RunRecord
+from outbox.models import (
+    DRY_RUN_KIND_PREFIX,
+    Compensation,
+    Effect,
+    EffectIntent,
+    EffectStatus,
+    RunRecord,
+)
 from outbox.payloads import content_hash, decode, encode_sized
 from outbox.runs.context import RunContext
 from outbox.storage import Connection
@@ -38,6 +46,9 @@ class RunHandle(Protocol):
 
     @property
     def record(self) -> RunRecord: ...
+
+    @property
+    def dry_run(self) -> bool: ...
 
 
 __all__ = ["OutboxTransaction", "StepTransaction", "StepWrites", "intend_options"]
@@ -98,6 +109,7 @@ class _Intents:
         payload: Any,
         options: dict[str, Any],
         lane: tuple[int, str] = (0, ""),
+        dry_run: bool = False,
     ) -> _Prepared | Effect:
         """Everything of :meth:`add` but the look-up: validation, encoding, the key (no I/O).
 
@@ -105,6 +117,11 @@ class _Intents:
         key and payload, if any. Both twins call it, then look a caller's key up
         their own way (:meth:`lookup`), then :meth:`record`. ``lane`` is the
         priority and fairness key an intent that names none takes (its run's).
+
+        In a dry run the kind (and a compensation's) goes to the dry-run namespace,
+        where no real deliverer claims it, and a caller's key is made the run's own,
+        so a dry run never takes a key a real intent will need. It asks for no
+        approval: nothing it intends can reach the world.
         """
         settings = self._ctx.settings
         intent: EffectIntent = validated(EffectIntent, kind=kind, payload=payload, **options)
@@ -114,12 +131,16 @@ class _Intents:
         size = stored.size
         # The content hash of the payload itself, also when the row holds a reference.
         payload_hash = content_hash(stored.json) if stored.blob is None else stored.blob.sha256
+        kind = DRY_RUN_KIND_PREFIX + intent.kind if dry_run else intent.kind
         compensate_json = None
         if intent.compensate is not None:
             # Encoded as plain data, not through the model (whose JSON dump turns NaN into null).
             check_payload(intent.compensate.payload, "compensate.payload")
+            compensate_kind = intent.compensate.kind
+            if dry_run:
+                compensate_kind = DRY_RUN_KIND_PREFIX + compensate_kind
             compensate_json, extra = encode_sized(
-                {"kind": intent.compensate.kind, "payload": intent.compensate.payload},
+                {"kind": compensate_kind, "payload": intent.compensate.payload},
                 field="compensate",
                 max_bytes=limit,
             )
@@ -142,12 +163,14 @@ class _Intents:
         self.count += 1
         if intent.key is not None:
             key = intent.key
+            if dry_run:
+                key = f"{DRY_RUN_KIND_PREFIX}{run_id}:{key}"
         elif run_id is not None and step_id is not None:
             key = derive_key(run_id, step_id, index)
         else:
             key = uuid.uuid4().hex
         if key in self._keys:
-            if self._keys[key] != (intent.kind, payload_hash):
+            if self._keys[key] != (kind, payload_hash):
                 raise IdempotencyConflict(
                     key, "intended twice in this step with a different kind or payload"
                 )
@@ -155,7 +178,7 @@ class _Intents:
         row = {
             "id": str(uuid7()),
             "step_index": index,
-            "kind": intent.kind,
+            "kind": kind,
             "payload": stored.json,
             "payload_hash": payload_hash,
             "schema_version": intent.schema_version,
@@ -168,6 +191,9 @@ class _Intents:
             "delay_seconds": intent.delay_seconds,
             "priority": lane[0] if intent.priority is None else intent.priority,
             "fairness_key": lane[1] if intent.fairness_key is None else intent.fairness_key,
+            "approval": None
+            if intent.approval is None or dry_run
+            else policy_json(intent.approval, "intent"),
             # The trace current at tx.intend: every delivery attempt is a span of it.
             "trace_parent": current_traceparent(),
             "_run_id": run_id,
@@ -241,7 +267,8 @@ def _effect(row: dict[str, Any]) -> Effect:
         schema_version=row["schema_version"],
         idempotency_key=row["idempotency_key"],
         ordering_key=row["ordering_key"],
-        status=EffectStatus.PENDING,
+        # as written by this intent: a config gate may still hold it (``ob.effect(id)``)
+        status=EffectStatus.PENDING if row["approval"] is None else EffectStatus.AWAITING_APPROVAL,
         max_attempts=row["max_attempts"],
         compensate=None
         if row["compensate"] is None
@@ -249,6 +276,7 @@ def _effect(row: dict[str, Any]) -> Effect:
         cost=None if row["cost"] is None else Decimal(str(row["cost"])),
         priority=row["priority"],
         fairness_key=row["fairness_key"],
+        approval=decode(row["approval"]),
         trace_parent=row["trace_parent"],
     )
 
@@ -299,6 +327,7 @@ def intend_options(
     cost: float | None,
     priority: int | None = None,
     fairness_key: str | None = None,
+    approval: bool | ApprovalPolicy | dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The options of ``StepTransaction.intend`` (and its async twin) as ``EffectIntent`` fields."""
     options: dict[str, Any] = {
@@ -311,6 +340,10 @@ def intend_options(
         "priority": priority,
         "fairness_key": fairness_key,
     }
+    if approval is True:
+        options["approval"] = {}
+    elif approval is not None and approval is not False:
+        options["approval"] = approval
     if compensate is not None:
         if not isinstance(compensate, tuple | list) or len(compensate) != 2:
             raise ValidationError("compensate", compensate, "must be a (kind, payload) pair")
@@ -371,6 +404,7 @@ class StepWrites:
             payload=payload,
             options=options,
             lane=(record.priority, record.fairness_key),
+            dry_run=self.run.dry_run,
         )
         return prepared, before
 
@@ -441,6 +475,7 @@ class StepTransaction(StepWrites):
         cost: float | None = None,
         priority: int | None = None,
         fairness_key: str | None = None,
+        approval: bool | ApprovalPolicy | dict[str, Any] | None = None,
     ) -> Effect:
         """Record that effect ``kind`` with ``payload`` must happen, once, if this step commits.
 
@@ -453,6 +488,11 @@ class StepTransaction(StepWrites):
         ``priority`` and ``fairness_key`` default to the run's: deliverers claim
         higher priorities first and share their capacity between fairness keys.
         A payload over ``Settings.blob_threshold_bytes`` is stored once, by reference.
+
+        ``approval`` (``True``, or ``{"timeout": 3600, "on_timeout": "reject"}``,
+        see :class:`~outbox.ApprovalPolicy`) holds the effect as
+        ``awaiting_approval`` until a person approves its payload; a gate of the
+        deliverers config may hold it without asking (``outbox.gates``).
         """
         options = intend_options(
             key=key,
@@ -464,6 +504,7 @@ class StepTransaction(StepWrites):
             cost=cost,
             priority=priority,
             fairness_key=fairness_key,
+            approval=approval,
         )
         prepared, before = self._prepare_intent(kind, payload, options)
         existing = None

@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from outbox.blobs import Stored
+from outbox.faults import crash_point
 from outbox.models import Effect, RunStatus
 from outbox.runs.intents import StepTransaction
 from outbox.runs.run_base import AlreadyRecorded, RunBase, Suspended
@@ -49,8 +50,10 @@ class Run(RunBase):
         if recorded is not None:
             return self._replay(recorded)
         with self._span(step_id, "call"):
-            result = self._encode_result(fn(*args, **kwargs))
-            return self._commit(step_id, "call", result, None, None)
+            crash_point("step_start", step_id, run=self.id)
+            value = fn(*args, **kwargs)
+            crash_point("step_end", step_id, run=self.id)
+            return self._commit(step_id, "call", self._encode_result(value), None, None)
 
     def transaction(
         self,
@@ -153,12 +156,18 @@ class Run(RunBase):
             with store.begin(connection) as conn:
                 tx = StepTransaction(self, conn, step_id)
                 if fn is not None:
-                    result = self._encode_result(fn(tx))
+                    crash_point("step_start", step_id, run=self.id)
+                    value = fn(tx)
+                    crash_point("step_end", step_id, run=self.id)
+                    result = self._encode_result(value)
                 has_intents = tx._intents.pending > 0
                 notified = wakeup.inline() if has_intents else None
                 outcome = self._close_step(conn, tx, step_id, kind, result, notified)
         except AlreadyRecorded:
             return self._adopt(step_id, store.step_record(self.id, step_id))
+        if connection is None:
+            # Committed; a wake-up owed to the deliverers is not sent yet.
+            crash_point("after_commit", step_id, run=self.id)
         if has_intents and connection is None:
             wakeup.committed(notified)
         return self._recorded(step_id, kind, tx, result, outcome)

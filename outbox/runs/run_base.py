@@ -117,6 +117,10 @@ class RunBase:
         self._lease = lease
         #: The step being attempted now (a worker counts a failure against it).
         self.active_step: str | None = None
+        #: True when the last step (``call``, ``transaction`` or a wait) returned what
+        #: was recorded before, by this handle or another process, instead of
+        #: recording it now (an HTTP replay answers 200 rather than 201 with it).
+        self.last_replayed = False
 
     # -- what it is -------------------------------------------------------------
 
@@ -134,6 +138,11 @@ class RunBase:
     def record(self) -> RunRecord:
         """The run as last read or written by this handle."""
         return self._record
+
+    @property
+    def dry_run(self) -> bool:
+        """True for a dry run: its effects go to a recording deliverer, never to a sink."""
+        return self._record.dry_run
 
     @property
     def agent(self) -> str:
@@ -197,7 +206,8 @@ class RunBase:
     def _recorded_or_start(self, step_id: Any) -> tuple[str, StepRecord | None]:
         """Check the step id; return its record if it is known, else mark it active."""
         step_id = self._check_step_id(step_id)
-        if step_id in self._steps:
+        self.last_replayed = step_id in self._steps
+        if self.last_replayed:
             return step_id, self._steps[step_id]
         self._check_live()
         self.active_step = step_id
@@ -247,7 +257,7 @@ class RunBase:
             notify=notified is not None,
             blobs=blobs,
         )
-        crash_point("before_step_commit")
+        crash_point("before_step_commit", step_id, run=self.id)
         if not outcome.run_ok:
             raise self._refusal(conn, tx._debit + tx._reserve)
         if outcome.step_seq is None:
@@ -287,7 +297,7 @@ class RunBase:
             completed_at=datetime.now(UTC),
         )
         self.active_step = None
-        crash_point("after_step")
+        crash_point("after_step", step_id, run=self.id)
         if outcome.paused and self._lease is not None:
             raise Paused(self.id, step_id)
         return result
@@ -296,6 +306,8 @@ class RunBase:
         """Another process recorded this step first; ours was rolled back whole."""
         assert recorded is not None
         self._steps[step_id] = recorded
+        self.active_step = None
+        self.last_replayed = True
         return self._replay(recorded)
 
     # -- waiting (G8) -------------------------------------------------------------
@@ -328,6 +340,7 @@ class RunBase:
     def _wait_recorded(self, step_id: Any) -> tuple[str, StepRecord | None]:
         step_id = self._check_step_id(step_id)
         recorded = self._steps.get(step_id)
+        self.last_replayed = recorded is not None and recorded.status == StepStatus.COMPLETED
         if recorded is not None and recorded.status == StepStatus.COMPLETED:
             return step_id, recorded
         self._check_live()
@@ -348,6 +361,7 @@ class RunBase:
             return True, self._replay(outcome)
         if self._lease is not None:
             self._record = self._record.model_copy(update={"status": RunStatus.WAITING})
+            crash_point("parked", step_id, run=self.id)
             raise Suspended(self.id, step_id)
         return False, None
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict
 
 from outbox.blobs import Blob
 from outbox.errors import RunTerminal
@@ -14,12 +15,20 @@ from outbox.storage.run_tx import RunTx
 __all__ = ["SignalReceipt", "send_signal"]
 
 
-@dataclass(frozen=True)
-class SignalReceipt:
-    """What happened to a signal: stored (or a duplicate of one stored), and did it wake the run."""
+class SignalReceipt(BaseModel):
+    """What happened to a signal: stored (or a duplicate of one stored), and did it wake the run.
 
+    ``outbox signal --json`` prints it, and ``outbox serve`` answers a signal with
+    it (202); its JSON Schema is ``schemas/report.signal.json``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: The stored signal (None when it duplicates one stored before).
     signal_id: uuid.UUID | None
+    #: The same ``dedup_key`` was accepted before: nothing was stored.
     duplicate: bool
+    #: The run was waiting for this signal and is runnable again.
     woke_run: bool
 
 
@@ -40,7 +49,7 @@ def send_signal(
         raise RunTerminal(run_id, status.value)
     signal_id = uuid7()
     if not tx.insert_signal(signal_id, run_id, name, payload_json, dedup_key):
-        return SignalReceipt(None, duplicate=True, woke_run=False)
+        return SignalReceipt(signal_id=None, duplicate=True, woke_run=False)
     tx.put_blobs(run_id, [blob])
     woke = tx.wake_signalled(run_id, name)
-    return SignalReceipt(signal_id, duplicate=False, woke_run=woke)
+    return SignalReceipt(signal_id=signal_id, duplicate=False, woke_run=woke)

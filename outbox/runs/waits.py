@@ -21,7 +21,14 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from outbox.errors import EffectFailed, EffectTimeout, OutboxError, SignalTimeout, WaitTimeout
+from outbox.errors import (
+    EffectFailed,
+    EffectRejected,
+    EffectTimeout,
+    OutboxError,
+    SignalTimeout,
+    WaitTimeout,
+)
 from outbox.models import EffectStatus, StepRecord, StepStatus
 from outbox.storage.notify import wait_for_notify, wait_for_notify_async
 from outbox.storage.run_tx import RunTx
@@ -46,7 +53,12 @@ BLOCKING_RECHECK_SECONDS = 5.0
 #: Outside a worker, an awaited effect is polled this often.
 EFFECT_POLL_SECONDS = 0.2
 
-_ENDED_BADLY = (EffectStatus.FAILED, EffectStatus.CANCELLED, EffectStatus.COMPENSATED)
+_ENDED_BADLY = (
+    EffectStatus.FAILED,
+    EffectStatus.CANCELLED,
+    EffectStatus.COMPENSATED,
+    EffectStatus.REJECTED,
+)
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,8 @@ def recorded_error(step_id: str, error: Any) -> OutboxError:
     if kind == "EffectTimeout":
         return EffectTimeout(step_id, error["effect"])
     if kind == "EffectFailed":
+        if error.get("status") == EffectStatus.REJECTED:
+            return EffectRejected(error["effect"], error.get("reason"))
         return EffectFailed(error["effect"], error["status"], error.get("reason"))
     return WaitTimeout(f"step_id={step_id!r}: {error!r}")
 

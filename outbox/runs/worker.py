@@ -1,7 +1,7 @@
 """Agent workers: claim runnable runs of one agent version, run the handler, keep the lease.
 
 A worker claims runs with the same claim/lease/fence machinery the deliverers
-use (:mod:`outbox.storage.sql.queue`), calls ``handler(run)`` in a thread pool, and pushes
+use (:mod:`outbox.storage.sql.queue`), calls ``handler(run)`` in a thread of its own, and pushes
 its leases out while handlers run. A run whose worker died becomes runnable
 again when its lease expires and is resumed by another worker: its recorded
 steps replay, so the handler continues at the first step not yet recorded.
@@ -19,7 +19,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from uuid import UUID
 
@@ -27,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.blobs import store_value
 from outbox.errors import LeaseLost, RunTerminal
+from outbox.faults import crash_point
 from outbox.ids import default_owner
 from outbox.intent_rules import MAX_DELAY_SECONDS
 from outbox.models import Lease, RunRecord, RunStatus
@@ -49,15 +49,24 @@ class WorkerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
+    #: Runs worked on at once (a run parked in a wait does not count).
     concurrency: int = Field(default=4, ge=1, le=1000)
+    #: Seconds a claimed run is leased; heartbeats extend it three times per lease.
     lease_seconds: float = Field(default=30.0, gt=0, le=86_400)
+    #: Longest wait between claims when idle (a NOTIFY usually wakes the worker sooner).
     poll_seconds: float = Field(default=1.0, gt=0, le=3600)
+    #: How often timers are fired, runs of dead workers rescued and stopping runs moved on.
     sweep_seconds: float = Field(default=0.25, gt=0, le=3600)
     #: A step that raises is retried this many times before the run fails.
     max_step_retries: int = Field(default=3, ge=0, le=1000)
+    #: Backoff before a failed step's run is retried: doubling from this...
     retry_base_seconds: float = Field(default=1.0, ge=0, le=86_400)
+    #: ... up to this (a ``retry_after`` attribute on the exception wins).
     retry_cap_seconds: float = Field(default=300.0, ge=0, le=MAX_DELAY_SECONDS)
+    #: On stop, how long running handlers may take to finish (their leases are kept);
+    #: a handler still running then is left to its lease.
     grace_seconds: float = Field(default=30.0, ge=0, le=86_400)
+    #: This worker's name in leases and logs (default: host, process id and a random part).
     owner: str = Field(default_factory=default_owner)
 
 
@@ -130,6 +139,7 @@ class WorkerCore:
     def _upgraded(self, record: RunRecord, upgraded: RunRecord | None) -> RunRecord:
         if upgraded is None:
             raise LeaseLost(f"run_id={str(record.id)!r}: lost while upgrading")
+        crash_point("after_upgrade", f"{record.agent_version}->{self.version}", run=record.id)
         log.info(
             "run upgraded %s -> %s",
             record.agent_version,
@@ -209,13 +219,16 @@ class Worker(WorkerCore):
         super().__init__(ctx, agent, version, settings)
         self.handler = handler
         self._wake = threading.Event()
+        #: Set by :meth:`stop`: claim no more. ``_stopping`` follows after the grace
+        #: period; until then the sweep keeps renewing the leases of running handlers.
+        self._closing = threading.Event()
         self._stopping = threading.Event()
 
     # -- lifecycle ------------------------------------------------------------------
 
     def stop(self) -> None:
         """Stop claiming; running handlers get ``grace_seconds`` to finish."""
-        self._stopping.set()
+        self._closing.set()
         self._wake.set()
 
     def run(self) -> None:
@@ -227,27 +240,25 @@ class Worker(WorkerCore):
         for thread in background:
             thread.start()
         self._log_start()
-        with ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="outbox-run") as pool:
-            try:
-                self._claim_loop(pool)
-            finally:
-                deadline = time.monotonic() + self.settings.grace_seconds
-                while self._held and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                if self._held:
-                    log.warning(
-                        "grace period over: %d runs are left to their leases", len(self._held)
-                    )
-                pool.shutdown(wait=False, cancel_futures=True)
-                self._stopping.set()
-                for thread in background:  # they notice within a second
-                    thread.join(timeout=5)
+        try:
+            self._claim_loop()
+        finally:
+            deadline = time.monotonic() + self.settings.grace_seconds
+            while self._held and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if self._held:
+                # Their threads are daemons: they do not hold the process open. Their
+                # leases are no longer renewed, so the runs resume elsewhere.
+                log.warning("grace period over: %d runs are left to their leases", len(self._held))
+            self._stopping.set()
+            for thread in background:  # they notice within a second
+                thread.join(timeout=5)
 
     # -- claiming ---------------------------------------------------------------------
 
-    def _claim_loop(self, pool: ThreadPoolExecutor) -> None:
+    def _claim_loop(self) -> None:
         idle = 0.01
-        while not self._stopping.is_set():
+        while not self._closing.is_set():
             free = self.settings.concurrency - len(self._held)
             rows: list[RunRecord] = []
             if free > 0:
@@ -262,10 +273,16 @@ class Worker(WorkerCore):
                     log.exception("claiming runs failed")
                 for record in rows:
                     self._hold(record)
+                    # One daemon thread per run (at most ``concurrency``): a handler
+                    # still running when the grace period ends must not keep the
+                    # process alive, as a pool's threads would at exit.
+                    thread = threading.Thread(
+                        target=self._execute, args=(record,), name="outbox-run", daemon=True
+                    )
                     try:
-                        pool.submit(self._execute, record)
+                        thread.start()
                     except RuntimeError:  # the interpreter is exiting; the lease will expire
-                        self._stopping.set()
+                        self._closing.set()
                         break
             if rows and len(rows) >= free:
                 continue

@@ -1,4 +1,4 @@
-"""The ``outbox serve`` application: signals, health, metrics and the operator console.
+"""``outbox serve``: signals, approvals, health, metrics, the HTTP API and the console.
 
 :func:`build_app` composes the Starlette routes; :class:`OutboxServer` runs
 them on uvicorn with the limits of :class:`~outbox.serve.settings.ServeSettings`.
@@ -14,6 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 
+from outbox.serve.api import API_PREFIX, api_app
+from outbox.serve.approvals import APPROVAL_PATH, ApprovalEndpoint
 from outbox.serve.ops import CachedCounts, Health, Metrics
 from outbox.serve.settings import Credentials, ServeSettings
 from outbox.serve.transport import HttpServer
@@ -43,14 +45,21 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 def build_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials) -> Starlette:
     """The Starlette app of one server (console included when ``settings.console``)."""
     counts = CachedCounts(outbox, settings.counts_cache_seconds)
+    api = api_app(outbox, settings, credentials)
     routes: list[BaseRoute] = [
         Route(
             SIGNAL_ROUTE,
             SignalEndpoint(outbox, credentials.webhook_secret, settings.tolerance).handle,
             methods=["POST"],
         ),
+        Route(
+            APPROVAL_PATH,
+            ApprovalEndpoint(outbox, credentials.webhook_secret, settings.tolerance).handle,
+            methods=["POST"],
+        ),
         Route("/healthz", Health(outbox).handle, methods=["GET"]),
         Route("/metrics", Metrics(counts, credentials).handle, methods=["GET"]),
+        Mount(API_PREFIX, app=api),
     ]
     if settings.console:
         from outbox.serve.console import console_app
@@ -67,6 +76,7 @@ def build_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials)
         exception_handlers={404: _not_found, 405: _not_allowed, Exception: _server_error},
     )
     app.state.counts = counts
+    app.state.api = api
     return app
 
 
@@ -86,4 +96,6 @@ class OutboxServer(HttpServer):
         self.settings = settings or ServeSettings()
         self.credentials = credentials or Credentials()
         self.app = build_app(outbox, self.settings, self.credentials)
-        super().__init__(self.app, self.settings)
+        super().__init__(
+            self.app, self.settings, on_stop=[self.app.state.api.handlers.watch.release]
+        )

@@ -25,6 +25,7 @@ __all__ = ["Credentials", "ServeSettings", "read_secret"]
 WEBHOOK_SECRET_ENV = "OUTBOX_WEBHOOK_SECRET"
 OPERATOR_TOKEN_ENV = "OUTBOX_OPERATOR_TOKEN"
 METRICS_TOKEN_ENV = "OUTBOX_METRICS_TOKEN"
+API_TOKEN_ENV = "OUTBOX_API_TOKEN"
 
 
 class ServeSettings(BaseModel):
@@ -32,7 +33,9 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: Address to listen on (put a TLS-terminating proxy in front to expose it).
     host: str = Field(default="127.0.0.1", min_length=1)
+    #: Port to listen on (0: any free port).
     port: int = Field(default=8080, ge=0, le=65535)
     #: Seconds a signed request stays valid.
     tolerance: float = Field(default=300.0, gt=0, le=86_400)
@@ -50,9 +53,19 @@ class ServeSettings(BaseModel):
     counts_cache_seconds: float = Field(default=5.0, ge=0, le=3600)
     #: Serve the operator console (``/console``).
     console: bool = True
+    #: The longest an HTTP API long poll (awaiting an effect) may wait, in seconds.
+    max_wait: float = Field(default=60.0, gt=0, le=3600)
+    #: Seconds between checks of awaited effects (one query for every waiter at once).
+    wait_poll: float = Field(default=0.1, gt=0, le=60)
 
     @field_validator(
-        "tolerance", "header_timeout", "body_timeout", "idle_timeout", "counts_cache_seconds"
+        "tolerance",
+        "header_timeout",
+        "body_timeout",
+        "idle_timeout",
+        "counts_cache_seconds",
+        "max_wait",
+        "wait_poll",
     )
     @classmethod
     def _finite(cls, value: float) -> float:
@@ -91,15 +104,19 @@ class Credentials:
     ``webhook_secret`` signs signals (HMAC). ``operator_token`` lets a person
     act in the console (resolve, retry, cancel); without it the console is
     read-only for everyone. ``metrics_token`` is the bearer token ``/metrics``
-    wants; the operator token is accepted there too.
+    wants; the operator token is accepted there too. ``api_token`` is the
+    bearer token of the HTTP API (``/api/v1``) agents call; without it the API
+    is off. It is the agents' credential only: the operator's and the metrics
+    tokens do not open the API, nor does the API token open the console.
     """
 
     webhook_secret: bytes | None = None
     operator_token: bytes | None = field(default=None, repr=False)
     metrics_token: bytes | None = field(default=None, repr=False)
+    api_token: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("webhook_secret", "operator_token", "metrics_token"):
+        for name in ("webhook_secret", "operator_token", "metrics_token", "api_token"):
             value = getattr(self, name)
             if value is not None and len(value) < 16:
                 raise ConfigurationError(f"{name}: must be at least 16 bytes")
@@ -112,6 +129,7 @@ class Credentials:
         webhook_secret_file: Path | None = None,
         operator_token_file: Path | None = None,
         metrics_token_file: Path | None = None,
+        api_token_file: Path | None = None,
     ) -> Credentials:
         """Read each credential from its file option, its variable, or its ``_FILE`` variable."""
         env = os.environ if environ is None else environ
@@ -119,6 +137,7 @@ class Credentials:
             webhook_secret=read_secret(env, WEBHOOK_SECRET_ENV, webhook_secret_file),
             operator_token=read_secret(env, OPERATOR_TOKEN_ENV, operator_token_file),
             metrics_token=read_secret(env, METRICS_TOKEN_ENV, metrics_token_file),
+            api_token=read_secret(env, API_TOKEN_ENV, api_token_file),
         )
 
     def is_operator(self, token: str | bytes | None) -> bool:
@@ -128,6 +147,10 @@ class Credentials:
     def may_scrape(self, token: str | bytes | None) -> bool:
         """True when ``token`` may read ``/metrics``."""
         return _matches(self.metrics_token, token) or _matches(self.operator_token, token)
+
+    def may_call_api(self, token: str | bytes | None) -> bool:
+        """True when ``token`` is the HTTP API's credential (constant time)."""
+        return _matches(self.api_token, token)
 
 
 def _matches(expected: bytes | None, given: str | bytes | None) -> bool:

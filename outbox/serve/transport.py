@@ -107,7 +107,7 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await _refuse(send, 413, f"body over {self.max_bytes} bytes")
+            await _refuse(send, 413, f"body over {self.max_bytes} bytes", "body_too_large")
             return
         chunks: list[bytes] = []
         size = 0
@@ -118,14 +118,16 @@ class BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), timeout=max(left, 0.001))
             except TimeoutError:
-                await _refuse(send, 408, f"body not received within {self.timeout:g}s")
+                await _refuse(
+                    send, 408, f"body not received within {self.timeout:g}s", "body_timeout"
+                )
                 return
             if message["type"] == "http.disconnect":
                 return  # the client went away: nothing to answer, nothing to log
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await _refuse(send, 413, f"body over {self.max_bytes} bytes")
+                await _refuse(send, 413, f"body over {self.max_bytes} bytes", "body_too_large")
                 return
             chunks.append(chunk)
             more = bool(message.get("more_body", False))
@@ -165,8 +167,9 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _refuse(send: Send, status: int, error: str) -> None:
-    body = json.dumps({"error": error}).encode()
+async def _refuse(send: Send, status: int, error: str, code: str) -> None:
+    # ``code`` is the HTTP API's error code (docs/http-api.md); other routes ignore it.
+    body = json.dumps({"error": error, "code": code}).encode()
     with contextlib.suppress(OSError, RuntimeError):
         await send(
             {
@@ -182,15 +185,39 @@ async def _refuse(send: Send, status: int, error: str) -> None:
         await send({"type": "http.response.body", "body": body})
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, calling ``on_stop`` hooks (on its loop) as soon as it begins to stop."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: list[Callable[[], None]]) -> None:
+        super().__init__(config)
+        self.on_stop = on_stop
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        # Before uvicorn waits for requests in progress: a long poll answers now
+        # rather than holding the stop for the whole grace period and being cut.
+        for hook in self.on_stop:
+            try:
+                hook()
+            except Exception:
+                log.exception("a shutdown hook failed")
+        await super().shutdown(sockets)
+
+
 class HttpServer:
     """One uvicorn server for ``app``, in the foreground or on a thread.
 
     :meth:`serve_forever` blocks until :meth:`shutdown` (or SIGTERM/SIGINT when
     it runs on the main thread); :meth:`start` runs it on a daemon thread and
-    returns once the socket is bound.
+    returns once the socket is bound. ``on_stop`` functions are called on the
+    server's event loop when it begins to stop.
     """
 
-    def __init__(self, app: ASGIApp, settings: ServeSettings) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: ServeSettings,
+        on_stop: list[Callable[[], None]] | None = None,
+    ) -> None:
         self.settings = settings
         config = uvicorn.Config(
             BodyLimit(app, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout),
@@ -206,7 +233,7 @@ class HttpServer:
             log_config=None,
             server_header=False,
         )
-        self._server = uvicorn.Server(config)
+        self._server = _Server(config, list(on_stop or ()))
         self._thread: threading.Thread | None = None
 
     @property

@@ -10,6 +10,9 @@ already seen (stored in PostgreSQL, so every server process shares it) is
 refused before it touches the run. The signature is marked used in the same
 transaction that stores the signal, so a request refused for another reason
 (an unknown run, a failure) can be sent again.
+
+``POST /effects/{effect_id}/approval`` decides an effect held by an approval
+gate, signed the same way (:mod:`outbox.serve.approvals`).
 """
 
 from __future__ import annotations
@@ -176,14 +179,7 @@ class SignalEndpoint:
         except OutboxError as exc:
             log.warning("signal to run %s failed: %s", run_id, exc)
             return _error(500, "the signal could not be stored; send it again")
-        return JSONResponse(
-            {
-                "signal_id": None if receipt.signal_id is None else str(receipt.signal_id),
-                "duplicate": receipt.duplicate,
-                "woke_run": receipt.woke_run,
-            },
-            status_code=202,
-        )
+        return JSONResponse(receipt.model_dump(mode="json"), status_code=202)
 
     def _forget_old(self) -> None:
         # Signatures older than the tolerance can no longer pass the freshness check.

@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any, BinaryIO
 from uuid import UUID
 
-from sqlalchemy import DateTime, Numeric, Table
+from sqlalchemy import DateTime, LargeBinary, Numeric, Table
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 
 from outbox.errors import ValidationError
@@ -58,6 +58,8 @@ def _encode(value: Any) -> Any:
         return str(value)
     if isinstance(value, datetime):
         return value.isoformat()
+    if isinstance(value, bytes | memoryview):
+        return bytes(value).hex()  # the hash-chain links (BYTEA)
     raise TypeError(f"{type(value).__name__} is not archivable")
 
 
@@ -170,6 +172,8 @@ def _decoder(table: Table | None, column: str) -> Any:
         return datetime.fromisoformat
     if isinstance(kind, Numeric):
         return Decimal
+    if isinstance(kind, LargeBinary):
+        return bytes.fromhex
     return None
 
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 from sqlalchemy import Connection
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox.blobs import reference_hash
 from outbox.faults import crash_point
@@ -26,7 +26,8 @@ from outbox.storage.claims import ClaimMode
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import effects as effect_sql
-from outbox.storage.sql import maintenance, queue
+from outbox.storage.sql import governance as gov_sql
+from outbox.storage.sql import maintenance, owners, queue
 from outbox.storage.store import read_state_counts
 
 __all__ = ["AsyncStore", "ClaimedEffect", "Completion"]
@@ -50,6 +51,8 @@ class ClaimedEffect:
     created_at: datetime
     attempt_started_at: datetime | None
     lease_owner: str | None
+    #: what the deliverer noted before calling, for this attempt only (else None)
+    attempt_note: Any = None
     #: The W3C traceparent stored with the intent (None: written outside any trace).
     trace_parent: str | None = None
 
@@ -69,6 +72,7 @@ class ClaimedEffect:
             created_at=row["created_at"],
             attempt_started_at=row["attempt_started_at"],
             lease_owner=row["lease_owner"],
+            attempt_note=_current_note(row.get("attempt_note"), row["attempt"]),
             trace_parent=row.get("trace_parent"),
         )
 
@@ -114,6 +118,13 @@ class Completion:
         )
 
 
+def _current_note(note: Any, attempt: int) -> Any:
+    """A stored note counts only for the attempt that wrote it."""
+    if isinstance(note, dict) and note.get("attempt") == attempt:
+        return note
+    return None
+
+
 def _claimed(rows: Any) -> list[ClaimedEffect]:
     return [ClaimedEffect.from_row(row) for row in rows.mappings()]
 
@@ -130,6 +141,30 @@ class AsyncStore:
         """The database, for connections of its own (LISTEN)."""
         return self.engine.url.render_as_string(hide_password=False)
 
+    async def _claim_on(
+        self,
+        conn: AsyncConnection,
+        spec: queue.QueueSpec,
+        quotas: Sequence[tuple[dict[str, str], int]],
+        owner: str,
+        lease_seconds: float,
+        rates: Mapping[str, queue.Rate] | None,
+    ) -> list[ClaimedEffect]:
+        """The claim of each partition's quota on ``conn`` (the caller owns the transaction)."""
+        rows: list[ClaimedEffect] = []
+        for partition, limit in quotas:
+            rate = None if rates is None else rates.get(partition.get("kind", ""))
+            params = queue.claim_params(
+                partition, limit=limit, owner=owner, lease_seconds=lease_seconds, rate=rate
+            )
+            again = True
+            while again:  # at most twice: plain, then lanes (see ClaimMode)
+                statement, lanes = self._claims.statement(spec, partition, rated=rate is not None)
+                result = await conn.execute(statement, params)
+                found, again = self._claims.claimed(spec, partition, lanes, result.mappings())
+                rows += [ClaimedEffect.from_row(row) for row in found]
+        return rows
+
     async def claim_many(
         self,
         spec: queue.QueueSpec,
@@ -144,7 +179,6 @@ class AsyncStore:
         ``rates`` maps a kind to its declared rate: that kind's claims take no
         more than the rate allows, shared with every process through PostgreSQL.
         """
-        rows: list[ClaimedEffect] = []
         with translate_errors("claiming effects"):
             async with self.engine.connect() as conn:
                 if len(quotas) == 1:
@@ -153,21 +187,7 @@ class AsyncStore:
                     # round trips on the commit -> handler start path. With several, a
                     # failure part-way must not leave claims that were never returned.
                     conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                for partition, limit in quotas:
-                    rate = None if rates is None else rates.get(partition.get("kind", ""))
-                    params = queue.claim_params(
-                        partition, limit=limit, owner=owner, lease_seconds=lease_seconds, rate=rate
-                    )
-                    again = True
-                    while again:  # at most twice: plain, then lanes (see ClaimMode)
-                        statement, lanes = self._claims.statement(
-                            spec, partition, rated=rate is not None
-                        )
-                        result = await conn.execute(statement, params)
-                        found, again = self._claims.claimed(
-                            spec, partition, lanes, result.mappings()
-                        )
-                        rows += [ClaimedEffect.from_row(row) for row in found]
+                rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 await conn.commit()
         return rows
 
@@ -215,13 +235,61 @@ class AsyncStore:
                 crash_point("during_completion")
         return logged
 
-    async def expired(self, max_rows: int) -> list[ClaimedEffect]:
-        """In-flight effects whose lease ran out."""
-        with translate_errors("finding expired attempts"):
-            async with self.engine.connect() as conn:
-                return _claimed(
-                    await conn.execute(effect_sql.expired_effects(), {"max_rows": max_rows})
+    async def complete_and_claim(
+        self,
+        owner: str,
+        done: Sequence[Completion],
+        spec: queue.QueueSpec,
+        quotas: Sequence[tuple[dict[str, str], int]],
+        *,
+        lease_seconds: float,
+        rates: Mapping[str, queue.Rate] | None = None,
+    ) -> tuple[list[tuple[UUID, str]], list[ClaimedEffect]]:
+        """:meth:`complete` and :meth:`claim_many` in one transaction: one commit per batch.
+
+        The claim runs after the completion, so it sees what the completion
+        freed (the next effect of an ordering key, say). Either both commit or
+        neither does.
+        """
+        payload = "[" + ",".join(c.as_json() for c in done) + "]"
+        with translate_errors("recording outcomes and claiming effects"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(
+                    effect_sql.complete_effects(),
+                    {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]},
                 )
+                logged = [(row[0], row[1]) for row in result]
+                crash_point("during_completion")
+                rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
+        return logged, rows
+
+    async def expired(
+        self, max_rows: int, *, redispatch_as: str | None = None
+    ) -> tuple[int, list[ClaimedEffect]]:
+        """In-flight effects whose lease ran out; returns (re-dispatched, expired).
+
+        With ``redispatch_as`` (a worker name), dispatched effects not delivered
+        within their TTL go back to ``pending`` first, in the same transaction
+        (one commit per reconcile round, not two).
+        """
+        with translate_errors("finding expired attempts"):
+            async with self.engine.begin() as conn:
+                redispatched = 0
+                if redispatch_as is not None:
+                    params = {"worker": redispatch_as, "max_rows": max_rows}
+                    result = await conn.execute(effect_sql.redispatch_expired(), params)
+                    redispatched = len(result.all())
+                rows = await conn.execute(effect_sql.expired_effects(), {"max_rows": max_rows})
+                return redispatched, _claimed(rows)
+
+    async def unknown_of(self, kinds: Sequence[str], max_rows: int) -> list[ClaimedEffect]:
+        """``unknown`` effects of these kinds (their deliverer can ask the sink), oldest first."""
+        if not kinds:
+            return []
+        params = {"kinds": list(kinds), "max_rows": max_rows}
+        with translate_errors("finding unknown effects"):
+            async with self.engine.connect() as conn:
+                return _claimed(await conn.execute(effect_sql.unknown_of_kinds(), params))
 
     async def expire(
         self,
@@ -277,6 +345,30 @@ class AsyncStore:
                 result = await conn.execute(effect_sql.mark_unknown_kinds(), params)
                 return len(result.all())
 
+    async def recorded_result(self, effect_id: UUID) -> tuple[bool, Any]:
+        """The result a real run recorded for the intent a dry-run effect stands for."""
+        with translate_errors("looking up a recorded result"):
+            async with self.engine.connect() as conn:
+                row = (
+                    await conn.execute(gov_sql.recorded_result(), {"effect_id": effect_id})
+                ).first()
+        return (False, None) if row is None else (True, row[0])
+
+    async def note_attempt(
+        self, effect_id: UUID, attempt: int, *, owner: str, note: Mapping[str, Any]
+    ) -> bool:
+        """Store a deliverer's note about the current attempt (fenced); False if no longer ours."""
+        params = {
+            "effect_id": effect_id,
+            "expected_attempt": attempt,
+            "owner": owner,
+            "note": json.dumps({**note, "attempt": attempt}),
+        }
+        with translate_errors("noting an attempt"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(gov_sql.note_attempt(), params)
+                return result.first() is not None
+
     async def note_blocked_by_order(self, *, grace_seconds: float, max_rows: int = 1000) -> int:
         """Note on effects held back by their ordering key what holds them; returns how many.
 
@@ -288,6 +380,48 @@ class AsyncStore:
             async with self.engine.begin() as conn:
                 result = await conn.execute(effect_sql.note_blocked_by_order(), params)
                 return len(result.all())
+
+    # -- owners that are gone (outbox.storage.sql.owners) ---------------------------
+
+    async def gone_owners(
+        self, kinds: Sequence[str], *, restart_grace: float
+    ) -> list[tuple[str, bool]]:
+        """Registered owners whose lock is free: (owner, holds an attempt of ``kinds``)."""
+        params = {"kinds": list(kinds), "restart_grace": restart_grace}
+        with translate_errors("looking for deliverers that are gone"):
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                result = await conn.execute(owners.gone_owners(), params)
+                return [(row[0], bool(row[1])) for row in result]
+
+    async def expire_gone_owner(
+        self,
+        owner: str,
+        limits: Mapping[str, int],
+        *,
+        note: str,
+        worker: str,
+        restart_grace: float,
+    ) -> list[UUID]:
+        """Put a gone owner's attempts of the kinds in ``limits`` back to pending (logged)."""
+        params = {
+            "owner": owner,
+            "limits": json.dumps([{"kind": k, "max_attempts": n} for k, n in limits.items()]),
+            "note": note,
+            "worker": worker,
+            "restart_grace": restart_grace,
+        }
+        with translate_errors("putting back the attempts of a deliverer that is gone"):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(owners.expire_gone_owner(), params)
+                return [row[0] for row in result]
+
+    async def forget_gone_owners(self, candidates: Sequence[str], *, restart_grace: float) -> int:
+        """Unregister gone owners that hold nothing (checked again); returns how many."""
+        params = {"owners": list(candidates), "restart_grace": restart_grace}
+        with translate_errors("forgetting deliverers that are gone"):
+            async with self.engine.begin() as conn:
+                return len((await conn.execute(owners.forget_gone_owners(), params)).all())
 
     # -- stream mode -----------------------------------------------------------------
 
@@ -314,14 +448,6 @@ class AsyncStore:
         with translate_errors("claiming dispatched effects"):
             async with self.engine.begin() as conn:
                 return _claimed(await conn.execute(effect_sql.claim_dispatched(), params))
-
-    async def redispatch_expired(self, *, worker: str, max_rows: int = 1000) -> int:
-        """Dispatched effects not delivered within their TTL go back to ``pending``."""
-        params = {"worker": worker, "max_rows": max_rows}
-        with translate_errors("re-dispatching"):
-            async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.redispatch_expired(), params)
-                return len(result.all())
 
     # -- the rest ----------------------------------------------------------------------
 

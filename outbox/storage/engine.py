@@ -53,6 +53,7 @@ __all__ = [
     "open_async_engine",
     "open_engine",
     "psycopg_url",
+    "redacted_dsn",
     "resolve_dsn",
     "sql_api_error",
     "translate_errors",
@@ -71,6 +72,14 @@ def psycopg_url(dsn: str | URL) -> URL:
     if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
         url = url.set(drivername="postgresql+psycopg")
     return url
+
+
+def redacted_dsn(dsn: str) -> str:
+    """The DSN with its password masked (``***``), to print it."""
+    try:
+        return make_url(dsn).render_as_string(hide_password=True)
+    except sqlalchemy.exc.ArgumentError:  # not a URL: show nothing of it
+        return "<your DSN>"
 
 
 def libpq_dsn(dsn: str | URL) -> str:
@@ -136,7 +145,8 @@ def sql_api_error(sqlstate: str | None, message: str, detail: str | None) -> Out
         fields = {}
     match sqlstate:
         case "OB001":
-            return ValidationError(fields.get("field", "?"), fields.get("value"), fields["reason"])
+            field, value, rule = fields.get("field", "?"), fields.get("value"), fields.get("rule")
+            return ValidationError(field, value, fields["reason"], rule=rule)
         case "OB002":
             return PayloadError(fields.get("field", "?"), fields.get("value"), fields["reason"])
         case "OB003":

@@ -7,15 +7,17 @@ Four group roles (``NOLOGIN``); give each login one of them
   intents and the large values they store by reference, sends and consumes
   signals, parks and wakes its runs. It cannot complete, retry or delete an
   effect: of ``outbox_effects`` it may only insert fresh intents (``pending``,
-  or ``paused`` for a paused run; never attempted) and mark one awaited.
+  held for approval, or ``paused`` for a paused run; never attempted) and mark
+  one awaited.
 - ``outbox_deliverer``: claims (charging a kind's shared rate), heartbeats,
   completes and reconciles effects, and moves stopping runs on (which updates
   ``outbox_runs`` and intends their compensations). It cannot change what an
   effect is (kind, payload, key) and cannot insert intents: only the
   compensations an agent declared on a succeeded effect of a run being cancelled.
 - ``outbox_operator``: resolves, retries, cancels (its cancel moves the run
-  on like a deliverer), pauses and resumes, reconciles, and deletes history
-  (``outbox gc``, large values included).
+  on like a deliverer), pauses and resumes, approves and rejects held effects,
+  manages approval gates, reconciles, and deletes history (``outbox gc``, large
+  values included).
 - ``outbox_reader``: reads every table.
 
 Column privileges restrict updates; a row-level security policy on
@@ -93,7 +95,10 @@ _RUN_AGENT = (
     "wait_effect",
     "step_retries",
     "upgrades",
+    "step_head",
 )
+# Columns of outbox_effects an approval decision, a deadline or an escalation change.
+_EFFECT_APPROVAL = ("approval", "approval_deadline")
 
 Grant = tuple[str, ...]  # privileges; "UPDATE(a, b)" for columns
 
@@ -123,7 +128,7 @@ ROLES: tuple[RoleSpec, ...] = (
             "outbox_steps": (
                 "SELECT",
                 "INSERT",
-                _update(("status", "result", "error", "completed_at")),
+                _update(("status", "result", "error", "completed_at", "hash")),
             ),
             "outbox_effects": ("SELECT", "INSERT", _update(("awaited_by",))),
             "outbox_signals": ("SELECT", "INSERT", _update(("consumed_by", "consumed_at"))),
@@ -142,16 +147,25 @@ ROLES: tuple[RoleSpec, ...] = (
         {
             **_READ_ALL,
             "outbox_runs": ("SELECT", _update(_RUN_STOPPING)),
-            "outbox_effects": ("SELECT", "INSERT", _update(_EFFECT_DELIVERY)),
+            "outbox_effects": (
+                "SELECT",
+                "INSERT",
+                _update((*_EFFECT_DELIVERY, *_EFFECT_APPROVAL, "attempt_note")),
+            ),
             "outbox_effect_attempts": ("SELECT", "INSERT"),
             "outbox_budget_ledger": ("SELECT", "INSERT"),
             # a kind's declared rate, shared by every deliverer process
             "outbox_rate_limits": ("SELECT", "INSERT", _update(("tat",))),
+            # `outbox deliver` stores the config's approval gates at start-up
+            "outbox_gates": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+            # a daemon registers the owner whose session lock it holds (0012)
+            "outbox_owners": ("SELECT", "INSERT", _update(("registered_at",)), "DELETE"),
         },
     ),
     RoleSpec(
         "operator",
-        "resolve, retry, cancel, pause and resume, reconcile, gc; no intents",
+        "resolve, retry, cancel, pause and resume, approve and reject, manage gates, "
+        "reconcile, gc; no intents",
         {
             **_READ_ALL,
             "outbox_runs": ("SELECT", _update(_RUN_STOPPING), "DELETE"),
@@ -159,9 +173,10 @@ ROLES: tuple[RoleSpec, ...] = (
             "outbox_effects": (
                 "SELECT",
                 "INSERT",
-                _update((*_EFFECT_DELIVERY, "max_attempts")),
+                _update((*_EFFECT_DELIVERY, *_EFFECT_APPROVAL, "max_attempts")),
                 "DELETE",
             ),
+            "outbox_gates": ("SELECT", "INSERT", "UPDATE", "DELETE"),
             "outbox_effect_attempts": ("SELECT", "INSERT", "DELETE"),
             "outbox_signals": ("SELECT", "DELETE"),
             "outbox_budget_ledger": ("SELECT", "INSERT", "DELETE"),
@@ -170,6 +185,7 @@ ROLES: tuple[RoleSpec, ...] = (
             # gc locks a blob nothing uses (skipping one a writer holds), then deletes it
             "outbox_blobs": ("SELECT", _update(("used_at",)), "DELETE"),
             "outbox_blob_refs": ("SELECT", "DELETE"),
+            "outbox_owners": ("SELECT", "DELETE"),
         },
     ),
     RoleSpec("reader", "read everything; change nothing", dict(_READ_ALL)),
@@ -217,6 +233,16 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
     # The SQL API's wake-up throttle (0007) reads and moves these; an agent calls it.
     clocks = ", ".join(f"{schema}.{name}" for name in sorted(metadata._sequences))
     out.append(f"GRANT SELECT, UPDATE ON SEQUENCE {clocks} TO {names['agent']}")
+    # The attempt-log chain trigger draws a fresh id when it must re-lock the effect
+    # (outbox_attempts_chain): an explicit nextval needs USAGE on the identity's sequence.
+    attempts_seq = f"{schema}.outbox_effect_attempts_id_seq"
+    out.append(f"REVOKE ALL ON SEQUENCE {attempts_seq} FROM {every}")
+    logging_roles = [
+        names[spec.suffix]
+        for spec in ROLES
+        if "INSERT" in spec.grants.get("outbox_effect_attempts", ())
+    ]
+    out.append(f"GRANT USAGE ON SEQUENCE {attempts_seq} TO {', '.join(logging_roles)}")
     # Who may insert into outbox_effects, and what.
     stopping = sql_in("r.status", STOPPING_RUN_STATUSES)
     out.append(
@@ -248,11 +274,13 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
         f"CREATE POLICY outbox_every_row ON {effects} AS PERMISSIVE FOR ALL TO PUBLIC "
         "USING (true) WITH CHECK (true)"
     )
-    # a paused run's step writes its intents paused (outbox.runs.control)
+    # An intent commits pending, held by an approval gate (awaiting_approval), or
+    # paused for a paused run's step (outbox.runs.control).
+    intended = (EffectStatus.PENDING, EffectStatus.AWAITING_APPROVAL, EffectStatus.PAUSED)
     fresh = (
-        f"{sql_in('status', (EffectStatus.PENDING, EffectStatus.PAUSED))} AND attempt = 0 "
-        "AND lease_owner IS NULL "
-        "AND result IS NULL AND completed_at IS NULL AND awaited_by IS NULL"
+        f"{sql_in('status', intended)} "
+        "AND attempt = 0 AND lease_owner IS NULL AND result IS NULL "
+        "AND completed_at IS NULL AND awaited_by IS NULL"
     )
     out.append(f"DROP POLICY IF EXISTS outbox_intents ON {effects}")
     out.append(
@@ -278,7 +306,10 @@ def apply_roles(engine: Engine, prefix: str = "outbox_", schema: str = "public")
 
 
 def grants_markdown(prefix: str = "outbox_") -> str:
-    """The grants as Markdown tables, one per role (docs/howto/run-deliverers.md shows these)."""
+    """The grants as Markdown tables, one per role.
+
+    docs/howto/secure-a-deployment.md shows exactly this (a test checks).
+    """
     parts = []
     for spec in ROLES:
         rows = [

@@ -25,9 +25,10 @@ from outbox.models import Lease, RunStatus
 from outbox.storage import blob_store
 from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql import control, maintenance
+from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as step_sql
-from outbox.storage.sql.common import SIGNALS_CHANNEL
+from outbox.storage.sql.common import EFFECTS_CHANNEL, SIGNALS_CHANNEL
 
 __all__ = ["LockedRun", "RunTx", "WaitRow"]
 
@@ -194,6 +195,62 @@ class RunTx:
     def forget_replays(self, older_than_seconds: float) -> None:
         """Forget signatures older than the freshness window."""
         self._run(maintenance.forget_replays(), {"seconds": older_than_seconds})
+
+    # -- approvals --------------------------------------------------------------------
+
+    def lock_effect(self, effect_id: uuid.UUID) -> Any:
+        """The effect row locked until commit (status, digest, approval, ``due``), or None."""
+        return self._run(gov_sql.lock_effect(), {"effect_id": effect_id}).first()
+
+    def approve_held(self, effect_id: uuid.UUID, approver: str, detail: dict[str, Any]) -> bool:
+        """Release a held effect to ``pending`` (logged ``approved``); wakes deliverers."""
+        params = {"effect_id": effect_id, "approver": approver, "detail": json.dumps(detail)}
+        changed = self._run(gov_sql.approve_held(), params).first() is not None
+        if changed:
+            self.connection.execute(
+                text("SELECT pg_notify(:channel, '')"), {"channel": EFFECTS_CHANNEL}
+            )
+        return changed
+
+    def reject_held(
+        self,
+        effect_id: uuid.UUID,
+        approver: str,
+        note: str,
+        detail: dict[str, Any],
+        *,
+        outcome: str = "rejected",
+    ) -> bool:
+        """End a held effect as ``rejected`` (logged as ``outcome``); wakes a run parked on it."""
+        params = {
+            "effect_id": effect_id,
+            "approver": approver,
+            "note": note,
+            "outcome": outcome,
+            "detail": json.dumps(detail),
+        }
+        return self._run(gov_sql.reject_held(), params).first() is not None
+
+    def escalate_held(self, effect_id: uuid.UUID, approver: str, detail: dict[str, Any]) -> bool:
+        """A held effect's deadline passed (escalate): it waits on without one (logged)."""
+        params = {"effect_id": effect_id, "approver": approver, "detail": json.dumps(detail)}
+        return self._run(gov_sql.escalate_held(), params).first() is not None
+
+    def log_effect_event(
+        self, effect_id: uuid.UUID, worker: str, outcome: str, detail: dict[str, Any]
+    ) -> None:
+        """Log a row about an effect that changes nothing else (a refused approval)."""
+        params = {
+            "effect_id": effect_id,
+            "worker": worker,
+            "outcome": outcome,
+            "detail": json.dumps(detail),
+        }
+        self._run(gov_sql.log_effect_event(), params)
+
+    def due_approvals(self, max_rows: int) -> list[uuid.UUID]:
+        """Held effects whose approval deadline passed, locked (others skip them)."""
+        return [r.id for r in self._run(gov_sql.due_approvals(), {"max_rows": max_rows})]
 
     # -- stopping ---------------------------------------------------------------------
 

@@ -15,10 +15,12 @@ from importlib import resources
 from sqlalchemy import (
     DDL,
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     Connection,
     DateTime,
+    Float,
     ForeignKey,
     Identity,
     Index,
@@ -34,16 +36,23 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID
 
 from outbox.models import (
     LIVE_RUN_STATUSES,
+    NEEDS_PERSON_EFFECT_STATUSES,
     OPEN_EFFECT_STATUSES,
     STOPPING_RUN_STATUSES,
     TERMINAL_RUN_STATUSES,
     EffectStatus,
     RunStatus,
     StepStatus,
+)
+from outbox.storage.governance_ddl import (
+    ATTEMPT_CHAIN_DDL,
+    CHAIN_FUNCTIONS_DDL,
+    EFFECT_COST_DDL,
+    GATE_FUNCTIONS_DDL,
 )
 from outbox.storage.sql.common import sql_in
 
@@ -54,8 +63,10 @@ __all__ = [
     "consumed_keys",
     "effect_attempts",
     "effects",
+    "gates",
     "metadata",
     "migrations",
+    "owners",
     "rate_limits",
     "runs",
     "signals",
@@ -65,6 +76,16 @@ __all__ = [
 ]
 
 metadata = MetaData()
+
+
+def _ddl(target: object, statements: tuple[str, ...], when: str = "after_create") -> None:
+    for statement in statements:
+        event.listen(target, when, DDL(statement.replace("%", "%%")))  # type: ignore[no-untyped-call]
+
+
+# 0010: hash chains and gate rules are SQL functions the tables' triggers and
+# statements call, so they exist before any table.
+_ddl(metadata, CHAIN_FUNCTIONS_DDL + GATE_FUNCTIONS_DDL, "before_create")
 
 RUN_STATUSES = tuple(RunStatus)
 EFFECT_STATUSES = tuple(EffectStatus)
@@ -121,7 +142,10 @@ runs = Table(
     Column("cancel_reason", Text),
     # 0006: the W3C traceparent of the run's trace (its steps are spans of it)
     Column("trace_parent", Text),
-    # 0008: run control. One run per business key; claims by priority, fair between
+    # 0010: a dry run's effects go to a recording deliverer; the head of its step chain
+    Column("dry_run", Boolean, nullable=False, server_default=text("false")),
+    Column("step_head", BYTEA),
+    # 0013: run control. One run per business key; claims by priority, fair between
     # keys; pause; forks (a new run replaying another's steps up to a point).
     Column("key", Text),
     Column("priority", Integer, nullable=False, server_default=text("0")),
@@ -173,7 +197,7 @@ Index(
     runs.c.updated_at,
     postgresql_where=text(sql_in("status", STOPPING_RUN_STATUSES)),
 )
-# A paused run still holds its agent version (0009: the live statuses with paused).
+# A paused run still holds its agent version (0014: the live statuses with paused).
 Index(
     "outbox_runs_unfinished",
     runs.c.agent,
@@ -199,8 +223,7 @@ $$""",
           OR OLD.inputs IS DISTINCT FROM NEW.inputs)
     EXECUTE FUNCTION outbox_runs_refuse_input_change()""",
 )
-for _ddl in RUNS_IMMUTABLE_DDL:
-    event.listen(runs, "after_create", DDL(_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
+_ddl(runs, RUNS_IMMUTABLE_DDL)
 
 steps = Table(
     "outbox_steps",
@@ -214,7 +237,9 @@ steps = Table(
     _ts("completed_at", nullable=False, default_now=True),
     # "waiting": a sleep or wait recorded with its deadline, not yet satisfied
     Column("status", Text, nullable=False, server_default=text("'completed'")),
-    # 0008: the state and plan this step set (NULL: unchanged), so a fork starts from them
+    # 0010: this step's link in the run's hash chain (NULL while a wait is under way)
+    Column("hash", BYTEA),
+    # 0013: the state and plan this step set (NULL: unchanged), so a fork starts from them
     Column("state", JSONB),
     Column("plan", JSONB),
     PrimaryKeyConstraint("run_id", "step_id", name="outbox_steps_pkey"),
@@ -256,7 +281,12 @@ effects = Table(
     Column("awaited_by", UUID(as_uuid=True)),
     # 0006: the W3C traceparent current at tx.intend (each attempt is a span of its trace)
     Column("trace_parent", Text),
-    # 0008: claims take higher priority first and share capacity between fairness keys
+    # 0010: the approval gate holding it (NULL: none) and that gate's deadline
+    Column("approval", JSONB),
+    _ts("approval_deadline"),
+    # 0010: what a deliverer noted about the current attempt before calling (read-back)
+    Column("attempt_note", JSONB),
+    # 0013: claims take higher priority first and share capacity between fairness keys
     Column("priority", Integer, nullable=False, server_default=text("0")),
     Column("fairness_key", Text, nullable=False, server_default=text("''")),
     UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
@@ -279,7 +309,7 @@ Index(
     effects.c.lease_expires_at,
     postgresql_where=text("status = 'in_flight'"),
 )
-# An open effect, a paused one too, holds back later effects of its key (0009).
+# An open effect, a paused one too, holds back later effects of its key (0014).
 Index(
     "outbox_effects_open_ordering",
     effects.c.ordering_key,
@@ -303,7 +333,13 @@ Index(
     "outbox_effects_needs_operator",
     effects.c.status,
     effects.c.seq,
-    postgresql_where=text("status IN ('unknown', 'failed')"),
+    postgresql_where=text(sql_in("status", NEEDS_PERSON_EFFECT_STATUSES)),
+)
+# 0010: approval deadlines fire by index; only held effects with a deadline sit in it
+Index(
+    "outbox_effects_approval_due",
+    effects.c.approval_deadline,
+    postgresql_where=text("status = 'awaiting_approval' AND approval_deadline IS NOT NULL"),
 )
 
 # 0006: the console finds an effect's compensation, and stopped effects, without a scan;
@@ -336,8 +372,12 @@ effect_attempts = Table(
     # succeeded | retry | failed | stale | expired | resolved | released
     Column("outcome", Text, nullable=False),
     Column("detail", JSONB),
+    # 0010: sha256 over this row and the effect's previous row (see governance_ddl)
+    Column("hash", BYTEA),
 )
-Index("outbox_effect_attempts_effect", effect_attempts.c.effect_id, effect_attempts.c.attempt)
+# 0010: (effect, id), so the chain's newest row is one index probe
+Index("outbox_effect_attempts_effect", effect_attempts.c.effect_id, effect_attempts.c.id)
+_ddl(effect_attempts, ATTEMPT_CHAIN_DDL)
 
 signals = Table(
     "outbox_signals",
@@ -404,41 +444,18 @@ webhook_replays = Table(
     _ts("seen_at", nullable=False, default_now=True),
 )
 
-# Cost settlement of costly intents: see migration 0002 for why it is a trigger.
-EFFECT_COST_DDL = (
-    """CREATE FUNCTION outbox_effects_settle_cost() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW.status = 'succeeded' THEN
-        UPDATE outbox_runs
-           SET reserved = reserved - NEW.cost, spent = spent + NEW.cost
-         WHERE id = NEW.run_id;
-        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
-        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'commit', NEW.cost);
-    ELSIF NEW.status IN ('failed', 'cancelled') THEN
-        UPDATE outbox_runs SET reserved = reserved - NEW.cost WHERE id = NEW.run_id;
-        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
-        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'release', NEW.cost);
-    ELSIF OLD.status IN ('failed', 'cancelled') THEN
-        -- an operator put it back: it holds its reservation again
-        UPDATE outbox_runs SET reserved = reserved + NEW.cost WHERE id = NEW.run_id;
-        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
-        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'reserve', NEW.cost);
-    END IF;
-    RETURN NULL;
-END
-$$""",
-    """CREATE TRIGGER outbox_effects_settle_cost
-    AFTER UPDATE OF status ON outbox_effects FOR EACH ROW
-    WHEN (NEW.cost IS NOT NULL AND NEW.run_id IS NOT NULL
-          AND OLD.status IS DISTINCT FROM NEW.status
-          AND (NEW.status IN ('succeeded', 'failed', 'cancelled')
-               OR OLD.status IN ('failed', 'cancelled')))
-    EXECUTE FUNCTION outbox_effects_settle_cost()""",
+# 0012: delivery daemons that hold their owner's session lock (outbox.storage.owner_lock)
+owners = Table(
+    "outbox_owners",
+    metadata,
+    Column("owner", Text, primary_key=True),
+    _ts("registered_at", nullable=False, default_now=True),
 )
-# plpgsql resolves the ledger only when the trigger runs, so the effects table is enough.
-for _ddl in EFFECT_COST_DDL:
-    event.listen(effects, "after_create", DDL(_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
+
+# Cost settlement of costly intents: see migration 0002 for why it is a trigger (0010:
+# a rejected intent releases its reservation). plpgsql resolves the ledger only when
+# the trigger runs, so the effects table is enough.
+_ddl(effects, EFFECT_COST_DDL)
 
 # 0003: idempotency keys a Kafka consumer group has processed (deliverers.kafka.DedupConsumer)
 consumed_keys = Table(
@@ -450,7 +467,7 @@ consumed_keys = Table(
     PrimaryKeyConstraint("consumer_group", "idempotency_key", name="outbox_consumed_keys_pkey"),
 )
 
-# 0008: an effect of a paused run that would become pending again (a retry, the
+# 0013: an effect of a paused run that would become pending again (a retry, the
 # reconciler, an operator) is held as paused instead. Inserts decide it in
 # commit_step; this covers every other way back to pending, and its WHEN clause
 # keeps it out of claims and completions that do not go back to pending.
@@ -470,10 +487,10 @@ $$""",
           AND NEW.run_id IS NOT NULL)
     EXECUTE FUNCTION outbox_effects_hold_paused()""",
 )
-for _ddl in EFFECT_PAUSE_DDL:
-    event.listen(effects, "after_create", DDL(_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
+for _pause_ddl in EFFECT_PAUSE_DDL:
+    event.listen(effects, "after_create", DDL(_pause_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
 
-# 0008: values over Settings.blob_threshold_bytes, stored once (outbox.blobs). Rows hold a
+# 0013: values over Settings.blob_threshold_bytes, stored once (outbox.blobs). Rows hold a
 # reference; blob_refs says which run (or run-less effect) uses which blob, so
 # `outbox gc` can delete the blobs nothing uses once their owners are gone.
 blobs = Table(
@@ -496,7 +513,7 @@ blob_refs = Table(
 )
 Index("outbox_blob_refs_sha256", blob_refs.c.sha256)
 
-# 0008: a kind's declared rate (calls per second), shared by every deliverer process:
+# 0013: a kind's declared rate (calls per second), shared by every deliverer process:
 # the theoretical arrival time of the next call (GCRA), moved on by each claim.
 rate_limits = Table(
     "outbox_rate_limits",
@@ -510,18 +527,20 @@ rate_limits = Table(
 Sequence("outbox_wake_clock_effects", start=0, minvalue=0, metadata=metadata)
 Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
 
-#: The migrations that define the SQL API's functions, in order: 0008 replaces
-#: some of 0007's for run control (pause, lanes, keys, values by reference).
-SQL_API_MIGRATIONS = ("0007_sql_api.sql", "0008_run_control.sql")
+SQL_API_MIGRATION = "0007_sql_api.sql"
+#: Migrations whose part below ``-- @functions`` (re)defines SQL API functions, in order.
+#: 0010 replaces some of 0007's for governance (gates, dry runs, the step chain) and
+#: 0013 some of those for run control (pause, lanes, keys, values by reference).
+SQL_API_MIGRATIONS = (SQL_API_MIGRATION, "0010_governance.sql", "0013_run_control.sql")
 _FUNCTIONS_MARKER = "-- @functions"
 
 
 def sql_api_ddl() -> str:
-    """The SQL API's functions and trigger: each of its migrations below ``-- @functions``.
+    """The SQL API's functions and trigger: each migration's part below ``-- @functions``.
 
-    Read from the migrations themselves, so a fresh schema and a migrated one
-    get the same definitions from one text. A later migration that replaces one
-    of these functions must be listed in ``SQL_API_MIGRATIONS`` too.
+    Read from the migrations themselves, so a fresh schema and a migrated one get
+    the same definitions from one text. A later migration that replaces one of
+    these functions is listed in :data:`SQL_API_MIGRATIONS` too.
     """
     parts = []
     for name in SQL_API_MIGRATIONS:
@@ -537,3 +556,22 @@ def _create_sql_api(target: MetaData, connection: Connection, **kw: object) -> N
     driver = connection.connection.driver_connection
     assert driver is not None
     driver.execute(sql_api_ddl())
+
+
+# 0010: approval gates from the deliverers config (``outbox gates apply``); the
+# statement that writes an intent evaluates them (``outbox.gates``)
+gates = Table(
+    "outbox_gates",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("kind", Text, nullable=False),
+    Column("conditions", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("timeout_seconds", Float),
+    Column("on_timeout", Text, nullable=False, server_default=text("'reject'")),
+    Column("escalate_to", Text),
+    _ts("updated_at", nullable=False, default_now=True),
+    CheckConstraint(
+        "on_timeout IN ('reject', 'cancel_run', 'escalate')", name="outbox_gates_on_timeout_check"
+    ),
+)
+Index("outbox_gates_kind", gates.c.kind)

@@ -20,6 +20,7 @@ from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.dialects.postgresql import JSONB
 
 from outbox.blobs import Blob
+from outbox.faults import crash_point
 from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
 from outbox.storage import blob_store
 from outbox.storage.blob_store import EFFECT_FIELDS, RUN_FIELDS, STEP_FIELDS
@@ -27,8 +28,9 @@ from outbox.storage.claims import ClaimMode
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
-from outbox.storage.sql import control, maintenance, queue
+from outbox.storage.sql import audit, control, maintenance, queue
 from outbox.storage.sql import effects as effect_sql
+from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as sql
 from outbox.storage.sql.common import ACTIVE_CONDITION
@@ -94,14 +96,20 @@ class Store:
             record = RunRecord.model_validate(found._mapping)
             return blob_store.resolve(conn, [record], RUN_FIELDS)[0], False
 
-    def load_run(self, run_id: UUID) -> tuple[RunRecord, list[StepRecord]] | None:
-        """A run and its completed steps, or ``None`` (values read back in place of references)."""
-        run_q, steps_q = sql.run_with_steps()
+    def load_run(
+        self, run_id: UUID, step_id: str | None = None
+    ) -> tuple[RunRecord, list[StepRecord]] | None:
+        """A run and its recorded steps (only ``step_id``'s, when given), or ``None``.
+
+        Values stored by reference are read back in place of their references.
+        """
+        run_q, steps_q = sql.run_with_steps(one_step=step_id is not None)
+        params = {"run_id": run_id, "step_id": step_id}
         with translate_errors("loading a run"), self.engine.connect() as conn:
-            row = conn.execute(run_q, {"run_id": run_id}).one_or_none()
+            row = conn.execute(run_q, params).one_or_none()
             if row is None:
                 return None
-            steps = conn.execute(steps_q, {"run_id": run_id}).all()
+            steps = conn.execute(steps_q, params).all()
             record = blob_store.resolve(conn, [RunRecord.model_validate(row._mapping)], RUN_FIELDS)
             recorded = blob_store.resolve(
                 conn, [StepRecord.model_validate(s._mapping) for s in steps], STEP_FIELDS
@@ -237,6 +245,14 @@ class Store:
                 conn, [Effect.model_validate(r._mapping) for r in rows], EFFECT_FIELDS
             )
 
+    def finished_effects(self, effect_ids: Sequence[UUID]) -> list[Effect]:
+        """Those of ``effect_ids`` that are terminal (succeeded, failed, cancelled, compensated)."""
+        if not effect_ids:
+            return []
+        with translate_errors("checking awaited effects"), self.engine.connect() as conn:
+            rows = conn.execute(sql.finished_effects(), {"ids": list(effect_ids)}).all()
+        return [Effect.model_validate(r._mapping) for r in rows]
+
     def attempts(self, effect_id: UUID) -> list[EffectAttempt]:
         """The attempt log of one effect, oldest first."""
         query = (
@@ -255,6 +271,53 @@ class Store:
         ]()
         with translate_errors(f"{which} of an effect"), self.engine.begin() as conn:
             return conn.execute(statement, params).first() is not None
+
+    # -- governance -------------------------------------------------------------------
+
+    def apply_gates(self, rows: list[dict[str, Any]], *, prune: bool) -> list[str]:
+        """Upsert gate rows in one transaction; ``prune`` deletes gates not among them."""
+        with translate_errors("storing approval gates"), self.engine.begin() as conn:
+            stored = [conn.execute(gov_sql.upsert_gate(), row).scalar_one() for row in rows]
+            if prune:
+                conn.execute(gov_sql.delete_gates(keep=True), {"names": stored})
+        return stored
+
+    def list_gates(self) -> list[dict[str, Any]]:
+        """Every approval gate as stored, by name."""
+        with translate_errors("listing approval gates"), self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(gov_sql.list_gates())]
+
+    def remove_gates(self, names: list[str]) -> list[str]:
+        """Delete gates by name; returns those deleted."""
+        with translate_errors("removing approval gates"), self.engine.begin() as conn:
+            return [r[0] for r in conn.execute(gov_sql.delete_gates(keep=False), {"names": names})]
+
+    def audit_rows(self, run_id: UUID) -> dict[str, Any]:
+        """Everything the audit of one run reads, in one snapshot (repeatable read)."""
+        run_q, _ = sql.run_with_steps()
+        with translate_errors("reading a run's record"), self.engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                run = conn.execute(run_q, {"run_id": run_id}).one_or_none()
+                if run is None:
+                    return {}
+                params = {"run_id": run_id}
+                return {
+                    "run": dict(run._mapping),
+                    "steps": [dict(r._mapping) for r in conn.execute(gov_sql.run_steps(), params)],
+                    "effects": [
+                        dict(r._mapping) for r in conn.execute(gov_sql.run_effects(), params)
+                    ],
+                    "attempts": [
+                        dict(r._mapping) for r in conn.execute(gov_sql.attempts_of_run(), params)
+                    ],
+                }
+
+    def run_ids(self, limit: int) -> list[UUID]:
+        """Run ids, newest first (what ``outbox audit verify`` checks without a run named)."""
+        with translate_errors("listing runs"), self.engine.connect() as conn:
+            query = select(runs.c.id).order_by(runs.c.created_at.desc()).limit(limit)
+            return [row[0] for row in conn.execute(query)]
 
     # -- runs in workers ---------------------------------------------------------------
 
@@ -349,9 +412,11 @@ class Store:
         }
         with translate_errors("upgrading a run"), self.engine.begin() as conn:
             row = conn.execute(run_sql.upgrade_run(), params).first()
+            if row is not None:
+                blob_store.put(conn, run_id, blobs)
+            crash_point("during_upgrade", f"{from_version}->{to_version}", run=run_id)
             if row is None:
                 return None
-            blob_store.put(conn, run_id, blobs)
             return blob_store.resolve(conn, [RunRecord.model_validate(row._mapping)], RUN_FIELDS)[0]
 
     def park_paused(self, run_id: UUID, lease: Lease) -> str | None:
@@ -409,6 +474,43 @@ class Store:
                 conn.execute(maintenance.in_flight_like(), {"pattern": owner_pattern}).scalar_one()
             )
 
+    # -- audit (``outbox check``, chaos tests): whole tables of a small scratch database --
+
+    def audit(self) -> dict[str, list[dict[str, Any]]]:
+        """Every intent, attempt-log row and step record, as plain rows, in one snapshot."""
+        with translate_errors("reading the audit"), self.engine.begin() as conn:
+            conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+            return {
+                name: [dict(row._mapping) for row in conn.execute(statement)]
+                for name, statement in (
+                    ("effects", audit.all_effects()),
+                    ("attempts", audit.all_attempts()),
+                    ("steps", audit.all_steps()),
+                )
+            }
+
+    def effect_counts(self) -> dict[str, int]:
+        """Effects per status (every status present)."""
+        with translate_errors("counting effects"), self.engine.connect() as conn:
+            return {str(s): int(n) for s, n in conn.execute(audit.effect_status_counts()).all()}
+
+    def expire_leases_of(self, owner_pattern: str) -> int:
+        """End now the run and effect leases of owners matching ``owner_pattern`` (SQL LIKE).
+
+        Only for an owner known to be dead (``outbox check`` saw its process
+        exit): the runs are rescued and the attempts reconciled as if the
+        leases had run out.
+        """
+        params = {"owner_pattern": owner_pattern}
+        with translate_errors("ending a dead owner's leases"), self.engine.begin() as conn:
+            ended = len(conn.execute(audit.expire_run_leases(), params).all())
+            return ended + len(conn.execute(audit.expire_effect_leases(), params).all())
+
+    def effect_kinds(self) -> list[str]:
+        """The effect kinds intended so far."""
+        with translate_errors("listing effect kinds"), self.engine.connect() as conn:
+            return [str(k) for k in conn.execute(audit.effect_kinds()).scalars()]
+
 
 def read_state_counts(conn: Connection) -> maintenance.StateCounts:
     """Runs by status, open effects by (status, kind), oldest pending age (sync or ``run_sync``)."""
@@ -434,10 +536,12 @@ def _jsonb(value: str | None) -> Any:
 def effects_json(rows: Sequence[dict[str, Any]]) -> str:
     """The ``:effects`` parameter: a JSON array whose payloads are spliced in as canonical text."""
     parts = []
+    spliced = ("payload", "compensate", "approval")
     for row in rows:
-        fields = {k: v for k, v in row.items() if k not in ("payload", "compensate")}
+        fields = {k: v for k, v in row.items() if k not in spliced}
         head = json.dumps(fields, separators=(",", ":"), default=str)
         parts.append(
-            f'{head[:-1]},"payload":{row["payload"]},"compensate":{row["compensate"] or "null"}}}'
+            f'{head[:-1]},"payload":{row["payload"]},"compensate":{row["compensate"] or "null"}'
+            f',"approval":{row.get("approval") or "null"}}}'
         )
     return "[" + ",".join(parts) + "]"

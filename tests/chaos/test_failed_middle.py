@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from decimal import Decimal
@@ -14,38 +12,19 @@ import pytest
 
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import Outbox, RunStatus
-from tests.chaos.deliverer_process import start_deliverer, write_config
+from outbox.testing.processes import Fleet, Process, start_deliverer
+from outbox.testing.workload import write_config
 from tests.support import wait_for
 
 
 def start_worker(
     env: dict[str, str], handler: str, log: Path, crash_at: str | None = None
-) -> subprocess.Popen[bytes]:
-    child = {k: v for k, v in env.items() if k != "OUTBOX_TEST_CRASH_AT"}
-    if crash_at is not None:
-        child["OUTBOX_TEST_CRASH_AT"] = crash_at
-    with log.open("ab") as handle:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "outbox",
-                "worker",
-                f"tests.chaos.agents:{handler}",
-                "--agent",
-                "chaos",
-                "--version",
-                "1",
-                "--lease",
-                "1",
-            ],
-            env=child,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-        )
+) -> Process:
+    fleet = Fleet(env, log.parent, None, handler=f"tests.chaos.agents:{handler}", agent="chaos")
+    return fleet.worker(crash_at=crash_at)
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: Process) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)

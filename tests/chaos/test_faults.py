@@ -1,9 +1,9 @@
 """Fault injection under load, each test ending with the invariant checker reporting zeros.
 
 Real processes (``outbox deliver``, ``outbox worker``, ``outbox reconcile``), a
-real PostgreSQL, a real HTTP sink (:class:`tests.chaos.workload.LoggingSink`).
+real PostgreSQL, a real HTTP sink (:class:`deliverers.record.RecordingSink`).
 Every test states its expected outcome in its docstring; every test ends with
-:func:`tests.chaos.invariants.load` finding no lost intent, no duplicate, no
+:func:`outbox.testing.invariants.load` finding no lost intent, no duplicate, no
 phantom and no regressed completed row.
 """
 
@@ -27,15 +27,15 @@ import psycopg
 import pytest
 from sqlalchemy import text
 
+from deliverers.record import RecordingSink
 from deliverers.testing import Fault
 from outbox import EmbeddedServer, Outbox
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params
-from tests.chaos import invariants
-from tests.chaos.workload import (
-    Fleet,
-    LoggingSink,
+from outbox.testing import invariants
+from outbox.testing.processes import Fleet
+from outbox.testing.workload import (
     ScriptThread,
     Workload,
     drive_script,
@@ -46,7 +46,8 @@ from tests.chaos.workload import (
 from tests.conftest import TEST_SERVER_SETTINGS
 from tests.support import embedded_home, wait_for
 
-OURS = "chaos-%"  # application_name prefix of the test process's own connections
+# application_name prefixes of the test process's own connections (spared by the killer)
+OURS = ("chaos-%", invariants.CHECKER_APP + "%")
 
 
 def own_outbox(dsn: str, name: str = "chaos-writer") -> Outbox:
@@ -115,7 +116,7 @@ def test_kill_9_of_deliverers_and_workers_at_random_points(
     """
     seed = int(os.environ.get("CHAOS_SEED") or random.randrange(2**32))  # to replay a failure
     rng = random.Random(seed)
-    with LoggingSink(tmp_path / "sink.jsonl", latency=0.05) as sink:
+    with RecordingSink(tmp_path / "sink.jsonl", latency=0.05) as sink:
         wl = Workload(runs=6, steps=8, effects=3, sink_url=sink.url, pause=0.3)
         run_ids = start_runs(ob, wl)
         pools: dict[str, list[subprocess.Popen[bytes]]] = {
@@ -181,8 +182,9 @@ def terminate_all_but_ours(dsn: str) -> list[tuple[str, str]]:
         rows = conn.execute(
             "SELECT application_name, query, pg_terminate_backend(pid) FROM pg_stat_activity"
             " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            " AND backend_type = 'client backend' AND application_name NOT LIKE %s",
-            [OURS],
+            " AND backend_type = 'client backend'"
+            " AND application_name NOT LIKE %s AND application_name NOT LIKE %s",
+            list(OURS),
         ).fetchall()
     return [(name, query) for name, query, _ in rows]
 
@@ -202,7 +204,7 @@ def test_pg_terminate_backend_of_every_deliverer_connection(
     Both deliverers are still running at the end, exit 0 on SIGTERM, and the
     checker finds 0 of everything.
     """
-    with LoggingSink(tmp_path / "sink.jsonl", latency=0.15) as sink, own_outbox(dsn) as ob:
+    with RecordingSink(tmp_path / "sink.jsonl", latency=0.15) as sink, own_outbox(dsn) as ob:
         wl = Workload(runs=4, steps=5, effects=5, sink_url=sink.url)
         run_ids = start_runs(ob, wl)
         deliverers = [fleet.deliverer("--concurrency", "4") for _ in range(2)]
@@ -240,7 +242,7 @@ def test_the_deliver_command_listens_and_listens_again_after_termination(
     terminated = terminate_all_but_ours(dsn)
     assert any(query.startswith("LISTEN") for _, query in terminated), terminated
     wait_for(lambda: listeners(dsn) == 1, timeout=15, message="LISTEN reconnected")
-    with LoggingSink(tmp_path / "sink.jsonl") as sink, own_outbox(dsn) as ob:
+    with RecordingSink(tmp_path / "sink.jsonl") as sink, own_outbox(dsn) as ob:
         wl = Workload(runs=1, steps=1, effects=3, sink_url=sink.url)
         run_ids = start_runs(ob, wl)
         drive_script(ob, wl, run_ids)
@@ -297,7 +299,7 @@ def test_postgresql_restart_in_the_middle_of_load(
     server, dsn = own_server
     env = {**sub_env, "OUTBOX_DSN": dsn}
     with (
-        LoggingSink(tmp_path / "sink.jsonl", latency=0.1) as sink,
+        RecordingSink(tmp_path / "sink.jsonl", latency=0.1) as sink,
         own_outbox(dsn) as ob,
         Fleet(env, tmp_path, write_config(tmp_path)) as fleet,
     ):
@@ -347,7 +349,7 @@ def test_a_sink_that_rate_limits_fails_and_hangs_under_load(
     ambiguous (500, timeout, dropped connection) is ``unknown``, never resent;
     the others succeed. The checker finds 0 of everything.
     """
-    with LoggingSink(tmp_path / "sink.jsonl", latency=0.05) as sink:
+    with RecordingSink(tmp_path / "sink.jsonl", latency=0.05) as sink:
         wl = Workload(runs=4, steps=4, effects=5, sink_url=sink.url, timeout=1.0, blind_every=5)
         run_ids = start_runs(ob, wl)
         drive_script(ob, wl, run_ids)
@@ -414,7 +416,7 @@ def test_a_paused_deliverer_cannot_overwrite_the_newer_attempt(
     """
     n = 6
     host = socket.gethostname()
-    with LoggingSink(tmp_path / "sink.jsonl", latency=4.0) as sink:
+    with RecordingSink(tmp_path / "sink.jsonl", latency=4.0) as sink:
         # A generous request timeout: A's calls must still end in success after the pause.
         wl = Workload(runs=1, steps=1, effects=n, sink_url=sink.url, timeout=60)
         run_ids = start_runs(ob, wl)
@@ -492,7 +494,7 @@ def test_two_reconcilers_started_together_resolve_each_attempt_once(
     operator).
     """
     n = 40
-    with LoggingSink(tmp_path / "sink.jsonl", lookup_latency=0.05, lookup_barrier=2) as sink:
+    with RecordingSink(tmp_path / "sink.jsonl", lookup_latency=0.05, lookup_barrier=2) as sink:
         config = write_config(
             tmp_path,
             f"""

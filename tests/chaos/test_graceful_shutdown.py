@@ -8,7 +8,8 @@ from pathlib import Path
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox
-from tests.chaos.deliverer_process import start_deliverer, write_config
+from outbox.testing.processes import start_deliverer
+from outbox.testing.workload import write_config
 from tests.support import wait_for
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from decimal import Decimal
 from typing import Any
 
@@ -114,6 +115,26 @@ def test_plain_transaction_commits_intents_with_caller_rows(twin: Twin, ob: Outb
     assert [e.id for e in ob.effects()] == [effect_id]
 
 
+def test_a_json_null_payload_is_stored_as_json_null(twin: Twin, ob: Outbox) -> None:
+    # The rules accept null (tests/intent_rule_cases.py) and the SQL API stores
+    # 'null'::jsonb; the clients once sent it as SQL NULL and failed at commit.
+    async def body(client: Any) -> Any:
+        run = await client.start_run("contract", "1")
+
+        async def step(tx: Any) -> Any:
+            return str((await tx.intend("email.send", None)).id)
+
+        in_step = uuid.UUID(await run.transaction("s", step))
+        async with client.transaction() as tx:
+            run_less = await tx.intend("email.send", None)
+        return in_step, run_less.id
+
+    ids = twin.run(body)
+    stored = {e.id: e for e in ob.effects()}
+    assert set(stored) == set(ids)
+    assert [stored[i].payload for i in ids] == [None, None]
+
+
 # -- G5: replay -----------------------------------------------------------------------
 
 
@@ -173,6 +194,76 @@ def test_a_stale_handle_replays_what_another_handle_recorded(twin: Twin, ob: Out
     run_id, won, lost = twin.run(body)
     assert (won, lost) == ("first", "first")
     assert ob.run(run_id).effects() == [] and rows(ob) == []
+
+
+def test_a_handle_tells_a_replay_from_a_recording(twin: Twin) -> None:
+    async def body(client: Any) -> Any:
+        run = await client.start_run("contract", "1", {})
+        stale = await client.run(run.id)
+
+        async def step(tx: Any) -> str:
+            await tx.intend("k.x", {"n": 1})
+            return "r"
+
+        seen = []
+        for handle in (run, run, stale):
+            await handle.transaction("s", step)
+            seen.append(handle.last_replayed)
+        return seen
+
+    # Recorded by this handle; replayed by it; recorded by another first (adopted).
+    assert twin.run(body) == [False, True, True]
+
+
+def test_a_handle_for_one_step_reads_only_it_and_still_replays(twin: Twin, ob: Outbox) -> None:
+    calls: list[str] = []
+
+    async def body(client: Any) -> Any:
+        run = await client.start_run("contract", "1", {})
+        for step_id in ("a", "b"):
+
+            async def step(tx: Any, step_id: str = step_id) -> str:
+                calls.append(step_id)
+                await tx.intend("k.x", {"step": step_id})
+                return step_id
+
+            await run.transaction(step_id, step)
+        one = await client.run(run.id, step_id="b")
+        known = one.completed_steps
+        replayed = await one.transaction("b", step)
+        # A step it did not load still replays, found when its commit meets it.
+        other = await client.run(run.id, step_id="b")
+        adopted = await other.transaction("a", step)
+        with pytest.raises(ValidationError, match="step_id"):
+            await client.run(run.id, step_id="")
+        return known, replayed, one.last_replayed, adopted, other.last_replayed, run.id
+
+    known, replayed, was, adopted, too, run_id = twin.run(body)
+    assert (known, replayed, was, adopted, too) == (["b"], "b", True, "a", True)
+    # The function the second handle ran for "a" (step b's) ran once, rolled back whole.
+    assert calls == ["a", "b", "b"]
+    assert [e.payload for e in ob.effects(run_id=run_id)] == [{"step": "a"}, {"step": "b"}]
+
+
+def test_effects_filter_by_the_step_of_a_run(twin: Twin) -> None:
+    async def body(client: Any) -> Any:
+        run = await client.start_run("contract", "1", {})
+
+        async def two(tx: Any) -> None:
+            await tx.intend("k.x", {"n": 1})
+            await tx.intend("k.x", {"n": 2})
+
+        async def one(tx: Any) -> None:
+            await tx.intend("k.x", {"n": 3})
+
+        await run.transaction("two", two)
+        await run.transaction("one", one)
+        found = [e.payload["n"] for e in await client.effects(run_id=run.id, step_id="two")]
+        with pytest.raises(ValidationError, match="step_id"):
+            await client.effects(step_id="two")
+        return found
+
+    assert twin.run(body) == [1, 2]
 
 
 def test_a_callers_key_reused_returns_the_intent_or_is_a_conflict_naming_it(

@@ -395,6 +395,17 @@ def test_bad_sleep_durations_are_typed(ob: Outbox, run_with_history, duration: o
     _assert_history_intact(ob, run_with_history.id)
 
 
+@pytest.mark.parametrize("run_id", ["not-a-uuid", "", 42, "0192-short"])
+def test_a_chosen_run_id_must_be_a_uuid(ob: Outbox, run_id: object) -> None:
+    """docs/reference/client.md: ``start_run(run_id=...)`` takes a UUID or its text."""
+    with pytest.raises(ValidationError) as info:
+        ob.start_run("a", "1", run_id=run_id)  # type: ignore[arg-type]
+    assert info.value.field == "run_id"
+    assert ob.runs() == []
+    chosen = uuid.uuid4()
+    assert ob.start_run("a", "1", run_id=str(chosen)).id == chosen
+
+
 def test_a_duplicate_run_id_is_a_validation_error(ob: Outbox) -> None:
     run_id = uuid.uuid4()
     ob.start_run("a", "1", {"first": True}, run_id=run_id)

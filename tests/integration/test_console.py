@@ -234,3 +234,93 @@ def test_pages_of_runs_follow_the_cursor(ob: Outbox, console: OutboxServer) -> N
         url = found[1].replace("&amp;", "&") if found else None
         pages += 1
     assert seen == ids and pages == 3
+
+
+def held_effect(ob: Outbox, amount: int = 12_500) -> tuple[str, str]:
+    """A payment held by its own approval policy (timeout an hour, then rejected)."""
+    run = ob.start_run("billing", "v1")
+    effect_id = run.transaction(
+        f"pay-{amount}",
+        lambda tx: (
+            tx.intend(
+                "payments.send", {"to": "acct-7", "amount": amount}, approval={"timeout": 3600}
+            ).id.hex
+        ),
+    )
+    assert ob.effect(effect_id).status == EffectStatus.AWAITING_APPROVAL
+    return str(run.id), str(uuid.UUID(effect_id))
+
+
+def test_a_held_effect_is_listed_shown_with_its_digest_and_approved_once(
+    ob: Outbox, console: OutboxServer
+) -> None:
+    _, effect_id = held_effect(ob)
+    digest = ob.effect(effect_id).digest
+    queue = httpx.get(f"{console.url}/console/unknown").text
+    assert 'id="held"' in queue and effect_id[:8] in queue
+    listed = httpx.get(f"{console.url}/console/effects?status=awaiting_approval").text
+    assert effect_id[:8] in listed
+    read_only = httpx.get(f"{console.url}/console/effects/{effect_id}").text
+    assert digest in read_only and "approve-form" not in read_only, "signed out: no form"
+
+    client = signed_in(console, "carol")
+    page = client.get(f"/console/effects/{effect_id}")
+    assert "approve-form" in page.text and f'name="digest" value="{digest}"' in page.text
+    # a form naming another payload's digest (the row changed since the page was read,
+    # or a forged form) is refused and the refusal logged; nothing is released
+    forged = client.post(
+        f"/console/effects/{effect_id}/approve",
+        data={"csrf": csrf_of(page), "digest": "0" * 64, "note": "looks fine"},
+    )
+    assert forged.status_code == 409 and "another payload" in forged.text
+    assert ob.effect(effect_id).status == EffectStatus.AWAITING_APPROVAL
+    no_note = client.post(
+        f"/console/effects/{effect_id}/approve",
+        data={"csrf": csrf_of(page), "digest": digest, "note": " "},
+    )
+    assert no_note.status_code == 400 and "say why" in no_note.text
+    done = client.post(
+        f"/console/effects/{effect_id}/approve",
+        data={"csrf": csrf_of(page), "digest": digest, "note": "invoice matches PO 88"},
+    )
+    assert done.status_code == 303, done.text
+    assert ob.effect(effect_id).status == EffectStatus.PENDING
+    again = client.post(
+        f"/console/effects/{effect_id}/approve",
+        data={"csrf": csrf_of(page), "digest": digest, "note": "twice"},
+    )
+    assert again.status_code == 409 and "taken once" in again.text
+    log = [(a.outcome, a.worker) for a in ob.store.attempts(uuid.UUID(effect_id))]
+    assert log == [
+        ("approval_refused", "carol (console)"),
+        ("approved", "carol (console)"),
+        ("approval_refused", "carol (console)"),
+    ]
+    approved = ob.store.attempts(uuid.UUID(effect_id))[1].detail
+    assert approved["note"] == "invoice matches PO 88" and approved["via"] == "console"
+
+
+def test_a_held_effect_is_rejected_from_the_console_and_needs_the_operator(
+    ob: Outbox, console: OutboxServer
+) -> None:
+    _, effect_id = held_effect(ob, 99_000)
+    digest = ob.effect(effect_id).digest
+    anonymous = browser_like(console)
+    page = anonymous.get("/console/login")  # a valid CSRF token, but nobody signed in
+    refused = anonymous.post(
+        f"/console/effects/{effect_id}/approve",
+        data={"csrf": csrf_of(page), "digest": digest, "note": "me"},
+    )
+    assert refused.status_code == 403
+    assert ob.effect(effect_id).status == EffectStatus.AWAITING_APPROVAL
+
+    client = signed_in(console, "dave")
+    page = client.get(f"/console/effects/{effect_id}")
+    done = client.post(
+        f"/console/effects/{effect_id}/reject",
+        data={"csrf": csrf_of(page), "digest": digest, "note": "vendor not on the list"},
+    )
+    assert done.status_code == 303
+    rejected = ob.effect(effect_id)
+    assert rejected.status == EffectStatus.REJECTED
+    assert rejected.last_error == "vendor not on the list"

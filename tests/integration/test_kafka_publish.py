@@ -295,10 +295,14 @@ def test_bad_records_fail_with_a_clear_reason(ob: Outbox, dsn: str, kafka_broker
 def test_an_unacknowledged_record_is_unknown_when_consumers_do_not_dedup(
     ob: Outbox, dsn: str, kafka_broker: Any
 ) -> None:
-    """Default ``idempotent = false``: a send whose ack never came is not resent blindly."""
+    """Default ``idempotent = false``: a send whose ack never came is not resent blindly.
+
+    (With ``read_back``, the default, the reconciler then reads the partition back:
+    ``test_kafka_read_back``; here it is off, so the effect waits for an operator.)
+    """
     topic = unique_topic("ledger")
     kafka_broker.create_topic(topic, 1)
-    deliverer = deliverer_for(kafka_broker, **FAST)
+    deliverer = deliverer_for(kafka_broker, read_back=False, **FAST)
     assert deliverer.idempotent is False
     intend(ob, [{"topic": topic, "value": "warm-up"}], step="warm-up")
     with DaemonThread(dsn, {"kafka.publish": deliverer}, **FAST_RETRIES):

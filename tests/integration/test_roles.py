@@ -321,3 +321,37 @@ def test_roles_print_shows_the_grants(dsn: str) -> None:
     assert "ENABLE ROW LEVEL SECURITY" in script
     bad = outbox_cli(dsn, "roles", "--print", "--prefix", "x; DROP TABLE y", check=False)
     assert bad.returncode == 1 and "prefix" in bad.stderr
+
+
+def test_governance_under_the_roles_agent_holds_operator_decides_reader_cannot(
+    ob: Outbox, logins: dict[str, str], tmp_path: Path
+) -> None:
+    from outbox import ApprovalRefused
+    from outbox.gates import Gate
+
+    config = tmp_path / "deliverers.toml"
+    config.write_text(
+        '[kinds."payments.send"]\ntype = "http.request"\n\n'
+        '[[approvals]]\nname = "all-payments"\nkind = "payments.send"\ntimeout = 3600\n'
+    )
+    outbox_cli(logins["operator"], "gates", "apply", "--config", str(config))
+    assert [g.name for g in ob.gates()] == ["all-payments"]
+    with Outbox.connect(logins["agent"]) as agent:
+        run = agent.start_run("billing", "1")
+        run.transaction("pay", lambda tx: tx.intend("payments.send", {"n": 1}) and None)
+        (held,) = run.effects()
+        assert held.status == "awaiting_approval"
+        assert ob.verify_run(run.id) == [], "the agent's steps are chained"
+        with pytest.raises(DatabaseError, match="permission denied"):
+            agent.apply_gates([Gate(name="loose", kind="payments.send")])
+    with (
+        Outbox.connect(logins["reader"]) as reader,
+        pytest.raises(DatabaseError, match="permission denied"),
+    ):
+        reader.approve_effect(held.id, digest=held.digest, note="no", by="reader")
+    with Outbox.connect(logins["operator"]) as operator:
+        with pytest.raises(ApprovalRefused):
+            operator.approve_effect(held.id, digest="0" * 64, note="wrong", by="cfo")
+        approved = operator.approve_effect(held.id, digest=held.digest, note="ok", by="cfo")
+    assert approved.status == "pending"
+    assert [a.outcome for a in ob.store.attempts(held.id)] == ["approval_refused", "approved"]

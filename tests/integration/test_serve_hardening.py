@@ -344,3 +344,24 @@ def test_serve_cli_reports_bad_options_in_one_line(sub_env: dict[str, str]) -> N
     )
     assert short.returncode == 1 and "at least 16 bytes" in short.stderr
     assert "Traceback" not in short.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "code", "said"),
+    [
+        (["--max-wait", "0"], {"OUTBOX_API_TOKEN": "api-token-0123456789"}, 2, "--max-wait"),
+        ([], {}, 1, "OUTBOX_API_TOKEN"),
+    ],
+)
+def test_serve_cli_refuses_bad_api_settings_in_one_line(
+    sub_env: dict[str, str], args: list[str], env: dict[str, str], code: int, said: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "outbox", "serve", "--no-console", *args],
+        env={**sub_env, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == code and said in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

@@ -281,6 +281,14 @@ def test_each_sqlstate_becomes_the_python_clients_error(ob: Outbox, db: Any) -> 
             conn.execute(text(statement), params)
         assert isinstance(caught.value.__cause__, Exception)
     assert caught.value.requested == 5.0 and caught.value.remaining == 1.0  # type: ignore[attr-defined]
+    # A broken intent rule keeps its code: the Python client and the HTTP API report the same.
+    with (
+        pytest.raises(ValidationError) as broken,
+        translate_errors("calling the SQL API"),
+        ob.engine.begin() as conn,
+    ):
+        conn.execute(text('SELECT outbox_intend(\'k\', \'{"headers": {"Cookie": "a"}}\')'))
+    assert (broken.value.field, broken.value.rule) == ("payload.headers", "credential-header")
 
     with ob.engine.begin() as conn:
         conn.execute(text("SELECT outbox_commit_step(:r, 'done')"), {"r": run_id})

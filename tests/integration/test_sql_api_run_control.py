@@ -1,4 +1,4 @@
-"""The SQL API honours run control as the Python client does (migration 0008).
+"""The SQL API honours run control as the Python client does (migration 0013).
 
 A run started and an intent written through the SQL functions (as any
 language sends them: plain SQL on a psycopg connection) take part in one run

@@ -336,3 +336,41 @@ def test_relay_and_stream_deliverer_survive_losing_their_database_connections(
         stop(*procs)
     assert all(n >= 1 for n in ended), f"each round ended connections: {ended}"
     assert_applied_once(ob, sink, 60)
+
+
+def test_a_held_effect_is_not_relayed_until_approved_then_delivered_once(
+    ob: Outbox,
+    sub_env: dict[str, str],
+    tmp_path: Path,
+    kafka_broker: TansuBroker,
+    sink: IdempotentHttpSink,
+) -> None:
+    """Stream mode honours approval gates: the relay publishes only what was approved."""
+    kafka_broker.create_topic(TOPIC, partitions=3)
+    run = ob.start_run("agent", "1")
+
+    def step(tx: StepTransaction) -> None:
+        tx.intend("http.request", {"url": f"{sink.url}/ledger", "json": {"operation": "free"}})
+        tx.intend(
+            "http.request",
+            {"url": f"{sink.url}/ledger", "json": {"operation": "held"}},
+            approval={"timeout": 3600},
+        )
+
+    run.transaction("pay", step)
+    free, held = sorted(ob.effects(run_id=run.id), key=lambda e: e.step_index or 0)
+    procs = [
+        relay(kafka_broker, sub_env, tmp_path, "relay"),
+        stream_deliverer(kafka_broker, sub_env, tmp_path, "stream"),
+    ]
+    try:
+        wait_for(lambda: ob.effect(free.id).status == "succeeded", timeout=90, message="free")
+        assert ob.effect(held.id).status == "awaiting_approval"
+        assert sink.stats()["keys_applied"] == 1, "the held effect was not published"
+        ob.approve_effect(held.id, digest=held.digest, note="ok", by="cfo")
+        settled(ob, 2, tmp_path, timeout=90)
+    finally:
+        stop(*procs)
+    assert_applied_once(ob, sink, 2)
+    outcomes = [a.outcome for a in ob.store.attempts(held.id)]
+    assert outcomes == ["approved", "dispatched", "succeeded"]

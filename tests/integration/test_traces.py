@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from deliverers.http import HttpDeliverer
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import Outbox
-from tests.chaos.deliverer_process import start_deliverer, write_config
+from outbox.testing.processes import start_deliverer
+from outbox.testing.workload import write_config
 from tests.support import DaemonThread, wait_for
 
 

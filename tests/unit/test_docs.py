@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from functools import cache
 from pathlib import Path
 
@@ -146,6 +147,14 @@ def dotted_exists(name: str) -> bool:
 
 
 @cache
+def entry_point_groups() -> frozenset[str]:
+    """Entry-point groups pyproject.toml declares (``outbox.deliverers``)."""
+    with (ROOT / "pyproject.toml").open("rb") as handle:
+        project = tomllib.load(handle)["project"]
+    return frozenset(project.get("entry-points", {}))
+
+
+@cache
 def sql_settings() -> frozenset[str]:
     """``outbox.<field>`` settings of PostgreSQL the SQL API reads (``Settings`` field names)."""
     from outbox.settings import Settings
@@ -185,7 +194,10 @@ def missing_references(path: Path) -> list[str]:
             if head.endswith(".py"):
                 last_file = head
         elif _DOTTED.match(head) and not (
-            dotted_exists(head) or head in trace_names() or head in sql_settings()
+            dotted_exists(head)
+            or head in trace_names()
+            or head in entry_point_groups()
+            or head in sql_settings()
         ):
             missing.append(f"{where} (no such module or name)")
         for file_name, test in _TEST_REF.findall(span):
@@ -217,6 +229,24 @@ def test_every_relative_link_resolves(page: Path) -> None:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_named_file_module_and_test_exists(page: Path) -> None:
     assert missing_references(page) == []
+
+
+def test_every_page_the_code_names_exists() -> None:
+    """Error hints, help texts and docstrings that send a reader to a page."""
+    named = set()
+    for package in ("outbox", "deliverers", "bench"):
+        for path in (ROOT / package).rglob("*.py"):
+            named.update(re.findall(r"\bdocs/[\w/.-]+\.md", path.read_text(encoding="utf-8")))
+    assert named, "no page named at all: the pattern is wrong"
+    assert sorted(n for n in named if not (ROOT / n).exists()) == []
+
+
+def test_every_page_is_in_the_index() -> None:
+    """docs/README.md links every page, so a new how-to or reference page is found."""
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / target.partition("#")[0]).resolve() for _, target in links(index)}
+    pages = [p for p in PAGES if p.parent != ROOT and p != index]
+    assert [str(p.relative_to(ROOT)) for p in pages if p.resolve() not in linked] == []
 
 
 def test_the_checkers_catch_what_they_should(tmp_path: Path) -> None:

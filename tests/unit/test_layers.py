@@ -14,8 +14,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # Lower layers may not import higher ones. Base modules (errors, models, ...)
-# sit under storage and import nothing of the layers.
-LAYERS = ["storage", "runs", "delivery", "client", "integrations", "serve", "cli"]
+# sit under storage and import nothing of the layers. ``testing`` (the
+# crash-consistency kit) composes the client and the deliverers, as the CLI does.
+LAYERS = ["storage", "runs", "delivery", "client", "integrations", "serve", "testing", "cli"]
+# The composition roots: the only packages that import ``deliverers``.
+COMPOSERS = (["outbox", "cli"], ["outbox", "testing"])
 # Modules named otherwise that belong to a layer.
 ALIASES = {"async_client": "client"}
 BASE = {
@@ -29,11 +32,15 @@ BASE = {
     "validation",
     "faults",
     "intent_rules",
+    "gates",
+    "effect_diff",
+    "chain",
     "tracing",
     "blobs",
 }
-# The one permitted upward edge: a finished effect moves a stopping run on.
-ALLOWED = {("delivery", "runs.stopping")}
+# The permitted upward edges: a finished effect moves a stopping run on, and a
+# passed approval deadline is acted on (rejected, or its run cancelled).
+ALLOWED = {("delivery", "runs.stopping"), ("delivery", "runs.approvals")}
 
 
 def _modules(package: str) -> list[Path]:
@@ -81,8 +88,8 @@ def violations(files: dict[str, str]) -> list[str]:
         for target, line in imports_of(source):
             where = f"{relative}:{line} imports {target}"
             top = target.split(".")[0]
-            if top == "deliverers" and here.split(".")[:2] != ["outbox", "cli"]:
-                found.append(f"{where}: only outbox.cli may import deliverers")
+            if top == "deliverers" and here.split(".")[:2] not in COMPOSERS:
+                found.append(f"{where}: only outbox.cli and outbox.testing may import deliverers")
             if top in ("sqlalchemy", "psycopg") and mine not in ("storage",):
                 found.append(f"{where}: only outbox.storage imports the database driver")
             theirs = layer_of(target)
@@ -133,8 +140,13 @@ def test_deliverers_use_the_deliverer_surface_only() -> None:
             "storage may not import delivery",
         ),
         ("outbox/runs/bad.py", "from outbox.client import Outbox\n", "runs may not import client"),
-        ("outbox/runs/bad.py", "import deliverers.http\n", "only outbox.cli may import deliverers"),
+        ("outbox/runs/bad.py", "import deliverers.http\n", "only outbox.cli and outbox.testing"),
         ("outbox/client.py", "def f():\n    from deliverers import registry\n", "only outbox.cli"),
+        (
+            "outbox/testing/bad.py",
+            "from outbox.cli.check import check\n",
+            "testing may not import cli",
+        ),
         ("outbox/runs/bad.py", "from sqlalchemy import text\n", "only outbox.storage imports"),
         (
             "outbox/models.py",

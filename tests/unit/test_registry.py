@@ -78,7 +78,8 @@ def test_default_registry_serves_each_type_under_its_own_name(
     config: dict[str, Any] | None,
 ) -> None:
     registry = build_registry(config)
-    assert set(registry) == set(available_types())
+    assert set(registry) == {n for n, c in available_types().items() if c.default_registered}
+    assert "testing.record" in available_types() and "testing.record" not in registry
     for name, cls in SHIPPED.items():
         deliverer = registry[name]
         assert type(deliverer) is cls
@@ -112,6 +113,17 @@ def test_config_maps_alias_kinds_to_types_with_their_settings(tmp_path: Path) ->
     assert http.concurrency == 4
     assert http.http.allow_private == ["127.0.0.1"]
     assert http.http.credentials == {"billing": Credential(env="BILLING_TOKEN", prefix="Bearer ")}
+
+
+@pytest.mark.parametrize("text", ["", "[kinds]\n", "# nothing yet\n"])
+def test_a_config_without_kinds_counts_as_no_config(tmp_path: Path, text: str) -> None:
+    """docs/reference/deliverers-config.md: every installed type then serves its own kind.
+
+    Except a stand-in (``testing.record``, ``default_registered`` false): it is
+    served only where a config names it.
+    """
+    registry = build_registry(load_config(write(tmp_path, text)))
+    assert set(registry) == {n for n, c in available_types().items() if c.default_registered}
 
 
 def test_the_same_type_can_serve_several_kinds() -> None:
@@ -214,7 +226,7 @@ def test_only_with_a_default_type_missing_from_a_config_is_refused(tmp_path: Pat
 @pytest.mark.parametrize("only", [None, []])
 def test_empty_only_means_no_filter(only: list[str] | None) -> None:
     """The CLI passes `list(kinds) or None`; an empty list keeps every kind too."""
-    assert set(build_registry(only=only)) == set(available_types())
+    assert set(build_registry(only=only)) == set(build_registry())
 
 
 # -- load_config -------------------------------------------------------------------------

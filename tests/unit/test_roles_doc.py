@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_docs_show_the_grants() -> None:
-    doc = (ROOT / "docs" / "howto" / "run-deliverers.md").read_text()
+    doc = (ROOT / "docs" / "howto" / "secure-a-deployment.md").read_text()
     begin = doc.index("<!-- grants:begin")
     block = doc[doc.index("\n", begin) + 1 : doc.index("<!-- grants:end -->")]
     assert block == grants_markdown()

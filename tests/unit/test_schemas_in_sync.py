@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
+import pytest
+
+from outbox.cli import cli
+from outbox.cli._common import JsonOption, json_option
+from outbox.cli.schemas import exported_models
 from outbox.json_schemas import boundary_models, check_schemas, write_schemas
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 
 
 def test_checked_in_schemas_match_the_models() -> None:
-    assert check_schemas(SCHEMAS) == [], "run `outbox schemas export` and commit schemas/"
+    assert check_schemas(SCHEMAS, exported_models()) == [], (
+        "run `outbox schemas export` and commit schemas/"
+    )
 
 
 def test_drift_is_detected(tmp_path: Path) -> None:
@@ -31,3 +39,36 @@ def test_every_core_boundary_model_is_exported() -> None:
         "Effect",
         "EffectAttempt",
     } <= set(boundary_models())
+
+
+def _commands(command: click.Command, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    found = [path]
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            found += _commands(sub, (*path, name))
+    return found
+
+
+def _command(path: tuple[str, ...]) -> click.Command:
+    command: click.Command = cli
+    for name in path:
+        assert isinstance(command, click.Group)
+        command = command.commands[name]
+    return command
+
+
+def test_every_json_report_has_a_model_and_a_schema() -> None:
+    with_json = []
+    for path in _commands(cli):
+        for param in _command(path).params:
+            if "--json" in getattr(param, "opts", []):
+                assert isinstance(param, JsonOption), f"{' '.join(path)}: use json_option(Model)"
+                with_json.append("report." + ".".join(path))
+    assert with_json, "no command has --json"
+    assert set(with_json) <= set(exported_models())
+    assert {"report.runs.show", "report.runs.versions", "report.reconcile"} <= set(with_json)
+
+
+def test_json_option_wants_the_model() -> None:
+    with pytest.raises(TypeError, match="pydantic model"):
+        json_option(lambda: None)  # type: ignore[arg-type]

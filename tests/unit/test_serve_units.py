@@ -67,7 +67,15 @@ def test_redaction_of_payloads() -> None:
 
 @pytest.mark.parametrize(
     "field",
-    ["tolerance", "header_timeout", "body_timeout", "idle_timeout", "counts_cache_seconds"],
+    [
+        "tolerance",
+        "header_timeout",
+        "body_timeout",
+        "idle_timeout",
+        "counts_cache_seconds",
+        "max_wait",
+        "wait_poll",
+    ],
 )
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
 def test_settings_refuse_non_finite_and_negative(field: str, value: float) -> None:
@@ -85,3 +93,24 @@ def test_credentials_are_long_enough_and_read_from_files(tmp_path) -> None:  # t
     assert creds.may_scrape("operator-token-0123456789")
     with pytest.raises(ConfigurationError, match="cannot read"):
         Credentials.from_env({"OUTBOX_METRICS_TOKEN_FILE": str(tmp_path / "missing")})
+
+
+def test_the_api_token_is_its_own_credential(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigurationError, match="api_token: must be at least 16"):
+        Credentials(api_token=b"short")
+    token = tmp_path / "api-token"
+    token.write_text("api-token-0123456789abcdef\n")
+    from_file = Credentials.from_env({}, api_token_file=token)
+    from_env_file = Credentials.from_env({"OUTBOX_API_TOKEN_FILE": str(token)})
+    from_env = Credentials.from_env(
+        {"OUTBOX_API_TOKEN": "api-token-0123456789abcdef", "OUTBOX_OPERATOR_TOKEN": "o" * 20}
+    )
+    for creds in (from_file, from_env_file, from_env):
+        assert creds.may_call_api("api-token-0123456789abcdef")
+        assert not creds.may_call_api("api-token-0123456789abcdeX") and not creds.may_call_api(None)
+    # Neither credential opens the other's door.
+    assert not from_env.may_call_api("o" * 20) and not from_env.is_operator(
+        "api-token-0123456789abcdef"
+    )
+    assert "api-token" not in repr(from_env)
+    assert not Credentials().may_call_api("anything-at-all-0123")

@@ -20,9 +20,18 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.dml import Update
 
 from outbox.models import AttemptOutcome, EffectStatus, RunStatus, StepStatus
-from outbox.storage.sql import blobs, control, effects, maintenance, queue, runs, steps
+from outbox.storage.sql import (
+    blobs,
+    control,
+    effects,
+    governance,
+    maintenance,
+    queue,
+    runs,
+    steps,
+)
 
-MODULES = [steps, queue, effects, runs, maintenance, control, blobs]
+MODULES = [steps, queue, effects, runs, maintenance, control, blobs, governance]
 # Literals a statement may compare a status (or an attempt-log outcome) with.
 KNOWN = {str(v) for enum in (RunStatus, EffectStatus, StepStatus, AttemptOutcome) for v in enum}
 VARIANTS: dict[str, list[dict[str, Any]]] = {
@@ -47,6 +56,7 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     "delete_refs_of": [{"rows": False}, {"rows": True}],
     "delete_orphan_refs": [{"rows": False}, {"rows": True}],
     "delete_unused_blobs": [{"rows": False}, {"rows": True}],
+    "delete_gates": [{"keep": False}, {"keep": True}],
 }
 NOT_BUILDERS = {
     "claim_params",
@@ -55,6 +65,9 @@ NOT_BUILDERS = {
     "held_rows",
     "QueueSpec",
     "Rate",
+    # parts of statements, not statements
+    "log_changes",
+    "next_step_head",
 }
 
 

@@ -88,7 +88,8 @@ export interface SignalReceipt {
 }
 
 /** Effect statuses that no longer change by delivery. */
-export const TERMINAL_EFFECT_STATUSES = ["succeeded", "failed", "cancelled", "compensated"] as const;
+/** (`rejected`: refused at an approval gate; as `TERMINAL_EFFECT_STATUSES` in outbox/models.py.) */
+export const TERMINAL_EFFECT_STATUSES = ["succeeded", "failed", "cancelled", "compensated", "rejected"] as const;
 
 /** Anything that runs a query: a `pg` Client, PoolClient or Pool. */
 export interface Queryable {
@@ -488,8 +489,9 @@ export class Outbox {
   }
 
   /**
-   * Wait until an effect is succeeded, failed, cancelled or compensated and
-   * return its status (an `unknown` one waits for an operator, so it waits on).
+   * Wait until an effect is succeeded, failed, cancelled, compensated or rejected
+   * and return its status (an `unknown` or `awaiting_approval` one waits for a
+   * person, so it waits on).
    */
   async waitForEffect(effectId: string, options: WaitOptions = {}): Promise<EffectStatus> {
     const deadline = Date.now() + (options.timeoutMs ?? 30_000);

@@ -43,5 +43,7 @@ export {
   ValidationError,
   fromDatabase,
 } from "./errors.js";
+export { HttpApiError, HttpOutbox } from "./http.js";
+export type { ApiRecord, EffectOutcome, HttpIntent, HttpOutboxOptions, StepBody, StepRecorded } from "./http.js";
 export { toJson } from "./json.js";
 export { canonicalUuid, compensationKey, deriveKey } from "./keys.js";

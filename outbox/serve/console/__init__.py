@@ -65,6 +65,8 @@ def console_app(outbox: Outbox, credentials: Credentials, counts: CachedCounts) 
             Route("/effects/{effect_id}", c.effect, methods=get),
             Route("/effects/{effect_id}/resolve", c.resolve, methods=post),
             Route("/effects/{effect_id}/retry", c.retry, methods=post),
+            Route("/effects/{effect_id}/approve", c.approve, methods=post),
+            Route("/effects/{effect_id}/reject", c.reject, methods=post),
             Route("/unknown", c.queue, methods=get),
             Route("/versions", c.versions, methods=get),
             Route("/login", c.login_form, methods=get),

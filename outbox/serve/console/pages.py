@@ -2,8 +2,8 @@
 
 Every read goes through ``Store.views`` (keyset pages by index) and every
 action through the same client methods the CLI uses (``Outbox.resolve_effect``,
-``retry_effect``, ``cancel``), so the attempt log records who and why exactly
-as it does for ``outbox effects resolve``.
+``retry_effect``, ``cancel``, ``approve_effect``, ``reject_effect``), so the
+attempt log records who and why exactly as it does for ``outbox effects resolve``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from outbox.errors import NotFound, OutboxError, RunStateError, ValidationError
+from outbox.errors import ApprovalRefused, NotFound, OutboxError, RunStateError, ValidationError
 from outbox.models import EffectStatus, RunStatus
 from outbox.serve.console.auth import ConsoleAuth, Operator
 from outbox.serve.console.present import age, delivery_chart, duration, pretty, redact
@@ -212,7 +212,7 @@ class Console:
         )
 
     async def queue(self, request: Request) -> Response:
-        """The ``unknown`` queue (resolve) and the ``failed`` effects (retry)."""
+        """The ``unknown`` queue (resolve), ``failed`` effects (retry), held effects (review)."""
         q = request.query_params
         try:
             unknown = await run_in_threadpool(
@@ -225,6 +225,13 @@ class Console:
                     EffectStatus.FAILED, cursor=q.get("failed_after") or None, limit=PAGE_SIZE
                 )
             )
+            held = await run_in_threadpool(
+                lambda: self.views.queue(
+                    EffectStatus.AWAITING_APPROVAL,
+                    cursor=q.get("held_after") or None,
+                    limit=PAGE_SIZE,
+                )
+            )
         except ValueError:
             return self.problem(request, 400, "bad cursor: start from the first page")
         return self.render(
@@ -234,6 +241,8 @@ class Console:
             failed=failed,
             unknown_next=_next_url(request, unknown.next_cursor, "unknown_after"),
             failed_next=_next_url(request, failed.next_cursor, "failed_after"),
+            held=held,
+            held_next=_next_url(request, held.next_cursor, "held_after"),
         )
 
     async def versions(self, request: Request) -> Response:
@@ -312,6 +321,34 @@ class Console:
 
         return await self._act(request, retry, "retrying")
 
+    async def approve(self, request: Request) -> Response:
+        """Release an effect held for approval: the form names the digest of the payload shown."""
+
+        def approve(op: Operator, form: dict[str, str], eid: UUID) -> Any:
+            return self.outbox.approve_effect(
+                eid,
+                digest=form.get("digest", ""),
+                note=_note(form, "say why it may happen (kept in the attempt log)"),
+                by=op.who,
+                via="console",
+            )
+
+        return await self._act(request, approve, "approved")
+
+    async def reject(self, request: Request) -> Response:
+        """End an effect held for approval as rejected (bound to the digest shown, too)."""
+
+        def reject(op: Operator, form: dict[str, str], eid: UUID) -> Any:
+            return self.outbox.reject_effect(
+                eid,
+                digest=form.get("digest") or None,
+                note=_note(form, "say why it must not happen (kept in the attempt log)"),
+                by=op.who,
+                via="console",
+            )
+
+        return await self._act(request, reject, "rejected")
+
     async def cancel(self, request: Request) -> Response:
         """Cancel a run (its pending effects are cancelled, then compensation runs)."""
         form_run = request.path_params["run_id"]
@@ -352,6 +389,9 @@ class Console:
             await run_in_threadpool(action, operator, form, target)
         except NotFound as exc:
             return self.problem(request, 404, str(exc))
+        except ApprovalRefused as exc:
+            # refused, and the refusal is in the attempt log (wrong digest, decided, too late)
+            return self.problem(request, 409, str(exc))
         except (ValidationError, RunStateError) as exc:
             return self.problem(request, 409 if isinstance(exc, RunStateError) else 400, str(exc))
         except OutboxError as exc:
@@ -364,6 +404,13 @@ class Console:
 
 
 _CANCELLABLE = {RunStatus.RUNNABLE, RunStatus.RUNNING, RunStatus.WAITING}
+
+
+def _note(form: dict[str, str], why: str) -> str:
+    note = form.get("note", "")
+    if not note.strip():
+        raise ValidationError("note", note, why)
+    return note
 
 
 def _form(request: Request) -> dict[str, str]:

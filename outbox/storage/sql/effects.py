@@ -50,6 +50,7 @@ __all__ = [
     "complete_effects",
     "expire_effect",
     "expired_effects",
+    "log_changes",
     "mark_dispatched",
     "mark_unknown_kinds",
     "note_blocked_by_order",
@@ -57,6 +58,7 @@ __all__ = [
     "resolve_unknown",
     "retry_failed",
     "take_over_effect",
+    "unknown_of_kinds",
 ]
 
 
@@ -176,6 +178,19 @@ def expired_effects() -> AnySelect:
     )
 
 
+def unknown_of_kinds() -> AnySelect:
+    """``unknown`` effects of ``:kinds`` (by the needs-operator index), oldest first."""
+    return (
+        select(effects)
+        .where(
+            effects.c.status == const("unknown"),
+            effects.c.kind == any_(bindparam("kinds", type_=ARRAY(Text))),
+        )
+        .order_by(effects.c.seq)
+        .limit(bindparam("max_rows", type_=Integer))
+    )
+
+
 def _expired_cas() -> list[ColumnElement[bool]]:
     return [
         effects.c.id == bindparam("effect_id", type_=UUID(as_uuid=True)),
@@ -185,7 +200,7 @@ def _expired_cas() -> list[ColumnElement[bool]]:
     ]
 
 
-def _log_changes(changed: Any, *, worker: Any, outcome: Any, detail: Any = None) -> Any:
+def log_changes(changed: Any, *, worker: Any, outcome: Any, detail: Any = None) -> Any:
     """Insert one attempt-log row per row a ``changed`` CTE returned.
 
     ``changed`` must return ``id``, ``attempt`` and ``attempt_started_at``; when
@@ -233,7 +248,7 @@ def expire_effect() -> Any:
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return _log_changes(
+    return log_changes(
         changed,
         worker=bindparam("worker", type_=Text),
         outcome=const("expired"),
@@ -272,7 +287,7 @@ def _operator_change(from_status: str, values: dict[str, Any], outcome: str) -> 
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return _log_changes(
+    return log_changes(
         changed,
         worker=bindparam("operator", type_=Text),
         outcome=const(outcome),
@@ -350,7 +365,7 @@ def mark_dispatched() -> Any:
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return _log_changes(changed, worker=bindparam("owner", type_=Text), outcome=const("dispatched"))
+    return log_changes(changed, worker=bindparam("owner", type_=Text), outcome=const("dispatched"))
 
 
 @cache
@@ -425,7 +440,7 @@ def redispatch_expired() -> Any:
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
         .cte("changed")
     )
-    return _log_changes(
+    return log_changes(
         changed,
         worker=bindparam("worker", type_=Text),
         outcome=const("expired"),

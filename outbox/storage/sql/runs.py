@@ -37,6 +37,7 @@ from outbox.storage.sql.common import (
     in_statuses,
     json_param,
 )
+from outbox.storage.sql.steps import next_step_head
 
 __all__ = [
     "await_effect",
@@ -121,6 +122,24 @@ def wait_step() -> AnySelect:
 @cache
 def complete_wait_step() -> Any:
     """A wait is over: record its result or error; the run's current step moves on."""
+    # The completed wait joins the run's hash chain now (a waiting step is not in it).
+    moved = (
+        runs.update()
+        .where(runs.c.id == _W_RUN)
+        .values(
+            current_step=_W_STEP,
+            step_head=next_step_head(
+                _W_STEP,
+                select(steps.c.kind)
+                .where(steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP)
+                .scalar_subquery(),
+                json_param("wait_result"),
+                json_param("wait_error"),
+            ),
+        )
+        .returning(runs.c.id, runs.c.step_head)
+        .cte("moved")
+    )
     done = (
         steps.update()
         .where(steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP)
@@ -129,16 +148,10 @@ def complete_wait_step() -> Any:
             result=json_param("wait_result"),
             error=json_param("wait_error"),
             completed_at=func.now(),
+            hash=select(moved.c.step_head).scalar_subquery(),
         )
         .returning(steps.c.seq, steps.c.completed_at)
         .cte("done")
-    )
-    moved = (
-        runs.update()
-        .where(runs.c.id == _W_RUN)
-        .values(current_step=_W_STEP)
-        .returning(runs.c.id)
-        .cte("moved")
     )
     return select(done.c.seq, done.c.completed_at, select(moved.c.id).scalar_subquery())
 

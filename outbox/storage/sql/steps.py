@@ -9,46 +9,55 @@ the step checkpoint and every intent, and (when asked) sends the wake-up
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
 from sqlalchemy import (
+    Boolean,
     Float,
     Integer,
     Numeric,
     Text,
     bindparam,
     case,
+    cast,
     column,
     func,
     literal,
+    literal_column,
+    null,
     select,
     text,
     true,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY as postgresql_array
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement, TableValuedAlias, TextClause
 
-from outbox.models import RunStatus
-from outbox.storage.schema import budget_ledger, effects, runs, steps
+from outbox.models import TERMINAL_EFFECT_STATUSES, RunStatus
+from outbox.storage.schema import budget_ledger, effects, gates, runs, steps
 from outbox.storage.sql.common import (
     ACTIVE_CONDITION,
     EFFECTS_CHANNEL,
     RUNS_CHANNEL,
     AnySelect,
     const,
+    in_statuses,
     json_param,
 )
 
 __all__ = [
     "commit_step",
     "effect_by_key",
+    "finished_effects",
     "insert_run",
     "intend_for_stopping_run",
     "intend_without_run",
     "list_effects",
     "list_runs",
+    "next_step_head",
     "run_with_steps",
 ]
 
@@ -74,6 +83,7 @@ def insert_run(*, notify: bool) -> AnySelect:
             key=bindparam("key", type_=Text),
             priority=bindparam("priority", type_=Integer),
             fairness_key=bindparam("fairness_key", type_=Text),
+            dry_run=bindparam("dry_run"),
             trace_parent=bindparam("trace_parent", type_=Text),
         )
         .on_conflict_do_nothing(index_elements=[runs.c.key], index_where=runs.c.key.isnot(None))
@@ -102,6 +112,8 @@ _EFFECT_FIELDS = (
     column("delay_seconds", Float),
     column("priority", Integer),
     column("fairness_key", Text),
+    # the intent's own approval policy (JSON), if it asked for one
+    column("approval", JSONB),
     column("trace_parent", Text),
 )
 
@@ -124,6 +136,8 @@ _EFFECT_INSERT_COLUMNS = [
     "fairness_key",
     "status",
     "available_at",
+    "approval",
+    "approval_deadline",
     "trace_parent",
 ]
 
@@ -141,14 +155,57 @@ def _effect_select(
     rows: TableValuedAlias,
     run_id: ColumnElement[Any],
     status: ColumnElement[Any] | None = None,
+    *,
+    after: Sequence[Any] = (),
 ) -> AnySelect:
+    """The rows to insert: each intent, held as ``awaiting_approval`` when a gate applies.
+
+    The gates of ``outbox_gates`` are evaluated here, in the statement that
+    writes the intent: no round trip, and no writer can skip them. A matching
+    config gate wins over the intent's own policy (an intent can add a gate,
+    never loosen one). With no gate for the kind this is one probe of an
+    index on a small table. ``status`` is the status of an intent no gate
+    holds (``pending``, or ``paused`` while a pause waits for its step);
+    ``after`` are the row sets (one row each) the insert must follow.
+    """
+    gate = (
+        select(gates.c.name, gates.c.timeout_seconds, gates.c.on_timeout, gates.c.escalate_to)
+        .where(
+            gates.c.kind == rows.c.kind,
+            func.outbox_gate_matches(gates.c.conditions, rows.c.payload, type_=Boolean),
+        )
+        .order_by(gates.c.name)
+        .limit(1)
+        .lateral("gate")
+    )
+    policy = case(
+        (
+            gate.c.name.is_not(None),
+            func.jsonb_build_object(
+                "gate",
+                gate.c.name,
+                "timeout",
+                gate.c.timeout_seconds,
+                "on_timeout",
+                gate.c.on_timeout,
+                "escalate_to",
+                gate.c.escalate_to,
+            ),
+        ),
+        else_=rows.c.approval,
+    )
+    held = policy.is_not(None)
+    source = rows.outerjoin(gate, true())
+    for earlier in after:
+        source = source.join(earlier, true())
     return select(
         rows.c.id,
         run_id,
         bindparam("step_id", type_=Text),
         rows.c.step_index,
         rows.c.kind,
-        rows.c.payload,
+        # A JSON null payload reads back from the recordset as SQL NULL: store it as JSON.
+        func.coalesce(rows.c.payload, literal_column("'null'::jsonb", JSONB)),
         rows.c.payload_hash,
         rows.c.schema_version,
         rows.c.idempotency_key,
@@ -159,9 +216,34 @@ def _effect_select(
         rows.c.cost,
         rows.c.priority,
         rows.c.fairness_key,
-        const("pending") if status is None else status,
+        case(
+            (held, const("awaiting_approval")),
+            else_=const("pending") if status is None else status,
+        ),
         func.now() + rows.c.delay_seconds * text("interval '1 second'"),
+        policy,
+        case(
+            (
+                held,
+                func.now() + cast(policy["timeout"].astext, Float) * text("interval '1 second'"),
+            ),
+            else_=null(),
+        ),
         rows.c.trace_parent,
+    ).select_from(source)
+
+
+def next_step_head(step_id: Any, kind: Any, result: Any, error: Any) -> ColumnElement[Any]:
+    """The run's new step-chain head once this step completes (an ``outbox_runs`` SET value).
+
+    Computed by the statement that records the step, so chaining costs no round
+    trip; the step row stores the same value as its ``hash``.
+    """
+    previous = func.coalesce(
+        runs.c.step_head, func.outbox_run_genesis(runs.c.id, runs.c.agent, runs.c.inputs_hash)
+    )
+    return func.outbox_step_hash(
+        previous, runs.c.id, step_id, kind, result, error, func.now(), type_=BYTEA
     )
 
 
@@ -214,14 +296,20 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
             reserved=runs.c.reserved + bindparam("reserve", type_=Numeric),
             # updated_at is left alone: it is indexed, and a step's update must stay
             # HOT (no index touched); it tracks lifecycle changes, steps have their own time.
+            step_head=next_step_head(
+                bindparam("step_id", type_=Text),
+                bindparam("kind", type_=Text),
+                json_param("step_result"),
+                null(),
+            ),
         )
-        .returning(runs.c.id, runs.c.paused_at.isnot(None).label("paused"))
+        .returning(runs.c.id, runs.c.step_head, runs.c.paused_at.isnot(None).label("paused"))
         .cte("run_upd")
     )
     step_ins = (
         pg_insert(steps)
         .from_select(
-            ["run_id", "step_id", "kind", "result", "state", "plan"],
+            ["run_id", "step_id", "kind", "result", "state", "plan", "hash"],
             select(
                 run_upd.c.id,
                 bindparam("step_id", type_=Text),
@@ -229,6 +317,7 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
                 json_param("step_result"),
                 json_param("new_state"),
                 json_param("new_plan"),
+                run_upd.c.step_head,
             ),
         )
         .on_conflict_do_nothing(constraint="outbox_steps_pkey")
@@ -237,15 +326,12 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
     )
     rows = _effect_rows()
     # A pause that waits for this step holds its intents (resume releases them).
-    held = case((run_upd.c.paused, const("paused")), else_=const("pending"))
+    paused = case((run_upd.c.paused, const("paused")), else_=const("pending"))
     eff_ins = (
         pg_insert(effects)
         .from_select(
             _EFFECT_INSERT_COLUMNS,
-            _effect_select(rows, _RUN_ID, held)
-            .select_from(rows)
-            .join(step_ins, true())
-            .join(run_upd, true()),
+            _effect_select(rows, _RUN_ID, paused, after=(step_ins, run_upd)),
         )
         .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
         .returning(effects.c.id)
@@ -302,7 +388,7 @@ def intend_without_run(*, notify: bool) -> AnySelect:
         pg_insert(effects)
         .from_select(
             _EFFECT_INSERT_COLUMNS,
-            _effect_select(rows, literal(None, UUID(as_uuid=True))).select_from(rows),
+            _effect_select(rows, literal(None, UUID(as_uuid=True))),
         )
         .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
         .returning(effects.c.id)
@@ -322,7 +408,7 @@ def intend_for_stopping_run() -> AnySelect:
     rows = _effect_rows()
     eff_ins = (
         pg_insert(effects)
-        .from_select(_EFFECT_INSERT_COLUMNS, _effect_select(rows, _RUN_ID).select_from(rows))
+        .from_select(_EFFECT_INSERT_COLUMNS, _effect_select(rows, _RUN_ID))
         .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
         .returning(effects.c.id)
         .cte("eff_ins")
@@ -338,12 +424,12 @@ def effect_by_key() -> AnySelect:
     return select(effects).where(effects.c.idempotency_key == bindparam("key"))
 
 
-def run_with_steps() -> tuple[AnySelect, AnySelect]:
-    """The run ``:run_id`` and its completed steps in completion order."""
-    return (
-        select(runs).where(runs.c.id == bindparam("run_id")),
-        select(steps).where(steps.c.run_id == bindparam("run_id")).order_by(steps.c.seq),
-    )
+def run_with_steps(*, one_step: bool = False) -> tuple[AnySelect, AnySelect]:
+    """The run ``:run_id`` and its recorded steps in order (``one_step``: only ``:step_id``)."""
+    steps_q = select(steps).where(steps.c.run_id == bindparam("run_id"))
+    if one_step:
+        steps_q = steps_q.where(steps.c.step_id == bindparam("step_id"))
+    return (select(runs).where(runs.c.id == bindparam("run_id")), steps_q.order_by(steps.c.seq))
 
 
 def list_runs(
@@ -361,16 +447,32 @@ def list_runs(
 def list_effects(
     *,
     run_id: object = None,
+    step_id: str | None = None,
     status: str | None = None,
     kind: str | None = None,
     limit: int = 100,
 ) -> AnySelect:
-    """Effects in intent order, optionally filtered by run, status or kind."""
+    """Effects in intent order, optionally filtered by run (and step), status or kind."""
     query = select(effects).order_by(effects.c.seq).limit(limit)
     if run_id is not None:
         query = query.where(effects.c.run_id == run_id)
+    if step_id is not None:
+        query = query.where(effects.c.step_id == step_id)
     if status is not None:
         query = query.where(effects.c.status == status)
     if kind is not None:
         query = query.where(effects.c.kind == kind)
     return query
+
+
+def finished_effects() -> AnySelect:
+    """Of the effects ``:ids``, those that can no longer change by delivery (one index probe each).
+
+    Awaiting effects (``outbox serve``'s long poll) asks this for every awaited
+    id at once, so a hundred waiters cost one query per poll, not a hundred.
+    """
+    ids = bindparam("ids", type_=postgresql_array(UUID(as_uuid=True)))
+    return select(effects).where(
+        effects.c.id == func.any(ids),
+        in_statuses(effects.c.status, TERMINAL_EFFECT_STATUSES),
+    )

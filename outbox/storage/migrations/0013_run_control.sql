@@ -1,11 +1,11 @@
--- agent-outbox 0008: run control for long agents. Pause and resume, forks,
+-- agent-outbox 0013: run control for long agents. Pause and resume, forks,
 -- large values by reference, priorities and fairness keys, declared rates,
--- one run per business key. Its indexes on the big tables are built by 0009,
+-- one run per business key. Its indexes on the big tables are built by 0014,
 -- CONCURRENTLY, after this file's columns exist.
 -- Must stay equal to outbox/storage/schema.py (tests/integration/test_migrations.py checks it).
 
 -- Runs: paused is a live status that takes no steps. The constraint is checked
--- for new rows at once and validated for old ones by 0009 (without blocking writes).
+-- for new rows at once and validated for old ones by 0014 (without blocking writes).
 ALTER TABLE outbox_runs DROP CONSTRAINT outbox_runs_status_check;
 ALTER TABLE outbox_runs ADD CONSTRAINT outbox_runs_status_check CHECK (status IN (
     'runnable', 'running', 'waiting', 'completed', 'failed', 'cancelling', 'cancelled',
@@ -73,7 +73,7 @@ CREATE TABLE outbox_rate_limits (
 );
 
 -- @functions: the SQL API (0007) with run control. outbox/storage/schema.py runs
--- everything below this line after 0007's functions, so a fresh schema gets
+-- everything below this line after 0007's and 0010's functions, so a fresh schema gets
 -- exactly these definitions. A run started and an intent written through the
 -- SQL API honour a pause, priorities and fairness keys, one run per business
 -- key, and store large values by reference, as the Python client does.
@@ -317,11 +317,12 @@ $$;
 -- commits. With run_id and step_id the intent belongs to that step (call
 -- outbox_commit_step for it before committing); without, it belongs to no run.
 -- The rules are the Python client's (outbox.intent_rules, EffectIntent).
--- priority and fairness_key default to the run's (0 and '' without a run); an
--- intent of a paused run is held as paused; a payload over
+-- Approval gates (0010) hold an intent as awaiting_approval; a dry run's goes
+-- to the dry-run namespace. priority and fairness_key default to the run's (0
+-- and '' without a run); an intent of a paused run is held as paused; a payload over
 -- outbox.blob_threshold_bytes is stored by reference.
 DROP FUNCTION outbox_intend(text, jsonb, text, text, uuid, text, integer, integer,
-                            double precision, integer, jsonb, numeric);
+                            double precision, integer, jsonb, numeric, jsonb);
 CREATE FUNCTION outbox_intend(
     kind text,
     payload jsonb,
@@ -335,6 +336,7 @@ CREATE FUNCTION outbox_intend(
     schema_version integer DEFAULT 1,
     compensate jsonb DEFAULT NULL,
     cost numeric DEFAULT NULL,
+    approval jsonb DEFAULT NULL,
     priority integer DEFAULT NULL,
     fairness_key text DEFAULT NULL,
     OUT effect_id uuid,
@@ -354,6 +356,9 @@ DECLARE
     new_id uuid := outbox_uuid7();
     existing record;
     lane record;
+    p_kind text := outbox_intend.kind;
+    dry boolean := false;
+    policy jsonb;
     stored jsonb;
 BEGIN
     PERFORM outbox_check_kind('kind', outbox_intend.kind);
@@ -398,6 +403,7 @@ BEGIN
                 format('kind %L must match %s', outbox_intend.compensate->>'kind', rules->>'kind_pattern'));
         END IF;
     END IF;
+    policy := outbox_approval_policy(outbox_intend.approval);
     PERFORM outbox_check_lane(outbox_intend.priority, outbox_intend.fairness_key);
     PERFORM outbox_check_not_reference('payload', outbox_intend.payload);
     PERFORM outbox_check_payload(outbox_intend.payload, 'payload');
@@ -441,11 +447,35 @@ BEGIN
         p_key := coalesce(p_key, outbox_derive_key(outbox_intend.run_id, outbox_intend.step_id, idx));
         -- the run's lane; a pause already set holds the intent (outbox_commit_step
         -- holds it too when a pause commits while this transaction runs)
-        SELECT r.priority, r.fairness_key, r.paused_at IS NOT NULL AS paused
+        SELECT r.priority, r.fairness_key, r.paused_at IS NOT NULL AS paused, r.dry_run
           INTO lane FROM outbox_runs AS r WHERE r.id = outbox_intend.run_id;
     ELSE
         p_key := coalesce(p_key, replace(gen_random_uuid()::text, '-', ''));
-        SELECT 0 AS priority, '' AS fairness_key, false AS paused INTO lane;
+        SELECT 0 AS priority, '' AS fairness_key, false AS paused, false AS dry_run INTO lane;
+    END IF;
+    dry := coalesce(lane.dry_run, false);
+    IF dry THEN
+        -- A dry run's intents are served by the recording deliverer, never a sink
+        -- (outbox.runs.intents does the same), and ask for no approval.
+        p_kind := (outbox_reserved_kind_prefixes())[1] || p_kind;
+        IF outbox_intend.key IS NOT NULL THEN
+            p_key := (outbox_reserved_kind_prefixes())[1] || outbox_intend.run_id::text || ':' || p_key;
+        END IF;
+        policy := NULL;
+    ELSE
+        -- A configured gate wins over the intent's own policy: an intent can add a
+        -- gate, never loosen one (as the Python client's statement does).
+        SELECT CASE WHEN g.name IS NULL THEN policy
+                    ELSE jsonb_build_object('gate', g.name, 'timeout', g.timeout_seconds,
+                                            'on_timeout', g.on_timeout, 'escalate_to', g.escalate_to)
+               END
+          INTO policy
+          FROM (SELECT 1) AS one
+          LEFT JOIN LATERAL (
+              SELECT gg.name, gg.timeout_seconds, gg.on_timeout, gg.escalate_to
+                FROM outbox_gates AS gg
+               WHERE gg.kind = p_kind AND outbox_gate_matches(gg.conditions, outbox_intend.payload)
+               ORDER BY gg.name LIMIT 1) AS g ON true;
     END IF;
     stored := outbox_store_value(coalesce(outbox_intend.run_id, new_id), outbox_intend.payload,
                                  canonical);
@@ -453,15 +483,17 @@ BEGIN
     INSERT INTO outbox_effects AS e (
         id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
         idempotency_key, ordering_key, max_attempts, compensate, cost, priority, fairness_key,
-        status, available_at)
+        status, available_at, approval, approval_deadline)
     VALUES (
-        new_id, outbox_intend.run_id, outbox_intend.step_id, idx, outbox_intend.kind,
+        new_id, outbox_intend.run_id, outbox_intend.step_id, idx, p_kind,
         stored, p_hash, outbox_intend.schema_version, p_key,
         outbox_intend.ordering_key, outbox_intend.max_attempts, outbox_intend.compensate,
         outbox_intend.cost, coalesce(outbox_intend.priority, lane.priority),
         coalesce(outbox_intend.fairness_key, lane.fairness_key),
-        CASE WHEN lane.paused THEN 'paused' ELSE 'pending' END,
-        now() + outbox_intend.delay_seconds * interval '1 second')
+        CASE WHEN policy IS NOT NULL THEN 'awaiting_approval'
+             WHEN lane.paused THEN 'paused' ELSE 'pending' END,
+        now() + outbox_intend.delay_seconds * interval '1 second',
+        policy, now() + (policy->>'timeout')::double precision * interval '1 second')
     ON CONFLICT ON CONSTRAINT outbox_effects_idempotency_key DO NOTHING
     RETURNING e.id INTO effect_id;
     created := effect_id IS NOT NULL;
@@ -486,9 +518,9 @@ BEGIN
             PERFORM outbox_raise_conflict(p_key, 'already intended by '
                 || coalesce('run ' || existing.run_id::text, 'no run'));
         END IF;
-        IF existing.kind <> outbox_intend.kind THEN
+        IF existing.kind <> p_kind THEN
             PERFORM outbox_raise_conflict(p_key,
-                format('already intended as kind %L, not %L', existing.kind, outbox_intend.kind));
+                format('already intended as kind %L, not %L', existing.kind, p_kind));
         END IF;
         -- equal payloads hash equally; a float Python writes with an exponent is
         -- compared as a jsonb value (see outbox_canonical_json)
@@ -512,12 +544,13 @@ BEGIN
             entry := entry || jsonb_build_object(
                 'reserve', (entry->>'reserve')::numeric + outbox_intend.cost,
                 'ledger', (entry->'ledger') || jsonb_build_array(jsonb_build_object(
-                    'entry', 'reserve', 'reason', outbox_intend.kind,
+                    'entry', 'reserve', 'reason', p_kind,
                     'amount', outbox_intend.cost, 'effect_id', effect_id)));
         END IF;
         PERFORM outbox_tx_save_step(outbox_intend.run_id, outbox_intend.step_id, entry);
     END IF;
-    IF created THEN
+    IF created AND policy IS NULL THEN
+        -- a held intent wakes nobody: no deliverer may claim it until it is approved
         PERFORM outbox_wake('outbox_effects');
     END IF;
 END
@@ -551,6 +584,8 @@ DECLARE
     stored_state jsonb;
     stored_plan jsonb;
     run_paused boolean;
+    head bytea;
+    p_result jsonb;
 BEGIN
     IF outbox_commit_step.step_kind IS NULL OR outbox_commit_step.step_kind NOT IN ('transaction', 'call') THEN
         PERFORM outbox_refuse('OB001', 'step_kind', outbox_commit_step.step_kind,
@@ -585,8 +620,8 @@ BEGIN
             END IF;
             SELECT k INTO unknown_field FROM jsonb_object_keys(item) AS k
              WHERE k NOT IN ('kind', 'payload', 'key', 'ordering_key', 'step_index', 'max_attempts',
-                             'delay_seconds', 'schema_version', 'compensate', 'cost', 'priority',
-                             'fairness_key')
+                             'delay_seconds', 'schema_version', 'compensate', 'cost', 'approval',
+                             'priority', 'fairness_key')
              LIMIT 1;
             IF unknown_field IS NOT NULL THEN
                 PERFORM outbox_refuse('OB001', format('intents[%s].%s', n, unknown_field), NULL,
@@ -605,6 +640,7 @@ BEGIN
                 schema_version => coalesce((item->>'schema_version')::integer, 1),
                 compensate => item->'compensate',
                 cost => (item->>'cost')::numeric,
+                approval => item->'approval',
                 priority => (item->>'priority')::integer,
                 fairness_key => item->>'fairness_key');
             effect_ids := effect_ids || made.effect_id;
@@ -613,18 +649,24 @@ BEGIN
         tx_step := outbox_tx_steps()->outbox_tx_step_slot(outbox_commit_step.run_id, outbox_commit_step.step_id);
     END IF;
 
+    -- the step chain hashes the result as stored (a reference for a large one), as Python does
+    p_result := coalesce(stored_result, 'null'::jsonb);
     UPDATE outbox_runs AS r
        SET state = coalesce(stored_state, r.state),
            plan = coalesce(stored_plan, r.plan),
            current_step = outbox_commit_step.step_id,
            spent = r.spent + (tx_step->>'debit')::numeric,
-           reserved = r.reserved + (tx_step->>'reserve')::numeric
+           reserved = r.reserved + (tx_step->>'reserve')::numeric,
+           -- the run's step chain (see outbox/storage/governance_ddl.py)
+           step_head = outbox_step_hash(
+               coalesce(r.step_head, outbox_run_genesis(r.id, r.agent, r.inputs_hash)),
+               r.id, outbox_commit_step.step_id, outbox_commit_step.step_kind, p_result, NULL, now())
            -- updated_at is left alone: a step's update must stay HOT (see sql/steps.py)
      WHERE r.id = outbox_commit_step.run_id
        AND r.status = ANY (outbox_active_run_statuses())
        AND (r.budget IS NULL
             OR r.spent + r.reserved + (tx_step->>'debit')::numeric + (tx_step->>'reserve')::numeric <= r.budget)
-    RETURNING r.paused_at IS NOT NULL INTO run_paused;
+    RETURNING r.paused_at IS NOT NULL, r.step_head INTO run_paused, head;
     IF NOT FOUND THEN
         SELECT r.status, r.budget, r.spent, r.reserved INTO found_run
           FROM outbox_runs AS r WHERE r.id = outbox_commit_step.run_id;
@@ -642,9 +684,9 @@ BEGIN
     END IF;
 
     -- the step keeps the state and plan it set, so a fork can start from it
-    INSERT INTO outbox_steps AS s (run_id, step_id, kind, result, state, plan)
+    INSERT INTO outbox_steps AS s (run_id, step_id, kind, result, state, plan, hash)
     VALUES (outbox_commit_step.run_id, outbox_commit_step.step_id, outbox_commit_step.step_kind,
-            coalesce(stored_result, 'null'::jsonb), stored_state, stored_plan)
+            p_result, stored_state, stored_plan, head)
     ON CONFLICT ON CONSTRAINT outbox_steps_pkey DO NOTHING
     RETURNING s.seq INTO step_seq;
     IF step_seq IS NULL THEN

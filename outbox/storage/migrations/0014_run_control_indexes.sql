@@ -1,5 +1,5 @@
 -- outbox:no-transaction
--- agent-outbox 0009: run control, the indexes and checks on the big tables.
+-- agent-outbox 0014: run control, the indexes and checks on the big tables.
 -- Must stay equal to outbox/storage/schema.py (tests/integration/test_migrations.py checks it).
 --
 -- Each statement commits on its own (the marker above): the indexes build

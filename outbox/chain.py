@@ -1,0 +1,372 @@
+"""The tamper-evident record: hash chains over steps and attempt logs, and signed run records.
+
+PostgreSQL computes each link as the row is written (``storage/governance_ddl.py``
+says where); this module recomputes them from the rows, with the same
+algorithm, for ``outbox audit verify`` and for a run record exported by
+``outbox audit export``:
+
+- ``lp(v)``: ``"~"`` for null, else ``"<UTF-8 byte length>:<v>"``; ``us(t)``: a
+  timestamp as integer microseconds since the Unix epoch (as text, through ``lp``);
+- a run's chain starts at ``sha256("outbox.run.v1" lp(id) lp(agent) lp(inputs_hash))``;
+  each completed step is ``sha256(prev + "outbox.step.v1" lp(run_id) lp(step_id)
+  lp(kind) lp(result_text) lp(error_text) lp(us(completed_at)))``, in the order
+  steps completed; the run's ``step_head`` is the last;
+- an effect's chain starts at ``sha256("outbox.effect.v1" lp(id) lp(run_id) lp(kind)
+  lp(idempotency_key) lp(payload_hash))``; each attempt-log row, in id order, is
+  ``sha256(prev + "outbox.attempt.v1" lp(effect_id) lp(attempt) lp(worker)
+  lp(us(started_at)) lp(us(finished_at)) lp(outcome) lp(detail_text))``;
+- ``*_text`` is PostgreSQL's rendering of the stored ``jsonb`` (a record carries it
+  beside the parsed value); ``payload_hash`` and ``inputs_hash`` are the sha256 of
+  the canonical JSON (sorted keys, no spaces, UTF-8) of ``payload`` and ``inputs``.
+
+A record is signed with Ed25519 (the optional ``cryptography`` package: ``pip
+install 'agent-outbox[audit]'``) over its canonical JSON without ``signature``;
+anyone holding the public key can check it, no secret needed. ``docs/reference/audit.md``
+has an independent verifier of a few dozen lines.
+
+What a chain cannot show: a row rewritten *with every later link recomputed*,
+or the newest rows of a chain deleted (a run's ``step_head`` catches the latter
+for steps). A signed export fixes the record at export time: keep it elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+__all__ = [
+    "RECORD_FORMAT",
+    "Break",
+    "attempt_hash",
+    "canonical",
+    "effect_genesis",
+    "lp",
+    "public_key_of",
+    "record_from_rows",
+    "run_genesis",
+    "sign_record",
+    "step_hash",
+    "us",
+    "verify_record",
+    "verify_signature",
+]
+
+RECORD_FORMAT = "agent-outbox.run-record.v1"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def lp(value: str | None) -> str:
+    """Length-prefixed text (so no two field sequences hash alike); ``~`` for null."""
+    return "~" if value is None else f"{len(value.encode())}:{value}"
+
+
+def us(when: datetime | None) -> int | None:
+    """A timestamp as integer microseconds since the Unix epoch (exact)."""
+    return None if when is None else (when - _EPOCH) // timedelta(microseconds=1)
+
+
+def _text(value: int | None) -> str | None:
+    return None if value is None else str(value)
+
+
+def _sha(prev: bytes, message: str) -> bytes:
+    return hashlib.sha256(prev + message.encode()).digest()
+
+
+def run_genesis(run_id: str, agent: str, inputs_hash: str) -> bytes:
+    """Where a run's step chain starts."""
+    return _sha(b"", "outbox.run.v1" + lp(run_id) + lp(agent) + lp(inputs_hash))
+
+
+def step_hash(prev: bytes, step: Mapping[str, Any], run_id: str) -> bytes:
+    """The link of one completed step (``result_text``, ``error_text``, ``completed_us``)."""
+    return _sha(
+        prev,
+        "outbox.step.v1"
+        + lp(run_id)
+        + lp(step["step_id"])
+        + lp(step["kind"])
+        + lp(step["result_text"])
+        + lp(step["error_text"])
+        + lp(_text(step["completed_us"])),
+    )
+
+
+def effect_genesis(effect: Mapping[str, Any]) -> bytes:
+    """Where an effect's attempt-log chain starts (binds its kind, key and payload digest)."""
+    return _sha(
+        b"",
+        "outbox.effect.v1"
+        + lp(effect["id"])
+        + lp(effect["run_id"])
+        + lp(effect["kind"])
+        + lp(effect["idempotency_key"])
+        + lp(effect["payload_hash"]),
+    )
+
+
+def attempt_hash(prev: bytes, row: Mapping[str, Any]) -> bytes:
+    """The link of one attempt-log row (``detail_text``, ``started_us``, ``finished_us``)."""
+    return _sha(
+        prev,
+        "outbox.attempt.v1"
+        + lp(row["effect_id"])
+        + lp(str(row["attempt"]))
+        + lp(row["worker"])
+        + lp(_text(row["started_us"]))
+        + lp(_text(row["finished_us"]))
+        + lp(row["outcome"])
+        + lp(row["detail_text"]),
+    )
+
+
+def canonical(value: Any) -> bytes:
+    """Canonical JSON: sorted keys, no spaces, UTF-8 (what digests and signatures are over)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(canonical(value)).hexdigest()
+
+
+@dataclass(frozen=True)
+class Break:
+    """The first place a chain or digest does not hold."""
+
+    where: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}"
+
+
+def _walk(rows: Sequence[Mapping[str, Any]], start: bytes, link: Any) -> tuple[bytes, Any]:
+    """Follow a chain through ``rows`` (listed by position); returns (head, first broken row).
+
+    Rows are taken in the order given; when the next one does not follow, the
+    one that does is looked for among the rest (a wait completed after a later
+    step, say), so only a row no predecessor explains is a break.
+    """
+    remaining = list(rows)
+    prev = start
+    while remaining:
+        for index, row in enumerate(remaining):
+            if link(prev, row) == bytes.fromhex(row["hash"]):
+                prev = bytes.fromhex(row["hash"])
+                remaining.pop(index)
+                break
+        else:
+            return prev, remaining[0]
+    return prev, None
+
+
+def verify_record(record: Mapping[str, Any]) -> list[Break]:
+    """Every break in a run record (empty: it holds): digests, step chain, attempt chains."""
+    breaks: list[Break] = []
+    run = record["run"]
+    rid = run["id"]
+    if _digest(run["inputs"]) != run["inputs_hash"]:
+        breaks.append(Break(f"run {rid}", "its inputs do not match inputs_hash"))
+    chained = [s for s in record["steps"] if s.get("hash") is not None]
+    for step in chained:
+        if json.loads(step["result_text"] or "null") != step["result"]:
+            breaks.append(Break(f"run {rid} step {step['step_id']!r}", "result_text differs"))
+    head, broken = _walk(
+        chained,
+        run_genesis(rid, run["agent"], run["inputs_hash"]),
+        lambda prev, s: step_hash(prev, s, rid),
+    )
+    if broken is not None:
+        breaks.append(
+            Break(
+                f"run {rid} step {broken['step_id']!r}",
+                "its hash does not follow the run's previous step (the step or one before it "
+                "was changed or removed)",
+            )
+        )
+    elif run.get("step_head") is not None and head.hex() != run["step_head"]:
+        breaks.append(Break(f"run {rid}", "step_head is not the last step's hash (steps removed)"))
+    for effect in record["effects"]:
+        where = f"effect {effect['id']}"
+        if _digest(effect["payload"]) != effect["payload_hash"]:
+            breaks.append(Break(where, "its payload does not match payload_hash (altered)"))
+        prev = effect_genesis(effect)
+        for row in effect["attempts"]:
+            at = f"{where} attempt-log row {row['id']} ({row['outcome']})"
+            if row.get("hash") is None:
+                breaks.append(Break(at, "it has no hash"))
+                break
+            if json.loads(row["detail_text"] or "null") != row["detail"]:
+                breaks.append(Break(at, "detail_text differs from detail"))
+            if attempt_hash(prev, row) != bytes.fromhex(row["hash"]):
+                breaks.append(
+                    Break(at, "its hash does not match its content and the previous row's hash")
+                )
+                break
+            prev = bytes.fromhex(row["hash"])
+    return breaks
+
+
+def _ed25519() -> Any:
+    try:
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError as exc:  # pragma: no cover - depends on the extra
+        from outbox.errors import ConfigurationError
+
+        raise ConfigurationError(
+            "signing needs the 'cryptography' package: pip install 'agent-outbox[audit]'"
+        ) from exc
+    return ed25519
+
+
+def _unsigned(record: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k != "signature"}
+
+
+def public_key_of(private_pem: bytes) -> str:
+    """The hex public key of an Ed25519 private key (PEM, PKCS#8)."""
+    from cryptography.hazmat.primitives import serialization
+
+    ed25519 = _ed25519()
+    key = serialization.load_pem_private_key(private_pem, password=None)
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        from outbox.errors import ConfigurationError
+
+        raise ConfigurationError("the signing key is not an Ed25519 private key")
+    return str(key.public_key().public_bytes_raw().hex())
+
+
+def sign_record(record: Mapping[str, Any], private_pem: bytes) -> dict[str, Any]:
+    """The record with an Ed25519 ``signature`` over its canonical JSON."""
+    from cryptography.hazmat.primitives import serialization
+
+    unsigned = _unsigned(record)
+    key = serialization.load_pem_private_key(private_pem, password=None)
+    public = public_key_of(private_pem)
+    signature = key.sign(canonical(unsigned))  # type: ignore[call-arg,union-attr]
+    return {
+        **unsigned,
+        "signature": {"algorithm": "ed25519", "public_key": public, "value": signature.hex()},
+    }
+
+
+def verify_signature(record: Mapping[str, Any], trusted_public_keys: Iterable[str] = ()) -> bool:
+    """True when the record's signature holds (and its key is trusted, when keys are given)."""
+    ed25519 = _ed25519()
+    signature = record.get("signature") or {}
+    trusted = list(trusted_public_keys)
+    if signature.get("algorithm") != "ed25519" or (
+        trusted and signature["public_key"] not in trusted
+    ):
+        return False
+    key = ed25519.Ed25519PublicKey.from_public_bytes(bytes.fromhex(signature["public_key"]))
+    try:
+        key.verify(bytes.fromhex(signature["value"]), canonical(_unsigned(record)))
+    except Exception:
+        return False
+    return True
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _hex(value: bytes | None) -> str | None:
+    return None if value is None else bytes(value).hex()
+
+
+#: Attempt-log outcomes that are decisions about an approval.
+APPROVAL_OUTCOMES = ("approved", "rejected", "approval_refused", "timed_out")
+
+
+def record_from_rows(rows: Mapping[str, Any], *, exported_at: datetime) -> dict[str, Any]:
+    """A self-contained run record from the rows ``Store.audit_rows`` read (unsigned)."""
+    run = rows["run"]
+    rid = str(run["id"])
+    attempts: dict[str, list[dict[str, Any]]] = {}
+    for a in rows["attempts"]:
+        attempts.setdefault(str(a["effect_id"]), []).append(
+            {
+                "id": a["id"],
+                "effect_id": str(a["effect_id"]),
+                "attempt": a["attempt"],
+                "worker": a["worker"],
+                "started_at": _iso(a["started_at"]),
+                "started_us": us(a["started_at"]),
+                "finished_at": _iso(a["finished_at"]),
+                "finished_us": us(a["finished_at"]),
+                "outcome": a["outcome"],
+                "detail": a["detail"],
+                "detail_text": a["detail_text"],
+                "hash": _hex(a["hash"]),
+            }
+        )
+    effects = [
+        {
+            "id": str(e["id"]),
+            "run_id": None if e["run_id"] is None else str(e["run_id"]),
+            "step_id": e["step_id"],
+            "step_index": e["step_index"],
+            "kind": e["kind"],
+            "idempotency_key": e["idempotency_key"],
+            "payload": e["payload"],
+            "payload_hash": e["payload_hash"],
+            "status": e["status"],
+            "result": e["result"],
+            "approval": e["approval"],
+            "created_at": _iso(e["created_at"]),
+            "attempts": attempts.get(str(e["id"]), []),
+        }
+        for e in rows["effects"]
+    ]
+    approvals = [
+        {
+            "effect_id": row["effect_id"],
+            "outcome": row["outcome"],
+            "by": row["worker"],
+            "at": row["finished_at"],
+            **{k: (row["detail"] or {}).get(k) for k in ("digest", "note", "via", "reason")},
+        }
+        for effect in effects
+        for row in effect["attempts"]
+        if row["outcome"] in APPROVAL_OUTCOMES
+    ]
+    return {
+        "format": RECORD_FORMAT,
+        "exported_at": exported_at.isoformat(),
+        "run": {
+            "id": rid,
+            "agent": run["agent"],
+            "agent_version": run["agent_version"],
+            "mode": "dry_run" if run["dry_run"] else "live",
+            "inputs": run["inputs"],
+            "inputs_hash": run["inputs_hash"],
+            "status": run["status"],
+            "result": run["result"],
+            "error": run["error"],
+            "created_at": _iso(run["created_at"]),
+            "step_head": _hex(run["step_head"]),
+        },
+        "steps": [
+            {
+                "step_id": s["step_id"],
+                "seq": s["seq"],
+                "kind": s["kind"],
+                "status": s["status"],
+                "result": s["result"],
+                "result_text": s["result_text"],
+                "error": s["error"],
+                "error_text": s["error_text"],
+                "completed_at": _iso(s["completed_at"]),
+                "completed_us": us(s["completed_at"]),
+                "hash": _hex(s["hash"]),
+            }
+            for s in rows["steps"]
+        ],
+        "effects": effects,
+        "approvals": approvals,
+    }

@@ -1,0 +1,414 @@
+"""The JSON shape of every ``--json`` report, as pydantic models.
+
+A command declares its report with ``@json_option(Model)`` and prints through
+:func:`~outbox.cli._common.emit`, which accepts only an instance of that model:
+what ``--json`` prints is ``Model.model_dump_json()``, and ``outbox schemas
+export`` writes ``Model``'s JSON Schema to ``schemas/report.<command>.json``, so
+the two cannot drift. A report that is one of the core records (an effect, a
+run) uses that record's model.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict, RootModel
+
+from outbox.gates import Gate
+from outbox.models import Effect, EffectAttempt, RunMode, RunRecord, RunStatus, StepRecord
+
+__all__ = [
+    "ArchiveSummaryReport",
+    "AuditVerifyReport",
+    "CancelReport",
+    "CheckReport",
+    "DbStatusReport",
+    "DbStopReport",
+    "DemoReport",
+    "EffectDetailReport",
+    "EffectListReport",
+    "ForkReport",
+    "GateListReport",
+    "GatesApplyReport",
+    "GatesRemoveReport",
+    "GcReport",
+    "MigrateReport",
+    "PauseReport",
+    "ReconcileReport",
+    "ResumeReport",
+    "RolesReport",
+    "RunDetailReport",
+    "RunDiffReport",
+    "RunListReport",
+    "SchemasCheckReport",
+    "SchemasExportReport",
+    "VersionsReport",
+    "report_models",
+]
+
+
+class Report(BaseModel):
+    """Base of the report models: frozen, every field required to be declared."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class MigrateReport(Report):
+    """``outbox migrate --json``."""
+
+    #: Migrations applied by this call (``0004_name``), oldest first; empty when none was pending.
+    applied: list[str]
+    #: The database's schema version after the call.
+    schema_version: int
+    #: The newest version this code ships.
+    known: int
+
+
+class DbStatusReport(Report):
+    """``outbox db status --json`` and ``outbox db start --json``: the embedded server."""
+
+    home: str
+    initialized: bool
+    running: bool
+    pid: int | None
+    #: How to reach it (a Unix-socket DSN), while it runs.
+    dsn: str | None
+    #: PostgreSQL's version.
+    version: str | None
+
+
+class DbStopReport(Report):
+    """``outbox db stop --json``."""
+
+    #: False when it was not running.
+    stopped: bool
+
+
+class GcReport(Report):
+    """``outbox gc --json``."""
+
+    older_than: str
+    dry_run: bool
+    #: Rows deleted (in a dry run: counted in the first batch of each phase) per table.
+    deleted: dict[str, int]
+    #: Transactions used.
+    batches: int
+    #: The archive file written, if any.
+    archive: str | None
+
+
+class ArchiveHeader(BaseModel):
+    """The first line of each ``gc`` run in an archive."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    archive: str
+    format: int
+    written_at: str
+    older_than_seconds: float
+    schema_version: int
+
+
+class ArchiveSummaryReport(Report):
+    """``outbox archive read FILE --json``."""
+
+    #: One header per ``gc`` run that wrote to the file.
+    gc_runs: list[ArchiveHeader]
+    #: Rows per table.
+    rows: dict[str, int]
+    #: Lines a crash tore while writing (skipped).
+    torn_lines_skipped: int
+
+
+class ReconcileItem(Report):
+    """One expired attempt and what was (or, in a dry run, would be) done with it."""
+
+    effect_id: UUID
+    kind: str
+    attempt: int
+    #: ``redeliver``, ``failed``, ``lookup``, ``looked_up_succeeded``,
+    #: ``looked_up_redeliver``, ``lookup_failed``, ``unknown`` or ``skipped``.
+    action: str
+    note: str
+
+
+class UnknownEffect(Report):
+    """An effect in ``unknown``, waiting for an operator."""
+
+    id: UUID
+    kind: str
+    run_id: UUID | None
+    attempt: int
+    key: str
+    last_error: str | None
+
+
+class ReconcileReport(Report):
+    """``outbox reconcile --json``."""
+
+    dry_run: bool
+    #: Items per action.
+    counts: dict[str, int]
+    items: list[ReconcileItem]
+    #: Every effect now in ``unknown`` (up to ``--max-rows``).
+    unknown: list[UnknownEffect]
+
+
+class DemoReport(Report):
+    """``outbox demo --json``: the tally of the demo's story."""
+
+    runs: int
+    runs_completed: int
+    runs_compensated: int
+    effects_intended: int
+    effects_delivered: int
+    attempts_retried: int
+    attempts_recovered_after_crash: int
+    redeliveries_seen_by_sink: int
+    duplicates_applied_at_sink: int
+    lost: int
+    phantom: int
+    seconds: float
+    #: What happened, in order (kills, restarts, the approval, the cancellation).
+    events: list[str]
+
+
+class EffectListReport(RootModel[list[Effect]]):
+    """``outbox effects list --json``: effects in intent order."""
+
+
+class EffectDetailReport(Report):
+    """``outbox effects show ID --json``."""
+
+    effect: Effect
+    #: The attempt log, oldest first.
+    attempts: list[EffectAttempt]
+
+
+class RoleLine(Report):
+    """One role ``outbox roles`` created or updated."""
+
+    role: str
+    purpose: str
+
+
+class RolesReport(Report):
+    """``outbox roles --json``."""
+
+    roles: list[RoleLine]
+
+
+class RunListReport(RootModel[list[RunRecord]]):
+    """``outbox runs list --json``: runs, newest first."""
+
+
+class Budget(Report):
+    """A run's budget: ``remaining`` is budget - spent - reserved (None: no budget)."""
+
+    budget: Decimal | None
+    spent: Decimal
+    reserved: Decimal
+    remaining: Decimal | None
+
+
+class RunDetailReport(Report):
+    """``outbox runs show RUN --json``."""
+
+    run: RunRecord
+    budget: Budget
+    #: Its completed steps, in the order they were recorded.
+    steps: list[StepRecord]
+    #: Its effects, in intent order.
+    effects: list[Effect]
+    #: ``dry_run``: its effects went to a recording deliverer, never to a sink.
+    mode: RunMode
+
+
+class CancelReport(Report):
+    """``outbox runs cancel RUN --json``: the run's status after the cancellation (and --wait)."""
+
+    run_id: UUID
+    status: RunStatus
+
+
+class PauseReport(Report):
+    """``outbox runs pause RUN --json``: ``paused``, or ``running`` while its step finishes."""
+
+    run_id: UUID
+    status: RunStatus
+    reason: str
+
+
+class ResumeReport(Report):
+    """``outbox runs resume RUN --json``: the run's status after the resume."""
+
+    run_id: UUID
+    status: RunStatus
+
+
+class ForkReport(Report):
+    """``outbox runs fork RUN --from STEP --json``: the new run."""
+
+    run_id: UUID
+    forked_from: UUID
+    from_step: str
+    version: str
+    #: The original's steps the fork replays (their functions are not called again).
+    replayed_steps: list[str]
+    status: RunStatus
+
+
+class VersionLine(Report):
+    """Unfinished runs of one agent version in one status."""
+
+    agent: str
+    version: str
+    status: RunStatus
+    runs: int
+
+
+class VersionsReport(RootModel[list[VersionLine]]):
+    """``outbox runs versions --json``: a version with no line left can retire."""
+
+
+class DiffChange(Report):
+    """Where two runs differ: ``added`` (only in B), ``removed`` (only in A), ``changed``."""
+
+    step_id: str | None
+    index: int | None
+    change: str
+    #: What differs of a changed effect (kind, payload, compensate, ordering_key, key).
+    fields: list[str]
+    #: The effect in run A and in run B, each run's own id written ``{run}``.
+    a: dict[str, Any] | None
+    b: dict[str, Any] | None
+
+
+class RunDiffReport(Report):
+    """``outbox runs diff RUN_A RUN_B --json``: the effects two runs intended, compared."""
+
+    run_a: UUID
+    run_b: UUID
+    #: Effects compared (matched by step and index).
+    compared: int
+    identical: bool
+    changes: list[DiffChange]
+
+
+class AuditVerifyReport(Report):
+    """``outbox audit verify [RUN] --json``: the hash chains checked, and where they break."""
+
+    runs_checked: int
+    intact: bool
+    #: Run id → its breaks, the first first.
+    broken: dict[str, list[str]]
+
+
+class GatesApplyReport(Report):
+    """``outbox gates apply --json``: the gates stored."""
+
+    applied: list[str]
+    #: Whether gates the file does not declare were removed (``--prune``).
+    pruned: bool
+
+
+class GateListReport(RootModel[list[Gate]]):
+    """``outbox gates list --json``: the gates in force."""
+
+
+class GatesRemoveReport(Report):
+    """``outbox gates remove NAME... --json``: the gates removed."""
+
+    removed: list[str]
+
+
+class SchemasExportReport(RootModel[list[str]]):
+    """``outbox schemas export --json``: the files written."""
+
+
+class SchemasCheckReport(Report):
+    """``outbox schemas check --json``: files missing, different, or left over."""
+
+    drift: list[str]
+
+
+class CheckTrial(Report):
+    """One trial of ``outbox check``: the baseline, one crash, or a chain of crashes."""
+
+    id: str
+    ok: bool
+    seconds: float
+    #: ``point@where`` of every process killed in this trial.
+    crashes: list[str]
+
+
+class CheckRow(Report):
+    """One line of ``outbox check``'s table: a crash point, where, and what came of it."""
+
+    point: str
+    #: ``worker``, ``deliverer`` or ``upgrade``.
+    role: str
+    where: str
+    #: ``ok``, ``VIOLATION``, ``error``, ``not reached``, ``skipped``, ``chain failed``.
+    outcome: str
+    detail: str
+    trial: str
+
+
+class CheckViolation(Report):
+    """The first violation ``outbox check`` found, explained, with the command to reproduce it."""
+
+    trial: str
+    point: str
+    where: str | None
+    kind: str
+    detail: str
+    explanation: str
+    reproduce: str
+    logs: str | None
+    output: str | None
+
+
+class CheckReport(Report):
+    """``outbox check MODULE:FUNCTION --json``: crash point x outcome, and the first violation."""
+
+    ok: bool
+    handler: str
+    agent: str
+    version: str
+    runs_per_trial: int
+    sink: str
+    seconds: float
+    trials: list[CheckTrial]
+    #: Processes killed over all trials.
+    crashes: int
+    rows: list[CheckRow]
+    first_violation: CheckViolation | None
+    #: Trial id → violation kind → count, for the trials that failed.
+    violations: dict[str, dict[str, int]]
+    warnings: list[str]
+    #: The command that runs this check again.
+    command: str
+
+
+def report_models() -> dict[str, type[BaseModel]]:
+    """``report.<command path>`` → the model of that command's ``--json`` output."""
+    import click
+
+    from outbox.cli import cli
+    from outbox.cli._common import JsonOption
+
+    found: dict[str, type[BaseModel]] = {}
+
+    def walk(command: click.Command, path: list[str]) -> None:
+        for param in command.params:
+            if isinstance(param, JsonOption):
+                found["report." + ".".join(path)] = param.report
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+
+    walk(cli, [])
+    return dict(sorted(found.items()))

@@ -1,0 +1,171 @@
+"""Functions and triggers of effect governance (migration 0010), as DDL text.
+
+``schema.py`` attaches these to the metadata and ``migrations/0010_governance.sql``
+holds the same text (a test checks that a migrated database and a fresh one
+agree, function bodies included).
+
+The hash chains (``outbox audit verify``) are computed here, in PostgreSQL, by
+the statement that writes a row: an attempt-log row by a trigger, a step by
+the one-statement checkpoint itself. The algorithm, which
+``outbox.audit`` and the independent script in ``docs/reference/audit.md`` recompute:
+
+- ``lp(v)`` is ``'~'`` for NULL, else ``<octet length of v in UTF-8>:<v>``;
+  ``us(t)`` is a timestamp as integer microseconds since the Unix epoch;
+- an effect's chain starts at ``sha256('outbox.effect.v1' || lp(id) || lp(run_id)
+  || lp(kind) || lp(idempotency_key) || lp(payload_hash))``; each attempt-log row
+  is ``sha256(prev || 'outbox.attempt.v1' || lp(effect_id) || lp(attempt) ||
+  lp(worker) || lp(us(started_at)) || lp(us(finished_at)) || lp(outcome) ||
+  lp(detail::text))``;
+- a run's chain starts at ``sha256('outbox.run.v1' || lp(id) || lp(agent) ||
+  lp(inputs_hash))``; each completed step is ``sha256(prev || 'outbox.step.v1' ||
+  lp(run_id) || lp(step_id) || lp(kind) || lp(result::text) || lp(error::text) ||
+  lp(us(completed_at)))``, and the run keeps the newest in ``step_head``.
+
+Text is UTF-8, ``||`` on the hash input concatenates bytes; ``detail::text`` and
+``result::text`` are PostgreSQL's own rendering of the stored ``jsonb``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ATTEMPT_CHAIN_DDL",
+    "CHAIN_FUNCTIONS_DDL",
+    "EFFECT_COST_DDL",
+    "GATE_FUNCTIONS_DDL",
+]
+
+CHAIN_FUNCTIONS_DDL = (
+    """CREATE FUNCTION outbox_lp(value text) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN value IS NULL THEN '~' ELSE octet_length(value)::text || ':' || value END
+$$""",
+    """CREATE FUNCTION outbox_us(ts timestamptz) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT (extract(epoch FROM ts) * 1000000)::bigint::text
+$$""",
+    """CREATE FUNCTION outbox_effect_genesis(
+    effect_id uuid, run_id uuid, kind text, idempotency_key text, payload_hash text
+) RETURNS bytea
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT sha256(convert_to('outbox.effect.v1' || outbox_lp(effect_id::text)
+    || outbox_lp(run_id::text) || outbox_lp(kind) || outbox_lp(idempotency_key)
+    || outbox_lp(payload_hash), 'UTF8'))
+$$""",
+    """CREATE FUNCTION outbox_attempt_hash(
+    prev bytea, effect_id uuid, attempt integer, worker text, started_at timestamptz,
+    finished_at timestamptz, outcome text, detail jsonb
+) RETURNS bytea
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT sha256(prev || convert_to('outbox.attempt.v1' || outbox_lp(effect_id::text)
+    || outbox_lp(attempt::text) || outbox_lp(worker) || outbox_lp(outbox_us(started_at))
+    || outbox_lp(outbox_us(finished_at)) || outbox_lp(outcome) || outbox_lp(detail::text),
+    'UTF8'))
+$$""",
+    """CREATE FUNCTION outbox_run_genesis(run_id uuid, agent text, inputs_hash text) RETURNS bytea
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT sha256(convert_to('outbox.run.v1' || outbox_lp(run_id::text) || outbox_lp(agent)
+    || outbox_lp(inputs_hash), 'UTF8'))
+$$""",
+    """CREATE FUNCTION outbox_step_hash(
+    prev bytea, run_id uuid, step_id text, kind text, result jsonb, error jsonb,
+    completed_at timestamptz
+) RETURNS bytea
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT sha256(prev || convert_to('outbox.step.v1' || outbox_lp(run_id::text)
+    || outbox_lp(step_id) || outbox_lp(kind) || outbox_lp(result::text)
+    || outbox_lp(error::text) || outbox_lp(outbox_us(completed_at)), 'UTF8'))
+$$""",
+)
+
+# The attempt log is written by many statements (completion, expiry, operators,
+# approvals, dispatch): one trigger chains them all, so no statement can forget.
+ATTEMPT_CHAIN_DDL = (
+    """CREATE FUNCTION outbox_attempts_chain() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+DECLARE
+    ours boolean;
+    prev bytea;
+BEGIN
+    -- Appends to one effect's chain take turns on the effect's row. The statement that
+    -- logs an attempt has nearly always just changed that row, so holds its lock; one
+    -- that did not (a stale completion) takes the lock here and draws a new id, so that
+    -- id order stays chain order.
+    SELECT e.xmin::text = (pg_current_xact_id()::text::bigint % 4294967296)::text,
+           outbox_effect_genesis(e.id, e.run_id, e.kind, e.idempotency_key, e.payload_hash)
+      INTO ours, prev
+      FROM outbox_effects e WHERE e.id = NEW.effect_id;
+    IF NOT ours THEN
+        PERFORM 1 FROM outbox_effects WHERE id = NEW.effect_id FOR UPDATE;
+        NEW.id := nextval(pg_get_serial_sequence('outbox_effect_attempts', 'id'));
+    END IF;
+    -- The newest link of this effect's chain, else its genesis.
+    SELECT coalesce((SELECT a.hash FROM outbox_effect_attempts a
+                      WHERE a.effect_id = NEW.effect_id ORDER BY a.id DESC LIMIT 1), prev)
+      INTO prev;
+    NEW.hash := outbox_attempt_hash(prev, NEW.effect_id, NEW.attempt, NEW.worker,
+                                    NEW.started_at, NEW.finished_at, NEW.outcome, NEW.detail);
+    RETURN NEW;
+END
+$$""",
+    """CREATE TRIGGER outbox_attempts_chain
+    BEFORE INSERT ON outbox_effect_attempts FOR EACH ROW
+    EXECUTE FUNCTION outbox_attempts_chain()""",
+)
+
+GATE_FUNCTIONS_DDL = (
+    """CREATE FUNCTION outbox_gate_condition(cond jsonb, payload jsonb) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE cond->>'op'
+    WHEN 'exists' THEN v IS NOT NULL
+    WHEN 'eq' THEN coalesce(v = cond->'value', false)
+    WHEN 'ne' THEN coalesce(v <> cond->'value', false)
+    WHEN 'in' THEN coalesce(v IN (SELECT x FROM jsonb_array_elements(cond->'value') AS x), false)
+    ELSE coalesce(jsonb_typeof(v) = 'number' AND jsonb_typeof(cond->'value') = 'number'
+        AND CASE cond->>'op'
+            WHEN 'gt' THEN v > cond->'value'
+            WHEN 'ge' THEN v >= cond->'value'
+            WHEN 'lt' THEN v < cond->'value'
+            WHEN 'le' THEN v <= cond->'value'
+        END, false)
+END
+FROM (SELECT payload #> ARRAY(SELECT jsonb_array_elements_text(cond->'path'))) AS p(v)
+$$""",
+    """CREATE FUNCTION outbox_gate_matches(conditions jsonb, payload jsonb) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT coalesce(bool_and(outbox_gate_condition(c, payload)), true)
+FROM jsonb_array_elements(conditions) AS c
+$$""",
+)
+
+# Cost settlement of costly intents (0002), now releasing a rejected intent's reservation too.
+EFFECT_COST_DDL = (
+    """CREATE FUNCTION outbox_effects_settle_cost() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.status = 'succeeded' THEN
+        UPDATE outbox_runs
+           SET reserved = reserved - NEW.cost, spent = spent + NEW.cost
+         WHERE id = NEW.run_id;
+        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'commit', NEW.cost);
+    ELSIF NEW.status IN ('failed', 'cancelled', 'rejected') THEN
+        UPDATE outbox_runs SET reserved = reserved - NEW.cost WHERE id = NEW.run_id;
+        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'release', NEW.cost);
+    ELSIF OLD.status IN ('failed', 'cancelled', 'rejected') THEN
+        -- an operator put it back: it holds its reservation again
+        UPDATE outbox_runs SET reserved = reserved + NEW.cost WHERE id = NEW.run_id;
+        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'reserve', NEW.cost);
+    END IF;
+    RETURN NULL;
+END
+$$""",
+    """CREATE TRIGGER outbox_effects_settle_cost
+    AFTER UPDATE OF status ON outbox_effects FOR EACH ROW
+    WHEN (NEW.cost IS NOT NULL AND NEW.run_id IS NOT NULL
+          AND OLD.status IS DISTINCT FROM NEW.status
+          AND (NEW.status IN ('succeeded', 'failed', 'cancelled', 'rejected')
+               OR OLD.status IN ('failed', 'cancelled', 'rejected')))
+    EXECUTE FUNCTION outbox_effects_settle_cost()""",
+)

@@ -1,0 +1,334 @@
+"""The SQL of effect governance: approval gates, decisions and deadlines, read-back notes, audit.
+
+Every decision about a held effect is a compare-and-set on ``awaiting_approval``
+written to the attempt log in the same statement, so a decision is taken once
+and is part of the effect's hash chain.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    Integer,
+    Text,
+    and_,
+    any_,
+    bindparam,
+    delete,
+    func,
+    null,
+    select,
+)
+from sqlalchemy.dialects.postgresql import UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from outbox.storage.schema import effect_attempts, effects, gates, runs, steps
+from outbox.storage.sql.common import (
+    RUNS_CHANNEL,
+    AnySelect,
+    const,
+    json_param,
+)
+from outbox.storage.sql.effects import log_changes
+
+__all__ = [
+    "approve_held",
+    "attempts_of_run",
+    "delete_gates",
+    "due_approvals",
+    "escalate_held",
+    "list_gates",
+    "lock_effect",
+    "log_effect_event",
+    "note_attempt",
+    "recorded_result",
+    "reject_held",
+    "run_effects",
+    "run_steps",
+    "upsert_gate",
+]
+
+_EFFECT_ID = bindparam("effect_id", type_=UUID(as_uuid=True))
+
+
+def lock_effect() -> AnySelect:
+    """The effect ``:effect_id`` locked until commit, with whether its approval deadline passed."""
+    return (
+        select(
+            effects.c.id,
+            effects.c.run_id,
+            effects.c.kind,
+            effects.c.status,
+            effects.c.payload,
+            effects.c.payload_hash,
+            effects.c.attempt,
+            effects.c.approval,
+            effects.c.approval_deadline,
+            func.coalesce(effects.c.approval_deadline <= func.now(), False).label("due"),
+        )
+        .where(effects.c.id == _EFFECT_ID)
+        .with_for_update()
+    )
+
+
+def _held_change(values: dict[str, Any]) -> Any:
+    return (
+        effects.update()
+        .where(effects.c.id == _EFFECT_ID, effects.c.status == const("awaiting_approval"))
+        .values(**values, updated_at=func.now())
+        .returning(
+            effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.awaited_by
+        )
+        .cte("changed")
+    )
+
+
+@cache
+def approve_held() -> Any:
+    """Release a held effect to ``pending`` (deliverers claim it now); logged as ``approved``.
+
+    Parameters: ``effect_id``, ``approver``, ``detail`` (JSON). Returns one row when it changed.
+    """
+    changed = _held_change(
+        {"status": const("pending"), "available_at": func.now(), "approval_deadline": null()}
+    )
+    return log_changes(
+        changed,
+        worker=bindparam("approver", type_=Text),
+        outcome=const("approved"),
+        detail=json_param("detail"),
+    )
+
+
+@cache
+def reject_held() -> Any:
+    """End a held effect as ``rejected``; a run parked on it goes on (and sees the rejection).
+
+    Parameters: ``effect_id``, ``approver``, ``note``, ``outcome`` (``rejected`` or
+    ``timed_out``), ``detail`` (JSON).
+    """
+    changed = _held_change(
+        {
+            "status": const("rejected"),
+            "completed_at": func.now(),
+            "approval_deadline": null(),
+            "last_error": bindparam("note", type_=Text),
+        }
+    )
+    woken = (
+        runs.update()
+        .where(
+            runs.c.id == changed.c.awaited_by,
+            runs.c.status == const("waiting"),
+            runs.c.wait_effect == changed.c.id,
+        )
+        .values(
+            status=const("runnable"),
+            available_at=func.now(),
+            wake_at=null(),
+            wait_effect=null(),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.id, func.pg_notify(RUNS_CHANNEL, ""))
+        .cte("woken")
+    )
+    return log_changes(
+        changed,
+        worker=bindparam("approver", type_=Text),
+        outcome=bindparam("outcome", type_=Text),
+        detail=json_param("detail"),
+    ).add_cte(woken)
+
+
+@cache
+def escalate_held() -> Any:
+    """A held effect's deadline passed with ``on_timeout = escalate``: it waits on, undated.
+
+    Parameters: ``effect_id``, ``approver`` (who logs it), ``detail`` (JSON).
+    """
+    changed = _held_change(
+        {
+            "approval_deadline": null(),
+            "approval": effects.c.approval.op("||")(
+                func.jsonb_build_object("escalated_at", func.now())
+            ),
+        }
+    )
+    return log_changes(
+        changed,
+        worker=bindparam("approver", type_=Text),
+        outcome=const("timed_out"),
+        detail=json_param("detail"),
+    )
+
+
+@cache
+def log_effect_event() -> Any:
+    """Log a row about an effect that changes nothing else (a refused approval, a timeout).
+
+    Parameters: ``effect_id``, ``worker``, ``outcome``, ``detail`` (JSON).
+    """
+    return pg_insert(effect_attempts).from_select(
+        ["effect_id", "attempt", "worker", "outcome", "detail"],
+        select(
+            effects.c.id,
+            effects.c.attempt,
+            bindparam("worker", type_=Text),
+            bindparam("outcome", type_=Text),
+            json_param("detail"),
+        ).where(effects.c.id == _EFFECT_ID),
+    )
+
+
+def due_approvals() -> AnySelect:
+    """Held effects whose approval deadline passed (by index), locked; at most ``max_rows``."""
+    return (
+        select(effects.c.id)
+        .where(
+            effects.c.status == const("awaiting_approval"),
+            effects.c.approval_deadline <= func.now(),
+        )
+        .order_by(effects.c.approval_deadline)
+        .limit(bindparam("max_rows", type_=Integer))
+        .with_for_update(skip_locked=True)
+    )
+
+
+# -- gates ------------------------------------------------------------------------------
+
+
+@cache
+def upsert_gate() -> Any:
+    """Insert or replace one gate (parameters named like the columns, ``conditions`` as JSON)."""
+    ins = pg_insert(gates).values(
+        name=bindparam("name", type_=Text),
+        kind=bindparam("kind", type_=Text),
+        conditions=json_param("conditions"),
+        timeout_seconds=bindparam("timeout_seconds"),
+        on_timeout=bindparam("on_timeout", type_=Text),
+        escalate_to=bindparam("escalate_to", type_=Text),
+    )
+    return ins.on_conflict_do_update(
+        index_elements=[gates.c.name],
+        set_={
+            "kind": ins.excluded.kind,
+            "conditions": ins.excluded.conditions,
+            "timeout_seconds": ins.excluded.timeout_seconds,
+            "on_timeout": ins.excluded.on_timeout,
+            "escalate_to": ins.excluded.escalate_to,
+            "updated_at": func.now(),
+        },
+    ).returning(gates.c.name)
+
+
+def delete_gates(*, keep: bool) -> Any:
+    """Delete the gates named in ``:names`` (or, with ``keep``, every gate not named there)."""
+    named = gates.c.name == any_(bindparam("names", type_=ARRAY(Text)))
+    return delete(gates).where(~named if keep else named).returning(gates.c.name)
+
+
+def list_gates() -> AnySelect:
+    """Every gate by name."""
+    return select(gates).order_by(gates.c.name)
+
+
+# -- read-back notes --------------------------------------------------------------------
+
+
+@cache
+def note_attempt() -> Any:
+    """A deliverer notes what it needs to ask the sink later, before it calls (fenced).
+
+    Parameters: ``effect_id``, ``expected_attempt``, ``owner``, ``note`` (JSON with
+    ``attempt``). Returns the id when the attempt is still this owner's.
+    """
+    return (
+        effects.update()
+        .where(
+            effects.c.id == _EFFECT_ID,
+            effects.c.attempt == bindparam("expected_attempt", type_=Integer),
+            effects.c.status == const("in_flight"),
+            effects.c.lease_owner == bindparam("owner", type_=Text),
+        )
+        .values(attempt_note=json_param("note"))
+        .returning(effects.c.id)
+    )
+
+
+# -- dry runs ---------------------------------------------------------------------------
+
+
+def recorded_result() -> AnySelect:
+    """The result a real run recorded for the intent a dry-run effect stands for.
+
+    The real run is the newest live run of the same agent with the same inputs
+    (``inputs_hash``) that has a succeeded effect at the same step and index.
+    """
+    dry = effects.alias("dry")
+    dry_run = runs.alias("dry_run")
+    real = effects.alias("real")
+    real_run = runs.alias("real_run")
+    return (
+        select(real.c.result)
+        .select_from(
+            dry.join(dry_run, dry_run.c.id == dry.c.run_id)
+            .join(
+                real_run,
+                and_(
+                    real_run.c.agent == dry_run.c.agent,
+                    real_run.c.inputs_hash == dry_run.c.inputs_hash,
+                    real_run.c.dry_run.is_(False),
+                ),
+            )
+            .join(
+                real,
+                and_(
+                    real.c.run_id == real_run.c.id,
+                    real.c.step_id == dry.c.step_id,
+                    real.c.step_index == dry.c.step_index,
+                    real.c.status == const("succeeded"),
+                ),
+            )
+        )
+        .where(dry.c.id == _EFFECT_ID)
+        .order_by(real_run.c.created_at.desc())
+        .limit(1)
+    )
+
+
+# -- audit ------------------------------------------------------------------------------
+
+
+def run_steps() -> AnySelect:
+    """A run's steps with what their chain hashes: ``result::text`` and ``error::text``."""
+    return (
+        select(
+            steps,
+            steps.c.result.cast(Text).label("result_text"),
+            steps.c.error.cast(Text).label("error_text"),
+        )
+        .where(steps.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
+        .order_by(steps.c.seq)
+    )
+
+
+def run_effects() -> AnySelect:
+    """A run's effects in intent order (``:run_id``; NULL: the effects of no run)."""
+    return (
+        select(effects)
+        .where(effects.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
+        .order_by(effects.c.seq)
+    )
+
+
+def attempts_of_run() -> AnySelect:
+    """The attempt-log rows of a run's effects, with ``detail::text``, by effect then id."""
+    return (
+        select(effect_attempts, effect_attempts.c.detail.cast(Text).label("detail_text"))
+        .select_from(effect_attempts.join(effects, effects.c.id == effect_attempts.c.effect_id))
+        .where(effects.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
+        .order_by(effect_attempts.c.effect_id, effect_attempts.c.id)
+    )

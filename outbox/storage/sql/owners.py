@@ -1,0 +1,134 @@
+"""Owner locks: how a deliverer's death is seen without waiting for its leases.
+
+A delivery daemon holds the session-level advisory lock ``(OWNER_LOCK_CLASS,
+hashtext(owner))`` on a connection of its own and registers its owner in
+``outbox_owners``. PostgreSQL releases the lock when that connection's backend
+ends, which it does at once when the process is killed (its socket closes).
+A registered owner whose lock nobody holds is *gone*.
+
+Two things guard against a lock seen free while its owner lives:
+
+- a PostgreSQL restart drops every lock at once: for ``restart_grace`` seconds
+  after the server started, no owner counts as gone (live daemons take their
+  locks again meanwhile; leases cover the rest, as before);
+- the reconciler acts only on an owner it found gone twice, a grace period
+  apart (:mod:`outbox.delivery.liveness`), so a lock connection that dropped
+  and came back is not taken for a death.
+
+Only attempts of idempotent kinds are put back early (same key, fenced by the
+attempt number): a non-idempotent attempt keeps waiting for its lease.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from sqlalchemy import text
+from sqlalchemy.sql.expression import TextClause
+
+__all__ = [
+    "FORGET_OWNER",
+    "OWNER_LOCK_CLASS",
+    "REGISTER_OWNER",
+    "TAKE_OWNER_LOCK",
+    "expire_gone_owner",
+    "forget_gone_owners",
+    "gone_owners",
+]
+
+#: The first key of every owner lock (``pg_advisory_lock(int, int)``), so owner
+#: locks never meet the migration lock (one bigint key) or a transaction lock.
+OWNER_LOCK_CLASS = 0x6F62
+
+# psycopg statements of the lock session (outbox.storage.owner_lock).
+TAKE_OWNER_LOCK = f"SELECT pg_try_advisory_lock({OWNER_LOCK_CLASS}, hashtext(%s))"
+REGISTER_OWNER = (
+    "INSERT INTO outbox_owners (owner) VALUES (%s) "
+    "ON CONFLICT (owner) DO UPDATE SET registered_at = now()"
+)
+FORGET_OWNER = "DELETE FROM outbox_owners WHERE owner = %s"
+
+# No session of this database holds o.owner's lock, and the server has been up
+# longer than :restart_grace seconds (a restart frees every lock at once).
+_GONE = f"""
+    pg_postmaster_start_time() < now() - :restart_grace * interval '1 second'
+    AND NOT EXISTS (
+        SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.granted
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND l.classid = {OWNER_LOCK_CLASS}::oid
+          AND l.objid = hashtext(o.owner)::oid
+          AND l.objsubid = 2)"""
+
+
+@cache
+def gone_owners() -> TextClause:
+    """Registered owners whose lock is free, and whether they hold attempts of ``:kinds``.
+
+    Parameters: ``restart_grace`` (seconds), ``kinds`` (text[]). Returns
+    ``(owner, holds)``; ``holds`` is true when the owner has an in-flight
+    attempt of one of ``kinds``. Read-only; scans only in-flight rows.
+    """
+    return text(
+        f"""SELECT o.owner, EXISTS (
+                SELECT 1 FROM outbox_effects e
+                WHERE e.status = 'in_flight' AND e.lease_owner = o.owner
+                  AND e.kind = ANY(CAST(:kinds AS text[]))) AS holds
+            FROM outbox_owners o
+            WHERE {_GONE}"""
+    )
+
+
+@cache
+def expire_gone_owner() -> TextClause:
+    """Put a gone owner's in-flight attempts of idempotent kinds back to ``pending``, logged.
+
+    Parameters: ``owner``, ``restart_grace``, ``limits`` (JSON ``[{kind,
+    max_attempts}]``: the idempotent kinds and each one's default attempt cap),
+    ``note``, ``worker``. The owner's lock is checked again in this statement,
+    so an owner that came back keeps its attempts. An attempt at its cap is
+    left to the lease path (which fails it). Returns the ids put back.
+    """
+    return text(
+        f"""WITH gone AS (
+                SELECT o.owner FROM outbox_owners o WHERE o.owner = :owner AND {_GONE}
+            ), limits AS (
+                SELECT * FROM jsonb_to_recordset(CAST(:limits AS jsonb))
+                    AS k(kind text, max_attempts integer)
+            ), changed AS (
+                UPDATE outbox_effects e
+                SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL,
+                    available_at = now(), last_error = :note, completed_at = NULL,
+                    updated_at = now()
+                FROM gone, limits
+                WHERE e.status = 'in_flight' AND e.lease_owner = gone.owner
+                  AND e.kind = limits.kind
+                  AND e.attempt < coalesce(e.max_attempts, limits.max_attempts)
+                RETURNING e.id, e.attempt, e.attempt_started_at
+            )
+            INSERT INTO outbox_effect_attempts
+                (effect_id, attempt, worker, started_at, outcome, detail)
+            SELECT id, attempt, :worker, attempt_started_at, 'expired',
+                   jsonb_build_object('resolution', 'redeliver', 'note', CAST(:note AS text))
+            FROM changed
+            RETURNING effect_id"""
+    )
+
+
+@cache
+def forget_gone_owners() -> TextClause:
+    """Unregister gone owners that hold nothing in flight, registered over a minute ago.
+
+    Parameters: ``owners`` (text[]: candidates a read found gone),
+    ``restart_grace``. The lock is checked again here. Returns the owners removed.
+    """
+    return text(
+        f"""DELETE FROM outbox_owners o
+            WHERE o.owner = ANY(CAST(:owners AS text[]))
+              AND o.registered_at < now() - interval '1 minute'
+              AND NOT EXISTS (
+                  SELECT 1 FROM outbox_effects e
+                  WHERE e.status = 'in_flight' AND e.lease_owner = o.owner)
+              AND {_GONE}
+            RETURNING o.owner"""
+    )

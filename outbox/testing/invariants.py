@@ -1,0 +1,501 @@
+"""The invariant checker: the database, the sink's log and the attempt log compared after a crash.
+
+1. The intents, as PostgreSQL has them (``outbox_effects``).
+2. The sink's log (JSON lines, :class:`deliverers.record.RecordingSink`): every
+   request as it arrived, and an ``applied`` line each time one took effect.
+3. The completion records (``outbox_effect_attempts``): the attempt log.
+
+Each effect is also named by its *business operation* (:func:`operation_of`):
+the payload's ``operation`` field when it has one, else a digest of its kind
+and payload. Two intents for one operation are two keys no sink could dedup.
+
+Violations (each must be 0):
+
+- ``lost``: an intent that is neither terminal nor ``unknown`` (G3), or an
+  operation expected (from an uninterrupted run) for which there is no intent;
+- ``duplicate_keys`` / ``duplicate_operations``: a key, or a business
+  operation, applied at the sink more often than expected (G2);
+  ``duplicate_intents``: one operation intended more often than expected;
+- ``phantoms``: applied at the sink with no intent behind it (its key unknown
+  to the database, or applied with a body that is not its intent's, or sent
+  with no key at all when an uninterrupted run sends none);
+- ``regressed``: a completed row that moved on: its attempt log shows a
+  success followed by a later entry that is not ``stale`` (G4), or it logged a
+  success but its status is no longer ``succeeded``, or it is ``succeeded`` while
+  the sink never applied its key;
+- ``reran``: a recorded step's function ran again after its step had committed
+  (G5; from the trace of :mod:`outbox.faults`);
+- ``result_differs`` / ``unfinished``: a run ended other than an uninterrupted
+  run of the same inputs did, or did not end.
+
+``unknown`` effects are not violations (they are visible, for an operator);
+they are counted in the report.
+
+:func:`check` is pure (the unit tests feed it hand-made logs); :func:`load`
+reads the real ones; :func:`settle` waits until nothing is pending or in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from outbox.models import TERMINAL_EFFECT_STATUSES
+from outbox.storage.engine import make_engine
+from outbox.storage.store import Store
+from outbox.testing.crash import TraceEvent
+
+__all__ = [
+    "AFTER_SUCCESS",
+    "Applied",
+    "AttemptRecord",
+    "Intent",
+    "Report",
+    "check",
+    "load",
+    "load_database",
+    "load_sink_log",
+    "open_counts",
+    "operation_of",
+    "replay_violations",
+    "settle",
+]
+
+TERMINAL = frozenset(str(s) for s in TERMINAL_EFFECT_STATUSES)
+OPEN = ("pending", "in_flight", "dispatched")
+#: Statuses a row may reach after a recorded success (a cancelled run's undo).
+AFTER_SUCCESS = frozenset({"succeeded", "compensated"})
+CHECKER_APP = "outbox-check"
+
+#: Rewrites text before it names an operation (``outbox check`` masks run ids and URLs).
+Normalize = Callable[[str], str]
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def operation_of(kind: str, payload: Any, normalize: Normalize = _same) -> str:
+    """The business operation an effect performs.
+
+    The payload's ``operation`` field (or its ``json.operation``, for an HTTP
+    request's body) when there is one; else ``kind#digest`` of the payload.
+    ``normalize`` is applied to the text first (to mask what differs between
+    two runs of the same inputs: the run's id, a sink's port).
+    """
+    if isinstance(payload, dict):
+        named = payload.get("operation")
+        body = payload.get("json")
+        if named is None and isinstance(body, dict):
+            named = body.get("operation")
+        if isinstance(named, str):
+            return normalize(named)
+    canonical = normalize(json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str))
+    return f"{kind}#{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
+
+
+@dataclass(frozen=True)
+class Intent:
+    """One row of ``outbox_effects`` (what the checker needs of it)."""
+
+    id: str
+    key: str
+    kind: str
+    status: str
+    attempt: int
+    operation: str | None = None
+    run: str | None = None
+    step: str | None = None
+    #: The payload as JSON text: a run-less intent is placed by the run it names.
+    payload: str | None = None
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One row of ``outbox_effect_attempts``, in insertion order (``seq``)."""
+
+    seq: int
+    effect_id: str
+    attempt: int
+    outcome: str
+    worker: str | None = None
+    detail: Any = None
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One ``applied`` line of the sink's log."""
+
+    key: str | None
+    operation: str | None
+    #: The request's path and body, for a report (``operation`` is derived from them).
+    path: str | None = None
+    body: str | None = None
+    #: When it took effect (``time.time()``), to place it among a trace's events.
+    t: float | None = None
+
+
+@dataclass
+class Report:
+    """What :func:`check` found."""
+
+    lost: list[str] = field(default_factory=list)
+    duplicate_keys: list[str] = field(default_factory=list)
+    duplicate_operations: list[str] = field(default_factory=list)
+    duplicate_intents: list[str] = field(default_factory=list)
+    phantoms: list[str] = field(default_factory=list)
+    regressed: list[str] = field(default_factory=list)
+    reran: list[str] = field(default_factory=list)
+    result_differs: list[str] = field(default_factory=list)
+    unfinished: list[str] = field(default_factory=list)
+    #: Not violations: context for the reader.
+    statuses: dict[str, int] = field(default_factory=dict)
+    applied: int = 0
+    requests: int = 0
+    stale: int = 0
+
+    VIOLATIONS = (
+        "lost",
+        "duplicate_keys",
+        "duplicate_operations",
+        "duplicate_intents",
+        "phantoms",
+        "regressed",
+        "reran",
+        "result_differs",
+        "unfinished",
+    )
+
+    def counts(self) -> dict[str, int]:
+        """Violations by name (all 0 when the guarantees held)."""
+        return {name: len(getattr(self, name)) for name in self.VIOLATIONS}
+
+    @property
+    def clean(self) -> bool:
+        """No violation of any kind."""
+        return not any(self.counts().values())
+
+    def first(self) -> tuple[str, str] | None:
+        """The first violation found, as (kind, description), in :attr:`VIOLATIONS` order."""
+        for name in self.VIOLATIONS:
+            found = getattr(self, name)
+            if found:
+                return name, found[0]
+        return None
+
+    def summary(self) -> str:
+        """Counts, context, and the first ten of each violation."""
+        lines = [
+            f"violations {self.counts()}",
+            f"statuses {self.statuses}; {self.requests} requests, {self.applied} applied, "
+            f"{self.stale} stale completions",
+        ]
+        for name in self.VIOLATIONS:
+            found = getattr(self, name)
+            if found:
+                lines.append(f"{name}: {found[:10]}{' ...' if len(found) > 10 else ''}")
+        return "\n".join(lines)
+
+    def assert_clean(self, context: str = "") -> None:
+        """Raise ``AssertionError`` with the summary unless clean."""
+        assert self.clean, f"{self.summary()}\n{context}".rstrip()
+
+
+def _success(record: AttemptRecord) -> bool:
+    """True when this log entry records the effect as done (deliverer, lookup or operator)."""
+    detail = record.detail if isinstance(record.detail, dict) else {}
+    if record.outcome == "succeeded":
+        return True
+    if record.outcome == "looked_up":
+        return detail.get("lookup") == "applied"
+    if record.outcome == "resolved":
+        return detail.get("as") == "succeeded"
+    return False
+
+
+def _expected(
+    expected_operations: Iterable[str] | None, expected_counts: Mapping[str, int] | None
+) -> dict[str, int] | None:
+    if expected_counts is not None:
+        return dict(expected_counts)
+    if expected_operations is not None:
+        return dict.fromkeys(expected_operations, 1)
+    return None
+
+
+def check(
+    intents: Iterable[Intent],
+    attempts: Iterable[AttemptRecord],
+    applied: Iterable[Applied],
+    *,
+    requests: int = 0,
+    expected_operations: Iterable[str] | None = None,
+    expected_counts: Mapping[str, int] | None = None,
+    sink_kinds: Iterable[str] | None = None,
+    keyless_allowed: Iterable[str] = (),
+) -> Report:
+    """Compare the three logs.
+
+    ``expected_operations`` (each intended once) or ``expected_counts`` (how
+    many intents, and applications, of each operation an uninterrupted run
+    makes; absent operations count 1) name what must be there; ``sink_kinds``
+    the kinds whose effects go to this sink (default all); ``keyless_allowed``
+    operations an uninterrupted run sends without a key (no phantom, but still
+    counted for duplicates).
+    """
+    intents = list(intents)
+    applied = list(applied)
+    expected = _expected(expected_operations, expected_counts)
+    keyless_ok = set(keyless_allowed)
+    report = Report(requests=requests, applied=len(applied))
+    report.statuses = dict(Counter(i.status for i in intents))
+    sinks = None if sink_kinds is None else set(sink_kinds)
+
+    # lost: open intents, and expected operations with too few intents
+    report.lost = sorted(
+        f"{i.id} ({i.kind}, {i.status}, attempt {i.attempt})"
+        for i in intents
+        if i.status not in TERMINAL and i.status != "unknown"
+    )
+    intended_ops = Counter(i.operation for i in intents if i.operation is not None)
+    if expected is not None:
+        for op, n in sorted(expected.items()):
+            if intended_ops[op] < n and op not in keyless_ok:
+                have = intended_ops[op]
+                report.lost.append(
+                    f"operation {op}: no intent"
+                    if have == 0
+                    else f"operation {op}: intended {have}x, {n}x expected"
+                )
+    report.duplicate_intents = sorted(
+        op for op, n in intended_ops.items() if n > (expected or {}).get(op, 1)
+    )
+
+    # duplicates and phantoms at the sink
+    key_counts = Counter(a.key for a in applied if a.key is not None)
+    op_counts = Counter(a.operation for a in applied if a.operation is not None)
+    report.duplicate_keys = sorted(k for k, n in key_counts.items() if n > 1)
+    report.duplicate_operations = sorted(
+        o for o, n in op_counts.items() if n > (expected or {}).get(o, 1)
+    )
+    operation_of_key = {i.key: i.operation for i in intents}
+    for a in applied:
+        if a.key is None:
+            if a.operation not in keyless_ok:
+                report.phantoms.append(f"operation {a.operation}: applied without a key or intent")
+        elif a.key not in operation_of_key:
+            report.phantoms.append(f"key {a.key} (operation {a.operation}): no intent has it")
+        elif a.operation != operation_of_key[a.key]:
+            report.phantoms.append(
+                f"key {a.key} applied with operation {a.operation}, "
+                f"but its intent is operation {operation_of_key[a.key]}"
+            )
+
+    # regressed completed rows
+    by_effect: dict[str, list[AttemptRecord]] = {}
+    for record in attempts:
+        by_effect.setdefault(record.effect_id, []).append(record)
+        report.stale += record.outcome == "stale"
+    for i in intents:
+        log = sorted(by_effect.get(i.id, []), key=lambda r: r.seq)
+        first = next((n for n, r in enumerate(log) if _success(r)), None)
+        if first is not None:
+            later = [r for r in log[first + 1 :] if r.outcome != "stale"]
+            if later:
+                report.regressed.append(
+                    f"{i.id}: succeeded at attempt {log[first].attempt}, then "
+                    + ", ".join(f"{r.outcome}@{r.attempt}" for r in later)
+                )
+            elif i.status not in AFTER_SUCCESS:
+                report.regressed.append(
+                    f"{i.id}: logged succeeded at attempt {log[first].attempt}, now {i.status}"
+                )
+        elif i.status == "succeeded":
+            report.regressed.append(f"{i.id}: succeeded with no success in its attempt log")
+        goes_to_sink = sinks is None or i.kind in sinks
+        if i.status == "succeeded" and goes_to_sink and i.key not in key_counts:
+            report.regressed.append(f"{i.id}: succeeded but the sink never applied {i.key}")
+    return report
+
+
+def replay_violations(events: Iterable[TraceEvent]) -> tuple[list[str], dict[tuple[str, str], int]]:
+    """Steps whose function ran after the step committed; and how often each step function ran.
+
+    Reads a trace: ``step_start`` is a run of a step's function, ``after_commit``
+    its commit. A second run before any commit is expected after a crash (the
+    first never recorded anything); a run after the commit is a violation (G5).
+    """
+    started: Counter[tuple[str, str]] = Counter()
+    committed: set[tuple[str, str]] = set()
+    reran: list[str] = []
+    for event in events:
+        if event.run is None or event.where is None:
+            continue
+        step = (event.run, event.where)
+        if event.point == "step_start":
+            started[step] += 1
+            if step in committed:
+                reran.append(
+                    f"step {event.where!r} of run {event.run}: its function ran again "
+                    f"(pid {event.pid}) after the step had committed"
+                )
+        elif event.point == "after_commit":
+            committed.add(step)
+    return reran, dict(started)
+
+
+# -- reading the real logs ---------------------------------------------------------------------
+
+
+def _store(dsn: str) -> Store:
+    return Store(make_engine(dsn, pool_size=1, application_name=CHECKER_APP))
+
+
+def _intent(row: Mapping[str, Any], normalize: Normalize) -> Intent:
+    return Intent(
+        id=str(row["id"]),
+        key=row["idempotency_key"],
+        kind=row["kind"],
+        status=row["status"],
+        attempt=row["attempt"],
+        operation=operation_of(row["kind"], row["payload"], normalize),
+        run=None if row["run_id"] is None else str(row["run_id"]),
+        step=row["step_id"],
+        payload=json.dumps(row["payload"], default=str),
+    )
+
+
+def load_database(
+    dsn: str, normalize: Normalize = _same
+) -> tuple[list[Intent], list[AttemptRecord], list[dict[str, Any]]]:
+    """Every intent, every attempt record and every step record of a database."""
+    store = _store(dsn)
+    try:
+        audit = store.audit()
+    finally:
+        store.engine.dispose()
+    intents = [_intent(row, normalize) for row in audit["effects"]]
+    attempts = [
+        AttemptRecord(
+            r["id"], str(r["effect_id"]), r["attempt"], r["outcome"], r["worker"], r["detail"]
+        )
+        for r in audit["attempts"]
+    ]
+    return intents, attempts, audit["steps"]
+
+
+def _applied_operation(entry: Mapping[str, Any], normalize: Normalize) -> str | None:
+    """The operation of an ``applied`` line: a stand-in's envelope, else the request body."""
+    path = str(entry.get("path") or "")
+    raw = entry.get("body")
+    if raw is None:  # a log written before bodies were logged
+        operation = entry.get("operation")
+        return None if operation is None else normalize(str(operation))
+    try:
+        body = json.loads(raw) if raw else None
+    except ValueError:
+        body = raw
+    if path.startswith(("/record/", "/blind/")) and isinstance(body, dict) and "kind" in body:
+        return operation_of(str(body["kind"]), body.get("payload"), normalize)
+    if isinstance(body, dict) and isinstance(body.get("operation"), str):
+        return normalize(body["operation"])
+    return operation_of(f"POST {normalize(path)}", body, normalize)
+
+
+def load_sink_log(path: Path, normalize: Normalize = _same) -> tuple[list[Applied], int]:
+    """The sink's ``applied`` lines, and how many requests it logged."""
+    applied: list[Applied] = []
+    requests = 0
+    with path.open() as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            entry = json.loads(line)
+            if entry.get("event") == "applied":
+                applied.append(
+                    Applied(
+                        entry.get("key"),
+                        _applied_operation(entry, normalize),
+                        entry.get("path"),
+                        entry.get("body"),
+                        entry.get("t"),
+                    )
+                )
+            else:
+                requests += 1
+    return applied, requests
+
+
+def load(
+    dsn: str,
+    sink_log: Path,
+    *,
+    expected_operations: Iterable[str] | None = None,
+    sink_kinds: Iterable[str] | None = None,
+) -> Report:
+    """Read the three logs and check them."""
+    intents, attempts, _ = load_database(dsn)
+    applied, requests = load_sink_log(sink_log)
+    return check(
+        intents,
+        attempts,
+        applied,
+        requests=requests,
+        expected_operations=expected_operations,
+        sink_kinds=sink_kinds,
+    )
+
+
+def open_counts(dsn: str) -> dict[str, int]:
+    """Effects per status (every status present)."""
+    store = _store(dsn)
+    try:
+        return store.effect_counts()
+    finally:
+        store.engine.dispose()
+
+
+def settle(
+    dsn: str,
+    *,
+    timeout: float = 60.0,
+    sink: Any = None,
+    also: Callable[[], bool] | None = None,
+    quiet_for: float = 0.3,
+) -> dict[str, int]:
+    """Wait until no effect is pending, in flight or dispatched (and the sink is idle).
+
+    ``also`` adds a condition (runs completed...). The state must hold for
+    ``quiet_for`` seconds in a row. Connection errors while the database comes
+    back are retried. Returns the final counts per status.
+    """
+    deadline = time.monotonic() + timeout
+    quiet_since: float | None = None
+    counts: Mapping[str, int] = {}
+    error: Exception | None = None
+    while True:
+        try:
+            counts = open_counts(dsn)
+            done = not any(counts.get(s, 0) for s in OPEN)
+            done = done and (sink is None or sink.in_progress == 0)
+            done = done and (also is None or bool(also()))
+        except Exception as exc:  # the database coming back; reported on timeout
+            error, done = exc, False
+        now = time.monotonic()
+        if done:
+            quiet_since = now if quiet_since is None else quiet_since
+            if now - quiet_since >= quiet_for:
+                return dict(counts)
+        else:
+            quiet_since = None
+        if now > deadline:
+            raise AssertionError(
+                f"did not settle in {timeout}s: {dict(counts)} (last error: {error!r})"
+            )
+        time.sleep(0.05)

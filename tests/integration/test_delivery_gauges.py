@@ -1,0 +1,84 @@
+"""The deliverer's gauges follow its own deliveries, not only the ``stats_seconds`` round."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from prometheus_client import CollectorRegistry
+
+from deliverers.testing import RecordingDeliverer
+from outbox import Outbox
+from outbox.delivery import Delivery, Outcome, Succeeded
+from tests.support import DaemonThread, wait_for
+
+
+def _open(registry: CollectorRegistry) -> float:
+    """Effects of the kind the gauge counts as not finished (pending or in flight)."""
+    return sum(
+        registry.get_sample_value("outbox_effects", {"state": state, "kind": "test.record"}) or 0
+        for state in ("pending", "in_flight")
+    )
+
+
+def test_a_delivery_clears_the_effect_gauges_within_seconds(ob: Outbox, dsn: str) -> None:
+    with ob.transaction() as tx:
+        tx.intend("test.record", {"n": 1})
+    release = threading.Event()
+
+    def held(delivery: Delivery) -> Outcome:
+        release.wait(30)
+        return Succeeded({"ok": True})
+
+    recorder = RecordingDeliverer(outcome=held)
+    # One scheduled round an hour: only a count after the change can clear the gauge.
+    with DaemonThread(dsn, {"test.record": recorder}, stats_seconds=3600) as running:
+        assert running.daemon is not None
+        registry = running.daemon.metrics.registry
+        wait_for(lambda: _open(registry) == 1, message="the gauges count the open effect")
+        release.set()
+        wait_for(lambda: len(recorder.keys) == 1, message="delivered")
+        wait_for(
+            lambda: (
+                _open(registry) == 0
+                and registry.get_sample_value("outbox_oldest_pending_age_seconds") == 0
+            ),
+            timeout=10,
+            message="the gauges counted again after the delivery",
+        )
+
+
+def test_the_stats_round_ends_when_cancelled_just_after_a_change(dsn: str) -> None:
+    """A change noted as the daemon stops must not swallow the round's cancellation.
+
+    The daemon notes a change while it records its last outcomes and then cancels
+    its rounds; Python 3.11's ``asyncio.wait_for`` returns normally when the
+    awaited event is set at the moment of the cancel, and a round waiting with it
+    lived on, so the daemon never stopped.
+    """
+    from outbox.delivery.leases import Leases
+    from outbox.delivery.maintenance import Maintenance
+    from outbox.delivery.metrics import DeliveryMetrics
+    from outbox.delivery.settings import DeliverySettings
+    from outbox.storage.async_store import AsyncStore
+    from outbox.storage.engine import make_async_engine
+
+    async def main() -> None:
+        store = AsyncStore(make_async_engine(dsn))
+        metrics = DeliveryMetrics()
+        settings = DeliverySettings(stats_seconds=60)
+        maintenance = Maintenance(
+            store, {}, settings, Leases({}, 1, metrics), metrics, lambda: None
+        )
+        try:
+            rounds = asyncio.create_task(maintenance._stats_rounds())
+            await asyncio.sleep(1.0)  # the first count is done; waiting for a change
+            maintenance.changed()
+            rounds.cancel()
+            done, _ = await asyncio.wait({rounds}, timeout=5)
+            assert done == {rounds}, "the stats round outlived its cancellation"
+            assert rounds.cancelled()
+        finally:
+            await store.dispose()
+
+    asyncio.run(main())

@@ -1,0 +1,183 @@
+"""Owner locks: a deliverer whose session lock is free is gone; a restart or blip is no death."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psycopg
+
+from deliverers.testing import RecordingDeliverer
+from outbox import Outbox
+from outbox.delivery.liveness import GoneOwners
+from outbox.storage.async_store import AsyncStore
+from outbox.storage.engine import libpq_dsn, make_async_engine
+from outbox.storage.owner_lock import OwnerLock
+from outbox.storage.sql.owners import OWNER_LOCK_CLASS
+from outbox.storage.sql.queue import EFFECT_QUEUE
+
+KINDS = ("t.idem", "t.blind")
+
+
+def deliverers() -> dict[str, Any]:
+    return {
+        "t.idem": RecordingDeliverer("t.idem", idempotent=True),
+        "t.blind": RecordingDeliverer("t.blind", idempotent=False),
+    }
+
+
+def intend(ob: Outbox, n: int = 3) -> None:
+    run = ob.start_run("agent", "1")
+
+    def step(tx: Any) -> None:
+        for i in range(n):
+            for kind in KINDS:
+                tx.intend(kind, {"i": i})
+
+    run.transaction("s", step)
+
+
+def sql(dsn: str, text: str, params: Any = ()) -> list[tuple[Any, ...]]:
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        cur = conn.execute(text, params)
+        return cur.fetchall() if cur.description else []
+
+
+async def claim_all(store: AsyncStore, owner: str) -> None:
+    await store.claim_many(
+        EFFECT_QUEUE, [({"kind": k}, 100) for k in KINDS], owner=owner, lease_seconds=300
+    )
+
+
+def held_by(dsn: str, owner: str) -> dict[str, int]:
+    got = sql(
+        dsn,
+        "SELECT kind, count(*) FROM outbox_effects "
+        "WHERE status = 'in_flight' AND lease_owner = %s GROUP BY kind",
+        [owner],
+    )
+    return dict(got)
+
+
+def test_gone_owner_loses_only_its_idempotent_attempts(ob: Outbox, dsn: str) -> None:
+    intend(ob)
+
+    async def main() -> tuple[list[tuple[str, bool]], list[tuple[str, bool]], int]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            # A deliverer that registered, held its lock, claimed, and died.
+            lock = OwnerLock(store.dsn, "victim")
+            lock.start()
+            assert await lock.wait_held(10)
+            await claim_all(store, "victim")
+            await lock.close()
+            sql(dsn, "INSERT INTO outbox_owners (owner) VALUES ('victim')")  # died, not stopped
+            in_restart_window = await store.gone_owners(["t.idem"], restart_grace=1e9)
+            gone = await store.gone_owners(["t.idem"], restart_grace=0)
+            reconciler = GoneOwners(
+                store,
+                deliverers(),
+                owner="peer",
+                grace_seconds=0.2,
+                restart_grace_seconds=0,
+                default_max_attempts=10,
+            )
+            assert await reconciler.check() == 0, "not before the grace period"
+            await asyncio.sleep(0.3)
+            return in_restart_window, gone, await reconciler.check()
+        finally:
+            await store.dispose()
+
+    in_restart_window, gone, put_back = asyncio.run(main())
+    assert in_restart_window == [], "just after a (re)start no owner counts as gone"
+    assert gone == [("victim", True)]
+    assert put_back == 3
+    assert held_by(dsn, "victim") == {"t.blind": 3}, "non-idempotent attempts wait for the lease"
+    logged = sql(
+        dsn,
+        "SELECT e.kind, e.status, a.worker, a.detail->>'resolution' FROM outbox_effect_attempts a "
+        "JOIN outbox_effects e ON e.id = a.effect_id",
+    )
+    assert sorted(logged) == [("t.idem", "pending", "reconciler:peer", "redeliver")] * 3
+
+
+def test_live_owner_and_unregistered_owner_keep_their_attempts(ob: Outbox, dsn: str) -> None:
+    intend(ob)
+
+    async def main() -> list[tuple[str, bool]]:
+        store = AsyncStore(make_async_engine(dsn))
+        lock = OwnerLock(store.dsn, "alive")
+        try:
+            lock.start()
+            assert await lock.wait_held(10)
+            await store.claim_many(
+                EFFECT_QUEUE, [({"kind": "t.idem"}, 2)], owner="alive", lease_seconds=300
+            )
+            # An owner that never registered (a relay, an older deliverer) is left to leases.
+            await store.claim_many(
+                EFFECT_QUEUE, [({"kind": "t.idem"}, 1)], owner="unregistered", lease_seconds=300
+            )
+            reconciler = GoneOwners(
+                store,
+                deliverers(),
+                owner="peer",
+                grace_seconds=0,
+                restart_grace_seconds=0,
+                default_max_attempts=10,
+            )
+            assert await reconciler.check() == 0
+            return await store.gone_owners(["t.idem"], restart_grace=0)
+        finally:
+            await lock.close()
+            await store.dispose()
+
+    assert asyncio.run(main()) == []
+    assert held_by(dsn, "alive") == {"t.idem": 2}
+    assert held_by(dsn, "unregistered") == {"t.idem": 1}
+    assert sql(dsn, "SELECT owner FROM outbox_owners") == [], "a clean stop unregisters"
+
+
+def test_lock_session_that_drops_and_comes_back_is_not_a_death(ob: Outbox, dsn: str) -> None:
+    intend(ob)
+
+    async def main() -> tuple[int, bool, int]:
+        store = AsyncStore(make_async_engine(dsn))
+        lock = OwnerLock(store.dsn, "blinking")
+        try:
+            lock.start()
+            assert await lock.wait_held(10)
+            await claim_all(store, "blinking")
+            reconciler = GoneOwners(
+                store,
+                deliverers(),
+                owner="peer",
+                grace_seconds=2.0,
+                restart_grace_seconds=0,
+                default_max_attempts=10,
+            )
+            # Its lock session is cut (an admin, a network blip): the lock is free.
+            sql(
+                dsn,
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                "AND classid = %s AND objid = hashtext('blinking')::oid AND objsubid = 2",
+                [OWNER_LOCK_CLASS],
+            )
+            for _ in range(200):
+                if await store.gone_owners(["t.idem"], restart_grace=0):
+                    break
+                await asyncio.sleep(0.01)
+            seen_gone = await reconciler.check()  # suspected, within the grace: nothing moves
+            for _ in range(1000):  # it takes its lock again on a new session
+                if not await store.gone_owners(["t.idem"], restart_grace=0):
+                    break
+                await asyncio.sleep(0.01)
+            back = await lock.wait_held(10)  # (it registers just after taking the lock)
+            await asyncio.sleep(2.1)
+            return seen_gone, back, await reconciler.check()
+        finally:
+            await lock.close()
+            await store.dispose()
+
+    seen_gone, back, later = asyncio.run(main())
+    assert (seen_gone, back, later) == (0, True, 0)
+    assert held_by(dsn, "blinking") == {"t.idem": 3, "t.blind": 3}
