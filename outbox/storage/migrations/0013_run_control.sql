@@ -26,7 +26,7 @@ ALTER TABLE outbox_steps ADD COLUMN state JSONB, ADD COLUMN plan JSONB;
 ALTER TABLE outbox_effects DROP CONSTRAINT outbox_effects_status_check;
 ALTER TABLE outbox_effects ADD CONSTRAINT outbox_effects_status_check CHECK (status IN (
     'pending', 'in_flight', 'dispatched', 'succeeded', 'failed', 'unknown', 'cancelled',
-    'compensated', 'paused')) NOT VALID;
+    'compensated', 'paused', 'awaiting_approval', 'rejected')) NOT VALID;
 ALTER TABLE outbox_effects
     ADD COLUMN priority INTEGER NOT NULL DEFAULT 0,
     ADD COLUMN fairness_key TEXT NOT NULL DEFAULT '';

@@ -38,5 +38,6 @@ DROP INDEX CONCURRENTLY IF EXISTS outbox_runs_versions;
 DROP INDEX CONCURRENTLY IF EXISTS outbox_effects_open_ordering;
 CREATE INDEX CONCURRENTLY outbox_effects_open_ordering ON outbox_effects (ordering_key, seq)
     WHERE ordering_key IS NOT NULL
-      AND status IN ('pending', 'in_flight', 'dispatched', 'unknown', 'paused');
+      AND status IN ('pending', 'in_flight', 'dispatched', 'unknown', 'paused',
+                     'awaiting_approval');
 DROP INDEX CONCURRENTLY IF EXISTS outbox_effects_ordering;
