@@ -23,7 +23,8 @@ import pytest
 from deliverers.testing import IdempotentHttpSink
 from outbox import EffectStatus, Outbox, RunStatus
 from outbox.keys import derive_key
-from tests.chaos.deliverer_process import start_deliverer, write_config
+from outbox.testing.processes import start_deliverer
+from outbox.testing.workload import write_config
 from tests.support import wait_for
 
 pytestmark = pytest.mark.slow

@@ -238,6 +238,8 @@ def fork_run() -> Any:
         runs.c.fairness_key,
         runs.c.id,
         bindparam("from_step", type_=Text),
+        # a dry run's fork is a dry run too: its new effects never reach a sink
+        runs.c.dry_run,
     ).where(runs.c.id == _ORIGINAL)
     ins = (
         pg_insert(runs)
@@ -258,6 +260,7 @@ def fork_run() -> Any:
                 "fairness_key",
                 "forked_from",
                 "forked_at_step",
+                "dry_run",
             ],
             source,
         )
