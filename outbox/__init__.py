@@ -29,7 +29,9 @@ from outbox.errors import (
     PermanentError,
     ReplayRefused,
     RetryableError,
+    RunExists,
     RunNotFound,
+    RunPaused,
     RunStateError,
     RunTerminal,
     SchemaError,
@@ -49,6 +51,7 @@ from outbox.models import (
     EffectAttempt,
     EffectIntent,
     EffectStatus,
+    OnConflict,
     RunMode,
     RunRecord,
     RunStart,
@@ -60,6 +63,7 @@ from outbox.runs.async_run import AsyncOutboxTransaction, AsyncRun, AsyncStepTra
 from outbox.runs.async_worker import AsyncWorker
 from outbox.runs.intents import OutboxTransaction, StepTransaction
 from outbox.runs.run import Run, Suspended
+from outbox.runs.run_base import Paused
 from outbox.runs.signals import SignalReceipt
 from outbox.runs.worker import Worker, WorkerSettings
 from outbox.settings import Settings
@@ -98,17 +102,21 @@ __all__ = [
     "LeaseLost",
     "MigrationError",
     "NotFound",
+    "OnConflict",
     "OnTimeout",
     "Outbox",
     "OutboxError",
     "OutboxTransaction",
+    "Paused",
     "PayloadError",
     "PermanentError",
     "ReplayRefused",
     "RetryableError",
     "Run",
+    "RunExists",
     "RunMode",
     "RunNotFound",
+    "RunPaused",
     "RunRecord",
     "RunStart",
     "RunStateError",

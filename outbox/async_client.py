@@ -26,14 +26,17 @@ from outbox.client import (
     connect_settings,
     diff_args,
     effect_filters,
-    new_run_row,
+    fork_args,
+    new_run,
     not_changed,
+    reason_args,
     refused,
     resolve_params,
     retry_params,
     run_args,
     run_filters,
     signal_sender,
+    started_run,
 )
 from outbox.effect_diff import RunDiff, diff_effects
 from outbox.errors import EffectNotFound, RunNotFound
@@ -43,6 +46,7 @@ from outbox.runs.approvals import expire_approvals
 from outbox.runs.async_run import AsyncOutboxTransaction, AsyncRun
 from outbox.runs.async_worker import AsyncWorker
 from outbox.runs.context import AsyncRunContext, VersionUpgrades
+from outbox.runs.control import fork_run, pause_run, resume_run
 from outbox.runs.signals import SignalReceipt
 from outbox.runs.stopping import advance_stopping_run, advance_stopping_runs, cancel_run
 from outbox.runs.worker import WorkerSettings
@@ -134,17 +138,40 @@ class AsyncOutbox:
         *,
         budget: float | None = None,
         run_id: uuid.UUID | str | None = None,
+        key: str | None = None,
+        on_conflict: str = "return_existing",
+        priority: int = 0,
+        fairness_key: str = "",
         mode: str = "live",
     ) -> AsyncRun:
         """Start a run of ``agent`` pinned to ``version`` (see :meth:`outbox.Outbox.start_run`)."""
-        row = new_run_row(self.settings, agent, version, inputs, budget, run_id, mode)
+        new = new_run(
+            self.settings,
+            agent,
+            version,
+            inputs,
+            budget=budget,
+            run_id=run_id,
+            key=key,
+            on_conflict=on_conflict,
+            priority=priority,
+            fairness_key=fairness_key,
+            mode=mode,
+        )
         notify = self._runs_wakeup.inline()
-        with run_span(agent=row["agent"], version=row["agent_version"]):
+        insert = self.aio.sync.insert_run
+        with run_span(agent=new.row["agent"], version=new.row["agent_version"]):
             # The run's trace: its steps are spans of it, in whichever process.
-            row["trace_parent"] = current_traceparent()
-            record = await self.aio.call(self.aio.sync.insert_run, row, notify=notify is not None)
-        self._runs_wakeup.committed(notify)
+            new.row["trace_parent"] = current_traceparent()
+            record, created = await self.aio.call(
+                insert, new.row, notify=notify is not None, blobs=[new.inputs.blob]
+            )
+        if created:
+            self._runs_wakeup.committed(notify)
+        record = started_run(new, record, created)
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
+        if not created:
+            return await self.run(record.id)
         return AsyncRun(self._ctx, record, [])
 
     async def run(self, run_id: uuid.UUID | str, *, step_id: str | None = None) -> AsyncRun:
@@ -341,6 +368,33 @@ class AsyncOutbox:
             await tx._flush()
         if connection is None:
             self._effects_wakeup.committed(tx._notified)
+
+    # -- run control ----------------------------------------------------------------
+
+    async def pause(self, run_id: uuid.UUID | str, reason: str) -> RunStatus:
+        """Pause a run (see :meth:`outbox.Outbox.pause`); returns ``paused`` or ``running``."""
+        rid = reason_args(run_id, reason, "paused")
+        return await self.aio.run_tx(lambda tx: pause_run(tx, rid, reason))
+
+    async def resume(self, run_id: uuid.UUID | str) -> RunStatus:
+        """Lift a pause (see :meth:`outbox.Outbox.resume`)."""
+        rid = as_uuid(run_id, "run_id")
+        return await self.aio.run_tx(lambda tx: resume_run(tx, rid))
+
+    async def fork(
+        self,
+        run_id: uuid.UUID | str,
+        from_step: str,
+        *,
+        version: str | None = None,
+        fork_id: uuid.UUID | str | None = None,
+    ) -> AsyncRun:
+        """Fork a run from a step (see :meth:`outbox.Outbox.fork`)."""
+        original, new_id, step, pinned = fork_args(run_id, from_step, version, fork_id)
+        await self.aio.run_tx(
+            lambda tx: fork_run(tx, original, step, fork_id=new_id, version=pinned)
+        )
+        return await self.run(new_id)
 
     # -- signals, stopping, versions ----------------------------------------------
 

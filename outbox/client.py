@@ -13,16 +13,20 @@ import re
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from outbox.blobs import Stored, store_value
 from outbox.chain import Break, record_from_rows, verify_record
 from outbox.effect_diff import RunDiff, diff_effects
 from outbox.errors import (
     ApprovalRefused,
     EffectNotFound,
+    IdempotencyConflict,
     ReplayRefused,
+    RunExists,
     RunNotFound,
     RunStateError,
     ValidationError,
@@ -33,14 +37,16 @@ from outbox.intent_rules import MAX_KEY_LENGTH
 from outbox.models import (
     Effect,
     EffectStatus,
+    OnConflict,
     RunMode,
     RunRecord,
     RunStart,
     RunStatus,
 )
-from outbox.payloads import content_hash, encode
+from outbox.payloads import content_hash, decode, encode
 from outbox.runs.approvals import ApprovalDecision, decide, expire_approvals
 from outbox.runs.context import RunContext, VersionUpgrades
+from outbox.runs.control import fork_run, pause_run, resume_run
 from outbox.runs.intents import OutboxTransaction
 from outbox.runs.run import Run
 from outbox.runs.signals import SignalReceipt, send_signal
@@ -123,6 +129,10 @@ class Outbox:
         *,
         budget: float | None = None,
         run_id: uuid.UUID | str | None = None,
+        key: str | None = None,
+        on_conflict: str = "return_existing",
+        priority: int = 0,
+        fairness_key: str = "",
         mode: str = "live",
     ) -> Run:
         """Start a run of ``agent`` pinned to ``version``, with immutable ``inputs``.
@@ -131,20 +141,45 @@ class Outbox:
         and :meth:`Run.transaction`, or let a worker of that agent and version
         claim it. ``budget`` caps what its steps may spend (G7).
 
+        ``key`` (a business key) starts one run per key: with the same agent,
+        version and inputs a second start returns the existing run
+        (``on_conflict="return_existing"``) or raises :class:`~outbox.RunExists`
+        (``"reject"``); with others it raises :class:`~outbox.IdempotencyConflict`.
+        Workers claim higher ``priority`` first and share their capacity between
+        ``fairness_key`` values (a tenant, say); the run's effects inherit both.
+
         ``mode="dry_run"``: the run executes normally, but its effects go to the
         recording deliverer of ``outbox deliver --dry-run`` and never reach a
         sink; each one's result is the declared stub of its kind (or a recorded
         result). ``outbox runs show`` lists what would have happened and
         ``outbox runs diff`` compares it with another run.
         """
-        row = new_run_row(self.settings, agent, version, inputs, budget, run_id, mode)
+        new = new_run(
+            self.settings,
+            agent,
+            version,
+            inputs,
+            budget=budget,
+            run_id=run_id,
+            key=key,
+            on_conflict=on_conflict,
+            priority=priority,
+            fairness_key=fairness_key,
+            mode=mode,
+        )
         notify = self._runs_wakeup.inline()
-        with run_span(agent=row["agent"], version=row["agent_version"]):
+        with run_span(agent=new.row["agent"], version=new.row["agent_version"]):
             # The run's trace: its steps are spans of it, in whichever process.
-            row["trace_parent"] = current_traceparent()
-            record = self.store.insert_run(row, notify=notify is not None)
-        self._runs_wakeup.committed(notify)
+            new.row["trace_parent"] = current_traceparent()
+            record, created = self.store.insert_run(
+                new.row, notify=notify is not None, blobs=[new.inputs.blob]
+            )
+        if created:
+            self._runs_wakeup.committed(notify)
+        record = started_run(new, record, created)
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
+        if not created:
+            return self.run(record.id)
         return Run(self._ctx, record, [])
 
     def run(self, run_id: uuid.UUID | str, *, step_id: str | None = None) -> Run:
@@ -365,6 +400,49 @@ class Outbox:
         if connection is None:
             self._effects_wakeup.committed(tx._notified)
 
+    # -- run control ----------------------------------------------------------------
+
+    def pause(self, run_id: uuid.UUID | str, reason: str) -> RunStatus:
+        """Pause a run: workers do not claim it, deliverers do not start its effects.
+
+        Returns ``paused``, or ``running`` while the worker holding it finishes
+        the step in flight (it records that step, then lets the run go as
+        ``paused``). Effects already in flight finish and are recorded. A waiting
+        run keeps its deadline, acted on at :meth:`resume` if it passed.
+        """
+        rid = reason_args(run_id, reason, "paused")
+        with self.store.run_tx() as tx:
+            return pause_run(tx, rid, reason)
+
+    def resume(self, run_id: uuid.UUID | str) -> RunStatus:
+        """Lift a pause: the run is runnable again and its held effects are delivered."""
+        rid = as_uuid(run_id, "run_id")
+        with self.store.run_tx() as tx:
+            return resume_run(tx, rid)
+
+    def fork(
+        self,
+        run_id: uuid.UUID | str,
+        from_step: str,
+        *,
+        version: str | None = None,
+        fork_id: uuid.UUID | str | None = None,
+    ) -> Run:
+        """A new run that replays ``run_id``'s steps before ``from_step`` and runs the rest anew.
+
+        The fork has the original's agent and inputs, pinned to ``version`` (by
+        default the original's). Its recorded steps are the original's steps
+        before ``from_step`` (results as recorded: they replay without calling
+        their functions, and what they intended is not intended again);
+        ``from_step`` and the steps after it run for real, with new idempotency
+        keys. ``from_step`` may also be the step a failed run failed at. The
+        original is not changed; ``run.record.forked_from`` links back to it.
+        """
+        original, new_id, step, pinned = fork_args(run_id, from_step, version, fork_id)
+        with self.store.run_tx() as tx:
+            fork_run(tx, original, step, fork_id=new_id, version=pinned)
+        return self.run(new_id)
+
     # -- signals, stopping, versions ----------------------------------------------
 
     def signal(
@@ -469,30 +547,77 @@ def connect_settings(
     return settings
 
 
-def new_run_row(
+@dataclass(frozen=True)
+class NewRun:
+    """A validated new run: its row, its inputs as stored, what a taken key means."""
+
+    row: dict[str, Any]
+    inputs: Stored
+    on_conflict: OnConflict
+
+
+def new_run(
     settings: Settings,
     agent: str,
     version: str,
     inputs: Any,
+    *,
     budget: float | None,
     run_id: uuid.UUID | str | None,
+    key: str | None = None,
+    on_conflict: str = "return_existing",
+    priority: int = 0,
+    fairness_key: str = "",
     mode: str = "live",
-) -> dict[str, Any]:
+) -> NewRun:
     """The validated row of a new run (``start_run`` in both twins)."""
     start = validated(
-        RunStart, agent=agent, version=version, inputs=inputs, budget=budget, mode=mode
+        RunStart,
+        agent=agent,
+        version=version,
+        inputs=inputs,
+        budget=budget,
+        key=key,
+        on_conflict=on_conflict,
+        priority=priority,
+        fairness_key=fairness_key,
+        mode=mode,
     )
-    inputs_json = encode(start.inputs, field="inputs", max_bytes=settings.max_payload_bytes)
-    return {
+    stored = store_value(start.inputs, field="inputs", limits=settings.value_limits)
+    row = {
         "id": uuid7() if run_id is None else as_uuid(run_id, "run_id"),
         "agent": start.agent,
         "agent_version": start.version,
-        "inputs": inputs_json,
-        "inputs_hash": content_hash(inputs_json),
+        "inputs": stored.json,
+        "inputs_hash": content_hash(stored.json) if stored.blob is None else stored.blob.sha256,
         "budget": None if start.budget is None else Decimal(str(start.budget)),
+        "key": start.key,
+        "priority": start.priority,
+        "fairness_key": start.fairness_key,
         "dry_run": start.mode == RunMode.DRY_RUN,
         "trace_parent": None,
     }
+    return NewRun(row, stored, start.on_conflict)
+
+
+def started_run(new: NewRun, record: RunRecord, created: bool) -> RunRecord:
+    """The run ``start_run`` returns: the new one, or the one holding its key (if allowed)."""
+    if created:
+        if new.inputs.blob is not None:  # as stored, the record holds a reference
+            record = record.model_copy(update={"inputs": decode(new.inputs.value_json)})
+        return record
+    key = str(new.row["key"])
+    theirs = (record.agent, record.agent_version, record.inputs_hash)
+    ours = (new.row["agent"], new.row["agent_version"], new.row["inputs_hash"])
+    if theirs != ours:
+        raise IdempotencyConflict(
+            key,
+            f"run {record.id} was started with this key as {record.agent} "
+            f"{record.agent_version} with other inputs",
+        )
+    if new.on_conflict == OnConflict.REJECT:
+        raise RunExists(key, record.id)
+    return record
 
 
 def run_args(run_id: uuid.UUID | str, step_id: str | None) -> uuid.UUID:
@@ -640,21 +765,41 @@ def signal_sender(
         name_field(dedup_key, "dedup_key", max_length=MAX_KEY_LENGTH)
     if request_id is not None:
         name_field(request_id, "request_id", max_length=MAX_KEY_LENGTH)
-    payload_json = encode(payload, field="payload", max_bytes=settings.max_payload_bytes)
+    stored = store_value(payload, field="payload", limits=settings.value_limits)
     key = dedup_key or uuid.uuid4().hex
 
     def send(tx: RunTx) -> SignalReceipt:
         if request_id is not None and not tx.mark_replay(request_id):
             raise ReplayRefused("request_id", request_id)
-        return send_signal(tx, rid, name, payload_json, key)
+        return send_signal(tx, rid, name, stored.json, key, stored.blob)
 
     return send
 
 
 def cancel_args(run_id: uuid.UUID | str, reason: str) -> uuid.UUID:
     """Validate a cancellation; returns the run id."""
+    return reason_args(run_id, reason, "cancelled")
+
+
+def reason_args(run_id: uuid.UUID | str, reason: str, done: str) -> uuid.UUID:
+    """Validate an operator's action on a run that must say why (cancel, pause)."""
     rid = as_uuid(run_id, "run_id")
     if not isinstance(reason, str) or not reason.strip():
-        raise ValidationError("reason", reason, "say why the run is cancelled")
+        raise ValidationError("reason", reason, f"say why the run is {done}")
     name_field(reason, "reason", max_length=2000)
     return rid
+
+
+def fork_args(
+    run_id: uuid.UUID | str,
+    from_step: str,
+    version: str | None,
+    fork_id: uuid.UUID | str | None,
+) -> tuple[uuid.UUID, uuid.UUID, str, str | None]:
+    """Validate a fork: (original, fork id, step, version)."""
+    original = as_uuid(run_id, "run_id")
+    name_field(from_step, "from_step")
+    if version is not None:
+        name_field(version, "version", max_length=100)
+    new_id = uuid7() if fork_id is None else as_uuid(fork_id, "fork_id")
+    return original, new_id, from_step, version

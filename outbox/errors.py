@@ -10,9 +10,11 @@
     │   ├── RunNotFound
     │   └── EffectNotFound
     ├── IdempotencyConflict         same key, different payload
+    │   └── RunExists               a run holds this key (start_run(key=..., on_conflict="reject"))
     ├── ReplayRefused               a request id (a signed webhook) was accepted before
     ├── RunStateError               the run cannot take this action now
     │   ├── RunTerminal             the run already ended
+    │   ├── RunPaused               the run is paused: resume it first
     │   ├── LeaseLost               another worker owns the run now
     │   └── StepAlreadyRecorded     the SQL API found the step recorded: roll back, replay
     ├── BudgetExceeded              a step would spend more than the run's budget
@@ -62,7 +64,9 @@ __all__ = [
     "PermanentError",
     "ReplayRefused",
     "RetryableError",
+    "RunExists",
     "RunNotFound",
+    "RunPaused",
     "RunStateError",
     "RunTerminal",
     "SchemaError",
@@ -168,6 +172,14 @@ class IdempotencyConflict(OutboxError):
         super().__init__(f"idempotency_key={key!r}: {detail}")
 
 
+class RunExists(IdempotencyConflict):
+    """``start_run(key=..., on_conflict="reject")``: a run with this key exists (same inputs)."""
+
+    def __init__(self, key: str, run_id: Any) -> None:
+        self.run_id = run_id
+        super().__init__(key, f"run {run_id} was already started with this key")
+
+
 class ReplayRefused(OutboxError):
     """A request that must be accepted once (a signed webhook) came a second time."""
 
@@ -187,6 +199,16 @@ class RunTerminal(RunStateError):
         self.run_id = run_id
         self.status = status
         super().__init__(f"run_id={str(run_id)!r} is {status}: a terminal run accepts no more work")
+
+
+class RunPaused(RunStateError):
+    """The run is paused (``outbox runs pause``): it takes no steps until it is resumed."""
+
+    def __init__(self, run_id: Any, reason: str | None = None) -> None:
+        self.run_id = run_id
+        self.reason = reason
+        why = f" ({reason})" if reason else ""
+        super().__init__(f"run_id={str(run_id)!r} is paused{why}: resume it first")
 
 
 class LeaseLost(RunStateError):

@@ -57,8 +57,10 @@ __all__ = [
     "MAX_AMOUNT",
     "MAX_ATTEMPTS",
     "MAX_DELAY_SECONDS",
+    "MAX_FAIRNESS_KEY_LENGTH",
     "MAX_KEY_LENGTH",
     "MAX_KIND_LENGTH",
+    "MAX_PRIORITY",
     "MAX_SCHEMA_VERSION",
     "QUERY_NAME_RULES",
     "RESERVED_HEADERS",
@@ -94,6 +96,10 @@ MAX_SCHEMA_VERSION = 2**31 - 1
 MAX_DELAY_SECONDS = 10 * 365 * 24 * 3600
 #: The largest ``cost``, ``budget`` or spend: beyond it a float no longer holds cents.
 MAX_AMOUNT = 10**15
+#: Priorities run from ``-MAX_PRIORITY`` to ``MAX_PRIORITY``; higher is claimed first (default 0).
+MAX_PRIORITY = 1000
+#: A fairness key (a tenant, a provider): claims share capacity between them.
+MAX_FAIRNESS_KEY_LENGTH = 200
 
 #: C0 controls (CR, LF, NUL ...), DEL, C1 controls and the Unicode line and
 #: paragraph separators. Refused in keys and identifiers: they forge log lines

@@ -22,14 +22,17 @@ from outbox.intent_rules import (
     MAX_AMOUNT,
     MAX_ATTEMPTS,
     MAX_DELAY_SECONDS,
+    MAX_FAIRNESS_KEY_LENGTH,
     MAX_KEY_LENGTH,
     MAX_KIND_LENGTH,
+    MAX_PRIORITY,
     MAX_SCHEMA_VERSION,
     RESERVED_KIND_PREFIXES,
     identifier_violation,
 )
 
 __all__ = [
+    "ACTIVE_RUN_STATUSES",
     "DRY_RUN_KIND_PREFIX",
     "LIVE_RUN_STATUSES",
     "NEEDS_PERSON_EFFECT_STATUSES",
@@ -45,6 +48,7 @@ __all__ = [
     "EffectIntent",
     "EffectStatus",
     "Lease",
+    "OnConflict",
     "RunMode",
     "RunRecord",
     "RunStart",
@@ -68,17 +72,22 @@ class RunStatus(StrEnum):
     COMPENSATING = "compensating"
     COMPENSATED = "compensated"
     COMPENSATION_FAILED = "compensation_failed"
+    #: held by an operator (``outbox runs pause``): not claimed, its effects not delivered
+    PAUSED = "paused"
 
 
 # Named sets of statuses: the SQL (predicates, partial indexes, CHECK
 # constraints) is built from these, so each set is written once.
 
-#: A run in one of these accepts steps, signals and effects.
-LIVE_RUN_STATUSES: tuple[RunStatus, ...] = (
+#: A run in one of these accepts steps and effects.
+ACTIVE_RUN_STATUSES: tuple[RunStatus, ...] = (
     RunStatus.RUNNABLE,
     RunStatus.RUNNING,
     RunStatus.WAITING,
 )
+#: A run in one of these has not ended: it accepts signals, can be cancelled,
+#: and keeps its agent version in use. A paused run is live but takes no steps.
+LIVE_RUN_STATUSES: tuple[RunStatus, ...] = (*ACTIVE_RUN_STATUSES, RunStatus.PAUSED)
 #: A run being cancelled: effects finish, then compensation runs.
 STOPPING_RUN_STATUSES: tuple[RunStatus, ...] = (RunStatus.CANCELLING, RunStatus.COMPENSATING)
 #: A run in one of these has ended for good.
@@ -103,6 +112,8 @@ class EffectStatus(StrEnum):
     UNKNOWN = "unknown"
     CANCELLED = "cancelled"
     COMPENSATED = "compensated"
+    #: not yet attempted, held while its run is paused (``pending`` again at resume)
+    PAUSED = "paused"
     #: held back by an approval gate: never claimed until a person approves its payload
     AWAITING_APPROVAL = "awaiting_approval"
     #: a person (or the gate's deadline) refused it: it never reaches the sink
@@ -118,18 +129,21 @@ TERMINAL_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
     EffectStatus.REJECTED,
 )
 #: Effects still on their way: waiting for an approval, not yet attempted, being
-#: attempted, handed to Kafka, or waiting for an operator.
+#: attempted, handed to Kafka, waiting for an operator, or held by a paused run.
 OPEN_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
     EffectStatus.PENDING,
     EffectStatus.IN_FLIGHT,
     EffectStatus.DISPATCHED,
     EffectStatus.UNKNOWN,
+    EffectStatus.PAUSED,
     EffectStatus.AWAITING_APPROVAL,
 )
-#: Open effects that no deliverer has started: a cancelled run cancels them.
+#: Open effects that no deliverer has started: a cancelled run cancels them,
+#: a paused run holds them (as ``paused``).
 NOT_STARTED_EFFECT_STATUSES: tuple[EffectStatus, ...] = (
     EffectStatus.PENDING,
     EffectStatus.DISPATCHED,
+    EffectStatus.PAUSED,
     EffectStatus.AWAITING_APPROVAL,
 )
 #: Effects a person must look at: unknown (did it happen?), failed, or awaiting an approval.
@@ -242,6 +256,15 @@ def _plain_text(value: str | None) -> str | None:
     return value
 
 
+class OnConflict(StrEnum):
+    """What ``start_run(key=...)`` does when a run with that key exists (same inputs)."""
+
+    #: return the existing run (a second start is a no-op)
+    RETURN_EXISTING = "return_existing"
+    #: refuse with :class:`~outbox.RunExists`
+    REJECT = "reject"
+
+
 class RunStart(BaseModel):
     """What ``Outbox.start_run`` accepts; validated before anything is written."""
 
@@ -251,10 +274,17 @@ class RunStart(BaseModel):
     version: str = Field(min_length=1, max_length=100, strict=True)
     inputs: Any = None
     budget: float | None = Field(default=None, ge=0, le=MAX_AMOUNT)
+    #: A business key: one run per key (a second start returns it or is refused).
+    key: str | None = Field(default=None, min_length=1, max_length=MAX_KEY_LENGTH, strict=True)
+    on_conflict: OnConflict = OnConflict.RETURN_EXISTING
+    #: Higher is claimed first by workers; the run's effects inherit it.
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, strict=True)
+    #: Workers share capacity between fairness keys; the run's effects inherit it.
+    fairness_key: str = Field(default="", max_length=MAX_FAIRNESS_KEY_LENGTH, strict=True)
     mode: RunMode = RunMode.LIVE
 
     _budget_is_a_number = field_validator("budget", mode="before")(_no_bool)
-    _names_are_text = field_validator("agent", "version")(_plain_text)
+    _names_are_text = field_validator("agent", "version", "key", "fairness_key")(_plain_text)
 
 
 class Compensation(BaseModel):
@@ -282,11 +312,15 @@ class EffectIntent(BaseModel):
     schema_version: int = Field(default=1, ge=1, le=MAX_SCHEMA_VERSION, strict=True)
     compensate: Compensation | None = None
     cost: float | None = Field(default=None, ge=0, le=MAX_AMOUNT)
+    #: None: the run's (0 without a run). Higher is claimed first.
+    priority: int | None = Field(default=None, ge=-MAX_PRIORITY, le=MAX_PRIORITY, strict=True)
+    #: None: the run's ("" without a run). Claims share capacity between fairness keys.
+    fairness_key: str | None = Field(default=None, max_length=MAX_FAIRNESS_KEY_LENGTH, strict=True)
     #: wait for a person's approval of this payload before any delivery (see ``outbox.gates``)
     approval: ApprovalPolicy | None = None
 
     _numbers_are_numbers = field_validator("delay_seconds", "cost", mode="before")(_no_bool)
-    _keys_are_text = field_validator("key", "ordering_key")(_plain_text)
+    _keys_are_text = field_validator("key", "ordering_key", "fairness_key")(_plain_text)
     _kind_is_not_reserved = field_validator("kind")(_caller_kind)
 
     @field_validator("compensate")
@@ -331,6 +365,22 @@ class RunRecord(_Record):
     cancel_reason: str | None = None
     #: The W3C ``traceparent`` of the run's trace (None: started outside any trace).
     trace_parent: str | None = None
+    #: The business key it was started with (one run per key), if any.
+    key: str | None = None
+    priority: int = 0
+    fairness_key: str = ""
+    #: Set while paused (or while a pause waits for the step in flight to finish).
+    paused_at: datetime | None = None
+    pause_reason: str | None = None
+    #: The run this one was forked from (``outbox runs fork``), and the step it restarted at.
+    forked_from: UUID | None = None
+    forked_at_step: str | None = None
+
+    @property
+    def paused(self) -> bool:
+        """True while paused, or while a pause waits for the step in flight to finish."""
+        return self.paused_at is not None
+
     #: a dry run's effects go to a recording deliverer, never to a sink
     dry_run: bool = False
 
@@ -391,6 +441,8 @@ class Effect(_Record):
     attempt_started_at: datetime | None = None
     created_at: datetime | None = None
     completed_at: datetime | None = None
+    priority: int = 0
+    fairness_key: str = ""
     #: The W3C ``traceparent`` current when the intent was written (None: no trace).
     trace_parent: str | None = None
     #: the gate that held it for approval (``gate``, ``timeout``, ``on_timeout``, ...), if any

@@ -9,12 +9,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from outbox.blobs import ValueLimits
 from outbox.errors import ConfigurationError
-from outbox.payloads import DEFAULT_MAX_BYTES
 
 __all__ = ["ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "OUTBOX_"
+#: The largest value (inputs, state, a step result, a payload) by default.
+DEFAULT_MAX_VALUE_BYTES = 64 * 1024 * 1024
+#: Values over this many bytes are stored once, by reference (:mod:`outbox.blobs`).
+DEFAULT_BLOB_THRESHOLD_BYTES = 16 * 1024
+#: PostgreSQL's limit for one text value; a blob is one.
+MAX_VALUE_BYTES = 1024 * 1024 * 1024 - 1
 DEFAULT_MAX_STEP_INTENTS = 10_000
 DEFAULT_MAX_STEP_BYTES = 64 * 1024 * 1024
 #: A step's intents travel as one text parameter, which PostgreSQL caps at 1 GB.
@@ -38,8 +44,10 @@ class Settings(BaseModel):
     #: Directory of the embedded PostgreSQL, started on demand and shared by every
     #: process that uses the same ``home``.
     home: Path = Field(default=Path(".outbox"))
-    #: Largest inputs, state, plan, step result or intent payload, as canonical JSON.
-    max_payload_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0)
+    #: The largest value: inputs, state, plan, a step result, a payload, a signal's payload.
+    max_payload_bytes: int = Field(default=DEFAULT_MAX_VALUE_BYTES, gt=0, le=MAX_VALUE_BYTES)
+    #: Values larger than this are stored once, by reference, outside the hot rows.
+    blob_threshold_bytes: int = Field(default=DEFAULT_BLOB_THRESHOLD_BYTES, ge=0)
     #: At most this many intents in one step or transaction (they are written
     #: in one statement; a runaway loop should fail here, not in PostgreSQL).
     max_step_intents: int = Field(default=DEFAULT_MAX_STEP_INTENTS, gt=0)
@@ -59,6 +67,11 @@ class Settings(BaseModel):
     #: None: migrate the embedded server only (another database is migrated with
     #: ``outbox migrate``); True or False: always or never.
     auto_migrate: bool | None = None
+
+    @property
+    def value_limits(self) -> ValueLimits:
+        """The size limit and the by-reference threshold of stored values."""
+        return ValueLimits(self.max_payload_bytes, self.blob_threshold_bytes)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -29,12 +29,15 @@ __all__ = [
     "DemoReport",
     "EffectDetailReport",
     "EffectListReport",
+    "ForkReport",
     "GateListReport",
     "GatesApplyReport",
     "GatesRemoveReport",
     "GcReport",
     "MigrateReport",
+    "PauseReport",
     "ReconcileReport",
+    "ResumeReport",
     "RolesReport",
     "RunDetailReport",
     "RunDiffReport",
@@ -227,6 +230,33 @@ class CancelReport(Report):
     """``outbox runs cancel RUN --json``: the run's status after the cancellation (and --wait)."""
 
     run_id: UUID
+    status: RunStatus
+
+
+class PauseReport(Report):
+    """``outbox runs pause RUN --json``: ``paused``, or ``running`` while its step finishes."""
+
+    run_id: UUID
+    status: RunStatus
+    reason: str
+
+
+class ResumeReport(Report):
+    """``outbox runs resume RUN --json``: the run's status after the resume."""
+
+    run_id: UUID
+    status: RunStatus
+
+
+class ForkReport(Report):
+    """``outbox runs fork RUN --from STEP --json``: the new run."""
+
+    run_id: UUID
+    forked_from: UUID
+    from_step: str
+    version: str
+    #: The original's steps the fork replays (their functions are not called again).
+    replayed_steps: list[str]
     status: RunStatus
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import click
 
-from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, short, table
 from outbox.cli.reports import (
     Budget,
     CancelReport,
+    ForkReport,
+    PauseReport,
+    ResumeReport,
     RunDetailReport,
     RunDiffReport,
     RunListReport,
@@ -21,7 +24,7 @@ __all__ = ["COMMANDS"]
 
 @click.group("runs")
 def runs() -> None:
-    """Inspect runs."""
+    """Inspect and control runs: list, show, pause, resume, fork, cancel."""
 
 
 @runs.command("list")
@@ -101,6 +104,18 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
                 ("agent", f"{record.agent} {record.agent_version}"),
                 ("mode", record.mode.value),
                 ("status", record.status.value),
+                *(
+                    [("paused", f"since {short(record.paused_at)}: {record.pause_reason}")]
+                    if record.paused_at is not None
+                    else []
+                ),
+                ("key", record.key),
+                ("priority / fairness key", f"{record.priority} / {record.fairness_key!r}"),
+                *(
+                    [("forked from", f"{record.forked_from} at step {record.forked_at_step}")]
+                    if record.forked_from is not None
+                    else []
+                ),
                 ("inputs", record.inputs),
                 ("inputs hash", record.inputs_hash),
                 ("state", record.state),
@@ -180,6 +195,92 @@ def runs_cancel(
         CancelReport(run_id=as_uuid(run_id, "run_id"), status=status),
         as_json,
         lambda: console.print(f"run {run_id}: {status.value}"),
+    )
+
+
+@runs.command("pause")
+@click.argument("run_id")
+@click.option("--reason", required=True, help="Why (kept on the run until it is resumed).")
+@json_option(PauseReport)
+@pass_cli
+def runs_pause(cli: CliContext, run_id: str, reason: str, as_json: bool) -> None:
+    """Pause a run: not claimed by workers, its effects not started by deliverers.
+
+    Work in flight finishes and is recorded: the step a worker is in, then the
+    worker lets the run go (status "running" until then); attempts already
+    made get their outcome recorded. `outbox runs resume` goes on.
+    """
+    status = cli.outbox.pause(run_id, reason)
+    note = "paused" if status.value == "paused" else "pausing: the step in flight finishes first"
+    emit(
+        PauseReport(run_id=as_uuid(run_id, "run_id"), status=status, reason=reason),
+        as_json,
+        lambda: console.print(f"run {run_id}: {note}"),
+    )
+
+
+@runs.command("resume")
+@click.argument("run_id")
+@json_option(ResumeReport)
+@pass_cli
+def runs_resume(cli: CliContext, run_id: str, as_json: bool) -> None:
+    """Resume a paused run: runnable again, its held effects delivered.
+
+    A run that was waiting re-checks its wait: a deadline that passed while
+    paused is acted on now, a signal sent meanwhile is consumed now.
+    """
+    status = cli.outbox.resume(run_id)
+    emit(
+        ResumeReport(run_id=as_uuid(run_id, "run_id"), status=status),
+        as_json,
+        lambda: console.print(f"run {run_id}: {status.value}"),
+    )
+
+
+@runs.command("fork")
+@click.argument("run_id")
+@click.option(
+    "--from",
+    "from_step",
+    required=True,
+    metavar="STEP",
+    help="The first step the fork runs anew (the steps before it replay the original's).",
+)
+@click.option(
+    "--version",
+    default=None,
+    help="Agent version the fork is pinned to (default: the original's).",
+)
+@json_option(ForkReport)
+@pass_cli
+def runs_fork(
+    cli: CliContext, run_id: str, from_step: str, version: str | None, as_json: bool
+) -> None:
+    """Restart a run from a step, as a new run linked to it; the original is not changed.
+
+    The fork replays the original's recorded steps before STEP without calling
+    their functions (what they intended is not intended again) and runs STEP
+    and the steps after it for real, with new idempotency keys. STEP may be the
+    step a failed run failed at.
+    """
+    fork = cli.outbox.fork(run_id, from_step, version=version)
+    record = fork.record
+    assert record.forked_from is not None  # a fork always names its original
+    data = ForkReport(
+        run_id=record.id,
+        forked_from=record.forked_from,
+        from_step=from_step,
+        version=record.agent_version,
+        replayed_steps=list(fork.completed_steps),
+        status=record.status,
+    )
+    emit(
+        data,
+        as_json,
+        lambda: console.print(
+            f"run {record.id} forked from {record.forked_from} at step {from_step!r} "
+            f"({record.agent} {record.agent_version}; {len(fork.completed_steps)} step(s) replay)"
+        ),
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,6 +28,7 @@ from outbox.errors import (
     RetryableError,
     check_seconds,
 )
+from outbox.storage.sql.queue import Rate
 
 __all__ = [
     "AttemptNotes",
@@ -171,6 +173,11 @@ class DelivererConfig(BaseModel):
     #: At most this many calls of this kind at once in one daemon (default: no limit
     #: of its own, only the daemon's ``concurrency``).
     concurrency: int | None = Field(default=None, ge=1)
+    #: Calls per second for this kind, shared by every deliverer process through
+    #: PostgreSQL (a provider's known quota). None: no rate of its own.
+    rate: float | None = Field(default=None, gt=0, le=1_000_000)
+    #: Calls a rate lets through at once after an idle spell (default: one second's worth).
+    burst: int | None = Field(default=None, ge=1, le=1_000_000)
 
 
 class Deliverer:
@@ -201,6 +208,11 @@ class Deliverer:
         self.max_attempts = self.config.max_attempts
         #: At most this many calls of this kind at once in one daemon (None: no own limit).
         self.concurrency = self.config.concurrency
+        #: The kind's declared rate, shared by every deliverer process (None: none).
+        self.rate: Rate | None = None
+        if self.config.rate is not None:
+            burst = self.config.burst or max(1, math.ceil(self.config.rate))
+            self.rate = Rate(self.config.rate, burst)
 
     @classmethod
     def from_config(cls, kind: str, raw: Mapping[str, Any]) -> Deliverer:

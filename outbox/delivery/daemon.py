@@ -223,9 +223,15 @@ class DeliveryDaemon:
             self._record(released(effect, "lease lost before the call started: not called"))
             return
         try:
+            attempt = await self.store.with_payload(effect)
+        except Exception as exc:  # the payload is read again with the next attempt
+            log.warning("effect %s: its payload could not be read: %s", effect.id, exc)
+            self._record(released(effect, f"payload could not be read: {exc}", delay=1.0))
+            return
+        try:
             completion, outcome = await perform_attempt(
                 self.deliverers[effect.kind],
-                effect,
+                attempt,
                 policy=self.settings.retry_policy,
                 default_max_attempts=self.settings.max_attempts,
                 schema_retry_seconds=self.settings.schema_retry_seconds,
@@ -299,7 +305,11 @@ class DeliveryDaemon:
             if isinstance(self.source, PollSource) and not self._stopping.is_set():
                 # Outcomes of batch N and the claim of batch N+1, one transaction.
                 quotas = self.source.rider_quotas(self.leases, freeing=len(batch))
-                rider = ClaimRider(quotas, self.settings.lease_seconds) if quotas else None
+                rider = (
+                    ClaimRider(quotas, self.settings.lease_seconds, self.leases.rates)
+                    if quotas
+                    else None
+                )
                 with self.leases.reserving(quotas, freeing=len(batch)):
                     written = await self._writer.write(
                         batch, timeout=self._write_timeout(), rider=rider

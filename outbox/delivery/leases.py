@@ -56,6 +56,8 @@ class Leases:
         self._waiting: dict[str, deque[UUID]] = {kind: deque() for kind in deliverers}
         self._paused_until: dict[str, float] = {}
         self._kinds_rr = list(deliverers)
+        #: Kinds with a declared rate, taken by claims through PostgreSQL.
+        self.rates = {kind: d.rate for kind, d in deliverers.items() if d.rate is not None}
 
     def __len__(self) -> int:
         return len(self.held)

@@ -168,7 +168,7 @@ async def _ask(
         return ReconcileItem(effect_id, kind, attempt, action, note)
 
     try:
-        answer = await _lookup(deliverer, delivery_for(row))
+        answer = await _lookup(deliverer, delivery_for(await store.with_payload(row)))
     except Exception as exc:  # the lease runs out again and the next round retries
         reason = f"{type(exc).__name__}: {storable_text(exc)}"
         log.warning("lookup of effect %s failed: %s", effect_id, reason)

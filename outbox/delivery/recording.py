@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from uuid import UUID
 
@@ -38,7 +39,7 @@ from outbox.delivery.storable import storable_text
 from outbox.errors import DatabaseError
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
-from outbox.storage.sql.queue import EFFECT_QUEUE
+from outbox.storage.sql.queue import EFFECT_QUEUE, Rate
 
 __all__ = ["ClaimRider", "OutcomeWriter", "Written", "is_transient", "substitute"]
 
@@ -112,6 +113,8 @@ class ClaimRider:
 
     quotas: list[tuple[dict[str, str], int]]
     lease_seconds: float
+    #: Declared rates by kind (see :meth:`AsyncStore.claim_many`).
+    rates: Mapping[str, Rate] | None = None
 
 
 @dataclass
@@ -150,7 +153,12 @@ class OutcomeWriter:
         self, part: list[Completion], rider: ClaimRider, timeout: float | None
     ) -> tuple[list[tuple[UUID, str]], list[ClaimedEffect]]:
         call = self.store.complete_and_claim(
-            self.owner, part, EFFECT_QUEUE, rider.quotas, lease_seconds=rider.lease_seconds
+            self.owner,
+            part,
+            EFFECT_QUEUE,
+            rider.quotas,
+            lease_seconds=rider.lease_seconds,
+            rates=rider.rates,
         )
         return await (call if timeout is None else asyncio.wait_for(call, timeout))
 

@@ -96,6 +96,7 @@ class PollSource:
                     quotas,
                     owner=self.settings.owner,
                     lease_seconds=self.settings.lease_seconds,
+                    rates=leases.rates,
                 )
         except Exception as exc:
             log.warning("claim failed (%s); retrying after the poll interval", exc)

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Generator
 from datetime import datetime, timedelta
 from typing import Any
 
+from outbox.blobs import Stored
 from outbox.errors import ValidationError
 from outbox.faults import crash_point
 from outbox.gates import ApprovalPolicy
@@ -94,6 +95,8 @@ class AsyncStepTransaction(StepWrites):
         schema_version: int = 1,
         compensate: tuple[str, Any] | None = None,
         cost: float | None = None,
+        priority: int | None = None,
+        fairness_key: str | None = None,
         approval: bool | ApprovalPolicy | dict[str, Any] | None = None,
     ) -> Awaitable[Effect]:
         """Record that effect ``kind`` with ``payload`` must happen, once, if this step commits.
@@ -101,7 +104,8 @@ class AsyncStepTransaction(StepWrites):
         Await it. Same rules as :meth:`outbox.StepTransaction.intend`: a key
         derived from (run, step, index) unless you pass your own, which must be
         unique across runs (same payload: the existing intent; another:
-        :class:`~outbox.IdempotencyConflict`).
+        :class:`~outbox.IdempotencyConflict`); priority and fairness key default
+        to the run's.
         """
         options = intend_options(
             key=key,
@@ -111,6 +115,8 @@ class AsyncStepTransaction(StepWrites):
             schema_version=schema_version,
             compensate=compensate,
             cost=cost,
+            priority=priority,
+            fairness_key=fairness_key,
             approval=approval,
         )
 
@@ -278,7 +284,7 @@ class AsyncRun(RunBase):
         self,
         step_id: str,
         kind: str,
-        result_json: str | None,
+        result: Stored | None,
         fn: Callable[[AsyncStepTransaction], Any] | None,
         connection: AsyncConnection | None,
     ) -> Any:
@@ -294,12 +300,10 @@ class AsyncRun(RunBase):
                         value = await value
                     crash_point("step_end", step_id, run=self.id)
                     _check_awaited(tx._unawaited, f"step {step_id!r}")
-                    result_json = self._encode_result(value)
+                    result = self._encode_result(value)
                 has_intents = tx._intents.pending > 0
                 notified = wakeup.inline() if has_intents else None
-                outcome = await conn.run_sync(
-                    self._close_step, tx, step_id, kind, result_json, notified
-                )
+                outcome = await conn.run_sync(self._close_step, tx, step_id, kind, result, notified)
         except AlreadyRecorded:
             recorded = await aio.call(self._ctx.store.step_record, self.id, step_id)
             return self._adopt(step_id, recorded)
@@ -308,11 +312,12 @@ class AsyncRun(RunBase):
             crash_point("after_commit", step_id, run=self.id)
         if has_intents and connection is None:
             wakeup.committed(notified)
-        return self._recorded(step_id, kind, tx, result_json, outcome)
+        return self._recorded(step_id, kind, tx, result, outcome)
 
     async def _finish(self, status: RunStatus, *, result: Any = None, error: Any = None) -> None:
         params = self._finish_params(status, result, error)
-        if not await self._actx.aio.call(self._ctx.store.finish_run, self.id, **params):
+        finish = self._ctx.store.finish_run
+        if not await self._actx.aio.call(finish, self.id, **self._finish_args(params)):
             await self.refresh()
             raise self._not_finished()
         self._finished(status, params)

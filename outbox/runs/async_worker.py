@@ -23,7 +23,7 @@ from outbox.models import Lease, RunRecord, RunStatus
 from outbox.retry import wait_or_wake
 from outbox.runs.async_run import AsyncRun
 from outbox.runs.context import AsyncRunContext
-from outbox.runs.run_base import Suspended
+from outbox.runs.run_base import Paused, Suspended
 from outbox.runs.stopping import advance_stopping_runs
 from outbox.runs.worker import WorkerCore, WorkerSettings
 from outbox.storage.notify import listen
@@ -120,16 +120,20 @@ class AsyncWorker(WorkerCore):
         context = self._context(record, self.owner)
         aio, store = self.actx.aio, self.ctx.store
         try:
+            loaded = await aio.call(store.load_run, record.id)
+            if loaded is None:
+                return
+            record = loaded[0]
             if record.agent_version != self.version:
                 args = self._upgrade_args(record, lease)
                 upgraded = await aio.call(store.upgrade_run, record.id, lease, **args)
                 record = self._upgraded(record, upgraded)
-            loaded = await aio.call(store.load_run, record.id)
-            if loaded is None:
-                return
             run = AsyncRun(self.actx, record, loaded[1], lease=lease)
             try:
                 result = await self.handler(run)
+            except Paused:
+                self._parked(await aio.call(store.park_paused, run.id, lease), context)
+                return
             except Suspended:
                 self._count("suspended")
                 log.info("run waits", extra=context)
@@ -140,6 +144,9 @@ class AsyncWorker(WorkerCore):
                 return
             except Exception as exc:
                 suspended = _suspension_in(exc)
+                if isinstance(suspended, Paused):  # inside a task group (parallel tools)
+                    self._parked(await aio.call(store.park_paused, run.id, lease), context)
+                    return
                 if suspended is not None:  # parked inside a task group (parallel tools)
                     self._count("suspended")
                     log.info("run waits", extra=context)
@@ -157,8 +164,11 @@ class AsyncWorker(WorkerCore):
                     return
             self._count("completed")
         except BaseExceptionGroup as group:
-            if _suspension_in(group) is None:
+            suspended = _suspension_in(group)
+            if suspended is None:
                 log.exception("worker error on run", extra=context)
+            elif isinstance(suspended, Paused):
+                self._parked(await aio.call(store.park_paused, record.id, lease), context)
             else:
                 self._count("suspended")
         except Exception:

@@ -13,13 +13,21 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Protocol
 
+from outbox.blobs import Blob, Stored, store_value
 from outbox.errors import IdempotencyConflict, PayloadError, ValidationError
 from outbox.gates import ApprovalPolicy, policy_json
 from outbox.ids import uuid7
 from outbox.intent_rules import MAX_AMOUNT, check_payload
 from outbox.keys import derive_key
-from outbox.models import DRY_RUN_KIND_PREFIX, Compensation, Effect, EffectIntent, EffectStatus
-from outbox.payloads import content_hash, decode, encode, encode_sized
+from outbox.models import (
+    DRY_RUN_KIND_PREFIX,
+    Compensation,
+    Effect,
+    EffectIntent,
+    EffectStatus,
+    RunRecord,
+)
+from outbox.payloads import content_hash, decode, encode_sized
 from outbox.runs.context import RunContext
 from outbox.storage import Connection
 from outbox.storage.store import effects_json
@@ -35,6 +43,9 @@ class RunHandle(Protocol):
 
     @property
     def context(self) -> RunContext: ...
+
+    @property
+    def record(self) -> RunRecord: ...
 
     @property
     def dry_run(self) -> bool: ...
@@ -97,13 +108,15 @@ class _Intents:
         kind: str,
         payload: Any,
         options: dict[str, Any],
+        lane: tuple[int, str] = (0, ""),
         dry_run: bool = False,
     ) -> _Prepared | Effect:
         """Everything of :meth:`add` but the look-up: validation, encoding, the key (no I/O).
 
         Returns the intent already gathered in this transaction under the same
         key and payload, if any. Both twins call it, then look a caller's key up
-        their own way (:meth:`lookup`), then :meth:`record`.
+        their own way (:meth:`lookup`), then :meth:`record`. ``lane`` is the
+        priority and fairness key an intent that names none takes (its run's).
 
         In a dry run the kind (and a compensation's) goes to the dry-run namespace,
         where no real deliverer claims it, and a caller's key is made the run's own,
@@ -114,8 +127,10 @@ class _Intents:
         intent: EffectIntent = validated(EffectIntent, kind=kind, payload=payload, **options)
         check_payload(intent.payload, "payload")
         limit = settings.max_payload_bytes
-        payload_json, size = encode_sized(intent.payload, field="payload", max_bytes=limit)
-        payload_hash = content_hash(payload_json)
+        stored = store_value(intent.payload, field="payload", limits=settings.value_limits)
+        size = stored.size
+        # The content hash of the payload itself, also when the row holds a reference.
+        payload_hash = content_hash(stored.json) if stored.blob is None else stored.blob.sha256
         kind = DRY_RUN_KIND_PREFIX + intent.kind if dry_run else intent.kind
         compensate_json = None
         if intent.compensate is not None:
@@ -164,7 +179,7 @@ class _Intents:
             "id": str(uuid7()),
             "step_index": index,
             "kind": kind,
-            "payload": payload_json,
+            "payload": stored.json,
             "payload_hash": payload_hash,
             "schema_version": intent.schema_version,
             "idempotency_key": key,
@@ -174,6 +189,8 @@ class _Intents:
             "compensates": None,
             "cost": intent.cost,
             "delay_seconds": intent.delay_seconds,
+            "priority": lane[0] if intent.priority is None else intent.priority,
+            "fairness_key": lane[1] if intent.fairness_key is None else intent.fairness_key,
             "approval": None
             if intent.approval is None or dry_run
             else policy_json(intent.approval, "intent"),
@@ -182,6 +199,7 @@ class _Intents:
             "_run_id": run_id,
             "_step_id": step_id,
             "_size": size,
+            "_stored": stored,
         }
         return _Prepared(row, caller_key=intent.key is not None)
 
@@ -218,6 +236,10 @@ class _Intents:
             [{k: v for k, v in r.items() if not k.startswith("_")} for r in self._rows]
         )
 
+    def blobs(self) -> list[tuple[str, Blob]]:
+        """Payloads stored by reference, with the id of the effect holding each."""
+        return [(r["id"], r["_stored"].blob) for r in self._rows if r["_stored"].blob is not None]
+
 
 def _same_intent(
     existing: Effect, key: str, kind: str, payload_hash: str, run_id: uuid.UUID | None
@@ -233,13 +255,14 @@ def _same_intent(
 
 
 def _effect(row: dict[str, Any]) -> Effect:
+    stored: Stored = row["_stored"]
     return Effect(
         id=uuid.UUID(row["id"]),
         run_id=row["_run_id"],
         step_id=row["_step_id"],
         step_index=row["step_index"],
         kind=row["kind"],
-        payload=decode(row["payload"]),
+        payload=decode(stored.value_json),
         payload_hash=row["payload_hash"],
         schema_version=row["schema_version"],
         idempotency_key=row["idempotency_key"],
@@ -251,6 +274,8 @@ def _effect(row: dict[str, Any]) -> Effect:
         if row["compensate"] is None
         else Compensation.model_validate_json(row["compensate"]),
         cost=None if row["cost"] is None else Decimal(str(row["cost"])),
+        priority=row["priority"],
+        fairness_key=row["fairness_key"],
         approval=decode(row["approval"]),
         trace_parent=row["trace_parent"],
     )
@@ -280,7 +305,10 @@ class OutboxTransaction:
             return
         self._notified = self._ctx.effects_wakeup.inline()
         inserted = self._ctx.store.intend_without_run(
-            connection, self._intents.as_json(), notify=self._notified is not None
+            connection,
+            self._intents.as_json(),
+            notify=self._notified is not None,
+            blobs=self._intents.blobs(),
         )
         if inserted != self._intents.pending:
             raise IdempotencyConflict(
@@ -297,6 +325,8 @@ def intend_options(
     schema_version: int,
     compensate: tuple[str, Any] | None,
     cost: float | None,
+    priority: int | None = None,
+    fairness_key: str | None = None,
     approval: bool | ApprovalPolicy | dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The options of ``StepTransaction.intend`` (and its async twin) as ``EffectIntent`` fields."""
@@ -307,6 +337,8 @@ def intend_options(
         "delay_seconds": delay_seconds,
         "schema_version": schema_version,
         "cost": cost,
+        "priority": priority,
+        "fairness_key": fairness_key,
     }
     if approval is True:
         options["approval"] = {}
@@ -330,8 +362,8 @@ class StepWrites:
     def __init__(self, run: RunHandle, intents_connection: Connection, step_id: str) -> None:
         self.run = run
         self.step_id = step_id
-        self._state_json: str | None = None
-        self._plan_json: str | None = None
+        self._state: Stored | None = None
+        self._plan: Stored | None = None
         self._debit = Decimal(0)
         self._reserve = Decimal(0)
         self._ledger: list[dict[str, Any]] = []
@@ -339,26 +371,39 @@ class StepWrites:
 
     def set_state(self, state: Any) -> None:
         """Replace the run's state when this step commits."""
-        self._state_json = encode(
-            state, field="state", max_bytes=self.run.context.settings.max_payload_bytes
-        )
+        limits = self.run.context.settings.value_limits
+        self._state = store_value(state, field="state", limits=limits)
 
     def set_plan(self, plan: Any) -> None:
         """Replace the run's plan (task list) when this step commits."""
-        self._plan_json = encode(
-            plan, field="plan", max_bytes=self.run.context.settings.max_payload_bytes
-        )
+        limits = self.run.context.settings.value_limits
+        self._plan = store_value(plan, field="plan", limits=limits)
+
+    @property
+    def _state_json(self) -> str | None:
+        return None if self._state is None else self._state.json
+
+    @property
+    def _plan_json(self) -> str | None:
+        return None if self._plan is None else self._plan.json
+
+    def _blobs(self) -> list[Blob | None]:
+        """Every value of this step stored by reference: state, plan, intent payloads."""
+        found = [s.blob for s in (self._state, self._plan) if s is not None]
+        return found + [blob for _, blob in self._intents.blobs()]
 
     def _prepare_intent(
         self, kind: str, payload: Any, options: dict[str, Any]
     ) -> tuple[_Prepared | Effect, int]:
         before = self._intents.pending
+        record = self.run.record
         prepared = self._intents.prepare(
             run_id=self.run.id,
             step_id=self.step_id,
             kind=kind,
             payload=payload,
             options=options,
+            lane=(record.priority, record.fairness_key),
             dry_run=self.run.dry_run,
         )
         return prepared, before
@@ -428,6 +473,8 @@ class StepTransaction(StepWrites):
         schema_version: int = 1,
         compensate: tuple[str, Any] | None = None,
         cost: float | None = None,
+        priority: int | None = None,
+        fairness_key: str | None = None,
         approval: bool | ApprovalPolicy | dict[str, Any] | None = None,
     ) -> Effect:
         """Record that effect ``kind`` with ``payload`` must happen, once, if this step commits.
@@ -438,6 +485,9 @@ class StepTransaction(StepWrites):
         returns the existing intent when kind, payload and run all match, and
         raises :class:`~outbox.IdempotencyConflict` otherwise. What a payload
         may contain: ``outbox.intent_rules`` (no credentials, no framing headers).
+        ``priority`` and ``fairness_key`` default to the run's: deliverers claim
+        higher priorities first and share their capacity between fairness keys.
+        A payload over ``Settings.blob_threshold_bytes`` is stored once, by reference.
 
         ``approval`` (``True``, or ``{"timeout": 3600, "on_timeout": "reject"}``,
         see :class:`~outbox.ApprovalPolicy`) holds the effect as
@@ -452,6 +502,8 @@ class StepTransaction(StepWrites):
             schema_version=schema_version,
             compensate=compensate,
             cost=cost,
+            priority=priority,
+            fairness_key=fairness_key,
             approval=approval,
         )
         prepared, before = self._prepare_intent(kind, payload, options)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
+from outbox.blobs import Stored
 from outbox.faults import crash_point
 from outbox.models import Effect, RunStatus
 from outbox.runs.intents import StepTransaction
@@ -145,7 +146,7 @@ class Run(RunBase):
         self,
         step_id: str,
         kind: str,
-        result_json: str | None,
+        result: Stored | None,
         fn: Callable[[StepTransaction], Any] | None,
         connection: Connection | None,
     ) -> Any:
@@ -158,10 +159,10 @@ class Run(RunBase):
                     crash_point("step_start", step_id, run=self.id)
                     value = fn(tx)
                     crash_point("step_end", step_id, run=self.id)
-                    result_json = self._encode_result(value)
+                    result = self._encode_result(value)
                 has_intents = tx._intents.pending > 0
                 notified = wakeup.inline() if has_intents else None
-                outcome = self._close_step(conn, tx, step_id, kind, result_json, notified)
+                outcome = self._close_step(conn, tx, step_id, kind, result, notified)
         except AlreadyRecorded:
             return self._adopt(step_id, store.step_record(self.id, step_id))
         if connection is None:
@@ -169,11 +170,11 @@ class Run(RunBase):
             crash_point("after_commit", step_id, run=self.id)
         if has_intents and connection is None:
             wakeup.committed(notified)
-        return self._recorded(step_id, kind, tx, result_json, outcome)
+        return self._recorded(step_id, kind, tx, result, outcome)
 
     def _finish(self, status: RunStatus, *, result: Any = None, error: Any = None) -> None:
         params = self._finish_params(status, result, error)
-        if not self._ctx.store.finish_run(self.id, **params):
+        if not self._ctx.store.finish_run(self.id, **self._finish_args(params)):
             self.refresh()
             raise self._not_finished()
         self._finished(status, params)

@@ -15,12 +15,14 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from outbox.blobs import Blob, Stored, store_value
 from outbox.errors import (
     BudgetExceeded,
     IdempotencyConflict,
     LeaseLost,
     OutboxError,
     RunNotFound,
+    RunPaused,
     RunTerminal,
     ValidationError,
 )
@@ -36,7 +38,7 @@ from outbox.models import (
     StepRecord,
     StepStatus,
 )
-from outbox.payloads import decode, encode
+from outbox.payloads import decode
 from outbox.runs.context import RunContext
 from outbox.runs.intents import StepWrites
 from outbox.runs.waits import Pending, WaitSpec, check_wait, recorded_error
@@ -46,7 +48,7 @@ from outbox.storage.store import StepOutcome
 from outbox.tracing import step_span
 from outbox.validation import as_uuid, name_field
 
-__all__ = ["AlreadyRecorded", "RunBase", "Suspended"]
+__all__ = ["AlreadyRecorded", "Paused", "RunBase", "Suspended"]
 
 
 class AlreadyRecorded(Exception):
@@ -62,6 +64,19 @@ class Suspended(BaseException):
 
     def __init__(self, run_id: uuid.UUID, step_id: str) -> None:
         super().__init__(f"run {run_id} waits at step {step_id!r}")
+        self.run_id = run_id
+        self.step_id = step_id
+
+
+class Paused(Suspended):
+    """Raised out of a worker's handler after the step a pause waited for was recorded.
+
+    The worker parks the run as ``paused`` (``outbox runs resume`` goes on from the
+    next step). A ``Suspended``, so code that lets a wait through lets it through too.
+    """
+
+    def __init__(self, run_id: uuid.UUID, step_id: str) -> None:
+        BaseException.__init__(self, f"run {run_id} is paused after step {step_id!r}")
         self.run_id = run_id
         self.step_id = step_id
 
@@ -204,8 +219,8 @@ class RunBase:
             traceparent=self._record.trace_parent, run_id=str(self.id), step_id=step_id, kind=kind
         )
 
-    def _encode_result(self, value: Any) -> str:
-        return encode(value, field="result", max_bytes=self._ctx.settings.max_payload_bytes)
+    def _encode_result(self, value: Any) -> Stored:
+        return store_value(value, field="result", limits=self._ctx.settings.value_limits)
 
     def _close_step(
         self,
@@ -213,22 +228,23 @@ class RunBase:
         tx: StepWrites,
         step_id: str,
         kind: str,
-        result_json: str | None,
+        result: Stored | None,
         notified: float | None,
     ) -> StepOutcome:
         """Write the step's one-statement checkpoint in its open transaction and judge it (sync).
 
-        Raises the run's refusal (ended, lease lost, over budget), :class:`AlreadyRecorded`
-        when another handle recorded the step first, or :class:`IdempotencyConflict`;
-        the caller's transaction then rolls back whole.
+        Raises the run's refusal (ended, paused, lease lost, over budget),
+        :class:`AlreadyRecorded` when another handle recorded the step first, or
+        :class:`IdempotencyConflict`; the caller's transaction then rolls back whole.
         """
+        blobs: list[Blob | None] = [None if result is None else result.blob, *tx._blobs()]
         outcome = self._ctx.store.commit_step(
             conn,
             {
                 "run_id": self.id,
                 "step_id": step_id,
                 "kind": kind,
-                "step_result": result_json,
+                "step_result": None if result is None else result.json,
                 "new_state": tx._state_json,
                 "new_plan": tx._plan_json,
                 "effects": tx._intents.as_json(),
@@ -239,6 +255,7 @@ class RunBase:
             },
             fenced=self._lease is not None,
             notify=notified is not None,
+            blobs=blobs,
         )
         crash_point("before_step_commit", step_id, run=self.id)
         if not outcome.run_ok:
@@ -256,18 +273,21 @@ class RunBase:
         step_id: str,
         kind: str,
         tx: StepWrites,
-        result_json: str | None,
+        stored: Stored | None,
         outcome: StepOutcome,
     ) -> Any:
-        """The step committed: remember it and return its result."""
+        """The step committed: remember it and return its result.
+
+        In a worker, a pause that waited for this step raises :class:`Paused` here.
+        """
         self._record = self._record.model_copy(
             update={
                 "current_step": step_id,
-                **({"state": decode(tx._state_json)} if tx._state_json is not None else {}),
-                **({"plan": decode(tx._plan_json)} if tx._plan_json is not None else {}),
+                **({"state": decode(tx._state.value_json)} if tx._state is not None else {}),
+                **({"plan": decode(tx._plan.value_json)} if tx._plan is not None else {}),
             }
         )
-        result = decode(result_json)
+        result = None if stored is None else decode(stored.value_json)
         self._steps[step_id] = StepRecord(
             run_id=self.id,
             step_id=step_id,
@@ -278,6 +298,8 @@ class RunBase:
         )
         self.active_step = None
         crash_point("after_step", step_id, run=self.id)
+        if outcome.paused and self._lease is not None:
+            raise Paused(self.id, step_id)
         return result
 
     def _adopt(self, step_id: str, recorded: StepRecord | None) -> Any:
@@ -346,6 +368,9 @@ class RunBase:
     def _lock_for_write(self, tx: RunTx) -> None:
         """Lock the run row and check that this handle may still write to it."""
         locked = tx.lock(self.id)
+        if locked.status == RunStatus.PAUSED:
+            self._record = self._record.model_copy(update={"status": locked.status})
+            raise RunPaused(self.id)
         if locked.status not in LIVE_RUN_STATUSES:
             self._record = self._record.model_copy(update={"status": locked.status})
             raise RunTerminal(self.id, locked.status.value)
@@ -359,20 +384,30 @@ class RunBase:
     # -- its end ----------------------------------------------------------------
 
     def _finish_params(self, status: RunStatus, result: Any, error: Any) -> dict[str, Any]:
-        limit = self._ctx.settings.max_payload_bytes
+        limits = self._ctx.settings.value_limits
+        stored = {
+            name: None if value is None else store_value(value, field=name, limits=limits)
+            for name, value in (("result", result), ("error", error))
+        }
         return {
             "status": status.value,
-            "result": None if result is None else encode(result, field="result", max_bytes=limit),
-            "error": None if error is None else encode(error, field="error", max_bytes=limit),
+            **{name: None if s is None else s.json for name, s in stored.items()},
             "fence": self._lease,
+            "blobs": [s.blob for s in stored.values() if s is not None],
+            "values": stored,
         }
 
+    @staticmethod
+    def _finish_args(params: dict[str, Any]) -> dict[str, Any]:
+        """What ``Store.finish_run`` takes of :meth:`_finish_params`."""
+        return {k: v for k, v in params.items() if k != "values"}
+
     def _finished(self, status: RunStatus, params: dict[str, Any]) -> None:
+        values = params["values"]
         self._record = self._record.model_copy(
             update={
                 "status": status,
-                "result": decode(params["result"]),
-                "error": decode(params["error"]),
+                **{name: None if s is None else decode(s.value_json) for name, s in values.items()},
             }
         )
 
@@ -414,6 +449,8 @@ class RunBase:
         if current is None:
             return RunNotFound(self.id)
         self._record = current
+        if current.status == RunStatus.PAUSED:
+            return RunPaused(self.id, current.pause_reason)
         if current.status not in LIVE_RUN_STATUSES:
             return RunTerminal(self.id, current.status.value)
         if self._lease is not None and (current.lease_owner, current.attempt) != self._lease:

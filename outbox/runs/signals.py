@@ -6,6 +6,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict
 
+from outbox.blobs import Blob
 from outbox.errors import RunTerminal
 from outbox.ids import uuid7
 from outbox.models import LIVE_RUN_STATUSES
@@ -32,14 +33,23 @@ class SignalReceipt(BaseModel):
 
 
 def send_signal(
-    tx: RunTx, run_id: uuid.UUID, name: str, payload_json: str, dedup_key: str
+    tx: RunTx,
+    run_id: uuid.UUID,
+    name: str,
+    payload_json: str,
+    dedup_key: str,
+    blob: Blob | None = None,
 ) -> SignalReceipt:
-    """Store a signal for a live run and wake it if it waits for this name."""
+    """Store a signal for a live run and wake it if it waits for this name.
+
+    A paused run keeps the signal; it is consumed when the resumed run reaches its wait.
+    """
     status = tx.lock(run_id).status
     if status not in LIVE_RUN_STATUSES:
         raise RunTerminal(run_id, status.value)
     signal_id = uuid7()
     if not tx.insert_signal(signal_id, run_id, name, payload_json, dedup_key):
         return SignalReceipt(signal_id=None, duplicate=True, woke_run=False)
+    tx.put_blobs(run_id, [blob])
     woke = tx.wake_signalled(run_id, name)
     return SignalReceipt(signal_id=signal_id, duplicate=False, woke_run=woke)

@@ -33,6 +33,7 @@ from outbox.models import (
     RunStatus,
 )
 from outbox.payloads import content_hash, encode
+from outbox.settings import MAX_VALUE_BYTES
 from outbox.storage.run_tx import RunTx
 from outbox.storage.store import effects_json
 
@@ -105,7 +106,11 @@ def _intend_compensations(tx: RunTx, run_id: uuid.UUID, to_undo: list[Any]) -> N
     intents = []
     for index, original in enumerate(to_undo):
         compensate = original.compensate
-        payload_json = encode(compensate["payload"], field="compensate.payload")
+        # In the row, as declared (its size was checked then); a role's insert policy
+        # compares it with the declaration (outbox.storage.roles).
+        payload_json = encode(
+            compensate["payload"], field="compensate.payload", max_bytes=MAX_VALUE_BYTES
+        )
         intents.append(
             {
                 "id": str(uuid7()),
@@ -122,6 +127,8 @@ def _intend_compensations(tx: RunTx, run_id: uuid.UUID, to_undo: list[Any]) -> N
                 "compensates": str(original.id),
                 "cost": None,
                 "delay_seconds": 0.0,
+                "priority": original.priority,
+                "fairness_key": original.fairness_key,
             }
         )
     tx.intend_compensations(run_id, effects_json(intents))

@@ -153,7 +153,9 @@ def check_wait(
         assert spec.signal is not None
         found, payload = tx.consume_signal(run_id, step_id, spec.signal)
         if found:
-            return _complete(tx, run_id, step_id, spec.kind, result=payload)
+            # the step records the payload as stored (a large one by reference)
+            completed = _complete(tx, run_id, step_id, spec.kind, result=payload)
+            return completed.model_copy(update={"result": tx.resolved(payload)})
         if step.due:
             error = {"type": "SignalTimeout", "signal": spec.signal}
             return _complete(tx, run_id, step_id, spec.kind, error=error)

@@ -24,6 +24,7 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from outbox.blobs import store_value
 from outbox.errors import LeaseLost, RunTerminal
 from outbox.faults import crash_point
 from outbox.ids import default_owner
@@ -33,7 +34,7 @@ from outbox.payloads import decode, encode
 from outbox.retry import RetryPolicy
 from outbox.runs.context import RunContext, StateUpgrade
 from outbox.runs.run import Run, Suspended
-from outbox.runs.run_base import RunBase
+from outbox.runs.run_base import Paused, RunBase
 from outbox.runs.stopping import advance_stopping_runs
 from outbox.storage.notify import listen_blocking
 from outbox.storage.sql.common import RUNS_CHANNEL
@@ -81,7 +82,7 @@ class WorkerCore:
         self._held: dict[UUID, int] = {}
         self._lock = threading.Lock()
         self._policy = RetryPolicy(settings.retry_base_seconds, settings.retry_cap_seconds)
-        #: Handler outcomes so far: completed, failed, suspended, retried, abandoned.
+        #: Handler outcomes so far: completed, failed, suspended, paused, retried, abandoned.
         self.counts: dict[str, int] = {}
 
     def _upgrades(self) -> dict[str, StateUpgrade]:
@@ -122,15 +123,17 @@ class WorkerCore:
         return {"run_id": str(record.id), "worker": owner, "attempt": record.attempt}
 
     def _upgrade_args(self, record: RunRecord, lease: Lease) -> dict[str, Any]:
-        """``Store.upgrade_run`` arguments: the registered upgrade applied to the run's state."""
+        """``Store.upgrade_run`` arguments: the registered upgrade applied to the run's state.
+
+        ``record`` is the run as loaded (its values read back, not references).
+        """
         fn = self._upgrades()[record.agent_version]
-        state = encode(
-            fn(record.state), field="state", max_bytes=self.ctx.settings.max_payload_bytes
-        )
+        state = store_value(fn(record.state), field="state", limits=self.ctx.settings.value_limits)
         return {
             "from_version": record.agent_version,
             "to_version": self.version,
-            "state_json": state,
+            "state_json": state.json,
+            "blobs": [state.blob],
         }
 
     def _upgraded(self, record: RunRecord, upgraded: RunRecord | None) -> RunRecord:
@@ -189,6 +192,11 @@ class WorkerCore:
             )
         else:
             self._count("abandoned")
+
+    def _parked(self, status: str | None, context: dict[str, Any]) -> None:
+        """A pause waited for the step just recorded; the run was let go (``Store.park_paused``)."""
+        self._count("paused" if status == "paused" else "abandoned")
+        log.info("run let go after its step: %s", status or "no longer ours", extra=context)
 
     @staticmethod
     def _report_lost(held: list[tuple[UUID, int]], kept: set[UUID]) -> None:
@@ -288,15 +296,19 @@ class Worker(WorkerCore):
         context = self._context(record, self.owner)
         store = self.ctx.store
         try:
-            if record.agent_version != self.version:
-                upgraded = store.upgrade_run(record.id, lease, **self._upgrade_args(record, lease))
-                record = self._upgraded(record, upgraded)
             loaded = store.load_run(record.id)
             if loaded is None:
                 return
+            record = loaded[0]
+            if record.agent_version != self.version:
+                upgraded = store.upgrade_run(record.id, lease, **self._upgrade_args(record, lease))
+                record = self._upgraded(record, upgraded)
             run = Run(self.ctx, record, loaded[1], lease=lease)
             try:
                 result = self.handler(run)
+            except Paused:
+                self._parked(store.park_paused(run.id, lease), context)
+                return
             except Suspended:
                 self._count("suspended")
                 log.info("run waits", extra=context)

@@ -8,6 +8,7 @@ values, and every driver error as :class:`~outbox.errors.DatabaseError`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,10 @@ from uuid import UUID
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from outbox.blobs import reference_hash
 from outbox.faults import crash_point
+from outbox.storage import blob_store
+from outbox.storage.claims import ClaimMode
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import effects as effect_sql
@@ -125,33 +129,41 @@ def _claimed(rows: Any) -> list[ClaimedEffect]:
     return [ClaimedEffect.from_row(row) for row in rows.mappings()]
 
 
-async def _claim_on(
-    conn: AsyncConnection,
-    spec: queue.QueueSpec,
-    quotas: Sequence[tuple[dict[str, str], int]],
-    owner: str,
-    lease_seconds: float,
-) -> list[ClaimedEffect]:
-    """The claim of each partition's quota on ``conn`` (the caller owns the transaction)."""
-    rows: list[ClaimedEffect] = []
-    for partition, limit in quotas:
-        params = queue.claim_params(
-            partition, limit=limit, owner=owner, lease_seconds=lease_seconds
-        )
-        rows += _claimed(await conn.execute(queue.claim(spec), params))
-    return rows
-
-
 class AsyncStore:
     """Delivery statements on one async engine."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        self._claims = ClaimMode()
 
     @property
     def dsn(self) -> str:
         """The database, for connections of its own (LISTEN)."""
         return self.engine.url.render_as_string(hide_password=False)
+
+    async def _claim_on(
+        self,
+        conn: AsyncConnection,
+        spec: queue.QueueSpec,
+        quotas: Sequence[tuple[dict[str, str], int]],
+        owner: str,
+        lease_seconds: float,
+        rates: Mapping[str, queue.Rate] | None,
+    ) -> list[ClaimedEffect]:
+        """The claim of each partition's quota on ``conn`` (the caller owns the transaction)."""
+        rows: list[ClaimedEffect] = []
+        for partition, limit in quotas:
+            rate = None if rates is None else rates.get(partition.get("kind", ""))
+            params = queue.claim_params(
+                partition, limit=limit, owner=owner, lease_seconds=lease_seconds, rate=rate
+            )
+            again = True
+            while again:  # at most twice: plain, then lanes (see ClaimMode)
+                statement, lanes = self._claims.statement(spec, partition, rated=rate is not None)
+                result = await conn.execute(statement, params)
+                found, again = self._claims.claimed(spec, partition, lanes, result.mappings())
+                rows += [ClaimedEffect.from_row(row) for row in found]
+        return rows
 
     async def claim_many(
         self,
@@ -160,8 +172,13 @@ class AsyncStore:
         *,
         owner: str,
         lease_seconds: float,
+        rates: Mapping[str, queue.Rate] | None = None,
     ) -> list[ClaimedEffect]:
-        """Claim from each partition, all in one transaction (claimed rows are all returned)."""
+        """Claim from each partition, all in one transaction (claimed rows are all returned).
+
+        ``rates`` maps a kind to its declared rate: that kind's claims take no
+        more than the rate allows, shared with every process through PostgreSQL.
+        """
         with translate_errors("claiming effects"):
             async with self.engine.connect() as conn:
                 if len(quotas) == 1:
@@ -170,9 +187,23 @@ class AsyncStore:
                     # round trips on the commit -> handler start path. With several, a
                     # failure part-way must not leave claims that were never returned.
                     conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                rows = await _claim_on(conn, spec, quotas, owner, lease_seconds)
+                rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 await conn.commit()
         return rows
+
+    async def with_payload(self, effect: ClaimedEffect) -> ClaimedEffect:
+        """The attempt with its payload read back if it was stored by reference.
+
+        Claims never read blobs; a deliverer reads one just before calling its
+        sink, so it holds one large payload per call in flight, not per claim.
+        """
+        sha = reference_hash(effect.payload)
+        if sha is None:
+            return effect
+        with translate_errors("reading a payload"):
+            async with self.engine.connect() as conn:
+                values = await conn.run_sync(blob_store.fetch, [sha])
+        return dataclasses.replace(effect, payload=values[sha])
 
     async def extend(
         self,
@@ -212,6 +243,7 @@ class AsyncStore:
         quotas: Sequence[tuple[dict[str, str], int]],
         *,
         lease_seconds: float,
+        rates: Mapping[str, queue.Rate] | None = None,
     ) -> tuple[list[tuple[UUID, str]], list[ClaimedEffect]]:
         """:meth:`complete` and :meth:`claim_many` in one transaction: one commit per batch.
 
@@ -228,7 +260,7 @@ class AsyncStore:
                 )
                 logged = [(row[0], row[1]) for row in result]
                 crash_point("during_completion")
-                rows = await _claim_on(conn, spec, quotas, owner, lease_seconds)
+                rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
         return logged, rows
 
     async def expired(

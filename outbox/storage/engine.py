@@ -29,7 +29,9 @@ from outbox.errors import (
     IdempotencyConflict,
     OutboxError,
     PayloadError,
+    RunExists,
     RunNotFound,
+    RunPaused,
     RunStateError,
     RunTerminal,
     StepAlreadyRecorded,
@@ -163,6 +165,10 @@ def sql_api_error(sqlstate: str | None, message: str, detail: str | None) -> Out
             )
         case "OB008":
             return RunStateError(message)
+        case "OB009":
+            return RunPaused(fields["run_id"], fields.get("reason"))
+        case "OB010":
+            return RunExists(fields["key"], fields["run_id"])
     return DatabaseError(message, sqlstate=sqlstate)
 
 

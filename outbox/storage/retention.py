@@ -11,7 +11,11 @@ What goes, batch by batch:
    open, with everything that belongs to them: steps, effects (payload, key,
    result), the effects' attempt log, signals and budget ledger;
 2. run-less effects that finished before the horizon, with their attempt log;
-3. consumer dedup keys and webhook replay marks older than the horizon.
+3. consumer dedup keys and webhook replay marks older than the horizon;
+4. the large values stored by reference (:mod:`outbox.blobs`) that nothing uses
+   any more: a run's or run-less effect's references go with it (and any left
+   by an owner deleted otherwise go here), then every blob no reference names.
+   A blob a writer is using at that moment is locked by it, and skipped.
 
 With an archive, every deleted row of every table is written to it
 (:mod:`outbox.storage.archive`) and fsynced before its batch commits.
@@ -35,6 +39,8 @@ from outbox.storage.archive import ArchiveWriter
 from outbox.storage.engine import translate_errors
 from outbox.storage.migrate import applied_versions
 from outbox.storage.schema import (
+    blob_refs,
+    blobs,
     budget_ledger,
     consumed_keys,
     effect_attempts,
@@ -44,6 +50,7 @@ from outbox.storage.schema import (
     steps,
     webhook_replays,
 )
+from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql import retention as sql
 
 __all__ = ["GC_TABLES", "GcReport", "collect_garbage", "parse_horizon"]
@@ -65,6 +72,8 @@ GC_TABLES: tuple[str, ...] = tuple(
         effect_attempts,
         consumed_keys,
         webhook_replays,
+        blob_refs,
+        blobs,
     )
 )
 _OPEN = {str(s) for s in OPEN_EFFECT_STATUSES}
@@ -178,6 +187,7 @@ class _RunPhase:
             batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows), {"ids": effect_ids})
             for child in sql.RUN_CHILDREN:
                 batch.delete(child.name, sql.delete_run_children(child, rows=rows), {"ids": ids})
+            batch.delete(blob_refs.name, blob_sql.delete_refs_of(rows=rows), {"ids": ids})
             batch.delete(runs.name, sql.delete_by_ids(runs, rows=rows), {"ids": ids})
         return len(picked), more
 
@@ -187,8 +197,20 @@ def _runless_batch(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
     if picked:
         rows = batch.keep_rows
         batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows), {"ids": picked})
+        batch.delete(blob_refs.name, blob_sql.delete_refs_of(rows=rows), {"ids": picked})
         batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows), {"ids": picked})
     return len(picked), len(picked) == params["batch"]
+
+
+def _values_batch(table: Any) -> _Phase:
+    """References whose owner is gone, or blobs no reference names (not by horizon)."""
+    statement = blob_sql.delete_orphan_refs if table is blob_refs else blob_sql.delete_unused_blobs
+
+    def run(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
+        deleted = batch.delete(table.name, statement(rows=batch.keep_rows), params)
+        return deleted, deleted == params["batch"]
+
+    return run
 
 
 def _keys_batch(table: Any) -> _Phase:
@@ -236,6 +258,8 @@ def collect_garbage(
         (effects.name, _runless_batch),
         (consumed_keys.name, _keys_batch(consumed_keys)),
         (webhook_replays.name, _keys_batch(webhook_replays)),
+        (blob_refs.name, _values_batch(blob_refs)),
+        (blobs.name, _values_batch(blobs)),
     ]
     for phase, run in phases:
         while True:

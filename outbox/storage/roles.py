@@ -3,18 +3,21 @@
 Four group roles (``NOLOGIN``); give each login one of them
 (``CREATE ROLE billing_agent LOGIN PASSWORD '...' IN ROLE outbox_agent``):
 
-- ``outbox_agent``: starts runs, commits steps with their intents, sends and
-  consumes signals, parks and wakes its runs. It cannot complete, retry or
-  delete an effect: of ``outbox_effects`` it may only insert fresh intents
-  (``pending`` or held for approval, never attempted) and mark one awaited.
-- ``outbox_deliverer``: claims, heartbeats, completes and reconciles effects,
-  and moves stopping runs on (which updates ``outbox_runs`` and intends their
-  compensations). It cannot change what an effect is (kind, payload, key) and
-  cannot insert intents: only the compensations an agent declared on a
-  succeeded effect of a run being cancelled.
-- ``outbox_operator``: resolves, retries and cancels (its cancel moves the run
-  on like a deliverer), approves and rejects held effects, manages approval
-  gates, reconciles, and deletes history (``outbox gc``).
+- ``outbox_agent``: starts runs (and forks them), commits steps with their
+  intents and the large values they store by reference, sends and consumes
+  signals, parks and wakes its runs. It cannot complete, retry or delete an
+  effect: of ``outbox_effects`` it may only insert fresh intents (``pending``,
+  held for approval, or ``paused`` for a paused run; never attempted) and mark
+  one awaited.
+- ``outbox_deliverer``: claims (charging a kind's shared rate), heartbeats,
+  completes and reconciles effects, and moves stopping runs on (which updates
+  ``outbox_runs`` and intends their compensations). It cannot change what an
+  effect is (kind, payload, key) and cannot insert intents: only the
+  compensations an agent declared on a succeeded effect of a run being cancelled.
+- ``outbox_operator``: resolves, retries, cancels (its cancel moves the run
+  on like a deliverer), pauses and resumes, approves and rejects held effects,
+  manages approval gates, reconciles, and deletes history (``outbox gc``, large
+  values included).
 - ``outbox_reader``: reads every table.
 
 Column privileges restrict updates; a row-level security policy on
@@ -68,6 +71,8 @@ _RUN_STOPPING = (
     "reserved",
     "spent",
     "updated_at",
+    "paused_at",
+    "pause_reason",
 )
 # Columns of outbox_runs a worker changes while it drives a run.
 _RUN_AGENT = (
@@ -131,6 +136,9 @@ ROLES: tuple[RoleSpec, ...] = (
             # outbox serve remembers signed requests; a Kafka DedupConsumer marks keys
             "outbox_webhook_replays": ("SELECT", "INSERT", "DELETE"),
             "outbox_consumed_keys": ("SELECT", "INSERT"),
+            # large values: stored once (the upsert refreshes used_at), used by a run
+            "outbox_blobs": ("SELECT", "INSERT", _update(("used_at",))),
+            "outbox_blob_refs": ("SELECT", "INSERT"),
         },
     ),
     RoleSpec(
@@ -146,6 +154,8 @@ ROLES: tuple[RoleSpec, ...] = (
             ),
             "outbox_effect_attempts": ("SELECT", "INSERT"),
             "outbox_budget_ledger": ("SELECT", "INSERT"),
+            # a kind's declared rate, shared by every deliverer process
+            "outbox_rate_limits": ("SELECT", "INSERT", _update(("tat",))),
             # `outbox deliver` stores the config's approval gates at start-up
             "outbox_gates": ("SELECT", "INSERT", "UPDATE", "DELETE"),
             # a daemon registers the owner whose session lock it holds (0012)
@@ -154,7 +164,8 @@ ROLES: tuple[RoleSpec, ...] = (
     ),
     RoleSpec(
         "operator",
-        "resolve, retry, cancel, approve and reject, manage gates, reconcile, gc; no intents",
+        "resolve, retry, cancel, pause and resume, approve and reject, manage gates, "
+        "reconcile, gc; no intents",
         {
             **_READ_ALL,
             "outbox_runs": ("SELECT", _update(_RUN_STOPPING), "DELETE"),
@@ -171,6 +182,9 @@ ROLES: tuple[RoleSpec, ...] = (
             "outbox_budget_ledger": ("SELECT", "INSERT", "DELETE"),
             "outbox_webhook_replays": ("SELECT", "DELETE"),
             "outbox_consumed_keys": ("SELECT", "DELETE"),
+            # gc locks a blob nothing uses (skipping one a writer holds), then deletes it
+            "outbox_blobs": ("SELECT", _update(("used_at",)), "DELETE"),
+            "outbox_blob_refs": ("SELECT", "DELETE"),
             "outbox_owners": ("SELECT", "DELETE"),
         },
     ),
@@ -216,6 +230,9 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
     for spec in ROLES:
         for table, privileges in spec.grants.items():
             out.append(f"GRANT {', '.join(privileges)} ON {schema}.{table} TO {names[spec.suffix]}")
+    # The SQL API's wake-up throttle (0007) reads and moves these; an agent calls it.
+    clocks = ", ".join(f"{schema}.{name}" for name in sorted(metadata._sequences))
+    out.append(f"GRANT SELECT, UPDATE ON SEQUENCE {clocks} TO {names['agent']}")
     # The attempt-log chain trigger draws a fresh id when it must re-lock the effect
     # (outbox_attempts_chain): an explicit nextval needs USAGE on the identity's sequence.
     attempts_seq = f"{schema}.outbox_effect_attempts_id_seq"
@@ -257,9 +274,11 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
         f"CREATE POLICY outbox_every_row ON {effects} AS PERMISSIVE FOR ALL TO PUBLIC "
         "USING (true) WITH CHECK (true)"
     )
-    # An intent commits pending, or held by an approval gate (awaiting_approval).
+    # An intent commits pending, held by an approval gate (awaiting_approval), or
+    # paused for a paused run's step (outbox.runs.control).
+    intended = (EffectStatus.PENDING, EffectStatus.AWAITING_APPROVAL, EffectStatus.PAUSED)
     fresh = (
-        f"status IN ('{EffectStatus.PENDING}', '{EffectStatus.AWAITING_APPROVAL}') "
+        f"{sql_in('status', intended)} "
         "AND attempt = 0 AND lease_owner IS NULL AND result IS NULL "
         "AND completed_at IS NULL AND awaited_by IS NULL"
     )

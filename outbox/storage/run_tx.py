@@ -19,10 +19,13 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
+from outbox.blobs import Blob, reference_hash
 from outbox.errors import RunNotFound
 from outbox.models import Lease, RunStatus
+from outbox.storage import blob_store
+from outbox.storage.sql import blobs as blob_sql
+from outbox.storage.sql import control, maintenance
 from outbox.storage.sql import governance as gov_sql
-from outbox.storage.sql import maintenance
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as step_sql
 from outbox.storage.sql.common import EFFECTS_CHANNEL, SIGNALS_CHANNEL
@@ -36,6 +39,10 @@ class LockedRun:
 
     status: RunStatus
     lease: Lease | None
+    #: A pause is set (the run is paused, or will be when its worker lets go).
+    paused: bool = False
+    #: What a failed run recorded (its failing step, for a fork).
+    error: Any = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ class RunTx:
         if row is None:
             raise RunNotFound(run_id)
         lease = None if row.lease_owner is None else Lease(row.lease_owner, row.attempt)
-        return LockedRun(RunStatus(row.status), lease)
+        return LockedRun(RunStatus(row.status), lease, row.paused_at is not None, row.error)
 
     def mark(self, run_id: uuid.UUID, status: RunStatus, reason: str | None = None) -> None:
         """Set the locked run's status (and cancel reason); clears its lease and waits."""
@@ -278,3 +285,59 @@ class RunTx:
     def savepoint(self) -> Any:
         """A nested transaction (one stopping run's failure must not undo the others)."""
         return self.connection.begin_nested()
+
+    # -- values by reference ---------------------------------------------------------------
+
+    def put_blobs(self, owner: uuid.UUID, blobs: Sequence[Blob | None]) -> None:
+        """Store values by reference for ``owner`` (a run) in this transaction."""
+        blob_store.put(self.connection, owner, blobs)
+
+    def resolved(self, value: Any) -> Any:
+        """``value`` as read from a row, with a reference replaced by the value it names."""
+        sha = reference_hash(value)
+        return value if sha is None else blob_store.fetch(self.connection, [sha])[sha]
+
+    # -- pause, resume, fork ------------------------------------------------------------------
+
+    def pause(self, run_id: uuid.UUID, reason: str, *, park: bool) -> RunStatus:
+        """Set the locked run's pause (``park``: nobody holds it, so ``paused`` now)."""
+        row = self._run(control.pause_run(), {"run_id": run_id, "reason": reason, "park": park})
+        return RunStatus(row.one().status)
+
+    def hold_effects(self, run_id: uuid.UUID) -> int:
+        """The run's effects no deliverer started become ``paused``; returns how many."""
+        return len(self._run(control.hold_effects(), {"of_run": run_id}).all())
+
+    def resume(self, run_id: uuid.UUID) -> RunStatus:
+        """Lift the locked run's pause; returns its status (``runnable`` if it was paused)."""
+        return RunStatus(self._run(control.resume_run(), {"run_id": run_id}).one().status)
+
+    def release_effects(self, run_id: uuid.UUID) -> int:
+        """The run's paused effects are ``pending`` again; returns how many."""
+        return int(self._run(control.release_effects(), {"of_run": run_id}).one().released)
+
+    def completed_steps(self, run_id: uuid.UUID) -> list[tuple[str, int]]:
+        """(step id, seq) of the run's completed steps, in order."""
+        return [(r.step_id, r.seq) for r in self._run(control.fork_cut(), {"of_run": run_id})]
+
+    def fork(
+        self,
+        original: uuid.UUID,
+        fork: uuid.UUID,
+        *,
+        cut: int | None,
+        from_step: str,
+        version: str | None,
+    ) -> None:
+        """Write the fork: its run, the steps before ``cut``, their debits, the blobs they use."""
+        params = {
+            "original": original,
+            "fork": fork,
+            "cut": cut,
+            "from_step": from_step,
+            "version": version,
+        }
+        self._run(control.fork_run(), params).one()
+        self._run(control.fork_steps(), params)
+        self._run(control.fork_ledger(), params)
+        self._run(blob_sql.copy_refs(), {"from_owner": original, "to_owner": fork})

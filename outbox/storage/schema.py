@@ -57,6 +57,8 @@ from outbox.storage.governance_ddl import (
 from outbox.storage.sql.common import sql_in
 
 __all__ = [
+    "blob_refs",
+    "blobs",
     "budget_ledger",
     "consumed_keys",
     "effect_attempts",
@@ -65,6 +67,7 @@ __all__ = [
     "metadata",
     "migrations",
     "owners",
+    "rate_limits",
     "runs",
     "signals",
     "sql_api_ddl",
@@ -142,17 +145,31 @@ runs = Table(
     # 0010: a dry run's effects go to a recording deliverer; the head of its step chain
     Column("dry_run", Boolean, nullable=False, server_default=text("false")),
     Column("step_head", BYTEA),
+    # 0013: run control. One run per business key; claims by priority, fair between
+    # keys; pause; forks (a new run replaying another's steps up to a point).
+    Column("key", Text),
+    Column("priority", Integer, nullable=False, server_default=text("0")),
+    Column("fairness_key", Text, nullable=False, server_default=text("''")),
+    _ts("paused_at"),
+    Column("pause_reason", Text),
+    Column("forked_from", UUID(as_uuid=True)),
+    Column("forked_at_step", Text),
     CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
     # every step updates the row: room on the page keeps those updates HOT (0004)
     postgresql_with={"fillfactor": "80"},
 )
+# A claim walks the lanes (priority, fairness key) of one partition, then each lane in
+# available_at order (see queue.claim); the plain case is one lane.
 Index(
-    "outbox_runs_claimable",
+    "outbox_runs_lanes",
     runs.c.agent,
     runs.c.agent_version,
+    runs.c.priority,
+    runs.c.fairness_key,
     runs.c.available_at,
     postgresql_where=text("status = 'runnable'"),
 )
+Index("outbox_runs_key", runs.c.key, unique=True, postgresql_where=text("key IS NOT NULL"))
 Index(
     "outbox_runs_leased",
     runs.c.lease_expires_at,
@@ -180,8 +197,9 @@ Index(
     runs.c.updated_at,
     postgresql_where=text(sql_in("status", STOPPING_RUN_STATUSES)),
 )
+# A paused run still holds its agent version (0014: the live statuses with paused).
 Index(
-    "outbox_runs_versions",
+    "outbox_runs_unfinished",
     runs.c.agent,
     runs.c.agent_version,
     postgresql_where=text(sql_in("status", LIVE_RUN_STATUSES)),
@@ -221,6 +239,9 @@ steps = Table(
     Column("status", Text, nullable=False, server_default=text("'completed'")),
     # 0010: this step's link in the run's hash chain (NULL while a wait is under way)
     Column("hash", BYTEA),
+    # 0013: the state and plan this step set (NULL: unchanged), so a fork starts from them
+    Column("state", JSONB),
+    Column("plan", JSONB),
     PrimaryKeyConstraint("run_id", "step_id", name="outbox_steps_pkey"),
     CheckConstraint(sql_in("status", StepStatus), name="outbox_steps_status_check"),
 )
@@ -265,14 +286,20 @@ effects = Table(
     _ts("approval_deadline"),
     # 0010: what a deliverer noted about the current attempt before calling (read-back)
     Column("attempt_note", JSONB),
+    # 0013: claims take higher priority first and share capacity between fairness keys
+    Column("priority", Integer, nullable=False, server_default=text("0")),
+    Column("fairness_key", Text, nullable=False, server_default=text("''")),
     UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
     CheckConstraint(sql_in("status", EFFECT_STATUSES), name="outbox_effects_status_check"),
 )
 # Claims go kind by kind, so a backlog of one kind (or of a kind no deliverer
-# knows) never slows the claims of another.
+# knows) never slows the claims of another; within a kind, lane by lane
+# (priority, fairness key), each lane in intent order (see queue.claim).
 Index(
-    "outbox_effects_claimable",
+    "outbox_effects_lanes",
     effects.c.kind,
+    effects.c.priority,
+    effects.c.fairness_key,
     effects.c.available_at,
     effects.c.seq,
     postgresql_where=text("status = 'pending'"),
@@ -282,8 +309,9 @@ Index(
     effects.c.lease_expires_at,
     postgresql_where=text("status = 'in_flight'"),
 )
+# An open effect, a paused one too, holds back later effects of its key (0014).
 Index(
-    "outbox_effects_ordering",
+    "outbox_effects_open_ordering",
     effects.c.ordering_key,
     effects.c.seq,
     postgresql_where=text("ordering_key IS NOT NULL AND " + sql_in("status", OPEN_EFFECT_STATUSES)),
@@ -439,6 +467,61 @@ consumed_keys = Table(
     PrimaryKeyConstraint("consumer_group", "idempotency_key", name="outbox_consumed_keys_pkey"),
 )
 
+# 0013: an effect of a paused run that would become pending again (a retry, the
+# reconciler, an operator) is held as paused instead. Inserts decide it in
+# commit_step; this covers every other way back to pending, and its WHEN clause
+# keeps it out of claims and completions that do not go back to pending.
+EFFECT_PAUSE_DDL = (
+    """CREATE FUNCTION outbox_effects_hold_paused() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM outbox_runs WHERE id = NEW.run_id AND paused_at IS NOT NULL) THEN
+        NEW.status := 'paused';
+    END IF;
+    RETURN NEW;
+END
+$$""",
+    """CREATE TRIGGER outbox_effects_hold_paused
+    BEFORE UPDATE OF status ON outbox_effects FOR EACH ROW
+    WHEN (NEW.status = 'pending' AND OLD.status <> 'pending' AND OLD.status <> 'paused'
+          AND NEW.run_id IS NOT NULL)
+    EXECUTE FUNCTION outbox_effects_hold_paused()""",
+)
+for _pause_ddl in EFFECT_PAUSE_DDL:
+    event.listen(effects, "after_create", DDL(_pause_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
+
+# 0013: values over Settings.blob_threshold_bytes, stored once (outbox.blobs). Rows hold a
+# reference; blob_refs says which run (or run-less effect) uses which blob, so
+# `outbox gc` can delete the blobs nothing uses once their owners are gone.
+blobs = Table(
+    "outbox_blobs",
+    metadata,
+    Column("sha256", Text, primary_key=True),
+    Column("bytes", BigInteger, nullable=False),
+    Column("data", Text, nullable=False),
+    _ts("created_at", nullable=False, default_now=True),
+    # refreshed by every write that uses it; the upsert's row lock keeps gc off it
+    _ts("used_at", nullable=False, default_now=True),
+)
+blob_refs = Table(
+    "outbox_blob_refs",
+    metadata,
+    # a run id, or the id of an effect that belongs to no run
+    Column("owner", UUID(as_uuid=True), nullable=False),
+    Column("sha256", Text, ForeignKey("outbox_blobs.sha256"), nullable=False),
+    PrimaryKeyConstraint("owner", "sha256", name="outbox_blob_refs_pkey"),
+)
+Index("outbox_blob_refs_sha256", blob_refs.c.sha256)
+
+# 0013: a kind's declared rate (calls per second), shared by every deliverer process:
+# the theoretical arrival time of the next call (GCRA), moved on by each claim.
+rate_limits = Table(
+    "outbox_rate_limits",
+    metadata,
+    Column("kind", Text, primary_key=True),
+    _ts("tat", nullable=False),
+)
+
 # 0007: the SQL API (docs/sql-api.md). When its writers last sent a NOTIFY per channel
 # (microseconds; setval is not transactional, so no writer waits on another).
 Sequence("outbox_wake_clock_effects", start=0, minvalue=0, metadata=metadata)
@@ -446,7 +529,9 @@ Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
 
 SQL_API_MIGRATION = "0007_sql_api.sql"
 #: Migrations whose part below ``-- @functions`` (re)defines SQL API functions, in order.
-SQL_API_MIGRATIONS = (SQL_API_MIGRATION, "0010_governance.sql")
+#: 0010 replaces some of 0007's for governance (gates, dry runs, the step chain) and
+#: 0013 some of those for run control (pause, lanes, keys, values by reference).
+SQL_API_MIGRATIONS = (SQL_API_MIGRATION, "0010_governance.sql", "0013_run_control.sql")
 _FUNCTIONS_MARKER = "-- @functions"
 
 

@@ -19,17 +19,21 @@ import sqlalchemy
 from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.dialects.postgresql import JSONB
 
+from outbox.blobs import Blob
 from outbox.faults import crash_point
 from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
+from outbox.storage import blob_store
+from outbox.storage.blob_store import EFFECT_FIELDS, RUN_FIELDS, STEP_FIELDS
+from outbox.storage.claims import ClaimMode
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
-from outbox.storage.sql import audit, maintenance, queue
+from outbox.storage.sql import audit, control, maintenance, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as sql
-from outbox.storage.sql.common import LIVE_CONDITION
+from outbox.storage.sql.common import ACTIVE_CONDITION
 from outbox.storage.views import ConsoleViews
 
 __all__ = ["StepOutcome", "Store", "effects_json", "mark_consumed", "read_state_counts"]
@@ -44,6 +48,8 @@ class StepOutcome:
     run_ok: bool
     step_seq: int | None
     inserted: int
+    #: A pause waits for this step: the run stops after it (its intents were held).
+    paused: bool = False
 
 
 class Store:
@@ -51,6 +57,7 @@ class Store:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._claims = ClaimMode()
         #: The operator console's reads (paginated, by index, off the hot paths).
         self.views = ConsoleViews(engine)
 
@@ -73,16 +80,29 @@ class Store:
 
     # -- runs -----------------------------------------------------------------
 
-    def insert_run(self, params: dict[str, Any], *, notify: bool) -> RunRecord:
-        """Insert a run and return it as stored."""
+    def insert_run(
+        self, params: dict[str, Any], *, notify: bool, blobs: Sequence[Blob | None] = ()
+    ) -> tuple[RunRecord, bool]:
+        """Insert a run; return it as stored and True, or the run holding its key and False.
+
+        The returned record's values are as stored (a large input is a reference).
+        """
         with translate_errors("starting a run"), self.engine.begin() as conn:
-            row = conn.execute(sql.insert_run(notify=notify), params).one()
-        return RunRecord.model_validate(row._mapping)
+            row = conn.execute(sql.insert_run(notify=notify), params).one_or_none()
+            if row is not None:
+                blob_store.put(conn, params["id"], blobs)
+                return RunRecord.model_validate(row._mapping), True
+            found = conn.execute(select(runs).where(runs.c.key == params["key"])).one()
+            record = RunRecord.model_validate(found._mapping)
+            return blob_store.resolve(conn, [record], RUN_FIELDS)[0], False
 
     def load_run(
         self, run_id: UUID, step_id: str | None = None
     ) -> tuple[RunRecord, list[StepRecord]] | None:
-        """A run and its recorded steps (only ``step_id``'s, when given), or ``None``."""
+        """A run and its recorded steps (only ``step_id``'s, when given), or ``None``.
+
+        Values stored by reference are read back in place of their references.
+        """
         run_q, steps_q = sql.run_with_steps(one_step=step_id is not None)
         params = {"run_id": run_id, "step_id": step_id}
         with translate_errors("loading a run"), self.engine.connect() as conn:
@@ -90,10 +110,11 @@ class Store:
             if row is None:
                 return None
             steps = conn.execute(steps_q, params).all()
-        return (
-            RunRecord.model_validate(row._mapping),
-            [StepRecord.model_validate(s._mapping) for s in steps],
-        )
+            record = blob_store.resolve(conn, [RunRecord.model_validate(row._mapping)], RUN_FIELDS)
+            recorded = blob_store.resolve(
+                conn, [StepRecord.model_validate(s._mapping) for s in steps], STEP_FIELDS
+            )
+        return record[0], recorded
 
     def run_record(self, conn: Connection, run_id: UUID) -> RunRecord | None:
         """The run as the caller's transaction sees it."""
@@ -105,13 +126,19 @@ class Store:
         query = select(steps).where(steps.c.run_id == run_id, steps.c.step_id == step_id)
         with translate_errors("loading a step"), self.engine.connect() as conn:
             row = conn.execute(query).one_or_none()
-        return None if row is None else StepRecord.model_validate(row._mapping)
+            if row is None:
+                return None
+            return blob_store.resolve(conn, [StepRecord.model_validate(row._mapping)], STEP_FIELDS)[
+                0
+            ]
 
     def list_runs(self, **filters: Any) -> list[RunRecord]:
         """Runs, newest first."""
         with translate_errors("listing runs"), self.engine.connect() as conn:
             rows = conn.execute(sql.list_runs(**filters)).all()
-        return [RunRecord.model_validate(r._mapping) for r in rows]
+            return blob_store.resolve(
+                conn, [RunRecord.model_validate(r._mapping) for r in rows], RUN_FIELDS
+            )
 
     def finish_run(
         self,
@@ -121,11 +148,12 @@ class Store:
         result: str | None,
         error: str | None,
         fence: Lease | None,
+        blobs: Sequence[Blob | None] = (),
     ) -> bool:
-        """Move a live run to a terminal status; False when it was not live (or not ours)."""
+        """Move an active run to a terminal status; False when it was not (or not ours)."""
         query = (
             runs.update()
-            .where(runs.c.id == run_id, LIVE_CONDITION)
+            .where(runs.c.id == run_id, ACTIVE_CONDITION)
             .values(
                 status=status,
                 result=_jsonb(result),
@@ -138,21 +166,44 @@ class Store:
         if fence is not None:
             query = query.where(runs.c.lease_owner == fence.owner, runs.c.attempt == fence.attempt)
         with translate_errors("finishing a run"), self.engine.begin() as conn:
-            return conn.execute(query).rowcount == 1
+            if conn.execute(query).rowcount != 1:
+                return False
+            blob_store.put(conn, run_id, blobs)
+            return True
 
     # -- steps ------------------------------------------------------------------
 
     def commit_step(
-        self, conn: Connection, params: dict[str, Any], *, fenced: bool, notify: bool
+        self,
+        conn: Connection,
+        params: dict[str, Any],
+        *,
+        fenced: bool,
+        notify: bool,
+        blobs: Sequence[Blob | None] = (),
     ) -> StepOutcome:
-        """Run the one-statement checkpoint of :func:`outbox.storage.sql.steps.commit_step`."""
+        """Run the one-statement checkpoint of :func:`outbox.storage.sql.steps.commit_step`.
+
+        Values stored by reference (``blobs``) are written first, in the same
+        transaction: the caller rolls it all back when the step is refused.
+        """
+        blob_store.put(conn, params["run_id"], blobs)
         ledger = params.get("ledger") is not None
         statement = sql.commit_step(fenced=fenced, notify=notify, ledger=ledger)
         row = conn.execute(statement, params).one()
-        return StepOutcome(bool(row.run_ok), row.step_seq, int(row.inserted))
+        return StepOutcome(bool(row.run_ok), row.step_seq, int(row.inserted), bool(row.paused))
 
-    def intend_without_run(self, conn: Connection, effects_json: str, *, notify: bool) -> int:
-        """Insert run-less intents; return how many were new."""
+    def intend_without_run(
+        self,
+        conn: Connection,
+        effects_json: str,
+        *,
+        notify: bool,
+        blobs: Sequence[tuple[str, Blob]] = (),
+    ) -> int:
+        """Insert run-less intents (``blobs``: effect id and a payload by reference); count new."""
+        for owner, blob in blobs:
+            blob_store.put(conn, owner, [blob])
         row = conn.execute(
             sql.intend_without_run(notify=notify), {"effects": effects_json, "step_id": None}
         ).one()
@@ -174,19 +225,25 @@ class Store:
     def effect_by_key(self, conn: Connection, key: str) -> Effect | None:
         """The effect holding ``key``, as the caller's transaction sees it."""
         row = conn.execute(sql.effect_by_key(), {"key": key}).one_or_none()
-        return None if row is None else Effect.model_validate(row._mapping)
+        if row is None:
+            return None
+        return blob_store.resolve(conn, [Effect.model_validate(row._mapping)], EFFECT_FIELDS)[0]
 
     def get_effect(self, effect_id: UUID) -> Effect | None:
         """One effect by id."""
         with translate_errors("loading an effect"), self.engine.connect() as conn:
             row = conn.execute(select(effects).where(effects.c.id == effect_id)).one_or_none()
-        return None if row is None else Effect.model_validate(row._mapping)
+            if row is None:
+                return None
+            return blob_store.resolve(conn, [Effect.model_validate(row._mapping)], EFFECT_FIELDS)[0]
 
     def list_effects(self, **filters: Any) -> list[Effect]:
         """Effects in intent order."""
         with translate_errors("listing effects"), self.engine.connect() as conn:
             rows = conn.execute(sql.list_effects(**filters)).all()
-        return [Effect.model_validate(r._mapping) for r in rows]
+            return blob_store.resolve(
+                conn, [Effect.model_validate(r._mapping) for r in rows], EFFECT_FIELDS
+            )
 
     def finished_effects(self, effect_ids: Sequence[UUID]) -> list[Effect]:
         """Those of ``effect_ids`` that are terminal (succeeded, failed, cancelled, compensated)."""
@@ -269,13 +326,18 @@ class Store:
     ) -> list[RunRecord]:
         """Claim runnable runs of the given (agent, version) partitions, in one transaction."""
         claimed: list[RunRecord] = []
+        spec = queue.RUN_QUEUE
         with translate_errors("claiming runs"), self.engine.begin() as conn:
             for partition, limit in quotas:
                 params = queue.claim_params(
                     partition, limit=limit, owner=owner, lease_seconds=lease_seconds
                 )
-                rows = conn.execute(queue.claim(queue.RUN_QUEUE), params).all()
-                claimed += [RunRecord.model_validate(r._mapping) for r in rows]
+                again = True
+                while again:  # at most twice: plain, then lanes (see ClaimMode)
+                    statement, lanes = self._claims.statement(spec, partition, rated=False)
+                    rows = conn.execute(statement, params).mappings().all()
+                    found, again = self._claims.claimed(spec, partition, lanes, rows)
+                    claimed += [RunRecord.model_validate(r) for r in found]
         return claimed
 
     def extend_run_leases(
@@ -337,6 +399,7 @@ class Store:
         from_version: str,
         to_version: str,
         state_json: str,
+        blobs: Sequence[Blob | None] = (),
     ) -> RunRecord | None:
         """Move a claimed run to ``to_version`` with upgraded state (fenced)."""
         params = {
@@ -349,8 +412,19 @@ class Store:
         }
         with translate_errors("upgrading a run"), self.engine.begin() as conn:
             row = conn.execute(run_sql.upgrade_run(), params).first()
+            if row is not None:
+                blob_store.put(conn, run_id, blobs)
             crash_point("during_upgrade", f"{from_version}->{to_version}", run=run_id)
-        return None if row is None else RunRecord.model_validate(row._mapping)
+            if row is None:
+                return None
+            return blob_store.resolve(conn, [RunRecord.model_validate(row._mapping)], RUN_FIELDS)[0]
+
+    def park_paused(self, run_id: UUID, lease: Lease) -> str | None:
+        """Let go of a run whose pause waited for its step (fenced); its new status, or None."""
+        params = {"run_id": run_id, "fence_owner": lease.owner, "fence_attempt": lease.attempt}
+        with translate_errors("parking a paused run"), self.engine.begin() as conn:
+            row = conn.execute(control.park_paused(), params).first()
+        return None if row is None else str(row.status)
 
     def notify(self, channel: str) -> None:
         """Send one NOTIFY outside any transaction of the caller's.

@@ -266,3 +266,15 @@ def test_the_async_twin_has_dry_runs_diffs_and_the_audit(ob: Outbox, dsn: str) -
             assert await aob.expire_approvals() == {}
 
     asyncio.run(main())
+
+
+def test_a_held_effect_of_a_paused_run_stays_held_until_both_let_go(gated: Outbox) -> None:
+    """Governance meets run control: a pause keeps a gate's hold, an approval the pause's."""
+    run, large = pay(gated, 12_500)
+    assert gated.pause(run.id, "legal review").value == "paused"
+    # the pause does not turn the gate's hold into its own (resume would skip the approval)
+    assert gated.effect(large.id).status == EffectStatus.AWAITING_APPROVAL
+    approved = gated.approve_effect(large.id, digest=large.digest, note="ok", by="cfo")
+    assert approved.status == EffectStatus.PAUSED  # approved, and held by the pause
+    gated.resume(run.id)
+    assert gated.effect(large.id).status == EffectStatus.PENDING

@@ -101,10 +101,11 @@ def test_payload_size_limit_is_configurable(dsn: str) -> None:
         small.close()
 
 
-def test_default_size_limit_is_one_mebibyte(ob: Outbox) -> None:
+def test_default_size_limit_is_64_mebibytes(ob: Outbox) -> None:
     run = ob.start_run("a", "1")
-    with pytest.raises(PayloadError, match="over the limit of 1048576 bytes"):
-        run.transaction("s", lambda tx: tx.intend("email.send", {"body": "x" * (1024 * 1024)}))
+    limit = 64 * 1024 * 1024
+    with pytest.raises(PayloadError, match=f"over the limit of {limit} bytes"):
+        run.transaction("s", lambda tx: tx.intend("email.send", {"body": "x" * limit}))
 
 
 @pytest.mark.parametrize("version", [231, 2.3, None, ["2"], ""])

@@ -67,3 +67,34 @@ def test_errors_are_one_clear_line_and_exit_1(dsn: str) -> None:
     assert done.stderr.strip() == (
         "error: RunNotFound: run_id='00000000-0000-0000-0000-000000000000': no such run"
     )
+
+
+def test_runs_pause_resume_and_fork_report_as_json(dsn: str) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from outbox import Outbox
+    from outbox.cli import cli
+
+    with Outbox.connect(dsn) as ob:
+        run = ob.start_run("a", "1")
+        run.call("fetch", lambda: {"n": 1})
+        run.call("charge", lambda: "charged")
+    runner = CliRunner()
+
+    def outbox(*args: str) -> dict[str, object]:
+        result = runner.invoke(cli, ["--dsn", dsn, *args, "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)  # type: ignore[no-any-return]
+
+    paused = outbox("runs", "pause", str(run.id), "--reason", "legal hold")
+    assert paused == {"run_id": str(run.id), "status": "paused", "reason": "legal hold"}
+    shown = outbox("runs", "show", str(run.id))
+    assert shown["run"]["pause_reason"] == "legal hold"  # type: ignore[index]
+    assert outbox("runs", "resume", str(run.id))["status"] == "runnable"
+    forked = outbox("runs", "fork", str(run.id), "--from", "charge", "--version", "2")
+    assert forked["replayed_steps"] == ["fetch"] and forked["version"] == "2"
+    assert forked["forked_from"] == str(run.id)
+    listed = runner.invoke(cli, ["--dsn", dsn, "runs", "list", "--status", "runnable", "--json"])
+    assert {r["id"] for r in json.loads(listed.output)} == {str(run.id), forked["run_id"]}

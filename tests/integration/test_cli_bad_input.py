@@ -85,6 +85,11 @@ def _cases(tmp_path: Path, busy_port: int) -> list[Case]:
         ("non-UTF-8 signal name", ["signal", RUN, b"appro\xe9al"], {}),
         ("deeply nested --data", ["signal", RUN, "go", "--data", DEEP], {}),
         ("schemas export --dir a file", ["schemas", "export", "--dir", str(a_file)], {}),
+        ("runs pause, blank reason", ["runs", "pause", RUN, "--reason", " "], {}),
+        ("runs pause, no such run", ["runs", "pause", RUN, "--reason", "hold"], {}),
+        ("runs resume, not a run id", ["runs", "resume", "not-a-uuid"], {}),
+        ("runs fork, no such run", ["runs", "fork", RUN, "--from", "charge"], {}),
+        ("runs fork, control character", ["runs", "fork", RUN, "--from", "a\nb"], {}),
     ]
 
 

@@ -200,3 +200,17 @@ def test_a_dry_run_of_the_demo_agent_touches_no_sink_and_matches_a_real_run(
     assert report["identical"] and report["compared"] == len(ob.effects(run_id=real.id, limit=1000))
     text = run_cli(sub_env, "runs", "diff", str(dry.id), str(real.id))
     assert "no difference in intended effects" in text.stdout
+
+
+def test_a_fork_of_a_dry_run_is_a_dry_run(ob: Outbox) -> None:
+    """Run control meets governance: forking a dry run never turns its new effects real."""
+    run = ob.start_run("billing", "2", {"month": "2026-11"}, mode="dry_run")
+    run.transaction("first", lambda tx: None)
+    run.transaction("second", lambda tx: tx.intend("ledger.post", {"amount": 4}))
+    fork = ob.fork(run.id, "second")
+    assert fork.record.mode == RunMode.DRY_RUN
+    effect = fork.transaction(
+        "second", lambda tx: tx.intend("ledger.post", {"amount": 5}).idempotency_key
+    )
+    (written,) = [e for e in fork.effects() if e.idempotency_key == effect]
+    assert written.kind.startswith("dry-run:")

@@ -25,6 +25,7 @@ from outbox.storage import archive as archive_module
 from outbox.storage.archive import ArchiveWriter, read_archive, summarize_archive
 from outbox.storage.retention import GC_TABLES, collect_garbage, parse_horizon
 from outbox.storage.schema import (
+    blobs,
     budget_ledger,
     consumed_keys,
     effect_attempts,
@@ -48,6 +49,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "outbox_budget_ledger": ("id",),
     "outbox_consumed_keys": ("consumer_group", "idempotency_key"),
     "outbox_webhook_replays": ("signature",),
+    "outbox_blob_refs": ("owner", "sha256"),
+    "outbox_blobs": ("sha256",),
 }
 
 
@@ -69,7 +72,8 @@ def snapshot(ob: Outbox) -> dict[str, dict[tuple[Any, ...], dict[str, Any]]]:
 def build_history(ob: Outbox, dsn: str) -> dict[str, Any]:
     """A run graph touching every table, aged past the horizon, next to rows that must stay."""
     sink = RecordingDeliverer("k.x")
-    old = ob.start_run("a", "1", {"order": 7}, budget=100)
+    # its notes go by reference (outbox_blobs, outbox_blob_refs)
+    old = ob.start_run("a", "1", {"order": 7, "notes": "n" * 20_000}, budget=100)
     ob.signal(old.id, "approve", {"by": "ops"}, request_id="sig-old")
 
     def step(tx: Any) -> str:
@@ -219,8 +223,9 @@ def test_gc_without_archive_deletes_in_batches_and_keeps_the_rest(
     assert report["deleted"]["outbox_runs"] == 1 and report["deleted"]["outbox_effects"] == 4
     # --batch 1: one run per transaction then one finding nothing; two run-less
     # effects then one finding nothing; one consumed key and one replay mark,
-    # each followed by a batch finding nothing.
-    assert report["batches"] == 2 + 3 + 2 + 2
+    # each followed by a batch finding nothing; no reference left without its
+    # owner; the old run's large input, then a batch finding nothing.
+    assert report["batches"] == 2 + 3 + 2 + 2 + 1 + 2
     assert {r.id for r in ob.runs()} == {
         history["old_open"].id,
         history["recent"].id,
@@ -347,3 +352,29 @@ def test_a_batch_holds_runs_with_at_most_batch_effects_between_them(ob: Outbox) 
     assert report.deleted["outbox_runs"] == 4 and report.deleted["outbox_effects"] == 8
     # 3 runs fit the batch, but 2 + 2 effects do not: one run (2 effects) per transaction.
     assert sizes == [6, 4, 2, 0]
+
+
+def test_gc_deletes_the_large_values_nothing_uses_any_more(ob: Outbox, dsn: str) -> None:
+    big = {"transcript": "x" * 100_000}
+    other = {"transcript": "y" * 100_000}
+    shared = {"transcript": "z" * 100_000}
+    old = ob.start_run("a", "1", big)
+
+    def step(tx: Any) -> None:
+        tx.set_state(shared)
+        tx.intend("k.x", other)
+
+    old.transaction("s", step)
+    old.complete()
+    live = ob.start_run("a", "1", shared)  # the same value as old's state: one blob, two owners
+    with ob.transaction() as tx:
+        tx.intend("k.x", {"runless": "w" * 100_000}, key="old-runless")
+    with ob.engine.begin() as conn:
+        conn.execute(update(effects).values(status="succeeded", completed_at=OLD))
+        conn.execute(update(runs).where(runs.c.id == old.id).values(updated_at=OLD))
+    assert count(ob, blobs) == 4
+    report = gc(dsn)
+    assert report["deleted"]["outbox_blob_refs"] == 4  # old's three and the run-less effect's
+    assert report["deleted"]["outbox_blobs"] == 3
+    assert count(ob, blobs) == 1
+    assert ob.run(live.id).inputs == shared, "a blob another run uses stays"

@@ -17,7 +17,7 @@ import pytest
 
 from outbox import RunStart, Settings
 from outbox import intent_rules as rules_py
-from outbox.models import LIVE_RUN_STATUSES
+from outbox.models import ACTIVE_RUN_STATUSES, LIVE_RUN_STATUSES
 from outbox.storage.schema import sql_api_ddl
 
 DOCS = Path(__file__).parents[2] / "docs" / "sql-api.md"
@@ -78,6 +78,7 @@ def test_settings_defaults_are_pythons(rules: dict[str, Any]) -> None:
     settings = Settings()
     for name in (
         "max_payload_bytes",
+        "blob_threshold_bytes",
         "max_step_intents",
         "max_step_bytes",
         "max_step_id_length",
@@ -85,6 +86,9 @@ def test_settings_defaults_are_pythons(rules: dict[str, Any]) -> None:
     ):
         assert rules[name] == getattr(settings, name), name
     assert rules["live_run_statuses"] == [s.value for s in LIVE_RUN_STATUSES]
+    assert rules["active_run_statuses"] == [s.value for s in ACTIVE_RUN_STATUSES]
+    assert rules["max_priority"] == rules_py.MAX_PRIORITY
+    assert rules["max_fairness_key_length"] == rules_py.MAX_FAIRNESS_KEY_LENGTH
 
 
 def test_every_documented_function_exists_after_migrate(dsn: str) -> None:

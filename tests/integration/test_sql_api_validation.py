@@ -46,7 +46,7 @@ REFUSED = [
     ("cost", {"cost": "1e20"}, "OB001"),
     ("compensate", {"compensate": json.dumps({"kind": "x"})}, "OB001"),
     ("compensate", {"compensate": json.dumps({"kind": "a b", "payload": 1})}, "OB001"),
-    ("payload", {"payload": json.dumps({"a": "x" * (1024 * 1024)})}, "OB002"),
+    ("payload", {"payload": json.dumps({"__outbox_blob__": {"sha256": "0" * 64}})}, "OB002"),
     ("payload", {"payload": "[" * 101 + "]" * 101}, "OB002"),
     ("payload", {"payload": "1" + "0" * 4300}, "OB002"),
     ("payload", {"payload": "1" + "0" * 400 + ".5"}, "OB002"),
@@ -96,6 +96,14 @@ def test_bad_intents_are_refused_naming_the_field(
     assert json.loads(caught.value.diag.message_detail or "{}")["field"] == field
     db.rollback()
     assert count(db, "outbox_effects") == 0
+
+
+def test_a_payload_over_max_payload_bytes_is_refused(db: Any) -> None:
+    # 64 MiB by default (Settings.max_payload_bytes); a session may lower it
+    db.execute("SET outbox.max_payload_bytes = 1000")
+    with pytest.raises(psycopg.Error) as caught:
+        intend(db, "a.b", {"a": "x" * 1000})
+    assert (caught.value.sqlstate, caught.value.diag.column_name) == ("OB002", "payload")
 
 
 def test_http_payloads_that_follow_the_rules_are_accepted(db: Any) -> None:

@@ -36,6 +36,7 @@ BASE = {
     "effect_diff",
     "chain",
     "tracing",
+    "blobs",
 }
 # The permitted upward edges: a finished effect moves a stopping run on, and a
 # passed approval deadline is acted on (rejected, or its run cancelled).

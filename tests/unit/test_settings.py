@@ -15,7 +15,8 @@ def test_defaults() -> None:
     settings = Settings()
     assert settings.dsn is None
     assert settings.home == Path(".outbox")
-    assert settings.max_payload_bytes == 1024 * 1024
+    assert settings.max_payload_bytes == 64 * 1024 * 1024
+    assert settings.blob_threshold_bytes == 16 * 1024
 
 
 def test_environment_is_read_and_overrides_win() -> None:

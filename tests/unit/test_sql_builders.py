@@ -20,9 +20,18 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.dml import Update
 
 from outbox.models import AttemptOutcome, EffectStatus, RunStatus, StepStatus
-from outbox.storage.sql import effects, governance, maintenance, queue, runs, steps
+from outbox.storage.sql import (
+    blobs,
+    control,
+    effects,
+    governance,
+    maintenance,
+    queue,
+    runs,
+    steps,
+)
 
-MODULES = [steps, queue, effects, runs, maintenance, governance]
+MODULES = [steps, queue, effects, runs, maintenance, control, blobs, governance]
 # Literals a statement may compare a status (or an attempt-log outcome) with.
 KNOWN = {str(v) for enum in (RunStatus, EffectStatus, StepStatus, AttemptOutcome) for v in enum}
 VARIANTS: dict[str, list[dict[str, Any]]] = {
@@ -34,10 +43,19 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     ],
     "intend_without_run": [{"notify": False}, {"notify": True}],
     "insert_run": [{"notify": False}, {"notify": True}],
-    "claim": [{"spec": queue.EFFECT_QUEUE}, {"spec": queue.RUN_QUEUE}],
+    "claim": [
+        {"spec": spec, "rated": rated, "lanes": lanes}
+        for spec in (queue.EFFECT_QUEUE, queue.RUN_QUEUE)
+        for rated in (False, True)
+        for lanes in (False, True)
+        if spec is queue.EFFECT_QUEUE or not rated
+    ],
     "extend_leases": [{"spec": queue.EFFECT_QUEUE}, {"spec": queue.RUN_QUEUE}],
     "list_runs": [{}, {"status": "running", "agent": "a", "limit": 5}],
     "list_effects": [{}, {"status": "pending", "kind": "k", "limit": 5}],
+    "delete_refs_of": [{"rows": False}, {"rows": True}],
+    "delete_orphan_refs": [{"rows": False}, {"rows": True}],
+    "delete_unused_blobs": [{"rows": False}, {"rows": True}],
     "delete_gates": [{"keep": False}, {"keep": True}],
 }
 NOT_BUILDERS = {
@@ -46,6 +64,7 @@ NOT_BUILDERS = {
     "StateCounts",
     "held_rows",
     "QueueSpec",
+    "Rate",
     # parts of statements, not statements
     "log_changes",
     "next_step_head",
@@ -127,8 +146,10 @@ def _sql(statement: Any) -> str:
 
 
 def test_claims_skip_locked_rows_and_start_a_new_attempt() -> None:
-    for spec in (queue.EFFECT_QUEUE, queue.RUN_QUEUE):
-        sql = _sql(queue.claim(spec))
+    for spec, lanes in [
+        (s, lanes) for s in (queue.EFFECT_QUEUE, queue.RUN_QUEUE) for lanes in (0, 1)
+    ]:
+        sql = _sql(queue.claim(spec, lanes=bool(lanes)))
         assert "FOR UPDATE SKIP LOCKED" in sql
         assert f"attempt=({spec.table.name}.attempt + %(attempt_1)s::INTEGER)" in sql
 

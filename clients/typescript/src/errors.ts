@@ -65,6 +65,17 @@ export class IdempotencyConflict extends OutboxError {
   }
 }
 
+/** `startRun` with a business key and `onConflict: "reject"`: a run with this key exists. */
+export class RunExists extends IdempotencyConflict {
+  constructor(
+    key: string,
+    readonly runId: string,
+    options?: { cause?: unknown },
+  ) {
+    super(key, `run ${runId} was already started with this key`, options);
+  }
+}
+
 /** A record does not exist. */
 export class NotFound extends OutboxError {}
 
@@ -99,6 +110,17 @@ export class RunTerminal extends RunStateError {
     options?: { cause?: unknown },
   ) {
     super(`run_id='${runId}' is ${status}: a terminal run accepts no more work`, options);
+  }
+}
+
+/** The run is paused (`outbox runs pause`): it takes no steps until it is resumed. */
+export class RunPaused extends RunStateError {
+  constructor(
+    readonly runId: string,
+    readonly reason?: string,
+    options?: { cause?: unknown },
+  ) {
+    super(`run_id='${runId}' is paused${reason ? ` (${reason})` : ""}: resume it first`, options);
   }
 }
 
@@ -190,6 +212,10 @@ export function fromDatabase(error: unknown): unknown {
       return new BudgetExceeded(text("run_id"), Number(fields.requested), Number(fields.remaining), cause);
     case "OB008":
       return new RunStateError(error.message, cause);
+    case "OB009":
+      return new RunPaused(text("run_id"), fields.reason as string | undefined, cause);
+    case "OB010":
+      return new RunExists(text("key"), text("run_id"), cause);
     case "22P05": // jsonb refused a \u0000 or an unpaired surrogate escape
       return new PayloadError("payload", undefined, error.message, undefined, cause);
     default:

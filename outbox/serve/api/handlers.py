@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from outbox.client import new_run_row
+from outbox.client import new_run
 from outbox.errors import IdempotencyConflict, OutboxError, RunNotFound, RunTerminal
 from outbox.models import Effect, EffectStatus, RunRecord, RunStatus
 from outbox.runs.intents import StepTransaction
@@ -148,15 +148,15 @@ class ApiHandlers:
 
     def _differs(self, existing: RunRecord, body: StartRunRequest) -> str | None:
         """The first argument of a repeated start that differs from the run's, if any."""
-        row = new_run_row(
+        row = new_run(
             self.outbox.settings,
             body.agent,
             body.version,
             body.inputs,
-            body.budget,
-            body.run_id,
-            body.mode.value,
-        )
+            budget=body.budget,
+            run_id=body.run_id,
+            mode=body.mode.value,
+        ).row
         if existing.agent != row["agent"]:
             return "agent"
         if existing.agent_version != row["agent_version"]:

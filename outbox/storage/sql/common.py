@@ -14,11 +14,11 @@ from sqlalchemy import Select, Text, bindparam, cast, literal_column, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql.expression import ColumnElement, TextClause
 
-from outbox.models import LIVE_RUN_STATUSES
+from outbox.models import ACTIVE_RUN_STATUSES
 
 __all__ = [
+    "ACTIVE_CONDITION",
     "EFFECTS_CHANNEL",
-    "LIVE_CONDITION",
     "RUNS_CHANNEL",
     "SECONDS",
     "SIGNALS_CHANNEL",
@@ -73,5 +73,5 @@ def sql_in(column: str, values: Iterable[StrEnum | str]) -> str:
     return f"{column} IN ({', '.join(repr(str(v)) for v in values)})"
 
 
-#: A run accepts new steps only while live.
-LIVE_CONDITION: TextClause = text(sql_in("outbox_runs.status", LIVE_RUN_STATUSES))
+#: A run accepts new steps only while active (live and not paused).
+ACTIVE_CONDITION: TextClause = text(sql_in("outbox_runs.status", ACTIVE_RUN_STATUSES))

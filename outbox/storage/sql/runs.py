@@ -71,6 +71,8 @@ _WAKE_NOTIFY = func.pg_notify(RUNS_CHANNEL, "")
 # Statements on outbox_effects cannot bind "run_id": it is a column there, and
 # SQLAlchemy reserves column names for the SET clause.
 _OF_RUN = bindparam("stopping_run", type_=UUID(as_uuid=True))
+#: A pause waits for the worker holding the run: it takes effect when the worker lets go.
+_PAUSE_ASKED = runs.c.paused_at.isnot(None)
 
 
 def lock_run() -> AnySelect:
@@ -205,7 +207,8 @@ def suspend_run() -> Any:
         runs.update()
         .where(runs.c.id == _RUN_ID)
         .values(
-            status=const("waiting"),
+            # a pause that waited for the step in flight takes effect here
+            status=case((_PAUSE_ASKED, const("paused")), else_=const("waiting")),
             available_at=func.now(),
             wake_at=func.now() + bindparam("wake_in", type_=Float) * SECONDS,
             wait_signal=bindparam("signal_name", type_=Text),
@@ -284,12 +287,12 @@ def wake_due_timers() -> Any:
 
 @cache
 def rescue_expired_runs() -> Any:
-    """Runs whose worker died (lease expired) become runnable again, to be resumed."""
+    """Runs whose worker died (lease expired) become runnable again (paused, if pausing)."""
     return (
         runs.update()
         .where(runs.c.status == const("running"), runs.c.lease_expires_at < func.now())
         .values(
-            status=const("runnable"),
+            status=case((_PAUSE_ASKED, const("paused")), else_=const("runnable")),
             lease_owner=null(),
             lease_expires_at=null(),
             available_at=func.now(),
@@ -322,7 +325,11 @@ def record_step_failure() -> Any:
         .where(*_fenced())
         .values(
             step_retries=runs.c.step_retries.op("||")(func.jsonb_build_object(key, count)),
-            status=case((exhausted, const("failed")), else_=const("runnable")),
+            status=case(
+                (exhausted, const("failed")),
+                (_PAUSE_ASKED, const("paused")),
+                else_=const("runnable"),
+            ),
             error=case((exhausted, json_param("failure")), else_=runs.c.error),
             available_at=func.now() + bindparam("delay", type_=Float) * SECONDS,
             lease_owner=null(),
@@ -372,7 +379,7 @@ def run_versions() -> AnySelect:
 
 @cache
 def mark_run() -> Any:
-    """Set a locked run's status (and reason); clears its lease and waits."""
+    """Set a locked run's status (and reason); clears its lease, waits and pause."""
     return (
         runs.update()
         .where(runs.c.id == _RUN_ID)
@@ -384,6 +391,8 @@ def mark_run() -> Any:
             wake_at=null(),
             wait_signal=null(),
             wait_effect=null(),
+            paused_at=null(),
+            pause_reason=null(),
             updated_at=func.now(),
         )
         .returning(runs.c.status)
@@ -431,6 +440,8 @@ def run_effects_for_stopping() -> AnySelect:
             effects.c.idempotency_key,
             effects.c.seq,
             effects.c.kind,
+            effects.c.priority,
+            effects.c.fairness_key,
         )
         .where(effects.c.run_id == _OF_RUN)
         .order_by(effects.c.seq)

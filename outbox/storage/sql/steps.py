@@ -9,6 +9,7 @@ the step checkpoint and every intent, and (when asked) sends the wake-up
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -38,8 +39,8 @@ from sqlalchemy.sql.expression import ColumnElement, TableValuedAlias, TextClaus
 from outbox.models import TERMINAL_EFFECT_STATUSES, RunStatus
 from outbox.storage.schema import budget_ledger, effects, gates, runs, steps
 from outbox.storage.sql.common import (
+    ACTIVE_CONDITION,
     EFFECTS_CHANNEL,
-    LIVE_CONDITION,
     RUNS_CHANNEL,
     AnySelect,
     const,
@@ -64,7 +65,11 @@ _RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
 
 
 def insert_run(*, notify: bool) -> AnySelect:
-    """Insert one run (parameters named like the columns) and return it."""
+    """Insert one run (parameters named like the columns) and return it.
+
+    A run with a ``key`` another run holds is not inserted (no row returned):
+    one run per business key.
+    """
     ins = (
         pg_insert(runs)
         .values(
@@ -75,9 +80,13 @@ def insert_run(*, notify: bool) -> AnySelect:
             inputs_hash=bindparam("inputs_hash"),
             status=const(RunStatus.RUNNABLE.value),
             budget=bindparam("budget", type_=Numeric),
+            key=bindparam("key", type_=Text),
+            priority=bindparam("priority", type_=Integer),
+            fairness_key=bindparam("fairness_key", type_=Text),
             dry_run=bindparam("dry_run"),
             trace_parent=bindparam("trace_parent", type_=Text),
         )
+        .on_conflict_do_nothing(index_elements=[runs.c.key], index_where=runs.c.key.isnot(None))
         .returning(*runs.c)
         .cte("ins")
     )
@@ -101,6 +110,8 @@ _EFFECT_FIELDS = (
     column("compensates", UUID(as_uuid=True)),
     column("cost", Numeric),
     column("delay_seconds", Float),
+    column("priority", Integer),
+    column("fairness_key", Text),
     # the intent's own approval policy (JSON), if it asked for one
     column("approval", JSONB),
     column("trace_parent", Text),
@@ -121,6 +132,8 @@ _EFFECT_INSERT_COLUMNS = [
     "compensate",
     "compensates",
     "cost",
+    "priority",
+    "fairness_key",
     "status",
     "available_at",
     "approval",
@@ -139,7 +152,11 @@ def _effect_rows() -> TableValuedAlias:
 
 
 def _effect_select(
-    rows: TableValuedAlias, run_id: ColumnElement[Any], *, after: Any = None
+    rows: TableValuedAlias,
+    run_id: ColumnElement[Any],
+    status: ColumnElement[Any] | None = None,
+    *,
+    after: Sequence[Any] = (),
 ) -> AnySelect:
     """The rows to insert: each intent, held as ``awaiting_approval`` when a gate applies.
 
@@ -147,7 +164,9 @@ def _effect_select(
     writes the intent: no round trip, and no writer can skip them. A matching
     config gate wins over the intent's own policy (an intent can add a gate,
     never loosen one). With no gate for the kind this is one probe of an
-    index on a small table.
+    index on a small table. ``status`` is the status of an intent no gate
+    holds (``pending``, or ``paused`` while a pause waits for its step);
+    ``after`` are the row sets (one row each) the insert must follow.
     """
     gate = (
         select(gates.c.name, gates.c.timeout_seconds, gates.c.on_timeout, gates.c.escalate_to)
@@ -177,8 +196,8 @@ def _effect_select(
     )
     held = policy.is_not(None)
     source = rows.outerjoin(gate, true())
-    if after is not None:
-        source = source.join(after, true())
+    for earlier in after:
+        source = source.join(earlier, true())
     return select(
         rows.c.id,
         run_id,
@@ -195,7 +214,12 @@ def _effect_select(
         rows.c.compensate,
         rows.c.compensates,
         rows.c.cost,
-        case((held, const("awaiting_approval")), else_=const("pending")),
+        rows.c.priority,
+        rows.c.fairness_key,
+        case(
+            (held, const("awaiting_approval")),
+            else_=const("pending") if status is None else status,
+        ),
         func.now() + rows.c.delay_seconds * text("interval '1 second'"),
         policy,
         case(
@@ -235,15 +259,18 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
     (JSON array of budget ledger entries). (No parameter is named like a
     column of ``outbox_runs``: SQLAlchemy would add it to the UPDATE's SET.)
 
-    Returns one row ``(run_ok, step_seq, inserted)``: ``run_ok`` is 0 when the
-    run is missing, ended, over budget or (fenced) leased by someone else;
-    ``step_seq`` is NULL when the step was already recorded (a replay or a
-    racing process won); ``inserted`` counts intents written. Each part only
-    happens when the one before it did, so a failed check writes nothing.
+    Returns one row ``(run_ok, step_seq, inserted, paused)``: ``run_ok`` is 0
+    when the run is missing, ended, paused, over budget or (fenced) leased by
+    someone else; ``step_seq`` is NULL when the step was already recorded (a
+    replay or a racing process won); ``inserted`` counts intents written;
+    ``paused`` is true when a pause waits for this step (its intents are then
+    written ``paused``, not ``pending``). Each part only happens when the one
+    before it did, so a failed check writes nothing. The step row keeps the
+    state and plan it set, so a fork can start from any step.
     """
     conditions: list[ColumnElement[bool] | TextClause] = [
         runs.c.id == _RUN_ID,
-        LIVE_CONDITION,
+        ACTIVE_CONDITION,
         (runs.c.budget.is_(None))
         | (
             runs.c.spent
@@ -276,18 +303,20 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
                 null(),
             ),
         )
-        .returning(runs.c.id, runs.c.step_head)
+        .returning(runs.c.id, runs.c.step_head, runs.c.paused_at.isnot(None).label("paused"))
         .cte("run_upd")
     )
     step_ins = (
         pg_insert(steps)
         .from_select(
-            ["run_id", "step_id", "kind", "result", "hash"],
+            ["run_id", "step_id", "kind", "result", "state", "plan", "hash"],
             select(
                 run_upd.c.id,
                 bindparam("step_id", type_=Text),
                 bindparam("kind", type_=Text),
                 json_param("step_result"),
+                json_param("new_state"),
+                json_param("new_plan"),
                 run_upd.c.step_head,
             ),
         )
@@ -296,11 +325,13 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
         .cte("step_ins")
     )
     rows = _effect_rows()
+    # A pause that waits for this step holds its intents (resume releases them).
+    paused = case((run_upd.c.paused, const("paused")), else_=const("pending"))
     eff_ins = (
         pg_insert(effects)
         .from_select(
             _EFFECT_INSERT_COLUMNS,
-            _effect_select(rows, _RUN_ID, after=step_ins),
+            _effect_select(rows, _RUN_ID, paused, after=(step_ins, run_upd)),
         )
         .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
         .returning(effects.c.id)
@@ -310,6 +341,7 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
         select(func.count()).select_from(run_upd).scalar_subquery().label("run_ok"),
         select(step_ins.c.seq).scalar_subquery().label("step_seq"),
         select(func.count()).select_from(eff_ins).scalar_subquery().label("inserted"),
+        select(run_upd.c.paused).scalar_subquery().label("paused"),
     ]
     if ledger:
         entries = (

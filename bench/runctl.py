@@ -1,0 +1,764 @@
+"""Run-control figures: claims before and after, large payloads, fairness, lanes, the write path.
+
+    python -m bench.runctl [--only SECTIONS] [--baseline-ref main] [--reps 3] [--json PATH]
+
+Sections (``--only`` takes a comma-separated list):
+
+  claims     the plain claim (no priorities, one fairness key): p50/p99 of claims of 100
+             and of 1 from a 30,000-effect backlog, this code beside a baseline's
+  write      steps/s of one writer (``run.transaction``: state + one intent), beside a baseline
+  large      claim p50/p99 draining 10,000 effects with small payloads, with large payloads
+             stored by reference, and (to show what that buys) the same large payloads in
+             the row; row and table sizes
+  fairness   two fairness keys: tenant A holds a 50,000-effect backlog (topped up), tenant B
+             trickles 10 effects/s; B's commit -> handler start latency, and the same
+             trickle without fairness keys (one lane, first in first out)
+  lanes      claim p50 with 1, 10 and 100 fairness keys holding backlogs (one probe per lane)
+  pause      how long pausing and resuming a run with 10,000 pending effects takes, and the
+             claim p50 of another run's backlog while they are held (paused rows leave the
+             claim index, as in-flight ones do)
+
+``--baseline-ref REF`` (or ``--baseline DIR`` holding an ``outbox`` package) runs the
+``claims`` and ``write`` sections with that code too, each measurement in a child
+process importing that ``outbox`` against a database that code migrated, interleaved
+with this code's. Without a baseline those sections measure this code only.
+
+With ``OUTBOX_DSN`` set it uses that server (scratch databases are created and
+dropped); otherwise it starts an embedded PostgreSQL in a temporary directory with
+default durability (fsync on) and removes it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from sqlalchemy.engine import make_url
+
+REPO = Path(__file__).resolve().parent.parent
+SECTIONS = ("claims", "write", "large", "fairness", "lanes", "pause")
+MB = 1024 * 1024
+
+
+# -- helpers --------------------------------------------------------------------------
+
+
+def libpq(dsn: str) -> str:
+    return make_url(dsn).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def with_database(dsn: str, name: str) -> str:
+    return make_url(dsn).set(database=name).render_as_string(hide_password=False)
+
+
+@contextmanager
+def scratch(admin: str, name: str) -> Iterator[str]:
+    """A fresh, empty database for one measurement."""
+    with psycopg.connect(libpq(admin), autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {name}")
+    try:
+        yield with_database(admin, name)
+    finally:
+        with psycopg.connect(libpq(admin), autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def migrated(dsn: str) -> None:
+    from outbox.storage.engine import make_engine
+    from outbox.storage.migrate import migrate
+
+    engine = make_engine(dsn)
+    migrate(engine)
+    engine.dispose()
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median and min-max of per-repetition figures."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def quantiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {
+        "n": len(ordered),
+        "p50": at(0.50),
+        "p90": at(0.90),
+        "p99": at(0.99),
+        "max": ordered[-1],
+    }
+
+
+def backlog(dsn: str, kind: str, n: int, *, fairness_key: str | None = None) -> None:
+    """``n`` pending no-op effects inserted with SQL (columns every schema version has)."""
+    lane = "" if fairness_key is None else ", fairness_key"
+    value = "" if fairness_key is None else f", '{fairness_key}'"
+    with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+        conn.execute(
+            f"""INSERT INTO outbox_effects
+                  (id, kind, payload, payload_hash, idempotency_key, status, available_at{lane})
+                SELECT gen_random_uuid(), %(kind)s, '{{"n": 1}}'::jsonb, md5('x'),
+                       md5(%(tag)s || g::text), 'pending', now(){value}
+                  FROM generate_series(1, %(n)s) AS g""",
+            {"kind": kind, "n": n, "tag": uuid.uuid4().hex},
+        )
+        conn.execute("ANALYZE outbox_effects")
+
+
+def claim_times(dsn: str, kind: str, batch: int, claims: int) -> list[float]:
+    """Seconds each of ``claims`` claims of ``batch`` took (AsyncStore.claim_many, as a daemon)."""
+    from outbox.storage.async_store import AsyncStore
+    from outbox.storage.engine import make_async_engine
+    from outbox.storage.sql.queue import EFFECT_QUEUE
+
+    async def go() -> list[float]:
+        store = AsyncStore(make_async_engine(dsn))
+        times = []
+        try:
+            for _ in range(5):  # warm: connection, prepared statement, plan
+                await store.claim_many(
+                    EFFECT_QUEUE, [({"kind": kind}, batch)], owner="bench", lease_seconds=600
+                )
+            for _ in range(claims):
+                started = time.perf_counter()
+                rows = await store.claim_many(
+                    EFFECT_QUEUE, [({"kind": kind}, batch)], owner="bench", lease_seconds=600
+                )
+                times.append(time.perf_counter() - started)
+                assert len(rows) == batch, f"claimed {len(rows)} of {batch}"
+        finally:
+            await store.dispose()
+        return times
+
+    return asyncio.run(go())
+
+
+# -- children: one measurement with whichever outbox package is importable --------------
+
+
+def child_claims(dsn: str) -> dict[str, Any]:
+    migrated(dsn)
+    backlog(dsn, "bench.plain", 30_000)
+    with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE outbox_effects")
+        conn.execute("CHECKPOINT")
+    batch = claim_times(dsn, "bench.plain", 100, 200)
+    single = claim_times(dsn, "bench.plain", 1, 200)
+    return {"batch_100": quantiles(batch), "batch_1": quantiles(single)}
+
+
+def child_write(dsn: str, seconds: float = 4.0) -> dict[str, Any]:
+    from outbox import Outbox
+
+    migrated(dsn)
+    with Outbox.connect(dsn) as ob:
+        run = ob.start_run("bench", "1", {})
+        n = 0
+
+        def step(tx: Any) -> None:
+            tx.set_state({"n": n})
+            tx.intend("bench.write", {"n": n})
+
+        for _ in range(50):  # warm
+            run.transaction(f"w{n}", step)
+            n += 1
+        started = time.perf_counter()
+        count = 0
+        while time.perf_counter() - started < seconds:
+            run.transaction(f"s{n}", step)
+            n += 1
+            count += 1
+        return {"steps_per_s": count / (time.perf_counter() - started)}
+
+
+CHILDREN: dict[str, Callable[[str], dict[str, Any]]] = {
+    "claims": child_claims,
+    "write": child_write,
+}
+
+
+def in_child(section: str, dsn: str, baseline: Path | None) -> dict[str, Any]:
+    """Run one measurement in a child process, with the baseline's ``outbox`` if given."""
+    env = dict(os.environ)
+    paths = [str(REPO)] if baseline is None else [str(baseline), str(REPO)]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.runctl", "--child", section, "--dsn", dsn],
+        env=env,
+        cwd=tempfile.gettempdir(),  # so REPO's outbox is not first on the path by accident
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"child {section} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def before_after(admin: str, section: str, baseline: Path | None, reps: int) -> dict[str, Any]:
+    """``section`` measured ``reps`` times with this code (and the baseline's), interleaved."""
+    variants = {"this": None} if baseline is None else {"this": None, "baseline": baseline}
+    got: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    for rep in range(reps):
+        for name, code in variants.items():
+            with scratch(admin, f"bench_runctl_{section}") as dsn:
+                got[name].append(in_child(section, dsn, code))
+            print(f"  {section} rep {rep + 1} {name}: {got[name][-1]}", flush=True)
+    return got
+
+
+# -- large payloads ---------------------------------------------------------------------
+
+
+def fill_payloads(dsn: str, kind: str, n: int, size: int, threshold: int) -> float:
+    """``n`` effects of ``kind`` whose payloads are ``size`` bytes of distinct text."""
+    from outbox import Outbox
+
+    started = time.perf_counter()
+    with Outbox.connect(dsn, blob_threshold_bytes=threshold) as ob:
+        run = ob.start_run("bench", "1", {})
+        per_step = 50
+        for s in range(n // per_step):
+
+            def step(tx: Any, s: int = s) -> None:
+                for i in range(per_step):
+                    body = os.urandom(size // 2).hex()[: size - 40]
+                    tx.intend(kind, {"n": s * per_step + i, "body": body})
+
+            run.transaction(f"fill-{s}", step)
+    return time.perf_counter() - started
+
+
+def sizes(dsn: str, kind: str) -> dict[str, float]:
+    with psycopg.connect(libpq(dsn)) as conn:
+        row = conn.execute(
+            "SELECT avg(pg_column_size(e.*)), max(pg_column_size(e.*)) FROM outbox_effects e "
+            "WHERE kind = %s",
+            (kind,),
+        ).fetchone()
+        table = conn.execute(
+            "SELECT pg_total_relation_size('outbox_effects'),"
+            " pg_total_relation_size('outbox_blobs')"
+        ).fetchone()
+    assert row is not None and table is not None
+    return {
+        "row_bytes_avg": float(row[0]),
+        "row_bytes_max": float(row[1]),
+        "effects_table_mb": table[0] / MB,
+        "blobs_table_mb": table[1] / MB,
+    }
+
+
+def warm(dsn: str) -> None:
+    """Read the effects table and its claim index into shared buffers (each variant alike)."""
+    with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
+        conn.execute("CHECKPOINT")
+        conn.execute("SELECT count(*), sum(length(payload::text)) FROM outbox_effects")
+        conn.execute(
+            "SELECT count(*) FROM outbox_effects WHERE status = 'pending' AND kind = 'bench.large'"
+        )
+
+
+def large_section(admin: str, reps: int, n: int, size: int) -> dict[str, Any]:
+    """Claims draining ``n`` effects: small payloads, large ones by reference, large in the row.
+
+    The variants take turns, one repetition each, so a machine that gets busier
+    or quieter while this runs does not favour one of them.
+    """
+    variants = {
+        "small payloads (100 B)": (100, 16 * 1024),
+        f"large payloads ({size // 1024} KiB) by reference": (size, 16 * 1024),
+        f"large payloads ({size // 1024} KiB) in the row": (size, 2 * size),
+    }
+    got: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    for _rep in range(reps):
+        for name, (payload, threshold) in variants.items():
+            with scratch(admin, "bench_runctl_large") as dsn:
+                migrated(dsn)
+                fill = fill_payloads(dsn, "bench.large", n, payload, threshold)
+                warm(dsn)
+                found = sizes(dsn, "bench.large")
+                times = claim_times(dsn, "bench.large", 100, n // 100 - 5)
+                got[name].append({"fill_seconds": fill, **found, **quantiles(times)})
+                print(f"  large {name}: p50 {got[name][-1]['p50'] * 1000:.2f} ms", flush=True)
+    out: dict[str, Any] = {}
+    for name, runs in got.items():
+        figures = [key for key in runs[0] if isinstance(runs[0][key], float)]
+        out[name] = {key: spread([r[key] for r in runs]) for key in figures}
+    return out
+
+
+# -- fairness -----------------------------------------------------------------------------
+
+#: Where :func:`record_trickle` appends ``i time`` (set for the deliverer process).
+TRICKLE_LOG_ENV = "BENCH_RUNCTL_TRICKLE_LOG"
+FAIR_KIND = "bench.fair"
+
+
+async def record_trickle(payload: Any, key: str) -> None:
+    """The ``python.call`` sink of the deliverer process: log when a trickle effect starts."""
+    if "trickle" in payload:
+        started = time.time()
+        fd = os.open(os.environ[TRICKLE_LOG_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{payload['trickle']} {started!r}\n".encode())
+        finally:
+            os.close(fd)
+
+
+@contextmanager
+def deliverer_process(dsn: str, work: Path) -> Iterator[Path]:
+    """An ``outbox deliver`` process (default settings) serving FAIR_KIND; yields its start log."""
+    config = work / "fair.toml"
+    config.write_text(
+        f'[kinds."{FAIR_KIND}"]\ntype = "python.call"\n'
+        'function = "bench.runctl:record_trickle"\nidempotent = true\n'
+    )
+    log = work / "trickle.log"
+    log.write_text("")
+    env = {**os.environ, "OUTBOX_DSN": dsn, TRICKLE_LOG_ENV: str(log)}
+    env["OUTBOX_HOME"] = str(work / "no-embedded-server")
+    with (work / "deliver.out").open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "outbox", "deliver", "--config", str(config)],
+            env=env,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@contextmanager
+def deliverer_thread(dsn: str, starts: dict[int, float], delivered: list[int]) -> Iterator[None]:
+    """A DeliveryDaemon (default settings) on its own event loop in a thread of this process."""
+    from outbox.delivery import Deliverer, Delivery, Outcome, Succeeded
+    from outbox.delivery.daemon import DeliveryDaemon
+    from outbox.delivery.settings import DeliverySettings
+    from outbox.storage.async_store import AsyncStore
+    from outbox.storage.engine import make_async_engine
+
+    class NoOp(Deliverer):
+        default_idempotent = True
+
+        async def deliver(self, delivery: Delivery) -> Outcome:
+            if "trickle" in delivery.payload:
+                starts[delivery.payload["trickle"]] = time.time()
+            delivered[0] += 1
+            return Succeeded()
+
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    def main() -> None:
+        async def run() -> None:
+            store = AsyncStore(make_async_engine(dsn))
+            daemon = DeliveryDaemon(store, {FAIR_KIND: NoOp(FAIR_KIND)}, DeliverySettings())
+            holder["daemon"], holder["loop"] = daemon, asyncio.get_running_loop()
+            ready.set()
+            try:
+                await daemon.run()
+            finally:
+                await store.dispose()
+
+        asyncio.run(run())
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    try:
+        yield
+    finally:
+        holder["loop"].call_soon_threadsafe(holder["daemon"].stop)
+        thread.join(60)
+
+
+def pending_a(conn: Any) -> int:
+    (n,) = conn.execute(
+        "SELECT count(*) FROM outbox_effects WHERE status = 'pending' AND fairness_key = 'a'"
+    ).fetchone()
+    return int(n)
+
+
+def fairness_run(
+    dsn: str, work: Path, *, fair: bool, seconds: float, hold: int, process: bool
+) -> dict[str, Any]:
+    """Tenant A holds ``hold`` pending effects; B trickles 10/s. B's commit -> start latency."""
+    from outbox import Outbox
+
+    starts: dict[int, float] = {}
+    delivered = [0]
+    backlog(dsn, FAIR_KIND, hold, fairness_key="a")
+    stop = threading.Event()
+
+    def top_up() -> None:  # A keeps holding its backlog while the trickle runs
+        with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+            while not stop.wait(0.25):
+                missing = hold - pending_a(conn)
+                if missing > 0:
+                    backlog(dsn, FAIR_KIND, missing, fairness_key="a")
+                    if process:  # A is held at ``hold``: what was topped up was delivered
+                        delivered[0] += missing
+
+    deliverer = (
+        deliverer_process(dsn, work) if process else deliverer_thread(dsn, starts, delivered)
+    )
+    committed: dict[int, float] = {}
+    with deliverer as log, Outbox.connect(dsn) as ob:
+        with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+            deadline = time.time() + 60
+            while pending_a(conn) > hold - 1000 and time.time() < deadline:
+                time.sleep(0.05)  # until the deliverer is draining A's backlog
+        filler = threading.Thread(target=top_up, daemon=True)
+        filler.start()
+        run = ob.start_run("bench", "1", {}, fairness_key="b" if fair else "a")
+        time.sleep(1.0)
+        before = delivered[0]
+        began = time.time()
+        i = 0
+        while time.time() - began < seconds:
+            due = began + i * 0.1
+            time.sleep(max(0.0, due - time.time()))
+
+            def trickle(tx: Any, i: int = i) -> None:
+                tx.intend(FAIR_KIND, {"trickle": i})
+
+            run.transaction(f"t{i}", trickle)
+            committed[i] = time.time()
+            i += 1
+        rate = (delivered[0] - before) / (time.time() - began)
+        stop.set()
+        filler.join(10)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if log is not None:
+                for line in Path(log).read_text().splitlines():
+                    n, at = line.split()
+                    starts[int(n)] = float(at)
+            if len(starts) >= len(committed):
+                break
+            time.sleep(0.1)
+    latencies = [starts[k] - committed[k] for k in committed if k in starts]
+    with psycopg.connect(libpq(dsn)) as conn:
+        left = pending_a(conn)
+        # commit -> claim in database time (created_at is the intending transaction's start)
+        claimed = [
+            float(row[0])
+            for row in conn.execute(
+                "SELECT extract(epoch FROM attempt_started_at - created_at) FROM outbox_effects"
+                " WHERE payload ? 'trickle' AND attempt_started_at IS NOT NULL"
+            )
+        ]
+    return {
+        **quantiles(latencies),
+        "commit_to_claim": quantiles(claimed),
+        "trickle_sent": len(committed),
+        "trickle_started": len(starts),
+        "effects_per_s": rate,
+        "a_pending_at_end": left,
+    }
+
+
+def fairness_section(admin: str, reps: int, seconds: float, work: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, fair, window, process in (
+        ("two fairness keys, an `outbox deliver` process", True, seconds, True),
+        ("two fairness keys, DeliveryDaemon in this process", True, seconds, False),
+        ("one lane (no fairness keys), for comparison", False, min(seconds, 10.0), True),
+    ):
+        runs = []
+        for _rep in range(reps if fair else 1):
+            with scratch(admin, "bench_runctl_fair") as dsn:
+                migrated(dsn)
+                runs.append(
+                    fairness_run(dsn, work, fair=fair, seconds=window, hold=50_000, process=process)
+                )
+            print(
+                f"  fairness {name}: p50 {runs[-1]['p50'] * 1000:.1f} ms "
+                f"p99 {runs[-1]['p99'] * 1000:.1f} ms ({runs[-1]['trickle_started']} of "
+                f"{runs[-1]['trickle_sent']} started)",
+                flush=True,
+            )
+        out[name] = {"reps": runs}
+    return out
+
+
+# -- lanes ----------------------------------------------------------------------------------
+
+
+def lanes_section(admin: str, reps: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for lanes in (1, 10, 100):
+        p50s = []
+        for _rep in range(reps):
+            with scratch(admin, "bench_runctl_lanes") as dsn:
+                migrated(dsn)
+                per = max(2_000, 40_000 // lanes)
+                for lane in range(lanes):
+                    backlog(dsn, "bench.lanes", per, fairness_key=f"tenant-{lane:03d}")
+                with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+                    conn.execute("VACUUM ANALYZE outbox_effects")
+                p50s.append(quantiles(claim_times(dsn, "bench.lanes", 100, 150))["p50"])
+        out[str(lanes)] = spread(p50s)
+        print(f"  lanes {lanes}: p50 {out[str(lanes)]['median'] * 1000:.2f} ms", flush=True)
+    return out
+
+
+# -- pause ------------------------------------------------------------------------------------
+
+
+def pause_section(admin: str, reps: int) -> dict[str, Any]:
+    from outbox import Outbox
+
+    got: list[dict[str, float]] = []
+    for _rep in range(reps):
+        with scratch(admin, "bench_runctl_pause") as dsn:
+            migrated(dsn)
+            backlog(dsn, "bench.other", 30_000)
+            with Outbox.connect(dsn) as ob:
+                run = ob.start_run("bench", "1", {})
+                with psycopg.connect(libpq(dsn), autocommit=True) as conn:
+                    conn.execute(
+                        """INSERT INTO outbox_effects (id, run_id, kind, payload, payload_hash,
+                                  idempotency_key, status)
+                           SELECT gen_random_uuid(), %(run)s, 'bench.held', '{}'::jsonb, 'x',
+                                  md5(%(run)s::text || g::text), 'pending'
+                             FROM generate_series(1, 10000) g""",
+                        {"run": run.id},
+                    )
+                    conn.execute("VACUUM ANALYZE outbox_effects")
+                before = quantiles(claim_times(dsn, "bench.other", 100, 50))["p50"]
+                started = time.perf_counter()
+                ob.pause(run.id, "bench")
+                paused = time.perf_counter() - started
+                during = quantiles(claim_times(dsn, "bench.other", 100, 50))["p50"]
+                started = time.perf_counter()
+                ob.resume(run.id)
+                resumed = time.perf_counter() - started
+            got.append(
+                {
+                    "pause_s": paused,
+                    "resume_s": resumed,
+                    "claim_p50_before": before,
+                    "claim_p50_while_paused": during,
+                }
+            )
+            print(f"  pause: {got[-1]}", flush=True)
+    return {key: spread([g[key] for g in got]) for key in got[0]}
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def ms(value: float) -> str:
+    return f"{value * 1000:.2f}"
+
+
+def render(results: dict[str, Any]) -> str:
+    """The figures as the Markdown tables docs/performance.md shows."""
+    lines: list[str] = []
+    claims = results.get("claims")
+    if claims:
+        lines += [
+            "| code | claim of 100: p50 ms | p99 ms | claim of 1: p50 ms | p99 ms |",
+            "|---|---|---|---|---|",
+        ]
+        for name, reps in claims.items():
+            b = spread([r["batch_100"]["p50"] for r in reps])
+            b99 = spread([r["batch_100"]["p99"] for r in reps])
+            one = spread([r["batch_1"]["p50"] for r in reps])
+            one99 = spread([r["batch_1"]["p99"] for r in reps])
+            lines.append(
+                f"| {name} | {ms(b['median'])} ({ms(b['min'])}-{ms(b['max'])}) "
+                f"| {ms(b99['median'])} | {ms(one['median'])} ({ms(one['min'])}-{ms(one['max'])}) "
+                f"| {ms(one99['median'])} |"
+            )
+        if "baseline" in claims:
+            this = statistics.median(r["batch_100"]["p50"] for r in claims["this"])
+            base = statistics.median(r["batch_100"]["p50"] for r in claims["baseline"])
+            lines.append(f"\nclaim of 100, this / baseline p50: {this / base:.2f}x")
+        lines.append("")
+    write = results.get("write")
+    if write:
+        lines += ["| code | steps/s (one writer) |", "|---|---|"]
+        for name, reps in write.items():
+            s = spread([r["steps_per_s"] for r in reps])
+            lines.append(f"| {name} | {s['median']:,.0f} ({s['min']:,.0f}-{s['max']:,.0f}) |")
+        lines.append("")
+    large = results.get("large")
+    if large:
+        lines += [
+            "| payloads | claim of 100: p50 ms | p99 ms | row bytes (avg) | outbox_effects MB "
+            "| outbox_blobs MB |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, r in large.items():
+            lines.append(
+                f"| {name} | {ms(r['p50']['median'])} ({ms(r['p50']['min'])}-"
+                f"{ms(r['p50']['max'])}) | {ms(r['p99']['median'])} "
+                f"| {r['row_bytes_avg']['median']:,.0f} | {r['effects_table_mb']['median']:,.1f} "
+                f"| {r['blobs_table_mb']['median']:,.1f} |"
+            )
+        names = list(large)
+        ratio = large[names[1]]["p50"]["median"] / large[names[0]]["p50"]["median"]
+        lines.append(f"\nby reference / small, claim p50: {ratio:.2f}x")
+        lines.append("")
+    fairness = results.get("fairness")
+    if fairness:
+        lines += [
+            "| trickle of tenant B, 10/s, while A holds 50,000 | n | p50 ms | p90 ms | p99 ms "
+            "| max ms | effects/s delivered |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, data in fairness.items():
+            for r in data["reps"]:
+                lines.append(
+                    f"| {name} | {r['n']} | {ms(r['p50'])} | {ms(r['p90'])} | {ms(r['p99'])} "
+                    f"| {ms(r['max'])} | {r['effects_per_s']:,.0f} |"
+                )
+        lines.append("")
+        for name, data in fairness.items():
+            for r in data["reps"]:
+                c = r["commit_to_claim"]
+                lines.append(
+                    f"{name}: commit -> claim (database clock) p50 {ms(c['p50'])} ms, "
+                    f"p99 {ms(c['p99'])} ms"
+                )
+        lines.append("")
+    lanes = results.get("lanes")
+    if lanes:
+        lines += ["| lanes with a backlog | claim of 100: p50 ms |", "|---|---|"]
+        for count, s in lanes.items():
+            lines.append(f"| {count} | {ms(s['median'])} ({ms(s['min'])}-{ms(s['max'])}) |")
+        lines.append("")
+    pause = results.get("pause")
+    if pause:
+
+        def cell(key: str) -> str:
+            f = pause[key]
+            return f"{ms(f['median'])} ms ({ms(f['min'])}-{ms(f['max'])})"
+
+        lines += [
+            "| a run with 10,000 pending effects | median (min-max) |",
+            "|---|---|",
+            f"| pause | {cell('pause_s')} |",
+            f"| resume | {cell('resume_s')} |",
+            f"| another kind's claim of 100, p50, before the pause | {cell('claim_p50_before')} |",
+            f"| the same while the 10,000 are held | {cell('claim_p50_while_paused')} |",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def baseline_dir(ref: str | None, path: Path | None, work: Path) -> Path | None:
+    """A directory holding the baseline's ``outbox`` package (from ``git archive REF``)."""
+    if path is not None:
+        return path
+    if ref is None:
+        return None
+    target = work / "baseline"
+    target.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ref, "outbox"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.runctl", description=__doc__)
+    parser.add_argument("--only", default=",".join(SECTIONS))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--baseline-ref", default=None, help="git ref to compare with (e.g. main)")
+    parser.add_argument("--baseline", type=Path, default=None, help="dir with an outbox package")
+    parser.add_argument("--large-effects", type=int, default=10_000)
+    parser.add_argument("--large-bytes", type=int, default=64 * 1024)
+    parser.add_argument("--fair-seconds", type=float, default=30.0)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dsn", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        print(json.dumps(CHILDREN[args.child](args.dsn)))
+        return 0
+
+    sections = [s for s in args.only.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    work = Path(tempfile.mkdtemp(prefix="outbox-bench-runctl-"))
+    work.chmod(0o711)  # as root, the server runs as another user, who must enter it
+    server = None
+    admin = os.environ.get("OUTBOX_DSN")
+    if not admin:
+        from outbox.storage.embedded import EmbeddedServer
+
+        server = EmbeddedServer(work / "pg")
+        admin = server.ensure_running()
+    results: dict[str, Any] = {"meta": {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
+    try:
+        baseline = baseline_dir(args.baseline_ref, args.baseline, work)
+        results["meta"]["baseline"] = args.baseline_ref or (
+            str(args.baseline) if args.baseline else None
+        )
+        with psycopg.connect(libpq(admin)) as conn:
+            version = conn.execute("SHOW server_version").fetchone()
+            results["meta"]["postgresql"] = version[0] if version else None
+        results["meta"]["load_before"] = os.getloadavg()
+        for section in sections:
+            print(f"{section}…", flush=True)
+            if section in CHILDREN:
+                results[section] = before_after(admin, section, baseline, args.reps)
+            elif section == "large":
+                results[section] = large_section(
+                    admin, args.reps, args.large_effects, args.large_bytes
+                )
+            elif section == "fairness":
+                results[section] = fairness_section(admin, args.reps, args.fair_seconds, work)
+            elif section == "lanes":
+                results[section] = lanes_section(admin, args.reps)
+            elif section == "pause":
+                results[section] = pause_section(admin, args.reps)
+        results["meta"]["load_after"] = os.getloadavg()
+    finally:
+        if server is not None:
+            server.stop(mode="fast")
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(render(results))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

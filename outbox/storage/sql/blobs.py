@@ -1,0 +1,140 @@
+"""SQL of large values stored by reference (:mod:`outbox.blobs`): write, read, share, collect.
+
+A blob is written with the row that refers to it, in the same transaction, and
+its owner (a run, or an effect that belongs to no run) is recorded in
+``outbox_blob_refs``. The upsert locks an existing blob's row until commit and
+the reference's foreign key keeps it, so ``outbox gc`` (which deletes only
+blobs with no reference, skipping locked rows) can never remove a blob a
+writer is about to use.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    Integer,
+    Text,
+    any_,
+    bindparam,
+    delete,
+    exists,
+    func,
+    select,
+)
+from sqlalchemy.dialects.postgresql import UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from outbox.storage.schema import blob_refs, blobs, effects, runs
+from outbox.storage.sql.common import AnySelect
+
+__all__ = [
+    "copy_refs",
+    "delete_orphan_refs",
+    "delete_refs_of",
+    "delete_unused_blobs",
+    "fetch_blobs",
+    "put_blob",
+    "put_refs",
+]
+
+
+@cache
+def put_blob() -> Any:
+    """Store one blob once (``sha`` = sha256 of ``data``, ``size`` bytes); lock it until commit."""
+    ins = pg_insert(blobs).values(
+        sha256=bindparam("sha", type_=Text),
+        bytes=bindparam("size", type_=BigInteger),
+        data=bindparam("data", type_=Text),
+    )
+    return ins.on_conflict_do_update(index_elements=[blobs.c.sha256], set_={"used_at": func.now()})
+
+
+@cache
+def put_refs() -> Any:
+    """``owner`` (a run or a run-less effect) uses the blobs ``hashes``."""
+    hashes = func.unnest(bindparam("hashes", type_=ARRAY(Text)))
+    return (
+        pg_insert(blob_refs)
+        .from_select(
+            ["owner", "sha256"],
+            select(bindparam("owner", type_=UUID(as_uuid=True)), hashes),
+        )
+        .on_conflict_do_nothing(constraint="outbox_blob_refs_pkey")
+    )
+
+
+def fetch_blobs() -> AnySelect:
+    """The canonical JSON of the blobs ``hashes``."""
+    return select(blobs.c.sha256, blobs.c.data).where(
+        blobs.c.sha256 == any_(bindparam("hashes", type_=ARRAY(Text)))
+    )
+
+
+@cache
+def copy_refs() -> Any:
+    """A fork uses what its original used (``from_owner`` → ``to_owner``)."""
+    src = blob_refs.alias("src")
+    return (
+        pg_insert(blob_refs)
+        .from_select(
+            ["owner", "sha256"],
+            select(bindparam("to_owner", type_=UUID(as_uuid=True)), src.c.sha256).where(
+                src.c.owner == bindparam("from_owner", type_=UUID(as_uuid=True))
+            ),
+        )
+        .on_conflict_do_nothing(constraint="outbox_blob_refs_pkey")
+    )
+
+
+def _returning(statement: Any, table: Any, rows: bool) -> Any:
+    # Every column only when the rows are archived: a blob's data can be large.
+    return statement.returning(*table.c) if rows else statement
+
+
+@cache
+def delete_refs_of(*, rows: bool) -> Any:
+    """Delete what the owners ``ids`` (runs or run-less effects) used (``rows``: returning it)."""
+    statement = delete(blob_refs).where(
+        blob_refs.c.owner == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True))))
+    )
+    return _returning(statement, blob_refs, rows)
+
+
+@cache
+def delete_orphan_refs(*, rows: bool) -> Any:
+    """References whose owner is gone (deleted other than by ``gc``), at most ``batch``."""
+    gone = (
+        select(blob_refs.c.owner, blob_refs.c.sha256)
+        .where(
+            ~exists().where(runs.c.id == blob_refs.c.owner),
+            ~exists().where(effects.c.id == blob_refs.c.owner),
+        )
+        .limit(bindparam("batch", type_=Integer))
+        .cte("gone")
+    )
+    statement = delete(blob_refs).where(
+        blob_refs.c.owner == gone.c.owner, blob_refs.c.sha256 == gone.c.sha256
+    )
+    return _returning(statement, blob_refs, rows)
+
+
+@cache
+def delete_unused_blobs(*, rows: bool) -> Any:
+    """Blobs no reference names, at most ``batch``; a blob a writer holds is skipped.
+
+    A writer locks the blob it uses (its upsert, or its reference's foreign-key
+    check) until it commits, so ``SKIP LOCKED`` leaves it alone; once committed,
+    its reference keeps the blob out of this statement.
+    """
+    unused = (
+        select(blobs.c.sha256)
+        .where(~exists().where(blob_refs.c.sha256 == blobs.c.sha256))
+        .limit(bindparam("batch", type_=Integer))
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return _returning(delete(blobs).where(blobs.c.sha256.in_(unused)), blobs, rows)

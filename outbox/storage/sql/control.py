@@ -1,0 +1,311 @@
+"""SQL of run control: pause and resume a run, park a paused run, fork a run from a step.
+
+Pure builders, executed by :class:`~outbox.storage.run_tx.RunTx` (the caller
+holds the run row's lock, so these never race a wait, a signal or a cancel).
+
+A pause sets ``paused_at`` on the run. A run nobody holds (runnable, waiting)
+becomes ``paused`` at once; a run a worker holds stays ``running`` until the
+step in flight is recorded, then its worker parks it (:func:`park_paused`).
+Its effects that no deliverer started become ``paused``, and every way back to
+``pending`` (a retry, the reconciler, an operator) keeps them ``paused`` (the
+``outbox_effects_hold_paused`` trigger), so claims need no change: they take
+``pending`` rows only, by the same partial index.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    Boolean,
+    Integer,
+    Numeric,
+    Text,
+    and_,
+    bindparam,
+    case,
+    cast,
+    exists,
+    func,
+    literal_column,
+    null,
+    select,
+    text,
+)
+from sqlalchemy.dialects.postgresql import UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from outbox.models import EffectStatus
+from outbox.storage.schema import budget_ledger, effects, runs, steps
+from outbox.storage.sql.common import (
+    EFFECTS_CHANNEL,
+    RUNS_CHANNEL,
+    AnySelect,
+    const,
+    in_statuses,
+)
+
+__all__ = [
+    "fork_cut",
+    "fork_ledger",
+    "fork_run",
+    "fork_steps",
+    "hold_effects",
+    "park_paused",
+    "pause_run",
+    "release_effects",
+    "resume_run",
+]
+
+_RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
+# Statements on outbox_effects, outbox_steps and the ledger cannot bind "run_id" (a column).
+_OF_RUN = bindparam("of_run", type_=UUID(as_uuid=True))
+_ORIGINAL = bindparam("original", type_=UUID(as_uuid=True))
+_FORK = bindparam("fork", type_=UUID(as_uuid=True))
+
+
+@cache
+def pause_run() -> Any:
+    """Mark the locked run paused (``reason``); ``park``: it is not held, so ``paused`` now."""
+    park = bindparam("park", type_=Boolean)
+    return (
+        runs.update()
+        .where(runs.c.id == _RUN_ID)
+        .values(
+            paused_at=func.coalesce(runs.c.paused_at, func.now()),
+            pause_reason=bindparam("reason", type_=Text),
+            status=case((park, const("paused")), else_=runs.c.status),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.status)
+    )
+
+
+@cache
+def hold_effects() -> Any:
+    """The run's effects no deliverer started become ``paused`` (their place in line is kept)."""
+    return (
+        effects.update()
+        .where(
+            effects.c.run_id == _OF_RUN,
+            in_statuses(effects.c.status, (EffectStatus.PENDING, EffectStatus.DISPATCHED)),
+        )
+        .values(status=const("paused"), lease_expires_at=null(), updated_at=func.now())
+        .returning(effects.c.id)
+    )
+
+
+@cache
+def resume_run() -> Any:
+    """Lift the locked run's pause: a paused run becomes runnable now (and workers are told).
+
+    A run that waited when it was paused re-checks its wait when it runs: a
+    deadline that passed meanwhile is acted on then, a signal sent meanwhile is
+    consumed then. A run still held by a worker (the pause was waiting for its
+    step) just carries on.
+    """
+    parked = runs.c.status == const("paused")
+    return (
+        runs.update()
+        .where(runs.c.id == _RUN_ID)
+        .values(
+            status=case((parked, const("runnable")), else_=runs.c.status),
+            available_at=case((parked, func.now()), else_=runs.c.available_at),
+            wake_at=case((parked, null()), else_=runs.c.wake_at),
+            wait_signal=case((parked, null()), else_=runs.c.wait_signal),
+            wait_effect=case((parked, null()), else_=runs.c.wait_effect),
+            paused_at=null(),
+            pause_reason=null(),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.status, func.pg_notify(RUNS_CHANNEL, ""))
+    )
+
+
+@cache
+def release_effects() -> Any:
+    """The run's paused effects are ``pending`` again, in their old place; deliverers are told."""
+    released = (
+        effects.update()
+        .where(effects.c.run_id == _OF_RUN, effects.c.status == const("paused"))
+        .values(status=const("pending"), updated_at=func.now())
+        .returning(effects.c.id)
+        .cte("released")
+    )
+    return select(
+        select(func.count()).select_from(released).scalar_subquery().label("released"),
+        func.pg_notify(EFFECTS_CHANNEL, "").label("notified"),
+    )
+
+
+@cache
+def park_paused() -> Any:
+    """A worker lets go of its run after the step a pause waited for (fenced).
+
+    ``paused`` if the pause still stands, ``runnable`` if it was lifted meanwhile.
+    """
+    still = runs.c.paused_at.isnot(None)
+    return (
+        runs.update()
+        .where(
+            runs.c.id == _RUN_ID,
+            runs.c.status == const("running"),
+            runs.c.lease_owner == bindparam("fence_owner", type_=Text),
+            runs.c.attempt == bindparam("fence_attempt", type_=Integer),
+        )
+        .values(
+            status=case((still, const("paused")), else_=const("runnable")),
+            available_at=func.now(),
+            lease_owner=null(),
+            lease_expires_at=null(),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.status, func.pg_notify(RUNS_CHANNEL, ""))
+    )
+
+
+def fork_cut() -> AnySelect:
+    """The original's completed steps in order (``of_run``): a fork copies those before its step."""
+    return (
+        select(steps.c.step_id, steps.c.seq)
+        .where(steps.c.run_id == _OF_RUN, steps.c.status == const("completed"))
+        .order_by(steps.c.seq)
+    )
+
+
+def _copied() -> list[Any]:
+    """The original's completed steps before the cut (``cut`` NULL: all of them)."""
+    cut = bindparam("cut", type_=Integer)
+    return [
+        steps.c.run_id == _ORIGINAL,
+        steps.c.status == const("completed"),
+        (cut.is_(None)) | (steps.c.seq < cut),
+    ]
+
+
+def _last_set(column: Any) -> Any:
+    """What the last copied step that set ``column`` (state or plan) set it to."""
+    return (
+        select(column)
+        .where(*_copied(), column.isnot(None))
+        .order_by(steps.c.seq.desc())
+        .limit(literal_column("1", Integer))
+        .scalar_subquery()
+    )
+
+
+@cache
+def fork_run() -> Any:
+    """Insert the fork of ``original`` as ``fork``: same agent, inputs, budget, priority.
+
+    Parameters: ``original``, ``fork``, ``cut`` (the seq of the step it restarts
+    at; NULL: after every completed step), ``from_step``, ``version`` (NULL: the
+    original's). Its state and plan are those the last copied step set (else
+    the defaults), it has spent what the copied steps spent, and it starts
+    runnable (workers are told). Returns the fork's id; nothing when the
+    original does not exist.
+    """
+    spent = (
+        select(func.coalesce(func.sum(budget_ledger.c.amount), 0))
+        .where(
+            budget_ledger.c.run_id == _ORIGINAL,
+            budget_ledger.c.entry == const("spend"),
+            budget_ledger.c.step_id.in_(select(steps.c.step_id).where(*_copied())),
+        )
+        .scalar_subquery()
+    )
+    current = (
+        select(steps.c.step_id)
+        .where(*_copied())
+        .order_by(steps.c.seq.desc())
+        .limit(literal_column("1", Integer))
+        .scalar_subquery()
+    )
+    source = select(
+        _FORK,
+        runs.c.agent,
+        func.coalesce(bindparam("version", type_=Text), runs.c.agent_version),
+        runs.c.inputs,
+        runs.c.inputs_hash,
+        const("runnable"),
+        func.coalesce(_last_set(steps.c.state), text("'{}'::jsonb")),
+        func.coalesce(_last_set(steps.c.plan), text("'[]'::jsonb")),
+        current,
+        runs.c.budget,
+        cast(spent, Numeric),
+        runs.c.priority,
+        runs.c.fairness_key,
+        runs.c.id,
+        bindparam("from_step", type_=Text),
+        # a dry run's fork is a dry run too: its new effects never reach a sink
+        runs.c.dry_run,
+    ).where(runs.c.id == _ORIGINAL)
+    ins = (
+        pg_insert(runs)
+        .from_select(
+            [
+                "id",
+                "agent",
+                "agent_version",
+                "inputs",
+                "inputs_hash",
+                "status",
+                "state",
+                "plan",
+                "current_step",
+                "budget",
+                "spent",
+                "priority",
+                "fairness_key",
+                "forked_from",
+                "forked_at_step",
+                "dry_run",
+            ],
+            source,
+        )
+        .returning(runs.c.id)
+        .cte("forked")
+    )
+    return select(ins.c.id, func.pg_notify(RUNS_CHANNEL, "").label("notified"))
+
+
+@cache
+def fork_steps() -> Any:
+    """Copy the original's steps before the cut to the fork, in order, results as recorded."""
+    return pg_insert(steps).from_select(
+        ["run_id", "step_id", "kind", "result", "error", "completed_at", "status", "state", "plan"],
+        select(
+            _FORK,
+            steps.c.step_id,
+            steps.c.kind,
+            steps.c.result,
+            steps.c.error,
+            steps.c.completed_at,
+            steps.c.status,
+            steps.c.state,
+            steps.c.plan,
+        )
+        .where(*_copied())
+        .order_by(steps.c.seq),
+    )
+
+
+@cache
+def fork_ledger() -> Any:
+    """The copied steps' debits, on the fork (a replayed step does not spend again)."""
+    copied = and_(
+        budget_ledger.c.run_id == _ORIGINAL,
+        budget_ledger.c.entry == const("spend"),
+        exists().where(*_copied(), steps.c.step_id == budget_ledger.c.step_id),
+    )
+    return pg_insert(budget_ledger).from_select(
+        ["run_id", "step_id", "reason", "entry", "amount"],
+        select(
+            _FORK,
+            budget_ledger.c.step_id,
+            budget_ledger.c.reason,
+            budget_ledger.c.entry,
+            budget_ledger.c.amount,
+        ).where(copied),
+    )
