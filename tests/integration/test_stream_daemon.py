@@ -426,7 +426,7 @@ def test_an_attempt_whose_lease_was_taken_while_it_waited_is_not_called(
         def by_n(n: int) -> Any:
             return next(e for e in ob.effects() if e.payload["n"] == n)
 
-        wait_for(lambda: by_n(1).status == "in_flight", message="both held")
+        wait_for(lambda: by_n(1).status == "in_flight", timeout=90, message="both held")
         waiting = by_n(1)
         with ob.engine.begin() as conn:
             conn.execute(
