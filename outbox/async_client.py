@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from outbox.chain import Break, record_from_rows, verify_record
-from outbox.client import (
+from outbox.client_args import (
     approval_decider,
     cancel_args,
     connect_settings,

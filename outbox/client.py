@@ -9,54 +9,54 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from outbox.blobs import Stored, store_value
 from outbox.chain import Break, record_from_rows, verify_record
+from outbox.client_args import (
+    approval_decider,
+    cancel_args,
+    connect_settings,
+    diff_args,
+    effect_filters,
+    fork_args,
+    new_run,
+    not_changed,
+    reason_args,
+    refused,
+    resolve_params,
+    retry_params,
+    run_args,
+    run_filters,
+    signal_sender,
+    started_run,
+)
 from outbox.effect_diff import RunDiff, diff_effects
 from outbox.errors import (
-    ApprovalRefused,
     EffectNotFound,
-    IdempotencyConflict,
-    ReplayRefused,
-    RunExists,
     RunNotFound,
-    RunStateError,
-    ValidationError,
 )
 from outbox.gates import Gate
-from outbox.ids import uuid7
-from outbox.intent_rules import MAX_KEY_LENGTH
 from outbox.models import (
     Effect,
-    EffectStatus,
-    OnConflict,
-    RunMode,
     RunRecord,
-    RunStart,
     RunStatus,
 )
-from outbox.payloads import content_hash, decode, encode
-from outbox.runs.approvals import ApprovalDecision, decide, expire_approvals
+from outbox.runs.approvals import expire_approvals
 from outbox.runs.context import RunContext, VersionUpgrades
 from outbox.runs.control import fork_run, pause_run, resume_run
 from outbox.runs.intents import OutboxTransaction
 from outbox.runs.run import Run
-from outbox.runs.signals import SignalReceipt, send_signal
+from outbox.runs.signals import SignalReceipt
 from outbox.runs.stopping import advance_stopping_run, advance_stopping_runs, cancel_run
 from outbox.runs.worker import Worker, WorkerSettings
 from outbox.settings import Settings
 from outbox.storage import Connection, Engine
 from outbox.storage.engine import open_engine
 from outbox.storage.notify import WakeupThrottle
-from outbox.storage.run_tx import RunTx
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
 from outbox.storage.store import Store
 from outbox.tracing import current_traceparent, run_span
@@ -534,272 +534,3 @@ class Outbox:
 
 
 # -- rules both clients apply before they touch the database ---------------------------
-
-
-def connect_settings(
-    dsn: str | None, settings: Settings | None, overrides: dict[str, Any]
-) -> Settings:
-    """The settings ``connect(dsn, settings=..., **overrides)`` means (both twins)."""
-    if settings is None:
-        return Settings.from_env(dsn=dsn, **overrides)
-    if dsn is not None or overrides:
-        return settings.model_copy(update={"dsn": dsn or settings.dsn, **overrides})
-    return settings
-
-
-@dataclass(frozen=True)
-class NewRun:
-    """A validated new run: its row, its inputs as stored, what a taken key means."""
-
-    row: dict[str, Any]
-    inputs: Stored
-    on_conflict: OnConflict
-
-
-def new_run(
-    settings: Settings,
-    agent: str,
-    version: str,
-    inputs: Any,
-    *,
-    budget: float | None,
-    run_id: uuid.UUID | str | None,
-    key: str | None = None,
-    on_conflict: str = "return_existing",
-    priority: int = 0,
-    fairness_key: str = "",
-    mode: str = "live",
-) -> NewRun:
-    """The validated row of a new run (``start_run`` in both twins)."""
-    start = validated(
-        RunStart,
-        agent=agent,
-        version=version,
-        inputs=inputs,
-        budget=budget,
-        key=key,
-        on_conflict=on_conflict,
-        priority=priority,
-        fairness_key=fairness_key,
-        mode=mode,
-    )
-    stored = store_value(start.inputs, field="inputs", limits=settings.value_limits)
-    row = {
-        "id": uuid7() if run_id is None else as_uuid(run_id, "run_id"),
-        "agent": start.agent,
-        "agent_version": start.version,
-        "inputs": stored.json,
-        "inputs_hash": content_hash(stored.json) if stored.blob is None else stored.blob.sha256,
-        "budget": None if start.budget is None else Decimal(str(start.budget)),
-        "key": start.key,
-        "priority": start.priority,
-        "fairness_key": start.fairness_key,
-        "dry_run": start.mode == RunMode.DRY_RUN,
-        "trace_parent": None,
-    }
-    return NewRun(row, stored, start.on_conflict)
-
-
-def started_run(new: NewRun, record: RunRecord, created: bool) -> RunRecord:
-    """The run ``start_run`` returns: the new one, or the one holding its key (if allowed)."""
-    if created:
-        if new.inputs.blob is not None:  # as stored, the record holds a reference
-            record = record.model_copy(update={"inputs": decode(new.inputs.value_json)})
-        return record
-    key = str(new.row["key"])
-    theirs = (record.agent, record.agent_version, record.inputs_hash)
-    ours = (new.row["agent"], new.row["agent_version"], new.row["inputs_hash"])
-    if theirs != ours:
-        raise IdempotencyConflict(
-            key,
-            f"run {record.id} was started with this key as {record.agent} "
-            f"{record.agent_version} with other inputs",
-        )
-    if new.on_conflict == OnConflict.REJECT:
-        raise RunExists(key, record.id)
-    return record
-
-
-def run_args(run_id: uuid.UUID | str, step_id: str | None) -> uuid.UUID:
-    """Validated arguments of ``run()`` (both twins); returns the run id."""
-    rid = as_uuid(run_id, "run_id")
-    if step_id is not None:
-        name_field(step_id, "step_id", max_length=MAX_KEY_LENGTH)
-    return rid
-
-
-def effect_filters(
-    *,
-    run_id: uuid.UUID | str | None,
-    status: str | None,
-    kind: str | None,
-    limit: int,
-    step_id: str | None = None,
-) -> dict[str, Any]:
-    """Validated filters of ``effects()``."""
-    if status is not None and status not in EffectStatus.__members__.values():
-        raise ValidationError("status", status, f"not one of {[s.value for s in EffectStatus]}")
-    if kind is not None:
-        name_field(kind, "kind")
-    rid = None if run_id is None else as_uuid(run_id, "run_id")
-    filters: dict[str, Any] = {"run_id": rid, "status": status, "kind": kind}
-    if step_id is not None:
-        # A step id means something only within its run (and the run's index finds it).
-        if rid is None:
-            raise ValidationError("step_id", step_id, "filter by run_id too")
-        filters["step_id"] = name_field(step_id, "step_id", max_length=MAX_KEY_LENGTH)
-    return {**filters, "limit": row_limit(limit)}
-
-
-def run_filters(*, status: str | None, agent: str | None, limit: int) -> dict[str, Any]:
-    """Validated filters of ``runs()``."""
-    if status is not None and status not in RunStatus.__members__.values():
-        raise ValidationError("status", status, f"not one of {[s.value for s in RunStatus]}")
-    if agent is not None:
-        name_field(agent, "agent")
-    return {"status": status, "agent": agent, "limit": row_limit(limit)}
-
-
-def resolve_params(*, outcome: str, note: str, operator: str) -> dict[str, Any]:
-    """Validated parameters of an operator's ``resolve`` (all but the effect id)."""
-    choices = {"succeeded": "succeeded", "failed": "failed", "retry": "pending"}
-    if outcome not in choices:
-        raise ValidationError("outcome", outcome, f"must be one of {sorted(choices)}")
-    if not note.strip():
-        raise ValidationError("note", note, "say why (it is kept in the attempt log)")
-    detail = encode({"as": outcome, "note": note, "by": operator}, field="note")
-    return {"new_status": choices[outcome], "operator": operator, "detail": detail}
-
-
-def retry_params(*, extra_attempts: int, operator: str, note: str | None = None) -> dict[str, Any]:
-    """Validated parameters of an operator's ``retry`` (all but the effect id)."""
-    if extra_attempts < 1:
-        raise ValidationError("extra_attempts", extra_attempts, "must be at least 1")
-    if note is not None and not note.strip():
-        raise ValidationError("note", note, "say why, or leave the note out")
-    entry: dict[str, Any] = {"extra_attempts": extra_attempts, "by": operator}
-    if note is not None:
-        entry["note"] = note
-    detail = encode(entry, field="detail")
-    return {"extra_attempts": extra_attempts, "operator": operator, "detail": detail}
-
-
-def not_changed(effect: Effect, which: str) -> RunStateError:
-    """Why an operator's compare-and-set changed nothing."""
-    if which == "resolve":
-        return RunStateError(
-            f"effect_id={str(effect.id)!r} is {effect.status.value}, not unknown: "
-            "only unknown effects are resolved"
-        )
-    return RunStateError(
-        f"effect_id={str(effect.id)!r} is {effect.status.value}, not failed: "
-        "only failed effects are retried (resolve unknown ones)"
-    )
-
-
-def diff_args(run_a: uuid.UUID | str, run_b: uuid.UUID | str) -> tuple[uuid.UUID, uuid.UUID]:
-    """Validated run ids of ``diff_runs`` (both twins)."""
-    return as_uuid(run_a, "run_a"), as_uuid(run_b, "run_b")
-
-
-def approval_decider(
-    effect_id: uuid.UUID | str,
-    *,
-    approve: bool,
-    digest: str | None,
-    note: str,
-    by: str,
-    via: str,
-    request_id: str | None = None,
-) -> Callable[[RunTx], ApprovalDecision]:
-    """Validate an approval or rejection; return what decides it in a run transaction."""
-    eid = as_uuid(effect_id, "effect_id")
-    if approve and digest is None:
-        raise ValidationError(
-            "digest", digest, "an approval names the digest of the payload it approves"
-        )
-    if digest is not None and (
-        not isinstance(digest, str) or re.fullmatch(r"[0-9a-f]{64}", digest) is None
-    ):
-        raise ValidationError("digest", digest, "must be 64 lowercase hex characters (sha256)")
-    if not isinstance(note, str) or not note.strip():
-        raise ValidationError("note", note, "say why (it is kept in the attempt log)")
-    name_field(note, "note", max_length=2000)
-    name_field(by, "by")
-    if request_id is not None:
-        name_field(request_id, "request_id", max_length=MAX_KEY_LENGTH)
-
-    def decide_in(tx: RunTx) -> ApprovalDecision:
-        return decide(
-            tx,
-            eid,
-            approve=approve,
-            digest=digest,
-            note=note,
-            by=by,
-            via=via,
-            request_id=request_id,
-        )
-
-    return decide_in
-
-
-def refused(decision: ApprovalDecision) -> None:
-    """Raise :class:`ApprovalRefused` for a refused decision (after its transaction committed)."""
-    if decision.refusal is not None:
-        raise ApprovalRefused(decision.effect_id, decision.refusal)
-
-
-def signal_sender(
-    settings: Settings,
-    run_id: uuid.UUID | str,
-    name: str,
-    payload: Any,
-    dedup_key: str | None,
-    request_id: str | None,
-) -> Callable[[RunTx], SignalReceipt]:
-    """Validate a signal; return what stores it in a run transaction (both twins)."""
-    rid = as_uuid(run_id, "run_id")
-    name_field(name, "name")
-    if dedup_key is not None:
-        name_field(dedup_key, "dedup_key", max_length=MAX_KEY_LENGTH)
-    if request_id is not None:
-        name_field(request_id, "request_id", max_length=MAX_KEY_LENGTH)
-    stored = store_value(payload, field="payload", limits=settings.value_limits)
-    key = dedup_key or uuid.uuid4().hex
-
-    def send(tx: RunTx) -> SignalReceipt:
-        if request_id is not None and not tx.mark_replay(request_id):
-            raise ReplayRefused("request_id", request_id)
-        return send_signal(tx, rid, name, stored.json, key, stored.blob)
-
-    return send
-
-
-def cancel_args(run_id: uuid.UUID | str, reason: str) -> uuid.UUID:
-    """Validate a cancellation; returns the run id."""
-    return reason_args(run_id, reason, "cancelled")
-
-
-def reason_args(run_id: uuid.UUID | str, reason: str, done: str) -> uuid.UUID:
-    """Validate an operator's action on a run that must say why (cancel, pause)."""
-    rid = as_uuid(run_id, "run_id")
-    if not isinstance(reason, str) or not reason.strip():
-        raise ValidationError("reason", reason, f"say why the run is {done}")
-    name_field(reason, "reason", max_length=2000)
-    return rid
-
-
-def fork_args(
-    run_id: uuid.UUID | str,
-    from_step: str,
-    version: str | None,
-    fork_id: uuid.UUID | str | None,
-) -> tuple[uuid.UUID, uuid.UUID, str, str | None]:
-    """Validate a fork: (original, fork id, step, version)."""
-    original = as_uuid(run_id, "run_id")
-    name_field(from_step, "from_step")
-    if version is not None:
-        name_field(version, "version", max_length=100)
-    new_id = uuid7() if fork_id is None else as_uuid(fork_id, "fork_id")
-    return original, new_id, from_step, version
