@@ -73,6 +73,20 @@ def intend(ob: Outbox, kind: str, n: int, step: str = "", **options: Any) -> Non
     )
 
 
+def blocking_the_first(release: threading.Event, first: list[int]) -> Callable[[Delivery], Outcome]:
+    """An outcome that blocks the first record called until ``release`` (its ``n`` goes
+    into ``first``): records of several partitions may come in either order."""
+
+    def outcome(delivery: Delivery) -> Outcome:
+        if not first:
+            first.append(delivery.payload["n"])
+        if delivery.payload["n"] == first[0]:
+            release.wait(60)
+        return Succeeded()
+
+    return outcome
+
+
 def all_succeeded(ob: Outbox, n: int) -> Callable[[], bool]:
     def check() -> bool:
         found = ob.effects(limit=10_000)
@@ -408,16 +422,8 @@ def test_an_attempt_whose_lease_was_taken_while_it_waited_is_not_called(
     poll mode claims only what can start.)
     """
     release = threading.Event()
-
-    # Records may come in either order (several partitions): the first called blocks.
     first: list[int] = []
-
-    def first_blocks(delivery: Delivery) -> Outcome:
-        if not first:
-            first.append(delivery.payload["n"])
-        if delivery.payload["n"] == first[0]:
-            release.wait(60)
-        return Succeeded()
+    first_blocks = blocking_the_first(release, first)
 
     capped = RecordingDeliverer("k.once", idempotent=False, outcome=first_blocks)
     capped.concurrency = 1
@@ -466,16 +472,8 @@ def test_an_attempt_whose_lease_could_not_be_renewed_while_it_waited_is_not_call
     a new attempt.
     """
     release = threading.Event()
-
-    # Records may come in either order (several partitions): the first called blocks.
     first: list[int] = []
-
-    def first_blocks(delivery: Delivery) -> Outcome:
-        if not first:
-            first.append(delivery.payload["n"])
-        if delivery.payload["n"] == first[0]:
-            release.wait(60)
-        return Succeeded()
+    first_blocks = blocking_the_first(release, first)
 
     capped = RecordingDeliverer("k.locked", idempotent=False, outcome=first_blocks)
     capped.concurrency = 1
