@@ -44,15 +44,16 @@ from outbox.runs.intents import StepWrites
 from outbox.runs.waits import Pending, WaitSpec, check_wait, recorded_error
 from outbox.storage import Connection
 from outbox.storage.run_tx import RunTx
-from outbox.storage.store import StepOutcome
+from outbox.storage.store import StepOutcome, StepTaken
 from outbox.tracing import step_span
 from outbox.validation import as_uuid, name_field
 
 __all__ = ["AlreadyRecorded", "Paused", "RunBase", "Suspended"]
 
 
-class AlreadyRecorded(Exception):
-    """Internal: the step was recorded by someone else; roll ours back and replay."""
+#: Internal: the step was recorded by someone else; roll ours back and replay.
+#: The storage layer raises it when the checkpoint's insert meets the step's row.
+AlreadyRecorded = StepTaken
 
 
 class Suspended(BaseException):

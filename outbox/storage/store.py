@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.dialects.postgresql import JSONB
 
 from outbox.blobs import Blob
+from outbox.errors import IdempotencyConflict
 from outbox.faults import crash_point
 from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
 from outbox.storage import blob_store
@@ -36,9 +38,31 @@ from outbox.storage.sql import steps as sql
 from outbox.storage.sql.common import ACTIVE_CONDITION
 from outbox.storage.views import ConsoleViews
 
-__all__ = ["StepOutcome", "Store", "effects_json", "mark_consumed", "read_state_counts"]
+__all__ = ["StepOutcome", "StepTaken", "Store", "effects_json", "mark_consumed", "read_state_counts"]
 
 log = logging.getLogger(__name__)
+
+
+class StepTaken(Exception):
+    """Internal: another transaction recorded this step first (ours is lost; replay it)."""
+
+
+def _step_conflict(exc: sqlalchemy.exc.IntegrityError) -> Exception:
+    """What a unique violation of the one-statement checkpoint means (the transaction is lost).
+
+    The step's primary key: another handle or process recorded the step first.
+    An intent's key: another transaction holds it (G5: a conflict, never a second row).
+    """
+    diag = getattr(exc.orig, "diag", None)
+    constraint = getattr(diag, "constraint_name", None)
+    if constraint == "outbox_steps_pkey":
+        return StepTaken()
+    if constraint == "outbox_effects_idempotency_key":
+        detail = getattr(diag, "message_detail", None) or ""
+        found = re.search(r"\(idempotency_key\)=\((.*)\) already exists", detail)
+        key = found[1] if found else "<unknown>"
+        return IdempotencyConflict(key, "intended concurrently by another transaction")
+    return exc
 
 
 @dataclass(frozen=True)
@@ -190,7 +214,10 @@ class Store:
         blob_store.put(conn, params["run_id"], blobs)
         ledger = params.get("ledger") is not None
         statement = sql.commit_step(fenced=fenced, notify=notify, ledger=ledger)
-        row = conn.execute(statement, params).one()
+        try:
+            row = conn.execute(statement, params).one()
+        except sqlalchemy.exc.IntegrityError as exc:
+            raise _step_conflict(exc) from exc
         return StepOutcome(bool(row.run_ok), row.step_seq, int(row.inserted), bool(row.paused))
 
     def intend_without_run(

@@ -15,9 +15,10 @@ def test_commit_step_is_one_statement_with_chained_parts() -> None:
     sql = _sql(statements.commit_step(fenced=False, notify=False))
     assert sql.startswith("WITH run_upd AS")
     # each part only happens when the one before it did
-    assert "FROM run_upd ON CONFLICT ON CONSTRAINT outbox_steps_pkey DO NOTHING" in sql
+    assert "FROM run_upd RETURNING outbox_steps.seq" in sql
     assert "JOIN step_ins ON true" in sql
-    assert "ON CONFLICT ON CONSTRAINT outbox_effects_idempotency_key DO NOTHING" in sql
+    # plain inserts: a conflict is a unique violation (no speculative insertion's WAL)
+    assert "ON CONFLICT" not in sql
     assert "pg_notify" not in sql
     assert "lease_owner" not in sql
 

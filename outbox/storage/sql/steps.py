@@ -261,12 +261,17 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
 
     Returns one row ``(run_ok, step_seq, inserted, paused)``: ``run_ok`` is 0
     when the run is missing, ended, paused, over budget or (fenced) leased by
-    someone else; ``step_seq`` is NULL when the step was already recorded (a
-    replay or a racing process won); ``inserted`` counts intents written;
+    someone else; ``step_seq`` is the new step's; ``inserted`` counts intents written;
     ``paused`` is true when a pause waits for this step (its intents are then
     written ``paused``, not ``pending``). Each part only happens when the one
     before it did, so a failed check writes nothing. The step row keeps the
     state and plan it set, so a fork can start from any step.
+
+    A step recorded already (a racing process won) or an intent key another
+    effect holds fails the statement with a unique violation on
+    ``outbox_steps_pkey`` or ``outbox_effects_idempotency_key``: the
+    transaction is lost either way, and plain inserts write less WAL than
+    ``ON CONFLICT`` (whose speculative insertions log a confirm record per row).
     """
     conditions: list[ColumnElement[bool] | TextClause] = [
         runs.c.id == _RUN_ID,
@@ -320,7 +325,9 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
                 run_upd.c.step_head,
             ),
         )
-        .on_conflict_do_nothing(constraint="outbox_steps_pkey")
+        # No ON CONFLICT: a step recorded before is a replay the caller detects, and a
+        # racing writer's step is a unique violation (Store.commit_step says which);
+        # a speculative insertion costs WAL (a confirm record per row) on every step.
         .returning(steps.c.seq)
         .cte("step_ins")
     )
@@ -333,7 +340,7 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
             _EFFECT_INSERT_COLUMNS,
             _effect_select(rows, _RUN_ID, paused, after=(step_ins, run_upd)),
         )
-        .on_conflict_do_nothing(constraint="outbox_effects_idempotency_key")
+        # A key taken already is a conflict (G5), raised as a unique violation.
         .returning(effects.c.id)
         .cte("eff_ins")
     )
