@@ -168,32 +168,32 @@ def _effect_select(
     holds (``pending``, or ``paused`` while a pause waits for its step);
     ``after`` are the row sets (one row each) the insert must follow.
     """
+    # The gate's policy is built once, in the lateral row (never NULL when a gate
+    # matched). Spelled out four times, the statement grew past the length psycopg
+    # caches the parsing of (4096 characters), which cost every step client CPU.
     gate = (
-        select(gates.c.name, gates.c.timeout_seconds, gates.c.on_timeout, gates.c.escalate_to)
+        select(
+            func.jsonb_build_object(
+                const("gate"),
+                gates.c.name,
+                const("timeout"),
+                gates.c.timeout_seconds,
+                const("on_timeout"),
+                gates.c.on_timeout,
+                const("escalate_to"),
+                gates.c.escalate_to,
+                type_=JSONB,
+            ).label("policy")
+        )
         .where(
             gates.c.kind == rows.c.kind,
             func.outbox_gate_matches(gates.c.conditions, rows.c.payload, type_=Boolean),
         )
         .order_by(gates.c.name)
-        .limit(1)
+        .limit(literal_column("1", Integer))
         .lateral("gate")
     )
-    policy = case(
-        (
-            gate.c.name.is_not(None),
-            func.jsonb_build_object(
-                "gate",
-                gate.c.name,
-                "timeout",
-                gate.c.timeout_seconds,
-                "on_timeout",
-                gate.c.on_timeout,
-                "escalate_to",
-                gate.c.escalate_to,
-            ),
-        ),
-        else_=rows.c.approval,
-    )
+    policy = func.coalesce(gate.c.policy, rows.c.approval, type_=JSONB)
     held = policy.is_not(None)
     source = rows.outerjoin(gate, true())
     for earlier in after:
@@ -225,7 +225,8 @@ def _effect_select(
         case(
             (
                 held,
-                func.now() + cast(policy["timeout"].astext, Float) * text("interval '1 second'"),
+                func.now()
+                + cast(policy.op("->>")(const("timeout")), Float) * text("interval '1 second'"),
             ),
             else_=null(),
         ),
