@@ -132,7 +132,7 @@ VARIANTS: dict[str, Callable[[str, float], dict[str, float]]] = {
 
 def _reset(dsn: str) -> None:
     with psycopg.connect(_libpq(dsn), autocommit=True) as conn:
-        conn.execute("TRUNCATE outbox_runs, outbox_effects CASCADE")
+        conn.execute("TRUNCATE outbox_runs, outbox_steps, outbox_effects CASCADE")
         conn.execute("CHECKPOINT")
 
 

@@ -120,7 +120,6 @@ runs = Table(
     Column("status", Text, nullable=False),
     Column("state", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("plan", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
-    Column("current_step", Text),
     Column("result", JSONB),
     Column("error", JSONB),
     Column("budget", Numeric),
@@ -154,6 +153,9 @@ runs = Table(
     Column("pause_reason", Text),
     Column("forked_from", UUID(as_uuid=True)),
     Column("forked_at_step", Text),
+    # 0015: last, next to step_head: a step's update changes these two, and its WAL
+    # record holds every byte between the first and the last column it changed
+    Column("current_step", Text),
     CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
     # every step updates the row: room on the page keeps those updates HOT (0004)
     postgresql_with={"fillfactor": "80"},
@@ -207,6 +209,8 @@ Index(
 
 # What a run started from never changes (G6: the versioned inputs it is pinned to).
 # The WHEN clause keeps the trigger function out of every ordinary step update.
+# 0015: AFTER, not BEFORE: a BEFORE row trigger locks the old row version first,
+# a lock record in the WAL of every step's update; raising afterwards undoes it alike.
 RUNS_IMMUTABLE_DDL = (
     """CREATE FUNCTION outbox_runs_refuse_input_change() RETURNS trigger
     LANGUAGE plpgsql AS $$
@@ -217,7 +221,7 @@ BEGIN
 END
 $$""",
     """CREATE TRIGGER outbox_runs_inputs_immutable
-    BEFORE UPDATE ON outbox_runs FOR EACH ROW
+    AFTER UPDATE ON outbox_runs FOR EACH ROW
     WHEN (OLD.agent IS DISTINCT FROM NEW.agent
           OR OLD.inputs_hash IS DISTINCT FROM NEW.inputs_hash
           OR OLD.inputs IS DISTINCT FROM NEW.inputs)
@@ -225,10 +229,13 @@ $$""",
 )
 _ddl(runs, RUNS_IMMUTABLE_DDL)
 
+# 0015: steps and effects name their run without a foreign key: its check locked the
+# run row on every step (WAL) although the step's statement holds that row already;
+# every writer holds the run row, and `outbox gc` deletes a run's rows itself.
 steps = Table(
     "outbox_steps",
     metadata,
-    Column("run_id", UUID(as_uuid=True), ForeignKey("outbox_runs.id", ondelete="CASCADE")),
+    Column("run_id", UUID(as_uuid=True)),
     Column("step_id", Text, nullable=False),
     Column("seq", BigInteger, Identity(always=True), nullable=False),
     Column("kind", Text, nullable=False),
@@ -252,7 +259,7 @@ effects = Table(
     Column("id", UUID(as_uuid=True), primary_key=True),
     # intent order: per-key ordering and listing follow it
     Column("seq", BigInteger, Identity(always=True), nullable=False),
-    Column("run_id", UUID(as_uuid=True), ForeignKey("outbox_runs.id", ondelete="CASCADE")),
+    Column("run_id", UUID(as_uuid=True)),
     Column("step_id", Text),
     Column("step_index", Integer),
     Column("kind", Text, nullable=False),
@@ -529,9 +536,15 @@ Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
 
 SQL_API_MIGRATION = "0007_sql_api.sql"
 #: Migrations whose part below ``-- @functions`` (re)defines SQL API functions, in order.
-#: 0010 replaces some of 0007's for governance (gates, dry runs, the step chain) and
-#: 0013 some of those for run control (pause, lanes, keys, values by reference).
-SQL_API_MIGRATIONS = (SQL_API_MIGRATION, "0010_governance.sql", "0013_run_control.sql")
+#: 0010 replaces some of 0007's for governance (gates, dry runs, the step chain),
+#: 0013 some of those for run control (pause, lanes, keys, values by reference) and
+#: 0015 one that locks the run row where a foreign key used to.
+SQL_API_MIGRATIONS = (
+    SQL_API_MIGRATION,
+    "0010_governance.sql",
+    "0013_run_control.sql",
+    "0015_lean_steps.sql",
+)
 _FUNCTIONS_MARKER = "-- @functions"
 
 
