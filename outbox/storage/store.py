@@ -38,7 +38,14 @@ from outbox.storage.sql import steps as sql
 from outbox.storage.sql.common import ACTIVE_CONDITION
 from outbox.storage.views import ConsoleViews
 
-__all__ = ["StepOutcome", "StepTaken", "Store", "effects_json", "mark_consumed", "read_state_counts"]
+__all__ = [
+    "StepOutcome",
+    "StepTaken",
+    "Store",
+    "effects_json",
+    "mark_consumed",
+    "read_state_counts",
+]
 
 log = logging.getLogger(__name__)
 
