@@ -382,6 +382,8 @@ export interface StartRunOptions {
   priority?: number;
   /** Workers and deliverers share capacity between fairness keys; effects inherit it. */
   fairnessKey?: string;
+  /** `"dry_run"`: the run's effects go to recording deliverers, never to a sink. */
+  mode?: "live" | "dry_run";
 }
 
 /** Options of `waitForEffect`. */
@@ -443,7 +445,8 @@ export class Outbox {
       this.pool,
       `SELECT outbox_start_run(agent => $1, version => $2, inputs => $3::jsonb, budget => $4::numeric,
          run_id => $5::uuid, key => $6, on_conflict => coalesce($7, 'return_existing'),
-         priority => coalesce($8::integer, 0), fairness_key => coalesce($9, '')) AS id`,
+         priority => coalesce($8::integer, 0), fairness_key => coalesce($9, ''),
+         mode => coalesce($10, 'live')) AS id`,
       [
         agent,
         version,
@@ -454,6 +457,7 @@ export class Outbox {
         options.onConflict ?? null,
         options.priority ?? null,
         options.fairnessKey ?? null,
+        options.mode ?? null,
       ],
     );
     return new Run(this, row!.id);

@@ -45,8 +45,6 @@ export interface HttpOutboxOptions {
 export interface HttpStartRunOptions extends Omit<StartRunOptions, "budget"> {
   inputs?: unknown;
   budget?: number;
-  /** `"dry_run"`: the run's effects go to recording deliverers, never to a real sink. */
-  mode?: "live" | "dry_run";
 }
 
 export interface HttpIntent extends IntendOptions {

@@ -247,3 +247,14 @@ test("a run's business key, priority and fairness key; its effects inherit them 
     ],
   );
 });
+
+test("a dry run started from TypeScript is one; its intents go to the dry-run namespace", async () => {
+  const run = await outbox.startRun("shop", "1", { order: "dry" }, { mode: "dry_run" });
+  const intent = await run.transaction("notify", (tx) => tx.intend("email.send", { to: "ap@example.com" }));
+  const effect = await outbox.effect(intent.id);
+  assert.ok(effect.kind.startsWith("dry-run:"), effect.kind);
+  await assert.rejects(
+    outbox.startRun("shop", "1", {}, { mode: "rehearsal" as "live" }),
+    (error: ValidationError) => error.field === "mode",
+  );
+});
