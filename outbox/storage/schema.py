@@ -537,13 +537,15 @@ Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
 SQL_API_MIGRATION = "0007_sql_api.sql"
 #: Migrations whose part below ``-- @functions`` (re)defines SQL API functions, in order.
 #: 0010 replaces some of 0007's for governance (gates, dry runs, the step chain),
-#: 0013 some of those for run control (pause, lanes, keys, values by reference) and
-#: 0015 one that locks the run row where a foreign key used to.
+#: 0013 some of those for run control (pause, lanes, keys, values by reference),
+#: 0015 one that locks the run row where a foreign key used to, and 0020 adds dry
+#: runs to outbox_start_run.
 SQL_API_MIGRATIONS = (
     SQL_API_MIGRATION,
     "0010_governance.sql",
     "0013_run_control.sql",
     "0015_lean_steps.sql",
+    "0020_sql_dry_run.sql",
 )
 _FUNCTIONS_MARKER = "-- @functions"
 
