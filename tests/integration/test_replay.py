@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,44 @@ def test_two_processes_racing_on_one_step_make_one_set_of_rows(
     with ob.engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(steps)).scalar_one() == 1
         assert conn.execute(select(func.count()).select_from(effects)).scalar_one() == 2
+
+
+def test_a_derived_key_another_row_holds_is_a_conflict_and_the_step_writes_nothing(
+    ob: Outbox,
+) -> None:
+    # The step's intents are plain inserts (no ON CONFLICT): a key already taken
+    # (here by a run-less row written beside the client) fails the checkpoint whole.
+    run = ob.start_run("keys", "1")
+    key = derive_key(run.id, "s", 0)
+    with ob.engine.begin() as conn:
+        conn.execute(
+            effects.insert().values(
+                id=uuid.uuid4(),
+                kind="k.other",
+                payload={},
+                payload_hash="0" * 64,
+                idempotency_key=key,
+                status="pending",
+            )
+        )
+    with pytest.raises(IdempotencyConflict, match=key) as info:
+        run.transaction("s", lambda tx: tx.intend("k.mine", {"n": 1}))
+    assert "intended concurrently" in str(info.value)
+    assert ob.run(run.id).completed_steps == []
+    with ob.engine.connect() as conn:
+        assert conn.scalar(select(func.count()).select_from(steps)) == 0
+        assert conn.scalar(select(func.count()).where(effects.c.kind == "k.mine")) == 0
+
+
+def test_a_step_another_handle_recorded_meanwhile_is_adopted_not_run_twice(
+    ob: Outbox,
+) -> None:
+    run = ob.start_run("race", "1")
+    stale = ob.run(run.id)  # loaded before the step exists
+    assert run.transaction("s", lambda tx: (tx.intend("k.a", {"n": 1}), "first")[1]) == "first"
+    # The stale handle runs its function, then its insert meets the recorded step:
+    # its transaction rolls back whole and it returns what was recorded (G5).
+    assert stale.transaction("s", lambda tx: (tx.intend("k.a", {"n": 2}), "second")[1]) == "first"
+    assert stale.last_replayed
+    with ob.engine.connect() as conn:
+        assert conn.scalar(select(func.count()).where(effects.c.kind == "k.a")) == 1
