@@ -136,7 +136,14 @@ class StoreProbe:
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
-        self.statements = {id(claim(EFFECT_QUEUE)): "claim", id(complete_effects()): "complete"}
+        # Every variant the store may run (claim() is cached per argument list, so
+        # each one is the object the store executes).
+        self.statements = {
+            id(claim(EFFECT_QUEUE, rated=rated, lanes=lanes)): "claim"
+            for rated in (False, True)
+            for lanes in (False, True)
+        }
+        self.statements[id(complete_effects())] = "complete"
         self.arm(-1)
         event.listen(engine.sync_engine, "checkout", self._checkout)
         event.listen(engine.sync_engine, "after_cursor_execute", self._executed)
@@ -273,13 +280,15 @@ def daemon_drain(bench: Bench, runner: DaemonRunner, n: int) -> dict[str, Any]:
     commits_net = commits - idle_rate * outside
     counts = bench.counts()
     check(counts.get("succeeded") == n == counts["attempt_rows"], f"daemon left {counts}")
-    batches = max(1, probe.nonempty_claims)
+    # A claim that took nothing returns one row of NULLs, counted as a row: the
+    # rows counted beyond n are such empty claims, not batches.
+    batches = max(1, probe.nonempty_claims - max(0, probe.claimed - n))
     claim_s = probe.seconds["claim"]
     complete_s = probe.seconds["complete"] + probe.seconds["complete+claim"]
     return {
         "rate": n / seconds,
-        "batches": probe.nonempty_claims,
-        "mean_batch": probe.claimed / batches,
+        "batches": batches,
+        "mean_batch": n / batches,
         # Transactions that claimed rows or recorded outcomes (one that did both
         # counts once); the empty claim that finds the queue drained, and every
         # other store transaction, in the next figure.
