@@ -75,10 +75,10 @@ def test_background_duties_ride_the_batches(ob: Outbox, dsn: str) -> None:
         before, reads_before = reader.commits(), reader.reads
         with DaemonThread(dsn, {KIND: SlowSink(KIND)}, **settings):
             wait_for(
-                lambda: reader.value(
-                    "SELECT count(*) FROM outbox_effects WHERE status = 'succeeded'"
-                )
-                == N,
+                lambda: (
+                    reader.value("SELECT count(*) FROM outbox_effects WHERE status = 'succeeded'")
+                    == N
+                ),
                 timeout=120,
                 interval=0.1,
                 message="all delivered",
