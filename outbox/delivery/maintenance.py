@@ -217,7 +217,16 @@ class Maintenance:
         now = time.monotonic()
         if findings is None and now - self._probed_at >= self._probe_every:
             self._probed_at = now
-            findings, at = await self.store.probe_duties(self.ask), now
+            try:
+                findings, at = await self.store.probe_duties(self.ask), now
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # The probe reads what every duty reads; a role that may not read
+                # some of it still gets the duties it may do, each on its own.
+                log.debug("duty probe failed (%s); running every duty", exc)
+                await self._every_duty()
+                return
         parts: list[Callable[[], Awaitable[object]]] = []
         if findings is not None:
             if self._gone_on:
@@ -231,6 +240,21 @@ class Maintenance:
                 parts.append(self._advance_stopping)
         parts.append(self._notes)
         failures: list[Exception] = []
+        for part in parts:
+            try:
+                await part()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+    async def _every_duty(self) -> None:
+        failures: list[Exception] = []
+        parts: list[Callable[[], Awaitable[object]]] = [self.reconcile]
+        if self._gone_on:
+            parts.append(self.recover_gone)
         for part in parts:
             try:
                 await part()
