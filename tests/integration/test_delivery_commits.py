@@ -1,5 +1,8 @@
 """A busy daemon's background duties ride its batches: about one commit per batch.
 
+And the lease renewals that ride are real renewals: a call that outlasts its
+lease lives on through them.
+
 Counted on the real server: ``pg_stat_database.xact_commit`` of the test's
 database over the daemon's whole life (a backend's counts reach it at the
 latest when the backend exits, and the daemon's engine is disposed before the
@@ -13,12 +16,16 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any
+from uuid import UUID
 
 import psycopg
 
 from outbox import Outbox
 from outbox.delivery import Deliverer, Delivery, Outcome, Succeeded
-from outbox.storage.engine import libpq_dsn
+from outbox.delivery.daemon import DeliveryDaemon
+from outbox.delivery.settings import DeliverySettings
+from outbox.storage.async_store import AsyncStore
+from outbox.storage.engine import libpq_dsn, make_async_engine
 from tests.support import DaemonThread, wait_for
 
 KIND = "test.slow"
@@ -94,3 +101,75 @@ def test_background_duties_ride_the_batches(ob: Outbox, dsn: str) -> None:
     # The daemon's whole life counts, its start and stop included (a few commits).
     per_batch = during / batches
     assert per_batch <= 1.2, f"{during} commits for {batches} batches: {per_batch:.2f} per batch"
+
+
+class CountingStore(AsyncStore):
+    """The real store, noting which lease renewals rode a batch and which ran alone."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.rode: list[int] = []
+        self.alone: list[int] = []
+
+    async def complete_and_claim(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("extend"):
+            self.rode.append(len(kwargs["extend"]))
+        return await super().complete_and_claim(*args, **kwargs)
+
+    async def extend(self, spec: Any, held: Any, **kwargs: Any) -> set[UUID]:
+        if held:
+            self.alone.append(len(held))
+        return await super().extend(spec, held, **kwargs)
+
+
+class LongCall(Deliverer):
+    """An idempotent sink whose calls outlast the lease: they live by renewals."""
+
+    default_idempotent = True
+
+    async def deliver(self, delivery: Delivery) -> Outcome:
+        await asyncio.sleep(2.5)
+        return Succeeded()
+
+
+def test_held_leases_are_renewed_by_the_batches_while_busy(ob: Outbox, dsn: str) -> None:
+    run = ob.start_run("agent", "1")
+    run.transaction(
+        "slow", lambda tx: [tx.intend("test.long", {"i": i}) for i in range(3)] and None
+    )
+    run.transaction("fast", lambda tx: [tx.intend(KIND, {"i": i}) for i in range(N)] and None)
+    ob.close()
+    # A lease of 1.2 s: a call of 2.5 s survives only if its lease is pushed out,
+    # again and again, while the fast kind's batches flow past it.
+    settings = DeliverySettings(lease_seconds=1.2, batch_size=20, concurrency=24)
+
+    async def main() -> CountingStore:
+        store = CountingStore(make_async_engine(dsn))
+        daemon = DeliveryDaemon(
+            store, {"test.long": LongCall("test.long"), KIND: SlowSink(KIND)}, settings
+        )
+        task = asyncio.create_task(daemon.run())
+        try:
+            for _ in range(600):
+                counts = await store.state_counts()
+                if not any(s in ("pending", "in_flight") for s, _ in counts.effects):
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            daemon.stop()
+            await task
+            await store.dispose()
+        return store
+
+    store = asyncio.run(main())
+    reader = Reader(dsn)
+    try:
+        attempts = reader.value(
+            "SELECT array_agg(DISTINCT attempt) FROM outbox_effects WHERE kind = 'test.long'"
+        )
+        statuses = reader.value("SELECT array_agg(DISTINCT status) FROM outbox_effects")
+    finally:
+        reader.conn.close()
+    assert statuses == ["succeeded"]
+    assert attempts == [1]  # never expired, never taken over: the leases were renewed
+    assert store.rode, "no renewal rode a batch transaction"
