@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bench import processes
@@ -136,7 +136,14 @@ class StoreProbe:
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
-        self.statements = {id(claim(EFFECT_QUEUE)): "claim", id(complete_effects()): "complete"}
+        # Every variant the store may run (claim() is cached per argument list, so
+        # each one is the object the store executes).
+        self.statements = {
+            id(claim(EFFECT_QUEUE, rated=rated, lanes=lanes)): "claim"
+            for rated in (False, True)
+            for lanes in (False, True)
+        }
+        self.statements[id(complete_effects())] = "complete"
         self.arm(-1)
         event.listen(engine.sync_engine, "checkout", self._checkout)
         event.listen(engine.sync_engine, "after_cursor_execute", self._executed)
@@ -235,6 +242,27 @@ class DaemonRunner:
             check(self._thread.is_alive(), f"the daemon stopped: {self.error!r}")
             check(time.monotonic() < deadline, f"not done within {timeout:.0f} s")
 
+    def flush_stats(self) -> None:
+        """Make every commit the daemon's pool made so far show in ``pg_stat_database``.
+
+        A backend reports its counts at most once a second, and one that went
+        idle within that second waits 10 s more; one that exits reports at once.
+        So the pool's idle connections are closed (their backends exit), and as
+        many opened again (their first report is at once), without a commit.
+        """
+        check(self._loop is not None, "no daemon loop")
+
+        async def cycle() -> None:
+            await self.engine.dispose()
+            conns = [await self.engine.connect() for _ in range(3)]
+            for conn in conns:
+                await conn.execute(text("SELECT 1"))
+            for conn in conns:
+                await conn.close()  # a rollback: warm, and nothing committed
+
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(cycle(), self._loop).result(30)
+
     def __exit__(self, *exc: object) -> None:
         if self._loop is not None and self.daemon is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self.daemon.stop)
@@ -248,14 +276,17 @@ def daemon_drain(bench: Bench, runner: DaemonRunner, n: int) -> dict[str, Any]:
     """One repetition: a backlog of ``n`` committed at once; time to the last completion."""
     probe = runner.probe
     bench.reset()
-    # Let the daemon settle into its idle poll, and its backends report their
-    # transaction counts (at most once a second each, at a transaction's end).
+    # Let the daemon settle into its idle poll; then measure its idle rate with
+    # every commit reported at both ends (see DaemonRunner.flush_stats).
     time.sleep(STATS_SETTLE)
+    runner.flush_stats()
     idle_commits, idle_from = bench.xact_commits(), time.perf_counter()
     time.sleep(STATS_SETTLE)
+    runner.flush_stats()
     commits, commits_from = bench.xact_commits(), time.perf_counter()
-    # Commits per second while idle: the daemon's rounds and these reads.
-    idle_rate = (commits - idle_commits) / (commits_from - idle_from)
+    # Commits per second while idle: the daemon's idle poll and probe, and the
+    # read above (one).
+    idle_rate = (commits - idle_commits - 1) / (commits_from - idle_from)
     xid = bench.next_xid()
     with bench.backlog(n, NOOP_KIND) as conn:
         probe.arm(n)
@@ -265,21 +296,24 @@ def daemon_drain(bench: Bench, runner: DaemonRunner, n: int) -> dict[str, Any]:
             runner.wait(probe.reached, 600)
     seconds = probe.reached_at - started
     xids = bench.next_xid() - xid - 1  # minus the backlog's own transaction
-    time.sleep(STATS_SETTLE)
+    runner.flush_stats()
     # Every commit in the database from before the backlog to after the drain,
-    # less the idle rate for the time outside the drain (the settle after it).
-    commits = bench.xact_commits() - commits
+    # less this function's own (the first read, two next_xid reads, the backlog)
+    # and the idle rate for the time outside the drain.
+    commits = bench.xact_commits() - commits - 4
     outside = time.perf_counter() - commits_from - seconds
     commits_net = commits - idle_rate * outside
     counts = bench.counts()
     check(counts.get("succeeded") == n == counts["attempt_rows"], f"daemon left {counts}")
-    batches = max(1, probe.nonempty_claims)
+    # A claim that took nothing returns one row of NULLs, counted as a row: the
+    # rows counted beyond n are such empty claims, not batches.
+    batches = max(1, probe.nonempty_claims - max(0, probe.claimed - n))
     claim_s = probe.seconds["claim"]
     complete_s = probe.seconds["complete"] + probe.seconds["complete+claim"]
     return {
         "rate": n / seconds,
-        "batches": probe.nonempty_claims,
-        "mean_batch": probe.claimed / batches,
+        "batches": batches,
+        "mean_batch": n / batches,
         # Transactions that claimed rows or recorded outcomes (one that did both
         # counts once); the empty claim that finds the queue drained, and every
         # other store transaction, in the next figure.

@@ -305,15 +305,31 @@ class DeliveryDaemon:
             if isinstance(self.source, PollSource) and not self._stopping.is_set():
                 # Outcomes of batch N and the claim of batch N+1, one transaction.
                 quotas = self.source.rider_quotas(self.leases, freeing=len(batch))
-                rider = (
-                    ClaimRider(quotas, self.settings.lease_seconds, self.leases.rates)
-                    if quotas
-                    else None
-                )
+                rider = ride = None
+                if quotas:
+                    # The heartbeat and the duty probe ride along when due, so a busy
+                    # daemon's rounds find nothing left to do on their own.
+                    ride = (
+                        self._maintenance.ride(c.effect_id for c in batch)
+                        if self._maintenance
+                        else None
+                    )
+                    rider = ClaimRider(
+                        quotas,
+                        self.settings.lease_seconds,
+                        self.leases.rates,
+                        extend=ride.extend if ride else [],
+                        probe=ride.probe if ride else None,
+                    )
                 with self.leases.reserving(quotas, freeing=len(batch)):
                     written = await self._writer.write(
                         batch, timeout=self._write_timeout(), rider=rider
                     )
+                if self._maintenance is not None and ride is not None:
+                    if written.duties_failed:
+                        self._maintenance.ride_failed()
+                    elif not written.left:
+                        self._maintenance.rode(ride, written.kept, written.findings)
                 self._account(batch, written)
                 if rider is not None and not written.left:
                     self.source.claimed(written.claimed, quotas)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from uuid import UUID
@@ -169,15 +169,28 @@ class Leases:
         self.metrics.in_flight.set(len(self.held))
         return held
 
-    async def heartbeat(self, store: AsyncStore, owner: str, lease_seconds: float) -> None:
-        """Push out every held lease; note, count and log the ones taken over (G4 holds anyway)."""
-        held = [(i, h.effect.attempt) for i, h in list(self.held.items()) if not h.lease_lost]
-        sent = time.monotonic()
-        kept = await store.extend(EFFECT_QUEUE, held, owner=owner, lease_seconds=lease_seconds)
+    def renewal_due(
+        self, min_age: float, *, exclude: Iterable[UUID] = ()
+    ) -> list[tuple[UUID, int]]:
+        """(id, attempt) of every lease to push out, when one was renewed ``min_age`` s ago or more.
+
+        All or nothing: once one lease is due, every held lease is renewed with it,
+        so their renewals stay together in one statement. ``exclude``: attempts
+        whose outcomes are being written (their leases end with them).
+        """
+        now = time.monotonic()
+        skip = set(exclude)
+        live = [(i, h) for i, h in self.held.items() if not h.lease_lost and i not in skip]
+        if not any(now - h.renewed >= min_age for _, h in live):
+            return []
+        return [(i, h.effect.attempt) for i, h in live]
+
+    def renewed(self, held: list[tuple[UUID, int]], kept: set[UUID], sent: float) -> None:
+        """Note what a renewal of ``held`` begun at ``sent`` found: ``kept`` are still ours."""
         for effect_id, attempt in held:
             entry = self.held.get(effect_id)
             if entry is not None and effect_id in kept:
-                entry.renewed = sent
+                entry.renewed = max(entry.renewed, sent)
             elif entry is not None and not entry.lease_lost:
                 entry.lease_lost = True
                 self.metrics.leases_lost.labels(kind=entry.effect.kind).inc()
@@ -187,3 +200,18 @@ class Leases:
                     attempt,
                     extra={"effect_id": str(effect_id), "attempt": attempt},
                 )
+
+    async def heartbeat(
+        self, store: AsyncStore, owner: str, lease_seconds: float, *, min_age: float = 0.0
+    ) -> None:
+        """Push out every held lease; note, count and log the ones taken over (G4 holds anyway).
+
+        With ``min_age``, only when one of them was renewed that long ago or more
+        (a batch's transaction renews them while the daemon is busy).
+        """
+        held = self.renewal_due(min_age)
+        if not held:
+            return
+        sent = time.monotonic()
+        kept = await store.extend(EFFECT_QUEUE, held, owner=owner, lease_seconds=lease_seconds)
+        self.renewed(held, kept, sent)

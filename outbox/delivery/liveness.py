@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from outbox.delivery.contract import Deliverer
 from outbox.storage.async_store import AsyncStore
@@ -63,7 +63,16 @@ class GoneOwners:
         if not self.limits:
             return 0
         found = await self.store.gone_owners(sorted(self.limits), restart_grace=self.restart_grace)
-        now = time.monotonic()
+        return await self.observed(found, time.monotonic())
+
+    async def observed(self, found: Sequence[tuple[str, bool]], at: float) -> int:
+        """Act on owners found gone at ``at`` (monotonic), by :meth:`check` or a duty probe.
+
+        Returns how many attempts were put back.
+        """
+        if not self.limits:
+            return 0
+        now = at
         gone = {owner for owner, _ in found if owner != self.owner}
         # An owner whose lock is held again is not gone: its suspicion ends.
         self._since = {o: t for o, t in self._since.items() if o in gone}

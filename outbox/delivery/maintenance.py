@@ -1,9 +1,18 @@
 """The background rounds every delivering process runs: heartbeat, reconcile, stats.
 
-Each round runs on its own interval through :func:`every`; a failed round is
-logged and the next one comes, so a database outage never kills the daemon
-(the attempts it holds are safe: their leases run out and the reconciler of
-whichever process is alive resolves them).
+Each round runs on its own interval; a failed round is logged and the next
+one comes, so a database outage never kills the daemon (the attempts it holds
+are safe: their leases run out and the reconciler of whichever process is
+alive resolves them).
+
+The duties that need the database on a clock (lease renewal, the reconciler,
+approval deadlines, stopping runs, gone owners) cost no transaction of their
+own while the daemon is busy: :meth:`Maintenance.ride` hands the batch
+writer what to carry in the transaction that records a batch's outcomes and
+claims the next one (the renewal of held leases, and the duty probe of
+:mod:`outbox.storage.sql.duties`), and the rounds run their statements alone
+only when no batch carried them in time. A duty's own statements run only
+when the probe found work for it, in whichever process probed.
 """
 
 from __future__ import annotations
@@ -11,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from uuid import UUID
 
 from outbox.delivery.contract import Deliverer
 from outbox.delivery.leases import Leases
@@ -19,11 +30,12 @@ from outbox.delivery.liveness import GoneOwners
 from outbox.delivery.metrics import DeliveryMetrics
 from outbox.delivery.reconcile import reconcile
 from outbox.delivery.settings import DeliverySettings
+from outbox.retry import wait_or_wake
 from outbox.runs.approvals import expire_approvals
 from outbox.runs.stopping import advance_stopping_runs
-from outbox.storage.async_store import AsyncStore
+from outbox.storage.async_store import AsyncStore, DutyAsk, DutyFindings
 
-__all__ = ["UNKNOWN_KIND_NOTE", "Maintenance", "every"]
+__all__ = ["UNKNOWN_KIND_NOTE", "Maintenance", "Ride", "every"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +46,28 @@ UNKNOWN_KINDS_EVERY = 30.0
 #: After this daemon claims or records something, the effect gauges are counted
 #: again within this long (and at most this often while work goes on).
 STATS_AFTER_CHANGE_SECONDS = 1.0
+#: A batch's transaction renews the held leases once one of them is this share
+#: of the heartbeat interval old; the heartbeat round, once one is HEARTBEAT_DUE
+#: old (checked every HEARTBEAT_TICK of it), so a lease is never left older
+#: than one interval (as when every round renewed every lease), and a busy
+#: daemon's batches renew before the round needs to.
+RIDE_RENEWAL_AGE = 0.5
+HEARTBEAT_DUE = 0.75
+HEARTBEAT_TICK = 0.25
+#: After a batch transaction carrying duties failed, they run on their own this long.
+RIDE_OFF_SECONDS = 60.0
+
+
+@dataclass
+class Ride:
+    """What one batch transaction carries besides its outcomes and claim."""
+
+    #: (id, attempt) of the held leases to push out.
+    extend: list[tuple[UUID, int]] = field(default_factory=list)
+    #: The duty probe to run, if one is due.
+    probe: DutyAsk | None = None
+    #: When the transaction began (monotonic): its now() is no earlier.
+    sent: float = 0.0
 
 
 async def every(
@@ -72,6 +106,13 @@ class Maintenance:
         self.on_requeued = on_requeued
         self._last_kinds_check = 0.0
         self._changed = asyncio.Event()
+        #: Set when a probe that rode a batch found work: the duty round runs now.
+        self._work = asyncio.Event()
+        self._found: DutyFindings | None = None
+        self._found_at = 0.0
+        #: When the last probe, alone or riding, was sent (monotonic).
+        self._probed_at = -float("inf")
+        self._ride_off_until = 0.0
         self.gone = GoneOwners(
             store,
             deliverers,
@@ -80,22 +121,153 @@ class Maintenance:
             restart_grace_seconds=settings.restart_grace_seconds,
             default_max_attempts=settings.max_attempts,
         )
+        #: What the duty probe asks, and how often some probe must run.
+        self.ask = DutyAsk(
+            askable=tuple(
+                sorted(k for k, d in deliverers.items() if d.has_lookup and not d.idempotent)
+            ),
+            gone_kinds=tuple(sorted(self.gone.limits)) if self._gone_on else (),
+            restart_grace=settings.restart_grace_seconds,
+        )
+        self._probe_every = settings.reconcile_seconds
+        if self._gone_on:
+            self._probe_every = min(self._probe_every, settings.gone_check_seconds)
 
     def start(self) -> list[asyncio.Task[None]]:
         """Start every round; the caller cancels the tasks when it stops."""
         s = self.settings
-        tasks = [
-            asyncio.create_task(every(s.heartbeat_seconds, self.heartbeat, "heartbeat")),
-            asyncio.create_task(every(s.reconcile_seconds, self.reconcile, "reconcile")),
+        return [
+            asyncio.create_task(
+                every(s.heartbeat_seconds * HEARTBEAT_TICK, self._heartbeat, "heartbeat")
+            ),
+            asyncio.create_task(self._duty_rounds()),
             asyncio.create_task(self._stats_rounds()),
         ]
-        if s.early_recovery and self.gone.limits:
-            tasks.append(
-                asyncio.create_task(
-                    every(s.gone_check_seconds, self.recover_gone, "gone deliverers", first=True)
+
+    @property
+    def _gone_on(self) -> bool:
+        return self.settings.early_recovery and bool(self.gone.limits)
+
+    # -- riding a batch's transaction --------------------------------------------------
+
+    def ride(self, completing: Iterable[UUID]) -> Ride:
+        """What the next batch transaction should carry (nothing while riding is off).
+
+        ``completing``: the attempts whose outcomes it writes (no renewal for them).
+        """
+        now = time.monotonic()
+        if now < self._ride_off_until:
+            return Ride(sent=now)
+        extend = self.leases.renewal_due(
+            self.settings.heartbeat_seconds * RIDE_RENEWAL_AGE, exclude=completing
+        )
+        probe = self.ask if now - self._probed_at >= self._probe_every / 2 else None
+        return Ride(extend, probe, now)
+
+    def rode(self, ride: Ride, kept: set[UUID], findings: DutyFindings | None) -> None:
+        """Take note of what a committed batch transaction found for ``ride``."""
+        if ride.extend:
+            self.leases.renewed(ride.extend, kept, ride.sent)
+        if findings is not None:
+            self._probed_at = ride.sent
+            self._found, self._found_at = findings, ride.sent
+            if findings.expired or findings.approvals or findings.stopping or findings.gone:
+                self._work.set()
+
+    def ride_failed(self) -> None:
+        """A batch transaction carrying duties failed: they run on their own for a while.
+
+        A duty statement this role may not run (``pg_locks`` hidden, say) must
+        not keep every batch from carrying its claim.
+        """
+        self._ride_off_until = time.monotonic() + RIDE_OFF_SECONDS
+
+    # -- the rounds ------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        s = self.settings
+        await self.leases.heartbeat(
+            self.store, s.owner, s.lease_seconds, min_age=s.heartbeat_seconds * HEARTBEAT_DUE
+        )
+
+    async def _duty_rounds(self) -> None:
+        """Probe when no batch did lately, and act on what a probe found (here or in a batch)."""
+        while True:
+            try:
+                await self.duties()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "background duties round failed: %s",
+                    exc,
+                    exc_info=log.isEnabledFor(logging.DEBUG),
                 )
-            )
-        return tasks
+            await wait_or_wake(self._work, self._probe_every / 2)
+            self._work.clear()
+
+    async def duties(self) -> None:
+        """One round: probe unless a batch did within the interval; run the duties with work.
+
+        Each part runs even when another failed (a role without a privilege one
+        part needs still gets the others done); the first failure is raised.
+        """
+        findings, at = self._found, self._found_at
+        self._found = None
+        now = time.monotonic()
+        if findings is None and now - self._probed_at >= self._probe_every:
+            self._probed_at = now
+            try:
+                findings, at = await self.store.probe_duties(self.ask), now
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # The probe reads what every duty reads; a role that may not read
+                # some of it still gets the duties it may do, each on its own.
+                log.debug("duty probe failed (%s); running every duty", exc)
+                await self._every_duty()
+                return
+        parts: list[Callable[[], Awaitable[object]]] = []
+        if findings is not None:
+            if self._gone_on:
+                gone = findings.gone
+                parts.append(lambda: self._observe_gone(gone, at))
+            if findings.expired:
+                parts.append(self._resolve_expired)
+            if findings.approvals:
+                parts.append(self._expire_approvals)
+            if findings.stopping:
+                parts.append(self._advance_stopping)
+        parts.append(self._notes)
+        failures: list[Exception] = []
+        for part in parts:
+            try:
+                await part()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+    async def _every_duty(self) -> None:
+        failures: list[Exception] = []
+        parts: list[Callable[[], Awaitable[object]]] = [self.reconcile]
+        if self._gone_on:
+            parts.append(self.recover_gone)
+        for part in parts:
+            try:
+                await part()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+    async def _observe_gone(self, found: tuple[tuple[str, bool], ...], at: float) -> None:
+        if await self.gone.observed(found, at):
+            self.on_requeued()  # ours to claim now, not at the next poll
 
     async def recover_gone(self) -> None:
         """Put back the idempotent attempts of deliverers whose session lock is free."""
@@ -131,11 +303,14 @@ class Maintenance:
             await asyncio.sleep(max(0.0, counted + STATS_AFTER_CHANGE_SECONDS - time.monotonic()))
 
     async def heartbeat(self) -> None:
-        """Push out the leases of every held attempt."""
+        """Push out the leases of every held attempt (now, whatever their age)."""
         await self.leases.heartbeat(self.store, self.settings.owner, self.settings.lease_seconds)
 
     async def reconcile(self) -> None:
-        """Resolve expired attempts, act on approval deadlines, move cancelled runs on, note holds.
+        """Every reconciler part now, whatever a probe would say.
+
+        Resolve expired attempts, act on approval deadlines, move cancelled runs
+        on, note holds.
 
         Each part runs even when another failed (a role without a privilege one
         part needs still gets the others done); the first failure is raised.

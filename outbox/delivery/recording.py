@@ -17,9 +17,11 @@ still does, the error is read:
 
 A write may carry the claim of the next batch (:class:`ClaimRider`): the first
 statement of the batch then runs in one transaction with that claim, so a
-steady stream of batches costs one commit each. If that transaction fails for
-any reason, nothing of it stays, and the batch is written as above without the
-claim (the daemon's take loop claims instead).
+steady stream of batches costs one commit each. The daemon's background
+duties may ride along too (a renewal of held leases, the duty probe). If that
+transaction fails for any reason, nothing of it stays, and the batch is written
+as above without the claim (the daemon's take loop claims instead, and its
+rounds do the duties).
 
 A batch of ``n`` outcomes with ``k`` poison rows costs at most about
 ``2k·log2(n)`` extra statements; a batch that fails as a whole (a missing
@@ -38,7 +40,14 @@ from uuid import UUID
 from outbox.delivery.storable import storable_text
 from outbox.errors import DatabaseError
 from outbox.models import AttemptOutcome, EffectStatus
-from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
+from outbox.storage.async_store import (
+    AsyncStore,
+    Batched,
+    ClaimedEffect,
+    Completion,
+    DutyAsk,
+    DutyFindings,
+)
 from outbox.storage.sql.queue import EFFECT_QUEUE, Rate
 
 __all__ = ["ClaimRider", "OutcomeWriter", "Written", "is_transient", "substitute"]
@@ -115,6 +124,15 @@ class ClaimRider:
     lease_seconds: float
     #: Declared rates by kind (see :meth:`AsyncStore.claim_many`).
     rates: Mapping[str, Rate] | None = None
+    #: Held leases to push out in the same transaction (a heartbeat riding along).
+    extend: list[tuple[UUID, int]] = field(default_factory=list)
+    #: The duty probe to run in the same transaction, if one is due.
+    probe: DutyAsk | None = None
+
+    @property
+    def has_duties(self) -> bool:
+        """Whether background duties ride along."""
+        return bool(self.extend) or self.probe is not None
 
 
 @dataclass
@@ -133,6 +151,12 @@ class Written:
     error: BaseException | None = None
     #: What the rider claimed (committed with the outcomes); empty when it did not ride.
     claimed: list[ClaimedEffect] = field(default_factory=list)
+    #: Of the rider's ``extend``, the leases still ours (extended), when it rode.
+    kept: set[UUID] = field(default_factory=set)
+    #: The rider's duty probe's answer, when it rode with one.
+    findings: DutyFindings | None = None
+    #: The rider carried duties and its transaction failed.
+    duties_failed: bool = False
 
 
 class OutcomeWriter:
@@ -151,7 +175,7 @@ class OutcomeWriter:
 
     async def _complete_and_claim(
         self, part: list[Completion], rider: ClaimRider, timeout: float | None
-    ) -> tuple[list[tuple[UUID, str]], list[ClaimedEffect]]:
+    ) -> Batched:
         call = self.store.complete_and_claim(
             self.owner,
             part,
@@ -159,6 +183,8 @@ class OutcomeWriter:
             rider.quotas,
             lease_seconds=rider.lease_seconds,
             rates=rider.rates,
+            extend=rider.extend,
+            probe=rider.probe,
         )
         return await (call if timeout is None else asyncio.wait_for(call, timeout))
 
@@ -176,12 +202,15 @@ class OutcomeWriter:
         written = Written()
         if rider is not None and rider.quotas and batch:
             try:
-                logged, written.claimed = await self._complete_and_claim(batch, rider, timeout)
-                written.logged.update(logged)
+                batched = await self._complete_and_claim(batch, rider, timeout)
+                written.logged.update(batched.logged)
+                written.claimed = batched.claimed
+                written.kept, written.findings = batched.kept, batched.findings
                 return written
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # rolled back: written again below, without the claim
+                written.duties_failed = rider.has_duties
                 log.debug("outcomes with a claim failed (%s); writing them alone", describe(exc))
         parts = [list(batch)]  # a stack: the next part to write is on top
         while parts:

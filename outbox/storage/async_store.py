@@ -25,12 +25,12 @@ from outbox.storage import blob_store
 from outbox.storage.claims import ClaimMode
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
+from outbox.storage.sql import duties, maintenance, owners, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
-from outbox.storage.sql import maintenance, owners, queue
 from outbox.storage.store import read_state_counts
 
-__all__ = ["AsyncStore", "ClaimedEffect", "Completion"]
+__all__ = ["AsyncStore", "Batched", "ClaimedEffect", "Completion", "DutyAsk", "DutyFindings"]
 
 T = TypeVar("T")
 
@@ -116,6 +116,66 @@ class Completion:
             f'{head[:-1]},"result":{self.result_json or "null"},'
             f'"detail":{self.detail_json or "null"}}}'
         )
+
+
+@dataclass(frozen=True, slots=True)
+class DutyAsk:
+    """What a daemon's duty probe asks (see :func:`outbox.storage.sql.duties.duty_probe`)."""
+
+    #: Kinds whose ``unknown`` effects the reconciler settles by asking the sink.
+    askable: tuple[str, ...] = ()
+    #: Idempotent kinds early recovery puts back; empty: gone owners are not looked for.
+    gone_kinds: tuple[str, ...] = ()
+    restart_grace: float = 5.0
+
+    def params(self) -> dict[str, Any]:
+        """The probe's parameters."""
+        return {
+            "askable": list(self.askable),
+            "kinds": list(self.gone_kinds),
+            "gone": bool(self.gone_kinds),
+            "restart_grace": self.restart_grace,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class DutyFindings:
+    """Which duties the probe found work for."""
+
+    #: The reconciler has work: an expired lease or TTL, an askable ``unknown``.
+    expired: bool = False
+    #: An approval deadline passed.
+    approvals: bool = False
+    #: A run is being cancelled or compensated.
+    stopping: bool = False
+    #: Registered owners whose lock is free: (owner, holds an attempt of the asked kinds).
+    gone: tuple[tuple[str, bool], ...] = ()
+
+    @classmethod
+    def from_row(cls, row: Any) -> DutyFindings:
+        """Build from the probe's one row."""
+        gone = row[3]
+        if isinstance(gone, str):
+            gone = json.loads(gone)
+        return cls(
+            bool(row[0]),
+            bool(row[1]),
+            bool(row[2]),
+            tuple((str(owner), bool(holds)) for owner, holds in gone or ()),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Batched:
+    """What :meth:`AsyncStore.complete_and_claim` did in its one transaction."""
+
+    #: (effect id, logged outcome) of each outcome written.
+    logged: list[tuple[UUID, str]]
+    claimed: list[ClaimedEffect]
+    #: Of the leases asked to be extended, the ids still ours (now extended).
+    kept: set[UUID] = dataclasses.field(default_factory=set)
+    #: The duty probe's answer, when one was asked.
+    findings: DutyFindings | None = None
 
 
 def _current_note(note: Any, attempt: int) -> Any:
@@ -244,14 +304,21 @@ class AsyncStore:
         *,
         lease_seconds: float,
         rates: Mapping[str, queue.Rate] | None = None,
-    ) -> tuple[list[tuple[UUID, str]], list[ClaimedEffect]]:
+        extend: Sequence[tuple[UUID, int]] = (),
+        probe: DutyAsk | None = None,
+    ) -> Batched:
         """:meth:`complete` and :meth:`claim_many` in one transaction: one commit per batch.
 
         The claim runs after the completion, so it sees what the completion
         freed (the next effect of an ordering key, say). Either both commit or
-        neither does.
+        neither does. The background duties of a busy daemon ride along, so they
+        cost no transaction of their own: ``extend`` pushes out those held
+        leases (a heartbeat, fenced like :meth:`extend`), ``probe`` asks which
+        duties have work (:func:`~outbox.storage.sql.duties.duty_probe`).
         """
         payload = "[" + ",".join(c.as_json() for c in done) + "]"
+        kept: set[UUID] = set()
+        findings = None
         with translate_errors("recording outcomes and claiming effects"):
             async with self.engine.begin() as conn:
                 result = await conn.execute(
@@ -261,7 +328,21 @@ class AsyncStore:
                 logged = [(row[0], row[1]) for row in result]
                 crash_point("during_completion")
                 rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
-        return logged, rows
+                if extend:
+                    params = queue.extend_params(extend, owner=owner, lease_seconds=lease_seconds)
+                    kept = {row[0] for row in await conn.execute(queue.extend_leases(spec), params)}
+                if probe is not None:
+                    found = await conn.execute(duties.duty_probe(), probe.params())
+                    findings = DutyFindings.from_row(found.one())
+        return Batched(logged, rows, kept, findings)
+
+    async def probe_duties(self, ask: DutyAsk) -> DutyFindings:
+        """Which background duties have work (one read-only statement, autocommit)."""
+        with translate_errors("probing for background duties"):
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                found = await conn.execute(duties.duty_probe(), ask.params())
+                return DutyFindings.from_row(found.one())
 
     async def expired(
         self, max_rows: int, *, redispatch_as: str | None = None

@@ -28,6 +28,7 @@ from sqlalchemy.sql.expression import TextClause
 
 __all__ = [
     "FORGET_OWNER",
+    "GONE_CONDITION",
     "OWNER_LOCK_CLASS",
     "REGISTER_OWNER",
     "TAKE_OWNER_LOCK",
@@ -59,6 +60,8 @@ _GONE = f"""
           AND l.classid = {OWNER_LOCK_CLASS}::oid
           AND l.objid = hashtext(o.owner)::oid
           AND l.objsubid = 2)"""
+#: The same test for SQL written elsewhere (the duty probe of :mod:`outbox.storage.sql.duties`).
+GONE_CONDITION = _GONE
 
 
 @cache
