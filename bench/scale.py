@@ -13,10 +13,15 @@ variant (JSON lines written before deleting) on 100k rows.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import shutil
+import sys
+import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -185,8 +190,12 @@ def retention(bench: Bench, engine: Engine, workdir: Path, reps: int) -> dict[st
     return out
 
 
-def scale(bench: Bench, workdir: Path, quick: bool) -> dict[str, Any]:
-    levels, reps = ((10_000, 1_000_000), 3) if quick else ((10_000, 1_000_000, 10_000_000), 10)
+def scale(
+    bench: Bench, workdir: Path, quick: bool, *, levels: Sequence[int] | None = None
+) -> dict[str, Any]:
+    """The levels (default 10k, 1M, 10M; quick: 10k, 1M, 3 reps), retention after the 1M one."""
+    default, reps = ((10_000, 1_000_000), 3) if quick else ((10_000, 1_000_000, 10_000_000), 10)
+    levels = default if levels is None else sorted(levels)
     bench.reset()
     engine = make_engine(bench.dsn)
     out: dict[str, Any] = {"levels": {}, "skipped": [], "gc_level": 1_000_000}
@@ -214,3 +223,25 @@ def scale(bench: Bench, workdir: Path, quick: bool) -> dict[str, Any]:
         engine.dispose()
         bench.reset()
     return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Some levels alone (e.g. 10k and 10M, no retention); JSON on stdout, no page written."""
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
+    parser.add_argument("--levels", type=int, nargs="+", default=[10_000, 10_000_000])
+    parser.add_argument("--quick", action="store_true", help="3 repetitions a level, not 10")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="outbox-scale-") as tmp:
+        home = Path(tmp)
+        home.chmod(0o711)  # as root, the server runs as another user, who must enter it
+        bench = Bench(home).start()
+        try:
+            out = scale(bench, home, args.quick, levels=args.levels)
+        finally:
+            bench.stop()
+    json.dump(out, sys.stdout, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

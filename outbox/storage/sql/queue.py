@@ -30,13 +30,11 @@ from sqlalchemy import (
     Table,
     Text,
     all_,
-    and_,
     any_,
     bindparam,
     cast,
     column,
     exists,
-    false,
     func,
     literal_column,
     not_,
@@ -298,13 +296,14 @@ def claim(spec: QueueSpec, *, rated: bool = False, lanes: bool = False) -> AnySe
     that took nothing returns one row of NULLs and the flag.
 
     Two statements, one per case. The plain one (``lanes=False``) finds the
-    partition's first and last lane (two index probes); when they are the same
-    lane (no priorities or fairness keys in use, or just one of each) it takes
-    that lane's rows in ``order``, the claim as it always was. When they differ
-    it takes nothing and says ``multi_lane``: the caller claims again with the
-    lanes statement (:func:`_lanes_pick`), and keeps using it while more than
-    one lane holds rows (:class:`outbox.storage.claims.ClaimMode`). So a claim
-    costs what it did as long as there is only one lane.
+    partition's last lane and whether an earlier one holds ready rows (two
+    index probes); when none does (no priorities or fairness keys in use, or
+    just one of each) it takes that lane's rows in ``order``, the claim as it
+    always was. When one does it takes nothing and says ``multi_lane``: the
+    caller claims again with the lanes statement (:func:`_lanes_pick`), and
+    keeps using it while more than one lane holds rows
+    (:class:`outbox.storage.claims.ClaimMode`). So a claim costs what it did
+    as long as there is only one lane.
     """
     limit, held = _limit(rated)
     if lanes:
@@ -315,22 +314,27 @@ def claim(spec: QueueSpec, *, rated: bool = False, lanes: bool = False) -> AnySe
 
 
 def _single_lane_pick(spec: QueueSpec, limit: Any) -> tuple[Any, Any]:
-    """The rows of the partition's only lane in queue order, if only one lane holds ready rows."""
+    """The rows of the partition's only lane in queue order, if only one lane holds ready rows.
+
+    The index is read from its newest end for the last lane, then probed for an
+    earlier lane: that probe stops at the last lane's first entry, so of the
+    entries claimed rows leave dead at the oldest end (until VACUUM) only the
+    scan that takes the rows walks, once.
+    """
     t = spec.table
-
-    def end(descending: bool) -> Any:
-        cols = [t.c[c].desc() if descending else t.c[c] for c in LANE]
-        return (
-            select(*(t.c[c] for c in LANE))
-            .where(*_ready(spec, t))
-            .order_by(*cols)
-            .limit(_int(1))
-            .cte("last_lane" if descending else "first_lane")
-        )
-
-    first, last = end(False), end(True)
-    lane = {c: select(first.c[c]).scalar_subquery() for c in LANE}
-    one_lane = and_(*(lane[c] == select(last.c[c]).scalar_subquery() for c in LANE))
+    last = (
+        select(*(t.c[c] for c in LANE))
+        .where(*_ready(spec, t))
+        .order_by(*(t.c[c].desc() for c in LANE))
+        .limit(_int(1))
+        .cte("last_lane")
+    )
+    lane = {c: select(last.c[c]).scalar_subquery() for c in LANE}
+    earlier = t.alias("earlier")
+    one_lane = ~exists().where(
+        *_ready(spec, earlier),
+        tuple_(*(earlier.c[c] for c in LANE)) < tuple_(*(lane[c] for c in LANE)),
+    )
     conditions = [
         *_ready(spec, t),
         *(t.c[c] == lane[c] for c in LANE),
@@ -347,7 +351,7 @@ def _single_lane_pick(spec: QueueSpec, limit: Any) -> tuple[Any, Any]:
         .with_for_update(skip_locked=True)
         .cte("picked")
     )
-    return picked, func.coalesce(not_(one_lane), false())
+    return picked, not_(one_lane)
 
 
 def _lanes_pick(spec: QueueSpec, limit: Any) -> tuple[Any, Any]:
