@@ -107,21 +107,23 @@ def scan_partition(
     bootstrap_servers: str,
     tp: TopicPartition,
     start: int,
+    end: int,
     *,
     timeout_ms: int = 10_000,
     **client: Any,
 ) -> Iterator[RawRecord | Marker]:
-    """Every record and transaction marker of ``tp`` from ``start`` to its high watermark now.
+    """Every record and transaction marker of ``tp`` from ``start`` to ``end`` (the high watermark).
 
     A raw fetch (read_uncommitted, control batches kept): the consumer API
     drops the markers, and they are what says which records are committed.
     """
+    if start >= end:
+        return
     net = KafkaNetClient(bootstrap_servers=bootstrap_servers, **client)
     try:
         node = net.least_loaded_node(bootstrap_fallback=True)
         offset = start
-        end: int | None = None
-        while end is None or offset < end:
+        while offset < end:
             partition = FetchRequest.FetchTopic.FetchPartition(
                 partition=tp.partition,
                 fetch_offset=offset,
@@ -131,7 +133,8 @@ def scan_partition(
             )
             request = FetchRequest(
                 replica_id=-1,
-                max_wait_ms=0,
+                # Tansu 0.6 answers max_wait_ms=0 with no partitions at all.
+                max_wait_ms=100,
                 min_bytes=0,
                 max_bytes=FETCH_BYTES,
                 isolation_level=0,
@@ -140,11 +143,11 @@ def scan_partition(
                 max_version=11,
             )
             response = net.send_and_receive(node, request, timeout_ms=timeout_ms)
+            if not response.responses or not response.responses[0].partitions:
+                raise RuntimeError(f"no data for {tp.topic}[{tp.partition}] at {offset} < {end}")
             data = response.responses[0].partitions[0]
             if data.error_code:
                 raise RuntimeError(f"fetch of {tp.topic}[{tp.partition}] failed: {data.error_code}")
-            if end is None:
-                end = int(data.high_watermark)
             records = MemoryRecords(data.records)
             before = offset
             while (batch := records.next_batch()) is not None:
@@ -164,7 +167,8 @@ def scan_partition(
                             )
                 offset = max(offset, batch.next_offset)
             if offset == before:
-                break  # nothing more below the watermark (e.g. a gap left by compaction)
+                # Never "not found" on a short read: the lookup fails and is asked again.
+                raise RuntimeError(f"{tp.topic}[{tp.partition}]: nothing at {offset} < {end}")
     finally:
         net.close()
 
@@ -330,6 +334,11 @@ def read_back_committed(deliverer: KafkaDeliverer, delivery: Delivery) -> Succee
     if isinstance(noted_id, str) and not own:
         fence(deliverer.producer_settings(), noted_id)
     tp = TopicPartition(note["topic"], int(note["partition"]))
+    consumer = deliverer._consumer()
+    try:
+        end = int(consumer.end_offsets([tp])[tp])  # read_uncommitted: the high watermark
+    finally:
+        consumer.close()
     security = {
         k: v
         for k, v in deliverer.kafka.producer.items()
@@ -339,6 +348,7 @@ def read_back_committed(deliverer: KafkaDeliverer, delivery: Delivery) -> Succee
         deliverer.kafka.bootstrap_servers,
         tp,
         int(note["offset"]),
+        end,
         timeout_ms=max(deliverer.kafka.max_block_ms, 1000),
         **security,
     )
