@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import signal
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -124,10 +125,17 @@ def test_transactional_publish_survives_kill_at_each_point_exactly_once(
     )
     try:
         wait_for(
+            lambda: "delivering kinds" in survivor_log.read_text(),
+            timeout=60,
+            message="the survivor is up",
+        )
+        wait_for(
             lambda: all(ob.effect(i).status == EffectStatus.SUCCEEDED for i in ids),
             timeout=90,
             message="every intent settled by the survivor",
         )
+        # A few lease lengths and reconcile rounds: time enough to resend wrongly.
+        time.sleep(3)
     finally:
         survivor.send_signal(signal.SIGTERM)
         assert survivor.wait(timeout=60) == 0, survivor_log.read_text()
