@@ -316,8 +316,10 @@ class KafkaDeliverer(Deliverer):
         # One consumer answers "end offset now?" before each send (it is not thread-safe).
         self._offsets_lock = threading.Lock()
         self._offsets: Any = None
-        # A transactional producer runs one transaction at a time.
-        self._txn_lock = threading.Lock()
+        # A transactional producer runs one transaction at a time: deliveries queue for it.
+        self._txn_cond = threading.Condition()
+        self._txn_queue: list[Any] = []
+        self._txn_running = False
 
     @property
     def transactional_id(self) -> str | None:

@@ -262,6 +262,16 @@ def _run_bounded(call: Any, timeout: float, name: str) -> None:
         raise outcome[0]
 
 
+@dataclass
+class _Slot:
+    """One delivery waiting for the transaction that carries its record."""
+
+    record: KafkaRecord
+    delivery: Delivery
+    partition: int | None
+    outcome: Outcome | None = None
+
+
 def deliver_in_transaction(
     deliverer: KafkaDeliverer,
     producer: Any,
@@ -269,59 +279,116 @@ def deliver_in_transaction(
     delivery: Delivery,
     partition: int | None,
 ) -> Outcome:
-    """Publish ``record`` in its own transaction and commit it (steps 2 and 3 of the protocol)."""
+    """Publish ``record`` in a transaction and commit it (steps 2 and 3 of the protocol).
+
+    A producer runs one transaction at a time, so concurrent deliveries share
+    one (group commit): the first to find no transaction running takes every
+    waiting record into the next one; the others wait for its verdict. Each
+    record's outcome is its own (one refused record fails alone; the rest of
+    that transaction is aborted and retried).
+    """
+    slot = _Slot(record, delivery, partition)
+    cond = deliverer._txn_cond
+    with cond:
+        deliverer._txn_queue.append(slot)
+        while slot.outcome is None:
+            if deliverer._txn_running:
+                cond.wait()
+                continue
+            deliverer._txn_running = True
+            batch, deliverer._txn_queue = deliverer._txn_queue, []
+            cond.release()
+            try:
+                outcomes = _one_transaction(deliverer, producer, batch)
+            except Exception as exc:  # whatever it was, the read-back can tell
+                deliverer._retire(producer, f"{type(exc).__name__}: {exc}")
+                outcomes = [Unknown(f"transaction failed: {type(exc).__name__}: {exc}")] * len(
+                    batch
+                )
+            finally:
+                cond.acquire()
+                deliverer._txn_running = False
+            for waiting, outcome in zip(batch, outcomes, strict=True):
+                waiting.outcome = outcome
+            cond.notify_all()
+    return slot.outcome
+
+
+def _one_transaction(deliverer: KafkaDeliverer, producer: Any, batch: list[_Slot]) -> list[Outcome]:
     from kafka import errors as kafka_errors
 
     from deliverers.kafka import REJECTED_ERRORS
 
     wait = deliverer.ack_wait
-    with deliverer._txn_lock:
+    refused: dict[int, Outcome] = {}
 
-        def abandon(reason: str) -> None:
-            # Not committed by this producer, and never will be: aborted now, or by the
-            # broker when the next producer under this id fences this one.
-            try:
-                _run_bounded(producer.abort_transaction, wait, "kafka-abort")
-            except Exception:
-                deliverer._retire(producer, reason)
-
+    def abandon(reason: str) -> list[Outcome]:
+        # Not committed by this producer, and never will be: aborted now, or by the
+        # broker when the next producer under this id fences this one.
         try:
-            producer.begin_transaction()
-            future = producer.send(
-                record.topic,
-                value=record.value_bytes(),
-                key=None if record.key is None else record.key.encode(),
-                headers=deliverer.headers(record, delivery),
-                partition=partition,
+            _run_bounded(producer.abort_transaction, wait, "kafka-abort")
+        except Exception:
+            deliverer._retire(producer, reason)
+        return [refused.get(i, Retry(f"not committed: {reason}")) for i in range(len(batch))]
+
+    try:
+        producer.begin_transaction()
+    except kafka_errors.KafkaError as exc:
+        deliverer._retire(producer, f"{type(exc).__name__}: {exc}")
+        return [Retry(f"not sent: {type(exc).__name__}: {exc}")] * len(batch)
+    futures: dict[int, Any] = {}
+    for i, slot in enumerate(batch):
+        try:
+            futures[i] = producer.send(
+                slot.record.topic,
+                value=slot.record.value_bytes(),
+                key=None if slot.record.key is None else slot.record.key.encode(),
+                headers=deliverer.headers(slot.record, slot.delivery),
+                partition=slot.partition,
             )
         except (REJECTED_ERRORS, ValueError) as exc:  # type: ignore[misc]
-            abandon(f"refused: {exc}")
-            return Failed(f"refused before sending: {exc}")
+            refused[i] = Failed(f"refused before sending: {exc}")
         except kafka_errors.KafkaError as exc:
             deliverer._retire(producer, f"{type(exc).__name__}: {exc}")
-            return Retry(f"not committed: {type(exc).__name__}: {exc}")
+            return abandon(f"{type(exc).__name__}: {exc}")
+    if not futures:
+        return abandon("every record was refused")
+    metadata: dict[int, Any] = {}
+    failure: str | None = None
+    for i, future in futures.items():
         try:
-            metadata = future.get(timeout=wait)
+            metadata[i] = future.get(timeout=wait)
         except REJECTED_ERRORS as exc:
-            abandon(f"rejected: {exc}")
-            return Failed(f"rejected by the broker: {exc}")
+            refused[i] = Failed(f"rejected by the broker: {exc}")
+            failure = failure or f"another record was rejected: {exc}"
         except Exception as exc:
-            deliverer._retire(producer, f"no acknowledgement: {type(exc).__name__}: {exc}")
-            return Retry(f"not committed (the transaction is aborted): {type(exc).__name__}: {exc}")
-        crash_point("after_send", deliverer.kind, run=delivery.run_id)
-        try:
-            _run_bounded(producer.commit_transaction, wait, "kafka-commit")
-        except (kafka_errors.ProducerFencedError, kafka_errors.InvalidProducerEpochError) as exc:
-            # Fenced before the commit: the fencer's init_transactions aborted it.
-            deliverer._retire(producer, f"fenced: {exc}")
-            return Retry(f"not committed: fenced by a newer producer: {exc}")
-        except Exception as exc:
-            # The commit may or may not have been applied: the read-back decides.
-            deliverer._retire(producer, f"commit without verdict: {type(exc).__name__}: {exc}")
-            return Unknown(f"transaction commit gave no verdict: {type(exc).__name__}: {exc}")
-    return Succeeded(
-        {"topic": metadata.topic, "partition": metadata.partition, "offset": metadata.offset}
-    )
+            failure = failure or f"no acknowledgement: {type(exc).__name__}: {exc}"
+    if failure is not None:
+        deliverer._retire(producer, failure)
+        return abandon(failure)
+    crash_point("after_send", deliverer.kind)
+    try:
+        _run_bounded(producer.commit_transaction, wait, "kafka-commit")
+    except (kafka_errors.ProducerFencedError, kafka_errors.InvalidProducerEpochError) as exc:
+        # Fenced before the commit: the fencer's init_transactions aborted it.
+        deliverer._retire(producer, f"fenced: {exc}")
+        return [refused.get(i, Retry(f"not committed: fenced: {exc}")) for i in range(len(batch))]
+    except Exception as exc:
+        # The commit may or may not have been applied: the read-back decides.
+        reason = f"transaction commit gave no verdict: {type(exc).__name__}: {exc}"
+        deliverer._retire(producer, reason)
+        return [refused.get(i, Unknown(reason)) for i in range(len(batch))]
+    return [
+        refused.get(i)
+        or Succeeded(
+            {
+                "topic": metadata[i].topic,
+                "partition": metadata[i].partition,
+                "offset": metadata[i].offset,
+            }
+        )
+        for i in range(len(batch))
+    ]
 
 
 def read_back_committed(deliverer: KafkaDeliverer, delivery: Delivery) -> Succeeded | NotApplied:
