@@ -28,6 +28,12 @@ once use :class:`~deliverers.kafka_dedup.DedupConsumer`, which records the keys 
 ``outbox_consumed_keys`` in the same PostgreSQL transaction as the consumer's
 own writes.
 
+With ``transactional = true`` each record is published in a Kafka
+transaction committed before the completion is recorded, under a stable
+transactional id, and the read-back fences the attempt's id and reads the
+transaction markers: ``read_committed`` consumers see each effect once, even
+after a crash at any point (:mod:`deliverers.kafka_txn` has the protocol).
+
 After such an ambiguous failure the producer is replaced by a fresh one: an
 idempotent kafka-python 3.0 producer whose sent batch expired stops sending
 for good, and one whose broker lost its producer state (a restart of a

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from deliverers.kafka import KafkaDeliverer, KafkaRecord
 
 __all__ = [
+    "Marker",
     "RawRecord",
     "TransactionUndecided",
     "committed_records",
