@@ -150,5 +150,9 @@ def test_transactional_publish_survives_kill_at_each_point_exactly_once(
         # The killed transaction's record is in the log, aborted: a read_uncommitted
         # consumer sees that intent twice, so the committed view above could have too.
         assert max(everything.values()) == 2, everything
-    else:
+    elif crash_at == "after_completion":
         assert everything == committed, "nothing was sent twice"
+    else:
+        # Another thread's transaction may have been open at the kill: aborted copies
+        # may sit in the log, but no record outside the intents.
+        assert set(everything) == keys
