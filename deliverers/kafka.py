@@ -28,11 +28,8 @@ once use :class:`~deliverers.kafka_dedup.DedupConsumer`, which records the keys 
 ``outbox_consumed_keys`` in the same PostgreSQL transaction as the consumer's
 own writes.
 
-With ``transactional = true`` each record is published in a Kafka
-transaction committed before the completion is recorded, under a stable
-transactional id, and the read-back fences the attempt's id and reads the
-transaction markers: ``read_committed`` consumers see each effect once, even
-after a crash at any point (:mod:`deliverers.kafka_txn` has the protocol).
+With ``transactional = true``, ``read_committed`` consumers see each effect
+once even after a crash at any point (the protocol: :mod:`deliverers.kafka_txn`).
 
 After such an ambiguous failure the producer is replaced by a fresh one: an
 idempotent kafka-python 3.0 producer whose sent batch expired stops sending
@@ -550,7 +547,8 @@ class KafkaDeliverer(Deliverer):
             raise NotImplementedError("read_back is off for this kind")
         if not isinstance(delivery.note, dict):
             return NotApplied()
-        if self.kafka.transactional:
+        if self.kafka.transactional or "transactional_id" in delivery.note:
+            # By the note too: only the markers tell an aborted record, whatever the config now.
             return read_back_committed(self, delivery)
         consumer = self._consumer()
         try:
