@@ -28,6 +28,9 @@ once use :class:`~deliverers.kafka_dedup.DedupConsumer`, which records the keys 
 ``outbox_consumed_keys`` in the same PostgreSQL transaction as the consumer's
 own writes.
 
+With ``transactional = true``, ``read_committed`` consumers see each effect
+once even after a crash at any point (the protocol: :mod:`deliverers.kafka_txn`).
+
 After such an ambiguous failure the producer is replaced by a fresh one: an
 idempotent kafka-python 3.0 producer whose sent batch expired stops sending
 for good, and one whose broker lost its producer state (a restart of a
@@ -43,6 +46,7 @@ import fnmatch
 import json
 import logging
 import re
+import socket
 import threading
 import time
 from typing import Any, ClassVar
@@ -52,6 +56,7 @@ from kafka import errors as kafka_errors
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deliverers.kafka_readback import choose_partition, find_record
+from deliverers.kafka_txn import deliver_in_transaction, read_back_committed
 from outbox.delivery import (
     Deliverer,
     DelivererConfig,
@@ -106,6 +111,7 @@ OWNED_PRODUCER_SETTINGS = frozenset(
         "linger_ms",
         "max_block_ms",
         "delivery_timeout_ms",
+        "transaction_timeout_ms",
     }
 )
 # How much longer than delivery_timeout_ms a delivery waits for the producer's verdict.
@@ -242,6 +248,21 @@ class KafkaConfig(DelivererConfig):
     read_back_max_records: int = Field(default=100_000, ge=1)
     #: How long a read-back may take in all; beyond it the lookup fails (asked again later).
     read_back_timeout_seconds: float = Field(default=30.0, gt=0)
+    #: One Kafka transaction per effect, committed before the completion is recorded, so
+    #: ``read_committed`` consumers see each effect once (``deliverers.kafka_txn``). Off by
+    #: default: Tansu 0.6 does not tell consumers which transactions aborted.
+    transactional: bool = False
+    #: The transactional id is ``{prefix}.{kind}.{instance}``: stable across restarts.
+    transactional_id_prefix: str = Field(
+        default="agent-outbox", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._-]+$"
+    )
+    #: This deliverer's identity in the transactional id (default: the host name). Give each
+    #: concurrently running deliverer its own; a restart keeps it, which fences its predecessor.
+    instance: str | None = Field(
+        default=None, min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._:-]+$"
+    )
+    #: How long the broker keeps a transaction open before aborting it itself.
+    transaction_timeout_ms: int = Field(default=60_000, ge=1000)
 
     @field_validator("producer")
     @classmethod
@@ -298,6 +319,18 @@ class KafkaDeliverer(Deliverer):
         # One consumer answers "end offset now?" before each send (it is not thread-safe).
         self._offsets_lock = threading.Lock()
         self._offsets: Any = None
+        # A transactional producer runs one transaction at a time: deliveries queue for it.
+        self._txn_cond = threading.Condition()
+        self._txn_queue: list[Any] = []
+        self._txn_running = False
+
+    @property
+    def transactional_id(self) -> str | None:
+        """``{prefix}.{kind}.{instance}`` with ``transactional``, else None."""
+        if not self.kafka.transactional:
+            return None
+        instance = self.kafka.instance or socket.gethostname()
+        return f"{self.kafka.transactional_id_prefix}.{self.kind}.{instance}"
 
     # -- the producer ---------------------------------------------------------------
 
@@ -315,6 +348,14 @@ class KafkaDeliverer(Deliverer):
             "linger_ms": config.linger_ms,
             "max_block_ms": config.max_block_ms,
             "delivery_timeout_ms": config.effective_delivery_timeout_ms,
+            **(
+                {
+                    "transactional_id": self.transactional_id,
+                    "transaction_timeout_ms": config.transaction_timeout_ms,
+                }
+                if config.transactional
+                else {}
+            ),
         }
 
     def _current_producer(self) -> Any:
@@ -352,9 +393,16 @@ class KafkaDeliverer(Deliverer):
             clients.append(client)
             return client
 
+        producer = None
         try:
-            return KafkaProducer(**settings, kafka_client=client_factory)
+            producer = KafkaProducer(**settings, kafka_client=client_factory)
+            if self.kafka.transactional:
+                # Fences this identity's predecessor: its open transaction is aborted.
+                producer.init_transactions()
+            return producer
         except BaseException:
+            if producer is not None:
+                producer.close(timeout=0)
             for client in clients:
                 try:
                     client.close()
@@ -418,9 +466,13 @@ class KafkaDeliverer(Deliverer):
                 partition, offset = self._before_send(producer, record, delivery)
             except (kafka_errors.KafkaError, ValueError) as exc:
                 return Retry(f"not sent: the partition's offset is unknown: {exc}")
-            note = {"topic": record.topic, "partition": partition, "offset": offset}
+            note: dict[str, Any] = {"topic": record.topic, "partition": partition, "offset": offset}
+            if self.transactional_id is not None:
+                note["transactional_id"] = self.transactional_id
             if not delivery.notes.write_blocking(note):
                 return Retry("not sent: this attempt is no longer this deliverer's")
+        if self.kafka.transactional:
+            return deliver_in_transaction(self, producer, record, delivery, partition)
         try:
             future = producer.send(
                 record.topic,
@@ -495,6 +547,9 @@ class KafkaDeliverer(Deliverer):
             raise NotImplementedError("read_back is off for this kind")
         if not isinstance(delivery.note, dict):
             return NotApplied()
+        if self.kafka.transactional or "transactional_id" in delivery.note:
+            # By the note too: only the markers tell an aborted record, whatever the config now.
+            return read_back_committed(self, delivery)
         consumer = self._consumer()
         try:
             return find_record(

@@ -31,8 +31,10 @@ Points of a deliverer (:mod:`outbox.delivery`): ``after_claim`` (claimed, before
 the outside call), ``after_call`` (the sink answered, before the completion is
 written), ``during_completion`` (the completion statement ran, before its
 commit), ``after_note`` (a note about its attempt was stored, before it calls
-the sink); of a relay: ``after_publish`` (Kafka acknowledged the records, before
-they are marked dispatched); of ``outbox gc``: ``gc_archived`` (a batch is
+the sink), ``after_send`` (a transactional ``kafka.publish`` had its record
+acknowledged inside its open transaction, before the commit); of a relay:
+``after_publish`` (Kafka acknowledged the records, before they are marked
+dispatched); of ``outbox gc``: ``gc_archived`` (a batch is
 archived and fsynced, before its delete commits).
 """
 
@@ -56,7 +58,7 @@ WORKER_POINTS = (
     "during_upgrade",
     "after_upgrade",
 )
-DELIVERER_POINTS = ("after_claim", "after_note", "after_call", "during_completion")
+DELIVERER_POINTS = ("after_claim", "after_note", "after_send", "after_call", "during_completion")
 RELAY_POINTS = ("after_publish",)
 MAINTENANCE_POINTS = ("gc_archived",)
 POINTS = frozenset(WORKER_POINTS + DELIVERER_POINTS + RELAY_POINTS + MAINTENANCE_POINTS)
