@@ -274,8 +274,10 @@ class Bench:
         return psycopg.connect(self.dsn, autocommit=autocommit)
 
     def rows(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """The rows of ``sql`` (none for a statement that returns none, such as DDL)."""
         with self.connect() as conn:
-            return conn.execute(sql, params).fetchall()
+            cursor = conn.execute(sql, params)
+            return cursor.fetchall() if cursor.description is not None else []
 
     def value(self, sql: str, params: Any = None) -> Any:
         """The first column of the first row (None when there is none)."""
