@@ -140,6 +140,11 @@ def started_run(new: NewRun, record: RunRecord, created: bool) -> RunRecord:
             f"run {record.id} was started with this key as {record.agent} "
             f"{record.agent_version} with other inputs",
         )
+    # A dry run asked for is never answered with a live run, nor the other way round.
+    if record.dry_run != new.row["dry_run"]:
+        raise IdempotencyConflict(
+            key, f"run {record.id} was started with this key in the other mode"
+        )
     if new.on_conflict == OnConflict.REJECT:
         raise RunExists(key, record.id)
     return record

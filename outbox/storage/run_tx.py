@@ -339,5 +339,6 @@ class RunTx:
         }
         self._run(control.fork_run(), params).one()
         self._run(control.fork_steps(), params)
+        self._run(control.fork_chain(), params)
         self._run(control.fork_ledger(), params)
         self._run(blob_sql.copy_refs(), {"from_owner": original, "to_owner": fork})

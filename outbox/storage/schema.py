@@ -531,7 +531,12 @@ SQL_API_MIGRATION = "0007_sql_api.sql"
 #: Migrations whose part below ``-- @functions`` (re)defines SQL API functions, in order.
 #: 0010 replaces some of 0007's for governance (gates, dry runs, the step chain) and
 #: 0013 some of those for run control (pause, lanes, keys, values by reference).
-SQL_API_MIGRATIONS = (SQL_API_MIGRATION, "0010_governance.sql", "0013_run_control.sql")
+SQL_API_MIGRATIONS = (
+    SQL_API_MIGRATION,
+    "0010_governance.sql",
+    "0013_run_control.sql",
+    "0020_sql_dry_run.sql",
+)
 _FUNCTIONS_MARKER = "-- @functions"
 
 

@@ -240,6 +240,30 @@ def test_a_fork_replays_the_steps_before_its_step_and_runs_the_rest_anew(
     assert [e.idempotency_key for e in fork.effects()] == [second[1], second[2]]
 
 
+def test_a_forks_replayed_steps_are_chained_so_an_altered_one_is_caught(ob: Outbox) -> None:
+    original = ob.start_run("agent", "1", {"month": 11})
+    for step in ("fetch", "charge", "notify"):
+        original.call(step, lambda step=step: {"step": step})
+    fork = ob.fork(original.id, from_step="notify")
+    fork.call("notify", lambda: {"step": "notify again"})
+    assert ob.verify_run(fork.id) == [] and ob.verify_run(original.id) == []
+    record = ob.audit_record(fork.id)
+    assert [s["hash"] is not None for s in record["steps"]] == [True, True, True]
+    assert record["run"]["step_head"] == record["steps"][-1]["hash"]
+    # A copied step is part of the fork's history: rewriting it breaks the fork's chain.
+    with ob.engine.begin() as conn:
+        conn.execute(
+            text(
+                'UPDATE outbox_steps SET result = \'{"step": "forged"}\''
+                " WHERE run_id = :run AND step_id = 'charge'"
+            ),
+            {"run": fork.id},
+        )
+    breaks = [str(b) for b in ob.verify_run(fork.id)]
+    assert breaks and "'charge'" in breaks[0], breaks
+    assert ob.verify_run(original.id) == []
+
+
 def test_a_fork_starts_from_the_state_the_replayed_steps_set(twin: Twin, ob: Outbox) -> None:
     async def body(client: Any) -> Any:
         run = await client.start_run("agent", "1")

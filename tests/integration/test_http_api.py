@@ -372,6 +372,47 @@ def test_a_start_with_its_own_run_id_is_safe_to_retry(ob: Outbox, api: ApiClient
     assert ob.run(dry.json()["run"]["id"]).record.mode.value == "dry_run"
 
 
+def test_a_start_with_a_business_key_is_one_run_and_keeps_priority_and_fairness(
+    ob: Outbox, api: ApiClient
+) -> None:
+    body = {
+        "agent": "billing",
+        "version": "1",
+        "inputs": {"m": 1},
+        "key": "invoice-2026-11",
+        "priority": 4,
+        "fairness_key": "tenant-a",
+    }
+    first = api.post("/runs", json=body)
+    again = api.post("/runs", json=body)
+    assert (first.status_code, again.status_code) == (201, 200), again.text
+    run = first.json()["run"]
+    assert (run["key"], run["priority"], run["fairness_key"]) == ("invoice-2026-11", 4, "tenant-a")
+    assert again.json() == {"run": again.json()["run"], "replayed": True}
+    assert again.json()["run"]["id"] == run["id"]
+    refused = api.post("/runs", json={**body, "on_conflict": "reject"})
+    assert refused.status_code == 409, refused.text
+    assert len(ob.runs()) == 1
+    assert ob.run(run["id"]).record.priority == 4
+
+
+def test_an_intents_priority_fairness_and_approval_reach_the_effect(
+    ob: Outbox, api: ApiClient
+) -> None:
+    run_id = start(api, priority=2, fairness_key="tenant-a")
+    intents = [
+        {"kind": "mail.send", "payload": {"n": 0}},
+        {"kind": "mail.send", "payload": {"n": 1}, "priority": 9, "fairness_key": "tenant-b"},
+        {"kind": "pay.send", "payload": {"amount": 900}, "approval": {"timeout": 3600}},
+    ]
+    answer = api.post(f"/runs/{run_id}/steps", json={"step_id": "notify", "intents": intents})
+    assert answer.status_code == 201, answer.text
+    effects = {e.payload.get("n", "pay"): e for e in ob.effects(run_id=run_id)}
+    assert (effects[0].priority, effects[0].fairness_key) == (2, "tenant-a")
+    assert (effects[1].priority, effects[1].fairness_key) == (9, "tenant-b")
+    assert effects["pay"].status.value == "awaiting_approval"
+
+
 def test_signals_reach_the_run_once_per_dedup_key(ob: Outbox, api: ApiClient) -> None:
     run_id = start(api)
     body = {"name": "approval", "payload": {"by": "cfo"}, "dedup_key": "mail-7"}

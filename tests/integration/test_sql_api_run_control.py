@@ -108,6 +108,37 @@ def test_a_business_key_starts_one_run_through_sql_and_python(db: Any, ob: Outbo
     assert (bad.sqlstate, bad.diag.column_name) == ("OB001", "on_conflict")
 
 
+def test_a_dry_run_started_through_sql_is_one_and_its_intents_never_reach_a_sink(
+    db: Any, ob: Outbox
+) -> None:
+    dry = start_run(db, mode="dry_run", key="order-dry")
+    assert ob.run(dry).record.dry_run is True
+    db.execute("BEGIN")
+    intend(db, "email.send", {"to": "ap"}, run_id=dry, step_id="notify", step_index=0)
+    commit_step(db, dry, "notify")
+    db.commit()
+    (effect,) = ob.effects(run_id=dry)
+    assert effect.kind.startswith("dry-run:"), effect.kind
+    # the same key or run id in the other mode is refused, never answered with this run
+    other_mode = refused(
+        db,
+        "SELECT outbox_start_run('shop', '1', '{\"order\": 1}'::jsonb, key => 'order-dry')",
+    )
+    assert other_mode.sqlstate == "OB003" and "other mode" in str(other_mode)
+    with pytest.raises(IdempotencyConflict, match="other mode"):
+        ob.start_run("shop", "1", {"order": 1}, key="order-dry")
+    by_id = refused(
+        db,
+        "SELECT outbox_start_run('shop', '1', '{\"order\": 1}'::jsonb, run_id => %s)",
+        (dry,),
+    )
+    assert (by_id.sqlstate, by_id.diag.column_name) == ("OB001", "mode")
+    assert start_run(db, mode="dry_run", run_id=dry) == dry
+    bad = refused(db, "SELECT outbox_start_run('shop', '1', mode => 'rehearsal')")
+    assert (bad.sqlstate, bad.diag.column_name) == ("OB001", "mode")
+    assert count(db, "outbox_runs") == 1
+
+
 # -- priorities and fairness keys -------------------------------------------------------
 
 

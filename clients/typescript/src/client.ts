@@ -36,6 +36,15 @@ export interface IntendOptions {
   compensate?: { kind: string; payload: unknown };
   /** Reserved from the run's budget when the step commits; settled by the outcome. */
   cost?: number | string;
+  /**
+   * Hold the effect as `awaiting_approval` until an operator approves its payload's
+   * digest: `true`, or a policy `{ timeout, on_timeout, escalate_to }`.
+   */
+  approval?: boolean | { timeout?: number | string; on_timeout?: string; escalate_to?: string };
+  /** Higher is claimed first (default: the run's priority, or 0). */
+  priority?: number;
+  /** Deliverers share capacity between fairness keys (default: the run's). */
+  fairnessKey?: string;
 }
 
 /** An intent as written: its id and key, and whether this call created it. */
@@ -107,7 +116,8 @@ async function run<R extends pg.QueryResultRow>(db: Queryable, text: string, val
 const INTEND = `SELECT effect_id, idempotency_key, created FROM outbox_intend(
   kind => $1, payload => $2::jsonb, key => $3, ordering_key => $4, run_id => $5::uuid,
   step_id => $6, max_attempts => $7::integer, delay_seconds => $8::double precision,
-  schema_version => $9::integer, compensate => $10::jsonb, cost => $11::numeric)`;
+  schema_version => $9::integer, compensate => $10::jsonb, cost => $11::numeric,
+  approval => $12::jsonb, priority => $13::integer, fairness_key => $14)`;
 
 async function intend(
   db: Queryable,
@@ -133,6 +143,9 @@ async function intend(
     options.schemaVersion ?? 1,
     compensate,
     options.cost === undefined ? null : String(options.cost),
+    options.approval === undefined ? null : toJson(options.approval, "approval"),
+    options.priority ?? null,
+    options.fairnessKey ?? null,
   ]);
   return { id: row!.effect_id, idempotencyKey: row!.idempotency_key, created: row!.created };
 }
@@ -361,6 +374,16 @@ export interface StartRunOptions {
   budget?: number | string;
   /** Choose the run's id (starting again with the same arguments returns the same run). */
   runId?: string;
+  /** A business key: one run per key. */
+  key?: string;
+  /** A second start with the same `key`: answer the first run (default) or refuse it with `RunExists` (`"reject"`). */
+  onConflict?: "return_existing" | "reject";
+  /** Higher is claimed first by workers; the run's effects inherit it. */
+  priority?: number;
+  /** Workers and deliverers share capacity between fairness keys; effects inherit it. */
+  fairnessKey?: string;
+  /** `"dry_run"`: the run's effects go to recording deliverers, never to a sink. */
+  mode?: "live" | "dry_run";
 }
 
 /** Options of `waitForEffect`. */
@@ -420,8 +443,22 @@ export class Outbox {
     const runId = options.runId === undefined ? null : canonicalUuid(options.runId);
     const [row] = await run<{ id: string }>(
       this.pool,
-      "SELECT outbox_start_run(agent => $1, version => $2, inputs => $3::jsonb, budget => $4::numeric, run_id => $5::uuid) AS id",
-      [agent, version, toJson(inputs ?? null, "inputs"), options.budget === undefined ? null : String(options.budget), runId],
+      `SELECT outbox_start_run(agent => $1, version => $2, inputs => $3::jsonb, budget => $4::numeric,
+         run_id => $5::uuid, key => $6, on_conflict => coalesce($7, 'return_existing'),
+         priority => coalesce($8::integer, 0), fairness_key => coalesce($9, ''),
+         mode => coalesce($10, 'live')) AS id`,
+      [
+        agent,
+        version,
+        toJson(inputs ?? null, "inputs"),
+        options.budget === undefined ? null : String(options.budget),
+        runId,
+        options.key ?? null,
+        options.onConflict ?? null,
+        options.priority ?? null,
+        options.fairnessKey ?? null,
+        options.mode ?? null,
+      ],
     );
     return new Run(this, row!.id);
   }

@@ -24,7 +24,7 @@ import {
   RunTerminal,
   ValidationError,
 } from "./errors.js";
-import type { IntendOptions, Json } from "./client.js";
+import type { IntendOptions, Json, StartRunOptions } from "./client.js";
 
 /** Where the server is and how to call it. */
 export interface HttpOutboxOptions {
@@ -41,6 +41,12 @@ export interface HttpOutboxOptions {
 }
 
 /** One intent of a step, as `tx.intend(kind, payload, options)` takes it. */
+/** Options of `HttpOutbox.startRun` (the body of `POST /runs`). */
+export interface HttpStartRunOptions extends Omit<StartRunOptions, "budget"> {
+  inputs?: unknown;
+  budget?: number;
+}
+
 export interface HttpIntent extends IntendOptions {
   kind: string;
   payload: unknown;
@@ -121,15 +127,14 @@ function typed(status: number, body: Refusal, runId: string | undefined): Error 
 /** Statuses worth sending the same call again for (it is idempotent). */
 const RETRIED = new Set([500, 502, 503, 504]);
 
-const camel = (options: IntendOptions): Record<string, unknown> => ({
-  key: options.key,
-  ordering_key: options.orderingKey,
-  max_attempts: options.maxAttempts,
-  delay_seconds: options.delaySeconds,
-  schema_version: options.schemaVersion,
-  compensate: options.compensate,
-  cost: options.cost === undefined ? undefined : Number(options.cost),
-});
+/** Options as the API's fields: `orderingKey` is sent as `ordering_key`; amounts as numbers. */
+const camel = (options: object): Record<string, unknown> =>
+  Object.fromEntries(
+    Object.entries(options).map(([name, value]) => [
+      name.replace(/[A-Z]/g, (letter) => `_${letter.toLowerCase()}`),
+      name === "cost" || name === "budget" ? (value === undefined ? undefined : Number(value)) : value,
+    ]),
+  );
 
 /** agent-outbox over HTTP. */
 export class HttpOutbox {
@@ -149,9 +154,10 @@ export class HttpOutbox {
   async startRun(
     agent: string,
     version: string,
-    options: { inputs?: unknown; budget?: number; runId?: string } = {},
+    options: HttpStartRunOptions = {},
   ): Promise<{ run: ApiRecord; replayed: boolean }> {
-    const body = { agent, version, inputs: options.inputs, budget: options.budget, run_id: options.runId ?? randomUUID() };
+    const { inputs, runId, ...rest } = options;
+    const body = { agent, version, inputs, run_id: runId ?? randomUUID(), ...camel(rest) };
     return this.call("POST", "/runs", body);
   }
 

@@ -44,6 +44,14 @@ export {
   fromDatabase,
 } from "./errors.js";
 export { HttpApiError, HttpOutbox } from "./http.js";
-export type { ApiRecord, EffectOutcome, HttpIntent, HttpOutboxOptions, StepBody, StepRecorded } from "./http.js";
+export type {
+  ApiRecord,
+  EffectOutcome,
+  HttpIntent,
+  HttpOutboxOptions,
+  HttpStartRunOptions,
+  StepBody,
+  StepRecorded,
+} from "./http.js";
 export { toJson } from "./json.js";
 export { canonicalUuid, compensationKey, deriveKey } from "./keys.js";

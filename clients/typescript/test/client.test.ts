@@ -9,6 +9,7 @@ import {
   IdempotencyConflict,
   Outbox,
   PayloadError,
+  RunExists,
   RunNotFound,
   RunTerminal,
   ValidationError,
@@ -211,4 +212,49 @@ test("an effect's outcome is read and awaited", async () => {
   const done = await outbox.waitForEffect(made.id, { timeoutMs: 5000 });
   assert.deepEqual([done.status, done.result], ["succeeded", { sent: true }]);
   await assert.rejects(outbox.effect(randomUUID()), EffectNotFound);
+});
+
+test("a run's business key, priority and fairness key; its effects inherit them or set their own", async () => {
+  const key = `order-${randomUUID()}`;
+  const options = { key, priority: 5, fairnessKey: "tenant-a" };
+  const run = await outbox.startRun("shop", "1", { order: key }, options);
+  const again = await outbox.startRun("shop", "1", { order: key }, options);
+  assert.equal(again.id, run.id);
+  await assert.rejects(
+    outbox.startRun("shop", "1", { order: key }, { ...options, onConflict: "reject" }),
+    (error: RunExists) => error instanceof RunExists && error.runId === run.id,
+  );
+  await assert.rejects(outbox.startRun("shop", "1", {}, { priority: 1e9 }), (error: ValidationError) => error.field === "priority");
+  const [inherited, own, gated] = await run.transaction("notify", async (tx) => [
+    await tx.intend("email.send", { to: "a@example.com" }),
+    await tx.intend("email.send", { to: "b@example.com" }, { priority: -2, fairnessKey: "tenant-b" }),
+    await tx.intend("payment.send", { amount: 900 }, { approval: { timeout: 3600, on_timeout: "reject" } }),
+  ]);
+  const { rows } = await outbox.pool.query<{ id: string; priority: number; fairness_key: string; status: string }>(
+    "SELECT id, priority, fairness_key, status FROM outbox_effects WHERE run_id = $1",
+    [run.id],
+  );
+  const byId = new Map(rows.map((row) => [row.id, row]));
+  assert.deepEqual(
+    [inherited!, own!, gated!].map((intent) => {
+      const row = byId.get(intent.id)!;
+      return [row.priority, row.fairness_key, row.status];
+    }),
+    [
+      [5, "tenant-a", "pending"],
+      [-2, "tenant-b", "pending"],
+      [5, "tenant-a", "awaiting_approval"],
+    ],
+  );
+});
+
+test("a dry run started from TypeScript is one; its intents go to the dry-run namespace", async () => {
+  const run = await outbox.startRun("shop", "1", { order: "dry" }, { mode: "dry_run" });
+  const intent = await run.transaction("notify", (tx) => tx.intend("email.send", { to: "ap@example.com" }));
+  const effect = await outbox.effect(intent.id);
+  assert.ok(effect.kind.startsWith("dry-run:"), effect.kind);
+  await assert.rejects(
+    outbox.startRun("shop", "1", {}, { mode: "rehearsal" as "live" }),
+    (error: ValidationError) => error.field === "mode",
+  );
 });

@@ -105,3 +105,20 @@ test("http: calls are retried while the server is away, and the long poll return
     deliver.kill("SIGTERM");
   }
 });
+
+test("http: a run's business key, priority, fairness key and mode reach the API", async () => {
+  const outbox = api();
+  const key = `http-order-${randomUUID()}`;
+  const options = { inputs: { n: 2 }, key, priority: 3, fairnessKey: "tenant-h", mode: "dry_run" as const };
+  const { run } = await outbox.startRun("shop-http", "1", options);
+  assert.deepEqual([run.key, run.priority, run.fairness_key, run.dry_run], [key, 3, "tenant-h", true]);
+  const again = await outbox.startRun("shop-http", "1", options);
+  assert.equal(again.run.id, run.id);
+  const recorded = await outbox.step(String(run.id), "pay", {
+    intents: [{ kind: "email.send", payload: { to: "c@example.com" }, priority: 7, fairnessKey: "tenant-i" }],
+  });
+  assert.deepEqual(
+    [recorded.effects[0]!.priority, recorded.effects[0]!.fairness_key],
+    [7, "tenant-i"],
+  );
+});

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from outbox.client_args import new_run
 from outbox.errors import IdempotencyConflict, OutboxError, RunNotFound, RunTerminal
+from outbox.ids import uuid7
 from outbox.models import Effect, EffectStatus, RunRecord, RunStatus
 from outbox.runs.intents import StepTransaction
 from outbox.serve.api.errors import (
@@ -120,16 +121,23 @@ class ApiHandlers:
         return await run_in_threadpool(self._start_run, body)
 
     def _start_run(self, body: StartRunRequest) -> Response:
+        run_id = body.run_id or uuid7()
         try:
             run = self.outbox.start_run(
                 body.agent,
                 body.version,
                 body.inputs,
                 budget=body.budget,
-                run_id=body.run_id,
+                run_id=run_id,
+                key=body.key,
+                on_conflict=body.on_conflict.value,
+                priority=body.priority,
+                fairness_key=body.fairness_key,
                 mode=body.mode.value,
             )
-            return _answer(201, RunAnswer(run=run.record, replayed=False))
+            # A business key names a run started before (under its own id): a repeat.
+            repeated = run.id != run_id
+            return _answer(200 if repeated else 201, RunAnswer(run=run.record, replayed=repeated))
         except OutboxError as exc:
             if body.run_id is None or getattr(exc, "field", None) != "run_id":
                 raise
@@ -220,18 +228,17 @@ class ApiHandlers:
                 compensate = intent.compensate
                 with _part(f"intents[{i}]"):
                     written.append(
+                        # Every field of the intent, so that one added to EffectIntent
+                        # cannot be dropped here without a word (priority and approval were).
                         tx.intend(
                             intent.kind,
                             intent.payload,
-                            key=intent.key,
-                            ordering_key=intent.ordering_key,
-                            max_attempts=intent.max_attempts,
-                            delay_seconds=intent.delay_seconds,
-                            schema_version=intent.schema_version,
                             compensate=None
                             if compensate is None
                             else (compensate.kind, compensate.payload),
-                            cost=intent.cost,
+                            **intent.model_dump(
+                                exclude={"kind", "payload", "compensate"}, exclude_none=True
+                            ),
                         )
                     )
             return body.result

@@ -47,6 +47,7 @@ from outbox.storage.sql.common import (
 )
 
 __all__ = [
+    "fork_chain",
     "fork_cut",
     "fork_ledger",
     "fork_run",
@@ -289,6 +290,42 @@ def fork_steps() -> Any:
         .where(*_copied())
         .order_by(steps.c.seq),
     )
+
+
+@cache
+def fork_chain() -> Any:
+    """Chain the fork's copied steps from the fork's own genesis, and set its ``step_head``.
+
+    A copied step's hash cannot be copied: each link covers the run's id. So
+    the links are computed again, in the order the steps were copied (their
+    ``seq``), for the steps the original had chained (``outbox.chain``), and
+    ``outbox audit verify`` of a fork checks its replayed history too.
+    Parameters: ``original``, ``fork``.
+    """
+    return text(
+        """
+        WITH RECURSIVE copied AS (
+            SELECT f.seq, f.step_id, f.kind, f.result, f.error, f.completed_at,
+                   row_number() OVER (ORDER BY f.seq) AS n
+            FROM outbox_steps f
+            JOIN outbox_steps o ON o.run_id = :original AND o.step_id = f.step_id
+            WHERE f.run_id = :fork AND o.hash IS NOT NULL
+        ), chain (n, seq, head) AS (
+            SELECT 0::bigint, NULL::bigint, outbox_run_genesis(r.id, r.agent, r.inputs_hash)
+            FROM outbox_runs r WHERE r.id = :fork
+            UNION ALL
+            SELECT c.n, c.seq, outbox_step_hash(chain.head, CAST(:fork AS uuid), c.step_id,
+                                                c.kind, c.result, c.error, c.completed_at)
+            FROM chain JOIN copied c ON c.n = chain.n + 1
+        ), linked AS (
+            UPDATE outbox_steps s SET hash = chain.head
+            FROM chain WHERE s.run_id = :fork AND s.seq = chain.seq
+            RETURNING s.seq
+        )
+        UPDATE outbox_runs SET step_head = (SELECT head FROM chain ORDER BY n DESC LIMIT 1)
+        WHERE id = :fork AND EXISTS (SELECT FROM linked)
+        """
+    ).bindparams(bindparam("original", type_=UUID), bindparam("fork", type_=UUID))
 
 
 @cache
