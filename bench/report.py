@@ -186,7 +186,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     for name in (k for k in st if k.startswith("stream_")):
         relays, count = name.split("_")[1:]
         target = f"stream mode, {relays} relay(s), {count} deliverer(s): ≥ 0.8x poll mode"
-        t.ratio(target, st[name], st[f"poll_{count}"], 0.8, "/s")
+        t.ratio(target, st[name], st[f"poll_{count}"], 0.8, "/s", of=st[name].get("ratio"))
     levels = get(r, "scale", "levels") or {}
     if len(sizes := keys(levels)) > 1:
         for q in ("p50", "p99"):
@@ -251,7 +251,7 @@ GC = (
     " | transactions=batches | batch p50 / p99 / max ms=batch | first / last tenth mean ms=tenths"
 )
 STREAM = (
-    "shape=shape | effects/s=rate:r0 | vs poll, same deliverers=x:x2"
+    "shape=shape | effects/s=rate:r0 | vs poll, same deliverers (min-max: rep i with rep i)=x:r2"
     " | CPU µs/effect: relays / deliverers / broker / rest=cpu | machine busy=busy"
 )
 STATEMENTS = (
@@ -453,7 +453,9 @@ def other_sections(r: dict[str, Any]) -> list[Section]:
             ]
             shapes.append({**x, "shape": k.replace("_", " "), "cpu": " / ".join(roles)})
             shapes[-1].update(
-                rate=x, x=x.get("ratio_to_poll", 1), busy=f"{cpu['machine_busy']:.0%}"
+                rate=x,
+                x=x.get("ratio") or x.get("ratio_to_poll", 1),
+                busy=f"{cpu['machine_busy']:.0%}",
             )
     caption = f"{num(st.get('n'))} no-op effects per drain; `stream R D`: R relays, D deliverers."
     out.append(("Stream mode versus poll mode", caption, STREAM, shapes))

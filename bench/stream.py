@@ -90,7 +90,10 @@ def stream(bench: Bench, workdir: Path, quick: bool) -> dict[str, Any]:
             }
             name = f"stream_{relays}_{count}"
             out[name] = got = drain_rates(bench, roles, n, reps, broker.proc)
-            got["ratio_to_poll"] = got["median"] / out[f"poll_{count}"]["median"]
+            poll = out[f"poll_{count}"]
+            got["ratio_to_poll"] = got["median"] / poll["median"]
+            # Repetition i of each mode paired: the min-max shows how far one pair strays.
+            got["ratio"] = summary([s / p for s, p in zip(got["reps"], poll["reps"], strict=True)])
             log(f"{name}: {got['median']:.0f} effects/s ({got['ratio_to_poll']:.2f}x poll)")
     finally:
         broker.stop()

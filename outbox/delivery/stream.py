@@ -75,6 +75,8 @@ POLL_SLICE_SECONDS = 0.1
 _UNREACHABLE = (kafka_errors.KafkaTimeoutError, kafka_errors.KafkaConnectionError)
 #: ``close(timeout)`` waits this much longer than ``timeout`` for the consumer to let go.
 CLOSE_SLACK_SECONDS = 0.25
+#: Claims failing in a row (a deadlock, PostgreSQL away) pause twice as long each time, up to this.
+CLAIM_BACKOFF_MAX_SECONDS = 5.0
 
 
 def topic_for(prefix: str, kind: str) -> str:
@@ -147,6 +149,8 @@ class KafkaSource:
         self.offsets: Offsets[TopicPartition] = Offsets()
         #: Reads whose claim failed: claimed again before anything more is read.
         self._undecided: list[Read] = []
+        #: Claims failed in a row: the pause before the next one doubles with each.
+        self._claim_failures = 0
         self._rebalances = _Rebalances()
         #: Set by :meth:`wake`: read on the consumer thread between poll slices.
         self._woken = threading.Event()
@@ -267,16 +271,23 @@ class KafkaSource:
             # The records stay open (nothing is committed past them) and are
             # claimed again before anything more is read: each record's effect is
             # checked in PostgreSQL again, so what was recorded meanwhile is skipped.
+            # A deadlock is a passing conflict with a relay or another deliverer, never a
+            # reason to end the daemon; backing off lets the other side finish first.
             self._undecided = reads
+            self._claim_failures += 1
+            pause = self.claim_backoff()
             log.warning(
-                "claiming the effects of %d records failed (%s); trying again in %gs",
+                "claiming the effects of %d records failed (%s); trying again in %gs"
+                " (%d failures in a row)",
                 len(reads),
                 exc,
-                self.settings.poll_seconds,
+                pause,
+                self._claim_failures,
             )
-            await self._rest(started)
+            await self._rest(started, pause)
             return []
         self._undecided = []
+        self._claim_failures = 0
         self.skipped += self.offsets.decide(reads, {effect.id for effect in claimed})
         return claimed
 
@@ -320,12 +331,17 @@ class KafkaSource:
                 )
         return reads
 
-    async def _rest(self, since: float) -> None:
-        """After a failure: wait a poll interval, unless woken since ``since`` (a stop, room)."""
+    def claim_backoff(self) -> float:
+        """The pause after the claims that failed in a row: doubling from the poll interval."""
+        first, doublings = self.settings.poll_seconds, min(max(self._claim_failures - 1, 0), 30)
+        return min(first * 2.0**doublings, max(first, CLAIM_BACKOFF_MAX_SECONDS))
+
+    async def _rest(self, since: float, seconds: float | None = None) -> None:
+        """After a failure: wait ``seconds`` (a poll interval), unless woken since ``since``."""
         if self._woken_at > since:
             return
         self._wake.clear()
-        await wait_or_wake(self._wake, self.settings.poll_seconds)
+        await wait_or_wake(self._wake, self.settings.poll_seconds if seconds is None else seconds)
 
     def _poll(self, due: dict[TopicPartition, int], room: int) -> Any:
         """On the consumer thread: send the due commit, then poll in slices until woken."""

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
+import psycopg
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
@@ -279,3 +280,57 @@ def test_a_broker_out_of_reach_is_tried_again_without_leaking_threads(dsn: str) 
         assert took < 2
 
     run(main, dsn)
+
+
+#: Raises PostgreSQL's deadlock error (SQLSTATE 40P01) on the first three claims of a
+#: dispatched effect: the error a claim meets when a relay's mark or another
+#: deliverer's claim holds the rows it waits for and waits for one it holds.
+DEADLOCK_FIRST_CLAIMS = """
+CREATE SEQUENCE deadlocks;
+CREATE FUNCTION deadlock_first_claims() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF OLD.status = 'dispatched' AND NEW.status = 'in_flight' AND nextval('deadlocks') <= 3 THEN
+    RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01';
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER deadlock_first_claims BEFORE UPDATE ON outbox_effects
+  FOR EACH ROW EXECUTE FUNCTION deadlock_first_claims();
+"""
+
+
+def test_a_deadlock_on_claim_is_retried_with_backoff_never_raised(
+    ob: Outbox, dsn: str, broker: TansuBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three claims in a row end in a deadlock: ``take`` never raises, pauses 0.2, 0.4, 0.8 s.
+
+    The fourth claim takes both effects, and the count of failures starts afresh.
+    """
+    intend(ob, 2)
+
+    async def main(store: AsyncStore) -> None:
+        x, y = await dispatch(store, 2)
+        publish(broker, [(0, x), (1, y)])
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(DEADLOCK_FIRST_CLAIMS)  # type: ignore[arg-type]
+        source = KafkaSource(store, [KIND], settings(broker))
+        await source.open()
+        room, claimed, pauses = leases(), [], {}
+        try:
+            deadline = time.monotonic() + 60
+            while len(claimed) < 2:
+                assert time.monotonic() < deadline, f"claimed {claimed}"
+                failures, started = source._claim_failures, time.monotonic()
+                claimed += await source.take(room)
+                if source._claim_failures > failures:
+                    pauses[source._claim_failures] = time.monotonic() - started
+            assert {e.id for e in claimed} == {x.id, y.id}
+            assert sorted(pauses) == [1, 2, 3]
+            assert pauses[3] >= 0.75 and pauses[2] >= 0.35, pauses  # doubled each time
+            assert source._claim_failures == 0
+            assert "deadlock detected" in caplog.text and "3 failures in a row" in caplog.text
+        finally:
+            await source.close(5)
+
+    with caplog.at_level("WARNING", logger="outbox.delivery.stream"):
+        run(main, dsn)
