@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +41,45 @@ class Held:
     renewed: float = field(default_factory=time.monotonic)
 
 
+#: How long a kind whose last claim came back short yields its turn to busy kinds.
+SHORT_SECONDS = 1.0
+
+
+class Quotas(list[tuple[dict[str, str], int]]):
+    """A claim's quotas, ``(filter, how many)`` per kind, as :meth:`Leases.quotas` made them.
+
+    ``left_out``: a kind that could take work got no quota because the room
+    went to kinds before it, so a claim that finds little is no sign that the
+    queue is short.
+    """
+
+    def __init__(self, leases: Leases | None = None) -> None:
+        super().__init__()
+        self.leases = leases
+        self.left_out = False
+
+    def found(self, rows: Iterable[ClaimedEffect]) -> bool:
+        """Note what the claim found per kind; True if more is likely waiting.
+
+        Judged per kind: a kind that filled its quota has more; one that came
+        back short yields its turn for :data:`SHORT_SECONDS` (see
+        :meth:`Leases.quotas`), so an idle kind beside a busy one neither takes
+        the busy one's room nor makes the claim loop back off.
+        """
+        taken = Counter(row.kind for row in rows)
+        now = time.monotonic()
+        more = self.left_out
+        for spec, n in self:
+            kind = spec.get("kind", "")
+            if taken[kind] >= n:
+                more = True
+                if self.leases is not None:
+                    self.leases.short_until.pop(kind, None)
+            elif self.leases is not None:
+                self.leases.short_until[kind] = now + SHORT_SECONDS
+        return more
+
+
 class Leases:
     """Held attempts, per-kind room and rate-limit pauses, and their one heartbeat."""
 
@@ -56,6 +95,8 @@ class Leases:
         self._waiting: dict[str, deque[UUID]] = {kind: deque() for kind in deliverers}
         self._paused_until: dict[str, float] = {}
         self._kinds_rr = list(deliverers)
+        #: kind -> until when it yields its turn (its last claim came back short)
+        self.short_until: dict[str, float] = {}
         #: Kinds with a declared rate, taken by claims through PostgreSQL.
         self.rates = {kind: d.rate for kind, d in deliverers.items() if d.rate is not None}
 
@@ -92,7 +133,7 @@ class Leases:
         """True while a rate-limit answer holds this kind back."""
         return self._paused_until.get(kind, 0.0) > (time.monotonic() if now is None else now)
 
-    def quotas(self, batch_size: int, *, freeing: int = 0) -> list[tuple[dict[str, str], int]]:
+    def quotas(self, batch_size: int, *, freeing: int = 0) -> Quotas:
         """How many of each kind a claim may take now: room, pauses and fairness between kinds.
 
         ``freeing``: attempts whose outcomes are being recorded in the claim's own
@@ -100,10 +141,18 @@ class Leases:
         """
         free = self.free + freeing
         now = time.monotonic()
-        quotas: list[tuple[dict[str, str], int]] = []
+        quotas = Quotas(self)
         self._kinds_rr = self._kinds_rr[1:] + self._kinds_rr[:1]
-        for kind in self._kinds_rr:
+        # Kinds whose last claim came back short go last: room goes to busy kinds first.
+        short = {k for k, until in self.short_until.items() if until > now}
+        order = [k for k in self._kinds_rr if k not in short]
+        order += [k for k in self._kinds_rr if k in short]
+        for i, kind in enumerate(order):
             if free <= 0:
+                quotas.left_out = any(
+                    k not in short and not self.paused(k, now) and self._room(k) > 0
+                    for k in order[i:]
+                )
                 break
             if self.paused(kind, now):
                 continue

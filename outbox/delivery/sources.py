@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol
 from uuid import UUID
 
-from outbox.delivery.leases import Leases
+from outbox.delivery.leases import Leases, Quotas
 from outbox.delivery.settings import DeliverySettings
 from outbox.faults import crash_point
 from outbox.retry import IdleBackoff, wait_or_wake
@@ -119,9 +119,13 @@ class PollSource:
         """Note what a claim (here or with outcomes) found: when to claim next."""
         if rows:
             crash_point("after_claim")
-        full = len(rows) == sum(n for _, n in quotas)
-        # A full batch: more is likely waiting, claim again at once.
-        self._wait_first = 0.0 if full else self._idle.found(bool(rows))
+        # More is likely waiting (a kind filled its quota, or one was left out):
+        # claim again at once, riding the next outcomes.
+        if isinstance(quotas, Quotas):
+            more = quotas.found(rows)
+        else:
+            more = len(rows) == sum(n for _, n in quotas)
+        self._wait_first = 0.0 if more else self._idle.found(bool(rows))
 
     async def recorded(self, effect_ids: Sequence[UUID]) -> None:
         """Nothing to do: the claim itself was the source's state."""

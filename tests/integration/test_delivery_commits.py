@@ -19,6 +19,7 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
+import pytest
 
 from outbox import Outbox
 from outbox.delivery import Deliverer, Delivery, Outcome, Succeeded
@@ -63,7 +64,16 @@ class Reader:
         return int(self.value(sql))
 
 
-def test_background_duties_ride_the_batches(ob: Outbox, dsn: str) -> None:
+@pytest.mark.parametrize(
+    "idle_kinds",
+    [
+        pytest.param(0, id="one-kind"),
+        # A kind with nothing to deliver beside the busy one: its unused quota must not
+        # send the claim loop into its idle backoff (and the outcomes out of riding).
+        pytest.param(1, id="beside-an-idle-kind"),
+    ],
+)
+def test_background_duties_ride_the_batches(ob: Outbox, dsn: str, idle_kinds: int) -> None:
     run = ob.start_run("agent", "1")
     run.transaction("s", lambda tx: [tx.intend(KIND, {"i": i}) for i in range(N)] and None)
     ob.close()
@@ -80,7 +90,10 @@ def test_background_duties_ride_the_batches(ob: Outbox, dsn: str) -> None:
     try:
         time.sleep(1.1)  # what other backends committed so far is reported by now
         before, reads_before = reader.commits(), reader.reads
-        with DaemonThread(dsn, {KIND: SlowSink(KIND)}, **settings):
+        sinks = {KIND: SlowSink(KIND)} | {
+            f"test.idle{i}": SlowSink(f"test.idle{i}") for i in range(idle_kinds)
+        }
+        with DaemonThread(dsn, sinks, **settings):
             wait_for(
                 lambda: (
                     reader.value("SELECT count(*) FROM outbox_effects WHERE status = 'succeeded'")
