@@ -92,6 +92,18 @@ DELIVERER_POINTS: tuple[CrashPoint, ...] = (
         "the attempts expire and are delivered by another deliverer, with the same keys",
     ),
     CrashPoint(
+        "after_note",
+        "deliverer",
+        "the deliverer noted where its attempt will land (read-back), before calling the sink",
+        "the next attempt reads the note back: settled from the sink, or sent again once",
+    ),
+    CrashPoint(
+        "after_send",
+        "deliverer",
+        "a transactional kafka.publish was acknowledged inside its open Kafka transaction",
+        "the transaction is fenced and aborted; the effect is published again, read once",
+    ),
+    CrashPoint(
         "after_call",
         "deliverer",
         "the sink answered; the outcome is not recorded",

@@ -364,6 +364,10 @@ def _never(point: str) -> str:
         return "the agent never waits"
     if point in ("after_claim", "after_call", "during_completion"):
         return "the agent intends no effects"
+    if point == "after_note":
+        return "no deliverer of its kinds notes an attempt (read-back: --sink real)"
+    if point == "after_send":
+        return "no transactional kafka.publish among its kinds (--sink real)"
     if (point in CRASH_POINTS and CRASH_POINTS[point].role == "upgrade") or point == "handover":
         return "no step to hand over at"
     return "the agent records no step"

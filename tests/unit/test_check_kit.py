@@ -197,6 +197,14 @@ def test_the_plan_has_a_chain_per_reached_point_and_a_trial_per_deliverer_point(
     assert [s.id for s in plans[0].singles()] == ["step_start@load", "step_start@pay"]
 
 
+def test_a_deliverer_that_notes_or_sends_in_a_transaction_gets_a_trial_at_each() -> None:
+    events = [*baseline_trace(), ev("after_note", None, run=None), ev("after_send", None, run=None)]
+    deliverer = [p.id for p in plan_trials(events, RUN_A, options()) if p.role == "deliverer"]
+    assert deliverer == ["after_claim", "after_note", "after_send"]
+    # reached by no deliverer (a recording sink neither notes nor sends): no trial
+    assert "after_note" not in [p.id for p in plan_trials(baseline_trace(), RUN_A, options())]
+
+
 def test_an_upgrade_hands_over_while_parked_if_the_agent_waits_else_mid_run() -> None:
     events = baseline_trace()
     assert handover_target(events, RUN_A) == "after_step@load"
