@@ -94,7 +94,7 @@ DELIVERER_POINTS: tuple[CrashPoint, ...] = (
     CrashPoint(
         "after_note",
         "deliverer",
-        "the deliverer noted where its attempt will land (read-back), before calling the sink",
+        "the deliverer noted where its attempt will land (kafka.publish), before the call",
         "the next attempt reads the note back: settled from the sink, or sent again once",
     ),
     CrashPoint(
