@@ -140,3 +140,16 @@ async def onboards_correctly_async(run: AsyncRun) -> Any:
         return {"customer": customer["id"], "approved_by": approval}
 
     return await run.transaction("open-account", open_account)
+
+
+def publishes_a_ledger(run: Run) -> Any:
+    """CORRECT: three ledger entries intended in one step, published by ``kafka.publish``."""
+    topic = run.inputs["topic"]
+    entries = run.call("load-entries", lambda: [{"entry": n, "run": str(run.id)} for n in range(3)])
+
+    def publish(tx: StepTransaction) -> int:
+        for entry in entries:
+            tx.intend("kafka.publish", {"topic": topic, "value": entry})
+        return len(entries)
+
+    return {"published": run.transaction("publish", publish)}
