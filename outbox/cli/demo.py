@@ -146,6 +146,11 @@ class _Demo:
             )
             self.deliverers.append(self.spawn(self.deliver_args, "deliver-3"))
             self.deliverer_killed = True
+            # Now, not at the start: the 429s answered to the deliverer just killed
+            # died with its unwritten outcomes, and the tally showed no retry.
+            from deliverers.testing import Fault
+
+            self.sink.inject(Fault("429", times=4, retry_after="1"))
         assert self.approval is not None and self.trip is not None
         approval = self.ob.run(self.approval)
         if self.approved_at is None and approval.status == RunStatus.WAITING:
@@ -217,7 +222,7 @@ class _Demo:
 @pass_cli
 def demo(cli: CliContext, keep_logs: bool, as_json: bool) -> None:
     """Five agent runs, two deliverers, two kill -9s: nothing lost, nothing duplicated."""
-    from deliverers.testing import Fault, IdempotentHttpSink
+    from deliverers.testing import IdempotentHttpSink
 
     ob = cli.outbox
     workdir = Path(tempfile.mkdtemp(prefix="outbox-demo-"))
@@ -244,7 +249,6 @@ def demo(cli: CliContext, keep_logs: bool, as_json: bool) -> None:
     ]
     started = time.monotonic()
     with IdempotentHttpSink(latency=0.03) as sink:
-        sink.inject(Fault("429", times=4, retry_after="1"))
         story = _Demo(ob, sink, workdir, env, deliver_args)
         progress = Progress(
             TextColumn("[bold]{task.description}"),

@@ -84,7 +84,13 @@ def test_an_unknown_effect_holds_its_key_until_an_operator_resolves_it(
     with DaemonThread(dsn, {"k.blind": blind}, **FAST_NOTES):
         wait_for(lambda: ob.effect(head.id).status.value == "unknown", timeout=20)
     with DaemonThread(dsn, {"k.blind": blind}, **FAST_NOTES):
-        wait_for(lambda: note(ob, held), timeout=20, message="a note on the held effect")
+        # The first daemon may have noted the head while it was still in flight: the
+        # note follows the head's state, so wait for the one that names `unknown`.
+        wait_for(
+            lambda: (found := note(ob, held)) is not None and found["state"] == "unknown",
+            timeout=20,
+            message="a note on the held effect naming the unknown head",
+        )
         found = note(ob, held)
         assert found is not None
         assert (found["id"], found["state"]) == (str(head.id), "unknown")
