@@ -511,6 +511,11 @@ def markdown(data: dict[str, Any]) -> str:
         f" discussed in [{DISCUSSION}]({DISCUSSION}).",
         "",
         f"Run of {meta['started_at']}, {meta['seconds'] / 60:.0f} minutes: `{meta['command']}`.",
+        *(
+            ["", f"Sections measured again in a run of their own: {meta['rerun']}."]
+            if meta.get("rerun")
+            else []
+        ),
         "",
         machine(meta),
         "",
