@@ -21,6 +21,19 @@ from bench.sinks import deliverers_config
 
 #: An effect is open until it succeeded or failed; stream mode adds ``dispatched``.
 OPEN = ("pending", "in_flight", "dispatched")
+#: Whether any effect is still open, each state looked up through its own
+#: partial index, in that index's order (scalar subqueries: PostgreSQL drops
+#: the ORDER BY of an EXISTS and then chose a sequential scan). The count this
+#: replaces read the whole table, 0.3 s at a million rows, and polled twice a
+#: second it took a CPU from the deliverer being measured; this takes 1 ms.
+ANY_OPEN = (
+    "SELECT (SELECT 1 FROM outbox_effects WHERE status = 'pending' "
+    "ORDER BY kind, priority, fairness_key, available_at, seq LIMIT 1) IS NOT NULL "
+    "OR (SELECT 1 FROM outbox_effects WHERE status = 'in_flight' "
+    "ORDER BY lease_expires_at LIMIT 1) IS NOT NULL "
+    "OR (SELECT 1 FROM outbox_effects WHERE status = 'dispatched' "
+    "ORDER BY lease_expires_at LIMIT 1) IS NOT NULL"
+)
 
 
 class DelivererProcess:
@@ -120,7 +133,7 @@ def wait_drained(
 ) -> float:
     """Wait until no effect is open; return the last ``completed_at`` (epoch seconds)."""
     deadline = time.monotonic() + timeout
-    while bench.value("SELECT count(*) FROM outbox_effects WHERE status = ANY(%s)", [list(OPEN)]):
+    while bench.value(ANY_OPEN):
         for proc in procs:
             proc.check()
         if time.monotonic() > deadline:
