@@ -184,7 +184,7 @@ def explain_claim(ob: Outbox, kind: str, *, lanes: bool) -> str:
         return "\n".join(row[0] for row in rows)
 
 
-def test_a_one_lane_backlog_is_claimed_through_the_index_not_scanned(ob: Outbox, dsn: str) -> None:
+def test_a_backlog_is_claimed_through_the_index_not_scanned(ob: Outbox, dsn: str) -> None:
     # The one-lane check once read as NOT EXISTS (an earlier lane): the planner
     # guessed a third of the backlog passes and chose a sequential scan, which
     # with one lane read every pending row twice per claim (0.4 s at a million).
@@ -203,3 +203,16 @@ def test_a_one_lane_backlog_is_claimed_through_the_index_not_scanned(ob: Outbox,
     assert "Seq Scan on outbox_effects" not in plan, plan
     claimed = claim(dsn, "email.send", 100)
     assert len(claimed) == 100
+    # With a second lane the lanes statement takes over: index probes too.
+    with ob.engine.begin() as conn:
+        conn.execute(text("UPDATE outbox_effects SET fairness_key = 'b' WHERE seq % 2 = 0"))
+        conn.execute(text("ANALYZE outbox_effects"))
+    plan = explain_claim(ob, "email.send", lanes=True)
+    assert "Seq Scan on outbox_effects" not in plan, plan
+    ids = [c.id for c in claim(dsn, "email.send", 100)]
+    with ob.engine.begin() as conn:
+        keys = conn.execute(
+            text("SELECT DISTINCT fairness_key FROM outbox_effects WHERE id = ANY(:ids)"),
+            {"ids": ids},
+        )
+        assert {row[0] for row in keys} == {"", "b"}  # '' is the default key
