@@ -10,8 +10,6 @@ claim cost does not grow with the number of finished rows kept for history.
 
 from __future__ import annotations
 
-from importlib import resources
-
 from sqlalchemy import (
     DDL,
     BigInteger,
@@ -55,6 +53,7 @@ from outbox.storage.governance_ddl import (
     GATE_FUNCTIONS_DDL,
 )
 from outbox.storage.sql.common import sql_in
+from outbox.storage.sql_api_ddl import sql_api_ddl
 
 __all__ = [
     "blob_refs",
@@ -504,8 +503,7 @@ $$""",
           AND NEW.run_id IS NOT NULL)
     EXECUTE FUNCTION outbox_effects_hold_paused()""",
 )
-for _pause_ddl in EFFECT_PAUSE_DDL:
-    event.listen(effects, "after_create", DDL(_pause_ddl.replace("%", "%%")))  # type: ignore[no-untyped-call]
+_ddl(effects, EFFECT_PAUSE_DDL)
 
 # 0013: values over Settings.blob_threshold_bytes, stored once (outbox.blobs). Rows hold a
 # reference; blob_refs says which run (or run-less effect) uses which blob, so
@@ -543,35 +541,6 @@ rate_limits = Table(
 # (microseconds; setval is not transactional, so no writer waits on another).
 Sequence("outbox_wake_clock_effects", start=0, minvalue=0, metadata=metadata)
 Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
-
-SQL_API_MIGRATION = "0007_sql_api.sql"
-#: Migrations whose part below ``-- @functions`` (re)defines SQL API functions, in order.
-#: 0010 replaces some of 0007's for governance (gates, dry runs, the step chain),
-#: 0013 some of those for run control (pause, lanes, keys, values by reference),
-#: 0015 one that locks the run row where a foreign key used to, and 0020 adds dry
-#: runs to outbox_start_run.
-SQL_API_MIGRATIONS = (
-    SQL_API_MIGRATION,
-    "0010_governance.sql",
-    "0013_run_control.sql",
-    "0015_lean_steps.sql",
-    "0020_sql_dry_run.sql",
-)
-_FUNCTIONS_MARKER = "-- @functions"
-
-
-def sql_api_ddl() -> str:
-    """The SQL API's functions and trigger: each migration's part below ``-- @functions``.
-
-    Read from the migrations themselves, so a fresh schema and a migrated one get
-    the same definitions from one text. A later migration that replaces one of
-    these functions is listed in :data:`SQL_API_MIGRATIONS` too.
-    """
-    parts = []
-    for name in SQL_API_MIGRATIONS:
-        text_ = resources.files("outbox.storage.migrations").joinpath(name).read_text()
-        parts.append(text_[text_.index(_FUNCTIONS_MARKER) :])
-    return "\n".join(parts)
 
 
 @event.listens_for(metadata, "after_create")
