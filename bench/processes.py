@@ -19,9 +19,8 @@ from pathlib import Path
 from bench.harness import Bench, RssSampler, cpu_of, spawn_python
 from bench.sinks import deliverers_config
 
-#: An effect is open until it succeeded or failed; stream mode adds ``dispatched``.
-OPEN = ("pending", "in_flight", "dispatched")
-#: Whether any effect is still open, each state looked up through its own
+#: Whether any effect is still open (pending, in flight, or dispatched in stream
+#: mode; open until it succeeded or failed), each state looked up through its own
 #: partial index, in that index's order (scalar subqueries: PostgreSQL drops
 #: the ORDER BY of an EXISTS and then chose a sequential scan). The count this
 #: replaces read the whole table, 0.3 s at a million rows, and polled twice a
