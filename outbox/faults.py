@@ -20,8 +20,10 @@ goes through five points: with both unset, each costs a global lookup);
 Points of an agent worker (:mod:`outbox.runs`): ``step_start`` (a recorded step's
 function is about to run), ``step_end`` (it returned; its checkpoint is not
 written yet), ``before_step_commit`` (inside the step's transaction, its
-statement ran, before commit), ``after_commit`` (committed, before the
-wake-up is sent), ``after_step`` (committed and woken, before the next step),
+statement ran, before commit; a step that wrote no rows of its own commits with
+its one statement, and the point is then just before it is sent),
+``after_commit`` (committed, before the wake-up is sent), ``after_step``
+(committed and woken, before the next step),
 ``parked`` (a wait parked the run; the worker lets go of it),
 ``during_upgrade`` (inside the transaction that moves a run to a newer agent
 version) and ``after_upgrade`` (that transaction committed, before the new

@@ -303,7 +303,9 @@ class AsyncRun(RunBase):
                     result = self._encode_result(value)
                 has_intents = tx._intents.pending > 0
                 notified = wakeup.inline() if has_intents else None
-                outcome = await conn.run_sync(self._close_step, tx, step_id, kind, result, notified)
+                outcome = await conn.run_sync(
+                    self._close_step, tx, step_id, kind, result, notified, connection is None
+                )
         except AlreadyRecorded:
             recorded = await aio.call(self._ctx.store.step_record, self.id, step_id)
             return self._adopt(step_id, recorded)

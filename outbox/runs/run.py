@@ -162,7 +162,9 @@ class Run(RunBase):
                     result = self._encode_result(value)
                 has_intents = tx._intents.pending > 0
                 notified = wakeup.inline() if has_intents else None
-                outcome = self._close_step(conn, tx, step_id, kind, result, notified)
+                outcome = self._close_step(
+                    conn, tx, step_id, kind, result, notified, connection is None
+                )
         except AlreadyRecorded:
             return self._adopt(step_id, store.step_record(self.id, step_id))
         if connection is None:

@@ -231,15 +231,24 @@ class RunBase:
         kind: str,
         result: Stored | None,
         notified: float | None,
+        own: bool = True,
     ) -> StepOutcome:
         """Write the step's one-statement checkpoint in its open transaction and judge it (sync).
 
         Raises the run's refusal (ended, paused, lease lost, over budget),
         :class:`AlreadyRecorded` when another handle recorded the step first, or
         :class:`IdempotencyConflict`; the caller's transaction then rolls back whole.
+        ``own`` is False when the step joined a caller's transaction. When the
+        transaction is ours and nothing was sent on it yet (the step's function
+        wrote no rows of its own), the statement commits by itself.
         """
+        store = self._ctx.store
         blobs: list[Blob | None] = [None if result is None else result.blob, *tx._blobs()]
-        outcome = self._ctx.store.commit_step(
+        alone = own and not any(blobs) and store.untouched(conn)
+        if alone:
+            # The statement below is the commit: a crash "before commit" is before it.
+            crash_point("before_step_commit", step_id, run=self.id)
+        outcome = store.commit_step(
             conn,
             {
                 "run_id": self.id,
@@ -257,8 +266,10 @@ class RunBase:
             fenced=self._lease is not None,
             notify=notified is not None,
             blobs=blobs,
+            alone=alone,
         )
-        crash_point("before_step_commit", step_id, run=self.id)
+        if not alone:
+            crash_point("before_step_commit", step_id, run=self.id)
         if not outcome.run_ok:
             raise self._refusal(conn, tx._debit + tx._reserve)
         if outcome.step_seq is None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
+import psycopg
 import sqlalchemy
 from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.dialects.postgresql import JSONB
@@ -70,6 +71,23 @@ def _step_conflict(exc: sqlalchemy.exc.IntegrityError) -> Exception:
         key = found[1] if found else "<unknown>"
         return IdempotencyConflict(key, "intended concurrently by another transaction")
     return exc
+
+
+def _alone(conn: Connection, statement: Any, params: dict[str, Any]) -> Any:
+    """Execute ``statement`` as its own transaction on ``conn``, which has sent nothing yet.
+
+    The driver connection is switched to autocommit for this one statement:
+    no BEGIN and no COMMIT round trip. The SQLAlchemy transaction around it
+    then commits or rolls back nothing (the driver is idle again).
+    """
+    dbapi = conn.connection.dbapi_connection
+    assert dbapi is not None
+    dbapi.autocommit = True
+    try:
+        return conn.execute(statement, params).one()
+    finally:
+        if not conn.invalidated:
+            dbapi.autocommit = False
 
 
 @dataclass(frozen=True)
@@ -212,20 +230,37 @@ class Store:
         fenced: bool,
         notify: bool,
         blobs: Sequence[Blob | None] = (),
+        alone: bool = False,
     ) -> StepOutcome:
         """Run the one-statement checkpoint of :func:`outbox.storage.sql.steps.commit_step`.
 
         Values stored by reference (``blobs``) are written first, in the same
         transaction: the caller rolls it all back when the step is refused.
+        With ``alone`` (the transaction is the caller's own and :meth:`untouched`,
+        and there are no ``blobs``), the statement commits by itself: every part
+        of it is conditional on the run's checks, so a refused step writes nothing.
         """
         blob_store.put(conn, params["run_id"], blobs)
         ledger = params.get("ledger") is not None
         statement = sql.commit_step(fenced=fenced, notify=notify, ledger=ledger)
         try:
-            row = conn.execute(statement, params).one()
+            if alone:
+                row = _alone(conn, statement, params)
+            else:
+                row = conn.execute(statement, params).one()
         except sqlalchemy.exc.IntegrityError as exc:
             raise _step_conflict(exc) from exc
         return StepOutcome(bool(row.run_ok), row.step_seq, int(row.inserted), bool(row.paused))
+
+    @staticmethod
+    def untouched(conn: Connection) -> bool:
+        """True while ``conn``'s transaction has sent nothing yet (no BEGIN on the wire).
+
+        A statement sent then may commit on its own (:meth:`commit_step`'s
+        ``alone``): one round trip instead of three (BEGIN, it, COMMIT).
+        """
+        status = conn.connection.driver_connection.info.transaction_status  # type: ignore[union-attr]
+        return bool(status == psycopg.pq.TransactionStatus.IDLE)
 
     def intend_without_run(
         self,

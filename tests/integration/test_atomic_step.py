@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
+from psycopg import pq
 from sqlalchemy import Column, Integer, MetaData, Table, Text, func, select
 
 from outbox import Outbox, StepTransaction
@@ -129,4 +133,43 @@ def test_plain_outbox_transaction_commits_intents_with_caller_rows(
         tx.intend("email.send", {"to": "a@example.com"}, key="order-3-confirmation")
     (effect,) = ob.effects()
     assert effect.run_id is None and effect.idempotency_key == "order-3-confirmation"
+    assert _count(ob, caller_table) == 1
+
+
+
+def _messages_sent(dsn: str, tmp_path: Path, step: Callable[[StepTransaction], object]) -> str:
+    """What the client sent while one step ran, read from libpq's own trace."""
+    ob = Outbox.connect(dsn, pool_size=1)
+    trace = tmp_path / "libpq.trace"
+    try:
+        run = ob.start_run("tracer", "1")  # the pool's one connection exists now
+        raw = ob.engine.raw_connection()
+        pgconn = raw.driver_connection.pgconn  # type: ignore[union-attr]
+        with trace.open("w") as out:
+            pgconn.trace(out.fileno())
+            pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+            raw.close()  # back to the pool: the step checks it out again
+            run.transaction("traced", step)
+            pgconn.untrace()
+    finally:
+        ob.close()
+    # "F" lines are the client's (frontend) messages.
+    return "\n".join(line for line in trace.read_text().splitlines() if line.startswith("F"))
+
+
+def test_a_step_without_rows_of_its_own_is_one_statement_and_one_round_trip(
+    dsn: str, tmp_path: Path, ob: Outbox, caller_table: Table
+) -> None:
+    sent = _messages_sent(dsn, tmp_path, lambda tx: tx.intend("email.send", {"to": "a@x.org"}))
+    # No BEGIN and no COMMIT round trip: the checkpoint's statement commits by itself.
+    assert "outbox_effects" in sent
+    assert "BEGIN" not in sent and "COMMIT" not in sent, sent
+
+    def with_rows(tx: StepTransaction) -> None:
+        tx.connection.execute(caller_table.insert().values(invoice="INV-9"))
+        tx.intend("email.send", {"to": "b@x.org"})
+
+    sent = _messages_sent(dsn, tmp_path, with_rows)
+    # The caller's row and the checkpoint share one transaction.
+    assert "BEGIN" in sent and "COMMIT" in sent, sent
     assert _count(ob, caller_table) == 1
