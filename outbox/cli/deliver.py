@@ -123,7 +123,13 @@ _seconds = click.FloatRange(min=0.001, max=86_400)
     "--metrics-port",
     type=click.IntRange(1, 65_535),
     default=None,
-    help="Serve Prometheus /metrics on 127.0.0.1 at this port.",
+    help="Serve Prometheus /metrics at this port (on --metrics-host).",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address /metrics listens on; 0.0.0.0 lets a scraper in another container reach it.",
 )
 @click.option("--log-json", is_flag=True, help="Log JSON lines.")
 @click.option(
@@ -171,6 +177,7 @@ def deliver(
     config_path: Path | None,
     kinds: tuple[str, ...],
     metrics_port: int | None,
+    metrics_host: str,
     log_json: bool,
     dry_run: bool,
     kafka: str | None,
@@ -219,8 +226,8 @@ def deliver(
     else:
         settings = validated_settings(DeliverySettings, **given)
     if metrics_port is not None:
-        with listening("127.0.0.1", metrics_port, hint="'--metrics-port'"):
-            metrics.serve(metrics_port)
+        with listening(metrics_host, metrics_port, hint="'--metrics-port'"):
+            metrics.serve(metrics_port, metrics_host)
 
     serving = deliverers
     if dry_run:

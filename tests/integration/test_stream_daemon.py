@@ -169,11 +169,11 @@ def test_stream_mode_reports_a_lost_lease(ob: Outbox, dsn: str, kafka_broker: Ta
 
 def _free_port() -> int:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind(("127.0.0.2", 0))
         return int(probe.getsockname()[1])
 
 
-def test_deliver_from_kafka_honours_metrics_port_concurrency_and_grace(
+def test_deliver_from_kafka_honours_metrics_port_and_host_concurrency_and_grace(
     ob: Outbox, sub_env: dict[str, str], tmp_path: Path, kafka_broker: TansuBroker
 ) -> None:
     kafka_broker.create_topic("outbox.http.request", partitions=2)
@@ -215,6 +215,7 @@ def test_deliver_from_kafka_honours_metrics_port_concurrency_and_grace(
                     sys.executable, "-m", "outbox", "deliver", "--from-kafka",
                     kafka_broker.bootstrap, *common, *tuning,
                     "--concurrency", "1", "--grace", "1", "--metrics-port", str(port),
+                    "--metrics-host", "127.0.0.2",
                 ],
                 env=sub_env,
                 stdout=log,
@@ -222,7 +223,8 @@ def test_deliver_from_kafka_honours_metrics_port_concurrency_and_grace(
             )  # fmt: skip
         try:
             wait_for(lambda: sink.in_progress > 0, timeout=60, message="a call in flight")
-            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+            # Served on --metrics-host (another loopback address than the default).
+            body = urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics").read().decode()
             assert "outbox_in_flight 1.0" in body, body
             time.sleep(1.0)
             assert sink.in_progress == 1, "--concurrency 1 allows one call at a time"
