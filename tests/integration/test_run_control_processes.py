@@ -117,9 +117,19 @@ def test_a_fork_replays_earlier_steps_and_the_sink_sees_every_key_once(
         fork_id = forked["run_id"]
         wait_for(lambda: ob.run(fork_id).status == RunStatus.COMPLETED, timeout=60)
         wait_for(lambda: statuses(ob, fork_id) == [EffectStatus.SUCCEEDED] * 2, timeout=60)
+        # From a later step: the replayed charge intended an effect; it is not intended again.
+        late = outbox_cli(sub_env, "runs", "fork", str(original.id), "--from", "notify")
+        assert late["replayed_steps"] == ["fetch", "charge"]
+        late_id = late["run_id"]
+        wait_for(lambda: ob.run(late_id).status == RunStatus.COMPLETED, timeout=60)
+        wait_for(lambda: statuses(ob, late_id) == [EffectStatus.SUCCEEDED], timeout=60)
     finally:
         stop(worker, deliverer)
     lines = calls.read_text().split("\n")
+    assert lines.count(f"charge {late_id}") == 0 and lines.count(f"notify {late_id}") == 1
+    late_keys = [derive_key(original.id, "charge", 0), derive_key(late_id, "notify", 0)]
+    assert ob.run(late_id).record.result["keys"] == late_keys, "the charge's key is the original's"
+    assert sink.state.received[late_keys[1]] == 1
     assert lines.count(f"fetch {original.id}") == 1
     assert not any(line.startswith("fetch") and fork_id in line for line in lines), (
         "the fork replayed fetch without calling it"
@@ -132,4 +142,4 @@ def test_a_fork_replays_earlier_steps_and_the_sink_sees_every_key_once(
     assert ob.run(original.id).status == RunStatus.COMPLETED, "the original is left as it was"
     for key in original_keys + fork_keys:
         assert sink.state.received[key] == 1, key
-    assert sum(sink.state.received.values()) == 4
+    assert sum(sink.state.received.values()) == 5, "the replayed charge was not sent again"
