@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 import sqlalchemy.exc
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -47,6 +47,7 @@ POSTGRES_DRIVERS = frozenset(
 )
 
 __all__ = [
+    "execute_alone",
     "libpq_dsn",
     "make_async_engine",
     "make_engine",
@@ -57,6 +58,7 @@ __all__ = [
     "resolve_dsn",
     "sql_api_error",
     "translate_errors",
+    "untouched",
 ]
 
 
@@ -292,3 +294,30 @@ def open_async_engine(settings: Settings, *, application_name: str = "outbox") -
         pool_pre_ping=False,
         connect_args=_connect_args(settings.idle_in_transaction_timeout_ms, application_name),
     )
+
+
+def untouched(conn: Connection) -> bool:
+    """True while ``conn``'s transaction has sent nothing yet (no BEGIN on the wire).
+
+    A statement sent then may commit on its own (:func:`execute_alone`): one
+    round trip instead of three (BEGIN, the statement, COMMIT).
+    """
+    info = conn.connection.driver_connection.info  # type: ignore[union-attr]
+    return bool(info.transaction_status == psycopg.pq.TransactionStatus.IDLE)
+
+
+def execute_alone(conn: Connection, statement: Any, params: dict[str, Any]) -> Any:
+    """Execute ``statement`` as its own transaction on ``conn``, which has sent nothing yet.
+
+    The driver connection is switched to autocommit for this one statement:
+    no BEGIN and no COMMIT round trip. The SQLAlchemy transaction around it
+    then commits or rolls back nothing (the driver is idle again).
+    """
+    dbapi = conn.connection.dbapi_connection
+    assert dbapi is not None
+    dbapi.autocommit = True
+    try:
+        return conn.execute(statement, params).one()
+    finally:
+        if not conn.invalidated:
+            dbapi.autocommit = False

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-import psycopg
 import sqlalchemy
 from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.dialects.postgresql import JSONB
@@ -28,7 +27,7 @@ from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
 from outbox.storage import blob_store
 from outbox.storage.blob_store import EFFECT_FIELDS, RUN_FIELDS, STEP_FIELDS
 from outbox.storage.claims import ClaimMode
-from outbox.storage.engine import translate_errors
+from outbox.storage.engine import execute_alone, translate_errors, untouched
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
 from outbox.storage.sql import audit, control, maintenance, queue
@@ -71,23 +70,6 @@ def _step_conflict(exc: sqlalchemy.exc.IntegrityError) -> Exception:
         key = found[1] if found else "<unknown>"
         return IdempotencyConflict(key, "intended concurrently by another transaction")
     return exc
-
-
-def _alone(conn: Connection, statement: Any, params: dict[str, Any]) -> Any:
-    """Execute ``statement`` as its own transaction on ``conn``, which has sent nothing yet.
-
-    The driver connection is switched to autocommit for this one statement:
-    no BEGIN and no COMMIT round trip. The SQLAlchemy transaction around it
-    then commits or rolls back nothing (the driver is idle again).
-    """
-    dbapi = conn.connection.dbapi_connection
-    assert dbapi is not None
-    dbapi.autocommit = True
-    try:
-        return conn.execute(statement, params).one()
-    finally:
-        if not conn.invalidated:
-            dbapi.autocommit = False
 
 
 @dataclass(frozen=True)
@@ -245,22 +227,15 @@ class Store:
         statement = sql.commit_step(fenced=fenced, notify=notify, ledger=ledger)
         try:
             if alone:
-                row = _alone(conn, statement, params)
+                row = execute_alone(conn, statement, params)
             else:
                 row = conn.execute(statement, params).one()
         except sqlalchemy.exc.IntegrityError as exc:
             raise _step_conflict(exc) from exc
         return StepOutcome(bool(row.run_ok), row.step_seq, int(row.inserted), bool(row.paused))
 
-    @staticmethod
-    def untouched(conn: Connection) -> bool:
-        """True while ``conn``'s transaction has sent nothing yet (no BEGIN on the wire).
-
-        A statement sent then may commit on its own (:meth:`commit_step`'s
-        ``alone``): one round trip instead of three (BEGIN, it, COMMIT).
-        """
-        status = conn.connection.driver_connection.info.transaction_status  # type: ignore[union-attr]
-        return bool(status == psycopg.pq.TransactionStatus.IDLE)
+    #: True while a connection's transaction has sent nothing yet (see :func:`untouched`).
+    untouched = staticmethod(untouched)
 
     def intend_without_run(
         self,

@@ -52,17 +52,52 @@ def _name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(source: str) -> list[tuple[str, int]]:
-    """Every module a file imports (absolute names), with the line."""
+def imports_of(source: str, module: str = "") -> list[tuple[str, int]]:
+    """Every module a file imports (absolute names, relative ones resolved), with the line.
+
+    ``module`` is the package the importing file is in (the package itself
+    for an ``__init__``): relative imports are resolved against it.
+    """
+    return [(name, line) for name, line, _ in _imports(source, module)]
+
+
+def _imports(source: str, module: str) -> list[tuple[str, int, bool]]:
+    """(module, line, at import time): the last is False inside functions and TYPE_CHECKING."""
     tree = ast.parse(source)
-    found: list[tuple[str, int]] = []
+    eager = _eager_nodes(tree)
+    found: list[tuple[str, int, bool]] = []
     for node in ast.walk(tree):
+        now = id(node) in eager
         if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.module, node.lineno))
-            found += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
+            found += [(alias.name, node.lineno, now) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")
+                anchor = parts[: len(parts) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base:
+                found.append((base, node.lineno, now))
+            found += [(f"{base}.{alias.name}".strip("."), node.lineno, now) for alias in node.names]
     return found
+
+
+def _eager_nodes(tree: ast.Module) -> set[int]:
+    """Ids of the import nodes that run when the module is imported."""
+    eager: set[int] = set()
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            eager.add(id(node))
+        elif isinstance(node, ast.If):
+            if "TYPE_CHECKING" not in ast.unparse(node.test):
+                pending += node.body
+            pending += node.orelse
+        elif isinstance(node, ast.Try):
+            pending += node.body + node.orelse + node.finalbody
+            pending += [stmt for handler in node.handlers for stmt in handler.body]
+    return eager
 
 
 def layer_of(module: str) -> str | None:
@@ -85,11 +120,15 @@ def violations(files: dict[str, str]) -> list[str]:
     for relative, source in files.items():
         here = _name(ROOT / relative)
         mine = layer_of(here)
-        for target, line in imports_of(source):
+        package = here if relative.endswith("__init__.py") else here.rpartition(".")[0]
+        for target, line, eager in _imports(source, package):
             where = f"{relative}:{line} imports {target}"
             top = target.split(".")[0]
             if top == "deliverers" and here.split(".")[:2] not in COMPOSERS:
                 found.append(f"{where}: only outbox.cli and outbox.testing may import deliverers")
+            elif top == "deliverers" and eager:
+                # Every deliverer pulls in its client library (kafka, aiosmtplib, ...).
+                found.append(f"{where}: deliverers are imported lazily, inside the function")
             if top in ("sqlalchemy", "psycopg") and mine not in ("storage",):
                 found.append(f"{where}: only outbox.storage imports the database driver")
             theirs = layer_of(target)
@@ -150,6 +189,14 @@ def test_deliverers_use_the_deliverer_surface_only() -> None:
             "testing may not import cli",
         ),
         ("outbox/runs/bad.py", "from sqlalchemy import text\n", "only outbox.storage imports"),
+        ("outbox/storage/bad.py", "from ..runs import run\n", "storage may not import runs"),
+        (
+            "outbox/storage/sql/bad.py",
+            "from ...delivery import x\n",
+            "storage may not import delivery",
+        ),
+        ("outbox/cli/bad.py", "import deliverers.http\n", "imported lazily"),
+        ("outbox/cli/bad.py", "from deliverers import registry\n", "imported lazily"),
         (
             "outbox/models.py",
             "from outbox.storage import Connection\n",
@@ -160,3 +207,26 @@ def test_deliverers_use_the_deliverer_surface_only() -> None:
 def test_the_checker_catches_a_wrong_import(module: str, source: str, expected: str) -> None:
     found = violations({module: source})
     assert any(expected in v for v in found), found
+
+
+def test_the_lazy_rule_leaves_function_and_type_checking_imports_alone() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from deliverers.registry import Registry\n"
+        "def f():\n    from deliverers import registry\n"
+    )
+    assert violations({"outbox/cli/good.py": source}) == []
+
+
+#: Past this a module holds more than one idea (see the Structure issue).
+MAX_MODULE_LINES = 600
+
+
+def test_every_module_stays_small() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}: {lines} lines"
+        for package in ("outbox", "deliverers", "bench")
+        for path in _modules(package)
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert long == []
