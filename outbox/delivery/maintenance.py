@@ -28,7 +28,7 @@ from outbox.delivery.contract import Deliverer
 from outbox.delivery.leases import Leases
 from outbox.delivery.liveness import GoneOwners
 from outbox.delivery.metrics import DeliveryMetrics
-from outbox.delivery.reconcile import reconcile
+from outbox.delivery.reconcile import LookupBackoff, reconcile
 from outbox.delivery.settings import DeliverySettings
 from outbox.retry import wait_or_wake
 from outbox.runs.approvals import expire_approvals
@@ -117,6 +117,8 @@ class Maintenance:
         #: When the last probe, alone or riding, was sent (monotonic).
         self._probed_at = -float("inf")
         self._ride_off_until = 0.0
+        #: Sinks that could not answer a lookup are asked again later, not every round.
+        self._lookups = LookupBackoff()
         self.gone = GoneOwners(
             store,
             deliverers,
@@ -346,6 +348,7 @@ class Maintenance:
             worker=f"reconciler:{self.settings.owner}",
             lease_seconds=self.settings.lease_seconds,
             default_max_attempts=self.settings.max_attempts,
+            lookups=self._lookups,
         )
         if report.items:
             # Effects put back to pending are ours to claim now, not at the next poll.

@@ -8,7 +8,10 @@ idempotent"):
 - idempotent sink: back to ``pending`` with the same key (a redelivery is a no-op
   at the sink if the first call landed);
 - the deliverer offers ``lookup``: ask the sink, then record ``succeeded`` or put
-  it back to ``pending``;
+  it back to ``pending``; when the sink cannot be asked (the lookup raised or
+  timed out), ``unknown``, asked again later with a growing pause
+  (:class:`LookupBackoff`) so that a sink that cannot answer never stalls
+  the reconciler;
 - neither: ``unknown``, shown by ``outbox reconcile`` until an operator resolves it.
 
 Every change is a compare-and-set on (status, attempt, lease expired), so two
@@ -20,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,7 +38,7 @@ from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 
-__all__ = ["ReconcileItem", "ReconcileReport", "reconcile"]
+__all__ = ["LookupBackoff", "ReconcileItem", "ReconcileReport", "reconcile"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +84,39 @@ class ReconcileReport:
         }
 
 
+class LookupBackoff:
+    """When an effect whose lookup failed may be asked again (one reconciling process).
+
+    A lookup can fail for as long as its sink is down, and one can take long
+    (a Kafka read-back scans up to its timeout): asking every ``unknown``
+    effect at every round would stall the reconciler behind them. Each failure
+    doubles the pause before the next question, from ``floor`` up to ``ceiling``;
+    an answer forgets the effect.
+    """
+
+    def __init__(self, floor: float = 1.0, ceiling: float = 300.0) -> None:
+        self.floor = floor
+        self.ceiling = ceiling
+        #: effect id -> (failed lookups in a row, monotonic time it may be asked again)
+        self._failed: dict[UUID, tuple[int, float]] = {}
+
+    def due(self, effect_id: UUID) -> bool:
+        """True when this effect's sink may be asked now."""
+        entry = self._failed.get(effect_id)
+        return entry is None or time.monotonic() >= entry[1]
+
+    def failed(self, effect_id: UUID) -> float:
+        """Note a failed lookup; return the pause before the next one."""
+        count = self._failed.get(effect_id, (0, 0.0))[0] + 1
+        pause = min(self.ceiling, math.ldexp(self.floor, min(count - 1, 60)))
+        self._failed[effect_id] = (count, time.monotonic() + pause)
+        return pause
+
+    def forget(self, keep: set[UUID] | None = None) -> None:
+        """Forget every effect (or every one not in ``keep``: settled by someone else)."""
+        self._failed = {k: v for k, v in self._failed.items() if keep is not None and k in keep}
+
+
 def _relay_held(row: ClaimedEffect) -> bool:
     return (row.lease_owner or "").startswith(RELAY_OWNER_PREFIX)
 
@@ -99,14 +137,18 @@ async def reconcile(
     lease_seconds: float = 30.0,
     default_max_attempts: int = 10,
     report_skipped: bool = True,
+    lookups: LookupBackoff | None = None,
 ) -> ReconcileReport:
     """Resolve every expired in-flight effect (up to ``max_rows``); report what was done.
 
     An expired attempt of a kind none of ``deliverers`` knows is left to a
     process that knows it (reported as ``skipped`` unless ``report_skipped`` is
     false), except one a Kafka relay held: publishing again needs no deliverer.
+    ``lookups`` paces the questions to sinks that could not answer (a daemon
+    keeps one across rounds; without it each call asks once).
     """
     report = ReconcileReport(dry_run=dry_run)
+    lookups = lookups or LookupBackoff()
     redispatched, expired = await store.expired(max_rows, redispatch_as=None if dry_run else worker)
     if redispatched:
         log.info("%d dispatched effects were not delivered in time: re-dispatching", redispatched)
@@ -121,6 +163,7 @@ async def reconcile(
             dry_run=dry_run,
             lease_seconds=lease_seconds,
             default_max_attempts=default_max_attempts,
+            lookups=lookups,
         )
         if item is not None:
             report.items.append(item)
@@ -138,17 +181,22 @@ async def reconcile(
     # Effects left ``unknown`` by an ambiguous answer (a timeout after the request
     # was sent) are settled the same way when their sink can be asked.
     askable = [k for k, d in deliverers.items() if d.has_lookup and not d.idempotent]
-    for row in await store.unknown_of(askable, max_rows):
+    unknown = await store.unknown_of(askable, max_rows)
+    lookups.forget(keep={row.id for row in unknown})
+    for row in unknown:
         deliverer = deliverers[row.kind]
         why = f"attempt {row.attempt} ended unknown"
         if dry_run:
             item = ReconcileItem(row.id, row.kind, row.attempt, "lookup", f"{why}; would ask")
             report.items.append(item)
             continue
+        if not lookups.due(row.id):
+            continue
         max_attempts = row.max_attempts or deliverer.max_attempts or default_max_attempts
-        report.items.append(
-            await _ask(store, deliverer, row, worker=worker, why=why, max_attempts=max_attempts)
-        )
+        item = await _ask(store, deliverer, row, worker=worker, why=why, max_attempts=max_attempts)
+        if item.action == "lookup_failed":
+            lookups.failed(row.id)
+        report.items.append(item)
     return report
 
 
@@ -215,6 +263,7 @@ async def _resolve(
     dry_run: bool,
     lease_seconds: float,
     default_max_attempts: int,
+    lookups: LookupBackoff,
 ) -> ReconcileItem | None:
     effect_id, attempt, kind = row.id, row.attempt, row.kind
 
@@ -260,7 +309,30 @@ async def _resolve(
             return item("lookup", f"{lost}; would ask the sink about the key")
         if not await store.take_over(effect_id, attempt, owner=worker, lease_seconds=lease_seconds):
             return None
-        return await _ask(store, deliverer, row, worker=worker, why=lost, max_attempts=max_attempts)
+        asked = await _ask(
+            store, deliverer, row, worker=worker, why=lost, max_attempts=max_attempts
+        )
+        if asked.action != "lookup_failed":
+            return asked
+        # Not left in flight under our lease (re-taken and asked again at every
+        # expiry, out of an operator's sight): unknown, asked again with a pause.
+        pause = lookups.failed(effect_id)
+        note = (
+            f"{lost}; the sink could not be asked ({asked.note}): unknown until it answers "
+            f"(asked again in {pause:.0f} s and less often after) or an operator resolves it"
+        )
+        unknown = Completion(
+            effect_id,
+            attempt,
+            EffectStatus.UNKNOWN,
+            AttemptOutcome.UNKNOWN,
+            error=storable_text(note),
+            detail_json=json.dumps({"lookup": "failed", "error": storable_text(asked.note)}),
+        )
+        logged = dict(await store.complete(worker, [unknown]))
+        if logged.get(effect_id) == AttemptOutcome.STALE:
+            return item("stale", f"{lost}; it changed meanwhile")
+        return item("unknown", note)
 
     note = f"{lost}; the sink cannot dedup or be asked: an operator must resolve it"
     if dry_run:

@@ -136,7 +136,6 @@ def test_plain_outbox_transaction_commits_intents_with_caller_rows(
     assert _count(ob, caller_table) == 1
 
 
-
 def _messages_sent(dsn: str, tmp_path: Path, step: Callable[[StepTransaction], object]) -> str:
     """What the client sent while one step ran, read from libpq's own trace."""
     ob = Outbox.connect(dsn, pool_size=1)

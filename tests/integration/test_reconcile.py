@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
 import httpx
@@ -15,7 +16,7 @@ from deliverers.testing import IdempotentHttpSink, RecordingDeliverer
 from outbox import EffectStatus, Outbox, RunStateError
 from outbox.cli import cli
 from outbox.delivery import Deliverer
-from outbox.delivery.reconcile import ReconcileReport, reconcile
+from outbox.delivery.reconcile import LookupBackoff, ReconcileReport, reconcile
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine
 from outbox.storage.sql.queue import EFFECT_QUEUE
@@ -113,6 +114,44 @@ def test_lookup_asks_the_sink(ob: Outbox, dsn: str) -> None:
     assert ob.effect(applied.id).result["looked_up"] is True
     assert ob.effect(missing.id).status == EffectStatus.PENDING
     assert [a.outcome for a in ob.store.attempts(applied.id)] == ["looked_up"]
+
+
+def _lookup_at(base: str) -> HttpDeliverer:
+    config = {"idempotent": False, "allow_private": ["127.0.0.1"]}
+    return HttpDeliverer.from_config(
+        "http.request", {**config, "lookup_url": base + "/idempotency/{key}"}
+    )
+
+
+def test_a_sink_that_cannot_be_asked_leaves_the_effect_unknown_and_is_asked_less_often(
+    ob: Outbox, dsn: str
+) -> None:
+    with socket.socket() as probe:  # a port nobody listens on: every lookup fails at once
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    with IdempotentHttpSink() as sink:
+        intend(ob, "http.request", [{"url": f"{sink.url}/ledger", "json": {"n": 1}}])
+        (effect,) = ob.effects()
+        httpx.post(
+            f"{sink.url}/ledger", json={"n": 1}, headers={"Idempotency-Key": effect.idempotency_key}
+        )
+        lose_attempts(dsn, ["http.request"])
+        lookups = LookupBackoff(floor=60.0)
+        report = run_reconcile(dsn, {"http.request": _lookup_at(dead)}, lookups=lookups)
+        # Not left in flight under the reconciler's lease, out of an operator's sight.
+        assert report.counts == {"unknown": 1}
+        assert ob.effect(effect.id).status == EffectStatus.UNKNOWN
+        assert "could not be asked" in (ob.effect(effect.id).last_error or "")
+        # The next round does not ask a sink that just failed (it could stall every round).
+        again = run_reconcile(dsn, {"http.request": _lookup_at(dead)}, lookups=lookups)
+        assert again.counts == {}
+        # Once the sink answers, the unknown effect is settled by asking, not resent.
+        lookups.forget()
+        settled = run_reconcile(dsn, {"http.request": _lookup_at(sink.url)}, lookups=lookups)
+        assert settled.counts == {"looked_up_succeeded": 1}
+        assert sink.state.received[effect.idempotency_key] == 1
+    assert ob.effect(effect.id).status == EffectStatus.SUCCEEDED
+    assert [a.outcome for a in ob.store.attempts(effect.id)] == ["unknown", "looked_up"]
 
 
 def test_two_reconcilers_at_once_resolve_each_attempt_once(ob: Outbox, dsn: str) -> None:
