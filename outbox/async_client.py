@@ -48,7 +48,12 @@ from outbox.runs.async_worker import AsyncWorker
 from outbox.runs.context import AsyncRunContext, VersionUpgrades
 from outbox.runs.control import fork_run, pause_run, resume_run
 from outbox.runs.signals import SignalReceipt
-from outbox.runs.stopping import advance_stopping_run, advance_stopping_runs, cancel_run
+from outbox.runs.stopping import (
+    advance_stopping_run,
+    advance_stopping_runs,
+    cancel_run,
+    canceller,
+)
 from outbox.runs.worker import WorkerSettings
 from outbox.settings import Settings
 from outbox.storage import AsyncConnection, AsyncEngine
@@ -411,10 +416,13 @@ class AsyncOutbox:
         send = signal_sender(self.settings, run_id, name, payload, dedup_key, request_id)
         return await self.aio.run_tx(send)
 
-    async def cancel(self, run_id: uuid.UUID | str, reason: str) -> RunStatus:
-        """Stop a run (see :meth:`outbox.Outbox.cancel`); returns its status now."""
+    async def cancel(
+        self, run_id: uuid.UUID | str, reason: str, *, by: str | None = None, via: str = "api"
+    ) -> RunStatus:
+        """Stop a run (see :meth:`outbox.Outbox.cancel`, who and why logged); returns its status."""
         rid = cancel_args(run_id, reason)
-        await self.aio.run_tx(lambda tx: cancel_run(tx, rid, reason))
+        who, where = canceller(by, via)
+        await self.aio.run_tx(lambda tx: cancel_run(tx, rid, reason, by=who, via=where))
         status = await self.aio.run_tx(lambda tx: advance_stopping_run(tx, rid))
         self._effects_wakeup.committed(None)
         return status

@@ -51,7 +51,12 @@ from outbox.runs.control import fork_run, pause_run, resume_run
 from outbox.runs.intents import OutboxTransaction
 from outbox.runs.run import Run
 from outbox.runs.signals import SignalReceipt
-from outbox.runs.stopping import advance_stopping_run, advance_stopping_runs, cancel_run
+from outbox.runs.stopping import (
+    advance_stopping_run,
+    advance_stopping_runs,
+    cancel_run,
+    canceller,
+)
 from outbox.runs.worker import Worker, WorkerSettings
 from outbox.settings import Settings
 from outbox.storage import Connection, Engine
@@ -468,8 +473,15 @@ class Outbox:
         with self.store.run_tx() as tx:
             return send(tx)
 
-    def cancel(self, run_id: uuid.UUID | str, reason: str) -> RunStatus:
+    def cancel(
+        self, run_id: uuid.UUID | str, reason: str, *, by: str | None = None, via: str = "api"
+    ) -> RunStatus:
         """Stop a run: pending effects are cancelled, in-flight ones finish, then compensation.
+
+        Each effect the cancel stops gets a row in its attempt log (outcome
+        ``cancelled``) naming ``by`` (who; default: the user this process runs
+        as) with ``reason`` and ``via`` (where the cancel came from: ``api``,
+        ``cli``, ``console``), in the cancel's transaction.
 
         Returns the run's status after moving it on as far as possible now
         (``cancelled`` when nothing needed undoing; ``cancelling`` or
@@ -477,8 +489,9 @@ class Outbox:
         deliverers finish the job).
         """
         rid = cancel_args(run_id, reason)
+        who, where = canceller(by, via)
         with self.store.run_tx() as tx:
-            cancel_run(tx, rid, reason)
+            cancel_run(tx, rid, reason, by=who, via=where)
         with self.store.run_tx() as tx:
             status = advance_stopping_run(tx, rid)
         self._effects_wakeup.committed(None)

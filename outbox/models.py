@@ -194,6 +194,8 @@ class AttemptOutcome(StrEnum):
     RESOLVED = "resolved"
     #: an operator put a ``failed`` effect back
     RETRIED = "retried"
+    #: its run was cancelled before it started (who and why in ``detail``)
+    CANCELLED = "cancelled"
     #: given back unstarted (shutdown, a schema version this deliverer does not know)
     RELEASED = "released"
     #: published to Kafka by a relay (stream mode)

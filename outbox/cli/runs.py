@@ -168,7 +168,12 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
 
 @runs.command("cancel")
 @click.argument("run_id")
-@click.option("--reason", required=True, help="Why (kept on the run).")
+@click.option(
+    "--reason",
+    required=True,
+    help="Why (kept on the run and in the attempt log of each effect it cancels).",
+)
+@click.option("--by", "operator", default=None, help="Who cancels it (default: your user).")
 @click.option(
     "--wait",
     "wait_seconds",
@@ -179,13 +184,22 @@ def runs_show(cli: CliContext, run_id: str, as_json: bool) -> None:
 @json_option(CancelReport)
 @pass_cli
 def runs_cancel(
-    cli: CliContext, run_id: str, reason: str, wait_seconds: float, as_json: bool
+    cli: CliContext,
+    run_id: str,
+    reason: str,
+    operator: str | None,
+    wait_seconds: float,
+    as_json: bool,
 ) -> None:
-    """Cancel a run: pending effects cancelled, in-flight ones finish, then compensation."""
+    """Cancel a run: pending effects cancelled, in-flight ones finish, then compensation.
+
+    Each effect it cancels gets a row in its attempt log (outcome "cancelled")
+    with who (--by) and why (--reason), via "cli".
+    """
     import time
 
     ob = cli.outbox
-    status = ob.cancel(run_id, reason)
+    status = ob.cancel(run_id, reason, by=operator, via="cli")
     deadline = time.monotonic() + wait_seconds
     while status.value in ("cancelling", "compensating") and time.monotonic() < deadline:
         time.sleep(0.2)

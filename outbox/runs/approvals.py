@@ -139,7 +139,8 @@ def _on_timeout(tx: RunTx, row: Any) -> str:
     if action == OnTimeout.CANCEL_RUN and row.run_id is not None:
         tx.log_effect_event(row.id, DEADLINE_WORKER, AttemptOutcome.TIMED_OUT, detail)
         try:
-            cancel_run(tx, row.run_id, f"approval deadline of effect {row.id} passed")
+            reason = f"approval deadline of effect {row.id} passed"
+            cancel_run(tx, row.run_id, reason, by=DEADLINE_WORKER, via="gate")
             advance_stopping_run(tx, row.run_id)
         except RunTerminal:
             pass  # the run ended meanwhile: the effect is rejected below

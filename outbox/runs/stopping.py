@@ -6,7 +6,8 @@ one run never interleave. Sync callers use ``Store.run_tx()``; the async daemon
 passes the same functions to ``AsyncStore.run_sync``.
 
 Stopping: ``cancel`` marks the run ``cancelling`` and cancels its effects that
-have not started; in-flight ones finish. Once none is in flight (and none is
+have not started, each with an attempt-log row saying who and why (as an
+operator's resolve or retry writes one); in-flight ones finish. Once none is in flight (and none is
 ``unknown``: an operator must say whether it happened), every succeeded effect
 that declared ``compensate=(kind, payload)`` gets its compensating effect
 intended, newest first, one at a time (a shared ordering key), with a key
@@ -17,6 +18,7 @@ nothing to undo.
 
 from __future__ import annotations
 
+import getpass
 import logging
 import uuid
 from typing import Any
@@ -36,25 +38,63 @@ from outbox.payloads import content_hash, encode
 from outbox.settings import MAX_VALUE_BYTES
 from outbox.storage.run_tx import RunTx
 from outbox.storage.store import effects_json
+from outbox.validation import name_field
 
-__all__ = ["advance_stopping_run", "advance_stopping_runs", "cancel_run"]
+__all__ = [
+    "STOPPING_WORKER",
+    "advance_stopping_run",
+    "advance_stopping_runs",
+    "cancel_run",
+    "canceller",
+]
 
 log = logging.getLogger(__name__)
 
+#: Who the attempt log names for an effect a stopping run's sweep cancels.
+STOPPING_WORKER = "run-stopping"
+# The sweep does not know who cancelled the run (the cancel's own rows do).
+_LATE_NOTE = "run cancelled: it was due to start again after the cancel (a retry, say)"
 
-def cancel_run(tx: RunTx, run_id: uuid.UUID, reason: str) -> RunStatus:
-    """Mark the run ``cancelling`` and cancel its effects that have not started."""
+
+def canceller(by: str | None, via: str) -> tuple[str, str]:
+    """Who cancels and through what (``api``, ``cli``, ``console``), validated.
+
+    ``by`` defaults to the user this process runs as, as the operator CLI
+    commands' ``--by`` does.
+    """
+    if by is None:
+        try:
+            by = getpass.getuser()
+        except (OSError, KeyError):  # no login name nor passwd entry (a bare container)
+            by = "unknown user"
+    return name_field(by, "by"), name_field(via, "via")
+
+
+def cancel_run(tx: RunTx, run_id: uuid.UUID, reason: str, *, by: str, via: str) -> RunStatus:
+    """Mark the run ``cancelling`` and cancel its effects that have not started.
+
+    Each effect cancelled gets an attempt-log row (outcome ``cancelled``) with
+    ``by`` as who and ``{"note": reason, "by": by, "via": via}`` as detail.
+    """
     status = tx.lock(run_id).status
     if status in STOPPING_RUN_STATUSES:
         return status  # already stopping: cancelling twice changes nothing
     if status not in LIVE_RUN_STATUSES:
         raise RunTerminal(run_id, status.value)
     tx.mark(run_id, RunStatus.CANCELLING, reason)
-    cancelled = tx.cancel_pending_effects(run_id, f"run cancelled: {reason}")
-    log.info(
-        "run %s cancelling (%d pending effects cancelled)",
+    cancelled = tx.cancel_pending_effects(
         run_id,
+        f"run cancelled: {reason}",
+        by=by,
+        detail={"note": reason, "by": by, "via": via},
+    )
+    log.info(
+        "run %s cancelling by %s via %s (%d pending effects cancelled): %s",
+        run_id,
+        by,
+        via,
         cancelled,
+        reason,
         extra={"run_id": str(run_id)},
     )
     return RunStatus.CANCELLING
@@ -79,7 +119,12 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
         # pending again, and a relay may have handed one to Kafka meanwhile: neither
         # will be delivered now.
         if any(r.status in NOT_STARTED_EFFECT_STATUSES for r in originals):
-            tx.cancel_pending_effects(run_id, "run cancelled")
+            tx.cancel_pending_effects(
+                run_id,
+                "run cancelled",
+                by=STOPPING_WORKER,
+                detail={"note": _LATE_NOTE, "by": STOPPING_WORKER, "via": "stopping"},
+            )
             originals = [r for r in tx.effects_for_stopping(run_id) if r.compensates is None]
         if any(r.status in (EffectStatus.IN_FLIGHT, EffectStatus.UNKNOWN) for r in originals):
             return status  # in-flight calls finish first; unknown ones wait for an operator

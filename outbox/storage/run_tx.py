@@ -254,13 +254,12 @@ class RunTx:
 
     # -- stopping ---------------------------------------------------------------------
 
-    def cancel_pending_effects(self, run_id: uuid.UUID, reason: str) -> int:
-        """Cancel the run's effects that have not started; returns how many."""
-        return len(
-            self._run(
-                run_sql.cancel_pending_effects(), {"stopping_run": run_id, "reason": reason}
-            ).all()
-        )
+    def cancel_pending_effects(
+        self, run_id: uuid.UUID, reason: str, *, by: str, detail: dict[str, Any]
+    ) -> int:
+        """Cancel the run's effects that have not started, each logged with ``by``; how many."""
+        params = {"stopping_run": run_id, "reason": reason, "by": by, "detail": json.dumps(detail)}
+        return len(self._run(run_sql.cancel_pending_effects(), params).all())
 
     def effects_for_stopping(self, run_id: uuid.UUID) -> list[Any]:
         """Every effect of the run in intent order: id, status, compensate, compensates, key."""

@@ -183,9 +183,20 @@ def test_failed_then_retry_and_cancel(ob: Outbox, console: OutboxServer) -> None
     assert retried.status_code == 303
     assert ob.effect(effect_id).status == EffectStatus.PENDING
     assert ob.store.attempts(ob.effect(effect_id).id)[-1].detail["note"] == "address fixed"
+    ob.run(run_id).transaction(
+        "copy",
+        lambda tx: tx.intend("http.request", {"url": "https://mail.example/copy"}) and None,
+    )
     cancelled = client.post(f"/console/runs/{run_id}/cancel", data={"csrf": csrf, "note": "dup"})
     assert cancelled.status_code == 303
-    assert ob.run(run_id).record.cancel_reason == "dup (by bob (console))"
+    assert ob.run(run_id).record.cancel_reason == "dup"
+    # Who and why are in the attempt log of every effect the cancel stopped, as the CLI writes them.
+    stopped = ob.effects(run_id=run_id)
+    assert [e.status for e in stopped] == [EffectStatus.CANCELLED] * 2
+    for effect in stopped:
+        last = ob.store.attempts(effect.id)[-1]
+        assert (last.outcome, last.worker) == ("cancelled", "bob (console)")
+        assert last.detail == {"note": "dup", "by": "bob (console)", "via": "console"}
 
 
 def test_actions_need_the_operator_and_a_csrf_token(ob: Outbox, console: OutboxServer) -> None:

@@ -245,8 +245,8 @@ def test_the_operator_resolves_retries_cancels_and_collects_garbage(
     ob: Outbox, logins: dict[str, str], tmp_path: Path
 ) -> None:
     run = ob.start_run("billing", "1")
-    run.transaction("s", lambda tx: [tx.intend("k.x", {"n": i}) for i in range(2)] and None)
-    first, second = ob.effects(run_id=run.id)
+    run.transaction("s", lambda tx: [tx.intend("k.x", {"n": i}) for i in range(3)] and None)
+    first, second, third = ob.effects(run_id=run.id)
     with ob.transaction() as tx:
         stuck = tx.intend("http.request", {"url": "http://127.0.0.1:9/x"}, key="stuck")
     with ob.engine.begin() as conn:
@@ -272,14 +272,20 @@ def test_the_operator_resolves_retries_cancels_and_collects_garbage(
     assert ob.effect(first.id).status == "succeeded" and ob.effect(second.id).status == "pending"
     outbox_cli(dsn, "reconcile")
     assert ob.effect(stuck.id).status in ("pending", "unknown")
-    outbox_cli(dsn, "runs", "cancel", str(run.id), "--reason", "customer left")
+    outbox_cli(dsn, "runs", "cancel", str(run.id), "--reason", "customer left", "--by", "carol")
     assert ob.run(run.id).status == RunStatus.CANCELLED
+    # Each effect the cancel stopped has who and why in its attempt log.
+    for stopped in (second, third):
+        assert ob.effect(stopped.id).status == "cancelled"
+        last = ob.store.attempts(stopped.id)[-1]
+        assert (last.outcome, last.worker) == ("cancelled", "carol")
+        assert last.detail == {"note": "customer left", "by": "carol", "via": "cli"}
     archive = tmp_path / "gc.jsonl"
     gc = json.loads(
         outbox_cli(dsn, "gc", "--older-than", "0s", "--archive", str(archive), "--json").stdout
     )
-    assert gc["deleted"]["outbox_runs"] == 1 and gc["deleted"]["outbox_effects"] == 2
-    assert gc["deleted"]["outbox_effect_attempts"] >= 2
+    assert gc["deleted"]["outbox_runs"] == 1 and gc["deleted"]["outbox_effects"] == 3
+    assert gc["deleted"]["outbox_effect_attempts"] >= 4
     # ...and nothing more.
     with Outbox.connect(dsn) as operator:
         with pytest.raises(DatabaseError, match="permission denied"):

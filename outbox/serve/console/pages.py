@@ -3,7 +3,8 @@
 Every read goes through ``Store.views`` (keyset pages by index) and every
 action through the same client methods the CLI uses (``Outbox.resolve_effect``,
 ``retry_effect``, ``cancel``, ``approve_effect``, ``reject_effect``), so the
-attempt log records who and why exactly as it does for ``outbox effects resolve``.
+attempt log records who and why exactly as it does for ``outbox effects resolve``
+and ``outbox runs cancel``.
 """
 
 from __future__ import annotations
@@ -357,7 +358,7 @@ class Console:
             reason = form.get("note", "")
             if not reason.strip():
                 raise ValidationError("note", reason, "say why the run is cancelled")
-            return self.outbox.cancel(form_run, f"{reason} (by {op.who})")
+            return self.outbox.cancel(form_run, reason, by=op.who, via="console")
 
         return await self._act(request, cancel, "cancelled", param="run_id", page="runs")
 

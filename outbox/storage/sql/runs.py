@@ -27,7 +27,12 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from outbox.models import LIVE_RUN_STATUSES, NOT_STARTED_EFFECT_STATUSES, STOPPING_RUN_STATUSES
+from outbox.models import (
+    LIVE_RUN_STATUSES,
+    NOT_STARTED_EFFECT_STATUSES,
+    STOPPING_RUN_STATUSES,
+    AttemptOutcome,
+)
 from outbox.storage.schema import effects, runs, signals, steps
 from outbox.storage.sql.common import (
     RUNS_CHANNEL,
@@ -37,6 +42,7 @@ from outbox.storage.sql.common import (
     in_statuses,
     json_param,
 )
+from outbox.storage.sql.effects import log_changes
 from outbox.storage.sql.steps import next_step_head
 
 __all__ = [
@@ -401,8 +407,14 @@ def mark_run() -> Any:
 
 @cache
 def cancel_pending_effects() -> Any:
-    """A stopping run's effects that have not started are cancelled (they never will be)."""
-    return (
+    """A stopping run's effects that have not started are cancelled (they never will be).
+
+    Each one gets an attempt-log row (outcome ``cancelled``) naming who
+    cancelled and why, as an operator's resolve or retry does. Parameters:
+    ``stopping_run``, ``reason`` (the effects' ``last_error``), ``by`` (who),
+    ``detail`` (JSON). Returns one row per effect cancelled.
+    """
+    changed = (
         effects.update()
         .where(
             effects.c.run_id == _OF_RUN,
@@ -415,7 +427,14 @@ def cancel_pending_effects() -> Any:
             updated_at=func.now(),
             last_error=bindparam("reason", type_=Text),
         )
-        .returning(effects.c.id)
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
+        .cte("changed")
+    )
+    return log_changes(
+        changed,
+        worker=bindparam("by", type_=Text),
+        outcome=const(AttemptOutcome.CANCELLED),
+        detail=json_param("detail"),
     )
 
 
