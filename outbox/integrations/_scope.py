@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from outbox.errors import ValidationError
+from outbox.errors import BudgetExceeded, ValidationError
 from outbox.runs.async_run import AsyncRun
+from outbox.runs.context import AsyncRunContext
 
 __all__ = [
     "Scope",
@@ -169,12 +170,17 @@ async def model_step(
 
     ``call`` returns the response as JSON data; replaying returns the recorded
     one without calling the model. The debit is keyed by the step, so a
-    replay never spends twice; over budget, the step records nothing and
-    raises :class:`~outbox.BudgetExceeded`.
+    replay never spends twice. A run whose budget is spent is refused before
+    the model is called; a request that costs more than the budget has left
+    records nothing. Both raise :class:`~outbox.BudgetExceeded`, which ends
+    the run in a worker (a retry would be refused again).
     """
     run = scope.run
     if run.step(step_id) is not None:
         return await run.transaction(step_id, _recorded_already)  # replays as recorded
+    # A worker counts a failure of the model call (or the refusal below) against this step.
+    run.active_step = step_id
+    await _refuse_when_spent(run, step_id)
     response = await call()
     cost = scope.price(usage(response))
 
@@ -184,6 +190,30 @@ async def model_step(
         return response
 
     return await run.transaction(step_id, record)
+
+
+async def _refuse_when_spent(run: AsyncRun, step_id: str) -> None:
+    """Raise :class:`~outbox.BudgetExceeded` before a model request the budget cannot pay for.
+
+    A request's cost is known only once the model has answered, so a run with
+    anything left may still make one; one with nothing left must not.
+    """
+    if run.record.budget is None:
+        return
+    ctx = run.context
+    assert isinstance(ctx, AsyncRunContext)
+    # The handle's record does not follow the debits of its own steps: read the run's row.
+    current = await ctx.aio.run_tx(lambda tx: ctx.store.run_record(tx.connection, run.id))
+    remaining = None if current is None else current.remaining_budget
+    if remaining is None or remaining > 0:
+        return  # no run (the step's commit explains) or something left to spend
+    refused = BudgetExceeded(run.id, 0.0, float(remaining))
+    # The request's cost is unknown (it was never made): say so rather than "needs 0".
+    refused.args = (
+        f"run_id={str(run.id)!r}: budget spent ({float(remaining):g} remains); "
+        f"model request {step_id!r} not made",
+    )
+    raise refused
 
 
 def _recorded_already(tx: Any) -> Any:  # pragma: no cover - a recorded step never runs it

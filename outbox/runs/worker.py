@@ -25,7 +25,7 @@ from uuid import UUID
 from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.blobs import store_value
-from outbox.errors import LeaseLost, RunTerminal
+from outbox.errors import BudgetExceeded, LeaseLost, RunTerminal
 from outbox.faults import crash_point
 from outbox.ids import default_owner
 from outbox.intent_rules import MAX_DELAY_SECONDS
@@ -149,7 +149,15 @@ class WorkerCore:
         return upgraded
 
     def _failure_args(self, run: RunBase, exc: Exception) -> dict[str, Any]:
-        """``Store.record_step_failure`` arguments for a step that raised ``exc``."""
+        """``Store.record_step_failure`` arguments for a step that raised ``exc``.
+
+        Over budget, the run fails now with the budget error: the budget does
+        not grow by waiting, so a retry would only be refused again (after
+        paying for another model call, when the step makes one).
+        """
+        over_budget = _over_budget(exc)
+        if over_budget is not None:
+            exc = over_budget  # the error worth recording, even inside a task group's
         step = run.active_step or "<handler>"
         failures = run.record.step_retries.get(step, 0) + 1
         delay = self._policy.backoff(failures)
@@ -165,7 +173,7 @@ class WorkerCore:
         }
         return {
             "step": step,
-            "max_retries": self.settings.max_step_retries,
+            "max_retries": 0 if over_budget is not None else self.settings.max_step_retries,
             "delay": delay,
             "failure_json": encode(failure, field="error"),
         }
@@ -203,6 +211,24 @@ class WorkerCore:
         for run_id, _ in held:
             if run_id not in kept:
                 log.warning("lease on run %s was lost", run_id, extra={"run_id": str(run_id)})
+
+
+def _over_budget(exc: BaseException) -> BudgetExceeded | None:
+    """The :class:`BudgetExceeded` behind ``exc``: itself, in a task group, or its cause."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, BudgetExceeded):
+            return current
+        if isinstance(current, BaseExceptionGroup):
+            todo.extend(current.exceptions)
+        if current.__cause__ is not None:
+            todo.append(current.__cause__)
+    return None
 
 
 class Worker(WorkerCore):

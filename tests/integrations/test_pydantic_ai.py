@@ -24,6 +24,14 @@ from tests.support import wait_for
 pytestmark = pytest.mark.slow
 
 MODEL_STEP = "agent:refunds__model.request"
+TOOL_STEP = "agent:refunds__function_toolset__<agent>.call_tool"
+#: The steps the agent records, in order, up to the refund's intent.
+STEPS = [
+    f"{MODEL_STEP}#1",
+    f"{TOOL_STEP}:lookup_order#1",
+    f"{MODEL_STEP}#2",
+    f"{TOOL_STEP}:refund#1:effect#1:intend",
+]
 
 
 def model_steps(ob: Outbox, run_id: Any) -> list[str]:
@@ -31,16 +39,20 @@ def model_steps(ob: Outbox, run_id: Any) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "crash_at",
+    ("crash_at", "recorded_at_kill"),
     [
         # killed right after the first model response was recorded
-        "after_step:1",
+        ("after_step:1", STEPS[:1]),
         # killed right after the refund's intent was committed, before the run parked
-        "after_step:3",
+        ("after_step:4", STEPS),
     ],
 )
 def test_a_killed_worker_resumes_without_calling_the_model_again_or_refunding_twice(
-    ob: Outbox, sub_env: dict[str, str], tmp_path: Path, crash_at: str
+    ob: Outbox,
+    sub_env: dict[str, str],
+    tmp_path: Path,
+    crash_at: str,
+    recorded_at_kill: list[str],
 ) -> None:
     model_log = tmp_path / "model.log"
     handler = "tests.integrations.pydantic_agent:refunds"
@@ -55,6 +67,8 @@ def test_a_killed_worker_resumes_without_calling_the_model_again_or_refunding_tw
         doomed = start_worker(sub_env, handler, "refunds", tmp_path / "w1.log", crash_at)
         try:
             assert doomed.wait(timeout=60) == -signal.SIGKILL
+            # the worker died where the test means: these steps, and no later one, committed
+            assert ob.run(run.id).completed_steps == recorded_at_kill
             survivor = start_worker(sub_env, handler, "refunds", tmp_path / "w2.log")
             try:
                 wait_for(lambda: ob.run(run.id).status == RunStatus.COMPLETED, timeout=60)
