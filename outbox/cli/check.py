@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 import pydantic
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from outbox.cli._common import console, emit, json_option
@@ -98,6 +99,12 @@ def _signals(raw: tuple[str, ...]) -> dict[str, Any]:
     show_default=True,
     help="Seconds a trial may go with nothing moving before it is reported as stuck.",
 )
+@click.option(
+    "--allow-nondeterministic-result",
+    is_flag=True,
+    help="Your agent's results legitimately vary between runs of the same inputs: do not "
+    "compare them (by default two uninterrupted runs that end differently are a violation).",
+)
 @click.option("--keep-logs", is_flag=True, help="Keep the processes' logs even when it passes.")
 @json_option(CheckReport)
 def check(
@@ -116,6 +123,7 @@ def check(
     only: tuple[str, ...],
     jobs: int,
     timeout: float,
+    allow_nondeterministic_result: bool,
     keep_logs: bool,
     as_json: bool,
 ) -> None:
@@ -145,6 +153,7 @@ def check(
             only=only,
             jobs=jobs,
             timeout=timeout,
+            allow_nondeterministic_result=allow_nondeterministic_result,
         )
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
@@ -153,13 +162,14 @@ def check(
         message = str(first["msg"]).removeprefix("Value error, ")
         raise click.UsageError(f"{where}{shown}: {message}") from None
 
+    # Under --json, stdout is the report alone (a CI job redirects it to a file); the
+    # progress goes to stderr, so a person watching the job still sees it move.
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=console,
-        disable=as_json,
+        console=Console(stderr=True) if as_json else console,
         transient=True,
     )
     with progress:
@@ -170,8 +180,6 @@ def check(
             nonlocal done
             done += 1
             progress.update(task, total=planned, completed=done)
-            if as_json:
-                return
             mark = "[green]ok[/]" if result.ok else "[red]FAILED[/]"
             progress.console.print(f"  {result.plan.id}: {mark} ({result.seconds:.1f} s)")
 

@@ -139,6 +139,7 @@ class _Check:
             return
         reference = Reference.build(baseline.intents, baseline.applied, baseline.outcomes)
         report.warnings += reference.warnings
+        report.results_compared = reference.outcome is not None
         first_run = next(iter(baseline.outcomes), None)
         report.planned = plan_trials(baseline.events, first_run, self.options)
         plans = select(report.planned, self.options.only)

@@ -27,6 +27,7 @@ __all__ = [
     "Reference",
     "RunOutcome",
     "differences",
+    "disagreements",
     "expectations",
     "masker",
     "outcome_of",
@@ -102,8 +103,10 @@ def _short(value: Any, width: int = 120) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def differences(expected: RunOutcome, actual: RunOutcome) -> list[str]:
-    """What differs, one line per field."""
+def differences(
+    expected: RunOutcome, actual: RunOutcome, expected_as: str = "uninterrupted"
+) -> list[str]:
+    """What differs, one line per field (``expected_as`` names the expected side)."""
     found = []
     for name in ("status", "version", "result", "error", "state", "steps", "upgrades"):
         want, got = getattr(expected, name), getattr(actual, name)
@@ -112,14 +115,36 @@ def differences(expected: RunOutcome, actual: RunOutcome) -> list[str]:
                 missing = [s for s in want if s not in got]
                 extra = [s for s in got if s not in want]
                 found.append(
-                    f"steps: {len(got)} recorded, {len(want)} uninterrupted"
+                    f"steps: {len(got)} recorded ({expected_as}: {len(want)})"
                     + (f"; missing {missing[:5]}" if missing else "")
                     + (f"; extra {extra[:5]}" if extra else "")
                     + ("; in another order" if not missing and not extra else "")
                 )
             else:
-                found.append(f"{name}: {_short(got)} (uninterrupted: {_short(want)})")
+                found.append(f"{name}: {_short(got)} ({expected_as}: {_short(want)})")
     return found
+
+
+def _key(outcome: RunOutcome) -> str:
+    return json.dumps(outcome.as_dict(), sort_keys=True, default=str)
+
+
+def disagreements(outcomes: Mapping[str, RunOutcome]) -> list[str]:
+    """How runs of the same inputs that should end alike differ from the first of them.
+
+    One line per run that ended otherwise, naming both runs (by their place:
+    ids started in the same millisecond share their first 12 digits) and every
+    field that differs. Empty when they all ended alike (or there is one run).
+    """
+    if len(outcomes) < 2:
+        return []
+    (first_id, first), *others = outcomes.items()
+    return [
+        f"run {place} ({run_id}) ended otherwise than run 1 ({first_id}): "
+        + "; ".join(differences(first, outcome, expected_as="run 1"))
+        for place, (run_id, outcome) in enumerate(others, start=2)
+        if _key(outcome) != _key(first)
+    ]
 
 
 def _tag(text: str | None, run_ids: Sequence[str]) -> str:
@@ -203,16 +228,15 @@ class Reference:
                 "two uninterrupted runs of the same inputs intended different operations: "
                 "counts are compared with the larger of the two"
             )
-        distinct = {json.dumps(o.as_dict(), sort_keys=True, default=str) for o in outcomes.values()}
-        if len(distinct) == 1:
+        disagree = disagreements(outcomes)
+        if outcomes and not disagree:
             ref.outcome = next(iter(outcomes.values()))
-        elif outcomes:
-            first, second = list(outcomes.values())[:2]
+        elif disagree:
+            # Reached only when the check was told results may vary (else the reference
+            # trial has failed with a ``nondeterministic_result`` violation already).
             ref.warnings.append(
-                "two uninterrupted runs of the same inputs ended differently ("
-                + "; ".join(differences(first, second))
-                + "): the agent is not deterministic outside its recorded steps, "
-                "so results are not compared"
+                f"uninterrupted runs of the same inputs ended differently ({disagree[0]}): "
+                "results are not compared (--allow-nondeterministic-result)"
             )
         return ref
 

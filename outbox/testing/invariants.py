@@ -26,7 +26,11 @@ Violations (each must be 0):
 - ``reran``: a recorded step's function ran again after its step had committed
   (G5; from the trace of :mod:`outbox.faults`);
 - ``result_differs`` / ``unfinished``: a run ended other than an uninterrupted
-  run of the same inputs did, or did not end.
+  run of the same inputs did, or did not end;
+- ``nondeterministic_result``: two runs of the same inputs in a reference
+  trial (the uninterrupted one, a hand-over) ended differently, so no crashed
+  run could be compared with them (``outbox check
+  --allow-nondeterministic-result`` turns this off, and the comparison with it).
 
 ``unknown`` effects are not violations (they are visible, for an operator);
 they are counted in the report.
@@ -154,6 +158,7 @@ class Report:
     reran: list[str] = field(default_factory=list)
     result_differs: list[str] = field(default_factory=list)
     unfinished: list[str] = field(default_factory=list)
+    nondeterministic_result: list[str] = field(default_factory=list)
     #: Not violations: context for the reader.
     statuses: dict[str, int] = field(default_factory=dict)
     applied: int = 0
@@ -170,6 +175,7 @@ class Report:
         "reran",
         "result_differs",
         "unfinished",
+        "nondeterministic_result",
     )
 
     def counts(self) -> dict[str, int]:

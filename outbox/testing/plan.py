@@ -72,6 +72,10 @@ class CheckOptions(BaseModel):
     #: Seconds a trial may go with nothing moving (no run, effect or crash point) before
     #: it is reported as stuck.
     timeout: float = Field(default=120.0, gt=0, le=3600)
+    #: Two uninterrupted runs of the same inputs may end differently (a result that
+    #: legitimately varies, such as a recorded timestamp); results are then not
+    #: compared. By default that is a ``nondeterministic_result`` violation.
+    allow_nondeterministic_result: bool = False
 
     @field_validator("inputs", "signals")
     @classmethod
@@ -116,6 +120,8 @@ class CheckOptions(BaseModel):
             args += ["--upgrade-to", self.upgrade_to, "--setup", self.setup]
         if self.upgrade_handler is not None:
             args += ["--upgrade-handler", self.upgrade_handler]
+        if self.allow_nondeterministic_result:
+            args.append("--allow-nondeterministic-result")
         for trial in (only,) if only else self.only:
             args += ["--only", trial]
         return shlex.join(args)

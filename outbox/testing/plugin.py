@@ -78,6 +78,7 @@ class OutboxCheck:
         only: Sequence[str] = (),
         jobs: int = 4,
         timeout: float = 120.0,
+        allow_nondeterministic_result: bool = False,
     ) -> CheckReport:
         """Check ``handler``; fail the test with the report on any violation."""
         from outbox.testing.check import check_agent
@@ -100,6 +101,7 @@ class OutboxCheck:
             only=tuple(only),
             jobs=jobs,
             timeout=timeout,
+            allow_nondeterministic_result=allow_nondeterministic_result,
         )
         report = check_agent(options, server_dsn=self.server_dsn)
         if not report.ok:

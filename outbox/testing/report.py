@@ -55,6 +55,15 @@ WHY = {
         "such reads with run.call(...)."
     ),
     "unfinished": "the run did not end.",
+    "nondeterministic_result": (
+        "runs of the same inputs, started side by side in a reference trial (the uninterrupted "
+        "one, or a hand-over), ended differently, so a crashed run has nothing to be compared "
+        "with. Code outside recorded steps that reads the clock, randomness or changing data "
+        "does that, and reads it again when a crashed run resumes: record such reads with "
+        "run.call(...). If the result is meant to vary from run to run (a timestamp or a "
+        "random draw already recorded in a step), pass --allow-nondeterministic-result "
+        "(allow_nondeterministic_result=True): results are then not compared at all."
+    ),
     "error": "the trial could not be carried out.",
 }
 
@@ -226,6 +235,9 @@ class CheckReport:
     results: list[TrialResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: Whether runs' results were compared with the uninterrupted run's (not when they
+    #: were allowed to vary, and did).
+    results_compared: bool = True
 
     def _by_id(self) -> dict[str, TrialResult]:
         return {r.plan.id: r for r in self.results}
@@ -430,10 +442,14 @@ def render(report: CheckReport, console: Console) -> None:
     first = report.first_violation()
     crashes = sum(len(r.crashes) for r in report.results)
     if first is None:
+        ended = (
+            "every run ended as it does uninterrupted"
+            if report.results_compared
+            else "results not compared (they vary between uninterrupted runs)"
+        )
         console.print(
             f"[bold green]passed[/]: {crashes} crashes in {len(report.results)} trials, "
-            f"nothing lost, nothing applied twice, every run ended as it does uninterrupted "
-            f"({report.seconds:.0f} s)"
+            f"nothing lost, nothing applied twice, {ended} ({report.seconds:.0f} s)"
         )
         return
     console.print(f"[bold red]FAILED[/] at {escape(first.trial)} ({report.seconds:.0f} s)")

@@ -25,6 +25,7 @@ from outbox.testing.compare import (
     Reference,
     RunOutcome,
     differences,
+    disagreements,
     expectations,
     masker,
     outcome_of,
@@ -183,6 +184,10 @@ def _evidence(
             sink_kinds=None if sink_log else [],
             keyless_allowed=keyless,
         )
+        # Runs of the same inputs that end differently leave nothing to compare a crashed
+        # run with: the very mistake (a clock read outside a step) the comparison is for.
+        if not ctx.options.allow_nondeterministic_result:
+            report.nondeterministic_result = disagreements(result.outcomes)
     else:
         wanted = expectations(reference, run_ids)
         report = check(

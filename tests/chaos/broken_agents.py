@@ -7,6 +7,8 @@ worker processes of a check), so what they send outside the outbox is seen.
 from __future__ import annotations
 
 import os
+import random
+import time
 from typing import Any
 
 import httpx
@@ -99,6 +101,30 @@ def charges_with_a_key_of_its_own(run: Run) -> Any:
             key=f"{run.id}:charge",
         )
     return run.transaction("mark-charged", lambda tx: tx.set_state({"charged": order["id"]}))
+
+
+def stamps_its_receipt_outside_a_step(run: Run) -> Any:
+    """BROKEN: the result is computed from the clock and randomness outside any recorded step.
+
+    A resumed run computes it again, differently: the same run reports a
+    second receipt number. Two uninterrupted runs already disagree, which is
+    how ``outbox check`` sees it.
+    """
+    order = run.call("load-order", lambda: {"id": "O-7", "amount": 120})
+    receipt = {"order": order["id"], "issued_at": time.time(), "number": random.randrange(10**9)}
+    run.transaction("mark-paid", lambda tx: tx.set_state({"paid": order["id"]}))
+    return receipt
+
+
+def charges_a_non_idempotent_sink(run: Run) -> Any:
+    """CORRECT: a charge intended in a step, for a kind a config declares not idempotent."""
+    order = run.call("load-order", lambda: {"id": "O-9", "amount": 80})
+
+    def charge(tx: StepTransaction) -> dict[str, Any]:
+        tx.intend("payments.charge", {"operation": f"{run.id}:charge", "amount": order["amount"]})
+        return {"charged": order["id"]}
+
+    return run.transaction("charge", charge)
 
 
 # -- the same agents, async (an ``async def`` handler gets an AsyncRun) ------------------

@@ -6,8 +6,10 @@ outside the steps without a key of its own) are caught, the crash point and the
 duplicated operation named, and the printed command reproduces the failure
 alone; a correct agent that waits for a signal, the keyless charge given a key
 derived from the run, and an agent whose runs are handed over to a new version
-pass; an ``async def`` agent is checked the same way; the ``outbox_check``
-fixture (the shipped pytest plugin) does the same from a test.
+pass; an ``async def`` agent is checked the same way; a kind declared not
+idempotent whose deliverer dies after the call is left ``unknown``, not sent
+twice; the ``outbox_check`` fixture (the shipped pytest plugin) does the same
+from a test.
 """
 
 from __future__ import annotations
@@ -253,3 +255,25 @@ def test_an_async_agent_emailing_from_plain_python_is_caught(outbox_check: Outbo
     assert "FAILED at step_start@mark-welcomed" in message
     assert "duplicate_operations: operation <id>:welcome-email" in message
     assert "outside tx.intend" in message
+
+
+def test_a_kind_declared_not_idempotent_is_left_unknown_after_a_call_not_sent_twice(
+    outbox_check: OutboxCheck, tmp_path: Path
+) -> None:
+    config = tmp_path / "deliverers.toml"
+    config.write_text('[kinds."payments.charge"]\ntype = "http.request"\nidempotent = false\n')
+    report = outbox_check(
+        broken_agents.charges_a_non_idempotent_sink,
+        agent="billing",
+        config=config,
+        only=["after_call"],
+    )
+    (trial,) = report.results
+    assert trial.plan.id == "after_call" and [c.point for c in trial.crashes] == ["after_call"]
+    # Its stand-in posts where every request takes effect: a blind resend would apply twice.
+    charges = [a for a in trial.applied if a.operation and a.operation.endswith("<id>:charge")]
+    assert [a.path for a in charges] == ["/blind/payments.charge"]
+    assert trial.report.statuses.get("unknown") == 1, trial.report.statuses
+    assert trial.attempt_outcomes.get("succeeded", 0) == 0, trial.attempt_outcomes
+    (row,) = [r for r in report.rows() if r.point == "after_call"]
+    assert row.outcome == "ok" and "1 left unknown for an operator" in row.detail, row

@@ -16,6 +16,7 @@ from outbox.testing.compare import (
     Reference,
     RunOutcome,
     differences,
+    disagreements,
     expectations,
     masker,
     tag_operations,
@@ -165,10 +166,21 @@ def test_a_reference_counts_per_run_and_scales_to_a_trials_runs() -> None:
     assert wanted.keyless == frozenset({"*|ping"})
 
 
-def test_two_uninterrupted_runs_that_differ_turn_the_result_check_off_with_a_warning() -> None:
+def test_runs_that_disagree_are_named_with_each_field_that_differs() -> None:
+    assert disagreements({RUN_A: outcome(), RUN_B: outcome()}) == []
+    assert disagreements({RUN_A: outcome()}) == []
+    (line,) = disagreements({RUN_A: outcome(), RUN_B: outcome(result={"n": 2}, steps=("a",))})
+    assert line == (
+        f"run 2 ({RUN_B}) ended otherwise than run 1 ({RUN_A}): "
+        'result: {"n": 2} (run 1: {"n": 1}); steps: 1 recorded (run 1: 2); missing [\'b\']'
+    )
+
+
+def test_a_reference_whose_runs_were_allowed_to_disagree_compares_no_result_and_says_so() -> None:
     ref = Reference.build([], [], {RUN_A: outcome(), RUN_B: outcome(result={"n": 2})})
     assert ref.outcome is None
-    assert "not deterministic" in ref.warnings[0] and "result" in ref.warnings[0]
+    assert "result: " in ref.warnings[0]
+    assert "results are not compared (--allow-nondeterministic-result)" in ref.warnings[0]
 
 
 # -- plans and options -------------------------------------------------------------------------
@@ -254,6 +266,8 @@ def test_the_reproduce_command_says_everything_and_hides_a_password() -> None:
         "--dsn", "postgresql://me:***@db/app", "--signal", 'approved={"by":"cfo"}',
         "--only", "step_end@pay",
     ]  # fmt: skip
+    allowing = options(allow_nondeterministic_result=True).command()
+    assert shlex.split(allowing)[-1] == "--allow-nondeterministic-result"
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -325,6 +339,22 @@ def test_the_explanation_tells_an_intent_made_outside_the_steps_from_a_changing_
     in_steps = [Intent(f"e{n}", f"k{n}", "k", "succeeded", 1, "op", run=RUN_A) for n in (1, 2)]
     changing = result(plan, intents=in_steps)
     assert "Keep step ids stable" in explain("duplicate_intents", "op", changing)
+
+
+def test_an_uninterrupted_trial_whose_runs_disagree_is_the_first_violation_explained() -> None:
+    baseline = result(TrialPlan("uninterrupted", "baseline"))
+    baseline.report.nondeterministic_result = disagreements(
+        {RUN_A: outcome(), RUN_B: outcome(result={"n": 2})}
+    )
+    report = CheckReport(options(), baseline=baseline)
+    first = report.first_violation()
+    assert first is not None and not report.ok
+    assert (first.trial, first.kind) == ("uninterrupted", "nondeterministic_result")
+    assert 'result: {"n": 2}' in first.detail and "killed: nothing" in first.detail
+    assert "reads the clock" in first.explanation
+    assert "--allow-nondeterministic-result" in first.explanation
+    assert "--only" not in first.reproduce  # the uninterrupted trial is the whole check
+    assert report.as_dict()["violations"] == {"uninterrupted": {"nondeterministic_result": 1}}
 
 
 # -- the command line ----------------------------------------------------------------------------
