@@ -105,7 +105,9 @@ def unchained_steps() -> Iterator[None]:
     """``commit_step`` without the step-chain computation (the B side of the comparison)."""
     original = step_sql.next_step_head
 
-    def head_unchanged(step_id: Any, kind: Any, result: Any, error: Any) -> ColumnElement[Any]:
+    def head_unchanged(
+        step_id: Any, kind: Any, result: Any, error: Any, state: Any = None, plan: Any = None
+    ) -> ColumnElement[Any]:
         return schema.runs.c.step_head
 
     step_sql.next_step_head = head_unchanged

@@ -8,9 +8,13 @@ algorithm, for ``outbox audit verify`` and for a run record exported by
 - ``lp(v)``: ``"~"`` for null, else ``"<UTF-8 byte length>:<v>"``; ``us(t)``: a
   timestamp as integer microseconds since the Unix epoch (as text, through ``lp``);
 - a run's chain starts at ``sha256("outbox.run.v1" lp(id) lp(agent) lp(inputs_hash))``;
-  each completed step is ``sha256(prev + "outbox.step.v1" lp(run_id) lp(step_id)
-  lp(kind) lp(result_text) lp(error_text) lp(us(completed_at)))``, in the order
-  steps completed; the run's ``step_head`` is the last;
+  each completed step is ``sha256(prev + "outbox.step.v2" lp(run_id) lp(step_id)
+  lp(kind) lp(status) lp(result_text) lp(error_text) lp(state_text) lp(plan_text)
+  lp(us(completed_at)))``, in the order steps completed; the run's ``step_head`` is
+  the last. Steps chained before migration 0021 are ``"outbox.step.v1"`` links,
+  without status, state and plan: a step links when either version matches its
+  hash (no edit of a v2 step can pass as v1: the messages differ). A step that is
+  not waiting must have a hash (a step is chained when it completes);
 - an effect's chain starts at ``sha256("outbox.effect.v1" lp(id) lp(run_id) lp(kind)
   lp(idempotency_key) lp(payload_hash))``; each attempt-log row, in id order, is
   ``sha256(prev + "outbox.attempt.v1" lp(effect_id) lp(attempt) lp(worker)
@@ -18,6 +22,10 @@ algorithm, for ``outbox audit verify`` and for a run record exported by
 - ``*_text`` is PostgreSQL's rendering of the stored ``jsonb`` (a record carries it
   beside the parsed value); ``payload_hash`` and ``inputs_hash`` are the sha256 of
   the canonical JSON (sorted keys, no spaces, UTF-8) of ``payload`` and ``inputs``.
+
+Effects written outside any run (``Outbox.transaction``) have the same
+attempt-log chains; :func:`verify_effect` checks one, as ``outbox audit verify``
+does for them when no run is named.
 
 A record is signed with Ed25519 (the optional ``cryptography`` package: ``pip
 install 'agent-outbox[audit]'``) over its canonical JSON without ``signature``;
@@ -44,6 +52,7 @@ __all__ = [
     "attempt_hash",
     "canonical",
     "effect_genesis",
+    "effect_records",
     "lp",
     "public_key_of",
     "record_from_rows",
@@ -51,11 +60,14 @@ __all__ = [
     "sign_record",
     "step_hash",
     "us",
+    "verify_effect",
     "verify_record",
     "verify_signature",
 ]
 
-RECORD_FORMAT = "agent-outbox.run-record.v1"
+#: v2 (migration 0021): steps carry ``state``/``plan`` and their texts, for v2 links.
+#: A v1 record (steps with v1 links only) still verifies.
+RECORD_FORMAT = "agent-outbox.run-record.v2"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -82,18 +94,42 @@ def run_genesis(run_id: str, agent: str, inputs_hash: str) -> bytes:
     return _sha(b"", "outbox.run.v1" + lp(run_id) + lp(agent) + lp(inputs_hash))
 
 
-def step_hash(prev: bytes, step: Mapping[str, Any], run_id: str) -> bytes:
-    """The link of one completed step (``result_text``, ``error_text``, ``completed_us``)."""
+def step_hash(prev: bytes, step: Mapping[str, Any], run_id: str, *, version: int = 2) -> bytes:
+    """The link of one completed step (``result_text``, ``error_text``, ``completed_us``).
+
+    Version 2 (steps completed since migration 0021) also covers ``status``,
+    ``state_text`` and ``plan_text``; version 1 is how steps were chained before.
+    """
+    if version == 1:
+        return _sha(
+            prev,
+            "outbox.step.v1"
+            + lp(run_id)
+            + lp(step["step_id"])
+            + lp(step["kind"])
+            + lp(step["result_text"])
+            + lp(step["error_text"])
+            + lp(_text(step["completed_us"])),
+        )
     return _sha(
         prev,
-        "outbox.step.v1"
+        "outbox.step.v2"
         + lp(run_id)
         + lp(step["step_id"])
         + lp(step["kind"])
+        + lp(step["status"])
         + lp(step["result_text"])
         + lp(step["error_text"])
+        + lp(step.get("state_text"))
+        + lp(step.get("plan_text"))
         + lp(_text(step["completed_us"])),
     )
+
+
+def _step_follows(prev: bytes, step: Mapping[str, Any], run_id: str) -> bool:
+    """Whether ``step``'s hash is its link after ``prev``, in either version."""
+    stored = bytes.fromhex(step["hash"])
+    return any(step_hash(prev, step, run_id, version=v) == stored for v in (2, 1))
 
 
 def effect_genesis(effect: Mapping[str, Any]) -> bytes:
@@ -144,7 +180,7 @@ class Break:
         return f"{self.where}: {self.reason}"
 
 
-def _walk(rows: Sequence[Mapping[str, Any]], start: bytes, link: Any) -> tuple[bytes, Any]:
+def _walk(rows: Sequence[Mapping[str, Any]], start: bytes, follows: Any) -> tuple[bytes, Any]:
     """Follow a chain through ``rows`` (listed by position); returns (head, first broken row).
 
     Rows are taken in the order given; when the next one does not follow, the
@@ -155,13 +191,22 @@ def _walk(rows: Sequence[Mapping[str, Any]], start: bytes, link: Any) -> tuple[b
     prev = start
     while remaining:
         for index, row in enumerate(remaining):
-            if link(prev, row) == bytes.fromhex(row["hash"]):
+            if follows(prev, row):
                 prev = bytes.fromhex(row["hash"])
                 remaining.pop(index)
                 break
         else:
             return prev, remaining[0]
     return prev, None
+
+
+def _texts_differ(row: Mapping[str, Any], fields: Sequence[str]) -> list[str]:
+    """The fields whose ``<field>_text`` (what was hashed) does not parse to the value."""
+    return [
+        f
+        for f in fields
+        if f"{f}_text" in row and json.loads(row[f"{f}_text"] or "null") != row.get(f)
+    ]
 
 
 def verify_record(record: Mapping[str, Any]) -> list[Break]:
@@ -171,14 +216,23 @@ def verify_record(record: Mapping[str, Any]) -> list[Break]:
     rid = run["id"]
     if _digest(run["inputs"]) != run["inputs_hash"]:
         breaks.append(Break(f"run {rid}", "its inputs do not match inputs_hash"))
-    chained = [s for s in record["steps"] if s.get("hash") is not None]
-    for step in chained:
-        if json.loads(step["result_text"] or "null") != step["result"]:
-            breaks.append(Break(f"run {rid} step {step['step_id']!r}", "result_text differs"))
+    chained = []
+    for step in record["steps"]:
+        where = f"run {rid} step {step['step_id']!r}"
+        # A step is chained as it completes: only a wait under way has no hash yet.
+        if step.get("hash") is None:
+            if step["status"] != "waiting":
+                breaks.append(Break(where, f"it is {step['status']} but has no hash"))
+            continue
+        if step["status"] != "completed":
+            breaks.append(Break(where, f"it has a hash but is {step['status']}, not completed"))
+        for field in _texts_differ(step, ("result", "state", "plan")):
+            breaks.append(Break(where, f"{field}_text differs"))
+        chained.append(step)
     head, broken = _walk(
         chained,
         run_genesis(rid, run["agent"], run["inputs_hash"]),
-        lambda prev, s: step_hash(prev, s, rid),
+        lambda prev, s: _step_follows(prev, s, rid),
     )
     if broken is not None:
         breaks.append(
@@ -191,23 +245,30 @@ def verify_record(record: Mapping[str, Any]) -> list[Break]:
     elif run.get("step_head") is not None and head.hex() != run["step_head"]:
         breaks.append(Break(f"run {rid}", "step_head is not the last step's hash (steps removed)"))
     for effect in record["effects"]:
-        where = f"effect {effect['id']}"
-        if _digest(effect["payload"]) != effect["payload_hash"]:
-            breaks.append(Break(where, "its payload does not match payload_hash (altered)"))
-        prev = effect_genesis(effect)
-        for row in effect["attempts"]:
-            at = f"{where} attempt-log row {row['id']} ({row['outcome']})"
-            if row.get("hash") is None:
-                breaks.append(Break(at, "it has no hash"))
-                break
-            if json.loads(row["detail_text"] or "null") != row["detail"]:
-                breaks.append(Break(at, "detail_text differs from detail"))
-            if attempt_hash(prev, row) != bytes.fromhex(row["hash"]):
-                breaks.append(
-                    Break(at, "its hash does not match its content and the previous row's hash")
-                )
-                break
-            prev = bytes.fromhex(row["hash"])
+        breaks.extend(verify_effect(effect))
+    return breaks
+
+
+def verify_effect(effect: Mapping[str, Any]) -> list[Break]:
+    """Every break in one effect of a record (its payload digest, its attempt-log chain)."""
+    breaks: list[Break] = []
+    where = f"effect {effect['id']}"
+    if _digest(effect["payload"]) != effect["payload_hash"]:
+        breaks.append(Break(where, "its payload does not match payload_hash (altered)"))
+    prev = effect_genesis(effect)
+    for row in effect["attempts"]:
+        at = f"{where} attempt-log row {row['id']} ({row['outcome']})"
+        if row.get("hash") is None:
+            breaks.append(Break(at, "it has no hash"))
+            break
+        if json.loads(row["detail_text"] or "null") != row["detail"]:
+            breaks.append(Break(at, "detail_text differs from detail"))
+        if attempt_hash(prev, row) != bytes.fromhex(row["hash"]):
+            breaks.append(
+                Break(at, "its hash does not match its content and the previous row's hash")
+            )
+            break
+        prev = bytes.fromhex(row["hash"])
     return breaks
 
 
@@ -283,12 +344,12 @@ def _hex(value: bytes | None) -> str | None:
 APPROVAL_OUTCOMES = ("approved", "rejected", "approval_refused", "timed_out")
 
 
-def record_from_rows(rows: Mapping[str, Any], *, exported_at: datetime) -> dict[str, Any]:
-    """A self-contained run record from the rows ``Store.audit_rows`` read (unsigned)."""
-    run = rows["run"]
-    rid = str(run["id"])
+def effect_records(
+    effect_rows: Iterable[Mapping[str, Any]], attempt_rows: Iterable[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Effects as a record holds them, each with its attempt-log rows (``detail_text`` read)."""
     attempts: dict[str, list[dict[str, Any]]] = {}
-    for a in rows["attempts"]:
+    for a in attempt_rows:
         attempts.setdefault(str(a["effect_id"]), []).append(
             {
                 "id": a["id"],
@@ -305,7 +366,7 @@ def record_from_rows(rows: Mapping[str, Any], *, exported_at: datetime) -> dict[
                 "hash": _hex(a["hash"]),
             }
         )
-    effects = [
+    return [
         {
             "id": str(e["id"]),
             "run_id": None if e["run_id"] is None else str(e["run_id"]),
@@ -321,8 +382,15 @@ def record_from_rows(rows: Mapping[str, Any], *, exported_at: datetime) -> dict[
             "created_at": _iso(e["created_at"]),
             "attempts": attempts.get(str(e["id"]), []),
         }
-        for e in rows["effects"]
+        for e in effect_rows
     ]
+
+
+def record_from_rows(rows: Mapping[str, Any], *, exported_at: datetime) -> dict[str, Any]:
+    """A self-contained run record from the rows ``Store.audit_rows`` read (unsigned)."""
+    run = rows["run"]
+    rid = str(run["id"])
+    effects = effect_records(rows["effects"], rows["attempts"])
     approvals = [
         {
             "effect_id": row["effect_id"],
@@ -361,6 +429,10 @@ def record_from_rows(rows: Mapping[str, Any], *, exported_at: datetime) -> dict[
                 "result_text": s["result_text"],
                 "error": s["error"],
                 "error_text": s["error_text"],
+                "state": s["state"],
+                "state_text": s["state_text"],
+                "plan": s["plan"],
+                "plan_text": s["plan_text"],
                 "completed_at": _iso(s["completed_at"]),
                 "completed_us": us(s["completed_at"]),
                 "hash": _hex(s["hash"]),

@@ -10,11 +10,15 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from outbox.chain import public_key_of, sign_record, verify_record
+from outbox.chain import effect_records, public_key_of, sign_record, verify_effect, verify_record
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.cli.reports import AuditVerifyReport
+from outbox.storage.audit_reads import effects_outside_runs
 
-__all__ = ["COMMANDS"]
+__all__ = ["COMMANDS", "OUTSIDE_RUNS"]
+
+#: Where ``broken`` lists the breaks of effects written outside any run (never a run id).
+OUTSIDE_RUNS = "(no run)"
 
 
 @click.group("audit")
@@ -29,26 +33,30 @@ def audit() -> None:
     type=click.IntRange(1, 10_000_000),
     default=100_000,
     show_default=True,
-    help="Without RUN: check this many runs, newest first.",
+    help="Without RUN: check this many runs, and this many effects outside runs, newest first.",
 )
 @json_option(AuditVerifyReport)
 @pass_cli
 def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool) -> None:
     """Recompute the hash chains of one run (or of every run) and report the first break.
 
-    Exit 0 when every chain holds, 1 when one does not (the break names the run,
-    the step or the effect and its attempt-log row).
+    Without RUN, the effects written outside any run (``Outbox.transaction``)
+    are checked too; their breaks are listed under ``(no run)``. Exit 0 when
+    every chain holds, 1 when one does not (the break names the run, the step
+    or the effect and its attempt-log row).
     """
     ob = cli.outbox
     run_ids = [run_id] if run_id is not None else [str(r) for r in ob.audited_runs(limit)]
     broken: dict[str, list[str]] = {}
+    outside: list[str] = []
+    effects_checked = 0
     with Progress(
-        TextColumn("verifying"),
+        TextColumn("verifying {task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         console=console,
         transient=True,
-        disable=as_json or len(run_ids) < 2,
+        disable=as_json or run_id is not None,
     ) as progress:
         task = progress.add_task("runs", total=len(run_ids))
         for rid in run_ids:
@@ -56,14 +64,26 @@ def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool)
             if found:
                 broken[str(rid)] = [str(b) for b in found]
             progress.advance(task)
+        if run_id is None:
+            task = progress.add_task("effects outside runs", total=None)
+            for effect_rows, attempt_rows in effects_outside_runs(ob.engine, limit):
+                for effect in effect_records(effect_rows, attempt_rows):
+                    outside.extend(str(b) for b in verify_effect(effect))
+                effects_checked += len(effect_rows)
+                progress.advance(task, len(effect_rows))
+    if outside:
+        broken[OUTSIDE_RUNS] = outside
     report = AuditVerifyReport(runs_checked=len(run_ids), intact=not broken, broken=broken)
 
     def render() -> None:
         if not broken:
-            console.print(f"intact: {len(run_ids)} run(s), every chain holds")
+            also = "" if run_id is not None else f" and {effects_checked} effect(s) outside runs"
+            console.print(f"intact: {len(run_ids)} run(s){also}, every chain holds")
             return
+        runs_broken = len(broken) - (1 if outside else 0)
+        also = f"; {len(outside)} break(s) in effects outside runs" if outside else ""
         table(
-            f"broken: {len(broken)} of {len(run_ids)} run(s)",
+            f"broken: {runs_broken} of {len(run_ids)} run(s){also}",
             ["run", "first break"],
             [(rid, found[0]) for rid, found in broken.items()],
         )

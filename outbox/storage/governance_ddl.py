@@ -1,13 +1,13 @@
 """Functions and triggers of effect governance (migration 0010), as DDL text.
 
 ``schema.py`` attaches these to the metadata and ``migrations/0010_governance.sql``
-holds the same text (a test checks that a migrated database and a fresh one
-agree, function bodies included).
+(``0021_audit_chain_v2.sql`` for ``outbox_step_hash_v2``) holds the same text (a
+test checks that a migrated database and a fresh one agree, function bodies included).
 
 The hash chains (``outbox audit verify``) are computed here, in PostgreSQL, by
 the statement that writes a row: an attempt-log row by a trigger, a step by
 the one-statement checkpoint itself. The algorithm, which
-``outbox.audit`` and the independent script in ``docs/reference/audit.md`` recompute:
+``outbox.chain`` and the independent script in ``docs/reference/audit.md`` recompute:
 
 - ``lp(v)`` is ``'~'`` for NULL, else ``<octet length of v in UTF-8>:<v>``;
   ``us(t)`` is a timestamp as integer microseconds since the Unix epoch;
@@ -17,12 +17,17 @@ the one-statement checkpoint itself. The algorithm, which
   lp(worker) || lp(us(started_at)) || lp(us(finished_at)) || lp(outcome) ||
   lp(detail::text))``;
 - a run's chain starts at ``sha256('outbox.run.v1' || lp(id) || lp(agent) ||
-  lp(inputs_hash))``; each completed step is ``sha256(prev || 'outbox.step.v1' ||
-  lp(run_id) || lp(step_id) || lp(kind) || lp(result::text) || lp(error::text) ||
-  lp(us(completed_at)))``, and the run keeps the newest in ``step_head``.
+  lp(inputs_hash))``; each completed step (since migration 0021) is
+  ``sha256(prev || 'outbox.step.v2' || lp(run_id) || lp(step_id) || lp(kind) ||
+  lp('completed') || lp(result::text) || lp(error::text) || lp(state::text) ||
+  lp(plan::text) || lp(us(completed_at)))``, and the run keeps the newest in
+  ``step_head``. Steps chained before 0021 are ``outbox.step.v1`` links, which
+  lack the status, state and plan (``outbox_step_hash`` still computes them);
+  a verifier accepts either, and a v2 link never passes for a v1 one.
 
-Text is UTF-8, ``||`` on the hash input concatenates bytes; ``detail::text`` and
-``result::text`` are PostgreSQL's own rendering of the stored ``jsonb``.
+Text is UTF-8, ``||`` on the hash input concatenates bytes; ``detail::text``,
+``result::text``, ``state::text`` and ``plan::text`` are PostgreSQL's own
+rendering of the stored ``jsonb``.
 """
 
 from __future__ import annotations
@@ -74,6 +79,28 @@ $$""",
 SELECT sha256(prev || convert_to('outbox.step.v1' || outbox_lp(run_id::text)
     || outbox_lp(step_id) || outbox_lp(kind) || outbox_lp(result::text)
     || outbox_lp(error::text) || outbox_lp(outbox_us(completed_at)), 'UTF8'))
+$$""",
+    # 0021: the link covers what a fork restarts from (state, plan) and the status.
+    # A step joins the chain as it completes, so the status it names is 'completed':
+    # a step set back to waiting by hand no longer links.
+    """CREATE FUNCTION outbox_step_hash_v2(
+    prev bytea, run_id uuid, step_id text, kind text, result jsonb, error jsonb,
+    state jsonb, plan jsonb, completed_at timestamptz
+) RETURNS bytea
+    LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+DECLARE
+    -- Each value rendered once: inlined into a SQL function, outbox_lp(state::text)
+    -- renders the jsonb three times (5 us for a 600-byte state, each time).
+    result_text text := result::text;
+    error_text text := error::text;
+    state_text text := state::text;
+    plan_text text := plan::text;
+BEGIN
+    RETURN sha256(prev || convert_to('outbox.step.v2' || outbox_lp(run_id::text)
+        || outbox_lp(step_id) || outbox_lp(kind) || outbox_lp('completed')
+        || outbox_lp(result_text) || outbox_lp(error_text) || outbox_lp(state_text)
+        || outbox_lp(plan_text) || outbox_lp(outbox_us(completed_at)), 'UTF8'));
+END
 $$""",
 )
 

@@ -14,10 +14,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 
 from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox
 from outbox.chain import verify_record
+from outbox.cli import cli as outbox_cli
+from outbox.cli.audit import OUTSIDE_RUNS
 from outbox.gates import Gate
 from tests.support import DaemonThread, wait_for
 
@@ -34,9 +37,16 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def in_process_cli(dsn: str, *args: str) -> tuple[int, str]:
+    """The CLI in this process (a subprocess costs seconds of start-up per case)."""
+    done = CliRunner().invoke(outbox_cli, ["--dsn", dsn, *args], catch_exceptions=False)
+    return done.exit_code, done.output
+
+
 @pytest.fixture
 def history(ob: Outbox, dsn: str) -> Iterator[Any]:
-    """A run with a call, a wait on a signal, steps with effects, deliveries and an approval."""
+    """A run with a call, a wait on a signal, steps with effects, state and plan, deliveries
+    and an approval; and an effect written outside any run, delivered."""
     ob.apply_gates(
         [Gate(name="big", kind="k.pay", when=[{"pointer": "/n", "op": "gt", "value": 5}])]
     )
@@ -44,6 +54,8 @@ def history(ob: Outbox, dsn: str) -> Iterator[Any]:
     run.call("fetch", lambda: {"rows": [1, 2, 3]})
 
     def first(tx: Any) -> str:
+        tx.set_state({"paid": False, "left": 9})
+        tx.set_plan(["pay", "post"])
         tx.intend("k.post", {"n": 1})
         tx.intend("k.post", {"n": 2, "text": "ünïcode"})
         return str(tx.intend("k.pay", {"n": 9}).id)
@@ -54,9 +66,16 @@ def history(ob: Outbox, dsn: str) -> Iterator[Any]:
     run.transaction("second", lambda tx: tx.intend("k.post", {"n": 3}) and None)
     held = ob.effect(paid)
     ob.approve_effect(held.id, digest=held.digest, note="ok", by="cfo")
+    with ob.transaction() as tx:
+        outside = tx.intend("k.post", {"n": 4, "run": None}).id
     deliverers = {"k.post": RecordingDeliverer("k.post"), "k.pay": RecordingDeliverer("k.pay")}
     with DaemonThread(dsn, deliverers, poll_seconds=0.05):
-        wait_for(lambda: all(e.status == EffectStatus.SUCCEEDED for e in run.effects()))
+        wait_for(
+            lambda: (
+                all(e.status == EffectStatus.SUCCEEDED for e in run.effects())
+                and ob.effect(outside).status == EffectStatus.SUCCEEDED
+            )
+        )
     run.complete({"done": True})
     yield run
 
@@ -66,7 +85,9 @@ def sql(dsn: str, statement: str, *params: Any) -> None:
         conn.execute(statement, params)
 
 
-def test_an_untouched_history_verifies(ob: Outbox, history: Any, sub_env: dict[str, str]) -> None:
+def test_an_untouched_history_verifies(
+    ob: Outbox, dsn: str, history: Any, sub_env: dict[str, str]
+) -> None:
     record = ob.audit_record(history.id)
     assert verify_record(record) == []
     assert [s["step_id"] for s in record["steps"]] == ["fetch", "first", "wait-go", "second"]
@@ -77,8 +98,14 @@ def test_an_untouched_history_verifies(ob: Outbox, history: Any, sub_env: dict[s
     assert done.returncode == 0 and "intact" in done.stdout, done.stdout + done.stderr
     everything = json.loads(cli(sub_env, "audit", "verify", "--json").stdout)
     assert everything == {"runs_checked": 1, "intact": True, "broken": {}}
+    assert "1 run(s) and 1 effect(s) outside runs" in in_process_cli(dsn, "audit", "verify")[1]
+    steps = {s["step_id"]: s for s in record["steps"]}
+    assert steps["first"]["state"] == {"paid": False, "left": 9}
+    assert steps["first"]["plan"] == ["pay", "post"]
 
 
+#: What is edited by hand, and the first break verify must report. The run's edits are
+#: reported under its id, those of effects outside runs under OUTSIDE_RUNS.
 TAMPERING = {
     "attempt detail": (
         "UPDATE outbox_effect_attempts SET detail = '{\"forged\": true}' "
@@ -109,21 +136,67 @@ TAMPERING = {
         "UPDATE outbox_effects SET payload = '{\"n\": 900}' WHERE payload->>'n' = '9'",
         r"effect \S+: its payload does not match payload_hash",
     ),
+    # what a fork restarts from, and the status, are part of the step's link
+    "step state": (
+        "UPDATE outbox_steps SET state = '{\"paid\": true, \"left\": 0}' WHERE step_id = 'first'",
+        r"step 'first': its hash does not follow",
+    ),
+    "step plan": (
+        "UPDATE outbox_steps SET plan = '[\"post\"]' WHERE step_id = 'first'",
+        r"step 'first': its hash does not follow",
+    ),
+    "step state set where none was": (
+        "UPDATE outbox_steps SET state = '{\"paid\": true}' WHERE step_id = 'second'",
+        r"step 'second': its hash does not follow",
+    ),
+    "step status": (
+        "UPDATE outbox_steps SET status = 'waiting' WHERE step_id = 'fetch'",
+        r"step 'fetch': it has a hash but is waiting, not completed",
+    ),
+    # a step with no hash is only a wait under way
+    "step inserted without a hash": (
+        "INSERT INTO outbox_steps (run_id, step_id, kind, result) "
+        "SELECT id, 'refund', 'transaction', '{\"refunded\": 500}' FROM outbox_runs",
+        r"step 'refund': it is completed but has no hash",
+    ),
+    "step hash removed": (
+        "UPDATE outbox_steps SET hash = NULL WHERE step_id = 'second'",
+        r"step 'second': it is completed but has no hash",
+    ),
+    # effects written outside any run have chains too
+    "attempt detail outside runs": (
+        "UPDATE outbox_effect_attempts SET detail = '{\"forged\": true}' WHERE effect_id = "
+        "(SELECT id FROM outbox_effects WHERE run_id IS NULL)",
+        r"effect \S+ attempt-log row \d+ \(succeeded\): its hash does not match",
+    ),
+    "payload outside runs": (
+        "UPDATE outbox_effects SET payload = '{\"n\": 400}' WHERE run_id IS NULL",
+        r"effect \S+: its payload does not match payload_hash",
+    ),
 }
 
 
 @pytest.mark.parametrize("what", sorted(TAMPERING))
 def test_editing_a_row_by_hand_makes_verify_fail_and_name_it(
-    ob: Outbox, dsn: str, history: Any, sub_env: dict[str, str], what: str
+    ob: Outbox, dsn: str, history: Any, what: str
 ) -> None:
     statement, named = TAMPERING[what]
     sql(dsn, statement)
-    found = cli(sub_env, "audit", "verify", str(history.id), "--json")
-    assert found.returncode == 1, found.stdout + found.stderr
-    report = json.loads(found.stdout)
-    assert report["intact"] is False and list(report["broken"]) == [str(history.id)]
-    first_break = report["broken"][str(history.id)][0]
+    # Without RUN verify checks every run and every effect outside runs.
+    code, out = in_process_cli(dsn, "audit", "verify", "--json")
+    assert code == 1, out
+    report = json.loads(out)
+    where = OUTSIDE_RUNS if what.endswith("outside runs") else str(history.id)
+    assert report["intact"] is False and list(report["broken"]) == [where]
+    first_break = report["broken"][where][0]
     assert re.search(named, first_break), first_break
+    if where == OUTSIDE_RUNS:
+        assert ob.verify_run(history.id) == []
+        code, out = in_process_cli(dsn, "audit", "verify")
+        assert code == 1 and "0 of 1 run(s); 1 break(s) in effects outside runs" in out, out
+        return
+    code, out = in_process_cli(dsn, "audit", "verify", str(history.id), "--json")
+    assert code == 1 and re.search(named, json.loads(out)["broken"][where][0]), out
     assert re.search(named, str(ob.verify_run(history.id)[0]))
 
 
@@ -196,3 +269,85 @@ def test_migrated_history_is_chained_by_the_migration(ob: Outbox) -> None:
     run = ob.start_run("a", "1")
     run.sleep("nap", 0.01)
     assert verify_record(ob.audit_record(run.id)) == []
+
+
+# How every step was chained before migration 0021 (what 0010's backfill did): v1 links.
+V1_CHAIN = """
+DO $$
+DECLARE
+    s record;
+    head bytea;
+BEGIN
+    SELECT outbox_run_genesis(id, agent, inputs_hash) INTO head FROM outbox_runs WHERE id = '{run}';
+    FOR s IN SELECT * FROM outbox_steps WHERE run_id = '{run}' AND status = 'completed'
+              ORDER BY seq LOOP
+        head := outbox_step_hash(head, s.run_id, s.step_id, s.kind, s.result, s.error,
+                                 s.completed_at);
+        UPDATE outbox_steps SET hash = head WHERE run_id = s.run_id AND step_id = s.step_id;
+    END LOOP;
+    UPDATE outbox_runs SET step_head = head WHERE id = '{run}';
+END
+$$
+"""
+
+
+def signed(record: dict[str, Any]) -> str:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from outbox.chain import sign_record
+
+    pem = ed25519.Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return json.dumps(sign_record(record, pem))
+
+
+def test_steps_chained_before_0021_still_verify_and_new_steps_follow_them(
+    ob: Outbox, dsn: str, tmp_path: Path
+) -> None:
+    run = ob.start_run("a", "1")
+    run.transaction("old", lambda tx: tx.set_state({"v": 1}))
+    sql(dsn, V1_CHAIN.format(run=run.id))
+    assert ob.verify_run(run.id) == []
+    run.transaction("new", lambda tx: tx.set_state({"v": 2}))
+    record = ob.audit_record(run.id)
+    assert verify_record(record) == []
+    script = independent_script(tmp_path)
+
+    def script_verdict(text: str) -> subprocess.CompletedProcess[str]:
+        path = tmp_path / "record.json"
+        path.write_text(text)
+        return subprocess.run(
+            [sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=60
+        )
+
+    mixed = script_verdict(signed(record))
+    assert mixed.returncode == 0, mixed.stdout + mixed.stderr
+    # The new step's v2 link covers its state, in the database and in a record.
+    forged = json.loads(json.dumps(record))
+    forged["steps"][1].update(state={"v": 3}, state_text='{"v": 3}')
+    assert "step 'new' does not follow" in script_verdict(signed(forged)).stderr
+    inserted = {**record["steps"][1], "step_id": "refund", "hash": None}
+    forged["steps"] = [*record["steps"], inserted]
+    assert "step 'refund' is completed with hash None" in script_verdict(signed(forged)).stderr
+    sql(dsn, "UPDATE outbox_steps SET state = '{\"v\": 3}' WHERE step_id = 'new'")
+    assert "step 'new': its hash does not follow" in str(ob.verify_run(run.id)[0])
+
+
+def test_a_step_recorded_through_sql_covers_its_state_and_plan(ob: Outbox, dsn: str) -> None:
+    # outbox_commit_step (the SQL API, migration 0021) computes the same v2 link as Python.
+    run = ob.start_run("a", "1")
+    sql(
+        dsn,
+        "SELECT outbox_commit_step(%s, 'plan-it', result => '1', state => %s, plan => %s)",
+        run.id,
+        '{"stage": 1}',
+        '["a", "b"]',
+    )
+    assert ob.verify_run(run.id) == []
+    assert ob.audit_record(run.id)["steps"][0]["plan"] == ["a", "b"]
+    sql(dsn, "UPDATE outbox_steps SET plan = '[\"b\"]' WHERE step_id = 'plan-it'")
+    assert "step 'plan-it': its hash does not follow" in str(ob.verify_run(run.id)[0])

@@ -305,7 +305,7 @@ def fork_chain() -> Any:
     return text(
         """
         WITH RECURSIVE copied AS (
-            SELECT f.seq, f.step_id, f.kind, f.result, f.error, f.completed_at,
+            SELECT f.seq, f.step_id, f.kind, f.result, f.error, f.state, f.plan, f.completed_at,
                    row_number() OVER (ORDER BY f.seq) AS n
             FROM outbox_steps f
             JOIN outbox_steps o ON o.run_id = :original AND o.step_id = f.step_id
@@ -314,8 +314,9 @@ def fork_chain() -> Any:
             SELECT 0::bigint, NULL::bigint, outbox_run_genesis(r.id, r.agent, r.inputs_hash)
             FROM outbox_runs r WHERE r.id = :fork
             UNION ALL
-            SELECT c.n, c.seq, outbox_step_hash(chain.head, CAST(:fork AS uuid), c.step_id,
-                                                c.kind, c.result, c.error, c.completed_at)
+            SELECT c.n, c.seq, outbox_step_hash_v2(chain.head, CAST(:fork AS uuid), c.step_id,
+                                                   c.kind, c.result, c.error, c.state, c.plan,
+                                                   c.completed_at)
             FROM chain JOIN copied c ON c.n = chain.n + 1
         ), linked AS (
             UPDATE outbox_steps s SET hash = chain.head

@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import (
     ARRAY,
+    BigInteger,
     Integer,
     Text,
     and_,
@@ -36,9 +37,11 @@ from outbox.storage.sql.effects import log_changes
 
 __all__ = [
     "approve_held",
+    "attempts_of_effects",
     "attempts_of_run",
     "delete_gates",
     "due_approvals",
+    "effects_outside_runs",
     "escalate_held",
     "list_gates",
     "lock_effect",
@@ -303,12 +306,14 @@ def recorded_result() -> AnySelect:
 
 
 def run_steps() -> AnySelect:
-    """A run's steps with what their chain hashes: ``result::text`` and ``error::text``."""
+    """A run's steps with the ``jsonb`` texts their chain hashes (result, error, state, plan)."""
     return (
         select(
             steps,
             steps.c.result.cast(Text).label("result_text"),
             steps.c.error.cast(Text).label("error_text"),
+            steps.c.state.cast(Text).label("state_text"),
+            steps.c.plan.cast(Text).label("plan_text"),
         )
         .where(steps.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
         .order_by(steps.c.seq)
@@ -316,7 +321,7 @@ def run_steps() -> AnySelect:
 
 
 def run_effects() -> AnySelect:
-    """A run's effects in intent order (``:run_id``; NULL: the effects of no run)."""
+    """A run's effects in intent order (``:run_id``; see :func:`effects_outside_runs`)."""
     return (
         select(effects)
         .where(effects.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
@@ -330,5 +335,30 @@ def attempts_of_run() -> AnySelect:
         select(effect_attempts, effect_attempts.c.detail.cast(Text).label("detail_text"))
         .select_from(effect_attempts.join(effects, effects.c.id == effect_attempts.c.effect_id))
         .where(effects.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
+        .order_by(effect_attempts.c.effect_id, effect_attempts.c.id)
+    )
+
+
+def effects_outside_runs() -> AnySelect:
+    """Effects of no run (``Outbox.transaction``), newest first, a page at a time.
+
+    Parameters: ``before`` (the ``seq`` the previous page ended at; the first
+    page passes one above any) and ``page_size``. Found by the ``(run_id, seq)`` index.
+    """
+    return (
+        select(effects)
+        .where(effects.c.run_id.is_(None), effects.c.seq < bindparam("before", type_=BigInteger))
+        .order_by(effects.c.seq.desc())
+        .limit(bindparam("page_size", type_=Integer))
+    )
+
+
+def attempts_of_effects() -> AnySelect:
+    """The attempt-log rows of the effects ``:ids``, with ``detail::text``, by effect then id."""
+    return (
+        select(effect_attempts, effect_attempts.c.detail.cast(Text).label("detail_text"))
+        .where(
+            effect_attempts.c.effect_id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True))))
+        )
         .order_by(effect_attempts.c.effect_id, effect_attempts.c.id)
     )

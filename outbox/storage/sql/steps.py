@@ -234,17 +234,31 @@ def _effect_select(
     ).select_from(source)
 
 
-def next_step_head(step_id: Any, kind: Any, result: Any, error: Any) -> ColumnElement[Any]:
+def next_step_head(
+    step_id: Any, kind: Any, result: Any, error: Any, state: Any = None, plan: Any = None
+) -> ColumnElement[Any]:
     """The run's new step-chain head once this step completes (an ``outbox_runs`` SET value).
 
     Computed by the statement that records the step, so chaining costs no round
-    trip; the step row stores the same value as its ``hash``.
+    trip; the step row stores the same value as its ``hash``. ``state`` and
+    ``plan`` are what the step row stores (``None``: SQL NULL, as a wait's row
+    has): the link covers them (``outbox_step_hash_v2``), so a fork cannot be
+    made to restart from values edited by hand.
     """
     previous = func.coalesce(
         runs.c.step_head, func.outbox_run_genesis(runs.c.id, runs.c.agent, runs.c.inputs_hash)
     )
-    return func.outbox_step_hash(
-        previous, runs.c.id, step_id, kind, result, error, func.now(), type_=BYTEA
+    return func.outbox_step_hash_v2(
+        previous,
+        runs.c.id,
+        step_id,
+        kind,
+        result,
+        error,
+        null() if state is None else state,
+        null() if plan is None else plan,
+        func.now(),
+        type_=BYTEA,
     )
 
 
@@ -307,6 +321,8 @@ def commit_step(*, fenced: bool, notify: bool, ledger: bool = False) -> AnySelec
                 bindparam("kind", type_=Text),
                 json_param("step_result"),
                 null(),
+                json_param("new_state"),
+                json_param("new_plan"),
             ),
         )
         .returning(runs.c.id, runs.c.step_head, runs.c.paused_at.isnot(None).label("paused"))
