@@ -144,15 +144,32 @@ RESERVED_HEADER_PREFIXES = ("x-outbox-",)
 #: Names that carry a credential, whole (compared after :func:`normalise_name`).
 CREDENTIAL_NAMES = frozenset({"authorization", "cookie", "set-cookie", "www-authenticate"})
 #: Parts of names that carry a credential (searched in the normalised name).
+#: Besides ``api-key`` and friends anywhere in a name, a key named for what it unlocks,
+#: as a word of its own: ``Ocp-Apim-Subscription-Key`` (Azure API Management),
+#: ``X-Functions-Key`` (Azure Functions), ``DD-Application-Key``, ``X-App-Key``,
+#: ``X-Master-Key``, ``X-License-Key``, ``authkey``, the S3 customer encryption key.
+#: Names that only end in ``key`` stay ordinary (``X-Partition-Key``, ``sort_key``,
+#: ``X-Public-Key-Id``): a routing or lookup key is not a secret.
 CREDENTIAL_NAME_PATTERN = (
     r"token|secret|passw(or)?d|passphrase|credential|session|cookie"
     r"|api-?key|access-?key|private-?key|secret-?key"
     r"|authori[sz]ation|authentication|(^|-)auth(-|$)"
+    r"|(^|-)(subscription|functions?|app|application|master|license|insert|signing|auth"
+    r"|encryption(-customer)?)-?key(-|$)"
 )
 #: URL query (and fragment) parameters that carry a credential, whole, besides the
 #: pattern: request signatures of pre-signed URLs are bearer secrets too.
+#:
+#: ``key`` is refused although some URLs use it for something public (an object or
+#: a lookup key): it is how Google (``?key=AIza...``), Bing Maps, Trello and many
+#: others take an API key in the URL, and the two mistakes do not cost the same. A
+#: refused intent fails at once, naming the parameter, and nothing is written; a
+#: key let through is stored in plain text, kept for history and copied into gc
+#: archives, where no later fix reaches it. Only the whole name is refused:
+#: ``keyword``, ``sort_key`` and ``key_id`` are not.
 CREDENTIAL_QUERY_NAMES = frozenset(
     {
+        "key",
         "sig",
         "signature",
         "x-amz-signature",
@@ -164,8 +181,15 @@ CREDENTIAL_QUERY_NAMES = frozenset(
         "pass",
     }
 )
-#: A header value that is an authorization scheme and its secret (``Bearer eyJhbGciOi...``).
-CREDENTIAL_VALUE_PATTERN = r"^\s*(bearer|basic)\s+[A-Za-z0-9._~+/-]{16,}=*\s*$"
+#: A header value that is an authorization scheme and its secret (``Bearer eyJhbGciOi...``),
+#: whatever the header's name, so a credential cannot ride under an innocent one. The
+#: schemes: ``Bearer`` and ``Basic`` (RFC 9110), ``Token`` (GitHub, Django REST
+#: framework), ``ApiKey``/``Api-Key``/``Key`` (Elasticsearch and others), ``SSWS``
+#: (Okta) and ``OAuth``. The secret is one token68 of 16+ characters, so prose that
+#: starts with one of these words ("Token expired for ...") is not refused.
+CREDENTIAL_VALUE_PATTERN = (
+    r"^\s*(bearer|basic|token|(api-?)?key|ssws|oauth)\s+[A-Za-z0-9._~+/-]{16,}=*\s*$"
+)
 
 #: How a credential reaches a sink instead: said by every credential refusal.
 CREDENTIALS_BY_REFERENCE = (

@@ -22,7 +22,10 @@ PAYLOAD_CASES: list[PayloadCase] = [
     ({"headers": {"X-Plan": "basic tier"}}, None),
     ({"headers": {}}, None),
     ({"url": "https://example.com/search?q=tokens+of+love&page=2"}, None),
-    ({"url": "https://example.com/a?key=user-42#section"}, None),
+    # names that merely contain "key" are ordinary (only the whole name `key` is refused)
+    ({"url": "https://example.com/a?keyword=red&sort_key=date&key_id=7&monkey=1#top"}, None),
+    ({"headers": {"X-Partition-Key": "p-1", "X-Cache-Key": "c", "X-Public-Key-Id": "k"}}, None),
+    ({"headers": {"X-Status": "Token expired for user 0123456789abcdef"}}, None),
     ({"url": "https://example.com/path@with-at-in-path"}, None),
     ({"body": {"headers": {"Authorization": "nested objects are the body, not headers"}}}, None),
     ({"json": {"url": "https://u:p@nested.example.com"}}, None),
@@ -59,6 +62,20 @@ PAYLOAD_CASES: list[PayloadCase] = [
     ({"headers": {"X-Auth": "abc"}}, ("credential-header", H)),
     ({"headers": {"X-Access-Key": "abc"}}, ("credential-header", H)),
     ({"headers": {"X-Authorization": "abc"}}, ("credential-header", H)),
+    ({"headers": {"Ocp-Apim-Subscription-Key": "abc"}}, ("credential-header", H)),
+    ({"headers": {"subscriptionKey": "abc"}}, ("credential-header", H)),
+    ({"headers": {"X-Functions-Key": "abc"}}, ("credential-header", H)),
+    ({"headers": {"DD-Application-Key": "abc"}}, ("credential-header", H)),
+    ({"headers": {"X-App-Key": "abc"}}, ("credential-header", H)),
+    ({"headers": {"X-Master-Key": "abc"}}, ("credential-header", H)),
+    ({"headers": {"X-License-Key": "abc"}}, ("credential-header", H)),
+    ({"headers": {"authkey": "abc"}}, ("credential-header", H)),
+    ({"headers": {"X-Insert-Key": "abc"}}, ("credential-header", H)),
+    ({"headers": {"webhook_signing_key": "abc"}}, ("credential-header", H)),
+    (
+        {"headers": {"X-Amz-Server-Side-Encryption-Customer-Key": "abc"}},
+        ("credential-header", H),
+    ),
     # header syntax and values (L4)
     ({"headers": {"X-Ok": "fine", "Bad Name": "v"}}, ("header-name-syntax", H)),
     ({"headers": {"X-A\r\nX-Injected": "v"}}, ("header-name-syntax", H)),
@@ -76,6 +93,30 @@ PAYLOAD_CASES: list[PayloadCase] = [
         {"headers": {"X-Forward": "basic dXNlcjpwYXNzd29yZA=="}},
         ("credential-value", H + ".X-Forward"),
     ),
+    (
+        {"headers": {"X-Forward": "Token 9944b09199c62bcf9418ad846dd0e4bbdfc6ee4b"}},
+        ("credential-value", H + ".X-Forward"),
+    ),
+    (
+        {"headers": {"X-Forward": "ApiKey VnVhQ2ZHY0JDZGJrUW0tZTVhT3g6dWky=="}},
+        ("credential-value", H + ".X-Forward"),
+    ),
+    (
+        {"headers": {"X-Forward": "api-key 0123456789abcdef0123"}},
+        ("credential-value", H + ".X-Forward"),
+    ),
+    (
+        {"headers": {"X-Forward": "Key 0123456789abcdef0123"}},
+        ("credential-value", H + ".X-Forward"),
+    ),
+    (
+        {"headers": {"X-Forward": "SSWS 00QCjAl4MlV-WPXM-ABCDEFGHIJ"}},
+        ("credential-value", H + ".X-Forward"),
+    ),
+    (
+        {"headers": {"X-Forward": "OAuth y0_AgAAAAAAxxxxxxxxxxxxxxxxxx"}},
+        ("credential-value", H + ".X-Forward"),
+    ),
     ({"headers": [["Authorization", "x"]]}, ("headers-type", H)),
     ({"headers": "Authorization: x"}, ("headers-type", H)),
     # URLs (M1, L4)
@@ -87,6 +128,14 @@ PAYLOAD_CASES: list[PayloadCase] = [
     ({"url": "https://api.example.com/?token=abc"}, ("credential-query-parameter", U)),
     ({"url": "https://blob.example.com/c/b?sv=2024&sig=abc"}, ("credential-query-parameter", U)),
     ({"url": "https://s3.example.com/o?X-Amz-Signature=abc"}, ("credential-query-parameter", U)),
+    (
+        {"url": "https://maps.example.com/geo?a=x&key=AIzaSyA-0123456789abcdefghijklmnopqrs"},
+        ("credential-query-parameter", U),
+    ),
+    ({"url": "https://example.com/a?Key=user-42#section"}, ("credential-query-parameter", U)),
+    ({"url": "https://api.example.com/?subscription-key=abc"}, ("credential-query-parameter", U)),
+    ({"url": "https://api.example.com/?access_key=abc"}, ("credential-query-parameter", U)),
+    ({"url": "https://api.example.com/?appKey=abc"}, ("credential-query-parameter", U)),
     ({"url": "https://api.example.com/?client_secret=abc"}, ("credential-query-parameter", U)),
     ({"url": "https://api.example.com/?password="}, ("credential-query-parameter", U)),
     ({"url": "https://api.example.com/?a=1;token=abc"}, ("credential-query-parameter", U)),

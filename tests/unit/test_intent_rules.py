@@ -55,6 +55,8 @@ def test_a_credential_refusal_names_the_field_and_says_where_credentials_go() ->
         {"url": "https://example.com/x?access_token=s3cr3t-value&b=2"},
         {"url": "https://example.com/x?sig=s3cr3t-value\n"},
         {"headers": {"X-Forward": "Bearer s3cr3t-value-0123456789"}},
+        {"headers": {"X-Forward": "Token s3cr3t-value-0123456789"}},
+        {"url": "https://maps.example.com/geo?key=s3cr3t-value"},
         {"headers": {"X-Note": "s3cr3t-value\r\n"}},
     ],
 )
