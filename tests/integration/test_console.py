@@ -17,6 +17,7 @@ from outbox import Outbox
 from outbox.models import EffectStatus
 from outbox.serve.app import OutboxServer
 from outbox.serve.settings import Credentials, ServeSettings
+from outbox.storage import views
 
 OPERATOR = "operator-token-0123456789"
 
@@ -335,3 +336,27 @@ def test_a_held_effect_is_rejected_from_the_console_and_needs_the_operator(
     rejected = ob.effect(effect_id)
     assert rejected.status == EffectStatus.REJECTED
     assert rejected.last_error == "vendor not on the list"
+
+
+def test_a_capped_part_says_so_and_the_queue_shows_the_last_attempt(
+    ob: Outbox, console: OutboxServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_id, effect_id = unknown_effect(ob)
+    run = ob.run(run_id)
+    run.call("lookup", lambda: 1)
+    with ob.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO outbox_effect_attempts (effect_id, attempt, worker, outcome, detail)"
+            " VALUES (%s, 1, 'deliverer-a', 'expired', %s::jsonb)",
+            (effect_id, json.dumps({"note": "lease ran out mid-call"})),
+        )
+    run_page = httpx.get(f"{console.url}/console/runs/{run_id}").text
+    assert "Steps (2)" in run_page and "Effects (1)" in run_page
+    monkeypatch.setattr(views, "PART_LIMIT", 1)
+    run_page = httpx.get(f"{console.url}/console/runs/{run_id}").text
+    # A part that stopped at its cap never passes for the whole.
+    assert "Steps (the first 1)" in run_page and "Steps (1)" not in run_page
+    effect_page = httpx.get(f"{console.url}/console/effects/{effect_id}").text
+    assert "Attempt log (the first 1)" in effect_page
+    queue = httpx.get(f"{console.url}/console/unknown").text
+    assert "lease ran out mid-call" in queue, "what the last attempt recorded"

@@ -25,7 +25,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from outbox.errors import ApprovalRefused, NotFound, OutboxError, RunStateError, ValidationError
 from outbox.models import EffectStatus, RunStatus
 from outbox.serve.console.auth import ConsoleAuth, Operator
-from outbox.serve.console.present import age, delivery_chart, duration, pretty, redact
+from outbox.serve.console.present import age, delivery_chart, duration, pretty, redact, shown
 from outbox.serve.ops import Cached, CachedCounts
 from outbox.serve.transport import BODY_KEY
 
@@ -68,7 +68,9 @@ class Console:
             trim_blocks=True,
             lstrip_blocks=True,
         )
-        self.env.filters.update(age=age, duration=duration, pretty=pretty, redact=redact)
+        self.env.filters.update(
+            age=age, duration=duration, pretty=pretty, redact=redact, shown=shown
+        )
 
     # -- rendering ------------------------------------------------------------------
 

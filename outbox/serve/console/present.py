@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sized
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from markupsafe import Markup, escape
 
-__all__ = ["age", "delivery_chart", "pretty", "redact"]
+from outbox.storage import views
+
+__all__ = ["age", "delivery_chart", "pretty", "redact", "shown"]
 
 REDACTED = "[redacted]"
 #: Object keys (and URL query parameters) whose values are never shown.
@@ -74,6 +77,16 @@ def pretty(value: Any, *, secret_safe: bool = True) -> str:
     """Indented JSON for a ``<pre>`` (redacted unless told otherwise)."""
     shown = redact(value) if secret_safe else value
     return json.dumps(shown, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+
+
+def shown(items: Sized) -> str:
+    """How many rows a page part shows: their count, or "the first N" when it hit its cap.
+
+    A run's steps and effects and an effect's attempt log stop at
+    ``views.PART_LIMIT`` rows; a bare count would pass for the whole.
+    """
+    cap = views.PART_LIMIT
+    return f"the first {cap}" if len(items) >= cap else str(len(items))
 
 
 def age(moment: datetime | None, now: datetime | None = None) -> str:
