@@ -302,7 +302,7 @@ class AuditVerifyReport(Report):
 
     runs_checked: int
     intact: bool
-    #: Run id → its breaks, the first first.
+    #: Run id (or "(no run)" for effects written outside any run) → its breaks, the first first.
     broken: dict[str, list[str]]
 
 
