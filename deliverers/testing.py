@@ -321,18 +321,23 @@ class IdempotentHttpSink:
                 "body": raw.decode(),
             }
         )
+        # Decided as the request arrives, not after the latency: a fault injected
+        # while older requests sleep (those of a deliverer just killed, say) is
+        # answered to the requests that come after it.
+        fault = self._next_fault()
         with self._lock:
             self.in_progress += 1
         try:
             if self.latency:
                 time.sleep(self.latency)
-            self._answer(handler, key, raw)
+            self._answer(handler, key, raw, fault)
         finally:
             with self._lock:
                 self.in_progress -= 1
 
-    def _answer(self, handler: BaseHTTPRequestHandler, key: str | None, raw: bytes) -> None:
-        fault = self._next_fault()
+    def _answer(
+        self, handler: BaseHTTPRequestHandler, key: str | None, raw: bytes, fault: Fault | None
+    ) -> None:
         if fault is not None:
             if fault.mode == "429":
                 self._reply(

@@ -160,9 +160,9 @@ def test_credentials_come_from_the_environment(ob: Outbox, dsn: str, sink, monke
     seen: list[str] = []
     original = sink._answer
 
-    def spy(handler, key, raw):  # type: ignore[no-untyped-def]
+    def spy(handler, key, raw, fault):  # type: ignore[no-untyped-def]
         seen.append(handler.headers.get("Authorization"))
-        original(handler, key, raw)
+        original(handler, key, raw, fault)
 
     sink._answer = spy
     intend(ob, f"{sink.url}/ledger", n=1, credential="sink")
