@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any, Generic, TypeVar
 from uuid import UUID
 
@@ -44,6 +45,8 @@ class RunDetail:
     signals: list[dict[str, Any]]
     ledger: list[dict[str, Any]]
     effects: list[dict[str, Any]]
+    #: Reservations given back (effects that failed or were cancelled), over the whole ledger.
+    released: Decimal = Decimal(0)
 
 
 def _rows(result: Any) -> list[dict[str, Any]]:
@@ -159,6 +162,7 @@ class ConsoleViews:
                 signals=_rows(conn.execute(sql.signals_of_run(), part)),
                 ledger=_rows(conn.execute(sql.ledger_of_run(), part)),
                 effects=_rows(conn.execute(sql.effects_of_run(), part)),
+                released=conn.execute(sql.released_of_run(), part).scalar_one(),
             )
 
     def effect(

@@ -360,3 +360,12 @@ def test_a_capped_part_says_so_and_the_queue_shows_the_last_attempt(
     assert "Attempt log (the first 1)" in effect_page
     queue = httpx.get(f"{console.url}/console/unknown").text
     assert "lease ran out mid-call" in queue, "what the last attempt recorded"
+
+
+def test_the_run_page_totals_what_the_budget_got_back(ob: Outbox, console: OutboxServer) -> None:
+    run = ob.start_run("billing", "v1", budget=10)
+    run.transaction("quote", lambda tx: tx.intend("k.quote", {"n": 1}, cost=3) and None)
+    ob.cancel(run.id, "customer left", by="carol")  # the unstarted quote gives its 3 back
+    page = httpx.get(f"{console.url}/console/runs/{run.id}").text
+    released = re.search(r'<dd id="released">([^<]*)</dd>', page)
+    assert released is not None and float(released[1]) == 3.0, page[:2000]

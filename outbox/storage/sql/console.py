@@ -166,6 +166,14 @@ def ledger_of_run() -> AnySelect:
     )
 
 
+def released_of_run() -> AnySelect:
+    """What run ``:run_id``'s budget got back: the sum of its ``release`` entries (by its index)."""
+    return select(func.coalesce(func.sum(budget_ledger.c.amount), 0)).where(
+        budget_ledger.c.run_id == bindparam("run_id", type_=PG_UUID(as_uuid=True)),
+        budget_ledger.c.entry == const("release"),
+    )
+
+
 def effects_of_run() -> AnySelect:
     """The effects of run ``:run_id`` in intent order (at most ``:lim``)."""
     return (
