@@ -100,30 +100,18 @@ def step_hash(prev: bytes, step: Mapping[str, Any], run_id: str, *, version: int
     Version 2 (steps completed since migration 0021) also covers ``status``,
     ``state_text`` and ``plan_text``; version 1 is how steps were chained before.
     """
-    if version == 1:
-        return _sha(
-            prev,
-            "outbox.step.v1"
-            + lp(run_id)
-            + lp(step["step_id"])
-            + lp(step["kind"])
-            + lp(step["result_text"])
-            + lp(step["error_text"])
-            + lp(_text(step["completed_us"])),
-        )
-    return _sha(
-        prev,
-        "outbox.step.v2"
-        + lp(run_id)
-        + lp(step["step_id"])
-        + lp(step["kind"])
-        + lp(step["status"])
-        + lp(step["result_text"])
-        + lp(step["error_text"])
-        + lp(step.get("state_text"))
-        + lp(step.get("plan_text"))
-        + lp(_text(step["completed_us"])),
-    )
+    v2 = version >= 2
+    fields = [
+        run_id,
+        step["step_id"],
+        step["kind"],
+        *([step["status"]] if v2 else []),
+        step["result_text"],
+        step["error_text"],
+        *([step.get("state_text"), step.get("plan_text")] if v2 else []),
+        _text(step["completed_us"]),
+    ]
+    return _sha(prev, f"outbox.step.v{version}" + "".join(lp(f) for f in fields))
 
 
 def _step_follows(prev: bytes, step: Mapping[str, Any], run_id: str) -> bool:
