@@ -233,13 +233,16 @@ class StepAlreadyRecorded(RunStateError):
 class BudgetExceeded(OutboxError):
     """A step would spend beyond the run's budget; nothing of the step was committed."""
 
-    def __init__(self, run_id: Any, requested: float, remaining: float) -> None:
+    def __init__(
+        self, run_id: Any, requested: float, remaining: float, *, what: str | None = None
+    ) -> None:
         self.run_id = run_id
         self.requested = requested
         self.remaining = remaining
-        super().__init__(
-            f"run_id={str(run_id)!r}: step needs {requested:g} but only {remaining:g} remains"
-        )
+        # ``what`` says what was refused when its cost is not known (a model request
+        # not made): "needs 0" would read as a bug.
+        needs = f"step needs {requested:g} but only" if what is None else f"{what}:"
+        super().__init__(f"run_id={str(run_id)!r}: {needs} {remaining:g} remains")
 
 
 class WaitTimeout(OutboxError):

@@ -198,22 +198,20 @@ async def _refuse_when_spent(run: AsyncRun, step_id: str) -> None:
     A request's cost is known only once the model has answered, so a run with
     anything left may still make one; one with nothing left must not.
     """
-    if run.record.budget is None:
-        return
+    remaining = run.record.remaining_budget
+    if remaining is None or remaining > 0:
+        return  # no budget, or something left by the handle's own count (no round trip)
+    # The handle counts its own debits and reservations, not what effects gave back
+    # since (a failed costly effect releases its reservation): ask the run's row.
     ctx = run.context
     assert isinstance(ctx, AsyncRunContext)
-    # The handle's record does not follow the debits of its own steps: read the run's row.
     current = await ctx.aio.run_tx(lambda tx: ctx.store.run_record(tx.connection, run.id))
     remaining = None if current is None else current.remaining_budget
     if remaining is None or remaining > 0:
-        return  # no run (the step's commit explains) or something left to spend
-    refused = BudgetExceeded(run.id, 0.0, float(remaining))
-    # The request's cost is unknown (it was never made): say so rather than "needs 0".
-    refused.args = (
-        f"run_id={str(run.id)!r}: budget spent ({float(remaining):g} remains); "
-        f"model request {step_id!r} not made",
+        return  # no run (the step's commit explains) or something was given back
+    raise BudgetExceeded(
+        run.id, 0.0, float(remaining), what=f"budget spent, model request {step_id!r} not made"
     )
-    raise refused
 
 
 def _recorded_already(tx: Any) -> Any:  # pragma: no cover - a recorded step never runs it

@@ -292,11 +292,15 @@ class RunBase:
 
         In a worker, a pause that waited for this step raises :class:`Paused` here.
         """
-        self._record = self._record.model_copy(
+        record = self._record
+        self._record = record.model_copy(
             update={
                 "current_step": step_id,
                 **({"state": decode(tx._state.value_json)} if tx._state is not None else {}),
                 **({"plan": decode(tx._plan.value_json)} if tx._plan is not None else {}),
+                # as the statement moved them: run.record.remaining_budget stays true
+                **({"spent": record.spent + tx._debit} if tx._debit else {}),
+                **({"reserved": record.reserved + tx._reserve} if tx._reserve else {}),
             }
         )
         result = None if stored is None else decode(stored.value_json)
