@@ -53,13 +53,13 @@ from agents import (
 )
 from agents.agent_output import AgentOutputSchemaBase
 from agents.items import TResponseInputItem, TResponseStreamEvent
-from agents.retry import ModelRetryAdvice, ModelRetryAdviceRequest
+from agents.retry import ModelRetryAdvice, ModelRetryAdviceRequest, ModelRetryNormalizedError
 from agents.tool_context import ToolContext
 from openai.types.responses.response_prompt_param import ResponsePromptParam
 from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 
-from outbox.errors import ValidationError
+from outbox.errors import OutboxError, ValidationError
 from outbox.integrations._scope import (
     _SCOPE,
     _STEP,
@@ -193,7 +193,15 @@ class RecordedModel(Model):
             yield event
 
     def get_retry_advice(self, request: ModelRetryAdviceRequest) -> ModelRetryAdvice | None:
-        """The wrapped model's advice."""
+        """Never retry a request the run refused; otherwise the wrapped model's advice."""
+        if isinstance(request.error, OutboxError):
+            # Budget spent, run ended, lease lost: a retry would be refused again, perhaps
+            # after paying for another model call. An abort vetoes any retry policy.
+            return ModelRetryAdvice(
+                suggested=False,
+                reason=str(request.error),
+                normalized=ModelRetryNormalizedError(is_abort=True),
+            )
         return self.model.get_retry_advice(request)
 
     async def close(self) -> None:
