@@ -31,6 +31,7 @@ config's provider) and function tools record. Outside a run nothing changes.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -52,14 +53,16 @@ from agents import (
     Tool,
 )
 from agents.agent_output import AgentOutputSchemaBase
+from agents.exceptions import AgentsException
 from agents.items import TResponseInputItem, TResponseStreamEvent
 from agents.retry import ModelRetryAdvice, ModelRetryAdviceRequest, ModelRetryNormalizedError
+from agents.run_config import ToolErrorFormatter, ToolErrorFormatterArgs
 from agents.tool_context import ToolContext
 from openai.types.responses.response_prompt_param import ResponsePromptParam
 from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 
-from outbox.errors import OutboxError, ValidationError
+from outbox.errors import EffectFailed, OutboxError, ValidationError, WaitTimeout
 from outbox.integrations._scope import (
     _SCOPE,
     _STEP,
@@ -233,6 +236,40 @@ def _recorded(model: Model) -> Model:
 
 # Marks a tool function as recording, so that wrapping twice wraps once.
 _RECORDING = "__outbox_recorded__"
+# Errors of the run itself that escaped the tool running in this task (see _run_errors).
+_ESCAPED: contextvars.ContextVar[list[Exception] | None] = contextvars.ContextVar(
+    "outbox_openai_escaped", default=None
+)
+
+
+def _ends_the_run(error: Exception | None) -> bool:
+    """An error of the run (budget, bad payload, ended run, database), not an outcome for the model.
+
+    A failed or timed-out effect and a signal that did not come are outcomes an
+    agent can act on; everything else agent-outbox raises is not the model's to fix.
+    """
+    return isinstance(error, OutboxError) and not isinstance(error, EffectFailed | WaitTimeout)
+
+
+def _run_errors(formatter: ToolErrorFormatter | None) -> ToolErrorFormatter:
+    """A ``tool_error_formatter`` that takes the run's own errors away from the model.
+
+    The SDK hands a tool's exception to the model as a message ("please try
+    again") by default. For an error of the run that would only loop: the
+    formatter, called with the exception that escaped the tool, notes it, and
+    :func:`record_tool` raises it instead of recording the message. Other
+    errors go to ``formatter`` (or the SDK's default).
+    """
+
+    def format_error(args: ToolErrorFormatterArgs[Any]) -> str | Awaitable[str | None] | None:
+        escaped = _ESCAPED.get()
+        if escaped is not None and args.kind == "tool_exception" and _ends_the_run(args.error):
+            assert args.error is not None
+            escaped.append(args.error)
+            return None
+        return None if formatter is None else formatter(args)
+
+    return format_error
 
 
 def record_tool(tool: FunctionTool) -> FunctionTool:
@@ -257,9 +294,17 @@ def record_tool(tool: FunctionTool) -> FunctionTool:
         step_id = _step_id(scope, f"tool:{tool.name}:{ctx.tool_call_id}")
 
         async def body() -> Any:
+            escaped: list[Exception] = []
+            token = _ESCAPED.set(escaped)
+            try:
+                output = await invoke(ctx, arguments)
+            finally:
+                _ESCAPED.reset(token)
+            if escaped:
+                raise escaped[0]  # the SDK made it a message; the run must not go on
             # The SDK turns what is not a structured output into str(): so do we, now,
             # so that the first run and every replay give the model the same value.
-            return to_jsonable_python(await invoke(ctx, arguments), fallback=str, by_alias=True)
+            return to_jsonable_python(output, fallback=str, by_alias=True)
 
         with in_step(step_id):
             return await scope.run.call(step_id, body)
@@ -339,6 +384,14 @@ async def run_agent(
         config,
         model_provider=RecordedModelProvider(config.model_provider),
         model=_recorded(config.model) if isinstance(config.model, Model) else config.model,
+        tool_error_formatter=_run_errors(config.tool_error_formatter),
     )
     async with in_run(run, prefix=prefix, price=price):
-        return await Runner.run(_Recorder().agent(agent), input, run_config=config, **kwargs)
+        try:
+            return await Runner.run(_Recorder().agent(agent), input, run_config=config, **kwargs)
+        except AgentsException as error:
+            # The SDK wraps an exception out of a tool ("Error running tool ..."): raise
+            # the run's own error, which a worker judges (a spent budget is not retried).
+            if isinstance(error.__cause__, OutboxError):
+                raise error.__cause__ from None
+            raise

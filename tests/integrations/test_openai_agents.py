@@ -197,6 +197,55 @@ def test_a_model_request_the_sdk_retries_keeps_its_step_and_is_not_made_on_repla
     assert steps == ["agent:model#1"]
 
 
+def test_a_tools_own_error_goes_to_the_model_and_an_error_of_the_run_ends_it(
+    dsn: str, tmp_path: Path
+) -> None:
+    """The SDK tells the model "please try again" for a failed tool; not for a bad effect."""
+    from agents import Agent, function_tool
+    from agents.testing import assistant_message, function_call
+
+    from outbox import PayloadError
+    from outbox.integrations.openai_agents import effect, run_agent
+    from tests.integrations.openai_agent import ScriptedModel, offline
+
+    @function_tool
+    def flaky_lookup(order_id: str) -> str:
+        """Look an order up (its database is down)."""
+        raise ConnectionError("orders database unreachable")
+
+    @function_tool
+    async def refund(order_id: str) -> str:
+        """Refund, with a payload that is not JSON."""
+        await effect("http.request", {"url": "http://127.0.0.1:9/refunds", "cents": float("nan")})
+        return "refunded"
+
+    def script(done: list[Any]) -> list[Any]:
+        if not done:
+            return [function_call("flaky_lookup", {"order_id": "o-1"}, call_id="c-1")]
+        if len(done) == 1:
+            return [function_call("refund", {"order_id": "o-1"}, call_id="c-2")]
+        return [assistant_message(f"gave up: {done}")]
+
+    model_log = tmp_path / "model.log"
+    agent = Agent(name="clumsy", model="scripted", tools=[flaky_lookup, refund])
+
+    async def main() -> tuple[list[str], Any]:
+        async with await AsyncOutbox.connect(dsn) as ob:
+            run = await ob.start_run("clumsy", "1", {}, budget=1000)
+            config = offline(ScriptedModel(script, str(model_log)))
+            with pytest.raises(PayloadError, match="cents"):
+                await run_agent(run, agent, "refund o-1", run_config=config)
+            done = await ob.run(run.id)
+            return done.completed_steps, done.step("agent:tool:flaky_lookup:c-1#1")
+
+    steps, lookup = asyncio.run(main())
+    # the lookup's failure was the model's to handle, recorded as the message it got
+    assert lookup is not None and "error occurred" in lookup.result
+    # the refund's bad payload ended the run: no tool step, no third model request
+    assert steps == ["agent:model#1", "agent:tool:flaky_lookup:c-1#1", "agent:model#2"]
+    assert lines(model_log) == ["request 1", "request 2"]
+
+
 def test_a_streamed_run_is_refused_inside_a_run(dsn: str) -> None:
     from agents import Agent, RunConfig, Runner
     from agents.testing import assistant_message
