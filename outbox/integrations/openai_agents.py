@@ -22,7 +22,11 @@ Inside a run:
   it: the effect is intended (a deliverer performs it with its idempotency
   key) and the tool returns once its result is known, the run parked at zero
   compute meanwhile;
-- a human approval is :func:`wait_for_signal` with a deadline.
+- a human approval is :func:`wait_for_signal` with a deadline;
+- an error of the run escaping a tool (a payload that is not JSON, a spent
+  budget) ends :func:`run_agent` with that error, where the SDK would hand
+  it to the model as "please try again"; a tool's other errors, a failed
+  effect and a signal timeout among them, reach the model as the SDK decides.
 
 :func:`run_agent` records the agent and every agent it hands off to: it runs a
 copy of each whose model (a ``Model`` instance, or a name looked up by the run
@@ -134,8 +138,8 @@ class RecordedModel(Model):
     ) -> ModelResponse:
         """The model's response: recorded once per run and request, then replayed."""
 
-        async def call() -> Any:
-            response = await self.model.get_response(
+        async def ask() -> ModelResponse:
+            return await self.model.get_response(
                 system_instructions,
                 input,
                 model_settings,
@@ -147,11 +151,14 @@ class RecordedModel(Model):
                 conversation_id=conversation_id,
                 prompt=prompt,
             )
+
+        async def call() -> Any:
+            response = await ask()
             return _RESPONSE.dump_python(response, mode="json", by_alias=True, exclude_unset=True)
 
         scope = _SCOPE.get()
         if scope is None:
-            return _RESPONSE.validate_python(await call())
+            return await ask()
         step_id = _step_id(scope, "model")
         try:
             recorded = await model_step(scope, step_id, call, _usage)
@@ -280,7 +287,8 @@ def record_tool(tool: FunctionTool) -> FunctionTool:
     what the tool returned, as the SDK hands it to the model (its error
     message too, for a tool the SDK lets fail softly); a replay returns that
     without running the tool. Effects and signal waits inside the tool are
-    named after its step.
+    named after its step. An error of the run escaping the tool is raised
+    instead of recorded under :func:`run_agent`'s run config.
     """
     invoke = tool.on_invoke_tool
     if getattr(invoke, _RECORDING, False):
