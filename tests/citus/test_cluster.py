@@ -9,6 +9,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from tests import citus_support
 from tests.citus_support import (
     CITUS_DIR_ENV,
     CitusCluster,
@@ -42,7 +43,7 @@ def test_every_node_runs_citus_and_the_workers_hold_the_shards(
         assert nodes == [(port, group) for group, port in enumerate(ports)]
         conn.execute("CREATE TABLE spread (shard smallint NOT NULL, n int NOT NULL)")
         conn.execute("SELECT create_distributed_table('spread', 'shard', shard_count := 8)")
-        per_node = dict(
+        per_node: dict[int, int] = dict(
             conn.execute("SELECT nodeport, count(*) FROM citus_shards GROUP BY 1").fetchall()
         )
     assert per_node == {citus_cluster.workers[0].port: 4, citus_cluster.workers[1].port: 4}
@@ -123,9 +124,10 @@ def test_without_the_variable_the_files_are_looked_for_beside_the_parents(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(CITUS_DIR_ENV, raising=False)
+    monkeypatch.setattr(citus_support, "DEV_MACHINE_DIR", tmp_path / "elsewhere")
     clone = tmp_path / "wt" / "branch"
     clone.mkdir(parents=True)
-    with pytest.raises(CitusUnavailable, match=CITUS_DIR_ENV):
+    with pytest.raises(CitusUnavailable, match=f"set {CITUS_DIR_ENV}.*elsewhere"):
         find_citus_dir(clone)
     shared = tmp_path / "shared" / "citus"
     shared.mkdir(parents=True)
