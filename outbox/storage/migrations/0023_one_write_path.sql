@@ -146,7 +146,8 @@ SELECT EXISTS (
      WHERE CASE WHEN abs(c.x) >= ('1e' || digits)::numeric THEN true
                 WHEN c.x = trunc(c.x) THEN false
                 WHEN abs(c.x) >= 1e308 OR abs(c.x) < 1e-307 THEN true
-                ELSE c.x::float8::numeric <> c.x END)
+                -- float8's text is its shortest exact digits (float8::numeric keeps 15)
+                ELSE c.x::float8::text::numeric <> c.x END)
 $$;
 
 -- Record step_id of run_id in the caller's transaction: the one implementation of a
