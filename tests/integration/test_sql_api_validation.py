@@ -105,18 +105,19 @@ READABLE = [
     "0.30000000000000004",
     "1796207686.943141",
     "2.50",
-    "1e300",
+    "1e-320",
     "-0.0001",
     "12345678901234567890",
 ]
-UNREADABLE = ["0.100000000000000000000000000001", "1e-400", "1.5e400", "3.14159265358979323846"]
+UNREADABLE = ["0.100000000000000000000000000001", "1e-400", "3.14159265358979323846"]
 
 
 @pytest.mark.parametrize("number", READABLE)
 def test_numbers_read_back_as_written_are_stored(db: Any, number: str) -> None:
     db.autocommit = True
-    row = intend(db, "a.b", json.loads(f'{{"n": {number}}}'))
-    stored = db.execute("SELECT payload FROM outbox_effects WHERE id = %s", [row[0]]).fetchone()
+    row = db.execute("SELECT * FROM outbox_intend('a.b', %s::jsonb)", [f'{{"n": {number}}}'])
+    effect_id = row.fetchone()[0]  # type: ignore[index]
+    stored = db.execute("SELECT payload FROM outbox_effects WHERE id = %s", [effect_id]).fetchone()
     assert stored is not None and stored[0] == json.loads(f'{{"n": {number}}}')
 
 
