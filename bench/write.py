@@ -111,7 +111,12 @@ def insert_pair(engine: Engine) -> Callable[[int], Work]:
                 key = uuid.uuid4().hex
                 conn.execute(
                     text(PAIR),
-                    {"id": uuid.uuid4(), "payload": f'{{"i": {i}, "w": {w}}}', "hash": key, "key": key},
+                    {
+                        "id": uuid.uuid4(),
+                        "payload": f'{{"i": {i}, "w": {w}}}',
+                        "hash": key,
+                        "key": key,
+                    },
                 )
 
         return work

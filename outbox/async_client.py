@@ -175,7 +175,9 @@ class AsyncOutbox:
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
         if not created:
             return await self.run(record.id)
-        return AsyncRun(self._ctx, record, [])
+        run = AsyncRun(self._ctx, record, [])
+        run.started = True
+        return run
 
     async def run(self, run_id: uuid.UUID | str, *, step_id: str | None = None) -> AsyncRun:
         """Load a run (in any process) to inspect or resume it.

@@ -184,7 +184,9 @@ class Outbox:
         log.info("run started", extra={"run_id": str(record.id), "agent": agent})
         if not created:
             return self.run(record.id)
-        return Run(self._ctx, record, [])
+        run = Run(self._ctx, record, [])
+        run.started = True
+        return run
 
     def run(self, run_id: uuid.UUID | str, *, step_id: str | None = None) -> Run:
         """Load a run (in any process) to inspect or resume it.

@@ -177,14 +177,15 @@ class _Intents:
             )
         index = self.count
         self.count += 1
+        effect_id = uuid7()
         if intent.key is not None:
             key = intent.key
             if dry_run:
                 key = f"{DRY_RUN_KIND_PREFIX}{run_id}:{key}"
         elif run_id is not None and step_id is not None:
             key = derive_key(run_id, step_id, index)
-        else:
-            key = uuid.uuid4().hex
+        else:  # the write function derives it from the id the same way
+            key = effect_id.hex
         if key in self._effects:
             gathered = self._effects[key]
             if (gathered.kind, gathered.payload_hash) != (kind, encoded.hash):
@@ -194,7 +195,7 @@ class _Intents:
             return gathered
         approval = None if intent.approval is None or dry_run else intent.approval
         row = IntentRow(
-            id=uuid7(),
+            id=effect_id,
             kind=intent.kind,
             payload_json=encoded.json,
             key=intent.key,

@@ -118,6 +118,9 @@ class RunBase:
         #: was recorded before, by this handle or another process, instead of
         #: recording it now (an HTTP replay answers 200 rather than 201 with it).
         self.last_replayed = False
+        #: From ``start_run``: True when that call started the run, False when it
+        #: returned one started before under the same id or business key.
+        self.started = False
 
     # -- what it is -------------------------------------------------------------
 

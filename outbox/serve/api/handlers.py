@@ -134,8 +134,8 @@ class ApiHandlers:
                 fairness_key=body.fairness_key,
                 mode=body.mode.value,
             )
-            # A business key names a run started before (under its own id): a repeat.
-            repeated = run.id != run_id
+            # The same id, or a business key, names a run started before: a repeat.
+            repeated = not run.started
             return _answer(200 if repeated else 201, RunAnswer(run=run.record, replayed=repeated))
         except OutboxError as exc:
             if body.run_id is None or getattr(exc, "field", None) != "run_id":

@@ -79,7 +79,10 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
                     -- a dry run never takes a key a real intent will need
                     THEN (outbox_reserved_kind_prefixes())[1] || p_run_id::text || ':' || f.key
                 WHEN f.key IS NOT NULL THEN f.key
-                WHEN p_run_id IS NULL THEN replace(gen_random_uuid()::text, '-', '')
+                -- the effect's id, so a client that sent the id knows the key
+                WHEN p_run_id IS NULL
+                    THEN replace(coalesce(outbox_json_uuid(a.item->'id'), gen_random_uuid())::text,
+                                 '-', '')
                 ELSE outbox_derive_key(p_run_id, p_step_id,
                                        coalesce(f.step_index, p_next + a.n::integer - 1))
            END AS key,

@@ -85,13 +85,10 @@ BEGIN
     SELECT r.* INTO run FROM outbox_runs AS r WHERE r.id = p_id;
     IF FOUND THEN
         IF run.agent <> outbox_begin_run.agent OR run.agent_version <> outbox_begin_run.version
-           OR NOT (run.inputs_hash = p_hash OR outbox_resolve(run.inputs) = p_inputs) THEN
+           OR NOT (run.inputs_hash = p_hash OR outbox_resolve(run.inputs) = p_inputs)
+           OR run.budget IS DISTINCT FROM outbox_begin_run.budget OR run.dry_run <> p_dry THEN
             PERFORM outbox_refuse('OB001', 'run_id', p_id::text,
-                'names a run started with another agent, version or inputs');
-        END IF;
-        IF run.dry_run <> p_dry THEN
-            PERFORM outbox_refuse('OB001', 'mode', mode,
-                format('run_id %s names a run started in the other mode', p_id));
+                'names a run started with another agent, version, inputs, budget or mode');
         END IF;
         RETURN;
     END IF;

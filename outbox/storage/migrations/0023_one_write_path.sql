@@ -793,7 +793,10 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
                     -- a dry run never takes a key a real intent will need
                     THEN (outbox_reserved_kind_prefixes())[1] || p_run_id::text || ':' || f.key
                 WHEN f.key IS NOT NULL THEN f.key
-                WHEN p_run_id IS NULL THEN replace(gen_random_uuid()::text, '-', '')
+                -- the effect's id, so a client that sent the id knows the key
+                WHEN p_run_id IS NULL
+                    THEN replace(coalesce(outbox_json_uuid(a.item->'id'), gen_random_uuid())::text,
+                                 '-', '')
                 ELSE outbox_derive_key(p_run_id, p_step_id,
                                        coalesce(f.step_index, p_next + a.n::integer - 1))
            END AS key,
@@ -1358,13 +1361,10 @@ BEGIN
     SELECT r.* INTO run FROM outbox_runs AS r WHERE r.id = p_id;
     IF FOUND THEN
         IF run.agent <> outbox_begin_run.agent OR run.agent_version <> outbox_begin_run.version
-           OR NOT (run.inputs_hash = p_hash OR outbox_resolve(run.inputs) = p_inputs) THEN
+           OR NOT (run.inputs_hash = p_hash OR outbox_resolve(run.inputs) = p_inputs)
+           OR run.budget IS DISTINCT FROM outbox_begin_run.budget OR run.dry_run <> p_dry THEN
             PERFORM outbox_refuse('OB001', 'run_id', p_id::text,
-                'names a run started with another agent, version or inputs');
-        END IF;
-        IF run.dry_run <> p_dry THEN
-            PERFORM outbox_refuse('OB001', 'mode', mode,
-                format('run_id %s names a run started in the other mode', p_id));
+                'names a run started with another agent, version, inputs, budget or mode');
         END IF;
         RETURN;
     END IF;
