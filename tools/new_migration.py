@@ -115,7 +115,7 @@ def changes(admin_dsn: str) -> tuple[list[str], list[str]]:
             raise SystemExit(f"type {name} changed: write its migration by hand (DROP ... CASCADE)")
         if kind == "function" and (kept is None or kept[1] != result):
             drops.append(f"DROP FUNCTION {name}({args});")
-    for (kind, name, args) in old:
+    for kind, name, args in old:
         if kind != "function" and (kind, name, args) not in new:
             raise SystemExit(f"{kind} {name} is in no file: drop it in a migration by hand")
     for (kind, name, args), (_, _, text) in new.items():
