@@ -16,6 +16,9 @@ from uuid import UUID
 
 __all__ = ["Batched", "ClaimedEffect", "Completion", "DutyAsk", "DutyFindings"]
 
+#: One encoder for every completion (``json.dumps`` with options builds one per call).
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
 
 @dataclass(frozen=True, slots=True)
 class ClaimedEffect:
@@ -80,7 +83,8 @@ class Completion:
 
     def as_json(self) -> str:
         """One element of the ``done`` parameter; result and detail spliced in as JSON text."""
-        head = json.dumps(
+        # A non-finite delay fails here, in this one row, not in the batch's statement.
+        head = _ENCODE(
             {
                 "id": str(self.effect_id),
                 "attempt": self.attempt,
@@ -89,10 +93,7 @@ class Completion:
                 "error": self.error,
                 "delay": self.delay,
                 "started_at": self.started_at,
-            },
-            separators=(",", ":"),
-            # A non-finite delay fails here, in this one row, not in the batch's statement.
-            allow_nan=False,
+            }
         )
         return (
             f'{head[:-1]},"result":{self.result_json or "null"},'
