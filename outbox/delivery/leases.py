@@ -21,7 +21,8 @@ from uuid import UUID
 
 from outbox.delivery.contract import Deliverer
 from outbox.delivery.metrics import DeliveryMetrics
-from outbox.storage.async_store import AsyncStore, ClaimedEffect
+from outbox.delivery.seam import DeliveryStore
+from outbox.storage.attempts import ClaimedEffect
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
 __all__ = ["Held", "Leases"]
@@ -251,7 +252,7 @@ class Leases:
                 )
 
     async def heartbeat(
-        self, store: AsyncStore, owner: str, lease_seconds: float, *, min_age: float = 0.0
+        self, store: DeliveryStore, owner: str, lease_seconds: float, *, min_age: float = 0.0
     ) -> None:
         """Push out every held lease; note, count and log the ones taken over (G4 holds anyway).
 

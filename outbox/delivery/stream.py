@@ -53,12 +53,13 @@ from outbox.delivery.leases import Leases
 from outbox.delivery.maintenance import every
 from outbox.delivery.offsets import Offsets, Read
 from outbox.delivery.reconcile import reconcile
+from outbox.delivery.recording import Written
 from outbox.delivery.settings import RelaySettings, StreamSettings
-from outbox.delivery.sources import wait_or_wake
+from outbox.delivery.sources import Writing, wait_or_wake
 from outbox.delivery.threads import DaemonThreads
 from outbox.faults import crash_point
 from outbox.retry import IdleBackoff
-from outbox.storage.async_store import AsyncStore, ClaimedEffect
+from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 from outbox.storage.notify import listen
 from outbox.storage.sql.common import EFFECTS_CHANNEL
 from outbox.storage.sql.queue import EFFECT_QUEUE
@@ -392,6 +393,10 @@ class KafkaSource:
             for tp, offset in due.items()
             if tp in owned and self._committed.get(tp) != offset
         }
+
+    async def write(self, batch: list[Completion], writing: Writing) -> Written:
+        """Write ``batch`` (the next claim comes with the next records, in :meth:`take`)."""
+        return await writing.writer.write(batch, timeout=writing.timeout)
 
     async def recorded(self, effect_ids: Sequence[uuid.UUID]) -> None:
         """Outcomes are durable: their records close (committed with the next read)."""

@@ -8,10 +8,11 @@ values, and every driver error as :class:`~outbox.errors.DatabaseError`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -26,10 +27,13 @@ from outbox.storage.attempts import Batched, ClaimedEffect, Completion, DutyAsk,
 from outbox.storage.claims import ClaimMode
 from outbox.storage.direct import DirectConnections, prepared
 from outbox.storage.engine import libpq_dsn, translate_errors
+from outbox.storage.notify import listen
+from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import duties, maintenance, owners, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
+from outbox.storage.sql.common import EFFECTS_CHANNEL
 from outbox.storage.store import read_state_counts
 
 __all__ = ["AsyncStore", "Batched", "ClaimedEffect", "Completion", "DutyAsk", "DutyFindings"]
@@ -76,6 +80,14 @@ class AsyncStore:
     def dsn(self) -> str:
         """The database, for connections of its own (LISTEN)."""
         return self.engine.url.render_as_string(hide_password=False)
+
+    def listen_for_effects(self, wake: asyncio.Event) -> Coroutine[Any, Any, None]:
+        """LISTEN for committed intents on a connection of its own (run it as a task)."""
+        return listen(self.dsn, EFFECTS_CHANNEL, wake)
+
+    def owner_lock(self, owner: str) -> OwnerLock:
+        """The session lock of ``owner``, on a connection of its own."""
+        return OwnerLock(self.dsn, owner)
 
     async def _claim_on(
         self,
