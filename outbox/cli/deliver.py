@@ -352,7 +352,7 @@ def relay(
 ) -> None:
     """Stream mode: publish pending effects to Kafka for `outbox deliver --from-kafka`."""
     from outbox.cli.logs import configure
-    from outbox.delivery.stream import Relay
+    from outbox.delivery.relay import Relay
 
     configure(logging.INFO, as_json=log_json)
     chosen = sorted(kinds) or sorted(load_deliverers(config_path, ()))

@@ -27,8 +27,9 @@ from deliverers.testing import TANSU_CONSUMER_TUNING, RecordingDeliverer, TansuB
 from outbox import EffectStatus, Outbox
 from outbox.delivery.leases import Leases
 from outbox.delivery.metrics import DeliveryMetrics
+from outbox.delivery.relay import _envelope
 from outbox.delivery.settings import StreamSettings
-from outbox.delivery.stream import KafkaSource, _envelope
+from outbox.delivery.stream import KafkaSource
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 from outbox.storage.engine import make_async_engine
