@@ -26,7 +26,7 @@ from outbox.delivery.leases import Leases
 from outbox.delivery.maintenance import Maintenance
 from outbox.delivery.metrics import DeliveryMetrics
 from outbox.delivery.recording import OutcomeWriter, Written, describe
-from outbox.delivery.seam import DeliveryStore
+from outbox.delivery.seam import DeliveryStore, OwnerLockLike
 from outbox.delivery.settings import DeliverySettings
 from outbox.delivery.sources import EffectSource, PollSource, Writing, wait_or_wake
 from outbox.delivery.storable import storable_text
@@ -106,7 +106,8 @@ class DeliveryDaemon:
         owner_lock = self.store.owner_lock(self.owner) if self.settings.early_recovery else None
         if owner_lock is not None:
             owner_lock.start()
-            if not await owner_lock.wait_held(OWNER_LOCK_WAIT_SECONDS):
+            held = await self._until_held_or_stopped(owner_lock)
+            if not held and not self._stopping.is_set():
                 log.warning(
                     "owner %s: no session lock yet; if this process dies its attempts "
                     "wait for their leases",
@@ -146,6 +147,18 @@ class DeliveryDaemon:
             for deliverer in self.deliverers.values():
                 # Clients such as httpx's belong to this event loop: close them on it.
                 await deliverer.aclose()
+
+    async def _until_held_or_stopped(self, lock: OwnerLockLike) -> bool:
+        """Wait for the owner lock, at most OWNER_LOCK_WAIT_SECONDS, or until a stop."""
+        held = asyncio.ensure_future(lock.wait_held(OWNER_LOCK_WAIT_SECONDS))
+        stopped = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({held, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not held.done():
+                held.cancel()
+        return held.done() and not held.cancelled() and held.result()
 
     async def _drain(self) -> None:
         for effect in self.leases.unstarted():

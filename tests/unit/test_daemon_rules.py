@@ -512,3 +512,31 @@ def test_the_daemon_runs_any_source_through_the_seam() -> None:
 
     asyncio.run(main())
     assert sum(written) == 30
+
+
+def test_a_stop_while_waiting_for_the_owner_lock_is_not_held_up_by_it() -> None:
+    """Regression: a stop during start-up waited out the owner lock's 5 s."""
+
+    class Elsewhere:  # the lock's session is held by someone else (a killed process's backend)
+        def start(self) -> None: ...
+
+        async def wait_held(self, timeout: float) -> bool:
+            await asyncio.sleep(timeout)
+            return False
+
+        async def close(self) -> None: ...
+
+    class Store(InMemoryStore):
+        def owner_lock(self, owner: str) -> Any:
+            return Elsewhere()
+
+    async def main() -> float:
+        daemon = DeliveryDaemon(Store(), {"k.i": Scripted("k.i")}, settings())
+        task = asyncio.create_task(daemon.run())
+        await asyncio.sleep(0.1)
+        began = time.monotonic()
+        daemon.stop()
+        await asyncio.wait_for(task, 10)
+        return time.monotonic() - began
+
+    assert asyncio.run(main()) < 2.0
