@@ -252,7 +252,7 @@ GC = (
 )
 STREAM = (
     "shape=shape | effects/s=rate:r0 | vs poll, same deliverers (min-max: rep i with rep i)=x:r2"
-    " | CPU µs/effect: relays / deliverers / broker / rest=cpu | machine busy=busy"
+    " | CPU µs/effect: relays / deliverers / broker / PostgreSQL / rest=cpu | machine busy=busy"
 )
 STATEMENTS = (
     "calls=calls | exec ms=mean_exec_ms:m3 | plan ms=mean_plan_ms:m3 | rows=rows_per_call:m1"
@@ -449,7 +449,8 @@ def other_sections(r: dict[str, Any]) -> list[Section]:
         if isinstance(x, dict):
             cpu = x["cpu_us_per_effect"]
             roles = [
-                num(cpu[k]) if k in cpu else "-" for k in ("relays", "deliverers", "broker", "rest")
+                num(cpu[k]) if k in cpu else "-"
+                for k in ("relays", "deliverers", "broker", "postgres", "rest")
             ]
             shapes.append({**x, "shape": k.replace("_", " "), "cpu": " / ".join(roles)})
             shapes[-1].update(

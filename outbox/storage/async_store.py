@@ -418,10 +418,11 @@ class AsyncStore:
             return set()
         params = queue.extend_params(held, owner=owner, lease_seconds=0)
         params["dispatch_ttl"] = dispatch_ttl
+        mark = prepared(effect_sql.mark_dispatched())
         with translate_errors("marking effects dispatched"):
-            async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.mark_dispatched(), params)
-                return {row[0] for row in result}
+            async with self._direct.connection() as conn, conn.transaction():
+                cur = await conn.execute(mark.sql, mark.params(params), prepare=True)
+                return {row["effect_id"] for row in await cur.fetchall()}
 
     async def claim_dispatched(
         self, ids: Sequence[UUID], *, owner: str, lease_seconds: float
@@ -430,9 +431,14 @@ class AsyncStore:
         if not ids:
             return []
         params = {"ids": list(ids), "owner": owner, "lease_seconds": lease_seconds}
+        began = time.perf_counter()
+        claim = prepared(effect_sql.claim_dispatched())
         with translate_errors("claiming dispatched effects"):
-            async with self.engine.begin() as conn:
-                return _claimed(await conn.execute(effect_sql.claim_dispatched(), params))
+            async with self._direct.connection() as conn:
+                cur = await conn.execute(claim.sql, claim.params(params), prepare=True)
+                rows = [ClaimedEffect.from_row(row) for row in await cur.fetchall()]
+        self._observe("claim", began, claim=len(rows))
+        return rows
 
     # -- the rest ----------------------------------------------------------------------
 

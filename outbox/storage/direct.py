@@ -66,12 +66,13 @@ def prepared(statement: Any) -> Prepared:
 
 
 class DirectConnections:
-    """Up to ``size`` psycopg connections (autocommit), each opened with ``options``.
+    """Up to ``size`` psycopg connections (autocommit), each opened with ``params``.
 
     A connection is taken by :meth:`connection` and given back after; one that
     failed at the connection level, or whose statement was cancelled half-way
     (its state is then unknown), is closed instead, and a new one opened when
-    needed. Nothing is opened before the first use.
+    needed. Nothing is opened before the first use. :meth:`close` closes them
+    all, as an engine's ``dispose`` does: the set may be used again after.
     """
 
     def __init__(self, conninfo: str, *, size: int = 4, **params: Any) -> None:
@@ -79,7 +80,9 @@ class DirectConnections:
         self._params = params
         self._idle: list[psycopg.AsyncConnection[dict[str, Any]]] = []
         self._slots = asyncio.Semaphore(size)
-        self._closed = False
+        #: Connections opened before the last close are not given back.
+        self._generation = 0
+        self._born: dict[int, int] = {}
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[dict[str, Any]]]:
@@ -90,33 +93,32 @@ class DirectConnections:
                 conn = await psycopg.AsyncConnection.connect(
                     self._conninfo, autocommit=True, row_factory=dict_row, **self._params
                 )
+                self._born[id(conn)] = self._generation
             try:
                 yield conn
             except BaseException as exc:
                 if isinstance(exc, Exception) and not conn.broken:
-                    self._give_back(conn)  # a statement's error: the connection is fine
+                    await self._give_back(conn)  # a statement's error: the connection is fine
                 else:  # cancelled (or worse) mid-statement: its state is unknown
-                    await _close(conn)
+                    await self._discard(conn)
                 raise
-            self._give_back(conn)
+            await self._give_back(conn)
 
-    def _give_back(self, conn: psycopg.AsyncConnection[dict[str, Any]]) -> None:
-        if self._closed or conn.closed:
-            return
-        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            # Left in a transaction (an error inside one): not reusable as it is.
-            asyncio.get_running_loop().create_task(_close(conn))
+    async def _give_back(self, conn: psycopg.AsyncConnection[dict[str, Any]]) -> None:
+        idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        if conn.closed or not idle or self._born.get(id(conn)) != self._generation:
+            await self._discard(conn)  # left in a transaction, or opened before a close
             return
         self._idle.append(conn)
 
+    async def _discard(self, conn: psycopg.AsyncConnection[dict[str, Any]]) -> None:
+        self._born.pop(id(conn), None)
+        with contextlib.suppress(Exception):  # a broken connection: nothing more to do
+            await conn.close()
+
     async def close(self) -> None:
-        """Close every idle connection; connections in use are closed when given back."""
-        self._closed = True
+        """Close every connection (those in use when they are given back)."""
+        self._generation += 1
         idle, self._idle = self._idle, []
         for conn in idle:
-            await _close(conn)
-
-
-async def _close(conn: psycopg.AsyncConnection[Any]) -> None:
-    with contextlib.suppress(Exception):  # a broken connection: nothing more to do
-        await conn.close()
+            await self._discard(conn)

@@ -196,7 +196,7 @@ def test_a_failed_claim_keeps_its_records_until_they_are_claimed(
                 assert await source.take(room) == []
             assert await source.take(room) == []  # tried again, refused again
             assert committed(broker) == {0: None, 1: None}
-            await refused.engine.dispose()  # its sessions carried the limited role
+            await refused.dispose()  # its sessions carried the limited role
         try:
             claimed = await take_until(source, room, lambda got: len(got) == 2)
             assert {e.id for e in claimed} == {x.id, y.id}
