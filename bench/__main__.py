@@ -9,6 +9,7 @@ picks some; ``--quick`` shrinks each one):
   processes      one and two `outbox deliver` processes, no-op python.call sink
   procrastinate  one Procrastinate worker draining as many no-op jobs
   latency        commit -> handler start at 100/s, beside Procrastinate's
+  fairness       a trickle of one fairness key, and of one kind, beside a 50k backlog
   write          run.transaction (1 intent) vs a bare insert, 1/4/8 writers
   pgbench        the floor: the same work in SQL, 1/4/8 clients
   dbos           DBOS Transact no-op two-step workflows, 1 and 8 threads
@@ -38,7 +39,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import delivery, latency, memory, recovery, report, scale, stream, write
+from bench import delivery, fairness, latency, memory, recovery, report, scale, stream, write
 from bench.harness import REPO, Bench, ForeignCpu, importable, log, machine_info
 
 Section = Callable[[Bench, Path, bool], dict[str, Any]]
@@ -48,6 +49,7 @@ SECTIONS: dict[str, Section] = {
     "processes": delivery.deliverer_processes,
     "procrastinate": delivery.procrastinate,
     "latency": latency.latency,
+    "fairness": fairness.fairness,
     "write": write.write,
     "pgbench": write.pgbench,
     "dbos": write.dbos,

@@ -213,6 +213,7 @@ class InMemoryStore:
         rates: Mapping[str, Rate] | None = None,
     ) -> list[ClaimedEffect]:
         """Claim up to each kind's quota (see the module docstring)."""
+        await asyncio.sleep(0)  # a statement's round trip lets others run
         self._fault("claim")
         return self._claim(quotas, owner, lease_seconds, rates)
 
@@ -269,6 +270,7 @@ class InMemoryStore:
 
     async def complete(self, owner: str, done: Sequence[Completion]) -> list[tuple[UUID, str]]:
         """Record outcomes, fenced: a row changes only while it still holds the attempt."""
+        await asyncio.sleep(0)  # a statement's round trip lets others run
         self._fault("complete")
         self._check_outcomes(done)
         return self._complete(owner, done)
@@ -314,6 +316,7 @@ class InMemoryStore:
         probe: DutyAsk | None = None,
     ) -> Batched:
         """All of it or nothing: outcomes, the next claim, renewals, the probe."""
+        await asyncio.sleep(0)  # a statement's round trip lets others run
         self._fault("complete", "complete_and_claim")
         self._check_outcomes(done)
         logged = self._complete(owner, done)
@@ -326,6 +329,7 @@ class InMemoryStore:
         self, spec: QueueSpec, held: Sequence[tuple[UUID, int]], *, owner: str, lease_seconds: float
     ) -> set[UUID]:
         """Push out the leases still ours; their ids."""
+        await asyncio.sleep(0)  # a statement's round trip lets others run
         self._fault("extend")
         return self._extend(held, owner, lease_seconds)
 
@@ -358,6 +362,7 @@ class InMemoryStore:
         self, effect_id: UUID, attempt: int, *, owner: str, note: Mapping[str, Any]
     ) -> bool:
         """Keep a deliverer's note on the attempt, fenced."""
+        await asyncio.sleep(0)  # a statement's round trip lets others run
         self._fault("note")
         effect = self.effects.get(effect_id)
         if not self._ours(effect, attempt, owner):
@@ -383,6 +388,7 @@ class InMemoryStore:
 
     async def probe_duties(self, ask: DutyAsk) -> DutyFindings:
         """Whether the reconciler has work (runs, hence approvals and stopping, are not kept)."""
+        await asyncio.sleep(0)  # a statement's round trip lets others run
         self._fault("probe")
         return self._probe(ask)
 

@@ -227,6 +227,34 @@ def test_a_declared_rate_is_shared_out_by_the_claims() -> None:
     assert time.monotonic() - began >= 0.45
 
 
+def test_a_trickle_of_one_kind_is_claimed_with_a_backlog_that_fills_the_daemon() -> None:
+    """Regression: a kind whose claims came back short waited up to a second behind a backlog."""
+    store = InMemoryStore()
+
+    async def busy(delivery: Delivery) -> Outcome:
+        await asyncio.sleep(0.02)
+        return Succeeded()
+
+    backlog, trickle = Scripted("k.backlog", busy), Scripted("k.trickle")
+    for n in range(3000):
+        store.add("k.backlog", {"n": n})
+    waited: list[float] = []
+
+    async def scenario(daemon: DeliveryDaemon) -> None:
+        await until(lambda: len(daemon.leases) >= 15)  # about full: little room for the trickle
+        for n in range(6):
+            added = time.monotonic()
+            store.add("k.trickle", {"n": n})
+            await until(lambda n=n: len(trickle.calls) > n)
+            waited.append(time.monotonic() - added)
+            await asyncio.sleep(0.13)
+
+    run(
+        store, {"k.backlog": backlog, "k.trickle": trickle}, scenario, concurrency=20, batch_size=10
+    )
+    assert max(waited) < 0.4, [round(w, 3) for w in waited]
+
+
 # -- retries, failures, ordering ----------------------------------------------------------
 
 
