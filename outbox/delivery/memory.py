@@ -496,7 +496,7 @@ class InMemoryStore:
         raise OutboxError(f"{what}: the in-memory store keeps no runs")
 
     async def state_counts(self) -> StateCounts:
-        """Open effects by (status, kind) and the oldest pending one's age."""
+        """Open effects by (status, kind), and how long the longest-due pending one waited."""
         now = time.monotonic()
         counts: dict[tuple[str, str], int] = defaultdict(int)
         oldest = 0.0
@@ -504,5 +504,5 @@ class InMemoryStore:
             if e.status in _OPEN:
                 counts[(str(e.status), e.kind)] += 1
             if e.status == EffectStatus.PENDING and e.available_at <= now:
-                oldest = max(oldest, (datetime.now(UTC) - e.created_at).total_seconds())
+                oldest = max(oldest, now - e.available_at)
         return StateCounts(runs={}, effects=dict(counts), oldest_pending_seconds=oldest)
