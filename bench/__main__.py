@@ -17,6 +17,9 @@ picks some; ``--quick`` shrinks each one):
   memory         peak RSS of a deliverer draining 1k vs 1M effects
   scale          claims with 10k/1M/10M finished rows; `outbox gc` retention
   stream         stream mode (relay + Kafka) vs poll mode, same processes
+  runctl         claims of large payloads, of many fairness keys; pausing a run
+  async          steps/s through AsyncOutbox and Outbox, 1 and 50 runs
+  console        every console page's server time at 1M effects
 
 It prints the targets, writes every figure as JSON (``--json``, by default
 bench/results/last.json) and the page (``--report``; by default
@@ -39,7 +42,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import delivery, fairness, latency, memory, recovery, report, scale, stream, write
+from bench import (
+    components,
+    delivery,
+    fairness,
+    latency,
+    memory,
+    recovery,
+    report,
+    scale,
+    stream,
+    write,
+)
 from bench.harness import REPO, Bench, ForeignCpu, importable, log, machine_info
 
 Section = Callable[[Bench, Path, bool], dict[str, Any]]
@@ -57,6 +71,9 @@ SECTIONS: dict[str, Section] = {
     "memory": memory.memory,
     "scale": scale.scale,
     "stream": stream.stream,
+    "runctl": components.runctl_figures,
+    "async": components.async_figures,
+    "console": components.console_figures,
 }
 #: Sections that need a package of the bench extra.
 NEEDS = {"procrastinate": "procrastinate", "dbos": "dbos"}
