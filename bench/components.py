@@ -68,13 +68,13 @@ def component_targets(t: Any, r: dict[str, Any]) -> None:
 
     large = get(r, "runctl", "large") or {}
     if len(large) == 3:
-        small, by_ref, _ = (large[k]["p50"] for k in large)
+        small, by_ref, _ = (_ms(large[k]["p50"]) for k in large)
         t.ratio(
             "run control: a claim of large payloads by reference ≤ 1.1x small ones",
             by_ref,
             small,
             1.1,
-            "s p50",
+            "ms p50",
             most=True,
         )
     pages = get(r, "console", "pages") or []

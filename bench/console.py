@@ -118,14 +118,20 @@ def pages(dsn: str) -> dict[str, str]:
             assert row is not None
             return str(row[0])
 
-        run = one("SELECT id FROM outbox_runs ORDER BY created_at DESC OFFSET 500 LIMIT 1")
+        runs = int(one("SELECT count(*) FROM outbox_runs"))
+        effects = int(one("SELECT count(*) FROM outbox_effects"))
+        run = one(
+            f"SELECT id FROM outbox_runs ORDER BY created_at DESC OFFSET {runs // 20} LIMIT 1"
+        )
         effect = one("SELECT id FROM outbox_effects WHERE status = 'unknown' LIMIT 1")
         key = one("SELECT idempotency_key FROM outbox_effects ORDER BY id LIMIT 1")
         deep_run = one(
             "SELECT created_at::text || '~' || id FROM outbox_runs"
-            " ORDER BY created_at DESC, id DESC OFFSET 5000 LIMIT 1"
+            f" ORDER BY created_at DESC, id DESC OFFSET {runs // 2} LIMIT 1"
         )
-        deep_effect = one("SELECT id FROM outbox_effects ORDER BY id DESC OFFSET 500000 LIMIT 1")
+        deep_effect = one(
+            f"SELECT id FROM outbox_effects ORDER BY id DESC OFFSET {effects // 2} LIMIT 1"
+        )
     return {
         "overview (counts afresh)": "/console/",
         "runs, first page": "/console/runs",
