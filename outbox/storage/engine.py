@@ -255,12 +255,6 @@ def translate_errors(action: str) -> Iterator[None]:
         raise DatabaseError(f"{action} failed: {exc.orig}", **_nature(exc)) from exc
     except sqlalchemy.exc.SQLAlchemyError as exc:
         raise DatabaseError(f"{action} failed: {exc}", **_nature(exc)) from exc
-    except psycopg.Error as exc:  # the delivery path's own connections (storage.direct)
-        diag = exc.diag
-        typed = sql_api_error(exc.sqlstate, diag.message_primary or str(exc), diag.message_detail)
-        if typed is not None:
-            raise typed from exc
-        raise DatabaseError(f"{action} failed: {exc}", **_driver_nature(exc)) from exc
 
 
 #: SQLSTATE classes of errors that say nothing about the statement itself:
@@ -274,21 +268,15 @@ def _nature(exc: sqlalchemy.exc.SQLAlchemyError) -> dict[str, Any]:
     if isinstance(exc, sqlalchemy.exc.TimeoutError | sqlalchemy.exc.DisconnectionError):
         return {"sqlstate": None, "transient": True}  # the pool: no statement ran
     orig = getattr(exc, "orig", None)
-    nature = _driver_nature(orig)
-    if nature["sqlstate"] is None and getattr(exc, "connection_invalidated", False):
-        nature["transient"] = True
-    return nature
-
-
-def _driver_nature(orig: object) -> dict[str, Any]:
-    """``sqlstate`` and ``transient`` of what the driver raised."""
     sqlstate = getattr(orig, "sqlstate", None)
     if sqlstate:
         return {"sqlstate": sqlstate, "transient": sqlstate[:2] in TRANSIENT_SQLSTATE_CLASSES}
     # No code from the server: the connection failed, or the driver refused the
     # parameters before sending them (an encoding error), which would recur.
-    lost = isinstance(orig, psycopg.OperationalError | psycopg.InterfaceError)
-    return {"sqlstate": None, "transient": lost}
+    connection_lost = bool(getattr(exc, "connection_invalidated", False)) or isinstance(
+        orig, psycopg.OperationalError | psycopg.InterfaceError
+    )
+    return {"sqlstate": None, "transient": connection_lost}
 
 
 def resolve_dsn(settings: Settings) -> tuple[str, bool]:
