@@ -459,35 +459,25 @@ class InMemoryStore:
         effect.lease_owner, effect.lease_expires_at = owner, now + lease_seconds
         return True
 
-    async def mark_unknown_kinds(
-        self, known: Sequence[str], *, grace_seconds: float, note_prefix: str, max_rows: int = 1000
-    ) -> int:
-        """Not kept here."""
+    async def mark_unknown_kinds(self, known: Sequence[str], **_: Any) -> int:
+        """Notes on unknown kinds are not kept here."""
         return 0
 
-    async def note_blocked_by_order(self, *, grace_seconds: float, max_rows: int = 1000) -> int:
-        """Not kept here."""
+    async def note_blocked_by_order(self, **_: Any) -> int:
+        """Notes on blocked ordering keys are not kept here."""
         return 0
 
-    async def gone_owners(
-        self, kinds: Sequence[str], *, restart_grace: float
-    ) -> list[tuple[str, bool]]:
+    async def gone_owners(self, kinds: Sequence[str], **_: Any) -> list[tuple[str, bool]]:
         """No owner is ever gone: memory is one process."""
         return []
 
     async def expire_gone_owner(
-        self,
-        owner: str,
-        limits: Mapping[str, int],
-        *,
-        note: str,
-        worker: str,
-        restart_grace: float,
+        self, owner: str, limits: Mapping[str, int], **_: Any
     ) -> list[UUID]:
         """No owner is ever gone."""
         return []
 
-    async def forget_gone_owners(self, candidates: Sequence[str], *, restart_grace: float) -> int:
+    async def forget_gone_owners(self, candidates: Sequence[str], **_: Any) -> int:
         """No owner is ever gone."""
         return 0
 

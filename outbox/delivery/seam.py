@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from uuid import UUID
 
 from outbox.storage.attempts import Batched, ClaimedEffect, Completion, DutyAsk, DutyFindings
@@ -178,3 +178,11 @@ class DeliveryStore(Protocol):
     async def state_counts(self) -> StateCounts:
         """What the gauges show."""
         ...
+
+
+if TYPE_CHECKING:  # mypy holds both stores to the seam
+    from outbox.delivery.memory import InMemoryStore
+    from outbox.storage.async_store import AsyncStore
+
+    def _both_fill_it(pg: AsyncStore, memory: InMemoryStore) -> list[DeliveryStore]:
+        return [pg, memory]
