@@ -9,6 +9,7 @@ picks some; ``--quick`` shrinks each one):
   processes      one and two `outbox deliver` processes, no-op python.call sink
   procrastinate  one Procrastinate worker draining as many no-op jobs
   latency        commit -> handler start at 100/s, beside Procrastinate's
+  fairness       a trickle of one fairness key, and of one kind, beside a 50k backlog
   write          run.transaction (1 intent) vs a bare insert, 1/4/8 writers
   pgbench        the floor: the same work in SQL, 1/4/8 clients
   dbos           DBOS Transact no-op two-step workflows, 1 and 8 threads
@@ -16,6 +17,9 @@ picks some; ``--quick`` shrinks each one):
   memory         peak RSS of a deliverer draining 1k vs 1M effects
   scale          claims with 10k/1M/10M finished rows; `outbox gc` retention
   stream         stream mode (relay + Kafka) vs poll mode, same processes
+  runctl         claims of large payloads, of many fairness keys; pausing a run
+  async          steps/s through AsyncOutbox and Outbox, 1 and 50 runs
+  console        every console page's server time at 1M effects
 
 It prints the targets, writes every figure as JSON (``--json``, by default
 bench/results/last.json) and the page (``--report``; by default
@@ -38,7 +42,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import delivery, latency, memory, recovery, report, scale, stream, write
+from bench import (
+    components,
+    delivery,
+    fairness,
+    latency,
+    memory,
+    recovery,
+    report,
+    scale,
+    stream,
+    write,
+)
 from bench.harness import REPO, Bench, ForeignCpu, importable, log, machine_info
 
 Section = Callable[[Bench, Path, bool], dict[str, Any]]
@@ -48,6 +63,7 @@ SECTIONS: dict[str, Section] = {
     "processes": delivery.deliverer_processes,
     "procrastinate": delivery.procrastinate,
     "latency": latency.latency,
+    "fairness": fairness.fairness,
     "write": write.write,
     "pgbench": write.pgbench,
     "dbos": write.dbos,
@@ -55,6 +71,9 @@ SECTIONS: dict[str, Section] = {
     "memory": memory.memory,
     "scale": scale.scale,
     "stream": stream.stream,
+    "runctl": components.runctl_figures,
+    "async": components.async_figures,
+    "console": components.console_figures,
 }
 #: Sections that need a package of the bench extra.
 NEEDS = {"procrastinate": "procrastinate", "dbos": "dbos"}

@@ -96,13 +96,13 @@ LOAD = [
 ]
 
 
-def load(dsn: str) -> dict[str, float]:
+def load(dsn: str, *, runs: int = RUNS) -> dict[str, float]:
     """Fill the database; return seconds per statement."""
     took = {}
     with psycopg.connect(dsn, autocommit=True) as conn:
         for statement in LOAD:
             began = time.perf_counter()
-            conn.execute(statement, {"runs": RUNS, "per_run": EFFECTS_PER_RUN})
+            conn.execute(statement, {"runs": runs, "per_run": EFFECTS_PER_RUN})
             took[statement.split()[2] if statement.strip() != "ANALYZE" else "analyze"] = (
                 time.perf_counter() - began
             )
@@ -118,14 +118,20 @@ def pages(dsn: str) -> dict[str, str]:
             assert row is not None
             return str(row[0])
 
-        run = one("SELECT id FROM outbox_runs ORDER BY created_at DESC OFFSET 500 LIMIT 1")
+        runs = int(one("SELECT count(*) FROM outbox_runs"))
+        effects = int(one("SELECT count(*) FROM outbox_effects"))
+        run = one(
+            f"SELECT id FROM outbox_runs ORDER BY created_at DESC OFFSET {runs // 20} LIMIT 1"
+        )
         effect = one("SELECT id FROM outbox_effects WHERE status = 'unknown' LIMIT 1")
         key = one("SELECT idempotency_key FROM outbox_effects ORDER BY id LIMIT 1")
         deep_run = one(
             "SELECT created_at::text || '~' || id FROM outbox_runs"
-            " ORDER BY created_at DESC, id DESC OFFSET 5000 LIMIT 1"
+            f" ORDER BY created_at DESC, id DESC OFFSET {runs // 2} LIMIT 1"
         )
-        deep_effect = one("SELECT id FROM outbox_effects ORDER BY id DESC OFFSET 500000 LIMIT 1")
+        deep_effect = one(
+            f"SELECT id FROM outbox_effects ORDER BY id DESC OFFSET {effects // 2} LIMIT 1"
+        )
     return {
         "overview (counts afresh)": "/console/",
         "runs, first page": "/console/runs",
@@ -168,6 +174,18 @@ def measure(base: str, urls: dict[str, str], repeat: int) -> list[dict[str, Any]
     return results
 
 
+def serve_and_measure(dsn: str, repeat: int) -> list[dict[str, Any]]:
+    """Serve the console on uvicorn in this process (count cache off) and time every page."""
+    with Outbox.connect(dsn) as ob:
+        serving = OutboxServer(
+            ob, ServeSettings(port=0, counts_cache_seconds=0), Credentials()
+        ).start()
+        try:
+            return measure(serving.url, pages(dsn), repeat)
+        finally:
+            serving.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dsn", help="an empty database to fill (default: an embedded server)")
@@ -193,14 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loading {RUNS} runs and {RUNS * EFFECTS_PER_RUN} effects …", file=sys.stderr)
         loaded = load(dsn)
         print("loaded: " + ", ".join(f"{k} {v:.1f}s" for k, v in loaded.items()), file=sys.stderr)
-        with Outbox.connect(dsn) as ob:
-            serving = OutboxServer(
-                ob, ServeSettings(port=0, counts_cache_seconds=0), Credentials()
-            ).start()
-            try:
-                results = measure(serving.url, pages(dsn), args.repeat)
-            finally:
-                serving.shutdown()
+        results = serve_and_measure(dsn, args.repeat)
     finally:
         if server is not None:
             server.stop(mode="immediate")

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event, text
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bench import processes
 from bench.harness import Bench, Meter, log, run_python, summarize
@@ -36,8 +35,7 @@ from outbox.delivery.daemon import DeliveryDaemon
 from outbox.delivery.settings import DeliverySettings
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 from outbox.storage.engine import make_async_engine
-from outbox.storage.sql.effects import complete_effects
-from outbox.storage.sql.queue import EFFECT_QUEUE, claim
+from outbox.storage.sql.queue import EFFECT_QUEUE
 
 PROCRASTINATE_DB = "procrastinate_bench"
 #: Seconds for every backend to have reported its transaction counts.
@@ -126,28 +124,22 @@ def baseline(bench: Bench, workdir: Path, quick: bool) -> dict[str, Any]:
 
 
 class StoreProbe:
-    """Counts and times the store's transactions with SQLAlchemy events (nothing subclassed).
+    """Counts and times the store's transactions (nothing subclassed).
 
-    Every :class:`AsyncStore` method is one transaction on one pooled
-    connection, from checkout to checkin (commit included); the statement it
-    ran names it: ``claim``, ``complete`` or ``other`` (heartbeat, reconciler,
-    gauges). Rows come from the cursor's row count. When ``target`` effects
-    have been completed, ``reached`` is set, at the checkin after the commit.
+    Claims and outcome writes are told by the store itself
+    (:attr:`AsyncStore.observer`); every other transaction (heartbeat, reconciler,
+    gauges) is one pooled engine connection from checkout to checkin, seen
+    through SQLAlchemy events. When ``target`` effects have been completed,
+    ``reached`` is set.
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        # Every variant the store may run (claim() is cached per argument list, so
-        # each one is the object the store executes).
-        self.statements = {
-            id(claim(EFFECT_QUEUE, rated=rated, lanes=lanes)): "claim"
-            for rated in (False, True)
-            for lanes in (False, True)
-        }
-        self.statements[id(complete_effects())] = "complete"
+    def __init__(self, store: AsyncStore) -> None:
         self.arm(-1)
-        event.listen(engine.sync_engine, "checkout", self._checkout)
-        event.listen(engine.sync_engine, "after_cursor_execute", self._executed)
-        event.listen(engine.sync_engine, "checkin", self._checkin)
+        store.observer = self._observed
+        engine = store.engine.sync_engine
+        event.listen(engine, "checkout", self._checkout)
+        event.listen(engine, "after_cursor_execute", self._executed)
+        event.listen(engine, "checkin", self._checkin)
 
     def arm(self, target: int) -> None:
         self.calls: dict[str, int] = defaultdict(int)
@@ -157,23 +149,22 @@ class StoreProbe:
         self.target, self.reached, self.reached_at = target, threading.Event(), 0.0
 
     def _checkout(self, dbapi_conn: Any, record: Any, proxy: Any) -> None:
-        record.info["probe"] = [time.perf_counter(), defaultdict(int)]
+        record.info["probe"] = [time.perf_counter(), False]
 
     def _executed(
         self, conn: Any, cursor: Any, sql: Any, params: Any, context: Any, many: Any
     ) -> None:
         probe = conn.info.get("probe")
         if probe is not None:
-            statement = getattr(getattr(context, "compiled", None), "statement", None)
-            probe[1][self.statements.get(id(statement), "other")] += max(cursor.rowcount, 0)
+            probe[1] = True
 
     def _checkin(self, dbapi_conn: Any, record: Any) -> None:
-        began, rows = record.info.pop("probe", (0.0, {}))
-        if not rows:
-            return
-        # A transaction that completes a batch and claims the next is "complete+claim".
-        what = "+".join(k for k in ("complete", "claim") if k in rows) or "other"
-        span = time.perf_counter() - began
+        began, ran = record.info.pop("probe", (0.0, False))
+        if ran:
+            self.calls["other"] += 1
+            self.seconds["other"] += time.perf_counter() - began
+
+    def _observed(self, what: str, span: float, rows: Mapping[str, int]) -> None:
         self.calls[what] += 1
         self.seconds[what] += span
         if rows.get("claim"):
@@ -206,7 +197,8 @@ class DaemonRunner:
         self, dsn: str, deliverers: Mapping[str, Deliverer], settings: DeliverySettings
     ) -> None:
         self.engine = make_async_engine(dsn)
-        self.probe = StoreProbe(self.engine)
+        self.store = AsyncStore(self.engine)
+        self.probe = StoreProbe(self.store)
         self.deliverers, self.settings = deliverers, settings
         self.daemon: DeliveryDaemon | None = None
         self.error: BaseException | None = None
@@ -216,13 +208,13 @@ class DaemonRunner:
 
     def _main(self) -> None:
         async def main() -> None:
-            self.daemon = DeliveryDaemon(AsyncStore(self.engine), self.deliverers, self.settings)
+            self.daemon = DeliveryDaemon(self.store, self.deliverers, self.settings)
             self._loop = asyncio.get_running_loop()
             self._ready.set()
             try:
                 await self.daemon.run()
             finally:
-                await self.engine.dispose()
+                await self.store.dispose()
 
         try:
             asyncio.run(main())

@@ -184,6 +184,22 @@ class RssSampler:
         self._thread.join(5)
 
 
+def postgres_cpu(pgdata: Path) -> float:
+    """CPU seconds used so far by our PostgreSQL: its postmaster and every child of it.
+
+    Unlike the machine's busy time less ours, other work on the machine does not
+    count; a backend that exited in between is missed (a section's connections
+    stay open while it is measured).
+    """
+    table = process_table()
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        root = int((pgdata / "postmaster.pid").read_text().split()[0])
+        return table.get(root, (0, 0.0))[1] + sum(
+            cpu for ppid, cpu in table.values() if ppid == root
+        )
+    return 0.0
+
+
 class ForeignCpu:
     """CPU used by processes that are not this benchmark's (another test run, say).
 

@@ -1,8 +1,10 @@
-"""Run-control figures: claims before and after, large payloads, fairness, lanes, the write path.
+"""Run-control figures: claims before and after, large payloads, lanes, the write path.
 
     python -m bench.runctl [--only SECTIONS] [--baseline-ref main] [--reps 3] [--json PATH]
 
-Sections (``--only`` takes a comma-separated list):
+Sections (``--only`` takes a comma-separated list; ``large``, ``lanes`` and ``pause``
+are also the ``runctl`` section of ``python -m bench``, and the fairness figures
+its ``fairness`` section):
 
   claims     the plain claim (no priorities, one fairness key): p50/p99 of claims of 100
              and of 1 from a 30,000-effect backlog, this code beside a baseline's
@@ -10,9 +12,6 @@ Sections (``--only`` takes a comma-separated list):
   large      claim p50/p99 draining 10,000 effects with small payloads, with large payloads
              stored by reference, and (to show what that buys) the same large payloads in
              the row; row and table sizes
-  fairness   two fairness keys: tenant A holds a 50,000-effect backlog (topped up), tenant B
-             trickles 10 effects/s; B's commit -> handler start latency, and the same
-             trickle without fairness keys (one lane, first in first out)
   lanes      claim p50 with 1, 10 and 100 fairness keys holding backlogs (one probe per lane)
   pause      how long pausing and resuming a run with 10,000 pending effects takes, and the
              claim p50 of another run's backlog while they are held (paused rows leave the
@@ -45,7 +44,6 @@ from typing import Any
 
 import psycopg
 
-from bench.runctl_fairness import fairness_section
 from bench.runctl_support import (
     MB,
     REPO,
@@ -58,7 +56,7 @@ from bench.runctl_support import (
     spread,
 )
 
-SECTIONS = ("claims", "write", "large", "fairness", "lanes", "pause")
+SECTIONS = ("claims", "write", "large", "lanes", "pause")
 
 
 # -- children: one measurement with whichever outbox package is importable --------------
@@ -337,28 +335,6 @@ def render(results: dict[str, Any]) -> str:
         ratio = large[names[1]]["p50"]["median"] / large[names[0]]["p50"]["median"]
         lines.append(f"\nby reference / small, claim p50: {ratio:.2f}x")
         lines.append("")
-    fairness = results.get("fairness")
-    if fairness:
-        lines += [
-            "| trickle of tenant B, 10/s, while A holds 50,000 | n | p50 ms | p90 ms | p99 ms "
-            "| max ms | effects/s delivered |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name, data in fairness.items():
-            for r in data["reps"]:
-                lines.append(
-                    f"| {name} | {r['n']} | {ms(r['p50'])} | {ms(r['p90'])} | {ms(r['p99'])} "
-                    f"| {ms(r['max'])} | {r['effects_per_s']:,.0f} |"
-                )
-        lines.append("")
-        for name, data in fairness.items():
-            for r in data["reps"]:
-                c = r["commit_to_claim"]
-                lines.append(
-                    f"{name}: commit -> claim (database clock) p50 {ms(c['p50'])} ms, "
-                    f"p99 {ms(c['p99'])} ms"
-                )
-        lines.append("")
     lanes = results.get("lanes")
     if lanes:
         lines += ["| lanes with a backlog | claim of 100: p50 ms |", "|---|---|"]
@@ -410,7 +386,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, default=None, help="dir with an outbox package")
     parser.add_argument("--large-effects", type=int, default=10_000)
     parser.add_argument("--large-bytes", type=int, default=64 * 1024)
-    parser.add_argument("--fair-seconds", type=float, default=30.0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dsn", default=None, help=argparse.SUPPRESS)
@@ -451,8 +426,6 @@ def main(argv: list[str] | None = None) -> int:
                 results[section] = large_section(
                     admin, args.reps, args.large_effects, args.large_bytes
                 )
-            elif section == "fairness":
-                results[section] = fairness_section(admin, args.reps, args.fair_seconds, work)
             elif section == "lanes":
                 results[section] = lanes_section(admin, args.reps)
             elif section == "pause":

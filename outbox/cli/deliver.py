@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -25,12 +26,14 @@ from outbox.cli.reports import ReconcileReport
 from outbox.delivery import Deliverer
 from outbox.delivery.settings import DeliverySettings, RelaySettings, StreamSettings
 from outbox.delivery.threads import DaemonThreads, default_workers
+from outbox.errors import DatabaseError
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import libpq_dsn, make_async_engine, open_engine
 
 __all__ = ["COMMANDS"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 S = TypeVar("S", bound=pydantic.BaseModel)
 
 config_option = click.option(
@@ -67,6 +70,36 @@ def checked_dsn(cli: CliContext) -> str:
         return libpq_dsn(engine.url)
     finally:
         engine.dispose()
+
+
+#: How long a daemon's start-up checks are tried again after a connection was lost.
+STARTUP_RETRY_SECONDS = 30.0
+
+
+def retried_at_startup(what: str, step: Callable[[], T]) -> T:
+    """Run a start-up step of a daemon; a connection lost meanwhile does not end the process.
+
+    A connection the server cut (a backend terminated, a server restarting: an
+    error with a transient SQLSTATE) is tried again, with a backoff, for up to
+    :data:`STARTUP_RETRY_SECONDS`, as the running daemon would. A server that
+    cannot be reached at all the first time, or any other error, still fails at
+    once with its one line, so a wrong DSN is told without delay.
+    """
+    deadline = time.monotonic() + STARTUP_RETRY_SECONDS
+    pause, first = 0.1, True
+    while True:
+        try:
+            return step()
+        except DatabaseError as exc:
+            answered = exc.sqlstate is not None
+            if not exc.transient or (first and not answered) or time.monotonic() > deadline:
+                raise
+            logging.getLogger("outbox.cli").warning(
+                "%s: the connection was lost (%s); trying again in %.1fs", what, exc, pause
+            )
+        first = False
+        time.sleep(pause)
+        pause = min(pause * 2, 2.0)
 
 
 def _default(name: str) -> Any:
@@ -209,9 +242,9 @@ def deliver(
     gates = gates_from_config(config)
     stubs = dry_run_config(config)
     deliverers = load_deliverers(config_path, kinds)
-    dsn = checked_dsn(cli)
+    dsn = retried_at_startup("checking the database", lambda: checked_dsn(cli))
     if gates:
-        cli.outbox.apply_gates(gates)
+        retried_at_startup("storing the approval gates", lambda: cli.outbox.apply_gates(gates))
     metrics = DeliveryMetrics()
     settings: DeliverySettings
     if kafka is not None:
@@ -352,11 +385,11 @@ def relay(
 ) -> None:
     """Stream mode: publish pending effects to Kafka for `outbox deliver --from-kafka`."""
     from outbox.cli.logs import configure
-    from outbox.delivery.stream import Relay
+    from outbox.delivery.relay import Relay
 
     configure(logging.INFO, as_json=log_json)
     chosen = sorted(kinds) or sorted(load_deliverers(config_path, ()))
-    dsn = checked_dsn(cli)
+    dsn = retried_at_startup("checking the database", lambda: checked_dsn(cli))
     settings = validated_settings(
         RelaySettings,
         bootstrap_servers=kafka,

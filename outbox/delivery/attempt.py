@@ -33,7 +33,7 @@ from outbox.faults import crash_point
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.retry import RetryPolicy
 from outbox.storage.async_store import ClaimedEffect, Completion
-from outbox.tracing import current_traceparent, delivery_span
+from outbox.tracing import SpanHandle, current_traceparent, delivery_span
 
 __all__ = [
     "MAX_DELAY_SECONDS",
@@ -118,9 +118,17 @@ def decide(
 
 
 def delivery_for(
-    effect: ClaimedEffect, payload: Any = None, notes: AttemptNotes | None = None
+    effect: ClaimedEffect,
+    payload: Any = None,
+    notes: AttemptNotes | None = None,
+    *,
+    span: SpanHandle | None = None,
 ) -> Delivery:
-    """What a deliverer sees of a claimed attempt (``payload`` parsed, else as stored)."""
+    """What a deliverer sees of a claimed attempt (``payload`` parsed, else as stored).
+
+    ``span``: the attempt's (:func:`~outbox.tracing.delivery_span`), whose context
+    it sends on; without one, the span current here.
+    """
     return Delivery(
         effect_id=effect.id,
         run_id=effect.run_id,
@@ -133,7 +141,7 @@ def delivery_for(
         created_at=effect.created_at,
         notes=notes,
         note=effect.attempt_note,
-        traceparent=current_traceparent(),
+        traceparent=current_traceparent() if span is None else span.traceparent,
     )
 
 
@@ -165,30 +173,23 @@ async def perform_attempt(
     this deliverer does not know: the effect goes back to ``pending`` with a
     note, for a deliverer that does).
     """
-    context = {
-        "effect_id": str(effect.id),
-        "run_id": str(effect.run_id),
-        "attempt": effect.attempt,
-        "key": effect.idempotency_key,
-        "kind": effect.kind,
-    }
     if effect.schema_version not in deliverer.schema_versions:
         note = (
             f"payload schema version {effect.schema_version} of kind {effect.kind!r} is not "
             f"understood by this deliverer (knows {sorted(deliverer.schema_versions)}); "
             "left pending for a deliverer that does"
         )
-        log.warning(note, extra=context)
+        log.warning(note, extra=_context(effect))
         return released(effect, note, delay=schema_retry_seconds), None
     with delivery_span(
         traceparent=effect.trace_parent,
         kind=effect.kind,
         key=effect.idempotency_key,
         attempt=effect.attempt,
-        effect_id=str(effect.id),
-        run_id=None if effect.run_id is None else str(effect.run_id),
+        effect_id=effect.id,
+        run_id=effect.run_id,
     ) as span:
-        outcome = await _call(deliverer, effect, context, notes)
+        outcome = await _call(deliverer, effect, notes, span)
         crash_point("after_call", effect.kind, run=effect.run_id)
         max_attempts = effect.max_attempts or deliverer.max_attempts or default_max_attempts
         decision = decide(outcome, attempt=effect.attempt, max_attempts=max_attempts, policy=policy)
@@ -198,21 +199,34 @@ async def perform_attempt(
         )
     completion = record_of(effect, decision)
     # A success is the common case and logs at DEBUG: at thousands of effects a
-    # second, a line each would cost more than the delivery.
-    level = {
-        EffectStatus.SUCCEEDED: logging.DEBUG,
-        EffectStatus.FAILED: logging.WARNING,
-    }.get(decision.status, logging.INFO)
-    log.log(
-        level,
-        "effect %s attempt %d: %s%s",
-        effect.id,
-        effect.attempt,
-        decision.outcome.value,
-        f" ({completion.error})" if completion.error else "",
-        extra=context,
-    )
+    # second, a line each would cost more than the delivery (and so would the
+    # context of a line nobody writes).
+    level = _LEVELS.get(decision.status, logging.INFO)
+    if log.isEnabledFor(level):
+        log.log(
+            level,
+            "effect %s attempt %d: %s%s",
+            effect.id,
+            effect.attempt,
+            decision.outcome.value,
+            f" ({completion.error})" if completion.error else "",
+            extra=_context(effect),
+        )
     return completion, outcome
+
+
+_LEVELS = {EffectStatus.SUCCEEDED: logging.DEBUG, EffectStatus.FAILED: logging.WARNING}
+
+
+def _context(effect: ClaimedEffect) -> dict[str, Any]:
+    """The structured fields of an attempt's log lines."""
+    return {
+        "effect_id": str(effect.id),
+        "run_id": str(effect.run_id),
+        "attempt": effect.attempt,
+        "key": effect.idempotency_key,
+        "kind": effect.kind,
+    }
 
 
 def record_of(effect: ClaimedEffect, decision: Decision) -> Completion:
@@ -239,8 +253,8 @@ def record_of(effect: ClaimedEffect, decision: Decision) -> Completion:
 async def _call(
     deliverer: Deliverer,
     effect: ClaimedEffect,
-    context: dict[str, Any],
     notes: AttemptNotes | None,
+    span: SpanHandle,
 ) -> Outcome:
     try:
         payload = deliverer.parse_payload(effect.payload)
@@ -248,7 +262,7 @@ async def _call(
         return Failed(
             f"payload does not match the schema of kind {effect.kind!r}: {_pydantic_summary(exc)}"
         )
-    delivery = delivery_for(effect, payload, notes)
+    delivery = delivery_for(effect, payload, notes, span=span)
     try:
         if is_async(deliverer.deliver):
             outcome = await deliverer.deliver(delivery)  # type: ignore[misc]
@@ -263,7 +277,7 @@ async def _call(
     except Exception as exc:
         # storable_text: the message may hold anything, and its __str__ may even raise
         reason = f"{type(exc).__name__}: {storable_text(exc)}"
-        log.warning("deliverer raised %s", reason, extra=context)
+        log.warning("deliverer raised %s", reason, extra=_context(effect))
         return Retry(reason)
     if not isinstance(outcome, Succeeded | Retry | Failed | Unknown):
         return Failed(f"deliverer returned {type(outcome).__name__}, not an outcome")

@@ -25,14 +25,14 @@ from outbox.delivery.contract import AttemptNotes, Deliverer, Retry
 from outbox.delivery.leases import Leases
 from outbox.delivery.maintenance import Maintenance
 from outbox.delivery.metrics import DeliveryMetrics
-from outbox.delivery.recording import ClaimRider, OutcomeWriter, Written, describe
+from outbox.delivery.recording import OutcomeWriter, Written, describe
+from outbox.delivery.seam import DeliveryStore, OwnerLockLike
 from outbox.delivery.settings import DeliverySettings
-from outbox.delivery.sources import EffectSource, PollSource, wait_or_wake
+from outbox.delivery.sources import EffectSource, PollSource, Writing, wait_or_wake
 from outbox.delivery.storable import storable_text
 from outbox.faults import crash_point
 from outbox.models import AttemptOutcome, EffectStatus
-from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
-from outbox.storage.owner_lock import OwnerLock
+from outbox.storage.attempts import ClaimedEffect, Completion
 
 __all__ = ["DeliveryDaemon"]
 
@@ -58,7 +58,7 @@ class DeliveryDaemon:
 
     def __init__(
         self,
-        store: AsyncStore,
+        store: DeliveryStore,
         deliverers: Mapping[str, Deliverer],
         settings: DeliverySettings | None = None,
         *,
@@ -103,10 +103,11 @@ class DeliveryDaemon:
         self._maintenance = maintenance = Maintenance(
             self.store, self.deliverers, self.settings, self.leases, self.metrics, self.source.wake
         )
-        owner_lock = OwnerLock(self.store.dsn, self.owner) if self.settings.early_recovery else None
+        owner_lock = self.store.owner_lock(self.owner) if self.settings.early_recovery else None
         if owner_lock is not None:
             owner_lock.start()
-            if not await owner_lock.wait_held(OWNER_LOCK_WAIT_SECONDS):
+            held = await self._until_held_or_stopped(owner_lock)
+            if not held and not self._stopping.is_set():
                 log.warning(
                     "owner %s: no session lock yet; if this process dies its attempts "
                     "wait for their leases",
@@ -146,6 +147,18 @@ class DeliveryDaemon:
             for deliverer in self.deliverers.values():
                 # Clients such as httpx's belong to this event loop: close them on it.
                 await deliverer.aclose()
+
+    async def _until_held_or_stopped(self, lock: OwnerLockLike) -> bool:
+        """Wait for the owner lock, at most OWNER_LOCK_WAIT_SECONDS, or until a stop."""
+        held = asyncio.ensure_future(lock.wait_held(OWNER_LOCK_WAIT_SECONDS))
+        stopped = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({held, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not held.done():
+                held.cancel()
+        return held.done() and not held.cancelled() and held.result()
 
     async def _drain(self) -> None:
         for effect in self.leases.unstarted():
@@ -302,41 +315,25 @@ class DeliveryDaemon:
     async def _flush(self) -> None:
         while self._done:
             batch, self._done = self._done, []
-            if isinstance(self.source, PollSource) and not self._stopping.is_set():
-                # Outcomes of batch N and the claim of batch N+1, one transaction.
-                quotas = self.source.rider_quotas(self.leases, freeing=len(batch))
-                rider = ride = None
-                if quotas:
-                    # The heartbeat and the duty probe ride along when due, so a busy
-                    # daemon's rounds find nothing left to do on their own.
-                    ride = (
-                        self._maintenance.ride(c.effect_id for c in batch)
-                        if self._maintenance
-                        else None
-                    )
-                    rider = ClaimRider(
-                        quotas,
-                        self.settings.lease_seconds,
-                        self.leases.rates,
-                        extend=ride.extend if ride else [],
-                        probe=ride.probe if ride else None,
-                    )
-                with self.leases.reserving(quotas, freeing=len(batch)):
-                    written = await self._writer.write(
-                        batch, timeout=self._write_timeout(), rider=rider
-                    )
-                if self._maintenance is not None and ride is not None:
-                    if written.duties_failed:
-                        self._maintenance.ride_failed()
-                    elif not written.left:
-                        self._maintenance.rode(ride, written.kept, written.findings)
-                self._account(batch, written)
-                if rider is not None and not written.left:
-                    self.source.claimed(written.claimed, quotas)
-                    self._hold(written.claimed)
-            else:
-                written = await self._writer.write(batch, timeout=self._write_timeout())
-                self._account(batch, written)
+            maintenance = self._maintenance
+            writing = Writing(
+                self._writer,
+                self.leases,
+                self._write_timeout(),
+                claim=not self._stopping.is_set(),
+                # The heartbeat and the duty probe ride a transaction that claims when
+                # due, so a busy daemon's rounds find nothing left to do on their own.
+                ride=maintenance.ride if maintenance is not None else None,
+            )
+            written = await self.source.write(batch, writing)
+            if maintenance is not None and written.ride is not None:
+                if written.duties_failed:
+                    maintenance.ride_failed()
+                elif not written.left:
+                    maintenance.rode(written.ride, written.kept, written.findings)
+            self._account(batch, written)
+            if written.claimed:
+                self._hold(written.claimed)
             finished = [*written.logged, *written.abandoned]
             if finished:
                 self._changed()

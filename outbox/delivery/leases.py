@@ -21,7 +21,8 @@ from uuid import UUID
 
 from outbox.delivery.contract import Deliverer
 from outbox.delivery.metrics import DeliveryMetrics
-from outbox.storage.async_store import AsyncStore, ClaimedEffect
+from outbox.delivery.seam import DeliveryStore
+from outbox.storage.attempts import ClaimedEffect
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
 __all__ = ["Held", "Leases"]
@@ -43,6 +44,8 @@ class Held:
 
 #: How long a kind whose last claim came back short yields its turn to busy kinds.
 SHORT_SECONDS = 1.0
+#: ...keeping this share of the room, claimed before the busy kinds' turns.
+SHORT_SHARE = 0.1
 
 
 class Quotas(list[tuple[dict[str, str], int]]):
@@ -68,7 +71,9 @@ class Quotas(list[tuple[dict[str, str], int]]):
         """
         taken = Counter(row.kind for row in rows)
         now = time.monotonic()
-        more = self.left_out
+        # A kind left out of a claim that took something claims at once; one that
+        # took nothing (the room went to idle kinds) would find the same again.
+        more = self.left_out and bool(taken)
         for spec, n in self:
             kind = spec.get("kind", "")
             if taken[kind] >= n:
@@ -138,28 +143,43 @@ class Leases:
 
         ``freeing``: attempts whose outcomes are being recorded in the claim's own
         transaction, so their places count as free (their per-kind caps do not).
+
+        Kinds whose last claim came back short get a small share first
+        (:data:`SHORT_SHARE` of the room, never its last place), then busy kinds
+        take turns at the rest, and short kinds at what is left after them. So
+        an idle kind beside a busy one neither takes the busy one's room nor
+        waits for it: a trickle of one kind is claimed with the next batch of
+        another kind's backlog, even while that backlog keeps this daemon full.
         """
         free = self.free + freeing
         now = time.monotonic()
-        quotas = Quotas(self)
         self._kinds_rr = self._kinds_rr[1:] + self._kinds_rr[:1]
-        # Kinds whose last claim came back short go last: room goes to busy kinds first.
         short = {k for k, until in self.short_until.items() if until > now}
-        order = [k for k in self._kinds_rr if k not in short]
-        order += [k for k in self._kinds_rr if k in short]
-        for i, kind in enumerate(order):
+        open_ = [k for k in self._kinds_rr if not self.paused(k, now)]
+        wanted: dict[str, int] = {}
+
+        def give(kind: str, most: int) -> int:
+            n = min(most, self._room(kind) - wanted.get(kind, 0), batch_size - wanted.get(kind, 0))
+            if n > 0:
+                wanted[kind] = wanted.get(kind, 0) + n
+            return max(n, 0)
+
+        share = max(1, int(free * SHORT_SHARE)) if free > 1 else 0
+        for kind in (k for k in open_ if k in short):
+            got = give(kind, min(share, free))
+            share, free = share - got, free - got
+        busy = [k for k in open_ if k not in short]
+        left_out = False
+        for i, kind in enumerate(busy):
             if free <= 0:
-                quotas.left_out = any(
-                    k not in short and not self.paused(k, now) and self._room(k) > 0
-                    for k in order[i:]
-                )
+                left_out = any(self._room(k) > 0 for k in busy[i:])
                 break
-            if self.paused(kind, now):
-                continue
-            room = min(free, self._room(kind), batch_size)
-            if room > 0:
-                quotas.append(({"kind": kind}, room))
-                free -= room
+            free -= give(kind, free)
+        for kind in (k for k in open_ if k in short):
+            free -= give(kind, free)
+        quotas = Quotas(self)
+        quotas.extend(({"kind": kind}, n) for kind, n in wanted.items())
+        quotas.left_out = left_out
         return quotas
 
     def hold(self, effect: ClaimedEffect) -> None:
@@ -251,7 +271,7 @@ class Leases:
                 )
 
     async def heartbeat(
-        self, store: AsyncStore, owner: str, lease_seconds: float, *, min_age: float = 0.0
+        self, store: DeliveryStore, owner: str, lease_seconds: float, *, min_age: float = 0.0
     ) -> None:
         """Push out every held lease; note, count and log the ones taken over (G4 holds anyway).
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from outbox.delivery.contract import Deliverer
-from outbox.storage.async_store import AsyncStore
+from outbox.delivery.seam import DeliveryStore
 
 __all__ = ["GoneOwners"]
 
@@ -37,7 +37,7 @@ class GoneOwners:
 
     def __init__(
         self,
-        store: AsyncStore,
+        store: DeliveryStore,
         deliverers: Mapping[str, Deliverer],
         *,
         owner: str,

@@ -21,7 +21,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from uuid import UUID
 
 from outbox.delivery.contract import Deliverer
@@ -29,11 +28,13 @@ from outbox.delivery.leases import Leases
 from outbox.delivery.liveness import GoneOwners
 from outbox.delivery.metrics import DeliveryMetrics
 from outbox.delivery.reconcile import LookupBackoff, reconcile
+from outbox.delivery.recording import Ride
+from outbox.delivery.seam import DeliveryStore
 from outbox.delivery.settings import DeliverySettings
 from outbox.retry import wait_or_wake
 from outbox.runs.approvals import expire_approvals
 from outbox.runs.stopping import advance_stopping_runs
-from outbox.storage.async_store import AsyncStore, DutyAsk, DutyFindings
+from outbox.storage.attempts import DutyAsk, DutyFindings
 
 __all__ = ["UNKNOWN_KIND_NOTE", "Maintenance", "Ride", "every"]
 
@@ -62,18 +63,6 @@ HEARTBEAT_TICK = 0.25
 RIDE_OFF_SECONDS = 60.0
 
 
-@dataclass
-class Ride:
-    """What one batch transaction carries besides its outcomes and claim."""
-
-    #: (id, attempt) of the held leases to push out.
-    extend: list[tuple[UUID, int]] = field(default_factory=list)
-    #: The duty probe to run, if one is due.
-    probe: DutyAsk | None = None
-    #: When the transaction began (monotonic): its now() is no earlier.
-    sent: float = 0.0
-
-
 async def every(
     seconds: float, round_: Callable[[], Awaitable[object]], what: str, *, first: bool = False
 ) -> None:
@@ -95,7 +84,7 @@ class Maintenance:
 
     def __init__(
         self,
-        store: AsyncStore,
+        store: DeliveryStore,
         deliverers: Mapping[str, Deliverer],
         settings: DeliverySettings,
         leases: Leases,

@@ -37,7 +37,7 @@ class DeliveryMetrics:
         )
         self.oldest_pending = Gauge(
             "outbox_oldest_pending_age_seconds",
-            "Age of the oldest pending effect",
+            "Seconds the longest-due pending effect has waited",
             registry=self.registry,
         )
         self.leases_lost = Counter(

@@ -33,10 +33,11 @@ from uuid import UUID
 
 from outbox.delivery.attempt import RESULT_LIMIT, delivery_for
 from outbox.delivery.contract import Deliverer, Delivery, NotApplied, Succeeded, is_async
+from outbox.delivery.seam import DeliveryStore
 from outbox.delivery.storable import storable_json, storable_text
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.models import AttemptOutcome, EffectStatus
-from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
+from outbox.storage.attempts import ClaimedEffect, Completion
 
 __all__ = ["LookupBackoff", "ReconcileItem", "ReconcileReport", "reconcile"]
 
@@ -128,7 +129,7 @@ async def _lookup(deliverer: Deliverer, delivery: Delivery) -> Any:
 
 
 async def reconcile(
-    store: AsyncStore,
+    store: DeliveryStore,
     deliverers: Mapping[str, Deliverer],
     *,
     worker: str,
@@ -201,7 +202,7 @@ async def reconcile(
 
 
 async def _ask(
-    store: AsyncStore,
+    store: DeliveryStore,
     deliverer: Deliverer,
     row: ClaimedEffect,
     *,
@@ -255,7 +256,7 @@ async def _ask(
 
 
 async def _resolve(
-    store: AsyncStore,
+    store: DeliveryStore,
     deliverers: Mapping[str, Deliverer],
     row: ClaimedEffect,
     *,

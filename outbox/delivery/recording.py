@@ -37,11 +37,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from uuid import UUID
 
+from outbox.delivery.seam import DeliveryStore
 from outbox.delivery.storable import storable_text
 from outbox.errors import DatabaseError
 from outbox.models import AttemptOutcome, EffectStatus
-from outbox.storage.async_store import (
-    AsyncStore,
+from outbox.storage.attempts import (
     Batched,
     ClaimedEffect,
     Completion,
@@ -50,7 +50,7 @@ from outbox.storage.async_store import (
 )
 from outbox.storage.sql.queue import EFFECT_QUEUE, Rate
 
-__all__ = ["ClaimRider", "OutcomeWriter", "Written", "is_transient", "substitute"]
+__all__ = ["ClaimRider", "OutcomeWriter", "Ride", "Written", "is_transient", "substitute"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,18 @@ def substitute(completion: Completion, error: BaseException) -> Completion | Non
     )
 
 
+@dataclass
+class Ride:
+    """What one batch transaction carries besides its outcomes and claim."""
+
+    #: (id, attempt) of the held leases to push out.
+    extend: list[tuple[UUID, int]] = field(default_factory=list)
+    #: The duty probe to run, if one is due.
+    probe: DutyAsk | None = None
+    #: When the transaction began (monotonic): its now() is no earlier.
+    sent: float = 0.0
+
+
 @dataclass(frozen=True)
 class ClaimRider:
     """A claim to make in the same transaction as a batch's outcomes."""
@@ -157,12 +169,14 @@ class Written:
     findings: DutyFindings | None = None
     #: The rider carried duties and its transaction failed.
     duties_failed: bool = False
+    #: The duties offered to ride with the claim (None: none were).
+    ride: Ride | None = None
 
 
 class OutcomeWriter:
     """Writes batches of outcomes for ``owner``, isolating the rows a statement cannot take."""
 
-    def __init__(self, store: AsyncStore, owner: str) -> None:
+    def __init__(self, store: DeliveryStore, owner: str) -> None:
         self.store = store
         self.owner = owner
 

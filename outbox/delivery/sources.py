@@ -1,29 +1,47 @@
 """Where a delivery daemon's attempts come from: claims in PostgreSQL, or records from Kafka.
 
-A source hands the daemon claimed attempts (:meth:`EffectSource.take`) and is
-told when their outcomes are durable (:meth:`EffectSource.recorded`): a poll
-source has nothing to do then; a Kafka source commits offsets, never ahead of
-what PostgreSQL holds.
+A source hands the daemon claimed attempts (:meth:`EffectSource.take`), writes
+the outcomes of a batch (:meth:`EffectSource.write`: a poll source claims its
+next batch in the same transaction) and is told when outcomes are durable
+(:meth:`EffectSource.recorded`: a poll source has nothing to do then; a Kafka
+source commits offsets, never ahead of what PostgreSQL holds). The daemon
+never looks behind this seam.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 from uuid import UUID
 
 from outbox.delivery.leases import Leases, Quotas
+from outbox.delivery.recording import ClaimRider, OutcomeWriter, Ride, Written
+from outbox.delivery.seam import DeliveryStore
 from outbox.delivery.settings import DeliverySettings
 from outbox.faults import crash_point
 from outbox.retry import IdleBackoff, wait_or_wake
-from outbox.storage.async_store import AsyncStore, ClaimedEffect
-from outbox.storage.notify import listen
-from outbox.storage.sql.common import EFFECTS_CHANNEL
+from outbox.storage.attempts import ClaimedEffect, Completion
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
-__all__ = ["EffectSource", "PollSource", "wait_or_wake"]
+__all__ = ["EffectSource", "PollSource", "Writing", "wait_or_wake"]
+
+
+@dataclass(frozen=True)
+class Writing:
+    """How the daemon has a batch of outcomes written, and what may go with it."""
+
+    writer: OutcomeWriter
+    leases: Leases
+    #: How long each statement may take (None: no limit; the grace left when stopping).
+    timeout: float | None
+    #: False once stopping: nothing new may be taken with the outcomes.
+    claim: bool
+    #: The background duties that may ride a transaction that also claims, given the
+    #: attempts whose outcomes it writes (None: no duties ride).
+    ride: Callable[[Iterable[UUID]], Ride] | None = None
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +57,10 @@ class EffectSource(Protocol):
 
     async def take(self, leases: Leases) -> list[ClaimedEffect]:
         """Claimed attempts within the room ``leases`` has; waits a while when there are none."""
+        ...
+
+    async def write(self, batch: list[Completion], writing: Writing) -> Written:
+        """Have ``batch`` written; what the source claimed with it is in ``claimed``."""
         ...
 
     async def recorded(self, effect_ids: Sequence[UUID]) -> None:
@@ -60,7 +82,7 @@ class PollSource:
 
     name = "poll"
 
-    def __init__(self, store: AsyncStore, settings: DeliverySettings) -> None:
+    def __init__(self, store: DeliveryStore, settings: DeliverySettings) -> None:
         self.store = store
         self.settings = settings
         self._wake = asyncio.Event()
@@ -70,7 +92,7 @@ class PollSource:
 
     async def open(self) -> None:
         """Start listening for committed intents."""
-        self._listener = asyncio.create_task(listen(self.store.dsn, EFFECTS_CHANNEL, self._wake))
+        self._listener = asyncio.create_task(self.store.listen_for_effects(self._wake))
 
     def wake(self) -> None:
         """Claim again now."""
@@ -104,6 +126,32 @@ class PollSource:
             return []
         self.claimed(rows, quotas)
         return rows
+
+    async def write(self, batch: list[Completion], writing: Writing) -> Written:
+        """Write ``batch`` and, in the same transaction, claim the next batch if there is room.
+
+        The duties ``writing.ride`` offers ride along only with a claim; what
+        the claim found is held by the daemon (``claimed``) and decides when to
+        claim next (:meth:`claimed`).
+        """
+        leases = writing.leases
+        quotas = self.rider_quotas(leases, freeing=len(batch)) if writing.claim else []
+        if not quotas:
+            return await writing.writer.write(batch, timeout=writing.timeout)
+        ride = writing.ride(c.effect_id for c in batch) if writing.ride is not None else None
+        rider = ClaimRider(
+            quotas,
+            self.settings.lease_seconds,
+            leases.rates,
+            extend=ride.extend if ride else [],
+            probe=ride.probe if ride else None,
+        )
+        with leases.reserving(quotas, freeing=len(batch)):
+            written = await writing.writer.write(batch, timeout=writing.timeout, rider=rider)
+        written.ride = ride
+        if not written.left:
+            self.claimed(written.claimed, quotas)
+        return written
 
     def rider_quotas(self, leases: Leases, *, freeing: int) -> list[tuple[dict[str, str], int]]:
         """Quotas of a claim made with ``freeing`` outcomes (see :meth:`Leases.reserving`).

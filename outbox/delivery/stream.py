@@ -1,6 +1,7 @@
 """Stream mode: a relay carries pending effects to Kafka; a Kafka source feeds the delivery daemon.
 
-``outbox relay`` claims pending effects with the same claim machinery as the
+``outbox relay`` (:mod:`outbox.delivery.relay`) claims pending effects with the
+same claim machinery as the
 poll deliverer (so per-key order holds: the next effect of an ordering key is
 not claimed while one is undecided), publishes each to the topic
 ``<prefix><kind>``, keyed by ordering key (else run id), and marks them
@@ -44,26 +45,20 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 from kafka import errors as kafka_errors
 from kafka.structs import OffsetAndMetadata
 
-from outbox.delivery.attempt import released
 from outbox.delivery.leases import Leases
-from outbox.delivery.maintenance import every
 from outbox.delivery.offsets import Offsets, Read
-from outbox.delivery.reconcile import reconcile
-from outbox.delivery.settings import RelaySettings, StreamSettings
-from outbox.delivery.sources import wait_or_wake
+from outbox.delivery.recording import Written
+from outbox.delivery.relay import topic_for
+from outbox.delivery.settings import StreamSettings
+from outbox.delivery.sources import Writing, wait_or_wake
 from outbox.delivery.threads import DaemonThreads
-from outbox.faults import crash_point
-from outbox.retry import IdleBackoff
-from outbox.storage.async_store import AsyncStore, ClaimedEffect
-from outbox.storage.notify import listen
-from outbox.storage.sql.common import EFFECTS_CHANNEL
-from outbox.storage.sql.queue import EFFECT_QUEUE
+from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 
-__all__ = ["KafkaSource", "Relay", "close_producer", "topic_for"]
+__all__ = ["KafkaSource"]
 
 log = logging.getLogger(__name__)
 
@@ -77,33 +72,6 @@ _UNREACHABLE = (kafka_errors.KafkaTimeoutError, kafka_errors.KafkaConnectionErro
 CLOSE_SLACK_SECONDS = 0.25
 #: Claims failing in a row (a deadlock, PostgreSQL away) pause twice as long each time, up to this.
 CLAIM_BACKOFF_MAX_SECONDS = 5.0
-
-
-def topic_for(prefix: str, kind: str) -> str:
-    """The topic that carries effects of ``kind``."""
-    return f"{prefix}{kind}"
-
-
-def close_producer(producer: Any, timeout: float) -> None:
-    """Flush and close; force the close when records are still pending after ``timeout``.
-
-    kafka-python 3.0's ``close(timeout)`` raises from its flush when records are
-    still pending and then leaves the producer open (its sender thread keeps
-    running); stop the sender, which fails the pending records, and close again.
-    """
-    try:
-        producer.close(timeout=timeout)
-        return
-    except Exception as exc:
-        log.warning("Kafka producer did not flush within %gs (%s): closing it anyway", timeout, exc)
-    sender = getattr(producer, "_sender", None)
-    if sender is not None:
-        sender.force_close()
-        sender.join(10)
-    try:
-        producer.close(timeout=0)
-    except Exception:
-        log.exception("closing the Kafka producer failed")
 
 
 class _Rebalances(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -122,10 +90,17 @@ class _Rebalances(ConsumerRebalanceListener):  # type: ignore[misc]
         self.moved.append(list(lost))
 
 
-def _effect_id(value: bytes) -> uuid.UUID | None:
+def _effect_id(record: Any) -> uuid.UUID | None:
+    """The effect a record names: its ``effect-id`` header (the relay sets one), else its value.
+
+    The header spares parsing the whole envelope, payload and all, per record.
+    """
     try:
-        return uuid.UUID(json.loads(value)["effect_id"])
-    except (ValueError, KeyError, TypeError):
+        for key, value in record.headers or ():
+            if key == "effect-id":
+                return uuid.UUID(value.decode())
+        return uuid.UUID(json.loads(record.value)["effect_id"])
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -318,7 +293,7 @@ class KafkaSource:
         reads = []
         for tp, records in batch.items():
             for record in records:
-                effect_id = _effect_id(record.value)
+                effect_id = _effect_id(record)
                 read = self.offsets.read(tp, record.offset, effect_id)
                 if read is not None:
                     reads.append(read)
@@ -393,6 +368,10 @@ class KafkaSource:
             if tp in owned and self._committed.get(tp) != offset
         }
 
+    async def write(self, batch: list[Completion], writing: Writing) -> Written:
+        """Write ``batch`` (the next claim comes with the next records, in :meth:`take`)."""
+        return await writing.writer.write(batch, timeout=writing.timeout)
+
     async def recorded(self, effect_ids: Sequence[uuid.UUID]) -> None:
         """Outcomes are durable: their records close (committed with the next read)."""
         for effect_id in effect_ids:
@@ -435,166 +414,3 @@ def _commit_args(offsets: dict[TopicPartition, int]) -> dict[TopicPartition, Off
 
 def _ms_left(deadline: float) -> int:
     return max(1, int((deadline - time.monotonic()) * 1000))
-
-
-def _envelope(effect: ClaimedEffect) -> bytes:
-    return json.dumps(
-        {
-            "effect_id": str(effect.id),
-            "run_id": None if effect.run_id is None else str(effect.run_id),
-            "kind": effect.kind,
-            "idempotency_key": effect.idempotency_key,
-            "attempt": effect.attempt,
-            "schema_version": effect.schema_version,
-            "ordering_key": effect.ordering_key,
-            "payload": effect.payload,
-        }
-    ).encode()
-
-
-def _partition_key(effect: ClaimedEffect) -> bytes:
-    return str(effect.ordering_key or effect.run_id or effect.id).encode()
-
-
-class Relay:
-    """Publishes pending effects of ``kinds`` to Kafka until :meth:`stop`."""
-
-    def __init__(self, store: AsyncStore, kinds: Sequence[str], settings: RelaySettings) -> None:
-        self.store = store
-        self.kinds = list(kinds)
-        self.settings = settings
-        self.owner = settings.owner
-        self.dispatched = 0
-        self._wake = asyncio.Event()
-        self._stopping = asyncio.Event()
-        self._producer: KafkaProducer | None = None
-
-    def stop(self) -> None:
-        """Stop after the current batch."""
-        self._stopping.set()
-        self._wake.set()
-
-    async def run(self) -> None:
-        """Relay until stopped."""
-        try:
-            self._producer = await asyncio.to_thread(self._make_producer)
-        except _UNREACHABLE as exc:
-            # Not fatal: each batch makes the producer again until the broker answers.
-            log.warning(
-                "Kafka is not reachable at %s (%s); trying again with each batch",
-                self.settings.bootstrap_servers,
-                exc,
-            )
-        background = [
-            asyncio.create_task(listen(self.store.dsn, EFFECTS_CHANNEL, self._wake)),
-            asyncio.create_task(every(self.settings.reconcile_seconds, self._reconcile, "relay")),
-        ]
-        idle = IdleBackoff(self.settings.poll_seconds)
-        try:
-            while not self._stopping.is_set():
-                self._wake.clear()
-                try:
-                    sent = await self._relay_batch()
-                except Exception as exc:
-                    # Whatever it claimed stays leased to this relay; when the lease
-                    # runs out a reconciler dispatches it again (same key).
-                    log.warning("relay batch failed (%s); retrying after the poll interval", exc)
-                    await wait_or_wake(self._wake, self.settings.poll_seconds)
-                    continue
-                if sent < self.settings.batch_size:
-                    await wait_or_wake(self._wake, idle.found(sent > 0))
-        finally:
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-            producer, self._producer = self._producer, None
-            if producer is not None:
-                await asyncio.to_thread(close_producer, producer, 10)
-
-    async def _reconcile(self) -> None:
-        # Needs no deliverer: a relay's own expired claims and stale dispatches.
-        await reconcile(self.store, {}, worker=f"reconciler:{self.owner}", report_skipped=False)
-
-    async def _relay_batch(self) -> int:
-        quotas = [({"kind": kind}, self.settings.batch_size) for kind in self.kinds]
-        effects = await self.store.claim_many(
-            EFFECT_QUEUE, quotas, owner=self.owner, lease_seconds=self.settings.lease_seconds
-        )
-        if not effects:
-            return 0
-        published, failed = await asyncio.to_thread(self._publish, effects)
-        crash_point("after_publish")
-        if failed:
-            # kafka-python's idempotent producer can stay wedged after a timed-out
-            # batch or a broker restart: start a fresh one for the next batch.
-            await asyncio.to_thread(self._replace_producer)
-            await self.store.complete(
-                self.owner,
-                [
-                    released(effect, f"publishing to Kafka failed: {error}", delay=1.0)
-                    for effect, error in failed
-                ],
-            )
-        kept = await self.store.mark_dispatched(
-            self.owner,
-            [(effect.id, effect.attempt) for effect in published],
-            dispatch_ttl=self.settings.dispatch_ttl_seconds,
-        )
-        self.dispatched += len(kept)
-        return len(effects)
-
-    def _make_producer(self) -> KafkaProducer:
-        return KafkaProducer(
-            bootstrap_servers=self.settings.bootstrap_servers,
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=5,
-            **self.settings.producer,
-        )
-
-    def _replace_producer(self) -> None:
-        old, self._producer = self._producer, None
-        if old is not None:
-            close_producer(old, 5)
-        try:
-            self._producer = self._make_producer()
-        except Exception as exc:  # no broker now: the next batch tries again
-            log.warning("Kafka producer could not be recreated: %s", exc)
-
-    def _publish(
-        self, effects: list[ClaimedEffect]
-    ) -> tuple[list[ClaimedEffect], list[tuple[ClaimedEffect, str]]]:
-        if self._producer is None:
-            self._replace_producer()
-        if self._producer is None:
-            return [], [(effect, "no Kafka broker reachable") for effect in effects]
-        futures = []
-        for effect in effects:
-            headers = [
-                ("idempotency-key", effect.idempotency_key.encode()),
-                ("effect-id", str(effect.id).encode()),
-                ("attempt", str(effect.attempt).encode()),
-            ]
-            if effect.run_id is not None:
-                headers.append(("run-id", str(effect.run_id).encode()))
-            topic = topic_for(self.settings.topic_prefix, effect.kind)
-            future = self._producer.send(
-                topic, key=_partition_key(effect), value=_envelope(effect), headers=headers
-            )
-            futures.append((effect, future))
-        try:
-            self._producer.flush(timeout=30)
-        except Exception as exc:  # the futures below say which records were acknowledged
-            log.warning("Kafka flush did not finish: %s", exc)
-        published, failed = [], []
-        for effect, future in futures:
-            # flush() has waited already; waiting again per record could outlast the lease.
-            if not future.is_done:
-                failed.append((effect, "not acknowledged within the flush timeout"))
-                continue
-            try:
-                future.get(timeout=0)
-                published.append(effect)
-            except Exception as exc:  # not acknowledged: released, dispatched again later
-                failed.append((effect, f"{type(exc).__name__}: {exc}"))
-        return published, failed

@@ -84,7 +84,7 @@ class _StateCollector:
         yield gauge
         yield GaugeMetricFamily(
             "outbox_oldest_pending_seconds",
-            "Age of the oldest pending effect",
+            "Seconds the longest-due pending effect has waited",
             value=counts.oldest_pending_seconds,
         )
 

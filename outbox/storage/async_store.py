@@ -8,181 +8,40 @@ values, and every driver error as :class:`~outbox.errors.DatabaseError`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 from uuid import UUID
 
+import psycopg
 from sqlalchemy import Connection
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.blobs import reference_hash
 from outbox.faults import crash_point
 from outbox.storage import blob_store
+from outbox.storage.attempts import Batched, ClaimedEffect, Completion, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
-from outbox.storage.engine import translate_errors
+from outbox.storage.direct import DirectConnections, prepared
+from outbox.storage.engine import libpq_dsn, translate_errors
+from outbox.storage.notify import listen
+from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import duties, maintenance, owners, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
+from outbox.storage.sql.common import EFFECTS_CHANNEL
 from outbox.storage.store import read_state_counts
 
 __all__ = ["AsyncStore", "Batched", "ClaimedEffect", "Completion", "DutyAsk", "DutyFindings"]
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimedEffect:
-    """A claimed attempt at one effect, as the delivery side sees it."""
-
-    id: UUID
-    run_id: UUID | None
-    kind: str
-    payload: Any
-    idempotency_key: str
-    attempt: int
-    max_attempts: int | None
-    schema_version: int
-    ordering_key: str | None
-    created_at: datetime
-    attempt_started_at: datetime | None
-    lease_owner: str | None
-    #: what the deliverer noted before calling, for this attempt only (else None)
-    attempt_note: Any = None
-    #: The W3C traceparent stored with the intent (None: written outside any trace).
-    trace_parent: str | None = None
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> ClaimedEffect:
-        """Build from a row of ``outbox_effects``."""
-        return cls(
-            id=row["id"],
-            run_id=row["run_id"],
-            kind=row["kind"],
-            payload=row["payload"],
-            idempotency_key=row["idempotency_key"],
-            attempt=row["attempt"],
-            max_attempts=row["max_attempts"],
-            schema_version=row["schema_version"],
-            ordering_key=row["ordering_key"],
-            created_at=row["created_at"],
-            attempt_started_at=row["attempt_started_at"],
-            lease_owner=row["lease_owner"],
-            attempt_note=_current_note(row.get("attempt_note"), row["attempt"]),
-            trace_parent=row.get("trace_parent"),
-        )
-
-    @property
-    def started_iso(self) -> str | None:
-        """When this attempt started, as the attempt log records it."""
-        return None if self.attempt_started_at is None else self.attempt_started_at.isoformat()
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """The recorded end of one attempt (a row of ``complete_effects``'s ``done``)."""
-
-    effect_id: UUID
-    attempt: int
-    status: str
-    outcome: str
-    result_json: str | None = None
-    error: str | None = None
-    delay: float = 0.0
-    detail_json: str | None = None
-    started_at: str | None = None
-
-    def as_json(self) -> str:
-        """One element of the ``done`` parameter; result and detail spliced in as JSON text."""
-        head = json.dumps(
-            {
-                "id": str(self.effect_id),
-                "attempt": self.attempt,
-                "status": self.status,
-                "outcome": self.outcome,
-                "error": self.error,
-                "delay": self.delay,
-                "started_at": self.started_at,
-            },
-            separators=(",", ":"),
-            # A non-finite delay fails here, in this one row, not in the batch's statement.
-            allow_nan=False,
-        )
-        return (
-            f'{head[:-1]},"result":{self.result_json or "null"},'
-            f'"detail":{self.detail_json or "null"}}}'
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class DutyAsk:
-    """What a daemon's duty probe asks (see :func:`outbox.storage.sql.duties.duty_probe`)."""
-
-    #: Kinds whose ``unknown`` effects the reconciler settles by asking the sink.
-    askable: tuple[str, ...] = ()
-    #: Idempotent kinds early recovery puts back; empty: gone owners are not looked for.
-    gone_kinds: tuple[str, ...] = ()
-    restart_grace: float = 5.0
-
-    def params(self) -> dict[str, Any]:
-        """The probe's parameters."""
-        return {
-            "askable": list(self.askable),
-            "kinds": list(self.gone_kinds),
-            "gone": bool(self.gone_kinds),
-            "restart_grace": self.restart_grace,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class DutyFindings:
-    """Which duties the probe found work for."""
-
-    #: The reconciler has work: an expired lease or TTL, an askable ``unknown``.
-    expired: bool = False
-    #: An approval deadline passed.
-    approvals: bool = False
-    #: A run is being cancelled or compensated.
-    stopping: bool = False
-    #: Registered owners whose lock is free: (owner, holds an attempt of the asked kinds).
-    gone: tuple[tuple[str, bool], ...] = ()
-
-    @classmethod
-    def from_row(cls, row: Any) -> DutyFindings:
-        """Build from the probe's one row."""
-        gone = row[3]
-        if isinstance(gone, str):
-            gone = json.loads(gone)
-        return cls(
-            bool(row[0]),
-            bool(row[1]),
-            bool(row[2]),
-            tuple((str(owner), bool(holds)) for owner, holds in gone or ()),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Batched:
-    """What :meth:`AsyncStore.complete_and_claim` did in its one transaction."""
-
-    #: (effect id, logged outcome) of each outcome written.
-    logged: list[tuple[UUID, str]]
-    claimed: list[ClaimedEffect]
-    #: Of the leases asked to be extended, the ids still ours (now extended).
-    kept: set[UUID] = dataclasses.field(default_factory=set)
-    #: The duty probe's answer, when one was asked.
-    findings: DutyFindings | None = None
-
-
-def _current_note(note: Any, attempt: int) -> Any:
-    """A stored note counts only for the attempt that wrote it."""
-    if isinstance(note, dict) and note.get("attempt") == attempt:
-        return note
-    return None
+#: Told of each transaction on the delivery path: what it did (``"claim"``,
+#: ``"complete"``, ``"complete+claim"``), how long it took (s), rows per part.
+Observer = Callable[[str, float, Mapping[str, int]], None]
 
 
 def _claimed(rows: Any) -> list[ClaimedEffect]:
@@ -190,20 +49,49 @@ def _claimed(rows: Any) -> list[ClaimedEffect]:
 
 
 class AsyncStore:
-    """Delivery statements on one async engine."""
+    """Delivery statements: claims and outcomes on connections of their own, the rest on ``engine``.
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    ``idle_in_transaction_ms`` and ``application_name`` are the session settings
+    of the claim/complete connections (:mod:`outbox.storage.direct`); the
+    engine's own come from whoever made it.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        application_name: str = "outbox-deliver",
+        idle_in_transaction_ms: int = 60_000,
+    ) -> None:
         self.engine = engine
         self._claims = ClaimMode()
+        self._direct = DirectConnections(
+            libpq_dsn(engine.url),
+            options=(
+                "-c plan_cache_mode=force_generic_plan"
+                f" -c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
+            ),
+            application_name=application_name,
+        )
+        #: Told of every claim/complete transaction (a benchmark's probe); None: nobody.
+        self.observer: Observer | None = None
 
     @property
     def dsn(self) -> str:
         """The database, for connections of its own (LISTEN)."""
         return self.engine.url.render_as_string(hide_password=False)
 
+    def listen_for_effects(self, wake: asyncio.Event) -> Coroutine[Any, Any, None]:
+        """LISTEN for committed intents on a connection of its own (run it as a task)."""
+        return listen(self.dsn, EFFECTS_CHANNEL, wake)
+
+    def owner_lock(self, owner: str) -> OwnerLock:
+        """The session lock of ``owner``, on a connection of its own."""
+        return OwnerLock(self.dsn, owner)
+
     async def _claim_on(
         self,
-        conn: AsyncConnection,
+        conn: psycopg.AsyncConnection[dict[str, Any]],
         spec: queue.QueueSpec,
         quotas: Sequence[tuple[dict[str, str], int]],
         owner: str,
@@ -220,10 +108,15 @@ class AsyncStore:
             again = True
             while again:  # at most twice: plain, then lanes (see ClaimMode)
                 statement, lanes = self._claims.statement(spec, partition, rated=rate is not None)
-                result = await conn.execute(statement, params)
-                found, again = self._claims.claimed(spec, partition, lanes, result.mappings())
+                claim = prepared(statement)
+                cur = await conn.execute(claim.sql, claim.params(params), prepare=True)
+                found, again = self._claims.claimed(spec, partition, lanes, await cur.fetchall())
                 rows += [ClaimedEffect.from_row(row) for row in found]
         return rows
+
+    def _observe(self, what: str, began: float, **rows: int) -> None:
+        if self.observer is not None:
+            self.observer(what, time.perf_counter() - began, rows)
 
     async def claim_many(
         self,
@@ -239,16 +132,21 @@ class AsyncStore:
         ``rates`` maps a kind to its declared rate: that kind's claims take no
         more than the rate allows, shared with every process through PostgreSQL.
         """
+        began = time.perf_counter()
         with translate_errors("claiming effects"):
-            async with self.engine.connect() as conn:
+            async with self._direct.connection() as conn:
                 if len(quotas) == 1:
                     # One statement claims and records the attempt's start, so alone it
                     # needs no explicit transaction: autocommit saves the BEGIN and COMMIT
                     # round trips on the commit -> handler start path. With several, a
                     # failure part-way must not leave claims that were never returned.
-                    conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
-                await conn.commit()
+                    rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
+                else:
+                    async with conn.transaction():
+                        rows = await self._claim_on(
+                            conn, spec, quotas, owner, lease_seconds, rates
+                        )
+        self._observe("claim", began, claim=len(rows))
         return rows
 
     async def with_payload(self, effect: ClaimedEffect) -> ClaimedEffect:
@@ -284,15 +182,22 @@ class AsyncStore:
 
     async def complete(self, owner: str, done: Sequence[Completion]) -> list[tuple[UUID, str]]:
         """Record a batch of attempt outcomes (fenced); returns (effect id, logged outcome)."""
-        payload = "[" + ",".join(c.as_json() for c in done) + "]"
+        began = time.perf_counter()
         with translate_errors("recording outcomes"):
-            async with self.engine.begin() as conn:
-                result = await conn.execute(
-                    effect_sql.complete_effects(),
-                    {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]},
-                )
-                logged = [(row[0], row[1]) for row in result]
-                crash_point("during_completion")
+            async with self._direct.connection() as conn, conn.transaction():
+                logged = await self._complete_on(conn, owner, done)
+        self._observe("complete", began, complete=len(logged))
+        return logged
+
+    async def _complete_on(
+        self, conn: psycopg.AsyncConnection[dict[str, Any]], owner: str, done: Sequence[Completion]
+    ) -> list[tuple[UUID, str]]:
+        payload = "[" + ",".join(c.as_json() for c in done) + "]"
+        complete = prepared(effect_sql.complete_effects())
+        params = {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]}
+        cur = await conn.execute(complete.sql, complete.params(params), prepare=True)
+        logged = [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
+        crash_point("during_completion")
         return logged
 
     async def complete_and_claim(
@@ -316,24 +221,23 @@ class AsyncStore:
         leases (a heartbeat, fenced like :meth:`extend`), ``probe`` asks which
         duties have work (:func:`~outbox.storage.sql.duties.duty_probe`).
         """
-        payload = "[" + ",".join(c.as_json() for c in done) + "]"
         kept: set[UUID] = set()
         findings = None
+        began = time.perf_counter()
         with translate_errors("recording outcomes and claiming effects"):
-            async with self.engine.begin() as conn:
-                result = await conn.execute(
-                    effect_sql.complete_effects(),
-                    {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]},
-                )
-                logged = [(row[0], row[1]) for row in result]
-                crash_point("during_completion")
+            async with self._direct.connection() as conn, conn.transaction():
+                logged = await self._complete_on(conn, owner, done)
                 rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 if extend:
                     params = queue.extend_params(extend, owner=owner, lease_seconds=lease_seconds)
-                    kept = {row[0] for row in await conn.execute(queue.extend_leases(spec), params)}
+                    renew = prepared(queue.extend_leases(spec))
+                    cur = await conn.execute(renew.sql, renew.params(params), prepare=True)
+                    kept = {row["id"] for row in await cur.fetchall()}
                 if probe is not None:
-                    found = await conn.execute(duties.duty_probe(), probe.params())
-                    findings = DutyFindings.from_row(found.one())
+                    ask = prepared(duties.duty_probe())
+                    cur = await conn.execute(ask.sql, ask.params(probe.params()), prepare=True)
+                    findings = DutyFindings.from_row(list((await cur.fetchone() or {}).values()))
+        self._observe("complete+claim", began, complete=len(logged), claim=len(rows))
         return Batched(logged, rows, kept, findings)
 
     async def probe_duties(self, ask: DutyAsk) -> DutyFindings:
@@ -514,10 +418,11 @@ class AsyncStore:
             return set()
         params = queue.extend_params(held, owner=owner, lease_seconds=0)
         params["dispatch_ttl"] = dispatch_ttl
+        mark = prepared(effect_sql.mark_dispatched())
         with translate_errors("marking effects dispatched"):
-            async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.mark_dispatched(), params)
-                return {row[0] for row in result}
+            async with self._direct.connection() as conn, conn.transaction():
+                cur = await conn.execute(mark.sql, mark.params(params), prepare=True)
+                return {row["effect_id"] for row in await cur.fetchall()}
 
     async def claim_dispatched(
         self, ids: Sequence[UUID], *, owner: str, lease_seconds: float
@@ -526,9 +431,14 @@ class AsyncStore:
         if not ids:
             return []
         params = {"ids": list(ids), "owner": owner, "lease_seconds": lease_seconds}
+        began = time.perf_counter()
+        claim = prepared(effect_sql.claim_dispatched())
         with translate_errors("claiming dispatched effects"):
-            async with self.engine.begin() as conn:
-                return _claimed(await conn.execute(effect_sql.claim_dispatched(), params))
+            async with self._direct.connection() as conn:
+                cur = await conn.execute(claim.sql, claim.params(params), prepare=True)
+                rows = [ClaimedEffect.from_row(row) for row in await cur.fetchall()]
+        self._observe("claim", began, claim=len(rows))
+        return rows
 
     # -- the rest ----------------------------------------------------------------------
 
@@ -550,4 +460,5 @@ class AsyncStore:
 
     async def dispose(self) -> None:
         """Close every connection."""
+        await self._direct.close()
         await self.engine.dispose()

@@ -8,7 +8,7 @@ import urllib.request
 
 from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox, StepTransaction
-from outbox.delivery import Delivery, Outcome, Retry, Succeeded
+from outbox.delivery import Delivery, Outcome, Succeeded
 from tests.support import DaemonThread, wait_for
 
 
@@ -66,54 +66,6 @@ def test_a_failed_effect_does_not_block_its_key_forever(ob: Outbox, dsn: str) ->
     with DaemonThread(dsn, {"k.o": recorder}):
         wait_for(lambda: _all(ob, "succeeded", 2))
     assert [d.payload["n"] for d in recorder.deliveries] == [0, 1, 2]
-
-
-def test_per_kind_concurrency_limit(ob: Outbox, dsn: str) -> None:
-    run = ob.start_run("agent", "1")
-    run.transaction("s", lambda tx: [tx.intend("k.limited", {"n": n}) for n in range(12)] and None)
-    peak = [0]
-    current = [0]
-    lock = threading.Lock()
-
-    def count(delivery: Delivery) -> Outcome:
-        with lock:
-            current[0] += 1
-            peak[0] = max(peak[0], current[0])
-        time.sleep(0.05)
-        with lock:
-            current[0] -= 1
-        return Succeeded()
-
-    limited = RecordingDeliverer("k.limited", outcome=count)
-    limited.concurrency = 2
-    with DaemonThread(dsn, {"k.limited": limited}, concurrency=32):
-        wait_for(lambda: _all(ob, "succeeded", 12))
-    assert peak[0] == 2
-
-
-def test_a_rate_limited_kind_pauses_without_stopping_other_kinds(ob: Outbox, dsn: str) -> None:
-    run = ob.start_run("agent", "1")
-    run.transaction("a", lambda tx: [tx.intend("k.slow", {"n": n}) for n in range(3)] and None)
-    calls: list[float] = []
-
-    def limited(delivery: Delivery) -> Outcome:
-        calls.append(time.monotonic())
-        if len(calls) == 1:
-            return Retry("HTTP 429", after=1.5, rate_limited=True)
-        return Succeeded()
-
-    slow = RecordingDeliverer("k.slow", outcome=limited)
-    fast = RecordingDeliverer("k.fast")
-    with DaemonThread(
-        dsn, {"k.slow": slow, "k.fast": fast}, concurrency=1, retry_base_seconds=0.01
-    ):
-        wait_for(lambda: calls, message="the first k.slow call")
-        rate_limited_at = calls[0]
-        run.transaction("b", lambda tx: [tx.intend("k.fast", {"n": n}) for n in range(5)] and None)
-        wait_for(lambda: len(fast.deliveries) == 5, message="k.fast keeps flowing")
-        assert time.monotonic() - rate_limited_at < 1.5, "k.fast did not wait out k.slow's pause"
-        wait_for(lambda: _all(ob, "succeeded", 8), timeout=20)
-    assert all(t - rate_limited_at >= 1.5 for t in calls[1:]), "k.slow waited for Retry-After"
 
 
 def test_unknown_kind_stays_pending_with_a_clear_error(ob: Outbox, dsn: str) -> None:

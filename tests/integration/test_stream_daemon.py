@@ -33,8 +33,9 @@ from deliverers.testing import (
 from outbox import EffectStatus, Outbox
 from outbox.delivery import Deliverer, Delivery, Outcome, Retry, Succeeded
 from outbox.delivery.daemon import DeliveryDaemon
+from outbox.delivery.relay import Relay
 from outbox.delivery.settings import RelaySettings, StreamSettings
-from outbox.delivery.stream import KafkaSource, Relay
+from outbox.delivery.stream import KafkaSource
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.schema import effects
 from tests.support import DaemonThread, wait_for

@@ -27,8 +27,9 @@ from deliverers.testing import TANSU_CONSUMER_TUNING, RecordingDeliverer, TansuB
 from outbox import EffectStatus, Outbox
 from outbox.delivery.leases import Leases
 from outbox.delivery.metrics import DeliveryMetrics
+from outbox.delivery.relay import _envelope
 from outbox.delivery.settings import StreamSettings
-from outbox.delivery.stream import KafkaSource, _envelope
+from outbox.delivery.stream import KafkaSource
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 from outbox.storage.engine import make_async_engine
@@ -195,7 +196,7 @@ def test_a_failed_claim_keeps_its_records_until_they_are_claimed(
                 assert await source.take(room) == []
             assert await source.take(room) == []  # tried again, refused again
             assert committed(broker) == {0: None, 1: None}
-            await refused.engine.dispose()  # its sessions carried the limited role
+            await refused.dispose()  # its sessions carried the limited role
         try:
             claimed = await take_until(source, room, lambda got: len(got) == 2)
             assert {e.id for e in claimed} == {x.id, y.id}

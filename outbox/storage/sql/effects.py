@@ -43,7 +43,7 @@ from outbox.storage.sql.common import (
     in_statuses,
     json_param,
 )
-from outbox.storage.sql.queue import held_rows
+from outbox.storage.sql.queue import EFFECT_QUEUE, held_rows
 
 __all__ = [
     "claim_dispatched",
@@ -412,7 +412,8 @@ def claim_dispatched() -> Any:
             attempt_started_at=func.now(),
             updated_at=func.now(),
         )
-        .returning(*e.c)
+        # What a deliverer needs, as a poll claim returns it (never the large columns).
+        .returning(*(e.c[name] for name in EFFECT_QUEUE.returning or ()))
     )
 
 

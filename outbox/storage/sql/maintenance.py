@@ -15,6 +15,8 @@ from sqlalchemy import (
     delete,
     func,
     select,
+    true,
+    tuple_,
     union_all,
 )
 from sqlalchemy.dialects.postgresql import UUID
@@ -69,10 +71,57 @@ def open_effect_counts() -> Any:
     )
 
 
+#: The claim index's leading columns: a lane is one (kind, priority, fairness key).
+_LANE = ("kind", "priority", "fairness_key")
+
+
+@cache
 def oldest_pending_age() -> AnySelect:
-    """Seconds since the oldest pending effect was intended (0 when none is pending)."""
-    age = func.extract("epoch", func.now() - func.min(effects.c.created_at))
-    return select(func.coalesce(age, 0)).where(effects.c.status == const(EffectStatus.PENDING))
+    """Seconds the oldest due pending effect has waited (0 when none is due): an index probe.
+
+    Waited since it became due: since it was intended, or since its retry's
+    time came. Read from the claim index (``outbox_effects_lanes``) alone,
+    two probes per lane: a loose scan lists the lanes holding pending effects,
+    and each lane's first entry is its longest-due one. A scan of every pending
+    row took 0.3 s at a million, and the gauges are counted every few seconds.
+    """
+    pending = const(EffectStatus.PENDING)
+    t = effects
+    first = (
+        select(*(t.c[c] for c in _LANE))
+        .where(t.c.status == pending)
+        .order_by(*(t.c[c] for c in _LANE))
+        .limit(1)
+    )
+    lanes = first.cte("lanes", recursive=True)
+    nl = effects.alias("nl")
+    after = (
+        select(*(nl.c[c] for c in _LANE))
+        .where(
+            nl.c.status == pending,
+            tuple_(*(nl.c[c] for c in _LANE)) > tuple_(*(lanes.c[c] for c in _LANE)),
+        )
+        .order_by(*(nl.c[c] for c in _LANE))
+        .limit(1)
+        .lateral("nxt")
+    )
+    lanes = lanes.union_all(
+        select(*(after.c[c] for c in _LANE)).select_from(lanes.join(after, true()))
+    )
+    head = effects.alias("head")
+    due = (
+        select(head.c.available_at)
+        .where(
+            head.c.status == pending,
+            *(head.c[c] == lanes.c[c] for c in _LANE),
+        )
+        .order_by(head.c.available_at)
+        .limit(1)
+        .scalar_subquery()
+    )
+    heads = select(due.label("due")).select_from(lanes).subquery("heads")
+    age = func.extract("epoch", func.now() - func.min(heads.c.due))
+    return select(func.coalesce(age, 0)).where(heads.c.due <= func.now())
 
 
 def _of_runs() -> Any:

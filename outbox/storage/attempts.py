@@ -1,0 +1,168 @@
+"""What the delivery side reads and writes: claimed attempts, their outcomes, duty probes.
+
+Plain values, built from rows by the store (:mod:`outbox.storage.async_store`)
+and handed to the daemons, which never see a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+__all__ = ["Batched", "ClaimedEffect", "Completion", "DutyAsk", "DutyFindings"]
+
+#: One encoder for every completion (``json.dumps`` with options builds one per call).
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedEffect:
+    """A claimed attempt at one effect, as the delivery side sees it."""
+
+    id: UUID
+    run_id: UUID | None
+    kind: str
+    payload: Any
+    idempotency_key: str
+    attempt: int
+    max_attempts: int | None
+    schema_version: int
+    ordering_key: str | None
+    created_at: datetime
+    attempt_started_at: datetime | None
+    lease_owner: str | None
+    #: what the deliverer noted before calling, for this attempt only (else None)
+    attempt_note: Any = None
+    #: The W3C traceparent stored with the intent (None: written outside any trace).
+    trace_parent: str | None = None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> ClaimedEffect:
+        """Build from a row of ``outbox_effects``."""
+        return cls(
+            id=row["id"],
+            run_id=row["run_id"],
+            kind=row["kind"],
+            payload=row["payload"],
+            idempotency_key=row["idempotency_key"],
+            attempt=row["attempt"],
+            max_attempts=row["max_attempts"],
+            schema_version=row["schema_version"],
+            ordering_key=row["ordering_key"],
+            created_at=row["created_at"],
+            attempt_started_at=row["attempt_started_at"],
+            lease_owner=row["lease_owner"],
+            attempt_note=_current_note(row.get("attempt_note"), row["attempt"]),
+            trace_parent=row.get("trace_parent"),
+        )
+
+    @property
+    def started_iso(self) -> str | None:
+        """When this attempt started, as the attempt log records it."""
+        return None if self.attempt_started_at is None else self.attempt_started_at.isoformat()
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """The recorded end of one attempt (a row of ``complete_effects``'s ``done``)."""
+
+    effect_id: UUID
+    attempt: int
+    status: str
+    outcome: str
+    result_json: str | None = None
+    error: str | None = None
+    delay: float = 0.0
+    detail_json: str | None = None
+    started_at: str | None = None
+
+    def as_json(self) -> str:
+        """One element of the ``done`` parameter; result and detail spliced in as JSON text."""
+        # A non-finite delay fails here, in this one row, not in the batch's statement.
+        head = _ENCODE(
+            {
+                "id": str(self.effect_id),
+                "attempt": self.attempt,
+                "status": self.status,
+                "outcome": self.outcome,
+                "error": self.error,
+                "delay": self.delay,
+                "started_at": self.started_at,
+            }
+        )
+        return (
+            f'{head[:-1]},"result":{self.result_json or "null"},'
+            f'"detail":{self.detail_json or "null"}}}'
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DutyAsk:
+    """What a daemon's duty probe asks (see :func:`outbox.storage.sql.duties.duty_probe`)."""
+
+    #: Kinds whose ``unknown`` effects the reconciler settles by asking the sink.
+    askable: tuple[str, ...] = ()
+    #: Idempotent kinds early recovery puts back; empty: gone owners are not looked for.
+    gone_kinds: tuple[str, ...] = ()
+    restart_grace: float = 5.0
+
+    def params(self) -> dict[str, Any]:
+        """The probe's parameters."""
+        return {
+            "askable": list(self.askable),
+            "kinds": list(self.gone_kinds),
+            "gone": bool(self.gone_kinds),
+            "restart_grace": self.restart_grace,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class DutyFindings:
+    """Which duties the probe found work for."""
+
+    #: The reconciler has work: an expired lease or TTL, an askable ``unknown``.
+    expired: bool = False
+    #: An approval deadline passed.
+    approvals: bool = False
+    #: A run is being cancelled or compensated.
+    stopping: bool = False
+    #: Registered owners whose lock is free: (owner, holds an attempt of the asked kinds).
+    gone: tuple[tuple[str, bool], ...] = ()
+
+    @classmethod
+    def from_row(cls, row: Any) -> DutyFindings:
+        """Build from the probe's one row."""
+        gone = row[3]
+        if isinstance(gone, str):
+            gone = json.loads(gone)
+        return cls(
+            bool(row[0]),
+            bool(row[1]),
+            bool(row[2]),
+            tuple((str(owner), bool(holds)) for owner, holds in gone or ()),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Batched:
+    """What :meth:`AsyncStore.complete_and_claim` did in its one transaction."""
+
+    #: (effect id, logged outcome) of each outcome written.
+    logged: list[tuple[UUID, str]]
+    claimed: list[ClaimedEffect]
+    #: Of the leases asked to be extended, the ids still ours (now extended).
+    kept: set[UUID] = dataclasses.field(default_factory=set)
+    #: The duty probe's answer, when one was asked.
+    findings: DutyFindings | None = None
+
+
+def _current_note(note: Any, attempt: int) -> Any:
+    """A stored note counts only for the attempt that wrote it."""
+    if isinstance(note, dict) and note.get("attempt") == attempt:
+        return note
+    return None

@@ -1,0 +1,124 @@
+"""The delivery path's statements on psycopg connections of their own: prepared, generic plans.
+
+Claims and outcome writes are the statements every effect goes through, and the
+claim is on the commit → handler start path. Measured on the embedded server
+(docs/discussions/performance.md, "Where the milliseconds go"):
+
+- SQLAlchemy's async layer costs about 0.3 ms of client time per statement (a
+  greenlet hop, its cursor adapter, result set-up) against 0.09 ms for the same
+  ``SELECT 1`` on a psycopg connection;
+- PostgreSQL planned the prepared claim afresh on every execution (its custom
+  plans looked cheaper than the generic one), 0.5 ms of a 1.2 ms claim; with
+  ``plan_cache_mode = force_generic_plan`` it is planned once per connection.
+
+So the store runs these statements here, compiled once from the same Core
+builders (:class:`Prepared`), on connections opened with that setting and kept
+for the store's life (:class:`DirectConnections`). Every other statement stays
+on the engine, where PostgreSQL picks plans per execution as before. The claim
+statements are written for generic plans: statuses and limits that decide an
+index are literals, the batch is claimed by one array of ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from functools import cache
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from sqlalchemy.dialects.postgresql.psycopg import PGDialectAsync_psycopg
+from sqlalchemy.engine.interfaces import Dialect
+
+__all__ = ["DirectConnections", "Prepared", "prepared"]
+
+_DIALECT: Dialect = PGDialectAsync_psycopg()  # type: ignore[no-untyped-call]
+
+
+class Prepared:
+    """A Core statement compiled once for psycopg: its SQL and how to fill its parameters."""
+
+    def __init__(self, statement: Any) -> None:
+        compiled = statement.compile(dialect=_DIALECT)
+        self._compiled = compiled
+        # What SQLAlchemy would do to a value before sending it (an ARRAY's items, say).
+        self._processors = {
+            name: fn for name, fn in compiled._bind_processors.items() if fn is not None
+        }
+        self.sql: str = str(compiled)
+
+    def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Every parameter of the statement: ``values`` and the literals it binds itself."""
+        params: dict[str, Any] = self._compiled.construct_params(dict(values))
+        for name, process in self._processors.items():
+            if name in params:
+                params[name] = process(params[name])
+        return params
+
+
+@cache
+def prepared(statement: Any) -> Prepared:
+    """:class:`Prepared` for a statement (builders are cached, so this is once per statement)."""
+    return Prepared(statement)
+
+
+class DirectConnections:
+    """Up to ``size`` psycopg connections (autocommit), each opened with ``params``.
+
+    A connection is taken by :meth:`connection` and given back after; one that
+    failed at the connection level, or whose statement was cancelled half-way
+    (its state is then unknown), is closed instead, and a new one opened when
+    needed. Nothing is opened before the first use. :meth:`close` closes them
+    all, as an engine's ``dispose`` does: the set may be used again after.
+    """
+
+    def __init__(self, conninfo: str, *, size: int = 4, **params: Any) -> None:
+        self._conninfo = conninfo
+        self._params = params
+        self._idle: list[psycopg.AsyncConnection[dict[str, Any]]] = []
+        self._slots = asyncio.Semaphore(size)
+        #: Connections opened before the last close are not given back.
+        self._generation = 0
+        self._born: dict[int, int] = {}
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[dict[str, Any]]]:
+        """A connection of the set for one transaction (or one autocommit statement)."""
+        async with self._slots:
+            conn = self._idle.pop() if self._idle else None
+            if conn is None or conn.closed:
+                conn = await psycopg.AsyncConnection.connect(
+                    self._conninfo, autocommit=True, row_factory=dict_row, **self._params
+                )
+                self._born[id(conn)] = self._generation
+            try:
+                yield conn
+            except BaseException as exc:
+                if isinstance(exc, Exception) and not conn.broken:
+                    await self._give_back(conn)  # a statement's error: the connection is fine
+                else:  # cancelled (or worse) mid-statement: its state is unknown
+                    await self._discard(conn)
+                raise
+            await self._give_back(conn)
+
+    async def _give_back(self, conn: psycopg.AsyncConnection[dict[str, Any]]) -> None:
+        idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        if conn.closed or not idle or self._born.get(id(conn)) != self._generation:
+            await self._discard(conn)  # left in a transaction, or opened before a close
+            return
+        self._idle.append(conn)
+
+    async def _discard(self, conn: psycopg.AsyncConnection[dict[str, Any]]) -> None:
+        self._born.pop(id(conn), None)
+        with contextlib.suppress(Exception):  # a broken connection: nothing more to do
+            await conn.close()
+
+    async def close(self) -> None:
+        """Close every connection (those in use when they are given back)."""
+        self._generation += 1
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await self._discard(conn)
