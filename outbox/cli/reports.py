@@ -157,8 +157,14 @@ class ReconcileReport(Report):
 
 
 class DemoReport(Report):
-    """``outbox demo --json``: the tally of the demo's story."""
+    """``outbox demo --json``: the tally of the demo's story (printed when it fails, too)."""
 
+    #: False when the demo stopped before its runs and effects were done (see ``error``).
+    finished: bool
+    #: Why it stopped early (the line printed on stderr), else null.
+    error: str | None
+    #: What its runs and effects were still waiting for (empty when finished).
+    waiting_for: list[str]
     runs: int
     runs_completed: int
     runs_compensated: int
@@ -170,6 +176,11 @@ class DemoReport(Report):
     duplicates_applied_at_sink: int
     lost: int
     phantom: int
+    #: Lease owners (``host:pid:suffix``) of deliverers the demo did not start that
+    #: served its database when it began or delivered some of its effects.
+    other_deliverers: list[str]
+    #: The demo's effects those deliverers delivered.
+    delivered_by_other_deliverers: int
     seconds: float
     #: What happened, in order (kills, restarts, the approval, the cancellation).
     events: list[str]

@@ -30,7 +30,7 @@ from outbox.storage.claims import ClaimMode
 from outbox.storage.engine import execute_alone, translate_errors, untouched
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
-from outbox.storage.sql import audit, control, maintenance, queue
+from outbox.storage.sql import audit, control, maintenance, owners, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
@@ -500,16 +500,19 @@ class Store:
             return read_state_counts(conn)
 
     def tally(self, run_ids: Sequence[UUID]) -> dict[str, dict[str, int]]:
-        """Effects of these runs by status, and their attempt-log rows by outcome."""
+        """Effects of these runs by status, attempt-log rows by outcome, successes by worker."""
+        ids = {"ids": list(run_ids)}
         with translate_errors("tallying effects"), self.engine.connect() as conn:
             return {
-                "status": dict(
-                    conn.execute(maintenance.effects_by_status(), {"ids": list(run_ids)}).all()
-                ),
-                "outcome": dict(
-                    conn.execute(maintenance.attempts_by_outcome(), {"ids": list(run_ids)}).all()
-                ),
+                "status": dict(conn.execute(maintenance.effects_by_status(), ids).all()),
+                "outcome": dict(conn.execute(maintenance.attempts_by_outcome(), ids).all()),
+                "worker": dict(conn.execute(maintenance.succeeded_by_worker(), ids).all()),
             }
+
+    def live_owners(self) -> list[str]:
+        """Lease owners of the delivery daemons alive on this database (their lock held)."""
+        with translate_errors("listing deliverers"), self.engine.connect() as conn:
+            return list(conn.execute(owners.live_owners()).scalars())
 
     def in_flight_of(self, owner_pattern: str) -> int:
         """Effects in flight under lease owners matching the SQL ``LIKE`` pattern."""

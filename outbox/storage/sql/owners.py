@@ -35,6 +35,7 @@ __all__ = [
     "expire_gone_owner",
     "forget_gone_owners",
     "gone_owners",
+    "live_owners",
 ]
 
 #: The first key of every owner lock (``pg_advisory_lock(int, int)``), so owner
@@ -49,17 +50,19 @@ REGISTER_OWNER = (
 )
 FORGET_OWNER = "DELETE FROM outbox_owners WHERE owner = %s"
 
-# No session of this database holds o.owner's lock, and the server has been up
-# longer than :restart_grace seconds (a restart frees every lock at once).
-_GONE = f"""
-    pg_postmaster_start_time() < now() - :restart_grace * interval '1 second'
-    AND NOT EXISTS (
+# A session of this database holds o.owner's lock.
+_HELD = f"""EXISTS (
         SELECT 1 FROM pg_locks l
         WHERE l.locktype = 'advisory' AND l.granted
           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
           AND l.classid = {OWNER_LOCK_CLASS}::oid
           AND l.objid = hashtext(o.owner)::oid
           AND l.objsubid = 2)"""
+# No session holds it, and the server has been up longer than :restart_grace
+# seconds (a restart frees every lock at once).
+_GONE = f"""
+    pg_postmaster_start_time() < now() - :restart_grace * interval '1 second'
+    AND NOT {_HELD}"""
 #: The same test for SQL written elsewhere (the duty probe of :mod:`outbox.storage.sql.duties`).
 GONE_CONDITION = _GONE
 
@@ -80,6 +83,12 @@ def gone_owners() -> TextClause:
             FROM outbox_owners o
             WHERE {_GONE}"""
     )
+
+
+@cache
+def live_owners() -> TextClause:
+    """Registered owners whose lock is held: the delivery daemons alive on this database."""
+    return text(f"SELECT o.owner FROM outbox_owners o WHERE {_HELD} ORDER BY o.registered_at")
 
 
 @cache
