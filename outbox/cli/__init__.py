@@ -11,7 +11,7 @@ import click
 
 from outbox.cli._common import CliContext
 from outbox.cli._dsn import choose_dsn
-from outbox.errors import OutboxError
+from outbox.errors import MissingExtra, OutboxError
 
 __all__ = ["cli", "main"]
 
@@ -84,6 +84,16 @@ def _fail(message: str, code: int = 1) -> NoReturn:
     sys.exit(code)
 
 
+def _command_words() -> str:
+    """``outbox relay``: the program and the sub-command words typed, options left out."""
+    words = []
+    for argument in sys.argv[1:]:
+        if argument.startswith("-") or not argument.replace("-", "").isalpha():
+            break
+        words.append(argument)
+    return " ".join(["outbox", *words]) if words else ""
+
+
 def _not_utf8(arguments: list[str]) -> int | None:
     """The position of the first argument that was not UTF-8, if any.
 
@@ -118,6 +128,13 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except OutboxError as exc:
         _fail(f"{type(exc).__name__}: {exc}")
+    except ImportError as exc:
+        # An optional extra's library (kafka for stream mode, cryptography for signed
+        # records): one line naming the install, never a traceback.
+        missing = MissingExtra.of(exc, _command_words() or "this command")
+        if missing is None:
+            raise
+        _fail(f"{type(missing).__name__}: {missing}")
     except OSError as exc:
         # The environment refused: a file, a directory, an address to listen on.
         _fail(f"{type(exc).__name__}: {exc}")

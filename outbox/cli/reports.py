@@ -343,6 +343,8 @@ class SchemasCheckReport(Report):
     """``outbox schemas check --json``: files missing, different, or left over."""
 
     drift: list[str]
+    #: Files not checked: their model needs an optional extra that is not installed.
+    skipped: list[str]
 
 
 class CheckTrial(Report):
