@@ -17,6 +17,7 @@ from uuid import UUID
 import click
 from pydantic import BaseModel
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from outbox.client import Outbox
@@ -28,7 +29,9 @@ __all__ = [
     "emit",
     "json_option",
     "listening",
+    "page_title",
     "pass_cli",
+    "run_suffix",
     "short",
     "table",
 ]
@@ -159,10 +162,62 @@ def short(value: Any, width: int = 60) -> str:
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """Print a rich table."""
-    out = Table(title=title, title_justify="left")
-    for name in columns:
-        out.add_column(name, overflow="fold")
-    for row in rows:
-        out.add_row(*(short(v) for v in row))
+    """Print a rich table that fits the terminal without breaking an id.
+
+    A column of ids keeps each id whole on one line (copy it, paste it into the
+    next command). When the table is wider than the terminal, columns are left
+    out from the right (ids and the first two columns stay) and the caption
+    says which: ``--json`` or a wider terminal shows them.
+    """
+    cells = [[short(v) for v in row] for row in rows]
+    ids = {i for i in range(len(columns)) if _all_ids([row[i] for row in rows])}
+    shown = list(range(len(columns)))
+    dropped: list[str] = []
+    while True:
+        out = Table(title=title, title_justify="left")
+        for i in shown:
+            if i in ids:
+                out.add_column(columns[i], no_wrap=True, min_width=36)
+            else:
+                out.add_column(columns[i], overflow="fold")
+        for row in cells:
+            out.add_row(*(row[i] for i in shown))
+        if dropped:
+            out.caption = f"left out: {', '.join(dropped)} (a wider terminal or --json shows them)"
+            out.caption_justify = "left"
+        droppable = [i for i in shown[2:] if i not in ids]
+        natural = Measurement.get(console, console.options.update_width(100_000), out).maximum
+        if not droppable or natural <= console.width:
+            break
+        shown.remove(droppable[-1])
+        dropped.insert(0, columns[droppable[-1]])
     console.print(out)
+
+
+def _all_ids(values: Sequence[Any]) -> bool:
+    present = [v for v in values if v is not None and v != ""]
+    return bool(present) and all(isinstance(v, UUID) or _is_uuid_text(v) for v in present)
+
+
+def _is_uuid_text(value: Any) -> bool:
+    if not isinstance(value, str) or len(value) != 36:
+        return False
+    try:
+        UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
+def page_title(
+    what: str, found: Sequence[Any], limit: int, command: str, order: str = "newest first"
+) -> str:
+    """``effects (100, newest first; more: COMMAND --before ID)``: a listing's title."""
+    if len(found) < limit:
+        return f"{what} ({len(found)}, {order})"
+    return f"{what} ({len(found)}, {order}; more: {command} --before {found[-1].id})"
+
+
+def run_suffix(run_id: UUID | None) -> str:
+    """A run's id in a narrow column: ``…`` and its last 8 hex digits (random, unlike the first)."""
+    return f"…{str(run_id)[-8:]}" if run_id is not None else ""

@@ -187,7 +187,7 @@ class DemoReport(Report):
 
 
 class EffectListReport(RootModel[list[Effect]]):
-    """``outbox effects list --json``: effects in intent order."""
+    """``outbox effects list --json``: effects, newest first (``--oldest-first``: intent order)."""
 
 
 class EffectDetailReport(Report):
