@@ -11,7 +11,7 @@ from datetime import datetime
 from decimal import Decimal
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
 
 import click
@@ -20,8 +20,9 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from outbox.client import Outbox
-from outbox.settings import Settings
+if TYPE_CHECKING:  # imported when a command needs them: `outbox --help` does not
+    from outbox.client import Outbox
+    from outbox.settings import Settings
 
 __all__ = [
     "CliContext",
@@ -52,11 +53,15 @@ class CliContext:
 
     @property
     def settings(self) -> Settings:
+        from outbox.settings import Settings
+
         return Settings.from_env(dsn=self.dsn, home=self.home)
 
     @property
     def outbox(self) -> Outbox:
         if self._outbox is None:
+            from outbox.client import Outbox
+
             self._outbox = Outbox.connect(settings=self.settings)
         return self._outbox
 

@@ -24,8 +24,11 @@ def commands(
         command = cli
     found = [(path, command)]
     if isinstance(command, click.Group):
-        for name in sorted(command.commands):
-            found += commands(command.commands[name], (*path, name))
+        ctx = click.Context(command)
+        for name in command.list_commands(ctx):  # loads a lazy group's commands
+            sub = command.get_command(ctx, name)
+            if sub is not None:
+                found += commands(sub, (*path, name))
     return found
 
 
