@@ -62,8 +62,33 @@ class CliContext:
         if self._outbox is None:
             from outbox.client import Outbox
 
-            self._outbox = Outbox.connect(settings=self.settings)
+            with self.starting():
+                self._outbox = Outbox.connect(settings=self.settings)
         return self._outbox
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """A spinner on stderr while the embedded server starts (created, the first time).
+
+        Nothing shows when a DSN is set, when the server already runs, or when
+        stderr is not a terminal.
+        """
+        settings = self.settings
+        if settings.dsn:
+            yield
+            return
+        from outbox.storage.embedded import EmbeddedServer
+
+        try:
+            state = EmbeddedServer(settings.home).status()
+        except OSError:  # connecting says what is wrong with the home
+            state = None
+        if state is None or state.running:
+            yield
+            return
+        what = "starting" if state.initialized else "creating (the first time: a few seconds)"
+        with Console(stderr=True).status(f"{what} the embedded PostgreSQL in {settings.home}"):
+            yield
 
     def close(self) -> None:
         if self._outbox is not None:

@@ -66,7 +66,8 @@ def load_deliverers(
 
 def checked_dsn(cli: CliContext) -> str:
     """The DSN of a database whose schema matches (migrating the embedded one)."""
-    engine = open_engine(cli.settings, application_name="outbox-cli")
+    with cli.starting():
+        engine = open_engine(cli.settings, application_name="outbox-cli")
     try:
         return libpq_dsn(engine.url)
     finally:

@@ -408,20 +408,12 @@ class CheckReport(Report):
 
 def report_models() -> dict[str, type[BaseModel]]:
     """``report.<command path>`` → the model of that command's ``--json`` output."""
-    import click
-
-    from outbox.cli import cli
     from outbox.cli._common import JsonOption
+    from outbox.cli.cli_reference import commands
 
     found: dict[str, type[BaseModel]] = {}
-
-    def walk(command: click.Command, path: list[str]) -> None:
+    for path, command in commands():  # every command, loaded
         for param in command.params:
             if isinstance(param, JsonOption):
                 found["report." + ".".join(path)] = param.report
-        if isinstance(command, click.Group):
-            for name, sub in command.commands.items():
-                walk(sub, [*path, name])
-
-    walk(cli, [])
     return dict(sorted(found.items()))
