@@ -447,9 +447,14 @@ def reconcile_command(
     with console.status("reconciling…"):
         report = asyncio.run(main())
     unknown = cli.outbox.effects(status="unknown", limit=max_rows)
+    gone = [
+        {"owner": owner, "in_flight": n, "lease_ends": ends}
+        for owner, n, ends in cli.outbox.store.gone_in_flight()
+    ]
     data = ReconcileReport.model_validate(
         {
             **report.as_dict(),
+            "held_by_gone_deliverers": gone,
             "unknown": [
                 {
                     "id": e.id,
@@ -471,6 +476,14 @@ def reconcile_command(
             ["action", "count"],
             sorted(report.counts.items()),
         )
+        if gone:
+            table(
+                f"in flight under {len(gone)} deliverer(s) that are gone (killed or crashed): "
+                "reconciled when their leases end; a running `outbox deliver` puts the "
+                "idempotent ones back within seconds",
+                ["owner", "attempts", "leases end"],
+                [(g["owner"], g["in_flight"], g["lease_ends"]) for g in gone],
+            )
         if report.items:
             table(
                 "expired attempts",

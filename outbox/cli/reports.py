@@ -10,6 +10,7 @@ run) uses that record's model.
 
 from __future__ import annotations
 
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
@@ -34,6 +35,7 @@ __all__ = [
     "GatesApplyReport",
     "GatesRemoveReport",
     "GcReport",
+    "GoneDeliverer",
     "MigrateReport",
     "PauseReport",
     "ReconcileReport",
@@ -145,6 +147,17 @@ class UnknownEffect(Report):
     last_error: str | None
 
 
+class GoneDeliverer(Report):
+    """A deliverer that died holding attempts whose leases have not ended yet."""
+
+    #: Its lease owner (``host:pid:suffix``).
+    owner: str
+    #: Attempts it holds in flight.
+    in_flight: int
+    #: When the first of their leases ends (then they are reconciled as expired).
+    lease_ends: datetime
+
+
 class ReconcileReport(Report):
     """``outbox reconcile --json``."""
 
@@ -154,6 +167,9 @@ class ReconcileReport(Report):
     items: list[ReconcileItem]
     #: Every effect now in ``unknown`` (up to ``--max-rows``).
     unknown: list[UnknownEffect]
+    #: Deliverers that are gone (their session lock is free: killed, crashed) but
+    #: still hold attempts whose leases have not ended, so nothing above counts them.
+    held_by_gone_deliverers: list[GoneDeliverer]
 
 
 class DemoReport(Report):

@@ -509,6 +509,13 @@ class Store:
                 "worker": dict(conn.execute(maintenance.succeeded_by_worker(), ids).all()),
             }
 
+    def gone_in_flight(self, restart_grace: float = 5.0) -> list[tuple[str, int, Any]]:
+        """``(owner, attempts, first lease end)`` of the in-flight attempts of gone deliverers."""
+        params = {"restart_grace": restart_grace}
+        with translate_errors("listing gone deliverers"), self.engine.connect() as conn:
+            rows = conn.execute(owners.gone_in_flight(), params).all()
+        return [(str(owner), int(n), ends) for owner, n, ends in rows]
+
     def live_owners(self) -> list[str]:
         """Lease owners of the delivery daemons alive on this database (their lock held)."""
         with translate_errors("listing deliverers"), self.engine.connect() as conn:

@@ -34,6 +34,7 @@ __all__ = [
     "TAKE_OWNER_LOCK",
     "expire_gone_owner",
     "forget_gone_owners",
+    "gone_in_flight",
     "gone_owners",
     "live_owners",
 ]
@@ -82,6 +83,24 @@ def gone_owners() -> TextClause:
                   AND e.kind = ANY(CAST(:kinds AS text[]))) AS holds
             FROM outbox_owners o
             WHERE {_GONE}"""
+    )
+
+
+@cache
+def gone_in_flight() -> TextClause:
+    """In-flight attempts held by gone owners: ``(owner, attempts, first lease end)`` each.
+
+    Parameter: ``restart_grace`` (seconds). What ``outbox reconcile`` shows
+    beside the expired leases: work a dead deliverer holds until its leases end
+    (or a running daemon's liveness check puts the idempotent part back).
+    """
+    return text(
+        f"""SELECT o.owner, count(*) AS attempts, min(e.lease_expires_at) AS lease_ends
+            FROM outbox_owners o
+            JOIN outbox_effects e ON e.lease_owner = o.owner AND e.status = 'in_flight'
+            WHERE {_GONE}
+            GROUP BY o.owner
+            ORDER BY o.owner"""
     )
 
 
