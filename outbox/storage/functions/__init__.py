@@ -29,14 +29,16 @@ class Definition:
     text: str
 
 
+#: Loaded before the others: the types their signatures name.
+TYPES_FILE = "types.sql"
+
+
 def function_files() -> dict[str, str]:
-    """Every file's name and text, by name."""
+    """Every file's name and text: the types first, then the rest by name."""
     folder = resources.files(__name__)
-    return {
-        entry.name: entry.read_text()
-        for entry in sorted(folder.iterdir(), key=lambda e: e.name)
-        if entry.name.endswith(".sql")
-    }
+    files = sorted((e for e in folder.iterdir() if e.name.endswith(".sql")), key=lambda e: e.name)
+    ordered = sorted(files, key=lambda e: e.name != TYPES_FILE)
+    return {entry.name: entry.read_text() for entry in ordered}
 
 
 def functions_ddl() -> str:
