@@ -100,7 +100,10 @@ def cli_block() -> str:
         rows = []
         for param in command.params:
             if isinstance(param, click.Argument):
-                rows.append([f"`{param.human_readable_name}`", "argument", "", "", "required"])
+                need = "required" if param.required else "optional"
+                if param.nargs == -1:
+                    need += ", any number"
+                rows.append([f"`{param.human_readable_name}`", "argument", "", "", need])
                 continue
             if not isinstance(param, click.Option) or param.hidden:
                 continue

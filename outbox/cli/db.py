@@ -137,7 +137,9 @@ GC_HELP = """Delete (or archive and delete) finished history older than a horizo
 What goes: runs that ended before the horizon with no open effect, with
 their steps, effects, attempt log, signals and budget ledger; run-less
 effects finished before it, with their attempts; consumer dedup keys and
-webhook replay marks older than it. Each batch is one short transaction.
+webhook replay marks older than it; then the large values stored by reference
+(outbox_blobs) that nothing refers to any more, whatever their age. Each
+batch is one short transaction.
 
 \b
 --archive FILE appends every deleted row of every table to FILE (created

@@ -106,10 +106,15 @@ class ArchiveHeader(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="allow")
 
+    #: Always ``agent-outbox``: what wrote the file.
     archive: str
+    #: The archive format's version (1).
     format: int
+    #: When this gc run started (ISO 8601).
     written_at: str
+    #: Its horizon: rows finished longer ago than this were archived and deleted.
     older_than_seconds: float
+    #: The database's schema version then (the columns the rows have).
     schema_version: int
 
 
@@ -127,23 +132,33 @@ class ArchiveSummaryReport(Report):
 class ReconcileItem(Report):
     """One expired attempt and what was (or, in a dry run, would be) done with it."""
 
+    #: The effect.
     effect_id: UUID
+    #: The effect's kind (its deliverer's declaration decided the action).
     kind: str
+    #: The attempt that started and never ended.
     attempt: int
     #: ``redeliver``, ``failed``, ``lookup``, ``looked_up_succeeded``,
     #: ``looked_up_redeliver``, ``lookup_failed``, ``unknown`` or ``skipped``.
     action: str
+    #: Why (what a lookup answered, say).
     note: str
 
 
 class UnknownEffect(Report):
     """An effect in ``unknown``, waiting for an operator."""
 
+    #: The effect (``outbox effects resolve ID --as ...``).
     id: UUID
+    #: Its kind.
     kind: str
+    #: Its run (null: intended outside any run).
     run_id: UUID | None
+    #: The attempt whose outcome is unknown.
     attempt: int
+    #: Its idempotency key: search the sink's own log for it.
     key: str
+    #: Why it is unknown.
     last_error: str | None
 
 
@@ -217,7 +232,9 @@ class EffectDetailReport(Report):
 class RoleLine(Report):
     """One role ``outbox roles`` created or updated."""
 
+    #: The PostgreSQL role's name.
     role: str
+    #: Who logs in as it and what it may do.
     purpose: str
 
 
@@ -234,9 +251,13 @@ class RunListReport(RootModel[list[RunRecord]]):
 class Budget(Report):
     """A run's budget: ``remaining`` is budget - spent - reserved (None: no budget)."""
 
+    #: What the run may spend (null: no budget).
     budget: Decimal | None
+    #: Debited by its steps so far.
     spent: Decimal
+    #: Held by steps under way (model requests not yet answered).
     reserved: Decimal
+    #: What is left (null: no budget).
     remaining: Decimal | None
 
 
@@ -290,9 +311,13 @@ class ForkReport(Report):
 class VersionLine(Report):
     """Unfinished runs of one agent version in one status."""
 
+    #: The agent's name.
     agent: str
+    #: The version its runs are pinned to.
     version: str
+    #: A status that is not terminal (runnable, running, waiting, paused, ...).
     status: RunStatus
+    #: How many runs of that version are in that status.
     runs: int
 
 
@@ -303,13 +328,17 @@ class VersionsReport(RootModel[list[VersionLine]]):
 class DiffChange(Report):
     """Where two runs differ: ``added`` (only in B), ``removed`` (only in A), ``changed``."""
 
+    #: The step that intended the effect (null: outside a step).
     step_id: str | None
+    #: Its index among the step's intents.
     index: int | None
+    #: ``added`` (only in run B), ``removed`` (only in run A) or ``changed``.
     change: str
     #: What differs of a changed effect (kind, payload, compensate, ordering_key, key).
     fields: list[str]
     #: The effect in run A and in run B, each run's own id written ``{run}``.
     a: dict[str, Any] | None
+    #: (``a``'s counterpart in run B; null when ``removed``.)
     b: dict[str, Any] | None
 
 
@@ -366,8 +395,11 @@ class SchemasCheckReport(Report):
 class CheckTrial(Report):
     """One trial of ``outbox check``: the baseline, one crash, or a chain of crashes."""
 
+    #: The trial's id (``uninterrupted``, a crash point, ``point@step``): ``--only`` takes it.
     id: str
+    #: Whether nothing was lost, applied twice, regressed or left different.
     ok: bool
+    #: How long it took.
     seconds: float
     #: ``point@where`` of every process killed in this trial.
     crashes: list[str]
@@ -376,27 +408,40 @@ class CheckTrial(Report):
 class CheckRow(Report):
     """One line of ``outbox check``'s table: a crash point, where, and what came of it."""
 
+    #: The crash point (``after_step``, ``after_call``, ...).
     point: str
     #: ``worker``, ``deliverer`` or ``upgrade``.
     role: str
+    #: Where it was reached (a step, a kind).
     where: str
     #: ``ok``, ``VIOLATION``, ``error``, ``not reached``, ``skipped``, ``chain failed``.
     outcome: str
+    #: What came of it, in a sentence.
     detail: str
+    #: The trial that crashed there.
     trial: str
 
 
 class CheckViolation(Report):
     """The first violation ``outbox check`` found, explained, with the command to reproduce it."""
 
+    #: The trial that showed it.
     trial: str
+    #: Its crash point (``no crash`` for the baseline).
     point: str
+    #: Where the crash was (null: several places, a chain).
     where: str | None
+    #: ``lost``, ``duplicate_operations``, ``phantom``, ``regressed``, ``error``, ...
     kind: str
+    #: What was seen, with what was killed.
     detail: str
+    #: Why it happens and how agents usually fix it.
     explanation: str
+    #: The command that runs this trial alone.
     reproduce: str
+    #: Where the trial's process logs were kept (null: none).
     logs: str | None
+    #: What a failed process wrote last (for an ``error``).
     output: str | None
 
 

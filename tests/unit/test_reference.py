@@ -218,3 +218,33 @@ def test_every_public_method_of_the_client_is_in_the_client_reference(cls: type)
         if not name.startswith("_") and not re.search(rf"`[^`]*\b{name}\b[^`]*`", text)
     ]
     assert missing == [], f"{cls.__name__}: {missing} not in docs/reference/client.md"
+
+
+def test_an_argument_is_marked_required_only_when_it_is() -> None:
+    """``outbox audit verify [RUN_ID]`` was listed with RUN_ID "required"."""
+    text = page("cli.md")
+    for path, command in reference.commands():
+        heading = reference.command_heading(path)
+        section = text.split(f"### `{heading}`\n", 1)[1].split("\n### ", 1)[0]
+        for param in command.params:
+            if isinstance(param, click.Argument):
+                row = next(
+                    line
+                    for line in section.splitlines()
+                    if line.startswith(f"| `{param.human_readable_name}` |")
+                )
+                expected = "required" if param.required else "optional"
+                assert f"| {expected}" in row, f"{heading} {param.human_readable_name}: {row}"
+    assert "| `RUN_ID` | argument |  |  | optional |" in text
+
+
+def test_every_part_of_a_report_is_in_the_json_reference_with_its_meaning() -> None:
+    """The items of ``runs diff --json``'s ``changes`` (and of every other report) are shown."""
+    text = page("json.md")
+    parts = reference.report_parts()
+    assert {"DiffChange", "ReconcileItem", "GoneDeliverer"} <= {m.__name__ for m in parts}
+    for model in parts:
+        section = text.split(f"### `{model.__name__}`\n", 1)[1].split("\n### ", 1)[0]
+        for name in model.model_fields:
+            assert f"| `{name}` |" in section, f"{model.__name__}.{name}"
+            assert reference.field_meaning(model, name), f"{model.__name__}.{name}: no `#:`"
