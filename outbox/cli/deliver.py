@@ -449,7 +449,7 @@ def reconcile_command(
     unknown = cli.outbox.effects(status="unknown", limit=max_rows)
     gone = [
         {"owner": owner, "in_flight": n, "lease_ends": ends}
-        for owner, n, ends in cli.outbox.store.gone_in_flight()
+        for owner, n, ends in cli.outbox.store.deliverers.gone_in_flight()
     ]
     data = ReconcileReport.model_validate(
         {

@@ -126,7 +126,7 @@ class Demo:
 
     def look_for_other_deliverers(self) -> None:
         """Before starting: deliverers already serving this database may take the demo's work."""
-        for owner in self.ob.store.live_owners():
+        for owner in self.ob.store.deliverers.live_owners():
             self.others.setdefault(owner, 0)
         if self.others:
             pids = ", ".join(_pid(o) for o in self.others)
@@ -177,7 +177,7 @@ class Demo:
             for r in self.reconciliations
             if statuses[r] not in _DONE["reconcile"]
         }
-        return Snapshot(statuses, self.ob.store.tally(self.run_ids), steps)
+        return Snapshot(statuses, self.ob.store.deliverers.tally(self.run_ids), steps)
 
     def finished(self, now: Snapshot) -> bool:
         """Every run at the end of its story and every effect of them terminal."""
@@ -233,7 +233,7 @@ class Demo:
         first = self.deliverers[0]
         if self.deliverer_killed:
             return
-        held = self.ob.store.in_flight_of(f"%:{first.pid}:%")
+        held = self.ob.store.deliverers.in_flight_of(f"%:{first.pid}:%")
         if held == 0:
             return
         first.send_signal(signal.SIGKILL)

@@ -27,10 +27,11 @@ from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
 from outbox.storage import blob_store
 from outbox.storage.blob_store import EFFECT_FIELDS, RUN_FIELDS, STEP_FIELDS
 from outbox.storage.claims import ClaimMode
+from outbox.storage.deliverer_reads import DelivererReads
 from outbox.storage.engine import execute_alone, translate_errors, untouched
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
-from outbox.storage.sql import audit, control, maintenance, owners, queue
+from outbox.storage.sql import audit, control, maintenance, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
@@ -91,6 +92,8 @@ class Store:
         self._claims = ClaimMode()
         #: The operator console's reads (paginated, by index, off the hot paths).
         self.views = ConsoleViews(engine)
+        #: Who delivers here: live daemons, the attempts of dead ones, a demo's tally.
+        self.deliverers = DelivererReads(engine)
 
     @contextmanager
     def begin(self, connection: Connection | None = None) -> Iterator[Connection]:
@@ -498,35 +501,6 @@ class Store:
         """Runs by status, open effects by (status, kind), age of the oldest pending effect."""
         with translate_errors("counting states"), self.engine.connect() as conn:
             return read_state_counts(conn)
-
-    def tally(self, run_ids: Sequence[UUID]) -> dict[str, dict[str, int]]:
-        """Effects of these runs by status, attempt-log rows by outcome, successes by worker."""
-        ids = {"ids": list(run_ids)}
-        with translate_errors("tallying effects"), self.engine.connect() as conn:
-            return {
-                "status": dict(conn.execute(maintenance.effects_by_status(), ids).all()),
-                "outcome": dict(conn.execute(maintenance.attempts_by_outcome(), ids).all()),
-                "worker": dict(conn.execute(maintenance.succeeded_by_worker(), ids).all()),
-            }
-
-    def gone_in_flight(self, restart_grace: float = 5.0) -> list[tuple[str, int, Any]]:
-        """``(owner, attempts, first lease end)`` of the in-flight attempts of gone deliverers."""
-        params = {"restart_grace": restart_grace}
-        with translate_errors("listing gone deliverers"), self.engine.connect() as conn:
-            rows = conn.execute(owners.gone_in_flight(), params).all()
-        return [(str(owner), int(n), ends) for owner, n, ends in rows]
-
-    def live_owners(self) -> list[str]:
-        """Lease owners of the delivery daemons alive on this database (their lock held)."""
-        with translate_errors("listing deliverers"), self.engine.connect() as conn:
-            return list(conn.execute(owners.live_owners()).scalars())
-
-    def in_flight_of(self, owner_pattern: str) -> int:
-        """Effects in flight under lease owners matching the SQL ``LIKE`` pattern."""
-        with translate_errors("counting in-flight effects"), self.engine.connect() as conn:
-            return int(
-                conn.execute(maintenance.in_flight_like(), {"pattern": owner_pattern}).scalar_one()
-            )
 
     # -- audit (``outbox check``, chaos tests): whole tables of a small scratch database --
 

@@ -79,7 +79,9 @@ def test_the_demo_in_a_reused_database(ob: Outbox, sub_env: dict[str, str], tmp_
         stderr=subprocess.DEVNULL,
     )
     try:
-        (owner,) = wait_for(ob.store.live_owners, timeout=60, message="the leftover deliverer")
+        (owner,) = wait_for(
+            ob.store.deliverers.live_owners, timeout=60, message="the leftover deliverer"
+        )
         done = demo(sub_env, tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads(done.stdout)
