@@ -143,6 +143,7 @@ class HttpConfig(DelivererConfig):
     #: How much of it is kept in the attempt log.
     excerpt_bytes: int = Field(default=2048, ge=0)
     #: URL template the sink answers for a key (``{key}``): see :meth:`HttpDeliverer.lookup`.
+    #: Reached under ``allow_private`` and ``allowed_hosts``, as every call is.
     lookup_url: str | None = None
     #: Name of a credential (in ``credentials``) sent with lookups.
     lookup_credential: str | None = None
