@@ -248,3 +248,44 @@ def test_every_part_of_a_report_is_in_the_json_reference_with_its_meaning() -> N
         for name in model.model_fields:
             assert f"| `{name}` |" in section, f"{model.__name__}.{name}"
             assert reference.field_meaning(model, name), f"{model.__name__}.{name}: no `#:`"
+
+
+def test_every_console_action_is_in_the_http_reference() -> None:
+    """Each POST route of the console, the form fields its handler reads and the statuses it
+    answers with, are in docs/reference/http.md's console table (read from the code)."""
+    import inspect as _inspect
+
+    from outbox.serve import console
+    from outbox.serve.console import pages
+    from outbox.serve.settings import Credentials
+
+    text = page("http.md")
+    from types import SimpleNamespace
+
+    # Only the routes are read: nothing is served, so no database is needed.
+    views = SimpleNamespace(delivery_by_minute=lambda: None)
+    outbox_ = SimpleNamespace(store=SimpleNamespace(views=views))
+    app = console.console_app(outbox_, Credentials(), SimpleNamespace(ttl=1.0))  # type: ignore[arg-type]
+    routes = [r for r in app.app.routes if "POST" in (r.methods or ())]
+    assert len(routes) >= 7
+    shared = _inspect.getsource(pages.Console._act) + _inspect.getsource(pages._note)
+    for route in routes:
+        url = f"POST /console{route.path}"
+        rows = [line for line in text.splitlines() if line.startswith("|") and f"`{url}`" in line]
+        assert rows, f"{url} is not in http.md"
+        row = rows[0]
+        source = _inspect.getsource(route.endpoint)
+        acts = "self._act(" in source
+        fields = set(re.findall(r'form\.get\("(\w+)"', source + (shared if acts else "")))
+        if "_note(form" in source:
+            fields.add("note")
+        documented = set(re.findall(r"`(\w+)`", row.split(url, 1)[1].split("`POST", 1)[0]))
+        assert fields - {"csrf", "next"} <= documented, f"{url}: {sorted(fields - documented)}"
+        codes = set(
+            re.findall(r"problem\(\s*request,\s*(\d{3})", source + (shared if acts else ""))
+        )
+        codes |= set(re.findall(r"status_code=(\d{3})", source))
+        for code in codes:
+            assert code in row, f"{url} answers {code}: not in its row"
+    assert "carries `csrf`" in text and "may carry `next`" in text
+
