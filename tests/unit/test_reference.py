@@ -288,4 +288,3 @@ def test_every_console_action_is_in_the_http_reference() -> None:
         for code in codes:
             assert code in row, f"{url} answers {code}: not in its row"
     assert "carries `csrf`" in text and "may carry `next`" in text
-
