@@ -17,6 +17,7 @@ __all__ = ["Definition", "definitions", "function_files", "functions_ddl"]
 
 _FUNCTION = re.compile(r"CREATE OR REPLACE FUNCTION (\w+)\(")
 _TRIGGER = re.compile(r"CREATE (?:CONSTRAINT )?TRIGGER (\w+)")
+_TYPE = re.compile(r"CREATE TYPE (\w+)")
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Definition:
     """One ``CREATE`` statement of a file (with the comment lines above it)."""
 
     file: str
-    kind: str  # "function" or "trigger"
+    kind: str  # "function", "trigger" or "type"
     name: str
     text: str
 
@@ -63,6 +64,8 @@ def definitions() -> list[Definition]:
                 found.append(Definition(file, "function", match[1], statement))
             elif match := _TRIGGER.search(body):
                 found.append(Definition(file, "trigger", match[1], statement))
+            elif match := _TYPE.search(body):
+                found.append(Definition(file, "type", match[1], statement))
     return found
 
 
