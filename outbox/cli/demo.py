@@ -143,7 +143,8 @@ def demo(cli: CliContext, keep_logs: bool, timeout: float, as_json: bool) -> Non
             path.unlink()
         workdir.rmdir()
     kept = workdir if keep_logs or failure else None
-    emit(summary, as_json, lambda: _render(summary, kept))
+    embedded = None if cli.settings.dsn else cli.settings.home
+    emit(summary, as_json, lambda: _render(summary, kept, embedded))
     if failure is not None:
         raise click.ClickException(failure)
     if summary.duplicates_applied_at_sink or summary.lost or summary.phantom:
@@ -193,7 +194,7 @@ def _summary(story: Demo, stats: dict[str, Any], seconds: float, error: str | No
     )
 
 
-def _render(summary: DemoReport, logs: Path | None) -> None:
+def _render(summary: DemoReport, logs: Path | None, embedded: Path | None) -> None:
     for event in summary.events:
         console.print(f"  • {event}")
     table(
@@ -218,6 +219,11 @@ def _render(summary: DemoReport, logs: Path | None) -> None:
     )
     if logs is not None:
         console.print(f"logs: {logs}")
+    if embedded is not None:
+        console.print(
+            f"[dim]The embedded PostgreSQL in {embedded} keeps running, so the next command "
+            "starts at once: `outbox db stop` stops it.[/]"
+        )
 
 
 COMMANDS = [demo]

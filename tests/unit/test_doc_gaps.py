@@ -79,3 +79,15 @@ def test_the_check_says_where_it_runs() -> None:
         "CREATE DATABASE",
     ):
         assert needle in where, needle
+
+
+def test_the_quickstart_says_how_to_stop_the_embedded_server() -> None:
+    """It keeps running after the demo and the examples: the page names the command."""
+    import click
+
+    from outbox.cli import cli
+
+    stop = section(read("quickstart.md"), "## A run in code")
+    assert "```bash\noutbox db stop\n```" in stop
+    db = cli.get_command(click.Context(cli), "db")
+    assert isinstance(db, click.Group) and "stop" in db.list_commands(click.Context(db))
