@@ -25,14 +25,16 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
-from outbox.cli.demo_story import Demo, Snapshot
 from outbox.cli.reports import DemoReport
+
+if TYPE_CHECKING:  # the story imports the client: `outbox demo --help` does not
+    from outbox.cli.demo_story import Demo, Snapshot
 
 __all__ = ["COMMANDS"]
 
@@ -53,6 +55,7 @@ TIME_LIMIT = 120.0
 def demo(cli: CliContext, keep_logs: bool, timeout: float, as_json: bool) -> None:
     """Five agent runs, two deliverers, two kill -9s: nothing lost, nothing duplicated."""
     from deliverers.testing import IdempotentHttpSink
+    from outbox.cli.demo_story import Demo
 
     ob = cli.outbox
     workdir = Path(tempfile.mkdtemp(prefix="outbox-demo-"))

@@ -15,7 +15,6 @@ from outbox.cli._common import (
     table,
 )
 from outbox.cli.reports import EffectDetailReport, EffectListReport
-from outbox.client_args import effect_filters
 from outbox.models import Effect, EffectStatus
 from outbox.validation import as_uuid
 
@@ -65,6 +64,8 @@ def effects_list(
     as_json: bool,
 ) -> None:
     """List effects, newest first, a page at a time (--limit, --before)."""
+    from outbox.client_args import effect_filters
+
     filters = effect_filters(run_id=run_id, status=status, kind=kind, limit=limit)
     if before is not None:
         filters["before"] = as_uuid(before, "before")

@@ -25,7 +25,6 @@ from outbox.cli.reports import (
     RunListReport,
     VersionsReport,
 )
-from outbox.client_args import run_filters
 from outbox.models import RunStatus, real_kind
 from outbox.validation import as_uuid
 
@@ -69,6 +68,8 @@ def runs_list(
     as_json: bool,
 ) -> None:
     """List recent runs, newest first, a page at a time (--limit, --before)."""
+    from outbox.client_args import run_filters
+
     filters = run_filters(status=status, agent=agent, limit=limit)
     if before is not None:
         filters["before"] = as_uuid(before, "before")
