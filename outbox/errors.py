@@ -141,6 +141,8 @@ class MissingExtra(ConfigurationError, ImportError):
         "pydantic_ai": "pydantic-ai",
         "langgraph": "langgraph",
         "langchain_core": "langgraph",
+        "agents": "openai-agents",
+        "openai": "openai-agents",
     }
 
     def __init__(self, extra: str, what: str, module: str | None = None) -> None:

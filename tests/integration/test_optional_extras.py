@@ -113,10 +113,11 @@ def test_schemas_check_skips_what_a_missing_extra_makes(
 def test_an_adapter_without_its_framework_names_the_extra(
     sub_env: dict[str, str], tmp_path: Path
 ) -> None:
-    hidden = hiding(tmp_path, "langchain_core", "pydantic_ai")
+    hidden = hiding(tmp_path, "langchain_core", "pydantic_ai", "agents")
     for module, library, extra in (
         ("outbox.integrations.langgraph", "langchain_core", "langgraph"),
         ("outbox.integrations.pydantic_ai", "pydantic_ai", "pydantic-ai"),
+        ("outbox.integrations.openai_agents", "agents", "openai-agents"),
     ):
         done = run(["-c", f"import {module}"], sub_env, hidden)
         assert done.returncode == 1
