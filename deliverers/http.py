@@ -143,6 +143,7 @@ class HttpConfig(DelivererConfig):
     #: How much of it is kept in the attempt log.
     excerpt_bytes: int = Field(default=2048, ge=0)
     #: URL template the sink answers for a key (``{key}``): see :meth:`HttpDeliverer.lookup`.
+    #: Reached under ``allow_private`` and ``allowed_hosts``, as every call is.
     lookup_url: str | None = None
     #: Name of a credential (in ``credentials``) sent with lookups.
     lookup_credential: str | None = None
@@ -184,14 +185,13 @@ class HttpDeliverer(Deliverer):
     default_idempotent: ClassVar[bool] = True
     payload_model: ClassVar[type[BaseModel] | None] = HttpRequest
     config_model: ClassVar[type[DelivererConfig]] = HttpConfig
+    config: HttpConfig
 
     def __init__(
         self, kind: str, config: DelivererConfig | None = None, *, resolver: Resolver | None = None
     ) -> None:
         super().__init__(kind, config)
-        assert isinstance(self.config, HttpConfig)
-        self.http: HttpConfig = self.config
-        self.policy = AddressPolicy(self.http.allowed_hosts, self.http.allow_private)
+        self.policy = AddressPolicy(self.config.allowed_hosts, self.config.allow_private)
         self.resolver = resolver or system_resolver
         # Made once, here: loading the CA bundle takes a while, and inside a call it
         # would count against that call's deadline.
@@ -209,12 +209,12 @@ class HttpDeliverer(Deliverer):
                     limits=limits,
                     ssl_context=self._ssl_context,
                 ),
-                follow_redirects=self.http.follow_redirects,
-                max_redirects=self.http.max_redirects,
+                follow_redirects=self.config.follow_redirects,
+                max_redirects=self.config.max_redirects,
                 # No environment proxies (the guard could not see where a proxy
                 # connects) and no .netrc credentials for a payload's URL.
                 trust_env=False,
-                headers={"User-Agent": self.http.user_agent},
+                headers={"User-Agent": self.config.user_agent},
                 event_hooks={"request": [_drop_credentials_across_origins]},
             )
         return self._client
@@ -230,7 +230,7 @@ class HttpDeliverer(Deliverer):
         if delivery.run_id is not None:
             headers["X-Outbox-Run-Id"] = str(delivery.run_id)
         if request.credential is not None:
-            credential = self.http.credentials.get(request.credential)
+            credential = self.config.credentials.get(request.credential)
             if credential is None:
                 raise KeyError(request.credential)
             headers[credential.header] = credential.value()
@@ -248,7 +248,7 @@ class HttpDeliverer(Deliverer):
         sent = _SentFlag()
         extensions: dict[str, Any] = {"trace": sent.trace, ORIGIN: _origin(request.url)}
         if request.credential is not None:
-            extensions[CREDENTIAL_HEADER] = self.http.credentials[request.credential].header
+            extensions[CREDENTIAL_HEADER] = self.config.credentials[request.credential].header
         client = self._client_for_loop()
         try:
             # One deadline for the whole exchange; httpx's own timeout bounds each
@@ -279,7 +279,7 @@ class HttpDeliverer(Deliverer):
         return self._classify(response, body, truncated)
 
     async def _read(self, response: httpx.Response) -> tuple[bytes, bool]:
-        limit = self.http.read_limit_bytes
+        limit = self.config.read_limit_bytes
         chunks: list[bytes] = []
         size = 0
         async for chunk in response.aiter_bytes():
@@ -290,11 +290,11 @@ class HttpDeliverer(Deliverer):
         return b"".join(chunks), False
 
     def _classify(self, response: httpx.Response, body: bytes, truncated: bool) -> Outcome:
-        excerpt = body[: self.http.excerpt_bytes].decode("utf-8", errors="replace")
+        excerpt = body[: self.config.excerpt_bytes].decode("utf-8", errors="replace")
         record = {
             "status": response.status_code,
             "body": excerpt,
-            "truncated": truncated or len(body) > self.http.excerpt_bytes,
+            "truncated": truncated or len(body) > self.config.excerpt_bytes,
             "bytes_read": len(body),
         }
         status = response.status_code
@@ -320,21 +320,21 @@ class HttpDeliverer(Deliverer):
         - anything else (or no answer): unknown yet; the reconciler asks again
           next round and never resends meanwhile.
         """
-        template = self.http.lookup_url
+        template = self.config.lookup_url
         if template is None:
             raise NotImplementedError("no lookup_url configured")
         url = template.format(key=quote(delivery.idempotency_key, safe=""))
         headers = {"Idempotency-Key": delivery.idempotency_key}
         extensions: dict[str, Any] = {ORIGIN: _origin(url)}
-        if self.http.lookup_credential is not None:
-            credential = self.http.credentials.get(self.http.lookup_credential)
+        if self.config.lookup_credential is not None:
+            credential = self.config.credentials.get(self.config.lookup_credential)
             if credential is None:
                 raise ConfigurationError(
-                    f"lookup_credential {self.http.lookup_credential!r} is not configured"
+                    f"lookup_credential {self.config.lookup_credential!r} is not configured"
                 )
             headers[credential.header] = credential.value()
             extensions[CREDENTIAL_HEADER] = credential.header
-        deadline = self.http.lookup_timeout
+        deadline = self.config.lookup_timeout
         client = self._client_for_loop()
         try:
             async with asyncio.timeout(deadline):
@@ -361,14 +361,14 @@ class HttpDeliverer(Deliverer):
                 "status": response.status_code,
                 "looked_up": True,
                 "response": recorded,
-                "body": body[: self.http.excerpt_bytes].decode("utf-8", errors="replace"),
+                "body": body[: self.config.excerpt_bytes].decode("utf-8", errors="replace"),
             }
         )
 
     @property
     def has_lookup(self) -> bool:
         """Only with a configured ``lookup_url``."""
-        return self.http.lookup_url is not None
+        return self.config.lookup_url is not None
 
     async def aclose(self) -> None:
         """Close the HTTP client (it belongs to the daemon's event loop)."""

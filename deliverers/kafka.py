@@ -305,13 +305,12 @@ class KafkaDeliverer(Deliverer):
     default_idempotent: ClassVar[bool] = False
     payload_model: ClassVar[type[BaseModel] | None] = KafkaRecord
     config_model: ClassVar[type[DelivererConfig]] = KafkaConfig
+    config: KafkaConfig
 
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         super().__init__(kind, config)
-        assert isinstance(self.config, KafkaConfig)
-        self.kafka: KafkaConfig = self.config
         #: Seconds a delivery waits for the producer's verdict (a backstop; it expires first).
-        self.ack_wait = self.kafka.effective_delivery_timeout_ms / 1000 + ACK_WAIT_MARGIN_SECONDS
+        self.ack_wait = self.config.effective_delivery_timeout_ms / 1000 + ACK_WAIT_MARGIN_SECONDS
         self._lock = threading.Lock()
         self._producer: Any = None
         self._connect_failure: tuple[str, float] | None = None
@@ -327,16 +326,16 @@ class KafkaDeliverer(Deliverer):
     @property
     def transactional_id(self) -> str | None:
         """``{prefix}.{kind}.{instance}`` with ``transactional``, else None."""
-        if not self.kafka.transactional:
+        if not self.config.transactional:
             return None
-        instance = self.kafka.instance or socket.gethostname()
-        return f"{self.kafka.transactional_id_prefix}.{self.kind}.{instance}"
+        instance = self.config.instance or socket.gethostname()
+        return f"{self.config.transactional_id_prefix}.{self.kind}.{instance}"
 
     # -- the producer ---------------------------------------------------------------
 
     def producer_settings(self) -> dict[str, Any]:
         """Settings the ``KafkaProducer`` is created with."""
-        config = self.kafka
+        config = self.config
         return {
             "bootstrap_timeout_ms": config.max_block_ms,
             **config.producer,
@@ -396,7 +395,7 @@ class KafkaDeliverer(Deliverer):
         producer = None
         try:
             producer = KafkaProducer(**settings, kafka_client=client_factory)
-            if self.kafka.transactional:
+            if self.config.transactional:
                 # Fences this identity's predecessor: its open transaction is aborted.
                 producer.init_transactions()
             return producer
@@ -434,7 +433,7 @@ class KafkaDeliverer(Deliverer):
     # -- delivery ---------------------------------------------------------------------
 
     def _refusal(self, topic: str) -> str | None:
-        allowed = self.kafka.allowed_topics
+        allowed = self.config.allowed_topics
         if allowed is not None and not any(fnmatch.fnmatchcase(topic, p) for p in allowed):
             return f"topic {topic!r} is not in allowed_topics of kind {self.kind!r}"
         return None
@@ -471,7 +470,7 @@ class KafkaDeliverer(Deliverer):
                 note["transactional_id"] = self.transactional_id
             if not delivery.notes.write_blocking(note):
                 return Retry("not sent: this attempt is no longer this deliverer's")
-        if self.kafka.transactional:
+        if self.config.transactional:
             return deliver_in_transaction(self, producer, record, delivery, partition)
         try:
             future = producer.send(
@@ -504,17 +503,17 @@ class KafkaDeliverer(Deliverer):
 
         settings = {
             k: v
-            for k, v in self.kafka.producer.items()
+            for k, v in self.config.producer.items()
             if k.startswith(("security_", "sasl_", "ssl_")) and k in KafkaConsumer.DEFAULT_CONFIG
         }
         # An offsets request waits no longer than a send may block: a broker that does
         # not answer makes the attempt a plain retry (nothing was sent).
-        timeout = max(self.kafka.max_block_ms, 1000)
+        timeout = max(self.config.max_block_ms, 1000)
         if "bootstrap_timeout_ms" in KafkaConsumer.DEFAULT_CONFIG:
             settings["bootstrap_timeout_ms"] = timeout
         return KafkaConsumer(
-            bootstrap_servers=self.kafka.bootstrap_servers,
-            client_id=f"{self.kafka.client_id}-read-back",
+            bootstrap_servers=self.config.bootstrap_servers,
+            client_id=f"{self.config.client_id}-read-back",
             group_id=None,
             enable_auto_commit=False,
             request_timeout_ms=timeout,
@@ -543,11 +542,11 @@ class KafkaDeliverer(Deliverer):
 
         An attempt with no note never sent (the note is written before every send).
         """
-        if not self.kafka.read_back:
+        if not self.config.read_back:
             raise NotImplementedError("read_back is off for this kind")
         if not isinstance(delivery.note, dict):
             return NotApplied()
-        if self.kafka.transactional or "transactional_id" in delivery.note:
+        if self.config.transactional or "transactional_id" in delivery.note:
             # By the note too: only the markers tell an aborted record, whatever the config now.
             return read_back_committed(self, delivery)
         consumer = self._consumer()
@@ -557,8 +556,8 @@ class KafkaDeliverer(Deliverer):
                 delivery.note,
                 delivery.idempotency_key,
                 header=IDEMPOTENCY_HEADER,
-                max_records=self.kafka.read_back_max_records,
-                timeout_seconds=self.kafka.read_back_timeout_seconds,
+                max_records=self.config.read_back_max_records,
+                timeout_seconds=self.config.read_back_timeout_seconds,
             )
         finally:
             consumer.close()
@@ -566,7 +565,7 @@ class KafkaDeliverer(Deliverer):
     @property
     def has_lookup(self) -> bool:
         """With ``read_back`` (the default), for a kind whose consumers do not dedup."""
-        return self.kafka.read_back and not self.idempotent
+        return self.config.read_back and not self.idempotent
 
     def _unacknowledged(self, producer: Any, future: Any, exc: Exception) -> Outcome:
         if isinstance(exc, REJECTED_ERRORS):

@@ -409,15 +409,15 @@ def read_back_committed(deliverer: KafkaDeliverer, delivery: Delivery) -> Succee
         consumer.close()
     security = {
         k: v
-        for k, v in deliverer.kafka.producer.items()
+        for k, v in deliverer.config.producer.items()
         if k.startswith(("security_", "sasl_", "ssl_"))
     }
     items = scan_partition(
-        deliverer.kafka.bootstrap_servers,
+        deliverer.config.bootstrap_servers,
         tp,
         int(note["offset"]),
         end,
-        timeout_ms=max(deliverer.kafka.max_block_ms, 1000),
+        timeout_ms=max(deliverer.config.max_block_ms, 1000),
         **security,
     )
     return find_committed(items, delivery.idempotency_key, IDEMPOTENCY_HEADER, note)

@@ -50,10 +50,10 @@ class PythonCallDeliverer(Deliverer):
     """
 
     config_model: ClassVar[type[DelivererConfig]] = PythonCallConfig
+    config: PythonCallConfig
 
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         super().__init__(kind, config)
-        assert isinstance(self.config, PythonCallConfig)
         self._loaded: dict[str, Callable[..., Any]] = {}
         try:
             self._single = (

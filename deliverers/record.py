@@ -68,20 +68,19 @@ class RecordDeliverer(Deliverer):
     config_model: ClassVar[type[DelivererConfig]] = RecordConfig
     default_idempotent: ClassVar[bool] = True
     default_registered: ClassVar[bool] = False
+    config: RecordConfig
 
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         super().__init__(kind, config)
-        assert isinstance(self.config, RecordConfig)
-        self._settings = self.config
         self._client = httpx.Client(timeout=self.config.timeout)
 
     @property
     def has_lookup(self) -> bool:
         """As configured: a stand-in answers lookups only for a kind that has them."""
-        return self._settings.lookup
+        return self.config.lookup
 
     def _url(self, prefix: str, tail: str) -> str:
-        return self._settings.url.rstrip("/") + prefix + quote(tail, safe="")
+        return self.config.url.rstrip("/") + prefix + quote(tail, safe="")
 
     def deliver(self, delivery: Delivery) -> Outcome:
         """One POST; 200 is a success, anything else is retried (or unknown, if not idempotent)."""

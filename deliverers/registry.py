@@ -27,6 +27,7 @@ the ``testing.record`` stand-in of ``outbox check``).
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from collections.abc import Mapping
 from importlib.metadata import entry_points
@@ -34,64 +35,82 @@ from pathlib import Path
 from typing import Any
 
 from outbox.delivery import Deliverer
-from outbox.errors import ConfigurationError
+from outbox.delivery.config import DeliverersConfig
+from outbox.errors import ConfigurationError, MissingExtra
 
-__all__ = ["available_types", "build_registry", "load_config"]
+__all__ = ["available_types", "build_registry", "load_config", "parse_config", "unavailable_types"]
+
+log = logging.getLogger(__name__)
 
 
-def available_types() -> dict[str, type[Deliverer]]:
-    """Installed deliverer types by name."""
+def _entry_points() -> tuple[dict[str, type[Deliverer]], dict[str, ImportError]]:
     found: dict[str, type[Deliverer]] = {}
+    failed: dict[str, ImportError] = {}
     for entry in entry_points(group="outbox.deliverers"):
         try:
             cls = entry.load()
-        except ImportError:  # an optional extra (kafka) that is not installed
+        except ImportError as exc:  # an optional extra (kafka) that is not installed
+            failed[entry.name] = exc
             continue
         if not (isinstance(cls, type) and issubclass(cls, Deliverer)):
             raise ConfigurationError(f"entry point {entry.name!r} is not a Deliverer subclass")
         found[entry.name] = cls
-    return found
+    return found, failed
 
 
-def load_config(path: Path) -> dict[str, Any]:
-    """Read a deliverers config file (TOML)."""
+def available_types() -> dict[str, type[Deliverer]]:
+    """Installed deliverer types by name."""
+    return dict(_entry_points()[0])
+
+
+def unavailable_types() -> dict[str, ImportError]:
+    """Registered deliverer types that cannot be imported (an optional extra is missing)."""
+    return dict(_entry_points()[1])
+
+
+def parse_config(raw: Mapping[str, Any]) -> DeliverersConfig:
+    """Validate a parsed deliverers config against the installed types."""
+    return DeliverersConfig.parse(raw, available_types(), unavailable_types())
+
+
+def load_config(path: Path) -> DeliverersConfig:
+    """Read and validate a deliverers config file (TOML): every table, every key."""
     try:
         with path.open("rb") as handle:
-            return tomllib.load(handle)
+            raw = tomllib.load(handle)
     except OSError as exc:
         raise ConfigurationError(f"config={str(path)!r}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigurationError(f"config={str(path)!r}: {exc}") from exc
     except UnicodeDecodeError as exc:  # tomllib decodes the bytes itself and lets this escape
         raise ConfigurationError(f"config={str(path)!r}: not UTF-8 (TOML must be): {exc}") from exc
+    return parse_config(raw)
 
 
 def build_registry(
-    config: Mapping[str, Any] | None = None, *, only: list[str] | None = None
+    config: DeliverersConfig | Mapping[str, Any] | None = None, *, only: list[str] | None = None
 ) -> dict[str, Deliverer]:
-    """Deliverers by the kind they serve; ``only`` keeps a subset of kinds."""
+    """Deliverers by the kind they serve; ``only`` keeps a subset of kinds.
+
+    ``config`` is a loaded config, or a parsed TOML document (validated here).
+    """
+    if config is not None and not isinstance(config, DeliverersConfig):
+        config = parse_config(config)
     types = available_types()
-    kinds: Mapping[str, Any] = (config or {}).get("kinds") or {}
-    if not isinstance(kinds, Mapping):
-        raise ConfigurationError("config 'kinds' must be a table of kinds")
     registry: dict[str, Deliverer] = {}
-    if not kinds:
+    if config is None or not config.kinds:
         for name, cls in types.items():
             if cls.default_registered:
-                registry[name] = cls.from_config(name, {})
-    for kind, raw in kinds.items():
-        if not isinstance(raw, Mapping):
-            raise ConfigurationError(f"kinds.{kind} must be a table")
-        type_name = raw.get("type", kind)
-        if not isinstance(type_name, str) or type_name not in types:
-            raise ConfigurationError(
-                f"kinds.{kind}.type={type_name!r}: no such deliverer type "
-                f"(installed: {sorted(types)})"
-            )
-        registry[kind] = types[type_name].from_config(kind, raw)
+                registry[name] = cls(name)
+        for name, exc in unavailable_types().items():
+            if (missing := MissingExtra.of(exc, f"kind {name!r}")) is not None:
+                log.info("%s; not served", missing)
+    else:
+        for kind, table in config.kinds.items():
+            registry[kind] = types[table.type](kind, table.settings)
     if only:
-        missing = sorted(set(only) - set(registry))
-        if missing:
-            raise ConfigurationError(f"kinds={missing}: not configured here")
+        missing_kinds = sorted(set(only) - set(registry))
+        if missing_kinds:
+            raise ConfigurationError(f"kinds={missing_kinds}: not configured here")
         registry = {k: v for k, v in registry.items() if k in only}
     return registry

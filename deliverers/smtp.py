@@ -88,10 +88,10 @@ class SmtpDeliverer(Deliverer):
 
     payload_model: ClassVar[type[BaseModel] | None] = Email
     config_model: ClassVar[type[DelivererConfig]] = SmtpConfig
+    config: SmtpConfig
 
     def message(self, email: Email, delivery: Delivery) -> EmailMessage:
         """The message as it will be sent (the key becomes the Message-ID)."""
-        assert isinstance(self.config, SmtpConfig)
         msg = EmailMessage()
         msg["From"] = email.sender or self.config.default_sender
         msg["To"] = ", ".join(email.to)
@@ -157,7 +157,6 @@ class SmtpDeliverer(Deliverer):
         )
 
     def _message_id(self, delivery: Delivery) -> str:
-        assert isinstance(self.config, SmtpConfig)
         return f"<{delivery.idempotency_key}@{self.config.message_id_domain}>"
 
     def lookup(self, delivery: Delivery) -> Any:
@@ -191,7 +190,6 @@ class SmtpDeliverer(Deliverer):
     @property
     def has_lookup(self) -> bool:
         """Only with a configured ``imap_host``."""
-        assert isinstance(self.config, SmtpConfig)
         return self.config.imap_host is not None
 
 

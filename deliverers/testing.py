@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -107,6 +107,8 @@ class _State:
     received: Counter[str] = field(default_factory=Counter)
     applied_count: Counter[str] = field(default_factory=Counter)
     operations: Counter[str] = field(default_factory=Counter)
+    #: The ``operation`` of each key applied with one.
+    operation_of: dict[str, str] = field(default_factory=dict)
     requests: int = 0
     #: GET requests (lookups, stats, big bodies); ``requests`` counts the others.
     gets: int = 0
@@ -214,18 +216,32 @@ class IdempotentHttpSink:
         finally:
             self.clear_faults()
 
-    def stats(self) -> dict[str, Any]:
-        """Counts: requests, keys received/applied, keys applied more than once, operations."""
+    def stats(self, keys: Collection[str] | None = None) -> dict[str, Any]:
+        """Counts: requests, keys received/applied, keys applied more than once, operations.
+
+        With ``keys``, the key and operation counts cover only those idempotency
+        keys (one user's effects on a sink others may post to); ``requests`` still
+        counts every request.
+        """
         with self._lock:
             s = self.state
+            received, applied_count, operations = s.received, s.applied_count, s.operations
+            if keys is not None:
+                wanted = set(keys)
+                received = Counter({k: n for k, n in received.items() if k in wanted})
+                applied_count = Counter({k: n for k, n in applied_count.items() if k in wanted})
+                operations = Counter()
+                for key, times in applied_count.items():
+                    if key in s.operation_of:
+                        operations[s.operation_of[key]] += times
             return {
                 "requests": s.requests,
-                "keys_received": len(s.received),
-                "keys_applied": len(s.applied),
-                "redeliveries": sum(s.received.values()) - len(s.received),
-                "duplicate_keys_applied": sorted(k for k, n in s.applied_count.items() if n > 1),
-                "duplicate_operations": sorted(o for o, n in s.operations.items() if n > 1),
-                "operations_applied": sum(s.operations.values()),
+                "keys_received": len(received),
+                "keys_applied": len(applied_count),
+                "redeliveries": sum(received.values()) - len(received),
+                "duplicate_keys_applied": sorted(k for k, n in applied_count.items() if n > 1),
+                "duplicate_operations": sorted(o for o, n in operations.items() if n > 1),
+                "operations_applied": sum(operations.values()),
             }
 
     # -- serving ----------------------------------------------------------------
@@ -432,6 +448,8 @@ class IdempotentHttpSink:
                 self.state.applied_count[key] += 1
             if operation is not None:
                 self.state.operations[str(operation)] += 1
+                if key:
+                    self.state.operation_of[key] = str(operation)
         return 200, response
 
     def _log(self, entry: dict[str, Any]) -> None:

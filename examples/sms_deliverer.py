@@ -58,18 +58,18 @@ class SmsDeliverer(Deliverer):
     default_idempotent: ClassVar[bool] = True
     payload_model: ClassVar[type[BaseModel] | None] = Sms
     config_model: ClassVar[type[DelivererConfig]] = SmsConfig
+    #: The base class checks it is an ``SmsConfig``; this line types it as one.
+    config: SmsConfig
 
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         super().__init__(kind, config)
-        assert isinstance(self.config, SmsConfig)
-        self.settings: SmsConfig = self.config
         self._client: httpx.AsyncClient | None = None
 
     def _http(self) -> httpx.AsyncClient:
         # Made on first use, inside the daemon's event loop, which it belongs to.
         if self._client is None:
             self._client = httpx.AsyncClient(
-                base_url=self.settings.base_url, timeout=self.settings.timeout
+                base_url=self.config.base_url, timeout=self.config.timeout
             )
         return self._client
 
@@ -87,7 +87,7 @@ class SmsDeliverer(Deliverer):
         except httpx.TimeoutException:
             # It may have been applied; the gateway dedups on the key, so sending
             # it again is safe (a gateway that cannot dedup would answer Unknown).
-            return Retry(f"no answer within {self.settings.timeout}s")
+            return Retry(f"no answer within {self.config.timeout}s")
         if response.status_code == 429:
             after = _seconds(response.headers.get("Retry-After"))
             return Retry("rate limited by the gateway", after=after, rate_limited=True)

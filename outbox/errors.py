@@ -4,6 +4,7 @@
 
     OutboxError
     ├── ConfigurationError          bad settings, unknown deliverer config
+    │   └── MissingExtra            an optional extra is not installed (names the pip install)
     ├── ValidationError             bad input from a caller; names field and value
     │   └── PayloadError            not JSON, NaN/Infinity, over the size limit
     ├── NotFound
@@ -58,6 +59,7 @@ __all__ = [
     "IdempotencyConflict",
     "LeaseLost",
     "MigrationError",
+    "MissingExtra",
     "NotFound",
     "OutboxError",
     "PayloadError",
@@ -121,6 +123,44 @@ class OutboxError(Exception):
 
 class ConfigurationError(OutboxError):
     """Settings or deployment configuration are invalid."""
+
+
+class MissingExtra(ConfigurationError, ImportError):
+    """What was asked for needs an optional extra that is not installed.
+
+    ``extra`` is its name in ``pyproject.toml``; the message is the one line to
+    run. An ``ImportError`` too, so code that treats the missing library as
+    absent still does.
+    """
+
+    #: The importable top-level module of each optional extra's library.
+    EXTRAS: dict[str, str] = {
+        "kafka": "kafka",
+        "opentelemetry": "otel",
+        "cryptography": "audit",
+        "pydantic_ai": "pydantic-ai",
+        "langgraph": "langgraph",
+        "langchain_core": "langgraph",
+        "agents": "openai-agents",
+        "openai": "openai-agents",
+    }
+
+    def __init__(self, extra: str, what: str, module: str | None = None) -> None:
+        self.extra = extra
+        missing = f" ({module} is not installed)" if module else ""
+        super().__init__(
+            f"{what} needs the {extra!r} extra{missing}: pip install 'agent-outbox[{extra}]'",
+            name=module,
+        )
+
+    @classmethod
+    def of(cls, exc: ImportError, what: str) -> MissingExtra | None:
+        """The extra a failed import of an optional library calls for (None: not an extra's)."""
+        if isinstance(exc, MissingExtra):
+            return exc
+        top = (exc.name or "").split(".")[0]
+        extra = cls.EXTRAS.get(top)
+        return cls(extra, what, top) if extra else None
 
 
 class ValidationError(OutboxError, ValueError):

@@ -19,8 +19,9 @@ round trip, and no client can skip it):
 - a condition about a pointer that does not resolve does not hold (``ne`` too);
 - a gate holds when all its conditions hold (none: every intent of the kind).
 
-Gates come from the deliverers config (``[[approvals]]`` tables, stored in
-PostgreSQL by ``outbox gates apply`` and at ``outbox deliver`` start-up) or from
+Gates come from the deliverers config (``[[approvals]]`` tables, read with the
+rest of it by :mod:`outbox.delivery.config`, stored in PostgreSQL by ``outbox
+gates apply`` and at ``outbox deliver`` start-up) or from
 the intent itself (``tx.intend(..., approval=...)``). When both apply, the
 config's gate is the one recorded: an intent can add a gate, never loosen one.
 """
@@ -33,10 +34,8 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Literal
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from outbox.errors import ConfigurationError
 from outbox.intent_rules import KIND_PATTERN, MAX_DELAY_SECONDS, identifier_violation
 
 __all__ = [
@@ -45,7 +44,6 @@ __all__ = [
     "Condition",
     "Gate",
     "OnTimeout",
-    "gates_from_config",
     "parse_duration",
     "parse_pointer",
     "policy_json",
@@ -218,27 +216,3 @@ def policy_json(policy: ApprovalPolicy, gate: str) -> str:
         },
         separators=(",", ":"),
     )
-
-
-def gates_from_config(config: Mapping[str, Any] | None) -> list[Gate]:
-    """The ``[[approvals]]`` tables of a deliverers config, validated (errors name the field)."""
-    raw = (config or {}).get("approvals") or []
-    if not isinstance(raw, list):
-        raise ConfigurationError("approvals: must be an array of tables ([[approvals]])")
-    gates: list[Gate] = []
-    for index, table in enumerate(raw):
-        if not isinstance(table, Mapping):
-            raise ConfigurationError(f"approvals[{index}]: must be a table")
-        try:
-            gates.append(Gate.model_validate(dict(table)))
-        except pydantic.ValidationError as exc:
-            first = exc.errors()[0]
-            field = ".".join(str(p) for p in first["loc"]) or "gate"
-            raise ConfigurationError(
-                f"approvals[{index}].{field}={first.get('input')!r}: {first['msg']}"
-            ) from None
-    names = [g.name for g in gates]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigurationError(f"approvals: name {duplicates[0]!r} is declared twice")
-    return gates

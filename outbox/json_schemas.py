@@ -9,13 +9,14 @@ serve``'s HTTP API (generated from its routes and models).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from pydantic import BaseModel
 
 from outbox import models
+from outbox.errors import MissingExtra
 
 __all__ = [
     "OPENAPI_FILE",
@@ -23,6 +24,7 @@ __all__ = [
     "check_schemas",
     "documents",
     "render",
+    "unavailable_models",
     "write_schemas",
 ]
 
@@ -42,13 +44,32 @@ _CORE: tuple[type[BaseModel], ...] = (
 
 def boundary_models() -> dict[str, type[BaseModel]]:
     """File stem → model: the core records plus each installed deliverer's payload model."""
-    found = {model.__name__: model for model in _CORE}
+    found: dict[str, type[BaseModel]] = {model.__name__: model for model in _CORE}
     for entry in entry_points(group="outbox.deliverers"):
-        deliverer = entry.load()
+        try:
+            deliverer = entry.load()
+        except ImportError as exc:
+            if MissingExtra.of(exc, "") is None:
+                raise
+            continue  # listed by unavailable_models()
         payload_model = getattr(deliverer, "payload_model", None)
         if isinstance(payload_model, type) and issubclass(payload_model, BaseModel):
             found[f"payload.{entry.name}"] = payload_model
     return dict(sorted(found.items()))
+
+
+def unavailable_models() -> dict[str, MissingExtra]:
+    """File stem → why it cannot be made: payloads of deliverers whose extra is missing."""
+    missing: dict[str, MissingExtra] = {}
+    for entry in entry_points(group="outbox.deliverers"):
+        try:
+            entry.load()
+        except ImportError as exc:
+            found = MissingExtra.of(exc, f"the {entry.name!r} deliverer")
+            if found is None:
+                raise
+            missing[f"payload.{entry.name}"] = found
+    return missing
 
 
 def render(model: type[BaseModel]) -> str:
@@ -80,14 +101,23 @@ def write_schemas(
 
 
 def check_schemas(
-    directory: Path, models: Mapping[str, type[BaseModel]] | None = None
+    directory: Path,
+    models: Mapping[str, type[BaseModel]] | None = None,
+    unchecked: Collection[str] = (),
 ) -> list[str]:
-    """Names whose file is missing, different, or left over from a removed model."""
+    """Names whose file is missing, different, or left over from a removed model.
+
+    ``unchecked`` are stems whose model cannot be made here (an optional extra
+    is missing): their files are not taken for leftovers.
+    """
     expected = documents(models)
+    skip = {f"{stem}.json" for stem in unchecked}
     drift = [
         name
         for name, text in expected.items()
         if not (directory / name).exists() or (directory / name).read_text() != text
     ]
-    drift += [p.name for p in directory.glob("*.json") if p.name not in expected]
+    drift += [
+        p.name for p in directory.glob("*.json") if p.name not in expected and p.name not in skip
+    ]
     return sorted(drift)

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import types
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Union, get_args, get_origin
 
 import pydantic
 
 from outbox.errors import ConfigurationError, ValidationError
 from outbox.intent_rules import REASONS, check_identifier
 
-__all__ = ["as_uuid", "import_callable", "name_field", "row_limit", "rule_of", "validated"]
+__all__ = [
+    "as_uuid",
+    "config_error",
+    "did_you_mean",
+    "import_callable",
+    "name_field",
+    "row_limit",
+    "rule_of",
+    "validated",
+]
 
 #: The most rows a listing returns at once.
 MAX_ROW_LIMIT = 1_000_000
@@ -82,3 +93,70 @@ def import_callable(path: str, *, field: str = "function") -> Callable[..., Any]
     if not callable(target):
         raise ConfigurationError(f"{field}={path!r} is not callable")
     return target  # type: ignore[no-any-return]
+
+
+def did_you_mean(name: str, known: Sequence[str]) -> str:
+    """A hint for a name that is not one of ``known``: the closest, or the list of them."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    return f"known: {', '.join(sorted(known))}" if known else "none is known here"
+
+
+def config_error(
+    prefix: str, exc: pydantic.ValidationError, model: type[Any]
+) -> ConfigurationError:
+    """A refusal of a config table by pydantic as one line: ``PREFIX FIELD=VALUE: REASON``.
+
+    ``prefix`` locates the table (``"dry_run."``, ``"approvals[0]."``,
+    ``"deliverer 'email.send': "``). A key the model does not have is named with
+    a "did you mean" hint drawn from the keys allowed at that level of
+    ``model``, however deep it sits.
+    """
+    errors = exc.errors()
+    # A misspelt key also makes the key it meant missing: name the misspelling.
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    field = ".".join(str(p) if isinstance(p, str) else f"[{p}]" for p in first["loc"])
+    path = (prefix + field.replace(".[", "[")).rstrip(". :") or model.__name__
+    if first["type"] == "extra_forbidden":
+        known = _keys_at(model, first["loc"][:-1])
+        hint = did_you_mean(str(first["loc"][-1]), known)
+        return ConfigurationError(f"{path}: unknown key ({hint})")
+    reason = first["msg"].removeprefix("Value error, ")
+    shown = repr(first.get("input"))
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ConfigurationError(f"{path}={shown}: {reason}")
+
+
+def _keys_at(model: type[Any], loc: Sequence[Any]) -> list[str]:
+    """The keys a table at ``loc`` inside ``model`` may have (empty when it cannot tell)."""
+    current: Any = model
+    for step in loc:
+        current = _step(current, step)
+        if current is None:
+            return []
+    found = _model_in(current)
+    return list(found.model_fields) if found is not None else []
+
+
+def _model_in(annotation: Any) -> type[pydantic.BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return annotation
+    if get_origin(annotation) in (Union, types.UnionType):
+        for arg in get_args(annotation):
+            if (found := _model_in(arg)) is not None:
+                return found
+    return None
+
+
+def _step(annotation: Any, step: Any) -> Any:
+    model = _model_in(annotation)
+    if model is not None:
+        field = model.model_fields.get(str(step))
+        return field.annotation if field is not None else None
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin in (list, tuple, set, frozenset) and args and isinstance(step, int):
+        return args[0]
+    if origin is dict and len(args) == 2:
+        return args[1]
+    return None

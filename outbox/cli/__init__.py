@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -11,12 +12,93 @@ import click
 
 from outbox.cli._common import CliContext
 from outbox.cli._dsn import choose_dsn
-from outbox.errors import OutboxError
+from outbox.errors import MissingExtra, OutboxError
 
 __all__ = ["cli", "main"]
 
 
-@click.group()
+#: Each command: the module that defines it and the summary ``outbox --help`` shows,
+#: so that listing the commands imports none of them (tests/unit/test_cli_lazy.py
+#: keeps both in step with the commands themselves).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "archive": ("db", "Read what `outbox gc --archive` wrote."),
+    "audit": ("audit", "Hash chains over steps and attempt logs; signed run records."),
+    "check": (
+        "check",
+        "Kill your agent's workers and deliverers at every crash point; check nothing broke.",
+    ),
+    "db": ("db", "Manage the embedded PostgreSQL (used when no OUTBOX_DSN is set)."),
+    "deliver": (
+        "deliver",
+        "Deliver pending effects until SIGTERM/SIGINT (then finish in-flight calls and exit 0).",
+    ),
+    "demo": (
+        "demo",
+        "Five agent runs, two deliverers, two kill -9s: nothing lost, nothing duplicated.",
+    ),
+    "effects": ("effects", "Inspect effects and act on them."),
+    "gates": ("gates", "Approval gates: which intents wait for a person's approval."),
+    "gc": ("db", "Delete (or archive and delete) finished history older than a horizon."),
+    "migrate": ("db", "Apply pending migrations (idempotent; safe when run twice at once)."),
+    "reconcile": (
+        "deliver",
+        "Resolve effects whose attempt started but never recorded an end; list the unknown ones.",
+    ),
+    "relay": (
+        "deliver",
+        "Stream mode: publish pending effects to Kafka for `outbox deliver --from-kafka`.",
+    ),
+    "roles": (
+        "roles",
+        "Create or update the agent, deliverer, operator and reader roles and their grants.",
+    ),
+    "runs": ("runs", "Inspect and control runs: list, show, pause, resume, fork, cancel."),
+    "schemas": (
+        "schemas",
+        "Export or check the JSON Schemas of boundary models and --json reports.",
+    ),
+    "serve": (
+        "worker",
+        "Signed signals, the HTTP API (/api/v1), /healthz, /metrics and the console (/console).",
+    ),
+    "signal": ("worker", "Send a signal (an approval, a webhook's news) to a run."),
+    "sink": (
+        "worker",
+        "A sample HTTP sink that honours Idempotency-Key (GET /stats shows what it applied).",
+    ),
+    "worker": ("worker", "Execute runs of one agent version until SIGTERM/SIGINT."),
+}
+
+
+class _LazyGroup(click.Group):
+    """A group that imports a command's module only when that command runs."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*COMMANDS, *self.commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            module = importlib.import_module(f"outbox.cli.{COMMANDS[cmd_name][0]}")
+            for command in module.COMMANDS:
+                self.add_command(command)
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(name) for name in names)  # as click's own
+        # A stand-in with the summary shortens it as the real command would.
+        rows = [
+            (name, click.Command(name, help=COMMANDS[name][1]).get_short_help_str(limit))
+            for name in names
+        ]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=_LazyGroup)
+@click.version_option(
+    package_name="agent-outbox", prog_name="outbox", message="%(prog)s %(version)s"
+)
 @click.option(
     "--dsn",
     envvar="OUTBOX_DSN",
@@ -50,30 +132,6 @@ def cli(
     ctx.call_on_close(ctx.obj.close)
 
 
-def _register() -> None:
-    from outbox.cli import (
-        audit,
-        check,
-        db,
-        deliver,
-        demo,
-        effects,
-        gates,
-        roles,
-        runs,
-        schemas,
-        worker,
-    )
-
-    modules = (audit, check, db, deliver, demo, effects, gates, roles, runs, schemas, worker)
-    for module in modules:
-        for command in module.COMMANDS:
-            cli.add_command(command)
-
-
-_register()
-
-
 def _one_line(text: str) -> str:
     """A driver's message spans lines (DETAIL, HINT): an error is printed on one."""
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
@@ -82,6 +140,16 @@ def _one_line(text: str) -> str:
 def _fail(message: str, code: int = 1) -> NoReturn:
     click.echo(f"error: {_one_line(message)}", err=True)
     sys.exit(code)
+
+
+def _command_words() -> str:
+    """``outbox relay``: the program and the sub-command words typed, options left out."""
+    words = []
+    for argument in sys.argv[1:]:
+        if argument.startswith("-") or not argument.replace("-", "").isalpha():
+            break
+        words.append(argument)
+    return " ".join(["outbox", *words]) if words else ""
 
 
 def _not_utf8(arguments: list[str]) -> int | None:
@@ -118,6 +186,13 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except OutboxError as exc:
         _fail(f"{type(exc).__name__}: {exc}")
+    except ImportError as exc:
+        # An optional extra's library (kafka for stream mode, cryptography for signed
+        # records): one line naming the install, never a traceback.
+        missing = MissingExtra.of(exc, _command_words() or "this command")
+        if missing is None:
+            raise
+        _fail(f"{type(missing).__name__}: {missing}")
     except OSError as exc:
         # The environment refused: a file, a directory, an address to listen on.
         _fail(f"{type(exc).__name__}: {exc}")

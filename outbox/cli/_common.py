@@ -11,16 +11,18 @@ from datetime import datetime
 from decimal import Decimal
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from uuid import UUID
 
 import click
 from pydantic import BaseModel
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
-from outbox.client import Outbox
-from outbox.settings import Settings
+if TYPE_CHECKING:  # imported when a command needs them: `outbox --help` does not
+    from outbox.client import Outbox
+    from outbox.settings import Settings
 
 __all__ = [
     "CliContext",
@@ -28,7 +30,9 @@ __all__ = [
     "emit",
     "json_option",
     "listening",
+    "page_title",
     "pass_cli",
+    "run_suffix",
     "short",
     "table",
 ]
@@ -49,13 +53,42 @@ class CliContext:
 
     @property
     def settings(self) -> Settings:
+        from outbox.settings import Settings
+
         return Settings.from_env(dsn=self.dsn, home=self.home)
 
     @property
     def outbox(self) -> Outbox:
         if self._outbox is None:
-            self._outbox = Outbox.connect(settings=self.settings)
+            from outbox.client import Outbox
+
+            with self.starting():
+                self._outbox = Outbox.connect(settings=self.settings)
         return self._outbox
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """A spinner on stderr while the embedded server starts (created, the first time).
+
+        Nothing shows when a DSN is set, when the server already runs, or when
+        stderr is not a terminal.
+        """
+        settings = self.settings
+        if settings.dsn:
+            yield
+            return
+        from outbox.storage.embedded import EmbeddedServer
+
+        try:
+            state = EmbeddedServer(settings.home).status()
+        except OSError:  # connecting says what is wrong with the home
+            state = None
+        if state is None or state.running:
+            yield
+            return
+        what = "starting" if state.initialized else "creating (the first time: a few seconds)"
+        with Console(stderr=True).status(f"{what} the embedded PostgreSQL in {settings.home}"):
+            yield
 
     def close(self) -> None:
         if self._outbox is not None:
@@ -159,10 +192,62 @@ def short(value: Any, width: int = 60) -> str:
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """Print a rich table."""
-    out = Table(title=title, title_justify="left")
-    for name in columns:
-        out.add_column(name, overflow="fold")
-    for row in rows:
-        out.add_row(*(short(v) for v in row))
+    """Print a rich table that fits the terminal without breaking an id.
+
+    A column of ids keeps each id whole on one line (copy it, paste it into the
+    next command). When the table is wider than the terminal, columns are left
+    out from the right (ids and the first two columns stay) and the caption
+    says which: ``--json`` or a wider terminal shows them.
+    """
+    cells = [[short(v) for v in row] for row in rows]
+    ids = {i for i in range(len(columns)) if _all_ids([row[i] for row in rows])}
+    shown = list(range(len(columns)))
+    dropped: list[str] = []
+    while True:
+        out = Table(title=title, title_justify="left")
+        for i in shown:
+            if i in ids:
+                out.add_column(columns[i], no_wrap=True, min_width=36)
+            else:
+                out.add_column(columns[i], overflow="fold")
+        for row in cells:
+            out.add_row(*(row[i] for i in shown))
+        if dropped:
+            out.caption = f"left out: {', '.join(dropped)} (a wider terminal or --json shows them)"
+            out.caption_justify = "left"
+        droppable = [i for i in shown[2:] if i not in ids]
+        natural = Measurement.get(console, console.options.update_width(100_000), out).maximum
+        if not droppable or natural <= console.width:
+            break
+        shown.remove(droppable[-1])
+        dropped.insert(0, columns[droppable[-1]])
     console.print(out)
+
+
+def _all_ids(values: Sequence[Any]) -> bool:
+    present = [v for v in values if v is not None and v != ""]
+    return bool(present) and all(isinstance(v, UUID) or _is_uuid_text(v) for v in present)
+
+
+def _is_uuid_text(value: Any) -> bool:
+    if not isinstance(value, str) or len(value) != 36:
+        return False
+    try:
+        UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
+def page_title(
+    what: str, found: Sequence[Any], limit: int, command: str, order: str = "newest first"
+) -> str:
+    """``effects (100, newest first; more: COMMAND --before ID)``: a listing's title."""
+    if len(found) < limit:
+        return f"{what} ({len(found)}, {order})"
+    return f"{what} ({len(found)}, {order}; more: {command} --before {found[-1].id})"
+
+
+def run_suffix(run_id: UUID | None) -> str:
+    """A run's id in a narrow column: ``…`` and its last 8 hex digits (random, unlike the first)."""
+    return f"…{str(run_id)[-8:]}" if run_id is not None else ""

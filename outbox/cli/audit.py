@@ -10,10 +10,8 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from outbox.chain import effect_records, public_key_of, sign_record, verify_effect, verify_record
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.cli.reports import AuditVerifyReport
-from outbox.storage.audit_reads import effects_outside_runs
 
 __all__ = ["COMMANDS", "OUTSIDE_RUNS"]
 
@@ -45,6 +43,9 @@ def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool)
     every chain holds, 1 when one does not (the break names the run, the step
     or the effect and its attempt-log row).
     """
+    from outbox.chain import effect_records, verify_effect
+    from outbox.storage.audit_reads import effects_outside_runs
+
     ob = cli.outbox
     run_ids = [run_id] if run_id is not None else [str(r) for r in ob.audited_runs(limit)]
     broken: dict[str, list[str]] = {}
@@ -113,6 +114,8 @@ def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool)
 @pass_cli
 def audit_export(cli: CliContext, run_id: str, key_path: Path, out_path: Path | None) -> None:
     """Write a signed, self-contained JSON record of a run (docs/reference/audit.md verifies it)."""
+    from outbox.chain import sign_record, verify_record
+
     record = cli.outbox.audit_record(run_id)
     breaks = verify_record(record)
     if breaks:
@@ -138,6 +141,8 @@ def audit_keygen(out_path: Path) -> None:
     """Make an Ed25519 signing key for `outbox audit export`."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from outbox.chain import public_key_of
 
     if out_path.exists():
         raise click.BadParameter(f"{out_path} exists: not overwritten", param_hint="'--out'")

@@ -173,8 +173,11 @@ def check(
         transient=True,
     )
     with progress:
-        task = progress.add_task("trials", total=None)
+        task = progress.add_task("preparing", total=None)
         done = 0
+
+        def phase(what: str) -> None:
+            progress.update(task, description=what)
 
         def advance(result: Any, planned: int) -> None:
             nonlocal done
@@ -183,7 +186,7 @@ def check(
             mark = "[green]ok[/]" if result.ok else "[red]FAILED[/]"
             progress.console.print(f"  {result.plan.id}: {mark} ({result.seconds:.1f} s)")
 
-        report = check_agent(options, progress=advance, keep_logs=keep_logs)
+        report = check_agent(options, progress=advance, keep_logs=keep_logs, phase=phase)
     emit(CheckReport.model_validate(report.as_dict()), as_json, lambda: render(report, console))
     if not report.ok:
         raise SystemExit(1)

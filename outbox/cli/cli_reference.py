@@ -24,8 +24,11 @@ def commands(
         command = cli
     found = [(path, command)]
     if isinstance(command, click.Group):
-        for name in sorted(command.commands):
-            found += commands(command.commands[name], (*path, name))
+        ctx = click.Context(command)
+        for name in command.list_commands(ctx):  # loads a lazy group's commands
+            sub = command.get_command(ctx, name)
+            if sub is not None:
+                found += commands(sub, (*path, name))
     return found
 
 
@@ -97,7 +100,10 @@ def cli_block() -> str:
         rows = []
         for param in command.params:
             if isinstance(param, click.Argument):
-                rows.append([f"`{param.human_readable_name}`", "argument", "", "", "required"])
+                need = "required" if param.required else "optional"
+                if param.nargs == -1:
+                    need += ", any number"
+                rows.append([f"`{param.human_readable_name}`", "argument", "", "", need])
                 continue
             if not isinstance(param, click.Option) or param.hidden:
                 continue

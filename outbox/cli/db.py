@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import click
@@ -18,9 +18,9 @@ from outbox.cli.reports import (
     GcReport,
     MigrateReport,
 )
-from outbox.storage.embedded import EmbeddedServer
-from outbox.storage.engine import make_engine, resolve_dsn, translate_errors
-from outbox.storage.migrate import applied_versions, migrate, shipped
+
+if TYPE_CHECKING:  # storage is imported by the commands that run, not by their --help
+    from outbox.storage.embedded import EmbeddedServer
 
 __all__ = ["COMMANDS"]
 
@@ -54,6 +54,9 @@ def migrate_command(
     (a checksum is recorded for each); a failing migration is named with the
     server's reason.
     """
+    from outbox.storage.engine import make_engine, resolve_dsn, translate_errors
+    from outbox.storage.migrate import applied_versions, migrate, shipped
+
     dsn, _ = resolve_dsn(cli.settings)
     engine = make_engine(dsn)
     try:
@@ -80,6 +83,8 @@ def db() -> None:
 
 
 def _server(cli: CliContext) -> EmbeddedServer:
+    from outbox.storage.embedded import EmbeddedServer
+
     if cli.settings.dsn:
         raise click.UsageError("OUTBOX_DSN is set: the embedded server is not in use")
     return EmbeddedServer(cli.settings.home)
@@ -137,7 +142,9 @@ GC_HELP = """Delete (or archive and delete) finished history older than a horizo
 What goes: runs that ended before the horizon with no open effect, with
 their steps, effects, attempt log, signals and budget ledger; run-less
 effects finished before it, with their attempts; consumer dedup keys and
-webhook replay marks older than it. Each batch is one short transaction.
+webhook replay marks older than it; then the large values stored by reference
+(outbox_blobs) that nothing refers to any more, whatever their age. Each
+batch is one short transaction.
 
 \b
 --archive FILE appends every deleted row of every table to FILE (created

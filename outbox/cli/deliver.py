@@ -24,6 +24,8 @@ from outbox.cli._common import (
 )
 from outbox.cli.reports import ReconcileReport
 from outbox.delivery import Deliverer
+from outbox.delivery.config import DeliverersConfig
+from outbox.delivery.dry_run import DryRunConfig
 from outbox.delivery.settings import DeliverySettings, RelaySettings, StreamSettings
 from outbox.delivery.threads import DaemonThreads, default_workers
 from outbox.errors import DatabaseError
@@ -49,23 +51,26 @@ kind_option = click.option(
 )
 
 
-def read_config(config_path: Path | None) -> dict[str, Any] | None:
-    """The deliverers config file, parsed (None without one)."""
+def read_config(config_path: Path | None) -> DeliverersConfig | None:
+    """The deliverers config file, read and validated once (None without one)."""
     from deliverers.registry import load_config
 
     return load_config(config_path) if config_path is not None else None
 
 
-def load_deliverers(config_path: Path | None, kinds: tuple[str, ...]) -> dict[str, Deliverer]:
-    """The registry from entry points and the optional config file."""
+def load_deliverers(
+    config: DeliverersConfig | None, kinds: tuple[str, ...]
+) -> dict[str, Deliverer]:
+    """The registry from entry points and the config (None: every installed type)."""
     from deliverers.registry import build_registry
 
-    return build_registry(read_config(config_path), only=list(kinds) or None)
+    return build_registry(config, only=list(kinds) or None)
 
 
 def checked_dsn(cli: CliContext) -> str:
     """The DSN of a database whose schema matches (migrating the embedded one)."""
-    engine = open_engine(cli.settings, application_name="outbox-cli")
+    with cli.starting():
+        engine = open_engine(cli.settings, application_name="outbox-cli")
     try:
         return libpq_dsn(engine.url)
     finally:
@@ -173,6 +178,12 @@ _seconds = click.FloatRange(min=0.001, max=86_400)
     "no sink is ever called.",
 )
 @click.option(
+    "--check-config",
+    is_flag=True,
+    help="Validate the deliverers config (every table and key), say what it would "
+    "serve, and exit without starting.",
+)
+@click.option(
     "--from-kafka",
     "kafka",
     envvar="OUTBOX_DELIVER_FROM_KAFKA",
@@ -213,6 +224,7 @@ def deliver(
     metrics_host: str,
     log_json: bool,
     dry_run: bool,
+    check_config: bool,
     kafka: str | None,
     group: str,
     topic_prefix: str,
@@ -228,9 +240,8 @@ def deliver(
     """
     from outbox.cli.logs import configure
     from outbox.delivery.daemon import DeliveryDaemon
-    from outbox.delivery.dry_run import dry_run_config, dry_run_registry
+    from outbox.delivery.dry_run import dry_run_registry
     from outbox.delivery.metrics import DeliveryMetrics
-    from outbox.gates import gates_from_config
 
     configure(logging.INFO, as_json=log_json)
     given = {name: value for name, value in chosen.items() if value is not None}
@@ -239,9 +250,12 @@ def deliver(
     if dry_run and kafka is not None:
         raise click.UsageError("--dry-run serves dry runs from PostgreSQL: drop --from-kafka")
     config = read_config(config_path)
-    gates = gates_from_config(config)
-    stubs = dry_run_config(config)
-    deliverers = load_deliverers(config_path, kinds)
+    gates = config.approvals if config is not None else []
+    stubs = config.dry_run if config is not None else DryRunConfig()
+    deliverers = load_deliverers(config, kinds)
+    if check_config:
+        _report_config(config_path, config, deliverers)
+        return
     dsn = retried_at_startup("checking the database", lambda: checked_dsn(cli))
     if gates:
         retried_at_startup("storing the approval gates", lambda: cli.outbox.apply_gates(gates))
@@ -280,6 +294,26 @@ def deliver(
 
     mode = f"from Kafka {kafka} (group {group})" if kafka else "from PostgreSQL"
     serve_until_signal(dsn, make, f"delivering kinds {sorted(serving)} {mode} as {settings.owner}")
+
+
+def _report_config(
+    path: Path | None, config: DeliverersConfig | None, deliverers: dict[str, Deliverer]
+) -> None:
+    """``--check-config``: what the config says, in a few lines (it was valid)."""
+    where = str(path) if path is not None else "no config file (every installed deliverer)"
+    console.print(f"config ok: {where}")
+    table(
+        "kinds delivered",
+        ["kind", "type", "idempotent", "max attempts"],
+        [
+            (kind, type(d).__name__, d.idempotent, d.max_attempts)
+            for kind, d in sorted(deliverers.items())
+        ],
+    )
+    gates = config.approvals if config is not None else []
+    console.print(f"{len(gates)} approval gate(s): {', '.join(g.name for g in gates) or 'none'}")
+    for deliverer in deliverers.values():
+        deliverer.close()
 
 
 def validated_settings(model: type[S], **values: Any) -> S:
@@ -388,7 +422,7 @@ def relay(
     from outbox.delivery.relay import Relay
 
     configure(logging.INFO, as_json=log_json)
-    chosen = sorted(kinds) or sorted(load_deliverers(config_path, ()))
+    chosen = sorted(kinds) or sorted(load_deliverers(read_config(config_path), ()))
     dsn = retried_at_startup("checking the database", lambda: checked_dsn(cli))
     settings = validated_settings(
         RelaySettings,
@@ -429,7 +463,7 @@ def reconcile_command(
     """Resolve effects whose attempt started but never recorded an end; list the unknown ones."""
     from outbox.delivery.reconcile import reconcile
 
-    deliverers = load_deliverers(config_path, kinds)
+    deliverers = load_deliverers(read_config(config_path), kinds)
     dsn = checked_dsn(cli)
 
     async def main() -> Any:
@@ -446,9 +480,14 @@ def reconcile_command(
     with console.status("reconciling…"):
         report = asyncio.run(main())
     unknown = cli.outbox.effects(status="unknown", limit=max_rows)
+    gone = [
+        {"owner": owner, "in_flight": n, "lease_ends": ends}
+        for owner, n, ends in cli.outbox.store.deliverers.gone_in_flight()
+    ]
     data = ReconcileReport.model_validate(
         {
             **report.as_dict(),
+            "held_by_gone_deliverers": gone,
             "unknown": [
                 {
                     "id": e.id,
@@ -470,6 +509,14 @@ def reconcile_command(
             ["action", "count"],
             sorted(report.counts.items()),
         )
+        if gone:
+            table(
+                f"in flight under {len(gone)} deliverer(s) that are gone (killed or crashed): "
+                "reconciled when their leases end; a running `outbox deliver` puts the "
+                "idempotent ones back within seconds",
+                ["owner", "attempts", "leases end"],
+                [(g["owner"], g["in_flight"], g["lease_ends"]) for g in gone],
+            )
         if report.items:
             table(
                 "expired attempts",

@@ -12,217 +12,50 @@ processes, and five runs:
 - a trip booking that is cancelled after its bookings went through: the
   bookings are compensated (refunded) in reverse order.
 
-The tally compares what was intended with what the sink applied.
+The tally compares what was intended with what the sink applied. The demo
+waits for and counts its own runs and their effects only, so a database reused
+after the quickstart or after a demo stopped with Ctrl-C does not hold it up
+(:mod:`outbox.cli.demo_story`); a deliverer it did not start that delivers some
+of its effects is named, and counted apart.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.cli.reports import DemoReport
-from outbox.client import Outbox
-from outbox.models import TERMINAL_EFFECT_STATUSES, RunStatus
+
+if TYPE_CHECKING:  # the story imports the client: `outbox demo --help` does not
+    from outbox.cli.demo_story import Demo, Snapshot
 
 __all__ = ["COMMANDS"]
 
 TIME_LIMIT = 120.0
 
 
-def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as handle:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(
-            [sys.executable, "-m", *args],
-            env=env,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-@dataclass
-class _Demo:
-    ob: Outbox
-    sink: Any
-    workdir: Path
-    env: dict[str, str]
-    deliver_args: list[str]
-    events: list[str] = field(default_factory=list)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    deliverers: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    agents: dict[uuid.UUID, subprocess.Popen[bytes]] = field(default_factory=dict)
-    reconciliations: list[uuid.UUID] = field(default_factory=list)
-    approval: uuid.UUID | None = None
-    trip: uuid.UUID | None = None
-    worker: subprocess.Popen[bytes] | None = None
-    agent_killed: bool = False
-    deliverer_killed: bool = False
-    approved_at: float | None = None
-    waiting_since: float | None = None
-    cancelled: bool = False
-
-    def spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
-        proc = _spawn(args, self.env, self.workdir / f"{name}.log")
-        self.procs.append(proc)
-        return proc
-
-    def agent(self, run_id: uuid.UUID, name: str) -> None:
-        self.agents[run_id] = self.spawn(["outbox.demo.agent", str(run_id), self.sink.url], name)
-
-    @property
-    def run_ids(self) -> list[uuid.UUID]:
-        extra = [r for r in (self.approval, self.trip) if r is not None]
-        return [*self.reconciliations, *extra]
-
-    def start(self) -> None:
-        from outbox.demo import agent as demo_agent
-
-        self.deliverers = [self.spawn(self.deliver_args, f"deliver-{i}") for i in (1, 2)]
-        for month in (8, 9, 10):
-            run = self.ob.start_run(
-                demo_agent.AGENT, demo_agent.VERSION, {"month": f"2026-{month:02d}"}
-            )
-            self.reconciliations.append(run.id)
-            self.agent(run.id, f"agent-{month}")
-        # The approval run belongs to a worker: parked while it waits, it holds nothing.
-        self.worker = self.spawn(
-            [
-                "outbox",
-                "worker",
-                "outbox.demo.agent:pay_vendor",
-                "--agent",
-                "vendor-payments",
-                "--version",
-                "1.0.0",
-            ],
-            "worker",
-        )
-        self.approval = self.ob.start_run(
-            "vendor-payments", "1.0.0", {"vendor": "ACME", "sink": self.sink.url}
-        ).id
-        trip = self.ob.start_run("trip-booking", "1.0.0", {"to": "LIS"})
-        self.trip = trip.id
-        demo_agent.book_trip(trip, self.sink.url)
-
-    def in_flight_of(self, pid: int) -> int:
-        return self.ob.store.in_flight_of(f"%:{pid}:%")
-
-    def tick(self) -> bool:
-        """Move every story on; True when all are done."""
-        from outbox.demo import agent as demo_agent
-
-        victim = self.reconciliations[1]
-        if not self.agent_killed and len(self.ob.run(victim).completed_steps) >= 5:
-            self.agents[victim].send_signal(signal.SIGKILL)
-            self.agents[victim].wait()
-            steps = len(self.ob.run(victim).completed_steps)
-            self.events.append(
-                f"agent of run {str(victim)[:8]} killed (SIGKILL) after "
-                f"{steps} of {demo_agent.STEPS} steps; restarted: recorded "
-                "steps replay, the rest continue"
-            )
-            self.agent(victim, "agent-resumed")
-            self.agent_killed = True
-        first = self.deliverers[0]
-        if not self.deliverer_killed and self.in_flight_of(first.pid) > 0:
-            held = self.in_flight_of(first.pid)
-            first.send_signal(signal.SIGKILL)
-            first.wait()
-            self.events.append(
-                f"deliverer {first.pid} killed (SIGKILL) holding {held} calls in "
-                "flight; a new deliverer started, expired leases reconciled"
-            )
-            self.deliverers.append(self.spawn(self.deliver_args, "deliver-3"))
-            self.deliverer_killed = True
-            # Now, not at the start: the 429s answered to the deliverer just killed
-            # died with its unwritten outcomes, and the tally showed no retry.
-            from deliverers.testing import Fault
-
-            self.sink.inject(Fault("429", times=4, retry_after="1"))
-        assert self.approval is not None and self.trip is not None
-        approval = self.ob.run(self.approval)
-        if self.approved_at is None and approval.status == RunStatus.WAITING:
-            self.waiting_since = self.waiting_since or time.monotonic()
-            if time.monotonic() - self.waiting_since > 1.0:
-                self.ob.signal(
-                    self.approval,
-                    "approval",
-                    {"by": "cfo@example.com"},
-                    dedup_key="approval-mail-1",
-                )
-                self.approved_at = time.monotonic()
-                self.events.append(
-                    "vendor payment parked (status waiting: no lease, no "
-                    "process) until the CFO's approval signal woke it"
-                )
-        if not self.cancelled and self._bookings_done():
-            status = self.ob.cancel(self.trip, "customer cancelled the trip")
-            self.events.append(
-                f"trip booking cancelled after 3 bookings succeeded ({status.value})"
-                "; refunds go out newest first"
-            )
-            self.cancelled = True
-        finished = all(
-            self.ob.run(r).status == RunStatus.COMPLETED
-            for r in [*self.reconciliations, self.approval]
-        ) and self.ob.run(self.trip).status in (
-            RunStatus.COMPENSATED,
-            RunStatus.COMPENSATION_FAILED,
-        )
-        open_effects = self.ob.effects(status="pending", limit=1) + self.ob.effects(
-            status="in_flight", limit=1
-        )
-        return finished and self.agent_killed and self.deliverer_killed and not open_effects
-
-    def _bookings_done(self) -> bool:
-        assert self.trip is not None
-        bookings = self.ob.effects(run_id=self.trip)
-        return len(bookings) == 3 and all(e.status.value == "succeeded" for e in bookings)
-
-    def check_agents(self) -> None:
-        for run_id, proc in self.agents.items():
-            if proc.poll() not in (None, 0, -signal.SIGKILL):
-                raise click.ClickException(
-                    f"agent of run {run_id} exited with {proc.returncode}; logs in {self.workdir}"
-                )
-
-    def stop(self) -> None:
-        for proc in [*self.deliverers, *([self.worker] if self.worker else [])]:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-    def tally(self) -> dict[str, int]:
-        counts = self.ob.store.tally(self.run_ids)
-        return {
-            **{f"status:{k}": v for k, v in counts["status"].items()},
-            **{f"outcome:{k}": v for k, v in counts["outcome"].items()},
-        }
-
-
 @click.command("demo")
 @click.option("--keep-logs", is_flag=True, help="Keep the child processes' logs and say where.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=TIME_LIMIT,
+    show_default=True,
+    help="Give up after this many seconds, saying what the demo was still waiting for.",
+)
 @json_option(DemoReport)
 @pass_cli
-def demo(cli: CliContext, keep_logs: bool, as_json: bool) -> None:
+def demo(cli: CliContext, keep_logs: bool, timeout: float, as_json: bool) -> None:
     """Five agent runs, two deliverers, two kill -9s: nothing lost, nothing duplicated."""
     from deliverers.testing import IdempotentHttpSink
+    from outbox.cli.demo_story import Demo
 
     ob = cli.outbox
     workdir = Path(tempfile.mkdtemp(prefix="outbox-demo-"))
@@ -248,83 +81,123 @@ def demo(cli: CliContext, keep_logs: bool, as_json: bool) -> None:
         "5",
     ]
     started = time.monotonic()
+    failure: str | None = None
     with IdempotentHttpSink(latency=0.03) as sink:
-        story = _Demo(ob, sink, workdir, env, deliver_args)
+        story = Demo(ob, sink, workdir, env, deliver_args)
         progress = Progress(
             TextColumn("[bold]{task.description}"),
-            BarColumn(),
+            BarColumn(bar_width=20),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
+            TextColumn("[dim]{task.fields[detail]}"),
             console=console,
             disable=as_json,
         )
+        now: Snapshot | None = None
         try:
             with progress:
+                story.look_for_other_deliverers()
                 story.start()
-                runs_task = progress.add_task("runs finished", total=len(story.run_ids))
-                effects_task = progress.add_task("effects delivered", total=None)
-                while not story.tick():
-                    tally = story.tally()
-                    intended = sum(v for k, v in tally.items() if k.startswith("status:"))
-                    done = sum(
-                        v
-                        for k, v in tally.items()
-                        if k.removeprefix("status:") in TERMINAL_EFFECT_STATUSES
-                    )
-                    progress.update(effects_task, total=max(intended, 1), completed=done)
+                runs_task = progress.add_task("runs", total=len(story.run_ids), detail="")
+                effects_task = progress.add_task("effects", total=None, detail="")
+                while True:
+                    now = story.look()
+                    story.advance(now)
+                    for note in story.notes:
+                        _note(note, as_json)
+                    story.notes.clear()
+                    if story.finished(now):
+                        break
+                    runs_waiting, effects_waiting = story.waiting_for(now)
                     progress.update(
                         runs_task,
-                        completed=sum(
-                            ob.run(r).status.value in ("completed", "compensated")
-                            for r in story.run_ids
-                        ),
+                        completed=len(story.run_ids) - len(runs_waiting),
+                        detail=f"waiting for {', '.join(runs_waiting)}" if runs_waiting else "",
                     )
-                    story.check_agents()
-                    if time.monotonic() - started > TIME_LIMIT:
+                    progress.update(
+                        effects_task,
+                        total=max(now.effects_intended, 1),
+                        completed=now.effects_done,
+                        detail=f"waiting for {effects_waiting}" if effects_waiting else "",
+                    )
+                    story.check_processes()
+                    if time.monotonic() - started > timeout:
+                        waiting = "; ".join(
+                            w for w in (", ".join(runs_waiting), effects_waiting) if w
+                        )
                         raise click.ClickException(
-                            f"demo did not finish in {TIME_LIMIT:.0f}s; logs in {workdir}"
+                            f"demo did not finish in {timeout:g}s: still waiting for "
+                            f"{waiting}; logs in {workdir}"
                         )
                     time.sleep(0.05)
-                progress.update(runs_task, completed=len(story.run_ids))
-                progress.update(effects_task, completed=progress.tasks[effects_task].total)
+                progress.update(runs_task, completed=len(story.run_ids), detail="")
+                progress.update(
+                    effects_task, total=now.effects_intended, completed=now.effects_done, detail=""
+                )
+                story.unfinished_stories()
+        except click.ClickException as exc:
+            failure = exc.format_message()
         finally:
             story.stop()
-        stats = sink.stats()
-    summary = _summary(story, stats, time.monotonic() - started)
-    if not keep_logs:
+        stats = sink.stats(keys=story.own_keys())
+    summary = _summary(story, stats, time.monotonic() - started, failure)
+    if not keep_logs and failure is None:
         for path in workdir.iterdir():
             path.unlink()
         workdir.rmdir()
-    emit(summary, as_json, lambda: _render(summary, workdir if keep_logs else None))
+    kept = workdir if keep_logs or failure else None
+    embedded = None if cli.settings.dsn else cli.settings.home
+    emit(summary, as_json, lambda: _render(summary, kept, embedded))
+    if failure is not None:
+        raise click.ClickException(failure)
     if summary.duplicates_applied_at_sink or summary.lost or summary.phantom:
-        raise SystemExit(1)
+        raise click.ClickException(
+            f"{summary.lost} lost, {summary.duplicates_applied_at_sink} applied twice, "
+            f"{summary.phantom} applied but not recorded; logs: rerun with --keep-logs"
+        )
 
 
-def _summary(story: _Demo, stats: dict[str, Any], seconds: float) -> DemoReport:
-    tally = story.tally()
-    intended = sum(v for k, v in tally.items() if k.startswith("status:"))
+def _note(text: str, as_json: bool) -> None:
+    """Tell the user something as it happens (on stderr under ``--json``)."""
+    if as_json:
+        click.echo(text, err=True)
+    else:
+        console.print(f"[yellow]{text}[/]")
+
+
+def _summary(story: Demo, stats: dict[str, Any], seconds: float, error: str | None) -> DemoReport:
+    now = story.look()
+    tally = now.tally
+    intended = now.effects_intended
     # compensated effects were applied, then undone by their refunds
-    applied = tally.get("status:succeeded", 0) + tally.get("status:compensated", 0)
-    statuses = {r: story.ob.run(r).status.value for r in story.run_ids}
+    applied = tally["status"].get("succeeded", 0) + tally["status"].get("compensated", 0)
+    statuses = [s.value for s in now.statuses.values()]
+    runs_waiting, effects_waiting = story.waiting_for(now)
     return DemoReport(
+        finished=error is None,
+        error=error,
+        waiting_for=[*runs_waiting, *([f"effects: {effects_waiting}"] if effects_waiting else [])],
         runs=len(story.run_ids),
-        runs_completed=sum(s == "completed" for s in statuses.values()),
-        runs_compensated=sum(s == "compensated" for s in statuses.values()),
+        runs_completed=statuses.count("completed"),
+        runs_compensated=statuses.count("compensated"),
         effects_intended=intended,
         effects_delivered=applied,
-        attempts_retried=tally.get("outcome:retry", 0),
-        attempts_recovered_after_crash=tally.get("outcome:expired", 0),
+        attempts_retried=tally["outcome"].get("retry", 0),
+        attempts_recovered_after_crash=tally["outcome"].get("expired", 0),
         redeliveries_seen_by_sink=stats["redeliveries"],
         duplicates_applied_at_sink=len(stats["duplicate_keys_applied"])
         + len(stats["duplicate_operations"]),
-        lost=(intended - applied) + max(0, applied - stats["keys_applied"]),
+        # Open effects of a demo that did not finish are neither lost nor delivered yet.
+        lost=0 if error else (intended - applied) + max(0, applied - stats["keys_applied"]),
         phantom=max(0, stats["keys_applied"] - applied),
+        other_deliverers=sorted(story.others),
+        delivered_by_other_deliverers=sum(story.others.values()),
         seconds=round(seconds, 1),
         events=story.events,
     )
 
 
-def _render(summary: DemoReport, logs: Path | None) -> None:
+def _render(summary: DemoReport, logs: Path | None, embedded: Path | None) -> None:
     for event in summary.events:
         console.print(f"  • {event}")
     table(
@@ -335,6 +208,7 @@ def _render(summary: DemoReport, logs: Path | None) -> None:
             ("runs cancelled and compensated", summary.runs_compensated),
             ("effects intended", summary.effects_intended),
             ("effects delivered", summary.effects_delivered),
+            ("  by deliverers the demo did not start", summary.delivered_by_other_deliverers),
             ("attempts retried (429 from the sink)", summary.attempts_retried),
             (
                 "attempts recovered after the deliverer was killed",
@@ -348,6 +222,11 @@ def _render(summary: DemoReport, logs: Path | None) -> None:
     )
     if logs is not None:
         console.print(f"logs: {logs}")
+    if embedded is not None:
+        console.print(
+            f"[dim]The embedded PostgreSQL in {embedded} keeps running, so the next command "
+            "starts at once: `outbox db stop` stops it.[/]"
+        )
 
 
 COMMANDS = [demo]

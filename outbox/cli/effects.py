@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import click
 
-from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
+from outbox.cli._common import (
+    CliContext,
+    console,
+    emit,
+    json_option,
+    page_title,
+    pass_cli,
+    run_suffix,
+    table,
+)
 from outbox.cli.reports import EffectDetailReport, EffectListReport
 from outbox.models import Effect, EffectStatus
+from outbox.validation import as_uuid
 
 __all__ = ["COMMANDS"]
 
@@ -32,6 +42,15 @@ def effects() -> None:
     show_default=True,
     help="At most this many.",
 )
+@click.option(
+    "--before",
+    metavar="EFFECT_ID",
+    default=None,
+    help="The next page: effects intended before this one (the last id shown).",
+)
+@click.option(
+    "--oldest-first", is_flag=True, help="Intent order instead (--before then means after)."
+)
 @json_option(EffectListReport)
 @pass_cli
 def effects_list(
@@ -40,24 +59,38 @@ def effects_list(
     status: str | None,
     kind: str | None,
     limit: int,
+    before: str | None,
+    oldest_first: bool,
     as_json: bool,
 ) -> None:
-    """List effects in intent order."""
-    found = cli.outbox.effects(run_id=run_id, status=status, kind=kind, limit=limit)
+    """List effects, newest first, a page at a time (--limit, --before)."""
+    from outbox.client_args import effect_filters
+
+    filters = effect_filters(run_id=run_id, status=status, kind=kind, limit=limit)
+    if before is not None:
+        filters["before"] = as_uuid(before, "before")
+    found = cli.outbox.store.list_effects(**filters, newest_first=not oldest_first)
     emit(
         EffectListReport(found),
         as_json,
         lambda: table(
-            f"effects ({len(found)})",
-            ["id", "run", "step", "kind", "status", "attempt", "key", "last error"],
+            page_title(
+                "effects",
+                found,
+                limit,
+                "outbox effects list" + (" --oldest-first" if oldest_first else ""),
+                "intent order" if oldest_first else "newest first",
+            ),
+            # What matters most first: a narrow terminal leaves out columns from the right.
+            ["id", "status", "kind", "attempt", "step", "run", "key", "last error"],
             [
                 (
                     e.id,
-                    str(e.run_id or "")[:8],
-                    e.step_id,
-                    e.kind,
                     e.status.value,
+                    e.kind,
                     e.attempt,
+                    e.step_id,
+                    run_suffix(e.run_id),
                     e.idempotency_key[:16],
                     e.last_error,
                 )

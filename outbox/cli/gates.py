@@ -8,16 +8,16 @@ import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.cli.reports import GateListReport, GatesApplyReport, GatesRemoveReport
-from outbox.gates import Gate, gates_from_config
+from outbox.gates import Gate
 
 __all__ = ["COMMANDS", "config_gates"]
 
 
 def config_gates(path: Path) -> list[Gate]:
-    """The ``[[approvals]]`` of a deliverers config file, validated."""
+    """The ``[[approvals]]`` of a deliverers config file (validated with the rest of it)."""
     from deliverers.registry import load_config
 
-    return gates_from_config(load_config(path))
+    return load_config(path).approvals
 
 
 def _rows(gates: list[Gate]) -> list[tuple[object, ...]]:

@@ -10,6 +10,7 @@ run) uses that record's model.
 
 from __future__ import annotations
 
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
@@ -34,6 +35,7 @@ __all__ = [
     "GatesApplyReport",
     "GatesRemoveReport",
     "GcReport",
+    "GoneDeliverer",
     "MigrateReport",
     "PauseReport",
     "ReconcileReport",
@@ -104,10 +106,15 @@ class ArchiveHeader(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="allow")
 
+    #: Always ``agent-outbox``: what wrote the file.
     archive: str
+    #: The archive format's version (1).
     format: int
+    #: When this gc run started (ISO 8601).
     written_at: str
+    #: Its horizon: rows finished longer ago than this were archived and deleted.
     older_than_seconds: float
+    #: The database's schema version then (the columns the rows have).
     schema_version: int
 
 
@@ -125,24 +132,45 @@ class ArchiveSummaryReport(Report):
 class ReconcileItem(Report):
     """One expired attempt and what was (or, in a dry run, would be) done with it."""
 
+    #: The effect.
     effect_id: UUID
+    #: The effect's kind (its deliverer's declaration decided the action).
     kind: str
+    #: The attempt that started and never ended.
     attempt: int
     #: ``redeliver``, ``failed``, ``lookup``, ``looked_up_succeeded``,
     #: ``looked_up_redeliver``, ``lookup_failed``, ``unknown`` or ``skipped``.
     action: str
+    #: Why (what a lookup answered, say).
     note: str
 
 
 class UnknownEffect(Report):
     """An effect in ``unknown``, waiting for an operator."""
 
+    #: The effect (``outbox effects resolve ID --as ...``).
     id: UUID
+    #: Its kind.
     kind: str
+    #: Its run (null: intended outside any run).
     run_id: UUID | None
+    #: The attempt whose outcome is unknown.
     attempt: int
+    #: Its idempotency key: search the sink's own log for it.
     key: str
+    #: Why it is unknown.
     last_error: str | None
+
+
+class GoneDeliverer(Report):
+    """A deliverer that died holding attempts whose leases have not ended yet."""
+
+    #: Its lease owner (``host:pid:suffix``).
+    owner: str
+    #: Attempts it holds in flight.
+    in_flight: int
+    #: When the first of their leases ends (then they are reconciled as expired).
+    lease_ends: datetime
 
 
 class ReconcileReport(Report):
@@ -154,11 +182,20 @@ class ReconcileReport(Report):
     items: list[ReconcileItem]
     #: Every effect now in ``unknown`` (up to ``--max-rows``).
     unknown: list[UnknownEffect]
+    #: Deliverers that are gone (their session lock is free: killed, crashed) but
+    #: still hold attempts whose leases have not ended, so nothing above counts them.
+    held_by_gone_deliverers: list[GoneDeliverer]
 
 
 class DemoReport(Report):
-    """``outbox demo --json``: the tally of the demo's story."""
+    """``outbox demo --json``: the tally of the demo's story (printed when it fails, too)."""
 
+    #: False when the demo stopped before its runs and effects were done (see ``error``).
+    finished: bool
+    #: Why it stopped early (the line printed on stderr), else null.
+    error: str | None
+    #: What its runs and effects were still waiting for (empty when finished).
+    waiting_for: list[str]
     runs: int
     runs_completed: int
     runs_compensated: int
@@ -170,13 +207,18 @@ class DemoReport(Report):
     duplicates_applied_at_sink: int
     lost: int
     phantom: int
+    #: Lease owners (``host:pid:suffix``) of deliverers the demo did not start that
+    #: served its database when it began or delivered some of its effects.
+    other_deliverers: list[str]
+    #: The demo's effects those deliverers delivered.
+    delivered_by_other_deliverers: int
     seconds: float
     #: What happened, in order (kills, restarts, the approval, the cancellation).
     events: list[str]
 
 
 class EffectListReport(RootModel[list[Effect]]):
-    """``outbox effects list --json``: effects in intent order."""
+    """``outbox effects list --json``: effects, newest first (``--oldest-first``: intent order)."""
 
 
 class EffectDetailReport(Report):
@@ -190,7 +232,9 @@ class EffectDetailReport(Report):
 class RoleLine(Report):
     """One role ``outbox roles`` created or updated."""
 
+    #: The PostgreSQL role's name.
     role: str
+    #: Who logs in as it and what it may do.
     purpose: str
 
 
@@ -207,9 +251,13 @@ class RunListReport(RootModel[list[RunRecord]]):
 class Budget(Report):
     """A run's budget: ``remaining`` is budget - spent - reserved (None: no budget)."""
 
+    #: What the run may spend (null: no budget).
     budget: Decimal | None
+    #: Debited by its steps so far.
     spent: Decimal
+    #: Held by steps under way (model requests not yet answered).
     reserved: Decimal
+    #: What is left (null: no budget).
     remaining: Decimal | None
 
 
@@ -263,9 +311,13 @@ class ForkReport(Report):
 class VersionLine(Report):
     """Unfinished runs of one agent version in one status."""
 
+    #: The agent's name.
     agent: str
+    #: The version its runs are pinned to.
     version: str
+    #: A status that is not terminal (runnable, running, waiting, paused, ...).
     status: RunStatus
+    #: How many runs of that version are in that status.
     runs: int
 
 
@@ -276,13 +328,17 @@ class VersionsReport(RootModel[list[VersionLine]]):
 class DiffChange(Report):
     """Where two runs differ: ``added`` (only in B), ``removed`` (only in A), ``changed``."""
 
+    #: The step that intended the effect (null: outside a step).
     step_id: str | None
+    #: Its index among the step's intents.
     index: int | None
+    #: ``added`` (only in run B), ``removed`` (only in run A) or ``changed``.
     change: str
     #: What differs of a changed effect (kind, payload, compensate, ordering_key, key).
     fields: list[str]
     #: The effect in run A and in run B, each run's own id written ``{run}``.
     a: dict[str, Any] | None
+    #: (``a``'s counterpart in run B; null when ``removed``.)
     b: dict[str, Any] | None
 
 
@@ -332,13 +388,18 @@ class SchemasCheckReport(Report):
     """``outbox schemas check --json``: files missing, different, or left over."""
 
     drift: list[str]
+    #: Files not checked: their model needs an optional extra that is not installed.
+    skipped: list[str]
 
 
 class CheckTrial(Report):
     """One trial of ``outbox check``: the baseline, one crash, or a chain of crashes."""
 
+    #: The trial's id (``uninterrupted``, a crash point, ``point@step``): ``--only`` takes it.
     id: str
+    #: Whether nothing was lost, applied twice, regressed or left different.
     ok: bool
+    #: How long it took.
     seconds: float
     #: ``point@where`` of every process killed in this trial.
     crashes: list[str]
@@ -347,27 +408,40 @@ class CheckTrial(Report):
 class CheckRow(Report):
     """One line of ``outbox check``'s table: a crash point, where, and what came of it."""
 
+    #: The crash point (``after_step``, ``after_call``, ...).
     point: str
     #: ``worker``, ``deliverer`` or ``upgrade``.
     role: str
+    #: Where it was reached (a step, a kind).
     where: str
     #: ``ok``, ``VIOLATION``, ``error``, ``not reached``, ``skipped``, ``chain failed``.
     outcome: str
+    #: What came of it, in a sentence.
     detail: str
+    #: The trial that crashed there.
     trial: str
 
 
 class CheckViolation(Report):
     """The first violation ``outbox check`` found, explained, with the command to reproduce it."""
 
+    #: The trial that showed it.
     trial: str
+    #: Its crash point (``no crash`` for the baseline).
     point: str
+    #: Where the crash was (null: several places, a chain).
     where: str | None
+    #: ``lost``, ``duplicate_operations``, ``phantom``, ``regressed``, ``error``, ...
     kind: str
+    #: What was seen, with what was killed.
     detail: str
+    #: Why it happens and how agents usually fix it.
     explanation: str
+    #: The command that runs this trial alone.
     reproduce: str
+    #: Where the trial's process logs were kept (null: none).
     logs: str | None
+    #: What a failed process wrote last (for an ``error``).
     output: str | None
 
 
@@ -395,20 +469,12 @@ class CheckReport(Report):
 
 def report_models() -> dict[str, type[BaseModel]]:
     """``report.<command path>`` → the model of that command's ``--json`` output."""
-    import click
-
-    from outbox.cli import cli
     from outbox.cli._common import JsonOption
+    from outbox.cli.cli_reference import commands
 
     found: dict[str, type[BaseModel]] = {}
-
-    def walk(command: click.Command, path: list[str]) -> None:
+    for path, command in commands():  # every command, loaded
         for param in command.params:
             if isinstance(param, JsonOption):
                 found["report." + ".".join(path)] = param.report
-        if isinstance(command, click.Group):
-            for name, sub in command.commands.items():
-                walk(sub, [*path, name])
-
-    walk(cli, [])
     return dict(sorted(found.items()))

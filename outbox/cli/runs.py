@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import click
 
-from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, short, table
+from outbox.cli._common import (
+    CliContext,
+    console,
+    emit,
+    json_option,
+    page_title,
+    pass_cli,
+    short,
+    table,
+)
 from outbox.cli.reports import (
     Budget,
     CancelReport,
@@ -42,25 +51,42 @@ def runs() -> None:
     show_default=True,
     help="At most this many.",
 )
+@click.option(
+    "--before",
+    metavar="RUN_ID",
+    default=None,
+    help="The next page: runs started before this one (the last id shown).",
+)
 @json_option(RunListReport)
 @pass_cli
 def runs_list(
-    cli: CliContext, status: str | None, agent: str | None, limit: int, as_json: bool
+    cli: CliContext,
+    status: str | None,
+    agent: str | None,
+    limit: int,
+    before: str | None,
+    as_json: bool,
 ) -> None:
-    """List recent runs, newest first."""
-    found = cli.outbox.runs(status=status, agent=agent, limit=limit)
+    """List recent runs, newest first, a page at a time (--limit, --before)."""
+    from outbox.client_args import run_filters
+
+    filters = run_filters(status=status, agent=agent, limit=limit)
+    if before is not None:
+        filters["before"] = as_uuid(before, "before")
+    found = cli.outbox.store.list_runs(**filters)
     emit(
         RunListReport(found),
         as_json,
         lambda: table(
-            f"runs ({len(found)})",
-            ["id", "agent", "version", "status", "current step", "budget", "spent", "updated"],
+            page_title("runs", found, limit, "outbox runs list"),
+            # What matters most first: a narrow terminal leaves out columns from the right.
+            ["id", "status", "agent", "version", "current step", "budget", "spent", "updated"],
             [
                 (
                     r.id,
+                    r.status.value,
                     r.agent,
                     r.agent_version,
-                    r.status.value,
                     r.current_step,
                     r.budget,
                     r.spent,

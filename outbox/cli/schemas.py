@@ -9,7 +9,12 @@ from pydantic import BaseModel
 
 from outbox.cli._common import console, emit, json_option
 from outbox.cli.reports import SchemasCheckReport, SchemasExportReport, report_models
-from outbox.json_schemas import boundary_models, check_schemas, write_schemas
+from outbox.json_schemas import (
+    boundary_models,
+    check_schemas,
+    unavailable_models,
+    write_schemas,
+)
 
 __all__ = ["COMMANDS", "exported_models"]
 
@@ -37,11 +42,20 @@ def schemas() -> None:
 def schemas_export(directory: Path, as_json: bool) -> None:
     """Write one JSON Schema file per boundary model and per --json report."""
     written = write_schemas(directory, exported_models())
+    _say_unavailable()
     emit(
         SchemasExportReport([str(p) for p in written]),
         as_json,
         lambda: console.print(f"wrote {len(written)} schema(s) to {directory}"),
     )
+
+
+def _say_unavailable() -> dict[str, str]:
+    """One line on stderr per schema an optional extra is missing for; stem → that line."""
+    missing = {stem: f"{stem}.json: {why}" for stem, why in unavailable_models().items()}
+    for line in missing.values():
+        click.echo(f"skipped: {line}", err=True)
+    return missing
 
 
 @schemas.command("check")
@@ -56,9 +70,10 @@ def schemas_export(directory: Path, as_json: bool) -> None:
 @json_option(SchemasCheckReport)
 def schemas_check(directory: Path, as_json: bool) -> None:
     """Exit 1 when a schema file differs from its model."""
-    drift = check_schemas(directory, exported_models())
+    skipped = _say_unavailable()
+    drift = check_schemas(directory, exported_models(), unchecked=skipped)
     emit(
-        SchemasCheckReport(drift=drift),
+        SchemasCheckReport(drift=drift, skipped=sorted(f"{s}.json" for s in skipped)),
         as_json,
         lambda: console.print("schemas are in sync" if not drift else f"out of date: {drift}"),
     )

@@ -22,13 +22,13 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.errors import (
-    ConfigurationError,
     DeliveryError,
     PermanentError,
     RetryableError,
     check_seconds,
 )
 from outbox.storage.sql.queue import Rate
+from outbox.validation import config_error
 
 __all__ = [
     "AttemptNotes",
@@ -199,9 +199,19 @@ class Deliverer:
     #: Payload schema versions this deliverer understands.
     schema_versions: ClassVar[frozenset[int]] = frozenset({1})
 
+    #: This kind's settings, an instance of ``config_model``. A subclass declares
+    #: ``config: MyConfig`` in its body to have them typed as its own.
+    config: DelivererConfig
+
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         self.kind = kind
-        self.config = config or self.config_model()
+        config = config or self.config_model()
+        if not isinstance(config, self.config_model):
+            raise TypeError(
+                f"deliverer {kind!r}: config must be a {self.config_model.__name__}, "
+                f"not {type(config).__name__}"
+            )
+        self.config = config
         self.idempotent = (
             self.default_idempotent if self.config.idempotent is None else self.config.idempotent
         )
@@ -220,11 +230,7 @@ class Deliverer:
         try:
             config = cls.config_model.model_validate(dict(raw))
         except pydantic.ValidationError as exc:
-            first = exc.errors()[0]
-            field = ".".join(str(p) for p in first["loc"])
-            raise ConfigurationError(
-                f"deliverer {kind!r}: {field}={first.get('input')!r}: {first['msg']}"
-            ) from None
+            raise config_error(f"deliverer {kind!r}: ", exc, cls.config_model) from None
         return cls(kind, config)
 
     def deliver(self, delivery: Delivery) -> Outcome | Awaitable[Outcome]:

@@ -24,18 +24,16 @@ The attempt log says which (``detail.result_from``). Config::
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from uuid import UUID
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.delivery.contract import Deliverer, DelivererConfig, Delivery, Outcome, Succeeded
-from outbox.errors import ConfigurationError
 from outbox.models import DRY_RUN_KIND_PREFIX
 
-__all__ = ["DryRunConfig", "DryRunDeliverer", "DryRunStub", "dry_run_config", "dry_run_registry"]
+__all__ = ["DryRunConfig", "DryRunDeliverer", "DryRunStub", "dry_run_registry"]
 
 #: ``await recorded(effect_id)`` -> ``(found, result)``
 RecordedResult = Callable[[UUID], Awaitable[tuple[bool, Any]]]
@@ -46,31 +44,21 @@ class DryRunStub(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: The result every dry-run effect of this kind succeeds with (any TOML value).
     result: Any = None
 
 
 class DryRunConfig(BaseModel):
-    """The ``[dry_run]`` table of a deliverers config."""
+    """The ``[dry_run]`` table of a deliverers config (read by :mod:`outbox.delivery.config`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     #: answer with the result a real run of the same agent and inputs recorded, when there is one
     recorded: bool = True
+    #: The result of a dry-run effect whose kind has no stub (and no recorded result).
     default: Any = Field(default_factory=lambda: {"dry_run": True})
+    #: Stubs by effect kind (``[dry_run.stubs."http.request"]``).
     stubs: dict[str, DryRunStub] = Field(default_factory=dict)
-
-
-def dry_run_config(config: Mapping[str, Any] | None) -> DryRunConfig:
-    """The validated ``[dry_run]`` table (errors name the field)."""
-    raw = (config or {}).get("dry_run") or {}
-    try:
-        return DryRunConfig.model_validate(raw)
-    except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise ConfigurationError(
-            f"dry_run.{field}={first.get('input')!r}: {first['msg']}"
-        ) from None
 
 
 class DryRunDeliverer(Deliverer):

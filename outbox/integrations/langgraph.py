@@ -35,20 +35,23 @@ import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from langchain_core.messages import (
-    AIMessage,
-    BaseMessage,
-    ToolMessage,
-    convert_to_messages,
-    message_to_dict,
-    messages_from_dict,
-)
-from langchain_core.prompt_values import PromptValue
-from langchain_core.runnables import Runnable, RunnableConfig
-from langgraph.prebuilt.tool_node import ToolCallRequest
-from langgraph.types import Command
+from outbox.errors import MissingExtra, ValidationError
 
-from outbox.errors import ValidationError
+try:
+    from langchain_core.messages import (
+        AIMessage,
+        BaseMessage,
+        ToolMessage,
+        convert_to_messages,
+        message_to_dict,
+        messages_from_dict,
+    )
+    from langchain_core.prompt_values import PromptValue
+    from langchain_core.runnables import Runnable, RunnableConfig
+    from langgraph.prebuilt.tool_node import ToolCallRequest
+    from langgraph.types import Command
+except ImportError as exc:  # the framework is an optional extra: say which
+    raise (MissingExtra.of(exc, __name__) or exc) from exc
 from outbox.integrations._scope import (
     _SCOPE,
     TokenPrice,

@@ -41,28 +41,33 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
-from agents import (
-    Agent,
-    FunctionTool,
-    Handoff,
-    Model,
-    ModelProvider,
-    ModelResponse,
-    ModelSettings,
-    ModelTracing,
-    RunConfig,
-    RunContextWrapper,
-    Runner,
-    RunResult,
-    Tool,
-)
-from agents.agent_output import AgentOutputSchemaBase
-from agents.exceptions import AgentsException
-from agents.items import TResponseInputItem, TResponseStreamEvent
-from agents.retry import ModelRetryAdvice, ModelRetryAdviceRequest, ModelRetryNormalizedError
-from agents.run_config import ToolErrorFormatter, ToolErrorFormatterArgs
-from agents.tool_context import ToolContext
-from openai.types.responses.response_prompt_param import ResponsePromptParam
+from outbox.errors import MissingExtra
+
+try:
+    from agents import (
+        Agent,
+        FunctionTool,
+        Handoff,
+        Model,
+        ModelProvider,
+        ModelResponse,
+        ModelSettings,
+        ModelTracing,
+        RunConfig,
+        RunContextWrapper,
+        Runner,
+        RunResult,
+        Tool,
+    )
+    from agents.agent_output import AgentOutputSchemaBase
+    from agents.exceptions import AgentsException
+    from agents.items import TResponseInputItem, TResponseStreamEvent
+    from agents.retry import ModelRetryAdvice, ModelRetryAdviceRequest, ModelRetryNormalizedError
+    from agents.run_config import ToolErrorFormatter, ToolErrorFormatterArgs
+    from agents.tool_context import ToolContext
+    from openai.types.responses.response_prompt_param import ResponsePromptParam
+except ImportError as exc:  # the framework is an optional extra: say which
+    raise (MissingExtra.of(exc, __name__) or exc) from exc
 from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 

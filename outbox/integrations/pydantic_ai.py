@@ -32,17 +32,22 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from pydantic_ai import Agent
-from pydantic_ai.durable_exec import (
-    JSON_CODEC,
-    BaseDurabilityCapability,
-    DurabilityEngineSpec,
-    DurableOperationId,
-    JournalCallableOperationBackend,
-    ModelRequestId,
-    RoleBasedOperationConfig,
-)
-from pydantic_ai.models import Model
+from outbox.errors import MissingExtra
+
+try:
+    from pydantic_ai import Agent
+    from pydantic_ai.durable_exec import (
+        JSON_CODEC,
+        BaseDurabilityCapability,
+        DurabilityEngineSpec,
+        DurableOperationId,
+        JournalCallableOperationBackend,
+        ModelRequestId,
+        RoleBasedOperationConfig,
+    )
+    from pydantic_ai.models import Model
+except ImportError as exc:  # the framework is an optional extra: say which
+    raise (MissingExtra.of(exc, __name__) or exc) from exc
 
 from outbox.integrations._scope import (
     _SCOPE,

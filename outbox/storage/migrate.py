@@ -35,15 +35,23 @@ import psycopg
 import sqlalchemy.exc
 from sqlalchemy import Connection, Engine, text
 
-from outbox.errors import DatabaseError, MigrationError, SchemaOutdated, SchemaTooNew
+from outbox.errors import (
+    ConfigurationError,
+    DatabaseError,
+    MigrationError,
+    SchemaOutdated,
+    SchemaTooNew,
+)
 
 __all__ = [
+    "MIN_SERVER_VERSION",
     "NO_TRANSACTION",
     "Migration",
     "applied_versions",
     "check_schema",
     "migrate",
     "pending",
+    "refuse_old_server",
     "shipped",
 ]
 
@@ -51,6 +59,28 @@ log = logging.getLogger(__name__)
 
 # Any constant works; it only has to be the same in every process.
 _LOCK_ID = 0x0B0C5EED
+
+#: The oldest PostgreSQL the schema runs on (``server_version_num``): 13 brought
+#: ``pg_current_xact_id()`` and a built-in ``gen_random_uuid()``. The suite runs on
+#: the embedded server's version (18). Stated in docs/reference/settings.md.
+MIN_SERVER_VERSION = 130000
+
+
+def refuse_old_server(server_version: int) -> None:
+    """Refuse a server older than :data:`MIN_SERVER_VERSION` before a migration fails on it."""
+    if server_version >= MIN_SERVER_VERSION:
+        return
+    major = server_version // 10000
+    shown = (
+        f"{major}.{server_version % 10000}"
+        if major >= 10
+        else f"{major}.{server_version // 100 % 100}"
+    )
+    raise ConfigurationError(
+        f"PostgreSQL {shown} is too old: agent-outbox needs {MIN_SERVER_VERSION // 10000} or newer"
+    )
+
+
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 #: The marker line that makes a migration run outside a transaction.
 NO_TRANSACTION = "-- outbox:no-transaction"
@@ -255,6 +285,7 @@ def migrate(
     applied: list[Migration] = []
     try:
         pg.autocommit = True
+        refuse_old_server(pg.info.server_version)
         _lock(pg)
         try:
             recorded = _recorded(pg)

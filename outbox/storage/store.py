@@ -21,6 +21,7 @@ from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
 from outbox.storage import blob_store, writes
 from outbox.storage.blob_store import EFFECT_FIELDS, RUN_FIELDS, STEP_FIELDS
 from outbox.storage.claims import ClaimMode
+from outbox.storage.deliverer_reads import DelivererReads
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
@@ -44,6 +45,8 @@ class Store:
         self._claims = ClaimMode()
         #: The operator console's reads (paginated, by index, off the hot paths).
         self.views = ConsoleViews(engine)
+        #: Who delivers here: live daemons, the attempts of dead ones, a demo's tally.
+        self.deliverers = DelivererReads(engine)
 
     @contextmanager
     def begin(self, connection: Connection | None = None) -> Iterator[Connection]:
@@ -358,25 +361,6 @@ class Store:
         """Runs by status, open effects by (status, kind), age of the oldest pending effect."""
         with translate_errors("counting states"), self.engine.connect() as conn:
             return read_state_counts(conn)
-
-    def tally(self, run_ids: Sequence[UUID]) -> dict[str, dict[str, int]]:
-        """Effects of these runs by status, and their attempt-log rows by outcome."""
-        with translate_errors("tallying effects"), self.engine.connect() as conn:
-            return {
-                "status": dict(
-                    conn.execute(maintenance.effects_by_status(), {"ids": list(run_ids)}).all()
-                ),
-                "outcome": dict(
-                    conn.execute(maintenance.attempts_by_outcome(), {"ids": list(run_ids)}).all()
-                ),
-            }
-
-    def in_flight_of(self, owner_pattern: str) -> int:
-        """Effects in flight under lease owners matching the SQL ``LIKE`` pattern."""
-        with translate_errors("counting in-flight effects"), self.engine.connect() as conn:
-            return int(
-                conn.execute(maintenance.in_flight_like(), {"pattern": owner_pattern}).scalar_one()
-            )
 
     # -- audit (``outbox check``, chaos tests): whole tables of a small scratch database --
 

@@ -89,12 +89,19 @@ def _declarations(options: CheckOptions) -> dict[str, tuple[bool, bool]]:
 
 
 class _Check:
-    def __init__(self, options: CheckOptions, ctx: TrialContext, progress: Progress | None) -> None:
+    def __init__(
+        self,
+        options: CheckOptions,
+        ctx: TrialContext,
+        progress: Progress | None,
+        phase: Callable[[str], None] = lambda _: None,
+    ) -> None:
         from deliverers.record import RecordingSink
 
         self.options = options
         self.ctx = ctx
         self.progress = progress
+        self.phase = phase
         self.sink_factory = RecordingSink
         self.planned = 1
 
@@ -132,6 +139,7 @@ class _Check:
         return found
 
     def run(self, report: CheckReport) -> None:
+        self.phase("baseline: one run of your agent, uninterrupted")
         baseline = self.trial(BASELINE, None)
         report.baseline = baseline
         report.warnings += _baseline_warnings(baseline)
@@ -150,6 +158,7 @@ class _Check:
                 "or point@step, of the table)"
             )
         self.planned = 1 + len(plans)
+        self.phase(f"trials: a crash at each of {len(plans)} point(s), compared with the baseline")
         first_wave = [p for p in plans if p.role != "upgrade"]
         results = self.many(first_wave, reference)
         handover = next((r for r in results if r.plan.role == "handover"), None)
@@ -184,12 +193,14 @@ def check_agent(
     server_dsn: str | None = None,
     progress: Progress | None = None,
     keep_logs: bool = False,
+    phase: Callable[[str], None] = lambda _: None,
 ) -> CheckReport:
     """Check an agent: every crash point in turn, compared with an uninterrupted run.
 
     ``server_dsn`` makes the scratch databases on a server the caller already
     runs (default: ``options.dsn``, else a temporary embedded server).
-    ``progress`` is told of each finished trial. Raises
+    ``progress`` is told of each finished trial, ``phase`` of what is under way
+    (starting the server, the baseline, the crash trials). Raises
     :class:`~outbox.errors.ConfigurationError` when the handler or the setup
     cannot be imported, or the deliverers config is invalid.
     """
@@ -204,11 +215,13 @@ def check_agent(
     workdir = Path(tempfile.mkdtemp(prefix="outbox-check-logs-"))
     report = CheckReport(options)
     try:
+        if not (server_dsn or options.dsn):
+            phase("starting a scratch PostgreSQL (thrown away at the end)")
         with scratch_server(server_dsn or options.dsn) as dsn:
             databases = ScratchDatabases(dsn)
             try:
                 ctx = TrialContext(options, databases, workdir, declarations=declarations)
-                _Check(options, ctx, progress).run(report)
+                _Check(options, ctx, progress, phase).run(report)
             finally:
                 if server_dsn or options.dsn:  # a temporary server goes whole
                     databases.drop_all()

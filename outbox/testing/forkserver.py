@@ -41,7 +41,17 @@ from typing import IO, Any
 __all__ = ["ForkServer", "ForkedOutbox", "serve"]
 
 #: What the server imports once, before it forks anything.
-PRELOAD = ("outbox.cli", "outbox.delivery.daemon", "deliverers.record", "deliverers.http")
+#: (``outbox.cli`` loads a command's module only when it runs: name the ones a check forks.)
+PRELOAD = (
+    "outbox",
+    "outbox.client",
+    "outbox.cli",
+    "outbox.cli.deliver",
+    "outbox.cli.worker",
+    "outbox.delivery.daemon",
+    "deliverers.record",
+    "deliverers.http",
+)
 
 
 # -- the server process ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from outbox import (
     RunStatus,
     ValidationError,
 )
+from outbox.errors import ConfigurationError
 from outbox.gates import Gate
 
 
@@ -212,10 +213,10 @@ def test_the_rule_language_as_postgresql_evaluates_it(
     ],
 )
 def test_bad_conditions_are_refused_by_name(table: dict[str, Any], error: str) -> None:
-    from outbox.gates import gates_from_config
+    from deliverers.registry import parse_config
 
-    with pytest.raises(Exception, match=error):
-        gates_from_config({"approvals": [{"name": "g", "kind": "k", "when": [table]}]})
+    with pytest.raises(ConfigurationError, match=rf"^approvals\[0\]\.when\[0\].*{error}"):
+        parse_config({"approvals": [{"name": "g", "kind": "k", "when": [table]}]})
 
 
 def test_gates_are_stored_replaced_listed_and_pruned(ob: Outbox) -> None:

@@ -30,9 +30,17 @@ STAMPS = [
 
 
 def check_json(args: list[str], admin_dsn: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """``outbox check ARGS --json`` on the session's server, from the repository root."""
-    env = {**os.environ, "OUTBOX_HOME": str(tmp_path / "never-used")}
-    env.pop("OUTBOX_DSN", None)
+    """``outbox check ARGS --json`` on the session's server, from the repository root.
+
+    A user's own database (``OUTBOX_DSN``, ``./.outbox``) is never used: here one
+    that cannot be reached, which the check and its workers must not touch
+    (docs/howto/check-your-agent.md, "Where the check runs").
+    """
+    env = {
+        **os.environ,
+        "OUTBOX_HOME": str(tmp_path / "never-used"),
+        "OUTBOX_DSN": "postgresql://nobody@127.0.0.1:1/yours",
+    }
     return subprocess.run(
         [sys.executable, "-m", "outbox", "check", *args, "--dsn", admin_dsn, "--json"],
         env=env,
@@ -86,3 +94,4 @@ def test_allowing_a_result_that_varies_passes_with_a_warning_and_progress_on_std
     assert "--allow-nondeterministic-result" in report["command"]
     for trial in ("uninterrupted", "after_step@load-order"):
         assert f"{trial}: ok" in done.stderr, done.stderr
+    assert not (tmp_path / "never-used").exists(), "no embedded server of the user's was started"

@@ -98,3 +98,29 @@ def test_runs_pause_resume_and_fork_report_as_json(dsn: str) -> None:
     assert forked["forked_from"] == str(run.id)
     listed = runner.invoke(cli, ["--dsn", dsn, "runs", "list", "--status", "runnable", "--json"])
     assert {r["id"] for r in json.loads(listed.output)} == {str(run.id), forked["run_id"]}
+
+
+def test_listings_are_newest_first_a_page_at_a_time(ob: Outbox, dsn: str) -> None:
+    """A user's own effect is on the first page, and every older one can be reached."""
+    intended = []
+    for n in range(5):
+        with ob.transaction() as tx:
+            intended.append(str(tx.intend("email.send", {"to": f"u{n}@example.com"}).id))
+    started = [str(ob.start_run("paging", "1", {"n": n}).id) for n in range(3)]
+
+    def ids(*args: str) -> list[str]:
+        return [row["id"] for row in json.loads(_invoke(dsn, *args, "--json"))]
+
+    newest = list(reversed(intended))
+    assert ids("effects", "list", "--limit", "2") == newest[:2]
+    assert ids("effects", "list", "--limit", "2", "--before", newest[1]) == newest[2:4]
+    assert ids("effects", "list", "--before", newest[4]) == []
+    assert ids("effects", "list", "--oldest-first", "--limit", "2") == intended[:2]
+    assert ids("effects", "list", "--oldest-first", "--before", intended[2]) == intended[3:]
+    # The table names the command for the next page.
+    assert f"outbox effects list --before {newest[1]}" in _invoke(
+        dsn, "effects", "list", "--limit", "2"
+    )
+    runs = list(reversed(started))
+    assert ids("runs", "list", "--limit", "2") == runs[:2]
+    assert ids("runs", "list", "--limit", "2", "--before", runs[1]) == runs[2:]

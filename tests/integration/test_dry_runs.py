@@ -13,7 +13,7 @@ import pytest
 
 from deliverers.testing import IdempotentHttpSink, RecordingDeliverer
 from outbox import EffectStatus, Outbox, RunMode, ValidationError
-from outbox.delivery.dry_run import DryRunConfig, dry_run_config, dry_run_registry
+from outbox.delivery.dry_run import DryRunConfig, dry_run_registry
 from outbox.demo import agent as demo_agent
 from outbox.testing.processes import start_deliverer
 from tests.support import DaemonThread, wait_for
@@ -66,7 +66,7 @@ def test_a_recorded_result_of_a_real_run_of_the_same_inputs_wins(ob: Outbox, dsn
         wait_for(lambda: all(e.status == EffectStatus.SUCCEEDED for e in live.effects()))
     dry = intend_two(ob, "dry_run")
     other = intend_two(ob, "dry_run", inputs={"month": "2026-11"})
-    config = dry_run_config({"dry_run": {"default": {"stub": "default"}}})
+    config = DryRunConfig(default={"stub": "default"})
     with DaemonThread(dsn, _dry_with_lookup(dsn, config), poll_seconds=0.05):
         wait_for(lambda: all(e.status == EffectStatus.SUCCEEDED for e in dry.effects()))
         wait_for(lambda: all(e.status == EffectStatus.SUCCEEDED for e in other.effects()))

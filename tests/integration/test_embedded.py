@@ -65,8 +65,40 @@ def test_processes_share_one_server_and_the_cli_manages_it(home: Path) -> None:
     stopped = json.loads(_outbox("db", "stop", "--json", home=home).stdout)
     assert stopped == {"stopped": True}
     assert json.loads(_outbox("db", "status", "--json", home=home).stdout)["running"] is False
-    # Data survives a stop; the next command starts the server again.
+    # Data survives a stop; the next command starts the server again, and on a
+    # terminal says so while it does.
+    shown = _on_a_terminal("runs", "list", home=home)
+    assert "starting the embedded PostgreSQL in" in shown and "runs (1, newest first)" in shown
     assert len(json.loads(_outbox("runs", "list", "--json", home=home).stdout)) == 1
+
+
+def _on_a_terminal(*args: str, home: Path) -> str:
+    """What ``outbox ARGS`` shows on a terminal (stdout and stderr on a pseudo-terminal)."""
+    import pty
+
+    env = {k: v for k, v in os.environ.items() if k != "OUTBOX_DSN"}
+    env["OUTBOX_HOME"] = str(home)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox", *args],
+        env=env,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+    )
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed its side
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, shown
+    return shown.decode("utf-8", "replace")
 
 
 def test_with_outbox_dsn_set_nothing_is_started(home: Path, dsn: str) -> None:

@@ -181,3 +181,45 @@ def test_lock_session_that_drops_and_comes_back_is_not_a_death(ob: Outbox, dsn: 
     seen_gone, back, later = asyncio.run(main())
     assert (seen_gone, back, later) == (0, True, 0)
     assert held_by(dsn, "blinking") == {"t.idem": 3, "t.blind": 3}
+
+
+def test_reconcile_names_the_attempts_a_dead_deliverer_holds_before_their_leases_end(
+    ob: Outbox, dsn: str
+) -> None:
+    """Right after a kill -9, no lease has expired: "0 expired" alone hid the dead one's work."""
+    import json
+
+    from click.testing import CliRunner
+
+    from outbox.cli import cli
+    from tests.support import wait_for
+
+    intend(ob, n=2)
+
+    async def die_holding() -> None:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            lock = OwnerLock(store.dsn, "host:4242:dead")
+            lock.start()
+            assert await lock.wait_held(10)
+            await claim_all(store, "host:4242:dead")
+            await lock.close()
+            sql(dsn, "INSERT INTO outbox_owners (owner) VALUES ('host:4242:dead')")
+        finally:
+            await store.dispose()
+
+    asyncio.run(die_holding())
+    # A lock seen free in the first seconds after the server started is no death.
+    wait_for(
+        lambda: sql(dsn, "SELECT now() - pg_postmaster_start_time() > interval '6 s'")[0][0],
+        timeout=30,
+    )
+    args = ["--dsn", dsn, "reconcile", "--dry-run"]
+    done = CliRunner().invoke(cli, [*args, "--json"], catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    report = json.loads(done.output)
+    assert report["counts"] == {}, "no lease has ended yet"
+    (gone,) = report["held_by_gone_deliverers"]
+    assert gone["owner"] == "host:4242:dead" and gone["in_flight"] == 4
+    table = CliRunner().invoke(cli, args, catch_exceptions=False).output
+    assert "in flight under 1 deliverer(s) that are gone" in table and "host:4242:dead" in table

@@ -297,3 +297,24 @@ def test_logged_urls_hide_query_strings_and_userinfo(caplog: pytest.LogCaptureFi
     assert "HTTP Request: POST" in text, "httpx logs each request"
     assert "t0ken" not in text and "pa55word" not in text and "alice" not in text
     assert "access_token=***" in text
+
+
+def test_a_lookup_obeys_allow_private_and_allowed_hosts_as_a_call_does() -> None:
+    """docs/reference/deliverers-config.md: ``lookup_url`` is reached under the same rules."""
+    with IdempotentHttpSink() as sink:
+        template = f"{sink.url}/idempotency/{{key}}"
+        for config in (
+            {"lookup_url": template},  # loopback, not allowed
+            {"lookup_url": template, "allow_private": ["127.0.0.1"], "allowed_hosts": ["x.test"]},
+        ):
+            refused = HttpDeliverer.from_config("http.request", config)
+            assert isinstance(refused, HttpDeliverer)
+            with pytest.raises(PermissionError):
+                lookup(refused)
+        assert sink.state.gets == 0, "a refused lookup never connects"
+        allowed = HttpDeliverer.from_config(
+            "http.request", {"lookup_url": template, "allow_private": ["127.0.0.1"]}
+        )
+        assert isinstance(allowed, HttpDeliverer)
+        assert isinstance(lookup(allowed), NotApplied)
+        assert sink.state.gets == 1

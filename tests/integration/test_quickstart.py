@@ -1,10 +1,13 @@
 """docs/quickstart.md, followed as written by a new user on their own PostgreSQL.
 
-The shell and Python blocks of "Your own PostgreSQL" and "Deliver the effects"
-are read from the page and run: ``outbox migrate`` on an empty database (before
-it, ``Outbox.connect`` is refused with ``SchemaOutdated``, as the page says),
-then ``outbox sink``, the deliverers config the page writes, ``outbox deliver``
-and the page's intent, delivered to the sink once. Only the port is changed.
+The shell and Python blocks of "Your own PostgreSQL", "A run in code" and
+"Deliver the effects" are read from the page and run: ``outbox migrate`` on an
+empty database (before it, ``Outbox.connect`` is refused with
+``SchemaOutdated``, as the page says), then ``outbox sink``, the deliverers
+config the page writes, ``outbox deliver``, ``examples/quickstart.py`` twice
+(the page shows that file whole: the second run replays the first), and the
+page's intent outside a run, each delivered to the sink once. Only the port
+is changed.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import pytest
 from outbox import Outbox, SchemaOutdated
 from tests.support import wait_for
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "quickstart.md"
+EXAMPLE = ROOT / "examples" / "quickstart.py"
 DOC_PORT = "8081"
 
 
@@ -61,6 +66,13 @@ def env(empty_dsn: str, sub_env: dict[str, str]) -> dict[str, str]:
     return {**sub_env, "OUTBOX_DSN": empty_dsn}
 
 
+def test_the_page_shows_the_example_whole() -> None:
+    (_, shell), (_, shown) = section_blocks("A run in code")[:2]
+    assert shown + "\n" == EXAMPLE.read_text(encoding="utf-8")
+    runs = [line.split("#", 1)[0].split() for line in shell.splitlines() if "quickstart" in line]
+    assert runs == [["python", "examples/quickstart.py"]] * 2, "the page runs it twice"
+
+
 def test_the_quickstart_on_your_own_postgresql(
     empty_dsn: str, env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -72,7 +84,8 @@ def test_the_quickstart_on_your_own_postgresql(
     assert migrate == [["outbox", "migrate"]], "the page's first command is outbox migrate"
     subprocess.run(outbox_cli(migrate[0]), env=env, cwd=tmp_path, check=True)
 
-    (_, shell), (_, python) = section_blocks("Deliver the effects")
+    (_, shell), *_ = section_blocks("A run in code")
+    ((_, python),) = section_blocks("Deliver the effects")
     port = free_port()
     shell, python = shell.replace(DOC_PORT, port), python.replace(DOC_PORT, port)
     config = re.search(r"cat > (\S+) <<'EOF'\n(.*?)\nEOF", shell, flags=re.S)
@@ -86,9 +99,32 @@ def test_the_quickstart_on_your_own_postgresql(
     ]
     ob = Outbox.connect(empty_dsn)
     try:
-        exec(python, {"ob": ob})  # the page's intent, as written
-        (effect,) = wait_for(
-            lambda: [e for e in ob.effects() if e.status.value == "succeeded"],
+        first, again = (
+            subprocess.run(
+                [sys.executable, str(EXAMPLE), f"http://127.0.0.1:{port}"],
+                env=env,
+                cwd=tmp_path,
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            ).stdout
+            for _ in range(2)
+        )
+        assert "fetching the invoices" in first and "fetching" not in again, "a replay"
+        assert "succeeded" in first, first
+        assert first.splitlines()[-2:] == again.splitlines(), "the same run, the same effect"
+        (run,) = ob.runs()
+        assert run.status.value == "completed" and run.agent == "invoice-reconciler"
+        (summary,) = ob.effects()
+        assert summary.status.value == "succeeded" and summary.run_id == run.id
+        with ob.store.engine.connect() as conn:
+            rows = conn.exec_driver_sql("SELECT month FROM quickstart_closings").all()
+        assert rows == [("2026-10",)], "the example's own row, written once"
+
+        exec(python, {"ob": ob})  # the page's intent outside a run, as written
+        wait_for(
+            lambda: all(e.status.value == "succeeded" for e in ob.effects()),
             timeout=60,
             message="the quickstart's intent delivered",
         )
@@ -100,10 +136,11 @@ def test_the_quickstart_on_your_own_postgresql(
             capture_output=True,
             text=True,
         )
-        assert [e["status"] for e in json.loads(listed.stdout)] == ["succeeded"]
-        assert effect.kind == "http.request" and effect.attempt == 1
+        shown = json.loads(listed.stdout)
+        assert [e["status"] for e in shown] == ["succeeded", "succeeded"]
+        assert shown[0]["run_id"] is None, "newest first: the intent outside a run"
         stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()
-        assert stats["keys_applied"] == 1 and stats["duplicate_keys_applied"] == []
+        assert stats["keys_applied"] == 2 and stats["duplicate_keys_applied"] == []
     finally:
         ob.close()
         for proc in procs:

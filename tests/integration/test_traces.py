@@ -201,3 +201,48 @@ def test_steps_of_a_run_are_spans_of_its_trace_sync_and_async(
         "write": tp(finished["outbox.step write"]),
         "later": tp(finished["outbox.step later"]),
     }
+
+
+def test_outbox_deliver_under_the_zero_code_launcher_exports_its_spans(
+    ob: Outbox, sub_env: dict[str, str], tmp_path: Path
+) -> None:
+    """docs/howto/traces.md: `opentelemetry-instrument -- outbox deliver ...`, as written."""
+    import re
+    import shlex
+    import shutil
+
+    page = (Path(__file__).resolve().parents[2] / "docs/howto/traces.md").read_text()
+    block = page.split("## `outbox deliver` and `outbox worker`", 1)[1].split("```bash\n", 1)[1]
+    (line,) = [x for x in block.split("```", 1)[0].splitlines() if " outbox deliver " in x]
+    launcher = shlex.split(line)
+    assert launcher[:3] == ["opentelemetry-instrument", "--", "outbox"]
+    launcher[0] = shutil.which("opentelemetry-instrument") or "opentelemetry-instrument"
+    launcher[2:3] = [sys.executable, "-m", "outbox"]
+    config = tmp_path / launcher[-1]
+    config.write_text('[kinds."http.request"]\nallow_private = ["127.0.0.1"]\n')
+    env = {
+        **sub_env,
+        "OTEL_SERVICE_NAME": "outbox-deliver",
+        "OTEL_TRACES_EXPORTER": "console",  # the quick check the page names
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_LOGS_EXPORTER": "none",
+    }
+    with IdempotentHttpSink() as sink:
+        with ob.transaction() as tx:
+            effect = tx.intend("http.request", {"url": f"{sink.url}/traced", "json": {}})
+        daemon = subprocess.Popen(
+            launcher, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            wait_for(
+                lambda: ob.effect(effect.id).status.value == "succeeded",
+                timeout=60,
+                message="delivered under the launcher",
+            )
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            out, err = daemon.communicate(timeout=60)
+    assert daemon.returncode == 0, err.decode()[-2000:]
+    spans = re.findall(r'"name": "(outbox\.deliver [^"]+)"', out.decode())
+    assert spans == ["outbox.deliver http.request"], out.decode()[-2000:]
+    assert '"service.name": "outbox-deliver"' in out.decode()

@@ -181,3 +181,22 @@ def test_the_polyglot_example_runs(
         emails = conn.execute("SELECT count(*) FROM outbox_effects").fetchone()
     assert [(o[0], o[1], str(o[2])) for o in orders] == [("o-1001", "ada@example.com", "42.50")]
     assert emails == (1,)
+
+
+def test_npm_test_without_its_parts_says_how_to_run_it(tmp_path: Path) -> None:
+    """No variables and no Python with agent-outbox: one clear message, not 21 failures."""
+    node = shutil.which("node")
+    assert node is not None, "Node.js is required"
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "node").symlink_to(node)
+    done = subprocess.run(
+        [node, str(CLIENT / "scripts" / "test.mjs")],
+        env={"PATH": str(bare), "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "pytest tests/integration/test_typescript_client.py" in done.stderr
+    assert "pip install -e '.[test]'" in done.stderr and "OUTBOX_DSN" in done.stderr

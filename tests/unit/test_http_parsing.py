@@ -254,7 +254,7 @@ def test_credentials_in_the_http_config_are_validated_naming_the_kind() -> None:
         "billing.charge", {"credentials": {"billing": {"env": "BILLING", "prefix": "Bearer "}}}
     )
     assert isinstance(good, HttpDeliverer)
-    assert good.http.credentials["billing"] == Credential(env="BILLING", prefix="Bearer ")
+    assert good.config.credentials["billing"] == Credential(env="BILLING", prefix="Bearer ")
     with pytest.raises(
         ConfigurationError, match=r"deliverer 'billing.charge': credentials\.billing"
     ):

@@ -44,16 +44,17 @@ def test_every_core_boundary_model_is_exported() -> None:
 def _commands(command: click.Command, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     found = [path]
     if isinstance(command, click.Group):
-        for name, sub in command.commands.items():
-            found += _commands(sub, (*path, name))
+        for name in command.list_commands(click.Context(command)):
+            found += _commands(_command((*path, name)), (*path, name))
     return found
 
 
 def _command(path: tuple[str, ...]) -> click.Command:
-    command: click.Command = cli
+    command: click.Command | None = cli
     for name in path:
         assert isinstance(command, click.Group)
-        command = command.commands[name]
+        command = command.get_command(click.Context(command), name)  # loads lazy commands
+    assert command is not None
     return command
 
 

@@ -22,6 +22,8 @@ let outbox: Outbox;
 before(async () => {
   outbox = new Outbox({ connectionString: dsn() });
   await outbox.pool.query("CREATE TABLE IF NOT EXISTS ts_orders (id text PRIMARY KEY, total numeric NOT NULL)");
+  // The tests' own table: emptied, so that running them again on the same database works.
+  await outbox.pool.query("DELETE FROM ts_orders");
 });
 
 after(async () => {

@@ -37,6 +37,7 @@ __all__ = [
     "oldest_pending_age",
     "open_effect_counts",
     "run_counts",
+    "succeeded_by_worker",
 ]
 
 
@@ -140,6 +141,16 @@ def attempts_by_outcome() -> AnySelect:
         .join(effects, effects.c.id == effect_attempts.c.effect_id)
         .where(_of_runs())
         .group_by(effect_attempts.c.outcome)
+    )
+
+
+def succeeded_by_worker() -> AnySelect:
+    """Successful attempts on the effects of the runs ``:ids`` per worker (lease owner)."""
+    return (
+        select(effect_attempts.c.worker, func.count())
+        .join(effects, effects.c.id == effect_attempts.c.effect_id)
+        .where(_of_runs(), effect_attempts.c.outcome == "succeeded")
+        .group_by(effect_attempts.c.worker)
     )
 
 

@@ -34,7 +34,9 @@ __all__ = [
     "TAKE_OWNER_LOCK",
     "expire_gone_owner",
     "forget_gone_owners",
+    "gone_in_flight",
     "gone_owners",
+    "live_owners",
 ]
 
 #: The first key of every owner lock (``pg_advisory_lock(int, int)``), so owner
@@ -49,17 +51,19 @@ REGISTER_OWNER = (
 )
 FORGET_OWNER = "DELETE FROM outbox_owners WHERE owner = %s"
 
-# No session of this database holds o.owner's lock, and the server has been up
-# longer than :restart_grace seconds (a restart frees every lock at once).
-_GONE = f"""
-    pg_postmaster_start_time() < now() - :restart_grace * interval '1 second'
-    AND NOT EXISTS (
+# A session of this database holds o.owner's lock.
+_HELD = f"""EXISTS (
         SELECT 1 FROM pg_locks l
         WHERE l.locktype = 'advisory' AND l.granted
           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
           AND l.classid = {OWNER_LOCK_CLASS}::oid
           AND l.objid = hashtext(o.owner)::oid
           AND l.objsubid = 2)"""
+# No session holds it, and the server has been up longer than :restart_grace
+# seconds (a restart frees every lock at once).
+_GONE = f"""
+    pg_postmaster_start_time() < now() - :restart_grace * interval '1 second'
+    AND NOT {_HELD}"""
 #: The same test for SQL written elsewhere (the duty probe of :mod:`outbox.storage.sql.duties`).
 GONE_CONDITION = _GONE
 
@@ -80,6 +84,30 @@ def gone_owners() -> TextClause:
             FROM outbox_owners o
             WHERE {_GONE}"""
     )
+
+
+@cache
+def gone_in_flight() -> TextClause:
+    """In-flight attempts held by gone owners: ``(owner, attempts, first lease end)`` each.
+
+    Parameter: ``restart_grace`` (seconds). What ``outbox reconcile`` shows
+    beside the expired leases: work a dead deliverer holds until its leases end
+    (or a running daemon's liveness check puts the idempotent part back).
+    """
+    return text(
+        f"""SELECT o.owner, count(*) AS attempts, min(e.lease_expires_at) AS lease_ends
+            FROM outbox_owners o
+            JOIN outbox_effects e ON e.lease_owner = o.owner AND e.status = 'in_flight'
+            WHERE {_GONE}
+            GROUP BY o.owner
+            ORDER BY o.owner"""
+    )
+
+
+@cache
+def live_owners() -> TextClause:
+    """Registered owners whose lock is held: the delivery daemons alive on this database."""
+    return text(f"SELECT o.owner FROM outbox_owners o WHERE {_HELD} ORDER BY o.registered_at")
 
 
 @cache

@@ -12,6 +12,7 @@ from sqlalchemy import (
     bindparam,
     func,
     select,
+    tuple_,
 )
 from sqlalchemy.dialects.postgresql import ARRAY as postgresql_array
 from sqlalchemy.dialects.postgresql import UUID
@@ -46,10 +47,17 @@ def run_with_steps(*, one_step: bool = False) -> tuple[AnySelect, AnySelect]:
 
 
 def list_runs(
-    *, status: str | None = None, agent: str | None = None, limit: int = 100
+    *,
+    status: str | None = None,
+    agent: str | None = None,
+    limit: int = 100,
+    before: object = None,
 ) -> AnySelect:
-    """Most recent runs first, optionally filtered."""
-    query = select(runs).order_by(runs.c.created_at.desc()).limit(limit)
+    """Most recent runs first, optionally filtered; ``before`` (a run id): the page after it."""
+    query = select(runs).order_by(runs.c.created_at.desc(), runs.c.id.desc()).limit(limit)
+    if before is not None:
+        since = select(runs.c.created_at).where(runs.c.id == before).scalar_subquery()
+        query = query.where(tuple_(runs.c.created_at, runs.c.id) < tuple_(since, before))
     if status is not None:
         query = query.where(runs.c.status == status)
     if agent is not None:
@@ -64,9 +72,19 @@ def list_effects(
     status: str | None = None,
     kind: str | None = None,
     limit: int = 100,
+    newest_first: bool = False,
+    before: object = None,
 ) -> AnySelect:
-    """Effects in intent order, optionally filtered by run (and step), status or kind."""
-    query = select(effects).order_by(effects.c.seq).limit(limit)
+    """Effects in intent order, optionally filtered by run (and step), status or kind.
+
+    ``newest_first`` reverses the order; ``before`` (an effect id) starts the
+    page after that effect, in the same order.
+    """
+    order = effects.c.seq.desc() if newest_first else effects.c.seq
+    query = select(effects).order_by(order).limit(limit)
+    if before is not None:
+        anchor = select(effects.c.seq).where(effects.c.id == before).scalar_subquery()
+        query = query.where(effects.c.seq < anchor if newest_first else effects.c.seq > anchor)
     if run_id is not None:
         query = query.where(effects.c.run_id == run_id)
     if step_id is not None:

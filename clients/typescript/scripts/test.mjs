@@ -1,0 +1,56 @@
+// `npm test`: the client's tests need a migrated PostgreSQL, a sink, Python deliverers and
+// an `outbox serve`. With their five variables set (as the Python suite sets them), the
+// tests run here. Without them, the Python suite's test starts all of that and runs
+// `npm test` again with the variables set: tests/integration/test_typescript_client.py.
+import { spawnSync } from "node:child_process";
+import { readdirSync } from "node:fs";
+import { dirname, join, resolve } from "node:path";
+import { fileURLToPath } from "node:url";
+
+const here = dirname(fileURLToPath(import.meta.url));
+const client = resolve(here, "..");
+const repository = resolve(client, "..", "..");
+const NEEDED = ["OUTBOX_DSN", "OUTBOX_SINK_URL", "OUTBOX_PYTHON", "OUTBOX_API_URL", "OUTBOX_API_TOKEN"];
+const SUITE = "tests/integration/test_typescript_client.py";
+
+function run(command, args, cwd) {
+  const done = spawnSync(command, args, { cwd, stdio: "inherit", env: process.env });
+  if (done.error) {
+    console.error(`${command}: ${done.error.message}`);
+    return 1;
+  }
+  return done.status ?? 1;
+}
+
+const missing = NEEDED.filter((name) => !process.env[name]);
+if (missing.length === 0) {
+  const built = run("npm", ["run", "build"], client);
+  if (built !== 0) {
+    process.exit(built);
+  }
+  const files = readdirSync(join(client, "dist", "test")).filter((f) => f.endsWith(".test.js"));
+  const tests = files.sort().map((f) => join("dist", "test", f));
+  process.exit(run("node", ["--test", "--test-concurrency=1", ...tests], client));
+}
+
+// A Python that has agent-outbox and its test extra: the suite starts what the tests need.
+const candidates = [process.env.OUTBOX_PYTHON, "python3", "python"].filter(Boolean);
+const python = candidates.find(
+  (p) => spawnSync(p, ["-c", "import outbox, pytest, deliverers"], { cwd: repository, stdio: "ignore" }).status === 0,
+);
+if (python === undefined) {
+  console.error(
+    `These tests need ${missing.join(", ")}: a migrated PostgreSQL, a sink, Python deliverers ` +
+      `and an \`outbox serve\`. The Python suite starts them all: at the repository root, ` +
+      `\`pip install -e '.[test]'\` (in a virtualenv), then \`npm test\` here again, or ` +
+      `\`pytest ${SUITE}\` there.`,
+  );
+  process.exit(1);
+}
+console.error(
+  `${missing.join(", ")} not set: running the tests under the Python suite ` +
+    `(${python} -m pytest ${SUITE}), which starts PostgreSQL, a sink, deliverers and outbox serve.`,
+);
+process.exit(
+  run(python, ["-m", "pytest", SUITE, "-q", "-p", "no:cacheprovider", "-k", "the_typescript_clients_tests_pass"], repository),
+);

@@ -1,0 +1,137 @@
+"""The deliverers config file as one typed model: kinds, approval gates, dry-run answers.
+
+A TOML file read once (``deliverers.registry.load_config``) becomes a
+:class:`DeliverersConfig`; the registry builds its deliverers from ``kinds``,
+``outbox deliver`` and ``outbox gates apply`` store ``approvals``, and the
+dry-run deliverer answers from ``dry_run``. Every level refuses what it does
+not know, with a "did you mean" hint: a misspelt table (``[[approval]]``,
+``[kind."http.request"]``) must not silently drop a gate or a kind's settings.
+
+Each kind's table is validated by the ``config_model`` of the deliverer type
+serving it, so the types installed (entry points) are an input of the parse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from outbox.delivery.contract import Deliverer, DelivererConfig
+from outbox.delivery.dry_run import DryRunConfig
+from outbox.errors import ConfigurationError, MissingExtra
+from outbox.gates import Gate
+from outbox.validation import config_error, did_you_mean
+
+__all__ = ["DeliverersConfig", "KindConfig"]
+
+
+class KindConfig(BaseModel):
+    """One ``[kinds.K]`` table: the deliverer type serving kind K and its validated settings."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: The deliverer type's name (an ``outbox.deliverers`` entry point).
+    type: str
+    #: The table, validated by that type's ``config_model``.
+    settings: DelivererConfig
+
+
+class DeliverersConfig(BaseModel):
+    """A deliverers config file: ``[kinds.*]``, ``[[approvals]]`` and ``[dry_run]``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: Effect kinds by name, each with the deliverer type serving it and that type's
+    #: settings. Empty: every installed type serves the kind of its own name.
+    kinds: dict[str, KindConfig] = Field(default_factory=dict)
+    #: Approval gates (``[[approvals]]``): stored in PostgreSQL by ``outbox deliver``
+    #: at start-up and by ``outbox gates apply``.
+    approvals: list[Gate] = Field(default_factory=list)
+    #: How ``outbox deliver --dry-run`` answers the effects of dry runs (``[dry_run]``).
+    dry_run: DryRunConfig = Field(default_factory=DryRunConfig)
+
+    @classmethod
+    def parse(
+        cls,
+        raw: Mapping[str, Any],
+        types: Mapping[str, type[Deliverer]],
+        missing: Mapping[str, ImportError] | None = None,
+    ) -> DeliverersConfig:
+        """Validate a parsed TOML document; the first problem is one line naming its place.
+
+        ``types`` are the installed deliverer types by name; ``missing`` the ones
+        registered whose optional extra is not installed (their import error).
+        """
+        tables = {"kinds", "approvals", "dry_run"}
+        for name in raw:
+            if name not in tables:
+                hint = did_you_mean(name, sorted(tables))
+                raise ConfigurationError(f"{name}: unknown table ({hint})")
+        return cls(
+            kinds=_kinds(raw.get("kinds"), types, missing or {}),
+            approvals=_approvals(raw.get("approvals")),
+            dry_run=_dry_run(raw.get("dry_run")),
+        )
+
+
+def _kinds(
+    raw: Any, types: Mapping[str, type[Deliverer]], missing: Mapping[str, ImportError]
+) -> dict[str, KindConfig]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigurationError("config 'kinds' must be a table of kinds")
+    kinds: dict[str, KindConfig] = {}
+    for kind, table in raw.items():
+        if not isinstance(table, Mapping):
+            raise ConfigurationError(f"kinds.{kind} must be a table")
+        type_name = table.get("type", kind)
+        if isinstance(type_name, str) and type_name in missing:
+            extra = MissingExtra.of(missing[type_name], f"kinds.{kind}.type={type_name!r}")
+            raise extra or ConfigurationError(f"kinds.{kind}.type={type_name!r}: cannot be loaded")
+        if not isinstance(type_name, str) or type_name not in types:
+            raise ConfigurationError(
+                f"kinds.{kind}.type={type_name!r}: no such deliverer type "
+                f"(installed: {sorted(types)})"
+            )
+        model = types[type_name].config_model
+        try:
+            settings = model.model_validate(dict(table))
+        except pydantic.ValidationError as exc:
+            raise config_error(f"deliverer {kind!r}: ", exc, model) from None
+        kinds[kind] = KindConfig(type=type_name, settings=settings)
+    return kinds
+
+
+def _approvals(raw: Any) -> list[Gate]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ConfigurationError("approvals: must be an array of tables ([[approvals]])")
+    gates: list[Gate] = []
+    for index, table in enumerate(raw):
+        if not isinstance(table, Mapping):
+            raise ConfigurationError(f"approvals[{index}]: must be a table")
+        try:
+            gates.append(Gate.model_validate(dict(table)))
+        except pydantic.ValidationError as exc:
+            raise config_error(f"approvals[{index}].", exc, Gate) from None
+    names = [g.name for g in gates]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigurationError(f"approvals: name {duplicates[0]!r} is declared twice")
+    return gates
+
+
+def _dry_run(raw: Any) -> DryRunConfig:
+    if raw is None:
+        return DryRunConfig()
+    if not isinstance(raw, Mapping):
+        raise ConfigurationError("dry_run: must be a table ([dry_run])")
+    try:
+        return DryRunConfig.model_validate(dict(raw))
+    except pydantic.ValidationError as exc:
+        raise config_error("dry_run.", exc, DryRunConfig) from None
