@@ -14,6 +14,7 @@ from starlette.routing import Route, Router
 
 from outbox.serve.console.auth import ConsoleAuth
 from outbox.serve.console.pages import Console
+from outbox.serve.hosts import HostAllowList
 from outbox.serve.ops import CachedCounts
 from outbox.serve.settings import Credentials
 
@@ -51,9 +52,11 @@ class ServerTiming:
         await self.app(scope, receive, timed)
 
 
-def console_app(outbox: Outbox, credentials: Credentials, counts: CachedCounts) -> Any:
-    """The console's routes (mount them at ``/console``)."""
-    c = Console(outbox, ConsoleAuth(credentials), counts)
+def console_app(
+    outbox: Outbox, credentials: Credentials, counts: CachedCounts, hosts: HostAllowList
+) -> Any:
+    """The console's routes (mount them at ``/console``); ``hosts`` are its own names."""
+    c = Console(outbox, ConsoleAuth(credentials, hosts), counts)
     get, post = ["GET"], ["POST"]
     router = Router(
         routes=[

@@ -11,6 +11,10 @@ Every POST, the login form included, must carry the CSRF token of the
 browser's ``outbox_csrf`` cookie (double submit: a page on another origin can
 neither read the cookie nor the token) and, when the browser says where the
 request comes from (``Origin``, ``Sec-Fetch-Site``), come from this origin.
+"This origin" is an allowed host name of the server
+(:class:`~outbox.serve.hosts.HostAllowList`) on the scheme and port the request
+came in on; it is never read from the request's ``Host`` header alone, which a
+page under DNS rebinding chooses.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
+from outbox.serve.hosts import HostAllowList
 from outbox.serve.settings import Credentials
+from outbox.serve.transport import HOST_KEY
 
 __all__ = ["CSRF_COOKIE", "SESSION_COOKIE", "ConsoleAuth", "Operator"]
 
@@ -52,8 +58,9 @@ class Operator:
 class ConsoleAuth:
     """Sessions and CSRF tokens of one console."""
 
-    def __init__(self, credentials: Credentials) -> None:
+    def __init__(self, credentials: Credentials, hosts: HostAllowList) -> None:
         self.credentials = credentials
+        self.hosts = hosts
         token = credentials.operator_token
         # Without an operator credential nobody can sign in; the key still
         # signs CSRF tokens (the login form refuses anyway).
@@ -138,9 +145,12 @@ class ConsoleAuth:
     def csrf_refusal(self, request: Request, form_token: str | None) -> str | None:
         """Why this POST is not the console's own form, or None when it is."""
         origin = request.headers.get("origin")
-        own = f"{request.url.scheme}://{request.headers.get('host', '')}"
-        if origin is not None and origin != own:
-            return f"cross-origin request refused (Origin {origin[:100]!r})"
+        if origin is not None:
+            # The Gate admitted the request's Host: its port is the one the browser used.
+            allowed = request.scope.get(HOST_KEY)
+            port = allowed[1] if allowed is not None else None
+            if allowed is None or not self.hosts.is_own_origin(origin, request.url.scheme, port):
+                return f"cross-origin request refused (Origin {origin[:100]!a})"
         fetch_site = request.headers.get("sec-fetch-site")
         if fetch_site is not None and fetch_site not in ("same-origin", "none"):
             return f"cross-site request refused (Sec-Fetch-Site {fetch_site[:40]!r})"
