@@ -183,7 +183,11 @@ class Gate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Refuse a foreign host (421) or a request over the cap (503); else pass on."""
-        if scope["type"] != "http" or scope.get("path") == HEALTH_PATH:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        send = _nosniff(send)
+        if scope.get("path") == HEALTH_PATH:
             await self.app(scope, receive, send)
             return
         host = self.hosts.check(_header(scope, b"host"))
@@ -206,6 +210,24 @@ class Gate:
             await self.app(scope, receive, send)
         finally:
             self.in_progress -= 1
+
+
+def _nosniff(send: Send) -> Send:
+    """``send`` that marks every answer ``X-Content-Type-Options: nosniff``.
+
+    No answer of this server is to be read as another type than it says (a JSON
+    error or a redacted value sniffed as HTML would run as a page).
+    """
+
+    async def marked(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            if not any(name.lower() == b"x-content-type-options" for name, _ in headers):
+                headers.append((b"x-content-type-options", b"nosniff"))
+            message["headers"] = headers
+        await send(message)
+
+    return marked
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -305,7 +327,6 @@ async def _refuse(
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
-        (b"x-content-type-options", b"nosniff"),
         (b"connection", b"close"),
     ]
     if retry_after is not None:

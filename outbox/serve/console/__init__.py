@@ -58,23 +58,24 @@ def console_app(
     """The console's routes (mount them at ``/console``); ``hosts`` are its own names."""
     c = Console(outbox, ConsoleAuth(credentials, hosts), counts)
     get, post = ["GET"], ["POST"]
+    k = c.checked
     router = Router(
         routes=[
-            Route("/", c.overview, methods=get),
-            Route("/runs", c.runs, methods=get),
-            Route("/runs/{run_id}", c.run, methods=get),
-            Route("/runs/{run_id}/cancel", c.cancel, methods=post),
-            Route("/effects", c.effects, methods=get),
-            Route("/effects/{effect_id}", c.effect, methods=get),
-            Route("/effects/{effect_id}/resolve", c.resolve, methods=post),
-            Route("/effects/{effect_id}/retry", c.retry, methods=post),
-            Route("/effects/{effect_id}/approve", c.approve, methods=post),
-            Route("/effects/{effect_id}/reject", c.reject, methods=post),
-            Route("/unknown", c.queue, methods=get),
-            Route("/versions", c.versions, methods=get),
-            Route("/login", c.login_form, methods=get),
-            Route("/login", c.login, methods=post),
-            Route("/logout", c.logout, methods=post),
+            Route("/", k(c.overview), methods=get),
+            Route("/runs", k(c.runs), methods=get),
+            Route("/runs/{run_id}", k(c.run), methods=get),
+            Route("/runs/{run_id}/cancel", k(c.cancel), methods=post),
+            Route("/effects", k(c.effects), methods=get),
+            Route("/effects/{effect_id}", k(c.effect), methods=get),
+            Route("/effects/{effect_id}/resolve", k(c.resolve), methods=post),
+            Route("/effects/{effect_id}/retry", k(c.retry), methods=post),
+            Route("/effects/{effect_id}/approve", k(c.approve), methods=post),
+            Route("/effects/{effect_id}/reject", k(c.reject), methods=post),
+            Route("/unknown", k(c.queue), methods=get),
+            Route("/versions", k(c.versions), methods=get),
+            Route("/login", k(c.login_form), methods=get),
+            Route("/login", k(c.login), methods=post),
+            Route("/logout", k(c.logout), methods=post),
         ]
     )
     return ServerTiming(router)
