@@ -1,6 +1,6 @@
 """The tamper-evident record: hash chains over steps and attempt logs, and signed run records.
 
-PostgreSQL computes each link as the row is written (``storage/governance_ddl.py``
+PostgreSQL computes each link as the row is written (``storage/functions/chain.sql``
 says where); this module recomputes them from the rows, with the same
 algorithm, for ``outbox audit verify`` and for a run record exported by
 ``outbox audit export``:

@@ -11,7 +11,6 @@ claim cost does not grow with the number of finished rows kept for history.
 from __future__ import annotations
 
 from sqlalchemy import (
-    DDL,
     BigInteger,
     Boolean,
     CheckConstraint,
@@ -46,14 +45,8 @@ from outbox.models import (
     RunStatus,
     StepStatus,
 )
-from outbox.storage.governance_ddl import (
-    ATTEMPT_CHAIN_DDL,
-    CHAIN_FUNCTIONS_DDL,
-    EFFECT_COST_DDL,
-    GATE_FUNCTIONS_DDL,
-)
+from outbox.storage.functions import functions_ddl
 from outbox.storage.sql.common import sql_in
-from outbox.storage.sql_api_ddl import sql_api_ddl
 
 __all__ = [
     "blob_refs",
@@ -69,22 +62,12 @@ __all__ = [
     "rate_limits",
     "runs",
     "signals",
-    "sql_api_ddl",
     "steps",
     "webhook_replays",
 ]
 
 metadata = MetaData()
 
-
-def _ddl(target: object, statements: tuple[str, ...], when: str = "after_create") -> None:
-    for statement in statements:
-        event.listen(target, when, DDL(statement.replace("%", "%%")))  # type: ignore[no-untyped-call]
-
-
-# 0010: hash chains and gate rules are SQL functions the tables' triggers and
-# statements call, so they exist before any table.
-_ddl(metadata, CHAIN_FUNCTIONS_DDL + GATE_FUNCTIONS_DDL, "before_create")
 
 RUN_STATUSES = tuple(RunStatus)
 EFFECT_STATUSES = tuple(EffectStatus)
@@ -215,27 +198,6 @@ Index(
     postgresql_where=text(sql_in("status", LIVE_RUN_STATUSES)),
 )
 
-# What a run started from never changes (G6: the versioned inputs it is pinned to).
-# The WHEN clause keeps the trigger function out of every ordinary step update.
-# 0015: AFTER, not BEFORE: a BEFORE row trigger locks the old row version first,
-# a lock record in the WAL of every step's update; raising afterwards undoes it alike.
-RUNS_IMMUTABLE_DDL = (
-    """CREATE FUNCTION outbox_runs_refuse_input_change() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-BEGIN
-    RAISE EXCEPTION 'run % was started with agent %, inputs hash %: these never change',
-        OLD.id, OLD.agent, OLD.inputs_hash
-        USING ERRCODE = 'integrity_constraint_violation';
-END
-$$""",
-    """CREATE TRIGGER outbox_runs_inputs_immutable
-    AFTER UPDATE ON outbox_runs FOR EACH ROW
-    WHEN (OLD.agent IS DISTINCT FROM NEW.agent
-          OR OLD.inputs_hash IS DISTINCT FROM NEW.inputs_hash
-          OR OLD.inputs IS DISTINCT FROM NEW.inputs)
-    EXECUTE FUNCTION outbox_runs_refuse_input_change()""",
-)
-_ddl(runs, RUNS_IMMUTABLE_DDL)
 
 # 0015: steps and effects name their run without a foreign key: its check locked the
 # run row on every step (WAL) although the step's statement holds that row already;
@@ -388,12 +350,11 @@ effect_attempts = Table(
     # succeeded | retry | failed | stale | expired | resolved | released
     Column("outcome", Text, nullable=False),
     Column("detail", JSONB),
-    # 0010: sha256 over this row and the effect's previous row (see governance_ddl)
+    # 0010: sha256 over this row and the effect's previous row (functions/chain.sql)
     Column("hash", BYTEA),
 )
 # 0010: (effect, id), so the chain's newest row is one index probe
 Index("outbox_effect_attempts_effect", effect_attempts.c.effect_id, effect_attempts.c.id)
-_ddl(effect_attempts, ATTEMPT_CHAIN_DDL)
 
 signals = Table(
     "outbox_signals",
@@ -471,7 +432,6 @@ owners = Table(
 # Cost settlement of costly intents: see migration 0002 for why it is a trigger (0010:
 # a rejected intent releases its reservation). plpgsql resolves the ledger only when
 # the trigger runs, so the effects table is enough.
-_ddl(effects, EFFECT_COST_DDL)
 
 # 0003: idempotency keys a Kafka consumer group has processed (deliverers.kafka.DedupConsumer)
 consumed_keys = Table(
@@ -483,27 +443,6 @@ consumed_keys = Table(
     PrimaryKeyConstraint("consumer_group", "idempotency_key", name="outbox_consumed_keys_pkey"),
 )
 
-# 0013: an effect of a paused run that would become pending again (a retry, the
-# reconciler, an operator) is held as paused instead. Inserts decide it in
-# commit_step; this covers every other way back to pending, and its WHEN clause
-# keeps it out of claims and completions that do not go back to pending.
-EFFECT_PAUSE_DDL = (
-    """CREATE FUNCTION outbox_effects_hold_paused() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-BEGIN
-    IF EXISTS (SELECT 1 FROM outbox_runs WHERE id = NEW.run_id AND paused_at IS NOT NULL) THEN
-        NEW.status := 'paused';
-    END IF;
-    RETURN NEW;
-END
-$$""",
-    """CREATE TRIGGER outbox_effects_hold_paused
-    BEFORE UPDATE OF status ON outbox_effects FOR EACH ROW
-    WHEN (NEW.status = 'pending' AND OLD.status <> 'pending' AND OLD.status <> 'paused'
-          AND NEW.run_id IS NOT NULL)
-    EXECUTE FUNCTION outbox_effects_hold_paused()""",
-)
-_ddl(effects, EFFECT_PAUSE_DDL)
 
 # 0013: values over Settings.blob_threshold_bytes, stored once (outbox.blobs). Rows hold a
 # reference; blob_refs says which run (or run-less effect) uses which blob, so
@@ -544,12 +483,13 @@ Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
 
 
 @event.listens_for(metadata, "after_create")
-def _create_sql_api(target: MetaData, connection: Connection, **kw: object) -> None:
-    # One multi-statement script with no parameters: psycopg sends it as a
-    # simple query (as outbox.storage.migrate does), so "%" stays literal.
+def _create_functions(target: MetaData, connection: Connection, **kw: object) -> None:
+    # Functions and triggers come from their current-truth files (outbox/storage/functions).
+    # One multi-statement script with no parameters: psycopg sends it as a simple
+    # query (as outbox.storage.migrate does), so "%" stays literal.
     driver = connection.connection.driver_connection
     assert driver is not None
-    driver.execute(sql_api_ddl())
+    driver.execute(functions_ddl())
 
 
 # 0010: approval gates from the deliverers config (``outbox gates apply``); the

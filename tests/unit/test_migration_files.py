@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from outbox.storage.functions import definitions
 from outbox.storage.migrate import NO_TRANSACTION, Migration, shipped
 
 # Migrations from this one on run against tables that may be big in production.
@@ -57,3 +58,14 @@ def test_the_marker_and_the_splitting() -> None:
     ]
     assert Migration(9, "x", "CREATE INDEX a ON t (x);").transactional
     assert shipped()[3].label == "0004_retention" and not shipped()[3].transactional
+
+
+def test_each_function_and_trigger_has_one_current_truth_file() -> None:
+    """A function body exists once outside the frozen migrations (outbox/storage/functions)."""
+    seen: dict[tuple[str, str], str] = {}
+    for definition in definitions():
+        key = (definition.kind, definition.name)
+        assert key not in seen, f"{key} is defined in {seen[key]} and in {definition.file}"
+        seen[key] = definition.file
+    assert ("function", "outbox_commit_step") in seen
+    assert ("trigger", "outbox_attempts_chain") in seen

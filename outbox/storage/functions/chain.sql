@@ -1,0 +1,130 @@
+-- The hash chains of the tamper-evident record (`outbox audit verify`), computed here,
+-- in PostgreSQL, by the statement that writes a row: an attempt-log row by a trigger,
+-- a step by outbox_commit_step. outbox/chain.py and the independent script in
+-- docs/reference/audit.md recompute them:
+--
+-- - lp(v) is '~' for NULL, else '<octet length of v in UTF-8>:<v>'; us(t) is a
+--   timestamp as integer microseconds since the Unix epoch;
+-- - an effect's chain starts at sha256('outbox.effect.v1' || lp(id) || lp(run_id)
+--   || lp(kind) || lp(idempotency_key) || lp(payload_hash)); each attempt-log row is
+--   sha256(prev || 'outbox.attempt.v1' || lp(effect_id) || lp(attempt) || lp(worker)
+--   || lp(us(started_at)) || lp(us(finished_at)) || lp(outcome) || lp(detail::text));
+-- - a run's chain starts at sha256('outbox.run.v1' || lp(id) || lp(agent) ||
+--   lp(inputs_hash)); each completed step (since migration 0021) is sha256(prev ||
+--   'outbox.step.v2' || lp(run_id) || lp(step_id) || lp(kind) || lp('completed') ||
+--   lp(result::text) || lp(error::text) || lp(state::text) || lp(plan::text) ||
+--   lp(us(completed_at))), and the run keeps the newest in step_head. Steps chained
+--   before 0021 are outbox.step.v1 links, which lack the status, state and plan
+--   (outbox_step_hash still computes them); a verifier accepts either, and a v2 link
+--   never passes for a v1 one.
+--
+-- Text is UTF-8, || on the hash input concatenates bytes; detail::text, result::text,
+-- state::text and plan::text are PostgreSQL's own rendering of the stored jsonb.
+
+CREATE OR REPLACE FUNCTION outbox_lp(value text) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN value IS NULL THEN '~' ELSE octet_length(value)::text || ':' || value END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_us(ts timestamptz) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT (extract(epoch FROM ts) * 1000000)::bigint::text
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_effect_genesis(
+    effect_id uuid, run_id uuid, kind text, idempotency_key text, payload_hash text
+) RETURNS bytea
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT sha256(convert_to('outbox.effect.v1' || outbox_lp(effect_id::text)
+    || outbox_lp(run_id::text) || outbox_lp(kind) || outbox_lp(idempotency_key)
+    || outbox_lp(payload_hash), 'UTF8'))
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_attempt_hash(
+    prev bytea, effect_id uuid, attempt integer, worker text, started_at timestamptz,
+    finished_at timestamptz, outcome text, detail jsonb
+) RETURNS bytea
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT sha256(prev || convert_to('outbox.attempt.v1' || outbox_lp(effect_id::text)
+    || outbox_lp(attempt::text) || outbox_lp(worker) || outbox_lp(outbox_us(started_at))
+    || outbox_lp(outbox_us(finished_at)) || outbox_lp(outcome) || outbox_lp(detail::text),
+    'UTF8'))
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_run_genesis(run_id uuid, agent text, inputs_hash text) RETURNS bytea
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT sha256(convert_to('outbox.run.v1' || outbox_lp(run_id::text) || outbox_lp(agent)
+    || outbox_lp(inputs_hash), 'UTF8'))
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_step_hash(
+    prev bytea, run_id uuid, step_id text, kind text, result jsonb, error jsonb,
+    completed_at timestamptz
+) RETURNS bytea
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT sha256(prev || convert_to('outbox.step.v1' || outbox_lp(run_id::text)
+    || outbox_lp(step_id) || outbox_lp(kind) || outbox_lp(result::text)
+    || outbox_lp(error::text) || outbox_lp(outbox_us(completed_at)), 'UTF8'))
+$$;
+
+-- A step's link (outbox_step_hash, v1) covered its id, kind, result, error and
+-- completion time, not the state and plan it set (a fork restarts from those) nor
+-- its status. Steps completed from now on are chained with v2 links, which cover
+-- them (the algorithm is at the top of this file). Links written before
+-- stay as they are and still verify: a verifier accepts a v1 or a v2 link, and no
+-- edit of a v2 step passes as a v1 one (the two hash different messages).
+-- Nothing is rehashed: recomputing old links would bless any edit made before.
+-- outbox_step_hash stays for processes still running the code before this change.
+CREATE OR REPLACE FUNCTION outbox_step_hash_v2(
+    prev bytea, run_id uuid, step_id text, kind text, result jsonb, error jsonb,
+    state jsonb, plan jsonb, completed_at timestamptz
+) RETURNS bytea
+    LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+DECLARE
+    -- Each value rendered once: inlined into a SQL function, outbox_lp(state::text)
+    -- renders the jsonb three times (5 us for a 600-byte state, each time).
+    result_text text := result::text;
+    error_text text := error::text;
+    state_text text := state::text;
+    plan_text text := plan::text;
+BEGIN
+    RETURN sha256(prev || convert_to('outbox.step.v2' || outbox_lp(run_id::text)
+        || outbox_lp(step_id) || outbox_lp(kind) || outbox_lp('completed')
+        || outbox_lp(result_text) || outbox_lp(error_text) || outbox_lp(state_text)
+        || outbox_lp(plan_text) || outbox_lp(outbox_us(completed_at)), 'UTF8'));
+END
+$$;
+
+-- From now on every attempt-log row is chained as it is written.
+CREATE OR REPLACE FUNCTION outbox_attempts_chain() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+DECLARE
+    ours boolean;
+    prev bytea;
+BEGIN
+    -- Appends to one effect's chain take turns on the effect's row. The statement that
+    -- logs an attempt has nearly always just changed that row, so holds its lock; one
+    -- that did not (a stale completion) takes the lock here and draws a new id, so that
+    -- id order stays chain order.
+    SELECT e.xmin::text = (pg_current_xact_id()::text::bigint % 4294967296)::text,
+           outbox_effect_genesis(e.id, e.run_id, e.kind, e.idempotency_key, e.payload_hash)
+      INTO ours, prev
+      FROM outbox_effects e WHERE e.id = NEW.effect_id;
+    IF NOT ours THEN
+        PERFORM 1 FROM outbox_effects WHERE id = NEW.effect_id FOR UPDATE;
+        NEW.id := nextval(pg_get_serial_sequence('outbox_effect_attempts', 'id'));
+    END IF;
+    -- The newest link of this effect's chain, else its genesis.
+    SELECT coalesce((SELECT a.hash FROM outbox_effect_attempts a
+                      WHERE a.effect_id = NEW.effect_id ORDER BY a.id DESC LIMIT 1), prev)
+      INTO prev;
+    NEW.hash := outbox_attempt_hash(prev, NEW.effect_id, NEW.attempt, NEW.worker,
+                                    NEW.started_at, NEW.finished_at, NEW.outcome, NEW.detail);
+    RETURN NEW;
+END
+$$;
+
+DROP TRIGGER IF EXISTS outbox_attempts_chain ON outbox_effect_attempts;
+CREATE TRIGGER outbox_attempts_chain
+    BEFORE INSERT ON outbox_effect_attempts FOR EACH ROW
+    EXECUTE FUNCTION outbox_attempts_chain();

@@ -1,0 +1,43 @@
+-- Where an effect is: one row, or none when no effect has this id.
+CREATE OR REPLACE FUNCTION outbox_effect_status(effect_id uuid)
+    RETURNS TABLE (id uuid, kind text, status text, idempotency_key text, attempt integer,
+                   result jsonb, last_error text, run_id uuid, step_id text, step_index integer,
+                   created_at timestamptz, updated_at timestamptz, completed_at timestamptz)
+    LANGUAGE sql STABLE AS $$
+SELECT e.id, e.kind, e.status, e.idempotency_key, e.attempt, e.result, e.last_error, e.run_id,
+       e.step_id, e.step_index, e.created_at, e.updated_at, e.completed_at
+  FROM outbox_effects AS e WHERE e.id = outbox_effect_status.effect_id
+$$;
+
+-- The same, found by idempotency key.
+CREATE OR REPLACE FUNCTION outbox_effect_by_key(key text)
+    RETURNS TABLE (id uuid, kind text, status text, idempotency_key text, attempt integer,
+                   result jsonb, last_error text, run_id uuid, step_id text, step_index integer,
+                   created_at timestamptz, updated_at timestamptz, completed_at timestamptz)
+    LANGUAGE sql STABLE AS $$
+SELECT e.id, e.kind, e.status, e.idempotency_key, e.attempt, e.result, e.last_error, e.run_id,
+       e.step_id, e.step_index, e.created_at, e.updated_at, e.completed_at
+  FROM outbox_effects AS e WHERE e.idempotency_key = outbox_effect_by_key.key
+$$;
+
+-- A recorded step (what a replay returns): one row, or none when not recorded.
+CREATE OR REPLACE FUNCTION outbox_step(run_id uuid, step_id text)
+    RETURNS TABLE (step_kind text, status text, result jsonb, error jsonb, seq bigint,
+                   completed_at timestamptz)
+    LANGUAGE sql STABLE AS $$
+SELECT s.kind, s.status, outbox_resolve(s.result), outbox_resolve(s.error), s.seq, s.completed_at
+  FROM outbox_steps AS s
+ WHERE s.run_id = outbox_step.run_id AND s.step_id = outbox_step.step_id
+$$;
+
+-- A run as stored: one row, or none when no run has this id.
+CREATE OR REPLACE FUNCTION outbox_run_status(run_id uuid)
+    RETURNS TABLE (id uuid, agent text, agent_version text, status text, inputs jsonb, state jsonb,
+                   plan jsonb, current_step text, result jsonb, error jsonb, budget numeric,
+                   spent numeric, reserved numeric, created_at timestamptz, updated_at timestamptz)
+    LANGUAGE sql STABLE AS $$
+SELECT r.id, r.agent, r.agent_version, r.status, outbox_resolve(r.inputs), outbox_resolve(r.state),
+       outbox_resolve(r.plan), r.current_step, outbox_resolve(r.result), outbox_resolve(r.error),
+       r.budget, r.spent, r.reserved, r.created_at, r.updated_at
+  FROM outbox_runs AS r WHERE r.id = outbox_run_status.run_id
+$$;

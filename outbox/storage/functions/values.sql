@@ -1,0 +1,43 @@
+-- What a row holds for a value whose canonical JSON is canonical: the value, or
+-- (over outbox.blob_threshold_bytes) a reference to it, stored once by its
+-- sha256 in outbox_blobs and recorded as used by owner (a run, or an effect of
+-- no run), as outbox.blobs and outbox.storage.blob_store do. The upsert locks
+-- the blob until commit, so `outbox gc` cannot take it meanwhile.
+CREATE OR REPLACE FUNCTION outbox_store_value(owner uuid, value jsonb, canonical text) RETURNS jsonb
+    LANGUAGE plpgsql AS $$
+DECLARE
+    size bigint := octet_length(canonical);
+    sha text;
+BEGIN
+    IF size <= outbox_setting('blob_threshold_bytes')::bigint THEN
+        RETURN value;
+    END IF;
+    sha := encode(sha256(convert_to(canonical, 'UTF8')), 'hex');
+    INSERT INTO outbox_blobs AS b (sha256, bytes, data) VALUES (sha, size, canonical)
+    ON CONFLICT ON CONSTRAINT outbox_blobs_pkey DO UPDATE SET used_at = now();
+    INSERT INTO outbox_blob_refs AS f (owner, sha256) VALUES (outbox_store_value.owner, sha)
+    ON CONFLICT ON CONSTRAINT outbox_blob_refs_pkey DO NOTHING;
+    RETURN jsonb_build_object('__outbox_blob__', jsonb_build_object('bytes', size, 'sha256', sha));
+END
+$$;
+
+-- A value as read from a row, with a reference replaced by the value it names.
+CREATE OR REPLACE FUNCTION outbox_resolve(value jsonb) RETURNS jsonb
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    sha text;
+    resolved jsonb;
+BEGIN
+    IF jsonb_typeof(value) IS DISTINCT FROM 'object' OR NOT value ? '__outbox_blob__'
+       OR jsonb_typeof(value->'__outbox_blob__'->'sha256') IS DISTINCT FROM 'string'
+       OR (SELECT count(*) FROM jsonb_object_keys(value)) <> 1 THEN
+        RETURN value;
+    END IF;
+    sha := value->'__outbox_blob__'->>'sha256';
+    SELECT b.data::jsonb INTO resolved FROM outbox_blobs AS b WHERE b.sha256 = sha;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'stored value sha256=% is missing from outbox_blobs', sha;
+    END IF;
+    RETURN resolved;
+END
+$$;

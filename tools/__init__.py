@@ -1,0 +1,1 @@
+"""Developer tools for agent-outbox (not installed with the package)."""
