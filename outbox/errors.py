@@ -41,6 +41,7 @@ worker's handler when its run parks in a wait, as psycopg's ``Rollback`` is.
 from __future__ import annotations
 
 import math
+import re
 import reprlib
 from typing import Any
 
@@ -165,19 +166,29 @@ class EffectNotFound(NotFound):
 
 
 class IdempotencyConflict(OutboxError):
-    """An idempotency key was reused with a different payload (Stripe's rule: refuse)."""
+    """An idempotency key was reused with a different payload (Stripe's rule: refuse).
+
+    The message never names the run that holds the key ("another run"): whoever
+    probes a key learns that it is taken, not by whom.
+    """
 
     def __init__(self, key: str, detail: str = "already intended with a different payload") -> None:
         self.key = key
-        super().__init__(f"idempotency_key={key!r}: {detail}")
+        super().__init__(f"idempotency_key={key!r}: {_OTHER_RUN.sub('another run', detail)}")
+
+
+_OTHER_RUN = re.compile(
+    r"\brun [0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"
+)
 
 
 class RunExists(IdempotencyConflict):
     """``start_run(key=..., on_conflict="reject")``: a run with this key exists (same inputs)."""
 
     def __init__(self, key: str, run_id: Any) -> None:
+        #: The run that holds the key, for the caller that asked to be refused.
         self.run_id = run_id
-        super().__init__(key, f"run {run_id} was already started with this key")
+        super().__init__(key, "a run was already started with this key")
 
 
 class ReplayRefused(OutboxError):
