@@ -17,6 +17,12 @@ lock some thread holds). It speaks JSON lines on its standard streams:
 It exits when its standard input closes (the checking process is gone), and
 kills the children still running then: a check that was itself killed leaves
 no worker behind.
+
+Each child leads a process group of its own, and the group is killed whole
+(SIGKILL) as soon as the child ends, however it ends: what the agent's code
+forked (a helper that ignores SIGTERM, say) dies with the worker that started
+it, as everything in a container dies with it. Only a process that starts a
+session of its own (``setsid``) escapes.
 Unlike ``multiprocessing``'s forkserver it never re-imports the caller's main
 module in a child.
 """
@@ -51,6 +57,9 @@ def _child(request: Mapping[str, Any], inherited: list[int]) -> None:
     """In the forked child: become ``outbox ARGS`` (never returns)."""
     code = 1
     try:
+        # A group of its own: what it forks is in it, and is killed with it (reap()).
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
         for fd in inherited:  # the server's pipes: the child must not hold them open
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -88,6 +97,12 @@ def _child(request: Mapping[str, Any], inherited: list[int]) -> None:
         os._exit(code)
 
 
+def _kill_group(pgid: int) -> None:
+    """SIGKILL every process of group ``pgid`` (nothing if none is left)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def serve() -> None:
     """The server's loop: fork on request, report each child's end, stop at end of input."""
     for module in PRELOAD:
@@ -115,6 +130,10 @@ def serve() -> None:
             if pid == 0:
                 return
             children.discard(pid)
+            # The child led a group of its own: what it left running dies now. While any
+            # member lives the group's id cannot be given to another process, so this
+            # reaches the child's own descendants and nothing else.
+            _kill_group(pid)
             code = os.waitstatus_to_exitcode(status)
             with contextlib.suppress(OSError):  # the checking process may be gone
                 out.write(json.dumps({"exit": pid, "code": code}) + "\n")
@@ -129,6 +148,7 @@ def serve() -> None:
             chunk = os.read(0, 1 << 16)
             if not chunk:
                 for pid in children:
+                    _kill_group(pid)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 for _ in list(children):
@@ -143,6 +163,9 @@ def serve() -> None:
                 if pid == 0:
                     selector.close()
                     _child(request, [out.fileno(), wake_r, wake_w])
+                # Both sides set the group, so it exists before anyone signals it.
+                with contextlib.suppress(OSError):
+                    os.setpgid(pid, pid)
                 children.add(pid)
                 out.write(json.dumps({"pid": pid}) + "\n")
 
@@ -275,7 +298,10 @@ class ForkedOutbox:
                 os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        """SIGKILL."""
+        """SIGKILL it and its process group (what it forked)."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
         self.send_signal(signal.SIGKILL)
 
 
