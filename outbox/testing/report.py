@@ -67,7 +67,7 @@ WHY = {
     "error": "the trial could not be carried out.",
     "reference_failed": (
         "the uninterrupted run itself did not complete, so there is nothing to compare a "
-        "crashed run with: every crash would \"end as it does uninterrupted\". Make the "
+        'crashed run with: every crash would "end as it does uninterrupted". Make the '
         "agent complete with these inputs (its error is above), or check it with inputs "
         "it completes with."
     ),
