@@ -42,7 +42,8 @@ def load_compose(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 def bootstrap_roles() -> tuple[set[str], set[str], dict[str, str]]:
     """(group roles, logins, login -> group) that deploy/compose/bootstrap.sql makes."""
     sql = BOOTSTRAP.read_text()
-    arrays = re.findall(r"CREATE ROLE %I (NOLOGIN|LOGIN)', name\)\s+FROM unnest\(ARRAY\[([^]]*)\]", sql)
+    made_by = r"CREATE ROLE %I (NOLOGIN|LOGIN)', name\)\s+FROM unnest\(ARRAY\[([^]]*)\]"
+    arrays = re.findall(made_by, sql)
     made = {kind: set(re.findall(r"'(\w+)'", names)) for kind, names in arrays}
     members = {}
     for group, logins in re.findall(r"GRANT (\w+) TO ([\w, ]+);", sql):
