@@ -160,11 +160,13 @@ def test_the_relay_and_a_stream_deliverer_as_their_compose_logins(
         run = ob.start_run("agent", "1")
         run.transaction(
             "s",
-            lambda tx: [
-                tx.intend("http.request", {"url": f"{sink.url}/ledger", "json": {"n": i}})
-                for i in range(5)
-            ]
-            and None,
+            lambda tx: (
+                [
+                    tx.intend("http.request", {"url": f"{sink.url}/ledger", "json": {"n": i}})
+                    for i in range(5)
+                ]
+                and None
+            ),
         )
         procs = []
         for name, args in (
