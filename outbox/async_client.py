@@ -16,6 +16,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -164,13 +165,10 @@ class AsyncOutbox:
             mode=mode,
         )
         notify = self._runs_wakeup.inline()
-        insert = self.aio.sync.insert_run
-        with run_span(agent=new.row["agent"], version=new.row["agent_version"]):
+        with run_span(agent=new.start.agent, version=new.start.version):
             # The run's trace: its steps are spans of it, in whichever process.
-            new.row["trace_parent"] = current_traceparent()
-            record, created = await self.aio.call(
-                insert, new.row, notify=notify is not None, blobs=[new.inputs.blob]
-            )
+            start = replace(new.start, trace_parent=current_traceparent(), wake=notify is not None)
+            record, created = await self.aio.call(self.aio.sync.insert_run, start)
         if created:
             self._runs_wakeup.committed(notify)
         record = started_run(new, record, created)

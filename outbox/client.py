@@ -12,6 +12,7 @@ import logging
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -173,12 +174,10 @@ class Outbox:
             mode=mode,
         )
         notify = self._runs_wakeup.inline()
-        with run_span(agent=new.row["agent"], version=new.row["agent_version"]):
+        with run_span(agent=new.start.agent, version=new.start.version):
             # The run's trace: its steps are spans of it, in whichever process.
-            new.row["trace_parent"] = current_traceparent()
-            record, created = self.store.insert_run(
-                new.row, notify=notify is not None, blobs=[new.inputs.blob]
-            )
+            start = replace(new.start, trace_parent=current_traceparent(), wake=notify is not None)
+            record, created = self.store.insert_run(start)
         if created:
             self._runs_wakeup.committed(notify)
         record = started_run(new, record, created)

@@ -13,12 +13,10 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from outbox.blobs import Stored, store_value
+from outbox.blobs import store_value
 from outbox.errors import (
     ApprovalRefused,
-    IdempotencyConflict,
     ReplayRefused,
-    RunExists,
     RunStateError,
     ValidationError,
 )
@@ -27,17 +25,17 @@ from outbox.intent_rules import MAX_KEY_LENGTH
 from outbox.models import (
     Effect,
     EffectStatus,
-    OnConflict,
     RunMode,
     RunRecord,
     RunStart,
     RunStatus,
 )
-from outbox.payloads import content_hash, decode, encode
+from outbox.payloads import Encoded, encode, encode_value
 from outbox.runs.approvals import ApprovalDecision, decide
 from outbox.runs.signals import SignalReceipt, send_signal
 from outbox.settings import Settings
 from outbox.storage.run_tx import RunTx
+from outbox.storage.writes import RunStart as RunStartRow
 from outbox.validation import as_uuid, name_field, row_limit, validated
 
 __all__ = [
@@ -74,11 +72,10 @@ def connect_settings(
 
 @dataclass(frozen=True)
 class NewRun:
-    """A validated new run: its row, its inputs as stored, what a taken key means."""
+    """A validated new run: what ``outbox_begin_run`` takes, and its inputs encoded."""
 
-    row: dict[str, Any]
-    inputs: Stored
-    on_conflict: OnConflict
+    start: RunStartRow
+    inputs: Encoded
 
 
 def new_run(
@@ -108,45 +105,26 @@ def new_run(
         fairness_key=fairness_key,
         mode=mode,
     )
-    stored = store_value(start.inputs, field="inputs", limits=settings.value_limits)
-    row = {
-        "id": uuid7() if run_id is None else as_uuid(run_id, "run_id"),
-        "agent": start.agent,
-        "agent_version": start.version,
-        "inputs": stored.json,
-        "inputs_hash": content_hash(stored.json) if stored.blob is None else stored.blob.sha256,
-        "budget": None if start.budget is None else Decimal(str(start.budget)),
-        "key": start.key,
-        "priority": start.priority,
-        "fairness_key": start.fairness_key,
-        "dry_run": start.mode == RunMode.DRY_RUN,
-        "trace_parent": None,
-    }
-    return NewRun(row, stored, start.on_conflict)
+    encoded = encode_value(start.inputs, field="inputs", max_bytes=settings.max_payload_bytes)
+    row = RunStartRow(
+        id=uuid7() if run_id is None else as_uuid(run_id, "run_id"),
+        agent=start.agent,
+        version=start.version,
+        inputs_json=encoded.json,
+        budget=None if start.budget is None else Decimal(str(start.budget)),
+        key=start.key,
+        priority=start.priority,
+        fairness_key=start.fairness_key,
+        dry_run=start.mode == RunMode.DRY_RUN,
+        on_conflict=start.on_conflict.value,
+    )
+    return NewRun(row, encoded)
 
 
 def started_run(new: NewRun, record: RunRecord, created: bool) -> RunRecord:
-    """The run ``start_run`` returns: the new one, or the one holding its key (if allowed)."""
+    """The run ``start_run`` returns, with its inputs as given (a large one is stored apart)."""
     if created:
-        if new.inputs.blob is not None:  # as stored, the record holds a reference
-            record = record.model_copy(update={"inputs": decode(new.inputs.value_json)})
-        return record
-    key = str(new.row["key"])
-    theirs = (record.agent, record.agent_version, record.inputs_hash)
-    ours = (new.row["agent"], new.row["agent_version"], new.row["inputs_hash"])
-    if theirs != ours:
-        raise IdempotencyConflict(
-            key,
-            f"run {record.id} was started with this key as {record.agent} "
-            f"{record.agent_version} with other inputs",
-        )
-    # A dry run asked for is never answered with a live run, nor the other way round.
-    if record.dry_run != new.row["dry_run"]:
-        raise IdempotencyConflict(
-            key, f"run {record.id} was started with this key in the other mode"
-        )
-    if new.on_conflict == OnConflict.REJECT:
-        raise RunExists(key, record.id)
+        return record.model_copy(update={"inputs": new.inputs.value()})
     return record
 
 

@@ -1,9 +1,9 @@
 """Write the next migration from the function files: ``python -m tools.new_migration NAME``.
 
-Replays every shipped migration into one scratch database, loads
-``outbox/storage/functions/*.sql`` into a second one on top of the same
-migrations, and compares the catalogs. Every function or trigger whose
-definition differs (or is new) is copied from its file into
+Replays every shipped migration into one scratch database, creates a second one
+fresh from ``outbox/storage/schema.py`` and the function files, and compares their
+functions, triggers and types. Every one whose definition differs (or is new) is
+copied from its file into
 ``outbox/storage/migrations/NNNN_NAME.sql``; a function the files no longer
 define is dropped, and so is one whose arguments or result changed (``CREATE OR
 REPLACE`` cannot change them). Table changes are not detected: write them into
@@ -30,8 +30,9 @@ from sqlalchemy.engine import make_url
 
 from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
-from outbox.storage.functions import definitions, functions_ddl
+from outbox.storage.functions import definitions
 from outbox.storage.migrate import migrate, shipped
+from outbox.storage.schema import metadata
 
 MIGRATIONS = Path(__file__).resolve().parents[1] / "outbox" / "storage" / "migrations"
 CATALOG = {
@@ -42,8 +43,16 @@ CATALOG = {
     "trigger": """
         SELECT t.tgname, t.tgrelid::regclass::text, '', pg_get_triggerdef(t.oid)
           FROM pg_trigger t WHERE NOT t.tgisinternal""",
+    "type": """
+        SELECT t.typname, '', '',
+               string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod), ', '
+                          ORDER BY a.attnum)
+          FROM pg_type t JOIN pg_class c ON c.oid = t.typrelid AND c.relkind = 'c'
+          JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0
+         WHERE t.typnamespace = 'public'::regnamespace GROUP BY t.typname""",
 }
-Catalog = dict[tuple[str, str], tuple[str, str, str]]
+#: (kind, name, identity arguments) -> (arguments, result, definition)
+Catalog = dict[tuple[str, str, str], tuple[str, str, str]]
 
 
 @contextmanager
@@ -63,19 +72,21 @@ def _server() -> Iterator[str]:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def _catalog(dsn: str, *, load_files: bool) -> Catalog:
+def _catalog(dsn: str, *, fresh: bool) -> Catalog:
+    """The functions, triggers and types of a migrated database, or of a fresh one (the files)."""
     engine = make_engine(dsn)
     try:
-        migrate(engine)
+        if fresh:
+            metadata.create_all(engine)
+        else:
+            migrate(engine)
     finally:
         engine.dispose()
     with psycopg.connect(dsn) as conn:
-        if load_files:
-            conn.execute(functions_ddl().encode())
         found: Catalog = {}
         for kind, query in CATALOG.items():
             for name, args, result, text in conn.execute(query):
-                found[(kind, name)] = (args, result, text)
+                found[(kind, name, args if kind == "function" else "")] = (args, result, text)
     return found
 
 
@@ -89,7 +100,7 @@ def changes(admin_dsn: str) -> tuple[list[str], list[str]]:
             conn.execute(f"CREATE DATABASE {name}")
     try:
         old, new = (
-            _catalog(url.set(database=n).render_as_string(hide_password=False), load_files=f)
+            _catalog(url.set(database=n).render_as_string(hide_password=False), fresh=f)
             for n, f in zip(names, (False, True), strict=True)
         )
     finally:
@@ -98,18 +109,23 @@ def changes(admin_dsn: str) -> tuple[list[str], list[str]]:
                 conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     files = {(d.kind, d.name): d for d in definitions()}
     drops, creates = [], []
-    for key, (args, result, _) in sorted(old.items()):
-        kind, name = key
-        if kind != "function":
-            continue
-        kept = new.get(key)
-        if key not in files or kept is None or (kept[0], kept[1]) != (args, result):
+    for (kind, name, args), (_, result, text) in sorted(old.items()):
+        kept = new.get((kind, name, args))
+        if kind == "type" and kept is not None and kept[2] != text:
+            raise SystemExit(f"type {name} changed: write its migration by hand (DROP ... CASCADE)")
+        if kind == "function" and (kept is None or kept[1] != result):
             drops.append(f"DROP FUNCTION {name}({args});")
-    for key, definition in files.items():
-        if old.get(key, (None, None, None))[2] != new[key][2] or any(
-            d.startswith(f"DROP FUNCTION {key[1]}(") for d in drops
-        ):
+    for (kind, name, args) in old:
+        if kind != "function" and (kind, name, args) not in new:
+            raise SystemExit(f"{kind} {name} is in no file: drop it in a migration by hand")
+    for (kind, name, args), (_, _, text) in new.items():
+        definition = files[(kind, name)]
+        dropped = any(d.startswith(f"DROP FUNCTION {name}(") for d in drops)
+        changed = old.get((kind, name, args), (None, None, None))[2] != text or dropped
+        if changed and definition.text not in creates:
             creates.append(definition.text)
+    # types first: the functions' signatures name them
+    creates.sort(key=lambda text: re.search(r"^CREATE TYPE", text, re.MULTILINE) is None)
     return drops, creates
 
 
@@ -131,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         f"-- agent-outbox {version:04d}: {args.name.replace('_', ' ')}.\n"
         "-- Generated by `python -m tools.new_migration` from outbox/storage/functions;\n"
         "-- a frozen copy: change the function files, never this one.\n\n"
+        "-- Bodies refer to each other in any order (as pg_dump's do).\n"
+        "SET LOCAL check_function_bodies = off;\n\n"
     )
     path.write_text(head + "\n\n".join([*drops, *creates]) + "\n")
     print(f"wrote {path} ({len(drops)} drop(s), {len(creates)} definition(s))")

@@ -16,11 +16,11 @@ from collections.abc import Awaitable, Callable, Generator
 from datetime import datetime, timedelta
 from typing import Any
 
-from outbox.blobs import Stored
-from outbox.errors import ValidationError
+from outbox.errors import RunStateError, ValidationError
 from outbox.faults import crash_point
 from outbox.gates import ApprovalPolicy
 from outbox.models import Effect, RunStatus
+from outbox.payloads import Encoded
 from outbox.runs.context import AsyncRunContext
 from outbox.runs.intents import OutboxTransaction, StepWrites, _Prepared, intend_options
 from outbox.runs.run_base import AlreadyRecorded, RunBase
@@ -284,7 +284,7 @@ class AsyncRun(RunBase):
         self,
         step_id: str,
         kind: str,
-        result: Stored | None,
+        result: Encoded | None,
         fn: Callable[[AsyncStepTransaction], Any] | None,
         connection: AsyncConnection | None,
     ) -> Any:
@@ -301,7 +301,8 @@ class AsyncRun(RunBase):
                     crash_point("step_end", step_id, run=self.id)
                     _check_awaited(tx._unawaited, f"step {step_id!r}")
                     result = self._encode_result(value)
-                has_intents = tx._intents.pending > 0
+                assert result is not None
+                has_intents = tx.pending_intents > 0
                 notified = wakeup.inline() if has_intents else None
                 outcome = await conn.run_sync(
                     self._close_step, tx, step_id, kind, result, notified, connection is None
@@ -309,6 +310,9 @@ class AsyncRun(RunBase):
         except AlreadyRecorded:
             recorded = await aio.call(self._ctx.store.step_record, self.id, step_id)
             return self._adopt(step_id, recorded)
+        except RunStateError as exc:
+            self._refused(exc)
+            raise
         if connection is None:
             # Committed; a wake-up owed to the deliverers is not sent yet.
             crash_point("after_commit", step_id, run=self.id)
@@ -317,9 +321,11 @@ class AsyncRun(RunBase):
         return self._recorded(step_id, kind, tx, result, outcome)
 
     async def _finish(self, status: RunStatus, *, result: Any = None, error: Any = None) -> None:
-        params = self._finish_params(status, result, error)
-        finish = self._ctx.store.finish_run
-        if not await self._actx.aio.call(finish, self.id, **self._finish_args(params)):
-            await self.refresh()
-            raise self._not_finished()
-        self._finished(status, params)
+        values = self._finish_values(result, error)
+        try:
+            async with self._actx.aio.begin(None) as conn:
+                await conn.run_sync(self._finish_on, status, values)
+        except RunStateError as exc:
+            self._refused(exc)
+            raise
+        self._finished(status, values)

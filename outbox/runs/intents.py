@@ -1,8 +1,12 @@
 """What a transaction writes besides the caller's rows: intents, state, plan, budget debits.
 
-Intents are gathered in memory while the step function runs and written at its
-end in the one statement that also records the checkpoint, so a step costs the
-same round trips as a bare insert transaction.
+Intents are gathered in memory while the step function runs, as typed rows
+(:class:`~outbox.storage.writes.IntentRow`), and written at its end by the one
+write function every client calls (``outbox_commit_step``; ``outbox_intend_all``
+for intents of no run), which checks them again: the database is the one
+enforcer of the rules. What is checked here first gives the caller its error at
+``tx.intend``, where it can still act on it, and lets ``tx.intend`` answer with
+the effect (its id, key and payload hash) before the step commits.
 """
 
 from __future__ import annotations
@@ -13,9 +17,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Protocol
 
-from outbox.blobs import Blob, Stored, store_value
 from outbox.errors import IdempotencyConflict, PayloadError, ValidationError
-from outbox.gates import ApprovalPolicy, policy_json
+from outbox.gates import ApprovalPolicy
 from outbox.ids import uuid7
 from outbox.intent_rules import MAX_AMOUNT, check_payload
 from outbox.keys import derive_key
@@ -25,12 +28,13 @@ from outbox.models import (
     Effect,
     EffectIntent,
     EffectStatus,
+    Lease,
     RunRecord,
 )
-from outbox.payloads import content_hash, decode, encode_sized
+from outbox.payloads import Encoded, encode_value, jsonb_sized
 from outbox.runs.context import RunContext
-from outbox.storage import Connection
-from outbox.storage.store import effects_json
+from outbox.storage import Connection, writes
+from outbox.storage.writes import IntentRow, StepCheckpoint
 from outbox.tracing import current_traceparent
 from outbox.validation import name_field, validated
 
@@ -54,33 +58,34 @@ class RunHandle(Protocol):
 __all__ = ["OutboxTransaction", "StepTransaction", "StepWrites", "intend_options"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Prepared:
-    """A validated intent row, not yet gathered (a caller's key may still name an existing one)."""
+    """A checked intent, not yet gathered (a caller's key may still name an existing one)."""
 
-    row: dict[str, Any]
+    row: IntentRow
+    effect: Effect
+    size: int
     caller_key: bool
 
     @property
     def key(self) -> str:
-        return str(self.row["idempotency_key"])
+        return self.effect.idempotency_key
 
 
 class _Intents:
-    """Intents gathered during one transaction, written in one statement at its end."""
+    """Intents gathered during one transaction, written by one call at its end."""
 
     def __init__(self, ctx: RunContext, conn: Connection) -> None:
         self._ctx = ctx
         self._conn = conn
-        self._rows: list[dict[str, Any]] = []
-        # key -> (kind, payload hash) of the intents gathered so far
-        self._keys: dict[str, tuple[str, str]] = {}
+        self.rows: list[IntentRow] = []
+        self._effects: dict[str, Effect] = {}
         self._bytes = 0
         self.count = 0
 
     @property
     def pending(self) -> int:
-        return len(self._rows)
+        return len(self.rows)
 
     def add(
         self,
@@ -91,7 +96,7 @@ class _Intents:
         payload: Any,
         options: dict[str, Any],
     ) -> Effect:
-        """Validate and gather one intent (the sync twin: a caller's key is looked up here)."""
+        """Check and gather one intent (the sync twin: a caller's key is looked up here)."""
         prepared = self.prepare(
             run_id=run_id, step_id=step_id, kind=kind, payload=payload, options=options
         )
@@ -111,7 +116,7 @@ class _Intents:
         lane: tuple[int, str] = (0, ""),
         dry_run: bool = False,
     ) -> _Prepared | Effect:
-        """Everything of :meth:`add` but the look-up: validation, encoding, the key (no I/O).
+        """Everything of :meth:`add` but the look-up: the checks, the encoding, the key (no I/O).
 
         Returns the intent already gathered in this transaction under the same
         key and payload, if any. Both twins call it, then look a caller's key up
@@ -121,30 +126,33 @@ class _Intents:
         In a dry run the kind (and a compensation's) goes to the dry-run namespace,
         where no real deliverer claims it, and a caller's key is made the run's own,
         so a dry run never takes a key a real intent will need. It asks for no
-        approval: nothing it intends can reach the world.
+        approval: nothing it intends can reach the world. (The write function
+        does the same; this is the answer ``tx.intend`` returns.)
         """
         settings = self._ctx.settings
         intent: EffectIntent = validated(EffectIntent, kind=kind, payload=payload, **options)
         check_payload(intent.payload, "payload")
-        limit = settings.max_payload_bytes
-        stored = store_value(intent.payload, field="payload", limits=settings.value_limits)
-        size = stored.size
-        # The content hash of the payload itself, also when the row holds a reference.
-        payload_hash = content_hash(stored.json) if stored.blob is None else stored.blob.sha256
+        encoded = encode_value(
+            intent.payload, field="payload", max_bytes=settings.max_payload_bytes
+        )
+        size = encoded.size
         kind = DRY_RUN_KIND_PREFIX + intent.kind if dry_run else intent.kind
         compensate_json = None
+        compensation = None
         if intent.compensate is not None:
-            # Encoded as plain data, not through the model (whose JSON dump turns NaN into null).
             check_payload(intent.compensate.payload, "compensate.payload")
             compensate_kind = intent.compensate.kind
-            if dry_run:
-                compensate_kind = DRY_RUN_KIND_PREFIX + compensate_kind
-            compensate_json, extra = encode_sized(
+            compensate_json, extra = jsonb_sized(
                 {"kind": compensate_kind, "payload": intent.compensate.payload},
                 field="compensate",
-                max_bytes=limit,
+                max_bytes=settings.max_payload_bytes,
             )
             size += extra
+            if dry_run:
+                compensate_kind = DRY_RUN_KIND_PREFIX + compensate_kind
+            compensation = Compensation(
+                kind=compensate_kind, payload=json.loads(compensate_json)["payload"]
+            )
         if self.count >= settings.max_step_intents:
             raise ValidationError(
                 "intents",
@@ -169,39 +177,57 @@ class _Intents:
             key = derive_key(run_id, step_id, index)
         else:
             key = uuid.uuid4().hex
-        if key in self._keys:
-            if self._keys[key] != (kind, payload_hash):
+        if key in self._effects:
+            gathered = self._effects[key]
+            if (gathered.kind, gathered.payload_hash) != (kind, encoded.hash):
                 raise IdempotencyConflict(
                     key, "intended twice in this step with a different kind or payload"
                 )
-            return next(_effect(r) for r in self._rows if r["idempotency_key"] == key)
-        row = {
-            "id": str(uuid7()),
-            "step_index": index,
-            "kind": kind,
-            "payload": stored.json,
-            "payload_hash": payload_hash,
-            "schema_version": intent.schema_version,
-            "idempotency_key": key,
-            "ordering_key": intent.ordering_key,
-            "max_attempts": intent.max_attempts,
-            "compensate": compensate_json,
-            "compensates": None,
-            "cost": intent.cost,
-            "delay_seconds": intent.delay_seconds,
-            "priority": lane[0] if intent.priority is None else intent.priority,
-            "fairness_key": lane[1] if intent.fairness_key is None else intent.fairness_key,
-            "approval": None
-            if intent.approval is None or dry_run
-            else policy_json(intent.approval, "intent"),
+            return gathered
+        approval = None if intent.approval is None or dry_run else intent.approval
+        row = IntentRow(
+            id=uuid7(),
+            kind=intent.kind,
+            payload_json=encoded.json,
+            key=intent.key,
+            ordering_key=intent.ordering_key,
+            max_attempts=intent.max_attempts,
+            delay_seconds=intent.delay_seconds,
+            schema_version=intent.schema_version,
+            compensate_json=compensate_json,
+            cost=None if intent.cost is None else Decimal(str(intent.cost)),
+            approval_json=None
+            if intent.approval is None
+            else intent.approval.model_dump_json(exclude_none=True),
+            priority=lane[0] if intent.priority is None else intent.priority,
+            fairness_key=lane[1] if intent.fairness_key is None else intent.fairness_key,
             # The trace current at tx.intend: every delivery attempt is a span of it.
-            "trace_parent": current_traceparent(),
-            "_run_id": run_id,
-            "_step_id": step_id,
-            "_size": size,
-            "_stored": stored,
-        }
-        return _Prepared(row, caller_key=intent.key is not None)
+            trace_parent=current_traceparent(),
+        )
+        effect = Effect.model_construct(
+            id=row.id,
+            run_id=run_id,
+            step_id=step_id,
+            step_index=index if run_id is not None else None,
+            kind=kind,
+            payload=encoded.value(),
+            payload_hash=encoded.hash,
+            schema_version=row.schema_version,
+            idempotency_key=key,
+            ordering_key=row.ordering_key,
+            # as written by this intent: a config gate may still hold it (``ob.effect(id)``)
+            status=EffectStatus.PENDING if approval is None else EffectStatus.AWAITING_APPROVAL,
+            max_attempts=row.max_attempts,
+            compensate=compensation,
+            cost=row.cost,
+            priority=row.priority,
+            fairness_key=row.fairness_key,
+            approval=None
+            if approval is None
+            else {"gate": "intent", **approval.model_dump(mode="json")},
+            trace_parent=row.trace_parent,
+        )
+        return _Prepared(row, effect, size, caller_key=intent.key is not None)
 
     def lookup(self, key: str) -> Effect | None:
         """The effect already holding a caller's ``key``, in this transaction (sync; I/O).
@@ -215,70 +241,26 @@ class _Intents:
 
     def record(self, prepared: _Prepared, existing: Effect | None) -> Effect:
         """Gather a prepared intent, or return the existing one that holds its caller's key."""
-        row = prepared.row
         if existing is not None:
-            _same_intent(existing, prepared.key, row["kind"], row["payload_hash"], row["_run_id"])
+            _same_intent(existing, prepared.effect)
             return existing
-        self._rows.append(row)
-        self._keys[prepared.key] = (row["kind"], row["payload_hash"])
-        self._bytes += row["_size"]
-        return _effect(row)
-
-    def taken_key(self) -> str:
-        """A key of ours that another transaction holds now (after a short insert)."""
-        keys = [r["idempotency_key"] for r in self._rows]
-        ours = [uuid.UUID(r["id"]) for r in self._rows]
-        taken = self._ctx.store.keys_held_by_others(self._conn, keys, ours)
-        return taken[0] if taken else keys[0]
-
-    def as_json(self) -> str:
-        return effects_json(
-            [{k: v for k, v in r.items() if not k.startswith("_")} for r in self._rows]
-        )
-
-    def blobs(self) -> list[tuple[str, Blob]]:
-        """Payloads stored by reference, with the id of the effect holding each."""
-        return [(r["id"], r["_stored"].blob) for r in self._rows if r["_stored"].blob is not None]
+        self.rows.append(prepared.row)
+        self._effects[prepared.key] = prepared.effect
+        self._bytes += prepared.size
+        return prepared.effect
 
 
-def _same_intent(
-    existing: Effect, key: str, kind: str, payload_hash: str, run_id: uuid.UUID | None
-) -> None:
+def _same_intent(existing: Effect, new: Effect) -> None:
     """A caller's key names one intent: the same kind, payload and owner, or a conflict (G5)."""
-    if existing.run_id != run_id:
-        owner = "no run" if existing.run_id is None else f"run {existing.run_id}"
-        raise IdempotencyConflict(key, f"already intended by {owner}")
-    if existing.kind != kind:
-        raise IdempotencyConflict(key, f"already intended as kind {existing.kind!r}, not {kind!r}")
-    if existing.payload_hash != payload_hash:
+    key = new.idempotency_key
+    if existing.run_id != new.run_id:
+        raise IdempotencyConflict(key, "already intended by another owner")
+    if existing.kind != new.kind:
+        raise IdempotencyConflict(
+            key, f"already intended as kind {existing.kind!r}, not {new.kind!r}"
+        )
+    if existing.payload_hash != new.payload_hash and existing.payload != new.payload:
         raise IdempotencyConflict(key)
-
-
-def _effect(row: dict[str, Any]) -> Effect:
-    stored: Stored = row["_stored"]
-    return Effect(
-        id=uuid.UUID(row["id"]),
-        run_id=row["_run_id"],
-        step_id=row["_step_id"],
-        step_index=row["step_index"],
-        kind=row["kind"],
-        payload=decode(stored.value_json),
-        payload_hash=row["payload_hash"],
-        schema_version=row["schema_version"],
-        idempotency_key=row["idempotency_key"],
-        ordering_key=row["ordering_key"],
-        # as written by this intent: a config gate may still hold it (``ob.effect(id)``)
-        status=EffectStatus.PENDING if row["approval"] is None else EffectStatus.AWAITING_APPROVAL,
-        max_attempts=row["max_attempts"],
-        compensate=None
-        if row["compensate"] is None
-        else Compensation.model_validate_json(row["compensate"]),
-        cost=None if row["cost"] is None else Decimal(str(row["cost"])),
-        priority=row["priority"],
-        fairness_key=row["fairness_key"],
-        approval=decode(row["approval"]),
-        trace_parent=row["trace_parent"],
-    )
 
 
 class OutboxTransaction:
@@ -304,16 +286,7 @@ class OutboxTransaction:
         if not self._intents.pending:
             return
         self._notified = self._ctx.effects_wakeup.inline()
-        inserted = self._ctx.store.intend_without_run(
-            connection,
-            self._intents.as_json(),
-            notify=self._notified is not None,
-            blobs=self._intents.blobs(),
-        )
-        if inserted != self._intents.pending:
-            raise IdempotencyConflict(
-                self._intents.taken_key(), "intended concurrently by another transaction"
-            )
+        writes.intend(connection, self._intents.rows, wake=self._notified is not None)
 
 
 def intend_options(
@@ -362,35 +335,70 @@ class StepWrites:
     def __init__(self, run: RunHandle, intents_connection: Connection, step_id: str) -> None:
         self.run = run
         self.step_id = step_id
-        self._state: Stored | None = None
-        self._plan: Stored | None = None
-        self._debit = Decimal(0)
+        self._state: Encoded | None = None
+        self._plan: Encoded | None = None
+        self._spends: list[tuple[str, Decimal]] = []
         self._reserve = Decimal(0)
-        self._ledger: list[dict[str, Any]] = []
         self._intents = _Intents(run.context, intents_connection)
 
     def set_state(self, state: Any) -> None:
         """Replace the run's state when this step commits."""
-        limits = self.run.context.settings.value_limits
-        self._state = store_value(state, field="state", limits=limits)
+        self._state = self._encode(state, "state")
 
     def set_plan(self, plan: Any) -> None:
         """Replace the run's plan (task list) when this step commits."""
-        limits = self.run.context.settings.value_limits
-        self._plan = store_value(plan, field="plan", limits=limits)
+        self._plan = self._encode(plan, "plan")
+
+    def _encode(self, value: Any, field: str) -> Encoded:
+        return encode_value(
+            value, field=field, max_bytes=self.run.context.settings.max_payload_bytes
+        )
 
     @property
-    def _state_json(self) -> str | None:
-        return None if self._state is None else self._state.json
+    def debit(self) -> Decimal:
+        """What this step's debits take from the run's budget."""
+        return sum((amount for _, amount in self._spends), Decimal(0))
 
     @property
-    def _plan_json(self) -> str | None:
-        return None if self._plan is None else self._plan.json
+    def reserve(self) -> Decimal:
+        """What this step's costly intents hold of the run's budget until they settle."""
+        return self._reserve
 
-    def _blobs(self) -> list[Blob | None]:
-        """Every value of this step stored by reference: state, plan, intent payloads."""
-        found = [s.blob for s in (self._state, self._plan) if s is not None]
-        return found + [blob for _, blob in self._intents.blobs()]
+    @property
+    def pending_intents(self) -> int:
+        """How many intents this step will write."""
+        return self._intents.pending
+
+    def checkpoint(
+        self, kind: str, result: Encoded, *, lease: Lease | None, wake: bool | None
+    ) -> StepCheckpoint:
+        """What the step commits, as the write function takes it."""
+        return StepCheckpoint(
+            run_id=self.run.id,
+            step_id=self.step_id,
+            kind=kind,
+            result_json=result.json,
+            state_json=None if self._state is None else self._state.json,
+            plan_json=None if self._plan is None else self._plan.json,
+            intents=tuple(self._intents.rows),
+            spends=tuple(self._spends),
+            lease=lease,
+            wake=wake,
+        )
+
+    def committed_values(self) -> dict[str, Any]:
+        """The run record's fields this step changed, as the write function moved them."""
+        record = self.run.record
+        changed: dict[str, Any] = {"current_step": self.step_id}
+        if self._state is not None:
+            changed["state"] = self._state.value()
+        if self._plan is not None:
+            changed["plan"] = self._plan.value()
+        if self._spends:
+            changed["spent"] = record.spent + self.debit
+        if self._reserve:
+            changed["reserved"] = record.reserved + self._reserve
+        return changed
 
     def _prepare_intent(
         self, kind: str, payload: Any, options: dict[str, Any]
@@ -418,14 +426,6 @@ class StepWrites:
         if effect.cost is not None and self._intents.pending > before:
             # Reserved when the intent commits; the effect's outcome settles it.
             self._reserve += effect.cost
-            self._ledger.append(
-                {
-                    "entry": "reserve",
-                    "reason": effect.kind,
-                    "amount": str(effect.cost),
-                    "effect_id": str(effect.id),
-                }
-            )
         return effect
 
     def spend(self, amount: float | Decimal, reason: str) -> None:
@@ -438,15 +438,9 @@ class StepWrites:
         """
         value = _amount(amount)
         name_field(reason, "reason")
-        if any(e["entry"] == "spend" and e["reason"] == reason for e in self._ledger):
+        if any(spent == reason for spent, _ in self._spends):
             raise ValidationError("reason", reason, "already spent for in this step")
-        self._debit += value
-        self._ledger.append(
-            {"entry": "spend", "reason": reason, "amount": str(value), "effect_id": None}
-        )
-
-    def _ledger_json(self) -> str | None:
-        return json.dumps(self._ledger) if self._ledger else None
+        self._spends.append((reason, value))
 
 
 class StepTransaction(StepWrites):

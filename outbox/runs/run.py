@@ -11,9 +11,10 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from outbox.blobs import Stored
+from outbox.errors import RunStateError
 from outbox.faults import crash_point
 from outbox.models import Effect, RunStatus
+from outbox.payloads import Encoded
 from outbox.runs.intents import StepTransaction
 from outbox.runs.run_base import AlreadyRecorded, RunBase, Suspended
 from outbox.runs.waits import Pending, WaitSpec, block_until
@@ -146,7 +147,7 @@ class Run(RunBase):
         self,
         step_id: str,
         kind: str,
-        result: Stored | None,
+        result: Encoded | None,
         fn: Callable[[StepTransaction], Any] | None,
         connection: Connection | None,
     ) -> Any:
@@ -160,13 +161,17 @@ class Run(RunBase):
                     value = fn(tx)
                     crash_point("step_end", step_id, run=self.id)
                     result = self._encode_result(value)
-                has_intents = tx._intents.pending > 0
+                assert result is not None
+                has_intents = tx.pending_intents > 0
                 notified = wakeup.inline() if has_intents else None
                 outcome = self._close_step(
                     conn, tx, step_id, kind, result, notified, connection is None
                 )
         except AlreadyRecorded:
             return self._adopt(step_id, store.step_record(self.id, step_id))
+        except RunStateError as exc:
+            self._refused(exc)
+            raise
         if connection is None:
             # Committed; a wake-up owed to the deliverers is not sent yet.
             crash_point("after_commit", step_id, run=self.id)
@@ -175,8 +180,11 @@ class Run(RunBase):
         return self._recorded(step_id, kind, tx, result, outcome)
 
     def _finish(self, status: RunStatus, *, result: Any = None, error: Any = None) -> None:
-        params = self._finish_params(status, result, error)
-        if not self._ctx.store.finish_run(self.id, **self._finish_args(params)):
-            self.refresh()
-            raise self._not_finished()
-        self._finished(status, params)
+        values = self._finish_values(result, error)
+        try:
+            with self._ctx.store.begin() as conn:
+                self._finish_on(conn, status, values)
+        except RunStateError as exc:
+            self._refused(exc)
+            raise
+        self._finished(status, values)

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import math
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
 from typing import Any
 
-from outbox.blobs import Blob, Stored, store_value
 from outbox.errors import (
-    BudgetExceeded,
-    IdempotencyConflict,
     LeaseLost,
     OutboxError,
     RunNotFound,
@@ -38,13 +35,13 @@ from outbox.models import (
     StepRecord,
     StepStatus,
 )
-from outbox.payloads import decode
+from outbox.payloads import Encoded, encode_value
 from outbox.runs.context import RunContext
 from outbox.runs.intents import StepWrites
 from outbox.runs.waits import Pending, WaitSpec, check_wait, recorded_error
-from outbox.storage import Connection
+from outbox.storage import Connection, writes
 from outbox.storage.run_tx import RunTx
-from outbox.storage.store import StepOutcome, StepTaken
+from outbox.storage.writes import StepTaken, StepWritten
 from outbox.tracing import step_span
 from outbox.validation import as_uuid, name_field
 
@@ -220,8 +217,8 @@ class RunBase:
             traceparent=self._record.trace_parent, run_id=str(self.id), step_id=step_id, kind=kind
         )
 
-    def _encode_result(self, value: Any) -> Stored:
-        return store_value(value, field="result", limits=self._ctx.settings.value_limits)
+    def _encode_result(self, value: Any) -> Encoded:
+        return encode_value(value, field="result", max_bytes=self._ctx.settings.max_payload_bytes)
 
     def _close_step(
         self,
@@ -229,94 +226,60 @@ class RunBase:
         tx: StepWrites,
         step_id: str,
         kind: str,
-        result: Stored | None,
+        result: Encoded,
         notified: float | None,
         own: bool = True,
-    ) -> StepOutcome:
-        """Write the step's one-statement checkpoint in its open transaction and judge it (sync).
+    ) -> StepWritten:
+        """Write the step's checkpoint in its open transaction (sync; one call of the function).
 
         Raises the run's refusal (ended, paused, lease lost, over budget),
         :class:`AlreadyRecorded` when another handle recorded the step first, or
         :class:`IdempotencyConflict`; the caller's transaction then rolls back whole.
         ``own`` is False when the step joined a caller's transaction. When the
         transaction is ours and nothing was sent on it yet (the step's function
-        wrote no rows of its own), the statement commits by itself.
+        wrote no rows of its own), the call commits by itself.
         """
-        store = self._ctx.store
-        blobs: list[Blob | None] = [None if result is None else result.blob, *tx._blobs()]
-        alone = own and not any(blobs) and store.untouched(conn)
+        alone = own and writes.untouched(conn)
         if alone:
-            # The statement below is the commit: a crash "before commit" is before it.
+            # The call below is the commit: a crash "before commit" is before it.
             crash_point("before_step_commit", step_id, run=self.id)
-        outcome = store.commit_step(
-            conn,
-            {
-                "run_id": self.id,
-                "step_id": step_id,
-                "kind": kind,
-                "step_result": None if result is None else result.json,
-                "new_state": tx._state_json,
-                "new_plan": tx._plan_json,
-                "effects": tx._intents.as_json(),
-                "debit": tx._debit,
-                "reserve": tx._reserve,
-                "ledger": tx._ledger_json(),
-                **self._fence_params(),
-            },
-            fenced=self._lease is not None,
-            notify=notified is not None,
-            blobs=blobs,
-            alone=alone,
+        step = tx.checkpoint(
+            kind, result, lease=self._lease, wake=None if notified is None else True
         )
+        if notified is None and tx.pending_intents:
+            step = replace(step, wake=False)
+        written = writes.commit_step(conn, step, alone=alone)
         if not alone:
             crash_point("before_step_commit", step_id, run=self.id)
-        if not outcome.run_ok:
-            raise self._refusal(conn, tx._debit + tx._reserve)
-        if outcome.step_seq is None:
-            raise AlreadyRecorded
-        if outcome.inserted != tx._intents.pending:
-            raise IdempotencyConflict(
-                tx._intents.taken_key(), "intended concurrently by another transaction"
-            )
-        return outcome
+        return written
 
     def _recorded(
         self,
         step_id: str,
         kind: str,
         tx: StepWrites,
-        stored: Stored | None,
-        outcome: StepOutcome,
+        result: Encoded,
+        written: StepWritten,
     ) -> Any:
         """The step committed: remember it and return its result.
 
         In a worker, a pause that waited for this step raises :class:`Paused` here.
         """
-        record = self._record
-        self._record = record.model_copy(
-            update={
-                "current_step": step_id,
-                **({"state": decode(tx._state.value_json)} if tx._state is not None else {}),
-                **({"plan": decode(tx._plan.value_json)} if tx._plan is not None else {}),
-                # as the statement moved them: run.record.remaining_budget stays true
-                **({"spent": record.spent + tx._debit} if tx._debit else {}),
-                **({"reserved": record.reserved + tx._reserve} if tx._reserve else {}),
-            }
-        )
-        result = None if stored is None else decode(stored.value_json)
+        self._record = self._record.model_copy(update=tx.committed_values())
+        value = result.value()
         self._steps[step_id] = StepRecord(
             run_id=self.id,
             step_id=step_id,
-            seq=outcome.step_seq or 0,
+            seq=written.step_seq,
             kind=kind,
-            result=result,
+            result=value,
             completed_at=datetime.now(UTC),
         )
         self.active_step = None
         crash_point("after_step", step_id, run=self.id)
-        if outcome.paused and self._lease is not None:
+        if written.paused and self._lease is not None:
             raise Paused(self.id, step_id)
-        return result
+        return value
 
     def _adopt(self, step_id: str, recorded: StepRecord | None) -> Any:
         """Another process recorded this step first; ours was rolled back whole."""
@@ -399,39 +362,34 @@ class RunBase:
 
     # -- its end ----------------------------------------------------------------
 
-    def _finish_params(self, status: RunStatus, result: Any, error: Any) -> dict[str, Any]:
-        limits = self._ctx.settings.value_limits
-        stored = {
-            name: None if value is None else store_value(value, field=name, limits=limits)
+    def _finish_values(self, result: Any, error: Any) -> dict[str, Encoded | None]:
+        """A run's end, encoded (result or error; the other is None)."""
+        limit = self._ctx.settings.max_payload_bytes
+        return {
+            name: None if value is None else encode_value(value, field=name, max_bytes=limit)
             for name, value in (("result", result), ("error", error))
         }
-        return {
-            "status": status.value,
-            **{name: None if s is None else s.json for name, s in stored.items()},
-            "fence": self._lease,
-            "blobs": [s.blob for s in stored.values() if s is not None],
-            "values": stored,
-        }
 
-    @staticmethod
-    def _finish_args(params: dict[str, Any]) -> dict[str, Any]:
-        """What ``Store.finish_run`` takes of :meth:`_finish_params`."""
-        return {k: v for k, v in params.items() if k != "values"}
+    def _finish_on(
+        self, conn: Connection, status: RunStatus, values: dict[str, Encoded | None]
+    ) -> None:
+        """End the run in ``conn``'s transaction (sync; the async twin runs it through run_sync)."""
+        writes.finish_run(
+            conn,
+            self.id,
+            status=status.value,
+            result_json=None if values["result"] is None else values["result"].json,
+            error_json=None if values["error"] is None else values["error"].json,
+            lease=self._lease,
+        )
 
-    def _finished(self, status: RunStatus, params: dict[str, Any]) -> None:
-        values = params["values"]
+    def _finished(self, status: RunStatus, values: dict[str, Encoded | None]) -> None:
         self._record = self._record.model_copy(
             update={
                 "status": status,
-                **{name: None if s is None else decode(s.value_json) for name, s in values.items()},
+                **{name: None if v is None else v.value() for name, v in values.items()},
             }
         )
-
-    def _not_finished(self) -> OutboxError:
-        """Why a finish changed nothing (the handle was refreshed first)."""
-        if self._lease is not None and self.status not in TERMINAL_RUN_STATUSES:
-            return LeaseLost(f"run_id={str(self.id)!r}: lease was taken over")
-        return RunTerminal(self.id, self.status.value)
 
     # -- internals --------------------------------------------------------------
 
@@ -454,27 +412,9 @@ class RunBase:
             raise recorded_error(step.step_id, step.error)
         return step.result
 
-    def _fence_params(self) -> dict[str, Any]:
-        if self._lease is None:
-            return {}
-        return {"fence_owner": self._lease.owner, "fence_attempt": self._lease.attempt}
-
-    def _refusal(self, conn: Connection, debit: Decimal) -> OutboxError:
-        """Explain why the run refused a step (it wrote nothing)."""
-        current = self._ctx.store.run_record(conn, self.id)
-        if current is None:
-            return RunNotFound(self.id)
-        self._record = current
-        if current.status == RunStatus.PAUSED:
-            return RunPaused(self.id, current.pause_reason)
-        if current.status not in LIVE_RUN_STATUSES:
-            return RunTerminal(self.id, current.status.value)
-        if self._lease is not None and (current.lease_owner, current.attempt) != self._lease:
-            return LeaseLost(
-                f"run_id={str(self.id)!r}: lease attempt {self._lease.attempt} "
-                f"of {self._lease.owner!r} "
-                f"was taken over (now attempt {current.attempt} of {current.lease_owner!r})"
-            )
-        budget = current.budget or Decimal(0)
-        remaining = budget - current.spent - current.reserved
-        return BudgetExceeded(self.id, float(debit), float(remaining))
+    def _refused(self, exc: OutboxError) -> None:
+        """Keep the handle's status in step with a refusal of the run (it wrote nothing)."""
+        if isinstance(exc, RunTerminal):
+            self._record = self._record.model_copy(update={"status": RunStatus(exc.status)})
+        elif isinstance(exc, RunPaused):
+            self._record = self._record.model_copy(update={"status": RunStatus.PAUSED})

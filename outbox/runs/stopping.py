@@ -24,8 +24,6 @@ import uuid
 from typing import Any
 
 from outbox.errors import RunTerminal
-from outbox.ids import uuid7
-from outbox.keys import compensation_key
 from outbox.models import (
     LIVE_RUN_STATUSES,
     NOT_STARTED_EFFECT_STATUSES,
@@ -34,10 +32,7 @@ from outbox.models import (
     EffectStatus,
     RunStatus,
 )
-from outbox.payloads import content_hash, encode
-from outbox.settings import MAX_VALUE_BYTES
 from outbox.storage.run_tx import RunTx
-from outbox.storage.store import effects_json
 from outbox.validation import name_field
 
 __all__ = [
@@ -148,39 +143,11 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
 
 
 def _intend_compensations(tx: RunTx, run_id: uuid.UUID, to_undo: list[Any]) -> None:
-    intents = []
-    for index, original in enumerate(to_undo):
-        compensate = original.compensate
-        # In the row, as declared (its size was checked then); a role's insert policy
-        # compares it with the declaration (outbox.storage.roles).
-        payload_json = encode(
-            compensate["payload"], field="compensate.payload", max_bytes=MAX_VALUE_BYTES
-        )
-        intents.append(
-            {
-                "id": str(uuid7()),
-                "step_index": index,
-                "kind": compensate["kind"],
-                "payload": payload_json,
-                "payload_hash": content_hash(payload_json),
-                "schema_version": 1,
-                "idempotency_key": compensation_key(original.idempotency_key),
-                # one at a time, newest original first
-                "ordering_key": f"compensate:{run_id}",
-                "max_attempts": None,
-                "compensate": None,
-                "compensates": str(original.id),
-                "cost": None,
-                "delay_seconds": 0.0,
-                "priority": original.priority,
-                "fairness_key": original.fairness_key,
-            }
-        )
-    tx.intend_compensations(run_id, effects_json(intents))
+    new = tx.intend_compensations(run_id, [original.id for original in to_undo])
     log.info(
         "run %s: %d compensating effects intended",
         run_id,
-        len(intents),
+        new,
         extra={"run_id": str(run_id)},
     )
 

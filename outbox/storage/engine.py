@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from decimal import Decimal
 from typing import Any
 
 import psycopg
 import sqlalchemy.exc
-from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -27,6 +27,7 @@ from outbox.errors import (
     DatabaseError,
     EmbeddedServerError,
     IdempotencyConflict,
+    LeaseLost,
     OutboxError,
     PayloadError,
     RunExists,
@@ -47,7 +48,6 @@ POSTGRES_DRIVERS = frozenset(
 )
 
 __all__ = [
-    "execute_alone",
     "libpq_dsn",
     "make_async_engine",
     "make_engine",
@@ -58,7 +58,7 @@ __all__ = [
     "resolve_dsn",
     "sql_api_error",
     "translate_errors",
-    "untouched",
+    "write_settings",
 ]
 
 
@@ -90,10 +90,30 @@ def libpq_dsn(dsn: str | URL) -> str:
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-def _connect_args(idle_in_transaction_ms: int, application_name: str) -> dict[str, str]:
+def _connect_args(
+    idle_in_transaction_ms: int,
+    application_name: str,
+    session_settings: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    options = f"-c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
+    for name, value in (session_settings or {}).items():
+        options += f" -c outbox.{name}={value}"
+    return {"options": options, "application_name": application_name}
+
+
+def write_settings(settings: Settings) -> dict[str, Any]:
+    """The client's limits as the write functions read them (``outbox.<name>`` settings).
+
+    The database enforces the limits of the session that writes; a client's
+    stricter ones refuse earlier, at ``tx.intend``.
+    """
     return {
-        "options": f"-c idle_in_transaction_session_timeout={idle_in_transaction_ms}",
-        "application_name": application_name,
+        "max_payload_bytes": settings.max_payload_bytes,
+        "blob_threshold_bytes": settings.blob_threshold_bytes,
+        "max_step_intents": settings.max_step_intents,
+        "max_step_bytes": settings.max_step_bytes,
+        "max_step_id_length": settings.max_step_id_length,
+        "notify_window_ms": settings.notify_window_ms,
     }
 
 
@@ -103,6 +123,7 @@ def make_engine(
     pool_size: int = 5,
     idle_in_transaction_ms: int = 60_000,
     application_name: str = "outbox",
+    session_settings: Mapping[str, Any] | None = None,
 ) -> Engine:
     """A sync engine on psycopg 3 for any ``postgresql://`` DSN."""
     return create_engine(
@@ -110,7 +131,7 @@ def make_engine(
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=False,
-        connect_args=_connect_args(idle_in_transaction_ms, application_name),
+        connect_args=_connect_args(idle_in_transaction_ms, application_name, session_settings),
     )
 
 
@@ -171,6 +192,8 @@ def sql_api_error(sqlstate: str | None, message: str, detail: str | None) -> Out
             return RunPaused(fields["run_id"], fields.get("reason"))
         case "OB010":
             return RunExists(fields["key"], fields["run_id"])
+        case "OB011":
+            return LeaseLost(message)
     return DatabaseError(message, sqlstate=sqlstate)
 
 
@@ -184,6 +207,16 @@ def translate_errors(action: str) -> Iterator[None]:
     """
     try:
         yield
+    except psycopg.Error as exc:
+        # The write functions are called on the driver's connection itself.
+        typed = sql_api_error(
+            exc.sqlstate, exc.diag.message_primary or str(exc), exc.diag.message_detail
+        )
+        if typed is not None:
+            raise typed from exc
+        wrapped = sqlalchemy.exc.DBAPIError.instance(None, None, exc, psycopg.Error)
+        with translate_errors(action):
+            raise wrapped from exc
     except sqlalchemy.exc.DBAPIError as exc:
         diag = getattr(exc.orig, "diag", None)
         typed = sql_api_error(
@@ -262,6 +295,7 @@ def open_engine(settings: Settings, *, application_name: str = "outbox") -> Engi
         pool_size=settings.pool_size,
         idle_in_transaction_ms=settings.idle_in_transaction_timeout_ms,
         application_name=application_name,
+        session_settings=write_settings(settings),
     )
     auto = embedded if settings.auto_migrate is None else settings.auto_migrate
     try:
@@ -292,32 +326,7 @@ def open_async_engine(settings: Settings, *, application_name: str = "outbox") -
         pool_size=settings.pool_size,
         max_overflow=settings.pool_size,
         pool_pre_ping=False,
-        connect_args=_connect_args(settings.idle_in_transaction_timeout_ms, application_name),
+        connect_args=_connect_args(
+            settings.idle_in_transaction_timeout_ms, application_name, write_settings(settings)
+        ),
     )
-
-
-def untouched(conn: Connection) -> bool:
-    """True while ``conn``'s transaction has sent nothing yet (no BEGIN on the wire).
-
-    A statement sent then may commit on its own (:func:`execute_alone`): one
-    round trip instead of three (BEGIN, the statement, COMMIT).
-    """
-    info = conn.connection.driver_connection.info  # type: ignore[union-attr]
-    return bool(info.transaction_status == psycopg.pq.TransactionStatus.IDLE)
-
-
-def execute_alone(conn: Connection, statement: Any, params: dict[str, Any]) -> Any:
-    """Execute ``statement`` as its own transaction on ``conn``, which has sent nothing yet.
-
-    The driver connection is switched to autocommit for this one statement:
-    no BEGIN and no COMMIT round trip. The SQLAlchemy transaction around it
-    then commits or rolls back nothing (the driver is idle again).
-    """
-    dbapi = conn.connection.dbapi_connection
-    assert dbapi is not None
-    dbapi.autocommit = True
-    try:
-        return conn.execute(statement, params).one()
-    finally:
-        if not conn.invalidated:
-            dbapi.autocommit = False

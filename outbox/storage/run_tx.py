@@ -22,12 +22,11 @@ from sqlalchemy import Connection, text
 from outbox.blobs import Blob, reference_hash
 from outbox.errors import RunNotFound
 from outbox.models import Lease, RunStatus
-from outbox.storage import blob_store
+from outbox.storage import blob_store, writes
 from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql import control, maintenance
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
-from outbox.storage.sql import steps as step_sql
 from outbox.storage.sql.common import EFFECTS_CHANNEL, SIGNALS_CHANNEL
 
 __all__ = ["LockedRun", "RunTx", "WaitRow"]
@@ -269,13 +268,9 @@ class RunTx:
         """Succeeded effects whose compensation succeeded become ``compensated``."""
         self._run(run_sql.mark_compensated(), {"ids": list(effect_ids)})
 
-    def intend_compensations(self, run_id: uuid.UUID, effects_json: str) -> int:
-        """Insert a stopping run's compensating intents (JSON array); returns how many were new."""
-        row = self._run(
-            step_sql.intend_for_stopping_run(),
-            {"run_id": run_id, "step_id": "compensate", "effects": effects_json},
-        ).one()
-        return int(row.inserted)
+    def intend_compensations(self, run_id: uuid.UUID, originals: Sequence[uuid.UUID]) -> int:
+        """Intend the compensations of a stopping run's effects ``originals``; how many were new."""
+        return writes.intend_compensations(self.connection, run_id, originals)
 
     def stopping_runs(self, max_rows: int) -> list[uuid.UUID]:
         """Cancelling and compensating runs, oldest change first."""

@@ -7,27 +7,21 @@ original stays as ``__cause__``). Callers never see SQL.
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-import sqlalchemy
 from sqlalchemy import Connection, Engine, select, text
-from sqlalchemy.dialects.postgresql import JSONB
 
 from outbox.blobs import Blob
-from outbox.errors import IdempotencyConflict
 from outbox.faults import crash_point
 from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
-from outbox.storage import blob_store
+from outbox.storage import blob_store, writes
 from outbox.storage.blob_store import EFFECT_FIELDS, RUN_FIELDS, STEP_FIELDS
 from outbox.storage.claims import ClaimMode
-from outbox.storage.engine import execute_alone, translate_errors, untouched
+from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
 from outbox.storage.sql import audit, control, maintenance, queue
@@ -35,52 +29,11 @@ from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as sql
-from outbox.storage.sql.common import ACTIVE_CONDITION
 from outbox.storage.views import ConsoleViews
 
-__all__ = [
-    "StepOutcome",
-    "StepTaken",
-    "Store",
-    "effects_json",
-    "mark_consumed",
-    "read_state_counts",
-]
+__all__ = ["Store", "mark_consumed", "read_state_counts"]
 
 log = logging.getLogger(__name__)
-
-
-class StepTaken(Exception):
-    """Internal: another transaction recorded this step first (ours is lost; replay it)."""
-
-
-def _step_conflict(exc: sqlalchemy.exc.IntegrityError) -> Exception:
-    """What a unique violation of the one-statement checkpoint means (the transaction is lost).
-
-    The step's primary key: another handle or process recorded the step first.
-    An intent's key: another transaction holds it (G5: a conflict, never a second row).
-    """
-    diag = getattr(exc.orig, "diag", None)
-    constraint = getattr(diag, "constraint_name", None)
-    if constraint == "outbox_steps_pkey":
-        return StepTaken()
-    if constraint == "outbox_effects_idempotency_key":
-        detail = getattr(diag, "message_detail", None) or ""
-        found = re.search(r"\(idempotency_key\)=\((.*)\) already exists", detail)
-        key = found[1] if found else "<unknown>"
-        return IdempotencyConflict(key, "intended concurrently by another transaction")
-    return exc
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What :meth:`Store.commit_step` reports."""
-
-    run_ok: bool
-    step_seq: int | None
-    inserted: int
-    #: A pause waits for this step: the run stops after it (its intents were held).
-    paused: bool = False
 
 
 class Store:
@@ -111,21 +64,18 @@ class Store:
 
     # -- runs -----------------------------------------------------------------
 
-    def insert_run(
-        self, params: dict[str, Any], *, notify: bool, blobs: Sequence[Blob | None] = ()
-    ) -> tuple[RunRecord, bool]:
-        """Insert a run; return it as stored and True, or the run holding its key and False.
+    def insert_run(self, start: writes.RunStart) -> tuple[RunRecord, bool]:
+        """Start a run; return it as stored and True, or the run its key names and False.
 
         The returned record's values are as stored (a large input is a reference).
         """
-        with translate_errors("starting a run"), self.engine.begin() as conn:
-            row = conn.execute(sql.insert_run(notify=notify), params).one_or_none()
-            if row is not None:
-                blob_store.put(conn, params["id"], blobs)
-                return RunRecord.model_validate(row._mapping), True
-            found = conn.execute(select(runs).where(runs.c.key == params["key"])).one()
-            record = RunRecord.model_validate(found._mapping)
-            return blob_store.resolve(conn, [record], RUN_FIELDS)[0], False
+        with self.engine.begin() as conn:
+            row, created = writes.begin_run(conn, start)
+            record = RunRecord.model_validate(row)
+            if created:
+                return record, True
+            with translate_errors("loading a run"):
+                return blob_store.resolve(conn, [record], RUN_FIELDS)[0], False
 
     def load_run(
         self, run_id: UUID, step_id: str | None = None
@@ -171,96 +121,7 @@ class Store:
                 conn, [RunRecord.model_validate(r._mapping) for r in rows], RUN_FIELDS
             )
 
-    def finish_run(
-        self,
-        run_id: UUID,
-        *,
-        status: str,
-        result: str | None,
-        error: str | None,
-        fence: Lease | None,
-        blobs: Sequence[Blob | None] = (),
-    ) -> bool:
-        """Move an active run to a terminal status; False when it was not (or not ours)."""
-        query = (
-            runs.update()
-            .where(runs.c.id == run_id, ACTIVE_CONDITION)
-            .values(
-                status=status,
-                result=_jsonb(result),
-                error=_jsonb(error),
-                lease_owner=None,
-                lease_expires_at=None,
-                updated_at=sqlalchemy.func.now(),
-            )
-        )
-        if fence is not None:
-            query = query.where(runs.c.lease_owner == fence.owner, runs.c.attempt == fence.attempt)
-        with translate_errors("finishing a run"), self.engine.begin() as conn:
-            if conn.execute(query).rowcount != 1:
-                return False
-            blob_store.put(conn, run_id, blobs)
-            return True
-
-    # -- steps ------------------------------------------------------------------
-
-    def commit_step(
-        self,
-        conn: Connection,
-        params: dict[str, Any],
-        *,
-        fenced: bool,
-        notify: bool,
-        blobs: Sequence[Blob | None] = (),
-        alone: bool = False,
-    ) -> StepOutcome:
-        """Run the one-statement checkpoint of :func:`outbox.storage.sql.steps.commit_step`.
-
-        Values stored by reference (``blobs``) are written first, in the same
-        transaction: the caller rolls it all back when the step is refused.
-        With ``alone`` (the transaction is the caller's own and :meth:`untouched`,
-        and there are no ``blobs``), the statement commits by itself: every part
-        of it is conditional on the run's checks, so a refused step writes nothing.
-        """
-        blob_store.put(conn, params["run_id"], blobs)
-        ledger = params.get("ledger") is not None
-        statement = sql.commit_step(fenced=fenced, notify=notify, ledger=ledger)
-        try:
-            if alone:
-                row = execute_alone(conn, statement, params)
-            else:
-                row = conn.execute(statement, params).one()
-        except sqlalchemy.exc.IntegrityError as exc:
-            raise _step_conflict(exc) from exc
-        return StepOutcome(bool(row.run_ok), row.step_seq, int(row.inserted), bool(row.paused))
-
-    #: True while a connection's transaction has sent nothing yet (see :func:`untouched`).
-    untouched = staticmethod(untouched)
-
-    def intend_without_run(
-        self,
-        conn: Connection,
-        effects_json: str,
-        *,
-        notify: bool,
-        blobs: Sequence[tuple[str, Blob]] = (),
-    ) -> int:
-        """Insert run-less intents (``blobs``: effect id and a payload by reference); count new."""
-        for owner, blob in blobs:
-            blob_store.put(conn, owner, [blob])
-        row = conn.execute(
-            sql.intend_without_run(notify=notify), {"effects": effects_json, "step_id": None}
-        ).one()
-        return int(row.inserted)
-
     # -- effects ----------------------------------------------------------------
-
-    def keys_held_by_others(self, conn: Connection, keys: list[str], ours: list[UUID]) -> list[str]:
-        """Which of ``keys`` effects other than ``ours`` hold, as the caller's transaction sees."""
-        query = select(effects.c.idempotency_key).where(
-            effects.c.idempotency_key.in_(keys), effects.c.id.not_in(ours)
-        )
-        return [row[0] for row in conn.execute(query)]
 
     def lock_key(self, conn: Connection, key: str) -> None:
         """Serialise transactions that intend the same caller-chosen key until commit."""
@@ -569,23 +430,3 @@ def mark_consumed(conn: Connection, group: str, key: str) -> bool:
     """Mark ``key`` processed by consumer ``group`` in the caller's transaction; False if it was."""
     params = {"group": group, "key": key}
     return conn.execute(maintenance.mark_consumed(), params).first() is not None
-
-
-def _jsonb(value: str | None) -> Any:
-    if value is None:
-        return None
-    return sqlalchemy.cast(sqlalchemy.literal(value, sqlalchemy.Text), JSONB)
-
-
-def effects_json(rows: Sequence[dict[str, Any]]) -> str:
-    """The ``:effects`` parameter: a JSON array whose payloads are spliced in as canonical text."""
-    parts = []
-    spliced = ("payload", "compensate", "approval")
-    for row in rows:
-        fields = {k: v for k, v in row.items() if k not in spliced}
-        head = json.dumps(fields, separators=(",", ":"), default=str)
-        parts.append(
-            f'{head[:-1]},"payload":{row["payload"]},"compensate":{row["compensate"] or "null"}'
-            f',"approval":{row.get("approval") or "null"}}}'
-        )
-    return "[" + ",".join(parts) + "]"

@@ -39,6 +39,11 @@ CATALOG = {
     "functions": """
         SELECT proname, pg_get_functiondef(oid) FROM pg_proc
         WHERE pronamespace = 'public'::regnamespace ORDER BY 1""",
+    "types": """
+        SELECT t.typname, a.attnum, a.attname, format_type(a.atttypid, a.atttypmod)
+        FROM pg_type t JOIN pg_class c ON c.oid = t.typrelid AND c.relkind = 'c'
+        JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0
+        WHERE t.typnamespace = 'public'::regnamespace ORDER BY 1, 2""",
     "sequences": """
         SELECT sequencename, data_type::text, start_value, min_value, max_value, increment_by,
                cycle, cache_size

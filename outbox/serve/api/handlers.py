@@ -17,7 +17,6 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -156,7 +155,7 @@ class ApiHandlers:
 
     def _differs(self, existing: RunRecord, body: StartRunRequest) -> str | None:
         """The first argument of a repeated start that differs from the run's, if any."""
-        row = new_run(
+        new = new_run(
             self.outbox.settings,
             body.agent,
             body.version,
@@ -164,14 +163,14 @@ class ApiHandlers:
             budget=body.budget,
             run_id=body.run_id,
             mode=body.mode.value,
-        ).row
-        if existing.agent != row["agent"]:
+        )
+        if existing.agent != new.start.agent:
             return "agent"
-        if existing.agent_version != row["agent_version"]:
+        if existing.agent_version != new.start.version:
             return "version"
-        if existing.inputs_hash != row["inputs_hash"]:
+        if existing.inputs_hash != new.inputs.hash and existing.inputs != new.inputs.value():
             return "inputs"
-        budget: Decimal | None = row["budget"]
+        budget = new.start.budget
         if (existing.budget is None) != (budget is None) or (
             budget is not None and existing.budget != budget
         ):

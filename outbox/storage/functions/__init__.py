@@ -17,6 +17,7 @@ __all__ = ["Definition", "definitions", "function_files", "functions_ddl"]
 
 _FUNCTION = re.compile(r"CREATE OR REPLACE FUNCTION (\w+)\(")
 _TRIGGER = re.compile(r"CREATE (?:CONSTRAINT )?TRIGGER (\w+)")
+_TYPE = re.compile(r"CREATE TYPE (\w+)")
 
 
 @dataclass(frozen=True)
@@ -24,19 +25,21 @@ class Definition:
     """One ``CREATE`` statement of a file (with the comment lines above it)."""
 
     file: str
-    kind: str  # "function" or "trigger"
+    kind: str  # "function", "trigger" or "type"
     name: str
     text: str
 
 
+#: Loaded before the others: the types their signatures name.
+TYPES_FILE = "types.sql"
+
+
 def function_files() -> dict[str, str]:
-    """Every file's name and text, by name."""
+    """Every file's name and text: the types first, then the rest by name."""
     folder = resources.files(__name__)
-    return {
-        entry.name: entry.read_text()
-        for entry in sorted(folder.iterdir(), key=lambda e: e.name)
-        if entry.name.endswith(".sql")
-    }
+    files = sorted((e for e in folder.iterdir() if e.name.endswith(".sql")), key=lambda e: e.name)
+    ordered = sorted(files, key=lambda e: e.name != TYPES_FILE)
+    return {entry.name: entry.read_text() for entry in ordered}
 
 
 def functions_ddl() -> str:
@@ -61,6 +64,8 @@ def definitions() -> list[Definition]:
                 found.append(Definition(file, "function", match[1], statement))
             elif match := _TRIGGER.search(body):
                 found.append(Definition(file, "trigger", match[1], statement))
+            elif match := _TYPE.search(body):
+                found.append(Definition(file, "type", match[1], statement))
     return found
 
 

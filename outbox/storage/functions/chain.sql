@@ -10,16 +10,19 @@
 --   sha256(prev || 'outbox.attempt.v1' || lp(effect_id) || lp(attempt) || lp(worker)
 --   || lp(us(started_at)) || lp(us(finished_at)) || lp(outcome) || lp(detail::text));
 -- - a run's chain starts at sha256('outbox.run.v1' || lp(id) || lp(agent) ||
---   lp(inputs_hash)); each completed step (since migration 0021) is sha256(prev ||
---   'outbox.step.v2' || lp(run_id) || lp(step_id) || lp(kind) || lp('completed') ||
---   lp(result::text) || lp(error::text) || lp(state::text) || lp(plan::text) ||
---   lp(us(completed_at))), and the run keeps the newest in step_head. Steps chained
---   before 0021 are outbox.step.v1 links, which lack the status, state and plan
---   (outbox_step_hash still computes them); a verifier accepts either, and a v2 link
---   never passes for a v1 one.
+--   lp(inputs_hash)); each completed step (since migration 0023) is sha256(prev ||
+--   'outbox.step.v3' || lp(run_id) || lp(step_id) || lp(kind) || lp('completed') ||
+--   lp(result) || lp(error) || lp(state) || lp(plan) || lp(us(completed_at)) ||
+--   intents), where intents is, for each effect the step created in step_index
+--   order, lp(id) || lp(idempotency_key) || lp(kind) || lp(payload_hash), and the
+--   run keeps the newest in step_head. result, state and plan are the values' own
+--   text, also when the row holds a reference to a large one. Earlier steps are
+--   outbox.step.v2 links (0021: the values as stored, no intents) or v1 links (no
+--   status, state or plan either); a verifier accepts each for its own steps, and a
+--   link of one version never passes for another.
 --
--- Text is UTF-8, || on the hash input concatenates bytes; detail::text, result::text,
--- state::text and plan::text are PostgreSQL's own rendering of the stored jsonb.
+-- Text is UTF-8, || on the hash input concatenates bytes; detail::text, result,
+-- state and plan are PostgreSQL's own rendering of the jsonb (value::text).
 
 CREATE OR REPLACE FUNCTION outbox_lp(value text) RETURNS text
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
@@ -128,3 +131,17 @@ DROP TRIGGER IF EXISTS outbox_attempts_chain ON outbox_effect_attempts;
 CREATE TRIGGER outbox_attempts_chain
     BEFORE INSERT ON outbox_effect_attempts FOR EACH ROW
     EXECUTE FUNCTION outbox_attempts_chain();
+
+-- A step's v3 link (the algorithm at the top of this file): the texts are the
+-- values' own (jsonb::text, NULL when not set), intents the text of the effects
+-- the step created (outbox_intents_chain).
+CREATE OR REPLACE FUNCTION outbox_step_link(
+    prev bytea, run_id uuid, step_id text, kind text, result text, error text, state text,
+    plan text, completed_at timestamptz, intents text
+) RETURNS bytea
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT sha256(prev || convert_to('outbox.step.v3' || outbox_lp(run_id::text) || outbox_lp(step_id)
+    || outbox_lp(kind) || outbox_lp('completed') || outbox_lp(result) || outbox_lp(error)
+    || outbox_lp(state) || outbox_lp(plan) || outbox_lp(outbox_us(completed_at)) || intents,
+    'UTF8'))
+$$;

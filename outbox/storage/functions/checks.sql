@@ -71,46 +71,58 @@ BEGIN
 END
 $$;
 
--- A JSON value to store (payload, inputs, state, result, error): readable by
--- every client (at most max_json_depth levels of nesting; no integer of more
--- than max_integer_digits digits, which Python cannot read; no fraction beyond
--- a double's range, which would read as infinity) and at most max_bytes of
--- canonical JSON. Returns the canonical text. NUL characters and NaN never
--- reach here: jsonb refuses them when the argument is cast.
-CREATE OR REPLACE FUNCTION outbox_check_json(field text, value jsonb, max_bytes integer) RETURNS text
+-- A JSON value to store (payload, inputs, state, result, error, ...), checked so
+-- that every client reads what was written: at most max_json_depth levels of
+-- nesting, no integer of more than max_integer_digits digits (Python refuses to
+-- read one), no fraction that a double does not hold exactly (Python would read
+-- and send another number), and at most max_bytes of text. Returns the text
+-- stored values are hashed and sized by: PostgreSQL's own rendering of the jsonb.
+-- NUL characters and NaN never reach here: jsonb refuses them when the argument
+-- is cast.
+CREATE OR REPLACE FUNCTION outbox_check_json(field text, value jsonb, max_bytes bigint) RETURNS text
     LANGUAGE plpgsql AS $$
 DECLARE
     rules jsonb := outbox_intent_rules();
     depth integer := (rules->>'max_json_depth')::integer;
-    digits integer := (rules->>'max_integer_digits')::integer;
-    canonical text := outbox_canonical_json(value);
-    size integer := octet_length(canonical);
+    rendered text := value::text;
+    size bigint := octet_length(rendered);
 BEGIN
     IF size > max_bytes THEN
         PERFORM outbox_refuse('OB002', field, format('<%s bytes>', size),
             format('is %s bytes, over the limit of %s bytes', size, max_bytes));
     END IF;
     -- The exact checks walk the whole value; the text tells cheaply when they
-    -- cannot fail (fewer brackets than levels, no run of digits that long).
-    IF length(canonical) - length(translate(canonical, '[{', '')) > depth
+    -- cannot fail (fewer brackets than levels; no run of 17 digits and points,
+    -- which a number needs to be too long or to miss a double).
+    IF length(rendered) - length(translate(rendered, '[{', '')) > depth
        AND jsonb_path_exists(value, ('strict $.**{' || depth
                                      || '} ? (@.type() == "object" || @.type() == "array")')::jsonpath)
     THEN
-        PERFORM outbox_refuse('OB002', field, left(value::text, 80),
+        PERFORM outbox_refuse('OB002', field, left(rendered, 80),
             format('is nested more than %s levels deep', depth));
     END IF;
-    IF canonical ~ '[0-9]{200}[0-9]{109}'  -- (a bound is at most 255)
-       AND jsonb_path_exists(value,
-            'strict $.** ? (@.type() == "number" && (@ >= $big || @ <= -$big
-                            || (@.floor() != @ && (@ >= 1e308 || @ <= -1e308))))',
-            jsonb_build_object('big', ('1e' || digits)::numeric))
-    THEN
-        PERFORM outbox_refuse('OB002', field, left(value::text, 80),
-            format('holds an integer too long to write (over %s digits) or a fraction beyond '
-                   'the range of a double', digits));
+    IF rendered ~ '[0-9.]{17}'
+       AND outbox_unreadable_number(value, (rules->>'max_integer_digits')::integer) THEN
+        PERFORM outbox_refuse('OB002', field, left(rendered, 80),
+            format('holds an integer of more than %s digits, or a fraction that a double does '
+                   'not hold exactly (every client must read the number that was written)',
+                   rules->>'max_integer_digits'));
     END IF;
-    RETURN canonical;
+    RETURN rendered;
 END
+$$;
+
+-- Whether value holds a number a client would read as another one: an integer of
+-- more than digits digits, or a fraction that a double does not hold exactly.
+CREATE OR REPLACE FUNCTION outbox_unreadable_number(value jsonb, digits integer) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT EXISTS (
+    SELECT 1 FROM jsonb_path_query(value, 'strict $.** ? (@.type() == "number")') AS n(v),
+           LATERAL (SELECT n.v::text::numeric AS x) AS c
+     WHERE CASE WHEN abs(c.x) >= ('1e' || digits)::numeric THEN true
+                WHEN c.x = trunc(c.x) THEN false
+                WHEN abs(c.x) >= 1e308 OR abs(c.x) < 1e-307 THEN true
+                ELSE c.x::float8::numeric <> c.x END)
 $$;
 
 -- The Python type name of a JSON value, as outbox.intent_rules shows it.

@@ -1,8 +1,30 @@
--- Record step_id of run_id: its result, the run's new state and plan (NULL
--- keeps them), the budget its intents reserve and its debits, and (with
--- intents, a JSON array of outbox_intend arguments) more intents. All of it
--- commits with the caller's transaction, or none of it. The step joins its run's
--- hash chain as a v2 link (state and plan as the step row stores them).
+-- Record step_id of run_id in the caller's transaction: the one implementation of a
+-- step's checkpoint, for every client (the Python client calls it too).
+--
+-- What it writes, all of it or none: the step's result; the run's new state and
+-- plan (NULL keeps them); its intents (intents: a JSON array of outbox_intend's
+-- arguments) and those outbox_intend wrote for this step earlier in the
+-- transaction; its budget debits (spends: a JSON array of {"reason", "amount"},
+-- and outbox_spend's) and the reservations of its intents' costs, with their
+-- ledger entries. The step joins its run's hash chain (outbox_step_link), which
+-- covers the ids, keys, kinds and payload hashes of the intents it created.
+--
+-- Refused, writing nothing: a run that is missing, paused or ended (OB004,
+-- OB009, OB005), a step recorded before (OB006: roll back and replay it), a
+-- budget that cannot cover the step (OB007), and with lease_owner and
+-- lease_attempt (a worker's fence, G4) a run leased to someone else since
+-- (OB011). paused is true when a pause waits for this step: its intents are
+-- held as paused with the run's others.
+--
+-- wake: true sends the deliverers' NOTIFY if the step wrote a claimable intent,
+-- false never, NULL leaves it to outbox_wake's shared window.
+--
+-- The common step (small values, intents the cheap checks of outbox_intent_rows
+-- clear, nothing written for it earlier in the transaction) is one statement and
+-- a handful of expressions: PL/pgSQL builds each expression's state anew in every
+-- transaction, so the function keeps few. Anything else is checked exactly first
+-- (outbox_check_step, outbox_check_intents, outbox_store_values), then written by
+-- the same statement.
 CREATE OR REPLACE FUNCTION outbox_commit_step(
     run_id uuid,
     step_id text,
@@ -11,156 +33,321 @@ CREATE OR REPLACE FUNCTION outbox_commit_step(
     plan jsonb DEFAULT NULL,
     intents jsonb DEFAULT NULL,
     step_kind text DEFAULT 'transaction',
+    spends jsonb DEFAULT NULL,
+    lease_owner text DEFAULT NULL,
+    lease_attempt integer DEFAULT NULL,
+    wake boolean DEFAULT NULL,
     OUT step_seq bigint,
-    OUT effect_ids uuid[]
+    OUT effect_ids uuid[],
+    OUT paused boolean
 )
     LANGUAGE plpgsql AS $$
 DECLARE
-    max_bytes integer := outbox_setting('max_payload_bytes')::integer;
-    tx_step jsonb := outbox_tx_step(outbox_commit_step.run_id, outbox_commit_step.step_id);
-    item jsonb;
-    n integer := 0;
-    made record;
-    unknown_field text;
-    found_run record;
-    stored_result jsonb;
-    stored_state jsonb;
-    stored_plan jsonb;
-    run_paused boolean;
-    head bytea;
-    p_result jsonb;
+    -- what outbox_intend and outbox_spend wrote for this step in this transaction
+    tx_step jsonb;
+    debit numeric := 0;
+    ledger jsonb := '[]';
+    chain jsonb := '[]';
+    stored jsonb[];
+    firsts integer[];
+    p_intents jsonb := coalesce(nullif(intents, 'null'), '[]');
+    screened boolean;
+    run_ok boolean;
+    rows outbox_intent[];
+    claimable boolean;
 BEGIN
-    IF outbox_commit_step.step_kind IS NULL OR outbox_commit_step.step_kind NOT IN ('transaction', 'call') THEN
-        PERFORM outbox_refuse('OB001', 'step_kind', outbox_commit_step.step_kind,
-            'must be transaction or call');
+    IF current_setting('outbox.tx_steps', true) <> '' OR spends IS NOT NULL
+       OR step_kind IS NULL OR step_kind NOT IN ('transaction', 'call')
+       OR outbox_step_id_refused(outbox_commit_step.step_id)
+       OR (lease_owner IS NULL) <> (lease_attempt IS NULL) THEN
+        tx_step := outbox_tx_steps()->outbox_tx_step_slot(outbox_commit_step.run_id,
+                                                          outbox_commit_step.step_id);
+        SELECT * INTO debit, ledger, chain
+          FROM outbox_check_step(outbox_commit_step.run_id, outbox_commit_step.step_id, step_kind,
+                                 lease_owner, lease_attempt, spends, tx_step);
     END IF;
-    -- values over outbox.blob_threshold_bytes are stored by reference, owned by the run
-    IF outbox_commit_step.result IS NOT NULL THEN
-        PERFORM outbox_check_not_reference('result', outbox_commit_step.result);
-        stored_result := outbox_store_value(outbox_commit_step.run_id, outbox_commit_step.result,
-            outbox_check_json('result', outbox_commit_step.result, max_bytes));
-    END IF;
-    IF outbox_commit_step.state IS NOT NULL THEN
-        PERFORM outbox_check_not_reference('state', outbox_commit_step.state);
-        stored_state := outbox_store_value(outbox_commit_step.run_id, outbox_commit_step.state,
-            outbox_check_json('state', outbox_commit_step.state, max_bytes));
-    END IF;
-    IF outbox_commit_step.plan IS NOT NULL THEN
-        PERFORM outbox_check_not_reference('plan', outbox_commit_step.plan);
-        stored_plan := outbox_store_value(outbox_commit_step.run_id, outbox_commit_step.plan,
-            outbox_check_json('plan', outbox_commit_step.plan, max_bytes));
-    END IF;
-    effect_ids := ARRAY[]::uuid[];
-    IF outbox_commit_step.intents IS NOT NULL THEN
-        IF jsonb_typeof(outbox_commit_step.intents) <> 'array' THEN
-            PERFORM outbox_refuse('OB001', 'intents', left(outbox_commit_step.intents::text, 80),
-                'must be a JSON array of intents');
+    LOOP
+        -- one statement: the values and the intents derived, the run checked and
+        -- moved on (a compare-and-set on its status, budget and, for a worker, its
+        -- lease, with the chain's new head), the step recorded (a racer on the
+        -- same step waited on the run's row and finds it recorded), the effects
+        -- and the budget ledger written
+        WITH v AS (
+            SELECT coalesce(outbox_commit_step.result, 'null')::text AS result_text,
+                   outbox_commit_step.state::text AS state_text,
+                   outbox_commit_step.plan::text AS plan_text
+        ), i AS MATERIALIZED (
+            SELECT x.* FROM outbox_runs AS r, outbox_intent_rows(outbox_commit_step.run_id,
+                outbox_commit_step.step_id, p_intents,
+                coalesce((tx_step->>'next')::integer, 0), r.priority, r.fairness_key, r.dry_run,
+                firsts) AS x
+             WHERE r.id = outbox_commit_step.run_id
+        ), agg AS (
+            SELECT coalesce(bool_and(i.screened), true)
+                   AND (stored IS NOT NULL OR outbox_values_screened(v.result_text, v.state_text,
+                                                                     v.plan_text))
+                   AND count(*) + coalesce((tx_step->>'count')::integer, 0)
+                       <= outbox_limit('max_step_intents')
+                   AND coalesce(sum(i.payload_size), 0) + coalesce((tx_step->>'bytes')::bigint, 0)
+                       <= outbox_limit('max_step_bytes') AS screened,
+                   coalesce(sum(i.cost) FILTER (WHERE i.existing IS NULL AND i.first_n IS NULL), 0)
+                       + coalesce((tx_step->>'reserve')::numeric, 0) AS reserve,
+                   CASE WHEN chain = '[]' THEN coalesce(string_agg(outbox_intent_link(i.id,
+                            i.idempotency_key, i.kind, i.payload_hash), '' ORDER BY i.step_index, i.id)
+                            FILTER (WHERE i.existing IS NULL AND i.first_n IS NULL), '')
+                        -- with outbox_intend's intents of this step: all of them in order
+                        ELSE outbox_intents_chain(chain || coalesce(jsonb_agg(jsonb_build_array(
+                            i.step_index, i.id, outbox_intent_link(i.id, i.idempotency_key, i.kind,
+                                                                   i.payload_hash)))
+                            FILTER (WHERE chain <> '[]' AND i.existing IS NULL AND i.first_n IS NULL),
+                            '[]')) END AS chain_text,
+                   coalesce(array_agg(coalesce(i.existing, i.id) ORDER BY i.n), '{}') AS ids,
+                   CASE WHEN firsts IS NOT NULL
+                        THEN coalesce(array_agg(i::outbox_intent ORDER BY i.n), '{}') END AS rows
+              FROM v LEFT JOIN i ON true
+             GROUP BY v.result_text, v.state_text, v.plan_text
+        ), run_upd AS (
+            UPDATE outbox_runs AS r
+               SET state = coalesce(stored[2], outbox_commit_step.state, r.state),
+                   plan = coalesce(stored[3], outbox_commit_step.plan, r.plan),
+                   current_step = outbox_commit_step.step_id,
+                   spent = r.spent + debit,
+                   reserved = r.reserved + agg.reserve,
+                   step_head = outbox_step_link(
+                       coalesce(r.step_head, outbox_run_genesis(r.id, r.agent, r.inputs_hash)),
+                       r.id, outbox_commit_step.step_id, step_kind, v.result_text, NULL,
+                       v.state_text, v.plan_text, now(), agg.chain_text)
+                   -- updated_at is left alone: it is indexed, and a step's update must stay HOT
+              FROM agg, v
+             WHERE r.id = outbox_commit_step.run_id
+               AND (agg.screened OR firsts IS NOT NULL)
+               AND r.status = ANY (outbox_active_run_statuses())
+               AND (r.budget IS NULL OR r.spent + r.reserved + debit + agg.reserve <= r.budget)
+               AND (outbox_commit_step.lease_owner IS NULL
+                    OR (r.lease_owner = outbox_commit_step.lease_owner
+                        AND r.attempt = outbox_commit_step.lease_attempt))
+            RETURNING r.paused_at IS NOT NULL AS paused, r.step_head
+        ), step_ins AS (
+            -- the step keeps the state and plan it set, so a fork can start from it
+            INSERT INTO outbox_steps AS s (run_id, step_id, kind, result, state, plan, hash)
+            SELECT outbox_commit_step.run_id, outbox_commit_step.step_id, step_kind,
+                   coalesce(stored[1], outbox_commit_step.result, 'null'),
+                   coalesce(stored[2], outbox_commit_step.state),
+                   coalesce(stored[3], outbox_commit_step.plan), u.step_head
+              FROM run_upd AS u
+            ON CONFLICT ON CONSTRAINT outbox_steps_pkey DO NOTHING
+            RETURNING s.seq
+        ), effect_ins AS (
+            INSERT INTO outbox_effects AS e (
+                id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
+                idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
+                fairness_key, status, available_at, approval, approval_deadline, trace_parent)
+            SELECT h.*
+              FROM step_ins, run_upd AS u,
+                   outbox_intent_effects(ARRAY(SELECT i::outbox_intent FROM i ORDER BY i.n),
+                                         outbox_commit_step.run_id, outbox_commit_step.step_id,
+                                         u.paused) AS h
+            RETURNING e.status
+        ), ledger_ins AS (
+            INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
+            SELECT outbox_commit_step.run_id, outbox_commit_step.step_id, l.effect_id, l.reason,
+                   l.entry, l.amount
+              FROM (SELECT * FROM jsonb_to_recordset(ledger)
+                           AS l(entry text, reason text, amount numeric, effect_id uuid)
+                    UNION ALL
+                    SELECT 'reserve', i.kind, i.cost, i.id FROM i
+                     WHERE i.cost IS NOT NULL AND i.existing IS NULL AND i.first_n IS NULL) AS l
+             CROSS JOIN step_ins
+        )
+        SELECT s.seq, agg.ids, u.paused, agg.screened, u.paused IS NOT NULL AS run_ok, agg.rows,
+               (SELECT bool_or(e.status = 'pending') FROM effect_ins AS e) AS claimable
+          INTO step_seq, effect_ids, paused, screened, run_ok, rows, claimable
+          FROM agg LEFT JOIN run_upd AS u ON true LEFT JOIN step_ins AS s ON true;
+        EXIT WHEN screened OR firsts IS NOT NULL;
+        -- something the cheap checks did not clear: check it exactly (raising the
+        -- refusal, taking the locks of callers' keys; a large value stored by
+        -- reference), then write it
+        stored := outbox_store_values(outbox_commit_step.run_id, ARRAY['result', 'state', 'plan'],
+                                      ARRAY[coalesce(result, 'null'), state, plan]);
+        SELECT * INTO firsts, p_intents
+          FROM outbox_check_intents(outbox_commit_step.run_id, outbox_commit_step.step_id,
+            p_intents, coalesce((tx_step->>'next')::integer, 0),
+            coalesce((tx_step->>'count')::integer, 0), coalesce((tx_step->>'bytes')::bigint, 0),
+            coalesce((SELECT r.dry_run FROM outbox_runs AS r
+                       WHERE r.id = outbox_commit_step.run_id), false), true);
+    END LOOP;
+    IF step_seq IS NULL OR firsts IS NOT NULL OR tx_step IS NOT NULL
+       OR (claimable AND NOT paused AND wake IS DISTINCT FROM false) THEN
+        PERFORM outbox_finish_step(outbox_commit_step.run_id, outbox_commit_step.step_id,
+            lease_owner, lease_attempt, run_ok, step_seq, debit, rows, tx_step, paused,
+            claimable AND NOT paused, wake);
+        IF firsts IS NOT NULL OR tx_step IS NOT NULL THEN
+            effect_ids := coalesce(array(SELECT jsonb_array_elements_text(tx_step->'ids')::uuid),
+                                   '{}')
+                          || CASE WHEN firsts IS NULL THEN effect_ids
+                                  ELSE outbox_intent_ids(rows) END;
         END IF;
-        FOR item IN SELECT value FROM jsonb_array_elements(outbox_commit_step.intents) LOOP
-            IF jsonb_typeof(item) <> 'object' THEN
-                PERFORM outbox_refuse('OB001', format('intents[%s]', n), left(item::text, 80),
-                    'must be an object');
-            END IF;
-            SELECT k INTO unknown_field FROM jsonb_object_keys(item) AS k
-             WHERE k NOT IN ('kind', 'payload', 'key', 'ordering_key', 'step_index', 'max_attempts',
-                             'delay_seconds', 'schema_version', 'compensate', 'cost', 'approval',
-                             'priority', 'fairness_key')
-             LIMIT 1;
-            IF unknown_field IS NOT NULL THEN
-                PERFORM outbox_refuse('OB001', format('intents[%s].%s', n, unknown_field), NULL,
-                    'is not an argument of outbox_intend');
-            END IF;
-            SELECT * INTO made FROM outbox_intend(
-                kind => item->>'kind',
-                payload => item->'payload',
-                key => item->>'key',
-                ordering_key => item->>'ordering_key',
-                run_id => outbox_commit_step.run_id,
-                step_id => outbox_commit_step.step_id,
-                step_index => (item->>'step_index')::integer,
-                max_attempts => (item->>'max_attempts')::integer,
-                delay_seconds => coalesce((item->>'delay_seconds')::double precision, 0),
-                schema_version => coalesce((item->>'schema_version')::integer, 1),
-                compensate => item->'compensate',
-                cost => (item->>'cost')::numeric,
-                approval => item->'approval',
-                priority => (item->>'priority')::integer,
-                fairness_key => item->>'fairness_key');
-            effect_ids := effect_ids || made.effect_id;
-            n := n + 1;
-        END LOOP;
-        tx_step := outbox_tx_steps()->outbox_tx_step_slot(outbox_commit_step.run_id, outbox_commit_step.step_id);
     END IF;
+END
+$$;
 
-    -- the step chain hashes the values as stored (a reference for a large one), as Python does
-    p_result := coalesce(stored_result, 'null'::jsonb);
-    UPDATE outbox_runs AS r
-       SET state = coalesce(stored_state, r.state),
-           plan = coalesce(stored_plan, r.plan),
-           current_step = outbox_commit_step.step_id,
-           spent = r.spent + (tx_step->>'debit')::numeric,
-           reserved = r.reserved + (tx_step->>'reserve')::numeric,
-           -- the run's step chain (see outbox/storage/governance_ddl.py)
-           step_head = outbox_step_hash_v2(
-               coalesce(r.step_head, outbox_run_genesis(r.id, r.agent, r.inputs_hash)),
-               r.id, outbox_commit_step.step_id, outbox_commit_step.step_kind, p_result, NULL,
-               stored_state, stored_plan, now())
-           -- updated_at is left alone: a step's update must stay HOT (see sql/steps.py)
-     WHERE r.id = outbox_commit_step.run_id
-       AND r.status = ANY (outbox_active_run_statuses())
-       AND (r.budget IS NULL
-            OR r.spent + r.reserved + (tx_step->>'debit')::numeric + (tx_step->>'reserve')::numeric <= r.budget)
-    RETURNING r.paused_at IS NOT NULL, r.step_head INTO run_paused, head;
-    IF NOT FOUND THEN
-        SELECT r.status, r.budget, r.spent, r.reserved INTO found_run
-          FROM outbox_runs AS r WHERE r.id = outbox_commit_step.run_id;
-        IF NOT FOUND OR NOT found_run.status = ANY (outbox_active_run_statuses()) THEN
-            PERFORM outbox_raise_run_refusal(outbox_commit_step.run_id);
+-- The rest of a step that is not the common one: its refusal (the run missing,
+-- paused, ended, leased to someone else or over budget; the step recorded
+-- before), the intents outbox_intend wrote for it held when a pause committed
+-- meanwhile, the transaction's note that the step is done, and the wake-up.
+CREATE OR REPLACE FUNCTION outbox_finish_step(
+    p_run_id uuid, p_step_id text, p_owner text, p_attempt integer, p_run_ok boolean,
+    p_seq bigint, p_debit numeric, p_rows outbox_intent[], p_tx_step jsonb, p_paused boolean,
+    p_claimable boolean, p_wake boolean
+) RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT p_run_ok THEN
+        PERFORM outbox_raise_step_refusal(p_run_id, p_owner, p_attempt,
+            p_debit + coalesce((SELECT sum(r.cost) FROM unnest(p_rows) AS r
+                                 WHERE r.existing IS NULL AND r.first_n IS NULL), 0)
+            + coalesce((p_tx_step->>'reserve')::numeric, 0));
+    END IF;
+    IF p_seq IS NULL THEN
+        PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
+    END IF;
+    IF p_tx_step IS NOT NULL THEN
+        IF p_paused THEN
+            -- a pause committed while outbox_intend's intents waited holds them now
+            UPDATE outbox_effects AS e SET status = 'paused'
+             WHERE e.run_id = p_run_id AND e.step_id = p_step_id AND e.status = 'pending';
+        END IF;
+        PERFORM outbox_tx_save_step(p_run_id, p_step_id, p_tx_step || '{"done": true}'::jsonb);
+    END IF;
+    IF (p_claimable OR (p_tx_step->>'claimable')::boolean AND NOT p_paused)
+       AND p_wake IS DISTINCT FROM false THEN
+        IF p_wake THEN
+            PERFORM pg_notify('outbox_effects', '');
         ELSE
-            PERFORM outbox_raise('OB007',
-                format('run_id=%L: step needs %s but only %s remains', outbox_commit_step.run_id,
-                       (tx_step->>'debit')::numeric + (tx_step->>'reserve')::numeric,
-                       found_run.budget - found_run.spent - found_run.reserved),
-                jsonb_build_object('run_id', outbox_commit_step.run_id,
-                    'requested', (tx_step->>'debit')::numeric + (tx_step->>'reserve')::numeric,
-                    'remaining', found_run.budget - found_run.spent - found_run.reserved));
+            PERFORM outbox_wake('outbox_effects');
         END IF;
     END IF;
+END
+$$;
 
-    -- the step keeps the state and plan it set, so a fork can start from it
-    INSERT INTO outbox_steps AS s (run_id, step_id, kind, result, state, plan, hash)
-    VALUES (outbox_commit_step.run_id, outbox_commit_step.step_id, outbox_commit_step.step_kind,
-            p_result, stored_state, stored_plan, head)
-    ON CONFLICT ON CONSTRAINT outbox_steps_pkey DO NOTHING
-    RETURNING s.seq INTO step_seq;
-    IF step_seq IS NULL THEN
-        PERFORM outbox_raise_step_recorded(outbox_commit_step.run_id, outbox_commit_step.step_id);
-    END IF;
+-- Whether a step's values (their text) pass the cheap checks: small enough to be
+-- stored in the row, not nested near the depth limit, no run of 17 digits and
+-- points (which a number needs to be too long or to miss a double), and not a
+-- reference (outbox_check_json and outbox_check_not_reference check exactly).
+CREATE OR REPLACE FUNCTION outbox_values_screened(result text, state text, plan text)
+    RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT octet_length(result) + coalesce(octet_length(state), 0) + coalesce(octet_length(plan), 0)
+           <= outbox_limit('blob_threshold_bytes')
+   AND length(result || coalesce(state, '') || coalesce(plan, ''))
+       - length(translate(result || coalesce(state, '') || coalesce(plan, ''), '[{', ''))
+       <= (outbox_intent_rules()->>'max_json_depth')::integer
+   AND (result || ' ' || coalesce(state, '') || ' ' || coalesce(plan, ''))
+       !~ '[0-9.]{17}|"__outbox_blob__"'
+$$;
 
-    IF jsonb_array_length(tx_step->'ledger') > 0 THEN
-        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
-        SELECT outbox_commit_step.run_id, outbox_commit_step.step_id, l.effect_id, l.reason, l.entry, l.amount
-          FROM jsonb_to_recordset(tx_step->'ledger') AS l(entry text, reason text, amount numeric, effect_id uuid);
+-- Whether a step id is refused (absent, blank, too long, a control character).
+CREATE OR REPLACE FUNCTION outbox_step_id_refused(step_id text) RETURNS boolean
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT step_id IS NULL OR btrim(step_id) = ''
+    OR char_length(step_id) > outbox_limit('max_step_id_length')
+    OR step_id ~ (outbox_intent_rules()->>'control_characters')
+$$;
+
+-- The exact checks of a step's own arguments (outbox_commit_step calls it when its
+-- cheap ones do not clear them), and what the transaction wrote for the step
+-- before (outbox_intend, outbox_spend: tx_step) with spends added: the debit, the
+-- ledger entries and the chain parts so far.
+CREATE OR REPLACE FUNCTION outbox_check_step(
+    p_run_id uuid, p_step_id text, p_kind text, p_owner text, p_attempt integer,
+    p_spends jsonb, p_tx_step jsonb, OUT debit numeric, OUT ledger jsonb, OUT chain jsonb
+)
+    LANGUAGE plpgsql AS $$
+DECLARE
+    spend jsonb;
+BEGIN
+    IF p_kind IS NULL OR p_kind NOT IN ('transaction', 'call') THEN
+        PERFORM outbox_refuse('OB001', 'step_kind', p_kind, 'must be transaction or call');
     END IF;
-    -- A pause (outbox runs pause locks the run row FOR UPDATE) cannot commit
-    -- after this step's first intent: outbox_tx_step holds the row (KEY SHARE,
-    -- 0015) until this transaction ends, so each intent saw any pause
-    -- already committed and was written paused. Only a pause set without that
-    -- lock leaves pending intents here; they are held with the run's others.
-    IF run_paused AND EXISTS (
-           SELECT 1 FROM outbox_effects AS e
-            WHERE e.run_id = outbox_commit_step.run_id AND e.step_id = outbox_commit_step.step_id
-              AND e.status = 'pending') THEN
-        UPDATE outbox_effects AS e SET status = 'paused'
-         WHERE e.run_id = outbox_commit_step.run_id AND e.step_id = outbox_commit_step.step_id
-           AND e.status = 'pending';
+    PERFORM outbox_check_text('step_id', p_step_id, outbox_limit('max_step_id_length')::integer,
+                              true, true);
+    IF (p_owner IS NULL) <> (p_attempt IS NULL) THEN
+        PERFORM outbox_refuse('OB001', 'lease_attempt', p_attempt::text,
+            'lease_owner and lease_attempt go together');
     END IF;
-    PERFORM outbox_tx_save_step(outbox_commit_step.run_id, outbox_commit_step.step_id,
-                                tx_step || '{"done": true}'::jsonb);
-    IF (tx_step->>'bytes')::bigint > 0 THEN
-        -- Asked again at the step's end, nearer the commit: an intend that was
-        -- refused a NOTIFY early in a long transaction may be granted one now.
-        PERFORM outbox_wake('outbox_effects');
+    debit := coalesce((p_tx_step->>'debit')::numeric, 0);
+    ledger := coalesce(p_tx_step->'ledger', '[]');
+    chain := coalesce(p_tx_step->'chain', '[]');
+    IF (p_tx_step->>'done')::boolean THEN
+        PERFORM outbox_refuse('OB001', 'step_id', p_step_id,
+            'outbox_commit_step already recorded this step in this transaction');
+    END IF;
+    IF p_spends IS NOT NULL AND p_spends <> 'null' THEN
+        IF jsonb_typeof(p_spends) <> 'array' THEN
+            PERFORM outbox_refuse('OB001', 'spends', left(p_spends::text, 80),
+                'must be a JSON array of {"reason": ..., "amount": ...}');
+        END IF;
+        FOR spend IN SELECT value FROM jsonb_array_elements(p_spends) LOOP
+            spend := outbox_spend_entry(ledger, spend);
+            ledger := ledger || jsonb_build_array(spend);
+            debit := debit + (spend->>'amount')::numeric;
+        END LOOP;
+    END IF;
+END
+$$;
+
+-- Values of a run (result, state, plan, ...: names and values in order) checked
+-- exactly and returned as a row stores them: a large one as a reference to it,
+-- stored once (outbox_store_value), owned by the run.
+CREATE OR REPLACE FUNCTION outbox_store_values(p_run_id uuid, p_names text[], p_values jsonb[])
+    RETURNS jsonb[]
+    LANGUAGE plpgsql AS $$
+DECLARE
+    stored jsonb[] := '{}';
+    rendered text;
+BEGIN
+    FOR k IN 1 .. cardinality(p_values) LOOP
+        IF p_values[k] IS NULL THEN
+            stored := stored || NULL::jsonb;
+            CONTINUE;
+        END IF;
+        PERFORM outbox_check_not_reference(p_names[k], p_values[k]);
+        rendered := outbox_check_json(p_names[k], p_values[k], outbox_limit('max_payload_bytes'));
+        stored := stored || CASE WHEN octet_length(rendered) > outbox_limit('blob_threshold_bytes')
+                                 THEN outbox_store_value(p_run_id, p_values[k], rendered)
+                                 ELSE p_values[k] END;
+    END LOOP;
+    RETURN stored;
+END
+$$;
+
+-- Why a step was refused (it wrote nothing): the run is missing, paused or ended,
+-- leased to someone else since (OB011), or over its budget (OB007).
+CREATE OR REPLACE FUNCTION outbox_raise_step_refusal(
+    p_run_id uuid, p_owner text, p_attempt integer, p_needs numeric
+) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    found_run record;
+BEGIN
+    SELECT r.status, r.budget, r.spent, r.reserved, r.lease_owner, r.attempt
+      INTO found_run FROM outbox_runs AS r WHERE r.id = p_run_id;
+    IF NOT FOUND OR NOT found_run.status = ANY (outbox_active_run_statuses()) THEN
+        PERFORM outbox_raise_run_refusal(p_run_id);
+    ELSIF p_owner IS NOT NULL AND (found_run.lease_owner IS DISTINCT FROM p_owner
+                                   OR found_run.attempt <> p_attempt) THEN
+        PERFORM outbox_raise('OB011',
+            format('run_id=%L: lease attempt %s of %L was taken over (now attempt %s of %L)',
+                   p_run_id, p_attempt, p_owner, found_run.attempt, found_run.lease_owner),
+            jsonb_build_object('run_id', p_run_id, 'attempt', p_attempt, 'owner', p_owner,
+                               'current_attempt', found_run.attempt,
+                               'current_owner', found_run.lease_owner));
+    ELSE
+        PERFORM outbox_raise('OB007',
+            format('run_id=%L: step needs %s but only %s remains', p_run_id, p_needs,
+                   found_run.budget - found_run.spent - found_run.reserved),
+            jsonb_build_object('run_id', p_run_id, 'requested', p_needs,
+                'remaining', found_run.budget - found_run.spent - found_run.reserved));
     END IF;
 END
 $$;

@@ -1,34 +1,52 @@
--- End a live run as completed (with an optional result) or failed (with an error).
--- A paused run is refused (OB009): resume it first. Values over
--- outbox.blob_threshold_bytes are stored by reference.
-CREATE OR REPLACE FUNCTION outbox_finish_run(run_id uuid, status text, result jsonb DEFAULT NULL,
-                                  error jsonb DEFAULT NULL) RETURNS void
+-- End run_id as completed (with an optional JSON result) or failed (with a JSON
+-- error): the one implementation, for every client. Only an active run ends
+-- (OB004, OB005, OB009 otherwise); with lease_owner and lease_attempt (a worker's
+-- fence, G4) only while the run is still leased to it (OB011).
+CREATE OR REPLACE FUNCTION outbox_finish_run(
+    run_id uuid,
+    status text,
+    result jsonb DEFAULT NULL,
+    error jsonb DEFAULT NULL,
+    lease_owner text DEFAULT NULL,
+    lease_attempt integer DEFAULT NULL
+) RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
-    max_bytes integer := outbox_setting('max_payload_bytes')::integer;
+    p_run_id uuid := outbox_finish_run.run_id;
+    max_bytes bigint := outbox_limit('max_payload_bytes');
+    threshold bigint := outbox_limit('blob_threshold_bytes');
+    rendered text;
     stored_result jsonb;
     stored_error jsonb;
 BEGIN
-    IF outbox_finish_run.status IS NULL OR outbox_finish_run.status NOT IN ('completed', 'failed') THEN
-        PERFORM outbox_refuse('OB001', 'status', outbox_finish_run.status, 'must be completed or failed');
+    IF status IS NULL OR status NOT IN ('completed', 'failed') THEN
+        PERFORM outbox_refuse('OB001', 'status', status, 'must be completed or failed');
     END IF;
-    IF outbox_finish_run.result IS NOT NULL THEN
-        PERFORM outbox_check_not_reference('result', outbox_finish_run.result);
-        stored_result := outbox_store_value(outbox_finish_run.run_id, outbox_finish_run.result,
-            outbox_check_json('result', outbox_finish_run.result, max_bytes));
+    IF (lease_owner IS NULL) <> (lease_attempt IS NULL) THEN
+        PERFORM outbox_refuse('OB001', 'lease_attempt', lease_attempt::text,
+            'lease_owner and lease_attempt go together');
     END IF;
-    IF outbox_finish_run.error IS NOT NULL THEN
-        PERFORM outbox_check_not_reference('error', outbox_finish_run.error);
-        stored_error := outbox_store_value(outbox_finish_run.run_id, outbox_finish_run.error,
-            outbox_check_json('error', outbox_finish_run.error, max_bytes));
+    IF result IS NOT NULL THEN
+        PERFORM outbox_check_not_reference('result', result);
+        rendered := outbox_check_json('result', result, max_bytes);
+        stored_result := CASE WHEN octet_length(rendered) > threshold
+                              THEN outbox_store_value(p_run_id, result, rendered) ELSE result END;
+    END IF;
+    IF error IS NOT NULL THEN
+        PERFORM outbox_check_not_reference('error', error);
+        rendered := outbox_check_json('error', error, max_bytes);
+        stored_error := CASE WHEN octet_length(rendered) > threshold
+                             THEN outbox_store_value(p_run_id, error, rendered) ELSE error END;
     END IF;
     UPDATE outbox_runs AS r
        SET status = outbox_finish_run.status, result = stored_result,
            error = stored_error, lease_owner = NULL, lease_expires_at = NULL,
            updated_at = now()
-     WHERE r.id = outbox_finish_run.run_id AND r.status = ANY (outbox_active_run_statuses());
+     WHERE r.id = p_run_id AND r.status = ANY (outbox_active_run_statuses())
+       AND (outbox_finish_run.lease_owner IS NULL
+            OR (r.lease_owner = outbox_finish_run.lease_owner AND r.attempt = outbox_finish_run.lease_attempt));
     IF NOT FOUND THEN
-        PERFORM outbox_raise_run_refusal(outbox_finish_run.run_id);
+        PERFORM outbox_raise_step_refusal(p_run_id, lease_owner, lease_attempt, 0);
     END IF;
 END
 $$;

@@ -8,9 +8,13 @@ $$;
 
 -- The default idempotency key of the step_index-th intent of step_id in run_id
 -- (outbox.keys.derive_key).
+-- (outbox_key_digest of the three, spelled out: it runs for every intent.)
 CREATE OR REPLACE FUNCTION outbox_derive_key(run_id uuid, step_id text, step_index integer) RETURNS text
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
-SELECT outbox_key_digest(run_id::text, step_id, step_index::text)
+SELECT encode(sha256('\x0000000000000024'::bytea || convert_to(run_id::text, 'UTF8')
+    || int8send(octet_length(convert_to(step_id, 'UTF8'))::bigint) || convert_to(step_id, 'UTF8')
+    || int8send(octet_length(step_index::text)::bigint) || convert_to(step_index::text, 'UTF8')),
+    'hex')
 $$;
 
 -- The key of the effect that compensates the effect with key original_key.
@@ -33,32 +37,3 @@ SELECT encode(
     'hex')::uuid
 $$;
 
--- The text outbox.payloads.encode produces for the same JSON value: keys sorted
--- by code point, no insignificant whitespace, strings escaped the same way.
--- Numbers are written as PostgreSQL stores them, so a float Python would write
--- with an exponent (1e+16) differs; payloads are therefore compared as jsonb
--- values when their hashes differ.
-CREATE OR REPLACE FUNCTION outbox_canonical_json(value jsonb) RETURNS text
-    LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
-BEGIN
-    -- Scalars are written by jsonb itself; only containers recurse (a call per
-    -- leaf would cost more than the rest of an intent).
-    CASE jsonb_typeof(value)
-    WHEN 'object' THEN
-        RETURN '{' || coalesce(
-            (SELECT string_agg(to_json(e.k)::text || ':'
-                               || CASE WHEN jsonb_typeof(e.v) IN ('object', 'array')
-                                       THEN outbox_canonical_json(e.v) ELSE e.v::text END,
-                               ',' ORDER BY e.k COLLATE "C")
-               FROM jsonb_each(value) AS e(k, v)), '') || '}';
-    WHEN 'array' THEN
-        RETURN '[' || coalesce(
-            (SELECT string_agg(CASE WHEN jsonb_typeof(a.v) IN ('object', 'array')
-                                    THEN outbox_canonical_json(a.v) ELSE a.v::text END,
-                               ',' ORDER BY a.n)
-               FROM jsonb_array_elements(value) WITH ORDINALITY AS a(v, n)), '') || ']';
-    ELSE
-        RETURN value::text;
-    END CASE;
-END
-$$;

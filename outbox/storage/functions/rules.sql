@@ -1,4 +1,3 @@
--- @functions
 -- Every limit and list the SQL API enforces, in one place: outbox.intent_rules
 -- (the Python client's rules, with their codes and reasons), the Settings
 -- defaults, and the limits that keep a value readable by every client (JSON
@@ -97,13 +96,20 @@ $$;
 
 -- Statuses in which a run takes steps and intents (models.ACTIVE_RUN_STATUSES):
 -- the live ones but paused (a paused run still takes signals).
+-- (A constant, not read from outbox_intent_rules(): it is inlined into every step.)
 CREATE OR REPLACE FUNCTION outbox_active_run_statuses() RETURNS text[]
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT ARRAY(SELECT jsonb_array_elements_text(outbox_intent_rules()->'active_run_statuses'))
+SELECT '{runnable,running,waiting}'::text[]
 $$;
 
 -- Statuses in which a run accepts steps, signals and intents (models.LIVE_RUN_STATUSES).
 CREATE OR REPLACE FUNCTION outbox_live_run_statuses() RETURNS text[]
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT ARRAY(SELECT jsonb_array_elements_text(outbox_intent_rules()->'live_run_statuses'))
+SELECT '{runnable,running,waiting,paused}'::text[]
+$$;
+
+-- A numeric limit (max_payload_bytes, max_step_intents, ...): outbox_setting's value.
+CREATE OR REPLACE FUNCTION outbox_limit(name text) RETURNS bigint
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT outbox_setting(name)::bigint
 $$;

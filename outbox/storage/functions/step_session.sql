@@ -21,9 +21,10 @@ $$;
 -- The state of (run_id, step_id) in this transaction. The first time a step is
 -- met, the run must exist and accept steps, and the step must not be recorded
 -- yet; a step already committed in this transaction takes no more writes. The
--- run row stays locked (FOR KEY SHARE) until commit: a pause or a cancellation
--- (FOR UPDATE) waits for the step's transaction, and the run cannot be deleted
--- under its intents.
+-- run row stays locked (FOR NO KEY UPDATE) until commit, as outbox_commit_step's
+-- update would lock it: a pause or a cancellation waits for the step's
+-- transaction, and of two transactions writing the same step the second waits
+-- for the first and then finds its step recorded (OB006).
 CREATE OR REPLACE FUNCTION outbox_tx_step(p_run_id uuid, p_step_id text) RETURNS jsonb
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -38,9 +39,9 @@ BEGIN
         END IF;
         RETURN entry;
     END IF;
-    PERFORM outbox_check_text('step_id', p_step_id, outbox_setting('max_step_id_length')::integer,
+    PERFORM outbox_check_text('step_id', p_step_id, outbox_limit('max_step_id_length')::integer,
                               true, true);
-    SELECT r.status INTO run_status FROM outbox_runs AS r WHERE r.id = p_run_id FOR KEY SHARE;
+    SELECT r.status INTO run_status FROM outbox_runs AS r WHERE r.id = p_run_id FOR NO KEY UPDATE;
     IF NOT FOUND OR NOT run_status = ANY (outbox_active_run_statuses()) THEN
         -- missing, paused (it takes no steps until resumed) or ended
         PERFORM outbox_raise_run_refusal(p_run_id);
@@ -49,7 +50,8 @@ BEGIN
         PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
     END IF;
     entry := jsonb_build_object('next', 0, 'count', 0, 'bytes', 0, 'debit', 0, 'reserve', 0,
-                                'ledger', '[]'::jsonb, 'done', false);
+                                'ledger', '[]'::jsonb, 'chain', '[]'::jsonb, 'claimable', false,
+                                'ids', '[]'::jsonb, 'done', false);
     -- saved now: the commit-time check (outbox_effects_step_committed) only
     -- sees rows inserted while this setting is present
     PERFORM outbox_tx_save_step(p_run_id, p_step_id, entry);

@@ -354,9 +354,11 @@ def fork_chain() -> Any:
             SELECT 0::bigint, NULL::bigint, outbox_run_genesis(r.id, r.agent, r.inputs_hash)
             FROM outbox_runs r WHERE r.id = :fork
             UNION ALL
-            SELECT c.n, c.seq, outbox_step_hash_v2(chain.head, CAST(:fork AS uuid), c.step_id,
-                                                   c.kind, c.result, c.error, c.state, c.plan,
-                                                   c.completed_at)
+            SELECT c.n, c.seq, outbox_step_link(chain.head, CAST(:fork AS uuid), c.step_id, c.kind,
+                                                outbox_resolve(c.result)::text,
+                                                outbox_resolve(c.error)::text,
+                                                outbox_resolve(c.state)::text,
+                                                outbox_resolve(c.plan)::text, c.completed_at, '')
             FROM chain JOIN copied c ON c.n = chain.n + 1
         ), linked AS (
             UPDATE outbox_steps s SET hash = chain.head

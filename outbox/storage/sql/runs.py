@@ -24,8 +24,9 @@ from sqlalchemy import (
     null,
     select,
 )
-from sqlalchemy.dialects.postgresql import UUID
+from sqlalchemy.dialects.postgresql import BYTEA, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.sql.expression import ColumnElement
 
 from outbox.models import (
     LIVE_RUN_STATUSES,
@@ -43,7 +44,6 @@ from outbox.storage.sql.common import (
     json_param,
 )
 from outbox.storage.sql.effects import log_changes
-from outbox.storage.sql.steps import next_step_head
 
 __all__ = [
     "await_effect",
@@ -125,6 +125,30 @@ def wait_step() -> AnySelect:
     ).where(steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP)
 
 
+def step_link(step_id: Any, kind: Any, result: Any, error: Any) -> ColumnElement[Any]:
+    """The run's new chain head once a step with no state, plan or intents completes (a wait).
+
+    An ``outbox_runs`` SET value (``outbox_step_link``, a v3 link): the values'
+    own text, a large one read back from its reference.
+    """
+    previous = func.coalesce(
+        runs.c.step_head, func.outbox_run_genesis(runs.c.id, runs.c.agent, runs.c.inputs_hash)
+    )
+    return func.outbox_step_link(
+        previous,
+        runs.c.id,
+        step_id,
+        kind,
+        cast(func.outbox_resolve(result), Text),
+        cast(func.outbox_resolve(error), Text),
+        null(),
+        null(),
+        func.now(),
+        "",
+        type_=BYTEA,
+    )
+
+
 @cache
 def complete_wait_step() -> Any:
     """A wait is over: record its result or error; the run's current step moves on."""
@@ -134,7 +158,7 @@ def complete_wait_step() -> Any:
         .where(runs.c.id == _W_RUN)
         .values(
             current_step=_W_STEP,
-            step_head=next_step_head(
+            step_head=step_link(
                 _W_STEP,
                 select(steps.c.kind)
                 .where(steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP)

@@ -1,0 +1,502 @@
+-- Intents, derived, checked and written: the one implementation behind
+-- outbox_commit_step (a step's intents, in one call), outbox_intend and
+-- outbox_intend_all (of a step or of no run) and a stopping run's compensations.
+--
+-- The hot path is set-based: outbox_intent_rows derives every row from the
+-- caller's JSON in the statement that writes the step, and marks whether cheap
+-- checks cleared it (screened). Only an intent they do not clear (a caller's key,
+-- headers or url in its payload, a compensation, an approval policy, a large or
+-- unusual value, a refusal) goes through outbox_check_intents, which checks it
+-- exactly, raising the refusal, and takes the locks a caller's key needs; the
+-- statement then runs again. The screen is stricter than the checks, never
+-- looser: tests/integration/test_sql_api_rules.py holds it to that.
+--
+-- Each intent's payload is stored as jsonb, and its payload_hash is the sha256 of
+-- PostgreSQL's own text of that jsonb (payload::text), so every writer and the
+-- audit verifier hash the same bytes. A caller's key (or step_index) that names
+-- an effect already names that effect (G5): the same kind, payload and owner
+-- return it; anything else is a conflict (OB003).
+
+-- The rows of p_intents (a JSON array of outbox_intend's arguments: kind, payload,
+-- key, ordering_key, step_index, max_attempts, delay_seconds, schema_version,
+-- compensate, cost, approval, priority, fairness_key, plus id and trace_parent,
+-- which a client may choose) for step p_step_id of run p_run_id (NULL: of no run),
+-- the first at index p_next, in the lane and mode of its run. A value that does
+-- not pass a check derives NULL, never an error: screened is then false.
+-- p_first[n], from outbox_check_intents, is the first intent of the call under
+-- the n-th's key, when that is another one.
+-- STABLE, so that it is inlined into the statement that writes them (it calls
+-- outbox_uuid7 for an intent that names no id).
+CREATE OR REPLACE FUNCTION outbox_intent_rows(
+    p_run_id uuid, p_step_id text, p_intents jsonb, p_next integer,
+    p_priority integer, p_fairness_key text, p_dry_run boolean, p_first integer[] DEFAULT NULL
+) RETURNS SETOF outbox_intent
+    LANGUAGE sql STABLE AS $$
+SELECT a.n::integer, v.id, v.step_index, v.kind,
+       CASE WHEN v.size > outbox_limit('blob_threshold_bytes')
+            THEN jsonb_build_object('__outbox_blob__',
+                                    jsonb_build_object('bytes', v.size, 'sha256', v.hash))
+            ELSE a.item->'payload' END,
+       f.text, v.size, v.hash, v.key, v.caller_key,
+       outbox_json_str(a.item->'ordering_key'),
+       outbox_json_num(a.item->'max_attempts')::integer,
+       now() + coalesce(outbox_json_num(a.item->'delay_seconds'), 0) * interval '1 second',
+       coalesce(outbox_json_num(a.item->'schema_version')::integer, 1),
+       CASE WHEN p_dry_run AND jsonb_typeof(a.item->'compensate') = 'object'
+            THEN jsonb_set(a.item->'compensate', '{kind}', to_jsonb(
+                (outbox_reserved_kind_prefixes())[1] || (a.item->'compensate'->>'kind')))
+            ELSE nullif(a.item->'compensate', 'null') END,
+       outbox_json_num(a.item->'cost'),
+       -- a dry run asks for no approval: nothing it intends can reach the world
+       CASE WHEN NOT p_dry_run AND a.item->'approval' IS NOT NULL
+                 AND a.item->'approval' NOT IN ('null', 'false')
+            THEN outbox_approval_policy(a.item->'approval') END,
+       coalesce(outbox_json_num(a.item->'priority')::integer, p_priority),
+       coalesce(outbox_json_str(a.item->'fairness_key'), p_fairness_key),
+       nullif(outbox_json_str(a.item->'trace_parent'), ''),
+       s.screened,
+       -- the effect its key names already: one index probe, only for a caller's key
+       CASE WHEN v.caller_key THEN (SELECT e.id FROM outbox_effects AS e
+                                     WHERE e.idempotency_key = v.key) END,
+       p_first[a.n]
+  FROM jsonb_array_elements(p_intents) WITH ORDINALITY AS a(item, n)
+ CROSS JOIN LATERAL (
+    SELECT (a.item->'payload')::text AS text,
+           outbox_json_num(a.item->'step_index') AS step_index,
+           outbox_json_str(a.item->'key') AS key) AS f
+ CROSS JOIN LATERAL (
+    SELECT coalesce(outbox_json_uuid(a.item->'id'), outbox_uuid7()) AS id,
+           CASE WHEN p_run_id IS NOT NULL THEN coalesce(f.step_index::integer, p_next + a.n::integer - 1) END
+               AS step_index,
+           CASE WHEN p_dry_run THEN (outbox_reserved_kind_prefixes())[1] ELSE '' END
+               || outbox_json_str(a.item->'kind') AS kind,
+           octet_length(f.text) AS size,
+           encode(sha256(convert_to(f.text, 'UTF8')), 'hex') AS hash,
+           CASE WHEN f.key IS NOT NULL AND p_dry_run
+                    -- a dry run never takes a key a real intent will need
+                    THEN (outbox_reserved_kind_prefixes())[1] || p_run_id::text || ':' || f.key
+                WHEN f.key IS NOT NULL THEN f.key
+                WHEN p_run_id IS NULL THEN replace(gen_random_uuid()::text, '-', '')
+                ELSE outbox_derive_key(p_run_id, p_step_id,
+                                       coalesce(f.step_index::integer, p_next + a.n::integer - 1))
+           END AS key,
+           -- an index named explicitly names one intent, like a caller's key
+           f.key IS NOT NULL OR f.step_index IS NOT NULL AS caller_key) AS v
+ CROSS JOIN LATERAL (
+    SELECT jsonb_typeof(a.item) = 'object'
+       AND (a.item - ARRAY['kind', 'payload', 'ordering_key', 'max_attempts', 'delay_seconds',
+                           'schema_version', 'cost', 'priority', 'fairness_key', 'id',
+                           'trace_parent']) = '{}'
+       AND outbox_json_str(a.item->'kind') ~ (outbox_intent_rules()->>'kind_pattern')
+       AND char_length(a.item->>'kind') <= (outbox_intent_rules()->>'max_kind_length')::integer
+       AND NOT starts_with(a.item->>'kind', (outbox_reserved_kind_prefixes())[1])
+       AND a.item ? 'payload'
+       AND octet_length(f.text) <= outbox_limit('max_payload_bytes')
+       AND octet_length(f.text) <= outbox_limit('blob_threshold_bytes')
+       AND length(f.text) - length(translate(f.text, '[{', ''))
+           <= (outbox_intent_rules()->>'max_json_depth')::integer
+       AND f.text !~ '[0-9.]{17}'
+       AND NOT (jsonb_typeof(a.item->'payload') = 'object'
+                AND (a.item->'payload' ?| ARRAY['__outbox_blob__', 'headers', 'url']))
+       AND outbox_json_is_text(a.item->'ordering_key',
+                               (outbox_intent_rules()->>'max_key_length')::integer)
+       AND outbox_json_is_int(a.item->'max_attempts', 1,
+                              (outbox_intent_rules()->>'max_attempts')::numeric)
+       AND outbox_json_is_number(a.item->'delay_seconds', 0,
+                                 (outbox_intent_rules()->>'max_delay_seconds')::numeric)
+       AND outbox_json_is_int(a.item->'schema_version', 1,
+                              (outbox_intent_rules()->>'max_schema_version')::numeric)
+       AND outbox_json_is_number(a.item->'cost', 0, (outbox_intent_rules()->>'max_amount')::numeric)
+       AND outbox_json_is_int(a.item->'priority', -(outbox_intent_rules()->>'max_priority')::numeric,
+                              (outbox_intent_rules()->>'max_priority')::numeric)
+       AND outbox_json_is_text(a.item->'fairness_key',
+                               (outbox_intent_rules()->>'max_fairness_key_length')::integer, true)
+       AND (a.item->'id' IS NULL OR outbox_json_uuid(a.item->'id') IS NOT NULL)
+       AND (a.item->'trace_parent' IS NULL
+            OR outbox_json_str(a.item->'trace_parent') ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$')
+       AND (p_run_id IS NOT NULL OR a.item->'step_index' IS NULL)
+       AS screened) AS s
+$$;
+
+-- Check p_intents exactly, as outbox_intent_rows derives them for the same step
+-- (p_count and p_bytes: what the step or transaction wrote before, which the caps
+-- count), raising the first refusal; take the lock of every caller's key (racers
+-- on a key take turns until commit) and compare it with the effect it names, if
+-- any. p_indexed names fields intents[n].x rather than x. Returns, for each
+-- intent named again under the key of an earlier one of the call (the same
+-- intent), that earlier one's ordinal (outbox_intent_rows' p_first), and the
+-- intents with an id each: a large payload is stored here, by reference, owned
+-- by its run or (of no run) by its effect.
+CREATE OR REPLACE FUNCTION outbox_check_intents(
+    p_run_id uuid, p_step_id text, p_intents jsonb, p_next integer, p_count integer,
+    p_bytes bigint, p_dry_run boolean, p_indexed boolean,
+    OUT firsts integer[], OUT intents jsonb
+)
+    LANGUAGE plpgsql AS $$
+DECLARE
+    rules jsonb := outbox_intent_rules();
+    max_bytes bigint := outbox_limit('max_payload_bytes');
+    max_step_bytes bigint := outbox_limit('max_step_bytes');
+    max_intents bigint := outbox_limit('max_step_intents');
+    max_key integer := (rules->>'max_key_length')::integer;
+    max_attempts integer := (rules->>'max_attempts')::integer;
+    top integer := (rules->>'max_priority')::integer;
+    known_fields text[] := ARRAY['kind', 'payload', 'key', 'ordering_key', 'step_index',
+        'max_attempts', 'delay_seconds', 'schema_version', 'compensate', 'cost', 'approval',
+        'priority', 'fairness_key', 'id', 'trace_parent'];
+    item jsonb;
+    n integer := 0;
+    field text;
+    payload jsonb;
+    comp jsonb;
+    size bigint;
+    bytes bigint := 0;
+    num numeric;
+    r outbox_intent;
+    seen jsonb := '{}';
+BEGIN
+    firsts := '{}';
+    IF p_intents IS NULL OR jsonb_typeof(p_intents) <> 'array' THEN
+        PERFORM outbox_refuse('OB001', 'intents', left(p_intents::text, 80),
+            'must be a JSON array of intents');
+    END IF;
+    FOR item IN SELECT value FROM jsonb_array_elements(p_intents) LOOP
+        field := CASE WHEN p_indexed THEN format('intents[%s].', n) ELSE '' END;
+        IF jsonb_typeof(item) <> 'object' THEN
+            PERFORM outbox_refuse('OB001', rtrim(field, '.'), left(item::text, 80), 'must be an object');
+        END IF;
+        IF (item - known_fields) <> '{}'::jsonb THEN
+            PERFORM outbox_refuse('OB001',
+                field || (SELECT min(k) FROM jsonb_object_keys(item - known_fields) AS k),
+                NULL, 'is not an argument of outbox_intend');
+        END IF;
+        IF p_count + n >= max_intents THEN
+            PERFORM outbox_refuse('OB001', 'intents', (p_count + n + 1)::text,
+                format('a step or transaction may intend at most %s effects (outbox.max_step_intents)',
+                       max_intents));
+        END IF;
+        PERFORM outbox_check_kind(field || 'kind', outbox_json_field_text(item, 'kind', field));
+        payload := item->'payload';
+        IF payload IS NULL THEN
+            PERFORM outbox_refuse('OB001', field || 'payload', NULL,
+                'is required (pass ''null''::jsonb for a JSON null)');
+        END IF;
+        PERFORM outbox_check_not_reference(field || 'payload', payload);
+        PERFORM outbox_check_payload(payload, field || 'payload');
+        size := octet_length(outbox_check_json(field || 'payload', payload, max_bytes));
+        IF outbox_json_field_text(item, 'key', field) IS NOT NULL THEN
+            PERFORM outbox_check_text(field || 'key', item->>'key', max_key);
+        END IF;
+        IF outbox_json_field_text(item, 'ordering_key', field) IS NOT NULL THEN
+            PERFORM outbox_check_text(field || 'ordering_key', item->>'ordering_key', max_key);
+        END IF;
+        num := outbox_json_field_int(item, 'max_attempts', field);
+        IF num NOT BETWEEN 1 AND max_attempts THEN
+            PERFORM outbox_refuse('OB001', field || 'max_attempts', num::text,
+                'must be between 1 and ' || max_attempts);
+        END IF;
+        num := outbox_json_field_number(item, 'delay_seconds', field);
+        IF num NOT BETWEEN 0 AND (rules->>'max_delay_seconds')::numeric THEN
+            PERFORM outbox_refuse('OB001', field || 'delay_seconds', num::text,
+                'must be between 0 and ' || (rules->>'max_delay_seconds'));
+        END IF;
+        IF outbox_json_field_int(item, 'schema_version', field) < 1 THEN
+            PERFORM outbox_refuse('OB001', field || 'schema_version', item->>'schema_version',
+                'must be at least 1');
+        END IF;
+        num := outbox_json_field_number(item, 'cost', field);
+        IF num IS NOT NULL THEN
+            PERFORM outbox_check_amount(field || 'cost', num);
+        END IF;
+        num := outbox_json_field_int(item, 'priority', field);
+        IF num NOT BETWEEN -top AND top THEN
+            PERFORM outbox_refuse('OB001', field || 'priority', num::text,
+                format('must be between %s and %s', -top, top));
+        END IF;
+        IF coalesce(outbox_json_field_text(item, 'fairness_key', field), '') <> '' THEN
+            PERFORM outbox_check_text(field || 'fairness_key', item->>'fairness_key',
+                                      (rules->>'max_fairness_key_length')::integer);
+        END IF;
+        IF item->'id' IS NOT NULL AND outbox_json_uuid(item->'id') IS NULL THEN
+            PERFORM outbox_refuse('OB001', field || 'id', item->>'id', 'must be a UUID');
+        END IF;
+        IF coalesce(outbox_json_field_text(item, 'trace_parent', field), '')
+           !~ '^([0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2})?$' THEN
+            PERFORM outbox_refuse('OB001', field || 'trace_parent', item->>'trace_parent',
+                'must be a W3C traceparent (00-<trace id>-<span id>-<flags>)');
+        END IF;
+        comp := nullif(item->'compensate', 'null');
+        IF comp IS NOT NULL THEN
+            IF jsonb_typeof(comp) <> 'object' OR NOT comp ? 'kind' OR NOT comp ? 'payload'
+               OR (comp - ARRAY['kind', 'payload']) <> '{}'::jsonb
+               OR jsonb_typeof(comp->'kind') <> 'string' THEN
+                PERFORM outbox_refuse('OB001', field || 'compensate', left(comp::text, 80),
+                    'must be {"kind": "...", "payload": ...}');
+            END IF;
+            PERFORM outbox_check_kind(field || 'compensate', comp->>'kind');
+            PERFORM outbox_check_payload(comp->'payload', field || 'compensate.payload');
+            size := size + octet_length(outbox_check_json(field || 'compensate', comp, max_bytes));
+        END IF;
+        IF item->'approval' IS NOT NULL THEN
+            PERFORM outbox_approval_policy(item->'approval');
+        END IF;
+        IF p_run_id IS NULL AND item->'step_index' IS NOT NULL AND item->'step_index' <> 'null' THEN
+            PERFORM outbox_refuse('OB001', field || 'step_index', item->>'step_index',
+                'belongs to a step: pass run_id and step_id too');
+        END IF;
+        IF outbox_json_field_int(item, 'step_index', field) < 0 THEN
+            PERFORM outbox_refuse('OB001', field || 'step_index', item->>'step_index',
+                'must not be negative');
+        END IF;
+        IF p_bytes + bytes + size > max_step_bytes THEN
+            PERFORM outbox_refuse('OB002', 'intents', format('<%s bytes>', p_bytes + bytes + size),
+                format('the payloads of one step or transaction may total at most %s bytes '
+                       '(outbox.max_step_bytes)', max_step_bytes));
+        END IF;
+        bytes := bytes + size;
+        n := n + 1;
+    END LOOP;
+
+    -- Every field passes. Each intent gets its id now (a large payload's reference
+    -- names its owner), then the keys: two intents of this call under one key, or
+    -- a key that names an effect already, are the same intent or a conflict (G5).
+    SELECT jsonb_agg(CASE WHEN a.item ? 'id' AND a.item->'id' <> 'null' THEN a.item
+                          ELSE a.item || jsonb_build_object('id', outbox_uuid7()) END ORDER BY a.n)
+      INTO intents FROM jsonb_array_elements(p_intents) WITH ORDINALITY AS a(item, n);
+    intents := coalesce(intents, '[]');
+    FOR r IN SELECT * FROM outbox_intent_rows(p_run_id, p_step_id, intents, p_next, 0, '',
+                                              p_dry_run) ORDER BY n LOOP
+        IF seen ? r.idempotency_key THEN
+            IF (seen->r.idempotency_key) - 0 <> jsonb_build_array(r.kind, r.payload_hash) THEN
+                PERFORM outbox_raise_conflict(r.idempotency_key,
+                    'intended twice in this step with a different kind or payload');
+            END IF;
+            firsts[r.n] := (seen->r.idempotency_key->>0)::integer;
+            CONTINUE;
+        END IF;
+        seen := seen || jsonb_build_object(r.idempotency_key,
+                                           jsonb_build_array(r.n, r.kind, r.payload_hash));
+        IF r.caller_key THEN
+            PERFORM pg_advisory_xact_lock(hashtextextended(r.idempotency_key, 0));
+            PERFORM outbox_check_existing(r.idempotency_key, p_run_id, r.kind, r.payload_hash,
+                                          (intents->(r.n - 1))->'payload');
+        END IF;
+        IF r.payload_size > outbox_limit('blob_threshold_bytes') THEN
+            PERFORM outbox_store_value(coalesce(p_run_id, r.id), (intents->(r.n - 1))->'payload',
+                                       r.payload_text);
+        END IF;
+    END LOOP;
+END
+$$;
+
+-- A caller's key that names an effect already names that effect: the same kind,
+-- payload and owner, or a conflict (OB003). (Called with the key's lock held.)
+CREATE OR REPLACE FUNCTION outbox_check_existing(
+    p_key text, p_run_id uuid, p_kind text, p_hash text, p_payload jsonb
+) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    existing record;
+BEGIN
+    SELECT x.kind, x.payload_hash, x.run_id, x.payload INTO existing
+      FROM outbox_effects AS x WHERE x.idempotency_key = p_key;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF existing.run_id IS DISTINCT FROM p_run_id THEN
+        PERFORM outbox_raise_conflict(p_key, 'already intended by another owner');
+    END IF;
+    IF existing.kind <> p_kind THEN
+        PERFORM outbox_raise_conflict(p_key,
+            format('already intended as kind %L, not %L', existing.kind, p_kind));
+    END IF;
+    IF NOT (existing.payload_hash = p_hash OR outbox_resolve(existing.payload) = p_payload) THEN
+        PERFORM outbox_raise_conflict(p_key, 'already intended with a different payload');
+    END IF;
+END
+$$;
+
+-- The effects to write of rows (outbox_intent_rows; those naming an existing
+-- effect are skipped), as step p_step_id of run p_run_id writes them, with their
+-- status: a configured gate holds a matching intent as awaiting_approval and wins
+-- over the intent's own policy (an intent can add a gate, never loosen one; a dry
+-- run's kinds match no gate); otherwise a paused run's intents are held as
+-- paused, and the rest are pending. The columns are outbox_effects', in the
+-- order both writers insert them.
+CREATE OR REPLACE FUNCTION outbox_intent_effects(
+    p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean
+) RETURNS TABLE (
+    id uuid, run_id uuid, step_id text, step_index integer, kind text, payload jsonb,
+    payload_hash text, schema_version integer, idempotency_key text, ordering_key text,
+    max_attempts integer, compensate jsonb, cost numeric, priority integer, fairness_key text,
+    status text, available_at timestamptz, approval jsonb, approval_deadline timestamptz,
+    trace_parent text
+)
+    LANGUAGE sql STABLE AS $$
+SELECT r.id, p_run_id, p_step_id, r.step_index, r.kind, r.payload, r.payload_hash,
+       r.schema_version, r.idempotency_key, r.ordering_key, r.max_attempts, r.compensate, r.cost,
+       r.priority, r.fairness_key,
+       CASE WHEN h.policy IS NOT NULL THEN 'awaiting_approval'
+            WHEN p_paused THEN 'paused' ELSE 'pending' END,
+       r.available_at, h.policy,
+       now() + (h.policy->>'timeout')::double precision * interval '1 second', r.trace_parent
+  FROM unnest(p_rows) AS r
+ CROSS JOIN LATERAL (
+    SELECT coalesce((
+        SELECT jsonb_build_object('gate', g.name, 'timeout', g.timeout_seconds,
+                                  'on_timeout', g.on_timeout, 'escalate_to', g.escalate_to)
+          FROM outbox_gates AS g
+         WHERE g.kind = r.kind
+           AND outbox_gate_matches(g.conditions, CASE WHEN r.payload_size
+               > outbox_limit('blob_threshold_bytes') THEN r.payload_text::jsonb ELSE r.payload END)
+         ORDER BY g.name LIMIT 1), r.approval) AS policy) AS h
+ WHERE r.existing IS NULL AND r.first_n IS NULL
+$$;
+
+-- What the step chain covers of a step's intents (outbox_step_link): each new
+-- effect's id, key, kind and payload hash, in step_index order.
+CREATE OR REPLACE FUNCTION outbox_intent_link(id uuid, key text, kind text, payload_hash text)
+    RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT outbox_lp(id::text) || outbox_lp(key) || outbox_lp(kind) || outbox_lp(payload_hash)
+$$;
+
+-- The effect ids of rows (outbox_intent_rows), in order: each the effect written,
+-- or the one its key named already.
+CREATE OR REPLACE FUNCTION outbox_intent_ids(p_rows outbox_intent[]) RETURNS uuid[]
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT coalesce(array_agg(coalesce(r.existing, f.id, r.id) ORDER BY r.n), '{}')
+  FROM unnest(p_rows) AS r LEFT JOIN unnest(p_rows) AS f ON f.n = r.first_n
+$$;
+
+-- The intents' part of a step's link: the parts ([step_index, id, link text] of
+-- every effect the step created, in whatever order they were written) joined in
+-- step_index order.
+CREATE OR REPLACE FUNCTION outbox_intents_chain(parts jsonb) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT coalesce(string_agg(p->>2, '' ORDER BY (p->>0)::integer, p->>1), '')
+  FROM jsonb_array_elements(parts) AS p
+$$;
+
+-- Intend the compensations of a stopping run's succeeded effects (originals),
+-- each as its original declared it, keyed from the original's key; one at a time,
+-- newest original first (their ordering key). An original compensated already is
+-- skipped. Returns how many were new.
+CREATE OR REPLACE FUNCTION outbox_intend_compensations(p_run_id uuid, p_originals uuid[])
+    RETURNS integer
+    LANGUAGE plpgsql AS $$
+DECLARE
+    inserted integer;
+BEGIN
+    WITH o AS (
+        SELECT x.*, k.n, (x.compensate->'payload')::text AS text
+          FROM unnest(p_originals) WITH ORDINALITY AS k(id, n)
+          JOIN outbox_effects AS x ON x.id = k.id AND x.run_id = p_run_id
+         WHERE x.compensate IS NOT NULL
+    ), ins AS (
+        INSERT INTO outbox_effects AS e (
+            id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
+            idempotency_key, ordering_key, compensates, priority, fairness_key, status)
+        SELECT outbox_uuid7(), p_run_id, 'compensate', o.n - 1, o.compensate->>'kind',
+               o.compensate->'payload', encode(sha256(convert_to(o.text, 'UTF8')), 'hex'), 1,
+               outbox_compensation_key(o.idempotency_key),
+               -- one at a time, newest original first
+               'compensate:' || p_run_id::text, o.id, o.priority, o.fairness_key, 'pending'
+          FROM o ORDER BY o.n
+        ON CONFLICT ON CONSTRAINT outbox_effects_idempotency_key DO NOTHING
+        RETURNING e.id
+    )
+    SELECT count(*) INTO inserted FROM ins;
+    IF inserted > 0 THEN
+        PERFORM pg_notify('outbox_effects', '');
+    END IF;
+    RETURN inserted;
+END
+$$;
+
+-- JSON field readers that never raise: the value when it has the type, else NULL.
+CREATE OR REPLACE FUNCTION outbox_json_str(value jsonb) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN jsonb_typeof(value) = 'string' THEN value #>> '{}' END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_num(value jsonb) RETURNS numeric
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN jsonb_typeof(value) = 'number' THEN value::numeric END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_uuid(value jsonb) RETURNS uuid
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN jsonb_typeof(value) = 'string'
+             AND value #>> '{}' ~* '^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$'
+            THEN (value #>> '{}')::uuid END
+$$;
+
+-- Screens of outbox_intent_rows (absent and JSON null pass: the field is optional).
+CREATE OR REPLACE FUNCTION outbox_json_is_text(value jsonb, max_length integer,
+                                               may_be_empty boolean DEFAULT false) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
+            WHEN jsonb_typeof(value) <> 'string' THEN false
+            ELSE char_length(value #>> '{}') BETWEEN CASE WHEN may_be_empty THEN 0 ELSE 1 END
+                                                 AND max_length
+                 AND (value #>> '{}') !~ (outbox_intent_rules()->>'control_characters') END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_is_number(value jsonb, low numeric, high numeric)
+    RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
+            WHEN jsonb_typeof(value) <> 'number' THEN false
+            ELSE value::numeric BETWEEN low AND high END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_is_int(value jsonb, low numeric, high numeric)
+    RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
+            WHEN jsonb_typeof(value) <> 'number' THEN false
+            ELSE value::numeric BETWEEN low AND high AND value::numeric = trunc(value::numeric) END
+$$;
+
+-- Field readers of outbox_check_intents: the value (NULL when absent or JSON
+-- null), or OB001 naming the field when it has the wrong type.
+CREATE OR REPLACE FUNCTION outbox_json_field_text(item jsonb, name text, field text) RETURNS text
+    LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF item->name IS NULL OR item->name = 'null' THEN
+        RETURN NULL;
+    END IF;
+    IF jsonb_typeof(item->name) <> 'string' THEN
+        PERFORM outbox_refuse('OB001', field || name, (item->name)::text, 'must be text');
+    END IF;
+    RETURN item->>name;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_field_number(item jsonb, name text, field text)
+    RETURNS numeric
+    LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF item->name IS NULL OR item->name = 'null' THEN
+        RETURN NULL;
+    END IF;
+    IF jsonb_typeof(item->name) <> 'number' THEN
+        PERFORM outbox_refuse('OB001', field || name, (item->name)::text, 'must be a number');
+    END IF;
+    RETURN (item->name)::numeric;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_field_int(item jsonb, name text, field text)
+    RETURNS numeric
+    LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    value numeric := outbox_json_field_number(item, name, field);
+BEGIN
+    IF value <> trunc(value) THEN
+        PERFORM outbox_refuse('OB001', field || name, value::text, 'must be a whole number');
+    END IF;
+    RETURN value;
+END
+$$;
