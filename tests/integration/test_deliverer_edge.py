@@ -176,7 +176,6 @@ def test_an_idempotency_conflict_does_not_name_the_run_that_holds_the_key(ob: Ou
     with pytest.raises(IdempotencyConflict) as caught:
         prober.transaction("p", lambda tx: tx.intend("k.x", {"n": 1}, key="shared-key"))
     assert str(holder.id) not in str(caught.value)
-    assert "another run" in str(caught.value)
     first = ob.start_run("agent", "1", key="run-key", inputs={"a": 1})
     with pytest.raises(IdempotencyConflict) as caught:
         ob.start_run("agent", "1", key="run-key", inputs={"a": 2})
