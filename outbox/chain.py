@@ -8,20 +8,27 @@ algorithm, for ``outbox audit verify`` and for a run record exported by
 - ``lp(v)``: ``"~"`` for null, else ``"<UTF-8 byte length>:<v>"``; ``us(t)``: a
   timestamp as integer microseconds since the Unix epoch (as text, through ``lp``);
 - a run's chain starts at ``sha256("outbox.run.v1" lp(id) lp(agent) lp(inputs_hash))``;
-  each completed step is ``sha256(prev + "outbox.step.v2" lp(run_id) lp(step_id)
-  lp(kind) lp(status) lp(result_text) lp(error_text) lp(state_text) lp(plan_text)
-  lp(us(completed_at)))``, in the order steps completed; the run's ``step_head`` is
-  the last. Steps chained before migration 0021 are ``"outbox.step.v1"`` links,
-  without status, state and plan: a step links when either version matches its
-  hash (no edit of a v2 step can pass as v1: the messages differ). A step that is
-  not waiting must have a hash (a step is chained when it completes);
+  each completed step is ``sha256(prev + "outbox.step.v3" lp(run_id) lp(step_id)
+  lp(kind) lp(status) lp(result) lp(error) lp(state) lp(plan) lp(us(completed_at))
+  + intents)``, in the order steps completed, where the values are their own text
+  (a large one read back from its reference) and ``intents`` is, for each effect
+  the step created in ``step_index`` order, ``lp(id) lp(idempotency_key) lp(kind)
+  lp(payload_hash)``: a deleted, added or rewritten intent breaks the step's link.
+  The run's ``step_head`` is the last. Steps chained before migration 0023 are
+  ``"outbox.step.v2"`` links (the texts as stored, no intents) and before 0021
+  ``"outbox.step.v1"`` (no status, state or plan either): a step links when any
+  version matches its hash (no edit passes as another version: the messages
+  differ). A step that is not waiting must have a hash (a step is chained when it
+  completes);
 - an effect's chain starts at ``sha256("outbox.effect.v1" lp(id) lp(run_id) lp(kind)
   lp(idempotency_key) lp(payload_hash))``; each attempt-log row, in id order, is
   ``sha256(prev + "outbox.attempt.v1" lp(effect_id) lp(attempt) lp(worker)
   lp(us(started_at)) lp(us(finished_at)) lp(outcome) lp(detail_text))``;
 - ``*_text`` is PostgreSQL's rendering of the stored ``jsonb`` (a record carries it
   beside the parsed value); ``payload_hash`` and ``inputs_hash`` are the sha256 of
-  the canonical JSON (sorted keys, no spaces, UTF-8) of ``payload`` and ``inputs``.
+  the value's own text (``payload_text``; since migration 0023, as the write
+  functions compute them), or of the canonical JSON (sorted keys, no spaces,
+  UTF-8) for values written before.
 
 Effects written outside any run (``Outbox.transaction``) have the same
 attempt-log chains; :func:`verify_effect` checks one, as ``outbox audit verify``
@@ -46,6 +53,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from outbox.blobs import reference_hash
+
 __all__ = [
     "RECORD_FORMAT",
     "Break",
@@ -59,15 +68,16 @@ __all__ = [
     "run_genesis",
     "sign_record",
     "step_hash",
+    "step_intents",
     "us",
     "verify_effect",
     "verify_record",
     "verify_signature",
 ]
 
-#: v2 (migration 0021): steps carry ``state``/``plan`` and their texts, for v2 links.
-#: A v1 record (steps with v1 links only) still verifies.
-RECORD_FORMAT = "agent-outbox.run-record.v2"
+#: v3 (migration 0023): steps carry their values' own texts, effects their payload's,
+#: for v3 links. A v1 or v2 record still verifies.
+RECORD_FORMAT = "agent-outbox.run-record.v3"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -94,12 +104,35 @@ def run_genesis(run_id: str, agent: str, inputs_hash: str) -> bytes:
     return _sha(b"", "outbox.run.v1" + lp(run_id) + lp(agent) + lp(inputs_hash))
 
 
-def step_hash(prev: bytes, step: Mapping[str, Any], run_id: str, *, version: int = 2) -> bytes:
+def step_hash(
+    prev: bytes,
+    step: Mapping[str, Any],
+    run_id: str,
+    *,
+    version: int = 3,
+    intents: Sequence[Mapping[str, Any]] = (),
+) -> bytes:
     """The link of one completed step (``result_text``, ``error_text``, ``completed_us``).
 
-    Version 2 (steps completed since migration 0021) also covers ``status``,
-    ``state_text`` and ``plan_text``; version 1 is how steps were chained before.
+    Version 3 (since migration 0023) hashes the values' own texts
+    (``<field>_value_text``) and the ``intents`` the step created (effects, in
+    ``step_index`` order); version 2 (since 0021) the texts as stored with
+    ``status``, ``state_text`` and ``plan_text``; version 1 without those.
     """
+    if version >= 3:
+        fields = [
+            run_id,
+            step["step_id"],
+            step["kind"],
+            step["status"],
+            *(step.get(f"{f}_value_text", step.get(f"{f}_text")) for f in _VALUES),
+            _text(step["completed_us"]),
+        ]
+        created = "".join(
+            lp(e["id"]) + lp(e["idempotency_key"]) + lp(e["kind"]) + lp(e["payload_hash"])
+            for e in intents
+        )
+        return _sha(prev, "outbox.step.v3" + "".join(lp(f) for f in fields) + created)
     v2 = version >= 2
     fields = [
         run_id,
@@ -114,9 +147,30 @@ def step_hash(prev: bytes, step: Mapping[str, Any], run_id: str, *, version: int
     return _sha(prev, f"outbox.step.v{version}" + "".join(lp(f) for f in fields))
 
 
-def _step_follows(prev: bytes, step: Mapping[str, Any], run_id: str) -> bool:
-    """Whether ``step``'s hash is its link after ``prev``, in either version."""
+#: The values a step link covers, in order.
+_VALUES = ("result", "error", "state", "plan")
+
+
+def step_intents(
+    effects: Iterable[Mapping[str, Any]],
+) -> dict[str, list[Mapping[str, Any]]]:
+    """The effects each step created (not compensations), by step id, in ``step_index`` order."""
+    by_step: dict[str, list[Mapping[str, Any]]] = {}
+    for effect in effects:
+        if effect.get("compensates") is None and effect.get("step_id") is not None:
+            by_step.setdefault(effect["step_id"], []).append(effect)
+    for found in by_step.values():
+        found.sort(key=lambda e: (e["step_index"] if e["step_index"] is not None else -1, e["id"]))
+    return by_step
+
+
+def _step_follows(
+    prev: bytes, step: Mapping[str, Any], run_id: str, intents: Sequence[Mapping[str, Any]]
+) -> bool:
+    """Whether ``step``'s hash is its link after ``prev``, in any version."""
     stored = bytes.fromhex(step["hash"])
+    if step_hash(prev, step, run_id, intents=intents) == stored:
+        return True
     return any(step_hash(prev, step, run_id, version=v) == stored for v in (2, 1))
 
 
@@ -155,6 +209,21 @@ def canonical(value: Any) -> bytes:
 
 def _digest(value: Any) -> str:
     return hashlib.sha256(canonical(value)).hexdigest()
+
+
+def _hashes_to(value: Any, text: str | None, digest: str) -> bool:
+    """Whether a value's text (as the database renders it) hashes to ``digest``.
+
+    ``text`` must also be the value's own: a record edited to carry another text
+    beside its value does not pass. Values written before migration 0023 were
+    hashed over their canonical JSON instead, which is accepted too.
+    """
+    if text is not None and hashlib.sha256(text.encode()).hexdigest() == digest:
+        # the text hashed is the one shown: the value itself, or the blob its reference names
+        shown = reference_hash(value)
+        if (digest == shown) if shown is not None else json.loads(text) == value:
+            return True
+    return _digest(value) == digest
 
 
 @dataclass(frozen=True)
@@ -202,8 +271,9 @@ def verify_record(record: Mapping[str, Any]) -> list[Break]:
     breaks: list[Break] = []
     run = record["run"]
     rid = run["id"]
-    if _digest(run["inputs"]) != run["inputs_hash"]:
+    if not _hashes_to(run["inputs"], run.get("inputs_text"), run["inputs_hash"]):
         breaks.append(Break(f"run {rid}", "its inputs do not match inputs_hash"))
+    intents = step_intents(record["effects"])
     chained = []
     for step in record["steps"]:
         where = f"run {rid} step {step['step_id']!r}"
@@ -220,7 +290,7 @@ def verify_record(record: Mapping[str, Any]) -> list[Break]:
     head, broken = _walk(
         chained,
         run_genesis(rid, run["agent"], run["inputs_hash"]),
-        lambda prev, s: _step_follows(prev, s, rid),
+        lambda prev, s: _step_follows(prev, s, rid, intents.get(s["step_id"], ())),
     )
     if broken is not None:
         breaks.append(
@@ -241,7 +311,7 @@ def verify_effect(effect: Mapping[str, Any]) -> list[Break]:
     """Every break in one effect of a record (its payload digest, its attempt-log chain)."""
     breaks: list[Break] = []
     where = f"effect {effect['id']}"
-    if _digest(effect["payload"]) != effect["payload_hash"]:
+    if not _hashes_to(effect["payload"], effect.get("payload_text"), effect["payload_hash"]):
         breaks.append(Break(where, "its payload does not match payload_hash (altered)"))
     prev = effect_genesis(effect)
     for row in effect["attempts"]:
@@ -363,7 +433,9 @@ def effect_records(
             "kind": e["kind"],
             "idempotency_key": e["idempotency_key"],
             "payload": e["payload"],
+            "payload_text": e.get("payload_text"),
             "payload_hash": e["payload_hash"],
+            "compensates": None if e.get("compensates") is None else str(e["compensates"]),
             "status": e["status"],
             "result": e["result"],
             "approval": e["approval"],
@@ -400,6 +472,7 @@ def record_from_rows(rows: Mapping[str, Any], *, exported_at: datetime) -> dict[
             "agent_version": run["agent_version"],
             "mode": "dry_run" if run["dry_run"] else "live",
             "inputs": run["inputs"],
+            "inputs_text": run.get("inputs_text"),
             "inputs_hash": run["inputs_hash"],
             "status": run["status"],
             "result": run["result"],
@@ -421,6 +494,7 @@ def record_from_rows(rows: Mapping[str, Any], *, exported_at: datetime) -> dict[
                 "state_text": s["state_text"],
                 "plan": s["plan"],
                 "plan_text": s["plan_text"],
+                **{f"{f}_value_text": s.get(f"{f}_value_text") for f in _VALUES},
                 "completed_at": _iso(s["completed_at"]),
                 "completed_us": us(s["completed_at"]),
                 "hash": _hex(s["hash"]),

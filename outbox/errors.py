@@ -42,7 +42,6 @@ worker's handler when its run parks in a wait, as psycopg's ``Rollback`` is.
 from __future__ import annotations
 
 import math
-import re
 import reprlib
 from typing import Any
 
@@ -168,20 +167,11 @@ class EffectNotFound(NotFound):
 
 
 class IdempotencyConflict(OutboxError):
-    """An idempotency key was reused with a different payload (Stripe's rule: refuse).
-
-    The message never names the run that holds the key ("another run"): whoever
-    probes a key learns that it is taken, not by whom.
-    """
+    """An idempotency key was reused with a different payload (Stripe's rule: refuse)."""
 
     def __init__(self, key: str, detail: str = "already intended with a different payload") -> None:
         self.key = key
-        super().__init__(f"idempotency_key={key!r}: {_OTHER_RUN.sub('another run', detail)}")
-
-
-_OTHER_RUN = re.compile(
-    r"\brun [0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"
-)
+        super().__init__(f"idempotency_key={key!r}: {detail}")
 
 
 class RunExists(IdempotencyConflict):

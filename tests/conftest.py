@@ -38,7 +38,8 @@ def _no_outbox_environment() -> Iterator[None]:
     """A developer's OUTBOX_* variables must not leak into the suite (or its subprocesses)."""
     saved = {k: v for k, v in os.environ.items() if k.startswith("OUTBOX_")}
     for name in saved:
-        if name != "OUTBOX_TEST_DSN":
+        # Where the suite's own servers come from is not the developer's agent settings.
+        if name not in ("OUTBOX_TEST_DSN", "OUTBOX_CITUS_DIR"):
             del os.environ[name]
     yield
     os.environ.update(saved)

@@ -1,5 +1,6 @@
-"""Framework adapters: agents written with Pydantic AI or LangGraph, run as agent-outbox runs.
+"""Framework adapters: Pydantic AI, LangGraph and OpenAI Agents SDK agents as agent-outbox runs.
 
 Each adapter is an optional extra (``pip install 'agent-outbox[pydantic-ai]'``,
-``'agent-outbox[langgraph]'``) and imports its framework only when imported.
+``'agent-outbox[langgraph]'``, ``'agent-outbox[openai-agents]'``) and imports
+its framework only when imported.
 """

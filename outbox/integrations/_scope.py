@@ -1,4 +1,4 @@
-"""What both framework adapters share: the run an agent works for, step ids, effects and signals.
+"""What the framework adapters share: the run an agent works for, step ids, effects and signals.
 
 A framework's agent runs inside :func:`in_run`; its model requests and tool
 calls become steps of that run, named by the adapter. Inside a tool step,
@@ -64,6 +64,17 @@ class Scope:
         n = self.counts.get(key, 0) + 1
         self.counts[key] = n
         return f"{key}#{n}"
+
+    def release(self, step_id: str) -> None:
+        """Give back ``step_id``'s number if it is still the last one taken.
+
+        A framework that retries a failed model request calls the model again
+        for the same request: it must get the same step, or a replay would find
+        the failed attempt's step empty and call the model once more.
+        """
+        key, _, n = step_id.rpartition("#")
+        if self.counts.get(key) == int(n):
+            self.counts[key] = int(n) - 1
 
 
 _SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(

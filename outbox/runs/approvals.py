@@ -47,7 +47,12 @@ class ApprovalDecision:
 
 
 def payload_digest(payload: Any) -> str:
-    """The digest an approval names: sha256 of the payload's canonical JSON (as written)."""
+    """The digest an approval names of a payload written before migration 0023.
+
+    Since then a payload's digest is the sha256 of its text as PostgreSQL renders
+    its ``jsonb`` (computed there, as it is written: ``payload_hash``); before, the
+    sha256 of its canonical JSON.
+    """
     return content_hash(encode(payload, field="payload", max_bytes=2**31))
 
 
@@ -88,7 +93,7 @@ def decide(
         return refuse(
             f"digest {digest[:16]}... names another payload (this one is {row.payload_hash})"
         )
-    if payload_digest(row.payload) != row.payload_hash:
+    if row.payload_hash not in (row.payload_digest, payload_digest(row.payload)):
         return refuse("the stored payload no longer matches its recorded digest: it was altered")
     if row.due:
         status = _on_timeout(tx, row)

@@ -22,7 +22,13 @@ from outbox.gates import ApprovalPolicy
 from outbox.models import Effect, RunStatus
 from outbox.payloads import Encoded
 from outbox.runs.context import AsyncRunContext
-from outbox.runs.intents import OutboxTransaction, StepWrites, _Prepared, intend_options
+from outbox.runs.intents import (
+    OutboxTransaction,
+    StepWrites,
+    _Prepared,
+    intend_options,
+    pending_intents,
+)
 from outbox.runs.run_base import AlreadyRecorded, RunBase
 from outbox.runs.waits import Pending, WaitSpec, wait_until
 from outbox.storage import AsyncConnection, Connection
@@ -302,7 +308,7 @@ class AsyncRun(RunBase):
                     _check_awaited(tx._unawaited, f"step {step_id!r}")
                     result = self._encode_result(value)
                 assert result is not None
-                has_intents = tx.pending_intents > 0
+                has_intents = pending_intents(tx) > 0
                 notified = wakeup.inline() if has_intents else None
                 outcome = await conn.run_sync(
                     self._close_step, tx, step_id, kind, result, notified, connection is None

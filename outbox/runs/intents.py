@@ -55,7 +55,15 @@ class RunHandle(Protocol):
     def dry_run(self) -> bool: ...
 
 
-__all__ = ["OutboxTransaction", "StepTransaction", "StepWrites", "intend_options"]
+__all__ = [
+    "OutboxTransaction",
+    "StepTransaction",
+    "StepWrites",
+    "committed_values",
+    "intend_options",
+    "pending_intents",
+    "step_checkpoint",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,52 +362,6 @@ class StepWrites:
             value, field=field, max_bytes=self.run.context.settings.max_payload_bytes
         )
 
-    @property
-    def debit(self) -> Decimal:
-        """What this step's debits take from the run's budget."""
-        return sum((amount for _, amount in self._spends), Decimal(0))
-
-    @property
-    def reserve(self) -> Decimal:
-        """What this step's costly intents hold of the run's budget until they settle."""
-        return self._reserve
-
-    @property
-    def pending_intents(self) -> int:
-        """How many intents this step will write."""
-        return self._intents.pending
-
-    def checkpoint(
-        self, kind: str, result: Encoded, *, lease: Lease | None, wake: bool | None
-    ) -> StepCheckpoint:
-        """What the step commits, as the write function takes it."""
-        return StepCheckpoint(
-            run_id=self.run.id,
-            step_id=self.step_id,
-            kind=kind,
-            result_json=result.json,
-            state_json=None if self._state is None else self._state.json,
-            plan_json=None if self._plan is None else self._plan.json,
-            intents=tuple(self._intents.rows),
-            spends=tuple(self._spends),
-            lease=lease,
-            wake=wake,
-        )
-
-    def committed_values(self) -> dict[str, Any]:
-        """The run record's fields this step changed, as the write function moved them."""
-        record = self.run.record
-        changed: dict[str, Any] = {"current_step": self.step_id}
-        if self._state is not None:
-            changed["state"] = self._state.value()
-        if self._plan is not None:
-            changed["plan"] = self._plan.value()
-        if self._spends:
-            changed["spent"] = record.spent + self.debit
-        if self._reserve:
-            changed["reserved"] = record.reserved + self._reserve
-        return changed
-
     def _prepare_intent(
         self, kind: str, payload: Any, options: dict[str, Any]
     ) -> tuple[_Prepared | Effect, int]:
@@ -505,6 +467,44 @@ class StepTransaction(StepWrites):
         if not isinstance(prepared, Effect) and prepared.caller_key:
             existing = self._intents.lookup(prepared.key)
         return self._record_intent(prepared, existing, before)
+
+
+def step_checkpoint(
+    tx: StepWrites, kind: str, result: Encoded, *, lease: Lease | None, wake: bool | None
+) -> StepCheckpoint:
+    """What the step ``tx`` commits, as the write function takes it."""
+    return StepCheckpoint(
+        run_id=tx.run.id,
+        step_id=tx.step_id,
+        kind=kind,
+        result_json=result.json,
+        state_json=None if tx._state is None else tx._state.json,
+        plan_json=None if tx._plan is None else tx._plan.json,
+        intents=tuple(tx._intents.rows),
+        spends=tuple(tx._spends),
+        lease=lease,
+        wake=wake,
+    )
+
+
+def pending_intents(tx: StepWrites | OutboxTransaction) -> int:
+    """How many intents ``tx`` will write when it commits."""
+    return tx._intents.pending
+
+
+def committed_values(tx: StepWrites) -> dict[str, Any]:
+    """The run record's fields the committed step ``tx`` changed (as the function moved them)."""
+    record = tx.run.record
+    changed: dict[str, Any] = {"current_step": tx.step_id}
+    if tx._state is not None:
+        changed["state"] = tx._state.value()
+    if tx._plan is not None:
+        changed["plan"] = tx._plan.value()
+    if tx._spends:
+        changed["spent"] = record.spent + sum((a for _, a in tx._spends), Decimal(0))
+    if tx._reserve:
+        changed["reserved"] = record.reserved + tx._reserve
+    return changed
 
 
 def _amount(amount: Any) -> Decimal:

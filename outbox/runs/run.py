@@ -15,7 +15,7 @@ from outbox.errors import RunStateError
 from outbox.faults import crash_point
 from outbox.models import Effect, RunStatus
 from outbox.payloads import Encoded
-from outbox.runs.intents import StepTransaction
+from outbox.runs.intents import StepTransaction, pending_intents
 from outbox.runs.run_base import AlreadyRecorded, RunBase, Suspended
 from outbox.runs.waits import Pending, WaitSpec, block_until
 from outbox.storage import Connection
@@ -162,7 +162,7 @@ class Run(RunBase):
                     crash_point("step_end", step_id, run=self.id)
                     result = self._encode_result(value)
                 assert result is not None
-                has_intents = tx.pending_intents > 0
+                has_intents = pending_intents(tx) > 0
                 notified = wakeup.inline() if has_intents else None
                 outcome = self._close_step(
                     conn, tx, step_id, kind, result, notified, connection is None

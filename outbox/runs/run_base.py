@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -37,7 +36,7 @@ from outbox.models import (
 )
 from outbox.payloads import Encoded, encode_value
 from outbox.runs.context import RunContext
-from outbox.runs.intents import StepWrites
+from outbox.runs.intents import StepWrites, committed_values, step_checkpoint
 from outbox.runs.waits import Pending, WaitSpec, check_wait, recorded_error
 from outbox.storage import Connection, writes
 from outbox.storage.run_tx import RunTx
@@ -243,11 +242,8 @@ class RunBase:
         if alone:
             # The call below is the commit: a crash "before commit" is before it.
             crash_point("before_step_commit", step_id, run=self.id)
-        step = tx.checkpoint(
-            kind, result, lease=self._lease, wake=None if notified is None else True
-        )
-        if notified is None and tx.pending_intents:
-            step = replace(step, wake=False)
+        # The client's throttle decides the wake-up (a NOTIFY in this commit, or none).
+        step = step_checkpoint(tx, kind, result, lease=self._lease, wake=notified is not None)
         written = writes.commit_step(conn, step, alone=alone)
         if not alone:
             crash_point("before_step_commit", step_id, run=self.id)
@@ -265,7 +261,7 @@ class RunBase:
 
         In a worker, a pause that waited for this step raises :class:`Paused` here.
         """
-        self._record = self._record.model_copy(update=tx.committed_values())
+        self._record = self._record.model_copy(update=committed_values(tx))
         value = result.value()
         self._steps[step_id] = StepRecord(
             run_id=self.id,

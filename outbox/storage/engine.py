@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from decimal import Decimal
@@ -175,26 +176,34 @@ def sql_api_error(sqlstate: str | None, message: str, detail: str | None) -> Out
         case "OB003":
             return IdempotencyConflict(fields["key"], fields["reason"])
         case "OB004":
-            return RunNotFound(fields["run_id"])
+            return RunNotFound(_uuid(fields["run_id"]))
         case "OB005":
-            return RunTerminal(fields["run_id"], fields["status"])
+            return RunTerminal(_uuid(fields["run_id"]), fields["status"])
         case "OB006":
-            return StepAlreadyRecorded(fields["run_id"], fields["step_id"])
+            return StepAlreadyRecorded(_uuid(fields["run_id"]), fields["step_id"])
         case "OB007":
             return BudgetExceeded(
-                fields["run_id"],
+                _uuid(fields["run_id"]),
                 float(Decimal(str(fields["requested"]))),
                 float(Decimal(str(fields["remaining"]))),
             )
         case "OB008":
             return RunStateError(message)
         case "OB009":
-            return RunPaused(fields["run_id"], fields.get("reason"))
+            return RunPaused(_uuid(fields["run_id"]), fields.get("reason"))
         case "OB010":
-            return RunExists(fields["key"], fields["run_id"])
+            return RunExists(fields["key"], _uuid(fields["run_id"]))
         case "OB011":
             return LeaseLost(message)
     return DatabaseError(message, sqlstate=sqlstate)
+
+
+def _uuid(value: Any) -> Any:
+    """A run id from a refusal's DETAIL, as the Python client names runs (a UUID)."""
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return value
 
 
 @contextmanager
@@ -234,7 +243,9 @@ def translate_errors(action: str) -> Iterator[None]:
             detail = getattr(diag, "message_detail", None) or ""
             match = re.search(r"\(idempotency_key\)=\((.*)\) already exists", detail)
             key = match[1] if match else "<unknown>"
-            raise IdempotencyConflict(key, f"while {action}: already intended") from exc
+            raise IdempotencyConflict(
+                key, f"intended concurrently by another transaction (while {action})"
+            ) from exc
         if isinstance(exc, sqlalchemy.exc.IntegrityError) and constraint == "outbox_runs_pkey":
             detail = getattr(diag, "message_detail", None) or ""
             match = re.search(r"\(id\)=\((.*)\) already exists", detail)

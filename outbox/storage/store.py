@@ -199,11 +199,10 @@ class Store:
 
     def audit_rows(self, run_id: UUID) -> dict[str, Any]:
         """Everything the audit of one run reads, in one snapshot (repeatable read)."""
-        run_q, _ = sql.run_with_steps()
         with translate_errors("reading a run's record"), self.engine.connect() as conn:
             conn = conn.execution_options(isolation_level="REPEATABLE READ")
             with conn.begin():
-                run = conn.execute(run_q, {"run_id": run_id}).one_or_none()
+                run = conn.execute(gov_sql.audit_run(), {"run_id": run_id}).one_or_none()
                 if run is None:
                     return {}
                 params = {"run_id": run_id}

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 import psycopg
 from sqlalchemy import Connection
+from sqlalchemy.util import await_only
 
 from outbox.errors import StepAlreadyRecorded
 from outbox.models import Lease
@@ -174,10 +174,50 @@ _FINISH_RUN = "SELECT outbox_finish_run(%s, %s, %s::jsonb, %s::jsonb, %s, %s)"
 _COMPENSATE = "SELECT outbox_intend_compensations(%s, %s)"
 
 
-def _driver(conn: Connection) -> psycopg.Connection[Any]:
-    driver = conn.connection.dbapi_connection
+def _call(conn: Connection, query: str, params: Sequence[Any], *, alone: bool = False) -> _Rows:
+    """Run one prepared call on ``conn``'s driver connection; its rows, fetched.
+
+    The SQLAlchemy connection of the async client runs its sync code in a greenlet
+    (``run_sync``): its driver connection is psycopg's async one, awaited in place.
+    With ``alone`` the connection is in autocommit for this call only.
+    """
+    driver = conn.connection.driver_connection
+    if isinstance(driver, psycopg.AsyncConnection):
+        rows: _Rows = await_only(_call_async(driver, query, params, alone))
+        return rows
     assert isinstance(driver, psycopg.Connection)
-    return driver
+    if alone:
+        driver.autocommit = True
+    try:
+        return _Rows(driver.execute(query, params, prepare=True))
+    finally:
+        if alone and not driver.closed:
+            driver.autocommit = False
+
+
+async def _call_async(
+    driver: psycopg.AsyncConnection[Any], query: str, params: Sequence[Any], alone: bool
+) -> _Rows:
+    if alone:
+        await driver.set_autocommit(True)
+    try:
+        cursor = await driver.execute(query, params, prepare=True)
+        return _Rows(cursor, await cursor.fetchall())
+    finally:
+        if alone and not driver.closed:
+            await driver.set_autocommit(False)
+
+
+class _Rows:
+    """A call's rows and column names, whichever driver connection ran it."""
+
+    def __init__(self, cursor: Any, rows: list[Any] | None = None) -> None:
+        self.rows: list[Any] = cursor.fetchall() if rows is None else rows
+        self.names = [c.name for c in cursor.description or ()]
+
+    def one(self) -> Any:
+        assert len(self.rows) == 1, self.rows
+        return self.rows[0]
 
 
 def untouched(conn: Connection) -> bool:
@@ -186,21 +226,9 @@ def untouched(conn: Connection) -> bool:
     A call sent then may commit on its own: one round trip instead of three
     (BEGIN, the call, COMMIT).
     """
-    return _driver(conn).info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-
-
-@contextmanager
-def _alone(driver: psycopg.Connection[Any], alone: bool) -> Iterator[None]:
-    """Autocommit for one call on a connection that has sent nothing yet (``alone``)."""
-    if not alone:
-        yield
-        return
-    driver.autocommit = True
-    try:
-        yield
-    finally:
-        if not driver.closed:
-            driver.autocommit = False
+    driver = conn.connection.driver_connection
+    assert isinstance(driver, psycopg.Connection | psycopg.AsyncConnection)
+    return bool(driver.info.transaction_status == psycopg.pq.TransactionStatus.IDLE)
 
 
 def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) -> StepWritten:
@@ -225,13 +253,11 @@ def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) 
         None if lease is None else lease.attempt,
         step.wake,
     )
-    driver = _driver(conn)
     try:
-        with translate_errors("committing a step"), _alone(driver, alone):
-            row = driver.execute(_COMMIT_STEP, params, prepare=True).fetchone()
+        with translate_errors("committing a step"):
+            row = _call(conn, _COMMIT_STEP, params, alone=alone).one()
     except StepAlreadyRecorded as exc:
         raise StepTaken from exc
-    assert row is not None
     return StepWritten(int(row[0]), tuple(row[1]), bool(row[2]))
 
 
@@ -239,15 +265,13 @@ def intend(
     conn: Connection, rows: Sequence[IntentRow], *, wake: bool | None
 ) -> list[tuple[uuid.UUID, str, bool]]:
     """Write intents of no run in ``conn``'s transaction: (effect id, key, created) each."""
-    driver = _driver(conn)
     with translate_errors("writing intents"):
-        found = driver.execute(_INTEND, (intents_json(rows), wake), prepare=True).fetchall()
+        found = _call(conn, _INTEND, (intents_json(rows), wake)).rows
     return [(r[0], r[1], bool(r[2])) for r in found]
 
 
 def begin_run(conn: Connection, start: RunStart) -> tuple[dict[str, Any], bool]:
     """Start a run (or find the one its key names): its row as stored, and whether it is new."""
-    driver = _driver(conn)
     params = (
         start.agent,
         start.version,
@@ -263,11 +287,8 @@ def begin_run(conn: Connection, start: RunStart) -> tuple[dict[str, Any], bool]:
         start.wake,
     )
     with translate_errors("starting a run"):
-        cursor = driver.execute(_BEGIN_RUN, params, prepare=True)
-        row = cursor.fetchone()
-        assert row is not None and cursor.description is not None
-        names = [c.name for c in cursor.description]
-    mapping = dict(zip(names, row, strict=True))
+        found = _call(conn, _BEGIN_RUN, params)
+    mapping = dict(zip(found.names, found.one(), strict=True))
     created = bool(mapping.pop("created"))
     return mapping, created
 
@@ -291,7 +312,7 @@ def finish_run(
         None if lease is None else lease.attempt,
     )
     with translate_errors("finishing a run"):
-        _driver(conn).execute(_FINISH_RUN, params, prepare=True)
+        _call(conn, _FINISH_RUN, params)
 
 
 def intend_compensations(
@@ -299,6 +320,5 @@ def intend_compensations(
 ) -> int:
     """Intend the compensations of a stopping run's effects ``originals``; how many were new."""
     with translate_errors("intending compensations"):
-        row = _driver(conn).execute(_COMPENSATE, (run_id, list(originals))).fetchone()
-    assert row is not None
+        row = _call(conn, _COMPENSATE, (run_id, list(originals))).one()
     return int(row[0])

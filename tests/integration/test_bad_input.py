@@ -409,7 +409,7 @@ def test_a_chosen_run_id_must_be_a_uuid(ob: Outbox, run_id: object) -> None:
 def test_a_duplicate_run_id_is_a_validation_error(ob: Outbox) -> None:
     run_id = uuid.uuid4()
     ob.start_run("a", "1", {"first": True}, run_id=run_id)
-    with pytest.raises(ValidationError, match="exists already") as info:
+    with pytest.raises(ValidationError, match="names a run started with another") as info:
         ob.start_run("a", "1", {"second": True}, run_id=run_id)
     assert info.value.field == "run_id"
     assert ob.run(run_id).inputs == {"first": True}

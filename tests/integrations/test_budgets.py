@@ -1,7 +1,8 @@
 """Over budget, a worker stops paying: no model call the budget cannot cover, no step retries.
 
 Real agents on the frameworks' offline models (Pydantic AI's ``FunctionModel``,
-LangGraph on langchain-core's fake chat model) and plain handlers, run by real
+LangGraph on langchain-core's fake chat model, the OpenAI Agents SDK on a scripted
+``Model``) and plain handlers, run by real
 sync and async workers on a real PostgreSQL; the tests count model calls and
 handler entries.
 """
@@ -152,3 +153,51 @@ def test_a_worker_fails_an_over_budget_run_without_retrying_its_step(ob: Outbox,
     assert done.record.error["step"] == "pay"
     assert done.record.error["failures"] == 1
     assert done.record.spent == 0
+
+
+def test_an_openai_agent_over_budget_is_not_retried_even_by_a_retry_everything_policy(
+    ob: Outbox, tmp_path: Path
+) -> None:
+    """Half a request left: the SDK's retry policy says retry, the run's refusal says no."""
+    from agents import Agent, ModelSettings, function_tool
+    from agents.retry import ModelRetrySettings
+    from agents.testing import function_call
+
+    from outbox.integrations.openai_agents import run_agent
+    from tests.integrations.openai_agent import ScriptedModel, offline
+
+    @function_tool
+    def lookup_order(order_id: str) -> str:
+        """Look an order up."""
+        return f"{order_id}: open"
+
+    def script(done: list[Any]) -> list[Any]:
+        n = len(done) + 1
+        return [function_call("lookup_order", {"order_id": f"o-{n}"}, call_id=f"c{n}")]
+
+    model_log = tmp_path / "model.log"
+    retry = ModelRetrySettings(max_retries=3, backoff={"initial_delay": 0}, policy=lambda c: True)
+    agent = Agent(
+        name="oa-spender",
+        model="scripted",
+        tools=[lookup_order],
+        model_settings=ModelSettings(retry=retry),
+    )
+    entries: list[str] = []
+
+    async def handler(run: AsyncRun) -> Any:
+        entries.append(str(run.id))
+        model = ScriptedModel(script, str(model_log))
+        return (await run_agent(run, agent, "look up", run_config=offline(model))).final_output
+
+    run = ob.start_run("oa-spender", "1", {}, budget=1.5 * COST)
+    with WorkerThread(ob, "oa-spender", "1", handler, retry_base_seconds=0.01, poll_seconds=0.05):
+        done = failed(ob, run.id)
+    # the second request was made once and refused at commit; neither the SDK nor the worker
+    # paid for it again
+    assert lines(model_log) == ["request 1", "request 2"]
+    assert len(entries) == 1
+    assert done.record.spent == COST
+    assert done.record.error["type"] == "BudgetExceeded"
+    assert done.record.error["step"] == "agent:model#2"
+    assert done.record.error["failures"] == 1

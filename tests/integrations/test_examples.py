@@ -15,7 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     ("script", "applied"),
-    [("pydantic_ai_refunds.py", "sink: 1 refund applied"), ("langgraph_refunds.py", "sink: 2")],
+    [
+        ("pydantic_ai_refunds.py", "sink: 1 refund applied"),
+        ("langgraph_refunds.py", "sink: 2"),
+        ("openai_agents_refunds.py", "sink: 1 refund applied"),
+    ],
 )
 def test_an_example_completes_and_its_replay_calls_no_model(
     script: str, applied: str, sub_env: dict[str, str], tmp_path: Path

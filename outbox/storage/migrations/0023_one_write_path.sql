@@ -237,7 +237,7 @@ BEGIN
             SELECT coalesce(bool_and(i.screened), true)
                    AND (stored IS NOT NULL OR outbox_values_screened(v.result_text, v.state_text,
                                                                      v.plan_text))
-                   AND count(*) + coalesce((tx_step->>'count')::integer, 0)
+                   AND count(i.id) + coalesce((tx_step->>'count')::integer, 0)
                        <= outbox_limit('max_step_intents')
                    AND coalesce(sum(i.payload_size), 0) + coalesce((tx_step->>'bytes')::bigint, 0)
                        <= outbox_limit('max_step_bytes') AS screened,
@@ -245,16 +245,19 @@ BEGIN
                        + coalesce((tx_step->>'reserve')::numeric, 0) AS reserve,
                    CASE WHEN chain = '[]' THEN coalesce(string_agg(outbox_intent_link(i.id,
                             i.idempotency_key, i.kind, i.payload_hash), '' ORDER BY i.step_index, i.id)
-                            FILTER (WHERE i.existing IS NULL AND i.first_n IS NULL), '')
+                            FILTER (WHERE i.id IS NOT NULL AND i.existing IS NULL AND i.first_n IS NULL), '')
                         -- with outbox_intend's intents of this step: all of them in order
                         ELSE outbox_intents_chain(chain || coalesce(jsonb_agg(jsonb_build_array(
                             i.step_index, i.id, outbox_intent_link(i.id, i.idempotency_key, i.kind,
                                                                    i.payload_hash)))
-                            FILTER (WHERE chain <> '[]' AND i.existing IS NULL AND i.first_n IS NULL),
+                            FILTER (WHERE chain <> '[]' AND i.id IS NOT NULL AND i.existing IS NULL
+                                   AND i.first_n IS NULL),
                             '[]')) END AS chain_text,
-                   coalesce(array_agg(coalesce(i.existing, i.id) ORDER BY i.n), '{}') AS ids,
+                   coalesce(array_agg(coalesce(i.existing, i.id) ORDER BY i.n)
+                            FILTER (WHERE i.id IS NOT NULL), '{}') AS ids,
                    CASE WHEN firsts IS NOT NULL
-                        THEN coalesce(array_agg(i::outbox_intent ORDER BY i.n), '{}') END AS rows
+                        THEN coalesce(array_agg(i::outbox_intent ORDER BY i.n)
+                                      FILTER (WHERE i.id IS NOT NULL), '{}') END AS rows
               FROM v LEFT JOIN i ON true
              GROUP BY v.result_text, v.state_text, v.plan_text
         ), run_upd AS (

@@ -39,6 +39,7 @@ __all__ = [
     "approve_held",
     "attempts_of_effects",
     "attempts_of_run",
+    "audit_run",
     "delete_gates",
     "due_approvals",
     "effects_outside_runs",
@@ -67,6 +68,10 @@ def lock_effect() -> AnySelect:
             effects.c.status,
             effects.c.payload,
             effects.c.payload_hash,
+            # what payload_hash must be: the sha256 of the payload's own text, now
+            func.encode(
+                func.sha256(func.convert_to(_value_text(effects.c.payload), "UTF8")), "hex"
+            ).label("payload_digest"),
             effects.c.attempt,
             effects.c.approval,
             effects.c.approval_deadline,
@@ -305,8 +310,24 @@ def recorded_result() -> AnySelect:
 # -- audit ------------------------------------------------------------------------------
 
 
+def _value_text(column: Any) -> Any:
+    """The text of a stored value, a large one read back from its reference (v3 links hash it)."""
+    return func.outbox_resolve(column).cast(Text)
+
+
+def audit_run() -> AnySelect:
+    """The run ``:run_id`` with its inputs' own text (what ``inputs_hash`` is the sha256 of)."""
+    return select(runs, _value_text(runs.c.inputs).label("inputs_text")).where(
+        runs.c.id == bindparam("run_id", type_=UUID(as_uuid=True))
+    )
+
+
 def run_steps() -> AnySelect:
-    """A run's steps with the ``jsonb`` texts their chain hashes (result, error, state, plan)."""
+    """A run's steps with the ``jsonb`` texts their chain hashes (result, error, state, plan).
+
+    ``<field>_text`` is the text as stored (v1 and v2 links), ``<field>_value_text``
+    the value's own (v3 links: a reference read back).
+    """
     return (
         select(
             steps,
@@ -314,6 +335,10 @@ def run_steps() -> AnySelect:
             steps.c.error.cast(Text).label("error_text"),
             steps.c.state.cast(Text).label("state_text"),
             steps.c.plan.cast(Text).label("plan_text"),
+            _value_text(steps.c.result).label("result_value_text"),
+            _value_text(steps.c.error).label("error_value_text"),
+            _value_text(steps.c.state).label("state_value_text"),
+            _value_text(steps.c.plan).label("plan_value_text"),
         )
         .where(steps.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
         .order_by(steps.c.seq)
@@ -321,9 +346,9 @@ def run_steps() -> AnySelect:
 
 
 def run_effects() -> AnySelect:
-    """A run's effects in intent order (``:run_id``; see :func:`effects_outside_runs`)."""
+    """A run's effects in intent order, with their payload's own text (``:run_id``)."""
     return (
-        select(effects)
+        select(effects, _value_text(effects.c.payload).label("payload_text"))
         .where(effects.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
         .order_by(effects.c.seq)
     )
@@ -346,7 +371,7 @@ def effects_outside_runs() -> AnySelect:
     page passes one above any) and ``page_size``. Found by the ``(run_id, seq)`` index.
     """
     return (
-        select(effects)
+        select(effects, _value_text(effects.c.payload).label("payload_text"))
         .where(effects.c.run_id.is_(None), effects.c.seq < bindparam("before", type_=BigInteger))
         .order_by(effects.c.seq.desc())
         .limit(bindparam("page_size", type_=Integer))

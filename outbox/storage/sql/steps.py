@@ -31,6 +31,7 @@ __all__ = [
     "run_with_steps",
 ]
 
+
 def effect_by_key() -> AnySelect:
     """The effect holding ``:key``, if any."""
     return select(effects).where(effects.c.idempotency_key == bindparam("key"))
