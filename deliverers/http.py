@@ -30,7 +30,7 @@ import os
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -59,6 +59,8 @@ from outbox.errors import ConfigurationError
 from outbox.intent_rules import find_violation
 
 __all__ = ["Credential", "HttpConfig", "HttpDeliverer", "HttpRequest", "parse_retry_after"]
+
+_V = TypeVar("_V")
 
 RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 # Statuses that say the request was not processed: safe to resend even without dedup.
@@ -104,7 +106,7 @@ class HttpRequest(BaseModel):
         return _intent_rules("headers", value)
 
 
-def _intent_rules(field: str, value: Any) -> Any:
+def _intent_rules(field: str, value: _V) -> _V:
     """``value``, or a ValueError when the intent rules refuse it (defence in depth).
 
     The write path checks the same rules; a row can still reach the table
