@@ -185,6 +185,9 @@ def starts_a_stubborn_helper(run: Run) -> Any:
         return helper.pid
 
     run.call("start-helper", start)
+    # Time for a test to interrupt the check while this worker and its helper live.
+    linger = float(os.environ.get("CHECK_HELPER_LINGER", "0"))
+    run.call("linger", lambda: time.sleep(linger))
     return run.transaction("done", lambda tx: tx.set_state({"helper": "started"}) or {"ok": True})
 
 

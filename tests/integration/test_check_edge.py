@@ -122,3 +122,67 @@ def test_an_agents_children_die_with_their_worker(
         for pid in [int(line) for line in pids_file.read_text().split()]:
             if _alive(pid):
                 os.kill(pid, 9)
+
+
+def _descendants(root: int) -> set[int]:
+    """Every process under ``root`` (from /proc), at this moment."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            parents[int(entry.name)] = int(fields[1])
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_a_check_stopped_by_sigterm_to_its_group_leaves_no_process_behind(
+    admin_dsn: str, tmp_path: Path
+) -> None:
+    """What `timeout`, a CI runner or a service manager does: SIGTERM to the whole group."""
+    pids_file = tmp_path / "helpers"
+    pids_file.touch()
+    env = {
+        **os.environ,
+        "OUTBOX_HOME": str(tmp_path / "never-used"),
+        "CHECK_HELPER_PIDS": str(pids_file),
+        "CHECK_HELPER_LINGER": "60",
+    }
+    env.pop("OUTBOX_DSN", None)
+    args = ["check", f"{AGENTS}:starts_a_stubborn_helper", "--agent", "checkout"]
+    check_proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox", *args, "--version", "1", "--dsn", admin_dsn],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        process_group=0,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not pids_file.read_text().strip() and time.monotonic() < deadline:
+            assert check_proc.poll() is None, "the check ended before its helper started"
+            time.sleep(0.2)
+        assert pids_file.read_text().strip(), "no helper started"
+        time.sleep(0.5)
+        under = _descendants(check_proc.pid)
+        assert under, "the check has no processes"
+        os.killpg(check_proc.pid, 15)
+        assert check_proc.wait(timeout=60) != 0
+        helpers = {int(line) for line in pids_file.read_text().split()}
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in under | helpers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in under | helpers if _alive(p)] == []
+    finally:
+        if check_proc.poll() is None:
+            os.killpg(check_proc.pid, 9)
+            check_proc.wait(timeout=30)
+        for pid in [int(line) for line in pids_file.read_text().split()]:
+            if _alive(pid):
+                os.kill(pid, 9)
