@@ -157,3 +157,33 @@ def test_the_api_token_is_its_own_credential(tmp_path) -> None:  # type: ignore[
     )
     assert "api-token" not in repr(from_env)
     assert not Credentials().may_call_api("anything-at-all-0123")
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Conn:
+    def __init__(self) -> None:
+        self.transport = _Transport()
+
+
+def test_connections_are_capped_per_client_and_the_longest_waiting_makes_room() -> None:
+    from outbox.serve.transport import _Connections
+
+    state = _Connections(per_client=2, total=3)
+    a, b, c, d, e = (_Conn() for _ in range(5))
+    assert state.admit(a, "10.0.0.1") and state.admit(b, "10.0.0.1")  # type: ignore[arg-type]
+    assert not state.admit(c, "10.0.0.1")  # type: ignore[arg-type]  # the client's cap
+    assert state.admit(d, "10.0.0.2")  # type: ignore[arg-type]
+    state.waiting.update({b: None, d: None})  # type: ignore[dict-item]  # b waits longest
+    assert state.admit(e, "10.0.0.3")  # type: ignore[arg-type]  # full: b is closed for it
+    assert b.transport.closed and not d.transport.closed and not a.transport.closed
+    state.release("10.0.0.1")  # b's connection_lost
+    assert state.by_client == {"10.0.0.1": 1, "10.0.0.2": 1, "10.0.0.3": 1}
+    state.waiting.clear()  # every connection busy with a request: a new one is refused
+    assert not state.admit(_Conn(), "10.0.0.4")  # type: ignore[arg-type]
