@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Column, Engine, MetaData, Table
+from sqlalchemy import Column, Engine, MetaData, Table, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 
@@ -94,6 +94,31 @@ def bare_insert(engine: Engine) -> Callable[[int], Work]:
     return make
 
 
+#: The hand-written floor of a step's database work: the caller's row and one intent row.
+PAIR = (
+    "INSERT INTO outbox_effects (id, kind, payload, payload_hash, idempotency_key, status)"
+    " VALUES (:id, 'bench.write', CAST(:payload AS jsonb), :hash, :key, 'pending')"
+)
+
+
+def insert_pair(engine: Engine) -> Callable[[int], Work]:
+    """The caller's row and one intent row inserted by hand, one transaction (no run, no step)."""
+
+    def make(w: int) -> Work:
+        def work(i: int) -> None:
+            with engine.begin() as conn:
+                conn.execute(scratch.insert(), {"id": uuid.uuid4(), "body": {"w": w, "i": i}})
+                key = uuid.uuid4().hex
+                conn.execute(
+                    text(PAIR),
+                    {"id": uuid.uuid4(), "payload": f'{{"i": {i}, "w": {w}}}', "hash": key, "key": key},
+                )
+
+        return work
+
+    return make
+
+
 def steps(ob: Outbox) -> Callable[[int], Work]:
     def make(w: int) -> Work:
         run = ob.start_run(agent="bench-write", version="1")
@@ -115,7 +140,10 @@ def write(bench: Bench, workdir: Path, quick: bool) -> dict[str, Any]:
     outboxes = {
         name: Outbox.connect(bench.dsn, notify_window_ms=ms) for name, ms in VARIANTS.items()
     }
-    makers = {"bare_insert": functools.partial(bare_insert, engine)}
+    makers = {
+        "bare_insert": functools.partial(bare_insert, engine),
+        "insert_pair": functools.partial(insert_pair, engine),
+    }
     makers.update({name: functools.partial(steps, ob) for name, ob in outboxes.items()})
     names = list(makers)
     out: dict[str, Any] = {"seconds": seconds}

@@ -22,7 +22,7 @@ import pytest
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import EffectStatus, Outbox, RunStatus
-from outbox.payloads import content_hash, encode
+from outbox.payloads import content_hash, jsonb_text
 from outbox.serve.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from outbox.testing.processes import start_deliverer
 from tests.support import wait_for
@@ -159,7 +159,7 @@ def test_a_held_payment_is_released_only_by_its_own_digest_and_the_run_resumes(
 
     # The approver was shown another payload (the amount tampered with): its digest.
     other = {**held.payload, "json": {**held.payload["json"], "amount": 125}}
-    wrong = content_hash(encode(other, field="payload"))
+    wrong = content_hash(jsonb_text(other))
     refused = cli(env, "effects", "approve", str(held.id), "--digest", wrong, "--note", "ok")
     assert refused.returncode == 1 and "approval refused" in refused.stderr
     assert "\n" not in refused.stderr.strip(), "one line, no traceback"

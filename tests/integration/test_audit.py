@@ -326,9 +326,9 @@ def test_steps_chained_before_0021_still_verify_and_new_steps_follow_them(
 
     mixed = script_verdict(signed(record))
     assert mixed.returncode == 0, mixed.stdout + mixed.stderr
-    # The new step's v2 link covers its state, in the database and in a record.
+    # The new step's v3 link covers its state, in the database and in a record.
     forged = json.loads(json.dumps(record))
-    forged["steps"][1].update(state={"v": 3}, state_text='{"v": 3}')
+    forged["steps"][1].update(state={"v": 3}, state_text='{"v": 3}', state_value_text='{"v": 3}')
     assert "step 'new' does not follow" in script_verdict(signed(forged)).stderr
     inserted = {**record["steps"][1], "step_id": "refund", "hash": None}
     forged["steps"] = [*record["steps"], inserted]

@@ -24,7 +24,7 @@ from outbox import ApprovalRefused, EffectStatus, Outbox, ValidationError
 from outbox.gates import Gate
 from outbox.intent_rules import RESERVED_KIND_PREFIXES
 from outbox.models import DRY_RUN_KIND_PREFIX
-from outbox.payloads import content_hash, encode
+from outbox.payloads import content_hash, jsonb_text
 from outbox.storage.engine import translate_errors
 from tests.sql_api_support import intend, sqlstate_of, start_run
 
@@ -75,9 +75,9 @@ def test_a_gate_holds_an_intent_written_through_sql_until_its_own_digest_is_appr
     left = (held.approval_deadline - datetime.now(UTC)).total_seconds()
     assert 3500 < left <= 3600
     # the digest SQL recorded is the one the Python client computes and an approver names
-    assert held.digest == content_hash(encode(PAYMENT, field="payload"))
+    assert held.digest == content_hash(jsonb_text(PAYMENT))
 
-    other = content_hash(encode({**PAYMENT, "amount": 125}, field="payload"))
+    other = content_hash(jsonb_text({**PAYMENT, "amount": 125}))
     with pytest.raises(ApprovalRefused):
         ob.approve_effect(held.id, digest=other, note="ok", by="cfo")
     assert ob.effect(held.id).status == EffectStatus.AWAITING_APPROVAL

@@ -22,7 +22,7 @@ import pytest
 from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, IdempotencyConflict, Outbox, RunExists, RunPaused, RunStatus
 from outbox.blobs import is_reference
-from outbox.payloads import content_hash, encode
+from outbox.payloads import content_hash, jsonb_text
 from outbox.storage.async_store import AsyncStore, ClaimedEffect
 from outbox.storage.engine import libpq_dsn, make_async_engine, sql_api_error
 from outbox.storage.sql.queue import EFFECT_QUEUE
@@ -270,7 +270,7 @@ def test_twenty_megabyte_values_through_the_sql_api_are_stored_by_reference(
 ) -> None:
     big = {"transcript": "model said: " + "x" * (20 * MB)}
     run_id = start_run(db, inputs=json.dumps(big))
-    (step_seq, (effect_id,)) = commit_step(
+    (step_seq, (effect_id,), _) = commit_step(
         db,
         run_id,
         "think",
@@ -284,7 +284,7 @@ def test_twenty_megabyte_values_through_the_sql_api_are_stored_by_reference(
     # one blob, the same sha256 (and text) the Python client would store
     assert count(db, "outbox_blobs") == 1
     sha = one(db, "SELECT sha256 FROM outbox_blobs")
-    assert sha == content_hash(encode(big, field="value", max_bytes=64 * MB))
+    assert sha == content_hash(jsonb_text(big))
     assert one(db, "SELECT payload_hash FROM outbox_effects WHERE id = %s", (effect_id,)) == sha
     owners = {r[0] for r in db.execute("SELECT owner FROM outbox_blob_refs").fetchall()}
     assert owners == {run_id}

@@ -98,6 +98,38 @@ def test_bad_intents_are_refused_naming_the_field(
     assert count(db, "outbox_effects") == 0
 
 
+# Every client reads back the number that was written (issue 27, item 7): a fraction
+# a double holds exactly (what Python writes: shortest round-trip digits) is kept;
+# one it does not hold would be read, compared and sent as another number.
+READABLE = [
+    "0.30000000000000004",
+    "1796207686.943141",
+    "2.50",
+    "1e-320",
+    "-0.0001",
+    "12345678901234567890",
+]
+UNREADABLE = ["0.100000000000000000000000000001", "1e-400", "3.14159265358979323846"]
+
+
+@pytest.mark.parametrize("number", READABLE)
+def test_numbers_read_back_as_written_are_stored(db: Any, number: str) -> None:
+    db.autocommit = True
+    row = db.execute("SELECT * FROM outbox_intend('a.b', %s::jsonb)", [f'{{"n": {number}}}'])
+    effect_id = row.fetchone()[0]  # type: ignore[index]
+    stored = db.execute("SELECT payload FROM outbox_effects WHERE id = %s", [effect_id]).fetchone()
+    assert stored is not None and stored[0] == json.loads(f'{{"n": {number}}}')
+
+
+@pytest.mark.parametrize("number", UNREADABLE)
+def test_a_number_a_reader_would_change_is_refused(db: Any, number: str) -> None:
+    with pytest.raises(psycopg.Error) as caught:
+        db.execute("SELECT outbox_intend('a.b', %s::jsonb)", [f'{{"n": {number}}}'])
+    assert (caught.value.sqlstate, caught.value.diag.column_name) == ("OB002", "payload")
+    db.rollback()
+    assert count(db, "outbox_effects") == 0
+
+
 def test_a_payload_over_max_payload_bytes_is_refused(db: Any) -> None:
     # 64 MiB by default (Settings.max_payload_bytes); a session may lower it
     db.execute("SET outbox.max_payload_bytes = 1000")

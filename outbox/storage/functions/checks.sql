@@ -121,8 +121,11 @@ SELECT EXISTS (
            LATERAL (SELECT n.v::text::numeric AS x) AS c
      WHERE CASE WHEN abs(c.x) >= ('1e' || digits)::numeric THEN true
                 WHEN c.x = trunc(c.x) THEN false
-                WHEN abs(c.x) >= 1e308 OR abs(c.x) < 1e-307 THEN true
-                ELSE c.x::float8::numeric <> c.x END)
+                -- beyond the largest double, or below the smallest (it would read as 0)
+                WHEN abs(c.x) > 1.7976931348623157e308 OR abs(c.x) < 4.9406564584124654e-324
+                THEN true
+                -- float8's text is its shortest exact digits (float8::numeric keeps 15)
+                ELSE c.x::float8::text::numeric <> c.x END)
 $$;
 
 -- The Python type name of a JSON value, as outbox.intent_rules shows it.

@@ -30,6 +30,7 @@ CREATE OR REPLACE FUNCTION outbox_tx_step(p_run_id uuid, p_step_id text) RETURNS
 DECLARE
     entry jsonb := outbox_tx_steps()->outbox_tx_step_slot(p_run_id, p_step_id);
     run_status text;
+    recorded_here boolean;
 BEGIN
     IF entry IS NOT NULL THEN
         IF (entry->>'done')::boolean THEN
@@ -46,7 +47,13 @@ BEGIN
         -- missing, paused (it takes no steps until resumed) or ended
         PERFORM outbox_raise_run_refusal(p_run_id);
     END IF;
-    IF EXISTS (SELECT 1 FROM outbox_steps AS s WHERE s.run_id = p_run_id AND s.step_id = p_step_id) THEN
+    SELECT s.xmin = pg_current_xact_id()::xid INTO recorded_here
+      FROM outbox_steps AS s WHERE s.run_id = p_run_id AND s.step_id = p_step_id;
+    IF recorded_here THEN
+        PERFORM outbox_refuse('OB001', 'step_id', p_step_id,
+            'outbox_commit_step already recorded this step in this transaction: '
+            'write its intents and debits before committing it');
+    ELSIF FOUND THEN
         PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
     END IF;
     entry := jsonb_build_object('next', 0, 'count', 0, 'bytes', 0, 'debit', 0, 'reserve', 0,

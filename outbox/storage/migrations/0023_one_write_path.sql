@@ -145,8 +145,11 @@ SELECT EXISTS (
            LATERAL (SELECT n.v::text::numeric AS x) AS c
      WHERE CASE WHEN abs(c.x) >= ('1e' || digits)::numeric THEN true
                 WHEN c.x = trunc(c.x) THEN false
-                WHEN abs(c.x) >= 1e308 OR abs(c.x) < 1e-307 THEN true
-                ELSE c.x::float8::numeric <> c.x END)
+                -- beyond the largest double, or below the smallest (it would read as 0)
+                WHEN abs(c.x) > 1.7976931348623157e308 OR abs(c.x) < 4.9406564584124654e-324
+                THEN true
+                -- float8's text is its shortest exact digits (float8::numeric keeps 15)
+                ELSE c.x::float8::text::numeric <> c.x END)
 $$;
 
 -- Record step_id of run_id in the caller's transaction: the one implementation of a
@@ -750,9 +753,12 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
             ELSE a.item->'payload' END,
        f.text, v.size, v.hash, v.key, v.caller_key,
        outbox_json_str(a.item->'ordering_key'),
-       outbox_json_num(a.item->'max_attempts')::integer,
-       now() + coalesce(outbox_json_num(a.item->'delay_seconds'), 0) * interval '1 second',
-       coalesce(outbox_json_num(a.item->'schema_version')::integer, 1),
+       outbox_json_int(a.item->'max_attempts'),
+       CASE WHEN outbox_json_is_number(a.item->'delay_seconds', 0,
+                                       (outbox_intent_rules()->>'max_delay_seconds')::numeric)
+            THEN now() + coalesce(outbox_json_num(a.item->'delay_seconds'), 0) * interval '1 second'
+       END,
+       coalesce(outbox_json_int(a.item->'schema_version'), 1),
        CASE WHEN p_dry_run AND jsonb_typeof(a.item->'compensate') = 'object'
             THEN jsonb_set(a.item->'compensate', '{kind}', to_jsonb(
                 (outbox_reserved_kind_prefixes())[1] || (a.item->'compensate'->>'kind')))
@@ -762,7 +768,7 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
        CASE WHEN NOT p_dry_run AND a.item->'approval' IS NOT NULL
                  AND a.item->'approval' NOT IN ('null', 'false')
             THEN outbox_approval_policy(a.item->'approval') END,
-       coalesce(outbox_json_num(a.item->'priority')::integer, p_priority),
+       coalesce(outbox_json_int(a.item->'priority'), p_priority),
        coalesce(outbox_json_str(a.item->'fairness_key'), p_fairness_key),
        nullif(outbox_json_str(a.item->'trace_parent'), ''),
        s.screened,
@@ -773,11 +779,11 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
   FROM jsonb_array_elements(p_intents) WITH ORDINALITY AS a(item, n)
  CROSS JOIN LATERAL (
     SELECT (a.item->'payload')::text AS text,
-           outbox_json_num(a.item->'step_index') AS step_index,
+           outbox_json_int(a.item->'step_index') AS step_index,
            outbox_json_str(a.item->'key') AS key) AS f
  CROSS JOIN LATERAL (
     SELECT coalesce(outbox_json_uuid(a.item->'id'), outbox_uuid7()) AS id,
-           CASE WHEN p_run_id IS NOT NULL THEN coalesce(f.step_index::integer, p_next + a.n::integer - 1) END
+           CASE WHEN p_run_id IS NOT NULL THEN coalesce(f.step_index, p_next + a.n::integer - 1) END
                AS step_index,
            CASE WHEN p_dry_run THEN (outbox_reserved_kind_prefixes())[1] ELSE '' END
                || outbox_json_str(a.item->'kind') AS kind,
@@ -789,12 +795,13 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
                 WHEN f.key IS NOT NULL THEN f.key
                 WHEN p_run_id IS NULL THEN replace(gen_random_uuid()::text, '-', '')
                 ELSE outbox_derive_key(p_run_id, p_step_id,
-                                       coalesce(f.step_index::integer, p_next + a.n::integer - 1))
+                                       coalesce(f.step_index, p_next + a.n::integer - 1))
            END AS key,
            -- an index named explicitly names one intent, like a caller's key
-           f.key IS NOT NULL OR f.step_index IS NOT NULL AS caller_key) AS v
+           f.key IS NOT NULL OR a.item->'step_index' IS NOT NULL AS caller_key) AS v
  CROSS JOIN LATERAL (
-    SELECT jsonb_typeof(a.item) = 'object'
+    -- NULL (a value a check cannot read) clears nothing: the screen fails closed
+    SELECT coalesce(jsonb_typeof(a.item) = 'object'
        AND (a.item - ARRAY['kind', 'payload', 'ordering_key', 'max_attempts', 'delay_seconds',
                            'schema_version', 'cost', 'priority', 'fairness_key', 'id',
                            'trace_parent']) = '{}'
@@ -825,7 +832,7 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
        AND (a.item->'id' IS NULL OR outbox_json_uuid(a.item->'id') IS NOT NULL)
        AND (a.item->'trace_parent' IS NULL
             OR outbox_json_str(a.item->'trace_parent') ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$')
-       AND (p_run_id IS NOT NULL OR a.item->'step_index' IS NULL)
+       AND (p_run_id IS NOT NULL OR a.item->'step_index' IS NULL), false)
        AS screened) AS s
 $$;
 
@@ -1136,6 +1143,13 @@ CREATE OR REPLACE FUNCTION outbox_json_num(value jsonb) RETURNS numeric
 SELECT CASE WHEN jsonb_typeof(value) = 'number' THEN value::numeric END
 $$;
 
+CREATE OR REPLACE FUNCTION outbox_json_int(value jsonb) RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN jsonb_typeof(value) = 'number' AND value::numeric = trunc(value::numeric)
+             AND value::numeric BETWEEN -2147483648 AND 2147483647
+            THEN value::numeric::integer END
+$$;
+
 CREATE OR REPLACE FUNCTION outbox_json_uuid(value jsonb) RETURNS uuid
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 SELECT CASE WHEN jsonb_typeof(value) = 'string'
@@ -1403,6 +1417,7 @@ CREATE OR REPLACE FUNCTION outbox_tx_step(p_run_id uuid, p_step_id text) RETURNS
 DECLARE
     entry jsonb := outbox_tx_steps()->outbox_tx_step_slot(p_run_id, p_step_id);
     run_status text;
+    recorded_here boolean;
 BEGIN
     IF entry IS NOT NULL THEN
         IF (entry->>'done')::boolean THEN
@@ -1419,7 +1434,13 @@ BEGIN
         -- missing, paused (it takes no steps until resumed) or ended
         PERFORM outbox_raise_run_refusal(p_run_id);
     END IF;
-    IF EXISTS (SELECT 1 FROM outbox_steps AS s WHERE s.run_id = p_run_id AND s.step_id = p_step_id) THEN
+    SELECT s.xmin = pg_current_xact_id()::xid INTO recorded_here
+      FROM outbox_steps AS s WHERE s.run_id = p_run_id AND s.step_id = p_step_id;
+    IF recorded_here THEN
+        PERFORM outbox_refuse('OB001', 'step_id', p_step_id,
+            'outbox_commit_step already recorded this step in this transaction: '
+            'write its intents and debits before committing it');
+    ELSIF FOUND THEN
         PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
     END IF;
     entry := jsonb_build_object('next', 0, 'count', 0, 'bytes', 0, 'debit', 0, 'reserve', 0,
