@@ -14,6 +14,12 @@ resolves its host once and connects to the address it checked
 the environment or a file named in the config, never from the payload, and are
 not carried to another origin by a redirect. Logged URLs hide their query
 string and userinfo.
+
+The intent rules (:mod:`outbox.intent_rules`) are checked again when a payload
+is read for sending, whatever road its row took (written before the current
+rules, or by a direct ``INSERT``): a URL with userinfo (which httpx would turn
+into an ``Authorization`` header) or a credential parameter, and a framing,
+reserved or credential header, fail the effect at once, nothing sent.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import os
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -50,8 +56,11 @@ from outbox.delivery import (
     Unknown,
 )
 from outbox.errors import ConfigurationError
+from outbox.intent_rules import find_violation
 
 __all__ = ["Credential", "HttpConfig", "HttpDeliverer", "HttpRequest", "parse_retry_after"]
+
+_V = TypeVar("_V")
 
 RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 # Statuses that say the request was not processed: safe to resend even without dedup.
@@ -81,7 +90,7 @@ class HttpRequest(BaseModel):
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an absolute http:// or https:// URL")
-        return value
+        return _intent_rules("url", value)
 
     @field_validator("headers")
     @classmethod
@@ -94,7 +103,20 @@ class HttpRequest(BaseModel):
                 )
             if lower in RESERVED_HEADERS:
                 raise ValueError(f"header {name!r} is set by the deliverer")
-        return value
+        return _intent_rules("headers", value)
+
+
+def _intent_rules(field: str, value: _V) -> _V:
+    """``value``, or a ValueError when the intent rules refuse it (defence in depth).
+
+    The write path checks the same rules; a row can still reach the table
+    around them (written before the current rules, or by a direct ``INSERT``),
+    so they are checked again when the payload is read for sending.
+    """
+    found = find_violation({field: value})
+    if found is not None:
+        raise ValueError(str(found.error()))  # names the field, never a secret value
+    return value
 
 
 class Credential(BaseModel):
@@ -158,21 +180,36 @@ class HttpConfig(DelivererConfig):
     user_agent: str = "agent-outbox"
 
 
-def parse_retry_after(value: str | None, *, now: datetime | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP-date)."""
+def parse_retry_after(
+    value: str | None, *, now: datetime | None = None, date: str | None = None
+) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP-date).
+
+    An HTTP-date is a moment on the sink's clock: when the answer's ``Date``
+    header (``date``) is given and valid, the wait is measured from it, so a
+    deliverer whose clock is off (or a sink's) waits what the sink meant.
+    Otherwise from ``now`` (default: this machine's clock, in UTC). A date
+    without a zone is UTC, as every HTTP-date is.
+    """
     if value is None or not value.strip():
         return None
     value = value.strip()
     if value.isascii() and value.isdigit():  # RFC 9110 DIGIT is ASCII; float('²') raises
         return min(float(value), MAX_RETRY_AFTER)
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    when = _http_date(value)
+    if when is None:
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    delta = (when - (now or datetime.now(UTC))).total_seconds()
+    reference = (_http_date(date) if date else None) or now or datetime.now(UTC)
+    delta = (when - reference).total_seconds()
     return min(max(delta, 0.0), MAX_RETRY_AFTER)
+
+
+def _http_date(value: str) -> datetime | None:
+    try:
+        when = parsedate_to_datetime(value.strip())
+    except (TypeError, ValueError, IndexError):
+        return None
+    return when.replace(tzinfo=UTC) if when.tzinfo is None else when
 
 
 class HttpDeliverer(Deliverer):
@@ -303,7 +340,9 @@ class HttpDeliverer(Deliverer):
         if status in RETRY_STATUSES:
             if not self.idempotent and status not in NOT_PROCESSED_STATUSES:
                 return Unknown(f"HTTP {status}: the sink may have applied it", detail=record)
-            after = parse_retry_after(response.headers.get("Retry-After"))
+            after = parse_retry_after(
+                response.headers.get("Retry-After"), date=response.headers.get("Date")
+            )
             return Retry(f"HTTP {status}", after=after, rate_limited=status == 429, detail=record)
         return Failed(f"HTTP {status}", detail=record)
 

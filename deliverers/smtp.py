@@ -9,6 +9,10 @@ through them in a folder; with ``imap_host`` set, the reconciler searches that
 folder (``imap_folder``, default ``Sent``) for the Message-ID before any
 resend: found, succeeded; not found, sent again with the same Message-ID.
 Where no folder receives sent mail, leave it off: only an operator can tell.
+
+A sender, recipient or subject holding a line break (or another control
+character) fails at once, nothing sent: it would add headers of the payload's
+choosing (a ``Bcc:``), and no retry can make it valid.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from __future__ import annotations
 import contextlib
 import imaplib
 import os
+import re
 import smtplib
 from email.message import EmailMessage
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from outbox.delivery import (
     Deliverer,
@@ -33,8 +38,13 @@ from outbox.delivery import (
     Succeeded,
     Unknown,
 )
+from outbox.intent_rules import HEADER_VALUE_FORBIDDEN
 
 __all__ = ["Email", "SmtpConfig", "SmtpDeliverer"]
+
+# A header field may hold a tab; a CR, LF, NUL or other control character would
+# end the field and start one of the payload's choosing.
+_HEADER_FORBIDDEN = re.compile(HEADER_VALUE_FORBIDDEN)
 
 
 class Email(BaseModel):
@@ -48,6 +58,23 @@ class Email(BaseModel):
     subject: str = Field(max_length=998)
     text: str = ""
     html: str | None = None
+
+    @field_validator("sender", "subject")
+    @classmethod
+    def _one_line(cls, value: str | None) -> str | None:
+        if value is not None and _HEADER_FORBIDDEN.search(value):
+            raise ValueError("holds a line break or another control character (a header field)")
+        return value
+
+    @field_validator("to", "cc")
+    @classmethod
+    def _one_line_each(cls, value: list[str]) -> list[str]:
+        for address in value:
+            if _HEADER_FORBIDDEN.search(address):
+                raise ValueError(
+                    "an address holds a line break or another control character (a header field)"
+                )
+        return value
 
 
 class SmtpConfig(DelivererConfig):
@@ -110,7 +137,10 @@ class SmtpDeliverer(Deliverer):
         config = self.config
         assert isinstance(config, SmtpConfig)
         email: Email = delivery.payload
-        msg = self.message(email, delivery)
+        try:
+            msg = self.message(email, delivery)
+        except ValueError as exc:  # the email package refuses a header: no retry fixes it
+            return Failed(f"the message cannot be built: {exc}")
         sender = email.sender or config.default_sender
         accepted: list[str] = []
         refused: dict[str, Any] = {}

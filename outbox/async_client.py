@@ -393,11 +393,14 @@ class AsyncOutbox:
         *,
         version: str | None = None,
         fork_id: uuid.UUID | str | None = None,
+        allow_unsettled: bool = False,
     ) -> AsyncRun:
         """Fork a run from a step (see :meth:`outbox.Outbox.fork`)."""
         original, new_id, step, pinned = fork_args(run_id, from_step, version, fork_id)
         await self.aio.run_tx(
-            lambda tx: fork_run(tx, original, step, fork_id=new_id, version=pinned)
+            lambda tx: fork_run(
+                tx, original, step, fork_id=new_id, version=pinned, allow_unsettled=allow_unsettled
+            )
         )
         return await self.run(new_id)
 

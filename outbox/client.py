@@ -433,6 +433,7 @@ class Outbox:
         *,
         version: str | None = None,
         fork_id: uuid.UUID | str | None = None,
+        allow_unsettled: bool = False,
     ) -> Run:
         """A new run that replays ``run_id``'s steps before ``from_step`` and runs the rest anew.
 
@@ -443,10 +444,18 @@ class Outbox:
         ``from_step`` and the steps after it run for real, with new idempotency
         keys. ``from_step`` may also be the step a failed run failed at. The
         original is not changed; ``run.record.forked_from`` links back to it.
+
+        When an effect of ``from_step`` or a later step may already have taken
+        effect (``unknown``, ``in_flight``, ``dispatched``), the fork would
+        intend it again under a new key, so the sink could apply it twice: the
+        fork is refused with :class:`~outbox.errors.ForkRefused`, which lists
+        them, unless ``allow_unsettled=True``.
         """
         original, new_id, step, pinned = fork_args(run_id, from_step, version, fork_id)
         with self.store.run_tx() as tx:
-            fork_run(tx, original, step, fork_id=new_id, version=pinned)
+            fork_run(
+                tx, original, step, fork_id=new_id, version=pinned, allow_unsettled=allow_unsettled
+            )
         return self.run(new_id)
 
     # -- signals, stopping, versions ----------------------------------------------

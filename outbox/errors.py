@@ -17,6 +17,7 @@
     │   ├── RunTerminal             the run already ended
     │   ├── RunPaused               the run is paused: resume it first
     │   ├── LeaseLost               another worker owns the run now
+    │   ├── ForkRefused             a fork would re-intend effects that may have happened
     │   └── StepAlreadyRecorded     the SQL API found the step recorded: roll back, replay
     ├── BudgetExceeded              a step would spend more than the run's budget
     ├── WaitTimeout                 a wait ran out (recorded; every replay raises it again)
@@ -56,6 +57,7 @@ __all__ = [
     "EffectRejected",
     "EffectTimeout",
     "EmbeddedServerError",
+    "ForkRefused",
     "IdempotencyConflict",
     "LeaseLost",
     "MigrationError",
@@ -216,8 +218,9 @@ class RunExists(IdempotencyConflict):
     """``start_run(key=..., on_conflict="reject")``: a run with this key exists (same inputs)."""
 
     def __init__(self, key: str, run_id: Any) -> None:
+        #: The run that holds the key, for the caller that asked to be refused.
         self.run_id = run_id
-        super().__init__(key, f"run {run_id} was already started with this key")
+        super().__init__(key, "a run was already started with this key")
 
 
 class ReplayRefused(OutboxError):
@@ -249,6 +252,34 @@ class RunPaused(RunStateError):
         self.reason = reason
         why = f" ({reason})" if reason else ""
         super().__init__(f"run_id={str(run_id)!r} is paused{why}: resume it first")
+
+
+class ForkRefused(RunStateError):
+    """A fork from ``from_step`` would run again steps whose effects may have taken effect.
+
+    ``effects`` lists them (``effect_id``, ``step_id``, ``kind``, ``status``,
+    ``idempotency_key``): ``unknown``, ``in_flight`` or ``dispatched`` effects of
+    ``from_step`` or a later step. The fork would intend them again under new
+    keys, which the sink has never seen: it could apply them twice. Settle them
+    first (``outbox effects resolve``), or fork with ``allow_unsettled=True``.
+    """
+
+    def __init__(self, run_id: Any, from_step: str, effects: list[dict[str, Any]]) -> None:
+        self.run_id = run_id
+        self.from_step = from_step
+        self.effects = effects
+        listed = "; ".join(
+            f"{e['effect_id']} ({e['kind']}, step {e['step_id']!r}) is {e['status']}"
+            for e in effects[:20]
+        )
+        more = f"; and {len(effects) - 20} more" if len(effects) > 20 else ""
+        super().__init__(
+            f"from_step={from_step!r}: run {run_id} has {len(effects)} effect(s) at or after "
+            f"this step that may already have taken effect: {listed}{more}. The fork would "
+            "intend them again under new keys, so a sink could apply them twice: settle them "
+            "first (outbox effects resolve), or fork anyway with allow_unsettled=True "
+            "(outbox runs fork --allow-unsettled)"
+        )
 
 
 class LeaseLost(RunStateError):

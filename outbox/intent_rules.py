@@ -43,9 +43,11 @@ from outbox.errors import ValidationError
 __all__ = [
     "CONTROL_CHARACTERS",
     "CREDENTIALS_BY_REFERENCE",
+    "CREDENTIAL_FIELD_NAMES",
     "CREDENTIAL_NAMES",
     "CREDENTIAL_NAME_PATTERN",
     "CREDENTIAL_QUERY_NAMES",
+    "CREDENTIAL_SCHEMES",
     "CREDENTIAL_VALUE_PATTERN",
     "FRAMING_HEADERS",
     "FRAMING_HEADER_PREFIXES",
@@ -71,6 +73,7 @@ __all__ = [
     "Violation",
     "check_identifier",
     "check_payload",
+    "credential_name",
     "find_violation",
     "identifier_violation",
     "normalise_name",
@@ -181,15 +184,20 @@ CREDENTIAL_QUERY_NAMES = frozenset(
         "pass",
     }
 )
+#: Object fields (in any JSON a reader shows) whose values are credentials, besides the
+#: names of :data:`CREDENTIAL_NAMES` and :data:`CREDENTIAL_NAME_PATTERN`: the URL
+#: parameters above, but ``key``, which in a JSON object is far more often a lookup key
+#: (an S3 object, a cache entry) than a secret.
+CREDENTIAL_FIELD_NAMES = CREDENTIAL_QUERY_NAMES - {"key"}
+#: Authorization schemes followed by a secret: ``Bearer`` and ``Basic`` (RFC 9110),
+#: ``Token`` (GitHub, Django REST framework), ``ApiKey``/``Api-Key``/``Key``
+#: (Elasticsearch and others), ``SSWS`` (Okta) and ``OAuth``.
+CREDENTIAL_SCHEMES = r"bearer|basic|token|(api-?)?key|ssws|oauth"
 #: A header value that is an authorization scheme and its secret (``Bearer eyJhbGciOi...``),
 #: whatever the header's name, so a credential cannot ride under an innocent one. The
-#: schemes: ``Bearer`` and ``Basic`` (RFC 9110), ``Token`` (GitHub, Django REST
-#: framework), ``ApiKey``/``Api-Key``/``Key`` (Elasticsearch and others), ``SSWS``
-#: (Okta) and ``OAuth``. The secret is one token68 of 16+ characters, so prose that
-#: starts with one of these words ("Token expired for ...") is not refused.
-CREDENTIAL_VALUE_PATTERN = (
-    r"^\s*(bearer|basic|token|(api-?)?key|ssws|oauth)\s+[A-Za-z0-9._~+/-]{16,}=*\s*$"
-)
+#: secret is one token68 of 16+ characters, so prose that starts with one of these words
+#: ("Token expired for ...") is not refused.
+CREDENTIAL_VALUE_PATTERN = rf"^\s*({CREDENTIAL_SCHEMES})\s+[A-Za-z0-9._~+/-]{{16,}}=*\s*$"
 
 #: How a credential reaches a sink instead: said by every credential refusal.
 CREDENTIALS_BY_REFERENCE = (
@@ -337,6 +345,21 @@ def find_violation(payload: Any, field: str = "payload") -> Violation | None:
     if url is not None:
         return _url_violation(url, f"{field}.{URL_FIELD}")
     return None
+
+
+def credential_name(name: str, *, in_url: bool = False) -> bool:
+    """Whether a header, field or (``in_url``) URL parameter of this name carries a credential.
+
+    The same table the rules refuse by: :data:`CREDENTIAL_NAMES`,
+    :data:`CREDENTIAL_NAME_PATTERN`, and :data:`CREDENTIAL_QUERY_NAMES` in a URL or
+    :data:`CREDENTIAL_FIELD_NAMES` elsewhere. Readers (the console) use it to redact.
+    """
+    normalised = normalise_name(name)
+    if normalised in (CREDENTIAL_QUERY_NAMES if in_url else CREDENTIAL_FIELD_NAMES):
+        return True
+    return normalised in CREDENTIAL_NAMES or (
+        _compiled(CREDENTIAL_NAME_PATTERN).search(normalised) is not None
+    )
 
 
 def check_payload(payload: Any, field: str = "payload") -> None:

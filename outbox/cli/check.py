@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,10 @@ def _json(value: str, param: str) -> Any:
         return json.loads(value)
     except ValueError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint=param) from None
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _signals(raw: tuple[str, ...]) -> dict[str, Any]:
@@ -135,6 +140,10 @@ def check(
     from outbox.testing.check import check_agent
     from outbox.testing.plan import CheckOptions
     from outbox.testing.report import render
+
+    # A SIGTERM (a CI job's timeout, a service manager) ends the check as a ^C does:
+    # its processes are killed and its scratch server and databases go, not left behind.
+    signal.signal(signal.SIGTERM, _interrupted)
 
     try:
         options = CheckOptions(

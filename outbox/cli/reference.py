@@ -117,6 +117,7 @@ OPTION_FIELDS = {
     "kafka": "bootstrap_servers",
     "dispatch_ttl": "dispatch_ttl_seconds",
     "with_console": "console",
+    "allowed_host": "allowed_hosts",
 }
 
 

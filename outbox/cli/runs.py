@@ -291,19 +291,32 @@ def runs_resume(cli: CliContext, run_id: str, as_json: bool) -> None:
     default=None,
     help="Agent version the fork is pinned to (default: the original's).",
 )
+@click.option(
+    "--allow-unsettled",
+    is_flag=True,
+    help="Fork even when STEP or a later step has an effect that may already have taken "
+    "effect (unknown, in_flight, dispatched): the fork intends it again under a new key.",
+)
 @json_option(ForkReport)
 @pass_cli
 def runs_fork(
-    cli: CliContext, run_id: str, from_step: str, version: str | None, as_json: bool
+    cli: CliContext,
+    run_id: str,
+    from_step: str,
+    version: str | None,
+    allow_unsettled: bool,
+    as_json: bool,
 ) -> None:
     """Restart a run from a step, as a new run linked to it; the original is not changed.
 
     The fork replays the original's recorded steps before STEP without calling
     their functions (what they intended is not intended again) and runs STEP
     and the steps after it for real, with new idempotency keys. STEP may be the
-    step a failed run failed at.
+    step a failed run failed at. It is refused, listing them, when an effect of
+    STEP or a later step may already have taken effect (unknown, in_flight,
+    dispatched): settle those first, or pass --allow-unsettled.
     """
-    fork = cli.outbox.fork(run_id, from_step, version=version)
+    fork = cli.outbox.fork(run_id, from_step, version=version, allow_unsettled=allow_unsettled)
     record = fork.record
     assert record.forked_from is not None  # a fork always names its original
     data = ForkReport(

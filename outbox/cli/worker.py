@@ -143,15 +143,30 @@ def _settings(**values: Any) -> Any:
         return ServeSettings(**values)
     except PydanticError as exc:
         first = exc.errors()[0]
-        option = "--" + str(first["loc"][0]).replace("_", "-")
+        field = str(first["loc"][0])
+        option = "--allowed-host" if field == "allowed_hosts" else "--" + field.replace("_", "-")
         raise click.BadParameter(
             f"{first.get('input')!r}: {first['msg']}", param_hint=option
         ) from None
 
 
+def _host_list(given: tuple[str, ...]) -> tuple[str, ...] | None:
+    """``--allowed-host`` values (the variable holds them space- or comma-separated)."""
+    names = tuple(n for value in given for n in value.replace(",", " ").split())
+    return names or None
+
+
 @click.command("serve")
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="Address to listen on (keep it local)."
+)
+@click.option(
+    "--allowed-host",
+    "allowed_host",
+    multiple=True,
+    envvar="OUTBOX_ALLOWED_HOSTS",
+    help="A host name the server answers to (repeat it; .example.com allows subdomains); "
+    "other Host headers are answered 421. Default: the --host address and localhost.",
 )
 @click.option(
     "--port",
@@ -197,7 +212,22 @@ def _settings(**values: Any) -> Any:
     type=int,
     default=100,
     show_default=True,
-    help="Connections and requests in progress at once; more are answered 503.",
+    help="Requests in progress at once; more are answered 503 (/healthz never is).",
+)
+@click.option(
+    "--max-connections-per-client",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Open connections from one client address; more are closed at once "
+    "(behind a proxy, the proxy is one client).",
+)
+@click.option(
+    "--max-connections",
+    type=int,
+    default=1000,
+    show_default=True,
+    help="Open connections in all; past it the oldest one waiting for a request is closed.",
 )
 @click.option(
     "--header-timeout",
@@ -246,6 +276,7 @@ def _settings(**values: Any) -> Any:
 def serve(
     cli: CliContext,
     host: str,
+    allowed_host: tuple[str, ...],
     port: int,
     secret_file: Path | None,
     operator_token_file: Path | None,
@@ -253,6 +284,8 @@ def serve(
     api_token_file: Path | None,
     tolerance: float,
     max_concurrency: int,
+    max_connections_per_client: int,
+    max_connections: int,
     header_timeout: float,
     body_timeout: float,
     idle_timeout: float,
@@ -268,9 +301,12 @@ def serve(
 
     settings = _settings(
         host=host,
+        allowed_hosts=_host_list(allowed_host),
         port=port,
         tolerance=tolerance,
         max_concurrency=max_concurrency,
+        max_connections_per_client=max_connections_per_client,
+        max_connections=max_connections,
         header_timeout=header_timeout,
         body_timeout=body_timeout,
         idle_timeout=idle_timeout,
@@ -294,6 +330,11 @@ def serve(
         can_listen(host, port)
     server = OutboxServer(cli.outbox, settings, credentials)
     log = logging.getLogger("outbox.serve")
+    if settings.allowed_hosts is None and host in ("0.0.0.0", "::", ""):
+        log.warning(
+            "listening on every address but answering only localhost: name the host "
+            "names clients use with --allowed-host (or OUTBOX_ALLOWED_HOSTS)"
+        )
     log.info(
         "serving on http://%s:%d (signals %s, HTTP API %s, console %s)",
         host,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import uuid
 
-from outbox.errors import RunStateError, RunTerminal, ValidationError
+from outbox.errors import ForkRefused, RunStateError, RunTerminal, ValidationError
 from outbox.models import STOPPING_RUN_STATUSES, TERMINAL_RUN_STATUSES, RunStatus
 from outbox.storage.run_tx import RunTx
 
@@ -89,11 +89,15 @@ def fork_run(
     *,
     fork_id: uuid.UUID,
     version: str | None = None,
+    allow_unsettled: bool = False,
 ) -> uuid.UUID:
     """Write a fork of ``original`` restarting at ``from_step``; returns the fork's id.
 
     ``from_step`` is a completed step of the original, or the step a failed
-    original failed at (then every completed step is replayed).
+    original failed at (then every completed step is replayed). An effect of
+    ``from_step`` or a later step that may already have taken effect
+    (``unknown``, ``in_flight``, ``dispatched``) refuses the fork with
+    :class:`ForkRefused`, unless ``allow_unsettled``.
     """
     locked = tx.lock(original)
     done = tx.completed_steps(original)
@@ -107,6 +111,10 @@ def fork_run(
             f"is not a completed step of run {original} (its last steps: {known})"
             + ("" if failed_at is None else f", nor the step it failed at ({failed_at!r})"),
         )
+    if not allow_unsettled:
+        unsettled = tx.unsettled_effects(original, cut=cut, from_step=from_step)
+        if unsettled:
+            raise ForkRefused(original, from_step, unsettled)
     tx.fork(original, fork_id, cut=cut, from_step=from_step, version=version)
     log.info(
         "run %s forked from %s at step %s",

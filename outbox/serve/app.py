@@ -16,6 +16,7 @@ from starlette.routing import BaseRoute, Mount, Route
 
 from outbox.serve.api import API_PREFIX, api_app
 from outbox.serve.approvals import APPROVAL_PATH, ApprovalEndpoint
+from outbox.serve.hosts import HostAllowList
 from outbox.serve.ops import CachedCounts, Health, Metrics
 from outbox.serve.settings import Credentials, ServeSettings
 from outbox.serve.transport import HttpServer
@@ -64,7 +65,8 @@ def build_app(outbox: Outbox, settings: ServeSettings, credentials: Credentials)
     if settings.console:
         from outbox.serve.console import console_app
 
-        routes.append(Mount("/console", app=console_app(outbox, credentials, counts)))
+        hosts = HostAllowList(settings.allowed_hosts, settings.host)
+        routes.append(Mount("/console", app=console_app(outbox, credentials, counts, hosts)))
 
         async def home(request: Request) -> Response:
             return RedirectResponse("/console/", status_code=303)

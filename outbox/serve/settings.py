@@ -18,6 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from outbox.errors import ConfigurationError
+from outbox.serve.hosts import host_entry_problem
 
 __all__ = ["Credentials", "ServeSettings", "read_secret"]
 
@@ -35,6 +36,10 @@ class ServeSettings(BaseModel):
 
     #: Address to listen on (put a TLS-terminating proxy in front to expose it).
     host: str = Field(default="127.0.0.1", min_length=1)
+    #: Host names the server answers to (any other ``Host`` is answered 421); a
+    #: leading dot allows a domain and its subdomains. Default: the bound address
+    #: and localhost. ``/healthz`` answers any name.
+    allowed_hosts: tuple[str, ...] | None = None
     #: Port to listen on (0: any free port).
     port: int = Field(default=8080, ge=0, le=65535)
     #: Seconds a signed request stays valid.
@@ -47,8 +52,12 @@ class ServeSettings(BaseModel):
     body_timeout: float = Field(default=30.0, gt=0, le=3600)
     #: Seconds an idle keep-alive connection is kept open.
     idle_timeout: float = Field(default=5.0, gt=0, le=3600)
-    #: Connections and requests in progress at once; more are answered 503.
+    #: Requests in progress at once; more are answered 503 (``/healthz`` never is).
     max_concurrency: int = Field(default=100, ge=1, le=100_000)
+    #: Open connections from one client address; more are closed at once.
+    max_connections_per_client: int = Field(default=32, ge=1, le=100_000)
+    #: Open connections in all; past it the oldest one waiting for a request is closed.
+    max_connections: int = Field(default=1000, ge=1, le=1_000_000)
     #: Seconds the state counts behind /metrics and the overview are reused.
     counts_cache_seconds: float = Field(default=5.0, ge=0, le=3600)
     #: Serve the operator console (``/console``).
@@ -71,6 +80,19 @@ class ServeSettings(BaseModel):
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
             raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("name at least one host (or leave it unset for the default)")
+        for entry in value:
+            problem = host_entry_problem(entry)
+            if problem is not None:
+                raise ValueError(f"{entry!r} {problem}")
         return value
 
 

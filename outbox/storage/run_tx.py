@@ -314,6 +314,18 @@ class RunTx:
         """(step id, seq) of the run's completed steps, in order."""
         return [(r.step_id, r.seq) for r in self._run(control.fork_cut(), {"of_run": run_id})]
 
+    def unsettled_effects(
+        self, original: uuid.UUID, *, cut: int | None, from_step: str
+    ) -> list[dict[str, Any]]:
+        """The original's effects at or after the fork's step that may have taken effect."""
+        rows = self._run(
+            control.fork_unsettled(), {"of_run": original, "cut": cut, "from_step": from_step}
+        )
+        return [
+            {**row._mapping, "effect_id": str(row.effect_id), "status": str(row.status)}
+            for row in rows
+        ]
+
     def fork(
         self,
         original: uuid.UUID,

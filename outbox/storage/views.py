@@ -194,3 +194,13 @@ class ConsoleViews:
         """Unfinished runs per agent, version and status."""
         with translate_errors("counting runs per version"), self.engine.connect() as conn:
             return _rows(conn.execute(run_sql.run_versions()))
+
+    def revoke_session(self, digest: str, until: datetime) -> None:
+        """Remember that the session ``digest`` was signed out (until it would expire)."""
+        with translate_errors("signing out"), self.engine.begin() as conn:
+            conn.execute(sql.revoke_session(), {"digest": digest, "until": until})
+
+    def session_revoked(self, digest: str) -> bool:
+        """Whether the session ``digest`` was signed out."""
+        with translate_errors("checking a session"), self.engine.connect() as conn:
+            return conn.execute(sql.session_revoked(), {"digest": digest}).first() is not None

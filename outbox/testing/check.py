@@ -120,6 +120,9 @@ class _Check:
         pool = ThreadPoolExecutor(self.options.jobs, thread_name_prefix="outbox-check")
         try:
             return list(pool.map(one, plans))
+        except BaseException:
+            self.ctx.cancelled.set()  # an interrupt: the running trials stop at their next tick
+            raise
         finally:
             # On an interrupt, trials not started yet are dropped; running ones end soon
             # (their processes are killed as they unwind).

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from outbox.models import TERMINAL_RUN_STATUSES
 from outbox.runs.run import Run
 from outbox.testing.invariants import Applied, Intent, Normalize
 
@@ -145,6 +146,60 @@ def disagreements(outcomes: Mapping[str, RunOutcome]) -> list[str]:
         for place, (run_id, outcome) in enumerate(others, start=2)
         if _key(outcome) != _key(first)
     ]
+
+
+_ENDED = frozenset(s.value for s in TERMINAL_RUN_STATUSES)
+
+
+def failed_references(outcomes: Mapping[str, RunOutcome]) -> list[str]:
+    """Runs of a reference trial that ended otherwise than ``completed``, with their error.
+
+    A reference that fails is nothing to compare a crashed run with: a check of
+    it would pass whatever the crashes did.
+    """
+    found = []
+    for run_id, outcome in outcomes.items():
+        if outcome.status in _ENDED and outcome.status != "completed":
+            error = outcome.error
+            if isinstance(error, dict):
+                error = ": ".join(str(error[k]) for k in ("type", "message") if error.get(k))
+            said = f": {_short(error, 300)}" if error else ""
+            found.append(f"run {run_id} ended {outcome.status}{said}")
+    return found
+
+
+def unstable_step_ids(steps: Mapping[str, Sequence[str]], sink_url: str | None = None) -> list[str]:
+    """Where runs of the same inputs, side by side, recorded different step ids.
+
+    Each run's own id is masked (a step id may name its run), nothing else: a
+    random or time-dependent part, masked for the results' comparison, is
+    exactly what makes a step id change between attempts.
+    """
+    if len(steps) < 2:
+        return []
+
+    def shown(run_id: str, ids: Sequence[str]) -> list[str]:
+        out = [s.replace(run_id, "<run>") for s in ids]
+        return [s.replace(sink_url, "<sink>") for s in out] if sink_url else out
+
+    (first_id, first_steps), *others = steps.items()
+    expected = shown(first_id, first_steps)
+    found = []
+    for place, (run_id, ids) in enumerate(others, start=2):
+        actual = shown(run_id, ids)
+        if actual == expected:
+            continue
+        at = next(
+            (i for i, (a, b) in enumerate(zip(expected, actual, strict=False)) if a != b),
+            min(len(expected), len(actual)),
+        )
+        theirs = actual[at] if at < len(actual) else "(no step)"
+        ours = expected[at] if at < len(expected) else "(no step)"
+        found.append(
+            f"step {at + 1}: run {place} ({run_id}) recorded {theirs!r} where run 1 "
+            f"({first_id}) recorded {ours!r}"
+        )
+    return found
 
 
 def _tag(text: str | None, run_ids: Sequence[str]) -> str:

@@ -17,6 +17,14 @@ lock some thread holds). It speaks JSON lines on its standard streams:
 It exits when its standard input closes (the checking process is gone), and
 kills the children still running then: a check that was itself killed leaves
 no worker behind.
+
+Each child leads a process group of its own, and the group is killed whole
+(SIGKILL) as soon as the child ends, however it ends: what the agent's code
+forked (a helper that ignores SIGTERM, say) dies with the worker that started
+it, as everything in a container dies with it. A SIGTERM or SIGHUP sent to the
+server (with the checking process's group, by ``timeout`` or a service manager)
+kills every child's group before the server exits. Only a process that starts
+a session of its own (``setsid``) escapes.
 Unlike ``multiprocessing``'s forkserver it never re-imports the caller's main
 module in a child.
 """
@@ -61,10 +69,14 @@ def _child(request: Mapping[str, Any], inherited: list[int]) -> None:
     """In the forked child: become ``outbox ARGS`` (never returns)."""
     code = 1
     try:
+        # A group of its own: what it forks is in it, and is killed with it (reap()).
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
+        _die_with_parent()
         for fd in inherited:  # the server's pipes: the child must not hold them open
             with contextlib.suppress(OSError):
                 os.close(fd)
-        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -98,6 +110,27 @@ def _child(request: Mapping[str, Any], inherited: list[int]) -> None:
         os._exit(code)
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the server dies, however it dies (even by SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the server died before the call: nobody would tell us
+        os._exit(1)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL every process of group ``pgid`` (nothing if none is left)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def serve() -> None:
     """The server's loop: fork on request, report each child's end, stop at end of input."""
     for module in PRELOAD:
@@ -109,12 +142,23 @@ def serve() -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # the wake-up fd is what matters
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is for the checking process
+    children: set[int] = set()
+
+    def stop(signum: int, frame: object) -> None:
+        # Signalled with the checking process's group (a `timeout`, a service manager):
+        # the children lead groups of their own, so the signal did not reach them.
+        for pid in list(children):
+            _kill_group(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
     selector = selectors.DefaultSelector()
     selector.register(0, selectors.EVENT_READ, "request")
     selector.register(wake_r, selectors.EVENT_READ, "child")
     pending = b""
-
-    children: set[int] = set()
 
     def reap() -> None:
         while True:
@@ -125,6 +169,10 @@ def serve() -> None:
             if pid == 0:
                 return
             children.discard(pid)
+            # The child led a group of its own: what it left running dies now. While any
+            # member lives the group's id cannot be given to another process, so this
+            # reaches the child's own descendants and nothing else.
+            _kill_group(pid)
             code = os.waitstatus_to_exitcode(status)
             with contextlib.suppress(OSError):  # the checking process may be gone
                 out.write(json.dumps({"exit": pid, "code": code}) + "\n")
@@ -139,6 +187,7 @@ def serve() -> None:
             chunk = os.read(0, 1 << 16)
             if not chunk:
                 for pid in children:
+                    _kill_group(pid)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 for _ in list(children):
@@ -153,6 +202,9 @@ def serve() -> None:
                 if pid == 0:
                     selector.close()
                     _child(request, [out.fileno(), wake_r, wake_w])
+                # Both sides set the group, so it exists before anyone signals it.
+                with contextlib.suppress(OSError):
+                    os.setpgid(pid, pid)
                 children.add(pid)
                 out.write(json.dumps({"pid": pid}) + "\n")
 
@@ -239,9 +291,9 @@ class ForkServer:
                 return self._pids.pop(0)
 
     def exit_code(self, pid: int) -> int | None:
-        """The child's exit code once it ended."""
+        """The child's exit code once it ended (SIGKILL's, when the server is gone)."""
         with self._changed:
-            return self._exits.get(pid)
+            return self._exits.get(pid, self._gone())
 
     def wait(self, pid: int, timeout: float | None) -> int | None:
         """Wait up to ``timeout`` for the child to end; its exit code, or None."""
@@ -249,7 +301,12 @@ class ForkServer:
             self._changed.wait_for(
                 lambda: pid in self._exits or self._proc.poll() is not None, timeout=timeout
             )
-            return self._exits.get(pid)
+            return self._exits.get(pid, self._gone())
+
+    def _gone(self) -> int | None:
+        # A server that is gone took its children with it: it kills them as it exits,
+        # and each dies with it anyway (PR_SET_PDEATHSIG).
+        return -signal.SIGKILL if self._proc.poll() is not None else None
 
 
 class ForkedOutbox:
@@ -285,7 +342,10 @@ class ForkedOutbox:
                 os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        """SIGKILL."""
+        """SIGKILL it and its process group (what it forked)."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
         self.send_signal(signal.SIGKILL)
 
 

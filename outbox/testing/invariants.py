@@ -159,13 +159,23 @@ class Report:
     result_differs: list[str] = field(default_factory=list)
     unfinished: list[str] = field(default_factory=list)
     nondeterministic_result: list[str] = field(default_factory=list)
+    #: A reference run (uninterrupted, or handed over) did not complete.
+    reference_failed: list[str] = field(default_factory=list)
+    #: Two runs of the same inputs, side by side, recorded different step ids.
+    unstable_step_ids: list[str] = field(default_factory=list)
+    #: Crash points the uninterrupted run reached and this trial's processes never did.
+    not_reached: list[str] = field(default_factory=list)
     #: Not violations: context for the reader.
     statuses: dict[str, int] = field(default_factory=dict)
     applied: int = 0
     requests: int = 0
     stale: int = 0
 
+    # In the order a report names the first: a reference that cannot be one, then
+    # what a crash broke, then a plan the trial could not carry out, then outcomes.
     VIOLATIONS = (
+        "reference_failed",
+        "unstable_step_ids",
         "lost",
         "duplicate_keys",
         "duplicate_operations",
@@ -173,6 +183,7 @@ class Report:
         "phantoms",
         "regressed",
         "reran",
+        "not_reached",
         "result_differs",
         "unfinished",
         "nondeterministic_result",

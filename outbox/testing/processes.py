@@ -14,6 +14,8 @@ times.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -78,6 +80,8 @@ def spawn_outbox(
             env=child,
             stdout=handle,
             stderr=subprocess.STDOUT,
+            # A process group of its own, killed whole (Fleet.close): what it forks dies too.
+            process_group=0,
         )
 
 
@@ -190,11 +194,17 @@ class Fleet:
         return self
 
     def close(self) -> None:
-        """Kill what still runs; wait for everything."""
+        """Kill what still runs, each process's group included; wait for everything."""
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)
                 proc.send_signal(signal.SIGKILL)
+            # Each process leads a group of its own: what it forked (and left running,
+            # even after it ended) goes with it. (The fork server does this itself the
+            # moment a forked process ends.)
+            if isinstance(proc, subprocess.Popen):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
 
     def __exit__(self, *exc: object) -> None:

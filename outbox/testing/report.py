@@ -65,6 +65,27 @@ WHY = {
         "(allow_nondeterministic_result=True): results are then not compared at all."
     ),
     "error": "the trial could not be carried out.",
+    "reference_failed": (
+        "the uninterrupted run itself did not complete, so there is nothing to compare a "
+        'crashed run with: every crash would "end as it does uninterrupted". Make the '
+        "agent complete with these inputs (its error is above), or check it with inputs "
+        "it completes with."
+    ),
+    "unstable_step_ids": (
+        "two runs of the same inputs, side by side, recorded different step ids. A step id "
+        "computed from the clock, randomness or a counter kept in memory changes between "
+        "attempts too: a resumed run records the step again under a new id, and intends its "
+        "operations again under new keys, which no sink can tell apart. Keep step ids "
+        "stable (a name, or one built from the inputs or from run.id) and intend each "
+        "operation in one step."
+    ),
+    "not_reached": (
+        "a crash point the uninterrupted run reached was never reached in this trial, so "
+        "what a crash there does was not tried. The run took another path after a restart: "
+        "a step id or a branch that depends on the process, the clock, randomness or "
+        "changing data read outside a recorded step. Keep step ids stable and record such "
+        "reads with run.call(...)."
+    ),
 }
 
 SKIPPED = "not selected by --only"
@@ -216,7 +237,9 @@ def _crash_detail(result: TrialResult, point: str, where: str) -> tuple[str, str
     """(outcome, detail) of one crash of a trial that passed."""
     crash = next((c for c in result.crashes if c.point == point and c.where == where), None)
     if crash is None:
-        return "not reached", "the run had moved past it when the worker got there"
+        # A planned target no process reached fails its trial (not_reached); a passing
+        # trial without this crash means another one of its chain ended the run first.
+        return "not reached", "no worker died here in this trial"
     if point == "parked":
         return "ok", "parked, worker killed; woken and resumed by another worker"
     ran = result.started.get((crash.run or "", where), 0)

@@ -46,6 +46,8 @@ class TrialContext:
     workdir: Path
     #: Record mode: the kinds known so far, each with (idempotent, has a lookup).
     kinds: dict[str, tuple[bool, bool]] = field(default_factory=dict)
+    #: Set when the check is interrupted: every trial stops at its next look around.
+    cancelled: threading.Event = field(default_factory=threading.Event)
     #: Record mode: the declarations of the user's deliverers config.
     declarations: dict[str, tuple[bool, bool]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -185,6 +187,8 @@ class Supervisor:
 
     def tick(self) -> bool:
         """Signal waiting runs, serve new kinds, notice failed processes; True when all is done."""
+        if self.ctx.cancelled.is_set():
+            raise TrialError("the check was interrupted")
         records = self._records()
         for record in records:
             name = record.wait_signal

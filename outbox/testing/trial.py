@@ -27,9 +27,11 @@ from outbox.testing.compare import (
     differences,
     disagreements,
     expectations,
+    failed_references,
     masker,
     outcome_of,
     tag_operations,
+    unstable_step_ids,
 )
 from outbox.testing.crash import TraceEvent, read_trace, target
 from outbox.testing.invariants import (
@@ -188,6 +190,13 @@ def _evidence(
         # run with: the very mistake (a clock read outside a step) the comparison is for.
         if not ctx.options.allow_nondeterministic_result:
             report.nondeterministic_result = disagreements(result.outcomes)
+        # Nor does a reference that failed: every trial would "end as it does".
+        report.reference_failed = failed_references(result.outcomes)
+        # A step id that differs between two runs differs between attempts too: a crash
+        # point planned at it is never reached, and the step's intents get new keys.
+        report.unstable_step_ids = unstable_step_ids(
+            {rid: ob.run(rid).completed_steps for rid in run_ids}, sink_url
+        )
     else:
         wanted = expectations(reference, run_ids)
         report = check(
@@ -204,6 +213,12 @@ def _evidence(
                 for line in differences(reference.outcome, outcome):
                     report.result_differs.append(f"run {rid}: {line}")
     report.reran = reran
+    # A point the uninterrupted run reached and this trial never did was not tried:
+    # a trial that passes without it proves nothing about it.
+    report.not_reached = [
+        f"{where}: reached by the uninterrupted run, never reached in this trial"
+        for where in result.not_reached
+    ]
     for rid, outcome in result.outcomes.items():
         if outcome.status not in TERMINAL:
             report.unfinished.append(f"run {rid}: {outcome.status}")

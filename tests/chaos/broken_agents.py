@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -125,6 +128,67 @@ def charges_a_non_idempotent_sink(run: Run) -> Any:
         return {"charged": order["id"]}
 
     return run.transaction("charge", charge)
+
+
+def raises_on_every_run(run: Run) -> Any:
+    """BROKEN: fails every time (a misconfiguration): there is nothing to compare a crash with."""
+    run.call("load-order", lambda: {"id": "O-7", "amount": 120})
+    raise RuntimeError("the payment provider is not configured")
+
+
+def charges_under_a_fresh_step_id(run: Run) -> Any:
+    """BROKEN: the step id has a random part, so it changes on every attempt.
+
+    A resumed run records the step again under a new id, and intends the charge
+    again under a new key: no sink can tell the second charge from the first.
+    """
+    order = run.call("load-order", lambda: {"id": "O-7", "amount": 120})
+
+    def charge(tx: StepTransaction) -> dict[str, Any]:
+        tx.intend("payments.charge", {"operation": f"{run.id}:charge", "amount": order["amount"]})
+        return {"charged": order["id"]}
+
+    return run.transaction(f"charge-{uuid.uuid4()}", charge)
+
+
+def charges_under_a_step_id_of_its_process(run: Run) -> Any:
+    """BROKEN: the step id is a UUID made from the worker's process id.
+
+    Two runs side by side in one worker agree; a run resumed by another worker
+    after a crash does not, and so never reaches the crash points planned there
+    (and, a UUID being masked when results are compared, ends "alike").
+    """
+    order = run.call("load-order", lambda: {"id": "O-7", "amount": 120})
+
+    def charge(tx: StepTransaction) -> dict[str, Any]:
+        tx.intend("payments.charge", {"operation": f"{run.id}:charge", "amount": order["amount"]})
+        return {"charged": order["id"]}
+
+    return run.transaction(f"charge-{uuid.uuid5(uuid.NAMESPACE_OID, str(os.getpid()))}", charge)
+
+
+#: A helper that ignores SIGTERM and would outlive its worker.
+_STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+
+
+def starts_a_stubborn_helper(run: Run) -> Any:
+    """CORRECT for the outbox, but it forks a helper that ignores SIGTERM.
+
+    Each helper's pid is appended to ``$CHECK_HELPER_PIDS``, so a test can see
+    that the check left none of them running.
+    """
+
+    def start() -> int:
+        helper = subprocess.Popen([sys.executable, "-c", _STUBBORN])
+        with open(os.environ["CHECK_HELPER_PIDS"], "a") as pids:
+            pids.write(f"{helper.pid}\n")
+        return helper.pid
+
+    run.call("start-helper", start)
+    # Time for a test to interrupt the check while this worker and its helper live.
+    linger = float(os.environ.get("CHECK_HELPER_LINGER", "0"))
+    run.call("linger", lambda: time.sleep(linger))
+    return run.transaction("done", lambda tx: tx.set_state({"helper": "started"}) or {"ok": True})
 
 
 # -- the same agents, async (an ``async def`` handler gets an AsyncRun) ------------------

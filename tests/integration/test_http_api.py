@@ -527,7 +527,7 @@ def test_a_client_that_leaves_a_long_poll_leaves_nothing_behind(
     for _ in range(5):
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.sendall(
-            f"GET /api/v1/effects/{effect_id}/outcome?wait=60 HTTP/1.1\r\nHost: x\r\n"
+            f"GET /api/v1/effects/{effect_id}/outcome?wait=60 HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             f"Authorization: Bearer {TOKEN}\r\n\r\n".encode()
         )
         sockets.append(sock)

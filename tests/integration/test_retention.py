@@ -100,7 +100,9 @@ def build_history(ob: Outbox, dsn: str) -> dict[str, Any]:
         mark_consumed(conn, "group-a", "old-key")
         mark_consumed(conn, "group-a", "new-key")
         conn.execute(
-            update(effects).where(effects.c.completed_at.is_not(None)).values(completed_at=OLD)
+            update(effects)
+            .where(effects.c.completed_at.is_not(None))
+            .values(completed_at=OLD, updated_at=OLD)
         )
         conn.execute(
             update(runs).where(runs.c.id.in_([old.id, old_open.id])).values(updated_at=OLD)
@@ -340,7 +342,7 @@ def test_a_batch_holds_runs_with_at_most_batch_effects_between_them(ob: Outbox) 
         run.transaction("s", lambda tx: [tx.intend("k.x", {"i": i}) for i in range(2)] and None)
         run.complete()
     with ob.engine.begin() as conn:
-        conn.execute(update(effects).values(status="succeeded", completed_at=OLD))
+        conn.execute(update(effects).values(status="succeeded", completed_at=OLD, updated_at=OLD))
         conn.execute(update(runs).values(updated_at=OLD))
     sizes: list[int] = []
 
@@ -370,7 +372,7 @@ def test_gc_deletes_the_large_values_nothing_uses_any_more(ob: Outbox, dsn: str)
     with ob.transaction() as tx:
         tx.intend("k.x", {"runless": "w" * 100_000}, key="old-runless")
     with ob.engine.begin() as conn:
-        conn.execute(update(effects).values(status="succeeded", completed_at=OLD))
+        conn.execute(update(effects).values(status="succeeded", completed_at=OLD, updated_at=OLD))
         conn.execute(update(runs).where(runs.c.id == old.id).values(updated_at=OLD))
     assert count(ob, blobs) == 4
     report = gc(dsn)
@@ -378,3 +380,24 @@ def test_gc_deletes_the_large_values_nothing_uses_any_more(ob: Outbox, dsn: str)
     assert report["deleted"]["outbox_blobs"] == 3
     assert count(ob, blobs) == 1
     assert ob.run(live.id).inputs == shared, "a blob another run uses stays"
+
+
+def test_an_effect_resolved_just_now_keeps_the_run_that_ended_long_ago(
+    ob: Outbox, dsn: str
+) -> None:
+    """Issue 27 item 10: a run is old only when its effects' last changes are old too."""
+    run = ob.start_run("a", "1")
+    effect_id = run.transaction("s", lambda tx: str(tx.intend("k.x", {"n": 1}).id))
+    run.complete({"ok": True})
+    with ob.engine.begin() as conn:  # long ago: the run ended, its effect went unknown
+        conn.execute(update(effects).values(status="unknown", attempt=1, updated_at=OLD))
+        conn.execute(update(runs).values(updated_at=OLD))
+    ob.resolve_effect(effect_id, outcome="failed", note="the bank never got it", operator="al")
+    kept = gc(dsn)
+    assert kept["deleted"].get("outbox_runs", 0) == 0
+    assert kept["deleted"].get("outbox_effects", 0) == 0
+    assert [a.outcome for a in ob.store.attempts(ob.effect(effect_id).id)][-1] == "resolved"
+    with ob.engine.begin() as conn:  # and once that change is old too, it all goes
+        conn.execute(update(effects).values(updated_at=OLD, completed_at=OLD))
+    gone = gc(dsn)
+    assert gone["deleted"]["outbox_runs"] == 1 and gone["deleted"]["outbox_effects"] == 1

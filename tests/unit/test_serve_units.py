@@ -8,7 +8,7 @@ import time
 import pytest
 
 from outbox.errors import ConfigurationError
-from outbox.serve.console.present import REDACTED, redact
+from outbox.serve.console.present import REDACTED, clip, redact, redact_text
 from outbox.serve.settings import Credentials, ServeSettings
 from outbox.serve.webhooks import sign, too_deep, verify
 
@@ -66,6 +66,49 @@ def test_redaction_of_payloads() -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("401 Unauthorized (Authorization: Bearer sk_live_51HxQ2eLkdjf8s7d)", "sk_live_51HxQ2e"),
+        ("retried with ApiKey AbCdEf0123456789xyzQ", "AbCdEf0123456789"),
+        ("okta said no to SSWS 00aBcDeFgHiJkLmNoPqRsT", "00aBcDeFgHiJ"),
+        ("github: Token ghp_16C7e42F292c6912E7710c8", "ghp_16C7e42F"),
+        ("Api-Key k3y-k3y-k3y-k3y and more", "k3y-k3y-k3y"),
+        ("failed POST https://bob:hunter2@api.example/x?access_token=abc&page=2", "hunter2"),
+        ("failed POST https://api.example/x?access_token=abc123456&page=2", "abc123456"),
+        ('{"password": "hunter2", "user": "bob"}', "hunter2"),
+        ("x-api-key=abcd1234 rejected", "abcd1234"),
+        ("client_secret: s3cr3t-value", "s3cr3t-value"),
+        ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.sig", "eyJhbGciOiJIUzI1NiJ9"),
+        ("Bearer xyz", "xyz"),
+    ],
+)
+def test_redact_text_finds_credentials_anywhere(text: str, secret: str) -> None:
+    shown = redact_text(text)
+    assert secret not in shown and REDACTED in shown, shown
+
+
+def test_redact_text_leaves_ordinary_text() -> None:
+    for text in (
+        "Token expired for user 7",
+        "idempotency_key='invoice-77': already intended with a different payload",
+        "connection refused to https://api.example/v1/charges?page=2",
+        "2026-12-02T09:39:46+00:00",
+        "sort_key: 7, key: order-7",
+    ):
+        assert redact_text(text) == text, text
+
+
+def test_a_field_named_key_is_shown_and_a_clipped_secret_never_half_shown() -> None:
+    assert redact({"key": "order-7", "sort_key": 1}) == {"key": "order-7", "sort_key": 1}
+    assert redact({"signature": "abc", "X-Amz-Signature": "d"}) == {
+        "signature": REDACTED,
+        "X-Amz-Signature": REDACTED,
+    }
+    text = "x" * 130 + " Bearer sk_live_51HxQ2eLkdjf8s7d"
+    assert "sk_l" not in clip(text, 140) and clip(text, 140).endswith("…")
+
+
+@pytest.mark.parametrize(
     "field",
     [
         "tolerance",
@@ -114,3 +157,33 @@ def test_the_api_token_is_its_own_credential(tmp_path) -> None:  # type: ignore[
     )
     assert "api-token" not in repr(from_env)
     assert not Credentials().may_call_api("anything-at-all-0123")
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Conn:
+    def __init__(self) -> None:
+        self.transport = _Transport()
+
+
+def test_connections_are_capped_per_client_and_the_longest_waiting_makes_room() -> None:
+    from outbox.serve.transport import _Connections
+
+    state = _Connections(per_client=2, total=3)
+    a, b, c, d, e = (_Conn() for _ in range(5))
+    assert state.admit(a, "10.0.0.1") and state.admit(b, "10.0.0.1")  # type: ignore[arg-type]
+    assert not state.admit(c, "10.0.0.1")  # type: ignore[arg-type]  # the client's cap
+    assert state.admit(d, "10.0.0.2")  # type: ignore[arg-type]
+    state.waiting.update({b: None, d: None})  # type: ignore[dict-item]  # b waits longest
+    assert state.admit(e, "10.0.0.3")  # type: ignore[arg-type]  # full: b is closed for it
+    assert b.transport.closed and not d.transport.closed and not a.transport.closed
+    state.release("10.0.0.1")  # b's connection_lost
+    assert state.by_client == {"10.0.0.1": 1, "10.0.0.2": 1, "10.0.0.3": 1}
+    state.waiting.clear()  # every connection busy with a request: a new one is refused
+    assert not state.admit(_Conn(), "10.0.0.4")  # type: ignore[arg-type]

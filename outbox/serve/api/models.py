@@ -277,11 +277,13 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "budget_exceeded": (409, "the step would spend more than the run's remaining budget"),
     "body_too_large": (413, "the body is over --max-body-bytes"),
     "unsupported_media_type": (415, "a body must be sent as Content-Type: application/json"),
+    "misdirected": (421, "the Host header names a host this server does not answer to"),
     "invalid": (422, "a field is missing or not acceptable (`field` names it)"),
     "internal": (500, "the server failed; the request may be sent again"),
     "api_disabled": (503, "the server has no OUTBOX_API_TOKEN: the API is off"),
     "database_unavailable": (503, "the database did not answer; send the request again"),
     "too_many_waiters": (503, "too many long polls at once; wait Retry-After seconds"),
+    "busy": (503, "--max-concurrency requests are in progress; wait Retry-After seconds"),
 }
 
 ErrorCode = Literal[
@@ -299,11 +301,13 @@ ErrorCode = Literal[
     "budget_exceeded",
     "body_too_large",
     "unsupported_media_type",
+    "misdirected",
     "invalid",
     "internal",
     "api_disabled",
     "database_unavailable",
     "too_many_waiters",
+    "busy",
 ]
 
 

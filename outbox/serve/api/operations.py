@@ -66,12 +66,14 @@ class Operation:
 
 #: What every authenticated route may answer, besides its own refusals.
 COMMON_REFUSALS = (
+    "misdirected",
     "unauthenticated",
     "body_too_large",
     "body_timeout",
     "internal",
     "api_disabled",
     "database_unavailable",
+    "busy",
 )
 _BODY_REFUSALS = ("malformed", "unsupported_media_type", "invalid")
 

@@ -14,6 +14,7 @@ from starlette.routing import Route, Router
 
 from outbox.serve.console.auth import ConsoleAuth
 from outbox.serve.console.pages import Console
+from outbox.serve.hosts import HostAllowList
 from outbox.serve.ops import CachedCounts
 from outbox.serve.settings import Credentials
 
@@ -51,27 +52,30 @@ class ServerTiming:
         await self.app(scope, receive, timed)
 
 
-def console_app(outbox: Outbox, credentials: Credentials, counts: CachedCounts) -> Any:
-    """The console's routes (mount them at ``/console``)."""
-    c = Console(outbox, ConsoleAuth(credentials), counts)
+def console_app(
+    outbox: Outbox, credentials: Credentials, counts: CachedCounts, hosts: HostAllowList
+) -> Any:
+    """The console's routes (mount them at ``/console``); ``hosts`` are its own names."""
+    c = Console(outbox, ConsoleAuth(credentials, hosts), counts)
     get, post = ["GET"], ["POST"]
+    k = c.checked
     router = Router(
         routes=[
-            Route("/", c.overview, methods=get),
-            Route("/runs", c.runs, methods=get),
-            Route("/runs/{run_id}", c.run, methods=get),
-            Route("/runs/{run_id}/cancel", c.cancel, methods=post),
-            Route("/effects", c.effects, methods=get),
-            Route("/effects/{effect_id}", c.effect, methods=get),
-            Route("/effects/{effect_id}/resolve", c.resolve, methods=post),
-            Route("/effects/{effect_id}/retry", c.retry, methods=post),
-            Route("/effects/{effect_id}/approve", c.approve, methods=post),
-            Route("/effects/{effect_id}/reject", c.reject, methods=post),
-            Route("/unknown", c.queue, methods=get),
-            Route("/versions", c.versions, methods=get),
-            Route("/login", c.login_form, methods=get),
-            Route("/login", c.login, methods=post),
-            Route("/logout", c.logout, methods=post),
+            Route("/", k(c.overview), methods=get),
+            Route("/runs", k(c.runs), methods=get),
+            Route("/runs/{run_id}", k(c.run), methods=get),
+            Route("/runs/{run_id}/cancel", k(c.cancel), methods=post),
+            Route("/effects", k(c.effects), methods=get),
+            Route("/effects/{effect_id}", k(c.effect), methods=get),
+            Route("/effects/{effect_id}/resolve", k(c.resolve), methods=post),
+            Route("/effects/{effect_id}/retry", k(c.retry), methods=post),
+            Route("/effects/{effect_id}/approve", k(c.approve), methods=post),
+            Route("/effects/{effect_id}/reject", k(c.reject), methods=post),
+            Route("/unknown", k(c.queue), methods=get),
+            Route("/versions", k(c.versions), methods=get),
+            Route("/login", k(c.login_form), methods=get),
+            Route("/login", k(c.login), methods=post),
+            Route("/logout", k(c.logout), methods=post),
         ]
     )
     return ServerTiming(router)

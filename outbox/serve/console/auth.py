@@ -5,12 +5,18 @@ default). Acting (resolve, retry, cancel) needs a session, which a person gets
 by entering the operator credential and their name at ``/console/login``; the
 name is what the attempt log records as who. A session is a signed cookie
 (HMAC under a key derived from the operator credential, so rotating the
-credential ends every session), ``HttpOnly`` and ``SameSite=Strict``.
+credential ends every session), ``HttpOnly`` and ``SameSite=Strict``. Signing
+out revokes the cookie in PostgreSQL (:meth:`ConsoleAuth.revocation`), so a copy
+of it is refused by every server process until it would have expired.
 
 Every POST, the login form included, must carry the CSRF token of the
 browser's ``outbox_csrf`` cookie (double submit: a page on another origin can
 neither read the cookie nor the token) and, when the browser says where the
 request comes from (``Origin``, ``Sec-Fetch-Site``), come from this origin.
+"This origin" is an allowed host name of the server
+(:class:`~outbox.serve.hosts.HostAllowList`) on the scheme and port the request
+came in on; it is never read from the request's ``Host`` header alone, which a
+page under DNS rebinding chooses.
 """
 
 from __future__ import annotations
@@ -22,18 +28,27 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from outbox.intent_rules import identifier_violation
+from outbox.serve.hosts import HostAllowList
 from outbox.serve.settings import Credentials
+from outbox.serve.transport import HOST_KEY
 
-__all__ = ["CSRF_COOKIE", "SESSION_COOKIE", "ConsoleAuth", "Operator"]
+__all__ = ["CSRF_COOKIE", "OPERATOR_KEY", "SESSION_COOKIE", "ConsoleAuth", "Operator"]
 
 SESSION_COOKIE = "outbox_session"
 CSRF_COOKIE = "outbox_csrf"
 #: How long a login lasts.
 SESSION_SECONDS = 12 * 3600
+#: Where the console leaves the request's operator, once its session was checked
+#: against the revocations (:meth:`ConsoleAuth.session` then the database).
+OPERATOR_KEY = "outbox.operator"
+#: The longest name recorded as who.
+MAX_NAME = 100
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,18 @@ class Operator:
 
     name: str
     expires: int
+    #: The session's MAC: what signing out revokes.
+    mac: str = ""
+
+    @property
+    def revocation(self) -> str:
+        """The digest stored when this session is signed out (never the cookie itself)."""
+        return "console-session:" + hashlib.sha256(self.mac.encode()).hexdigest()
+
+    @property
+    def expires_at(self) -> datetime:
+        """When the cookie stops being accepted anyway."""
+        return datetime.fromtimestamp(self.expires, UTC)
 
     @property
     def who(self) -> str:
@@ -52,8 +79,9 @@ class Operator:
 class ConsoleAuth:
     """Sessions and CSRF tokens of one console."""
 
-    def __init__(self, credentials: Credentials) -> None:
+    def __init__(self, credentials: Credentials, hosts: HostAllowList) -> None:
         self.credentials = credentials
+        self.hosts = hosts
         token = credentials.operator_token
         # Without an operator credential nobody can sign in; the key still
         # signs CSRF tokens (the login form refuses anyway).
@@ -76,8 +104,12 @@ class ConsoleAuth:
         data = base64.urlsafe_b64encode(payload).decode()
         return f"{data}.{self._mac(b'session', data.encode())}"
 
-    def operator(self, request: Request) -> Operator | None:
-        """The signed-in operator of this request, if its session is valid."""
+    def session(self, request: Request) -> Operator | None:
+        """The operator the request's session cookie names, if it is signed and unexpired.
+
+        Whether it was signed out is the database's to say: the console checks
+        that before it sets :data:`OPERATOR_KEY` (see :meth:`operator`).
+        """
         if not self.enabled:
             return None
         value = request.cookies.get(SESSION_COOKIE, "")
@@ -88,10 +120,24 @@ class ConsoleAuth:
             return None
         try:
             fields = json.loads(base64.urlsafe_b64decode(data.encode()))
-            operator = Operator(name=str(fields["n"]), expires=int(fields["e"]))
+            name, expires = fields["n"], fields["e"]
         except (ValueError, KeyError, TypeError):
             return None
+        # Exactly the types sign_in writes: a float such as 1e400 is no expiry.
+        if type(name) is not str or type(expires) is not int or name_problem(name):
+            return None
+        operator = Operator(name=name, expires=expires, mac=mac)
         return operator if operator.expires > time.time() else None
+
+    @staticmethod
+    def operator(request: Request) -> Operator | None:
+        """The signed-in operator of this request: a valid session that was not signed out.
+
+        Set by the console for every request before its page runs; a request it
+        did not check has no operator (fail closed).
+        """
+        found = request.scope.get(OPERATOR_KEY)
+        return found if isinstance(found, Operator) else None
 
     def sign_in(self, response: Response, request: Request, name: str) -> None:
         """Set the session cookie on ``response``."""
@@ -138,9 +184,12 @@ class ConsoleAuth:
     def csrf_refusal(self, request: Request, form_token: str | None) -> str | None:
         """Why this POST is not the console's own form, or None when it is."""
         origin = request.headers.get("origin")
-        own = f"{request.url.scheme}://{request.headers.get('host', '')}"
-        if origin is not None and origin != own:
-            return f"cross-origin request refused (Origin {origin[:100]!r})"
+        if origin is not None:
+            # The Gate admitted the request's Host: its port is the one the browser used.
+            allowed = request.scope.get(HOST_KEY)
+            port = allowed[1] if allowed is not None else None
+            if allowed is None or not self.hosts.is_own_origin(origin, request.url.scheme, port):
+                return f"cross-origin request refused (Origin {origin[:100]!a})"
         fetch_site = request.headers.get("sec-fetch-site")
         if fetch_site is not None and fetch_site not in ("same-origin", "none"):
             return f"cross-site request refused (Sec-Fetch-Site {fetch_site[:40]!r})"
@@ -152,3 +201,13 @@ class ConsoleAuth:
         ):
             return "bad CSRF token: reload the page and try again"
         return None
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be recorded as who, or None."""
+    if not name.strip() or len(name) > MAX_NAME:
+        return f"your name (1 to {MAX_NAME} characters) is recorded with each action"
+    if identifier_violation(name, "name") is not None:
+        # A CR/LF would forge lines in the server's log and the attempt log.
+        return "your name may not hold a control character (CR, LF, NUL, ...)"
+    return None

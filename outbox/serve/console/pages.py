@@ -23,9 +23,19 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from outbox.errors import ApprovalRefused, NotFound, OutboxError, RunStateError, ValidationError
+from outbox.intent_rules import identifier_violation
 from outbox.models import EffectStatus, RunStatus
-from outbox.serve.console.auth import ConsoleAuth, Operator
-from outbox.serve.console.present import age, delivery_chart, duration, pretty, redact, shown
+from outbox.serve.console.auth import OPERATOR_KEY, ConsoleAuth, Operator, name_problem
+from outbox.serve.console.present import (
+    age,
+    clip,
+    delivery_chart,
+    duration,
+    last_pass,
+    pretty,
+    redact,
+    shown,
+)
 from outbox.serve.ops import Cached, CachedCounts
 from outbox.serve.transport import BODY_KEY
 
@@ -40,6 +50,11 @@ PAGE_SIZE = 50
 #: Age filters of the runs list: label -> seconds.
 AGES = {"1h": 3600, "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400}
 _TEMPLATES = Path(__file__).with_name("templates")
+#: What the console says after an action (``?flash=``): its own words only, so a
+#: link cannot make the console display a message of the sender's choosing.
+FLASHES = frozenset({"resolved", "retrying", "approved", "rejected", "cancelled"})
+
+Page = Callable[[Request], Any]
 
 
 def _uuid(text: str) -> UUID | None:
@@ -67,10 +82,43 @@ class Console:
             autoescape=select_autoescape(["html"]),
             trim_blocks=True,
             lstrip_blocks=True,
+            # Every text a page prints is redacted (last_error, cancel_reason, notes,
+            # keys, ...), not only the fields a template remembered to filter.
+            finalize=last_pass,
         )
         self.env.filters.update(
-            age=age, duration=duration, pretty=pretty, redact=redact, shown=shown
+            age=age, clip=clip, duration=duration, pretty=pretty, redact=redact, shown=shown
         )
+
+    def checked(self, page: Page) -> Page:
+        """``page`` behind the console's request checks.
+
+        A query parameter holding a control character (a NUL would fail in
+        PostgreSQL) is a 400 naming it. The session cookie is checked, then
+        looked up among the signed-out ones, and the operator (or None) is left
+        in the request for :meth:`ConsoleAuth.operator`.
+        """
+
+        async def checked_page(request: Request) -> Response:
+            request.scope[OPERATOR_KEY] = None
+            for name, value in request.query_params.multi_items():
+                if identifier_violation(name + value, "query") is not None:
+                    shown_name = ascii(name[:40])
+                    return self.problem(
+                        request,
+                        400,
+                        f"query parameter {shown_name} holds a control character "
+                        "(NUL, CR, LF, ...)",
+                    )
+            session = self.auth.session(request)
+            if session is not None and not await run_in_threadpool(
+                self.views.session_revoked, session.revocation
+            ):
+                request.scope[OPERATOR_KEY] = session
+            response: Response = await page(request)
+            return response
+
+        return checked_page
 
     # -- rendering ------------------------------------------------------------------
 
@@ -86,7 +134,7 @@ class Console:
             can_sign_in=self.auth.enabled,
             csrf=self.auth.csrf_token(seed),
             now=datetime.now(UTC),
-            flash=request.query_params.get("flash"),
+            flash=_choice(request.query_params.get("flash"), FLASHES),
             **context,
         )
         response = HTMLResponse(html, status_code=status_code)
@@ -276,27 +324,30 @@ class Console:
                 request, 403, "this console is read-only: no operator credential is configured"
             )
         if not self.auth.credentials.is_operator(form.get("token", "")):
-            log.warning("console: a sign-in with a wrong credential (name %r)", name[:100])
+            # %a: whatever the name holds, it stays on one line of the log.
+            log.warning("console: a sign-in with a wrong credential (name %a)", name[:100])
             return self.render(
                 request, "login.html", status_code=403, error="wrong credential", next="/console/"
             )
-        if not name or len(name) > 100:
+        problem = name_problem(name)
+        if problem is not None:
             return self.render(
-                request,
-                "login.html",
-                status_code=400,
-                error="your name (1 to 100 characters) is recorded with each action",
-                next="/console/",
+                request, "login.html", status_code=400, error=problem, next="/console/"
             )
         response = RedirectResponse(_safe_next(form.get("next")), status_code=303)
         self.auth.sign_in(response, request, name)
         return response
 
     async def logout(self, request: Request) -> Response:
-        """End the session."""
+        """End the session: revoked in the database, so a copy of the cookie is worthless."""
         refusal = self.auth.csrf_refusal(request, _form(request).get("csrf"))
         if refusal is not None:
             return self.problem(request, 403, refusal)
+        session = self.auth.session(request)
+        if session is not None:
+            await run_in_threadpool(
+                self.views.revoke_session, session.revocation, session.expires_at
+            )
         response = RedirectResponse("/console/", status_code=303)
         self.auth.sign_out(response)
         return response

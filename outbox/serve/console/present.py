@@ -11,42 +11,81 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from markupsafe import Markup, escape
 
+from outbox.intent_rules import CREDENTIAL_SCHEMES, credential_name
 from outbox.storage import views
 
-__all__ = ["age", "delivery_chart", "pretty", "redact", "shown"]
+__all__ = ["age", "clip", "delivery_chart", "pretty", "redact", "redact_text", "shown"]
 
 REDACTED = "[redacted]"
-#: Object keys (and URL query parameters) whose values are never shown.
-_SECRET_NAME = re.compile(
-    r"(authori[sz]ation|passw(or)?d|passwd|secret|token|api[-_]?key|apikey|cookie|"
-    r"credential|private[-_]?key|session|signature|sig$|^auth$|^key$|x-amz-|client[-_]?secret)",
+_MAX_DEPTH = 50
+#: Display-only additions to the intent rules' table: OAuth's authorization code.
+_EXTRA_URL_PARAMETERS = frozenset({"code"})
+# Any URL in a text (an exception message quotes the URL it failed on).
+_URL_IN_TEXT = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s\"'<>`]+")
+# A scheme and its secret anywhere in a text. The rules refuse a header value that
+# is exactly this with a secret of 16+ characters; a reader hides shorter ones too
+# (8+: "Token expired" stays readable), and a value that is a scheme and one word.
+_SECRET = r"[A-Za-z0-9._~+/-]{8,}=*"
+_SCHEME_IN_TEXT = re.compile(rf"\b({CREDENTIAL_SCHEMES})(\s+){_SECRET}", re.IGNORECASE)
+_SCHEME_ALONE = re.compile(rf"^\s*({CREDENTIAL_SCHEMES})\s+\S+\s*$", re.IGNORECASE)
+# ``name=value``, ``name: value``, ``"name": "value"`` where the name carries a credential.
+_NAMED_VALUE = re.compile(
+    r"(?P<name>[A-Za-z][A-Za-z0-9_.-]{1,63})(?P<sep>[\"']?\s*[:=]\s*[\"']?)"
+    rf"(?P<value>(?:(?:{CREDENTIAL_SCHEMES})\s+)?[^\s\"'&;,)\]}}\[][^\s\"'&;,)\]}}]*)",
     re.IGNORECASE,
 )
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
-_BEARER = re.compile(r"^(bearer|basic|token)\s+\S+", re.IGNORECASE)
-_MAX_DEPTH = 50
+# A JSON Web Token, whatever surrounds it.
+_JWT = re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*")
+
+
+class Shown(str):
+    """Text already redacted (the page's last pass skips it)."""
+
+    __slots__ = ()
+
+
+def redact_text(text: str) -> str:
+    """``text`` with credentials replaced, wherever they sit in it.
+
+    URLs lose their userinfo and the values of credential parameters; an
+    authorization scheme (``Bearer``, ``Basic``, ``Token``, ``ApiKey``, ``Key``,
+    ``SSWS``, ``OAuth``) loses the secret after it; ``name=value`` and
+    ``name: value`` lose the value when the name carries a credential (the intent
+    rules' table: ``authorization``, ``password``, ``api_key``, ``token``, ...);
+    JSON Web Tokens are hidden whole.
+    """
+    if _SCHEME_ALONE.match(text):
+        return REDACTED
+    text = _URL_IN_TEXT.sub(lambda m: _redact_url(m[0]), text)
+    text = _JWT.sub(REDACTED, text)
+    text = _SCHEME_IN_TEXT.sub(lambda m: f"{m[1]}{m[2]}{REDACTED}", text)
+    return _NAMED_VALUE.sub(_named, text)
+
+
+def _named(match: re.Match[str]) -> str:
+    if match["value"] == REDACTED or not credential_name(match["name"]):
+        return match[0]
+    return f"{match['name']}{match['sep']}{REDACTED}"
 
 
 def redact(value: Any, _depth: int = 0) -> Any:
-    """``value`` with secrets replaced: values of secret-looking keys, URL userinfo and tokens.
+    """``value`` with secrets replaced: values of credential fields, and :func:`redact_text`.
 
-    Applied to every payload, result and attempt detail the console shows; the
-    stored data is untouched.
+    Applied to every payload, result, state, signal and attempt detail the
+    console shows; the stored data is untouched. A field is a credential by the
+    intent rules' table (``outbox.intent_rules.credential_name``).
     """
     if _depth > _MAX_DEPTH:
         return "…"
     if isinstance(value, dict):
         return {
-            k: (REDACTED if _SECRET_NAME.search(str(k)) else redact(v, _depth + 1))
+            k: (REDACTED if credential_name(str(k)) else redact(v, _depth + 1))
             for k, v in value.items()
         }
     if isinstance(value, list):
         return [redact(v, _depth + 1) for v in value]
     if isinstance(value, str):
-        if _BEARER.match(value):
-            return REDACTED
-        if _URL.match(value):
-            return _redact_url(value)
+        return redact_text(value)
     return value
 
 
@@ -56,27 +95,48 @@ def _redact_url(url: str) -> str:
         netloc = parts.netloc
         if "@" in netloc:
             netloc = f"{REDACTED}@{netloc.rsplit('@', 1)[1]}"
-        query = parts.query
-        if query:
-            pairs = parse_qsl(query, keep_blank_values=True)
-            query = urlencode(
-                [
-                    (k, REDACTED if _SECRET_NAME.search(k) or k in _TOKEN_PARAMS else v)
-                    for k, v in pairs
-                ]
-            )
-        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        query = _redact_parameters(parts.query)
+        fragment = _redact_parameters(parts.fragment) if "=" in parts.fragment else parts.fragment
+        return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
     except ValueError:
         return REDACTED
 
 
-_TOKEN_PARAMS = {"code", "access_token", "refresh_token", "id_token", "sig", "x-amz-signature"}
+def _redact_parameters(text: str) -> str:
+    if not text:
+        return text
+    pairs = parse_qsl(text, keep_blank_values=True)
+    return urlencode(
+        [
+            (k, REDACTED if credential_name(k, in_url=True) or k in _EXTRA_URL_PARAMETERS else v)
+            for k, v in pairs
+        ],
+        safe="[]",
+    )
+
+
+def clip(value: Any, length: int) -> str:
+    """Redacted text cut to ``length`` characters, with an ellipsis when cut.
+
+    Redacted first: cutting first could leave the head of a secret too short to
+    recognise.
+    """
+    text = redact_text(str(value or ""))
+    return Shown(text if len(text) <= length else text[: length - 1] + "…")
+
+
+def last_pass(value: Any) -> Any:
+    """Jinja's ``finalize``: every text a page prints is redacted, unless it was already."""
+    if isinstance(value, str) and not isinstance(value, (Shown, Markup)):
+        return redact_text(value)
+    return value
 
 
 def pretty(value: Any, *, secret_safe: bool = True) -> str:
     """Indented JSON for a ``<pre>`` (redacted unless told otherwise)."""
     shown = redact(value) if secret_safe else value
-    return json.dumps(shown, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+    text = json.dumps(shown, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+    return Shown(text) if secret_safe else text
 
 
 def shown(items: Sized) -> str:

@@ -30,9 +30,18 @@ from sqlalchemy import (
     tuple_,
 )
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.models import EffectStatus
-from outbox.storage.schema import budget_ledger, effect_attempts, effects, runs, signals, steps
+from outbox.storage.schema import (
+    budget_ledger,
+    effect_attempts,
+    effects,
+    runs,
+    signals,
+    steps,
+    webhook_replays,
+)
 from outbox.storage.sql.common import SECONDS, AnySelect, const
 
 __all__ = [
@@ -43,8 +52,10 @@ __all__ = [
     "effects_of_run",
     "ledger_of_run",
     "operator_queue",
+    "revoke_session",
     "run_by_key",
     "runs_page",
+    "session_revoked",
     "signals_of_run",
     "steps_of_run",
 ]
@@ -267,4 +278,33 @@ def delivery_by_minute() -> AnySelect:
         )
         .group_by(minute)
         .order_by(minute)
+    )
+
+
+# -- signed-out console sessions ----------------------------------------------------------
+#
+# A console session is a signed cookie; signing out must make a copy of it
+# worthless on every server process. Its MAC is a signature like a webhook's,
+# so a spent one goes where spent webhook signatures go: ``outbox_webhook_replays``,
+# under a prefix of its own, with ``seen_at`` set to the session's expiry. Both
+# forgetting rules (the signal endpoint's, and gc's) delete rows whose
+# ``seen_at`` is in the past, so the mark lives as long as the cookie could.
+
+
+def revoke_session() -> Any:
+    """Mark session digest ``:digest`` spent until ``:until`` (idempotent)."""
+    return (
+        pg_insert(webhook_replays)
+        .values(
+            signature=bindparam("digest", type_=Text),
+            seen_at=bindparam("until", type_=DateTime(timezone=True)),
+        )
+        .on_conflict_do_nothing()
+    )
+
+
+def session_revoked() -> Any:
+    """One row when session digest ``:digest`` was signed out."""
+    return select(literal_column("1")).where(
+        webhook_replays.c.signature == bindparam("digest", type_=Text)
     )

@@ -52,6 +52,7 @@ __all__ = [
     "fork_ledger",
     "fork_run",
     "fork_steps",
+    "fork_unsettled",
     "hold_effects",
     "park_paused",
     "pause_run",
@@ -193,6 +194,45 @@ def _last_set(column: Any) -> Any:
         .order_by(steps.c.seq.desc())
         .limit(literal_column("1", Integer))
         .scalar_subquery()
+    )
+
+
+#: Effects that may already have taken effect (a deliverer was in the call, or Kafka
+#: has the record): a fork that runs their step again would intend them twice.
+UNSETTLED_EFFECT_STATUSES = (
+    EffectStatus.UNKNOWN,
+    EffectStatus.IN_FLIGHT,
+    EffectStatus.DISPATCHED,
+)
+
+
+@cache
+def fork_unsettled() -> AnySelect:
+    """The original's unsettled effects at or after the cut, in order.
+
+    Parameters: ``of_run``, ``cut`` (the seq of the step the fork restarts at;
+    NULL: after every completed step) and ``from_step`` (the step a failed run
+    failed at). Rows: (effect_id, step_id, kind, status, idempotency_key).
+    """
+    cut = bindparam("cut", type_=Integer)
+    rerun = select(steps.c.step_id).where(
+        steps.c.run_id == _OF_RUN, cut.isnot(None), steps.c.seq >= cut
+    )
+    return (
+        select(
+            effects.c.id.label("effect_id"),
+            effects.c.step_id,
+            effects.c.kind,
+            effects.c.status,
+            effects.c.idempotency_key,
+        )
+        .where(
+            effects.c.run_id == _OF_RUN,
+            in_statuses(effects.c.status, UNSETTLED_EFFECT_STATUSES),
+            (effects.c.step_id.in_(rerun))
+            | (effects.c.step_id == bindparam("from_step", type_=Text)),
+        )
+        .order_by(effects.c.seq)
     )
 
 

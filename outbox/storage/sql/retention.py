@@ -23,6 +23,7 @@ from sqlalchemy import (
     delete,
     exists,
     func,
+    or_,
     select,
     tuple_,
 )
@@ -67,16 +68,25 @@ def _ids(name: str = "ids") -> Any:
     return bindparam(name, type_=_UUIDS)
 
 
+def _changed_since_horizon() -> Any:
+    # An effect's last change: every writer sets updated_at (an operator's resolve,
+    # retry or note included); completed_at too, in case one did not.
+    return or_(effects.c.updated_at >= _horizon(), effects.c.completed_at >= _horizon())
+
+
 @cache
 def doomed_runs() -> AnySelect:
-    """Up to ``batch`` runs that ended before ``horizon`` with no open effect, locked.
+    """Up to ``batch`` runs that ended before ``horizon``, locked, whose effects are done too.
 
+    A run is old only when each of its effects is finished and was last changed
+    before ``horizon`` as well: an effect an operator resolved a minute ago keeps
+    a run that ended a year ago (and its attempt log) for the horizon's length.
     Parameters: ``horizon`` (interval), ``batch``. Rows another transaction
     holds are skipped (the next ``gc`` takes them).
     """
     still_open = exists().where(
         effects.c.run_id == runs.c.id,
-        in_statuses(effects.c.status, OPEN_EFFECT_STATUSES),
+        or_(in_statuses(effects.c.status, OPEN_EFFECT_STATUSES), _changed_since_horizon()),
     )
     return (
         select(runs.c.id)
@@ -118,6 +128,7 @@ def doomed_runless_effects() -> AnySelect:
         select(effects.c.id)
         .where(
             effects.c.completed_at < _horizon(),
+            effects.c.updated_at < _horizon(),
             effects.c.run_id.is_(None),
             ~in_statuses(effects.c.status, OPEN_EFFECT_STATUSES),
         )
