@@ -43,6 +43,7 @@ class Writing:
     #: attempts whose outcomes it writes (None: no duties ride).
     ride: Callable[[Iterable[UUID]], Ride] | None = None
 
+
 log = logging.getLogger(__name__)
 
 

@@ -143,9 +143,7 @@ class AsyncStore:
                     rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 else:
                     async with conn.transaction():
-                        rows = await self._claim_on(
-                            conn, spec, quotas, owner, lease_seconds, rates
-                        )
+                        rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
         self._observe("claim", began, claim=len(rows))
         return rows
 
