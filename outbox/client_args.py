@@ -34,6 +34,7 @@ from outbox.payloads import Encoded, encode, encode_value
 from outbox.runs.approvals import ApprovalDecision, decide
 from outbox.runs.signals import SignalReceipt, send_signal
 from outbox.settings import Settings
+from outbox.shards import key_shard, on_shard, shard_of
 from outbox.storage.run_tx import RunTx
 from outbox.storage.writes import RunStart as RunStartRow
 from outbox.validation import as_uuid, name_field, row_limit, validated
@@ -106,8 +107,15 @@ def new_run(
         mode=mode,
     )
     encoded = encode_value(start.inputs, field="inputs", max_bytes=settings.max_payload_bytes)
+    if run_id is not None:
+        chosen = as_uuid(run_id, "run_id")
+    elif start.key is not None:  # on its key's shard: the start touches one shard
+        chosen = on_shard(uuid7(), key_shard(settings.namespace, start.key))
+    else:
+        chosen = uuid7()
     row = RunStartRow(
-        id=uuid7() if run_id is None else as_uuid(run_id, "run_id"),
+        id=chosen,
+        namespace=settings.namespace,
         agent=start.agent,
         version=start.version,
         inputs_json=encoded.json,
@@ -309,5 +317,8 @@ def fork_args(
     name_field(from_step, "from_step")
     if version is not None:
         name_field(version, "version", max_length=100)
-    new_id = uuid7() if fork_id is None else as_uuid(fork_id, "fork_id")
+    # on the original's shard: the copy touches one shard
+    new_id = (
+        on_shard(uuid7(), shard_of(original)) if fork_id is None else as_uuid(fork_id, "fork_id")
+    )
     return original, new_id, from_step, version

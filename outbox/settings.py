@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from outbox.blobs import ValueLimits
 from outbox.errors import ConfigurationError
+from outbox.shards import DEFAULT_NAMESPACE
 
 __all__ = ["ENV_PREFIX", "Settings"]
 
@@ -67,6 +68,9 @@ class Settings(BaseModel):
     #: None: migrate the embedded server only (another database is migrated with
     #: ``outbox migrate``); True or False: always or never.
     auto_migrate: bool | None = None
+    #: The namespace (a tenant, a team) this client's runs and intents are in: a
+    #: business key or a caller's idempotency key is unique within its namespace.
+    namespace: str = Field(default=DEFAULT_NAMESPACE, pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
     @property
     def value_limits(self) -> ValueLimits:

@@ -33,6 +33,7 @@ from outbox.models import (
 )
 from outbox.payloads import Encoded, encode_value, jsonb_sized
 from outbox.runs.context import RunContext
+from outbox.shards import key_shard, on_shard
 from outbox.storage import Connection, writes
 from outbox.storage.writes import IntentRow, StepCheckpoint
 from outbox.tracing import current_traceparent
@@ -178,6 +179,10 @@ class _Intents:
         index = self.count
         self.count += 1
         effect_id = uuid7()
+        if run_id is None:  # of no run: on the shard of its key (or ordering key), if any
+            shard_key = intent.key or intent.ordering_key
+            if shard_key is not None:
+                effect_id = on_shard(effect_id, key_shard(settings.namespace, shard_key))
         if intent.key is not None:
             key = intent.key
             if dry_run:
@@ -295,7 +300,12 @@ class OutboxTransaction:
         if not self._intents.pending:
             return
         self._notified = self._ctx.effects_wakeup.inline()
-        writes.intend(connection, self._intents.rows, wake=self._notified is not None)
+        writes.intend(
+            connection,
+            self._intents.rows,
+            wake=self._notified is not None,
+            namespace=self._ctx.settings.namespace,
+        )
 
 
 def intend_options(

@@ -18,6 +18,7 @@ from sqlalchemy import Connection
 
 from outbox.blobs import Blob, reference_hash
 from outbox.errors import DatabaseError
+from outbox.shards import shard_of
 from outbox.storage.sql import blobs as blob_sql
 
 __all__ = ["EFFECT_FIELDS", "RUN_FIELDS", "STEP_FIELDS", "fetch", "put", "resolve"]
@@ -35,9 +36,13 @@ def put(conn: Connection, owner: uuid.UUID | str, blobs: Iterable[Blob | None]) 
     unique = {b.sha256: b for b in blobs if b is not None}
     if not unique:
         return
+    shard = shard_of(owner if isinstance(owner, uuid.UUID) else uuid.UUID(owner))
     conn.execute(
         blob_sql.put_blob(),
-        [{"sha": b.sha256, "size": b.size, "data": b.text} for b in unique.values()],
+        [
+            {"sha": b.sha256, "size": b.size, "data": b.text, "shard": shard}
+            for b in unique.values()
+        ],
     )
     conn.execute(blob_sql.put_refs(), {"owner": owner, "hashes": sorted(unique)})
 

@@ -18,7 +18,7 @@ from sqlalchemy import (
     Connection,
     DateTime,
     Float,
-    ForeignKey,
+    ForeignKeyConstraint,
     Identity,
     Index,
     Integer,
@@ -26,6 +26,7 @@ from sqlalchemy import (
     Numeric,
     PrimaryKeyConstraint,
     Sequence,
+    SmallInteger,
     Table,
     Text,
     UniqueConstraint,
@@ -45,7 +46,7 @@ from outbox.models import (
     RunStatus,
     StepStatus,
 )
-from outbox.storage.functions import functions_ddl
+from outbox.storage.functions import function_files, functions_ddl
 from outbox.storage.sql.common import sql_in
 
 __all__ = [
@@ -54,12 +55,14 @@ __all__ = [
     "budget_ledger",
     "consumed_keys",
     "effect_attempts",
+    "effect_keys",
     "effects",
     "gates",
     "metadata",
     "migrations",
     "owners",
     "rate_limits",
+    "run_keys",
     "runs",
     "signals",
     "steps",
@@ -67,6 +70,17 @@ __all__ = [
 ]
 
 metadata = MetaData()
+
+#: 0023: every run-scoped table carries its run's logical shard (outbox.shards):
+#: on Citus the column the tables are distributed by. Keys include it (last, so
+#: that a lookup by id alone still uses them); a check ties it to the id it is
+#: read from, so a hand-written row cannot land on another run's shard.
+SHARD_OF_ID = "shard = outbox_shard_of(id)"
+SHARD_OF_RUN = "shard = outbox_shard_of(run_id)"
+
+
+def _shard() -> Column[int]:
+    return Column("shard", SmallInteger, nullable=False)
 
 
 RUN_STATUSES = tuple(RunStatus)
@@ -103,7 +117,7 @@ QUEUE_VACUUM = {
 runs = Table(
     "outbox_runs",
     metadata,
-    Column("id", UUID(as_uuid=True), primary_key=True),
+    Column("id", UUID(as_uuid=True), nullable=False),
     Column("agent", Text, nullable=False),
     Column("agent_version", Text, nullable=False),
     Column("inputs", JSONB, nullable=False),
@@ -147,6 +161,14 @@ runs = Table(
     # 0015: last, next to step_head: a step's update changes these two, and its WAL
     # record holds every byte between the first and the last column it changed
     Column("current_step", Text),
+    # 0023: the number of the run's last step (each step takes the next: a step's
+    # order never comes from a sequence, which Citus draws per node), its shard,
+    # and the namespace its caller's keys (and its intents') are unique in
+    Column("step_count", BigInteger, nullable=False, server_default=text("0")),
+    _shard(),
+    Column("namespace", Text, nullable=False, server_default=text("'default'")),
+    PrimaryKeyConstraint("id", "shard", name="outbox_runs_pkey"),
+    CheckConstraint(SHARD_OF_ID, name="outbox_runs_shard_check"),
     CheckConstraint(sql_in("status", RUN_STATUSES), name="outbox_runs_status_check"),
     # every step updates the row: room on the page keeps those updates HOT (0004)
     postgresql_with={"fillfactor": "80", **QUEUE_VACUUM},
@@ -162,7 +184,6 @@ Index(
     runs.c.available_at,
     postgresql_where=text("status = 'runnable'"),
 )
-Index("outbox_runs_key", runs.c.key, unique=True, postgresql_where=text("key IS NOT NULL"))
 Index(
     "outbox_runs_leased",
     runs.c.lease_expires_at,
@@ -207,7 +228,8 @@ steps = Table(
     metadata,
     Column("run_id", UUID(as_uuid=True)),
     Column("step_id", Text, nullable=False),
-    Column("seq", BigInteger, Identity(always=True), nullable=False),
+    # the run's step_count when it was written (0023; before, a sequence's value)
+    Column("seq", BigInteger, nullable=False),
     Column("kind", Text, nullable=False),
     Column("result", JSONB),
     Column("error", JSONB),
@@ -219,14 +241,16 @@ steps = Table(
     # 0013: the state and plan this step set (NULL: unchanged), so a fork starts from them
     Column("state", JSONB),
     Column("plan", JSONB),
-    PrimaryKeyConstraint("run_id", "step_id", name="outbox_steps_pkey"),
+    _shard(),
+    PrimaryKeyConstraint("run_id", "step_id", "shard", name="outbox_steps_pkey"),
+    CheckConstraint(SHARD_OF_RUN, name="outbox_steps_shard_check"),
     CheckConstraint(sql_in("status", StepStatus), name="outbox_steps_status_check"),
 )
 
 effects = Table(
     "outbox_effects",
     metadata,
-    Column("id", UUID(as_uuid=True), primary_key=True),
+    Column("id", UUID(as_uuid=True), nullable=False),
     # intent order: per-key ordering and listing follow it
     Column("seq", BigInteger, Identity(always=True), nullable=False),
     Column("run_id", UUID(as_uuid=True)),
@@ -266,7 +290,16 @@ effects = Table(
     # 0013: claims take higher priority first and share capacity between fairness keys
     Column("priority", Integer, nullable=False, server_default=text("0")),
     Column("fairness_key", Text, nullable=False, server_default=text("''")),
-    UniqueConstraint("idempotency_key", name="outbox_effects_idempotency_key"),
+    # 0023: its run's shard (of no run: its id's) and namespace
+    _shard(),
+    Column("namespace", Text, nullable=False, server_default=text("'default'")),
+    PrimaryKeyConstraint("id", "shard", name="outbox_effects_pkey"),
+    UniqueConstraint(
+        "namespace", "idempotency_key", "shard", name="outbox_effects_idempotency_key"
+    ),
+    CheckConstraint(
+        "shard = outbox_shard_of(coalesce(run_id, id))", name="outbox_effects_shard_check"
+    ),
     CheckConstraint(sql_in("status", EFFECT_STATUSES), name="outbox_effects_status_check"),
     postgresql_with=QUEUE_VACUUM,
 )
@@ -336,13 +369,8 @@ Index(
 effect_attempts = Table(
     "outbox_effect_attempts",
     metadata,
-    Column("id", BigInteger, Identity(always=True), primary_key=True),
-    Column(
-        "effect_id",
-        UUID(as_uuid=True),
-        ForeignKey("outbox_effects.id", ondelete="CASCADE"),
-        nullable=False,
-    ),
+    Column("id", BigInteger, Identity(always=True), nullable=False),
+    Column("effect_id", UUID(as_uuid=True), nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("worker", Text),
     _ts("started_at"),
@@ -352,6 +380,15 @@ effect_attempts = Table(
     Column("detail", JSONB),
     # 0010: sha256 over this row and the effect's previous row (functions/chain.sql)
     Column("hash", BYTEA),
+    # 0023: its effect's shard
+    _shard(),
+    PrimaryKeyConstraint("id", "shard", name="outbox_effect_attempts_pkey"),
+    ForeignKeyConstraint(
+        ["effect_id", "shard"],
+        ["outbox_effects.id", "outbox_effects.shard"],
+        name="outbox_effect_attempts_effect_id_fkey",
+        ondelete="CASCADE",
+    ),
 )
 # 0010: (effect, id), so the chain's newest row is one index probe
 Index("outbox_effect_attempts_effect", effect_attempts.c.effect_id, effect_attempts.c.id)
@@ -359,20 +396,24 @@ Index("outbox_effect_attempts_effect", effect_attempts.c.effect_id, effect_attem
 signals = Table(
     "outbox_signals",
     metadata,
-    Column("id", UUID(as_uuid=True), primary_key=True),
-    Column(
-        "run_id",
-        UUID(as_uuid=True),
-        ForeignKey("outbox_runs.id", ondelete="CASCADE"),
-        nullable=False,
-    ),
+    Column("id", UUID(as_uuid=True), nullable=False),
+    Column("run_id", UUID(as_uuid=True), nullable=False),
     Column("name", Text, nullable=False),
     Column("payload", JSONB),
     Column("dedup_key", Text, nullable=False),
     _ts("created_at", nullable=False, default_now=True),
     Column("consumed_by", Text),
     _ts("consumed_at"),
-    UniqueConstraint("run_id", "dedup_key", name="outbox_signals_dedup"),
+    _shard(),
+    PrimaryKeyConstraint("id", "shard", name="outbox_signals_pkey"),
+    UniqueConstraint("run_id", "dedup_key", "shard", name="outbox_signals_dedup"),
+    ForeignKeyConstraint(
+        ["run_id", "shard"],
+        ["outbox_runs.id", "outbox_runs.shard"],
+        name="outbox_signals_run_id_fkey",
+        ondelete="CASCADE",
+    ),
+    CheckConstraint(SHARD_OF_RUN, name="outbox_signals_shard_check"),
 )
 Index(
     "outbox_signals_unconsumed",
@@ -385,13 +426,8 @@ Index(
 budget_ledger = Table(
     "outbox_budget_ledger",
     metadata,
-    Column("id", BigInteger, Identity(always=True), primary_key=True),
-    Column(
-        "run_id",
-        UUID(as_uuid=True),
-        ForeignKey("outbox_runs.id", ondelete="CASCADE"),
-        nullable=False,
-    ),
+    Column("id", BigInteger, Identity(always=True), nullable=False),
+    Column("run_id", UUID(as_uuid=True), nullable=False),
     Column("step_id", Text),
     Column("effect_id", UUID(as_uuid=True)),
     Column("reason", Text, nullable=False),
@@ -402,6 +438,15 @@ budget_ledger = Table(
         "entry IN ('spend', 'reserve', 'commit', 'release')",
         name="outbox_budget_ledger_entry_check",
     ),
+    _shard(),
+    PrimaryKeyConstraint("id", "shard", name="outbox_budget_ledger_pkey"),
+    ForeignKeyConstraint(
+        ["run_id", "shard"],
+        ["outbox_runs.id", "outbox_runs.shard"],
+        name="outbox_budget_ledger_run_id_fkey",
+        ondelete="CASCADE",
+    ),
+    CheckConstraint(SHARD_OF_RUN, name="outbox_budget_ledger_shard_check"),
 )
 # A debit is keyed by (run, step, reason): a replayed or retried step cannot spend twice.
 Index(
@@ -409,6 +454,7 @@ Index(
     budget_ledger.c.run_id,
     budget_ledger.c.step_id,
     budget_ledger.c.reason,
+    budget_ledger.c.shard,
     unique=True,
     postgresql_where=text("entry = 'spend'"),
 )
@@ -450,22 +496,65 @@ consumed_keys = Table(
 blobs = Table(
     "outbox_blobs",
     metadata,
-    Column("sha256", Text, primary_key=True),
+    Column("sha256", Text, nullable=False),
     Column("bytes", BigInteger, nullable=False),
     Column("data", Text, nullable=False),
     _ts("created_at", nullable=False, default_now=True),
     # refreshed by every write that uses it; the upsert's row lock keeps gc off it
     _ts("used_at", nullable=False, default_now=True),
+    # 0023: stored once per shard, beside the rows that use it
+    _shard(),
+    PrimaryKeyConstraint("sha256", "shard", name="outbox_blobs_pkey"),
 )
 blob_refs = Table(
     "outbox_blob_refs",
     metadata,
     # a run id, or the id of an effect that belongs to no run
     Column("owner", UUID(as_uuid=True), nullable=False),
-    Column("sha256", Text, ForeignKey("outbox_blobs.sha256"), nullable=False),
-    PrimaryKeyConstraint("owner", "sha256", name="outbox_blob_refs_pkey"),
+    Column("sha256", Text, nullable=False),
+    _shard(),
+    PrimaryKeyConstraint("owner", "sha256", "shard", name="outbox_blob_refs_pkey"),
+    ForeignKeyConstraint(
+        ["sha256", "shard"],
+        ["outbox_blobs.sha256", "outbox_blobs.shard"],
+        name="outbox_blob_refs_sha256_fkey",
+    ),
+    CheckConstraint("shard = outbox_shard_of(owner)", name="outbox_blob_refs_shard_check"),
 )
-Index("outbox_blob_refs_sha256", blob_refs.c.sha256)
+Index("outbox_blob_refs_sha256", blob_refs.c.sha256, blob_refs.c.shard)
+
+# 0023: a caller's key names one run, or one effect, in its namespace, across every
+# shard: it is registered on the key's own shard (outbox_key_shard), as a unique
+# index there. Where the key's shard is not its owner's, an effect's key has a
+# second row on its owner's shard (mirror), which the step write checks there.
+run_keys = Table(
+    "outbox_run_keys",
+    metadata,
+    Column("namespace", Text, nullable=False),
+    Column("key", Text, nullable=False),
+    _shard(),
+    Column("run_id", UUID(as_uuid=True), nullable=False),
+    PrimaryKeyConstraint("namespace", "key", "shard", name="outbox_run_keys_pkey"),
+    CheckConstraint("shard = outbox_key_shard(namespace, key)", name="outbox_run_keys_shard_check"),
+)
+effect_keys = Table(
+    "outbox_effect_keys",
+    metadata,
+    Column("namespace", Text, nullable=False),
+    Column("key", Text, nullable=False),
+    _shard(),
+    Column("effect_id", UUID(as_uuid=True), nullable=False),
+    Column("run_id", UUID(as_uuid=True)),
+    Column("kind", Text, nullable=False),
+    Column("payload_hash", Text, nullable=False),
+    # false: the key's own row (on its shard); true: the copy on its owner's shard
+    Column("mirror", Boolean, nullable=False, server_default=text("false")),
+    PrimaryKeyConstraint("namespace", "key", "shard", name="outbox_effect_keys_pkey"),
+    CheckConstraint(
+        "mirror OR shard = outbox_key_shard(namespace, key)",
+        name="outbox_effect_keys_shard_check",
+    ),
+)
 
 # 0013: a kind's declared rate (calls per second), shared by every deliverer process:
 # the theoretical arrival time of the next call (GCRA), moved on by each claim.
@@ -480,6 +569,14 @@ rate_limits = Table(
 # (microseconds; setval is not transactional, so no writer waits on another).
 Sequence("outbox_wake_clock_effects", start=0, minvalue=0, metadata=metadata)
 Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
+
+
+@event.listens_for(metadata, "before_create")
+def _create_shard_functions(target: MetaData, connection: Connection, **kw: object) -> None:
+    # The tables' checks call these: they exist before the tables do.
+    driver = connection.connection.driver_connection
+    assert driver is not None
+    driver.execute(function_files()["shards.sql"])
 
 
 @event.listens_for(metadata, "after_create")

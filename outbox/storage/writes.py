@@ -23,6 +23,7 @@ from sqlalchemy.util import await_only
 
 from outbox.errors import StepAlreadyRecorded
 from outbox.models import Lease
+from outbox.shards import DEFAULT_NAMESPACE, shard_of
 from outbox.storage.engine import translate_errors
 
 __all__ = [
@@ -157,18 +158,22 @@ class RunStart:
     #: ``return_existing`` or ``reject``: what a business key another run holds means.
     on_conflict: str = "return_existing"
     wake: bool | None = None
+    namespace: str = DEFAULT_NAMESPACE
 
 
+# The write function itself, on the run's shard (computed here: on Citus the
+# call then goes to the node that holds it, in one round trip).
 _COMMIT_STEP = (
-    "SELECT step_seq, effect_ids, paused FROM outbox_commit_step("
-    "%s, %s, %s::jsonb, %s::jsonb, %s::jsonb, %s::jsonb, %s, %s::jsonb, %s, %s, %s)"
+    "SELECT step_seq, effect_ids, paused FROM outbox_write_step("
+    "%s::smallint, %s, %s, %s::jsonb, %s::jsonb, %s::jsonb, %s::jsonb, %s, %s::jsonb, %s, %s, %s)"
 )
 _INTEND = (
-    "SELECT effect_id, idempotency_key, created FROM outbox_intend_all(NULL, NULL, %s::jsonb, %s)"
+    "SELECT effect_id, idempotency_key, created"
+    " FROM outbox_intend_all(NULL, NULL, %s::jsonb, %s, true, %s)"
 )
 _BEGIN_RUN = (
     "SELECT (b.run).*, b.created FROM outbox_begin_run("
-    "%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s, %s, %s) AS b"
+    "%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) AS b"
 )
 _FINISH_RUN = "SELECT outbox_finish_run(%s, %s, %s::jsonb, %s::jsonb, %s, %s)"
 _COMPENSATE = "SELECT outbox_intend_compensations(%s, %s)"
@@ -241,6 +246,7 @@ def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) 
     """
     lease = step.lease
     params = (
+        shard_of(step.run_id),
         step.run_id,
         step.step_id,
         step.result_json,
@@ -262,11 +268,11 @@ def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) 
 
 
 def intend(
-    conn: Connection, rows: Sequence[IntentRow], *, wake: bool | None
+    conn: Connection, rows: Sequence[IntentRow], *, wake: bool | None, namespace: str
 ) -> list[tuple[uuid.UUID, str, bool]]:
     """Write intents of no run in ``conn``'s transaction: (effect id, key, created) each."""
     with translate_errors("writing intents"):
-        found = _call(conn, _INTEND, (intents_json(rows), wake)).rows
+        found = _call(conn, _INTEND, (intents_json(rows), wake, namespace)).rows
     return [(r[0], r[1], bool(r[2])) for r in found]
 
 
@@ -285,6 +291,7 @@ def begin_run(conn: Connection, start: RunStart) -> tuple[dict[str, Any], bool]:
         "dry_run" if start.dry_run else "live",
         start.trace_parent,
         start.wake,
+        start.namespace,
     )
     with translate_errors("starting a run"):
         found = _call(conn, _BEGIN_RUN, params)

@@ -112,14 +112,15 @@ BEGIN
     SELECT e.xmin::text = (pg_current_xact_id()::text::bigint % 4294967296)::text,
            outbox_effect_genesis(e.id, e.run_id, e.kind, e.idempotency_key, e.payload_hash)
       INTO ours, prev
-      FROM outbox_effects e WHERE e.id = NEW.effect_id;
+      FROM outbox_effects e WHERE e.id = NEW.effect_id AND e.shard = NEW.shard;
     IF NOT ours THEN
-        PERFORM 1 FROM outbox_effects WHERE id = NEW.effect_id FOR UPDATE;
+        PERFORM 1 FROM outbox_effects WHERE id = NEW.effect_id AND shard = NEW.shard FOR UPDATE;
         NEW.id := nextval(pg_get_serial_sequence('outbox_effect_attempts', 'id'));
     END IF;
     -- The newest link of this effect's chain, else its genesis.
     SELECT coalesce((SELECT a.hash FROM outbox_effect_attempts a
-                      WHERE a.effect_id = NEW.effect_id ORDER BY a.id DESC LIMIT 1), prev)
+                      WHERE a.effect_id = NEW.effect_id AND a.shard = NEW.shard
+                      ORDER BY a.id DESC LIMIT 1), prev)
       INTO prev;
     NEW.hash := outbox_attempt_hash(prev, NEW.effect_id, NEW.attempt, NEW.worker,
                                     NEW.started_at, NEW.finished_at, NEW.outcome, NEW.detail);

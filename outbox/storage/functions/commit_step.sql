@@ -1,5 +1,6 @@
--- Record step_id of run_id in the caller's transaction: the one implementation of a
--- step's checkpoint, for every client (the Python client calls it too).
+-- Record step_id of run_id (on its shard, outbox_shard_of(run_id)) in the caller's
+-- transaction: the one implementation of a step's checkpoint, for every client
+-- (the Python client calls it too; SQL callers call outbox_commit_step, below).
 --
 -- What it writes, all of it or none: the step's result; the run's new state and
 -- plan (NULL keeps them); its intents (intents: a JSON array of outbox_intend's
@@ -25,7 +26,8 @@
 -- transaction, so the function keeps few. Anything else is checked exactly first
 -- (outbox_check_step, outbox_check_intents, outbox_store_values), then written by
 -- the same statement.
-CREATE OR REPLACE FUNCTION outbox_commit_step(
+CREATE OR REPLACE FUNCTION outbox_write_step(
+    shard smallint,
     run_id uuid,
     step_id text,
     result jsonb DEFAULT NULL,
@@ -55,15 +57,21 @@ DECLARE
     run_ok boolean;
     rows outbox_intent[];
     claimable boolean;
+    v_now timestamptz := now();
 BEGIN
+    IF outbox_write_step.shard IS DISTINCT FROM outbox_shard_of(outbox_write_step.run_id) THEN
+        PERFORM outbox_refuse('OB001', 'shard', outbox_write_step.shard::text,
+            format('is not the shard of run_id %s (outbox_shard_of: %s)',
+                   outbox_write_step.run_id, outbox_shard_of(outbox_write_step.run_id)));
+    END IF;
     IF current_setting('outbox.tx_steps', true) <> '' OR spends IS NOT NULL
        OR step_kind IS NULL OR step_kind NOT IN ('transaction', 'call')
-       OR outbox_step_id_refused(outbox_commit_step.step_id)
+       OR outbox_step_id_refused(outbox_write_step.step_id)
        OR (lease_owner IS NULL) <> (lease_attempt IS NULL) THEN
-        tx_step := outbox_tx_steps()->outbox_tx_step_slot(outbox_commit_step.run_id,
-                                                          outbox_commit_step.step_id);
+        tx_step := outbox_tx_steps()->outbox_tx_step_slot(outbox_write_step.run_id,
+                                                          outbox_write_step.step_id);
         SELECT * INTO debit, ledger, chain
-          FROM outbox_check_step(outbox_commit_step.run_id, outbox_commit_step.step_id, step_kind,
+          FROM outbox_check_step(outbox_write_step.run_id, outbox_write_step.step_id, step_kind,
                                  lease_owner, lease_attempt, spends, tx_step);
     END IF;
     LOOP
@@ -73,15 +81,15 @@ BEGIN
         -- same step waited on the run's row and finds it recorded), the effects
         -- and the budget ledger written
         WITH v AS (
-            SELECT coalesce(outbox_commit_step.result, 'null')::text AS result_text,
-                   outbox_commit_step.state::text AS state_text,
-                   outbox_commit_step.plan::text AS plan_text
+            SELECT coalesce(outbox_write_step.result, 'null')::text AS result_text,
+                   outbox_write_step.state::text AS state_text,
+                   outbox_write_step.plan::text AS plan_text
         ), i AS MATERIALIZED (
-            SELECT x.* FROM outbox_runs AS r, outbox_intent_rows(outbox_commit_step.run_id,
-                outbox_commit_step.step_id, p_intents,
+            SELECT x.* FROM outbox_runs AS r, outbox_intent_rows(outbox_write_step.run_id,
+                outbox_write_step.step_id, p_intents,
                 coalesce((tx_step->>'next')::integer, 0), r.priority, r.fairness_key, r.dry_run,
-                firsts) AS x
-             WHERE r.id = outbox_commit_step.run_id
+                firsts, r.namespace) AS x
+             WHERE r.id = outbox_write_step.run_id AND r.shard = outbox_write_step.shard
         ), agg AS (
             SELECT coalesce(bool_and(i.screened), true)
                    AND (stored IS NOT NULL OR outbox_values_screened(v.result_text, v.state_text,
@@ -111,32 +119,35 @@ BEGIN
              GROUP BY v.result_text, v.state_text, v.plan_text
         ), run_upd AS (
             UPDATE outbox_runs AS r
-               SET state = coalesce(stored[2], outbox_commit_step.state, r.state),
-                   plan = coalesce(stored[3], outbox_commit_step.plan, r.plan),
-                   current_step = outbox_commit_step.step_id,
+               SET state = coalesce(stored[2], outbox_write_step.state, r.state),
+                   plan = coalesce(stored[3], outbox_write_step.plan, r.plan),
+                   current_step = outbox_write_step.step_id,
+                   step_count = r.step_count + 1,
                    spent = r.spent + debit,
                    reserved = r.reserved + agg.reserve,
                    step_head = outbox_step_link(
                        coalesce(r.step_head, outbox_run_genesis(r.id, r.agent, r.inputs_hash)),
-                       r.id, outbox_commit_step.step_id, step_kind, v.result_text, NULL,
-                       v.state_text, v.plan_text, now(), agg.chain_text)
+                       r.id, outbox_write_step.step_id, step_kind, v.result_text, NULL,
+                       v.state_text, v.plan_text, v_now, agg.chain_text)
                    -- updated_at is left alone: it is indexed, and a step's update must stay HOT
               FROM agg, v
-             WHERE r.id = outbox_commit_step.run_id
+             WHERE r.id = outbox_write_step.run_id AND r.shard = outbox_write_step.shard
                AND (agg.screened OR firsts IS NOT NULL)
                AND r.status = ANY (outbox_active_run_statuses())
                AND (r.budget IS NULL OR r.spent + r.reserved + debit + agg.reserve <= r.budget)
-               AND (outbox_commit_step.lease_owner IS NULL
-                    OR (r.lease_owner = outbox_commit_step.lease_owner
-                        AND r.attempt = outbox_commit_step.lease_attempt))
-            RETURNING r.paused_at IS NOT NULL AS paused, r.step_head
+               AND (outbox_write_step.lease_owner IS NULL
+                    OR (r.lease_owner = outbox_write_step.lease_owner
+                        AND r.attempt = outbox_write_step.lease_attempt))
+            RETURNING r.paused_at IS NOT NULL AS paused, r.step_head, r.step_count, r.namespace
         ), step_ins AS (
             -- the step keeps the state and plan it set, so a fork can start from it
-            INSERT INTO outbox_steps AS s (run_id, step_id, kind, result, state, plan, hash)
-            SELECT outbox_commit_step.run_id, outbox_commit_step.step_id, step_kind,
-                   coalesce(stored[1], outbox_commit_step.result, 'null'),
-                   coalesce(stored[2], outbox_commit_step.state),
-                   coalesce(stored[3], outbox_commit_step.plan), u.step_head
+            INSERT INTO outbox_steps AS s (run_id, shard, seq, step_id, kind, result, state, plan,
+                                           hash)
+            SELECT outbox_write_step.run_id, outbox_write_step.shard, u.step_count,
+                   outbox_write_step.step_id, step_kind,
+                   coalesce(stored[1], outbox_write_step.result, 'null'),
+                   coalesce(stored[2], outbox_write_step.state),
+                   coalesce(stored[3], outbox_write_step.plan), u.step_head
               FROM run_upd AS u
             ON CONFLICT ON CONSTRAINT outbox_steps_pkey DO NOTHING
             RETURNING s.seq
@@ -144,17 +155,19 @@ BEGIN
             INSERT INTO outbox_effects AS e (
                 id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
                 idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
-                fairness_key, status, available_at, approval, approval_deadline, trace_parent)
+                fairness_key, status, available_at, approval, approval_deadline, trace_parent,
+                shard, namespace)
             SELECT h.*
               FROM step_ins, run_upd AS u,
                    outbox_intent_effects(ARRAY(SELECT i::outbox_intent FROM i ORDER BY i.n),
-                                         outbox_commit_step.run_id, outbox_commit_step.step_id,
-                                         u.paused) AS h
+                                         outbox_write_step.run_id, outbox_write_step.step_id,
+                                         u.paused, u.namespace) AS h
             RETURNING e.status
         ), ledger_ins AS (
-            INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
-            SELECT outbox_commit_step.run_id, outbox_commit_step.step_id, l.effect_id, l.reason,
-                   l.entry, l.amount
+            INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry,
+                                              amount)
+            SELECT outbox_write_step.run_id, outbox_write_step.shard, outbox_write_step.step_id,
+                   l.effect_id, l.reason, l.entry, l.amount
               FROM (SELECT * FROM jsonb_to_recordset(ledger)
                            AS l(entry text, reason text, amount numeric, effect_id uuid)
                     UNION ALL
@@ -170,18 +183,22 @@ BEGIN
         -- something the cheap checks did not clear: check it exactly (raising the
         -- refusal, taking the locks of callers' keys; a large value stored by
         -- reference), then write it
-        stored := outbox_store_values(outbox_commit_step.run_id, ARRAY['result', 'state', 'plan'],
+        stored := outbox_store_values(outbox_write_step.run_id, ARRAY['result', 'state', 'plan'],
                                       ARRAY[coalesce(result, 'null'), state, plan]);
-        SELECT * INTO firsts, p_intents
-          FROM outbox_check_intents(outbox_commit_step.run_id, outbox_commit_step.step_id,
-            p_intents, coalesce((tx_step->>'next')::integer, 0),
+        SELECT c.firsts, c.intents INTO firsts, p_intents
+          FROM outbox_runs AS r, outbox_check_intents(outbox_write_step.run_id,
+            outbox_write_step.step_id, p_intents, coalesce((tx_step->>'next')::integer, 0),
             coalesce((tx_step->>'count')::integer, 0), coalesce((tx_step->>'bytes')::bigint, 0),
-            coalesce((SELECT r.dry_run FROM outbox_runs AS r
-                       WHERE r.id = outbox_commit_step.run_id), false), true);
+            r.dry_run, true, r.namespace) AS c
+         WHERE r.id = outbox_write_step.run_id AND r.shard = outbox_write_step.shard;
+        IF NOT FOUND THEN
+            -- no run to check the intents against: the statement above says why
+            firsts := '{}';
+        END IF;
     END LOOP;
     IF step_seq IS NULL OR firsts IS NOT NULL OR tx_step IS NOT NULL
        OR (claimable AND NOT paused AND wake IS DISTINCT FROM false) THEN
-        PERFORM outbox_finish_step(outbox_commit_step.run_id, outbox_commit_step.step_id,
+        PERFORM outbox_finish_step(outbox_write_step.run_id, outbox_write_step.step_id,
             lease_owner, lease_attempt, run_ok, step_seq, debit, rows, tx_step, paused,
             claimable AND NOT paused, wake);
         IF firsts IS NOT NULL OR tx_step IS NOT NULL THEN
@@ -192,6 +209,29 @@ BEGIN
         END IF;
     END IF;
 END
+$$;
+
+-- outbox_write_step on the run's own shard: what SQL callers call. (On Citus the
+-- planner inlines it, and the call runs on the node holding the shard.)
+CREATE OR REPLACE FUNCTION outbox_commit_step(
+    run_id uuid,
+    step_id text,
+    result jsonb DEFAULT NULL,
+    state jsonb DEFAULT NULL,
+    plan jsonb DEFAULT NULL,
+    intents jsonb DEFAULT NULL,
+    step_kind text DEFAULT 'transaction',
+    spends jsonb DEFAULT NULL,
+    lease_owner text DEFAULT NULL,
+    lease_attempt integer DEFAULT NULL,
+    wake boolean DEFAULT NULL,
+    OUT step_seq bigint,
+    OUT effect_ids uuid[],
+    OUT paused boolean
+)
+    LANGUAGE sql AS $$
+SELECT * FROM outbox_write_step(outbox_shard_of(run_id), run_id, step_id, result, state, plan,
+                                intents, step_kind, spends, lease_owner, lease_attempt, wake)
 $$;
 
 -- The rest of a step that is not the common one: its refusal (the run missing,
@@ -218,7 +258,8 @@ BEGIN
         IF p_paused THEN
             -- a pause committed while outbox_intend's intents waited holds them now
             UPDATE outbox_effects AS e SET status = 'paused'
-             WHERE e.run_id = p_run_id AND e.step_id = p_step_id AND e.status = 'pending';
+             WHERE e.run_id = p_run_id AND e.shard = outbox_shard_of(p_run_id)
+               AND e.step_id = p_step_id AND e.status = 'pending';
         END IF;
         PERFORM outbox_tx_save_step(p_run_id, p_step_id, p_tx_step || '{"done": true}'::jsonb);
     END IF;
@@ -334,7 +375,8 @@ DECLARE
     found_run record;
 BEGIN
     SELECT r.status, r.budget, r.spent, r.reserved, r.lease_owner, r.attempt
-      INTO found_run FROM outbox_runs AS r WHERE r.id = p_run_id;
+      INTO found_run FROM outbox_runs AS r
+     WHERE r.id = p_run_id AND r.shard = outbox_shard_of(p_run_id);
     IF NOT FOUND OR NOT found_run.status = ANY (outbox_active_run_statuses()) THEN
         PERFORM outbox_raise_run_refusal(p_run_id);
     ELSIF p_owner IS NOT NULL AND (found_run.lease_owner IS DISTINCT FROM p_owner

@@ -4,18 +4,20 @@ BEGIN
     IF NEW.status = 'succeeded' THEN
         UPDATE outbox_runs
            SET reserved = reserved - NEW.cost, spent = spent + NEW.cost
-         WHERE id = NEW.run_id;
-        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
-        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'commit', NEW.cost);
+         WHERE id = NEW.run_id AND shard = NEW.shard;
+        INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.shard, NEW.step_id, NEW.id, NEW.kind, 'commit', NEW.cost);
     ELSIF NEW.status IN ('failed', 'cancelled', 'rejected') THEN
-        UPDATE outbox_runs SET reserved = reserved - NEW.cost WHERE id = NEW.run_id;
-        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
-        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'release', NEW.cost);
+        UPDATE outbox_runs SET reserved = reserved - NEW.cost
+         WHERE id = NEW.run_id AND shard = NEW.shard;
+        INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.shard, NEW.step_id, NEW.id, NEW.kind, 'release', NEW.cost);
     ELSIF OLD.status IN ('failed', 'cancelled', 'rejected') THEN
         -- an operator put it back: it holds its reservation again
-        UPDATE outbox_runs SET reserved = reserved + NEW.cost WHERE id = NEW.run_id;
-        INSERT INTO outbox_budget_ledger (run_id, step_id, effect_id, reason, entry, amount)
-        VALUES (NEW.run_id, NEW.step_id, NEW.id, NEW.kind, 'reserve', NEW.cost);
+        UPDATE outbox_runs SET reserved = reserved + NEW.cost
+         WHERE id = NEW.run_id AND shard = NEW.shard;
+        INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.shard, NEW.step_id, NEW.id, NEW.kind, 'reserve', NEW.cost);
     END IF;
     RETURN NULL;
 END
@@ -35,7 +37,8 @@ CREATE TRIGGER outbox_effects_settle_cost
 CREATE OR REPLACE FUNCTION outbox_effects_hold_paused() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
-    IF EXISTS (SELECT 1 FROM outbox_runs WHERE id = NEW.run_id AND paused_at IS NOT NULL) THEN
+    IF EXISTS (SELECT 1 FROM outbox_runs
+                WHERE id = NEW.run_id AND shard = NEW.shard AND paused_at IS NOT NULL) THEN
         NEW.status := 'paused';
     END IF;
     RETURN NEW;

@@ -74,7 +74,8 @@ CREATE OR REPLACE FUNCTION outbox_raise_run_refusal(p_run_id uuid) RETURNS void
 DECLARE
     found_run record;
 BEGIN
-    SELECT r.status, r.pause_reason INTO found_run FROM outbox_runs AS r WHERE r.id = p_run_id;
+    SELECT r.status, r.pause_reason INTO found_run FROM outbox_runs AS r
+     WHERE r.id = p_run_id AND r.shard = outbox_shard_of(p_run_id);
     IF NOT FOUND THEN
         PERFORM outbox_raise_run_not_found(p_run_id);
     ELSIF found_run.status = 'paused' THEN

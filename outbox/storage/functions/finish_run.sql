@@ -42,7 +42,8 @@ BEGIN
        SET status = outbox_finish_run.status, result = stored_result,
            error = stored_error, lease_owner = NULL, lease_expires_at = NULL,
            updated_at = now()
-     WHERE r.id = p_run_id AND r.status = ANY (outbox_active_run_statuses())
+     WHERE r.id = p_run_id AND r.shard = outbox_shard_of(p_run_id)
+       AND r.status = ANY (outbox_active_run_statuses())
        AND (outbox_finish_run.lease_owner IS NULL
             OR (r.lease_owner = outbox_finish_run.lease_owner AND r.attempt = outbox_finish_run.lease_attempt));
     IF NOT FOUND THEN

@@ -19,6 +19,7 @@ CREATE OR REPLACE FUNCTION outbox_intend(
     approval jsonb DEFAULT NULL,
     priority integer DEFAULT NULL,
     fairness_key text DEFAULT NULL,
+    namespace text DEFAULT NULL,
     OUT effect_id uuid,
     OUT idempotency_key text,
     OUT created boolean
@@ -38,7 +39,7 @@ SELECT i.effect_id, i.idempotency_key, i.created
         -- a JSON null payload stays (a SQL NULL one is refused as missing)
         || CASE WHEN outbox_intend.payload IS NULL THEN '{}'::jsonb
                 ELSE jsonb_build_object('payload', outbox_intend.payload) END),
-      NULL, false) AS i
+      NULL, false, outbox_intend.namespace) AS i
 $$;
 
 -- Intents (a JSON array of outbox_intend's arguments) of step_id of run_id, or of
@@ -46,9 +47,10 @@ $$;
 -- The step's count, bytes, next index, reservations and chain parts are kept for
 -- outbox_commit_step; run-less intents count per transaction. wake as in
 -- outbox_commit_step; indexed names refused fields intents[n].x rather than x.
+-- namespace: of intents of no run (a run's intents are in its namespace).
 CREATE OR REPLACE FUNCTION outbox_intend_all(
     run_id uuid, step_id text, intents jsonb, wake boolean DEFAULT NULL,
-    indexed boolean DEFAULT true
+    indexed boolean DEFAULT true, namespace text DEFAULT NULL
 )
     RETURNS TABLE (effect_id uuid, idempotency_key text, created boolean)
     LANGUAGE plpgsql AS $$
@@ -69,13 +71,16 @@ BEGIN
     END IF;
     IF p_run_id IS NOT NULL THEN
         entry := outbox_tx_step(p_run_id, p_step_id);
-        SELECT r.priority, r.fairness_key, r.dry_run, r.paused_at IS NOT NULL AS held
-          INTO run FROM outbox_runs AS r WHERE r.id = p_run_id;
+        SELECT r.priority, r.fairness_key, r.dry_run, r.paused_at IS NOT NULL AS held, r.namespace
+          INTO run FROM outbox_runs AS r
+         WHERE r.id = p_run_id AND r.shard = outbox_shard_of(p_run_id);
     ELSE
         -- intents of no run count per transaction, like the Python client's
         entry := coalesce(nullif(current_setting('outbox.tx_intents', true), ''),
                           '{"count": 0, "bytes": 0}')::jsonb;
-        SELECT 0 AS priority, '' AS fairness_key, false AS dry_run, false AS held INTO run;
+        PERFORM outbox_check_namespace(coalesce(outbox_intend_all.namespace, 'default'));
+        SELECT 0 AS priority, '' AS fairness_key, false AS dry_run, false AS held,
+               coalesce(outbox_intend_all.namespace, 'default') AS namespace INTO run;
     END IF;
     IF intents IS NULL OR jsonb_typeof(intents) <> 'array' THEN
         PERFORM outbox_refuse('OB001', 'intents', left(intents::text, 80),
@@ -88,23 +93,28 @@ BEGIN
            coalesce(array_agg(x ORDER BY x.n), '{}')
       INTO screened, rows
       FROM outbox_intent_rows(p_run_id, p_step_id, intents, coalesce((entry->>'next')::integer, 0),
-                              run.priority, run.fairness_key, run.dry_run) AS x;
+                              run.priority, run.fairness_key, run.dry_run, NULL,
+                              coalesce(run.namespace, 'default')) AS x;
     IF NOT screened THEN
         -- checked exactly (and callers' keys locked), then derived again: the
         -- effects a locked key names are seen now
         SELECT * INTO firsts, checked FROM outbox_check_intents(p_run_id, p_step_id, intents,
             coalesce((entry->>'next')::integer, 0), (entry->>'count')::integer,
-            (entry->>'bytes')::bigint, run.dry_run, indexed);
+            (entry->>'bytes')::bigint, coalesce(run.dry_run, false), indexed,
+            coalesce(run.namespace, 'default'));
         SELECT coalesce(array_agg(x ORDER BY x.n), '{}') INTO rows
           FROM outbox_intent_rows(p_run_id, p_step_id, checked, coalesce((entry->>'next')::integer, 0),
-                                  run.priority, run.fairness_key, run.dry_run, firsts) AS x;
+                                  run.priority, run.fairness_key, run.dry_run, firsts,
+                                  coalesce(run.namespace, 'default')) AS x;
     END IF;
     WITH ins AS (
         INSERT INTO outbox_effects AS e (
             id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
             idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
-            fairness_key, status, available_at, approval, approval_deadline, trace_parent)
-        SELECT * FROM outbox_intent_effects(rows, p_run_id, p_step_id, run.held)
+            fairness_key, status, available_at, approval, approval_deadline, trace_parent,
+            shard, namespace)
+        SELECT * FROM outbox_intent_effects(rows, p_run_id, p_step_id, run.held,
+                                            coalesce(run.namespace, 'default'))
         RETURNING e.status
     )
     SELECT coalesce(bool_or(ins.status = 'pending'), false) INTO claimable FROM ins;

@@ -21,15 +21,18 @@
 -- key, ordering_key, step_index, max_attempts, delay_seconds, schema_version,
 -- compensate, cost, approval, priority, fairness_key, plus id and trace_parent,
 -- which a client may choose) for step p_step_id of run p_run_id (NULL: of no run),
--- the first at index p_next, in the lane and mode of its run. A value that does
--- not pass a check derives NULL, never an error: screened is then false.
+-- the first at index p_next, in the lane, mode and namespace of its run. A value
+-- that does not pass a check derives NULL, never an error: screened is then false.
+-- An effect of no run gets an id on the shard of its key, else of its ordering
+-- key, so that one key's effects live together.
 -- p_first[n], from outbox_check_intents, is the first intent of the call under
 -- the n-th's key, when that is another one.
 -- STABLE, so that it is inlined into the statement that writes them (it calls
 -- outbox_uuid7 for an intent that names no id).
 CREATE OR REPLACE FUNCTION outbox_intent_rows(
     p_run_id uuid, p_step_id text, p_intents jsonb, p_next integer,
-    p_priority integer, p_fairness_key text, p_dry_run boolean, p_first integer[] DEFAULT NULL
+    p_priority integer, p_fairness_key text, p_dry_run boolean, p_first integer[] DEFAULT NULL,
+    p_namespace text DEFAULT 'default'
 ) RETURNS SETOF outbox_intent
     LANGUAGE sql STABLE AS $$
 SELECT a.n::integer, v.id, v.step_index, v.kind,
@@ -58,9 +61,17 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
        coalesce(outbox_json_str(a.item->'fairness_key'), p_fairness_key),
        nullif(outbox_json_str(a.item->'trace_parent'), ''),
        s.screened,
-       -- the effect its key names already: one index probe, only for a caller's key
-       CASE WHEN v.caller_key THEN (SELECT e.id FROM outbox_effects AS e
-                                     WHERE e.idempotency_key = v.key) END,
+       -- the effect its key names already, if another: a caller's key's row on its
+       -- owner's shard (outbox_take_key wrote it); an index named explicitly, the
+       -- effect under its derived key. One probe, for those only.
+       CASE WHEN f.key IS NOT NULL
+            THEN (SELECT nullif(k.effect_id, v.id) FROM outbox_effect_keys AS k
+                   WHERE k.namespace = p_namespace AND k.key = v.key
+                     AND k.shard = outbox_shard_of(coalesce(p_run_id, v.id)))
+            WHEN v.caller_key
+            THEN (SELECT e.id FROM outbox_effects AS e
+                   WHERE e.namespace = p_namespace AND e.idempotency_key = v.key
+                     AND e.shard = outbox_shard_of(p_run_id)) END,
        p_first[a.n]
   FROM jsonb_array_elements(p_intents) WITH ORDINALITY AS a(item, n)
  CROSS JOIN LATERAL (
@@ -68,7 +79,12 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
            outbox_json_int(a.item->'step_index') AS step_index,
            outbox_json_str(a.item->'key') AS key) AS f
  CROSS JOIN LATERAL (
-    SELECT coalesce(outbox_json_uuid(a.item->'id'), outbox_uuid7()) AS id,
+    SELECT coalesce(outbox_json_uuid(a.item->'id'),
+                    CASE WHEN p_run_id IS NULL
+                         THEN outbox_on_shard(outbox_uuid7(), outbox_key_shard(p_namespace,
+                             coalesce(f.key, outbox_json_str(a.item->'ordering_key'),
+                                      gen_random_uuid()::text)))
+                         ELSE outbox_uuid7() END) AS id,
            CASE WHEN p_run_id IS NOT NULL THEN coalesce(f.step_index, p_next + a.n::integer - 1) END
                AS step_index,
            CASE WHEN p_dry_run THEN (outbox_reserved_kind_prefixes())[1] ELSE '' END
@@ -127,16 +143,18 @@ $$;
 
 -- Check p_intents exactly, as outbox_intent_rows derives them for the same step
 -- (p_count and p_bytes: what the step or transaction wrote before, which the caps
--- count), raising the first refusal; take the lock of every caller's key (racers
--- on a key take turns until commit) and compare it with the effect it names, if
--- any. p_indexed names fields intents[n].x rather than x. Returns, for each
+-- count), raising the first refusal; take every caller's key (outbox_take_key:
+-- racers on a key take turns until commit) and compare it with the effect it
+-- names, if any. On Citus, where this runs on the run's shard alone, the keys
+-- were taken before by outbox_take_keys and are only checked to be.
+-- p_indexed names fields intents[n].x rather than x. Returns, for each
 -- intent named again under the key of an earlier one of the call (the same
 -- intent), that earlier one's ordinal (outbox_intent_rows' p_first), and the
 -- intents with an id each: a large payload is stored here, by reference, owned
 -- by its run or (of no run) by its effect.
 CREATE OR REPLACE FUNCTION outbox_check_intents(
     p_run_id uuid, p_step_id text, p_intents jsonb, p_next integer, p_count integer,
-    p_bytes bigint, p_dry_run boolean, p_indexed boolean,
+    p_bytes bigint, p_dry_run boolean, p_indexed boolean, p_namespace text,
     OUT firsts integer[], OUT intents jsonb
 )
     LANGUAGE plpgsql AS $$
@@ -267,12 +285,16 @@ BEGIN
     -- Every field passes. Each intent gets its id now (a large payload's reference
     -- names its owner), then the keys: two intents of this call under one key, or
     -- a key that names an effect already, are the same intent or a conflict (G5).
+    -- (the ids outbox_intent_rows picks: an effect of no run on its key's shard)
     SELECT jsonb_agg(CASE WHEN a.item ? 'id' AND a.item->'id' <> 'null' THEN a.item
-                          ELSE a.item || jsonb_build_object('id', outbox_uuid7()) END ORDER BY a.n)
-      INTO intents FROM jsonb_array_elements(p_intents) WITH ORDINALITY AS a(item, n);
+                          ELSE a.item || jsonb_build_object('id', x.id) END ORDER BY a.n)
+      INTO intents
+      FROM jsonb_array_elements(p_intents) WITH ORDINALITY AS a(item, n)
+      JOIN outbox_intent_rows(p_run_id, p_step_id, p_intents, p_next, 0, '', p_dry_run, NULL,
+                              p_namespace) AS x ON x.n = a.n;
     intents := coalesce(intents, '[]');
     FOR r IN SELECT * FROM outbox_intent_rows(p_run_id, p_step_id, intents, p_next, 0, '',
-                                              p_dry_run) ORDER BY n LOOP
+                                              p_dry_run, NULL, p_namespace) ORDER BY n LOOP
         IF seen ? r.idempotency_key THEN
             IF (seen->r.idempotency_key) - 0 <> jsonb_build_array(r.kind, r.payload_hash) THEN
                 PERFORM outbox_raise_conflict(r.idempotency_key,
@@ -283,10 +305,16 @@ BEGIN
         END IF;
         seen := seen || jsonb_build_object(r.idempotency_key,
                                            jsonb_build_array(r.n, r.kind, r.payload_hash));
-        IF r.caller_key THEN
-            PERFORM pg_advisory_xact_lock(hashtextextended(r.idempotency_key, 0));
-            PERFORM outbox_check_existing(r.idempotency_key, p_run_id, r.kind, r.payload_hash,
-                                          (intents->(r.n - 1))->'payload');
+        IF (intents->(r.n - 1))->'key' NOT IN ('null') AND outbox_distributed() THEN
+            PERFORM outbox_check_key_taken(p_namespace, r.idempotency_key,
+                                           outbox_shard_of(coalesce(p_run_id, r.id)));
+        ELSIF (intents->(r.n - 1))->'key' NOT IN ('null') THEN
+            PERFORM outbox_take_key(p_namespace, r.idempotency_key, r.id, p_run_id, r.kind,
+                                    r.payload_hash, (intents->(r.n - 1))->'payload');
+        ELSIF r.caller_key THEN
+            -- an index named explicitly: its derived key, on this run's shard
+            PERFORM outbox_check_existing(p_namespace, r.idempotency_key, p_run_id, r.kind,
+                                          r.payload_hash, (intents->(r.n - 1))->'payload');
         END IF;
         IF r.payload_size > outbox_limit('blob_threshold_bytes') THEN
             PERFORM outbox_store_value(coalesce(p_run_id, r.id), (intents->(r.n - 1))->'payload',
@@ -296,29 +324,96 @@ BEGIN
 END
 $$;
 
--- A caller's key that names an effect already names that effect: the same kind,
--- payload and owner, or a conflict (OB003). (Called with the key's lock held.)
+-- A key (derived, at an index a caller named) that names an effect of run p_run_id
+-- already names that effect: the same kind and payload, or a conflict (OB003).
 CREATE OR REPLACE FUNCTION outbox_check_existing(
-    p_key text, p_run_id uuid, p_kind text, p_hash text, p_payload jsonb
+    p_ns text, p_key text, p_run_id uuid, p_kind text, p_hash text, p_payload jsonb
 ) RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
     existing record;
 BEGIN
-    SELECT x.kind, x.payload_hash, x.run_id, x.payload INTO existing
-      FROM outbox_effects AS x WHERE x.idempotency_key = p_key;
-    IF NOT FOUND THEN
-        RETURN;
+    SELECT x.id, x.kind, x.payload_hash, x.run_id, x.payload, x.shard INTO existing
+      FROM outbox_effects AS x
+     WHERE x.namespace = p_ns AND x.idempotency_key = p_key AND x.shard = outbox_shard_of(p_run_id);
+    IF FOUND THEN
+        PERFORM outbox_same_intent(p_key, existing.id, existing.run_id, existing.kind,
+                                   existing.payload_hash, p_run_id, p_kind, p_hash, p_payload);
     END IF;
-    IF existing.run_id IS DISTINCT FROM p_run_id THEN
+END
+$$;
+
+-- Whether an intent (p_run_id, p_kind, p_hash, p_payload) under key p_key is the
+-- one that effect (p_effect ...) is: the same owner, kind and payload, else OB003.
+CREATE OR REPLACE FUNCTION outbox_same_intent(
+    p_key text, p_effect uuid, p_effect_run uuid, p_effect_kind text, p_effect_hash text,
+    p_run_id uuid, p_kind text, p_hash text, p_payload jsonb
+) RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_effect_run IS DISTINCT FROM p_run_id THEN
         PERFORM outbox_raise_conflict(p_key, 'already intended by another owner');
     END IF;
-    IF existing.kind <> p_kind THEN
+    IF p_effect_kind <> p_kind THEN
         PERFORM outbox_raise_conflict(p_key,
-            format('already intended as kind %L, not %L', existing.kind, p_kind));
+            format('already intended as kind %L, not %L', p_effect_kind, p_kind));
     END IF;
-    IF NOT (existing.payload_hash = p_hash OR outbox_resolve(existing.payload) = p_payload) THEN
+    -- a hash of another definition (an effect written before 0023): the values decide
+    IF p_effect_hash <> p_hash AND (SELECT outbox_resolve(x.payload, x.shard) FROM outbox_effects AS x
+            WHERE x.id = p_effect AND x.shard = outbox_shard_of(coalesce(p_effect_run, p_effect)))
+           IS DISTINCT FROM p_payload THEN
         PERFORM outbox_raise_conflict(p_key, 'already intended with a different payload');
+    END IF;
+END
+$$;
+
+-- Take a caller's key p_key in namespace p_ns for effect p_effect (of run p_run_id,
+-- or of none): register it on the key's shard, where a racer on the same key
+-- waits for this transaction; and, where that is not the owner's shard, mirror it
+-- there (what a step write on Citus checks: outbox_check_key_taken). A key taken
+-- already is the effect it names, or a conflict (outbox_same_intent).
+CREATE OR REPLACE FUNCTION outbox_take_key(
+    p_ns text, p_key text, p_effect uuid, p_run_id uuid, p_kind text, p_hash text,
+    p_payload jsonb
+) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    k_shard smallint := outbox_key_shard(p_ns, p_key);
+    o_shard smallint := outbox_shard_of(coalesce(p_run_id, p_effect));
+    holder record;
+BEGIN
+    INSERT INTO outbox_effect_keys AS k (namespace, key, shard, effect_id, run_id, kind,
+                                         payload_hash)
+    VALUES (p_ns, p_key, k_shard, p_effect, p_run_id, p_kind, p_hash)
+    ON CONFLICT ON CONSTRAINT outbox_effect_keys_pkey DO NOTHING;
+    SELECT k.effect_id, k.run_id, k.kind, k.payload_hash INTO holder FROM outbox_effect_keys AS k
+     WHERE k.namespace = p_ns AND k.key = p_key AND k.shard = k_shard;
+    IF holder.effect_id <> p_effect THEN
+        PERFORM outbox_same_intent(p_key, holder.effect_id, holder.run_id, holder.kind,
+                                   holder.payload_hash, p_run_id, p_kind, p_hash, p_payload);
+    END IF;
+    IF k_shard <> o_shard THEN
+        INSERT INTO outbox_effect_keys AS k (namespace, key, shard, effect_id, run_id, kind,
+                                             payload_hash, mirror)
+        VALUES (p_ns, p_key, o_shard, holder.effect_id, holder.run_id, holder.kind,
+                holder.payload_hash, true)
+        ON CONFLICT ON CONSTRAINT outbox_effect_keys_pkey DO NOTHING;
+    END IF;
+END
+$$;
+
+-- On Citus: a caller's key of an intent written on shard p_shard must have been
+-- taken in this transaction (or before) with outbox_take_keys; the write on one
+-- shard cannot reach the key's own.
+CREATE OR REPLACE FUNCTION outbox_check_key_taken(p_ns text, p_key text, p_shard smallint)
+    RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM outbox_effect_keys AS k
+                    WHERE k.namespace = p_ns AND k.key = p_key AND k.shard = p_shard) THEN
+        PERFORM outbox_raise_conflict(p_key,
+            'on a distributed database a caller''s key is taken first, in the same '
+            'transaction: SELECT outbox_take_keys(run_id, intents)');
     END IF;
 END
 $$;
@@ -331,13 +426,13 @@ $$;
 -- paused, and the rest are pending. The columns are outbox_effects', in the
 -- order both writers insert them.
 CREATE OR REPLACE FUNCTION outbox_intent_effects(
-    p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean
+    p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean, p_namespace text
 ) RETURNS TABLE (
     id uuid, run_id uuid, step_id text, step_index integer, kind text, payload jsonb,
     payload_hash text, schema_version integer, idempotency_key text, ordering_key text,
     max_attempts integer, compensate jsonb, cost numeric, priority integer, fairness_key text,
     status text, available_at timestamptz, approval jsonb, approval_deadline timestamptz,
-    trace_parent text
+    trace_parent text, shard smallint, namespace text
 )
     LANGUAGE sql STABLE AS $$
 SELECT r.id, p_run_id, p_step_id, r.step_index, r.kind, r.payload, r.payload_hash,
@@ -346,7 +441,8 @@ SELECT r.id, p_run_id, p_step_id, r.step_index, r.kind, r.payload, r.payload_has
        CASE WHEN h.policy IS NOT NULL THEN 'awaiting_approval'
             WHEN p_paused THEN 'paused' ELSE 'pending' END,
        r.available_at, h.policy,
-       now() + (h.policy->>'timeout')::double precision * interval '1 second', r.trace_parent
+       now() + (h.policy->>'timeout')::double precision * interval '1 second', r.trace_parent,
+       outbox_shard_of(coalesce(p_run_id, r.id)), p_namespace
   FROM unnest(p_rows) AS r
  CROSS JOIN LATERAL (
     SELECT coalesce((
@@ -399,16 +495,19 @@ BEGIN
         SELECT x.*, k.n, (x.compensate->'payload')::text AS text
           FROM unnest(p_originals) WITH ORDINALITY AS k(id, n)
           JOIN outbox_effects AS x ON x.id = k.id AND x.run_id = p_run_id
+                                  AND x.shard = outbox_shard_of(p_run_id)
          WHERE x.compensate IS NOT NULL
     ), ins AS (
         INSERT INTO outbox_effects AS e (
             id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
-            idempotency_key, ordering_key, compensates, priority, fairness_key, status)
+            idempotency_key, ordering_key, compensates, priority, fairness_key, status, shard,
+            namespace)
         SELECT outbox_uuid7(), p_run_id, 'compensate', o.n - 1, o.compensate->>'kind',
                o.compensate->'payload', encode(sha256(convert_to(o.text, 'UTF8')), 'hex'), 1,
                outbox_compensation_key(o.idempotency_key),
                -- one at a time, newest original first
-               'compensate:' || p_run_id::text, o.id, o.priority, o.fairness_key, 'pending'
+               'compensate:' || p_run_id::text, o.id, o.priority, o.fairness_key, 'pending',
+               o.shard, o.namespace
           FROM o ORDER BY o.n
         ON CONFLICT ON CONSTRAINT outbox_effects_idempotency_key DO NOTHING
         RETURNING e.id
@@ -512,5 +611,55 @@ BEGIN
         PERFORM outbox_refuse('OB001', field || name, value::text, 'must be a whole number');
     END IF;
     RETURN value;
+END
+$$;
+
+-- Take the callers' keys of intents (outbox_commit_step's or outbox_intend_all's
+-- intents argument) for run_id (NULL: intents of no run, in namespace) before
+-- writing them: each registered on its key's shard (outbox_take_key), which a
+-- step write on Citus, running on the run's shard alone, cannot reach. Returns
+-- the intents, each with the id it is to be written under: pass them on. On one
+-- server the write takes the keys itself, and calling this first changes nothing.
+CREATE OR REPLACE FUNCTION outbox_take_keys(run_id uuid, intents jsonb, namespace text DEFAULT NULL)
+    RETURNS jsonb
+    LANGUAGE plpgsql AS $$
+DECLARE
+    run record;
+    named jsonb;
+    r outbox_intent;
+BEGIN
+    IF intents IS NULL OR jsonb_typeof(intents) <> 'array' THEN
+        PERFORM outbox_refuse('OB001', 'intents', left(intents::text, 80),
+            'must be a JSON array of intents');
+    END IF;
+    IF outbox_take_keys.run_id IS NOT NULL THEN
+        SELECT x.namespace, x.dry_run INTO run FROM outbox_runs AS x
+         WHERE x.id = outbox_take_keys.run_id AND x.shard = outbox_shard_of(outbox_take_keys.run_id);
+        IF NOT FOUND THEN
+            PERFORM outbox_raise_run_not_found(outbox_take_keys.run_id);
+        END IF;
+    ELSE
+        PERFORM outbox_check_namespace(coalesce(outbox_take_keys.namespace, 'default'));
+        SELECT coalesce(outbox_take_keys.namespace, 'default') AS namespace, false AS dry_run
+          INTO run;
+    END IF;
+    -- every intent named by id, so that its key row and its effect agree
+    SELECT coalesce(jsonb_agg(CASE WHEN jsonb_typeof(a.item) = 'object'
+                                    AND outbox_json_uuid(a.item->'id') IS NULL
+                                   THEN a.item || jsonb_build_object('id', x.id)
+                                   ELSE a.item END ORDER BY a.n), '[]')
+      INTO named
+      FROM jsonb_array_elements(intents) WITH ORDINALITY AS a(item, n)
+      LEFT JOIN outbox_intent_rows(outbox_take_keys.run_id, NULL, intents, 0, 0, '', run.dry_run,
+                                   NULL, run.namespace) AS x ON x.n = a.n;
+    FOR r IN SELECT * FROM outbox_intent_rows(outbox_take_keys.run_id, NULL, named, 0, 0, '',
+                                              run.dry_run, NULL, run.namespace) LOOP
+        IF (named->(r.n - 1))->'key' NOT IN ('null') AND r.kind IS NOT NULL THEN
+            PERFORM outbox_take_key(run.namespace, r.idempotency_key, r.id,
+                                    outbox_take_keys.run_id, r.kind, r.payload_hash,
+                                    (named->(r.n - 1))->'payload');
+        END IF;
+    END LOOP;
+    RETURN named;
 END
 $$;

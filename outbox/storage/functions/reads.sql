@@ -25,9 +25,11 @@ CREATE OR REPLACE FUNCTION outbox_step(run_id uuid, step_id text)
     RETURNS TABLE (step_kind text, status text, result jsonb, error jsonb, seq bigint,
                    completed_at timestamptz)
     LANGUAGE sql STABLE AS $$
-SELECT s.kind, s.status, outbox_resolve(s.result), outbox_resolve(s.error), s.seq, s.completed_at
+SELECT s.kind, s.status, outbox_resolve(s.result, s.shard), outbox_resolve(s.error, s.shard), s.seq,
+       s.completed_at
   FROM outbox_steps AS s
  WHERE s.run_id = outbox_step.run_id AND s.step_id = outbox_step.step_id
+   AND s.shard = outbox_shard_of(outbox_step.run_id)
 $$;
 
 -- A run as stored: one row, or none when no run has this id.
@@ -36,8 +38,10 @@ CREATE OR REPLACE FUNCTION outbox_run_status(run_id uuid)
                    plan jsonb, current_step text, result jsonb, error jsonb, budget numeric,
                    spent numeric, reserved numeric, created_at timestamptz, updated_at timestamptz)
     LANGUAGE sql STABLE AS $$
-SELECT r.id, r.agent, r.agent_version, r.status, outbox_resolve(r.inputs), outbox_resolve(r.state),
-       outbox_resolve(r.plan), r.current_step, outbox_resolve(r.result), outbox_resolve(r.error),
-       r.budget, r.spent, r.reserved, r.created_at, r.updated_at
-  FROM outbox_runs AS r WHERE r.id = outbox_run_status.run_id
+SELECT r.id, r.agent, r.agent_version, r.status, outbox_resolve(r.inputs, r.shard),
+       outbox_resolve(r.state, r.shard), outbox_resolve(r.plan, r.shard), r.current_step,
+       outbox_resolve(r.result, r.shard), outbox_resolve(r.error, r.shard), r.budget, r.spent,
+       r.reserved, r.created_at, r.updated_at
+  FROM outbox_runs AS r
+ WHERE r.id = outbox_run_status.run_id AND r.shard = outbox_shard_of(outbox_run_status.run_id)
 $$;

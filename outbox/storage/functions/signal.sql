@@ -14,6 +14,8 @@ CREATE OR REPLACE FUNCTION outbox_signal(
     LANGUAGE plpgsql AS $$
 DECLARE
     rules jsonb := outbox_intent_rules();
+    p_shard smallint := outbox_shard_of(outbox_signal.run_id);
+    v_now timestamptz := now();
     run_status text;
     woke uuid;
     canonical text;
@@ -26,15 +28,16 @@ BEGIN
     canonical := outbox_check_json('payload', coalesce(outbox_signal.payload, 'null'::jsonb),
                                    outbox_setting('max_payload_bytes')::integer);
     -- waits, signals and cancellation of a run serialise on its row (run_tx.lock)
-    SELECT r.status INTO run_status FROM outbox_runs AS r WHERE r.id = outbox_signal.run_id FOR UPDATE;
+    SELECT r.status INTO run_status FROM outbox_runs AS r
+     WHERE r.id = outbox_signal.run_id AND r.shard = p_shard FOR UPDATE;
     IF NOT FOUND THEN
         PERFORM outbox_raise_run_not_found(outbox_signal.run_id);
     END IF;
     IF NOT run_status = ANY (outbox_live_run_statuses()) THEN
         PERFORM outbox_raise_run_ended(outbox_signal.run_id, run_status);
     END IF;
-    INSERT INTO outbox_signals AS s (id, run_id, name, payload, dedup_key)
-    VALUES (outbox_uuid7(), outbox_signal.run_id, outbox_signal.name,
+    INSERT INTO outbox_signals AS s (id, run_id, shard, name, payload, dedup_key)
+    VALUES (outbox_uuid7(), outbox_signal.run_id, p_shard, outbox_signal.name,
             outbox_store_value(outbox_signal.run_id, coalesce(outbox_signal.payload, 'null'::jsonb),
                                canonical),
             coalesce(outbox_signal.dedup_key, replace(gen_random_uuid()::text, '-', '')))
@@ -46,9 +49,10 @@ BEGIN
         RETURN;
     END IF;
     UPDATE outbox_runs AS r
-       SET status = 'runnable', available_at = now(), wake_at = NULL, wait_signal = NULL,
-           updated_at = now()
-     WHERE r.id = outbox_signal.run_id AND r.status = 'waiting' AND r.wait_signal = outbox_signal.name
+       SET status = 'runnable', available_at = v_now, wake_at = NULL, wait_signal = NULL,
+           updated_at = v_now
+     WHERE r.id = outbox_signal.run_id AND r.shard = p_shard AND r.status = 'waiting'
+       AND r.wait_signal = outbox_signal.name
     RETURNING r.id INTO woke;
     woke_run := woke IS NOT NULL;
     IF woke_run THEN

@@ -42,13 +42,15 @@ BEGIN
     END IF;
     PERFORM outbox_check_text('step_id', p_step_id, outbox_limit('max_step_id_length')::integer,
                               true, true);
-    SELECT r.status INTO run_status FROM outbox_runs AS r WHERE r.id = p_run_id FOR NO KEY UPDATE;
+    SELECT r.status INTO run_status FROM outbox_runs AS r
+     WHERE r.id = p_run_id AND r.shard = outbox_shard_of(p_run_id) FOR NO KEY UPDATE;
     IF NOT FOUND OR NOT run_status = ANY (outbox_active_run_statuses()) THEN
         -- missing, paused (it takes no steps until resumed) or ended
         PERFORM outbox_raise_run_refusal(p_run_id);
     END IF;
     SELECT s.xmin = pg_current_xact_id()::xid INTO recorded_here
-      FROM outbox_steps AS s WHERE s.run_id = p_run_id AND s.step_id = p_step_id;
+      FROM outbox_steps AS s
+     WHERE s.run_id = p_run_id AND s.step_id = p_step_id AND s.shard = outbox_shard_of(p_run_id);
     IF recorded_here THEN
         PERFORM outbox_refuse('OB001', 'step_id', p_step_id,
             'outbox_commit_step already recorded this step in this transaction: '

@@ -1,28 +1,33 @@
 -- What a row holds for a value whose canonical JSON is canonical: the value, or
 -- (over outbox.blob_threshold_bytes) a reference to it, stored once by its
 -- sha256 in outbox_blobs and recorded as used by owner (a run, or an effect of
--- no run), as outbox.blobs and outbox.storage.blob_store do. The upsert locks
--- the blob until commit, so `outbox gc` cannot take it meanwhile.
+-- no run), on the owner's shard, as outbox.blobs and outbox.storage.blob_store
+-- do. The upsert locks the blob until commit, so `outbox gc` cannot take it
+-- meanwhile.
 CREATE OR REPLACE FUNCTION outbox_store_value(owner uuid, value jsonb, canonical text) RETURNS jsonb
     LANGUAGE plpgsql AS $$
 DECLARE
     size bigint := octet_length(canonical);
+    p_shard smallint := outbox_shard_of(owner);
+    v_now timestamptz := now();
     sha text;
 BEGIN
     IF size <= outbox_setting('blob_threshold_bytes')::bigint THEN
         RETURN value;
     END IF;
     sha := encode(sha256(convert_to(canonical, 'UTF8')), 'hex');
-    INSERT INTO outbox_blobs AS b (sha256, bytes, data) VALUES (sha, size, canonical)
-    ON CONFLICT ON CONSTRAINT outbox_blobs_pkey DO UPDATE SET used_at = now();
-    INSERT INTO outbox_blob_refs AS f (owner, sha256) VALUES (outbox_store_value.owner, sha)
+    INSERT INTO outbox_blobs AS b (sha256, bytes, data, shard) VALUES (sha, size, canonical, p_shard)
+    ON CONFLICT ON CONSTRAINT outbox_blobs_pkey DO UPDATE SET used_at = v_now;
+    INSERT INTO outbox_blob_refs AS f (owner, sha256, shard)
+    VALUES (outbox_store_value.owner, sha, p_shard)
     ON CONFLICT ON CONSTRAINT outbox_blob_refs_pkey DO NOTHING;
     RETURN jsonb_build_object('__outbox_blob__', jsonb_build_object('bytes', size, 'sha256', sha));
 END
 $$;
 
--- A value as read from a row, with a reference replaced by the value it names.
-CREATE OR REPLACE FUNCTION outbox_resolve(value jsonb) RETURNS jsonb
+-- A value as read from a row of shard (its owner's), with a reference replaced by
+-- the value it names. (Without a shard: any shard's copy, on one server.)
+CREATE OR REPLACE FUNCTION outbox_resolve(value jsonb, shard smallint DEFAULT NULL) RETURNS jsonb
     LANGUAGE plpgsql STABLE AS $$
 DECLARE
     sha text;
@@ -34,7 +39,12 @@ BEGIN
         RETURN value;
     END IF;
     sha := value->'__outbox_blob__'->>'sha256';
-    SELECT b.data::jsonb INTO resolved FROM outbox_blobs AS b WHERE b.sha256 = sha;
+    IF outbox_resolve.shard IS NULL THEN
+        SELECT b.data::jsonb INTO resolved FROM outbox_blobs AS b WHERE b.sha256 = sha LIMIT 1;
+    ELSE
+        SELECT b.data::jsonb INTO resolved FROM outbox_blobs AS b
+         WHERE b.sha256 = sha AND b.shard = outbox_resolve.shard;
+    END IF;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'stored value sha256=% is missing from outbox_blobs', sha;
     END IF;

@@ -17,6 +17,7 @@ from sqlalchemy import (
     ARRAY,
     BigInteger,
     Integer,
+    SmallInteger,
     Text,
     any_,
     bindparam,
@@ -24,12 +25,13 @@ from sqlalchemy import (
     exists,
     func,
     select,
+    tuple_,
 )
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.storage.schema import blob_refs, blobs, effects, runs
-from outbox.storage.sql.common import AnySelect
+from outbox.storage.sql.common import AnySelect, shard_of
 
 __all__ = [
     "copy_refs",
@@ -44,25 +46,26 @@ __all__ = [
 
 @cache
 def put_blob() -> Any:
-    """Store one blob once (``sha`` = sha256 of ``data``, ``size`` bytes); lock it until commit."""
+    """Store one blob once on ``shard`` (``sha`` = sha256 of ``data``); lock it until commit."""
     ins = pg_insert(blobs).values(
         sha256=bindparam("sha", type_=Text),
         bytes=bindparam("size", type_=BigInteger),
         data=bindparam("data", type_=Text),
+        shard=bindparam("shard", type_=SmallInteger),
     )
-    return ins.on_conflict_do_update(index_elements=[blobs.c.sha256], set_={"used_at": func.now()})
+    return ins.on_conflict_do_update(
+        index_elements=[blobs.c.sha256, blobs.c.shard], set_={"used_at": func.now()}
+    )
 
 
 @cache
 def put_refs() -> Any:
     """``owner`` (a run or a run-less effect) uses the blobs ``hashes``."""
     hashes = func.unnest(bindparam("hashes", type_=ARRAY(Text)))
+    owner = bindparam("owner", type_=UUID(as_uuid=True))
     return (
         pg_insert(blob_refs)
-        .from_select(
-            ["owner", "sha256"],
-            select(bindparam("owner", type_=UUID(as_uuid=True)), hashes),
-        )
+        .from_select(["owner", "sha256", "shard"], select(owner, hashes, shard_of(owner)))
         .on_conflict_do_nothing(constraint="outbox_blob_refs_pkey")
     )
 
@@ -76,17 +79,35 @@ def fetch_blobs() -> AnySelect:
 
 @cache
 def copy_refs() -> Any:
-    """A fork uses what its original used (``from_owner`` → ``to_owner``)."""
+    """A fork uses what its original used (``from_owner`` → ``to_owner``).
+
+    On another shard, the blobs themselves are copied there first.
+    """
+    to_owner = bindparam("to_owner", type_=UUID(as_uuid=True))
+    from_owner = bindparam("from_owner", type_=UUID(as_uuid=True))
     src = blob_refs.alias("src")
+    used = src.c.owner == from_owner
+    copied = (
+        pg_insert(blobs)
+        .from_select(
+            ["sha256", "bytes", "data", "shard"],
+            select(blobs.c.sha256, blobs.c.bytes, blobs.c.data, shard_of(to_owner))
+            .join(src, (src.c.sha256 == blobs.c.sha256) & (src.c.shard == blobs.c.shard))
+            .where(used, shard_of(to_owner) != shard_of(from_owner)),
+        )
+        .on_conflict_do_nothing(constraint="outbox_blobs_pkey")
+        .returning(blobs.c.sha256)
+        .cte("copied")
+    )
     return (
         pg_insert(blob_refs)
         .from_select(
-            ["owner", "sha256"],
-            select(bindparam("to_owner", type_=UUID(as_uuid=True)), src.c.sha256).where(
-                src.c.owner == bindparam("from_owner", type_=UUID(as_uuid=True))
-            ),
+            ["owner", "sha256", "shard"],
+            select(to_owner, src.c.sha256, shard_of(to_owner)).where(used),
         )
         .on_conflict_do_nothing(constraint="outbox_blob_refs_pkey")
+        # (a data-modifying CTE runs whether or not the statement reads it)
+        .add_cte(copied)
     )
 
 
@@ -131,10 +152,14 @@ def delete_unused_blobs(*, rows: bool) -> Any:
     its reference keeps the blob out of this statement.
     """
     unused = (
-        select(blobs.c.sha256)
-        .where(~exists().where(blob_refs.c.sha256 == blobs.c.sha256))
+        select(blobs.c.sha256, blobs.c.shard)
+        .where(
+            ~exists().where(
+                blob_refs.c.sha256 == blobs.c.sha256, blob_refs.c.shard == blobs.c.shard
+            )
+        )
         .limit(bindparam("batch", type_=Integer))
         .with_for_update(skip_locked=True)
-        .scalar_subquery()
     )
-    return _returning(delete(blobs).where(blobs.c.sha256.in_(unused)), blobs, rows)
+    statement = delete(blobs).where(tuple_(blobs.c.sha256, blobs.c.shard).in_(unused))
+    return _returning(statement, blobs, rows)

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Select, Text, bindparam, cast, literal_column, text
+from sqlalchemy import Select, SmallInteger, Text, bindparam, cast, func, literal_column, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql.expression import ColumnElement, TextClause
 
@@ -26,6 +26,7 @@ __all__ = [
     "const",
     "in_statuses",
     "json_param",
+    "shard_of",
     "sql_in",
 ]
 
@@ -50,6 +51,11 @@ def const(value: str) -> ColumnElement[str]:
     is spelled out, and psycopg prepares statements after a few executions.
     """
     return literal_column("'" + value.replace("'", "''") + "'", Text)
+
+
+def shard_of(id: Any) -> ColumnElement[int]:
+    """The shard of a run (or of an effect of no run) with this id (``outbox.shards``)."""
+    return func.outbox_shard_of(id, type_=SmallInteger)
 
 
 def json_param(name: str) -> ColumnElement[object]:

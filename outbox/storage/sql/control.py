@@ -44,6 +44,7 @@ from outbox.storage.sql.common import (
     AnySelect,
     const,
     in_statuses,
+    shard_of,
 )
 
 __all__ = [
@@ -181,6 +182,7 @@ def _copied() -> list[Any]:
     cut = bindparam("cut", type_=Integer)
     return [
         steps.c.run_id == _ORIGINAL,
+        steps.c.shard == shard_of(_ORIGINAL),
         steps.c.status == const("completed"),
         (cut.is_(None)) | (steps.c.seq < cut),
     ]
@@ -281,7 +283,10 @@ def fork_run() -> Any:
         bindparam("from_step", type_=Text),
         # a dry run's fork is a dry run too: its new effects never reach a sink
         runs.c.dry_run,
-    ).where(runs.c.id == _ORIGINAL)
+        shard_of(_FORK),
+        runs.c.namespace,
+        select(func.count()).select_from(steps).where(*_copied()).scalar_subquery(),
+    ).where(runs.c.id == _ORIGINAL, runs.c.shard == shard_of(_ORIGINAL))
     ins = (
         pg_insert(runs)
         .from_select(
@@ -302,6 +307,9 @@ def fork_run() -> Any:
                 "forked_from",
                 "forked_at_step",
                 "dry_run",
+                "shard",
+                "namespace",
+                "step_count",
             ],
             source,
         )
@@ -315,9 +323,24 @@ def fork_run() -> Any:
 def fork_steps() -> Any:
     """Copy the original's steps before the cut to the fork, in order, results as recorded."""
     return pg_insert(steps).from_select(
-        ["run_id", "step_id", "kind", "result", "error", "completed_at", "status", "state", "plan"],
+        [
+            "run_id",
+            "shard",
+            "seq",
+            "step_id",
+            "kind",
+            "result",
+            "error",
+            "completed_at",
+            "status",
+            "state",
+            "plan",
+        ],
         select(
             _FORK,
+            shard_of(_FORK),
+            # numbered by the fork, as the original ordered them
+            func.row_number().over(order_by=steps.c.seq),
             steps.c.step_id,
             steps.c.kind,
             steps.c.result,
@@ -380,9 +403,10 @@ def fork_ledger() -> Any:
         exists().where(*_copied(), steps.c.step_id == budget_ledger.c.step_id),
     )
     return pg_insert(budget_ledger).from_select(
-        ["run_id", "step_id", "reason", "entry", "amount"],
+        ["run_id", "shard", "step_id", "reason", "entry", "amount"],
         select(
             _FORK,
+            shard_of(_FORK),
             budget_ledger.c.step_id,
             budget_ledger.c.reason,
             budget_ledger.c.entry,

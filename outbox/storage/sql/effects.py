@@ -125,7 +125,7 @@ def complete_effects() -> Any:
             ),
             updated_at=func.now(),
         )
-        .returning(e.c.id, e.c.status, e.c.awaited_by)
+        .returning(e.c.id, e.c.status, e.c.awaited_by, e.c.shard)
         .cte("updated")
     )
     # A run parked on one of these effects (``run.await_effect``) goes on now. The
@@ -149,6 +149,8 @@ def complete_effects() -> Any:
     )
     d2 = _done()
     stale = updated.c.id.is_(None)
+    # a stale completion changed no row: its effect's shard is read
+    its_shard = select(effects.c.shard).where(effects.c.id == d2.c.id).limit(1).scalar_subquery()
     logged = select(
         d2.c.id,
         d2.c.attempt,
@@ -159,10 +161,13 @@ def complete_effects() -> Any:
             (stale, func.jsonb_build_object("reported", d2.c.outcome, "detail", d2.c.detail)),
             else_=d2.c.detail,
         ),
+        func.coalesce(updated.c.shard, its_shard),
     ).select_from(d2.outerjoin(updated, updated.c.id == d2.c.id))
     return (
         pg_insert(effect_attempts)
-        .from_select(["effect_id", "attempt", "worker", "started_at", "outcome", "detail"], logged)
+        .from_select(
+            ["effect_id", "attempt", "worker", "started_at", "outcome", "detail", "shard"], logged
+        )
         .returning(effect_attempts.c.effect_id, effect_attempts.c.outcome)
         .add_cte(woken)
     )
@@ -203,13 +208,13 @@ def _expired_cas() -> list[ColumnElement[bool]]:
 def log_changes(changed: Any, *, worker: Any, outcome: Any, detail: Any = None) -> Any:
     """Insert one attempt-log row per row a ``changed`` CTE returned.
 
-    ``changed`` must return ``id``, ``attempt`` and ``attempt_started_at``; when
+    ``changed`` must return ``id``, ``attempt``, ``attempt_started_at`` and ``shard``; when
     it returns nothing (another process won the compare-and-set), nothing is logged.
     """
     return (
         pg_insert(effect_attempts)
         .from_select(
-            ["effect_id", "attempt", "worker", "started_at", "outcome", "detail"],
+            ["effect_id", "attempt", "worker", "started_at", "outcome", "detail", "shard"],
             select(
                 changed.c.id,
                 changed.c.attempt,
@@ -217,6 +222,7 @@ def log_changes(changed: Any, *, worker: Any, outcome: Any, detail: Any = None) 
                 changed.c.attempt_started_at,
                 outcome,
                 null() if detail is None else detail,
+                changed.c.shard,
             ),
         )
         .returning(effect_attempts.c.effect_id)
@@ -245,7 +251,7 @@ def expire_effect() -> Any:
             ),
             updated_at=func.now(),
         )
-        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
         .cte("changed")
     )
     return log_changes(
@@ -284,7 +290,7 @@ def _operator_change(from_status: str, values: dict[str, Any], outcome: str) -> 
             effects.c.status == const(from_status),
         )
         .values(**values, lease_owner=null(), lease_expires_at=null(), updated_at=func.now())
-        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
         .cte("changed")
     )
     return log_changes(
@@ -362,7 +368,7 @@ def mark_dispatched() -> Any:
             lease_expires_at=func.now() + bindparam("dispatch_ttl", type_=Float) * SECONDS,
             updated_at=func.now(),
         )
-        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
         .cte("changed")
     )
     return log_changes(changed, worker=bindparam("owner", type_=Text), outcome=const("dispatched"))
@@ -438,7 +444,7 @@ def redispatch_expired() -> Any:
             last_error=const("dispatched but not delivered in time: re-dispatching"),
             updated_at=func.now(),
         )
-        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
         .cte("changed")
     )
     return log_changes(

@@ -88,7 +88,11 @@ def _held_change(values: dict[str, Any]) -> Any:
         .where(effects.c.id == _EFFECT_ID, effects.c.status == const("awaiting_approval"))
         .values(**values, updated_at=func.now())
         .returning(
-            effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.awaited_by
+            effects.c.id,
+            effects.c.attempt,
+            effects.c.attempt_started_at,
+            effects.c.awaited_by,
+            effects.c.shard,
         )
         .cte("changed")
     )
@@ -180,13 +184,14 @@ def log_effect_event() -> Any:
     Parameters: ``effect_id``, ``worker``, ``outcome``, ``detail`` (JSON).
     """
     return pg_insert(effect_attempts).from_select(
-        ["effect_id", "attempt", "worker", "outcome", "detail"],
+        ["effect_id", "attempt", "worker", "outcome", "detail", "shard"],
         select(
             effects.c.id,
             effects.c.attempt,
             bindparam("worker", type_=Text),
             bindparam("outcome", type_=Text),
             json_param("detail"),
+            effects.c.shard,
         ).where(effects.c.id == _EFFECT_ID),
     )
 

@@ -135,12 +135,13 @@ def expire_gone_owner() -> TextClause:
                 WHERE e.status = 'in_flight' AND e.lease_owner = gone.owner
                   AND e.kind = limits.kind
                   AND e.attempt < coalesce(e.max_attempts, limits.max_attempts)
-                RETURNING e.id, e.attempt, e.attempt_started_at
+                RETURNING e.id, e.attempt, e.attempt_started_at, e.shard
             )
             INSERT INTO outbox_effect_attempts
-                (effect_id, attempt, worker, started_at, outcome, detail)
+                (effect_id, attempt, worker, started_at, outcome, detail, shard)
             SELECT id, attempt, :worker, attempt_started_at, 'expired',
-                   jsonb_build_object('resolution', 'redeliver', 'note', CAST(:note AS text))
+                   jsonb_build_object('resolution', 'redeliver', 'note', CAST(:note AS text)),
+                   shard
             FROM changed
             RETURNING effect_id"""
     )

@@ -20,6 +20,7 @@ from sqlalchemy import (
     bindparam,
     case,
     cast,
+    exists,
     func,
     null,
     select,
@@ -42,6 +43,7 @@ from outbox.storage.sql.common import (
     const,
     in_statuses,
     json_param,
+    shard_of,
 )
 from outbox.storage.sql.effects import log_changes
 
@@ -97,14 +99,35 @@ def insert_wait_step() -> Any:
         cast(bindparam("until", type_=Text), DateTime(timezone=True)),
         func.now() + bindparam("seconds", type_=Float) * SECONDS,
     )
+    # the run numbers its steps: the next number, taken only for a wait not met before
+    numbered = (
+        runs.update()
+        .where(
+            runs.c.id == _W_RUN,
+            runs.c.shard == shard_of(_W_RUN),
+            ~exists().where(
+                steps.c.run_id == _W_RUN,
+                steps.c.step_id == _W_STEP,
+                steps.c.shard == shard_of(_W_RUN),
+            ),
+        )
+        .values(step_count=runs.c.step_count + 1)
+        .returning(runs.c.step_count)
+        .cte("numbered")
+    )
     return (
         pg_insert(steps)
-        .values(
-            run_id=_W_RUN,
-            step_id=_W_STEP,
-            kind=bindparam("kind", type_=Text),
-            status=const("waiting"),
-            result=json_param("detail").op("||")(func.jsonb_build_object("deadline", deadline)),
+        .from_select(
+            ["run_id", "shard", "seq", "step_id", "kind", "status", "result"],
+            select(
+                _W_RUN,
+                shard_of(_W_RUN),
+                numbered.c.step_count,
+                _W_STEP,
+                bindparam("kind", type_=Text),
+                const("waiting"),
+                json_param("detail").op("||")(func.jsonb_build_object("deadline", deadline)),
+            ),
         )
         .on_conflict_do_nothing(constraint="outbox_steps_pkey")
     )
@@ -259,6 +282,7 @@ def insert_signal() -> Any:
         .values(
             id=bindparam("signal_id", type_=UUID(as_uuid=True)),
             run_id=_W_RUN,
+            shard=shard_of(_W_RUN),
             name=_S_NAME,
             payload=json_param("payload"),
             dedup_key=bindparam("dedup_key", type_=Text),
@@ -451,7 +475,7 @@ def cancel_pending_effects() -> Any:
             updated_at=func.now(),
             last_error=bindparam("reason", type_=Text),
         )
-        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at)
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
         .cte("changed")
     )
     return log_changes(
