@@ -241,14 +241,16 @@ def translate_errors(action: str) -> Iterator[None]:
             and constraint == "outbox_effects_idempotency_key"
         ):
             detail = getattr(diag, "message_detail", None) or ""
-            match = re.search(r"\(idempotency_key\)=\((.*)\) already exists", detail)
+            match = re.search(
+                r"\(namespace, idempotency_key, shard\)=\([^,]*, (.*), \d+\) already exists", detail
+            )
             key = match[1] if match else "<unknown>"
             raise IdempotencyConflict(
                 key, f"intended concurrently by another transaction (while {action})"
             ) from exc
         if isinstance(exc, sqlalchemy.exc.IntegrityError) and constraint == "outbox_runs_pkey":
             detail = getattr(diag, "message_detail", None) or ""
-            match = re.search(r"\(id\)=\((.*)\) already exists", detail)
+            match = re.search(r"\(id, shard\)=\((.*), \d+\) already exists", detail)
             raise ValidationError(
                 "run_id", match[1] if match else "<unknown>", "a run with this id exists already"
             ) from exc

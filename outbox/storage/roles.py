@@ -81,6 +81,7 @@ _RUN_AGENT = (
     "state",
     "plan",
     "current_step",
+    "step_count",
     "result",
     "error",
     "spent",
@@ -139,6 +140,13 @@ ROLES: tuple[RoleSpec, ...] = (
             # large values: stored once (the upsert refreshes used_at), used by a run
             "outbox_blobs": ("SELECT", "INSERT", _update(("used_at",))),
             "outbox_blob_refs": ("SELECT", "INSERT"),
+            # a business key, a caller's idempotency key: registered on its shard
+            "outbox_run_keys": ("SELECT", "INSERT"),
+            "outbox_effect_keys": (
+                "SELECT",
+                "INSERT",
+                _update(("effect_id", "run_id", "kind", "payload_hash")),
+            ),
         },
     ),
     RoleSpec(
@@ -186,6 +194,8 @@ ROLES: tuple[RoleSpec, ...] = (
             "outbox_blobs": ("SELECT", _update(("used_at",)), "DELETE"),
             "outbox_blob_refs": ("SELECT", "DELETE"),
             "outbox_owners": ("SELECT", "DELETE"),
+            "outbox_run_keys": ("SELECT", "DELETE"),
+            "outbox_effect_keys": ("SELECT", "DELETE"),
         },
     ),
     RoleSpec("reader", "read everything; change nothing", dict(_READ_ALL)),

@@ -16,8 +16,6 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     Connection,
-    DateTime,
-    Float,
     ForeignKeyConstraint,
     Identity,
     Index,
@@ -26,12 +24,10 @@ from sqlalchemy import (
     Numeric,
     PrimaryKeyConstraint,
     Sequence,
-    SmallInteger,
     Table,
     Text,
     UniqueConstraint,
     event,
-    func,
     text,
 )
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID
@@ -47,6 +43,7 @@ from outbox.models import (
     StepStatus,
 )
 from outbox.storage.functions import function_files, functions_ddl
+from outbox.storage.schema_base import SHARD_OF_ID, SHARD_OF_RUN, metadata, shard_column, timestamp
 from outbox.storage.sql.common import sql_in
 
 __all__ = [
@@ -69,31 +66,8 @@ __all__ = [
     "webhook_replays",
 ]
 
-metadata = MetaData()
-
-#: 0023: every run-scoped table carries its run's logical shard (outbox.shards):
-#: on Citus the column the tables are distributed by. Keys include it (last, so
-#: that a lookup by id alone still uses them); a check ties it to the id it is
-#: read from, so a hand-written row cannot land on another run's shard.
-SHARD_OF_ID = "shard = outbox_shard_of(id)"
-SHARD_OF_RUN = "shard = outbox_shard_of(run_id)"
-
-
-def _shard() -> Column[int]:
-    return Column("shard", SmallInteger, nullable=False)
-
-
 RUN_STATUSES = tuple(RunStatus)
 EFFECT_STATUSES = tuple(EffectStatus)
-
-
-def _ts(name: str, *, nullable: bool = True, default_now: bool = False) -> Column[object]:
-    return Column(
-        name,
-        DateTime(timezone=True),
-        nullable=nullable,
-        server_default=func.now() if default_now else None,
-    )
 
 
 migrations = Table(
@@ -102,7 +76,7 @@ migrations = Table(
     Column("version", Integer, primary_key=True, autoincrement=False),
     Column("name", Text, nullable=False),
     Column("checksum", Text, nullable=False),
-    _ts("applied_at", nullable=False, default_now=True),
+    timestamp("applied_at", nullable=False, default_now=True),
 )
 
 # 0019: the queue tables are vacuumed after a fixed number of dead rows, indexes
@@ -131,14 +105,14 @@ runs = Table(
     Column("spent", Numeric, nullable=False, server_default=text("0")),
     Column("reserved", Numeric, nullable=False, server_default=text("0")),
     # claim / lease / fence (shared mechanism with effects, see outbox/queue.py)
-    _ts("available_at", nullable=False, default_now=True),
+    timestamp("available_at", nullable=False, default_now=True),
     Column("lease_owner", Text),
-    _ts("lease_expires_at"),
+    timestamp("lease_expires_at"),
     Column("attempt", Integer, nullable=False, server_default=text("0")),
-    _ts("created_at", nullable=False, default_now=True),
-    _ts("updated_at", nullable=False, default_now=True),
+    timestamp("created_at", nullable=False, default_now=True),
+    timestamp("updated_at", nullable=False, default_now=True),
     # waiting (0002): a timer, a signal, an effect; the run holds nothing meanwhile
-    _ts("wake_at"),
+    timestamp("wake_at"),
     Column("wait_signal", Text),
     Column("wait_effect", UUID(as_uuid=True)),
     Column("step_retries", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
@@ -154,7 +128,7 @@ runs = Table(
     Column("key", Text),
     Column("priority", Integer, nullable=False, server_default=text("0")),
     Column("fairness_key", Text, nullable=False, server_default=text("''")),
-    _ts("paused_at"),
+    timestamp("paused_at"),
     Column("pause_reason", Text),
     Column("forked_from", UUID(as_uuid=True)),
     Column("forked_at_step", Text),
@@ -165,7 +139,7 @@ runs = Table(
     # order never comes from a sequence, which Citus draws per node), its shard,
     # and the namespace its caller's keys (and its intents') are unique in
     Column("step_count", BigInteger, nullable=False, server_default=text("0")),
-    _shard(),
+    shard_column(),
     Column("namespace", Text, nullable=False, server_default=text("'default'")),
     PrimaryKeyConstraint("id", "shard", name="outbox_runs_pkey"),
     CheckConstraint(SHARD_OF_ID, name="outbox_runs_shard_check"),
@@ -233,7 +207,7 @@ steps = Table(
     Column("kind", Text, nullable=False),
     Column("result", JSONB),
     Column("error", JSONB),
-    _ts("completed_at", nullable=False, default_now=True),
+    timestamp("completed_at", nullable=False, default_now=True),
     # "waiting": a sleep or wait recorded with its deadline, not yet satisfied
     Column("status", Text, nullable=False, server_default=text("'completed'")),
     # 0010: this step's link in the run's hash chain (NULL while a wait is under way)
@@ -241,7 +215,7 @@ steps = Table(
     # 0013: the state and plan this step set (NULL: unchanged), so a fork starts from them
     Column("state", JSONB),
     Column("plan", JSONB),
-    _shard(),
+    shard_column(),
     PrimaryKeyConstraint("run_id", "step_id", "shard", name="outbox_steps_pkey"),
     CheckConstraint(SHARD_OF_RUN, name="outbox_steps_shard_check"),
     CheckConstraint(sql_in("status", StepStatus), name="outbox_steps_status_check"),
@@ -270,28 +244,28 @@ effects = Table(
     Column("compensates", UUID(as_uuid=True)),
     Column("cost", Numeric),
     # claim / lease / fence
-    _ts("available_at", nullable=False, default_now=True),
+    timestamp("available_at", nullable=False, default_now=True),
     Column("lease_owner", Text),
-    _ts("lease_expires_at"),
+    timestamp("lease_expires_at"),
     Column("attempt", Integer, nullable=False, server_default=text("0")),
-    _ts("attempt_started_at"),
-    _ts("created_at", nullable=False, default_now=True),
-    _ts("updated_at", nullable=False, default_now=True),
-    _ts("completed_at"),
+    timestamp("attempt_started_at"),
+    timestamp("created_at", nullable=False, default_now=True),
+    timestamp("updated_at", nullable=False, default_now=True),
+    timestamp("completed_at"),
     # 0002: the run parked on this effect (run.await_effect); see queue.complete_effects
     Column("awaited_by", UUID(as_uuid=True)),
     # 0006: the W3C traceparent current at tx.intend (each attempt is a span of its trace)
     Column("trace_parent", Text),
     # 0010: the approval gate holding it (NULL: none) and that gate's deadline
     Column("approval", JSONB),
-    _ts("approval_deadline"),
+    timestamp("approval_deadline"),
     # 0010: what a deliverer noted about the current attempt before calling (read-back)
     Column("attempt_note", JSONB),
     # 0013: claims take higher priority first and share capacity between fairness keys
     Column("priority", Integer, nullable=False, server_default=text("0")),
     Column("fairness_key", Text, nullable=False, server_default=text("''")),
     # 0023: its run's shard (of no run: its id's) and namespace
-    _shard(),
+    shard_column(),
     Column("namespace", Text, nullable=False, server_default=text("'default'")),
     PrimaryKeyConstraint("id", "shard", name="outbox_effects_pkey"),
     UniqueConstraint(
@@ -373,15 +347,15 @@ effect_attempts = Table(
     Column("effect_id", UUID(as_uuid=True), nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("worker", Text),
-    _ts("started_at"),
-    _ts("finished_at", nullable=False, default_now=True),
+    timestamp("started_at"),
+    timestamp("finished_at", nullable=False, default_now=True),
     # succeeded | retry | failed | stale | expired | resolved | released
     Column("outcome", Text, nullable=False),
     Column("detail", JSONB),
     # 0010: sha256 over this row and the effect's previous row (functions/chain.sql)
     Column("hash", BYTEA),
     # 0023: its effect's shard
-    _shard(),
+    shard_column(),
     PrimaryKeyConstraint("id", "shard", name="outbox_effect_attempts_pkey"),
     ForeignKeyConstraint(
         ["effect_id", "shard"],
@@ -401,10 +375,10 @@ signals = Table(
     Column("name", Text, nullable=False),
     Column("payload", JSONB),
     Column("dedup_key", Text, nullable=False),
-    _ts("created_at", nullable=False, default_now=True),
+    timestamp("created_at", nullable=False, default_now=True),
     Column("consumed_by", Text),
-    _ts("consumed_at"),
-    _shard(),
+    timestamp("consumed_at"),
+    shard_column(),
     PrimaryKeyConstraint("id", "shard", name="outbox_signals_pkey"),
     UniqueConstraint("run_id", "dedup_key", "shard", name="outbox_signals_dedup"),
     ForeignKeyConstraint(
@@ -433,12 +407,12 @@ budget_ledger = Table(
     Column("reason", Text, nullable=False),
     Column("entry", Text, nullable=False),
     Column("amount", Numeric, nullable=False),
-    _ts("created_at", nullable=False, default_now=True),
+    timestamp("created_at", nullable=False, default_now=True),
     CheckConstraint(
         "entry IN ('spend', 'reserve', 'commit', 'release')",
         name="outbox_budget_ledger_entry_check",
     ),
-    _shard(),
+    shard_column(),
     PrimaryKeyConstraint("id", "shard", name="outbox_budget_ledger_pkey"),
     ForeignKeyConstraint(
         ["run_id", "shard"],
@@ -454,116 +428,10 @@ Index(
     budget_ledger.c.run_id,
     budget_ledger.c.step_id,
     budget_ledger.c.reason,
-    budget_ledger.c.shard,
     unique=True,
     postgresql_where=text("entry = 'spend'"),
 )
 Index("outbox_budget_ledger_run", budget_ledger.c.run_id, budget_ledger.c.id)
-
-webhook_replays = Table(
-    "outbox_webhook_replays",
-    metadata,
-    Column("signature", Text, primary_key=True),
-    _ts("seen_at", nullable=False, default_now=True),
-)
-
-# 0012: delivery daemons that hold their owner's session lock (outbox.storage.owner_lock)
-owners = Table(
-    "outbox_owners",
-    metadata,
-    Column("owner", Text, primary_key=True),
-    _ts("registered_at", nullable=False, default_now=True),
-)
-
-# Cost settlement of costly intents: see migration 0002 for why it is a trigger (0010:
-# a rejected intent releases its reservation). plpgsql resolves the ledger only when
-# the trigger runs, so the effects table is enough.
-
-# 0003: idempotency keys a Kafka consumer group has processed (deliverers.kafka.DedupConsumer)
-consumed_keys = Table(
-    "outbox_consumed_keys",
-    metadata,
-    Column("consumer_group", Text, nullable=False),
-    Column("idempotency_key", Text, nullable=False),
-    _ts("consumed_at", nullable=False, default_now=True),
-    PrimaryKeyConstraint("consumer_group", "idempotency_key", name="outbox_consumed_keys_pkey"),
-)
-
-
-# 0013: values over Settings.blob_threshold_bytes, stored once (outbox.blobs). Rows hold a
-# reference; blob_refs says which run (or run-less effect) uses which blob, so
-# `outbox gc` can delete the blobs nothing uses once their owners are gone.
-blobs = Table(
-    "outbox_blobs",
-    metadata,
-    Column("sha256", Text, nullable=False),
-    Column("bytes", BigInteger, nullable=False),
-    Column("data", Text, nullable=False),
-    _ts("created_at", nullable=False, default_now=True),
-    # refreshed by every write that uses it; the upsert's row lock keeps gc off it
-    _ts("used_at", nullable=False, default_now=True),
-    # 0023: stored once per shard, beside the rows that use it
-    _shard(),
-    PrimaryKeyConstraint("sha256", "shard", name="outbox_blobs_pkey"),
-)
-blob_refs = Table(
-    "outbox_blob_refs",
-    metadata,
-    # a run id, or the id of an effect that belongs to no run
-    Column("owner", UUID(as_uuid=True), nullable=False),
-    Column("sha256", Text, nullable=False),
-    _shard(),
-    PrimaryKeyConstraint("owner", "sha256", "shard", name="outbox_blob_refs_pkey"),
-    ForeignKeyConstraint(
-        ["sha256", "shard"],
-        ["outbox_blobs.sha256", "outbox_blobs.shard"],
-        name="outbox_blob_refs_sha256_fkey",
-    ),
-    CheckConstraint("shard = outbox_shard_of(owner)", name="outbox_blob_refs_shard_check"),
-)
-Index("outbox_blob_refs_sha256", blob_refs.c.sha256, blob_refs.c.shard)
-
-# 0023: a caller's key names one run, or one effect, in its namespace, across every
-# shard: it is registered on the key's own shard (outbox_key_shard), as a unique
-# index there. Where the key's shard is not its owner's, an effect's key has a
-# second row on its owner's shard (mirror), which the step write checks there.
-run_keys = Table(
-    "outbox_run_keys",
-    metadata,
-    Column("namespace", Text, nullable=False),
-    Column("key", Text, nullable=False),
-    _shard(),
-    Column("run_id", UUID(as_uuid=True), nullable=False),
-    PrimaryKeyConstraint("namespace", "key", "shard", name="outbox_run_keys_pkey"),
-    CheckConstraint("shard = outbox_key_shard(namespace, key)", name="outbox_run_keys_shard_check"),
-)
-effect_keys = Table(
-    "outbox_effect_keys",
-    metadata,
-    Column("namespace", Text, nullable=False),
-    Column("key", Text, nullable=False),
-    _shard(),
-    Column("effect_id", UUID(as_uuid=True), nullable=False),
-    Column("run_id", UUID(as_uuid=True)),
-    Column("kind", Text, nullable=False),
-    Column("payload_hash", Text, nullable=False),
-    # false: the key's own row (on its shard); true: the copy on its owner's shard
-    Column("mirror", Boolean, nullable=False, server_default=text("false")),
-    PrimaryKeyConstraint("namespace", "key", "shard", name="outbox_effect_keys_pkey"),
-    CheckConstraint(
-        "mirror OR shard = outbox_key_shard(namespace, key)",
-        name="outbox_effect_keys_shard_check",
-    ),
-)
-
-# 0013: a kind's declared rate (calls per second), shared by every deliverer process:
-# the theoretical arrival time of the next call (GCRA), moved on by each claim.
-rate_limits = Table(
-    "outbox_rate_limits",
-    metadata,
-    Column("kind", Text, primary_key=True),
-    _ts("tat", nullable=False),
-)
 
 # 0007: the SQL API (docs/sql-api.md). When its writers last sent a NOTIFY per channel
 # (microseconds; setval is not transactional, so no writer waits on another).
@@ -589,20 +457,15 @@ def _create_functions(target: MetaData, connection: Connection, **kw: object) ->
     driver.execute(functions_ddl())
 
 
-# 0010: approval gates from the deliverers config (``outbox gates apply``); the
-# statement that writes an intent evaluates them (``outbox.gates``)
-gates = Table(
-    "outbox_gates",
-    metadata,
-    Column("name", Text, primary_key=True),
-    Column("kind", Text, nullable=False),
-    Column("conditions", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
-    Column("timeout_seconds", Float),
-    Column("on_timeout", Text, nullable=False, server_default=text("'reject'")),
-    Column("escalate_to", Text),
-    _ts("updated_at", nullable=False, default_now=True),
-    CheckConstraint(
-        "on_timeout IN ('reject', 'cancel_run', 'escalate')", name="outbox_gates_on_timeout_check"
-    ),
+# The smaller tables (keys, values by reference, gates, rate limits, registries).
+from outbox.storage.side_tables import (  # noqa: E402 -- after the tables they sit beside
+    blob_refs,
+    blobs,
+    consumed_keys,
+    effect_keys,
+    gates,
+    owners,
+    rate_limits,
+    run_keys,
+    webhook_replays,
 )
-Index("outbox_gates_kind", gates.c.kind)

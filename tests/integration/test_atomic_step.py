@@ -161,7 +161,7 @@ def test_a_step_without_rows_of_its_own_is_one_statement_and_one_round_trip(
 ) -> None:
     sent = _messages_sent(dsn, tmp_path, lambda tx: tx.intend("email.send", {"to": "a@x.org"}))
     # No BEGIN and no COMMIT round trip: the checkpoint's statement commits by itself.
-    assert "outbox_commit_step" in sent
+    assert "outbox_write_step" in sent
     assert "BEGIN" not in sent and "COMMIT" not in sent, sent
 
     def with_rows(tx: StepTransaction) -> None:

@@ -155,8 +155,9 @@ TAMPERING = {
     ),
     # a step with no hash is only a wait under way
     "step inserted without a hash": (
-        "INSERT INTO outbox_steps (run_id, step_id, kind, result) "
-        "SELECT id, 'refund', 'transaction', '{\"refunded\": 500}' FROM outbox_runs",
+        "INSERT INTO outbox_steps (run_id, shard, seq, step_id, kind, result) "
+        "SELECT id, shard, step_count + 1, 'refund', 'transaction', '{\"refunded\": 500}' "
+        "FROM outbox_runs",
         r"step 'refund': it is completed but has no hash",
     ),
     "step hash removed": (

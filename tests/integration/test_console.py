@@ -346,9 +346,11 @@ def test_a_capped_part_says_so_and_the_queue_shows_the_last_attempt(
     run.call("lookup", lambda: 1)
     with ob.engine.begin() as conn:
         conn.exec_driver_sql(
-            "INSERT INTO outbox_effect_attempts (effect_id, attempt, worker, outcome, detail)"
-            " VALUES (%s, 1, 'deliverer-a', 'expired', %s::jsonb)",
-            (effect_id, json.dumps({"note": "lease ran out mid-call"})),
+            "INSERT INTO outbox_effect_attempts"
+            " (effect_id, attempt, worker, outcome, detail, shard)"
+            " VALUES (%s, 1, 'deliverer-a', 'expired', %s::jsonb,"
+            " (SELECT shard FROM outbox_effects WHERE id = %s))",
+            (effect_id, json.dumps({"note": "lease ran out mid-call"}), effect_id),
         )
     run_page = httpx.get(f"{console.url}/console/runs/{run_id}").text
     assert "Steps (2)" in run_page and "Effects (1)" in run_page

@@ -154,10 +154,10 @@ def test_the_oldest_pending_gauge_is_an_index_probe_not_a_scan(dsn: str) -> None
         )
     )
     insert = (
-        "INSERT INTO outbox_effects (id, kind, payload, payload_hash, idempotency_key, status,"
-        " available_at, fairness_key) SELECT gen_random_uuid(), %s, '{}', md5('{}'),"
+        "INSERT INTO outbox_effects (id, shard, kind, payload, payload_hash, idempotency_key,"
+        " status, available_at, fairness_key) SELECT i, outbox_shard_of(i), %s, '{}', md5('{}'),"
         " md5(random()::text || g), 'pending', now() + %s * interval '1 second', %s"
-        " FROM generate_series(1, %s) AS g"
+        " FROM (SELECT gen_random_uuid() AS i, g FROM generate_series(1, %s) AS g) AS s"
     )
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(insert, ("k.big", 0, "", 20_000))

@@ -242,9 +242,10 @@ def test_timers_are_found_by_index_not_by_scanning(ob: Outbox) -> None:
     with ob.engine.begin() as conn:
         conn.execute(
             text(
-                "INSERT INTO outbox_runs (id, agent, agent_version, inputs, inputs_hash, status, "
-                "wake_at) SELECT gen_random_uuid(), 'a', '1', '{}', 'h', 'waiting', "
-                "now() + (g || ' minutes')::interval FROM generate_series(1, 20000) g"
+                "INSERT INTO outbox_runs (id, shard, agent, agent_version, inputs, inputs_hash, "
+                "status, wake_at) SELECT i, outbox_shard_of(i), 'a', '1', '{}', 'h', 'waiting', "
+                "now() + (g || ' minutes')::interval "
+                "FROM (SELECT gen_random_uuid() AS i, g FROM generate_series(1, 20000) g) AS s"
             )
         )
         conn.execute(text("ANALYZE outbox_runs"))

@@ -192,10 +192,11 @@ def test_a_backlog_is_claimed_through_the_index_not_scanned(ob: Outbox, dsn: str
     with ob.engine.begin() as conn:
         conn.execute(
             text(
-                "INSERT INTO outbox_effects (id, run_id, step_id, step_index, kind, payload, "
-                "payload_hash, idempotency_key, status) SELECT gen_random_uuid(), run_id, "
-                "step_id, step_index, kind, payload, payload_hash, idempotency_key || '-' || g, "
-                "status FROM outbox_effects, generate_series(1, 50000) g"
+                "INSERT INTO outbox_effects (id, shard, run_id, step_id, step_index, kind, "
+                "payload, payload_hash, idempotency_key, status) SELECT gen_random_uuid(), shard, "
+                "run_id, step_id, step_index, kind, payload, payload_hash, "
+                "idempotency_key || '-' || g, status "
+                "FROM outbox_effects, generate_series(1, 50000) g"
             )
         )
         conn.execute(text("ANALYZE outbox_effects"))

@@ -103,8 +103,9 @@ def test_the_loaders_detect_a_row_corrupted_in_a_real_database(
         for e in effects[:2]:
             conn.execute(
                 text(
-                    "INSERT INTO outbox_effect_attempts (effect_id, attempt, worker, outcome)"
-                    " VALUES (:id, 1, 'hand', 'succeeded')"
+                    "INSERT INTO outbox_effect_attempts"
+                    " (effect_id, attempt, worker, outcome, shard)"
+                    " SELECT id, 1, 'hand', 'succeeded', shard FROM outbox_effects WHERE id = :id"
                 ),
                 {"id": e.id},
             )

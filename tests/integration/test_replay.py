@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import func, select
 
 from outbox import IdempotencyConflict, Outbox, StepTransaction, derive_key
+from outbox.shards import on_shard, shard_of
 from outbox.storage.schema import effects, steps
 
 
@@ -169,6 +170,8 @@ def test_keys_are_unique_in_the_table(ob: Outbox) -> None:
         conn.execute(
             effects.insert().values(
                 id=__import__("uuid").uuid4(),
+                run_id=run.id,
+                shard=shard_of(run.id),
                 kind="k.x",
                 payload={},
                 payload_hash="h",
@@ -240,7 +243,9 @@ def test_a_derived_key_another_row_holds_is_a_conflict_and_the_step_writes_nothi
     with ob.engine.begin() as conn:
         conn.execute(
             effects.insert().values(
-                id=uuid.uuid4(),
+                # of no run, on the run's shard (where the key is unique)
+                id=on_shard(uuid.uuid4(), shard_of(run.id)),
+                shard=shard_of(run.id),
                 kind="k.other",
                 payload={},
                 payload_hash="0" * 64,

@@ -21,6 +21,8 @@ from sqlalchemy import Table, event, func, select, text, update
 from deliverers.testing import RecordingDeliverer
 from outbox import Outbox
 from outbox.cli import cli
+from outbox.ids import uuid7
+from outbox.shards import on_shard, shard_of
 from outbox.storage import archive as archive_module
 from outbox.storage.archive import ArchiveWriter, read_archive, summarize_archive
 from outbox.storage.retention import GC_TABLES, collect_garbage, parse_horizon
@@ -368,7 +370,9 @@ def test_gc_deletes_the_large_values_nothing_uses_any_more(ob: Outbox, dsn: str)
 
     old.transaction("s", step)
     old.complete()
-    live = ob.start_run("a", "1", shared)  # the same value as old's state: one blob, two owners
+    # the same value as old's state, on old's shard (a blob is stored once per shard):
+    # one blob, two owners
+    live = ob.start_run("a", "1", shared, run_id=on_shard(uuid7(), shard_of(old.id)))
     with ob.transaction() as tx:
         tx.intend("k.x", {"runless": "w" * 100_000}, key="old-runless")
     with ob.engine.begin() as conn:

@@ -257,6 +257,7 @@ def test_every_console_action_is_in_the_http_reference() -> None:
 
     from outbox.serve import console
     from outbox.serve.console import pages
+    from outbox.serve.hosts import HostAllowList
     from outbox.serve.settings import Credentials
 
     text = page("http.md")
@@ -265,7 +266,8 @@ def test_every_console_action_is_in_the_http_reference() -> None:
     # Only the routes are read: nothing is served, so no database is needed.
     views = SimpleNamespace(delivery_by_minute=lambda: None)
     outbox_ = SimpleNamespace(store=SimpleNamespace(views=views))
-    app = console.console_app(outbox_, Credentials(), SimpleNamespace(ttl=1.0))  # type: ignore[arg-type]
+    hosts = HostAllowList(None, "127.0.0.1")
+    app = console.console_app(outbox_, Credentials(), SimpleNamespace(ttl=1.0), hosts)  # type: ignore[arg-type]
     routes = [r for r in app.app.routes if "POST" in (r.methods or ())]
     assert len(routes) >= 7
     shared = _inspect.getsource(pages.Console._act) + _inspect.getsource(pages._note)

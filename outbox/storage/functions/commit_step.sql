@@ -52,6 +52,7 @@ DECLARE
     chain jsonb := '[]';
     stored jsonb[];
     firsts integer[];
+    existing uuid[];
     p_intents jsonb := coalesce(nullif(intents, 'null'), '[]');
     screened boolean;
     run_ok boolean;
@@ -88,7 +89,7 @@ BEGIN
             SELECT x.* FROM outbox_runs AS r, outbox_intent_rows(outbox_write_step.run_id,
                 outbox_write_step.step_id, p_intents,
                 coalesce((tx_step->>'next')::integer, 0), r.priority, r.fairness_key, r.dry_run,
-                firsts, r.namespace) AS x
+                firsts, r.namespace, existing) AS x
              WHERE r.id = outbox_write_step.run_id AND r.shard = outbox_write_step.shard
         ), agg AS (
             SELECT coalesce(bool_and(i.screened), true)
@@ -161,7 +162,9 @@ BEGIN
               FROM step_ins, run_upd AS u,
                    outbox_intent_effects(ARRAY(SELECT i::outbox_intent FROM i ORDER BY i.n),
                                          outbox_write_step.run_id, outbox_write_step.step_id,
-                                         u.paused, u.namespace) AS h
+                                         u.paused, u.namespace,
+                                         outbox_gates_of(ARRAY(SELECT DISTINCT i.kind FROM i)),
+                                         v_now) AS h
             RETURNING e.status
         ), ledger_ins AS (
             INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry,
@@ -185,7 +188,7 @@ BEGIN
         -- reference), then write it
         stored := outbox_store_values(outbox_write_step.run_id, ARRAY['result', 'state', 'plan'],
                                       ARRAY[coalesce(result, 'null'), state, plan]);
-        SELECT c.firsts, c.intents INTO firsts, p_intents
+        SELECT c.firsts, c.intents, c.existing INTO firsts, p_intents, existing
           FROM outbox_runs AS r, outbox_check_intents(outbox_write_step.run_id,
             outbox_write_step.step_id, p_intents, coalesce((tx_step->>'next')::integer, 0),
             coalesce((tx_step->>'count')::integer, 0), coalesce((tx_step->>'bytes')::bigint, 0),

@@ -62,6 +62,7 @@ DECLARE
     rows outbox_intent[];
     screened boolean;
     firsts integer[];
+    existing uuid[];
     checked jsonb;
     claimable boolean := false;
 BEGIN
@@ -98,14 +99,14 @@ BEGIN
     IF NOT screened THEN
         -- checked exactly (and callers' keys locked), then derived again: the
         -- effects a locked key names are seen now
-        SELECT * INTO firsts, checked FROM outbox_check_intents(p_run_id, p_step_id, intents,
+        SELECT * INTO firsts, checked, existing FROM outbox_check_intents(p_run_id, p_step_id, intents,
             coalesce((entry->>'next')::integer, 0), (entry->>'count')::integer,
             (entry->>'bytes')::bigint, coalesce(run.dry_run, false), indexed,
             coalesce(run.namespace, 'default'));
         SELECT coalesce(array_agg(x ORDER BY x.n), '{}') INTO rows
           FROM outbox_intent_rows(p_run_id, p_step_id, checked, coalesce((entry->>'next')::integer, 0),
                                   run.priority, run.fairness_key, run.dry_run, firsts,
-                                  coalesce(run.namespace, 'default')) AS x;
+                                  coalesce(run.namespace, 'default'), existing) AS x;
     END IF;
     WITH ins AS (
         INSERT INTO outbox_effects AS e (
@@ -114,7 +115,8 @@ BEGIN
             fairness_key, status, available_at, approval, approval_deadline, trace_parent,
             shard, namespace)
         SELECT * FROM outbox_intent_effects(rows, p_run_id, p_step_id, run.held,
-                                            coalesce(run.namespace, 'default'))
+            coalesce(run.namespace, 'default'),
+            outbox_gates_of(ARRAY(SELECT DISTINCT r.kind FROM unnest(rows) AS r)), now())
         RETURNING e.status
     )
     SELECT coalesce(bool_or(ins.status = 'pending'), false) INTO claimable FROM ins;

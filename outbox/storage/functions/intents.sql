@@ -25,14 +25,15 @@
 -- that does not pass a check derives NULL, never an error: screened is then false.
 -- An effect of no run gets an id on the shard of its key, else of its ordering
 -- key, so that one key's effects live together.
--- p_first[n], from outbox_check_intents, is the first intent of the call under
--- the n-th's key, when that is another one.
+-- p_first[n] and p_existing[n], from outbox_check_intents: the first intent of the
+-- call under the n-th's key, when that is another one, and the effect its key
+-- names already. It reads no table (so Citus lets a write function call it).
 -- STABLE, so that it is inlined into the statement that writes them (it calls
 -- outbox_uuid7 for an intent that names no id).
 CREATE OR REPLACE FUNCTION outbox_intent_rows(
     p_run_id uuid, p_step_id text, p_intents jsonb, p_next integer,
     p_priority integer, p_fairness_key text, p_dry_run boolean, p_first integer[] DEFAULT NULL,
-    p_namespace text DEFAULT 'default'
+    p_namespace text DEFAULT 'default', p_existing uuid[] DEFAULT NULL
 ) RETURNS SETOF outbox_intent
     LANGUAGE sql STABLE AS $$
 SELECT a.n::integer, v.id, v.step_index, v.kind,
@@ -61,17 +62,7 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
        coalesce(outbox_json_str(a.item->'fairness_key'), p_fairness_key),
        nullif(outbox_json_str(a.item->'trace_parent'), ''),
        s.screened,
-       -- the effect its key names already, if another: a caller's key's row on its
-       -- owner's shard (outbox_take_key wrote it); an index named explicitly, the
-       -- effect under its derived key. One probe, for those only.
-       CASE WHEN f.key IS NOT NULL
-            THEN (SELECT nullif(k.effect_id, v.id) FROM outbox_effect_keys AS k
-                   WHERE k.namespace = p_namespace AND k.key = v.key
-                     AND k.shard = outbox_shard_of(coalesce(p_run_id, v.id)))
-            WHEN v.caller_key
-            THEN (SELECT e.id FROM outbox_effects AS e
-                   WHERE e.namespace = p_namespace AND e.idempotency_key = v.key
-                     AND e.shard = outbox_shard_of(p_run_id)) END,
+       p_existing[a.n],
        p_first[a.n]
   FROM jsonb_array_elements(p_intents) WITH ORDINALITY AS a(item, n)
  CROSS JOIN LATERAL (
@@ -155,7 +146,7 @@ $$;
 CREATE OR REPLACE FUNCTION outbox_check_intents(
     p_run_id uuid, p_step_id text, p_intents jsonb, p_next integer, p_count integer,
     p_bytes bigint, p_dry_run boolean, p_indexed boolean, p_namespace text,
-    OUT firsts integer[], OUT intents jsonb
+    OUT firsts integer[], OUT intents jsonb, OUT existing uuid[]
 )
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -181,6 +172,7 @@ DECLARE
     seen jsonb := '{}';
 BEGIN
     firsts := '{}';
+    existing := '{}';
     IF p_intents IS NULL OR jsonb_typeof(p_intents) <> 'array' THEN
         PERFORM outbox_refuse('OB001', 'intents', left(p_intents::text, 80),
             'must be a JSON array of intents');
@@ -306,15 +298,16 @@ BEGIN
         seen := seen || jsonb_build_object(r.idempotency_key,
                                            jsonb_build_array(r.n, r.kind, r.payload_hash));
         IF (intents->(r.n - 1))->'key' NOT IN ('null') AND outbox_distributed() THEN
-            PERFORM outbox_check_key_taken(p_namespace, r.idempotency_key,
-                                           outbox_shard_of(coalesce(p_run_id, r.id)));
+            existing[r.n] := outbox_check_key_taken(p_namespace, r.idempotency_key, r.id,
+                                                    outbox_shard_of(coalesce(p_run_id, r.id)));
         ELSIF (intents->(r.n - 1))->'key' NOT IN ('null') THEN
-            PERFORM outbox_take_key(p_namespace, r.idempotency_key, r.id, p_run_id, r.kind,
-                                    r.payload_hash, (intents->(r.n - 1))->'payload');
+            existing[r.n] := outbox_take_key(p_namespace, r.idempotency_key, r.id, p_run_id,
+                                             r.kind, r.payload_hash,
+                                             (intents->(r.n - 1))->'payload');
         ELSIF r.caller_key THEN
             -- an index named explicitly: its derived key, on this run's shard
-            PERFORM outbox_check_existing(p_namespace, r.idempotency_key, p_run_id, r.kind,
-                                          r.payload_hash, (intents->(r.n - 1))->'payload');
+            existing[r.n] := outbox_check_existing(p_namespace, r.idempotency_key, p_run_id,
+                r.kind, r.payload_hash, (intents->(r.n - 1))->'payload');
         END IF;
         IF r.payload_size > outbox_limit('blob_threshold_bytes') THEN
             PERFORM outbox_store_value(coalesce(p_run_id, r.id), (intents->(r.n - 1))->'payload',
@@ -325,10 +318,11 @@ END
 $$;
 
 -- A key (derived, at an index a caller named) that names an effect of run p_run_id
--- already names that effect: the same kind and payload, or a conflict (OB003).
+-- already names that effect: the same kind and payload (returned), or a conflict
+-- (OB003).
 CREATE OR REPLACE FUNCTION outbox_check_existing(
     p_ns text, p_key text, p_run_id uuid, p_kind text, p_hash text, p_payload jsonb
-) RETURNS void
+) RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
     existing record;
@@ -340,6 +334,7 @@ BEGIN
         PERFORM outbox_same_intent(p_key, existing.id, existing.run_id, existing.kind,
                                    existing.payload_hash, p_run_id, p_kind, p_hash, p_payload);
     END IF;
+    RETURN existing.id;
 END
 $$;
 
@@ -371,50 +366,77 @@ $$;
 -- or of none): register it on the key's shard, where a racer on the same key
 -- waits for this transaction; and, where that is not the owner's shard, mirror it
 -- there (what a step write on Citus checks: outbox_check_key_taken). A key taken
--- already is the effect it names, or a conflict (outbox_same_intent).
+-- already is the effect it names (returned), or a conflict (outbox_same_intent).
 CREATE OR REPLACE FUNCTION outbox_take_key(
     p_ns text, p_key text, p_effect uuid, p_run_id uuid, p_kind text, p_hash text,
     p_payload jsonb
-) RETURNS void
+) RETURNS uuid
     LANGUAGE plpgsql AS $$
 DECLARE
     k_shard smallint := outbox_key_shard(p_ns, p_key);
     o_shard smallint := outbox_shard_of(coalesce(p_run_id, p_effect));
-    holder record;
+    h_effect uuid;
+    h_run uuid;
+    h_kind text;
+    h_hash text;
 BEGIN
     INSERT INTO outbox_effect_keys AS k (namespace, key, shard, effect_id, run_id, kind,
                                          payload_hash)
     VALUES (p_ns, p_key, k_shard, p_effect, p_run_id, p_kind, p_hash)
     ON CONFLICT ON CONSTRAINT outbox_effect_keys_pkey DO NOTHING;
-    SELECT k.effect_id, k.run_id, k.kind, k.payload_hash INTO holder FROM outbox_effect_keys AS k
+    SELECT k.effect_id, k.run_id, k.kind, k.payload_hash INTO h_effect, h_run, h_kind, h_hash
+      FROM outbox_effect_keys AS k
      WHERE k.namespace = p_ns AND k.key = p_key AND k.shard = k_shard;
-    IF holder.effect_id <> p_effect THEN
-        PERFORM outbox_same_intent(p_key, holder.effect_id, holder.run_id, holder.kind,
-                                   holder.payload_hash, p_run_id, p_kind, p_hash, p_payload);
+    IF h_effect = p_effect THEN
+        -- new here; but a key derived for an effect (of its run, so on its shard) may
+        -- be named again as a caller's: that effect holds it
+        SELECT e.id, e.run_id, e.kind, e.payload_hash INTO h_effect, h_run, h_kind, h_hash
+          FROM outbox_effects AS e
+         WHERE e.namespace = p_ns AND e.idempotency_key = p_key AND e.shard = o_shard;
+        IF FOUND THEN
+            UPDATE outbox_effect_keys AS k
+               SET effect_id = h_effect, run_id = h_run, kind = h_kind, payload_hash = h_hash
+             WHERE k.namespace = p_ns AND k.key = p_key AND k.shard = k_shard;
+        ELSE
+            h_effect := p_effect;
+            h_run := p_run_id;
+            h_kind := p_kind;
+            h_hash := p_hash;
+        END IF;
+    END IF;
+    IF h_effect <> p_effect THEN
+        PERFORM outbox_same_intent(p_key, h_effect, h_run, h_kind, h_hash, p_run_id, p_kind,
+                                   p_hash, p_payload);
     END IF;
     IF k_shard <> o_shard THEN
         INSERT INTO outbox_effect_keys AS k (namespace, key, shard, effect_id, run_id, kind,
                                              payload_hash, mirror)
-        VALUES (p_ns, p_key, o_shard, holder.effect_id, holder.run_id, holder.kind,
-                holder.payload_hash, true)
+        VALUES (p_ns, p_key, o_shard, h_effect, h_run, h_kind, h_hash, true)
         ON CONFLICT ON CONSTRAINT outbox_effect_keys_pkey DO NOTHING;
     END IF;
+    RETURN nullif(h_effect, p_effect);
 END
 $$;
 
--- On Citus: a caller's key of an intent written on shard p_shard must have been
--- taken in this transaction (or before) with outbox_take_keys; the write on one
--- shard cannot reach the key's own.
-CREATE OR REPLACE FUNCTION outbox_check_key_taken(p_ns text, p_key text, p_shard smallint)
-    RETURNS void
+-- On Citus: a caller's key of intent p_effect, written on shard p_shard, must have
+-- been taken in this transaction (or before) with outbox_take_keys; the write on
+-- one shard cannot reach the key's own. Returns the effect it names already, if
+-- another.
+CREATE OR REPLACE FUNCTION outbox_check_key_taken(
+    p_ns text, p_key text, p_effect uuid, p_shard smallint
+) RETURNS uuid
     LANGUAGE plpgsql AS $$
+DECLARE
+    holder uuid;
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM outbox_effect_keys AS k
-                    WHERE k.namespace = p_ns AND k.key = p_key AND k.shard = p_shard) THEN
+    SELECT k.effect_id INTO holder FROM outbox_effect_keys AS k
+     WHERE k.namespace = p_ns AND k.key = p_key AND k.shard = p_shard;
+    IF NOT FOUND THEN
         PERFORM outbox_raise_conflict(p_key,
             'on a distributed database a caller''s key is taken first, in the same '
             'transaction: SELECT outbox_take_keys(run_id, intents)');
     END IF;
+    RETURN nullif(holder, p_effect);
 END
 $$;
 
@@ -426,7 +448,8 @@ $$;
 -- paused, and the rest are pending. The columns are outbox_effects', in the
 -- order both writers insert them.
 CREATE OR REPLACE FUNCTION outbox_intent_effects(
-    p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean, p_namespace text
+    p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean, p_namespace text,
+    p_gates jsonb, p_now timestamptz
 ) RETURNS TABLE (
     id uuid, run_id uuid, step_id text, step_index integer, kind text, payload jsonb,
     payload_hash text, schema_version integer, idempotency_key text, ordering_key text,
@@ -441,19 +464,36 @@ SELECT r.id, p_run_id, p_step_id, r.step_index, r.kind, r.payload, r.payload_has
        CASE WHEN h.policy IS NOT NULL THEN 'awaiting_approval'
             WHEN p_paused THEN 'paused' ELSE 'pending' END,
        r.available_at, h.policy,
-       now() + (h.policy->>'timeout')::double precision * interval '1 second', r.trace_parent,
+       p_now + (h.policy->>'timeout')::double precision * interval '1 second', r.trace_parent,
        outbox_shard_of(coalesce(p_run_id, r.id)), p_namespace
   FROM unnest(p_rows) AS r
  CROSS JOIN LATERAL (
     SELECT coalesce((
         SELECT jsonb_build_object('gate', g.name, 'timeout', g.timeout_seconds,
                                   'on_timeout', g.on_timeout, 'escalate_to', g.escalate_to)
-          FROM outbox_gates AS g
+          FROM jsonb_to_recordset(p_gates) AS g(name text, kind text, conditions jsonb,
+               timeout_seconds double precision, on_timeout text, escalate_to text)
          WHERE g.kind = r.kind
            AND outbox_gate_matches(g.conditions, CASE WHEN r.payload_size
                > outbox_limit('blob_threshold_bytes') THEN r.payload_text::jsonb ELSE r.payload END)
          ORDER BY g.name LIMIT 1), r.approval) AS policy) AS h
  WHERE r.existing IS NULL AND r.first_n IS NULL
+$$;
+
+-- The gates configured for kinds (outbox_gates; on Citus a reference table, read
+-- where the write runs), as outbox_intent_effects takes them: none, nearly always.
+CREATE OR REPLACE FUNCTION outbox_gates_of(kinds text[]) RETURNS jsonb
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    found jsonb;
+BEGIN
+    SELECT jsonb_agg(jsonb_build_object('name', g.name, 'kind', g.kind, 'conditions', g.conditions,
+                                        'timeout_seconds', g.timeout_seconds,
+                                        'on_timeout', g.on_timeout, 'escalate_to', g.escalate_to)
+                     ORDER BY g.name)
+      INTO found FROM outbox_gates AS g WHERE g.kind = ANY (kinds);
+    RETURN coalesce(found, '[]');
+END
 $$;
 
 -- What the step chain covers of a step's intents (outbox_step_link): each new

@@ -115,7 +115,8 @@ BEGIN
     IF run.agent <> outbox_begin_run.agent OR run.agent_version <> outbox_begin_run.version
        OR NOT (run.inputs_hash = p_hash OR outbox_resolve(run.inputs, run.shard) = p_inputs)
        OR run.budget IS DISTINCT FROM outbox_begin_run.budget OR run.dry_run <> p_dry
-       OR run.key IS DISTINCT FROM outbox_begin_run.key OR run.namespace <> p_ns THEN
+       OR (outbox_begin_run.key IS NOT NULL AND run.key IS DISTINCT FROM outbox_begin_run.key)
+       OR run.namespace <> p_ns THEN
         PERFORM outbox_refuse('OB001', 'run_id', p_id::text,
             'names a run started with another agent, version, inputs, budget, key or mode');
     END IF;

@@ -1,0 +1,193 @@
+"""The schema on a Citus cluster: ``outbox migrate --distribute``.
+
+Every run-scoped table is distributed by its ``shard`` column (``outbox.shards``)
+and co-located with ``outbox_runs``, so a run's rows, and its key's, live on one
+node; the gates and the rate limits, read by every write or claim, are
+reference tables (a copy on every node); the migrations, the deliverers' owner
+registry, the webhook replay guard and the Kafka consumers' keys stay on the
+coordinator. The step write (``outbox_write_step``) is delegated: the
+coordinator sends the call to the node holding the run's shard, in one round
+trip. Every other function is propagated to every node.
+
+Refused, before anything changes: a node that acknowledges commits before they
+are on disk (``synchronous_commit`` off or local), which loses committed
+intents and reuses fencing tokens when the node is killed
+(``docs/discussions/citus-notes.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from sqlalchemy import Engine
+
+from outbox.errors import ConfigurationError, MigrationError
+from outbox.shards import SHARDS
+
+__all__ = [
+    "COLOCATED",
+    "DELEGATED",
+    "REFERENCE",
+    "Distribution",
+    "distribute",
+    "is_citus",
+]
+
+#: Distributed by ``shard``, co-located with the first.
+COLOCATED = (
+    "outbox_runs",
+    "outbox_steps",
+    "outbox_effects",
+    "outbox_effect_attempts",
+    "outbox_signals",
+    "outbox_budget_ledger",
+    "outbox_blobs",
+    "outbox_blob_refs",
+    "outbox_run_keys",
+    "outbox_effect_keys",
+)
+#: A copy on every node: read by the statements that write and claim.
+REFERENCE = ("outbox_gates", "outbox_rate_limits")
+#: Functions whose call goes to the node holding the shard named by an argument.
+DELEGATED = {"outbox_write_step": "$1"}
+
+
+@dataclass
+class Distribution:
+    """What :func:`distribute` did (each list empty when it was done before)."""
+
+    distributed: list[str] = field(default_factory=list)
+    reference: list[str] = field(default_factory=list)
+    delegated: list[str] = field(default_factory=list)
+    propagated: int = 0
+    nodes: int = 0
+
+
+def is_citus(conn: psycopg.Connection[Any]) -> bool:
+    """Whether the database has the Citus extension."""
+    return conn.execute("SELECT 1 FROM pg_extension WHERE extname = 'citus'").fetchone() is not None
+
+
+def _check_nodes(conn: psycopg.Connection[Any]) -> int:
+    rows = conn.execute(
+        "SELECT n.nodename, n.nodeport, r.success, r.result"
+        " FROM run_command_on_all_nodes('SHOW synchronous_commit') AS r"
+        " JOIN pg_dist_node AS n USING (nodeid)"
+    ).fetchall()
+    safe = ("on", "remote_apply", "remote_write")
+    unsafe = [f"{h}:{p} ({r})" for h, p, ok, r in rows if not ok or r not in safe]
+    if unsafe:
+        raise ConfigurationError(
+            "synchronous_commit must be on for every node of the cluster (a node killed "
+            "after acknowledging a commit it had not written would lose intents and "
+            f"reuse fencing tokens): {', '.join(unsafe)}"
+        )
+    return len(rows)
+
+
+def _distributed(conn: psycopg.Connection[Any]) -> dict[str, str]:
+    rows = conn.execute(
+        "SELECT logicalrelid::regclass::text, partmethod FROM pg_dist_partition"
+    ).fetchall()
+    return {name: method for name, method in rows}
+
+
+def _triggers(conn: psycopg.Connection[Any], tables: Sequence[str]) -> list[tuple[str, str, str]]:
+    rows = conn.execute(
+        "SELECT t.tgname, t.tgrelid::regclass::text, pg_get_triggerdef(t.oid)"
+        " FROM pg_trigger t WHERE NOT t.tgisinternal AND t.tgrelid::regclass::text = ANY(%s)",
+        [list(tables)],
+    ).fetchall()
+    return [(name, table, ddl) for name, table, ddl in rows]
+
+
+def distribute(engine: Engine) -> Distribution:
+    """Distribute a migrated schema over the cluster (idempotent).
+
+    Run on the coordinator, after ``outbox migrate``; ``outbox migrate
+    --distribute`` does both. Tables already distributed are left as they are.
+    """
+    raw = engine.raw_connection()
+    try:
+        conn: psycopg.Connection[Any] = raw.driver_connection  # type: ignore[assignment]
+        conn.autocommit = True
+        if not is_citus(conn):
+            raise ConfigurationError(
+                "--distribute needs a Citus coordinator (CREATE EXTENSION citus, workers added)"
+            )
+        done = Distribution(nodes=_check_nodes(conn))
+        present = _distributed(conn)
+        # Citus distributes no table that has triggers: they come off, then back on.
+        pending = [t for t in COLOCATED if t not in present]
+        triggers = _triggers(conn, pending)
+        conn.execute("SET citus.enable_unsafe_triggers = on")
+        try:
+            with conn.transaction():
+                for name, table, _ in triggers:
+                    conn.execute(f"DROP TRIGGER {name} ON {table}")
+                if "outbox_budget_ledger" in pending:
+                    # a unique index names the distribution column on Citus (on one
+                    # server the run id alone decides the shard)
+                    conn.execute("DROP INDEX outbox_budget_spend_key")
+                    conn.execute(
+                        "CREATE UNIQUE INDEX outbox_budget_spend_key ON outbox_budget_ledger"
+                        " (run_id, step_id, reason, shard) WHERE entry = 'spend'"
+                    )
+                for table in pending:
+                    if table == COLOCATED[0]:
+                        conn.execute(
+                            "SELECT create_distributed_table(%s, 'shard', shard_count => %s)",
+                            [table, SHARDS],
+                        )
+                    else:
+                        conn.execute(
+                            "SELECT create_distributed_table(%s, 'shard', colocate_with => %s)",
+                            [table, COLOCATED[0]],
+                        )
+                    done.distributed.append(table)
+                for table in REFERENCE:
+                    if table not in present:
+                        conn.execute("SELECT create_reference_table(%s)", [table])
+                        done.reference.append(table)
+                for _, _, ddl in triggers:
+                    conn.execute(ddl)
+        except psycopg.Error as exc:
+            raise MigrationError(f"distributing the schema failed: {exc}") from exc
+        done.propagated, done.delegated = _functions(conn)
+        database = conn.info.dbname
+        # the write functions read it on every node (outbox_distributed)
+        for setting in ("outbox.distributed = 'on'", "citus.enable_unsafe_triggers = 'on'"):
+            conn.execute(
+                "SELECT run_command_on_all_nodes(%s)",
+                [f'ALTER DATABASE "{database}" SET {setting}'],
+            )
+        return done
+    finally:
+        raw.close()
+
+
+def _functions(conn: psycopg.Connection[Any]) -> tuple[int, list[str]]:
+    """Propagate every function to every node; delegate the write functions."""
+    rows = conn.execute(
+        "SELECT p.oid::regprocedure::text, p.proname,"
+        "       EXISTS (SELECT 1 FROM pg_dist_object d"
+        "                WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid)"
+        "  FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace"
+        "   AND p.proname LIKE 'outbox\\_%%'"
+    ).fetchall()
+    propagated, delegated = 0, []
+    for signature, name, known in rows:
+        if name in DELEGATED:
+            conn.execute(
+                "SELECT create_distributed_function(%s, %s, colocate_with => %s,"
+                " force_delegation => true)",
+                [signature, DELEGATED[name], COLOCATED[0]],
+            )
+            delegated.append(signature)
+        elif not known:
+            conn.execute("SELECT create_distributed_function(%s)", [signature])
+            propagated += 1
+    return propagated, delegated
