@@ -241,12 +241,12 @@ class RunBase:
         transaction is ours and nothing was sent on it yet (the step's function
         wrote no rows of its own), the call commits by itself.
         """
-        alone = own and writes.untouched(conn)
+        # The client's throttle decides the wake-up (a NOTIFY in this commit, or none).
+        step = step_checkpoint(tx, kind, result, lease=self._lease, wake=notified is not None)
+        alone = own and writes.untouched(conn) and not writes.takes_keys(step)
         if alone:
             # The call below is the commit: a crash "before commit" is before it.
             crash_point("before_step_commit", step_id, run=self.id)
-        # The client's throttle decides the wake-up (a NOTIFY in this commit, or none).
-        step = step_checkpoint(tx, kind, result, lease=self._lease, wake=notified is not None)
         written = writes.commit_step(conn, step, alone=alone)
         if not alone:
             crash_point("before_step_commit", step_id, run=self.id)

@@ -37,6 +37,7 @@ __all__ = [
     "finish_run",
     "intend",
     "intend_compensations",
+    "takes_keys",
     "untouched",
 ]
 
@@ -164,7 +165,7 @@ class RunStart:
 # The write function itself, on the run's shard (computed here: on Citus the
 # call then goes to the node that holds it, in one round trip).
 _COMMIT_STEP = (
-    "SELECT step_seq, effect_ids, paused FROM outbox_write_step("
+    "SELECT step_seq, effect_ids, paused, notify FROM outbox_write_step("
     "%s::smallint, %s, %s, %s::jsonb, %s::jsonb, %s::jsonb, %s::jsonb, %s, %s::jsonb, %s, %s, %s)"
 )
 _INTEND = (
@@ -175,6 +176,10 @@ _BEGIN_RUN = (
     "SELECT (b.run).*, b.created FROM outbox_begin_run("
     "%s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) AS b"
 )
+# On Citus the step's write runs on its run's shard alone: callers' keys are taken
+# on their own shards first, and the deliverers are woken from the coordinator.
+_TAKE_KEYS = "SELECT outbox_take_keys(%s, %s::jsonb)"
+_WAKE_DELIVERERS = "SELECT pg_notify('outbox_effects', '')"
 _FINISH_RUN = "SELECT outbox_finish_run(%s, %s, %s::jsonb, %s::jsonb, %s, %s)"
 _COMPENSATE = "SELECT outbox_intend_compensations(%s, %s)"
 
@@ -236,6 +241,11 @@ def untouched(conn: Connection) -> bool:
     return bool(driver.info.transaction_status == psycopg.pq.TransactionStatus.IDLE)
 
 
+def takes_keys(step: StepCheckpoint) -> bool:
+    """Whether the step's intents name callers' keys: two statements, taken first."""
+    return any(i.key is not None for i in step.intents)
+
+
 def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) -> StepWritten:
     """Call ``outbox_commit_step`` for ``step`` in ``conn``'s transaction.
 
@@ -245,6 +255,11 @@ def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) 
     transaction recorded the step first, :class:`~outbox.IdempotencyConflict`.
     """
     lease = step.lease
+    intents = intents_json(step.intents) if step.intents else None
+    if takes_keys(step):
+        assert not alone, "the keys and the step are written in one transaction"
+        with translate_errors("taking the callers' keys"):
+            _call(conn, _TAKE_KEYS, (step.run_id, intents))
     params = (
         shard_of(step.run_id),
         step.run_id,
@@ -252,7 +267,7 @@ def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) 
         step.result_json,
         step.state_json,
         step.plan_json,
-        intents_json(step.intents) if step.intents else None,
+        intents,
         step.kind,
         _spends_json(step.spends) if step.spends else None,
         None if lease is None else lease.owner,
@@ -264,6 +279,8 @@ def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) 
             row = _call(conn, _COMMIT_STEP, params, alone=alone).one()
     except StepAlreadyRecorded as exc:
         raise StepTaken from exc
+    if row[3]:
+        _call(conn, _WAKE_DELIVERERS, ())
     return StepWritten(int(row[0]), tuple(row[1]), bool(row[2]))
 
 

@@ -41,7 +41,8 @@ CREATE OR REPLACE FUNCTION outbox_write_step(
     wake boolean DEFAULT NULL,
     OUT step_seq bigint,
     OUT effect_ids uuid[],
-    OUT paused boolean
+    OUT paused boolean,
+    OUT notify boolean
 )
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -75,6 +76,14 @@ BEGIN
           FROM outbox_check_step(outbox_write_step.run_id, outbox_write_step.step_id, step_kind,
                                  lease_owner, lease_attempt, spends, tx_step);
     END IF;
+    notify := false;
+    IF outbox_distributed() THEN
+        SELECT w.step_seq, w.effect_ids, w.paused, w.notify INTO step_seq, effect_ids, paused, notify
+          FROM outbox_write_step_apart(outbox_write_step.shard, outbox_write_step.run_id,
+            outbox_write_step.step_id, result, state, plan, p_intents, step_kind, lease_owner,
+            lease_attempt, wake, tx_step, debit, ledger, chain) AS w;
+        RETURN;
+    END IF;
     LOOP
         -- one statement: the values and the intents derived, the run checked and
         -- moved on (a compare-and-set on its status, budget and, for a worker, its
@@ -85,39 +94,14 @@ BEGIN
             SELECT coalesce(outbox_write_step.result, 'null')::text AS result_text,
                    outbox_write_step.state::text AS state_text,
                    outbox_write_step.plan::text AS plan_text
-        ), i AS MATERIALIZED (
-            SELECT x.* FROM outbox_runs AS r, outbox_intent_rows(outbox_write_step.run_id,
-                outbox_write_step.step_id, p_intents,
-                coalesce((tx_step->>'next')::integer, 0), r.priority, r.fairness_key, r.dry_run,
-                firsts, r.namespace, existing) AS x
-             WHERE r.id = outbox_write_step.run_id AND r.shard = outbox_write_step.shard
         ), agg AS (
-            SELECT coalesce(bool_and(i.screened), true)
-                   AND (stored IS NOT NULL OR outbox_values_screened(v.result_text, v.state_text,
-                                                                     v.plan_text))
-                   AND count(i.id) + coalesce((tx_step->>'count')::integer, 0)
-                       <= outbox_limit('max_step_intents')
-                   AND coalesce(sum(i.payload_size), 0) + coalesce((tx_step->>'bytes')::bigint, 0)
-                       <= outbox_limit('max_step_bytes') AS screened,
-                   coalesce(sum(i.cost) FILTER (WHERE i.existing IS NULL AND i.first_n IS NULL), 0)
-                       + coalesce((tx_step->>'reserve')::numeric, 0) AS reserve,
-                   CASE WHEN chain = '[]' THEN coalesce(string_agg(outbox_intent_link(i.id,
-                            i.idempotency_key, i.kind, i.payload_hash), '' ORDER BY i.step_index, i.id)
-                            FILTER (WHERE i.id IS NOT NULL AND i.existing IS NULL AND i.first_n IS NULL), '')
-                        -- with outbox_intend's intents of this step: all of them in order
-                        ELSE outbox_intents_chain(chain || coalesce(jsonb_agg(jsonb_build_array(
-                            i.step_index, i.id, outbox_intent_link(i.id, i.idempotency_key, i.kind,
-                                                                   i.payload_hash)))
-                            FILTER (WHERE chain <> '[]' AND i.id IS NOT NULL AND i.existing IS NULL
-                                   AND i.first_n IS NULL),
-                            '[]')) END AS chain_text,
-                   coalesce(array_agg(coalesce(i.existing, i.id) ORDER BY i.n)
-                            FILTER (WHERE i.id IS NOT NULL), '{}') AS ids,
-                   CASE WHEN firsts IS NOT NULL
-                        THEN coalesce(array_agg(i::outbox_intent ORDER BY i.n)
-                                      FILTER (WHERE i.id IS NOT NULL), '{}') END AS rows
-              FROM v LEFT JOIN i ON true
-             GROUP BY v.result_text, v.state_text, v.plan_text
+            SELECT a.*
+              FROM outbox_runs AS r, v, outbox_step_intents(outbox_write_step.run_id,
+                outbox_write_step.step_id, p_intents, r.priority, r.fairness_key, r.dry_run,
+                r.namespace, tx_step, firsts, existing, chain,
+                stored IS NOT NULL OR outbox_values_screened(v.result_text, v.state_text,
+                                                             v.plan_text)) AS a
+             WHERE r.id = outbox_write_step.run_id AND r.shard = outbox_write_step.shard
         ), run_upd AS (
             UPDATE outbox_runs AS r
                SET state = coalesce(stored[2], outbox_write_step.state, r.state),
@@ -159,12 +143,10 @@ BEGIN
                 fairness_key, status, available_at, approval, approval_deadline, trace_parent,
                 shard, namespace)
             SELECT h.*
-              FROM step_ins, run_upd AS u,
-                   outbox_intent_effects(ARRAY(SELECT i::outbox_intent FROM i ORDER BY i.n),
-                                         outbox_write_step.run_id, outbox_write_step.step_id,
-                                         u.paused, u.namespace,
-                                         outbox_gates_of(ARRAY(SELECT DISTINCT i.kind FROM i)),
-                                         v_now) AS h
+              FROM step_ins, run_upd AS u, agg,
+                   outbox_intent_effects(agg.rows, outbox_write_step.run_id,
+                                         outbox_write_step.step_id, u.paused, u.namespace,
+                                         outbox_gates_of(agg.kinds), v_now) AS h
             RETURNING e.status
         ), ledger_ins AS (
             INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry,
@@ -174,14 +156,15 @@ BEGIN
               FROM (SELECT * FROM jsonb_to_recordset(ledger)
                            AS l(entry text, reason text, amount numeric, effect_id uuid)
                     UNION ALL
-                    SELECT 'reserve', i.kind, i.cost, i.id FROM i
+                    SELECT 'reserve', i.kind, i.cost, i.id FROM agg, unnest(agg.rows) AS i
                      WHERE i.cost IS NOT NULL AND i.existing IS NULL AND i.first_n IS NULL) AS l
              CROSS JOIN step_ins
         )
         SELECT s.seq, agg.ids, u.paused, agg.screened, u.paused IS NOT NULL AS run_ok, agg.rows,
                (SELECT bool_or(e.status = 'pending') FROM effect_ins AS e) AS claimable
           INTO step_seq, effect_ids, paused, screened, run_ok, rows, claimable
-          FROM agg LEFT JOIN run_upd AS u ON true LEFT JOIN step_ins AS s ON true;
+          FROM v LEFT JOIN agg ON true LEFT JOIN run_upd AS u ON true
+               LEFT JOIN step_ins AS s ON true;
         EXIT WHEN screened OR firsts IS NOT NULL;
         -- something the cheap checks did not clear: check it exactly (raising the
         -- refusal, taking the locks of callers' keys; a large value stored by
@@ -233,8 +216,150 @@ CREATE OR REPLACE FUNCTION outbox_commit_step(
     OUT paused boolean
 )
     LANGUAGE sql AS $$
-SELECT * FROM outbox_write_step(outbox_shard_of(run_id), run_id, step_id, result, state, plan,
-                                intents, step_kind, spends, lease_owner, lease_attempt, wake)
+SELECT w.step_seq, w.effect_ids, w.paused
+  FROM outbox_write_step(outbox_shard_of(run_id), run_id, step_id, result, state, plan, intents,
+                         step_kind, spends, lease_owner, lease_attempt, wake) AS w
+$$;
+
+-- outbox_write_step on Citus, where it runs on the node holding the run's shard:
+-- the same step in a statement each (Citus plans a statement that writes through
+-- common table expressions over several shards' worth of tasks), every value it
+-- sets computed first. The deliverers' NOTIFY there would wake only that node's
+-- listeners: notify asks the caller to send it from the coordinator instead.
+CREATE OR REPLACE FUNCTION outbox_write_step_apart(
+    p_shard smallint, p_run_id uuid, p_step_id text, p_result jsonb, p_state jsonb,
+    p_plan jsonb, p_intents jsonb, p_kind text, p_owner text, p_attempt integer,
+    p_wake boolean, p_tx_step jsonb, p_debit numeric, p_ledger jsonb, p_chain jsonb,
+    OUT step_seq bigint, OUT effect_ids uuid[], OUT paused boolean, OUT notify boolean
+)
+    LANGUAGE plpgsql AS $$
+DECLARE
+    run outbox_runs;
+    v_now timestamptz := now();
+    result_text text := coalesce(p_result, 'null')::text;
+    state_text text := p_state::text;
+    plan_text text := p_plan::text;
+    stored jsonb[];
+    firsts integer[];
+    existing uuid[];
+    a record;
+    head bytea;
+    inserted bigint;
+BEGIN
+    SELECT r.* INTO run FROM outbox_runs AS r
+     WHERE r.id = p_run_id AND r.shard = p_shard FOR NO KEY UPDATE;
+    LOOP
+        SELECT x.* INTO a FROM outbox_step_intents(p_run_id, p_step_id, p_intents, run.priority,
+            run.fairness_key, run.dry_run, run.namespace, p_tx_step, firsts, existing, p_chain,
+            stored IS NOT NULL OR outbox_values_screened(result_text, state_text, plan_text)) AS x;
+        EXIT WHEN a.screened OR firsts IS NOT NULL OR run.id IS NULL;
+        stored := outbox_store_values(p_run_id, ARRAY['result', 'state', 'plan'],
+                                      ARRAY[coalesce(p_result, 'null'), p_state, p_plan]);
+        SELECT c.firsts, c.intents, c.existing INTO firsts, p_intents, existing
+          FROM outbox_check_intents(p_run_id, p_step_id, p_intents,
+            coalesce((p_tx_step->>'next')::integer, 0), coalesce((p_tx_step->>'count')::integer, 0),
+            coalesce((p_tx_step->>'bytes')::bigint, 0), run.dry_run, true, run.namespace) AS c;
+    END LOOP;
+    IF run.id IS NULL OR NOT run.status = ANY (outbox_active_run_statuses())
+       OR (run.budget IS NOT NULL AND run.spent + run.reserved + p_debit + a.reserve > run.budget)
+       OR (p_owner IS NOT NULL AND (run.lease_owner IS DISTINCT FROM p_owner
+                                    OR run.attempt <> p_attempt)) THEN
+        PERFORM outbox_raise_step_refusal(p_run_id, p_owner, p_attempt, p_debit + a.reserve);
+    END IF;
+    paused := run.paused_at IS NOT NULL;
+    head := outbox_step_link(coalesce(run.step_head, outbox_run_genesis(run.id, run.agent,
+                                                                        run.inputs_hash)),
+        run.id, p_step_id, p_kind, result_text, NULL, state_text, plan_text, v_now, a.chain_text);
+    UPDATE outbox_runs AS r
+       SET state = coalesce(stored[2], p_state, run.state),
+           plan = coalesce(stored[3], p_plan, run.plan),
+           current_step = p_step_id,
+           step_count = run.step_count + 1,
+           spent = run.spent + p_debit,
+           reserved = run.reserved + a.reserve,
+           step_head = head
+     WHERE r.id = p_run_id AND r.shard = p_shard;
+    step_seq := run.step_count + 1;
+    INSERT INTO outbox_steps AS s (run_id, shard, seq, step_id, kind, result, state, plan, hash)
+    VALUES (p_run_id, p_shard, step_seq, p_step_id, p_kind, coalesce(stored[1], p_result, 'null'),
+            coalesce(stored[2], p_state), coalesce(stored[3], p_plan), head)
+    ON CONFLICT ON CONSTRAINT outbox_steps_pkey DO NOTHING
+    RETURNING s.seq INTO inserted;
+    IF inserted IS NULL THEN
+        PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
+    END IF;
+    INSERT INTO outbox_effects AS e (
+        id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
+        idempotency_key, ordering_key, max_attempts, compensate, cost, priority, fairness_key,
+        status, available_at, approval, approval_deadline, trace_parent, shard, namespace)
+    SELECT h.* FROM outbox_intent_effects(a.rows, p_run_id, p_step_id, paused, run.namespace,
+                                          outbox_gates_of(a.kinds), v_now) AS h;
+    INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry, amount)
+    SELECT p_run_id, p_shard, p_step_id, l.effect_id, l.reason, l.entry, l.amount
+      FROM (SELECT * FROM jsonb_to_recordset(p_ledger)
+                   AS l(entry text, reason text, amount numeric, effect_id uuid)
+            UNION ALL
+            SELECT 'reserve', i.kind, i.cost, i.id FROM unnest(a.rows) AS i
+             WHERE i.cost IS NOT NULL AND i.existing IS NULL AND i.first_n IS NULL) AS l;
+    -- (an intent a gate holds makes this true too: a NOTIFY for nothing, never one missed)
+    notify := NOT paused AND p_wake IS DISTINCT FROM false
+              AND (EXISTS (SELECT 1 FROM unnest(a.rows) AS i
+                            WHERE i.existing IS NULL AND i.first_n IS NULL)
+                   OR coalesce((p_tx_step->>'claimable')::boolean, false));
+    effect_ids := a.ids;
+    IF firsts IS NOT NULL OR p_tx_step IS NOT NULL THEN
+        PERFORM outbox_finish_step(p_run_id, p_step_id, p_owner, p_attempt, true, step_seq,
+            p_debit, a.rows, p_tx_step, paused, false, false);
+        effect_ids := coalesce(array(SELECT jsonb_array_elements_text(p_tx_step->'ids')::uuid),
+                               '{}')
+                      || CASE WHEN firsts IS NULL THEN a.ids ELSE outbox_intent_ids(a.rows) END;
+    END IF;
+END
+$$;
+
+-- What a step's intents (p_intents, outbox_intent_rows' argument, for step p_step_id
+-- of run p_run_id, in its lane, mode and namespace) come to: their rows; whether
+-- they and the step's values (p_values_screened) pass the cheap checks and the
+-- step's caps with what the transaction wrote for it before (p_tx_step); the
+-- budget they reserve; the intents' part of the step's link (with the parts of
+-- p_chain, outbox_intend's); the effect id of each (the one its key named, if
+-- any); and their kinds. Both compositions of the step write use it: one
+-- statement on one server, a statement each on Citus (outbox_write_step_apart).
+CREATE OR REPLACE FUNCTION outbox_step_intents(
+    p_run_id uuid, p_step_id text, p_intents jsonb, p_priority integer, p_fairness_key text,
+    p_dry_run boolean, p_namespace text, p_tx_step jsonb, p_firsts integer[],
+    p_existing uuid[], p_chain jsonb, p_values_screened boolean
+) RETURNS TABLE (
+    rows outbox_intent[], screened boolean, reserve numeric, chain_text text, ids uuid[],
+    kinds text[]
+)
+    LANGUAGE sql STABLE AS $$
+WITH i AS MATERIALIZED (
+    SELECT x.* FROM outbox_intent_rows(p_run_id, p_step_id, p_intents,
+        coalesce((p_tx_step->>'next')::integer, 0), p_priority, p_fairness_key, p_dry_run,
+        p_firsts, p_namespace, p_existing) AS x
+)
+SELECT coalesce(array_agg(i::outbox_intent ORDER BY i.n) FILTER (WHERE i.id IS NOT NULL), '{}'),
+       coalesce(bool_and(i.screened), true) AND p_values_screened
+       AND count(i.id) + coalesce((p_tx_step->>'count')::integer, 0)
+           <= outbox_limit('max_step_intents')
+       AND coalesce(sum(i.payload_size), 0) + coalesce((p_tx_step->>'bytes')::bigint, 0)
+           <= outbox_limit('max_step_bytes'),
+       coalesce(sum(i.cost) FILTER (WHERE i.existing IS NULL AND i.first_n IS NULL), 0)
+           + coalesce((p_tx_step->>'reserve')::numeric, 0),
+       CASE WHEN p_chain = '[]' THEN coalesce(string_agg(outbox_intent_link(i.id,
+                i.idempotency_key, i.kind, i.payload_hash), '' ORDER BY i.step_index, i.id)
+                FILTER (WHERE i.id IS NOT NULL AND i.existing IS NULL AND i.first_n IS NULL), '')
+            -- with outbox_intend's intents of this step: all of them in order
+            ELSE outbox_intents_chain(p_chain || coalesce(jsonb_agg(jsonb_build_array(
+                i.step_index, i.id, outbox_intent_link(i.id, i.idempotency_key, i.kind,
+                                                       i.payload_hash)))
+                FILTER (WHERE i.id IS NOT NULL AND i.existing IS NULL AND i.first_n IS NULL),
+                '[]')) END,
+       coalesce(array_agg(coalesce(i.existing, i.id) ORDER BY i.n) FILTER (WHERE i.id IS NOT NULL),
+                '{}'),
+       coalesce(array_agg(DISTINCT i.kind) FILTER (WHERE i.kind IS NOT NULL), '{}')
+  FROM (SELECT 1) AS one LEFT JOIN i ON true
 $$;
 
 -- The rest of a step that is not the common one: its refusal (the run missing,
