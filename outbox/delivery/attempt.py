@@ -155,6 +155,7 @@ def released(effect: ClaimedEffect, reason: str, *, delay: float = 0.0) -> Compl
         error=storable_text(reason),  # may quote a broker's or a sink's words
         delay=delay,
         started_at=effect.started_iso,
+        shard=effect.shard,
     )
 
 
@@ -247,6 +248,7 @@ def record_of(effect: ClaimedEffect, decision: Decision) -> Completion:
         delay=decision.delay,
         detail_json=_attempt_detail(error, decision.detail),
         started_at=effect.started_iso,
+        shard=effect.shard,
     )
 
 

@@ -262,6 +262,7 @@ class DeliveryDaemon:
                 AttemptOutcome.UNKNOWN,
                 error=storable_text(f"the attempt failed: {type(exc).__name__}: {exc}"),
                 started_at=effect.started_iso,
+                shard=effect.shard,
             )
             outcome = None
         if isinstance(outcome, Retry) and outcome.rate_limited:

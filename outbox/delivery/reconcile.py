@@ -231,6 +231,7 @@ async def _ask(
             # a sink's answer, like a delivery's: made storable before it reaches SQL
             result_json=storable_json(answer.result, max_bytes=RESULT_LIMIT),
             detail_json=json.dumps({"lookup": "applied", "asked": "before any resend"}),
+            shard=row.shard,
         )
         action, note = "looked_up_succeeded", f"{why}; the sink has the key: succeeded"
     elif isinstance(answer, NotApplied):
@@ -244,6 +245,7 @@ async def _ask(
             error=f"{why}; the sink has no trace of the key"
             + (f"; gave up after {attempt} attempts" if give_up else ""),
             detail_json=json.dumps({"lookup": "not_applied", "asked": "before any resend"}),
+            shard=row.shard,
         )
         action = "looked_up_failed" if give_up else "looked_up_redeliver"
         note = f"{why}; the sink has no trace: " + ("giving up" if give_up else "redelivering")
@@ -329,6 +331,7 @@ async def _resolve(
             AttemptOutcome.UNKNOWN,
             error=storable_text(note),
             detail_json=json.dumps({"lookup": "failed", "error": storable_text(asked.note)}),
+            shard=row.shard,
         )
         logged = dict(await store.complete(worker, [unknown]))
         if logged.get(effect_id) == AttemptOutcome.STALE:

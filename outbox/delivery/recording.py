@@ -113,6 +113,7 @@ def substitute(completion: Completion, error: BaseException) -> Completion | Non
             }
         ),
         started_at=completion.started_at,
+        shard=completion.shard,
     )
 
 

@@ -21,7 +21,9 @@ from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.blobs import reference_hash
+from outbox.errors import ConfigurationError
 from outbox.faults import crash_point
+from outbox.shards import SHARDS, shard_of
 from outbox.storage import blob_store
 from outbox.storage.attempts import Batched, ClaimedEffect, Completion, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
@@ -33,7 +35,7 @@ from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import duties, maintenance, owners, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
-from outbox.storage.sql.common import EFFECTS_CHANNEL
+from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
 from outbox.storage.store import read_state_counts
 
 __all__ = ["AsyncStore", "Batched", "ClaimedEffect", "Completion", "DutyAsk", "DutyFindings"]
@@ -65,16 +67,24 @@ class AsyncStore:
     ) -> None:
         self.engine = engine
         self._claims = ClaimMode()
+        self._idle_ms = idle_in_transaction_ms
         self._direct = DirectConnections(
             libpq_dsn(engine.url),
-            options=(
-                "-c plan_cache_mode=force_generic_plan"
-                f" -c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
-            ),
+            options=self._options(generic=True),
             application_name=application_name,
         )
         #: Told of every claim/complete transaction (a benchmark's probe); None: nobody.
         self.observer: Observer | None = None
+        #: On Citus (``outbox.storage.citus``): statements name one shard each.
+        self._sharded: bool | None = None
+        #: The shard of each effect this store claimed and has not completed yet.
+        self._shard_of: dict[UUID, int] = {}
+        #: Where the next claim of each partition starts: shards take turns.
+        self._turn: dict[str, int] = {}
+
+    def _options(self, *, generic: bool) -> str:
+        plans = "-c plan_cache_mode=force_generic_plan " if generic else ""
+        return f"{plans}-c idle_in_transaction_session_timeout={self._idle_ms}"
 
     @property
     def dsn(self) -> str:
@@ -89,6 +99,19 @@ class AsyncStore:
         """The session lock of ``owner``, on a connection of its own."""
         return OwnerLock(self.dsn, owner)
 
+    async def sharded(self, conn: psycopg.AsyncConnection[dict[str, Any]]) -> bool:
+        """Whether the database is distributed (Citus): asked once."""
+        if self._sharded is None:
+            cur = await conn.execute("SELECT current_setting('outbox.distributed', true) AS d")
+            row = await cur.fetchone()
+            self._sharded = row is not None and row["d"] == "on"
+            if self._sharded:
+                # Citus routes a statement by the shard it names: a generic plan,
+                # planned once for any value, cannot be routed
+                await conn.execute("SET plan_cache_mode = auto")
+                self._direct.configure(options=self._options(generic=False))
+        return self._sharded
+
     async def _claim_on(
         self,
         conn: psycopg.AsyncConnection[dict[str, Any]],
@@ -98,20 +121,60 @@ class AsyncStore:
         lease_seconds: float,
         rates: Mapping[str, queue.Rate] | None,
     ) -> list[ClaimedEffect]:
-        """The claim of each partition's quota on ``conn`` (the caller owns the transaction)."""
+        """The claim of each partition's quota on ``conn`` (the caller owns the transaction).
+
+        On Citus a claim reads one shard: the shards take turns, and a partition's
+        claim goes on to the next one until its quota is met or each was asked.
+        """
         rows: list[ClaimedEffect] = []
+        sharded = await self.sharded(conn)
+        if sharded:
+            spec = dataclasses.replace(spec, sharded=True)
         for partition, limit in quotas:
             rate = None if rates is None else rates.get(partition.get("kind", ""))
-            params = queue.claim_params(
-                partition, limit=limit, owner=owner, lease_seconds=lease_seconds, rate=rate
-            )
-            again = True
-            while again:  # at most twice: plain, then lanes (see ClaimMode)
-                statement, lanes = self._claims.statement(spec, partition, rated=rate is not None)
-                claim = prepared(statement)
-                cur = await conn.execute(claim.sql, claim.params(params), prepare=True)
-                found, again = self._claims.claimed(spec, partition, lanes, await cur.fetchall())
-                rows += [ClaimedEffect.from_row(row) for row in found]
+            if rate is not None and sharded:
+                raise ConfigurationError(
+                    f"kind {partition.get('kind')!r} declares a rate: a distributed database "
+                    "does not enforce declared rates yet (docs/howto/citus.md)"
+                )
+            turn = self._turn.get(str(partition), 0)
+            for shard in [turn + n for n in range(SHARDS)] if sharded else [None]:
+                want = limit - sum(1 for r in rows if r.kind == partition.get("kind"))
+                if want <= 0:
+                    break
+                where: dict[str, Any] = dict(partition)
+                if shard is not None:
+                    where["shard"] = shard % SHARDS
+                    self._turn[str(partition)] = (shard + 1) % SHARDS
+                rows += await self._claim_partition(
+                    conn, spec, where, want, owner, lease_seconds, rate
+                )
+        for row in rows:
+            if row.shard is not None:
+                self._shard_of[row.id] = row.shard
+        return rows
+
+    async def _claim_partition(
+        self,
+        conn: psycopg.AsyncConnection[dict[str, Any]],
+        spec: queue.QueueSpec,
+        partition: dict[str, Any],
+        limit: int,
+        owner: str,
+        lease_seconds: float,
+        rate: queue.Rate | None,
+    ) -> list[ClaimedEffect]:
+        params = queue.claim_params(
+            partition, limit=limit, owner=owner, lease_seconds=lease_seconds, rate=rate
+        )
+        rows: list[ClaimedEffect] = []
+        again = True
+        while again:  # at most twice: plain, then lanes (see ClaimMode)
+            statement, lanes = self._claims.statement(spec, partition, rated=rate is not None)
+            claim = prepared(statement)
+            cur = await conn.execute(claim.sql, claim.params(params), prepare=True)
+            found, again = self._claims.claimed(spec, partition, lanes, await cur.fetchall())
+            rows += [ClaimedEffect.from_row(row) for row in found]
         return rows
 
     def _observe(self, what: str, began: float, **rows: int) -> None:
@@ -190,13 +253,49 @@ class AsyncStore:
     async def _complete_on(
         self, conn: psycopg.AsyncConnection[dict[str, Any]], owner: str, done: Sequence[Completion]
     ) -> list[tuple[UUID, str]]:
-        payload = "[" + ",".join(c.as_json() for c in done) + "]"
-        complete = prepared(effect_sql.complete_effects())
-        params = {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]}
-        cur = await conn.execute(complete.sql, complete.params(params), prepare=True)
-        logged = [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
+        if not await self.sharded(conn):
+            logged = await self._complete_batch(conn, owner, done, None)
+        else:  # a statement per shard, each routed to the node that holds it
+            by_shard: dict[int, list[Completion]] = {}
+            for c in done:
+                shard = c.shard if c.shard is not None else self._shard_of.get(c.effect_id)
+                if shard is None:
+                    shard = await self._effect_shard(conn, c.effect_id)
+                by_shard.setdefault(shard, []).append(dataclasses.replace(c, shard=shard))
+            logged = []
+            for shard, part in by_shard.items():
+                logged += await self._complete_batch(conn, owner, part, shard)
+            # a run that awaited one of them goes on: its workers are told here
+            await conn.execute("SELECT pg_notify(%s, '')", [RUNS_CHANNEL])
+        for c in done:
+            self._shard_of.pop(c.effect_id, None)
         crash_point("during_completion")
         return logged
+
+    async def _complete_batch(
+        self,
+        conn: psycopg.AsyncConnection[dict[str, Any]],
+        owner: str,
+        done: Sequence[Completion],
+        shard: int | None,
+    ) -> list[tuple[UUID, str]]:
+        payload = "[" + ",".join(c.as_json() for c in done) + "]"
+        complete = prepared(effect_sql.complete_effects(shard is not None))
+        params: dict[str, Any] = {
+            "owner": owner,
+            "done": payload,
+            "ids": [c.effect_id for c in done],
+        }
+        if shard is not None:
+            cur = await conn.execute("SELECT now() AS now")
+            params.update(shard=shard, now=(await cur.fetchone() or {})["now"])
+        cur = await conn.execute(complete.sql, complete.params(params), prepare=shard is None)
+        return [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
+
+    async def _effect_shard(self, conn: psycopg.AsyncConnection[dict[str, Any]], id: UUID) -> int:
+        cur = await conn.execute("SELECT shard FROM outbox_effects WHERE id = %s", [id])
+        row = await cur.fetchone()
+        return shard_of(id) if row is None else int(row["shard"])
 
     async def complete_and_claim(
         self,

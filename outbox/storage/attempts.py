@@ -40,6 +40,8 @@ class ClaimedEffect:
     attempt_note: Any = None
     #: The W3C traceparent stored with the intent (None: written outside any trace).
     trace_parent: str | None = None
+    #: Its shard (``outbox.shards``): where its outcome is written.
+    shard: int | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> ClaimedEffect:
@@ -59,6 +61,7 @@ class ClaimedEffect:
             lease_owner=row["lease_owner"],
             attempt_note=_current_note(row.get("attempt_note"), row["attempt"]),
             trace_parent=row.get("trace_parent"),
+            shard=row.get("shard"),
         )
 
     @property
@@ -80,6 +83,8 @@ class Completion:
     delay: float = 0.0
     detail_json: str | None = None
     started_at: str | None = None
+    #: The effect's shard, where the outcome is written (None: looked up).
+    shard: int | None = None
 
     def as_json(self) -> str:
         """One element of the ``done`` parameter; result and detail spliced in as JSON text."""
@@ -93,6 +98,7 @@ class Completion:
                 "error": self.error,
                 "delay": self.delay,
                 "started_at": self.started_at,
+                "shard": self.shard,
             }
         )
         return (

@@ -116,6 +116,11 @@ class DirectConnections:
         with contextlib.suppress(Exception):  # a broken connection: nothing more to do
             await conn.close()
 
+    def configure(self, **params: Any) -> None:
+        """Open new connections with these parameters too; those open now are not given back."""
+        self._params.update(params)
+        self._generation += 1
+
     async def close(self) -> None:
         """Close every connection (those in use when they are given back)."""
         self._generation += 1

@@ -15,6 +15,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     Integer,
+    SmallInteger,
     Text,
     all_,
     and_,
@@ -80,8 +81,25 @@ def _done() -> Any:
     )
 
 
+def db_now(sharded: bool) -> Any:
+    """The database's time: ``now()``, or on Citus the ``now`` parameter.
+
+    Citus refuses ``now()`` inside a ``CASE`` and beside a column in an
+    ``UPDATE`` (it must be one value, and a worker's clock is not the
+    coordinator's); a sharded statement takes it as a parameter instead.
+    """
+    return bindparam("now", type_=DateTime(timezone=True)) if sharded else func.now()
+
+
+def after(now: Any, seconds: Any, sharded: bool) -> Any:
+    """``now`` plus ``seconds`` (a column): on Citus in an immutable form (UTC arithmetic)."""
+    if not sharded:
+        return now + seconds * SECONDS
+    return func.timezone("UTC", func.timezone("UTC", now) + seconds * SECONDS)
+
+
 @cache
-def complete_effects() -> Any:
+def complete_effects(sharded: bool = False) -> Any:
     """Record the outcomes of a batch of attempts, fenced, with their attempt log.
 
     Parameters: ``owner``, ``done`` (a JSON array of ``{id, attempt, status,
@@ -92,11 +110,18 @@ def complete_effects() -> Any:
     that attempt. Otherwise the completion is stale: it is logged as ``stale``
     (with what it reported) and changes nothing else (G4).
     Returns ``(effect_id, outcome)`` per logged attempt.
+
+    ``sharded`` (Citus): every effect of the batch is on shard ``shard``, the
+    database's time is the ``now`` parameter, and a run woken is returned
+    rather than notified (the caller sends the NOTIFY from the coordinator).
     """
     e = effects
     d = _done()
+    now = db_now(sharded)
+    shard = bindparam("shard", type_=SmallInteger)
     ours = e.c.lease_owner == bindparam("owner", type_=Text)
     holds_attempt = and_(
+        *([e.c.shard == shard] if sharded else []),
         # The planner cannot estimate a recordset's size; naming the ids keeps it
         # on the primary key instead of a scan of every open effect.
         e.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
@@ -115,15 +140,15 @@ def complete_effects() -> Any:
             result=case((d.c.status == const("succeeded"), d.c.result), else_=e.c.result),
             last_error=d.c.error,
             available_at=case(
-                (d.c.status == const("pending"), func.now() + d.c.delay * SECONDS),
+                (d.c.status == const("pending"), after(now, d.c.delay, sharded)),
                 else_=e.c.available_at,
             ),
             lease_owner=null(),
             lease_expires_at=null(),
             completed_at=case(
-                (in_statuses(d.c.status, TERMINAL_EFFECT_STATUSES), func.now()), else_=null()
+                (in_statuses(d.c.status, TERMINAL_EFFECT_STATUSES), now), else_=null()
             ),
-            updated_at=func.now(),
+            updated_at=now,
         )
         .returning(e.c.id, e.c.status, e.c.awaited_by, e.c.shard)
         .cte("updated")
@@ -137,20 +162,28 @@ def complete_effects() -> Any:
     woke = and_(runs.c.status == const("waiting"), runs.c.wait_effect == updated.c.id)
     woken = (
         runs.update()
-        .where(runs.c.id == updated.c.awaited_by, terminal)
+        .where(
+            runs.c.id == updated.c.awaited_by,
+            *([runs.c.shard == shard] if sharded else []),
+            terminal,
+        )
         .values(
             status=case((woke, const("runnable")), else_=runs.c.status),
-            available_at=case((woke, func.now()), else_=runs.c.available_at),
+            available_at=case((woke, now), else_=runs.c.available_at),
             wake_at=case((woke, null()), else_=runs.c.wake_at),
             wait_effect=case((woke, null()), else_=runs.c.wait_effect),
         )
-        .returning(runs.c.id, func.pg_notify(RUNS_CHANNEL, ""))
+        .returning(runs.c.id, *([] if sharded else [func.pg_notify(RUNS_CHANNEL, "")]))
         .cte("woken")
     )
     d2 = _done()
     stale = updated.c.id.is_(None)
     # a stale completion changed no row: its effect's shard is read
-    its_shard = select(effects.c.shard).where(effects.c.id == d2.c.id).limit(1).scalar_subquery()
+    its_shard = (
+        shard
+        if sharded
+        else select(effects.c.shard).where(effects.c.id == d2.c.id).limit(1).scalar_subquery()
+    )
     logged = select(
         d2.c.id,
         d2.c.attempt,

@@ -27,6 +27,7 @@ from sqlalchemy import (
     Float,
     Integer,
     Numeric,
+    SmallInteger,
     Table,
     Text,
     all_,
@@ -80,6 +81,9 @@ class QueueSpec:
     per_key_ordering: bool = False
     #: Columns a claim returns (None: all of them).
     returning: tuple[str, ...] | None = None
+    #: On Citus: a claim names the one shard it reads (``part_shard``), so that it
+    #: runs on the node holding it (``outbox.storage.citus``).
+    sharded: bool = False
 
 
 #: Within a partition, a claim shares the batch between lanes: higher priority
@@ -115,6 +119,7 @@ EFFECT_QUEUE = QueueSpec(
         "fairness_key",
         # the intent's trace: each attempt is a span of it (outbox.tracing)
         "trace_parent",
+        "shard",
     ),
 )
 RUN_QUEUE = QueueSpec(
@@ -126,11 +131,18 @@ RUN_QUEUE = QueueSpec(
 )
 
 
-def _ordering_free(t: Any) -> ColumnElement[bool]:
-    """No earlier effect with the same ordering key is still undecided."""
+def _ordering_free(spec: QueueSpec, t: Any) -> ColumnElement[bool]:
+    """No earlier effect with the same ordering key (on its shard) is still undecided."""
     prior = effects.alias("prior")
+    # (a sharded claim names its shard: Citus routes by a value, not a join)
+    same_shard = (
+        prior.c.shard == bindparam("part_shard", type_=SmallInteger)
+        if spec.sharded
+        else prior.c.shard == t.c.shard
+    )
     blocked = exists().where(
         prior.c.ordering_key == t.c.ordering_key,
+        same_shard,
         prior.c.seq < t.c.seq,
         in_statuses(prior.c.status, OPEN_EFFECT_STATUSES),  # an open effect holds back its key,
     )
@@ -144,10 +156,13 @@ def _int(value: int) -> Any:
 
 def _ready(spec: QueueSpec, t: Any) -> list[ColumnElement[bool]]:
     """Ready rows of the partition: the status literal keeps the partial index usable."""
-    return [
+    ready = [
         t.c.status == const(spec.ready),
         *(t.c[name] == bindparam(f"part_{name}", type_=Text) for name in spec.partition),
     ]
+    if spec.sharded:
+        ready.append(t.c.shard == bindparam("part_shard", type_=SmallInteger))
+    return ready
 
 
 def _lanes(spec: QueueSpec) -> Any:
@@ -187,7 +202,7 @@ def _lane_pick(spec: QueueSpec, lane: Any, limit: Any, *, exclude: Any = None) -
     if exclude is not None:
         conditions.append(t.c.id != all_(exclude))
     if spec.per_key_ordering:
-        conditions.append(_ordering_free(t))
+        conditions.append(_ordering_free(spec, t))
     return (
         select(t.c.id, *(t.c[name] for name in spec.order))
         .where(*conditions)
@@ -241,9 +256,10 @@ def _claim_rows(spec: QueueSpec, picked: Any, multi: Any, held: Any) -> AnySelec
     returned = t.c if spec.returning is None else [t.c[name] for name in spec.returning]
     # cast: "= ANY ((SELECT ...))" compares with one array; "= ANY (SELECT ...)" with rows
     ids = cast(select(func.array_agg(picked.c.id)).scalar_subquery(), ARRAY(UUID(as_uuid=True)))
-    claimed = (
-        t.update().where(t.c.id == any_(ids)).values(**values).returning(*returned).cte("claimed")
-    )
+    target = [t.c.id == any_(ids)]
+    if spec.sharded:
+        target.append(t.c.shard == bindparam("part_shard", type_=SmallInteger))
+    claimed = t.update().where(*target).values(**values).returning(*returned).cte("claimed")
     flag = select(multi.label("multi_lane")).cte("flag")
     rows: Any
     if "pos" in picked.c:  # the order the batch was picked in: round-robin between lanes
@@ -356,7 +372,7 @@ def _single_lane_pick(spec: QueueSpec, limit: Any) -> tuple[Any, Any]:
         t.c.available_at <= func.now(),
     ]
     if spec.per_key_ordering:
-        conditions.append(_ordering_free(t))
+        conditions.append(_ordering_free(spec, t))
     picked = (
         select(t.c.id)
         .where(*conditions)
@@ -455,9 +471,15 @@ def claim_params(
     owner: str,
     lease_seconds: float,
     rate: Rate | None = None,
+    shard: int | None = None,
 ) -> dict[str, Any]:
-    """Parameters of :func:`claim` for one partition (``rate``: of ``claim(spec, rated=True)``)."""
+    """Parameters of :func:`claim` for one partition.
+
+    ``rate``: of ``claim(spec, rated=True)``; ``shard``: of a sharded spec's.
+    """
     params: dict[str, Any] = {f"part_{k}": v for k, v in partition.items()}
+    if shard is not None:
+        params["part_shard"] = shard
     params.update(claim_limit=limit, owner=owner, lease_seconds=lease_seconds)
     if rate is not None:
         params.update(rate=rate.per_second, burst=rate.burst)
