@@ -435,6 +435,7 @@ class InMemoryStore:
         note: str,
         resolution: str,
         worker: str,
+        shard: int | None = None,
     ) -> bool:
         """Resolve one expired attempt, logged ``expired`` (compare-and-set)."""
         effect = self.effects.get(effect_id)
@@ -449,7 +450,13 @@ class InMemoryStore:
         return True
 
     async def take_over(
-        self, effect_id: UUID, attempt: int, *, owner: str, lease_seconds: float
+        self,
+        effect_id: UUID,
+        attempt: int,
+        *,
+        owner: str,
+        lease_seconds: float,
+        shard: int | None = None,
     ) -> bool:
         """Lease an expired attempt to ``owner`` (compare-and-set)."""
         effect = self.effects.get(effect_id)

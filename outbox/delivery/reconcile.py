@@ -287,6 +287,7 @@ async def _resolve(
             note=note,
             resolution="redeliver",
             worker=worker,
+            shard=row.shard,
         )
         return item("redeliver", note) if done else None
     deliverer = deliverers.get(kind)
@@ -303,14 +304,22 @@ async def _resolve(
         if dry_run:
             return item(action, note)
         done = await store.expire(
-            effect_id, attempt, new_status=status, note=note, resolution=action, worker=worker
+            effect_id,
+            attempt,
+            new_status=status,
+            note=note,
+            resolution=action,
+            worker=worker,
+            shard=row.shard,
         )
         return item(action, note) if done else None
 
     if deliverer.has_lookup:
         if dry_run:
             return item("lookup", f"{lost}; would ask the sink about the key")
-        if not await store.take_over(effect_id, attempt, owner=worker, lease_seconds=lease_seconds):
+        if not await store.take_over(
+            effect_id, attempt, owner=worker, lease_seconds=lease_seconds, shard=row.shard
+        ):
             return None
         asked = await _ask(
             store, deliverer, row, worker=worker, why=lost, max_attempts=max_attempts
@@ -342,6 +351,12 @@ async def _resolve(
     if dry_run:
         return item("unknown", note)
     done = await store.expire(
-        effect_id, attempt, new_status="unknown", note=note, resolution="unknown", worker=worker
+        effect_id,
+        attempt,
+        new_status="unknown",
+        note=note,
+        resolution="unknown",
+        worker=worker,
+        shard=row.shard,
     )
     return item("unknown", note) if done else None

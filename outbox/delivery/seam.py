@@ -129,12 +129,19 @@ class DeliveryStore(Protocol):
         note: str,
         resolution: str,
         worker: str,
+        shard: int | None = None,
     ) -> bool:
         """Resolve one expired attempt (compare-and-set)."""
         ...
 
     async def take_over(
-        self, effect_id: UUID, attempt: int, *, owner: str, lease_seconds: float
+        self,
+        effect_id: UUID,
+        attempt: int,
+        *,
+        owner: str,
+        lease_seconds: float,
+        shard: int | None = None,
     ) -> bool:
         """Lease an expired attempt to ``owner`` (compare-and-set)."""
         ...

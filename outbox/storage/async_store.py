@@ -288,7 +288,7 @@ class AsyncStore:
         }
         if shard is not None:
             cur = await conn.execute("SELECT now() AS now")
-            params.update(shard=shard, now=(await cur.fetchone() or {})["now"])
+            params.update(on_shard=shard, now=(await cur.fetchone() or {})["now"])
         cur = await conn.execute(complete.sql, complete.params(params), prepare=shard is None)
         return [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
 
@@ -354,15 +354,38 @@ class AsyncStore:
         within their TTL go back to ``pending`` first, in the same transaction
         (one commit per reconcile round, not two).
         """
+        sharded = await self._is_sharded()
+        redispatched, found = 0, list[ClaimedEffect]()
         with translate_errors("finding expired attempts"):
             async with self.engine.begin() as conn:
-                redispatched = 0
-                if redispatch_as is not None:
-                    params = {"worker": redispatch_as, "max_rows": max_rows}
-                    result = await conn.execute(effect_sql.redispatch_expired(), params)
-                    redispatched = len(result.all())
-                rows = await conn.execute(effect_sql.expired_effects(), {"max_rows": max_rows})
-                return redispatched, _claimed(rows)
+                # on Citus a statement per shard, each routed to the node holding it
+                for shard in range(SHARDS) if sharded else [None]:
+                    on = {} if shard is None else {"on_shard": shard}
+                    if redispatch_as is not None:
+                        params = {"worker": redispatch_as, "max_rows": max_rows, **on}
+                        result = await conn.execute(effect_sql.redispatch_expired(sharded), params)
+                        redispatched += len(result.all())
+                    want = {"max_rows": max_rows - len(found), **on}
+                    if want["max_rows"] > 0:
+                        rows = await conn.execute(effect_sql.expired_effects(sharded), want)
+                        found += _claimed(rows)
+        return redispatched, found
+
+    async def _is_sharded(self) -> bool:
+        if self._sharded is None:
+            async with self._direct.connection() as conn:
+                await self.sharded(conn)
+        return bool(self._sharded)
+
+    async def _shard_params(self, effect_id: UUID, shard: int | None) -> dict[str, Any]:
+        """On Citus: the shard and the database's time a sharded statement names."""
+        if not await self._is_sharded():
+            return {}
+        async with self._direct.connection() as conn:
+            if shard is None:
+                shard = await self._effect_shard(conn, effect_id)
+            cur = await conn.execute("SELECT now() AS now")
+            return {"on_shard": shard, "now": (await cur.fetchone() or {})["now"]}
 
     async def unknown_of(self, kinds: Sequence[str], max_rows: int) -> list[ClaimedEffect]:
         """``unknown`` effects of these kinds (their deliverer can ask the sink), oldest first."""
@@ -382,9 +405,12 @@ class AsyncStore:
         note: str,
         resolution: str,
         worker: str,
+        shard: int | None = None,
     ) -> bool:
         """Resolve one expired attempt (compare-and-set); False when someone else did."""
+        on = await self._shard_params(effect_id, shard)
         params = {
+            **on,
             "effect_id": effect_id,
             "expected_attempt": attempt,
             "new_status": new_status,
@@ -394,14 +420,23 @@ class AsyncStore:
         }
         with translate_errors("expiring an attempt"):
             async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.expire_effect(), params)
+                result = await conn.execute(effect_sql.expire_effect(bool(on)), params)
                 return result.first() is not None
 
     async def take_over(
-        self, effect_id: UUID, attempt: int, *, owner: str, lease_seconds: float
+        self,
+        effect_id: UUID,
+        attempt: int,
+        *,
+        owner: str,
+        lease_seconds: float,
+        shard: int | None = None,
     ) -> bool:
         """Lease an expired attempt to ``owner`` (compare-and-set)."""
+        on = await self._shard_params(effect_id, shard)
+        on.pop("now", None)
         params = {
+            **on,
             "effect_id": effect_id,
             "expected_attempt": attempt,
             "owner": owner,
@@ -409,7 +444,7 @@ class AsyncStore:
         }
         with translate_errors("taking over an attempt"):
             async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.take_over_effect(), params)
+                result = await conn.execute(effect_sql.take_over_effect(bool(on)), params)
                 return result.first() is not None
 
     async def mark_unknown_kinds(

@@ -400,12 +400,19 @@ class Store:
             return [str(k) for k in conn.execute(audit.effect_kinds()).scalars()]
 
 
+def distributed(conn: Connection) -> bool:
+    """Whether the tables are distributed (Citus: ``outbox migrate --distribute``)."""
+    setting = conn.execute(text("SELECT current_setting('outbox.distributed', true)")).scalar()
+    return setting == "on"
+
+
 def read_state_counts(conn: Connection) -> maintenance.StateCounts:
     """Runs by status, open effects by (status, kind), oldest pending age (sync or ``run_sync``)."""
+    oldest = maintenance.oldest_pending_age(distributed(conn))
     return maintenance.StateCounts(
         runs={status: n for status, n in conn.execute(maintenance.run_counts()).all()},
         effects={(s, k): n for s, k, n in conn.execute(maintenance.open_effect_counts()).all()},
-        oldest_pending_seconds=float(conn.execute(maintenance.oldest_pending_age()).scalar_one()),
+        oldest_pending_seconds=float(conn.execute(oldest).scalar_one()),
     )
 
 

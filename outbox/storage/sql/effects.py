@@ -111,14 +111,14 @@ def complete_effects(sharded: bool = False) -> Any:
     (with what it reported) and changes nothing else (G4).
     Returns ``(effect_id, outcome)`` per logged attempt.
 
-    ``sharded`` (Citus): every effect of the batch is on shard ``shard``, the
+    ``sharded`` (Citus): every effect of the batch is on shard ``on_shard``, the
     database's time is the ``now`` parameter, and a run woken is returned
     rather than notified (the caller sends the NOTIFY from the coordinator).
     """
     e = effects
     d = _done()
     now = db_now(sharded)
-    shard = bindparam("shard", type_=SmallInteger)
+    shard = bindparam("on_shard", type_=SmallInteger)
     ours = e.c.lease_owner == bindparam("owner", type_=Text)
     holds_attempt = and_(
         *([e.c.shard == shard] if sharded else []),
@@ -206,11 +206,20 @@ def complete_effects(sharded: bool = False) -> Any:
     )
 
 
-def expired_effects() -> AnySelect:
+def _on_shard(sharded: bool) -> list[ColumnElement[bool]]:
+    """On Citus: the statement names its one shard (``on_shard``), so it is routed there."""
+    return [effects.c.shard == bindparam("on_shard", type_=SmallInteger)] if sharded else []
+
+
+def expired_effects(sharded: bool = False) -> AnySelect:
     """In-flight effects whose lease ran out (their deliverer died or stalled), oldest first."""
     return (
         select(effects)
-        .where(effects.c.status == const("in_flight"), effects.c.lease_expires_at < func.now())
+        .where(
+            effects.c.status == const("in_flight"),
+            effects.c.lease_expires_at < func.now(),
+            *_on_shard(sharded),
+        )
         .order_by(effects.c.lease_expires_at)
         .limit(bindparam("max_rows", type_=Integer))
     )
@@ -229,8 +238,9 @@ def unknown_of_kinds() -> AnySelect:
     )
 
 
-def _expired_cas() -> list[ColumnElement[bool]]:
+def _expired_cas(sharded: bool) -> list[ColumnElement[bool]]:
     return [
+        *_on_shard(sharded),
         effects.c.id == bindparam("effect_id", type_=UUID(as_uuid=True)),
         effects.c.attempt == bindparam("expected_attempt", type_=Integer),
         effects.c.status == const("in_flight"),
@@ -263,26 +273,27 @@ def log_changes(changed: Any, *, worker: Any, outcome: Any, detail: Any = None) 
 
 
 @cache
-def expire_effect() -> Any:
+def expire_effect(sharded: bool = False) -> Any:
     """Resolve one expired attempt as ``new_status`` (pending | unknown | failed), logged.
 
     Parameters: ``effect_id``, ``expected_attempt``, ``new_status``, ``note``,
     ``resolution``, ``worker``. Changes nothing (and logs nothing) when another
     reconciler or a late completion got there first.
     """
+    now = db_now(sharded)
     changed = (
         effects.update()
-        .where(*_expired_cas())
+        .where(*_expired_cas(sharded))
         .values(
             status=bindparam("new_status", type_=Text),
             lease_owner=null(),
             lease_expires_at=null(),
-            available_at=func.now(),
+            available_at=now,
             last_error=bindparam("note", type_=Text),
             completed_at=case(
-                (bindparam("new_status", type_=Text) == const("failed"), func.now()), else_=null()
+                (bindparam("new_status", type_=Text) == const("failed"), now), else_=null()
             ),
-            updated_at=func.now(),
+            updated_at=now,
         )
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
         .cte("changed")
@@ -301,11 +312,11 @@ def expire_effect() -> Any:
 
 
 @cache
-def take_over_effect() -> Any:
+def take_over_effect(sharded: bool = False) -> Any:
     """Lease an expired attempt to the reconciler (same attempt) while it asks the sink."""
     return (
         effects.update()
-        .where(*_expired_cas())
+        .where(*_expired_cas(sharded))
         .values(
             lease_owner=bindparam("owner", type_=Text),
             lease_expires_at=func.now() + bindparam("lease_seconds", type_=Float) * SECONDS,
@@ -457,11 +468,15 @@ def claim_dispatched() -> Any:
 
 
 @cache
-def redispatch_expired() -> Any:
+def redispatch_expired(sharded: bool = False) -> Any:
     """Dispatched effects nobody delivered within their TTL go back to ``pending`` (same key)."""
     due = (
         select(effects.c.id)
-        .where(effects.c.status == const("dispatched"), effects.c.lease_expires_at < func.now())
+        .where(
+            effects.c.status == const("dispatched"),
+            effects.c.lease_expires_at < func.now(),
+            *_on_shard(sharded),
+        )
         .order_by(effects.c.lease_expires_at)
         .limit(bindparam("max_rows", type_=Integer))
         .with_for_update(skip_locked=True)
@@ -469,7 +484,7 @@ def redispatch_expired() -> Any:
     )
     changed = (
         effects.update()
-        .where(effects.c.id == due.c.id)
+        .where(effects.c.id == due.c.id, *_on_shard(sharded))
         .values(
             status=const("pending"),
             lease_expires_at=null(),

@@ -77,7 +77,7 @@ _LANE = ("kind", "priority", "fairness_key")
 
 
 @cache
-def oldest_pending_age() -> AnySelect:
+def oldest_pending_age(sharded: bool = False) -> AnySelect:
     """Seconds the oldest due pending effect has waited (0 when none is due): an index probe.
 
     Waited since it became due: since it was intended, or since its retry's
@@ -85,8 +85,15 @@ def oldest_pending_age() -> AnySelect:
     two probes per lane: a loose scan lists the lanes holding pending effects,
     and each lane's first entry is its longest-due one. A scan of every pending
     row took 0.3 s at a million, and the gauges are counted every few seconds.
+    On Citus (``sharded``), which plans no recursive statement across shards,
+    each shard's oldest is read and the least of them kept.
     """
     pending = const(EffectStatus.PENDING)
+    if sharded:
+        oldest = func.min(effects.c.available_at)
+        return select(func.coalesce(func.extract("epoch", func.now() - oldest), 0)).where(
+            effects.c.status == pending, effects.c.available_at <= func.now()
+        )
     t = effects
     first = (
         select(*(t.c[c] for c in _LANE))
