@@ -43,10 +43,20 @@ __all__ = ["COMMANDS"]
     metavar="VERSION",
     help="Apply migrations up to this version only.",
 )
+@click.option(
+    "--distribute",
+    is_flag=True,
+    help="On a Citus coordinator: distribute the tables by shard and delegate the step "
+    "write to the node holding each run (docs/howto/citus.md). Idempotent.",
+)
 @json_option(MigrateReport)
 @pass_cli
 def migrate_command(
-    cli: CliContext, accept_changed: tuple[int, ...], target: int | None, as_json: bool
+    cli: CliContext,
+    accept_changed: tuple[int, ...],
+    target: int | None,
+    distribute: bool,
+    as_json: bool,
 ) -> None:
     """Apply pending migrations (idempotent; safe when run twice at once).
 
@@ -59,20 +69,32 @@ def migrate_command(
 
     dsn, _ = resolve_dsn(cli.settings)
     engine = make_engine(dsn)
+    distributed: list[str] = []
     try:
         done = migrate(engine, accept_changed=accept_changed, target=target)
+        if distribute:
+            from outbox.storage.citus import distribute as distribute_tables
+
+            with console.status("distributing the tables…"):
+                distributed = distribute_tables(engine).distributed
         with translate_errors("reading the schema version"), engine.connect() as conn:
             versions = applied_versions(conn)
     finally:
         engine.dispose()
     names = [m.label for m in done]
-    report = MigrateReport(applied=names, schema_version=max(versions), known=shipped()[-1].version)
+    report = MigrateReport(
+        applied=names,
+        schema_version=max(versions),
+        known=shipped()[-1].version,
+        distributed=distributed,
+    )
     emit(
         report,
         as_json,
         lambda: console.print(
             f"applied {len(done)} migration(s): {', '.join(names) or 'none pending'}; "
             f"schema version {max(versions)}"
+            + (f"; distributed {len(distributed)} table(s)" if distribute else "")
         ),
     )
 

@@ -66,6 +66,8 @@ class MigrateReport(Report):
     schema_version: int
     #: The newest version this code ships.
     known: int
+    #: With ``--distribute`` (Citus): the tables distributed by this call.
+    distributed: list[str] = []
 
 
 class DbStatusReport(Report):

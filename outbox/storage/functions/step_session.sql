@@ -32,6 +32,13 @@ DECLARE
     run_status text;
     recorded_here boolean;
 BEGIN
+    IF entry IS NULL AND outbox_distributed() THEN
+        -- this transaction's notes are kept on the node it runs on, and on Citus the
+        -- step's write runs on another (outbox_write_step is delegated)
+        PERFORM outbox_refuse('OB001', 'run_id', p_run_id::text,
+            'on a distributed database a step''s intents and debits go to outbox_commit_step '
+            'in its one call (intents => ..., spends => ...)');
+    END IF;
     IF entry IS NOT NULL THEN
         IF (entry->>'done')::boolean THEN
             PERFORM outbox_refuse('OB001', 'step_id', p_step_id,

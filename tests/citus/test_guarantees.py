@@ -1,0 +1,310 @@
+"""The guarantees on a Citus cluster: the same client, the same promises, rows spread over nodes.
+
+One distributed schema per module (``outbox migrate --distribute`` on a real
+coordinator and two workers). Each test drives the public client (and the SQL
+API where that is what a user calls) and then looks at where the rows landed:
+a run's step, effects, ledger and keys on the node that holds its shard.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import Column, Integer, MetaData, String, Table, text
+
+from deliverers.testing import RecordingDeliverer
+from outbox import IdempotencyConflict, Outbox, RunPaused
+from outbox.cli import cli as cli_main
+from outbox.shards import SHARDS, key_shard, shard_of
+from tests.citus_support import CitusDatabase, node_port_of
+from tests.support import DaemonThread, wait_for
+
+
+@pytest.fixture(scope="module")
+def dsn(citus_module_db: CitusDatabase) -> str:
+    """The coordinator of a cluster whose schema ``outbox migrate --distribute`` built."""
+    result = CliRunner().invoke(
+        cli_main, ["migrate", "--distribute", "--json"], env={"OUTBOX_DSN": citus_module_db.dsn}
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert "outbox_effects" in report["distributed"]
+    return citus_module_db.dsn
+
+
+@pytest.fixture
+def ob(dsn: str) -> Iterator[Outbox]:
+    outbox = Outbox.connect(dsn)
+    yield outbox
+    outbox.close()
+
+
+def _node_of(dsn: str, run_id: uuid.UUID) -> int:
+    with psycopg.connect(dsn) as conn:
+        return node_port_of(conn, "outbox_runs", shard_of(run_id))
+
+
+def _count(dsn: str, sql: str, *params: Any) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(sql, params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_every_run_scoped_table_is_distributed_by_shard_and_co_located(dsn: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT table_name::text, citus_table_type, distribution_column, colocation_id"
+            " FROM citus_tables ORDER BY 1"
+        ).fetchall()
+        settings = conn.execute(
+            "SELECT result FROM run_command_on_all_nodes("
+            "$$SELECT current_setting('outbox.distributed', true)$$)"
+        ).fetchall()
+    tables = {name: (kind, column, group) for name, kind, column, group in rows}
+    distributed = {n for n, (kind, _, _) in tables.items() if kind == "distributed"}
+    assert distributed >= {"outbox_runs", "outbox_steps", "outbox_effects", "outbox_effect_keys"}
+    assert {tables[n][1] for n in distributed} == {"shard"}
+    assert len({tables[n][2] for n in distributed}) == 1, "one co-location group"
+    assert tables["outbox_gates"][0] == "reference"
+    assert {r[0] for r in settings} == {"on"}, "every node knows the tables are distributed"
+
+
+def test_a_step_its_row_and_its_intents_commit_together_or_not_at_all(ob: Outbox) -> None:
+    """G1 across nodes: the caller's row on the coordinator, the step and intent on a worker."""
+    metadata = MetaData()
+    invoices = Table(
+        "citus_invoices", metadata, Column("id", Integer, primary_key=True), Column("who", String)
+    )
+    metadata.create_all(ob.engine)
+    run = ob.start_run("billing", "1", {"month": "2026-11"})
+
+    def charge(tx: Any) -> str:
+        tx.connection.execute(invoices.insert().values(id=1, who="acme"))
+        return str(tx.intend("payment.charge", {"amount": 5000}).id)
+
+    effect_id = run.transaction("charge", charge)
+
+    def broken(tx: Any) -> None:
+        tx.connection.execute(invoices.insert().values(id=2, who="globex"))
+        tx.intend("payment.charge", {"amount": 1})
+        raise RuntimeError("the agent failed after writing")
+
+    with pytest.raises(RuntimeError):
+        run.transaction("broken", broken)
+    with ob.engine.connect() as conn:
+        assert conn.execute(text("SELECT id FROM citus_invoices")).scalars().all() == [1]
+    effects = ob.effects(run_id=run.id)
+    assert [str(e.id) for e in effects] == [effect_id]
+    assert ob.run(run.id).completed_steps == ["charge"]
+
+
+def test_the_step_write_is_one_call_on_the_node_holding_the_run(ob: Outbox, dsn: str) -> None:
+    run = ob.start_run("billing", "1")
+    run.transaction("s", lambda tx: [tx.intend("k.x", {"n": n}) for n in range(3)] and None)
+    port = _node_of(dsn, run.id)
+    worker = next(w for w in ob_workers(dsn) if w.endswith(f":{port}"))
+    # the rows are on that worker's shard tables, none anywhere else
+    with psycopg.connect(f"postgresql://postgres@{worker}/{dsn.rsplit('/', 1)[1]}") as conn:
+        conn.execute("SET citus.override_table_visibility = off")
+        shard_rows = conn.execute(
+            "SELECT count(*) FROM outbox_effects WHERE run_id = %s", [run.id]
+        ).fetchone()
+    assert shard_rows is not None and shard_rows[0] == 3
+    with psycopg.connect(dsn) as conn:
+        delegated = conn.execute(
+            "SELECT force_delegation, distribution_argument_index FROM pg_dist_object"
+            " WHERE objid = 'outbox_write_step'::regproc"
+        ).fetchone()
+    assert delegated == (True, 0)
+
+
+def ob_workers(dsn: str) -> list[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT nodename, nodeport FROM pg_dist_node WHERE groupid > 0 ORDER BY nodeport"
+        ).fetchall()
+    return [f"{h}:{p}" for h, p in rows]
+
+
+def test_a_callers_key_is_unique_in_its_namespace_across_shards(ob: Outbox, dsn: str) -> None:
+    """G5 for keys: two runs on two nodes cannot both take one key; the same intent is one."""
+    first, second = ob.start_run("a", "1"), ob.start_run("a", "1")
+    while _node_of(dsn, second.id) == _node_of(dsn, first.id):
+        second = ob.start_run("a", "1")
+    key = f"refund-{uuid.uuid4().hex[:8]}"
+    effect = first.transaction("pay", lambda tx: tx.intend("k.pay", {"n": 1}, key=key).id)
+    again = first.transaction("pay-again", lambda tx: tx.intend("k.pay", {"n": 1}, key=key).id)
+    assert again == effect, "the same key, kind and payload name the same effect"
+    with pytest.raises(IdempotencyConflict, match="another owner"):
+        second.transaction("pay", lambda tx: tx.intend("k.pay", {"n": 1}, key=key))
+    assert ob.effects(run_id=second.id) == []
+    # the key is registered on its own shard (and mirrored on the run's when that differs)
+    assert (
+        _count(dsn, "SELECT count(*) FROM outbox_effect_keys WHERE key = %s AND NOT mirror", key)
+        == 1
+    )
+    assert _count(
+        dsn,
+        "SELECT shard FROM outbox_effect_keys WHERE key = %s AND NOT mirror",
+        key,
+    ) == key_shard("default", key)
+
+
+def test_a_business_key_starts_one_run_whoever_starts_it(ob: Outbox, dsn: str) -> None:
+    key = f"order-{uuid.uuid4().hex[:8]}"
+    runs = [ob.start_run("shop", "1", {"order": 7}, key=key) for _ in range(3)]
+    assert len({r.id for r in runs}) == 1
+    # a run given no id is started on its key's shard: the start touched one shard
+    assert shard_of(runs[0].id) == key_shard("default", key)
+    # an id of the caller's own, on any shard, is the same start when retried
+    own = uuid.uuid4()
+    key2 = f"order-{uuid.uuid4().hex[:8]}"
+    started = ob.start_run("shop", "1", {"order": 8}, key=key2, run_id=own)
+    assert started.id == own and ob.start_run("shop", "1", {"order": 8}, key=key2).id == own
+    with pytest.raises(IdempotencyConflict):
+        ob.start_run("shop", "1", {"order": 9}, key=key2)
+
+
+def test_the_two_call_sql_step_is_refused_where_its_notes_cannot_follow_it(dsn: str) -> None:
+    """OB008's guard lives in the transaction's settings, which a delegated write never sees."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT outbox_start_run('sql', '1')").fetchone()
+        assert row is not None
+        run_id = row[0]
+        conn.commit()
+        with pytest.raises(psycopg.Error) as info:
+            conn.execute(
+                "SELECT outbox_intend('k.x', '{}'::jsonb, run_id => %s, step_id => 's')", [run_id]
+            )
+        assert info.value.sqlstate == "OB001" and "outbox_commit_step" in str(info.value)
+        conn.rollback()
+        # the one call writes the step and its intents together, delegated
+        conn.execute(
+            "SELECT * FROM outbox_commit_step(%s, 's', intents => %s::jsonb)",
+            [run_id, json.dumps([{"kind": "k.x", "payload": {"n": 1}}])],
+        )
+        conn.commit()
+    assert _count(dsn, "SELECT count(*) FROM outbox_effects WHERE run_id = %s", run_id) == 1
+
+
+def test_a_replayed_run_returns_what_it_recorded(ob: Outbox) -> None:
+    """G5: a second handle on the run replays the recorded steps, calling nothing again."""
+    run = ob.start_run("replay", "1")
+    calls: list[int] = []
+    assert run.call("fetch", lambda: calls.append(1) or 41) == 41
+    assert run.transaction("s", lambda tx: tx.intend("k.x", {"n": 1}).idempotency_key)
+    again = ob.run(run.id)
+    assert again.call("fetch", lambda: calls.append(2) or 0) == 41
+    key = again.transaction("s", lambda tx: tx.intend("k.x", {"n": 1}).idempotency_key)
+    assert calls == [1] and len(ob.effects(run_id=run.id)) == 1
+    assert key == ob.effects(run_id=run.id)[0].idempotency_key
+
+
+def test_a_paused_run_takes_no_step_until_resumed(ob: Outbox) -> None:
+    run = ob.start_run("pause", "1")
+    run.transaction("one", lambda tx: None)
+    ob.pause(run.id, "checking the ledger")
+    with pytest.raises(RunPaused):
+        run.transaction("two", lambda tx: None)
+    ob.resume(run.id)
+    run.transaction("two", lambda tx: None)
+    assert ob.run(run.id).completed_steps == ["one", "two"]
+
+
+def test_a_signal_reaches_a_waiting_run_on_its_node(ob: Outbox) -> None:
+    run = ob.start_run("signal", "1")
+    got: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(ob.run(run.id).wait_signal("approve", name="approved")),
+        daemon=True,
+    )
+    waiter.start()
+    time.sleep(0.5)
+    receipt = ob.signal(run.id, "approved", {"by": "ops"})
+    waiter.join(30)
+    assert got == [{"by": "ops"}] and receipt.duplicate is False
+
+
+def intend_five(tx: Any, n: int) -> None:
+    for i in range(5):
+        tx.intend("k.deliver", {"r": n, "i": i})
+
+
+def test_every_effect_is_delivered_once_by_two_deliverers(ob: Outbox, dsn: str) -> None:
+    """G2/G3/G4: claims take turns over the shards; every effect once, every outcome fenced."""
+    runs = [ob.start_run("fan", "1") for _ in range(6)]
+    for n, run in enumerate(runs):
+        run.transaction("s", lambda tx, n=n: intend_five(tx, n))
+    ids = {e.id for r in runs for e in ob.effects(run_id=r.id)}
+    assert len({shard_of(r.id) for r in runs}) > 1
+    one, two = RecordingDeliverer("k.deliver"), RecordingDeliverer("k.deliver")
+    with (
+        DaemonThread(dsn, {"k.deliver": one}, batch_size=4, poll_seconds=0.1),
+        DaemonThread(dsn, {"k.deliver": two}, batch_size=4, poll_seconds=0.1),
+    ):
+        wait_for(lambda: all(ob.effect(i).status.value == "succeeded" for i in ids), timeout=60)
+    delivered = [d.effect_id for d in [*one.deliveries, *two.deliveries]]
+    assert sorted(map(str, delivered)) == sorted(map(str, ids)), "each effect once"
+    assert _count(
+        dsn, "SELECT count(*) FROM outbox_effect_attempts WHERE effect_id = ANY(%s)", list(ids)
+    ) == len(ids)
+
+
+def test_a_late_completion_after_a_takeover_changes_nothing(ob: Outbox, dsn: str) -> None:
+    """G4: the lease ran out, the reconciler put the effect back; the old answer is stale."""
+    run = ob.start_run("fence", "1")
+    effect_id = run.transaction("s", lambda tx: tx.intend("k.fence", {"n": 1}).id)
+    shard = shard_of(run.id)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox_effects SET status = 'in_flight', attempt = 1, lease_owner = 'old',"
+            " lease_expires_at = now() - interval '1 minute' WHERE id = %s AND shard = %s",
+            [effect_id, shard],
+        )
+    deliverer = RecordingDeliverer("k.fence")
+    with DaemonThread(dsn, {"k.fence": deliverer}, poll_seconds=0.1, lease_seconds=5) as daemon:
+        wait_for(lambda: ob.effect(effect_id).status.value == "succeeded", timeout=60)
+        assert daemon.daemon is not None
+    # the old owner answers now, for attempt 1: logged as stale, nothing else changes
+    from outbox.storage.async_store import Completion
+
+    store_effect = ob.effect(effect_id)
+    assert store_effect.attempt == 2
+    import asyncio
+
+    from outbox.storage.async_store import AsyncStore
+    from outbox.storage.engine import make_async_engine
+
+    async def late() -> list[tuple[uuid.UUID, str]]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            return await store.complete(
+                "old", [Completion(effect_id, 1, "failed", "failed", error="too late", shard=shard)]
+            )
+        finally:
+            await store.dispose()
+
+    assert asyncio.run(late()) == [(effect_id, "stale")]
+    assert ob.effect(effect_id).status.value == "succeeded"
+    assert len(deliverer.deliveries) == 1
+
+
+def test_shards_spread_over_both_workers(dsn: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        nodes = conn.execute(
+            "SELECT count(DISTINCT nodeport) FROM citus_shards"
+            " WHERE table_name = 'outbox_runs'::regclass"
+        ).fetchone()
+        shards = conn.execute(
+            "SELECT count(*) FROM citus_shards WHERE table_name = 'outbox_runs'::regclass"
+        ).fetchone()
+    assert nodes == (2,) and shards == (SHARDS,)
