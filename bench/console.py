@@ -40,30 +40,33 @@ DATABASE = "outbox_bench_console"
 # One statement per table; uuidv7(shift) (PostgreSQL 18) makes ids as the client would.
 LOAD = [
     """
-    INSERT INTO outbox_runs (id, agent, agent_version, inputs, inputs_hash, status, state, plan,
-                             current_step, budget, spent, created_at, updated_at)
-    SELECT uuidv7(-(interval '30 days') * (1 - i::float / %(runs)s)),
-           'agent-' || (i %% 5), 'v' || (i %% 3), jsonb_build_object('ticket', i), md5(i::text),
+    INSERT INTO outbox_runs (id, shard, agent, agent_version, inputs, inputs_hash, status, state,
+                             plan, current_step, step_count, budget, spent, created_at,
+                             updated_at)
+    SELECT id, outbox_shard_of(id), 'agent-' || (i %% 5), 'v' || (i %% 3),
+           jsonb_build_object('ticket', i), md5(i::text),
            CASE WHEN i %% 50 = 0 THEN 'waiting' WHEN i %% 51 = 0 THEN 'runnable'
                 WHEN i %% 97 = 0 THEN 'failed' WHEN i %% 89 = 0 THEN 'cancelled'
                 ELSE 'completed' END,
            jsonb_build_object('stage', 'done', 'i', i), '["a","b","c"]'::jsonb, 'step-9',
-           10, 1.5,
+           10, 10, 1.5,
            now() - (interval '30 days') * (1 - i::float / %(runs)s),
            now() - (interval '30 days') * (1 - i::float / %(runs)s)
-    FROM generate_series(1, %(runs)s) AS i
+    FROM (SELECT uuidv7(-(interval '30 days') * (1 - i::float / %(runs)s)) AS id, i
+            FROM generate_series(1, %(runs)s) AS i) AS made
     """,
     """
-    INSERT INTO outbox_steps (run_id, step_id, kind, result, completed_at)
-    SELECT r.id, 'step-' || s, 'transaction', jsonb_build_object('ok', true), r.created_at
+    INSERT INTO outbox_steps (run_id, shard, seq, step_id, kind, result, completed_at)
+    SELECT r.id, r.shard, s + 1, 'step-' || s, 'transaction', jsonb_build_object('ok', true),
+           r.created_at
     FROM outbox_runs r, generate_series(0, 9) AS s
     """,
     """
-    INSERT INTO outbox_effects (id, run_id, step_id, step_index, kind, payload, payload_hash,
+    INSERT INTO outbox_effects (id, shard, run_id, step_id, step_index, kind, payload, payload_hash,
                                 idempotency_key, ordering_key, status, attempt, last_error,
                                 lease_owner, lease_expires_at, created_at, updated_at,
                                 completed_at, available_at)
-    SELECT uuidv7(t - now()), r.id, 'step-' || (e %% 10), e,
+    SELECT uuidv7(t - now()), r.shard, r.id, 'step-' || (e %% 10), e,
            'kind-' || (e %% 5),
            jsonb_build_object('url', 'https://sink.example/x', 'json', jsonb_build_object('n', e)),
            md5(r.id::text || e), md5(r.id::text || e) || '-' || e,
@@ -84,9 +87,9 @@ LOAD = [
                               ELSE 'succeeded' END AS st) AS x
     """,
     """
-    INSERT INTO outbox_effect_attempts (effect_id, attempt, worker, started_at, finished_at,
-                                        outcome, detail)
-    SELECT id, 1, 'bench-deliverer', created_at, created_at + interval '200 milliseconds',
+    INSERT INTO outbox_effect_attempts (effect_id, shard, attempt, worker, started_at,
+                                        finished_at, outcome, detail)
+    SELECT id, shard, 1, 'bench-deliverer', created_at, created_at + interval '200 milliseconds',
            CASE status WHEN 'succeeded' THEN 'succeeded' WHEN 'failed' THEN 'failed'
                        WHEN 'unknown' THEN 'unknown' ELSE 'retry' END,
            jsonb_build_object('status', 200)

@@ -37,10 +37,11 @@ RATE = 10.0
 WARMUP = 5
 TOP_UP = """
 INSERT INTO outbox_effects
-    (id, kind, payload, payload_hash, idempotency_key, status, available_at, fairness_key)
-SELECT gen_random_uuid(), %(kind)s, '{}'::jsonb, md5('{}'), md5(%(tag)s || g::text),
+    (id, shard, kind, payload, payload_hash, idempotency_key, status, available_at,
+     fairness_key)
+SELECT id, outbox_shard_of(id), %(kind)s, '{}'::jsonb, md5('{}'), md5(%(tag)s || g::text),
        'pending', now(), %(key)s
-  FROM generate_series(1, %(n)s) AS g
+  FROM (SELECT gen_random_uuid() AS id, g FROM generate_series(1, %(n)s) AS g) AS made
 """
 PENDING = "SELECT count(*) FROM outbox_effects WHERE status = 'pending' AND kind = %s"
 #: case -> (backlog kind, backlog fairness key, trickle kind, trickle run's fairness key)

@@ -44,10 +44,10 @@ DATABASE = "outbox_bench"
 TICK = os.sysconf("SC_CLK_TCK")
 BACKLOG_INSERT = """
 INSERT INTO outbox_effects
-    (id, kind, payload, payload_hash, idempotency_key, status, available_at)
-SELECT gen_random_uuid(), %(kind)s, '{}'::jsonb, md5('{}'), md5(%(tag)s || g::text),
+    (id, shard, kind, payload, payload_hash, idempotency_key, status, available_at)
+SELECT id, outbox_shard_of(id), %(kind)s, '{}'::jsonb, md5('{}'), md5(%(tag)s || g::text),
        'pending', now()
-  FROM generate_series(1, %(n)s) AS g
+  FROM (SELECT gen_random_uuid() AS id, g FROM generate_series(1, %(n)s) AS g) AS made
 """
 SCRATCH = "CREATE TABLE bench_scratch (id uuid PRIMARY KEY, body jsonb NOT NULL)"
 

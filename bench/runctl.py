@@ -251,9 +251,10 @@ def pause_section(admin: str, reps: int) -> dict[str, Any]:
                 run = ob.start_run("bench", "1", {})
                 with psycopg.connect(libpq(dsn), autocommit=True) as conn:
                     conn.execute(
-                        """INSERT INTO outbox_effects (id, run_id, kind, payload, payload_hash,
-                                  idempotency_key, status)
-                           SELECT gen_random_uuid(), %(run)s, 'bench.held', '{}'::jsonb, 'x',
+                        """INSERT INTO outbox_effects (id, shard, run_id, kind, payload,
+                                  payload_hash, idempotency_key, status)
+                           SELECT gen_random_uuid(), outbox_shard_of(%(run)s), %(run)s,
+                                  'bench.held', '{}'::jsonb, 'x',
                                   md5(%(run)s::text || g::text), 'pending'
                              FROM generate_series(1, 10000) g""",
                         {"run": run.id},

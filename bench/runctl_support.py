@@ -77,10 +77,12 @@ def backlog(dsn: str, kind: str, n: int, *, fairness_key: str | None = None) -> 
     with psycopg.connect(libpq(dsn), autocommit=True) as conn:
         conn.execute(
             f"""INSERT INTO outbox_effects
-                  (id, kind, payload, payload_hash, idempotency_key, status, available_at{lane})
-                SELECT gen_random_uuid(), %(kind)s, '{{"n": 1}}'::jsonb, md5('x'),
+                  (id, shard, kind, payload, payload_hash, idempotency_key, status,
+                   available_at{lane})
+                SELECT id, outbox_shard_of(id), %(kind)s, '{{"n": 1}}'::jsonb, md5('x'),
                        md5(%(tag)s || g::text), 'pending', now(){value}
-                  FROM generate_series(1, %(n)s) AS g""",
+                  FROM (SELECT gen_random_uuid() AS id, g
+                          FROM generate_series(1, %(n)s) AS g) AS made""",
             {"kind": kind, "n": n, "tag": uuid.uuid4().hex},
         )
         conn.execute("ANALYZE outbox_effects")

@@ -40,11 +40,12 @@ DONE_KIND = "bench.done"
 SCALE_KIND = "bench.scale"
 FINISHED_INSERT = """
 INSERT INTO outbox_effects
-    (id, kind, payload, payload_hash, idempotency_key, status, available_at, attempt,
+    (id, shard, kind, payload, payload_hash, idempotency_key, status, available_at, attempt,
      attempt_started_at, created_at, updated_at, completed_at)
-SELECT uuidv7(), %(kind)s, '{}'::jsonb, md5('{}'),
+SELECT id, outbox_shard_of(id), %(kind)s, '{}'::jsonb, md5('{}'),
        %(tag)s || lpad(g::text, 10, '0'), 'succeeded', ts, 1, ts, ts, ts, ts
-  FROM (SELECT g, now() - interval '40 days' + (g::float8 / %(n)s) * interval '20 days' AS ts
+  FROM (SELECT uuidv7() AS id, g,
+               now() - interval '40 days' + (g::float8 / %(n)s) * interval '20 days' AS ts
           FROM generate_series(1, %(n)s) AS g) AS s
 """
 DISK_NEEDED = 10 * 2**30

@@ -5,9 +5,9 @@ One embedded PostgreSQL in a temporary directory, then:
 1. pgbench (shipped with the server) at 1 and 8 clients, each script one
    transaction (``BEGIN; ...; END``):
 
-   - ``step_statement``: the Python client's step: one statement that updates
-     the run, inserts the step and inserts one intent (the shape of
-     ``outbox.storage.sql.steps.commit_step``), no NOTIFY;
+   - ``step_statement``: a step written by hand: one statement that updates
+     the run, inserts the step and inserts one intent (the rows
+     ``outbox_write_step`` must write, none of its checks), no NOTIFY;
    - ``sql_step``: ``outbox_intend(..., run_id, step_id)`` then
      ``outbox_commit_step(...)``, the SQL API's throttled wake-up (3 ms window);
    - ``sql_step_one_call``: the same in one call (``outbox_commit_step(...,
@@ -65,14 +65,16 @@ RUN = "('00000000-0000-0000-0000-' || lpad((:client_id + 1)::text, 12, '0'))::uu
 STEP = "'s' || :s"
 SCRIPTS: dict[str, str] = {
     "step_statement": (
-        "WITH run AS (UPDATE outbox_runs SET state = coalesce(NULL, state), current_step = {step}"
-        " WHERE id = {run} AND status IN ('runnable', 'running', 'waiting') RETURNING id),"
-        " step AS (INSERT INTO outbox_steps (run_id, step_id, kind, result)"
-        " SELECT id, {step}, 'transaction', '{{\"ok\": true}}' FROM run"
-        " ON CONFLICT DO NOTHING RETURNING run_id)"
-        " INSERT INTO outbox_effects (id, run_id, step_id, step_index, kind, payload,"
+        "WITH run AS (UPDATE outbox_runs SET state = coalesce(NULL, state), current_step = {step},"
+        " step_count = step_count + 1"
+        " WHERE id = {run} AND shard = outbox_shard_of({run})"
+        " AND status IN ('runnable', 'running', 'waiting') RETURNING id, shard, step_count),"
+        " step AS (INSERT INTO outbox_steps (run_id, shard, seq, step_id, kind, result)"
+        " SELECT id, shard, step_count, {step}, 'transaction', '{{\"ok\": true}}' FROM run"
+        " ON CONFLICT DO NOTHING RETURNING run_id, shard)"
+        " INSERT INTO outbox_effects (id, shard, run_id, step_id, step_index, kind, payload,"
         " payload_hash, idempotency_key, status, available_at)"
-        " SELECT gen_random_uuid(), run_id, {step}, 0, 'bench.sql', '{payload}',"
+        " SELECT gen_random_uuid(), shard, run_id, {step}, 0, 'bench.sql', '{payload}',"
         " md5('{payload}'), gen_random_uuid()::text, 'pending', now() FROM step"
         " ON CONFLICT DO NOTHING;\n"
     ),
@@ -86,9 +88,9 @@ SCRIPTS: dict[str, str] = {
     ),
     "insert_intent": (
         "INSERT INTO bench_orders (id, body) VALUES (gen_random_uuid(), '{{\"w\": 1}}');\n"
-        "INSERT INTO outbox_effects (id, kind, payload, payload_hash, idempotency_key, status)"
-        " VALUES (gen_random_uuid(), 'bench.sql', '{payload}', md5('{payload}'),"
-        " gen_random_uuid()::text, 'pending');\n"
+        "INSERT INTO outbox_effects (id, shard, kind, payload, payload_hash, idempotency_key,"
+        " status) SELECT id, outbox_shard_of(id), 'bench.sql', '{payload}', md5('{payload}'),"
+        " gen_random_uuid()::text, 'pending' FROM gen_random_uuid() AS id;\n"
     ),
     "sql_intend": (
         "INSERT INTO bench_orders (id, body) VALUES (gen_random_uuid(), '{{\"w\": 1}}');\n"

@@ -29,6 +29,7 @@ from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 
 from bench.harness import DATABASE, Bench, Meter, log, run_python, summarize, summary
 from outbox import Outbox, Settings, StepTransaction
+from outbox.shards import shard_of
 from outbox.storage.engine import make_engine
 
 WRITE_KIND = "bench.write"
@@ -96,8 +97,9 @@ def bare_insert(engine: Engine) -> Callable[[int], Work]:
 
 #: The hand-written floor of a step's database work: the caller's row and one intent row.
 PAIR = (
-    "INSERT INTO outbox_effects (id, kind, payload, payload_hash, idempotency_key, status)"
-    " VALUES (:id, 'bench.write', CAST(:payload AS jsonb), :hash, :key, 'pending')"
+    "INSERT INTO outbox_effects (id, shard, kind, payload, payload_hash, idempotency_key,"
+    " status) VALUES (:id, :shard, 'bench.write', CAST(:payload AS jsonb), :hash, :key,"
+    " 'pending')"
 )
 
 
@@ -109,10 +111,12 @@ def insert_pair(engine: Engine) -> Callable[[int], Work]:
             with engine.begin() as conn:
                 conn.execute(scratch.insert(), {"id": uuid.uuid4(), "body": {"w": w, "i": i}})
                 key = uuid.uuid4().hex
+                effect = uuid.uuid4()
                 conn.execute(
                     text(PAIR),
                     {
-                        "id": uuid.uuid4(),
+                        "id": effect,
+                        "shard": shard_of(effect),
                         "payload": f'{{"i": {i}, "w": {w}}}',
                         "hash": key,
                         "key": key,
@@ -203,9 +207,10 @@ SCRIPTS: dict[str, str] = {
         "WHERE id = :s RETURNING id), "
         "step AS (INSERT INTO bench_floor_steps (run_id, step_id, result) "
         "SELECT id, gen_random_uuid()::text, 'null' FROM run RETURNING run_id) "
-        "INSERT INTO outbox_effects (id, kind, payload, payload_hash, idempotency_key, status) "
-        "SELECT gen_random_uuid(), 'bench.floor', '{}', md5('{}'), gen_random_uuid()::text, "
-        "'pending' FROM step;\nEND;\n"
+        "INSERT INTO outbox_effects (id, shard, kind, payload, payload_hash, idempotency_key, "
+        "status) SELECT id, outbox_shard_of(id), 'bench.floor', '{}', md5('{}'), "
+        "gen_random_uuid()::text, 'pending' FROM (SELECT gen_random_uuid() AS id FROM step) AS s;"
+        "\nEND;\n"
     ),
 }
 FLOOR_TABLES = """
