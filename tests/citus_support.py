@@ -366,7 +366,16 @@ class CitusCluster:
             if node.pid() is None:
                 continue
             with psycopg.connect(node.dsn(), autocommit=True) as conn:
-                conn.execute(f"DROP DATABASE IF EXISTS {database.name} WITH (FORCE)")
+                # FORCE ends the sessions it finds; the Citus maintenance daemon can
+                # reconnect in between (after a node was killed), so a few tries.
+                for attempt in range(10):
+                    try:
+                        conn.execute(f"DROP DATABASE IF EXISTS {database.name} WITH (FORCE)")
+                        break
+                    except psycopg.errors.ObjectInUse:
+                        if attempt == 9:
+                            raise
+                        time.sleep(0.5)
 
 
 def _clone(node: Node, template: str, name: str) -> None:

@@ -47,7 +47,9 @@ def pause_run(tx: RunTx, run_id: uuid.UUID, reason: str) -> RunStatus:
         raise RunStateError(
             f"run_id={str(run_id)!r} is {locked.status.value}: a stopping run is not paused"
         )
-    status = tx.pause(run_id, reason, park=locked.status != RunStatus.RUNNING)
+    status = tx.pause(
+        run_id, reason, park=locked.status != RunStatus.RUNNING, first=not locked.paused
+    )
     held = tx.hold_effects(run_id)
     log.info(
         "run %s paused (%s; %d effects held): %s",
@@ -70,7 +72,7 @@ def resume_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
         raise RunTerminal(run_id, locked.status.value)
     if not locked.paused and locked.status != RunStatus.PAUSED:
         return locked.status
-    status = tx.resume(run_id)
+    status = tx.resume(run_id, parked=locked.status == RunStatus.PAUSED)
     released = tx.release_effects(run_id)
     log.info(
         "run %s resumed (%s; %d effects released)",

@@ -27,7 +27,7 @@ from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql import control, maintenance
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
-from outbox.storage.sql.common import EFFECTS_CHANNEL, SIGNALS_CHANNEL
+from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL, SIGNALS_CHANNEL, notify
 
 __all__ = ["LockedRun", "RunTx", "WaitRow"]
 
@@ -180,6 +180,8 @@ class RunTx:
     def wake_signalled(self, run_id: uuid.UUID, name: str) -> bool:
         """Make the run runnable if it waits for this signal; True when it did."""
         woke = self._run(run_sql.wake_signalled_run(), {"run_id": run_id, "name": name}).first()
+        if woke is not None:
+            self.connection.execute(notify(RUNS_CHANNEL))
         # Plain scripts blocked in wait_signal listen here.
         self.connection.execute(
             text("SELECT pg_notify(:channel, :run)"),
@@ -206,9 +208,7 @@ class RunTx:
         params = {"effect_id": effect_id, "approver": approver, "detail": json.dumps(detail)}
         changed = self._run(gov_sql.approve_held(), params).first() is not None
         if changed:
-            self.connection.execute(
-                text("SELECT pg_notify(:channel, '')"), {"channel": EFFECTS_CHANNEL}
-            )
+            self.connection.execute(notify(EFFECTS_CHANNEL))
         return changed
 
     def reject_held(
@@ -228,7 +228,11 @@ class RunTx:
             "outcome": outcome,
             "detail": json.dumps(detail),
         }
-        return self._run(gov_sql.reject_held(), params).first() is not None
+        changed = self._run(gov_sql.reject_held(), params).first() is not None
+        if changed:
+            # a run parked on the effect may have woken (reject_held's CTE)
+            self.connection.execute(notify(RUNS_CHANNEL))
+        return changed
 
     def escalate_held(self, effect_id: uuid.UUID, approver: str, detail: dict[str, Any]) -> bool:
         """A held effect's deadline passed (escalate): it waits on without one (logged)."""
@@ -293,18 +297,22 @@ class RunTx:
 
     # -- pause, resume, fork ------------------------------------------------------------------
 
-    def pause(self, run_id: uuid.UUID, reason: str, *, park: bool) -> RunStatus:
-        """Set the locked run's pause (``park``: nobody holds it, so ``paused`` now)."""
-        row = self._run(control.pause_run(), {"run_id": run_id, "reason": reason, "park": park})
-        return RunStatus(row.one().status)
+    def pause(self, run_id: uuid.UUID, reason: str, *, park: bool, first: bool) -> RunStatus:
+        """Set the locked run's pause; ``park``: nobody holds it, so ``paused`` now."""
+        statement = control.pause_run(park=park, first=first)
+        return RunStatus(self._run(statement, {"run_id": run_id, "reason": reason}).one().status)
 
     def hold_effects(self, run_id: uuid.UUID) -> int:
         """The run's effects no deliverer started become ``paused``; returns how many."""
         return len(self._run(control.hold_effects(), {"of_run": run_id}).all())
 
-    def resume(self, run_id: uuid.UUID) -> RunStatus:
-        """Lift the locked run's pause; returns its status (``runnable`` if it was paused)."""
-        return RunStatus(self._run(control.resume_run(), {"run_id": run_id}).one().status)
+    def resume(self, run_id: uuid.UUID, *, parked: bool) -> RunStatus:
+        """Lift the locked run's pause; returns its status (``runnable`` if ``parked``)."""
+        statement = control.resume_run(parked=parked)
+        status = RunStatus(self._run(statement, {"run_id": run_id}).one().status)
+        if parked:
+            self.connection.execute(notify(RUNS_CHANNEL))
+        return status
 
     def release_effects(self, run_id: uuid.UUID) -> int:
         """The run's paused effects are ``pending`` again; returns how many."""
@@ -344,6 +352,7 @@ class RunTx:
             "version": version,
         }
         self._run(control.fork_run(), params).one()
+        self.connection.execute(notify(RUNS_CHANNEL))
         self._run(control.fork_steps(), params)
         self._run(control.fork_chain(), params)
         self._run(control.fork_ledger(), params)

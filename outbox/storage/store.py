@@ -18,6 +18,7 @@ from sqlalchemy import Connection, Engine, select, text
 from outbox.blobs import Blob
 from outbox.faults import crash_point
 from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
+from outbox.shards import shard_of
 from outbox.storage import blob_store, writes
 from outbox.storage.blob_store import EFFECT_FIELDS, RUN_FIELDS, STEP_FIELDS
 from outbox.storage.claims import ClaimMode
@@ -30,6 +31,7 @@ from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as sql
+from outbox.storage.sql.common import RUNS_CHANNEL, notify
 from outbox.storage.views import ConsoleViews
 
 __all__ = ["Store", "mark_consumed", "read_state_counts"]
@@ -102,12 +104,16 @@ class Store:
 
     def run_record(self, conn: Connection, run_id: UUID) -> RunRecord | None:
         """The run as the caller's transaction sees it."""
-        row = conn.execute(select(runs).where(runs.c.id == run_id)).one_or_none()
+        row = conn.execute(
+            select(runs).where(runs.c.id == run_id, runs.c.shard == shard_of(run_id))
+        ).one_or_none()
         return None if row is None else RunRecord.model_validate(row._mapping)
 
     def step_record(self, run_id: UUID, step_id: str) -> StepRecord | None:
         """One recorded step."""
-        query = select(steps).where(steps.c.run_id == run_id, steps.c.step_id == step_id)
+        query = select(steps).where(
+            steps.c.run_id == run_id, steps.c.step_id == step_id, steps.c.shard == shard_of(run_id)
+        )
         with translate_errors("loading a step"), self.engine.connect() as conn:
             row = conn.execute(query).one_or_none()
             if row is None:
@@ -174,9 +180,10 @@ class Store:
 
     def operator_change(self, which: str, params: dict[str, Any]) -> bool:
         """An operator's compare-and-set on one effect (``resolve`` or ``retry``)."""
-        statement = {"resolve": effect_sql.resolve_unknown, "retry": effect_sql.retry_failed}[
-            which
-        ]()
+        if which == "resolve":
+            statement = effect_sql.resolve_unknown(reopen=params["new_status"] == "pending")
+        else:
+            statement = effect_sql.retry_failed()
         with translate_errors(f"{which} of an effect"), self.engine.begin() as conn:
             return conn.execute(statement, params).first() is not None
 
@@ -260,12 +267,17 @@ class Store:
     def wake_due_runs(self, max_rows: int = 1000) -> int:
         """Fire due timers; returns how many runs became runnable."""
         with translate_errors("firing timers"), self.engine.begin() as conn:
-            return len(conn.execute(run_sql.wake_due_timers(), {"max_rows": max_rows}).all())
+            woken = len(conn.execute(run_sql.wake_due_timers(), {"max_rows": max_rows}).all())
+            if woken:
+                conn.execute(notify(RUNS_CHANNEL))
+            return woken
 
     def rescue_expired_runs(self) -> int:
         """Runs of dead workers become runnable again; returns how many."""
         with translate_errors("rescuing runs"), self.engine.begin() as conn:
             rows = conn.execute(run_sql.rescue_expired_runs()).all()
+            if rows:
+                conn.execute(notify(RUNS_CHANNEL))
         for row in rows:
             log.warning(
                 "run %s: its worker's lease expired; runnable again",
@@ -331,6 +343,8 @@ class Store:
         params = {"run_id": run_id, "fence_owner": lease.owner, "fence_attempt": lease.attempt}
         with translate_errors("parking a paused run"), self.engine.begin() as conn:
             row = conn.execute(control.park_paused(), params).first()
+            if row is not None:
+                conn.execute(notify(RUNS_CHANNEL))
         return None if row is None else str(row.status)
 
     def notify(self, channel: str) -> None:

@@ -8,6 +8,7 @@ a run's step, effects, ledger and keys on the node that holds its shard.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -24,6 +25,8 @@ from deliverers.testing import RecordingDeliverer
 from outbox import IdempotencyConflict, Outbox, RunPaused
 from outbox.cli import cli as cli_main
 from outbox.shards import SHARDS, key_shard, shard_of
+from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.engine import make_async_engine
 from tests.citus_support import CitusDatabase, node_port_of
 from tests.support import DaemonThread, wait_for
 
@@ -141,8 +144,8 @@ def test_a_callers_key_is_unique_in_its_namespace_across_shards(ob: Outbox, dsn:
     while _node_of(dsn, second.id) == _node_of(dsn, first.id):
         second = ob.start_run("a", "1")
     key = f"refund-{uuid.uuid4().hex[:8]}"
-    effect = first.transaction("pay", lambda tx: tx.intend("k.pay", {"n": 1}, key=key).id)
-    again = first.transaction("pay-again", lambda tx: tx.intend("k.pay", {"n": 1}, key=key).id)
+    effect = first.transaction("pay", lambda tx: str(tx.intend("k.pay", {"n": 1}, key=key).id))
+    again = first.transaction("pay-again", lambda tx: str(tx.intend("k.pay", {"n": 1}, key=key).id))
     assert again == effect, "the same key, kind and payload name the same effect"
     with pytest.raises(IdempotencyConflict, match="another owner"):
         second.transaction("pay", lambda tx: tx.intend("k.pay", {"n": 1}, key=key))
@@ -262,7 +265,7 @@ def test_every_effect_is_delivered_once_by_two_deliverers(ob: Outbox, dsn: str) 
 def test_a_late_completion_after_a_takeover_changes_nothing(ob: Outbox, dsn: str) -> None:
     """G4: the lease ran out, the reconciler put the effect back; the old answer is stale."""
     run = ob.start_run("fence", "1")
-    effect_id = run.transaction("s", lambda tx: tx.intend("k.fence", {"n": 1}).id)
+    effect_id = uuid.UUID(run.transaction("s", lambda tx: str(tx.intend("k.fence", {"n": 1}).id)))
     shard = shard_of(run.id)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
@@ -275,14 +278,8 @@ def test_a_late_completion_after_a_takeover_changes_nothing(ob: Outbox, dsn: str
         wait_for(lambda: ob.effect(effect_id).status.value == "succeeded", timeout=60)
         assert daemon.daemon is not None
     # the old owner answers now, for attempt 1: logged as stale, nothing else changes
-    from outbox.storage.async_store import Completion
-
     store_effect = ob.effect(effect_id)
     assert store_effect.attempt == 2
-    import asyncio
-
-    from outbox.storage.async_store import AsyncStore
-    from outbox.storage.engine import make_async_engine
 
     async def late() -> list[tuple[uuid.UUID, str]]:
         store = AsyncStore(make_async_engine(dsn))

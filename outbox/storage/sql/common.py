@@ -10,7 +10,17 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Select, SmallInteger, Text, bindparam, cast, func, literal_column, text
+from sqlalchemy import (
+    Select,
+    SmallInteger,
+    Text,
+    bindparam,
+    cast,
+    func,
+    literal_column,
+    select,
+    text,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql.expression import ColumnElement, TextClause
 
@@ -26,6 +36,7 @@ __all__ = [
     "const",
     "in_statuses",
     "json_param",
+    "notify",
     "shard_of",
     "sql_in",
 ]
@@ -81,3 +92,12 @@ def sql_in(column: str, values: Iterable[StrEnum | str]) -> str:
 
 #: A run accepts new steps only while active (live and not paused).
 ACTIVE_CONDITION: TextClause = text(sql_in("outbox_runs.status", ACTIVE_RUN_STATUSES))
+
+
+def notify(channel: str) -> AnySelect:
+    """``SELECT pg_notify(channel, '')``: sent by the caller when a statement changed rows.
+
+    Never inside a write's RETURNING: Citus refuses non-immutable functions there,
+    and a NOTIFY must leave from the coordinator, where listeners connect.
+    """
+    return select(func.pg_notify(channel, ""))

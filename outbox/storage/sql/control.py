@@ -18,7 +18,6 @@ from functools import cache
 from typing import Any
 
 from sqlalchemy import (
-    Boolean,
     Integer,
     Numeric,
     Text,
@@ -40,7 +39,6 @@ from outbox.models import EffectStatus
 from outbox.storage.schema import budget_ledger, effects, runs, steps
 from outbox.storage.sql.common import (
     EFFECTS_CHANNEL,
-    RUNS_CHANNEL,
     AnySelect,
     const,
     in_statuses,
@@ -69,18 +67,26 @@ _FORK = bindparam("fork", type_=UUID(as_uuid=True))
 
 
 @cache
-def pause_run() -> Any:
-    """Mark the locked run paused (``reason``); ``park``: it is not held, so ``paused`` now."""
-    park = bindparam("park", type_=Boolean)
+def pause_run(*, park: bool, first: bool) -> Any:
+    """Mark the locked run paused (``reason``); ``park``: it is not held, so ``paused`` now.
+
+    ``first``: it was not paused before, so the pause starts now. The caller knows
+    both from the row it locked; choosing the statement here rather than with
+    CASE keeps ``now()`` out of conditional expressions, which Citus refuses in
+    an UPDATE.
+    """
+    values: dict[str, Any] = {
+        "pause_reason": bindparam("reason", type_=Text),
+        "updated_at": func.now(),
+    }
+    if first:
+        values["paused_at"] = func.now()
+    if park:
+        values["status"] = const("paused")
     return (
         runs.update()
-        .where(runs.c.id == _RUN_ID)
-        .values(
-            paused_at=func.coalesce(runs.c.paused_at, func.now()),
-            pause_reason=bindparam("reason", type_=Text),
-            status=case((park, const("paused")), else_=runs.c.status),
-            updated_at=func.now(),
-        )
+        .where(runs.c.id == _RUN_ID, runs.c.shard == shard_of(_RUN_ID))
+        .values(values)
         .returning(runs.c.status)
     )
 
@@ -92,6 +98,7 @@ def hold_effects() -> Any:
         effects.update()
         .where(
             effects.c.run_id == _OF_RUN,
+            effects.c.shard == shard_of(_OF_RUN),
             in_statuses(effects.c.status, (EffectStatus.PENDING, EffectStatus.DISPATCHED)),
         )
         .values(status=const("paused"), lease_expires_at=null(), updated_at=func.now())
@@ -100,29 +107,28 @@ def hold_effects() -> Any:
 
 
 @cache
-def resume_run() -> Any:
-    """Lift the locked run's pause: a paused run becomes runnable now (and workers are told).
+def resume_run(*, parked: bool) -> Any:
+    """Lift the locked run's pause: a ``parked`` run becomes runnable now (workers are told).
 
     A run that waited when it was paused re-checks its wait when it runs: a
     deadline that passed meanwhile is acted on then, a signal sent meanwhile is
     consumed then. A run still held by a worker (the pause was waiting for its
-    step) just carries on.
+    step) just carries on. (One statement per case, as in :func:`pause_run`.)
     """
-    parked = runs.c.status == const("paused")
+    values: dict[str, Any] = {"paused_at": null(), "pause_reason": null(), "updated_at": func.now()}
+    if parked:
+        values |= {
+            "status": const("runnable"),
+            "available_at": func.now(),
+            "wake_at": null(),
+            "wait_signal": null(),
+            "wait_effect": null(),
+        }
     return (
         runs.update()
-        .where(runs.c.id == _RUN_ID)
-        .values(
-            status=case((parked, const("runnable")), else_=runs.c.status),
-            available_at=case((parked, func.now()), else_=runs.c.available_at),
-            wake_at=case((parked, null()), else_=runs.c.wake_at),
-            wait_signal=case((parked, null()), else_=runs.c.wait_signal),
-            wait_effect=case((parked, null()), else_=runs.c.wait_effect),
-            paused_at=null(),
-            pause_reason=null(),
-            updated_at=func.now(),
-        )
-        .returning(runs.c.status, func.pg_notify(RUNS_CHANNEL, ""))
+        .where(runs.c.id == _RUN_ID, runs.c.shard == shard_of(_RUN_ID))
+        .values(values)
+        .returning(runs.c.status)
     )
 
 
@@ -131,7 +137,11 @@ def release_effects() -> Any:
     """The run's paused effects are ``pending`` again, in their old place; deliverers are told."""
     released = (
         effects.update()
-        .where(effects.c.run_id == _OF_RUN, effects.c.status == const("paused"))
+        .where(
+            effects.c.run_id == _OF_RUN,
+            effects.c.shard == shard_of(_OF_RUN),
+            effects.c.status == const("paused"),
+        )
         .values(status=const("pending"), updated_at=func.now())
         .returning(effects.c.id)
         .cte("released")
@@ -153,6 +163,7 @@ def park_paused() -> Any:
         runs.update()
         .where(
             runs.c.id == _RUN_ID,
+            runs.c.shard == shard_of(_RUN_ID),
             runs.c.status == const("running"),
             runs.c.lease_owner == bindparam("fence_owner", type_=Text),
             runs.c.attempt == bindparam("fence_attempt", type_=Integer),
@@ -164,7 +175,7 @@ def park_paused() -> Any:
             lease_expires_at=null(),
             updated_at=func.now(),
         )
-        .returning(runs.c.status, func.pg_notify(RUNS_CHANNEL, ""))
+        .returning(runs.c.status)
     )
 
 
@@ -172,7 +183,11 @@ def fork_cut() -> AnySelect:
     """The original's completed steps in order (``of_run``): a fork copies those before its step."""
     return (
         select(steps.c.step_id, steps.c.seq)
-        .where(steps.c.run_id == _OF_RUN, steps.c.status == const("completed"))
+        .where(
+            steps.c.run_id == _OF_RUN,
+            steps.c.shard == shard_of(_OF_RUN),
+            steps.c.status == const("completed"),
+        )
         .order_by(steps.c.seq)
     )
 
@@ -218,7 +233,10 @@ def fork_unsettled() -> AnySelect:
     """
     cut = bindparam("cut", type_=Integer)
     rerun = select(steps.c.step_id).where(
-        steps.c.run_id == _OF_RUN, cut.isnot(None), steps.c.seq >= cut
+        steps.c.run_id == _OF_RUN,
+        steps.c.shard == shard_of(_OF_RUN),
+        cut.isnot(None),
+        steps.c.seq >= cut,
     )
     return (
         select(
@@ -316,7 +334,7 @@ def fork_run() -> Any:
         .returning(runs.c.id)
         .cte("forked")
     )
-    return select(ins.c.id, func.pg_notify(RUNS_CHANNEL, "").label("notified"))
+    return select(ins.c.id)
 
 
 @cache

@@ -346,18 +346,19 @@ def _operator_change(from_status: str, values: dict[str, Any], outcome: str) -> 
 
 
 @cache
-def resolve_unknown() -> Any:
+def resolve_unknown(*, reopen: bool) -> Any:
     """An operator closes an ``unknown`` effect as ``new_status``; logged with who and why.
 
     Parameters: ``effect_id``, ``new_status``, ``operator``, ``detail`` (JSON).
+    ``reopen``: ``new_status`` is ``pending``, so the effect is not completed (a
+    statement each: Citus refuses ``now()`` inside CASE in an UPDATE).
     """
-    new_status = bindparam("new_status", type_=Text)
     return _operator_change(
         "unknown",
         {
-            "status": new_status,
+            "status": bindparam("new_status", type_=Text),
             "available_at": func.now(),
-            "completed_at": case((new_status == const("pending"), null()), else_=func.now()),
+            "completed_at": null() if reopen else func.now(),
         },
         "resolved",
     )

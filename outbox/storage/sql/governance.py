@@ -28,10 +28,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.storage.schema import effect_attempts, effects, gates, runs, steps
 from outbox.storage.sql.common import (
-    RUNS_CHANNEL,
     AnySelect,
     const,
     json_param,
+    shard_of,
 )
 from outbox.storage.sql.effects import log_changes
 
@@ -134,6 +134,7 @@ def reject_held() -> Any:
         runs.update()
         .where(
             runs.c.id == changed.c.awaited_by,
+            runs.c.shard == shard_of(changed.c.awaited_by),
             runs.c.status == const("waiting"),
             runs.c.wait_effect == changed.c.id,
         )
@@ -144,7 +145,7 @@ def reject_held() -> Any:
             wait_effect=null(),
             updated_at=func.now(),
         )
-        .returning(runs.c.id, func.pg_notify(RUNS_CHANNEL, ""))
+        .returning(runs.c.id)
         .cte("woken")
     )
     return log_changes(
@@ -322,8 +323,9 @@ def _value_text(column: Any) -> Any:
 
 def audit_run() -> AnySelect:
     """The run ``:run_id`` with its inputs' own text (what ``inputs_hash`` is the sha256 of)."""
+    run_id = bindparam("run_id", type_=UUID(as_uuid=True))
     return select(runs, _value_text(runs.c.inputs).label("inputs_text")).where(
-        runs.c.id == bindparam("run_id", type_=UUID(as_uuid=True))
+        runs.c.id == run_id, runs.c.shard == shard_of(run_id)
     )
 
 

@@ -37,7 +37,6 @@ from outbox.models import (
 )
 from outbox.storage.schema import effects, runs, signals, steps
 from outbox.storage.sql.common import (
-    RUNS_CHANNEL,
     SECONDS,
     AnySelect,
     const,
@@ -75,7 +74,6 @@ _RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
 _W_RUN = bindparam("w_run", type_=UUID(as_uuid=True))
 _W_STEP = bindparam("w_step", type_=Text)
 _S_NAME = bindparam("s_name", type_=Text)
-_WAKE_NOTIFY = func.pg_notify(RUNS_CHANNEL, "")
 # Statements on outbox_effects cannot bind "run_id": it is a column there, and
 # SQLAlchemy reserves column names for the SET clause.
 _OF_RUN = bindparam("stopping_run", type_=UUID(as_uuid=True))
@@ -85,7 +83,11 @@ _PAUSE_ASKED = runs.c.paused_at.isnot(None)
 
 def lock_run() -> AnySelect:
     """Lock the run row (waits, signals and cancellation take it first, so they serialise)."""
-    return select(runs).where(runs.c.id == _RUN_ID).with_for_update()
+    return (
+        select(runs)
+        .where(runs.c.id == _RUN_ID, runs.c.shard == shard_of(_RUN_ID))
+        .with_for_update()
+    )
 
 
 @cache
@@ -145,7 +147,7 @@ def wait_step() -> AnySelect:
         (deadline <= func.now()).label("due"),
         func.extract("epoch", deadline - func.now()).label("seconds_left"),
         deadline.label("deadline"),
-    ).where(steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP)
+    ).where(steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP, steps.c.shard == shard_of(_W_RUN))
 
 
 def step_link(step_id: Any, kind: Any, result: Any, error: Any) -> ColumnElement[Any]:
@@ -178,13 +180,17 @@ def complete_wait_step() -> Any:
     # The completed wait joins the run's hash chain now (a waiting step is not in it).
     moved = (
         runs.update()
-        .where(runs.c.id == _W_RUN)
+        .where(runs.c.id == _W_RUN, runs.c.shard == shard_of(_W_RUN))
         .values(
             current_step=_W_STEP,
             step_head=step_link(
                 _W_STEP,
                 select(steps.c.kind)
-                .where(steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP)
+                .where(
+                    steps.c.run_id == _W_RUN,
+                    steps.c.step_id == _W_STEP,
+                    steps.c.shard == shard_of(_W_RUN),
+                )
                 .scalar_subquery(),
                 json_param("wait_result"),
                 json_param("wait_error"),
@@ -195,7 +201,9 @@ def complete_wait_step() -> Any:
     )
     done = (
         steps.update()
-        .where(steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP)
+        .where(
+            steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP, steps.c.shard == shard_of(_W_RUN)
+        )
         .values(
             status=const("completed"),
             result=json_param("wait_result"),
@@ -216,6 +224,7 @@ def consume_signal() -> Any:
         select(signals.c.id)
         .where(
             signals.c.run_id == _W_RUN,
+            signals.c.shard == shard_of(_W_RUN),
             signals.c.name == _S_NAME,
             signals.c.consumed_at.is_(None),
         )
@@ -226,7 +235,7 @@ def consume_signal() -> Any:
     )
     return (
         signals.update()
-        .where(signals.c.id == oldest)
+        .where(signals.c.id == oldest, signals.c.shard == shard_of(_W_RUN))
         .values(consumed_by=_W_STEP, consumed_at=func.now())
         .returning(signals.c.payload)
     )
@@ -258,7 +267,7 @@ def suspend_run() -> Any:
     """
     return (
         runs.update()
-        .where(runs.c.id == _RUN_ID)
+        .where(runs.c.id == _RUN_ID, runs.c.shard == shard_of(_RUN_ID))
         .values(
             # a pause that waited for the step in flight takes effect here
             status=case((_PAUSE_ASKED, const("paused")), else_=const("waiting")),
@@ -299,6 +308,7 @@ def wake_signalled_run() -> Any:
         runs.update()
         .where(
             runs.c.id == _RUN_ID,
+            runs.c.shard == shard_of(_RUN_ID),
             runs.c.status == const("waiting"),
             runs.c.wait_signal == bindparam("name", type_=Text),
         )
@@ -309,7 +319,7 @@ def wake_signalled_run() -> Any:
             wait_signal=null(),
             updated_at=func.now(),
         )
-        .returning(runs.c.id, _WAKE_NOTIFY)
+        .returning(runs.c.id)
     )
 
 
@@ -317,7 +327,7 @@ def wake_signalled_run() -> Any:
 def wake_due_timers() -> Any:
     """Waiting runs whose time came become runnable (by index; at most ``max_rows``)."""
     due = (
-        select(runs.c.id)
+        select(runs.c.id, runs.c.shard)
         .where(runs.c.status == const("waiting"), runs.c.wake_at <= func.now())
         .order_by(runs.c.wake_at)
         .limit(bindparam("max_rows", type_=Integer))
@@ -326,7 +336,7 @@ def wake_due_timers() -> Any:
     )
     return (
         runs.update()
-        .where(runs.c.id == due.c.id)
+        .where(runs.c.id == due.c.id, runs.c.shard == due.c.shard)
         .values(
             status=const("runnable"),
             available_at=func.now(),
@@ -335,7 +345,7 @@ def wake_due_timers() -> Any:
             wait_effect=null(),
             updated_at=func.now(),
         )
-        .returning(runs.c.id, _WAKE_NOTIFY)
+        .returning(runs.c.id)
     )
 
 
@@ -352,13 +362,14 @@ def rescue_expired_runs() -> Any:
             available_at=func.now(),
             updated_at=func.now(),
         )
-        .returning(runs.c.id, runs.c.attempt, _WAKE_NOTIFY)
+        .returning(runs.c.id, runs.c.attempt)
     )
 
 
 def _fenced() -> list[Any]:
     return [
         runs.c.id == _RUN_ID,
+        runs.c.shard == shard_of(_RUN_ID),
         runs.c.status == const("running"),
         runs.c.lease_owner == bindparam("fence_owner", type_=Text),
         runs.c.attempt == bindparam("fence_attempt", type_=Integer),
@@ -436,7 +447,7 @@ def mark_run() -> Any:
     """Set a locked run's status (and reason); clears its lease, waits and pause."""
     return (
         runs.update()
-        .where(runs.c.id == _RUN_ID)
+        .where(runs.c.id == _RUN_ID, runs.c.shard == shard_of(_RUN_ID))
         .values(
             status=bindparam("new_status", type_=Text),
             cancel_reason=func.coalesce(bindparam("reason", type_=Text), runs.c.cancel_reason),

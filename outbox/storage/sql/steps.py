@@ -22,6 +22,7 @@ from outbox.storage.schema import effects, runs, steps
 from outbox.storage.sql.common import (
     AnySelect,
     in_statuses,
+    shard_of,
 )
 
 __all__ = [
@@ -40,10 +41,14 @@ def effect_by_key() -> AnySelect:
 
 def run_with_steps(*, one_step: bool = False) -> tuple[AnySelect, AnySelect]:
     """The run ``:run_id`` and its recorded steps in order (``one_step``: only ``:step_id``)."""
-    steps_q = select(steps).where(steps.c.run_id == bindparam("run_id"))
+    run_id = bindparam("run_id", type_=UUID(as_uuid=True))
+    steps_q = select(steps).where(steps.c.run_id == run_id, steps.c.shard == shard_of(run_id))
     if one_step:
         steps_q = steps_q.where(steps.c.step_id == bindparam("step_id"))
-    return (select(runs).where(runs.c.id == bindparam("run_id")), steps_q.order_by(steps.c.seq))
+    return (
+        select(runs).where(runs.c.id == run_id, runs.c.shard == shard_of(run_id)),
+        steps_q.order_by(steps.c.seq),
+    )
 
 
 def list_runs(
