@@ -227,7 +227,12 @@ class OutcomeWriter:
             except Exception as exc:  # rolled back: written again below, without the claim
                 written.duties_failed = rider.has_duties
                 log.debug("outcomes with a claim failed (%s); writing them alone", describe(exc))
-        parts = [list(batch)]  # a stack: the next part to write is on top
+        # A stack: the next part to write is on top. On Citus (completions that name
+        # their shard) a part per shard: a node that is down leaves only its own.
+        by_shard: dict[int | None, list[Completion]] = {}
+        for completion in batch:
+            by_shard.setdefault(completion.shard, []).append(completion)
+        parts = list(by_shard.values())[::-1]
         while parts:
             part = parts.pop()
             try:
@@ -236,8 +241,14 @@ class OutcomeWriter:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if is_transient(exc) and part[0].shard is not None:
+                    # every row of a part is of one shard: its node's rows wait, the
+                    # other shards' are written
+                    written.left += part
+                    written.error = exc
+                    continue
                 if is_transient(exc):
-                    written.left = part + [c for p in reversed(parts) for c in p]
+                    written.left = written.left + part + [c for p in reversed(parts) for c in p]
                     written.error = exc
                     return written
                 if len(part) > 1:

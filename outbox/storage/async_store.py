@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 from uuid import UUID
 
 import psycopg
+import sqlalchemy.exc
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -28,7 +30,7 @@ from outbox.storage import blob_store
 from outbox.storage.attempts import Batched, ClaimedEffect, Completion, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
 from outbox.storage.direct import DirectConnections, prepared
-from outbox.storage.engine import libpq_dsn, translate_errors
+from outbox.storage.engine import libpq_dsn, node_unreachable, translate_errors
 from outbox.storage.notify import listen
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
@@ -41,6 +43,9 @@ from outbox.storage.store import read_state_counts
 __all__ = ["AsyncStore", "Batched", "ClaimedEffect", "Completion", "DutyAsk", "DutyFindings"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+#: How long a shard whose node did not answer is left alone before it is asked again.
+SHARD_REST_SECONDS = 5.0
 #: Told of each transaction on the delivery path: what it did (``"claim"``,
 #: ``"complete"``, ``"complete+claim"``), how long it took (s), rows per part.
 Observer = Callable[[str, float, Mapping[str, int]], None]
@@ -81,6 +86,29 @@ class AsyncStore:
         self._shard_of: dict[UUID, int] = {}
         #: Where the next claim of each partition starts: shards take turns.
         self._turn: dict[str, int] = {}
+        #: Shards whose node did not answer, and until when they are left alone.
+        self._resting: dict[int, float] = {}
+
+    def _live_shards(self, start: int = 0) -> list[int]:
+        """The shards to ask, from ``start`` on, less those whose node just failed."""
+        now = time.monotonic()
+        order = [(start + n) % SHARDS for n in range(SHARDS)]
+        return [s for s in order if self._resting.get(s, 0.0) <= now]
+
+    def _rest(self, shard: int, exc: BaseException | None) -> None:
+        """A node did not answer for ``shard``: leave it alone a while, go on with the others.
+
+        A Citus worker that is down stops only its own shards; one failing statement
+        must not hold up the claims, outcomes and duties of the shards that answer.
+        """
+        if self._resting.get(shard, 0.0) <= time.monotonic():
+            log.warning(
+                "shard %d: its node did not answer (%s); resting it %.0fs",
+                shard,
+                exc,
+                SHARD_REST_SECONDS,
+            )
+        self._resting[shard] = time.monotonic() + SHARD_REST_SECONDS
 
     def _options(self, *, generic: bool) -> str:
         plans = "-c plan_cache_mode=force_generic_plan " if generic else ""
@@ -138,17 +166,28 @@ class AsyncStore:
                     "does not enforce declared rates yet (docs/howto/citus.md)"
                 )
             turn = self._turn.get(str(partition), 0)
-            for shard in [turn + n for n in range(SHARDS)] if sharded else [None]:
+            shards: list[int | None] = [*self._live_shards(turn)] if sharded else [None]
+            for shard in shards:
                 want = limit - sum(1 for r in rows if r.kind == partition.get("kind"))
                 if want <= 0:
                     break
                 where: dict[str, Any] = dict(partition)
-                if shard is not None:
-                    where["shard"] = shard % SHARDS
-                    self._turn[str(partition)] = (shard + 1) % SHARDS
-                rows += await self._claim_partition(
-                    conn, spec, where, want, owner, lease_seconds, rate
-                )
+                if shard is None:
+                    rows += await self._claim_partition(
+                        conn, spec, where, want, owner, lease_seconds, rate
+                    )
+                    continue
+                where["shard"] = shard
+                self._turn[str(partition)] = (shard + 1) % SHARDS
+                try:
+                    async with conn.transaction():  # a savepoint: one shard's failure is its own
+                        rows += await self._claim_partition(
+                            conn, spec, where, want, owner, lease_seconds, rate
+                        )
+                except psycopg.Error as exc:
+                    if not node_unreachable(exc):
+                        raise
+                    self._rest(shard, exc)
         for row in rows:
             if row.shard is not None:
                 self._shard_of[row.id] = row.shard
@@ -235,11 +274,32 @@ class AsyncStore:
         """Heartbeat; returns the ids whose lease is still ours."""
         if not held:
             return set()
-        params = queue.extend_params(held, owner=owner, lease_seconds=lease_seconds)
+        if not await self._is_sharded():
+            params = queue.extend_params(held, owner=owner, lease_seconds=lease_seconds)
+            with translate_errors("extending leases"):
+                async with self.engine.begin() as conn:
+                    result = await conn.execute(queue.extend_leases(spec), params)
+                    return {row[0] for row in result}
+        # on Citus a statement per shard: a node that is down loses only its own leases
+        by_shard: dict[int, list[tuple[UUID, int]]] = {}
+        for id, attempt in held:
+            by_shard.setdefault(self._shard_of.get(id, -1), []).append((id, attempt))
+        kept: set[UUID] = set()
+        sharded = dataclasses.replace(spec, sharded=True)
         with translate_errors("extending leases"):
             async with self.engine.begin() as conn:
-                result = await conn.execute(queue.extend_leases(spec), params)
-                return {row[0] for row in result}
+                for shard, part in by_shard.items():
+                    params = queue.extend_params(part, owner=owner, lease_seconds=lease_seconds)
+                    statement = queue.extend_leases(spec if shard < 0 else sharded)
+                    try:
+                        async with conn.begin_nested():
+                            result = await conn.execute(statement, {**params, "part_shard": shard})
+                            kept |= {row[0] for row in result}
+                    except sqlalchemy.exc.DBAPIError as exc:
+                        if shard < 0 or not node_unreachable(exc.orig):
+                            raise
+                        self._rest(shard, exc.orig)
+        return kept
 
     async def complete(self, owner: str, done: Sequence[Completion]) -> list[tuple[UUID, str]]:
         """Record a batch of attempt outcomes (fenced); returns (effect id, logged outcome)."""
@@ -359,16 +419,24 @@ class AsyncStore:
         with translate_errors("finding expired attempts"):
             async with self.engine.begin() as conn:
                 # on Citus a statement per shard, each routed to the node holding it
-                for shard in range(SHARDS) if sharded else [None]:
+                for shard in self._live_shards() if sharded else [None]:
                     on = {} if shard is None else {"on_shard": shard}
-                    if redispatch_as is not None:
-                        params = {"worker": redispatch_as, "max_rows": max_rows, **on}
-                        result = await conn.execute(effect_sql.redispatch_expired(sharded), params)
-                        redispatched += len(result.all())
-                    want = {"max_rows": max_rows - len(found), **on}
-                    if want["max_rows"] > 0:
-                        rows = await conn.execute(effect_sql.expired_effects(sharded), want)
-                        found += _claimed(rows)
+                    try:
+                        async with conn.begin_nested():  # a savepoint per shard
+                            if redispatch_as is not None:
+                                params = {"worker": redispatch_as, "max_rows": max_rows, **on}
+                                result = await conn.execute(
+                                    effect_sql.redispatch_expired(sharded), params
+                                )
+                                redispatched += len(result.all())
+                            want = {"max_rows": max_rows - len(found), **on}
+                            if want["max_rows"] > 0:
+                                rows = await conn.execute(effect_sql.expired_effects(sharded), want)
+                                found += _claimed(rows)
+                    except sqlalchemy.exc.DBAPIError as exc:
+                        if shard is None or not node_unreachable(exc.orig):
+                            raise
+                        self._rest(shard, exc.orig)
         return redispatched, found
 
     async def _is_sharded(self) -> bool:

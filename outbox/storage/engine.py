@@ -52,6 +52,7 @@ __all__ = [
     "libpq_dsn",
     "make_async_engine",
     "make_engine",
+    "node_unreachable",
     "open_async_engine",
     "open_engine",
     "psycopg_url",
@@ -263,6 +264,17 @@ def translate_errors(action: str) -> Iterator[None]:
 #: connection (08), transaction rollback: serialization, deadlock (40), resources
 #: (53), operator intervention: shutdown, cancel (57), system (58).
 TRANSIENT_SQLSTATE_CLASSES = frozenset({"08", "40", "53", "57", "58"})
+
+
+def node_unreachable(exc: BaseException | None) -> bool:
+    """A driver error saying a server (on Citus: the node holding a shard) did not answer.
+
+    Citus reports a worker it cannot reach as SQLSTATE 08006 from the coordinator,
+    whose own session lives on: the statement failed, not the connection.
+    """
+    if isinstance(exc, psycopg.OperationalError):
+        return True
+    return str(getattr(exc, "sqlstate", None) or "").startswith("08")
 
 
 def _nature(exc: sqlalchemy.exc.SQLAlchemyError) -> dict[str, Any]:

@@ -510,6 +510,8 @@ def extend_leases(spec: QueueSpec) -> Any:
     """
     t = spec.table
     held = held_rows()
+    # a sharded spec's leases are extended a shard at a time (``part_shard``)
+    on_shard = [t.c.shard == bindparam("part_shard", type_=SmallInteger)] if spec.sharded else []
     return (
         t.update()
         .where(
@@ -517,6 +519,7 @@ def extend_leases(spec: QueueSpec) -> Any:
             t.c.attempt == held.c.attempt,
             t.c.lease_owner == bindparam("owner", type_=Text),
             t.c.status == const(spec.claimed),
+            *on_shard,
         )
         .values(lease_expires_at=func.now() + bindparam("lease_seconds", type_=Float) * SECONDS)
         .returning(t.c.id)
