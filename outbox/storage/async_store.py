@@ -24,8 +24,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.blobs import reference_hash
 from outbox.errors import ConfigurationError
-from outbox.faults import crash_point
-from outbox.shards import SHARDS, shard_of
 from outbox.storage import blob_store
 from outbox.storage.attempts import Batched, ClaimedEffect, Completion, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
@@ -34,18 +32,18 @@ from outbox.storage.engine import libpq_dsn, node_unreachable, translate_errors
 from outbox.storage.notify import listen
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
+from outbox.storage.shard_turns import ShardTurns, complete_on, effect_shard
+from outbox.storage.sql import dispatch as dispatch_sql
 from outbox.storage.sql import duties, maintenance, owners, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
-from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL
+from outbox.storage.sql.common import EFFECTS_CHANNEL
 from outbox.storage.store import read_state_counts
 
 __all__ = ["AsyncStore", "Batched", "ClaimedEffect", "Completion", "DutyAsk", "DutyFindings"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-#: How long a shard whose node did not answer is left alone before it is asked again.
-SHARD_REST_SECONDS = 5.0
 #: Told of each transaction on the delivery path: what it did (``"claim"``,
 #: ``"complete"``, ``"complete+claim"``), how long it took (s), rows per part.
 Observer = Callable[[str, float, Mapping[str, int]], None]
@@ -82,33 +80,8 @@ class AsyncStore:
         self.observer: Observer | None = None
         #: On Citus (``outbox.storage.citus``): statements name one shard each.
         self._sharded: bool | None = None
-        #: The shard of each effect this store claimed and has not completed yet.
-        self._shard_of: dict[UUID, int] = {}
-        #: Where the next claim of each partition starts: shards take turns.
-        self._turn: dict[str, int] = {}
-        #: Shards whose node did not answer, and until when they are left alone.
-        self._resting: dict[int, float] = {}
-
-    def _live_shards(self, start: int = 0) -> list[int]:
-        """The shards to ask, from ``start`` on, less those whose node just failed."""
-        now = time.monotonic()
-        order = [(start + n) % SHARDS for n in range(SHARDS)]
-        return [s for s in order if self._resting.get(s, 0.0) <= now]
-
-    def _rest(self, shard: int, exc: BaseException | None) -> None:
-        """A node did not answer for ``shard``: leave it alone a while, go on with the others.
-
-        A Citus worker that is down stops only its own shards; one failing statement
-        must not hold up the claims, outcomes and duties of the shards that answer.
-        """
-        if self._resting.get(shard, 0.0) <= time.monotonic():
-            log.warning(
-                "shard %d: its node did not answer (%s); resting it %.0fs",
-                shard,
-                exc,
-                SHARD_REST_SECONDS,
-            )
-        self._resting[shard] = time.monotonic() + SHARD_REST_SECONDS
+        #: On Citus: which shard to ask next, which to leave alone, whose rows we hold.
+        self._shards = ShardTurns()
 
     def _options(self, *, generic: bool) -> str:
         plans = "-c plan_cache_mode=force_generic_plan " if generic else ""
@@ -165,8 +138,8 @@ class AsyncStore:
                     f"kind {partition.get('kind')!r} declares a rate: a distributed database "
                     "does not enforce declared rates yet (docs/howto/citus.md)"
                 )
-            turn = self._turn.get(str(partition), 0)
-            shards: list[int | None] = [*self._live_shards(turn)] if sharded else [None]
+            turn = self._shards.turn(str(partition))
+            shards: list[int | None] = [*self._shards.live(turn)] if sharded else [None]
             for shard in shards:
                 want = limit - sum(1 for r in rows if r.kind == partition.get("kind"))
                 if want <= 0:
@@ -178,7 +151,7 @@ class AsyncStore:
                     )
                     continue
                 where["shard"] = shard
-                self._turn[str(partition)] = (shard + 1) % SHARDS
+                self._shards.took(str(partition), shard)
                 try:
                     async with conn.transaction():  # a savepoint: one shard's failure is its own
                         rows += await self._claim_partition(
@@ -187,10 +160,10 @@ class AsyncStore:
                 except psycopg.Error as exc:
                     if not node_unreachable(exc):
                         raise
-                    self._rest(shard, exc)
+                    self._shards.rest(shard, exc)
         for row in rows:
             if row.shard is not None:
-                self._shard_of[row.id] = row.shard
+                self._shards.of[row.id] = row.shard
         return rows
 
     async def _claim_partition(
@@ -283,7 +256,7 @@ class AsyncStore:
         # on Citus a statement per shard: a node that is down loses only its own leases
         by_shard: dict[int, list[tuple[UUID, int]]] = {}
         for id, attempt in held:
-            by_shard.setdefault(self._shard_of.get(id, -1), []).append((id, attempt))
+            by_shard.setdefault(self._shards.of.get(id, -1), []).append((id, attempt))
         kept: set[UUID] = set()
         sharded = dataclasses.replace(spec, sharded=True)
         with translate_errors("extending leases"):
@@ -298,7 +271,7 @@ class AsyncStore:
                     except sqlalchemy.exc.DBAPIError as exc:
                         if shard < 0 or not node_unreachable(exc.orig):
                             raise
-                        self._rest(shard, exc.orig)
+                        self._shards.rest(shard, exc.orig)
         return kept
 
     async def complete(self, owner: str, done: Sequence[Completion]) -> list[tuple[UUID, str]]:
@@ -306,56 +279,11 @@ class AsyncStore:
         began = time.perf_counter()
         with translate_errors("recording outcomes"):
             async with self._direct.connection() as conn, conn.transaction():
-                logged = await self._complete_on(conn, owner, done)
+                logged = await complete_on(
+                    conn, owner, done, self._shards.of if await self.sharded(conn) else None
+                )
         self._observe("complete", began, complete=len(logged))
         return logged
-
-    async def _complete_on(
-        self, conn: psycopg.AsyncConnection[dict[str, Any]], owner: str, done: Sequence[Completion]
-    ) -> list[tuple[UUID, str]]:
-        if not await self.sharded(conn):
-            logged = await self._complete_batch(conn, owner, done, None)
-        else:  # a statement per shard, each routed to the node that holds it
-            by_shard: dict[int, list[Completion]] = {}
-            for c in done:
-                shard = c.shard if c.shard is not None else self._shard_of.get(c.effect_id)
-                if shard is None:
-                    shard = await self._effect_shard(conn, c.effect_id)
-                by_shard.setdefault(shard, []).append(dataclasses.replace(c, shard=shard))
-            logged = []
-            for shard, part in by_shard.items():
-                logged += await self._complete_batch(conn, owner, part, shard)
-            # a run that awaited one of them goes on: its workers are told here
-            await conn.execute("SELECT pg_notify(%s, '')", [RUNS_CHANNEL])
-        for c in done:
-            self._shard_of.pop(c.effect_id, None)
-        crash_point("during_completion")
-        return logged
-
-    async def _complete_batch(
-        self,
-        conn: psycopg.AsyncConnection[dict[str, Any]],
-        owner: str,
-        done: Sequence[Completion],
-        shard: int | None,
-    ) -> list[tuple[UUID, str]]:
-        payload = "[" + ",".join(c.as_json() for c in done) + "]"
-        complete = prepared(effect_sql.complete_effects(shard is not None))
-        params: dict[str, Any] = {
-            "owner": owner,
-            "done": payload,
-            "ids": [c.effect_id for c in done],
-        }
-        if shard is not None:
-            cur = await conn.execute("SELECT now() AS now")
-            params.update(on_shard=shard, now=(await cur.fetchone() or {})["now"])
-        cur = await conn.execute(complete.sql, complete.params(params), prepare=shard is None)
-        return [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
-
-    async def _effect_shard(self, conn: psycopg.AsyncConnection[dict[str, Any]], id: UUID) -> int:
-        cur = await conn.execute("SELECT shard FROM outbox_effects WHERE id = %s", [id])
-        row = await cur.fetchone()
-        return shard_of(id) if row is None else int(row["shard"])
 
     async def complete_and_claim(
         self,
@@ -383,7 +311,9 @@ class AsyncStore:
         began = time.perf_counter()
         with translate_errors("recording outcomes and claiming effects"):
             async with self._direct.connection() as conn, conn.transaction():
-                logged = await self._complete_on(conn, owner, done)
+                logged = await complete_on(
+                    conn, owner, done, self._shards.of if await self.sharded(conn) else None
+                )
                 rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 if extend:
                     params = queue.extend_params(extend, owner=owner, lease_seconds=lease_seconds)
@@ -419,14 +349,14 @@ class AsyncStore:
         with translate_errors("finding expired attempts"):
             async with self.engine.begin() as conn:
                 # on Citus a statement per shard, each routed to the node holding it
-                for shard in self._live_shards() if sharded else [None]:
+                for shard in self._shards.live() if sharded else [None]:
                     on = {} if shard is None else {"on_shard": shard}
                     try:
                         async with conn.begin_nested():  # a savepoint per shard
                             if redispatch_as is not None:
                                 params = {"worker": redispatch_as, "max_rows": max_rows, **on}
                                 result = await conn.execute(
-                                    effect_sql.redispatch_expired(sharded), params
+                                    dispatch_sql.redispatch_expired(sharded), params
                                 )
                                 redispatched += len(result.all())
                             want = {"max_rows": max_rows - len(found), **on}
@@ -436,8 +366,14 @@ class AsyncStore:
                     except sqlalchemy.exc.DBAPIError as exc:
                         if shard is None or not node_unreachable(exc.orig):
                             raise
-                        self._rest(shard, exc.orig)
+                        self._shards.rest(shard, exc.orig)
         return redispatched, found
+
+    async def _held_shards(
+        self, conn: psycopg.AsyncConnection[dict[str, Any]]
+    ) -> dict[UUID, int] | None:
+        """On Citus, the shard of each effect held; None on one server."""
+        return self._shards.of if await self.sharded(conn) else None
 
     async def _is_sharded(self) -> bool:
         if self._sharded is None:
@@ -451,7 +387,7 @@ class AsyncStore:
             return {}
         async with self._direct.connection() as conn:
             if shard is None:
-                shard = await self._effect_shard(conn, effect_id)
+                shard = await effect_shard(conn, effect_id)
             cur = await conn.execute("SELECT now() AS now")
             return {"on_shard": shard, "now": (await cur.fetchone() or {})["now"]}
 
@@ -618,7 +554,7 @@ class AsyncStore:
             return set()
         params = queue.extend_params(held, owner=owner, lease_seconds=0)
         params["dispatch_ttl"] = dispatch_ttl
-        mark = prepared(effect_sql.mark_dispatched())
+        mark = prepared(dispatch_sql.mark_dispatched())
         with translate_errors("marking effects dispatched"):
             async with self._direct.connection() as conn, conn.transaction():
                 cur = await conn.execute(mark.sql, mark.params(params), prepare=True)
@@ -632,7 +568,7 @@ class AsyncStore:
             return []
         params = {"ids": list(ids), "owner": owner, "lease_seconds": lease_seconds}
         began = time.perf_counter()
-        claim = prepared(effect_sql.claim_dispatched())
+        claim = prepared(dispatch_sql.claim_dispatched())
         with translate_errors("claiming dispatched effects"):
             async with self._direct.connection() as conn:
                 cur = await conn.execute(claim.sql, claim.params(params), prepare=True)

@@ -9,6 +9,7 @@ the claim/lease/fence statements keep their compare-and-set.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from outbox.models import AttemptOutcome, EffectStatus, RunStatus, StepStatus
 from outbox.storage.sql import (
     blobs,
     control,
+    dispatch,
     effects,
     governance,
     maintenance,
@@ -31,7 +33,7 @@ from outbox.storage.sql import (
     steps,
 )
 
-MODULES = [steps, queue, effects, runs, maintenance, control, blobs, governance]
+MODULES = [steps, queue, effects, dispatch, runs, maintenance, control, blobs, governance]
 # Literals a statement may compare a status (or an attempt-log outcome) with.
 KNOWN = {str(v) for enum in (RunStatus, EffectStatus, StepStatus, AttemptOutcome) for v in enum}
 VARIANTS: dict[str, list[dict[str, Any]]] = {
@@ -50,7 +52,14 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
         for lanes in (False, True)
         if spec is queue.EFFECT_QUEUE or not rated
     ],
-    "extend_leases": [{"spec": queue.EFFECT_QUEUE}, {"spec": queue.RUN_QUEUE}],
+    "extend_leases": [
+        {"spec": queue.EFFECT_QUEUE},
+        {"spec": queue.RUN_QUEUE},
+        {"spec": dataclasses.replace(queue.EFFECT_QUEUE, sharded=True)},
+    ],
+    "resolve_unknown": [{"reopen": False}, {"reopen": True}],
+    "pause_run": [{"park": p, "first": f} for p in (False, True) for f in (False, True)],
+    "resume_run": [{"parked": False}, {"parked": True}],
     "list_runs": [{}, {"status": "running", "agent": "a", "limit": 5}],
     "list_effects": [{}, {"status": "pending", "kind": "k", "limit": 5}],
     "delete_refs_of": [{"rows": False}, {"rows": True}],
@@ -68,6 +77,7 @@ NOT_BUILDERS = {
     # parts of statements, not statements
     "log_changes",
     "next_step_head",
+    "on_shard_predicate",
 }
 
 
@@ -180,6 +190,6 @@ def test_stream_mode_locks_effects_in_id_order() -> None:
     # A relay's mark and stream deliverers' claims of the same effects took row
     # locks in different orders and deadlocked (found by `python -m bench --only
     # stream`); both now lock in id order first.
-    for statement in (effects.claim_dispatched(), effects.mark_dispatched()):
+    for statement in (dispatch.claim_dispatched(), dispatch.mark_dispatched()):
         sql = _sql(statement)
         assert "ORDER BY outbox_effects.id" in sql and "FOR UPDATE" in sql, sql

@@ -1,0 +1,122 @@
+"""A deliverer's view of the shards on Citus: whose turn it is, which node is down, outcomes.
+
+On one server none of this is used: every statement reads the whole table. On a
+Citus cluster each statement names one shard (``outbox.shards``), so a claim asks
+the shards in turn, a shard whose node does not answer rests a while, and a batch
+of outcomes is written a statement per shard, each routed to the node holding it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+from uuid import UUID
+
+import psycopg
+
+from outbox.faults import crash_point
+from outbox.shards import SHARDS, shard_of
+from outbox.storage.attempts import Completion
+from outbox.storage.direct import prepared
+from outbox.storage.sql import effects as effect_sql
+from outbox.storage.sql.common import RUNS_CHANNEL
+
+__all__ = ["SHARD_REST_SECONDS", "ShardTurns", "complete_on", "effect_shard"]
+
+log = logging.getLogger(__name__)
+
+#: How long a shard whose node did not answer is left alone before it is asked again.
+SHARD_REST_SECONDS = 5.0
+
+
+class ShardTurns:
+    """Where each partition's next claim starts, which shards rest, the shard of held rows."""
+
+    def __init__(self) -> None:
+        #: The shard of each effect claimed and not completed yet.
+        self.of: dict[UUID, int] = {}
+        self._turn: dict[str, int] = {}
+        self._resting: dict[int, float] = {}
+
+    def turn(self, partition: str) -> int:
+        """The shard ``partition``'s next claim starts at."""
+        return self._turn.get(partition, 0)
+
+    def took(self, partition: str, shard: int) -> None:
+        """``partition`` asked ``shard``: the next claim starts after it."""
+        self._turn[partition] = (shard + 1) % SHARDS
+
+    def live(self, start: int = 0) -> list[int]:
+        """The shards to ask, from ``start`` on, less those whose node just failed."""
+        now = time.monotonic()
+        order = [(start + n) % SHARDS for n in range(SHARDS)]
+        return [s for s in order if self._resting.get(s, 0.0) <= now]
+
+    def rest(self, shard: int, exc: BaseException | None) -> None:
+        """A node did not answer for ``shard``: leave it alone a while, go on with the others.
+
+        A Citus worker that is down stops only its own shards; one failing statement
+        must not hold up the claims, outcomes and duties of the shards that answer.
+        """
+        if self._resting.get(shard, 0.0) <= time.monotonic():
+            log.warning(
+                "shard %d: its node did not answer (%s); resting it %.0fs",
+                shard,
+                exc,
+                SHARD_REST_SECONDS,
+            )
+        self._resting[shard] = time.monotonic() + SHARD_REST_SECONDS
+
+
+async def complete_on(
+    conn: psycopg.AsyncConnection[dict[str, Any]],
+    owner: str,
+    done: Sequence[Completion],
+    shards: dict[UUID, int] | None,
+) -> list[tuple[UUID, str]]:
+    """Write ``done`` on ``conn`` (the caller's transaction); ``shards``: on Citus, held rows'."""
+    if shards is None:
+        logged = await _complete_batch(conn, owner, done, None)
+    else:  # a statement per shard, each routed to the node that holds it
+        by_shard: dict[int, list[Completion]] = {}
+        for c in done:
+            shard = c.shard if c.shard is not None else shards.get(c.effect_id)
+            if shard is None:
+                shard = await effect_shard(conn, c.effect_id)
+            by_shard.setdefault(shard, []).append(dataclasses.replace(c, shard=shard))
+        logged = []
+        for shard, part in by_shard.items():
+            logged += await _complete_batch(conn, owner, part, shard)
+        # a run that awaited one of them goes on: its workers are told here
+        await conn.execute("SELECT pg_notify(%s, '')", [RUNS_CHANNEL])
+        for c in done:
+            shards.pop(c.effect_id, None)
+    crash_point("during_completion")
+    return logged
+
+
+async def _complete_batch(
+    conn: psycopg.AsyncConnection[dict[str, Any]],
+    owner: str,
+    done: Sequence[Completion],
+    shard: int | None,
+) -> list[tuple[UUID, str]]:
+    payload = "[" + ",".join(c.as_json() for c in done) + "]"
+    complete = prepared(effect_sql.complete_effects(shard is not None))
+    params: dict[str, Any] = {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]}
+    if shard is not None:
+        # Citus refuses now() next to a column in an UPDATE: the time is bound once
+        cur = await conn.execute("SELECT now() AS now")
+        params.update(on_shard=shard, now=(await cur.fetchone() or {})["now"])
+    cur = await conn.execute(complete.sql, complete.params(params), prepare=shard is None)
+    return [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
+
+
+async def effect_shard(conn: psycopg.AsyncConnection[dict[str, Any]], id: UUID) -> int:
+    """The shard of effect ``id`` as stored (an effect of a run lives on its run's)."""
+    cur = await conn.execute("SELECT shard FROM outbox_effects WHERE id = %s", [id])
+    row = await cur.fetchone()
+    return shard_of(id) if row is None else int(row["shard"])

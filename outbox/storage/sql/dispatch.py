@@ -1,0 +1,156 @@
+"""Stream mode's SQL on effects: a relay marks what it published, deliverers claim it.
+
+``dispatched`` is a claim the relay made for Kafka; a deliverer reading the
+record takes it over (fenced like any claim), and an attempt nobody took within
+its ``dispatch_ttl`` goes back to ``pending``. Logged like every other change.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    Float,
+    Integer,
+    Text,
+    and_,
+    any_,
+    bindparam,
+    func,
+    null,
+    or_,
+    select,
+)
+from sqlalchemy.dialects.postgresql import UUID
+
+from outbox.ids import RELAY_OWNER_PREFIX
+from outbox.storage.schema import effects
+from outbox.storage.sql.common import SECONDS, const
+from outbox.storage.sql.effects import log_changes, on_shard_predicate
+from outbox.storage.sql.queue import EFFECT_QUEUE, held_rows
+
+__all__ = ["claim_dispatched", "mark_dispatched", "redispatch_expired"]
+
+
+@cache
+def mark_dispatched() -> Any:
+    """The relay published these attempts to Kafka: ``dispatched`` until ``dispatch_ttl`` runs out.
+
+    Parameters: ``owner`` (the relay), ``held`` (JSON ``[{id, attempt}]``),
+    ``dispatch_ttl`` (seconds). Fenced like a completion; logged as ``dispatched``.
+    """
+    held = held_rows()
+    # Rows are locked in id order, as claim_dispatched locks them: a relay's mark
+    # and a stream deliverer's claim of the same effects never deadlock.
+    locked = (
+        select(effects.c.id)
+        .select_from(effects.join(held, effects.c.id == held.c.id))
+        .where(
+            effects.c.attempt == held.c.attempt,
+            effects.c.status == const("in_flight"),
+            effects.c.lease_owner == bindparam("owner", type_=Text),
+        )
+        .order_by(effects.c.id)
+        .with_for_update(of=effects)
+        .cte("locked")
+    )
+    changed = (
+        effects.update()
+        .where(effects.c.id == locked.c.id)
+        .values(
+            status=const("dispatched"),
+            lease_owner=null(),
+            lease_expires_at=func.now() + bindparam("dispatch_ttl", type_=Float) * SECONDS,
+            updated_at=func.now(),
+        )
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
+        .cte("changed")
+    )
+    return log_changes(changed, worker=bindparam("owner", type_=Text), outcome=const("dispatched"))
+
+
+@cache
+def claim_dispatched() -> Any:
+    """A stream deliverer claims dispatched effects it read from Kafka (others are skipped).
+
+    Parameters: ``ids`` (array), ``owner``, ``lease_seconds``. An effect that is
+    no longer ``dispatched`` (delivered already, or claimed through another copy
+    of its record) is not returned: redelivered records are harmless.
+
+    An effect still held by a relay is taken too: the relay marks effects
+    dispatched only after the broker acknowledged them, so a quick consumer
+    reads the record first. The record is the proof that the publish landed;
+    the relay's later mark (fenced on its owner) then changes nothing.
+    """
+    e = effects
+    # Locked in id order (so is mark_dispatched): two deliverers reading copies of
+    # the same records, or a relay marking them, wait for each other, never deadlock.
+    locked = (
+        select(e.c.id)
+        .where(
+            e.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
+            or_(
+                e.c.status == const("dispatched"),
+                and_(
+                    e.c.status == const("in_flight"),
+                    e.c.lease_owner.startswith(RELAY_OWNER_PREFIX, autoescape=True),
+                ),
+            ),
+        )
+        .order_by(e.c.id)
+        .with_for_update()
+        .cte("locked")
+    )
+    return (
+        e.update()
+        .where(e.c.id == locked.c.id)
+        .values(
+            status=const("in_flight"),
+            lease_owner=bindparam("owner", type_=Text),
+            lease_expires_at=func.now() + bindparam("lease_seconds", type_=Float) * SECONDS,
+            # The relay's claim already counted this attempt and fenced it; a new
+            # number comes with the next dispatch.
+            attempt_started_at=func.now(),
+            updated_at=func.now(),
+        )
+        # What a deliverer needs, as a poll claim returns it (never the large columns).
+        .returning(*(e.c[name] for name in EFFECT_QUEUE.returning or ()))
+    )
+
+
+@cache
+def redispatch_expired(sharded: bool = False) -> Any:
+    """Dispatched effects nobody delivered within their TTL go back to ``pending`` (same key)."""
+    due = (
+        select(effects.c.id)
+        .where(
+            effects.c.status == const("dispatched"),
+            effects.c.lease_expires_at < func.now(),
+            *on_shard_predicate(sharded),
+        )
+        .order_by(effects.c.lease_expires_at)
+        .limit(bindparam("max_rows", type_=Integer))
+        .with_for_update(skip_locked=True)
+        .cte("due")
+    )
+    changed = (
+        effects.update()
+        .where(effects.c.id == due.c.id, *on_shard_predicate(sharded))
+        .values(
+            status=const("pending"),
+            lease_expires_at=null(),
+            available_at=func.now(),
+            last_error=const("dispatched but not delivered in time: re-dispatching"),
+            updated_at=func.now(),
+        )
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
+        .cte("changed")
+    )
+    return log_changes(
+        changed,
+        worker=bindparam("worker", type_=Text),
+        outcome=const("expired"),
+        detail=func.jsonb_build_object("resolution", const("re-dispatch")),
+    )
