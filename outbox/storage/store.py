@@ -7,6 +7,7 @@ original stays as ``__cause__``). Callers never see SQL.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ from sqlalchemy import Connection, Engine, select, text
 from outbox.blobs import Blob
 from outbox.faults import crash_point
 from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
-from outbox.shards import shard_of
+from outbox.shards import SHARDS, shard_of
 from outbox.storage import blob_store, writes
 from outbox.storage.blob_store import EFFECT_FIELDS, RUN_FIELDS, STEP_FIELDS
 from outbox.storage.claims import ClaimMode
@@ -49,6 +50,14 @@ class Store:
         self.views = ConsoleViews(engine)
         #: Who delivers here: live daemons, the attempts of dead ones, a demo's tally.
         self.deliverers = DelivererReads(engine)
+        #: On Citus (asked once): statements that lock rows of many runs go a shard at a time.
+        self._sharded: bool | None = None
+        self._run_turn = 0
+
+    def _is_sharded(self, conn: Connection) -> bool:
+        if self._sharded is None:
+            self._sharded = distributed(conn)
+        return self._sharded
 
     @contextmanager
     def begin(self, connection: Connection | None = None) -> Iterator[Connection]:
@@ -240,18 +249,53 @@ class Store:
     ) -> list[RunRecord]:
         """Claim runnable runs of the given (agent, version) partitions, in one transaction."""
         claimed: list[RunRecord] = []
-        spec = queue.RUN_QUEUE
         with translate_errors("claiming runs"), self.engine.begin() as conn:
+            if not self._is_sharded(conn):
+                for partition, limit in quotas:
+                    claimed += self._claim_runs_on(
+                        conn, queue.RUN_QUEUE, partition, limit, owner, lease_seconds
+                    )
+                return claimed
+            # on Citus a claim locks rows of one shard: the shards take turns
+            spec = dataclasses.replace(queue.RUN_QUEUE, sharded=True)
             for partition, limit in quotas:
-                params = queue.claim_params(
-                    partition, limit=limit, owner=owner, lease_seconds=lease_seconds
-                )
-                again = True
-                while again:  # at most twice: plain, then lanes (see ClaimMode)
-                    statement, lanes = self._claims.statement(spec, partition, rated=False)
-                    rows = conn.execute(statement, params).mappings().all()
-                    found, again = self._claims.claimed(spec, partition, lanes, rows)
-                    claimed += [RunRecord.model_validate(r) for r in found]
+                taken = 0
+                for n in range(SHARDS):
+                    if taken >= limit:
+                        break
+                    shard = (self._run_turn + n) % SHARDS
+                    found = self._claim_runs_on(
+                        conn,
+                        spec,
+                        {**partition, "shard": shard},
+                        limit - taken,
+                        owner,
+                        lease_seconds,
+                    )
+                    taken += len(found)
+                    claimed += found
+            self._run_turn = (self._run_turn + 1) % SHARDS
+        return claimed
+
+    def _claim_runs_on(
+        self,
+        conn: Connection,
+        spec: queue.QueueSpec,
+        partition: dict[str, Any],
+        limit: int,
+        owner: str,
+        lease_seconds: float,
+    ) -> list[RunRecord]:
+        params = queue.claim_params(
+            partition, limit=limit, owner=owner, lease_seconds=lease_seconds
+        )
+        claimed: list[RunRecord] = []
+        again = True
+        while again:  # at most twice: plain, then lanes (see ClaimMode)
+            statement, lanes = self._claims.statement(spec, partition, rated=False)
+            rows = conn.execute(statement, params).mappings().all()
+            found, again = self._claims.claimed(spec, partition, lanes, rows)
+            claimed += [RunRecord.model_validate(r) for r in found]
         return claimed
 
     def extend_run_leases(
@@ -267,7 +311,14 @@ class Store:
     def wake_due_runs(self, max_rows: int = 1000) -> int:
         """Fire due timers; returns how many runs became runnable."""
         with translate_errors("firing timers"), self.engine.begin() as conn:
-            woken = len(conn.execute(run_sql.wake_due_timers(), {"max_rows": max_rows}).all())
+            if self._is_sharded(conn):  # a shard at a time: each locks rows of one shard
+                woken = 0
+                for shard in range(SHARDS):
+                    params = {"max_rows": max_rows - woken, "on_shard": shard}
+                    if params["max_rows"] > 0:
+                        woken += len(conn.execute(run_sql.wake_due_timers(True), params).all())
+            else:
+                woken = len(conn.execute(run_sql.wake_due_timers(), {"max_rows": max_rows}).all())
             if woken:
                 conn.execute(notify(RUNS_CHANNEL))
             return woken

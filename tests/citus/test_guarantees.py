@@ -22,13 +22,13 @@ from click.testing import CliRunner
 from sqlalchemy import Column, Integer, MetaData, String, Table, text
 
 from deliverers.testing import RecordingDeliverer
-from outbox import IdempotencyConflict, Outbox, RunPaused
+from outbox import IdempotencyConflict, Outbox, Run, RunPaused, RunStatus
 from outbox.cli import cli as cli_main
 from outbox.shards import SHARDS, key_shard, shard_of
 from outbox.storage.async_store import AsyncStore, Completion
 from outbox.storage.engine import make_async_engine
 from tests.citus_support import CitusDatabase, node_port_of
-from tests.support import DaemonThread, wait_for
+from tests.support import DaemonThread, WorkerThread, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -305,3 +305,25 @@ def test_shards_spread_over_both_workers(dsn: str) -> None:
             "SELECT count(*) FROM citus_shards WHERE table_name = 'outbox_runs'::regclass"
         ).fetchone()
     assert nodes == (2,) and shards == (SHARDS,)
+
+
+def test_workers_drive_runs_on_every_shard_through_a_timer(ob: Outbox, dsn: str) -> None:
+    """Durable runs on both workers: claimed a shard at a time, parked on a timer, woken, done."""
+    steps: list[str] = []
+
+    def handler(run: Run) -> str:
+        run.transaction("before", lambda tx: None)
+        run.sleep("nap", 0.3)
+        steps.append(str(run.id))
+        return "done"
+
+    runs = [ob.start_run("napper", "1") for _ in range(6)]
+    assert len({_node_of(dsn, r.id) for r in runs}) == 2, "runs on both workers"
+    with WorkerThread(ob, "napper", "1", handler):
+        wait_for(
+            lambda: all(ob.run(r.id).status == RunStatus.COMPLETED for r in runs),
+            timeout=60,
+            message="every run completed",
+        )
+    assert sorted(steps) == sorted(str(r.id) for r in runs), "each run finished once"
+    assert all(ob.run(r.id).completed_steps == ["before", "nap"] for r in runs)

@@ -60,6 +60,7 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     "resolve_unknown": [{"reopen": False}, {"reopen": True}],
     "pause_run": [{"park": p, "first": f} for p in (False, True) for f in (False, True)],
     "resume_run": [{"parked": False}, {"parked": True}],
+    "wake_due_timers": [{"sharded": False}, {"sharded": True}],
     "list_runs": [{}, {"status": "running", "agent": "a", "limit": 5}],
     "list_effects": [{}, {"status": "pending", "kind": "k", "limit": 5}],
     "delete_refs_of": [{"rows": False}, {"rows": True}],

@@ -15,6 +15,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     Integer,
+    SmallInteger,
     Text,
     any_,
     bindparam,
@@ -324,11 +325,15 @@ def wake_signalled_run() -> Any:
 
 
 @cache
-def wake_due_timers() -> Any:
-    """Waiting runs whose time came become runnable (by index; at most ``max_rows``)."""
+def wake_due_timers(sharded: bool = False) -> Any:
+    """Waiting runs whose time came become runnable (by index; at most ``max_rows``).
+
+    ``sharded`` (Citus): of one shard, ``on_shard``.
+    """
+    on_shard = [runs.c.shard == bindparam("on_shard", type_=SmallInteger)] if sharded else []
     due = (
         select(runs.c.id, runs.c.shard)
-        .where(runs.c.status == const("waiting"), runs.c.wake_at <= func.now())
+        .where(runs.c.status == const("waiting"), runs.c.wake_at <= func.now(), *on_shard)
         .order_by(runs.c.wake_at)
         .limit(bindparam("max_rows", type_=Integer))
         .with_for_update(skip_locked=True)
@@ -336,7 +341,7 @@ def wake_due_timers() -> Any:
     )
     return (
         runs.update()
-        .where(runs.c.id == due.c.id, runs.c.shard == due.c.shard)
+        .where(runs.c.id == due.c.id, runs.c.shard == due.c.shard, *on_shard)
         .values(
             status=const("runnable"),
             available_at=func.now(),
