@@ -20,6 +20,7 @@ picks some; ``--quick`` shrinks each one):
   runctl         claims of large payloads, of many fairness keys; pausing a run
   async          steps/s through AsyncOutbox and Outbox, 1 and 50 runs
   console        every console page's server time at 1M effects
+  citus          steps and deliveries on a Citus cluster vs a plain server, same binaries
 
 It prints the targets, writes every figure as JSON (``--json``, by default
 bench/results/last.json) and the page (``--report``; by default
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import (
+    citus,
     components,
     delivery,
     fairness,
@@ -74,6 +76,7 @@ SECTIONS: dict[str, Section] = {
     "runctl": components.runctl_figures,
     "async": components.async_figures,
     "console": components.console_figures,
+    "citus": citus.citus,
 }
 #: Sections that need a package of the bench extra.
 NEEDS = {"procrastinate": "procrastinate", "dbos": "dbos"}

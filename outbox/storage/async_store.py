@@ -9,6 +9,7 @@ values, and every driver error as :class:`~outbox.errors.DatabaseError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -153,7 +154,9 @@ class AsyncStore:
                 where["shard"] = shard
                 self._shards.took(str(partition), shard)
                 try:
-                    async with conn.transaction():  # a savepoint: one shard's failure is its own
+                    # alone in autocommit, else a savepoint: one shard's failure is its own
+                    idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+                    async with contextlib.nullcontext() if idle else conn.transaction():
                         rows += await self._claim_partition(
                             conn, spec, where, want, owner, lease_seconds, rate
                         )
@@ -369,11 +372,8 @@ class AsyncStore:
                         self._shards.rest(shard, exc.orig)
         return redispatched, found
 
-    async def _held_shards(
-        self, conn: psycopg.AsyncConnection[dict[str, Any]]
-    ) -> dict[UUID, int] | None:
-        """On Citus, the shard of each effect held; None on one server."""
-        return self._shards.of if await self.sharded(conn) else None
+    async def _held_shards(self, conn: psycopg.AsyncConnection[Any]) -> dict[UUID, int] | None:
+        return self._shards.of if await self.sharded(conn) else None  # None: one server
 
     async def _is_sharded(self) -> bool:
         if self._sharded is None:

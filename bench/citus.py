@@ -1,0 +1,146 @@
+"""Steps and deliveries on a Citus cluster beside one plain server of the same binaries.
+
+Section ``citus`` of ``python -m bench`` (also ``python -m bench.citus``). It
+starts its own cluster (a coordinator and two workers on loopback, from the
+Citus files ``tests/citus_support.py`` installs) and measures, in one run:
+
+- ``plain``: a database without Citus on the coordinator's server (same
+  binaries, same settings), ``outbox migrate``;
+- ``citus``: a database on the cluster, ``outbox migrate --distribute``.
+
+In each: ``run.transaction`` with one intent from 1 and 4 writer threads
+(steps/s), then a DeliveryDaemon with a no-op deliverer draining the effects
+those steps wrote (effects/s). On this 2-core machine the three servers share
+the cores, so the ratio is a cost ratio (coordinator + worker work per step),
+not a scaling figure; docs/discussions/performance.md argues scaling from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from click.testing import CliRunner
+
+from bench.delivery import DaemonRunner, NoopDeliverer
+from bench.harness import Bench, log
+from outbox import Outbox, StepTransaction
+from outbox.cli import cli as cli_main
+from outbox.delivery.settings import DeliverySettings
+
+KIND = "bench.citus"
+
+
+def _migrate(dsn: str, *, distribute: bool) -> None:
+    args = ["migrate", "--json", *(["--distribute"] if distribute else [])]
+    result = CliRunner().invoke(cli_main, args, env={"OUTBOX_DSN": dsn})
+    if result.exit_code != 0:
+        raise RuntimeError(f"outbox {' '.join(args)}: {result.output}")
+
+
+def _one_intent(tx: StepTransaction, n: int) -> None:
+    tx.intend(KIND, {"n": n})
+
+
+def _steps(dsn: str, writers: int, seconds: float) -> float:
+    """Steps per second (one intent each) from ``writers`` threads for ``seconds``."""
+    ob = Outbox.connect(dsn, pool_size=writers + 2)
+    counts = [0] * writers
+    stop = time.monotonic() + seconds
+
+    def loop(w: int) -> None:
+        run = ob.start_run("bench", "1")
+        while time.monotonic() < stop:
+            run.transaction(f"s{counts[w]}", functools.partial(_one_intent, n=counts[w]))
+            counts[w] += 1
+
+    began = time.monotonic()
+    threads = [threading.Thread(target=loop, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - began
+    ob.close()
+    return sum(counts) / elapsed
+
+
+def _pending(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM outbox_effects WHERE status = 'pending'"
+        ).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def _deliveries(dsn: str, timeout: float = 300.0) -> float:
+    """Effects per second for one in-process daemon draining every pending effect."""
+    pending = _pending(dsn)
+    settings = DeliverySettings(batch_size=100, poll_seconds=0.05)
+    with DaemonRunner(dsn, {KIND: NoopDeliverer(KIND)}, settings):
+        began = time.monotonic()
+        while _pending(dsn) > 0:
+            if time.monotonic() - began > timeout:
+                raise TimeoutError(f"{pending} effects not drained in {timeout:.0f}s")
+            time.sleep(0.1)
+        return pending / (time.monotonic() - began)
+
+
+def measure(dsn: str, *, quick: bool) -> dict[str, float]:
+    """One database's figures."""
+    seconds = 5.0 if quick else 15.0
+    out = {f"steps_per_s_{w}": _steps(dsn, w, seconds) for w in (1, 4)}
+    out["effects_per_s"] = _deliveries(dsn)
+    return out
+
+
+def citus(bench: Bench | None, workdir: Path, quick: bool) -> dict[str, Any]:
+    """The section: plain and Citus side by side, repeated (``--quick``: once)."""
+    from tests.citus_support import ensure_installed, running_cluster
+
+    ensure_installed()
+    reps = 1 if quick else 3
+    runs: dict[str, list[dict[str, float]]] = {"plain": [], "citus": []}
+    with running_cluster() as cluster:
+        for rep in range(reps):
+            database = cluster.create_database()
+            plain = f"bench_plain_{rep}"
+            try:
+                with psycopg.connect(cluster.coordinator.dsn(), autocommit=True) as conn:
+                    conn.execute(f"CREATE DATABASE {plain}")
+                _migrate(cluster.coordinator.dsn(plain), distribute=False)
+                _migrate(database.dsn, distribute=True)
+                for name, dsn in (
+                    ("plain", cluster.coordinator.dsn(plain)),
+                    ("citus", database.dsn),
+                ):
+                    log(f"citus section, rep {rep + 1}/{reps}: {name}")
+                    runs[name].append(measure(dsn, quick=quick))
+            finally:
+                cluster.drop_database(database)
+                with psycopg.connect(cluster.coordinator.dsn(), autocommit=True) as conn:
+                    conn.execute(f"DROP DATABASE IF EXISTS {plain} WITH (FORCE)")
+    out: dict[str, Any] = {"reps": reps}
+    for name, got in runs.items():
+        out[name] = {k: statistics.median(r[k] for r in got) for k in got[0]}
+    out["ratio"] = {k: out["citus"][k] / out["plain"][k] for k in out["plain"]}
+    return out
+
+
+def main() -> int:
+    import json
+    import sys
+    import tempfile
+
+    quick = "--quick" in sys.argv
+    print(json.dumps(citus(None, Path(tempfile.mkdtemp()), quick), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
