@@ -28,7 +28,7 @@ import psycopg
 from click.testing import CliRunner
 
 from bench.delivery import DaemonRunner, NoopDeliverer
-from bench.harness import Bench, log
+from bench.harness import Bench, log, process_table
 from outbox import Outbox, StepTransaction
 from outbox.cli import cli as cli_main
 from outbox.delivery.settings import DeliverySettings
@@ -47,8 +47,25 @@ def _one_intent(tx: StepTransaction, n: int) -> None:
     tx.intend(KIND, {"n": n})
 
 
-def _steps(dsn: str, writers: int, seconds: float) -> float:
-    """Steps per second (one intent each) from ``writers`` threads for ``seconds``."""
+def _tree_cpu(roots: list[int]) -> float:
+    """CPU seconds so far of servers: their postmasters and every descendant (backends)."""
+    table = process_table()
+    ours, grown = set(roots), True
+    while grown:
+        found = {pid for pid, (ppid, _) in table.items() if ppid in ours} - ours
+        ours |= found
+        grown = bool(found)
+    return sum(table[pid][1] for pid in ours if pid in table)
+
+
+def _steps(
+    dsn: str, writers: int, seconds: float, nodes: dict[str, list[int]] | None = None
+) -> dict[str, float]:
+    """Steps per second (one intent each) from ``writers`` threads for ``seconds``.
+
+    With ``nodes``: also CPU µs per step of each group of servers, read before the
+    pool closes (a backend that exits takes its CPU figure with it).
+    """
     ob = Outbox.connect(dsn, pool_size=writers + 2)
     counts = [0] * writers
     stop = time.monotonic() + seconds
@@ -59,6 +76,8 @@ def _steps(dsn: str, writers: int, seconds: float) -> float:
             run.transaction(f"s{counts[w]}", functools.partial(_one_intent, n=counts[w]))
             counts[w] += 1
 
+    nodes = nodes or {}
+    before = {name: _tree_cpu(pids) for name, pids in nodes.items()}
     began = time.monotonic()
     threads = [threading.Thread(target=loop, args=(w,)) for w in range(writers)]
     for t in threads:
@@ -66,8 +85,12 @@ def _steps(dsn: str, writers: int, seconds: float) -> float:
     for t in threads:
         t.join()
     elapsed = time.monotonic() - began
+    steps = max(sum(counts), 1)
+    out = {f"steps_per_s_{writers}": steps / elapsed}
+    for name, pids in nodes.items():
+        out[f"{name}_cpu_us_per_step"] = (_tree_cpu(pids) - before[name]) / steps * 1e6
     ob.close()
-    return sum(counts) / elapsed
+    return out
 
 
 def _pending(dsn: str) -> int:
@@ -91,10 +114,14 @@ def _deliveries(dsn: str, timeout: float = 300.0) -> float:
         return pending / (time.monotonic() - began)
 
 
-def measure(dsn: str, *, quick: bool) -> dict[str, float]:
-    """One database's figures."""
+def measure(dsn: str, nodes: dict[str, list[int]], *, quick: bool) -> dict[str, float]:
+    """One database's figures; ``nodes``: the postmasters of each group of servers.
+
+    CPU per step is counted for 4 writers, per group (the coordinator, the
+    workers), from /proc: what a step costs where.
+    """
     seconds = 5.0 if quick else 15.0
-    out = {f"steps_per_s_{w}": _steps(dsn, w, seconds) for w in (1, 4)}
+    out = _steps(dsn, 1, seconds) | _steps(dsn, 4, seconds, nodes)
     out["effects_per_s"] = _deliveries(dsn)
     return out
 
@@ -115,12 +142,16 @@ def citus(bench: Bench | None, workdir: Path, quick: bool) -> dict[str, Any]:
                     conn.execute(f"CREATE DATABASE {plain}")
                 _migrate(cluster.coordinator.dsn(plain), distribute=False)
                 _migrate(database.dsn, distribute=True)
+                nodes = {
+                    "coordinator": [pid for pid in [cluster.coordinator.pid()] if pid],
+                    "workers": [pid for w in cluster.workers if (pid := w.pid())],
+                }
                 for name, dsn in (
                     ("plain", cluster.coordinator.dsn(plain)),
                     ("citus", database.dsn),
                 ):
                     log(f"citus section, rep {rep + 1}/{reps}: {name}")
-                    runs[name].append(measure(dsn, quick=quick))
+                    runs[name].append(measure(dsn, nodes, quick=quick))
             finally:
                 cluster.drop_database(database)
                 with psycopg.connect(cluster.coordinator.dsn(), autocommit=True) as conn:
@@ -128,7 +159,8 @@ def citus(bench: Bench | None, workdir: Path, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"reps": reps}
     for name, got in runs.items():
         out[name] = {k: statistics.median(r[k] for r in got) for k in got[0]}
-    out["ratio"] = {k: out["citus"][k] / out["plain"][k] for k in out["plain"]}
+    rates = [k for k in out["plain"] if k.endswith("_per_s") or "_per_s_" in k]
+    out["ratio"] = {k: out["citus"][k] / out["plain"][k] for k in rates}
     return out
 
 
