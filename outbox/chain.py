@@ -329,9 +329,9 @@ def verify_record(record: Mapping[str, Any]) -> list[Break]:
         )
     elif run.get("step_head") is not None and head.hex() != run["step_head"]:
         breaks.append(Break(f"run {rid}", "step_head is not the last step's hash (steps removed)"))
-    compensated = {
-        e["compensates"] for e in record["effects"] if e["status"] == "succeeded"
-    } - {None}
+    compensated = {e["compensates"] for e in record["effects"] if e["status"] == "succeeded"} - {
+        None
+    }
     for effect in record["effects"]:
         breaks.extend(verify_effect(effect))
         if effect["status"] == "compensated" and effect["id"] not in compensated:
@@ -387,8 +387,11 @@ def _end_breaks(effect: Mapping[str, Any], where: str) -> list[Break]:
     logged = max((row["attempt"] for row in rows), default=0)
     if effect["attempt"] > logged + (1 if status in _UNDER_WAY else 0):
         return [
-            Break(where, f"its attempt counter {effect['attempt']} is above its attempt log's "
-                  f"({logged}): attempts were removed")
+            Break(
+                where,
+                f"its attempt counter {effect['attempt']} is above its attempt log's "
+                f"({logged}): attempts were removed",
+            )
         ]
     newest = rows[-1] if rows else None
     if newest is None or newest.get("effect_status") is None:
@@ -398,8 +401,11 @@ def _end_breaks(effect: Mapping[str, Any], where: str) -> list[Break]:
         pass
     elif recorded != status and (status in _ENDED or recorded in _ENDED):
         return [
-            Break(where, f"it is {status} but its newest attempt-log row ({newest['id']}) "
-                  f"recorded {recorded}")
+            Break(
+                where,
+                f"it is {status} but its newest attempt-log row ({newest['id']}) "
+                f"recorded {recorded}",
+            )
         ]
     text = effect.get("result_text")
     if json.loads(text or "null") != effect["result"]:
@@ -407,8 +413,10 @@ def _end_breaks(effect: Mapping[str, Any], where: str) -> list[Break]:
     digest = None if text is None else hashlib.sha256(text.encode()).hexdigest()
     if digest != newest.get("result_hash"):
         return [
-            Break(where, f"its result is not the one its newest attempt-log row "
-                  f"({newest['id']}) recorded")
+            Break(
+                where,
+                f"its result is not the one its newest attempt-log row ({newest['id']}) recorded",
+            )
         ]
     return []
 
@@ -438,9 +446,7 @@ def stored_values(rows: Mapping[str, Any]) -> dict[str, str]:
     return places
 
 
-def value_breaks(
-    places: Mapping[str, str], blob_rows: Iterable[Mapping[str, Any]]
-) -> list[Break]:
+def value_breaks(places: Mapping[str, str], blob_rows: Iterable[Mapping[str, Any]]) -> list[Break]:
     """Every stored value (``places``: sha256 -> where it is used) whose blob is altered or gone.
 
     ``blob_rows`` are ``outbox_blobs`` rows (``sha256``, ``data``), every shard's copy.
@@ -452,8 +458,10 @@ def value_breaks(
         found.add(sha)
         if sha in places and content_hash(row["data"]) != sha:
             breaks.append(
-                Break(places[sha], f"stored value sha256={sha} does not match its text in "
-                      "outbox_blobs (altered)")
+                Break(
+                    places[sha],
+                    f"stored value sha256={sha} does not match its text in outbox_blobs (altered)",
+                )
             )
     for sha in sorted(places.keys() - found):
         breaks.append(Break(places[sha], f"stored value sha256={sha} is missing from outbox_blobs"))

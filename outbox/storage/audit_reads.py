@@ -25,10 +25,10 @@ _AFTER_ALL = 2**63 - 1
 def effects_outside_runs(
     engine: Engine, limit: int, *, page_size: int = 500
 ) -> Iterator[tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]]:
-    """Effects of no run, newest first (at most ``limit``): pages of (effects, attempt-log
-    rows, the rows of the blobs their payloads refer to).
+    """Effects of no run, newest first (at most ``limit``): pages of rows, three lists each.
 
-    Each page is read in one snapshot (repeatable read), so an effect and its
+    A page is (effects, their attempt-log rows, the ``outbox_blobs`` rows their
+    payloads refer to). Each page is read in one snapshot (repeatable read), so an effect and its
     attempt log agree; a page's attempt-log rows come with ``detail_text``,
     ordered by effect then id (:func:`outbox.chain.effect_records` takes both).
     """

@@ -221,7 +221,7 @@ class Store:
                 if run is None:
                     return {}
                 params = {"run_id": run_id}
-                found = {
+                found: dict[str, Any] = {
                     "run": dict(run._mapping),
                     "steps": [dict(r._mapping) for r in conn.execute(gov_sql.run_steps(), params)],
                     "effects": [

@@ -58,10 +58,11 @@ def effect_where(n: int) -> str:
 
 
 @pytest.fixture
-def scene(ob: Outbox, dsn: str, history: Any) -> Iterator[dict[str, Any]]:
+def scene(ob: Outbox, dsn: str, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     """`history` (tests/integration/test_audit.py) and: a run with large values and open
     effects, an approved effect not yet delivered, an effect outside runs not yet
     attempted, and a cancelled run whose compensation is not yet attempted."""
+    story = request.getfixturevalue("history")
     big = ob.start_run("big", "1", {"notes": BIG})
 
     def large(tx: Any) -> None:
@@ -85,7 +86,7 @@ def scene(ob: Outbox, dsn: str, history: Any) -> Iterator[dict[str, Any]]:
         wait_for(lambda: trip.effects()[0].status == EffectStatus.SUCCEEDED)
     ob.cancel(trip.id, "changed plans")
     wait_for(lambda: any(e.compensates for e in ob.effects(run_id=trip.id)))
-    yield {"history": history, "big": big, "trip": trip}
+    yield {"history": story, "big": big, "trip": trip}
 
 
 def recomputed_newest_row(n: int) -> str:
@@ -254,20 +255,20 @@ DETECTED: dict[str, list[tuple[str, str, str]]] = {
     ],
     "stored value edited": [
         (
-            "UPDATE outbox_blobs SET data = '{\"text\": \"forged\"}' "
+            'UPDATE outbox_blobs SET data = \'{"text": "forged"}\' '
             f"WHERE sha256 = '{sha(json.dumps(BIG))}'",
             BIG_RUN,
             r"step 'fetch-big' result: stored value sha256=\w+ does not match its text in "
             "outbox_blobs",
         ),
         (
-            "UPDATE outbox_blobs SET data = '{\"notes\": \"forged\"}' "
+            'UPDATE outbox_blobs SET data = \'{"notes": "forged"}\' '
             f"WHERE sha256 = '{sha(json.dumps({'notes': BIG}))}'",
             BIG_RUN,
             r"run \S+ inputs: stored value sha256=\w+ does not match",
         ),
         (
-            "UPDATE outbox_blobs SET data = '{\"n\": 12, \"text\": \"forged\"}' "
+            'UPDATE outbox_blobs SET data = \'{"n": 12, "text": "forged"}\' '
             f"WHERE sha256 = '{sha(json.dumps({'n': 12, **BIG}))}'",
             BIG_RUN,
             r"effect \S+ payload: stored value sha256=\w+ does not match",
@@ -300,7 +301,7 @@ UNDETECTED: dict[str, list[str]] = {
         "UPDATE outbox_runs SET result = '{\"done\": false}', state = '{\"paid\": true}' "
         "WHERE agent = 'auditor'"
     ],
-    "signal edited": ["UPDATE outbox_signals SET payload = '{\"by\": \"intern\"}'"],
+    "signal edited": ['UPDATE outbox_signals SET payload = \'{"by": "intern"}\''],
     "waiting step inserted": [
         "INSERT INTO outbox_steps (run_id, shard, seq, step_id, kind, status) "
         "SELECT id, shard, step_count + 1, 'wait-more', 'signal', 'waiting' "
