@@ -48,6 +48,7 @@ if typing.TYPE_CHECKING:
         SchemaTooNew,
         SignalTimeout,
         StepAlreadyRecorded,
+        StoredValueAltered,
         ValidationError,
         WaitTimeout,
     )
@@ -142,6 +143,7 @@ _WHERE: dict[str, str] = {
     "StepRecord": "outbox.models",
     "StepStatus": "outbox.models",
     "StepTransaction": "outbox.runs.intents",
+    "StoredValueAltered": "outbox.errors",
     "Suspended": "outbox.runs.run",
     "ValidationError": "outbox.errors",
     "WaitTimeout": "outbox.errors",
@@ -230,6 +232,7 @@ __all__ = [
     "StepRecord",
     "StepStatus",
     "StepTransaction",
+    "StoredValueAltered",
     "Suspended",
     "ValidationError",
     "WaitTimeout",

@@ -20,7 +20,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from outbox.chain import Break, record_from_rows, verify_record
+from outbox.chain import Break, record_from_rows, stored_values, value_breaks, verify_record
 from outbox.client_args import (
     approval_decider,
     cancel_args,
@@ -218,15 +218,20 @@ class AsyncOutbox:
 
     async def audit_record(self, run_id: uuid.UUID | str) -> dict[str, Any]:
         """A self-contained record of a run (see :meth:`outbox.Outbox.audit_record`)."""
+        return (await self.checked_record(run_id))[0]
+
+    async def checked_record(self, run_id: uuid.UUID | str) -> tuple[dict[str, Any], list[Break]]:
+        """A run's record and every break in it (see :meth:`outbox.Outbox.checked_record`)."""
         rid = as_uuid(run_id, "run_id")
         rows = await self.aio.call(self.aio.sync.audit_rows, rid)
         if not rows:
             raise RunNotFound(rid)
-        return record_from_rows(rows, exported_at=datetime.now(UTC))
+        record = record_from_rows(rows, exported_at=datetime.now(UTC))
+        return record, verify_record(record) + value_breaks(stored_values(rows), rows["blobs"])
 
     async def verify_run(self, run_id: uuid.UUID | str) -> list[Break]:
-        """Recompute a run's hash chains from the database: every break (empty: none)."""
-        return verify_record(await self.audit_record(run_id))
+        """Recompute a run's hash chains and value digests from the database: every break."""
+        return (await self.checked_record(run_id))[1]
 
     # -- effects ----------------------------------------------------------------
 

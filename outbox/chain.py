@@ -22,8 +22,14 @@ algorithm, for ``outbox audit verify`` and for a run record exported by
   completes);
 - an effect's chain starts at ``sha256("outbox.effect.v1" lp(id) lp(run_id) lp(kind)
   lp(idempotency_key) lp(payload_hash))``; each attempt-log row, in id order, is
-  ``sha256(prev + "outbox.attempt.v1" lp(effect_id) lp(attempt) lp(worker)
-  lp(us(started_at)) lp(us(finished_at)) lp(outcome) lp(detail_text))``;
+  ``sha256(prev + "outbox.attempt.v2" lp(effect_id) lp(attempt) lp(worker)
+  lp(us(started_at)) lp(us(finished_at)) lp(outcome) lp(detail_text)
+  lp(effect_status) lp(result_hash))``, where ``effect_status`` and ``result_hash``
+  (the sha256 of its ``result_text``) are where the effect stood once the row was
+  logged (rows logged before migration 0023: ``"outbox.attempt.v1"``, without
+  those two). So an effect's newest link covers its status and result: a terminal
+  effect whose status or result is not what its newest row recorded, one with no
+  row at all, or an ``attempt`` counter above its rows is a break;
 - ``*_text`` is PostgreSQL's rendering of the stored ``jsonb`` (a record carries it
   beside the parsed value); ``payload_hash`` and ``inputs_hash`` are the sha256 of
   the value's own text (``payload_text``; since migration 0023, as the write
@@ -39,9 +45,10 @@ install 'agent-outbox[audit]'``) over its canonical JSON without ``signature``;
 anyone holding the public key can check it, no secret needed. ``docs/reference/audit.md``
 has an independent verifier of a few dozen lines.
 
-What a chain cannot show: a row rewritten *with every later link recomputed*,
-or the newest rows of a chain deleted (a run's ``step_head`` catches the latter
-for steps). A signed export fixes the record at export time: keep it elsewhere.
+Values stored by reference (:mod:`outbox.blobs`) are checked apart from the
+chains: :func:`value_breaks` names every referenced blob whose text does not hash
+to its sha256. ``docs/reference/audit.md`` lists exactly what is and is not
+detected. A signed export fixes the record at export time: keep it elsewhere.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from outbox.blobs import reference_hash
+from outbox.payloads import content_hash
 
 __all__ = [
     "RECORD_FORMAT",
@@ -69,15 +77,18 @@ __all__ = [
     "sign_record",
     "step_hash",
     "step_intents",
+    "stored_values",
     "us",
+    "value_breaks",
     "verify_effect",
     "verify_record",
     "verify_signature",
 ]
 
-#: v3 (migration 0023): steps carry their values' own texts, effects their payload's,
-#: for v3 links. A v1 or v2 record still verifies.
-RECORD_FORMAT = "agent-outbox.run-record.v3"
+#: v4 (migration 0023): steps carry their values' own texts, effects their payload's
+#: and result's texts and attempt counters, attempt-log rows the effect's status and
+#: result digest. A v1, v2 or v3 record still verifies.
+RECORD_FORMAT = "agent-outbox.run-record.v4"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -188,18 +199,24 @@ def effect_genesis(effect: Mapping[str, Any]) -> bytes:
 
 
 def attempt_hash(prev: bytes, row: Mapping[str, Any]) -> bytes:
-    """The link of one attempt-log row (``detail_text``, ``started_us``, ``finished_us``)."""
-    return _sha(
-        prev,
-        "outbox.attempt.v1"
-        + lp(row["effect_id"])
+    """The link of one attempt-log row (``detail_text``, ``started_us``, ``finished_us``).
+
+    A row that records its effect's status (``effect_status``, since migration
+    0023) has a v2 link, which covers it and ``result_hash``; an older row a v1 link.
+    """
+    status = row.get("effect_status")
+    message = (
+        lp(row["effect_id"])
         + lp(str(row["attempt"]))
         + lp(row["worker"])
         + lp(_text(row["started_us"]))
         + lp(_text(row["finished_us"]))
         + lp(row["outcome"])
-        + lp(row["detail_text"]),
+        + lp(row["detail_text"])
     )
+    if status is None:
+        return _sha(prev, "outbox.attempt.v1" + message)
+    return _sha(prev, "outbox.attempt.v2" + message + lp(status) + lp(row.get("result_hash")))
 
 
 def canonical(value: Any) -> bytes:
@@ -312,8 +329,15 @@ def verify_record(record: Mapping[str, Any]) -> list[Break]:
         )
     elif run.get("step_head") is not None and head.hex() != run["step_head"]:
         breaks.append(Break(f"run {rid}", "step_head is not the last step's hash (steps removed)"))
+    compensated = {e["compensates"] for e in record["effects"] if e["status"] == "succeeded"} - {
+        None
+    }
     for effect in record["effects"]:
         breaks.extend(verify_effect(effect))
+        if effect["status"] == "compensated" and effect["id"] not in compensated:
+            breaks.append(
+                Break(f"effect {effect['id']}", "it is compensated but no compensation succeeded")
+            )
     return breaks
 
 
@@ -337,6 +361,110 @@ def verify_effect(effect: Mapping[str, Any]) -> list[Break]:
             )
             break
         prev = bytes.fromhex(row["hash"])
+    breaks.extend(_end_breaks(effect, where))
+    return breaks
+
+
+#: The statuses an effect ends in (``outbox.models.TERMINAL_EFFECT_STATUSES``).
+_ENDED = frozenset({"succeeded", "failed", "cancelled", "compensated", "rejected"})
+#: An attempt under way: its row is logged when it ends.
+_UNDER_WAY = frozenset({"in_flight", "dispatched"})
+
+
+def _end_breaks(effect: Mapping[str, Any], where: str) -> list[Break]:
+    """Where an effect stands against its attempt log (records since v4).
+
+    Every end is logged, by the statement that ends the effect, and the row
+    records the status and result digest the effect then has (its v2 link covers
+    them); ``compensated`` is the one status set without a row, on a succeeded
+    effect whose compensation succeeded (:func:`verify_record` checks that).
+    """
+    if "attempt" not in effect:  # a record exported before v4 carries no counter
+        return []
+    rows, status = effect["attempts"], effect["status"]
+    if not rows and status in _ENDED:
+        return [Break(where, f"it is {status} but its attempt log is empty (every end is logged)")]
+    logged = max((row["attempt"] for row in rows), default=0)
+    if effect["attempt"] > logged + (1 if status in _UNDER_WAY else 0):
+        return [
+            Break(
+                where,
+                f"its attempt counter {effect['attempt']} is above its attempt log's "
+                f"({logged}): attempts were removed",
+            )
+        ]
+    newest = rows[-1] if rows else None
+    if newest is None or newest.get("effect_status") is None:
+        return []  # logged before migration 0023: the row records no status
+    recorded = newest["effect_status"]
+    if status == "compensated" and recorded in ("succeeded", "compensated"):
+        pass
+    elif recorded != status and (status in _ENDED or recorded in _ENDED):
+        return [
+            Break(
+                where,
+                f"it is {status} but its newest attempt-log row ({newest['id']}) "
+                f"recorded {recorded}",
+            )
+        ]
+    text = effect.get("result_text")
+    if json.loads(text or "null") != effect["result"]:
+        return [Break(where, "result_text differs from result")]
+    digest = None if text is None else hashlib.sha256(text.encode()).hexdigest()
+    if digest != newest.get("result_hash"):
+        return [
+            Break(
+                where,
+                f"its result is not the one its newest attempt-log row ({newest['id']}) recorded",
+            )
+        ]
+    return []
+
+
+def stored_values(rows: Mapping[str, Any]) -> dict[str, str]:
+    """The blobs a run's rows (``Store.audit_rows``) refer to: sha256 -> the first place using it.
+
+    Without a ``run`` (effects outside runs) only the effects' payloads.
+    """
+    places: dict[str, str] = {}
+
+    def note(value: Any, where: str) -> None:
+        sha = reference_hash(value)
+        if sha is not None:
+            places.setdefault(sha, where)
+
+    run = rows.get("run")
+    if run:
+        rid = str(run["id"])
+        for field in ("inputs", "state", "plan", "result", "error"):
+            note(run[field], f"run {rid} {field}")
+        for step in rows["steps"]:
+            for field in _VALUES:
+                note(step[field], f"run {rid} step {step['step_id']!r} {field}")
+    for effect in rows["effects"]:
+        note(effect["payload"], f"effect {effect['id']} payload")
+    return places
+
+
+def value_breaks(places: Mapping[str, str], blob_rows: Iterable[Mapping[str, Any]]) -> list[Break]:
+    """Every stored value (``places``: sha256 -> where it is used) whose blob is altered or gone.
+
+    ``blob_rows`` are ``outbox_blobs`` rows (``sha256``, ``data``), every shard's copy.
+    """
+    breaks = []
+    found = set()
+    for row in blob_rows:
+        sha = row["sha256"]
+        found.add(sha)
+        if sha in places and content_hash(row["data"]) != sha:
+            breaks.append(
+                Break(
+                    places[sha],
+                    f"stored value sha256={sha} does not match its text in outbox_blobs (altered)",
+                )
+            )
+    for sha in sorted(places.keys() - found):
+        breaks.append(Break(places[sha], f"stored value sha256={sha} is missing from outbox_blobs"))
     return breaks
 
 
@@ -431,6 +559,8 @@ def effect_records(
                 "outcome": a["outcome"],
                 "detail": a["detail"],
                 "detail_text": a["detail_text"],
+                "effect_status": a.get("effect_status"),
+                "result_hash": a.get("result_hash"),
                 "hash": _hex(a["hash"]),
             }
         )
@@ -447,7 +577,9 @@ def effect_records(
             "payload_hash": e["payload_hash"],
             "compensates": None if e.get("compensates") is None else str(e["compensates"]),
             "status": e["status"],
+            "attempt": e["attempt"],
             "result": e["result"],
+            "result_text": e.get("result_text"),
             "approval": e["approval"],
             "created_at": _iso(e["created_at"]),
             "attempts": attempts.get(str(e["id"]), []),

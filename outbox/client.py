@@ -16,7 +16,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from outbox.chain import Break, record_from_rows, verify_record
+from outbox.chain import Break, record_from_rows, stored_values, value_breaks, verify_record
 from outbox.client_args import (
     approval_decider,
     cancel_args,
@@ -231,15 +231,25 @@ class Outbox:
         Read in one snapshot; ``outbox.chain.sign_record`` signs it and
         ``outbox.chain.verify_record`` (or the script in ``docs/reference/audit.md``) checks it.
         """
+        return self.checked_record(run_id)[0]
+
+    def checked_record(self, run_id: uuid.UUID | str) -> tuple[dict[str, Any], list[Break]]:
+        """A run's record (:meth:`audit_record`) and every break in it, read in one snapshot.
+
+        The breaks are those of its chains and digests (``verify_record``) and of
+        its values stored by reference: a blob whose text does not hash to its
+        sha256 is a break wherever the run uses it.
+        """
         rid = as_uuid(run_id, "run_id")
         rows = self.store.audit_rows(rid)
         if not rows:
             raise RunNotFound(rid)
-        return record_from_rows(rows, exported_at=datetime.now(UTC))
+        record = record_from_rows(rows, exported_at=datetime.now(UTC))
+        return record, verify_record(record) + value_breaks(stored_values(rows), rows["blobs"])
 
     def verify_run(self, run_id: uuid.UUID | str) -> list[Break]:
-        """Recompute a run's hash chains from the database: every break (empty: none)."""
-        return verify_record(self.audit_record(run_id))
+        """Recompute a run's hash chains and value digests from the database: every break."""
+        return self.checked_record(run_id)[1]
 
     def audited_runs(self, limit: int = 100_000) -> list[uuid.UUID]:
         """Run ids, newest first: what ``outbox audit verify`` checks when no run is named."""

@@ -31,7 +31,8 @@
     │   ├── SchemaTooNew            the database was migrated by newer code
     │   └── MigrationError          a migration failed, or an applied one was changed
     ├── DatabaseError               the store failed (the driver's error is __cause__)
-    │   └── EmbeddedServerError     the embedded PostgreSQL failed to start or stop
+    │   ├── EmbeddedServerError     the embedded PostgreSQL failed to start or stop
+    │   └── StoredValueAltered      a value stored by reference does not hash to its sha256
     └── DeliveryError               raised by a deliverer, read by the daemon
         ├── RetryableError          transient: try again (retry_after, rate_limited)
         └── PermanentError          the effect can never succeed as it stands
@@ -78,6 +79,7 @@ __all__ = [
     "SchemaTooNew",
     "SignalTimeout",
     "StepAlreadyRecorded",
+    "StoredValueAltered",
     "ValidationError",
     "WaitTimeout",
 ]
@@ -415,6 +417,21 @@ class DatabaseError(OutboxError):
 
 class EmbeddedServerError(DatabaseError):
     """The embedded PostgreSQL server could not be initialised, started or stopped."""
+
+
+class StoredValueAltered(DatabaseError):
+    """A value stored by reference (``outbox_blobs``) does not hash to the sha256 that names it.
+
+    Its text was changed after it was written (by hand, or by a broken restore);
+    it is refused rather than read. ``sha256`` names the value.
+    """
+
+    def __init__(self, sha256: str):
+        super().__init__(
+            f"stored value sha256={sha256} does not match its text in outbox_blobs "
+            "(altered after it was written): refused"
+        )
+        self.sha256 = sha256
 
 
 class DeliveryError(OutboxError):

@@ -38,12 +38,14 @@ def audit() -> None:
 def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool) -> None:
     """Recompute the hash chains of one run (or of every run) and report the first break.
 
+    Every value the runs store by reference is hashed too (an altered blob is a break).
+
     Without RUN, the effects written outside any run (``Outbox.transaction``)
     are checked too; their breaks are listed under ``(no run)``. Exit 0 when
     every chain holds, 1 when one does not (the break names the run, the step
     or the effect and its attempt-log row).
     """
-    from outbox.chain import effect_records, verify_effect
+    from outbox.chain import effect_records, stored_values, value_breaks, verify_effect
     from outbox.storage.audit_reads import effects_outside_runs
 
     ob = cli.outbox
@@ -67,9 +69,11 @@ def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool)
             progress.advance(task)
         if run_id is None:
             task = progress.add_task("effects outside runs", total=None)
-            for effect_rows, attempt_rows in effects_outside_runs(ob.engine, limit):
+            for effect_rows, attempt_rows, blob_rows in effects_outside_runs(ob.engine, limit):
                 for effect in effect_records(effect_rows, attempt_rows):
                     outside.extend(str(b) for b in verify_effect(effect))
+                places = stored_values({"effects": effect_rows})
+                outside.extend(str(b) for b in value_breaks(places, blob_rows))
                 effects_checked += len(effect_rows)
                 progress.advance(task, len(effect_rows))
     if outside:
@@ -114,10 +118,9 @@ def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool)
 @pass_cli
 def audit_export(cli: CliContext, run_id: str, key_path: Path, out_path: Path | None) -> None:
     """Write a signed, self-contained JSON record of a run (docs/reference/audit.md verifies it)."""
-    from outbox.chain import sign_record, verify_record
+    from outbox.chain import sign_record
 
-    record = cli.outbox.audit_record(run_id)
-    breaks = verify_record(record)
+    record, breaks = cli.outbox.checked_record(run_id)
     if breaks:
         raise click.ClickException(f"run {run_id} does not verify, not exported: {breaks[0]}")
     signed = sign_record(record, key_path.read_bytes())

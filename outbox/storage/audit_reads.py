@@ -11,6 +11,8 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from outbox.blobs import reference_hashes
+from outbox.storage.blob_store import stored_rows
 from outbox.storage.engine import translate_errors
 from outbox.storage.sql import governance as gov_sql
 
@@ -22,10 +24,11 @@ _AFTER_ALL = 2**63 - 1
 
 def effects_outside_runs(
     engine: Engine, limit: int, *, page_size: int = 500
-) -> Iterator[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
-    """Effects of no run, newest first (at most ``limit``): pages of (effects, attempt-log rows).
+) -> Iterator[tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]]:
+    """Effects of no run, newest first (at most ``limit``): pages of rows, three lists each.
 
-    Each page is read in one snapshot (repeatable read), so an effect and its
+    A page is (effects, their attempt-log rows, the ``outbox_blobs`` rows their
+    payloads refer to). Each page is read in one snapshot (repeatable read), so an effect and its
     attempt log agree; a page's attempt-log rows come with ``detail_text``,
     ordered by effect then id (:func:`outbox.chain.effect_records` takes both).
     """
@@ -49,7 +52,8 @@ def effects_outside_runs(
                         gov_sql.attempts_of_effects(), {"ids": [e["id"] for e in found]}
                     )
                 ]
-        yield found, attempts
+                blobs = stored_rows(conn, reference_hashes(e["payload"] for e in found))
+        yield found, attempts, blobs
         if len(found) < size:
             return
         before, left = found[-1]["seq"], left - len(found)

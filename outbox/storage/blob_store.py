@@ -3,7 +3,9 @@
 Writers call :func:`put` in the transaction that writes the referring row;
 readers pass the records they read through :func:`resolve`, which fetches
 every referenced value in one query (none when nothing was by reference) and
-returns the records with their values in place.
+returns the records with their values in place. Every blob read is hashed: a
+text that does not hash to its sha256 (edited by hand) is a
+:class:`~outbox.errors.StoredValueAltered`, never a value handed on.
 """
 
 from __future__ import annotations
@@ -17,16 +19,28 @@ from pydantic import BaseModel
 from sqlalchemy import Connection
 
 from outbox.blobs import Blob, reference_hash
-from outbox.errors import DatabaseError
+from outbox.errors import DatabaseError, StoredValueAltered
+from outbox.payloads import content_hash
 from outbox.shards import shard_of
 from outbox.storage.sql import blobs as blob_sql
 
-__all__ = ["EFFECT_FIELDS", "RUN_FIELDS", "STEP_FIELDS", "fetch", "put", "resolve"]
+__all__ = [
+    "AUDITED_STEP_FIELDS",
+    "EFFECT_FIELDS",
+    "RUN_FIELDS",
+    "STEP_FIELDS",
+    "fetch",
+    "put",
+    "resolve",
+    "stored_rows",
+]
 
 #: The fields of each record that may hold a reference.
 RUN_FIELDS = ("inputs", "state", "plan", "result", "error")
 STEP_FIELDS = ("result", "error")
 EFFECT_FIELDS = ("payload",)
+#: The fields of a step row that may hold one (a step's state and plan too).
+AUDITED_STEP_FIELDS = ("result", "error", "state", "plan")
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -48,11 +62,19 @@ def put(conn: Connection, owner: uuid.UUID | str, blobs: Iterable[Blob | None]) 
 
 
 def fetch(conn: Connection, hashes: Iterable[str]) -> dict[str, Any]:
-    """The values of these blobs, decoded; a missing one is a :class:`DatabaseError`."""
+    """The values of these blobs, decoded; a missing one is a :class:`DatabaseError`.
+
+    Each text is hashed as it is read (the bytes are in memory already): one
+    that is not its sha256's raises :class:`StoredValueAltered` naming it, so an
+    edited blob never becomes a replayed result, a run's state or a payload sent.
+    """
     wanted = set(hashes)
     if not wanted:
         return {}
     rows = conn.execute(blob_sql.fetch_blobs(), {"hashes": sorted(wanted)}).all()
+    for sha, data in rows:
+        if content_hash(data) != sha:
+            raise StoredValueAltered(sha)
     found = {sha: json.loads(data) for sha, data in rows}
     missing = wanted - found.keys()
     if missing:
@@ -61,6 +83,20 @@ def fetch(conn: Connection, hashes: Iterable[str]) -> dict[str, Any]:
             "(deleted by hand, or restored from an incomplete backup)"
         )
     return found
+
+
+def stored_rows(conn: Connection, hashes: Iterable[str]) -> list[dict[str, Any]]:
+    """The ``outbox_blobs`` rows of these blobs as stored (every shard's copy), unchecked.
+
+    For the audit, which reports an altered blob as a break rather than raising.
+    """
+    wanted = sorted(set(hashes))
+    if not wanted:
+        return []
+    return [
+        {"sha256": sha, "data": data}
+        for sha, data in conn.execute(blob_sql.fetch_blobs(), {"hashes": wanted})
+    ]
 
 
 def resolve(conn: Connection, records: Sequence[M], fields: Sequence[str]) -> list[M]:

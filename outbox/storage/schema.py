@@ -356,6 +356,10 @@ effect_attempts = Table(
     Column("hash", BYTEA),
     # 0023: its effect's shard
     shard_column(),
+    # 0023: the effect's status and sha256(result::text) once this row was logged,
+    # covered by the row's link (functions/chain.sql)
+    Column("effect_status", Text),
+    Column("result_hash", Text),
     PrimaryKeyConstraint("id", "shard", name="outbox_effect_attempts_pkey"),
     ForeignKeyConstraint(
         ["effect_id", "shard"],

@@ -16,12 +16,17 @@ from uuid import UUID
 
 from sqlalchemy import Connection, Engine, select, text
 
-from outbox.blobs import Blob
+from outbox.blobs import Blob, reference_hashes
 from outbox.faults import crash_point
 from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
 from outbox.shards import SHARDS, shard_of
 from outbox.storage import blob_store, writes
-from outbox.storage.blob_store import EFFECT_FIELDS, RUN_FIELDS, STEP_FIELDS
+from outbox.storage.blob_store import (
+    AUDITED_STEP_FIELDS,
+    EFFECT_FIELDS,
+    RUN_FIELDS,
+    STEP_FIELDS,
+)
 from outbox.storage.claims import ClaimMode
 from outbox.storage.deliverer_reads import DelivererReads
 from outbox.storage.engine import translate_errors
@@ -225,7 +230,7 @@ class Store:
                 if run is None:
                     return {}
                 params = {"run_id": run_id}
-                return {
+                found: dict[str, Any] = {
                     "run": dict(run._mapping),
                     "steps": [dict(r._mapping) for r in conn.execute(gov_sql.run_steps(), params)],
                     "effects": [
@@ -235,6 +240,11 @@ class Store:
                         dict(r._mapping) for r in conn.execute(gov_sql.attempts_of_run(), params)
                     ],
                 }
+                values = [found["run"][f] for f in RUN_FIELDS]
+                values += [s[f] for s in found["steps"] for f in AUDITED_STEP_FIELDS]
+                values += [e["payload"] for e in found["effects"]]
+                found["blobs"] = blob_store.stored_rows(conn, reference_hashes(values))
+                return found
 
     def run_ids(self, limit: int) -> list[UUID]:
         """Run ids, newest first (what ``outbox audit verify`` checks without a run named)."""

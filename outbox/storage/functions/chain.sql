@@ -9,6 +9,11 @@
 --   || lp(kind) || lp(idempotency_key) || lp(payload_hash)); each attempt-log row is
 --   sha256(prev || 'outbox.attempt.v1' || lp(effect_id) || lp(attempt) || lp(worker)
 --   || lp(us(started_at)) || lp(us(finished_at)) || lp(outcome) || lp(detail::text));
+--   since migration 0023 each row also records the effect's status and the sha256
+--   of its result::text once the statement that logged it has changed the effect
+--   (effect_status, result_hash), and its link is 'outbox.attempt.v2' with
+--   || lp(effect_status) || lp(result_hash) appended, so the newest link covers
+--   where the effect ended and what it returned;
 -- - a run's chain starts at sha256('outbox.run.v1' || lp(id) || lp(agent) ||
 --   lp(inputs_hash)); each completed step (since migration 0023) is sha256(prev ||
 --   'outbox.step.v3' || lp(run_id) || lp(step_id) || lp(kind) || lp('completed') ||
@@ -98,7 +103,23 @@ BEGIN
 END
 $$;
 
--- From now on every attempt-log row is chained as it is written.
+-- An attempt-log row's v2 link (the algorithm at the top of this file).
+CREATE OR REPLACE FUNCTION outbox_attempt_link(
+    prev bytea, effect_id uuid, attempt integer, worker text, started_at timestamptz,
+    finished_at timestamptz, outcome text, detail jsonb, effect_status text, result_hash text
+) RETURNS bytea
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT sha256(prev || convert_to('outbox.attempt.v2' || outbox_lp(effect_id::text)
+    || outbox_lp(attempt::text) || outbox_lp(worker) || outbox_lp(outbox_us(started_at))
+    || outbox_lp(outbox_us(finished_at)) || outbox_lp(outcome) || outbox_lp(detail::text)
+    || outbox_lp(effect_status) || outbox_lp(result_hash), 'UTF8'))
+$$;
+
+-- Every attempt-log row is chained as it is written, with the status and result its
+-- effect has then: the statement that logs an attempt changes the effect first (in
+-- a CTE), and a volatile trigger sees that change. So the newest link covers where
+-- the effect ended: a status or result edited by hand does not match it. The cost
+-- is one rendering and sha256 of the effect's result per row logged, no statement.
 CREATE OR REPLACE FUNCTION outbox_attempts_chain() RETURNS trigger
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -107,14 +128,17 @@ DECLARE
 BEGIN
     -- Appends to one effect's chain take turns on the effect's row. The statement that
     -- logs an attempt has nearly always just changed that row, so holds its lock; one
-    -- that did not (a stale completion) takes the lock here and draws a new id, so that
-    -- id order stays chain order.
+    -- that did not (a stale completion) takes the lock here, reads the row again as
+    -- locked, and draws a new id, so that id order stays chain order.
     SELECT e.xmin::text = (pg_current_xact_id()::text::bigint % 4294967296)::text,
-           outbox_effect_genesis(e.id, e.run_id, e.kind, e.idempotency_key, e.payload_hash)
-      INTO ours, prev
+           outbox_effect_genesis(e.id, e.run_id, e.kind, e.idempotency_key, e.payload_hash),
+           e.status, encode(sha256(convert_to(e.result::text, 'UTF8')), 'hex')
+      INTO ours, prev, NEW.effect_status, NEW.result_hash
       FROM outbox_effects e WHERE e.id = NEW.effect_id AND e.shard = NEW.shard;
     IF NOT ours THEN
-        PERFORM 1 FROM outbox_effects WHERE id = NEW.effect_id AND shard = NEW.shard FOR UPDATE;
+        SELECT e.status, encode(sha256(convert_to(e.result::text, 'UTF8')), 'hex')
+          INTO NEW.effect_status, NEW.result_hash
+          FROM outbox_effects e WHERE e.id = NEW.effect_id AND e.shard = NEW.shard FOR UPDATE;
         NEW.id := nextval(pg_get_serial_sequence('outbox_effect_attempts', 'id'));
     END IF;
     -- The newest link of this effect's chain, else its genesis.
@@ -122,8 +146,9 @@ BEGIN
                       WHERE a.effect_id = NEW.effect_id AND a.shard = NEW.shard
                       ORDER BY a.id DESC LIMIT 1), prev)
       INTO prev;
-    NEW.hash := outbox_attempt_hash(prev, NEW.effect_id, NEW.attempt, NEW.worker,
-                                    NEW.started_at, NEW.finished_at, NEW.outcome, NEW.detail);
+    NEW.hash := outbox_attempt_link(prev, NEW.effect_id, NEW.attempt, NEW.worker,
+                                    NEW.started_at, NEW.finished_at, NEW.outcome, NEW.detail,
+                                    NEW.effect_status, NEW.result_hash);
     RETURN NEW;
 END
 $$;

@@ -321,6 +321,14 @@ def _value_text(column: Any) -> Any:
     return func.outbox_resolve(column).cast(Text)
 
 
+def _effect_texts() -> list[Any]:
+    """An effect's payload's own text (its digest's) and its result's (the attempt log's)."""
+    return [
+        _value_text(effects.c.payload).label("payload_text"),
+        effects.c.result.cast(Text).label("result_text"),
+    ]
+
+
 def audit_run() -> AnySelect:
     """The run ``:run_id`` with its inputs' own text (what ``inputs_hash`` is the sha256 of)."""
     run_id = bindparam("run_id", type_=UUID(as_uuid=True))
@@ -353,9 +361,9 @@ def run_steps() -> AnySelect:
 
 
 def run_effects() -> AnySelect:
-    """A run's effects in intent order, with their payload's own text (``:run_id``)."""
+    """A run's effects in intent order, with their payload's and result's texts (``:run_id``)."""
     return (
-        select(effects, _value_text(effects.c.payload).label("payload_text"))
+        select(effects, *_effect_texts())
         .where(effects.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
         .order_by(effects.c.seq)
     )
@@ -378,7 +386,7 @@ def effects_outside_runs() -> AnySelect:
     page passes one above any) and ``page_size``. Found by the ``(run_id, seq)`` index.
     """
     return (
-        select(effects, _value_text(effects.c.payload).label("payload_text"))
+        select(effects, *_effect_texts())
         .where(effects.c.run_id.is_(None), effects.c.seq < bindparam("before", type_=BigInteger))
         .order_by(effects.c.seq.desc())
         .limit(bindparam("page_size", type_=Integer))
