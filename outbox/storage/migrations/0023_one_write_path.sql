@@ -220,6 +220,13 @@ BEGIN
 END
 $$;
 
+-- Whether the tables are distributed (Citus): outbox migrate --distribute sets it
+-- for the database. A session that unsets it only makes a delegated write refuse.
+CREATE OR REPLACE FUNCTION outbox_distributed() RETURNS boolean
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT coalesce(current_setting('outbox.distributed', true), '') = 'on'
+$$;
+
 -- Refuse a run that takes no steps now: missing (OB004), paused (OB009) or
 -- ended (OB005).
 CREATE OR REPLACE FUNCTION outbox_raise_run_refusal(p_run_id uuid) RETURNS void
@@ -1418,12 +1425,24 @@ END
 $$;
 
 -- Every way back to pending (a retry, the reconciler, an operator) holds the
--- effect of a paused run as paused; commit_step decides it for new intents.
+-- effect of a paused run as paused; commit_step decides it for new intents. And
+-- an effect held for approval leaves it only by an approval (a session with
+-- EXECUTE on outbox_may_release: the operator's, under `outbox roles`), a
+-- rejection or a cancellation, never by a deliverer's hand-written UPDATE. One
+-- trigger for both, so the claims and completions pay for one WHEN clause.
 CREATE OR REPLACE FUNCTION outbox_effects_hold_paused() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
-    IF EXISTS (SELECT 1 FROM outbox_runs
-                WHERE id = NEW.run_id AND shard = NEW.shard AND paused_at IS NOT NULL) THEN
+    IF OLD.status = 'awaiting_approval'
+       AND NEW.status NOT IN ('awaiting_approval', 'rejected', 'cancelled')
+       AND NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
+        RAISE EXCEPTION 'permission denied: effect % is held for approval; only an approval '
+            'releases it (a role with EXECUTE on outbox_may_release())', OLD.id
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    IF NEW.status = 'pending' AND NEW.run_id IS NOT NULL AND EXISTS (
+        SELECT 1 FROM outbox_runs
+         WHERE id = NEW.run_id AND shard = NEW.shard AND paused_at IS NOT NULL) THEN
         NEW.status := 'paused';
     END IF;
     RETURN NEW;
@@ -1938,23 +1957,79 @@ CREATE OR REPLACE FUNCTION outbox_live_run_statuses() RETURNS text[]
 SELECT '{runnable,running,waiting,paused}'::text[]
 $$;
 
--- A numeric limit (max_payload_bytes, max_step_intents, ...): outbox_setting's value.
+-- What the database itself sets for outbox.<name> (ALTER DATABASE ... SET), if
+-- anything: unlike current_setting, nothing a session does changes it.
+CREATE OR REPLACE FUNCTION outbox_database_setting(name text) RETURNS text
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT nullif(substr(c, length(name) + 9), '')
+  FROM pg_catalog.pg_db_role_setting AS s, unnest(s.setconfig) AS c
+ WHERE s.setdatabase = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                         WHERE d.datname = current_database())
+   AND s.setrole = 0 AND c LIKE 'outbox.' || name || '=%'
+$$;
+
+-- A numeric limit (max_payload_bytes, max_step_intents, ...): outbox_setting's
+-- value. The caps (all but blob_threshold_bytes, which only chooses where a value
+-- is stored) a session can only lower: above the database's own value, or the
+-- rule when the database sets none, the ceiling holds. The ceiling is read only
+-- when the session asks for more than the rule, so a client on the defaults (or
+-- stricter) pays nothing for it; a database that lowers a cap below the rule
+-- binds sessions that do not set their own (SQL API callers), as before.
 CREATE OR REPLACE FUNCTION outbox_limit(name text) RETURNS bigint
     LANGUAGE sql STABLE PARALLEL SAFE AS $$
-SELECT outbox_setting(name)::bigint
+SELECT CASE WHEN name = 'blob_threshold_bytes' OR v <= rule THEN v
+            ELSE least(v, coalesce(outbox_database_setting(name)::bigint, rule)) END
+  FROM (SELECT outbox_setting(name)::bigint, (outbox_intent_rules()->>name)::bigint) AS l(v, rule)
+$$;
+
+-- Who may let go of what an operator holds: approve an effect held for
+-- approval, resume a paused run. Everyone, until `outbox roles` revokes EXECUTE
+-- from PUBLIC and grants it to the operator role: then an agent or deliverer
+-- login that writes the status by hand is refused (outbox_effects_hold_paused,
+-- outbox_runs_refuse_resume).
+CREATE OR REPLACE FUNCTION outbox_may_release() RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT true
+$$;
+
+-- Refuses to resume a paused run (make it live again, or drop a pause asked of
+-- a running one) in a session without EXECUTE on outbox_may_release: an agent
+-- login cannot un-pause what an operator paused. The WHEN clause keeps it off
+-- every other update.
+CREATE OR REPLACE FUNCTION outbox_runs_refuse_resume() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
+        RAISE EXCEPTION 'permission denied: run % was paused by an operator; only a resume '
+            'lets it go (a role with EXECUTE on outbox_may_release())', OLD.id
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+-- A recorded step never changes: its result is what a replay returns, and the
+-- run's hash chain covers it. Its hash may be relinked (a fork does), which only
+-- verify can judge. The UPDATE trigger costs the step write (an INSERT) nothing.
+-- The table's owner (and a superuser) is not refused, as row-level security
+-- does not bind it: a hand edit by whoever owns the schema is for `outbox audit
+-- verify` to find; an agent login can no longer make one.
+CREATE OR REPLACE FUNCTION outbox_steps_refuse_rewrite() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF pg_has_role((SELECT c.relowner FROM pg_catalog.pg_class AS c WHERE c.oid = TG_RELID),
+                   'USAGE') THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION 'step % of run % is recorded: it never changes', OLD.step_id, OLD.run_id
+        USING ERRCODE = 'integrity_constraint_violation';
+END
 $$;
 
 -- id with its shard bits set to shard (a new id that must live on that shard).
 CREATE OR REPLACE FUNCTION outbox_on_shard(id uuid, shard smallint) RETURNS uuid
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
 SELECT encode(set_byte(uuid_send(id), 15, (get_byte(uuid_send(id), 15) & 224) | shard), 'hex')::uuid
-$$;
-
--- Whether the tables are distributed (Citus): outbox migrate --distribute sets it
--- for the database. A session that unsets it only makes a delegated write refuse.
-CREATE OR REPLACE FUNCTION outbox_distributed() RETURNS boolean
-    LANGUAGE sql STABLE PARALLEL SAFE AS $$
-SELECT coalesce(current_setting('outbox.distributed', true), '') = 'on'
 $$;
 
 -- Send signal name with a JSON payload to a live run; a run waiting for it
@@ -2362,3 +2437,30 @@ BEGIN
     RETURN resolved;
 END
 $$;
+
+DROP TRIGGER IF EXISTS outbox_effects_hold_paused ON outbox_effects;
+CREATE TRIGGER outbox_effects_hold_paused
+    BEFORE UPDATE OF status ON outbox_effects FOR EACH ROW
+    WHEN ((NEW.status = 'pending' AND OLD.status <> 'pending' AND OLD.status <> 'paused'
+           AND NEW.run_id IS NOT NULL)
+          OR (OLD.status = 'awaiting_approval'
+              AND NEW.status NOT IN ('awaiting_approval', 'rejected', 'cancelled')))
+    EXECUTE FUNCTION outbox_effects_hold_paused();
+
+DROP TRIGGER IF EXISTS outbox_runs_resume_guard ON outbox_runs;
+CREATE TRIGGER outbox_runs_resume_guard
+    BEFORE UPDATE OF status, paused_at ON outbox_runs FOR EACH ROW
+    WHEN (NEW.status IN ('runnable', 'running', 'waiting')
+          AND (OLD.status = 'paused' OR (OLD.paused_at IS NOT NULL AND NEW.paused_at IS NULL)))
+    EXECUTE FUNCTION outbox_runs_refuse_resume();
+
+DROP TRIGGER IF EXISTS outbox_steps_recorded_immutable ON outbox_steps;
+CREATE TRIGGER outbox_steps_recorded_immutable
+    BEFORE UPDATE ON outbox_steps FOR EACH ROW
+    WHEN (OLD.status = 'completed'
+          AND (OLD.run_id, OLD.shard, OLD.seq, OLD.step_id, OLD.kind, OLD.result, OLD.error,
+               OLD.state, OLD.plan, OLD.completed_at, OLD.status)
+              IS DISTINCT FROM
+              (NEW.run_id, NEW.shard, NEW.seq, NEW.step_id, NEW.kind, NEW.result, NEW.error,
+               NEW.state, NEW.plan, NEW.completed_at, NEW.status))
+    EXECUTE FUNCTION outbox_steps_refuse_rewrite();
