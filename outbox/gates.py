@@ -10,14 +10,25 @@ round trip, and no client can skip it):
 - a condition is ``{pointer, op, value}``: ``pointer`` is a JSON Pointer
   (RFC 6901) into the payload (``""`` is the whole payload, ``/json/amount``
   the ``amount`` of the ``json`` object, ``/items/0`` an array's first element);
-- ``op`` is one of ``eq``, ``ne``, ``gt``, ``ge``, ``lt``, ``le``, ``in``, ``exists``;
+- ``op`` is one of ``eq``, ``ne``, ``gt``, ``ge``, ``lt``, ``le``, ``in``, ``exists``,
+  ``type``;
 - ``eq``/``ne`` compare JSON values (numbers by value: ``1`` equals ``1.0``);
-  ``gt``/``ge``/``lt``/``le`` need a number on both sides (a string, a missing
-  value or anything else is not ordered: the condition does not hold);
-  ``in`` holds when the value equals one of a list; ``exists`` when the pointer
-  resolves (to anything, JSON ``null`` included);
+  ``gt``/``ge``/``lt``/``le`` compare numbers; ``in`` holds when the value
+  equals one of a list; ``exists`` when the pointer resolves (to anything, JSON
+  ``null`` included); ``type`` when the value is of the JSON type named
+  (``number``, ``string``, ``boolean``, ``null``, ``array``, ``object``);
+- where a number is wanted, a string that reads as a JSON number (``"50000"``,
+  ``"12.50"``) compares as that number;
+- a gate fails closed: a condition that meets a value it cannot judge (``gt``
+  meeting ``[50000]`` or ``"lots"``, ``eq "USD"`` meeting a list, ``type
+  number`` meeting ``"50000"``) holds the intent whatever the other conditions
+  say, and the effect's ``approval`` records why (``reason``); JSON ``null``
+  among ``eq``/``ne``/``in``'s values makes every type comparable;
 - a condition about a pointer that does not resolve does not hold (``ne`` too);
 - a gate holds when all its conditions hold (none: every intent of the kind).
+
+So ``type`` is the strict form: ``[{/json/amount type number}, {/json/amount gt
+10000}]`` holds an amount above 10000 and any amount that is not a JSON number.
 
 Gates come from the deliverers config (``[[approvals]]`` tables, read with the
 rest of it by :mod:`outbox.delivery.config`, stored in PostgreSQL by ``outbox
@@ -39,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from outbox.intent_rules import KIND_PATTERN, MAX_DELAY_SECONDS, identifier_violation
 
 __all__ = [
+    "JSON_TYPES",
     "OPS",
     "ApprovalPolicy",
     "Condition",
@@ -50,8 +62,10 @@ __all__ = [
 ]
 
 #: The comparison operators of a condition.
-OPS = ("eq", "ne", "gt", "ge", "lt", "le", "in", "exists")
-Op = Literal["eq", "ne", "gt", "ge", "lt", "le", "in", "exists"]
+OPS = ("eq", "ne", "gt", "ge", "lt", "le", "in", "exists", "type")
+Op = Literal["eq", "ne", "gt", "ge", "lt", "le", "in", "exists", "type"]
+#: The JSON types a ``type`` condition names (PostgreSQL's ``jsonb_typeof``).
+JSON_TYPES = ("number", "string", "boolean", "null", "array", "object")
 _ORDERED = frozenset({"gt", "ge", "lt", "le"})
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
@@ -105,9 +119,11 @@ class Condition(BaseModel):
     #: A JSON Pointer into the payload (``/json/amount``); one that does not resolve
     #: makes the condition false.
     pointer: str = Field(max_length=1000)
-    #: ``eq``, ``ne``, ``gt``, ``ge``, ``lt``, ``le`` (on numbers), ``in`` (a list), ``exists``.
+    #: ``eq``, ``ne``, ``gt``, ``ge``, ``lt``, ``le`` (on numbers), ``in`` (a list),
+    #: ``exists``, ``type`` (a JSON type); a value it cannot judge holds the intent.
     op: Op
-    #: What the payload's value is compared with (none for ``exists``).
+    #: What the payload's value is compared with (none for ``exists``, a JSON type
+    #: name for ``type``).
     value: Any = None
 
     @field_validator("pointer")
@@ -126,6 +142,8 @@ class Condition(BaseModel):
             raise ValueError("op 'in' needs a non-empty list as value")
         if self.op == "exists" and self.value is not None:
             raise ValueError("op 'exists' takes no value")
+        if self.op == "type" and self.value not in JSON_TYPES:
+            raise ValueError(f"op 'type' names a JSON type: one of {', '.join(JSON_TYPES)}")
         try:
             json.dumps(self.value, allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -138,7 +156,7 @@ class Condition(BaseModel):
         return parse_pointer(self.pointer)
 
     def stored(self) -> dict[str, Any]:
-        """The form PostgreSQL evaluates (``outbox_gate_matches``)."""
+        """The form PostgreSQL evaluates (``outbox_gate_match``)."""
         return {"pointer": self.pointer, "path": self.path, "op": self.op, "value": self.value}
 
 

@@ -46,6 +46,9 @@ class Settings(BaseModel):
     #: process that uses the same ``home``.
     home: Path = Field(default=Path(".outbox"))
     #: The largest value: inputs, state, plan, a step result, a payload, a signal's payload.
+    #: Above the default (as for the other ``max_`` caps) PostgreSQL also needs the
+    #: database's own ``ALTER DATABASE ... SET outbox.max_payload_bytes``: a session
+    #: can only lower a cap.
     max_payload_bytes: int = Field(default=DEFAULT_MAX_VALUE_BYTES, gt=0, le=MAX_VALUE_BYTES)
     #: Values larger than this are stored once, by reference, outside the hot rows.
     blob_threshold_bytes: int = Field(default=DEFAULT_BLOB_THRESHOLD_BYTES, ge=0)

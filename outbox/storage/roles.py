@@ -20,7 +20,12 @@ Four group roles (``NOLOGIN``); give each login one of them
   values included).
 - ``outbox_reader``: reads every table.
 
-Column privileges restrict updates; a row-level security policy on
+Column privileges restrict updates; triggers refuse the transitions a column
+grant would otherwise allow: a recorded step never changes (an agent cannot
+rewrite a result), and only a session with EXECUTE on ``outbox_may_release()``
+(the operator's) moves an effect held for approval to ``pending`` or a paused
+run back to live (a deliverer cannot approve, an agent cannot un-pause). A
+row-level security policy on
 ``outbox_effects`` restricts inserts (the table owner, which runs migrations,
 is not subject to it). The policy calls ``outbox_is_declared_compensation``, a
 ``SECURITY DEFINER`` function owned by the table's owner. Applying the script
@@ -253,6 +258,11 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
         if "INSERT" in spec.grants.get("outbox_effect_attempts", ())
     ]
     out.append(f"GRANT USAGE ON SEQUENCE {attempts_seq} TO {', '.join(logging_roles)}")
+    # Approving a held effect and resuming a paused run are the operator's: the
+    # triggers that guard both ask for this function's EXECUTE privilege.
+    release = f"{schema}.outbox_may_release()"
+    out.append(f"REVOKE ALL ON FUNCTION {release} FROM PUBLIC, {every}")
+    out.append(f"GRANT EXECUTE ON FUNCTION {release} TO {names['operator']}")
     # Who may insert into outbox_effects, and what.
     stopping = sql_in("r.status", STOPPING_RUN_STATUSES)
     out.append(

@@ -175,16 +175,38 @@ def test_a_cancelled_run_cancels_its_held_effects(gated: Outbox) -> None:
 
 CONDITIONS: list[tuple[dict[str, Any], dict[str, Any], bool]] = [
     ({"pointer": "/a", "op": "eq", "value": 1}, {"a": 1.0}, True),
-    ({"pointer": "/a", "op": "eq", "value": 1}, {"a": "1"}, False),
+    ({"pointer": "/a", "op": "eq", "value": 1}, {"a": "1"}, True),
+    ({"pointer": "/a", "op": "eq", "value": 1}, {"a": "2"}, False),
+    ({"pointer": "/a", "op": "eq", "value": "USD"}, {"a": ["USD"]}, True),
+    ({"pointer": "/a", "op": "eq", "value": None}, {"a": "x"}, False),
+    ({"pointer": "/a", "op": "ne", "value": "prod"}, {"a": "prod"}, False),
+    ({"pointer": "/a", "op": "ne", "value": "prod"}, {"a": ["prod"]}, True),
     ({"pointer": "/a", "op": "ne", "value": 1}, {"a": 2}, True),
     ({"pointer": "/a", "op": "ne", "value": 1}, {}, False),
     ({"pointer": "/a", "op": "gt", "value": 10}, {"a": 10.5}, True),
-    ({"pointer": "/a", "op": "gt", "value": 10}, {"a": "99"}, False),
+    ({"pointer": "/a", "op": "gt", "value": 10}, {"a": "99"}, True),
+    ({"pointer": "/a", "op": "gt", "value": 10}, {"a": "9.5"}, False),
+    ({"pointer": "/a", "op": "gt", "value": 10}, {"a": "1e3"}, True),
+    ({"pointer": "/a", "op": "gt", "value": 10}, {"a": " 9"}, True),
+    ({"pointer": "/a", "op": "gt", "value": 10}, {"a": "1e99999"}, True),
+    ({"pointer": "/a", "op": "gt", "value": 10}, {"a": "9" * 101}, True),
+    ({"pointer": "/a", "op": "gt", "value": 10}, {"a": [5]}, True),
+    ({"pointer": "/a", "op": "gt", "value": 10}, {"a": {"v": 5}}, True),
+    ({"pointer": "/a", "op": "gt", "value": 10}, {"a": None}, True),
+    ({"pointer": "/a", "op": "gt", "value": 10}, {}, False),
     ({"pointer": "/a", "op": "ge", "value": 10}, {"a": 10}, True),
     ({"pointer": "/a", "op": "lt", "value": 0}, {"a": -1}, True),
-    ({"pointer": "/a", "op": "le", "value": 0}, {"a": True}, False),
+    ({"pointer": "/a", "op": "le", "value": 0}, {"a": True}, True),
+    ({"pointer": "/a", "op": "le", "value": 0}, {"a": 1}, False),
     ({"pointer": "/a", "op": "in", "value": ["EUR", "USD"]}, {"a": "USD"}, True),
     ({"pointer": "/a", "op": "in", "value": ["EUR", "USD"]}, {"a": "GBP"}, False),
+    ({"pointer": "/a", "op": "in", "value": ["EUR", "USD"]}, {"a": ["USD"]}, True),
+    ({"pointer": "/a", "op": "in", "value": [1, 2]}, {"a": "2"}, True),
+    ({"pointer": "/a", "op": "in", "value": [1, 2]}, {"a": "3"}, False),
+    ({"pointer": "/a", "op": "type", "value": "number"}, {"a": 5}, True),
+    ({"pointer": "/a", "op": "type", "value": "number"}, {"a": "5"}, True),
+    ({"pointer": "/a", "op": "type", "value": "array"}, {"a": []}, True),
+    ({"pointer": "/a", "op": "type", "value": "number"}, {}, False),
     ({"pointer": "/a/0/b", "op": "eq", "value": "x"}, {"a": [{"b": "x"}]}, True),
     ({"pointer": "/a~1b", "op": "exists"}, {"a/b": None}, True),
     ({"pointer": "/a", "op": "exists"}, {"b": 1}, False),
@@ -204,12 +226,63 @@ def test_the_rule_language_as_postgresql_evaluates_it(
 
 
 @pytest.mark.parametrize(
+    ("amount", "held", "reason"),
+    [
+        (50_000, True, None),
+        (5_000, False, None),
+        ("50000", True, None),
+        ("5000", False, None),
+        ([50_000], True, "/json/amount is an array, not a number (gt 10000)"),
+        ("50 000", True, "/json/amount is a string, not a number (gt 10000)"),
+        (True, True, "/json/amount is a boolean, not a number (gt 10000)"),
+    ],
+)
+def test_a_gate_is_not_passed_by_quoting_or_wrapping_the_number(
+    gated: Outbox, amount: Any, held: bool, reason: str | None
+) -> None:
+    _, effect = pay(gated, amount)
+    if not held:
+        assert effect.status == EffectStatus.PENDING
+        return
+    assert effect.status == EffectStatus.AWAITING_APPROVAL
+    assert effect.approval["gate"] == "large-payments"
+    assert effect.approval.get("reason") == reason
+
+
+def test_a_payload_stored_by_reference_meets_the_gate_too(gated: Outbox) -> None:
+    run = gated.start_run("payer", "1")
+    payload = {"json": {"amount": "50000"}, "memo": "x" * 20_000}
+    effect_id = run.transaction("pay", lambda tx: str(tx.intend("payments.send", payload).id))
+    assert gated.effect(effect_id).status == EffectStatus.AWAITING_APPROVAL
+
+
+def test_the_strict_form_holds_every_amount_that_is_not_a_json_number(ob: Outbox) -> None:
+    strict = [
+        {"pointer": "/json/amount", "op": "type", "value": "number"},
+        {"pointer": "/json/amount", "op": "gt", "value": 10_000},
+    ]
+    ob.apply_gates([Gate(name="strict", kind="payments.send", when=strict)])
+    assert pay(ob, 5_000)[1].status == EffectStatus.PENDING
+    assert pay(ob, 50_000)[1].status == EffectStatus.AWAITING_APPROVAL
+    quoted = pay(ob, "5000")[1]
+    assert quoted.status == EffectStatus.AWAITING_APPROVAL
+    assert quoted.approval["reason"] == "/json/amount is a string, not a number"
+    # a value no condition can judge names each reason
+    listed = pay(ob, ["5000"])[1]
+    assert listed.approval["reason"] == (
+        "/json/amount is an array, not a number; /json/amount is an array, not a number (gt 10000)"
+    )
+
+
+@pytest.mark.parametrize(
     ("table", "error"),
     [
         ({"pointer": "a", "op": "eq", "value": 1}, "JSON Pointer"),
         ({"pointer": "/a", "op": "gt", "value": "10"}, "value must be a number"),
         ({"pointer": "/a", "op": "in", "value": []}, "non-empty list"),
         ({"pointer": "/a", "op": "like", "value": 1}, "op"),
+        ({"pointer": "/a", "op": "type", "value": "int"}, "names a JSON type"),
+        ({"pointer": "/a", "op": "type"}, "names a JSON type"),
     ],
 )
 def test_bad_conditions_are_refused_by_name(table: dict[str, Any], error: str) -> None:

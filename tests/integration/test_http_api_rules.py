@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from outbox import Outbox
+from outbox.gates import Gate
 from outbox.serve.app import OutboxServer
 from outbox.serve.settings import Credentials, ServeSettings
 from tests.api_client import TOKEN, ApiClient
@@ -78,6 +79,21 @@ def test_payload_rules_over_http_are_the_shared_cases(ob: Outbox, api: ApiClient
     # A refused step wrote nothing: no step, no intent.
     assert len(ob.run(run_id).completed_steps) == accepted
     assert len(ob.effects(run_id=run_id)) == accepted
+
+
+def test_a_gate_is_not_passed_over_http_by_quoting_or_wrapping_the_number(
+    ob: Outbox, api: ApiClient
+) -> None:
+    gate = {"pointer": "/json/amount", "op": "gt", "value": 10_000}
+    ob.apply_gates([Gate(name="large-payments", kind="payments.send", when=[gate])])
+    run_id = start(api)
+    amounts = [50_000, "50000", [50_000], "5000"]
+    intents = [{"kind": "payments.send", "payload": {"json": {"amount": a}}} for a in amounts]
+    answer = post(api, f"/runs/{run_id}/steps", {"step_id": "pay", "intents": intents})
+    assert answer.status_code == 201, answer.text
+    effects = [ob.effect(e["id"]) for e in answer.json()["effects"]]
+    assert [e.status for e in effects] == ["awaiting_approval"] * 3 + ["pending"]
+    assert effects[2].approval["reason"] == "/json/amount is an array, not a number (gt 10000)"
 
 
 def test_identifier_rules_over_http_are_the_shared_cases(ob: Outbox, api: ApiClient) -> None:

@@ -361,3 +361,73 @@ def test_governance_under_the_roles_agent_holds_operator_decides_reader_cannot(
         approved = operator.approve_effect(held.id, digest=held.digest, note="ok", by="cfo")
     assert approved.status == "pending"
     assert [a.outcome for a in ob.store.attempts(held.id)] == ["approval_refused", "approved"]
+
+
+def refused_as(dsn: str, sql: str, params: dict[str, Any], words: str) -> None:
+    """One statement as a login, refused with ``words`` in the message; nothing changed."""
+    with psycopg.connect(libpq_dsn(dsn)) as conn, pytest.raises(psycopg.Error) as caught:
+        conn.execute(sql, params)
+    assert words in str(caught.value), caught.value
+
+
+def test_a_role_cannot_use_its_column_grants_to_leave_its_lane(
+    dsn: str, ob: Outbox, logins: dict[str, str]
+) -> None:
+    from outbox.gates import Gate
+
+    ob.apply_gates(
+        [Gate(name="big", kind="k.pay", when=[{"pointer": "/n", "op": "gt", "value": 10}])]
+    )
+    run = ob.start_run("billing", "1")
+    held_id = run.transaction("pay", lambda tx: str(tx.intend("k.pay", {"n": 99}).id))
+    agent, deliverer = logins["agent"], logins["deliverer"]
+
+    # agent: a recorded step's result cannot be rewritten (nor its hash with it)
+    refused_as(
+        agent,
+        "UPDATE outbox_steps SET result = '\"forged\"', hash = '\\x00'"
+        " WHERE run_id = %(run)s AND step_id = 'pay'",
+        {"run": run.id},
+        "is recorded: it never changes",
+    )
+    # agent: a run an operator paused stays paused
+    ob.pause(run.id, "audit")
+    for sql in (
+        "UPDATE outbox_runs SET status = 'runnable' WHERE id = %(run)s",
+        "UPDATE outbox_runs SET status = 'running', lease_owner = 'me' WHERE id = %(run)s",
+    ):
+        refused_as(agent, sql, {"run": run.id}, "paused by an operator")
+    assert ob.run(run.id).status == RunStatus.PAUSED
+    # deliverer: an effect held for approval is released only by an approval
+    for status in ("pending", "running", "succeeded"):
+        refused_as(
+            deliverer,
+            "UPDATE outbox_effects SET status = %(status)s WHERE id = %(id)s",
+            {"status": status, "id": held_id},
+            "held for approval",
+        )
+    assert ob.effect(held_id).status == "awaiting_approval"
+    # ...while the operator still approves and resumes
+    with Outbox.connect(logins["operator"]) as operator:
+        operator.approve_effect(held_id, digest=ob.effect(held_id).digest, note="ok", by="ops")
+        operator.resume(run.id)
+    assert ob.run(run.id).status == RunStatus.RUNNABLE
+
+    # any login: a cap set for the session is only ever lowered
+    with psycopg.connect(libpq_dsn(agent)) as conn:
+        conn.execute("SET outbox.max_payload_bytes = '1000000000000'")
+        conn.execute("SET outbox.max_step_id_length = '100000'")
+        limits = conn.execute(
+            "SELECT outbox_limit('max_payload_bytes'), outbox_limit('max_step_id_length')"
+        ).fetchone()
+        assert limits == (64 * 1024 * 1024, 200)
+        conn.execute("SET outbox.max_step_id_length = '50'")
+        assert conn.execute("SELECT outbox_limit('max_step_id_length')").fetchone() == (50,)
+    # the database (its owner) raises a cap
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        name = conn.execute("SELECT current_database()").fetchone()
+        assert name is not None
+        conn.execute(f'ALTER DATABASE "{name[0]}" SET outbox.max_step_id_length = 300')
+    with psycopg.connect(libpq_dsn(agent)) as conn:
+        conn.execute("SET outbox.max_step_id_length = '100000'")
+        assert conn.execute("SELECT outbox_limit('max_step_id_length')").fetchone() == (300,)

@@ -87,6 +87,37 @@ def test_a_gate_holds_an_intent_written_through_sql_until_its_own_digest_is_appr
     assert status == ("pending",)
 
 
+@pytest.mark.parametrize(
+    ("amount", "reason"),
+    [
+        ("50000", None),
+        ([50_000], "/amount is an array, not a number (gt 10000)"),
+        ({"value": 50_000}, "/amount is an object, not a number (gt 10000)"),
+        (None, "/amount is null, not a number (gt 10000)"),
+    ],
+)
+def test_a_gate_is_not_passed_through_sql_by_quoting_or_wrapping_the_number(
+    db: Any, ob: Outbox, amount: Any, reason: str | None
+) -> None:
+    ob.apply_gates([LARGE])
+    payload = {**PAYMENT, "amount": amount}
+    run_id = start_run(db)
+    (staged,) = _step(db, run_id, "pay", {"kind": "payments.send", "payload": payload, "kw": {}})
+    inline = db.execute(
+        "SELECT effect_ids[1] FROM outbox_commit_step(%s, 'pay-inline', result => '{}',"
+        " intents => %s)",
+        [run_id, json.dumps([{"kind": "payments.send", "payload": payload}])],
+    ).fetchone()
+    no_run = intend(db, "payments.send", payload)
+    db.commit()
+    assert inline is not None
+    for effect_id in (staged[0], inline[0], no_run[0]):
+        held = ob.effect(effect_id)
+        assert held.status == EffectStatus.AWAITING_APPROVAL
+        assert held.approval["gate"] == "large-payments"
+        assert held.approval.get("reason") == reason
+
+
 def test_an_intent_of_no_run_is_held_by_a_gate_too(db: Any, ob: Outbox) -> None:
     ob.apply_gates([LARGE])
     row = intend(db, "payments.send", PAYMENT)

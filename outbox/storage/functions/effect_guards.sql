@@ -33,12 +33,24 @@ CREATE TRIGGER outbox_effects_settle_cost
     EXECUTE FUNCTION outbox_effects_settle_cost();
 
 -- Every way back to pending (a retry, the reconciler, an operator) holds the
--- effect of a paused run as paused; commit_step decides it for new intents.
+-- effect of a paused run as paused; commit_step decides it for new intents. And
+-- an effect held for approval leaves it only by an approval (a session with
+-- EXECUTE on outbox_may_release: the operator's, under `outbox roles`), a
+-- rejection or a cancellation, never by a deliverer's hand-written UPDATE. One
+-- trigger for both, so the claims and completions pay for one WHEN clause.
 CREATE OR REPLACE FUNCTION outbox_effects_hold_paused() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
-    IF EXISTS (SELECT 1 FROM outbox_runs
-                WHERE id = NEW.run_id AND shard = NEW.shard AND paused_at IS NOT NULL) THEN
+    IF OLD.status = 'awaiting_approval'
+       AND NEW.status NOT IN ('awaiting_approval', 'rejected', 'cancelled')
+       AND NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
+        RAISE EXCEPTION 'permission denied: effect % is held for approval; only an approval '
+            'releases it (a role with EXECUTE on outbox_may_release())', OLD.id
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    IF NEW.status = 'pending' AND NEW.run_id IS NOT NULL AND EXISTS (
+        SELECT 1 FROM outbox_runs
+         WHERE id = NEW.run_id AND shard = NEW.shard AND paused_at IS NOT NULL) THEN
         NEW.status := 'paused';
     END IF;
     RETURN NEW;
@@ -48,6 +60,8 @@ $$;
 DROP TRIGGER IF EXISTS outbox_effects_hold_paused ON outbox_effects;
 CREATE TRIGGER outbox_effects_hold_paused
     BEFORE UPDATE OF status ON outbox_effects FOR EACH ROW
-    WHEN (NEW.status = 'pending' AND OLD.status <> 'pending' AND OLD.status <> 'paused'
-          AND NEW.run_id IS NOT NULL)
+    WHEN ((NEW.status = 'pending' AND OLD.status <> 'pending' AND OLD.status <> 'paused'
+           AND NEW.run_id IS NOT NULL)
+          OR (OLD.status = 'awaiting_approval'
+              AND NEW.status NOT IN ('awaiting_approval', 'rejected', 'cancelled')))
     EXECUTE FUNCTION outbox_effects_hold_paused();

@@ -442,9 +442,10 @@ $$;
 
 -- The effects to write of rows (outbox_intent_rows; those naming an existing
 -- effect are skipped), as step p_step_id of run p_run_id writes them, with their
--- status: a configured gate holds a matching intent as awaiting_approval and wins
--- over the intent's own policy (an intent can add a gate, never loosen one; a dry
--- run's kinds match no gate); otherwise a paused run's intents are held as
+-- status: a configured gate holds a matching intent as awaiting_approval (its
+-- approval names the gate, and the reason when a condition met a value it could
+-- not judge: outbox_gate_match) and wins over the intent's own policy (an intent
+-- can add a gate, never loosen one; a dry run's kinds match no gate); otherwise a paused run's intents are held as
 -- paused, and the rest are pending. The columns are outbox_effects', in the
 -- order both writers insert them.
 CREATE OR REPLACE FUNCTION outbox_intent_effects(
@@ -471,11 +472,14 @@ SELECT r.id, p_run_id, p_step_id, r.step_index, r.kind, r.payload, r.payload_has
     SELECT coalesce((
         SELECT jsonb_build_object('gate', g.name, 'timeout', g.timeout_seconds,
                                   'on_timeout', g.on_timeout, 'escalate_to', g.escalate_to)
-          FROM jsonb_to_recordset(p_gates) AS g(name text, kind text, conditions jsonb,
-               timeout_seconds double precision, on_timeout text, escalate_to text)
-         WHERE g.kind = r.kind
-           AND outbox_gate_matches(g.conditions, CASE WHEN r.payload_size
-               > outbox_limit('blob_threshold_bytes') THEN r.payload_text::jsonb ELSE r.payload END)
+               || g.verdict
+          FROM (SELECT g.*, outbox_gate_match(g.conditions, CASE WHEN r.payload_size
+                    > outbox_limit('blob_threshold_bytes') THEN r.payload_text::jsonb
+                    ELSE r.payload END) AS verdict
+                  FROM jsonb_to_recordset(p_gates) AS g(name text, kind text, conditions jsonb,
+                       timeout_seconds double precision, on_timeout text, escalate_to text)
+                 WHERE g.kind = r.kind) AS g
+         WHERE g.verdict IS NOT NULL
          ORDER BY g.name LIMIT 1), r.approval) AS policy) AS h
  WHERE r.existing IS NULL AND r.first_n IS NULL
 $$;

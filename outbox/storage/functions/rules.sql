@@ -108,8 +108,27 @@ CREATE OR REPLACE FUNCTION outbox_live_run_statuses() RETURNS text[]
 SELECT '{runnable,running,waiting,paused}'::text[]
 $$;
 
--- A numeric limit (max_payload_bytes, max_step_intents, ...): outbox_setting's value.
+-- What the database itself sets for outbox.<name> (ALTER DATABASE ... SET), if
+-- anything: unlike current_setting, nothing a session does changes it.
+CREATE OR REPLACE FUNCTION outbox_database_setting(name text) RETURNS text
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT nullif(substr(c, length(name) + 9), '')
+  FROM pg_catalog.pg_db_role_setting AS s, unnest(s.setconfig) AS c
+ WHERE s.setdatabase = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                         WHERE d.datname = current_database())
+   AND s.setrole = 0 AND c LIKE 'outbox.' || name || '=%'
+$$;
+
+-- A numeric limit (max_payload_bytes, max_step_intents, ...): outbox_setting's
+-- value. The caps (all but blob_threshold_bytes, which only chooses where a value
+-- is stored) a session can only lower: above the database's own value, or the
+-- rule when the database sets none, the ceiling holds. The ceiling is read only
+-- when the session asks for more than the rule, so a client on the defaults (or
+-- stricter) pays nothing for it; a database that lowers a cap below the rule
+-- binds sessions that do not set their own (SQL API callers), as before.
 CREATE OR REPLACE FUNCTION outbox_limit(name text) RETURNS bigint
     LANGUAGE sql STABLE PARALLEL SAFE AS $$
-SELECT outbox_setting(name)::bigint
+SELECT CASE WHEN name = 'blob_threshold_bytes' OR v <= rule THEN v
+            ELSE least(v, coalesce(outbox_database_setting(name)::bigint, rule)) END
+  FROM (SELECT outbox_setting(name)::bigint, (outbox_intent_rules()->>name)::bigint) AS l(v, rule)
 $$;

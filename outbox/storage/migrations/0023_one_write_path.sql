@@ -165,6 +165,10 @@ DROP FUNCTION outbox_commit_step(run_id uuid, step_id text, result jsonb, state 
 
 DROP FUNCTION outbox_finish_run(run_id uuid, status text, result jsonb, error jsonb);
 
+DROP FUNCTION outbox_gate_condition(cond jsonb, payload jsonb);
+
+DROP FUNCTION outbox_gate_matches(conditions jsonb, payload jsonb);
+
 DROP FUNCTION outbox_intend(kind text, payload jsonb, key text, ordering_key text, run_id uuid, step_id text, step_index integer, max_attempts integer, delay_seconds double precision, schema_version integer, compensate jsonb, cost numeric, approval jsonb, priority integer, fairness_key text, OUT effect_id uuid, OUT idempotency_key text, OUT created boolean);
 
 DROP FUNCTION outbox_resolve(value jsonb);
@@ -220,18 +224,17 @@ SELECT sha256(prev || convert_to('outbox.attempt.v2' || outbox_lp(effect_id::tex
     || outbox_lp(effect_status) || outbox_lp(result_hash), 'UTF8'))
 $$;
 
--- Field readers of outbox_check_intents: the value (NULL when absent or JSON
--- null), or OB001 naming the field when it has the wrong type.
-CREATE OR REPLACE FUNCTION outbox_json_field_text(item jsonb, name text, field text) RETURNS text
+CREATE OR REPLACE FUNCTION outbox_json_field_number(item jsonb, name text, field text)
+    RETURNS numeric
     LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
     IF item->name IS NULL OR item->name = 'null' THEN
         RETURN NULL;
     END IF;
-    IF jsonb_typeof(item->name) <> 'string' THEN
-        PERFORM outbox_refuse('OB001', field || name, (item->name)::text, 'must be text');
+    IF jsonb_typeof(item->name) <> 'number' THEN
+        PERFORM outbox_refuse('OB001', field || name, (item->name)::text, 'must be a number');
     END IF;
-    RETURN item->>name;
+    RETURN (item->name)::numeric;
 END
 $$;
 
@@ -254,20 +257,6 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox_json_field_number(item jsonb, name text, field text)
-    RETURNS numeric
-    LANGUAGE plpgsql IMMUTABLE AS $$
-BEGIN
-    IF item->name IS NULL OR item->name = 'null' THEN
-        RETURN NULL;
-    END IF;
-    IF jsonb_typeof(item->name) <> 'number' THEN
-        PERFORM outbox_refuse('OB001', field || name, (item->name)::text, 'must be a number');
-    END IF;
-    RETURN (item->name)::numeric;
-END
-$$;
-
 CREATE OR REPLACE FUNCTION outbox_json_field_int(item jsonb, name text, field text)
     RETURNS numeric
     LANGUAGE plpgsql IMMUTABLE AS $$
@@ -278,6 +267,173 @@ BEGIN
         PERFORM outbox_refuse('OB001', field || name, value::text, 'must be a whole number');
     END IF;
     RETURN value;
+END
+$$;
+
+-- Whether the tables are distributed (Citus): outbox migrate --distribute sets it
+-- for the database. A session that unsets it only makes a delegated write refuse.
+CREATE OR REPLACE FUNCTION outbox_distributed() RETURNS boolean
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT coalesce(current_setting('outbox.distributed', true), '') = 'on'
+$$;
+
+-- Intents (a JSON array of outbox_intend's arguments) of step_id of run_id, or of
+-- no run (both NULL), written now: what outbox_intend does for one, in one call.
+-- The step's count, bytes, next index, reservations and chain parts are kept for
+-- outbox_commit_step; run-less intents count per transaction. wake as in
+-- outbox_commit_step; indexed names refused fields intents[n].x rather than x.
+-- namespace: of intents of no run (a run's intents are in its namespace).
+CREATE OR REPLACE FUNCTION outbox_intend_all(
+    run_id uuid, step_id text, intents jsonb, wake boolean DEFAULT NULL,
+    indexed boolean DEFAULT true, namespace text DEFAULT NULL
+)
+    RETURNS TABLE (effect_id uuid, idempotency_key text, created boolean)
+    LANGUAGE plpgsql AS $$
+DECLARE
+    p_run_id uuid := outbox_intend_all.run_id;
+    p_step_id text := outbox_intend_all.step_id;
+    entry jsonb;
+    run record;
+    rows outbox_intent[];
+    screened boolean;
+    firsts integer[];
+    existing uuid[];
+    checked jsonb;
+    claimable boolean := false;
+BEGIN
+    IF (p_run_id IS NULL) <> (p_step_id IS NULL) THEN
+        PERFORM outbox_refuse('OB001', CASE WHEN p_run_id IS NULL THEN 'run_id' ELSE 'step_id' END,
+            NULL, 'run_id and step_id go together: an intent belongs to a step of a run, or to no run');
+    END IF;
+    IF p_run_id IS NOT NULL THEN
+        entry := outbox_tx_step(p_run_id, p_step_id);
+        SELECT r.priority, r.fairness_key, r.dry_run, r.paused_at IS NOT NULL AS held, r.namespace
+          INTO run FROM outbox_runs AS r
+         WHERE r.id = p_run_id AND r.shard = outbox_shard_of(p_run_id);
+    ELSE
+        -- intents of no run count per transaction, like the Python client's
+        entry := coalesce(nullif(current_setting('outbox.tx_intents', true), ''),
+                          '{"count": 0, "bytes": 0}')::jsonb;
+        PERFORM outbox_check_namespace(coalesce(outbox_intend_all.namespace, 'default'));
+        SELECT 0 AS priority, '' AS fairness_key, false AS dry_run, false AS held,
+               coalesce(outbox_intend_all.namespace, 'default') AS namespace INTO run;
+    END IF;
+    IF intents IS NULL OR jsonb_typeof(intents) <> 'array' THEN
+        PERFORM outbox_refuse('OB001', 'intents', left(intents::text, 80),
+            'must be a JSON array of intents');
+    END IF;
+    SELECT coalesce(bool_and(x.screened), true)
+           AND count(*) + (entry->>'count')::integer <= outbox_limit('max_step_intents')
+           AND coalesce(sum(x.payload_size), 0) + (entry->>'bytes')::bigint
+               <= outbox_limit('max_step_bytes'),
+           coalesce(array_agg(x ORDER BY x.n), '{}')
+      INTO screened, rows
+      FROM outbox_intent_rows(p_run_id, p_step_id, intents, coalesce((entry->>'next')::integer, 0),
+                              run.priority, run.fairness_key, run.dry_run, NULL,
+                              coalesce(run.namespace, 'default')) AS x;
+    IF NOT screened THEN
+        -- checked exactly (and callers' keys locked), then derived again: the
+        -- effects a locked key names are seen now
+        SELECT * INTO firsts, checked, existing FROM outbox_check_intents(p_run_id, p_step_id, intents,
+            coalesce((entry->>'next')::integer, 0), (entry->>'count')::integer,
+            (entry->>'bytes')::bigint, coalesce(run.dry_run, false), indexed,
+            coalesce(run.namespace, 'default'));
+        SELECT coalesce(array_agg(x ORDER BY x.n), '{}') INTO rows
+          FROM outbox_intent_rows(p_run_id, p_step_id, checked, coalesce((entry->>'next')::integer, 0),
+                                  run.priority, run.fairness_key, run.dry_run, firsts,
+                                  coalesce(run.namespace, 'default'), existing) AS x;
+    END IF;
+    WITH ins AS (
+        INSERT INTO outbox_effects AS e (
+            id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
+            idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
+            fairness_key, status, available_at, approval, approval_deadline, trace_parent,
+            shard, namespace)
+        SELECT * FROM outbox_intent_effects(rows, p_run_id, p_step_id, run.held,
+            coalesce(run.namespace, 'default'),
+            outbox_gates_of(ARRAY(SELECT DISTINCT r.kind FROM unnest(rows) AS r)), now())
+        RETURNING e.status
+    )
+    SELECT coalesce(bool_or(ins.status = 'pending'), false) INTO claimable FROM ins;
+    entry := entry || jsonb_build_object(
+        'count', (entry->>'count')::integer + cardinality(rows),
+        'bytes', (entry->>'bytes')::bigint
+                 + coalesce((SELECT sum(r.payload_size) FROM unnest(rows) AS r
+                              WHERE r.existing IS NULL AND r.first_n IS NULL), 0));
+    IF p_run_id IS NULL THEN
+        PERFORM set_config('outbox.tx_intents', entry::text, true);
+    ELSE
+        PERFORM outbox_tx_save_step(p_run_id, p_step_id, entry || (
+            SELECT jsonb_build_object(
+                'next', coalesce(max(r.step_index) FILTER (WHERE r.n = cardinality(rows)) + 1,
+                                 (entry->>'next')::integer),
+                'reserve', (entry->>'reserve')::numeric
+                           + coalesce(sum(r.cost) FILTER (WHERE r.existing IS NULL AND r.first_n IS NULL), 0),
+                'ledger', (entry->'ledger') || coalesce(jsonb_agg(jsonb_build_object(
+                               'entry', 'reserve', 'reason', r.kind, 'amount', r.cost,
+                               'effect_id', r.id))
+                           FILTER (WHERE r.existing IS NULL AND r.first_n IS NULL
+                                   AND r.cost IS NOT NULL), '[]'),
+                'chain', (entry->'chain') || coalesce(jsonb_agg(jsonb_build_array(
+                               r.step_index, r.id, outbox_intent_link(r.id, r.idempotency_key, r.kind, r.payload_hash)))
+                           FILTER (WHERE r.existing IS NULL AND r.first_n IS NULL), '[]'),
+                'claimable', (entry->>'claimable')::boolean OR claimable,
+                'ids', (entry->'ids') || to_jsonb(outbox_intent_ids(rows)))
+              FROM unnest(rows) AS r));
+    END IF;
+    IF claimable AND wake IS DISTINCT FROM false THEN
+        IF wake THEN
+            PERFORM pg_notify('outbox_effects', '');
+        ELSE
+            PERFORM outbox_wake('outbox_effects');
+        END IF;
+    END IF;
+    RETURN QUERY
+        SELECT (outbox_intent_ids(rows))[r.n], r.idempotency_key,
+               r.existing IS NULL AND r.first_n IS NULL
+          FROM unnest(rows) AS r ORDER BY r.n;
+END
+$$;
+
+-- Screens of outbox_intent_rows (absent and JSON null pass: the field is optional).
+CREATE OR REPLACE FUNCTION outbox_json_is_text(value jsonb, max_length integer,
+                                               may_be_empty boolean DEFAULT false) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
+            WHEN jsonb_typeof(value) <> 'string' THEN false
+            ELSE char_length(value #>> '{}') BETWEEN CASE WHEN may_be_empty THEN 0 ELSE 1 END
+                                                 AND max_length
+                 AND (value #>> '{}') !~ (outbox_intent_rules()->>'control_characters') END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_is_number(value jsonb, low numeric, high numeric)
+    RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
+            WHEN jsonb_typeof(value) <> 'number' THEN false
+            ELSE value::numeric BETWEEN low AND high END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_is_int(value jsonb, low numeric, high numeric)
+    RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
+            WHEN jsonb_typeof(value) <> 'number' THEN false
+            ELSE value::numeric BETWEEN low AND high AND value::numeric = trunc(value::numeric) END
+$$;
+
+-- Field readers of outbox_check_intents: the value (NULL when absent or JSON
+-- null), or OB001 naming the field when it has the wrong type.
+CREATE OR REPLACE FUNCTION outbox_json_field_text(item jsonb, name text, field text) RETURNS text
+    LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF item->name IS NULL OR item->name = 'null' THEN
+        RETURN NULL;
+    END IF;
+    IF jsonb_typeof(item->name) <> 'string' THEN
+        PERFORM outbox_refuse('OB001', field || name, (item->name)::text, 'must be text');
+    END IF;
+    RETURN item->>name;
 END
 $$;
 
@@ -600,18 +756,6 @@ BEGIN
 END
 $$;
 
--- A recorded step (what a replay returns): one row, or none when not recorded.
-CREATE OR REPLACE FUNCTION outbox_step(run_id uuid, step_id text)
-    RETURNS TABLE (step_kind text, status text, result jsonb, error jsonb, seq bigint,
-                   completed_at timestamptz)
-    LANGUAGE sql STABLE AS $$
-SELECT s.kind, s.status, outbox_resolve(s.result, s.shard), outbox_resolve(s.error, s.shard), s.seq,
-       s.completed_at
-  FROM outbox_steps AS s
- WHERE s.run_id = outbox_step.run_id AND s.step_id = outbox_step.step_id
-   AND s.shard = outbox_shard_of(outbox_step.run_id)
-$$;
-
 -- A key (derived, at an index a caller named) that names an effect of run p_run_id
 -- already names that effect: the same kind and payload (returned), or a conflict
 -- (OB003).
@@ -649,24 +793,6 @@ CREATE OR REPLACE FUNCTION outbox_json_int(value jsonb) RETURNS integer
 SELECT CASE WHEN jsonb_typeof(value) = 'number' AND value::numeric = trunc(value::numeric)
              AND value::numeric BETWEEN -2147483648 AND 2147483647
             THEN value::numeric::integer END
-$$;
-
-CREATE OR REPLACE FUNCTION outbox_json_uuid(value jsonb) RETURNS uuid
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN jsonb_typeof(value) = 'string'
-             AND value #>> '{}' ~* '^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$'
-            THEN (value #>> '{}')::uuid END
-$$;
-
--- Screens of outbox_intent_rows (absent and JSON null pass: the field is optional).
-CREATE OR REPLACE FUNCTION outbox_json_is_text(value jsonb, max_length integer,
-                                               may_be_empty boolean DEFAULT false) RETURNS boolean
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
-            WHEN jsonb_typeof(value) <> 'string' THEN false
-            ELSE char_length(value #>> '{}') BETWEEN CASE WHEN may_be_empty THEN 0 ELSE 1 END
-                                                 AND max_length
-                 AND (value #>> '{}') !~ (outbox_intent_rules()->>'control_characters') END
 $$;
 
 -- Every attempt-log row is chained as it is written, with the status and result its
@@ -1206,14 +1332,6 @@ SELECT step_id IS NULL OR btrim(step_id) = ''
     OR step_id ~ (outbox_intent_rules()->>'control_characters')
 $$;
 
-CREATE OR REPLACE FUNCTION outbox_json_is_number(value jsonb, low numeric, high numeric)
-    RETURNS boolean
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
-            WHEN jsonb_typeof(value) <> 'number' THEN false
-            ELSE value::numeric BETWEEN low AND high END
-$$;
-
 -- The exact checks of a step's own arguments (outbox_commit_step calls it when its
 -- cheap ones do not clear them), and what the transaction wrote for the step
 -- before (outbox_intend, outbox_spend: tx_step) with spends added: the debit, the
@@ -1339,12 +1457,24 @@ END
 $$;
 
 -- Every way back to pending (a retry, the reconciler, an operator) holds the
--- effect of a paused run as paused; commit_step decides it for new intents.
+-- effect of a paused run as paused; commit_step decides it for new intents. And
+-- an effect held for approval leaves it only by an approval (a session with
+-- EXECUTE on outbox_may_release: the operator's, under `outbox roles`), a
+-- rejection or a cancellation, never by a deliverer's hand-written UPDATE. One
+-- trigger for both, so the claims and completions pay for one WHEN clause.
 CREATE OR REPLACE FUNCTION outbox_effects_hold_paused() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
-    IF EXISTS (SELECT 1 FROM outbox_runs
-                WHERE id = NEW.run_id AND shard = NEW.shard AND paused_at IS NOT NULL) THEN
+    IF OLD.status = 'awaiting_approval'
+       AND NEW.status NOT IN ('awaiting_approval', 'rejected', 'cancelled')
+       AND NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
+        RAISE EXCEPTION 'permission denied: effect % is held for approval; only an approval '
+            'releases it (a role with EXECUTE on outbox_may_release())', OLD.id
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    IF NEW.status = 'pending' AND NEW.run_id IS NOT NULL AND EXISTS (
+        SELECT 1 FROM outbox_runs
+         WHERE id = NEW.run_id AND shard = NEW.shard AND paused_at IS NOT NULL) THEN
         NEW.status := 'paused';
     END IF;
     RETURN NEW;
@@ -1405,6 +1535,75 @@ BEGIN
 END
 $$;
 
+-- A value's JSON type with its article, for the reasons outbox_gate_verdict gives.
+CREATE OR REPLACE FUNCTION outbox_gate_a(type text) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN type IN ('array', 'object') THEN 'an ' || type
+            WHEN type = 'null' THEN 'null' ELSE 'a ' || type END
+$$;
+
+-- One condition of a gate (outbox.gates.Condition) on a payload: NULL when it
+-- does not hold, '' when it holds, or, when the value is of a type the condition
+-- cannot judge (a list where gt wants a number, a number where eq names a
+-- string), why: the gate then holds the intent and records the reason. An agent
+-- that quotes a number or wraps it in a list must meet the gate, not pass it
+-- (fail closed). A string that reads as a JSON number (at most 100 characters,
+-- so the cast cannot overflow) compares as that number wherever a number is
+-- wanted; `type` is the strict form, which takes no such string for a number.
+CREATE OR REPLACE FUNCTION outbox_gate_verdict(cond jsonb, payload jsonb) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE
+    WHEN v IS NULL THEN NULL
+    WHEN op = 'exists' THEN ''
+    WHEN op = 'type' THEN CASE WHEN t = cond->>'value' THEN '' ELSE
+        format('%s is %s, not %s', ptr, outbox_gate_a(t), outbox_gate_a(cond->>'value')) END
+    WHEN op IN ('gt', 'ge', 'lt', 'le') THEN CASE
+        WHEN n IS NULL THEN format('%s is %s, not a number (%s %s)', ptr, outbox_gate_a(t), op,
+                                   cond->'value')
+        WHEN CASE op WHEN 'gt' THEN n > (cond->'value')::numeric
+                     WHEN 'ge' THEN n >= (cond->'value')::numeric
+                     WHEN 'lt' THEN n < (cond->'value')::numeric
+                     ELSE n <= (cond->'value')::numeric END THEN '' END
+    ELSE (
+        -- eq, ne, in: the values named, the value met equals one of them (a numeric
+        -- string equals the number it reads as), and whether its type is one they
+        -- can be compared with (any, when one of them is null)
+        SELECT CASE
+            WHEN NOT bool_or(jsonb_typeof(x) IN (t, 'null')
+                             OR (jsonb_typeof(x) = 'number' AND n IS NOT NULL)) THEN
+                format('%s is %s, not %s (%s %s)', ptr, outbox_gate_a(t),
+                       string_agg(DISTINCT outbox_gate_a(jsonb_typeof(x)), ' or '), op,
+                       cond->'value')
+            WHEN bool_or(CASE WHEN jsonb_typeof(x) = 'number' AND n IS NOT NULL
+                              THEN n = x::numeric ELSE x = v END) = (op <> 'ne') THEN ''
+        END
+          FROM jsonb_array_elements(CASE op WHEN 'in' THEN cond->'value'
+                                            ELSE jsonb_build_array(cond->'value') END) AS x)
+END
+FROM (SELECT payload #> ARRAY(SELECT jsonb_array_elements_text(cond->'path')),
+             cond->>'op', coalesce(nullif(cond->>'pointer', ''), 'the payload')) AS p(v, op, ptr)
+CROSS JOIN LATERAL (
+    SELECT jsonb_typeof(v),
+           CASE jsonb_typeof(v) WHEN 'number' THEN v::numeric
+                WHEN 'string' THEN CASE WHEN length(v #>> '{}') <= 100
+                    AND (v #>> '{}') ~ '^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]{1,4})?$'
+                    THEN (v #>> '{}')::numeric END END) AS q(t, n)
+$$;
+
+-- A gate's conditions on a payload: NULL when one does not hold, else the
+-- approval's extra fields: none ('{}'; no condition: every intent of the kind),
+-- or the reasons of those that could not be judged, which hold the intent
+-- whatever the others say (outbox_gate_verdict).
+CREATE OR REPLACE FUNCTION outbox_gate_match(conditions jsonb, payload jsonb) RETURNS jsonb
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE
+    WHEN bool_or(r <> '') THEN
+        jsonb_build_object('reason', string_agg(r, '; ') FILTER (WHERE r <> ''))
+    WHEN coalesce(bool_and(r IS NOT NULL), true) THEN '{}'
+END
+FROM (SELECT outbox_gate_verdict(c, payload) FROM jsonb_array_elements(conditions) AS c) AS v(r)
+$$;
+
 -- The default idempotency key of the step_index-th intent of step_id in run_id
 -- (outbox.keys.derive_key).
 -- (outbox_key_digest of the three, spelled out: it runs for every intent.)
@@ -1460,130 +1659,11 @@ SELECT i.effect_id, i.idempotency_key, i.created
       NULL, false, outbox_intend.namespace) AS i
 $$;
 
--- Intents (a JSON array of outbox_intend's arguments) of step_id of run_id, or of
--- no run (both NULL), written now: what outbox_intend does for one, in one call.
--- The step's count, bytes, next index, reservations and chain parts are kept for
--- outbox_commit_step; run-less intents count per transaction. wake as in
--- outbox_commit_step; indexed names refused fields intents[n].x rather than x.
--- namespace: of intents of no run (a run's intents are in its namespace).
-CREATE OR REPLACE FUNCTION outbox_intend_all(
-    run_id uuid, step_id text, intents jsonb, wake boolean DEFAULT NULL,
-    indexed boolean DEFAULT true, namespace text DEFAULT NULL
-)
-    RETURNS TABLE (effect_id uuid, idempotency_key text, created boolean)
-    LANGUAGE plpgsql AS $$
-DECLARE
-    p_run_id uuid := outbox_intend_all.run_id;
-    p_step_id text := outbox_intend_all.step_id;
-    entry jsonb;
-    run record;
-    rows outbox_intent[];
-    screened boolean;
-    firsts integer[];
-    existing uuid[];
-    checked jsonb;
-    claimable boolean := false;
-BEGIN
-    IF (p_run_id IS NULL) <> (p_step_id IS NULL) THEN
-        PERFORM outbox_refuse('OB001', CASE WHEN p_run_id IS NULL THEN 'run_id' ELSE 'step_id' END,
-            NULL, 'run_id and step_id go together: an intent belongs to a step of a run, or to no run');
-    END IF;
-    IF p_run_id IS NOT NULL THEN
-        entry := outbox_tx_step(p_run_id, p_step_id);
-        SELECT r.priority, r.fairness_key, r.dry_run, r.paused_at IS NOT NULL AS held, r.namespace
-          INTO run FROM outbox_runs AS r
-         WHERE r.id = p_run_id AND r.shard = outbox_shard_of(p_run_id);
-    ELSE
-        -- intents of no run count per transaction, like the Python client's
-        entry := coalesce(nullif(current_setting('outbox.tx_intents', true), ''),
-                          '{"count": 0, "bytes": 0}')::jsonb;
-        PERFORM outbox_check_namespace(coalesce(outbox_intend_all.namespace, 'default'));
-        SELECT 0 AS priority, '' AS fairness_key, false AS dry_run, false AS held,
-               coalesce(outbox_intend_all.namespace, 'default') AS namespace INTO run;
-    END IF;
-    IF intents IS NULL OR jsonb_typeof(intents) <> 'array' THEN
-        PERFORM outbox_refuse('OB001', 'intents', left(intents::text, 80),
-            'must be a JSON array of intents');
-    END IF;
-    SELECT coalesce(bool_and(x.screened), true)
-           AND count(*) + (entry->>'count')::integer <= outbox_limit('max_step_intents')
-           AND coalesce(sum(x.payload_size), 0) + (entry->>'bytes')::bigint
-               <= outbox_limit('max_step_bytes'),
-           coalesce(array_agg(x ORDER BY x.n), '{}')
-      INTO screened, rows
-      FROM outbox_intent_rows(p_run_id, p_step_id, intents, coalesce((entry->>'next')::integer, 0),
-                              run.priority, run.fairness_key, run.dry_run, NULL,
-                              coalesce(run.namespace, 'default')) AS x;
-    IF NOT screened THEN
-        -- checked exactly (and callers' keys locked), then derived again: the
-        -- effects a locked key names are seen now
-        SELECT * INTO firsts, checked, existing FROM outbox_check_intents(p_run_id, p_step_id, intents,
-            coalesce((entry->>'next')::integer, 0), (entry->>'count')::integer,
-            (entry->>'bytes')::bigint, coalesce(run.dry_run, false), indexed,
-            coalesce(run.namespace, 'default'));
-        SELECT coalesce(array_agg(x ORDER BY x.n), '{}') INTO rows
-          FROM outbox_intent_rows(p_run_id, p_step_id, checked, coalesce((entry->>'next')::integer, 0),
-                                  run.priority, run.fairness_key, run.dry_run, firsts,
-                                  coalesce(run.namespace, 'default'), existing) AS x;
-    END IF;
-    WITH ins AS (
-        INSERT INTO outbox_effects AS e (
-            id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
-            idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
-            fairness_key, status, available_at, approval, approval_deadline, trace_parent,
-            shard, namespace)
-        SELECT * FROM outbox_intent_effects(rows, p_run_id, p_step_id, run.held,
-            coalesce(run.namespace, 'default'),
-            outbox_gates_of(ARRAY(SELECT DISTINCT r.kind FROM unnest(rows) AS r)), now())
-        RETURNING e.status
-    )
-    SELECT coalesce(bool_or(ins.status = 'pending'), false) INTO claimable FROM ins;
-    entry := entry || jsonb_build_object(
-        'count', (entry->>'count')::integer + cardinality(rows),
-        'bytes', (entry->>'bytes')::bigint
-                 + coalesce((SELECT sum(r.payload_size) FROM unnest(rows) AS r
-                              WHERE r.existing IS NULL AND r.first_n IS NULL), 0));
-    IF p_run_id IS NULL THEN
-        PERFORM set_config('outbox.tx_intents', entry::text, true);
-    ELSE
-        PERFORM outbox_tx_save_step(p_run_id, p_step_id, entry || (
-            SELECT jsonb_build_object(
-                'next', coalesce(max(r.step_index) FILTER (WHERE r.n = cardinality(rows)) + 1,
-                                 (entry->>'next')::integer),
-                'reserve', (entry->>'reserve')::numeric
-                           + coalesce(sum(r.cost) FILTER (WHERE r.existing IS NULL AND r.first_n IS NULL), 0),
-                'ledger', (entry->'ledger') || coalesce(jsonb_agg(jsonb_build_object(
-                               'entry', 'reserve', 'reason', r.kind, 'amount', r.cost,
-                               'effect_id', r.id))
-                           FILTER (WHERE r.existing IS NULL AND r.first_n IS NULL
-                                   AND r.cost IS NOT NULL), '[]'),
-                'chain', (entry->'chain') || coalesce(jsonb_agg(jsonb_build_array(
-                               r.step_index, r.id, outbox_intent_link(r.id, r.idempotency_key, r.kind, r.payload_hash)))
-                           FILTER (WHERE r.existing IS NULL AND r.first_n IS NULL), '[]'),
-                'claimable', (entry->>'claimable')::boolean OR claimable,
-                'ids', (entry->'ids') || to_jsonb(outbox_intent_ids(rows)))
-              FROM unnest(rows) AS r));
-    END IF;
-    IF claimable AND wake IS DISTINCT FROM false THEN
-        IF wake THEN
-            PERFORM pg_notify('outbox_effects', '');
-        ELSE
-            PERFORM outbox_wake('outbox_effects');
-        END IF;
-    END IF;
-    RETURN QUERY
-        SELECT (outbox_intent_ids(rows))[r.n], r.idempotency_key,
-               r.existing IS NULL AND r.first_n IS NULL
-          FROM unnest(rows) AS r ORDER BY r.n;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION outbox_json_is_int(value jsonb, low numeric, high numeric)
-    RETURNS boolean
+CREATE OR REPLACE FUNCTION outbox_json_uuid(value jsonb) RETURNS uuid
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
-            WHEN jsonb_typeof(value) <> 'number' THEN false
-            ELSE value::numeric BETWEEN low AND high AND value::numeric = trunc(value::numeric) END
+SELECT CASE WHEN jsonb_typeof(value) = 'string'
+             AND value #>> '{}' ~* '^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$'
+            THEN (value #>> '{}')::uuid END
 $$;
 
 -- Whether an intent (p_run_id, p_kind, p_hash, p_payload) under key p_key is the
@@ -1690,9 +1770,10 @@ $$;
 
 -- The effects to write of rows (outbox_intent_rows; those naming an existing
 -- effect are skipped), as step p_step_id of run p_run_id writes them, with their
--- status: a configured gate holds a matching intent as awaiting_approval and wins
--- over the intent's own policy (an intent can add a gate, never loosen one; a dry
--- run's kinds match no gate); otherwise a paused run's intents are held as
+-- status: a configured gate holds a matching intent as awaiting_approval (its
+-- approval names the gate, and the reason when a condition met a value it could
+-- not judge: outbox_gate_match) and wins over the intent's own policy (an intent
+-- can add a gate, never loosen one; a dry run's kinds match no gate); otherwise a paused run's intents are held as
 -- paused, and the rest are pending. The columns are outbox_effects', in the
 -- order both writers insert them.
 CREATE OR REPLACE FUNCTION outbox_intent_effects(
@@ -1719,11 +1800,14 @@ SELECT r.id, p_run_id, p_step_id, r.step_index, r.kind, r.payload, r.payload_has
     SELECT coalesce((
         SELECT jsonb_build_object('gate', g.name, 'timeout', g.timeout_seconds,
                                   'on_timeout', g.on_timeout, 'escalate_to', g.escalate_to)
-          FROM jsonb_to_recordset(p_gates) AS g(name text, kind text, conditions jsonb,
-               timeout_seconds double precision, on_timeout text, escalate_to text)
-         WHERE g.kind = r.kind
-           AND outbox_gate_matches(g.conditions, CASE WHEN r.payload_size
-               > outbox_limit('blob_threshold_bytes') THEN r.payload_text::jsonb ELSE r.payload END)
+               || g.verdict
+          FROM (SELECT g.*, outbox_gate_match(g.conditions, CASE WHEN r.payload_size
+                    > outbox_limit('blob_threshold_bytes') THEN r.payload_text::jsonb
+                    ELSE r.payload END) AS verdict
+                  FROM jsonb_to_recordset(p_gates) AS g(name text, kind text, conditions jsonb,
+                       timeout_seconds double precision, on_timeout text, escalate_to text)
+                 WHERE g.kind = r.kind) AS g
+         WHERE g.verdict IS NOT NULL
          ORDER BY g.name LIMIT 1), r.approval) AS policy) AS h
  WHERE r.existing IS NULL AND r.first_n IS NULL
 $$;
@@ -1858,6 +1942,18 @@ BEGIN
 END
 $$;
 
+-- A recorded step (what a replay returns): one row, or none when not recorded.
+CREATE OR REPLACE FUNCTION outbox_step(run_id uuid, step_id text)
+    RETURNS TABLE (step_kind text, status text, result jsonb, error jsonb, seq bigint,
+                   completed_at timestamptz)
+    LANGUAGE sql STABLE AS $$
+SELECT s.kind, s.status, outbox_resolve(s.result, s.shard), outbox_resolve(s.error, s.shard), s.seq,
+       s.completed_at
+  FROM outbox_steps AS s
+ WHERE s.run_id = outbox_step.run_id AND s.step_id = outbox_step.step_id
+   AND s.shard = outbox_shard_of(outbox_step.run_id)
+$$;
+
 -- A run as stored: one row, or none when no run has this id.
 CREATE OR REPLACE FUNCTION outbox_run_status(run_id uuid)
     RETURNS TABLE (id uuid, agent text, agent_version text, status text, inputs jsonb, state jsonb,
@@ -1886,23 +1982,79 @@ CREATE OR REPLACE FUNCTION outbox_live_run_statuses() RETURNS text[]
 SELECT '{runnable,running,waiting,paused}'::text[]
 $$;
 
--- A numeric limit (max_payload_bytes, max_step_intents, ...): outbox_setting's value.
+-- What the database itself sets for outbox.<name> (ALTER DATABASE ... SET), if
+-- anything: unlike current_setting, nothing a session does changes it.
+CREATE OR REPLACE FUNCTION outbox_database_setting(name text) RETURNS text
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT nullif(substr(c, length(name) + 9), '')
+  FROM pg_catalog.pg_db_role_setting AS s, unnest(s.setconfig) AS c
+ WHERE s.setdatabase = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                         WHERE d.datname = current_database())
+   AND s.setrole = 0 AND c LIKE 'outbox.' || name || '=%'
+$$;
+
+-- A numeric limit (max_payload_bytes, max_step_intents, ...): outbox_setting's
+-- value. The caps (all but blob_threshold_bytes, which only chooses where a value
+-- is stored) a session can only lower: above the database's own value, or the
+-- rule when the database sets none, the ceiling holds. The ceiling is read only
+-- when the session asks for more than the rule, so a client on the defaults (or
+-- stricter) pays nothing for it; a database that lowers a cap below the rule
+-- binds sessions that do not set their own (SQL API callers), as before.
 CREATE OR REPLACE FUNCTION outbox_limit(name text) RETURNS bigint
     LANGUAGE sql STABLE PARALLEL SAFE AS $$
-SELECT outbox_setting(name)::bigint
+SELECT CASE WHEN name = 'blob_threshold_bytes' OR v <= rule THEN v
+            ELSE least(v, coalesce(outbox_database_setting(name)::bigint, rule)) END
+  FROM (SELECT outbox_setting(name)::bigint, (outbox_intent_rules()->>name)::bigint) AS l(v, rule)
+$$;
+
+-- Who may let go of what an operator holds: approve an effect held for
+-- approval, resume a paused run. Everyone, until `outbox roles` revokes EXECUTE
+-- from PUBLIC and grants it to the operator role: then an agent or deliverer
+-- login that writes the status by hand is refused (outbox_effects_hold_paused,
+-- outbox_runs_refuse_resume).
+CREATE OR REPLACE FUNCTION outbox_may_release() RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT true
+$$;
+
+-- Refuses to resume a paused run (make it live again, or drop a pause asked of
+-- a running one) in a session without EXECUTE on outbox_may_release: an agent
+-- login cannot un-pause what an operator paused. The WHEN clause keeps it off
+-- every other update.
+CREATE OR REPLACE FUNCTION outbox_runs_refuse_resume() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
+        RAISE EXCEPTION 'permission denied: run % was paused by an operator; only a resume '
+            'lets it go (a role with EXECUTE on outbox_may_release())', OLD.id
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+-- A recorded step never changes: its result is what a replay returns, and the
+-- run's hash chain covers it. Its hash may be relinked (a fork does), which only
+-- verify can judge. The UPDATE trigger costs the step write (an INSERT) nothing.
+-- The table's owner (and a superuser) is not refused, as row-level security
+-- does not bind it: a hand edit by whoever owns the schema is for `outbox audit
+-- verify` to find; an agent login can no longer make one.
+CREATE OR REPLACE FUNCTION outbox_steps_refuse_rewrite() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF pg_has_role((SELECT c.relowner FROM pg_catalog.pg_class AS c WHERE c.oid = TG_RELID),
+                   'USAGE') THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION 'step % of run % is recorded: it never changes', OLD.step_id, OLD.run_id
+        USING ERRCODE = 'integrity_constraint_violation';
+END
 $$;
 
 -- id with its shard bits set to shard (a new id that must live on that shard).
 CREATE OR REPLACE FUNCTION outbox_on_shard(id uuid, shard smallint) RETURNS uuid
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
 SELECT encode(set_byte(uuid_send(id), 15, (get_byte(uuid_send(id), 15) & 224) | shard), 'hex')::uuid
-$$;
-
--- Whether the tables are distributed (Citus): outbox migrate --distribute sets it
--- for the database. A session that unsets it only makes a delegated write refuse.
-CREATE OR REPLACE FUNCTION outbox_distributed() RETURNS boolean
-    LANGUAGE sql STABLE PARALLEL SAFE AS $$
-SELECT coalesce(current_setting('outbox.distributed', true), '') = 'on'
 $$;
 
 -- Send signal name with a JSON payload to a live run; a run waiting for it
@@ -2310,3 +2462,30 @@ BEGIN
     RETURN resolved;
 END
 $$;
+
+DROP TRIGGER IF EXISTS outbox_effects_hold_paused ON outbox_effects;
+CREATE TRIGGER outbox_effects_hold_paused
+    BEFORE UPDATE OF status ON outbox_effects FOR EACH ROW
+    WHEN ((NEW.status = 'pending' AND OLD.status <> 'pending' AND OLD.status <> 'paused'
+           AND NEW.run_id IS NOT NULL)
+          OR (OLD.status = 'awaiting_approval'
+              AND NEW.status NOT IN ('awaiting_approval', 'rejected', 'cancelled')))
+    EXECUTE FUNCTION outbox_effects_hold_paused();
+
+DROP TRIGGER IF EXISTS outbox_runs_resume_guard ON outbox_runs;
+CREATE TRIGGER outbox_runs_resume_guard
+    BEFORE UPDATE OF status, paused_at ON outbox_runs FOR EACH ROW
+    WHEN (NEW.status IN ('runnable', 'running', 'waiting')
+          AND (OLD.status = 'paused' OR (OLD.paused_at IS NOT NULL AND NEW.paused_at IS NULL)))
+    EXECUTE FUNCTION outbox_runs_refuse_resume();
+
+DROP TRIGGER IF EXISTS outbox_steps_recorded_immutable ON outbox_steps;
+CREATE TRIGGER outbox_steps_recorded_immutable
+    BEFORE UPDATE ON outbox_steps FOR EACH ROW
+    WHEN (OLD.status = 'completed'
+          AND (OLD.run_id, OLD.shard, OLD.seq, OLD.step_id, OLD.kind, OLD.result, OLD.error,
+               OLD.state, OLD.plan, OLD.completed_at, OLD.status)
+              IS DISTINCT FROM
+              (NEW.run_id, NEW.shard, NEW.seq, NEW.step_id, NEW.kind, NEW.result, NEW.error,
+               NEW.state, NEW.plan, NEW.completed_at, NEW.status))
+    EXECUTE FUNCTION outbox_steps_refuse_rewrite();
