@@ -18,6 +18,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from bench import citus_report
+
 DISCUSSION = "discussions/performance.md"
 VERDICT = {True: "met", False: "**missed**", None: "—"}
 DISTURBED = 0.10  # share of one CPU used by other processes that marks a section disturbed
@@ -113,14 +115,8 @@ class Targets(list[dict[str, Any]]):
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """Every DESIGN.md performance target this run measured, with its verdict."""
     t = Targets()
-    if ci := r.get("citus"):
-        for key, what in (
-            ("steps_per_s_1", "a step with one intent, 1 writer"),
-            ("steps_per_s_4", "a step with one intent, 4 writers"),
-            ("effects_per_s", "deliveries"),
-        ):
-            plain, cit = ci["plain"][key], ci["citus"][key]
-            t.ratio(f"citus: {what} ≥ 0.5x a plain server", cit, plain, 0.5, "/s")
+    for target, ours, plain in citus_report.ratios(r.get("citus")):
+        t.ratio(target, ours, plain, 0.5, "/s")
     w, pg = r.get("write", {}), r.get("pgbench", {})
     # The median over writer counts: one checkpoint's full-page writes skew a single one.
     wals = [med(get(w, n, "step", "wal_bytes_per_tx")) for n in keys(w)]
@@ -296,11 +292,6 @@ GC = (
 STREAM = (
     "shape=shape | effects/s=rate:r0 | vs poll, same deliverers (min-max: rep i with rep i)=x:r2"
     " | CPU µs/effect: relays / deliverers / broker / PostgreSQL / rest=cpu | machine busy=busy"
-)
-CITUS = (
-    "database=what | steps/s, 1 writer=steps_per_s_1 | steps/s, 4 writers=steps_per_s_4"
-    " | coordinator CPU µs/step=coordinator_cpu_us_per_step"
-    " | workers CPU µs/step=workers_cpu_us_per_step | deliveries/s=effects_per_s"
 )
 STATEMENTS = (
     "calls=calls | exec ms=mean_exec_ms:m3 | plan ms=mean_plan_ms:m3 | rows=rows_per_call:m1"
@@ -508,20 +499,9 @@ def other_sections(r: dict[str, Any]) -> list[Section]:
             )
     caption = f"{num(st.get('n'))} no-op effects per drain; `stream R D`: R relays, D deliverers."
     out.append(("Stream mode versus poll mode", caption, STREAM, shapes))
-    if ci := r.get("citus"):
-        caption = (
-            "The same binaries: a plain database on the coordinator's server, and one"
-            " distributed over two workers (`outbox migrate --distribute`); 3 servers on"
-            " this machine's cores. CPU per step: 4 writers, from /proc, per server."
-        )
-        rows = [
-            {
-                "what": name,
-                **{k: num(v) for k, v in ci[name].items()},
-            }
-            for name in ("plain", "citus")
-        ]
-        out.append(("Citus beside one server", caption, CITUS, rows))
+    if ci := r.get("citus"):  # the same binaries, plain and distributed (bench/citus.py)
+        rows = citus_report.rows(ci, num)
+        out.append(("Citus beside one server", citus_report.CAPTION, citus_report.TABLE, rows))
     for name, section in r.items():
         if top := get(section, "top_statements"):
             rows = [{**s, "q": "`" + s["query"][:90].replace("|", "\\|") + "…`"} for s in top[:8]]

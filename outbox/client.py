@@ -228,7 +228,7 @@ class Outbox:
     def audit_record(self, run_id: uuid.UUID | str) -> dict[str, Any]:
         """A self-contained record of a run: inputs, steps, effects, attempts, approvals (unsigned).
 
-        Read in one snapshot; ``outbox.chain.sign_record`` signs it and
+        Read in one snapshot; ``outbox.chain_signing.sign_record`` signs it and
         ``outbox.chain.verify_record`` (or the script in ``docs/reference/audit.md``) checks it.
         """
         return self.checked_record(run_id)[0]

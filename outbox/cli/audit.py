@@ -118,7 +118,7 @@ def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool)
 @pass_cli
 def audit_export(cli: CliContext, run_id: str, key_path: Path, out_path: Path | None) -> None:
     """Write a signed, self-contained JSON record of a run (docs/reference/audit.md verifies it)."""
-    from outbox.chain import sign_record
+    from outbox.chain_signing import sign_record
 
     record, breaks = cli.outbox.checked_record(run_id)
     if breaks:
@@ -145,7 +145,7 @@ def audit_keygen(out_path: Path) -> None:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
-    from outbox.chain import public_key_of
+    from outbox.chain_signing import public_key_of
 
     if out_path.exists():
         raise click.BadParameter(f"{out_path} exists: not overwritten", param_hint="'--out'")

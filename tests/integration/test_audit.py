@@ -296,7 +296,7 @@ def signed(record: dict[str, Any]) -> str:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
-    from outbox.chain import sign_record
+    from outbox.chain_signing import sign_record
 
     pem = ed25519.Ed25519PrivateKey.generate().private_bytes(
         serialization.Encoding.PEM,
