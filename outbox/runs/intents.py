@@ -251,7 +251,7 @@ class _Intents:
         async twin runs this same method through ``AsyncConnection.run_sync``.
         """
         self._ctx.store.lock_key(self._conn, key)
-        return self._ctx.store.effect_by_key(self._conn, key)
+        return self._ctx.store.effect_by_key(self._conn, key, self._ctx.settings.namespace)
 
     def record(self, prepared: _Prepared, existing: Effect | None) -> Effect:
         """Gather a prepared intent, or return the existing one that holds its caller's key."""

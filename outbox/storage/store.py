@@ -150,9 +150,18 @@ class Store:
         """Serialise transactions that intend the same caller-chosen key until commit."""
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"), {"key": key})
 
-    def effect_by_key(self, conn: Connection, key: str) -> Effect | None:
-        """The effect holding ``key``, as the caller's transaction sees it."""
-        row = conn.execute(sql.effect_by_key(), {"key": key}).one_or_none()
+    def effect_by_key(self, conn: Connection, key: str, namespace: str) -> Effect | None:
+        """The effect holding a caller's ``key`` in ``namespace``, as the transaction sees it.
+
+        Found through the key's registry row (on the key's shard), then on its
+        owner's shard: two single-shard reads rather than one over every shard.
+        """
+        params = {"namespace": namespace, "key": key}
+        owner = conn.execute(sql.effect_key_owner(), params).one_or_none()
+        if owner is None:
+            return None
+        home = shard_of(owner.run_id or owner.effect_id)
+        row = conn.execute(sql.effect_on_shard(), {"id": owner.effect_id, "home": home}).first()
         if row is None:
             return None
         return blob_store.resolve(conn, [Effect.model_validate(row._mapping)], EFFECT_FIELDS)[0]

@@ -9,6 +9,8 @@ statements shared by runs and effects live in :mod:`outbox.storage.sql.queue`.
 from __future__ import annotations
 
 from sqlalchemy import (
+    SmallInteger,
+    Text,
     bindparam,
     func,
     select,
@@ -19,6 +21,7 @@ from sqlalchemy.dialects.postgresql import UUID
 
 from outbox.models import TERMINAL_EFFECT_STATUSES
 from outbox.storage.schema import effects, runs, steps
+from outbox.storage.side_tables import effect_keys
 from outbox.storage.sql.common import (
     AnySelect,
     in_statuses,
@@ -26,7 +29,8 @@ from outbox.storage.sql.common import (
 )
 
 __all__ = [
-    "effect_by_key",
+    "effect_key_owner",
+    "effect_on_shard",
     "finished_effects",
     "list_effects",
     "list_runs",
@@ -34,9 +38,23 @@ __all__ = [
 ]
 
 
-def effect_by_key() -> AnySelect:
-    """The effect holding ``:key``, if any."""
-    return select(effects).where(effects.c.idempotency_key == bindparam("key"))
+def effect_key_owner() -> AnySelect:
+    """The effect and run (if any) holding a caller's ``:key`` in ``:namespace``."""
+    namespace, key = bindparam("namespace", type_=Text), bindparam("key", type_=Text)
+    return select(effect_keys.c.effect_id, effect_keys.c.run_id).where(
+        effect_keys.c.namespace == namespace,
+        effect_keys.c.key == key,
+        effect_keys.c.shard == func.outbox_key_shard(namespace, key, type_=SmallInteger),
+        effect_keys.c.mirror.is_(False),
+    )
+
+
+def effect_on_shard() -> AnySelect:
+    """The effect ``:id`` on shard ``:home`` (its run's, or its own when it has none)."""
+    return select(effects).where(
+        effects.c.id == bindparam("id", type_=UUID(as_uuid=True)),
+        effects.c.shard == bindparam("home", type_=SmallInteger),
+    )
 
 
 def run_with_steps(*, one_step: bool = False) -> tuple[AnySelect, AnySelect]:

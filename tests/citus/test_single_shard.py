@@ -1,0 +1,121 @@
+"""Every statement of the hot paths runs on one shard: Citus is told to refuse any other.
+
+``citus.multi_task_query_log_level = error`` makes the coordinator raise on any
+statement it would send to more than one shard. With it set for the whole
+database (so every session of the client, the deliverers and the workers has
+it), the paths that carry the load (start a run, write steps with intents and
+keys, claim, extend leases, complete, expire, wake timers, claim runs, pause,
+resume, signal, replay) must run without a single refusal. Reads for people
+(listing runs or effects, the console, audit) may span shards and are not run here.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+
+from deliverers.testing import RecordingDeliverer
+from outbox import Outbox, Run, RunStatus, StepTransaction
+from outbox.cli import cli as cli_main
+from outbox.shards import shard_of
+from tests.citus_support import CitusDatabase
+from tests.support import DaemonThread, WorkerThread, wait_for
+
+KIND = "k.one"
+
+
+@pytest.fixture(scope="module")
+def dsn(citus_module_db: CitusDatabase) -> str:
+    result = CliRunner().invoke(
+        cli_main, ["migrate", "--distribute", "--json"], env={"OUTBOX_DSN": citus_module_db.dsn}
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["distributed"]
+    with psycopg.connect(citus_module_db.dsn, autocommit=True) as conn:
+        name = conn.execute("SELECT current_database()").fetchone()
+        assert name is not None
+        conn.execute(f"ALTER DATABASE {name[0]} SET citus.multi_task_query_log_level = 'error'")
+    return citus_module_db.dsn
+
+
+@pytest.fixture
+def ob(dsn: str) -> Iterator[Outbox]:
+    outbox = Outbox.connect(dsn)
+    yield outbox
+    outbox.close()
+
+
+def test_the_guard_refuses_a_statement_on_many_shards(dsn: str) -> None:
+    refused = pytest.raises(psycopg.Error, match=r"multi-task|multi-shard")
+    with psycopg.connect(dsn) as conn, refused:
+        conn.execute("UPDATE outbox_effects SET updated_at = now() WHERE kind = 'nothing'")
+
+
+def _pay(tx: StepTransaction, key: str) -> str:
+    tx.intend(KIND, {"n": 1})
+    return str(tx.intend(KIND, {"n": 2}, key=key).id)
+
+
+def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the daemon's or the worker's rounds logged as refused (they log and go on).
+
+    The metrics gauges' counts (the stats round) read every shard at once on
+    purpose: one parallel read of all shards every few seconds, not a hot path.
+    """
+    return [
+        m
+        for r in caplog.records
+        if "multi-task" in (m := r.getMessage()) and not m.startswith("stats round failed")
+    ]
+
+
+def test_steps_and_their_delivery_stay_on_one_shard_each(
+    ob: Outbox, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    runs = [ob.start_run("single", "1", {"i": i}) for i in range(4)]
+    keyed = ob.start_run("single", "1", key=f"order-{uuid.uuid4().hex[:8]}")
+    for run in [*runs, keyed]:
+        key = f"pay-{uuid.uuid4().hex[:8]}"
+        run.transaction("pay", lambda tx, key=key: _pay(tx, key))
+        assert run.transaction("pay", lambda tx, key=key: _pay(tx, key)), "replayed"
+    deliverer = RecordingDeliverer(KIND)
+    with DaemonThread(dsn, {KIND: deliverer}, batch_size=3, poll_seconds=0.1, lease_seconds=2):
+        wait_for(lambda: len(deliverer.deliveries) >= 10, timeout=60, message="all delivered")
+    with psycopg.connect(dsn) as conn:
+        for run in [*runs, keyed]:
+            row = conn.execute(
+                "SELECT count(*) FILTER (WHERE status = 'succeeded'), count(*)"
+                " FROM outbox_effects WHERE run_id = %s AND shard = %s",
+                [run.id, shard_of(run.id)],
+            ).fetchone()
+            assert row == (2, 2)
+    assert _refusals(caplog) == []
+
+
+def test_workers_pause_resume_signal_and_timers_stay_on_one_shard_each(
+    ob: Outbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    def handler(run: Run) -> str:
+        run.transaction("first", lambda tx: None)
+        run.sleep("nap", 0.2)
+        got = run.wait_signal("go", name="go", timeout=60)
+        return str(got)
+
+    runs = [ob.start_run("steady", "1") for _ in range(3)]
+    held = runs[0]
+    assert ob.pause(held.id, "hold") == RunStatus.PAUSED
+    with WorkerThread(ob, "steady", "1", handler):
+        for run in runs[1:]:
+            wait_for(lambda run=run: ob.run(run.id).status == RunStatus.WAITING, timeout=60)
+            ob.signal(run.id, "go", {"ok": True})
+        assert ob.resume(held.id) == RunStatus.RUNNABLE
+        wait_for(lambda: ob.run(held.id).status == RunStatus.WAITING, timeout=60)
+        ob.signal(held.id, "go", {"ok": True})
+        for run in runs:
+            wait_for(lambda run=run: ob.run(run.id).status == RunStatus.COMPLETED, timeout=60)
+    assert _refusals(caplog) == []
