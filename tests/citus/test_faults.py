@@ -114,3 +114,64 @@ def test_a_worker_killed_mid_delivery_stops_only_its_shards_and_nothing_is_appli
         ).fetchall()
     assert len(rows) == 90
     assert {n for _, n in rows} == {1}, "each effect recorded as succeeded exactly once"
+
+
+def test_the_coordinator_killed_under_load_loses_nothing_and_applies_nothing_twice(
+    citus_cluster: CitusCluster, citus_db: CitusDatabase
+) -> None:
+    """kill -9 of the coordinator while steps commit and effects are delivered, then a restart."""
+    migrated = CliRunner().invoke(
+        cli_main, ["migrate", "--distribute", "--json"], env={"OUTBOX_DSN": citus_db.dsn}
+    )
+    assert migrated.exit_code == 0, migrated.output
+    sink = KeyedSink()
+    deliverer = RecordingDeliverer(KIND, outcome=sink)
+    committed: list[uuid.UUID] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        # a step either committed (its run id is kept) or raised: retried as a new run
+        while not stop.is_set():
+            try:
+                with Outbox.connect(citus_db.dsn) as ob:
+                    while not stop.is_set():
+                        run = ob.start_run("payments", "1")
+                        run.transaction("pay", lambda tx, r=run.id: _intend_fifteen(tx, r))
+                        committed.append(run.id)
+            except Exception:
+                time.sleep(0.2)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    with DaemonThread(
+        citus_db.dsn, {KIND: deliverer}, batch_size=5, poll_seconds=0.1, lease_seconds=3
+    ) as daemon:
+        thread.start()
+        wait_for(lambda: len(committed) >= 3 and sink.requests >= 10, timeout=60)
+        citus_cluster.coordinator.kill9()
+        time.sleep(1)
+        citus_cluster.coordinator.restart_after_kill()
+        wait_for(lambda: len(committed) >= 8, timeout=90, message="writes resumed")
+        stop.set()
+        thread.join(30)
+        wait_for(
+            lambda: _succeeded(citus_db.dsn, list(committed)) == 15 * len(committed),
+            timeout=120,
+            message="every committed effect delivered",
+        )
+        assert daemon.error is None
+    with psycopg.connect(citus_db.dsn) as conn:
+        keys = {
+            row[0]
+            for row in conn.execute(
+                "SELECT idempotency_key FROM outbox_effects WHERE run_id = ANY(%s)",
+                [list(committed)],
+            ).fetchall()
+        }
+        counts = conn.execute(
+            "SELECT count(*) FILTER (WHERE outcome = 'succeeded') FROM outbox_effect_attempts"
+            " GROUP BY effect_id"
+        ).fetchall()
+    assert len(keys) == 15 * len(committed), "every committed step kept its intents"
+    assert keys <= set(sink.applied), "every committed intent applied"
+    assert max(sink.applied.values()) == 1, "none applied twice"
+    assert {n for (n,) in counts} <= {0, 1}, "no effect recorded succeeded twice"
