@@ -19,7 +19,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import psycopg
 import pytest
+from psycopg import sql
 
 from outbox import Outbox
 from outbox.gates import Gate
@@ -136,7 +138,14 @@ def test_identifier_rules_over_http_are_the_shared_cases(ob: Outbox, api: ApiCli
 
 
 def test_limits_are_the_clients_settings_not_the_apis(dsn: str) -> None:
-    # A server whose client allows 300-character step ids takes them over HTTP too.
+    # A server whose client allows 300-character step ids takes them over HTTP too,
+    # once the database allows them: above the default only the database raises a cap.
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET outbox.max_step_id_length = '300'").format(
+                sql.Identifier(conn.info.dbname)
+            )
+        )
     with Outbox.connect(dsn, max_step_id_length=300) as ob:
         running = OutboxServer(
             ob, ServeSettings(port=0, console=False), Credentials(api_token=TOKEN.encode())
