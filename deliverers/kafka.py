@@ -55,7 +55,12 @@ from kafka import KafkaProducer
 from kafka import errors as kafka_errors
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from deliverers.kafka_readback import choose_partition, find_record
+from deliverers.kafka_readback import (
+    IDEMPOTENCY_HEADER,
+    REJECTED_ERRORS,
+    choose_partition,
+    find_record,
+)
 from deliverers.kafka_txn import deliver_in_transaction, read_back_committed
 from outbox.delivery import (
     Deliverer,
@@ -79,24 +84,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Header names the deliverer sets on every record; a payload cannot set them.
-IDEMPOTENCY_HEADER = "idempotency-key"
 RESERVED_HEADERS = frozenset({IDEMPOTENCY_HEADER, "run-id", "effect-id"})
 TRACEPARENT_HEADER = "traceparent"
 TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 # W3C trace context, version 00: version-traceid-parentid-flags, lowercase hex.
 TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 
-# The broker refused the record itself: nothing was written, resending cannot help.
-REJECTED_ERRORS: tuple[type[Exception], ...] = (
-    kafka_errors.MessageSizeTooLargeError,
-    kafka_errors.RecordListTooLargeError,
-    kafka_errors.InvalidTopicError,
-    kafka_errors.TopicAuthorizationFailedError,
-    kafka_errors.InvalidRecordError,
-    kafka_errors.InvalidTimestampError,
-    kafka_errors.PolicyViolationError,
-    kafka_errors.UnsupportedForMessageFormatError,
-)
 # Producer settings the deliverer owns (the guarantee depends on them) or that have own fields.
 OWNED_PRODUCER_SETTINGS = frozenset(
     {

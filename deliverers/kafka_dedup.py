@@ -15,7 +15,7 @@ from typing import Any
 
 from kafka import errors as kafka_errors
 
-from deliverers.kafka import IDEMPOTENCY_HEADER
+from deliverers.kafka_readback import IDEMPOTENCY_HEADER
 from outbox.storage import Connection, Engine
 from outbox.storage.store import mark_consumed
 

@@ -28,11 +28,26 @@ import time
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
+from kafka import errors as kafka_errors
 from kafka.partitioner.default import murmur2
 
 from outbox.delivery import NotApplied, Succeeded
 
-__all__ = ["choose_partition", "find_record"]
+#: The header that carries an effect's idempotency key on every record we write.
+IDEMPOTENCY_HEADER = "idempotency-key"
+# The broker refused the record itself: nothing was written, resending cannot help.
+REJECTED_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.InvalidRecordError,
+    kafka_errors.InvalidTimestampError,
+    kafka_errors.PolicyViolationError,
+    kafka_errors.UnsupportedForMessageFormatError,
+)
+
+__all__ = ["IDEMPOTENCY_HEADER", "REJECTED_ERRORS", "choose_partition", "find_record"]
 
 
 def choose_partition(partitions: set[int], key: bytes | None, idempotency_key: str) -> int:

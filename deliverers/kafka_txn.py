@@ -56,6 +56,7 @@ from kafka.net.compat import KafkaNetClient
 from kafka.protocol.consumer import FetchRequest
 from kafka.record import MemoryRecords
 
+from deliverers.kafka_readback import IDEMPOTENCY_HEADER, REJECTED_ERRORS
 from outbox.delivery import Delivery, Failed, NotApplied, Outcome, Retry, Succeeded, Unknown
 from outbox.faults import crash_point
 
@@ -318,8 +319,6 @@ def deliver_in_transaction(
 def _one_transaction(deliverer: KafkaDeliverer, producer: Any, batch: list[_Slot]) -> list[Outcome]:
     from kafka import errors as kafka_errors
 
-    from deliverers.kafka import REJECTED_ERRORS
-
     wait = deliverer.ack_wait
     refused: dict[int, Outcome] = {}
 
@@ -394,8 +393,6 @@ def _one_transaction(deliverer: KafkaDeliverer, producer: Any, batch: list[_Slot
 
 def read_back_committed(deliverer: KafkaDeliverer, delivery: Delivery) -> Succeeded | NotApplied:
     """The transactional lookup: fence the attempt's transactional id, then read markers back."""
-    from deliverers.kafka import IDEMPOTENCY_HEADER
-
     note: dict[str, Any] = delivery.note
     noted_id = note.get("transactional_id")
     own = noted_id == deliverer.transactional_id and deliverer._producer is not None

@@ -4,7 +4,7 @@ The same names and the same semantics, awaited: ``await AsyncOutbox.connect()``,
 ``await ob.start_run(...)``, ``await run.call(...)``, ``await run.transaction(...)``
 (``tx.connection`` is an ``AsyncConnection``), waits, signals, cancellation and
 ``async with ob.transaction() as tx``. Validation comes from the helpers both
-clients call (:mod:`outbox.client`), statements from :class:`~outbox.storage.store.Store`
+clients call (:mod:`outbox.client_args`), statements from :class:`~outbox.storage.store.Store`
 awaited through :class:`~outbox.storage.async_run_store.AsyncRunStore`, and the
 rules of a run from :class:`~outbox.runs.run_base.RunBase`.
 """

@@ -565,5 +565,3 @@ class Outbox:
             )
         return Worker(self._ctx, agent, version, handler, worker_settings)
 
-
-# -- rules both clients apply before they touch the database ---------------------------

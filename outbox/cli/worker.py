@@ -1,4 +1,8 @@
-"""``outbox worker`` (runs an agent), ``outbox signal`` and ``outbox serve`` (signals, console)."""
+"""The long-running commands, and the signal a person sends to a run.
+
+``outbox worker`` (runs an agent), ``outbox serve`` (the console and HTTP API),
+``outbox signal`` (to a run), ``outbox sink`` (a sample HTTP sink for the quickstart).
+"""
 
 from __future__ import annotations
 
@@ -349,9 +353,6 @@ def serve(
     server.serve_forever()
 
 
-COMMANDS = [worker, signal_command, serve]
-
-
 @click.command("sink")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
@@ -377,4 +378,4 @@ def sink(host: str, port: int) -> None:
     server.stop()
 
 
-COMMANDS.append(sink)
+COMMANDS = [worker, signal_command, serve, sink]
