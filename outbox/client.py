@@ -564,4 +564,3 @@ class Outbox:
                 worker_settings,
             )
         return Worker(self._ctx, agent, version, handler, worker_settings)
-

@@ -139,31 +139,31 @@ class AsyncStore:
                     f"kind {partition.get('kind')!r} declares a rate: a distributed database "
                     "does not enforce declared rates yet (docs/howto/citus.md)"
                 )
-            turn = self._shards.turn(str(partition))
-            shards: list[int | None] = [*self._shards.live(turn)] if sharded else [None]
-            for shard in shards:
-                want = limit - sum(1 for r in rows if r.kind == partition.get("kind"))
-                if want <= 0:
+            if not sharded:
+                rows += await self._claim_partition(
+                    conn, spec, partition, limit, owner, lease_seconds, rate
+                )
+                continue
+            taken = 0  # this partition's own: partitions of one kind each have their quota
+            for shard in self._shards.live(self._shards.turn(str(partition))):
+                if taken >= limit:
                     break
-                where: dict[str, Any] = dict(partition)
-                if shard is None:
-                    rows += await self._claim_partition(
-                        conn, spec, where, want, owner, lease_seconds, rate
-                    )
-                    continue
-                where["shard"] = shard
                 self._shards.took(str(partition), shard)
                 try:
                     # alone in autocommit, else a savepoint: one shard's failure is its own
                     idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
                     async with contextlib.nullcontext() if idle else conn.transaction():
-                        rows += await self._claim_partition(
-                            conn, spec, where, want, owner, lease_seconds, rate
+                        on_shard = {**partition, "shard": shard}
+                        found = await self._claim_partition(
+                            conn, spec, on_shard, limit - taken, owner, lease_seconds, rate
                         )
                 except psycopg.Error as exc:
                     if not node_unreachable(exc):
                         raise
                     self._shards.rest(shard, exc)
+                    continue
+                taken += len(found)
+                rows += found
         for row in rows:
             if row.shard is not None:
                 self._shards.of[row.id] = row.shard
@@ -282,9 +282,7 @@ class AsyncStore:
         began = time.perf_counter()
         with translate_errors("recording outcomes"):
             async with self._direct.connection() as conn, conn.transaction():
-                logged = await complete_on(
-                    conn, owner, done, self._shards.of if await self.sharded(conn) else None
-                )
+                logged = await complete_on(conn, owner, done, await self._held_shards(conn))
         self._observe("complete", began, complete=len(logged))
         return logged
 
@@ -314,9 +312,7 @@ class AsyncStore:
         began = time.perf_counter()
         with translate_errors("recording outcomes and claiming effects"):
             async with self._direct.connection() as conn, conn.transaction():
-                logged = await complete_on(
-                    conn, owner, done, self._shards.of if await self.sharded(conn) else None
-                )
+                logged = await complete_on(conn, owner, done, await self._held_shards(conn))
                 rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 if extend:
                     params = queue.extend_params(extend, owner=owner, lease_seconds=lease_seconds)

@@ -32,6 +32,7 @@ from outbox.storage.deliverer_reads import DelivererReads
 from outbox.storage.engine import translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
+from outbox.storage.shard_turns import ShardTurns
 from outbox.storage.sql import audit, control, maintenance, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
@@ -57,7 +58,8 @@ class Store:
         self.deliverers = DelivererReads(engine)
         #: On Citus (asked once): statements that lock rows of many runs go a shard at a time.
         self._sharded: bool | None = None
-        self._run_turn = 0
+        #: On Citus: the shard each partition's next run claim starts at.
+        self._turns = ShardTurns()
 
     def _is_sharded(self, conn: Connection) -> bool:
         if self._sharded is None:
@@ -279,21 +281,16 @@ class Store:
             spec = dataclasses.replace(queue.RUN_QUEUE, sharded=True)
             for partition, limit in quotas:
                 taken = 0
-                for n in range(SHARDS):
+                for shard in self._turns.live(self._turns.turn(str(partition))):
                     if taken >= limit:
                         break
-                    shard = (self._run_turn + n) % SHARDS
+                    self._turns.took(str(partition), shard)
+                    on_shard = {**partition, "shard": shard}
                     found = self._claim_runs_on(
-                        conn,
-                        spec,
-                        {**partition, "shard": shard},
-                        limit - taken,
-                        owner,
-                        lease_seconds,
+                        conn, spec, on_shard, limit - taken, owner, lease_seconds
                     )
                     taken += len(found)
                     claimed += found
-            self._run_turn = (self._run_turn + 1) % SHARDS
         return claimed
 
     def _claim_runs_on(
