@@ -295,9 +295,9 @@ class CitusCluster:
         """Initialise once, copy the data directory per node, start every node."""
         bindir = ensure_installed() / "bin"
         user = _run_as()
-        entry = pwd.getpwnam(user) if user else None
-        if user:
+        if user:  # on a fresh machine no other server has created it yet
             _ensure_system_user(user)
+        entry = pwd.getpwnam(user) if user else None
         template = self.home / "template"
         template.mkdir(mode=0o700)
         if entry:

@@ -112,8 +112,14 @@ def test_a_worker_killed_mid_delivery_stops_only_its_shards_and_nothing_is_appli
             "SELECT effect_id, count(*) FILTER (WHERE outcome = 'succeeded')"
             " FROM outbox_effect_attempts GROUP BY effect_id"
         ).fetchall()
+        twice = [r for r, n in rows if n != 1]
+        detail = conn.execute(
+            "SELECT effect_id, attempt, outcome, worker, started_at, finished_at, detail"
+            " FROM outbox_effect_attempts WHERE effect_id = ANY(%s) ORDER BY effect_id, id",
+            [twice],
+        ).fetchall()
     assert len(rows) == 90
-    assert {n for _, n in rows} == {1}, "each effect recorded as succeeded exactly once"
+    assert {n for _, n in rows} == {1}, f"each effect recorded as succeeded exactly once: {detail}"
 
 
 def test_the_coordinator_killed_under_load_loses_nothing_and_applies_nothing_twice(

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
-from sqlalchemy import update
+from sqlalchemy import func, update
 
 from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox
 from outbox.delivery import Delivery, Outcome, Succeeded
+from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.engine import make_async_engine
 from outbox.storage.schema import effects
+from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.support import DaemonThread, wait_for
 
 
@@ -72,3 +76,47 @@ def test_stale_completion_is_logged_and_changes_nothing(ob: Outbox, dsn: str) ->
     assert [(x.attempt, x.worker) for x in stale] == [(1, "A")]
     assert stale[0].detail["reported"] == "succeeded"
     assert [d.idempotency_key for d in a.deliveries + b.deliveries] == [effect.idempotency_key] * 2
+
+
+def test_a_batch_with_an_older_attempts_outcome_beside_the_current_one_logs_it_stale(
+    ob: Outbox, dsn: str
+) -> None:
+    """A deliverer retrying a failed completion can send attempt 1's outcome in the
+    same batch as attempt 2's (the reconciler had redelivered in between, as when a
+    Citus worker came back): only attempt 2 is the effect's outcome."""
+    run = ob.start_run("agent", "1")
+    run.transaction("s", lambda tx: tx.intend("k", {"n": 1}) and None)
+
+    async def main() -> list[tuple[object, str]]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            first = await store.claim_many(
+                EFFECT_QUEUE, [({"kind": "k"}, 1)], owner="A", lease_seconds=30
+            )
+            # the reconciler sets attempt 1 aside; the same deliverer takes attempt 2
+            with ob.engine.begin() as conn:
+                conn.execute(
+                    update(effects).values(
+                        status="pending", lease_owner=None, available_at=func.now()
+                    )
+                )
+            second = await store.claim_many(
+                EFFECT_QUEUE, [({"kind": "k"}, 1)], owner="A", lease_seconds=30
+            )
+            assert [c.attempt for c in first + second] == [1, 2]
+            return await store.complete(
+                "A",
+                [
+                    Completion(first[0].id, 1, "succeeded", "succeeded"),
+                    Completion(second[0].id, 2, "succeeded", "succeeded"),
+                ],
+            )
+        finally:
+            await store.dispose()
+
+    logged = asyncio.run(main())
+    assert sorted(outcome for _, outcome in logged) == ["stale", "succeeded"]
+    effect = ob.effects()[0]
+    log = sorted((x.attempt, x.outcome) for x in ob.store.attempts(effect.id))
+    assert log == [(1, "stale"), (2, "succeeded")]
+    assert effect.status == EffectStatus.SUCCEEDED and effect.attempt == 2

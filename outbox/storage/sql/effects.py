@@ -148,7 +148,7 @@ def complete_effects(sharded: bool = False) -> Any:
             ),
             updated_at=now,
         )
-        .returning(e.c.id, e.c.status, e.c.awaited_by, e.c.shard)
+        .returning(e.c.id, e.c.attempt, e.c.status, e.c.awaited_by, e.c.shard)
         .cte("updated")
     )
     # A run parked on one of these effects (``run.await_effect``) goes on now. The
@@ -193,7 +193,12 @@ def complete_effects(sharded: bool = False) -> Any:
             else_=d2.c.detail,
         ),
         func.coalesce(updated.c.shard, its_shard),
-    ).select_from(d2.outerjoin(updated, updated.c.id == d2.c.id))
+    ).select_from(
+        # by attempt too: a batch can carry a retried outcome of an older attempt
+        # beside the current one of the same effect, and only the one that changed
+        # the row is its outcome; the other is stale
+        d2.outerjoin(updated, and_(updated.c.id == d2.c.id, updated.c.attempt == d2.c.attempt))
+    )
     return (
         pg_insert(effect_attempts)
         .from_select(
