@@ -12,7 +12,9 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -100,12 +102,55 @@ def drop_database(admin_dsn: str, dsn: str) -> None:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
+class DatabasePool:
+    """Fresh clones of the template made ahead of the tests and dropped behind them.
+
+    A clone costs about 100-250 ms of the server's time and a drop 20-30 ms; one
+    thread does both while the previous test runs (most tests wait on a timer, a
+    lease or a process at some point), so a test starts on a database that is
+    ready. Every database is still used once.
+    """
+
+    def __init__(self, admin_dsn: str, template: str, ahead: int = 2) -> None:
+        self._admin_dsn = admin_dsn
+        self._template = template
+        self._ahead = ahead
+        # one thread: creates and drops never compete with each other
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-databases")
+        self._ready: deque[Future[str]] = deque()
+
+    def take(self) -> str:
+        """A fresh database's DSN (waits for its clone if none is ready yet)."""
+        while len(self._ready) < self._ahead + 1:
+            self._ready.append(
+                self._thread.submit(create_database, self._admin_dsn, self._template)
+            )
+        return self._ready.popleft().result()
+
+    def give_back(self, dsn: str) -> None:
+        """Drop ``dsn`` behind the next test (its sessions are ended by FORCE)."""
+        self._thread.submit(drop_database, self._admin_dsn, dsn)
+
+    def close(self) -> None:
+        """Drop the clones made ahead and wait for every drop."""
+        while self._ready:
+            self._thread.submit(drop_database, self._admin_dsn, self._ready.popleft().result())
+        self._thread.shutdown(wait=True)
+
+
+@pytest.fixture(scope="session")
+def database_pool(admin_dsn: str, template_db: str) -> Iterator[DatabasePool]:
+    pool = DatabasePool(admin_dsn, template_db)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
-def dsn(admin_dsn: str, template_db: str) -> Iterator[str]:
+def dsn(database_pool: DatabasePool) -> Iterator[str]:
     """A fresh, migrated database for one test."""
-    url = create_database(admin_dsn, template_db)
+    url = database_pool.take()
     yield url
-    drop_database(admin_dsn, url)
+    database_pool.give_back(url)
 
 
 @pytest.fixture
