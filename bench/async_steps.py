@@ -32,7 +32,8 @@ from typing import Any
 import psycopg
 from sqlalchemy.engine import make_url
 
-from outbox import AsyncOutbox, AsyncStepTransaction, EmbeddedServer, Outbox, StepTransaction
+from outbox import AsyncOutbox, AsyncStepTransaction, Outbox, StepTransaction
+from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import psycopg
 
-from outbox import EmbeddedServer
 from outbox.gates import Gate
+from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 

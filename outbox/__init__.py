@@ -6,6 +6,11 @@ record the outcome, fenced against stale workers.
 
 Every name below is imported when first used: ``import outbox`` (and so
 ``outbox --help``) does not load SQLAlchemy, the client or the workers.
+
+The names are what an agent's code uses: the clients, the run and step handles,
+the workers, the models and settings, the key helpers, and the errors that reach
+an agent. Deliverer authors import from ``outbox.delivery``; administration and
+control flow stay in their own modules (``_MOVED`` below names them).
 """
 
 from __future__ import annotations
@@ -21,23 +26,18 @@ if typing.TYPE_CHECKING:
         BudgetExceeded,
         ConfigurationError,
         DatabaseError,
-        DeliveryError,
         EffectFailed,
         EffectNotFound,
         EffectRejected,
         EffectTimeout,
-        EmbeddedServerError,
         ForkRefused,
         IdempotencyConflict,
         LeaseLost,
-        MigrationError,
         MissingExtra,
         NotFound,
         OutboxError,
         PayloadError,
-        PermanentError,
         ReplayRefused,
-        RetryableError,
         RunExists,
         RunNotFound,
         RunPaused,
@@ -52,7 +52,7 @@ if typing.TYPE_CHECKING:
         ValidationError,
         WaitTimeout,
     )
-    from outbox.gates import ApprovalPolicy, Condition, Gate, OnTimeout
+    from outbox.gates import ApprovalPolicy, OnTimeout
     from outbox.keys import compensation_key, derive_key
     from outbox.models import (
         AttemptOutcome,
@@ -72,13 +72,10 @@ if typing.TYPE_CHECKING:
     from outbox.runs.async_run import AsyncOutboxTransaction, AsyncRun, AsyncStepTransaction
     from outbox.runs.async_worker import AsyncWorker
     from outbox.runs.intents import OutboxTransaction, StepTransaction
-    from outbox.runs.run import Run, Suspended
-    from outbox.runs.run_base import Paused
+    from outbox.runs.run import Run
     from outbox.runs.signals import SignalReceipt
     from outbox.runs.worker import Worker, WorkerSettings
     from outbox.settings import Settings
-    from outbox.storage.embedded import EmbeddedServer
-    from outbox.storage.migrate import migrate
 
 #: Where each exported name lives (imported on first use, see ``__getattr__``).
 _WHERE: dict[str, str] = {
@@ -92,10 +89,8 @@ _WHERE: dict[str, str] = {
     "AttemptOutcome": "outbox.models",
     "BudgetExceeded": "outbox.errors",
     "Compensation": "outbox.models",
-    "Condition": "outbox.gates",
     "ConfigurationError": "outbox.errors",
     "DatabaseError": "outbox.errors",
-    "DeliveryError": "outbox.errors",
     "Effect": "outbox.models",
     "EffectAttempt": "outbox.models",
     "EffectFailed": "outbox.errors",
@@ -104,13 +99,9 @@ _WHERE: dict[str, str] = {
     "EffectRejected": "outbox.errors",
     "EffectStatus": "outbox.models",
     "EffectTimeout": "outbox.errors",
-    "EmbeddedServer": "outbox.storage.embedded",
-    "EmbeddedServerError": "outbox.errors",
     "ForkRefused": "outbox.errors",
-    "Gate": "outbox.gates",
     "IdempotencyConflict": "outbox.errors",
     "LeaseLost": "outbox.errors",
-    "MigrationError": "outbox.errors",
     "MissingExtra": "outbox.errors",
     "NotFound": "outbox.errors",
     "OnConflict": "outbox.models",
@@ -118,11 +109,8 @@ _WHERE: dict[str, str] = {
     "Outbox": "outbox.client",
     "OutboxError": "outbox.errors",
     "OutboxTransaction": "outbox.runs.intents",
-    "Paused": "outbox.runs.run_base",
     "PayloadError": "outbox.errors",
-    "PermanentError": "outbox.errors",
     "ReplayRefused": "outbox.errors",
-    "RetryableError": "outbox.errors",
     "Run": "outbox.runs.run",
     "RunExists": "outbox.errors",
     "RunMode": "outbox.models",
@@ -144,13 +132,29 @@ _WHERE: dict[str, str] = {
     "StepStatus": "outbox.models",
     "StepTransaction": "outbox.runs.intents",
     "StoredValueAltered": "outbox.errors",
-    "Suspended": "outbox.runs.run",
     "ValidationError": "outbox.errors",
     "WaitTimeout": "outbox.errors",
     "Worker": "outbox.runs.worker",
     "WorkerSettings": "outbox.runs.worker",
     "compensation_key": "outbox.keys",
     "derive_key": "outbox.keys",
+}
+
+
+#: Names ``outbox`` exported before its surface was narrowed, and where they live.
+#: Only the error message reads this: they are not re-exported, so the top level
+#: stays what an agent author needs (docs/reference/client.md lists both).
+_MOVED: dict[str, str] = {
+    "Condition": "outbox.gates",
+    "DeliveryError": "outbox.delivery",
+    "EmbeddedServer": "outbox.storage.embedded",
+    "EmbeddedServerError": "outbox.errors",
+    "Gate": "outbox.gates",
+    "MigrationError": "outbox.errors",
+    "Paused": "outbox.runs.run_base",
+    "PermanentError": "outbox.delivery",
+    "RetryableError": "outbox.delivery",
+    "Suspended": "outbox.runs.run_base",
     "migrate": "outbox.storage.migrate",
 }
 
@@ -158,7 +162,9 @@ _WHERE: dict[str, str] = {
 def __getattr__(name: str) -> typing.Any:
     module = _WHERE.get(name)
     if module is None:
-        raise AttributeError(f"module 'outbox' has no attribute {name!r}")
+        moved = _MOVED.get(name)
+        hint = f"; import it from {moved}" if moved else ""
+        raise AttributeError(f"module 'outbox' has no attribute {name!r}{hint}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # the next lookup does not come here
     return value
@@ -181,10 +187,8 @@ __all__ = [
     "AttemptOutcome",
     "BudgetExceeded",
     "Compensation",
-    "Condition",
     "ConfigurationError",
     "DatabaseError",
-    "DeliveryError",
     "Effect",
     "EffectAttempt",
     "EffectFailed",
@@ -193,13 +197,9 @@ __all__ = [
     "EffectRejected",
     "EffectStatus",
     "EffectTimeout",
-    "EmbeddedServer",
-    "EmbeddedServerError",
     "ForkRefused",
-    "Gate",
     "IdempotencyConflict",
     "LeaseLost",
-    "MigrationError",
     "MissingExtra",
     "NotFound",
     "OnConflict",
@@ -207,11 +207,8 @@ __all__ = [
     "Outbox",
     "OutboxError",
     "OutboxTransaction",
-    "Paused",
     "PayloadError",
-    "PermanentError",
     "ReplayRefused",
-    "RetryableError",
     "Run",
     "RunExists",
     "RunMode",
@@ -233,7 +230,6 @@ __all__ = [
     "StepStatus",
     "StepTransaction",
     "StoredValueAltered",
-    "Suspended",
     "ValidationError",
     "WaitTimeout",
     "Worker",
@@ -241,5 +237,4 @@ __all__ = [
     "__version__",
     "compensation_key",
     "derive_key",
-    "migrate",
 ]

@@ -14,7 +14,7 @@ from outbox.cli._common import CliContext
 from outbox.cli._dsn import choose_dsn
 from outbox.errors import MissingExtra, OutboxError
 
-__all__ = ["cli", "main"]
+__all__ = ["cli", "commands", "main"]
 
 
 #: Each command: the module that defines it and the summary ``outbox --help`` shows,
@@ -130,6 +130,26 @@ def cli(
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx.obj = CliContext(dsn=choose_dsn(ctx, dsn, dsn_file), home=home)
     ctx.call_on_close(ctx.obj.close)
+
+
+def commands(
+    command: click.Command | None = None, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], click.Command]]:
+    """Every command under ``outbox`` (groups included), depth first, by name.
+
+    Lives here, not with the docs generator (``tools/``): ``outbox schemas``
+    finds each command's ``--json`` report model by walking this tree at run time.
+    """
+    if command is None:
+        command = cli
+    found = [(path, command)]
+    if isinstance(command, click.Group):
+        ctx = click.Context(command)
+        for name in command.list_commands(ctx):  # loads a lazy group's commands
+            sub = command.get_command(ctx, name)
+            if sub is not None:
+                found += commands(sub, (*path, name))
+    return found
 
 
 def _one_line(text: str) -> str:

@@ -471,8 +471,8 @@ class CheckReport(Report):
 
 def report_models() -> dict[str, type[BaseModel]]:
     """``report.<command path>`` → the model of that command's ``--json`` output."""
+    from outbox.cli import commands
     from outbox.cli._common import JsonOption
-    from outbox.cli.cli_reference import commands
 
     found: dict[str, type[BaseModel]] = {}
     for path, command in commands():  # every command, loaded

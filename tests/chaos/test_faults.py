@@ -29,7 +29,8 @@ from sqlalchemy import text
 
 from deliverers.record import RecordingSink
 from deliverers.testing import Fault
-from outbox import EmbeddedServer, Outbox
+from outbox import Outbox
+from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params

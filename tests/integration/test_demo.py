@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from outbox import EmbeddedServer, Outbox
+from outbox import Outbox
+from outbox.storage.embedded import EmbeddedServer
 from tests.support import embedded_home, wait_for
 
 

@@ -15,7 +15,9 @@ from subprocess import CompletedProcess
 import psycopg
 import pytest
 
-from outbox import EmbeddedServer, EmbeddedServerError, Outbox
+from outbox import Outbox
+from outbox.errors import EmbeddedServerError
+from outbox.storage.embedded import EmbeddedServer
 from tests.support import embedded_home
 
 

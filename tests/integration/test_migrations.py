@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from outbox import MigrationError, Outbox, SchemaOutdated, SchemaTooNew, Settings
+from outbox import Outbox, SchemaOutdated, SchemaTooNew, Settings
+from outbox.errors import MigrationError
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import applied_versions, migrate, shipped
 from outbox.storage.schema import metadata

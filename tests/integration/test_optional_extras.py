@@ -81,7 +81,7 @@ def test_commands_that_need_a_missing_extra_say_which(
             no_crypto,
             "audit",
         ),
-        "the reference generator": (["-m", "outbox.cli.reference", "--check"], no_kafka, "kafka"),
+        "the reference generator": (["-m", "tools.reference", "--check"], no_kafka, "kafka"),
     }
     with ThreadPoolExecutor(max_workers=4) as pool:
         done = dict(

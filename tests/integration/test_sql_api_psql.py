@@ -17,7 +17,8 @@ import psycopg
 import pytest
 
 from deliverers.testing import IdempotentHttpSink
-from outbox import EmbeddedServer, Outbox, derive_key
+from outbox import Outbox, derive_key
+from outbox.storage.embedded import EmbeddedServer
 from outbox.testing.processes import start_deliverer
 from outbox.testing.workload import write_config
 from tests.support import wait_for

@@ -129,6 +129,9 @@ def violations(files: dict[str, str]) -> list[str]:
             elif top == "deliverers" and eager:
                 # Every deliverer pulls in its client library (kafka, aiosmtplib, ...).
                 found.append(f"{where}: deliverers are imported lazily, inside the function")
+            if top == "tools" and here.split(".")[0] == "outbox":
+                # tools/ (the docs generator, new_migration) is not installed with the package.
+                found.append(f"{where}: the installed package may not import tools")
             if top in ("sqlalchemy", "psycopg") and mine not in ("storage",):
                 found.append(f"{where}: only outbox.storage imports the database driver")
             theirs = layer_of(target)
@@ -210,6 +213,8 @@ def test_deliverers_use_the_deliverer_surface_only() -> None:
             "from outbox.storage import Connection\n",
             "base modules import no layer",
         ),
+        ("outbox/cli/bad.py", "from tools.reference import main\n", "may not import tools"),
+        ("outbox/cli/bad.py", "def f():\n    import tools.markdown\n", "may not import tools"),
     ],
 )
 def test_the_checker_catches_a_wrong_import(module: str, source: str, expected: str) -> None:
@@ -233,7 +238,7 @@ MAX_MODULE_LINES = 600
 def test_every_module_stays_small() -> None:
     long = [
         f"{path.relative_to(ROOT)}: {lines} lines"
-        for package in ("outbox", "deliverers", "bench")
+        for package in ("outbox", "deliverers", "bench", "tools")
         for path in _modules(package)
         if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     ]

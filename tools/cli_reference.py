@@ -9,27 +9,10 @@ from typing import Any
 
 import click
 
-from outbox.cli.markdown import rst_to_markdown, table
+from outbox.cli import commands
+from tools.markdown import rst_to_markdown, table
 
-__all__ = ["cli_block", "command_heading", "commands"]
-
-
-def commands(
-    command: click.Command | None = None, path: tuple[str, ...] = ()
-) -> list[tuple[tuple[str, ...], click.Command]]:
-    """Every command under ``outbox`` (groups included), depth first, by name."""
-    if command is None:
-        from outbox.cli import cli
-
-        command = cli
-    found = [(path, command)]
-    if isinstance(command, click.Group):
-        ctx = click.Context(command)
-        for name in command.list_commands(ctx):  # loads a lazy group's commands
-            sub = command.get_command(ctx, name)
-            if sub is not None:
-                found += commands(sub, (*path, name))
-    return found
+__all__ = ["cli_block", "command_heading"]
 
 
 def _unset(value: Any) -> bool:

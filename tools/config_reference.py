@@ -1,7 +1,7 @@
 """The deliverers config reference: each table of the one model, each type's keys, as Markdown.
 
 The blocks of docs/reference/deliverers-config.md, rendered by
-``python -m outbox.cli.reference`` (which imports them from here).
+``python -m tools.reference`` (which imports them from here).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from outbox.cli.markdown import field_meaning, fields_table, nested_models, summary, table
+from tools.markdown import field_meaning, fields_table, nested_models, summary, table
 
 __all__ = [
     "Shipped",

@@ -1,6 +1,6 @@
 """Markdown from code: tables of pydantic fields, docstring summaries, cells.
 
-The pieces ``outbox.cli.reference`` builds its generated blocks from. A
+The pieces ``tools.reference`` builds its generated blocks from. A
 field's meaning is its ``Field(description=...)`` or the ``#:`` comment above
 it in the class that declares it.
 """
