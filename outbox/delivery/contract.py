@@ -15,10 +15,9 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 from uuid import UUID
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.errors import (
@@ -28,7 +27,7 @@ from outbox.errors import (
     check_seconds,
 )
 from outbox.storage.sql.queue import Rate
-from outbox.validation import config_error
+from outbox.validation import validated_table
 
 __all__ = [
     "AttemptNotes",
@@ -225,13 +224,15 @@ class Deliverer:
             self.rate = Rate(self.config.rate, burst)
 
     @classmethod
-    def from_config(cls, kind: str, raw: Mapping[str, Any]) -> Deliverer:
+    def parse_config(cls, kind: str, table: Mapping[str, Any]) -> DelivererConfig:
+        """Validate a kind's config table with ``config_model`` (errors name the kind and field)."""
+        not_a_table = f"kinds.{kind} must be a table"
+        return validated_table(cls.config_model, table, f"deliverer {kind!r}: ", not_a_table)
+
+    @classmethod
+    def from_config(cls, kind: str, raw: Mapping[str, Any]) -> Self:
         """Build from a config table (validated; errors name the kind and the field)."""
-        try:
-            config = cls.config_model.model_validate(dict(raw))
-        except pydantic.ValidationError as exc:
-            raise config_error(f"deliverer {kind!r}: ", exc, cls.config_model) from None
-        return cls(kind, config)
+        return cls(kind, cls.parse_config(kind, raw))
 
     def deliver(self, delivery: Delivery) -> Outcome | Awaitable[Outcome]:
         """Perform the effect once, passing ``delivery.idempotency_key`` to the sink."""
