@@ -15,10 +15,11 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Generic, Self, get_args
 from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import TypeVar  # a default for a type variable (PEP 696) before 3.13
 
 from outbox.errors import (
     DeliveryError,
@@ -179,11 +180,20 @@ class DelivererConfig(BaseModel):
     burst: int | None = Field(default=None, ge=1, le=1_000_000)
 
 
-class Deliverer:
+#: A deliverer's settings model. Covariant, so that every ``Deliverer[HttpConfig]``
+#: is a ``Deliverer`` (registries hold several types); defaulted, so that a bare
+#: ``Deliverer`` means the common settings.
+ConfigT = TypeVar("ConfigT", bound=DelivererConfig, default=DelivererConfig, covariant=True)
+
+
+class Deliverer(Generic[ConfigT]):
     """Base class of deliverers: subclasses implement :meth:`deliver`.
 
     ``deliver`` and ``lookup`` may be plain or ``async`` methods: the daemon
     runs plain ones in a worker thread. One instance serves one effect kind.
+    A subclass names its settings model once, as the parameter of its base
+    (``class SmsDeliverer(Deliverer[SmsConfig])``): that sets ``config_model``
+    and types ``self.config``.
     """
 
     #: The sink dedups on the idempotency key: a crash mid-call is redelivered.
@@ -198,9 +208,20 @@ class Deliverer:
     #: Payload schema versions this deliverer understands.
     schema_versions: ClassVar[frozenset[int]] = frozenset({1})
 
-    #: This kind's settings, an instance of ``config_model``. A subclass declares
-    #: ``config: MyConfig`` in its body to have them typed as its own.
-    config: DelivererConfig
+    #: This kind's settings, an instance of ``config_model``.
+    config: ConfigT
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # ``Deliverer[SmsConfig]`` as a base names the model; a ``config_model``
+        # the class sets itself wins, and a subclass of a subclass inherits it
+        # (its parent's ``__orig_bases__`` is not its own).
+        if "config_model" in cls.__dict__:
+            return
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            for arg in get_args(base):
+                if isinstance(arg, type) and issubclass(arg, DelivererConfig):
+                    cls.config_model = arg
 
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         self.kind = kind
@@ -210,7 +231,8 @@ class Deliverer:
                 f"deliverer {kind!r}: config must be a {self.config_model.__name__}, "
                 f"not {type(config).__name__}"
             )
-        self.config = config
+        # Checked above against config_model, which __init_subclass__ took from ConfigT.
+        self.config = config  # type: ignore[assignment]
         self.idempotent = (
             self.default_idempotent if self.config.idempotent is None else self.config.idempotent
         )
