@@ -93,6 +93,8 @@ class DeliverersConfig(BaseModel):
             if name not in cls.model_fields:
                 hint = did_you_mean(name, sorted(cls.model_fields))
                 raise ConfigurationError(f"{name}: unknown table ({hint})")
+        # Checked in the model's order (kinds, approvals, dry_run): the first problem wins.
+        kinds = _kinds(raw.get("kinds", {}), types, missing or {})
         approvals = raw.get("approvals", [])
         if not isinstance(approvals, list):
             raise ConfigurationError("approvals: must be an array of tables ([[approvals]])")
@@ -103,14 +105,10 @@ class DeliverersConfig(BaseModel):
         names = [g.name for g in gates]
         if duplicates := sorted({n for n in names if names.count(n) > 1}):
             raise ConfigurationError(f"approvals: name {duplicates[0]!r} is declared twice")
-        dry_run = raw.get("dry_run", {})
-        return cls(
-            kinds=_kinds(raw.get("kinds", {}), types, missing or {}),
-            approvals=gates,
-            dry_run=validated_table(
-                DryRunConfig, dry_run, "dry_run.", "dry_run: must be a table ([dry_run])"
-            ),
+        dry_run = validated_table(
+            DryRunConfig, raw.get("dry_run", {}), "dry_run.", "dry_run: must be a table ([dry_run])"
         )
+        return cls(kinds=kinds, approvals=gates, dry_run=dry_run)
 
 
 def _kinds(

@@ -203,3 +203,12 @@ def test_a_table_is_checked_by_the_model_the_base_names() -> None:
 def test_a_config_of_another_model_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="config must be a _Colour, not HttpConfig"):
         _Painter("paint", HttpConfig())
+
+
+def test_the_kinds_are_checked_before_the_gates_and_the_dry_run(tmp_path: Path) -> None:
+    text = '[kinds."http.request"]\nallow_privat = []\n[[approval]]\n'
+    assert refused(text, tmp_path) == "approval: unknown table (did you mean 'approvals'?)"
+    text = '[kinds."http.request"]\nallow_privat = []\n[[approvals]]\nnme = "g"\n'
+    assert refused(text, tmp_path).startswith("deliverer 'http.request': allow_privat")
+    text = '[[approvals]]\nnme = "g"\n[dry_run]\nstub = {}\n'
+    assert refused(text, tmp_path).startswith("approvals[0].nme")
