@@ -87,12 +87,12 @@ class DeliverersConfig(BaseModel):
         ``types`` are the installed deliverer types by name; ``missing`` the ones
         registered whose optional extra is not installed (their import error).
         """
-        # A table given as None (from Python, never from TOML) counts as absent.
-        raw = {name: table for name, table in raw.items() if table is not None}
         for name in raw:
             if name not in cls.model_fields:
                 hint = did_you_mean(name, sorted(cls.model_fields))
                 raise ConfigurationError(f"{name}: unknown table ({hint})")
+        # A table given as None (from Python, never from TOML) counts as absent.
+        raw = {name: table for name, table in raw.items() if table is not None}
         # Checked in the model's order (kinds, approvals, dry_run): the first problem wins.
         kinds = _kinds(raw.get("kinds", {}), types, missing or {})
         approvals = raw.get("approvals", [])
