@@ -212,7 +212,7 @@ def _http_date(value: str) -> datetime | None:
     return when.replace(tzinfo=UTC) if when.tzinfo is None else when
 
 
-class HttpDeliverer(Deliverer):
+class HttpDeliverer(Deliverer[HttpConfig]):
     """Calls an HTTP endpoint; idempotent by default (the sink is expected to honour the key).
 
     ``resolver`` answers host names (default: the system's ``getaddrinfo``);
@@ -221,8 +221,6 @@ class HttpDeliverer(Deliverer):
 
     default_idempotent: ClassVar[bool] = True
     payload_model: ClassVar[type[BaseModel] | None] = HttpRequest
-    config_model: ClassVar[type[DelivererConfig]] = HttpConfig
-    config: HttpConfig
 
     def __init__(
         self, kind: str, config: DelivererConfig | None = None, *, resolver: Resolver | None = None

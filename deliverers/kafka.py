@@ -292,13 +292,11 @@ class _NotConnected(Exception):
     """No producer could be created (no broker answered within ``max_block_ms``)."""
 
 
-class KafkaDeliverer(Deliverer):
+class KafkaDeliverer(Deliverer[KafkaConfig]):
     """Publishes one record per effect; not idempotent by default (Kafka cannot dedup keys)."""
 
     default_idempotent: ClassVar[bool] = False
     payload_model: ClassVar[type[BaseModel] | None] = KafkaRecord
-    config_model: ClassVar[type[DelivererConfig]] = KafkaConfig
-    config: KafkaConfig
 
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         super().__init__(kind, config)

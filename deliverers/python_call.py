@@ -12,7 +12,7 @@ import asyncio
 import inspect
 from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,16 +41,13 @@ class CallPayload(BaseModel):
     args: Any = None
 
 
-class PythonCallDeliverer(Deliverer):
+class PythonCallDeliverer(Deliverer[PythonCallConfig]):
     """Calls ``fn(payload, idempotency_key)``; its JSON return value is the result.
 
     The callable may be ``async``; it may raise ``RetryableError`` or
     ``PermanentError`` (from ``outbox.delivery``) to steer retries. Declare
     ``idempotent = true`` in the config when it dedups on the key.
     """
-
-    config_model: ClassVar[type[DelivererConfig]] = PythonCallConfig
-    config: PythonCallConfig
 
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         super().__init__(kind, config)

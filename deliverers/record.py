@@ -58,17 +58,15 @@ class RecordConfig(DelivererConfig):
     timeout: float = 10.0
 
 
-class RecordDeliverer(Deliverer):
+class RecordDeliverer(Deliverer[RecordConfig]):
     """Posts ``{"kind", "payload", "run_id", "effect_id"}`` to a :class:`RecordingSink`.
 
     The key travels as ``Idempotency-Key``. Declare ``idempotent`` (default
     true) and ``lookup`` as the kind it stands in for does.
     """
 
-    config_model: ClassVar[type[DelivererConfig]] = RecordConfig
     default_idempotent: ClassVar[bool] = True
     default_registered: ClassVar[bool] = False
-    config: RecordConfig
 
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         super().__init__(kind, config)

@@ -28,7 +28,6 @@ the ``testing.record`` stand-in of ``outbox check``).
 from __future__ import annotations
 
 import logging
-import tomllib
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -70,39 +69,29 @@ def unavailable_types() -> dict[str, ImportError]:
 
 def parse_config(raw: Mapping[str, Any]) -> DeliverersConfig:
     """Validate a parsed deliverers config against the installed types."""
-    return DeliverersConfig.parse(raw, available_types(), unavailable_types())
+    return DeliverersConfig.parse(raw, *_entry_points())
 
 
 def load_config(path: Path) -> DeliverersConfig:
     """Read and validate a deliverers config file (TOML): every table, every key."""
-    try:
-        with path.open("rb") as handle:
-            raw = tomllib.load(handle)
-    except OSError as exc:
-        raise ConfigurationError(f"config={str(path)!r}: {exc.strerror}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigurationError(f"config={str(path)!r}: {exc}") from exc
-    except UnicodeDecodeError as exc:  # tomllib decodes the bytes itself and lets this escape
-        raise ConfigurationError(f"config={str(path)!r}: not UTF-8 (TOML must be): {exc}") from exc
-    return parse_config(raw)
+    return DeliverersConfig.load(path, *_entry_points())
 
 
 def build_registry(
-    config: DeliverersConfig | Mapping[str, Any] | None = None, *, only: list[str] | None = None
+    config: DeliverersConfig | None = None, *, only: list[str] | None = None
 ) -> dict[str, Deliverer]:
-    """Deliverers by the kind they serve; ``only`` keeps a subset of kinds.
+    """Deliverers by the kind they serve, from a loaded config; ``only`` keeps a subset of kinds.
 
-    ``config`` is a loaded config, or a parsed TOML document (validated here).
+    No config, or one without ``[kinds.*]``: every installed type serves the kind
+    of its own name, with default settings.
     """
-    if config is not None and not isinstance(config, DeliverersConfig):
-        config = parse_config(config)
-    types = available_types()
+    types, failed = _entry_points()
     registry: dict[str, Deliverer] = {}
     if config is None or not config.kinds:
         for name, cls in types.items():
             if cls.default_registered:
                 registry[name] = cls(name)
-        for name, exc in unavailable_types().items():
+        for name, exc in failed.items():
             if (missing := MissingExtra.of(exc, f"kind {name!r}")) is not None:
                 log.info("%s; not served", missing)
     else:

@@ -110,12 +110,10 @@ class SmtpConfig(DelivererConfig):
     imap_folder: str = "Sent"
 
 
-class SmtpDeliverer(Deliverer):
+class SmtpDeliverer(Deliverer[SmtpConfig]):
     """Sends one email per effect; ``Message-ID: <key@domain>``."""
 
     payload_model: ClassVar[type[BaseModel] | None] = Email
-    config_model: ClassVar[type[DelivererConfig]] = SmtpConfig
-    config: SmtpConfig
 
     def message(self, email: Email, delivery: Delivery) -> EmailMessage:
         """The message as it will be sent (the key becomes the Message-ID)."""
@@ -135,7 +133,6 @@ class SmtpDeliverer(Deliverer):
     def deliver(self, delivery: Delivery) -> Outcome:
         """Send once (blocking; the daemon runs it in a thread)."""
         config = self.config
-        assert isinstance(config, SmtpConfig)
         email: Email = delivery.payload
         try:
             msg = self.message(email, delivery)
@@ -192,7 +189,6 @@ class SmtpDeliverer(Deliverer):
     def lookup(self, delivery: Delivery) -> Any:
         """Search the sent-mail folder for the Message-ID (blocking; run in a thread)."""
         config = self.config
-        assert isinstance(config, SmtpConfig)
         if config.imap_host is None:
             raise NotImplementedError("no imap_host configured")
         maker = imaplib.IMAP4_SSL if config.imap_ssl else imaplib.IMAP4

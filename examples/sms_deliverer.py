@@ -51,15 +51,12 @@ class SmsConfig(DelivererConfig):
     timeout: float = Field(default=10.0, gt=0, le=60)
 
 
-class SmsDeliverer(Deliverer):
+class SmsDeliverer(Deliverer[SmsConfig]):
     """Sends one text message per effect; the gateway dedups on ``Idempotency-Key``."""
 
     #: The gateway applies a key once: a call lost in a crash is safe to send again.
     default_idempotent: ClassVar[bool] = True
     payload_model: ClassVar[type[BaseModel] | None] = Sms
-    config_model: ClassVar[type[DelivererConfig]] = SmsConfig
-    #: The base class checks it is an ``SmsConfig``; this line types it as one.
-    config: SmsConfig
 
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         super().__init__(kind, config)

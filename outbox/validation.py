@@ -6,8 +6,8 @@ import difflib
 import importlib
 import types
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any, Union, get_args, get_origin
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, Union, get_args, get_origin
 
 import pydantic
 
@@ -23,7 +23,10 @@ __all__ = [
     "row_limit",
     "rule_of",
     "validated",
+    "validated_table",
 ]
+
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 #: The most rows a listing returns at once.
 MAX_ROW_LIMIT = 1_000_000
@@ -126,6 +129,20 @@ def config_error(
     shown = repr(first.get("input"))
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     return ConfigurationError(f"{path}={shown}: {reason}")
+
+
+def validated_table(model: type[M], raw: Any, prefix: str, not_a_table: str) -> M:
+    """A config table validated by ``model``; a refusal is :func:`config_error`'s one line.
+
+    ``raw`` that is not a table at all is refused with ``not_a_table`` (the
+    message names where in the file it sits and how it should be written).
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigurationError(not_a_table)
+    try:
+        return model.model_validate(dict(raw))
+    except pydantic.ValidationError as exc:
+        raise config_error(prefix, exc, model) from None
 
 
 def _keys_at(model: type[Any], loc: Sequence[Any]) -> list[str]:

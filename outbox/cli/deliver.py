@@ -25,7 +25,6 @@ from outbox.cli._common import (
 from outbox.cli.reports import ReconcileReport
 from outbox.delivery import Deliverer
 from outbox.delivery.config import DeliverersConfig
-from outbox.delivery.dry_run import DryRunConfig
 from outbox.delivery.settings import DeliverySettings, RelaySettings, StreamSettings
 from outbox.delivery.threads import DaemonThreads, default_workers
 from outbox.errors import DatabaseError
@@ -51,17 +50,15 @@ kind_option = click.option(
 )
 
 
-def read_config(config_path: Path | None) -> DeliverersConfig | None:
-    """The deliverers config file, read and validated once (None without one)."""
+def read_config(config_path: Path | None) -> DeliverersConfig:
+    """The deliverers config file, read and validated once (without one: an empty config)."""
     from deliverers.registry import load_config
 
-    return load_config(config_path) if config_path is not None else None
+    return load_config(config_path) if config_path is not None else DeliverersConfig()
 
 
-def load_deliverers(
-    config: DeliverersConfig | None, kinds: tuple[str, ...]
-) -> dict[str, Deliverer]:
-    """The registry from entry points and the config (None: every installed type)."""
+def load_deliverers(config: DeliverersConfig, kinds: tuple[str, ...]) -> dict[str, Deliverer]:
+    """The registry from entry points and the config (no kinds: every installed type)."""
     from deliverers.registry import build_registry
 
     return build_registry(config, only=list(kinds) or None)
@@ -250,15 +247,15 @@ def deliver(
     if dry_run and kafka is not None:
         raise click.UsageError("--dry-run serves dry runs from PostgreSQL: drop --from-kafka")
     config = read_config(config_path)
-    gates = config.approvals if config is not None else []
-    stubs = config.dry_run if config is not None else DryRunConfig()
     deliverers = load_deliverers(config, kinds)
     if check_config:
         _report_config(config_path, config, deliverers)
         return
     dsn = retried_at_startup("checking the database", lambda: checked_dsn(cli))
-    if gates:
-        retried_at_startup("storing the approval gates", lambda: cli.outbox.apply_gates(gates))
+    if config.approvals:
+        retried_at_startup(
+            "storing the approval gates", lambda: cli.outbox.apply_gates(config.approvals)
+        )
     metrics = DeliveryMetrics()
     settings: DeliverySettings
     if kafka is not None:
@@ -279,7 +276,7 @@ def deliver(
     serving = deliverers
     if dry_run:
         # Only the recording deliverer: these processes never reach a sink.
-        serving = dry_run_registry(deliverers, stubs, None)
+        serving = dry_run_registry(deliverers, config.dry_run, None)
 
     def make(store: AsyncStore) -> DeliveryDaemon:
         source = None
@@ -289,7 +286,7 @@ def deliver(
             source = KafkaSource(store, sorted(deliverers), settings)
         chosen = deliverers
         if dry_run:
-            chosen = dry_run_registry(deliverers, stubs, store.recorded_result)
+            chosen = dry_run_registry(deliverers, config.dry_run, store.recorded_result)
         return DeliveryDaemon(store, chosen, settings, source=source, metrics=metrics)
 
     mode = f"from Kafka {kafka} (group {group})" if kafka else "from PostgreSQL"
@@ -297,7 +294,7 @@ def deliver(
 
 
 def _report_config(
-    path: Path | None, config: DeliverersConfig | None, deliverers: dict[str, Deliverer]
+    path: Path | None, config: DeliverersConfig, deliverers: dict[str, Deliverer]
 ) -> None:
     """``--check-config``: what the config says, in a few lines (it was valid)."""
     where = str(path) if path is not None else "no config file (every installed deliverer)"
@@ -310,8 +307,8 @@ def _report_config(
             for kind, d in sorted(deliverers.items())
         ],
     )
-    gates = config.approvals if config is not None else []
-    console.print(f"{len(gates)} approval gate(s): {', '.join(g.name for g in gates) or 'none'}")
+    names = ", ".join(g.name for g in config.approvals) or "none"
+    console.print(f"{len(config.approvals)} approval gate(s): {names}")
     for deliverer in deliverers.values():
         deliverer.close()
 

@@ -10,14 +10,7 @@ from outbox.cli._common import CliContext, console, emit, json_option, pass_cli,
 from outbox.cli.reports import GateListReport, GatesApplyReport, GatesRemoveReport
 from outbox.gates import Gate
 
-__all__ = ["COMMANDS", "config_gates"]
-
-
-def config_gates(path: Path) -> list[Gate]:
-    """The ``[[approvals]]`` of a deliverers config file (validated with the rest of it)."""
-    from deliverers.registry import load_config
-
-    return load_config(path).approvals
+__all__ = ["COMMANDS"]
 
 
 def _rows(gates: list[Gate]) -> list[tuple[object, ...]]:
@@ -56,8 +49,10 @@ def gates() -> None:
 @pass_cli
 def gates_apply(cli: CliContext, config_path: Path, prune: bool, as_json: bool) -> None:
     """Store the gates of a config file (replacing gates of the same name)."""
-    declared = config_gates(config_path)
-    stored = cli.outbox.apply_gates(declared, prune=prune)
+    from deliverers.registry import load_config
+
+    # The whole file is validated, kinds included: a typo anywhere refuses it.
+    stored = cli.outbox.apply_gates(load_config(config_path).approvals, prune=prune)
     emit(
         GatesApplyReport(applied=stored, pruned=prune),
         as_json,

@@ -1,6 +1,7 @@
 """The deliverers config file as one typed model: kinds, approval gates, dry-run answers.
 
-A TOML file read once (``deliverers.registry.load_config``) becomes a
+A TOML file read once (:meth:`DeliverersConfig.load`, through
+``deliverers.registry.load_config``, which knows the installed types) becomes a
 :class:`DeliverersConfig`; the registry builds its deliverers from ``kinds``,
 ``outbox deliver`` and ``outbox gates apply`` store ``approvals``, and the
 dry-run deliverer answers from ``dry_run``. Every level refuses what it does
@@ -13,17 +14,18 @@ serving it, so the types installed (entry points) are an input of the parse.
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.delivery.contract import Deliverer, DelivererConfig
 from outbox.delivery.dry_run import DryRunConfig
 from outbox.errors import ConfigurationError, MissingExtra
 from outbox.gates import Gate
-from outbox.validation import config_error, did_you_mean
+from outbox.validation import did_you_mean, validated_table
 
 __all__ = ["DeliverersConfig", "KindConfig"]
 
@@ -54,6 +56,26 @@ class DeliverersConfig(BaseModel):
     dry_run: DryRunConfig = Field(default_factory=DryRunConfig)
 
     @classmethod
+    def load(
+        cls,
+        path: Path,
+        types: Mapping[str, type[Deliverer]],
+        missing: Mapping[str, ImportError] | None = None,
+    ) -> DeliverersConfig:
+        """Read a TOML file and :meth:`parse` it; a file that cannot be read is one line too."""
+        where = f"config={str(path)!r}"
+        try:
+            with path.open("rb") as handle:
+                raw = tomllib.load(handle)
+        except OSError as exc:
+            raise ConfigurationError(f"{where}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigurationError(f"{where}: {exc}") from exc
+        except UnicodeDecodeError as exc:  # tomllib decodes the bytes itself and lets this escape
+            raise ConfigurationError(f"{where}: not UTF-8 (TOML must be): {exc}") from exc
+        return cls.parse(raw, types, missing)
+
+    @classmethod
     def parse(
         cls,
         raw: Mapping[str, Any],
@@ -65,23 +87,33 @@ class DeliverersConfig(BaseModel):
         ``types`` are the installed deliverer types by name; ``missing`` the ones
         registered whose optional extra is not installed (their import error).
         """
-        tables = {"kinds", "approvals", "dry_run"}
         for name in raw:
-            if name not in tables:
-                hint = did_you_mean(name, sorted(tables))
+            if name not in cls.model_fields:
+                hint = did_you_mean(name, sorted(cls.model_fields))
                 raise ConfigurationError(f"{name}: unknown table ({hint})")
-        return cls(
-            kinds=_kinds(raw.get("kinds"), types, missing or {}),
-            approvals=_approvals(raw.get("approvals")),
-            dry_run=_dry_run(raw.get("dry_run")),
+        # A table given as None (from Python, never from TOML) counts as absent.
+        raw = {name: table for name, table in raw.items() if table is not None}
+        # Checked in the model's order (kinds, approvals, dry_run): the first problem wins.
+        kinds = _kinds(raw.get("kinds", {}), types, missing or {})
+        approvals = raw.get("approvals", [])
+        if not isinstance(approvals, list):
+            raise ConfigurationError("approvals: must be an array of tables ([[approvals]])")
+        gates = [
+            validated_table(Gate, table, f"approvals[{i}].", f"approvals[{i}]: must be a table")
+            for i, table in enumerate(approvals)
+        ]
+        names = [g.name for g in gates]
+        if duplicates := sorted({n for n in names if names.count(n) > 1}):
+            raise ConfigurationError(f"approvals: name {duplicates[0]!r} is declared twice")
+        dry_run = validated_table(
+            DryRunConfig, raw.get("dry_run", {}), "dry_run.", "dry_run: must be a table ([dry_run])"
         )
+        return cls(kinds=kinds, approvals=gates, dry_run=dry_run)
 
 
 def _kinds(
     raw: Any, types: Mapping[str, type[Deliverer]], missing: Mapping[str, ImportError]
 ) -> dict[str, KindConfig]:
-    if raw is None:
-        return {}
     if not isinstance(raw, Mapping):
         raise ConfigurationError("config 'kinds' must be a table of kinds")
     kinds: dict[str, KindConfig] = {}
@@ -97,41 +129,6 @@ def _kinds(
                 f"kinds.{kind}.type={type_name!r}: no such deliverer type "
                 f"(installed: {sorted(types)})"
             )
-        model = types[type_name].config_model
-        try:
-            settings = model.model_validate(dict(table))
-        except pydantic.ValidationError as exc:
-            raise config_error(f"deliverer {kind!r}: ", exc, model) from None
+        settings = types[type_name].parse_config(kind, table)
         kinds[kind] = KindConfig(type=type_name, settings=settings)
     return kinds
-
-
-def _approvals(raw: Any) -> list[Gate]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise ConfigurationError("approvals: must be an array of tables ([[approvals]])")
-    gates: list[Gate] = []
-    for index, table in enumerate(raw):
-        if not isinstance(table, Mapping):
-            raise ConfigurationError(f"approvals[{index}]: must be a table")
-        try:
-            gates.append(Gate.model_validate(dict(table)))
-        except pydantic.ValidationError as exc:
-            raise config_error(f"approvals[{index}].", exc, Gate) from None
-    names = [g.name for g in gates]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigurationError(f"approvals: name {duplicates[0]!r} is declared twice")
-    return gates
-
-
-def _dry_run(raw: Any) -> DryRunConfig:
-    if raw is None:
-        return DryRunConfig()
-    if not isinstance(raw, Mapping):
-        raise ConfigurationError("dry_run: must be a table ([dry_run])")
-    try:
-        return DryRunConfig.model_validate(dict(raw))
-    except pydantic.ValidationError as exc:
-        raise config_error("dry_run.", exc, DryRunConfig) from None

@@ -15,11 +15,11 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, Self, get_args
 from uuid import UUID
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import TypeVar  # a default for a type variable (PEP 696) before 3.13
 
 from outbox.errors import (
     DeliveryError,
@@ -28,7 +28,7 @@ from outbox.errors import (
     check_seconds,
 )
 from outbox.storage.sql.queue import Rate
-from outbox.validation import config_error
+from outbox.validation import validated_table
 
 __all__ = [
     "AttemptNotes",
@@ -180,11 +180,20 @@ class DelivererConfig(BaseModel):
     burst: int | None = Field(default=None, ge=1, le=1_000_000)
 
 
-class Deliverer:
+#: A deliverer's settings model. Covariant, so that every ``Deliverer[HttpConfig]``
+#: is a ``Deliverer`` (registries hold several types); defaulted, so that a bare
+#: ``Deliverer`` means the common settings.
+ConfigT = TypeVar("ConfigT", bound=DelivererConfig, default=DelivererConfig, covariant=True)
+
+
+class Deliverer(Generic[ConfigT]):
     """Base class of deliverers: subclasses implement :meth:`deliver`.
 
     ``deliver`` and ``lookup`` may be plain or ``async`` methods: the daemon
     runs plain ones in a worker thread. One instance serves one effect kind.
+    A subclass names its settings model once, as the parameter of its base
+    (``class SmsDeliverer(Deliverer[SmsConfig])``): that sets ``config_model``
+    and types ``self.config``.
     """
 
     #: The sink dedups on the idempotency key: a crash mid-call is redelivered.
@@ -199,9 +208,20 @@ class Deliverer:
     #: Payload schema versions this deliverer understands.
     schema_versions: ClassVar[frozenset[int]] = frozenset({1})
 
-    #: This kind's settings, an instance of ``config_model``. A subclass declares
-    #: ``config: MyConfig`` in its body to have them typed as its own.
-    config: DelivererConfig
+    #: This kind's settings, an instance of ``config_model``.
+    config: ConfigT
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # ``Deliverer[SmsConfig]`` as a base names the model; a ``config_model``
+        # the class sets itself wins, and a subclass of a subclass inherits it
+        # (its parent's ``__orig_bases__`` is not its own).
+        if "config_model" in cls.__dict__:
+            return
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            for arg in get_args(base):
+                if isinstance(arg, type) and issubclass(arg, DelivererConfig):
+                    cls.config_model = arg
 
     def __init__(self, kind: str, config: DelivererConfig | None = None) -> None:
         self.kind = kind
@@ -211,7 +231,8 @@ class Deliverer:
                 f"deliverer {kind!r}: config must be a {self.config_model.__name__}, "
                 f"not {type(config).__name__}"
             )
-        self.config = config
+        # Checked above against config_model, which __init_subclass__ took from ConfigT.
+        self.config = config  # type: ignore[assignment]
         self.idempotent = (
             self.default_idempotent if self.config.idempotent is None else self.config.idempotent
         )
@@ -225,13 +246,15 @@ class Deliverer:
             self.rate = Rate(self.config.rate, burst)
 
     @classmethod
-    def from_config(cls, kind: str, raw: Mapping[str, Any]) -> Deliverer:
+    def parse_config(cls, kind: str, table: Mapping[str, Any]) -> DelivererConfig:
+        """Validate a kind's config table with ``config_model`` (errors name the kind and field)."""
+        not_a_table = f"kinds.{kind} must be a table"
+        return validated_table(cls.config_model, table, f"deliverer {kind!r}: ", not_a_table)
+
+    @classmethod
+    def from_config(cls, kind: str, raw: Mapping[str, Any]) -> Self:
         """Build from a config table (validated; errors name the kind and the field)."""
-        try:
-            config = cls.config_model.model_validate(dict(raw))
-        except pydantic.ValidationError as exc:
-            raise config_error(f"deliverer {kind!r}: ", exc, cls.config_model) from None
-        return cls(kind, config)
+        return cls(kind, cls.parse_config(kind, raw))
 
     def deliver(self, delivery: Delivery) -> Outcome | Awaitable[Outcome]:
         """Perform the effect once, passing ``delivery.idempotency_key`` to the sink."""

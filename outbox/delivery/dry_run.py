@@ -68,18 +68,14 @@ class DryRunDeliverer(Deliverer):
     default_idempotent = True
 
     def __init__(
-        self,
-        real_kind: str,
-        *,
-        stub: DryRunStub | None,
-        default: Any,
-        recorded: RecordedResult | None = None,
+        self, real_kind: str, config: DryRunConfig, recorded: RecordedResult | None = None
     ) -> None:
         super().__init__(DRY_RUN_KIND_PREFIX + real_kind, DelivererConfig())
         self.real_kind = real_kind
-        self._stub = stub
-        self._default = default
-        self._recorded = recorded
+        self._stub = config.stubs.get(real_kind)
+        self._default = config.default
+        # ``recorded = false``: the stubs answer even where a real run recorded a result.
+        self._recorded = recorded if config.recorded else None
         #: every delivery this instance answered (for tests and reports)
         self.deliveries: list[Delivery] = []
 
@@ -99,11 +95,7 @@ def dry_run_registry(
     kinds: Iterable[str], config: DryRunConfig, recorded: RecordedResult | None
 ) -> dict[str, Deliverer]:
     """One recording deliverer per kind (and per stubbed kind), keyed by its dry-run kind."""
-    lookup = recorded if config.recorded else None
-    registry: dict[str, Deliverer] = {}
-    for kind in sorted(set(kinds) | set(config.stubs)):
-        deliverer = DryRunDeliverer(
-            kind, stub=config.stubs.get(kind), default=config.default, recorded=lookup
-        )
-        registry[deliverer.kind] = deliverer
-    return registry
+    return {
+        DRY_RUN_KIND_PREFIX + kind: DryRunDeliverer(kind, config, recorded)
+        for kind in sorted(set(kinds) | set(config.stubs))
+    }

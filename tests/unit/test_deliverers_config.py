@@ -9,12 +9,13 @@ refused at the first thing it does not know, wherever it is.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from deliverers.http import HttpConfig
 from deliverers.registry import available_types, build_registry, load_config, parse_config
+from outbox.delivery import Deliverer, DelivererConfig
 from outbox.delivery.config import DeliverersConfig
 from outbox.errors import ConfigurationError, MissingExtra
 
@@ -160,3 +161,54 @@ def test_a_type_whose_extra_is_missing_names_the_pip_install() -> None:
         "pip install 'agent-outbox[kafka]'"
     )
     assert isinstance(info.value, ConfigurationError) and isinstance(info.value, ImportError)
+
+
+# -- one preamble: a deliverer names its settings model once, as its base's parameter ----
+
+
+class _Colour(DelivererConfig):
+    colour: str = "red"
+
+
+class _Painter(Deliverer[_Colour]):
+    pass
+
+
+class _Restorer(_Painter):
+    """A subclass of a subclass keeps its parent's model."""
+
+
+class _Declared(Deliverer[_Colour]):
+    """A model the class sets itself wins over the base's parameter."""
+
+    config_model: ClassVar[type[DelivererConfig]] = HttpConfig
+
+
+def test_the_base_parameter_is_the_settings_model() -> None:
+    assert _Painter.config_model is _Colour and _Restorer.config_model is _Colour
+    assert _Declared.config_model is HttpConfig
+    assert Deliverer.config_model is DelivererConfig
+    assert _Painter("paint").config == _Colour()
+    assert _Painter.from_config("paint", {"colour": "blue"}).config.colour == "blue"
+
+
+def test_a_table_is_checked_by_the_model_the_base_names() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        _Painter.parse_config("paint", {"colur": "blue"})
+    assert str(info.value) == "deliverer 'paint': colur: unknown key (did you mean 'colour'?)"
+    with pytest.raises(ConfigurationError, match=r"^kinds\.paint must be a table$"):
+        _Painter.parse_config("paint", ["blue"])  # type: ignore[arg-type]
+
+
+def test_a_config_of_another_model_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="config must be a _Colour, not HttpConfig"):
+        _Painter("paint", HttpConfig())
+
+
+def test_the_kinds_are_checked_before_the_gates_and_the_dry_run(tmp_path: Path) -> None:
+    text = '[kinds."http.request"]\nallow_privat = []\n[[approval]]\n'
+    assert refused(text, tmp_path) == "approval: unknown table (did you mean 'approvals'?)"
+    text = '[kinds."http.request"]\nallow_privat = []\n[[approvals]]\nnme = "g"\n'
+    assert refused(text, tmp_path).startswith("deliverer 'http.request': allow_privat")
+    text = '[[approvals]]\nnme = "g"\n[dry_run]\nstub = {}\n'
+    assert refused(text, tmp_path).startswith("approvals[0].nme")

@@ -13,7 +13,7 @@ import pytest
 
 from deliverers.http import Credential, HttpDeliverer
 from deliverers.python_call import CallPayload, PythonCallDeliverer
-from deliverers.registry import available_types, build_registry, load_config
+from deliverers.registry import available_types, build_registry, load_config, parse_config
 from deliverers.smtp import SmtpDeliverer
 from outbox.delivery import (
     Deliverer,
@@ -23,6 +23,7 @@ from outbox.delivery import (
     RetryableError,
     Succeeded,
 )
+from outbox.delivery.config import DeliverersConfig
 from outbox.errors import ConfigurationError
 from tests import fixtures_callables
 
@@ -59,8 +60,9 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def kinds(**tables: dict[str, Any]) -> dict[str, Any]:
-    return {"kinds": tables}
+def kinds(**tables: dict[str, Any]) -> DeliverersConfig:
+    """A config of these ``[kinds.*]`` tables, validated as a file's would be."""
+    return parse_config({"kinds": tables})
 
 
 # -- available_types / default registry --------------------------------------------------
@@ -73,11 +75,11 @@ def test_installed_types_include_the_shipped_deliverers() -> None:
     assert all(issubclass(cls, Deliverer) for cls in types.values())
 
 
-@pytest.mark.parametrize("config", [None, {}, {"kinds": {}}])
+@pytest.mark.parametrize("raw", [None, {}, {"kinds": {}}])
 def test_default_registry_serves_each_type_under_its_own_name(
-    config: dict[str, Any] | None,
+    raw: dict[str, Any] | None,
 ) -> None:
-    registry = build_registry(config)
+    registry = build_registry(None if raw is None else parse_config(raw))
     assert set(registry) == {n for n, c in available_types().items() if c.default_registered}
     assert "testing.record" in available_types() and "testing.record" not in registry
     for name, cls in SHIPPED.items():
@@ -194,7 +196,7 @@ def test_malformed_kinds_tables_are_configuration_errors(
     config: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(ConfigurationError, match=message.replace(".", r"\.")):
-        build_registry(config)
+        parse_config(config)
 
 
 # -- only= -------------------------------------------------------------------------------
@@ -451,9 +453,10 @@ def test_a_bad_path_in_the_functions_table_fails_at_start_up() -> None:
 
 
 def test_a_bad_function_path_through_the_registry_is_a_configuration_error() -> None:
-    config = kinds(**{"ledger.post": {"type": "python.call", "function": "nowhere:post"}})
     with pytest.raises(ConfigurationError, match="function='nowhere:post'"):
-        build_registry(config)
+        build_registry(
+            kinds(**{"ledger.post": {"type": "python.call", "function": "nowhere:post"}})
+        )
 
 
 def test_python_call_declares_idempotency_only_when_configured() -> None:
