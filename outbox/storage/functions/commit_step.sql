@@ -95,7 +95,10 @@ BEGIN
                    outbox_write_step.state::text AS state_text,
                    outbox_write_step.plan::text AS plan_text
         ), agg AS (
-            SELECT a.*
+            -- the gates of the step's kinds (outbox_gates_of's lookup), read here once
+            -- and planned with the statement: as a call it costs about 80 us a step
+            SELECT a.*, (SELECT coalesce(jsonb_agg(outbox_gate_json(g) ORDER BY g.name), '[]')
+                           FROM outbox_gates AS g WHERE g.kind = ANY (a.kinds)) AS gates
               FROM outbox_runs AS r, v, outbox_step_intents(outbox_write_step.run_id,
                 outbox_write_step.step_id, p_intents, r.priority, r.fairness_key, r.dry_run,
                 r.namespace, tx_step, firsts, existing, chain,
@@ -146,7 +149,7 @@ BEGIN
               FROM step_ins, run_upd AS u, agg,
                    outbox_intent_effects(agg.rows, outbox_write_step.run_id,
                                          outbox_write_step.step_id, u.paused, u.namespace,
-                                         outbox_gates_of(agg.kinds), v_now) AS h
+                                         agg.gates, v_now) AS h
             RETURNING e.status
         ), ledger_ins AS (
             INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry,
@@ -245,6 +248,7 @@ DECLARE
     a record;
     head bytea;
     inserted bigint;
+    gates jsonb;
 BEGIN
     SELECT r.* INTO run FROM outbox_runs AS r
      WHERE r.id = p_run_id AND r.shard = p_shard FOR NO KEY UPDATE;
@@ -292,8 +296,9 @@ BEGIN
         id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
         idempotency_key, ordering_key, max_attempts, compensate, cost, priority, fairness_key,
         status, available_at, approval, approval_deadline, trace_parent, shard, namespace)
+    gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
     SELECT h.* FROM outbox_intent_effects(a.rows, p_run_id, p_step_id, paused, run.namespace,
-                                          outbox_gates_of(a.kinds), v_now) AS h;
+                                          gates, v_now) AS h;
     INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry, amount)
     SELECT p_run_id, p_shard, p_step_id, l.effect_id, l.reason, l.entry, l.amount
       FROM (SELECT * FROM jsonb_to_recordset(p_ledger)

@@ -65,6 +65,7 @@ DECLARE
     existing uuid[];
     checked jsonb;
     claimable boolean := false;
+    gates jsonb;
 BEGIN
     IF (p_run_id IS NULL) <> (p_step_id IS NULL) THEN
         PERFORM outbox_refuse('OB001', CASE WHEN p_run_id IS NULL THEN 'run_id' ELSE 'step_id' END,
@@ -108,6 +109,8 @@ BEGIN
                                   run.priority, run.fairness_key, run.dry_run, firsts,
                                   coalesce(run.namespace, 'default'), existing) AS x;
     END IF;
+    -- once (as an argument of outbox_intent_effects it would run once per use)
+    gates := outbox_gates_of(ARRAY(SELECT DISTINCT r.kind FROM unnest(rows) AS r));
     WITH ins AS (
         INSERT INTO outbox_effects AS e (
             id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
@@ -115,8 +118,7 @@ BEGIN
             fairness_key, status, available_at, approval, approval_deadline, trace_parent,
             shard, namespace)
         SELECT * FROM outbox_intent_effects(rows, p_run_id, p_step_id, run.held,
-            coalesce(run.namespace, 'default'),
-            outbox_gates_of(ARRAY(SELECT DISTINCT r.kind FROM unnest(rows) AS r)), now())
+            coalesce(run.namespace, 'default'), gates, now())
         RETURNING e.status
     )
     SELECT coalesce(bool_or(ins.status = 'pending'), false) INTO claimable FROM ins;

@@ -488,16 +488,18 @@ $$;
 -- where the write runs), as outbox_intent_effects takes them: none, nearly always.
 CREATE OR REPLACE FUNCTION outbox_gates_of(kinds text[]) RETURNS jsonb
     LANGUAGE plpgsql STABLE AS $$
-DECLARE
-    found jsonb;
 BEGIN
-    SELECT jsonb_agg(jsonb_build_object('name', g.name, 'kind', g.kind, 'conditions', g.conditions,
-                                        'timeout_seconds', g.timeout_seconds,
-                                        'on_timeout', g.on_timeout, 'escalate_to', g.escalate_to)
-                     ORDER BY g.name)
-      INTO found FROM outbox_gates AS g WHERE g.kind = ANY (kinds);
-    RETURN coalesce(found, '[]');
+    RETURN (SELECT coalesce(jsonb_agg(outbox_gate_json(g) ORDER BY g.name), '[]')
+              FROM outbox_gates AS g WHERE g.kind = ANY (kinds));
 END
+$$;
+
+-- One gate (a row of outbox_gates) as outbox_intent_effects reads it.
+CREATE OR REPLACE FUNCTION outbox_gate_json(g outbox_gates) RETURNS jsonb
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT jsonb_build_object('name', g.name, 'kind', g.kind, 'conditions', g.conditions,
+                          'timeout_seconds', g.timeout_seconds, 'on_timeout', g.on_timeout,
+                          'escalate_to', g.escalate_to)
 $$;
 
 -- What the step chain covers of a step's intents (outbox_step_link): each new
