@@ -45,7 +45,7 @@ def http() -> dict[str, HttpDeliverer]:
 def intend_then_rewrite(ob: Outbox, kind: str, payload: dict[str, Any]) -> str:
     """An innocent intent whose row is then rewritten by hand (the rules are not asked)."""
     run = ob.start_run("agent", "1")
-    effect_id = run.transaction(
+    effect_id: str = run.transaction(
         "s", lambda tx: str(tx.intend(kind, {"url": "https://x.example/", "to": ["a@x"]}).id)
     )
     with ob.engine.begin() as conn:

@@ -229,7 +229,8 @@ def test_a_step_that_recovers_within_its_retries_completes(ob: Outbox) -> None:
                 raise TimeoutError("model call timed out")
             return 7
 
-        return run.call("model", sometimes)
+        result: int = run.call("model", sometimes)
+        return result
 
     with WorkerThread(ob, "a", "1", handler, max_step_retries=3, retry_base_seconds=0.01):
         run = ob.start_run("a", "1", {})
