@@ -52,7 +52,7 @@ def _collect_leaked_sockets() -> Iterator[None]:
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 # Short timeouts so an outage costs seconds: the producer gives up on a record after 1 s.
 FAST = {"request_timeout_ms": 1000, "max_block_ms": 1000, "max_attempts": 200}
-FAST_RETRIES = {"retry_base_seconds": 0.05, "retry_cap_seconds": 0.5}
+FAST_RETRIES: dict[str, Any] = {"retry_base_seconds": 0.05, "retry_cap_seconds": 0.5}
 
 
 def unique_topic(prefix: str) -> str:
