@@ -25,7 +25,7 @@ from sqlalchemy import Connection, func, select, text
 from deliverers.kafka import KafkaDeliverer
 from deliverers.kafka_dedup import DedupConsumer, DedupStats
 from deliverers.testing import TANSU_CONSUMER_TUNING
-from outbox import Outbox, ValidationError
+from outbox import Outbox, StepTransaction, ValidationError
 from outbox.models import Effect
 from outbox.storage.schema import consumed_keys
 from tests.support import DaemonThread, wait_for
@@ -70,7 +70,7 @@ def deliverer_for(broker: Any, **config: Any) -> KafkaDeliverer:
 def intend(ob: Outbox, payloads: list[dict[str, Any]], step: str = "publish") -> uuid.UUID:
     run = ob.start_run("publisher", "1")
 
-    def publish(tx):  # type: ignore[no-untyped-def]
+    def publish(tx: StepTransaction) -> list[str]:
         return [tx.intend("kafka.publish", payload).idempotency_key for payload in payloads]
 
     run.transaction(step, publish)
