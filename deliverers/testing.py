@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from outbox.delivery import Deliverer, DelivererConfig, Delivery, Outcome, Succeeded
 
@@ -176,7 +176,7 @@ class IdempotentHttpSink:
         host, port = self._server.server_address[:2]
         return f"http://{host!s}:{port}"
 
-    def start(self) -> IdempotentHttpSink:
+    def start(self) -> Self:
         """Serve from a daemon thread."""
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
@@ -189,7 +189,7 @@ class IdempotentHttpSink:
         self._server.shutdown()
         self._server.server_close()
 
-    def __enter__(self) -> IdempotentHttpSink:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

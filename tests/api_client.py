@@ -77,7 +77,7 @@ class ApiClient(httpx.Client):
         headers = {} if token is None else {"Authorization": f"Bearer {token}"}
         super().__init__(base_url=base_url + API_PREFIX, headers=headers, **kwargs)
 
-    def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:  # type: ignore[override]
+    def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
         response = super().send(request, **kwargs)
         if response.headers.get("content-type", "").startswith("application/json"):
             response.read()

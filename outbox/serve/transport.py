@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Self
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -408,7 +408,7 @@ class HttpServer:
         """Serve until :meth:`shutdown` (or a signal, on the main thread)."""
         self._server.run()
 
-    def start(self, timeout: float = 10.0) -> HttpServer:
+    def start(self, timeout: float = 10.0) -> Self:
         """Serve from a daemon thread; return once listening."""
         self._thread = threading.Thread(target=self.serve_forever, daemon=True, name="serve")
         self._thread.start()

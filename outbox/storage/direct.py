@@ -35,7 +35,7 @@ from sqlalchemy.engine.interfaces import Dialect
 
 __all__ = ["DirectConnections", "Prepared", "prepared"]
 
-_DIALECT: Dialect = PGDialectAsync_psycopg()  # type: ignore[no-untyped-call]
+_DIALECT: Dialect = PGDialectAsync_psycopg()
 
 
 class Prepared:

@@ -51,5 +51,9 @@ def twelve_steps(run: Run) -> Any:
             )
             run.await_effect(charge, step_id="step-07-settled")
             continue
-        run.transaction(f"step-{n:02d}", lambda tx, n=n: tx.set_state({"done": n}))
+
+        def step(tx: StepTransaction, n: int = n) -> None:
+            tx.set_state({"done": n})
+
+        run.transaction(f"step-{n:02d}", step)
     return run.state

@@ -188,7 +188,12 @@ def starts_a_stubborn_helper(run: Run) -> Any:
     # Time for a test to interrupt the check while this worker and its helper live.
     linger = float(os.environ.get("CHECK_HELPER_LINGER", "0"))
     run.call("linger", lambda: time.sleep(linger))
-    return run.transaction("done", lambda tx: tx.set_state({"helper": "started"}) or {"ok": True})
+
+    def done(tx: StepTransaction) -> dict[str, bool]:
+        tx.set_state({"helper": "started"})
+        return {"ok": True}
+
+    return run.transaction("done", done)
 
 
 # -- the same agents, async (an ``async def`` handler gets an AsyncRun) ------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from deliverers.testing import IdempotentHttpSink
-from outbox import Outbox
+from outbox import Outbox, StepTransaction
 from outbox.testing.processes import start_deliverer
 from outbox.testing.workload import write_config
 from tests.support import wait_for
@@ -34,7 +34,7 @@ def sink() -> Iterator[IdempotentHttpSink]:
 def intend_both_kinds(ob: Outbox, sink_url: str, n: int) -> None:
     run = ob.start_run("agent", "1")
 
-    def step(tx):  # type: ignore[no-untyped-def]
+    def step(tx: StepTransaction) -> None:
         for i in range(n):
             tx.intend("http.request", {"url": f"{sink_url}/a", "json": {"operation": f"a{i}"}})
             tx.intend("http.blind", {"url": f"{sink_url}/b", "json": {"operation": f"b{i}"}})

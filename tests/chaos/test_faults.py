@@ -35,7 +35,7 @@ from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params
 from outbox.testing import invariants
-from outbox.testing.processes import Fleet
+from outbox.testing.processes import Fleet, Process
 from outbox.testing.workload import (
     ScriptThread,
     Workload,
@@ -120,7 +120,7 @@ def test_kill_9_of_deliverers_and_workers_at_random_points(
     with RecordingSink(tmp_path / "sink.jsonl", latency=0.05) as sink:
         wl = Workload(runs=6, steps=8, effects=3, sink_url=sink.url, pause=0.3)
         run_ids = start_runs(ob, wl)
-        pools: dict[str, list[subprocess.Popen[bytes]]] = {
+        pools: dict[str, list[Process]] = {
             "worker": [fleet.worker("--concurrency", "2") for _ in range(2)],
             "deliverer": [fleet.deliverer("--concurrency", "8") for _ in range(2)],
         }
@@ -459,14 +459,18 @@ def test_a_paused_deliverer_cannot_overwrite_the_newer_attempt(
     for effect in ob.effects(limit=100):
         assert (effect.status.value, effect.attempt) == ("succeeded", 2)
         log = ob.store.attempts(effect.id)
-        mine = [(x.attempt, x.outcome) for x in log if x.worker.startswith(f"{host}:{a.pid}:")]
-        theirs = [(x.attempt, x.outcome) for x in log if x.worker.startswith(f"{host}:{b.pid}:")]
+        mine = [
+            (x.attempt, x.outcome) for x in log if (x.worker or "").startswith(f"{host}:{a.pid}:")
+        ]
+        theirs = [
+            (x.attempt, x.outcome) for x in log if (x.worker or "").startswith(f"{host}:{b.pid}:")
+        ]
         assert mine == [(1, "stale")], log
         assert theirs == [(2, "succeeded")], log
         assert [x.detail["reported"] for x in log if x.outcome == "stale"] == ["succeeded"]
-        assert [(x.attempt, x.outcome) for x in log if x.worker.startswith("reconciler:")] == [
-            (1, "expired")
-        ], log
+        assert [
+            (x.attempt, x.outcome) for x in log if (x.worker or "").startswith("reconciler:")
+        ] == [(1, "expired")], log
     report = invariants.load(
         dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids)
     )

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from deliverers.testing import Fault, IdempotentHttpSink
-from outbox import Outbox
-from outbox.testing.processes import start_deliverer
+from outbox import Outbox, StepTransaction
+from outbox.testing.processes import Process, start_deliverer
 from outbox.testing.workload import write_config
 from tests.support import as_superuser, limited_role, wait_for
 
@@ -25,7 +25,7 @@ GRACE = 5
 def intend(ob: Outbox, url: str, n: int, kind: str = "http.request") -> None:
     run = ob.start_run("agent", "1")
 
-    def step(tx):  # type: ignore[no-untyped-def]
+    def step(tx: StepTransaction) -> None:
         for i in range(n):
             tx.intend(kind, {"url": f"{url}/ledger", "json": {"operation": f"op-{i}"}})
 
@@ -36,7 +36,7 @@ def statuses(ob: Outbox) -> list[str]:
     return sorted(e.status.value for e in ob.effects(limit=1000))
 
 
-def stop_within_grace(proc, log: Path) -> float:  # type: ignore[no-untyped-def]
+def stop_within_grace(proc: Process, log: Path) -> float:
     proc.send_signal(signal.SIGTERM)
     started = time.monotonic()
     try:

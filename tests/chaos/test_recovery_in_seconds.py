@@ -111,7 +111,7 @@ def test_kill_9_idempotent_back_at_once_blind_waits_for_lease(
                 "SELECT count(*) FROM outbox_effects "
                 "WHERE kind = 'http.request' AND status = 'succeeded'",
             )
-            return got[0][0] == N
+            return int(got[0][0]) == N
 
         wait_for(idempotent_done, timeout=LEASE, message="idempotent effects redelivered")
         back = rows(

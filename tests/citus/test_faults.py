@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from functools import partial
 
 import psycopg
 import pytest
@@ -83,7 +84,7 @@ def test_a_worker_killed_mid_delivery_stops_only_its_shards_and_nothing_is_appli
             port = node_port_of(conn, "outbox_runs", shard_of(run.id))
             if len(runs[port]) >= 3:
                 continue
-            run.transaction("pay", lambda tx, r=run.id: _intend_fifteen(tx, r))
+            run.transaction("pay", partial(_intend_fifteen, run_id=run.id))
             runs[port].append(run.id)
         keys = {
             e.idempotency_key for ids in runs.values() for r in ids for e in ob.effects(run_id=r)
@@ -142,7 +143,7 @@ def test_the_coordinator_killed_under_load_loses_nothing_and_applies_nothing_twi
                 with Outbox.connect(citus_db.dsn) as ob:
                     while not stop.is_set():
                         run = ob.start_run("payments", "1")
-                        run.transaction("pay", lambda tx, r=run.id: _intend_fifteen(tx, r))
+                        run.transaction("pay", partial(_intend_fifteen, run_id=run.id))
                         committed.append(run.id)
             except Exception:
                 time.sleep(0.2)

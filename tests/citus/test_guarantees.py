@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -203,10 +204,19 @@ def test_a_replayed_run_returns_what_it_recorded(ob: Outbox) -> None:
     """G5: a second handle on the run replays the recorded steps, calling nothing again."""
     run = ob.start_run("replay", "1")
     calls: list[int] = []
-    assert run.call("fetch", lambda: calls.append(1) or 41) == 41
+
+    def fetch() -> int:
+        calls.append(1)
+        return 41
+
+    def fetch_again() -> int:
+        calls.append(2)
+        return 0
+
+    assert run.call("fetch", fetch) == 41
     assert run.transaction("s", lambda tx: tx.intend("k.x", {"n": 1}).idempotency_key)
     again = ob.run(run.id)
-    assert again.call("fetch", lambda: calls.append(2) or 0) == 41
+    assert again.call("fetch", fetch_again) == 41
     key = again.transaction("s", lambda tx: tx.intend("k.x", {"n": 1}).idempotency_key)
     assert calls == [1] and len(ob.effects(run_id=run.id)) == 1
     assert key == ob.effects(run_id=run.id)[0].idempotency_key
@@ -246,7 +256,7 @@ def test_every_effect_is_delivered_once_by_two_deliverers(ob: Outbox, dsn: str) 
     """G2/G3/G4: claims take turns over the shards; every effect once, every outcome fenced."""
     runs = [ob.start_run("fan", "1") for _ in range(6)]
     for n, run in enumerate(runs):
-        run.transaction("s", lambda tx, n=n: intend_five(tx, n))
+        run.transaction("s", partial(intend_five, n=n))
     ids = {e.id for r in runs for e in ob.effects(run_id=r.id)}
     assert len({shard_of(r.id) for r in runs}) > 1
     one, two = RecordingDeliverer("k.deliver"), RecordingDeliverer("k.deliver")

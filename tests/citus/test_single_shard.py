@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
+from functools import partial
 
 import psycopg
 import pytest
@@ -81,8 +82,8 @@ def test_steps_and_their_delivery_stay_on_one_shard_each(
     keyed = ob.start_run("single", "1", key=f"order-{uuid.uuid4().hex[:8]}")
     for run in [*runs, keyed]:
         key = f"pay-{uuid.uuid4().hex[:8]}"
-        run.transaction("pay", lambda tx, key=key: _pay(tx, key))
-        assert run.transaction("pay", lambda tx, key=key: _pay(tx, key)), "replayed"
+        run.transaction("pay", partial(_pay, key=key))
+        assert run.transaction("pay", partial(_pay, key=key)), "replayed"
     deliverer = RecordingDeliverer(KIND)
     with DaemonThread(dsn, {KIND: deliverer}, batch_size=3, poll_seconds=0.1, lease_seconds=2):
         wait_for(lambda: len(deliverer.deliveries) >= 10, timeout=60, message="all delivered")
@@ -111,11 +112,19 @@ def test_workers_pause_resume_signal_and_timers_stay_on_one_shard_each(
     assert ob.pause(held.id, "hold") == RunStatus.PAUSED
     with WorkerThread(ob, "steady", "1", handler):
         for run in runs[1:]:
-            wait_for(lambda run=run: ob.run(run.id).status == RunStatus.WAITING, timeout=60)
+
+            def waiting(run: Run = run) -> bool:
+                return ob.run(run.id).status == RunStatus.WAITING
+
+            wait_for(waiting, timeout=60)
             ob.signal(run.id, "go", {"ok": True})
         assert ob.resume(held.id) == RunStatus.RUNNABLE
         wait_for(lambda: ob.run(held.id).status == RunStatus.WAITING, timeout=60)
         ob.signal(held.id, "go", {"ok": True})
         for run in runs:
-            wait_for(lambda run=run: ob.run(run.id).status == RunStatus.COMPLETED, timeout=60)
+
+            def completed(run: Run = run) -> bool:
+                return ob.run(run.id).status == RunStatus.COMPLETED
+
+            wait_for(completed, timeout=60)
     assert _refusals(caplog) == []

@@ -121,6 +121,7 @@ def test_a_paused_run_takes_no_step_and_holds_its_effects(twin: Twin, ob: Outbox
         await run.transaction("s1", step)
         status = await client.pause(run.id, "customer asked to hold")
         again = await client.pause(run.id, "still holding")
+        refused: RunPaused | None
         try:
             await run.call("s2", lambda: "never")
         except RunPaused as exc:

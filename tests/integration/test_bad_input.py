@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 import pytest
@@ -14,6 +15,7 @@ from outbox import (
     Outbox,
     OutboxError,
     PayloadError,
+    Run,
     RunNotFound,
     Settings,
     StepTransaction,
@@ -22,14 +24,14 @@ from outbox import (
 
 
 @pytest.fixture
-def run_with_history(ob: Outbox):  # type: ignore[no-untyped-def]
+def run_with_history(ob: Outbox) -> Run:
     run = ob.start_run("invoice-reconciler", "2.3.1", {"month": "2026-10"})
-    run.transaction(
-        "first",
-        lambda tx: (
-            (tx.set_state({"cursor": 1}), tx.intend("email.send", {"n": 1}))[1].idempotency_key
-        ),
-    )
+
+    def first(tx: StepTransaction) -> str:
+        tx.set_state({"cursor": 1})
+        return tx.intend("email.send", {"n": 1}).idempotency_key
+
+    run.transaction("first", first)
     return run
 
 
@@ -49,12 +51,12 @@ def test_unknown_run_id(ob: Outbox) -> None:
 
 
 @pytest.mark.parametrize("step_id", ["", "   ", "x" * 201, 7, None])
-def test_bad_step_ids(ob: Outbox, run_with_history, step_id: object) -> None:  # type: ignore[no-untyped-def]
+def test_bad_step_ids(ob: Outbox, run_with_history: Run, step_id: object) -> None:
     with pytest.raises(ValidationError) as info:
-        run_with_history.transaction(step_id, lambda tx: None)
+        run_with_history.transaction(step_id, lambda tx: None)  # type: ignore[arg-type]
     assert info.value.field == "step_id"
     with pytest.raises(ValidationError):
-        run_with_history.call(step_id, lambda: 1)
+        run_with_history.call(step_id, lambda: 1)  # type: ignore[arg-type]
     _assert_history_intact(ob, run_with_history.id)
 
 
@@ -67,7 +69,7 @@ def test_bad_step_ids(ob: Outbox, run_with_history, step_id: object) -> None:  #
         ({"s": "\x00"}, "NUL"),
     ],
 )
-def test_bad_payloads(ob: Outbox, run_with_history, payload: object, reason: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_payloads(ob: Outbox, run_with_history: Run, payload: object, reason: str) -> None:
     def step(tx: StepTransaction) -> None:
         tx.intend("email.send", payload)
 
@@ -77,7 +79,7 @@ def test_bad_payloads(ob: Outbox, run_with_history, payload: object, reason: str
     _assert_history_intact(ob, run_with_history.id)
 
 
-def test_bad_result_state_and_plan(ob: Outbox, run_with_history) -> None:  # type: ignore[no-untyped-def]
+def test_bad_result_state_and_plan(ob: Outbox, run_with_history: Run) -> None:
     with pytest.raises(PayloadError) as info:
         run_with_history.transaction("second", lambda tx: {"x": math.nan})
     assert info.value.field == "result"
@@ -177,8 +179,8 @@ def _stored_payloads(dsn: str) -> list[str]:
     ],
 )
 def test_secrets_in_payloads_are_refused_at_intend(
-    ob: Outbox, dsn: str, run_with_history, payload: dict[str, object], field: str
-) -> None:  # type: ignore[no-untyped-def]
+    ob: Outbox, dsn: str, run_with_history: Run, payload: dict[str, object], field: str
+) -> None:
     # M1: these were stored in plain text in outbox_effects.
     with pytest.raises(ValidationError) as info:
         run_with_history.transaction("second", lambda tx: tx.intend("http.request", payload))
@@ -194,7 +196,9 @@ def test_secrets_in_payloads_are_refused_at_intend(
 @pytest.mark.parametrize(
     "header", ["Transfer-Encoding", "Content-Length", "Connection", "Host", "TE", "Upgrade"]
 )
-def test_framing_headers_are_refused_at_intend(ob: Outbox, run_with_history, header: str) -> None:  # type: ignore[no-untyped-def]
+def test_framing_headers_are_refused_at_intend(
+    ob: Outbox, run_with_history: Run, header: str
+) -> None:
     # M5: a payload's Transfer-Encoding broke the request's framing at the sink.
     payload = {"url": "https://api.example.com", "headers": {header: "chunked"}}
     with pytest.raises(ValidationError, match="hop-by-hop or framing") as info:
@@ -214,8 +218,8 @@ def test_framing_headers_are_refused_at_intend(ob: Outbox, run_with_history, hea
     ],
 )
 def test_control_characters_in_keys_and_headers_are_refused_at_intend(
-    ob: Outbox, run_with_history, options: dict[str, str], payload: object, field: str
-) -> None:  # type: ignore[no-untyped-def]
+    ob: Outbox, run_with_history: Run, options: dict[str, Any], payload: object, field: str
+) -> None:
     # L4: these were accepted and failed only "after the request was sent".
     with pytest.raises(ValidationError) as info:
         run_with_history.transaction(
@@ -244,12 +248,13 @@ def test_a_literal_backslash_u0000_is_stored(ob: Outbox) -> None:
     ],
 )
 def test_compensations_are_validated_like_intents(
-    ob: Outbox, run_with_history, compensate: tuple[object, ...], field: str
-) -> None:  # type: ignore[no-untyped-def]
+    ob: Outbox, run_with_history: Run, compensate: tuple[object, ...], field: str
+) -> None:
     # M7: NaN was stored as null and the kind was not checked; L2: ("x",) raised IndexError.
     with pytest.raises(ValidationError) as info:
         run_with_history.transaction(
-            "second", lambda tx: tx.intend("email.send", {}, compensate=compensate)
+            "second",
+            lambda tx: tx.intend("email.send", {}, compensate=compensate),  # type: ignore[arg-type]
         )
     assert info.value.field == field
     _assert_history_intact(ob, run_with_history.id)
@@ -318,8 +323,8 @@ def test_the_default_step_caps_refuse_a_runaway_step(ob: Outbox) -> None:
     ids=["surrogate", "deep", "long-int"],
 )
 def test_unstorable_payloads_inputs_and_signals_are_typed(
-    ob: Outbox, run_with_history, payload: object, reason: str
-) -> None:  # type: ignore[no-untyped-def]
+    ob: Outbox, run_with_history: Run, payload: object, reason: str
+) -> None:
     with pytest.raises(PayloadError, match=reason) as info:
         run_with_history.transaction("second", lambda tx: tx.intend("email.send", payload))
     assert info.value.field == "payload"
@@ -351,17 +356,17 @@ _INTEND_CASES = [
     ("options", "field"), _INTEND_CASES, ids=[f"{f}-{i}" for i, (_, f) in enumerate(_INTEND_CASES)]
 )
 def test_bad_intent_numbers_and_keys_are_typed(
-    ob: Outbox, run_with_history, options: dict[str, object], field: str
-) -> None:  # type: ignore[no-untyped-def]
+    ob: Outbox, run_with_history: Run, options: dict[str, object], field: str
+) -> None:
     # L2: a pydantic error, a bare ValueError or a raw DatabaseError before.
     with pytest.raises(ValidationError) as info:
-        run_with_history.transaction("second", lambda tx: tx.intend("email.send", {}, **options))
+        run_with_history.transaction("second", lambda tx: tx.intend("email.send", {}, **options))  # type: ignore[arg-type]
     assert info.value.field == field
     assert not isinstance(info.value, DatabaseError)
     _assert_history_intact(ob, run_with_history.id)
 
 
-def test_bad_identifiers_are_typed_not_database_errors(ob: Outbox, run_with_history) -> None:  # type: ignore[no-untyped-def]
+def test_bad_identifiers_are_typed_not_database_errors(ob: Outbox, run_with_history: Run) -> None:
     # L2: a NUL reached PostgreSQL and came back as a DatabaseError.
     cases: list[tuple[str, Callable[[], object]]] = [
         ("agent", lambda: ob.start_run("a\x00", "1")),
@@ -385,12 +390,12 @@ def test_bad_identifiers_are_typed_not_database_errors(ob: Outbox, run_with_hist
 
 
 @pytest.mark.parametrize("duration", [math.inf, 1e300, math.nan, -1, 10**400, "5"])
-def test_bad_sleep_durations_are_typed(ob: Outbox, run_with_history, duration: object) -> None:  # type: ignore[no-untyped-def]
+def test_bad_sleep_durations_are_typed(ob: Outbox, run_with_history: Run, duration: object) -> None:
     with pytest.raises(ValidationError) as info:
-        run_with_history.sleep("nap", duration)
+        run_with_history.sleep("nap", duration)  # type: ignore[arg-type]
     assert info.value.field == "duration"
     with pytest.raises(ValidationError) as info:
-        run_with_history.wait_signal("w", name="go", timeout=duration)
+        run_with_history.wait_signal("w", name="go", timeout=duration)  # type: ignore[arg-type]
     assert info.value.field == "timeout"
     _assert_history_intact(ob, run_with_history.id)
 

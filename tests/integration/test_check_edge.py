@@ -134,7 +134,8 @@ def _descendants(root: int) -> set[int]:
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 continue
             parents[int(entry.name)] = int(fields[1])
-    found, frontier = set(), {root}
+    found: set[int] = set()
+    frontier = {root}
     while frontier:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
         found |= frontier

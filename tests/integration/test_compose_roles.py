@@ -96,7 +96,7 @@ def test_the_logins_are_not_superusers_and_the_owner_owns_the_tables(
     deployed: dict[str, str], empty_dsn: str
 ) -> None:
     with psycopg.connect(libpq_dsn(empty_dsn)) as conn:
-        flags = dict(
+        flags: dict[str, bool] = dict(
             conn.execute(
                 "SELECT rolname, rolsuper OR rolcreaterole OR rolcreatedb OR rolbypassrls"
                 " FROM pg_roles WHERE rolname IN ('outbox_owner', 'outbox_relay', 'outbox_deliver')"

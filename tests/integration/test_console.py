@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from outbox import Outbox
+from outbox import Outbox, StepTransaction
 from outbox.models import EffectStatus
 from outbox.serve.app import OutboxServer
 from outbox.serve.settings import Credentials, ServeSettings
@@ -36,7 +36,7 @@ def console(ob: Outbox) -> Iterator[OutboxServer]:
 def unknown_effect(ob: Outbox, key: str = "invoice-7-mail") -> tuple[str, str]:
     run = ob.start_run("billing", "v1", budget=10)
 
-    def step(tx):  # type: ignore[no-untyped-def]
+    def step(tx: StepTransaction) -> str:
         tx.set_plan(["mail", "done"])
         tx.spend(1.5, "model")
         return tx.intend(

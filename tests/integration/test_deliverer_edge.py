@@ -15,15 +15,17 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
 
 from deliverers.http import HttpDeliverer, parse_retry_after
 from deliverers.smtp import SmtpDeliverer
-from deliverers.testing import IdempotentHttpSink
+from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import Outbox
 from outbox.errors import IdempotencyConflict, RunExists
 from tests.integration.test_smtp import RecordingHandler, Server
@@ -31,7 +33,7 @@ from tests.support import DaemonThread, wait_for
 
 
 @pytest.fixture
-def sink():  # type: ignore[no-untyped-def]
+def sink() -> Iterator[IdempotentHttpSink]:
     with IdempotentHttpSink() as running:
         yield running
 
@@ -45,7 +47,7 @@ def http() -> dict[str, HttpDeliverer]:
 def intend_then_rewrite(ob: Outbox, kind: str, payload: dict[str, Any]) -> str:
     """An innocent intent whose row is then rewritten by hand (the rules are not asked)."""
     run = ob.start_run("agent", "1")
-    effect_id = run.transaction(
+    effect_id: str = run.transaction(
         "s", lambda tx: str(tx.intend(kind, {"url": "https://x.example/", "to": ["a@x"]}).id)
     )
     with ob.engine.begin() as conn:
@@ -60,7 +62,9 @@ def seen_by(sink: IdempotentHttpSink) -> list[dict[str, str]]:
     seen: list[dict[str, str]] = []
     original = sink._answer
 
-    def spy(handler, key, raw, fault):  # type: ignore[no-untyped-def]
+    def spy(
+        handler: BaseHTTPRequestHandler, key: str | None, raw: bytes, fault: Fault | None
+    ) -> None:
         seen.append(dict(handler.headers.items()))
         original(handler, key, raw, fault)
 

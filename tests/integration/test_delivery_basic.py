@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from deliverers.testing import RecordingDeliverer
-from outbox import EffectStatus, Outbox
-from outbox.delivery import Delivery, Failed, Retry
+from outbox import EffectStatus, Outbox, StepTransaction
+from outbox.delivery import Delivery, Failed, Outcome, Retry
 from tests.support import DaemonThread, wait_for
 
 
@@ -12,7 +12,7 @@ def _intend(ob: Outbox, n: int, kind: str = "test.record") -> list[str]:
     run = ob.start_run("agent", "1")
     keys: list[str] = []
 
-    def step(tx):  # type: ignore[no-untyped-def]
+    def step(tx: StepTransaction) -> None:
         for i in range(n):
             keys.append(tx.intend(kind, {"i": i}).idempotency_key)
 
@@ -43,7 +43,7 @@ def test_retry_then_success_keeps_the_same_key(ob: Outbox, dsn: str) -> None:
     (key,) = _intend(ob, 1)
     seen: list[Delivery] = []
 
-    def flaky(delivery: Delivery):  # type: ignore[no-untyped-def]
+    def flaky(delivery: Delivery) -> Outcome:
         seen.append(delivery)
         if len(seen) < 3:
             return Retry("try again", after=0.05)

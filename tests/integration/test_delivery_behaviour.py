@@ -95,7 +95,7 @@ def test_unknown_payload_schema_version_is_left_pending(ob: Outbox, dsn: str) ->
         wait_for(lambda: ob.effects()[0].last_error is not None)
     effect = ob.effects()[0]
     assert effect.status == EffectStatus.PENDING
-    assert "payload schema version 2 of kind 'k.v' is not understood" in effect.last_error
+    assert "payload schema version 2 of kind 'k.v' is not understood" in (effect.last_error or "")
     assert recorder.deliveries == [], "never guessed"
 
 

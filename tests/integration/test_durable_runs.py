@@ -17,6 +17,7 @@ from outbox import (
     RunStatus,
     RunTerminal,
     SignalTimeout,
+    StepTransaction,
     ValidationError,
 )
 from outbox.delivery import Failed
@@ -124,7 +125,7 @@ def test_approval_timeout_is_recorded_and_the_escalation_runs_once(ob: Outbox) -
             run.wait_signal("approval", name="approval", timeout=0.5)
         except SignalTimeout:
 
-            def escalate(tx):  # type: ignore[no-untyped-def]
+            def escalate(tx: StepTransaction) -> None:
                 escalations.append(1)
                 tx.intend("page.oncall", {"why": "approval timed out"})
 
@@ -229,7 +230,8 @@ def test_a_step_that_recovers_within_its_retries_completes(ob: Outbox) -> None:
                 raise TimeoutError("model call timed out")
             return 7
 
-        return run.call("model", sometimes)
+        result: int = run.call("model", sometimes)
+        return result
 
     with WorkerThread(ob, "a", "1", handler, max_step_retries=3, retry_base_seconds=0.01):
         run = ob.start_run("a", "1", {})

@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from subprocess import CompletedProcess
 
@@ -40,7 +41,7 @@ def _outbox(
 
 
 @pytest.fixture
-def home():  # type: ignore[no-untyped-def]
+def home() -> Iterator[Path]:
     base = embedded_home()
     path = base / ".outbox"
     yield path
@@ -175,7 +176,7 @@ def _assert_private(server: EmbeddedServer) -> None:
 
 
 @pytest.fixture
-def long_home():  # type: ignore[no-untyped-def]
+def long_home() -> Iterator[Path]:
     base = embedded_home()
     path = base / ("d" * 90) / ".outbox"
     yield path

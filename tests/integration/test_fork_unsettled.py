@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from outbox import Outbox
+from outbox import Outbox, StepTransaction
 from outbox.cli import cli
 from outbox.errors import ForkRefused, RunStateError
 
@@ -27,9 +27,11 @@ def three_steps(ob: Outbox) -> tuple[Any, dict[str, str]]:
     run = ob.start_run("billing", "1")
     ids = {}
     for step in ("quote", "charge", "mail"):
-        ids[step] = run.transaction(
-            step, lambda tx, step=step: str(tx.intend(f"k.{step}", {"step": step}).id)
-        )
+
+        def intend(tx: StepTransaction, step: str = step) -> str:
+            return str(tx.intend(f"k.{step}", {"step": step}).id)
+
+        ids[step] = run.transaction(step, intend)
     run.complete({"ok": True})
     return run, ids
 

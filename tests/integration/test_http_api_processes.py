@@ -119,9 +119,12 @@ def test_intents_sent_over_http_are_delivered_exactly_once(ob: Outbox, stack: St
         outcomes = []
         for effect in recorded.json()["effects"]:
             # A long poll answers when the deliverer is done (or says done=false: ask again).
-            outcome = wait_for(
-                lambda e=effect: _done(api, e["id"]), timeout=60, message="the effect to end"
-            )
+
+            def done(effect_id: str = effect["id"]) -> dict[str, Any] | None:
+                return _done(api, effect_id)
+
+            outcome = wait_for(done, timeout=60, message="the effect to end")
+            assert outcome is not None
             outcomes.append(outcome)
         assert [o["status"] for o in outcomes] == ["succeeded"] * 3
         assert all(o["result"]["status"] == 200 for o in outcomes)

@@ -3,32 +3,34 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
 
 from deliverers.http import HttpDeliverer
 from deliverers.testing import Fault, IdempotentHttpSink
-from outbox import Outbox
+from outbox import Outbox, StepTransaction
 from tests.support import DaemonThread, wait_for
 
 
 @pytest.fixture
-def sink():  # type: ignore[no-untyped-def]
+def sink() -> Iterator[IdempotentHttpSink]:
     with IdempotentHttpSink() as running:
         yield running
 
 
 def http(**config: Any) -> dict[str, HttpDeliverer]:
     settings = {"allow_private": ["127.0.0.1"], **config}
-    return {"http.request": HttpDeliverer.from_config("http.request", settings)}  # type: ignore[dict-item]
+    return {"http.request": HttpDeliverer.from_config("http.request", settings)}
 
 
 def intend(ob: Outbox, url: str, n: int = 1, **payload: Any) -> list[str]:
     run = ob.start_run("agent", "1")
     keys: list[str] = []
 
-    def step(tx):  # type: ignore[no-untyped-def]
+    def step(tx: StepTransaction) -> None:
         for i in range(n):
             body = {"url": url, "json": {"operation": f"op-{i}"}, **payload}
             keys.append(tx.intend("http.request", body).idempotency_key)
@@ -41,7 +43,9 @@ def statuses(ob: Outbox) -> list[str]:
     return sorted(e.status.value for e in ob.effects(limit=10_000))
 
 
-def test_each_intent_is_applied_once_with_its_key(ob: Outbox, dsn: str, sink) -> None:  # type: ignore[no-untyped-def]
+def test_each_intent_is_applied_once_with_its_key(
+    ob: Outbox, dsn: str, sink: IdempotentHttpSink
+) -> None:
     keys = intend(ob, f"{sink.url}/ledger", n=20)
     with DaemonThread(dsn, http()):
         wait_for(lambda: statuses(ob) == ["succeeded"] * 20)
@@ -53,7 +57,9 @@ def test_each_intent_is_applied_once_with_its_key(ob: Outbox, dsn: str, sink) ->
     assert '"applied": true' in effect.result["body"]
 
 
-def test_429_with_retry_after_is_honoured_and_slows_the_kind(ob: Outbox, dsn: str, sink) -> None:  # type: ignore[no-untyped-def]
+def test_429_with_retry_after_is_honoured_and_slows_the_kind(
+    ob: Outbox, dsn: str, sink: IdempotentHttpSink
+) -> None:
     intend(ob, f"{sink.url}/ledger", n=1)
     sink.inject(Fault("429", times=1, retry_after="2"))
     started = time.monotonic()
@@ -67,7 +73,9 @@ def test_429_with_retry_after_is_honoured_and_slows_the_kind(ob: Outbox, dsn: st
     assert sink.stats()["keys_applied"] == 1
 
 
-def test_500_storm_then_success_applies_once(ob: Outbox, dsn: str, sink) -> None:  # type: ignore[no-untyped-def]
+def test_500_storm_then_success_applies_once(
+    ob: Outbox, dsn: str, sink: IdempotentHttpSink
+) -> None:
     intend(ob, f"{sink.url}/ledger", n=3)
     sink.inject(Fault("500_before", times=6))
     sink.inject(Fault("500_after", times=3))
@@ -80,7 +88,9 @@ def test_500_storm_then_success_applies_once(ob: Outbox, dsn: str, sink) -> None
     assert stats["redeliveries"] >= 9
 
 
-def test_timeouts_are_retried_with_the_same_key(ob: Outbox, dsn: str, sink) -> None:  # type: ignore[no-untyped-def]
+def test_timeouts_are_retried_with_the_same_key(
+    ob: Outbox, dsn: str, sink: IdempotentHttpSink
+) -> None:
     (key,) = intend(ob, f"{sink.url}/ledger", n=1, timeout=0.5)
     sink.inject(Fault("hang", times=1, hang_seconds=1.5))
     with DaemonThread(dsn, http(), retry_base_seconds=0.01):
@@ -95,9 +105,9 @@ def test_timeouts_are_retried_with_the_same_key(ob: Outbox, dsn: str, sink) -> N
 
 def test_a_sink_that_is_down_then_up(ob: Outbox, dsn: str) -> None:
     probe = IdempotentHttpSink().start()
-    host, port = probe._server.server_address[:2]
+    url, port = probe.url, probe._server.server_address[1]
     probe.stop()  # nothing listens on this port now
-    intend(ob, f"http://{host}:{port}/ledger", n=2)
+    intend(ob, f"{url}/ledger", n=2)
     with DaemonThread(dsn, http(), retry_base_seconds=0.05, retry_cap_seconds=0.2):
         wait_for(
             lambda: any(
@@ -110,7 +120,9 @@ def test_a_sink_that_is_down_then_up(ob: Outbox, dsn: str) -> None:
             assert back.stats()["keys_applied"] == 2
 
 
-def test_non_retryable_4xx_fails_with_the_status(ob: Outbox, dsn: str, sink) -> None:  # type: ignore[no-untyped-def]
+def test_non_retryable_4xx_fails_with_the_status(
+    ob: Outbox, dsn: str, sink: IdempotentHttpSink
+) -> None:
     intend(ob, f"{sink.url}/nowhere", n=1, method="GET")
     with DaemonThread(dsn, http()):
         wait_for(lambda: statuses(ob) == ["failed"])
@@ -118,10 +130,12 @@ def test_non_retryable_4xx_fails_with_the_status(ob: Outbox, dsn: str, sink) -> 
     assert effect.last_error == "HTTP 404"
 
 
-def test_url_outside_the_allowlist_fails_without_a_call(ob: Outbox, dsn: str, sink) -> None:  # type: ignore[no-untyped-def]
+def test_url_outside_the_allowlist_fails_without_a_call(
+    ob: Outbox, dsn: str, sink: IdempotentHttpSink
+) -> None:
     intend(ob, f"{sink.url}/ledger", n=1)  # loopback, not allowed by default
     deliverers = {"http.request": HttpDeliverer.from_config("http.request", {})}
-    with DaemonThread(dsn, deliverers):  # type: ignore[arg-type]
+    with DaemonThread(dsn, deliverers):
         wait_for(lambda: statuses(ob) == ["failed"])
     assert "non-public address 127.0.0.1" in (ob.effects()[0].last_error or "")
     assert sink.state.requests == 0
@@ -145,7 +159,9 @@ def test_payload_that_fails_its_schema_fails_with_the_field(ob: Outbox, dsn: str
     assert "url" in error and "bogus" in error
 
 
-def test_oversized_response_is_read_up_to_the_limit(ob: Outbox, dsn: str, sink) -> None:  # type: ignore[no-untyped-def]
+def test_oversized_response_is_read_up_to_the_limit(
+    ob: Outbox, dsn: str, sink: IdempotentHttpSink
+) -> None:
     intend(ob, f"{sink.url}/big/{50 * 1024 * 1024}", n=1, method="GET")
     with DaemonThread(dsn, http(read_limit_bytes=64 * 1024, excerpt_bytes=100)):
         wait_for(lambda: statuses(ob) == ["succeeded"], timeout=30)
@@ -155,16 +171,20 @@ def test_oversized_response_is_read_up_to_the_limit(ob: Outbox, dsn: str, sink) 
     assert len(result["body"]) == 100
 
 
-def test_credentials_come_from_the_environment(ob: Outbox, dsn: str, sink, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_credentials_come_from_the_environment(
+    ob: Outbox, dsn: str, sink: IdempotentHttpSink, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("SINK_TOKEN", "s3cret")
     seen: list[str] = []
     original = sink._answer
 
-    def spy(handler, key, raw, fault):  # type: ignore[no-untyped-def]
-        seen.append(handler.headers.get("Authorization"))
+    def spy(
+        handler: BaseHTTPRequestHandler, key: str | None, raw: bytes, fault: Fault | None
+    ) -> None:
+        seen.append(handler.headers.get("Authorization", ""))
         original(handler, key, raw, fault)
 
-    sink._answer = spy
+    monkeypatch.setattr(sink, "_answer", spy)
     intend(ob, f"{sink.url}/ledger", n=1, credential="sink")
     config = http(credentials={"sink": {"env": "SINK_TOKEN", "prefix": "Bearer "}})
     with DaemonThread(dsn, config):

@@ -25,7 +25,7 @@ from sqlalchemy import Connection, func, select, text
 from deliverers.kafka import KafkaDeliverer
 from deliverers.kafka_dedup import DedupConsumer, DedupStats
 from deliverers.testing import TANSU_CONSUMER_TUNING
-from outbox import Outbox, ValidationError
+from outbox import Outbox, StepTransaction, ValidationError
 from outbox.models import Effect
 from outbox.storage.schema import consumed_keys
 from tests.support import DaemonThread, wait_for
@@ -52,7 +52,7 @@ def _collect_leaked_sockets() -> Iterator[None]:
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 # Short timeouts so an outage costs seconds: the producer gives up on a record after 1 s.
 FAST = {"request_timeout_ms": 1000, "max_block_ms": 1000, "max_attempts": 200}
-FAST_RETRIES = {"retry_base_seconds": 0.05, "retry_cap_seconds": 0.5}
+FAST_RETRIES: dict[str, Any] = {"retry_base_seconds": 0.05, "retry_cap_seconds": 0.5}
 
 
 def unique_topic(prefix: str) -> str:
@@ -70,7 +70,7 @@ def deliverer_for(broker: Any, **config: Any) -> KafkaDeliverer:
 def intend(ob: Outbox, payloads: list[dict[str, Any]], step: str = "publish") -> uuid.UUID:
     run = ob.start_run("publisher", "1")
 
-    def publish(tx):  # type: ignore[no-untyped-def]
+    def publish(tx: StepTransaction) -> list[str]:
         return [tx.intend("kafka.publish", payload).idempotency_key for payload in payloads]
 
     run.transaction(step, publish)

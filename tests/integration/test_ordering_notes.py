@@ -28,7 +28,7 @@ HOLD = re.compile(
     r"in intent order"
 )
 
-FAST_NOTES = {"reconcile_seconds": 0.1, "blocked_note_grace_seconds": 0}
+FAST_NOTES: dict[str, Any] = {"reconcile_seconds": 0.1, "blocked_note_grace_seconds": 0}
 
 
 def intend(ob: Outbox, *effects: tuple[str, str | None]) -> list[Any]:
@@ -70,7 +70,7 @@ def test_an_undeliverable_kind_holds_its_key_and_the_held_effects_say_so(
 
     # A deploy that knows the kind: the head goes, then the held effect, note gone.
     both = {"k.o": RecordingDeliverer("k.o"), "crm.update": RecordingDeliverer("crm.update")}
-    with DaemonThread(dsn, both):  # type: ignore[arg-type]
+    with DaemonThread(dsn, both):
         wait_for(lambda: ob.effect(held.id).status.value == "succeeded", timeout=20)
     assert ob.effect(held.id).last_error is None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from starlette.routing import BaseRoute, Mount, Route
 
@@ -18,7 +19,7 @@ def _routes(routes: list[BaseRoute], prefix: str = "") -> list[tuple[str, str]]:
     found = []
     for route in routes:
         if isinstance(route, Mount):
-            inner = route.app
+            inner: Any = route.app  # a router, or middleware around one
             while not hasattr(inner, "routes") and hasattr(inner, "app"):
                 inner = inner.app  # middleware around the mounted router
             found += _routes(list(inner.routes), prefix + route.path)

@@ -23,7 +23,6 @@ from outbox import Outbox
 from outbox.cli import cli
 from outbox.ids import uuid7
 from outbox.shards import on_shard, shard_of
-from outbox.storage import archive as archive_module
 from outbox.storage.archive import ArchiveWriter, read_archive, summarize_archive
 from outbox.storage.retention import GC_TABLES, collect_garbage, parse_horizon
 from outbox.storage.schema import (
@@ -292,7 +291,7 @@ def test_each_batch_is_fsynced_before_it_commits(
         events.append("fsync-dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync-file")
         real_fsync(fd)
 
-    monkeypatch.setattr(archive_module.os, "fsync", fsync)
+    monkeypatch.setattr(os, "fsync", fsync)  # as the archive module calls it
     event.listen(ob.engine, "commit", lambda conn: events.append("commit"))
     path = tmp_path / "new" / "archive.jsonl"
     path.parent.mkdir()

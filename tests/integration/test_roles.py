@@ -227,16 +227,16 @@ def test_the_deliverer_delivers_and_moves_stopping_runs_on_but_intends_nothing(
             deliverer_ob.start_run("billing", "1")
         with pytest.raises(DatabaseError, match="permission denied"):
             deliverer_ob.signal(plain.id, "go")
-    charge = next(e for e in ob.effects(run_id=paid.id) if e.compensates is None)
+    charged = next(e for e in ob.effects(run_id=paid.id) if e.compensates is None)
     # Not even a "compensation" the agent never declared.
     denied(
         dsn,
         "INSERT INTO outbox_effects (id, run_id, kind, payload, payload_hash, idempotency_key,"
         " status, compensates) VALUES (gen_random_uuid(), %(run)s, 'http.request',"
         " '{\"url\": \"http://127.0.0.1:1/x\"}', 'h', 'forged-2', 'pending', %(orig)s)",
-        {"run": paid.id, "orig": charge.id},
+        {"run": paid.id, "orig": charged.id},
     )
-    denied(dsn, "UPDATE outbox_effects SET payload = '{}' WHERE id = %(id)s", {"id": charge.id})
+    denied(dsn, "UPDATE outbox_effects SET payload = '{}' WHERE id = %(id)s", {"id": charged.id})
     denied(dsn, "DELETE FROM outbox_effect_attempts")
     denied(dsn, "UPDATE outbox_runs SET state = '{}'")
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from deliverers.testing import IdempotentHttpSink
-from outbox import EffectStatus, Outbox, RunStatus
+from outbox import EffectStatus, Outbox, Run, RunStatus
 from outbox.keys import derive_key
 from outbox.testing.processes import start_deliverer
 from outbox.testing.workload import write_config
@@ -76,7 +76,11 @@ def test_a_paused_run_s_effects_wait_while_others_flow_and_resume_delivers_them(
         held = ob.start_run("held_then_go", "1", {"sink": sink.url})
         other = ob.start_run("held_then_go", "1", {"sink": sink.url})
         for run in (held, other):
-            wait_for(lambda run=run: ob.run(run.id).status == RunStatus.WAITING, timeout=60)
+
+            def waiting(run: Run = run) -> bool:
+                return ob.run(run.id).status == RunStatus.WAITING
+
+            wait_for(waiting, timeout=60)
         paused = outbox_cli(sub_env, "runs", "pause", str(held.id), "--reason", "hold for audit")
         assert paused["status"] == "paused"
         assert statuses(ob, held.id) == [EffectStatus.PAUSED]
@@ -87,8 +91,9 @@ def test_a_paused_run_s_effects_wait_while_others_flow_and_resume_delivers_them(
         # past the held effect's delay (the other run's was delivered at it): it
         # would have been delivered by now
         (first,) = ob.effects(run_id=held.id)
-        assert first.available_at is not None
-        wait_for(lambda: datetime.now(UTC) > first.available_at + timedelta(seconds=1), timeout=30)
+        available_at = first.available_at
+        assert available_at is not None
+        wait_for(lambda: datetime.now(UTC) > available_at + timedelta(seconds=1), timeout=30)
         assert ob.run(held.id).status == RunStatus.PAUSED
         assert statuses(ob, held.id) == [EffectStatus.PAUSED]
         assert outbox_cli(sub_env, "runs", "resume", str(held.id))["status"] == "runnable"

@@ -28,7 +28,7 @@ METRICS = b"metrics-token-0123456789"
 
 
 def serve(ob: Outbox, **limits: object) -> OutboxServer:
-    settings = ServeSettings(port=0, tolerance=60, console=False, **limits)  # type: ignore[arg-type]
+    settings = ServeSettings(port=0, tolerance=60, console=False, **limits)
     return OutboxServer(
         ob, settings, Credentials(webhook_secret=SECRET, metrics_token=METRICS)
     ).start()

@@ -10,6 +10,7 @@ import json
 import threading
 import uuid
 from collections.abc import Iterator
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -348,7 +349,7 @@ def test_costs_and_debits_reach_the_budget_and_its_ledger(db: Any, ob: Outbox) -
     db.execute("SELECT outbox_commit_step(%s, 's')", [run_id])
     db.commit()
     record = ob.run(run_id).record
-    assert (record.spent, record.reserved) == (1.5, 3)
+    assert (record.spent, record.reserved) == (Decimal("1.5"), Decimal(3))
     ledger = db.execute(
         "SELECT entry, reason, amount, effect_id FROM outbox_budget_ledger ORDER BY id"
     ).fetchall()

@@ -14,6 +14,7 @@ import asyncio
 import json
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -201,11 +202,12 @@ def test_a_paused_run_refuses_sql_api_steps_and_holds_its_intents_until_resumed(
     assert ob.pause(run_id, "customer asked to hold") == RunStatus.PAUSED
     assert [e.status for e in ob.effects(run_id=run_id)] == [EffectStatus.PAUSED]
 
-    for call in (
+    calls: tuple[Callable[[], object], ...] = (
         lambda: intend(db, "k.a", {}, run_id=run_id, step_id="s2"),
         lambda: commit_step(db, run_id, "s2"),
         lambda: db.execute("SELECT outbox_finish_run(%s, 'completed')", (run_id,)),
-    ):
+    )
+    for call in calls:
         with pytest.raises(psycopg.Error) as caught:
             call()
         db.rollback()
@@ -302,7 +304,10 @@ def test_twenty_megabyte_values_through_the_sql_api_are_stored_by_reference(
     status = db.execute("SELECT inputs, state FROM outbox_run_status(%s)", (run_id,)).fetchone()
     assert status is not None and status[0] == big and status[1] == big
     loaded = ob.run(run_id)
-    assert loaded.inputs == big and loaded.state == big and loaded.step("think").result == big
+    think = loaded.step("think")
+    assert (
+        loaded.inputs == big and loaded.state == big and think is not None and think.result == big
+    )
     assert ob.effect(effect_id).payload == big
 
     # the same intent again (same key, same payload) is the same effect

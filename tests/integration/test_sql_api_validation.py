@@ -116,7 +116,7 @@ UNREADABLE = ["0.100000000000000000000000000001", "1e-400", "3.14159265358979323
 def test_numbers_read_back_as_written_are_stored(db: Any, number: str) -> None:
     db.autocommit = True
     row = db.execute("SELECT * FROM outbox_intend('a.b', %s::jsonb)", [f'{{"n": {number}}}'])
-    effect_id = row.fetchone()[0]  # type: ignore[index]
+    effect_id = row.fetchone()[0]
     stored = db.execute("SELECT payload FROM outbox_effects WHERE id = %s", [effect_id]).fetchone()
     assert stored is not None and stored[0] == json.loads(f'{{"n": {number}}}')
 

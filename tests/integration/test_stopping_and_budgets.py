@@ -29,13 +29,11 @@ from tests.support import DaemonThread, wait_for
 def book_trip(ob: Outbox) -> Run:
     run = ob.start_run("travel", "1", {"trip": "LIS"})
     for n, item in enumerate(["flight", "hotel", "car"]):
-        run.transaction(
-            f"book-{item}",
-            lambda tx, item=item, n=n: (
-                tx.intend("k.book", {"item": item}, compensate=("k.refund", {"item": item, "n": n}))
-                and None
-            ),
-        )
+
+        def book(tx: StepTransaction, item: str = item, n: int = n) -> None:
+            tx.intend("k.book", {"item": item}, compensate=("k.refund", {"item": item, "n": n}))
+
+        run.transaction(f"book-{item}", book)
     return run
 
 
@@ -151,18 +149,26 @@ def test_spending_is_keyed_and_over_budget_steps_commit_nothing(ob: Outbox) -> N
     assert ob.run(run.id).transaction("think", think) is None  # replay: no second debit
     record = ob.run(run.id).record
     assert record.spent == Decimal(4)
+
+    def think_more(tx: StepTransaction) -> None:
+        tx.spend(7, "model:gpt")
+        tx.intend("k.x", {"n": 2})
+
     with pytest.raises(BudgetExceeded) as info:
-        run.transaction(
-            "think-more", lambda tx: (tx.spend(7, "model:gpt"), tx.intend("k.x", {"n": 2}))[1]
-        )
+        run.transaction("think-more", think_more)
     assert info.value.remaining == 6.0
     after = ob.run(run.id)
     assert after.record.spent == Decimal(4)
     assert after.completed_steps == ["think"]
     assert len(ob.effects(run_id=run.id)) == 1, "the refused step intended nothing"
     assert _ledger(ob, run) == [("spend", "model:gpt", Decimal(4))]
+
+    def spend_twice(tx: StepTransaction) -> None:
+        tx.spend(1, "r")
+        tx.spend(1, "r")
+
     with pytest.raises(ValidationError):
-        run.transaction("bad", lambda tx: (tx.spend(1, "r"), tx.spend(1, "r")))
+        run.transaction("bad", spend_twice)
     with pytest.raises(ValidationError):
         run.transaction("bad", lambda tx: tx.spend(-1, "r"))
 

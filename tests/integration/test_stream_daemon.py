@@ -31,7 +31,7 @@ from deliverers.testing import (
     TansuBroker,
 )
 from outbox import EffectStatus, Outbox
-from outbox.delivery import Deliverer, Delivery, Outcome, Retry, Succeeded
+from outbox.delivery import Deliverer, Delivery, Failed, Outcome, Retry, Succeeded
 from outbox.delivery.daemon import DeliveryDaemon
 from outbox.delivery.relay import Relay
 from outbox.delivery.settings import RelaySettings, StreamSettings
@@ -154,7 +154,11 @@ def test_stream_mode_uses_the_schema_retry_setting(
 def test_stream_mode_reports_a_lost_lease(ob: Outbox, dsn: str, kafka_broker: TansuBroker) -> None:
     intend(ob, "k.block", 1)
     release = threading.Event()
-    blocked = RecordingDeliverer("k.block", outcome=lambda d: release.wait(60) and Succeeded())
+
+    def block(delivery: Delivery) -> Outcome:
+        return Succeeded() if release.wait(60) else Failed("not released within 60 s")
+
+    blocked = RecordingDeliverer("k.block", outcome=block)
     with stream_daemon(
         dsn, kafka_broker, {"k.block": blocked}, lease_seconds=0.6, reconcile_seconds=3600
     ) as daemon:

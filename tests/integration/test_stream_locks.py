@@ -47,15 +47,17 @@ def test_marks_and_claims_of_the_same_rows_in_any_order_never_deadlock(
                     shuffle(ids)
                     orders.append(ids)
                 shuffle(pairs)
-                results = await asyncio.gather(
-                    store.mark_dispatched(RELAY, pairs, dispatch_ttl=600),
-                    *(
+                # Tasks in the order gather would make them: the mark, then each claim.
+                mark = asyncio.create_task(store.mark_dispatched(RELAY, pairs, dispatch_ttl=600))
+                claims = [
+                    asyncio.create_task(
                         store.claim_dispatched(ids, owner=f"d{k}", lease_seconds=60)
-                        for k, ids in enumerate(orders)
-                    ),
-                )
-                for k, claimed in enumerate(results[1:]):
-                    for effect in claimed:
+                    )
+                    for k, ids in enumerate(orders)
+                ]
+                await asyncio.gather(mark, *claims)
+                for k, claim in enumerate(claims):
+                    for effect in claim.result():
                         owners.setdefault(effect.id, []).append(f"d{k}")
                 # What no deliverer took (the mark came first and they read nothing
                 # dispatched yet) is taken now: every effect ends up claimed once.

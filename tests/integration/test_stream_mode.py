@@ -314,12 +314,11 @@ def test_relay_and_stream_deliverer_survive_losing_their_database_connections(
             intend(ob, f"{sink.url}/ledger", 20, first=20 * round_)
             # Earlier rounds are delivered, and the stream deliverer is inside this
             # round's calls (it has reconnected since the last round's kill).
-            wait_for(
-                lambda before=20 * round_: (
-                    statuses(ob).get("succeeded", 0) >= before and held_by_stream(ob)
-                ),
-                timeout=120,
-            )
+
+            def delivered(before: int = 20 * round_) -> bool:
+                return statuses(ob).get("succeeded", 0) >= before and held_by_stream(ob)
+
+            wait_for(delivered, timeout=120)
             with psycopg.connect(dsn, autocommit=True) as admin:
                 ended.append(
                     len(

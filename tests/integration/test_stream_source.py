@@ -313,10 +313,11 @@ def test_a_deadlock_on_claim_is_retried_with_backoff_never_raised(
         x, y = await dispatch(store, 2)
         publish(broker, [(0, x), (1, y)])
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(DEADLOCK_FIRST_CLAIMS)  # type: ignore[arg-type]
+            conn.execute(DEADLOCK_FIRST_CLAIMS)
         source = KafkaSource(store, [KIND], settings(broker))
         await source.open()
-        room, claimed, pauses = leases(), [], {}
+        room, pauses = leases(), {}
+        claimed: list[ClaimedEffect] = []
         try:
             deadline = time.monotonic() + 60
             while len(claimed) < 2:

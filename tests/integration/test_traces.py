@@ -11,7 +11,7 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,12 @@ def spans() -> Iterator[InMemorySpanExporter]:
     yield _EXPORTER
     _GATE.open = False
     _EXPORTER.clear()
+
+
+def attrs(span: ReadableSpan) -> Mapping[str, Any]:
+    """The span's attributes (every span here has some)."""
+    assert span.attributes is not None, span.name
+    return span.attributes
 
 
 def tp(span: ReadableSpan) -> str:
@@ -119,21 +125,21 @@ def test_one_trace_from_intend_through_every_attempt(
             )
 
     attempts = [s for s in spans.get_finished_spans() if s.name == "outbox.deliver http.request"]
-    outcomes = sorted(str(s.attributes["outbox.outcome"]) for s in attempts)  # type: ignore[index]
+    outcomes = sorted(str(attrs(s)["outbox.outcome"]) for s in attempts)
     assert "retry" in outcomes and outcomes.count("succeeded") == 2, outcomes
     for span in attempts:
         # every attempt in the agent's trace, a child of (and linked to) the intent's step
         assert span.context.trace_id == trace_id
         assert span.parent is not None and span.parent.span_id == step_span.context.span_id
         assert [link.context.span_id for link in span.links] == [step_span.context.span_id]
-        assert span.attributes["outbox.effect.kind"] == "http.request"  # type: ignore[index]
+        assert attrs(span)["outbox.effect.kind"] == "http.request"
     # An attempt made elsewhere first (the killed deliverer's) shows in the numbering.
     first_here = {
         key: min(
-            int(s.attributes["outbox.attempt"])
-            for s in attempts  # type: ignore[index]
-            if s.attributes["outbox.effect.key"] == key
-        )  # type: ignore[index]
+            int(attrs(s)["outbox.attempt"])
+            for s in attempts
+            if attrs(s)["outbox.effect.key"] == key
+        )
         for key in (retried, recovered)
     }
     assert max(first_here.values()) >= 2, first_here

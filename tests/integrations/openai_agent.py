@@ -50,7 +50,12 @@ class ScriptedModel(Model):
                 handle.write(f"request {len(done) + 1}\n")
         return ModelResponse(
             output=list(self.script(done)),
-            usage=Usage(requests=1, total_tokens=COST, **USAGE),
+            usage=Usage(
+                requests=1,
+                input_tokens=USAGE["input_tokens"],
+                output_tokens=USAGE["output_tokens"],
+                total_tokens=COST,
+            ),
             response_id=None,
         )
 

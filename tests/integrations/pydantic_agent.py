@@ -34,6 +34,7 @@ def build_agent(model_log: str, sink_url: str) -> Agent[None, str]:
             return ModelResponse(parts=[ToolCallPart("lookup_order", {"order_id": "o-17"})])
         if len(done) == 1:
             order = done[0].content
+            assert isinstance(order, dict), order
             return ModelResponse(
                 parts=[ToolCallPart("refund", {"order_id": order["id"], "cents": order["cents"]})]
             )

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agents import FunctionTool
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import AsyncOutbox, Outbox, RunStatus, ValidationError
@@ -157,7 +158,9 @@ def test_a_replayed_run_with_a_handoff_calls_neither_model_nor_tools(
     assert spent == 3 * COST
     # the agents the caller built are untouched: only run_agent's copies record
     assert type(billing.model).__name__ == "ScriptedModel"
-    assert billing.tools[0].on_invoke_tool is lookup_invoice.on_invoke_tool
+    tool = billing.tools[0]
+    assert isinstance(tool, FunctionTool)
+    assert tool.on_invoke_tool is lookup_invoice.on_invoke_tool
 
 
 def test_a_model_request_the_sdk_retries_keeps_its_step_and_is_not_made_on_replay(

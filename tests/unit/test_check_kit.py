@@ -22,7 +22,14 @@ from outbox.testing.compare import (
     tag_operations,
 )
 from outbox.testing.crash import TraceEvent
-from outbox.testing.invariants import Applied, Intent, check, operation_of, replay_violations
+from outbox.testing.invariants import (
+    Applied,
+    AttemptRecord,
+    Intent,
+    check,
+    operation_of,
+    replay_violations,
+)
 from outbox.testing.plan import CheckOptions, TrialPlan, handover_target, plan_trials, select
 from outbox.testing.report import CheckReport, explain
 from outbox.testing.trial import Crash, TrialResult
@@ -37,7 +44,9 @@ def options(**changes: object) -> CheckOptions:
     return CheckOptions(**(base | changes))
 
 
-def ev(point: str, where: str | None, run: str | None = RUN_A, pid: int = 1, t: float = 0.0):
+def ev(
+    point: str, where: str | None, run: str | None = RUN_A, pid: int = 1, t: float = 0.0
+) -> TraceEvent:
     return TraceEvent(point, where, run, pid, t)
 
 
@@ -90,7 +99,7 @@ def test_a_run_less_intent_belongs_to_the_run_its_payload_names() -> None:
 
 def test_expected_counts_allow_what_an_uninterrupted_run_does_and_no_more() -> None:
     intents = [Intent(f"e{n}", f"k{n}", "k", "succeeded", 1, "op-twice") for n in (1, 2)]
-    attempts_ok = []
+    attempts_ok: list[AttemptRecord] = []
     applied = [Applied("k1", "op-twice"), Applied("k2", "op-twice")]
     report = check(intents, attempts_ok, applied, expected_counts={"op-twice": 2})
     assert report.duplicate_intents == [] and report.duplicate_operations == []

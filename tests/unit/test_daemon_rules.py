@@ -182,7 +182,7 @@ def test_a_rate_limit_answer_pauses_its_kind_and_no_other() -> None:
         store.add("k.slow", {"n": n})
 
     async def scenario(daemon: DeliveryDaemon) -> None:
-        await until(lambda: answers)
+        await until(lambda: bool(answers))
         for n in range(5):
             store.add("k.fast", {"n": n})
         await until(lambda: len(fast.calls) == 5)
@@ -245,7 +245,11 @@ def test_a_trickle_of_one_kind_is_claimed_with_a_backlog_that_fills_the_daemon()
         for n in range(6):
             added = time.monotonic()
             store.add("k.trickle", {"n": n})
-            await until(lambda n=n: len(trickle.calls) > n)
+
+            def called(n: int = n) -> bool:
+                return len(trickle.calls) > n
+
+            await until(called)
             waited.append(time.monotonic() - added)
             await asyncio.sleep(0.13)
 

@@ -12,7 +12,9 @@ import pytest
 from outbox.testing.invariants import Applied, AttemptRecord, Intent, check
 
 
-def intent(n: int, status: str = "succeeded", attempt: int = 1, kind: str = "http.request"):
+def intent(
+    n: int, status: str = "succeeded", attempt: int = 1, kind: str = "http.request"
+) -> Intent:
     return Intent(f"e{n}", f"k{n}", kind, status, attempt, f"op{n}")
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
 
-from outbox.delivery import reconcile
 from outbox.delivery.reconcile import LookupBackoff
 
 
@@ -21,7 +21,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(reconcile.time, "monotonic", fake)
+    monkeypatch.setattr(time, "monotonic", fake)  # the clock reconcile reads
     return fake
 
 

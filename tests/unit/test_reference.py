@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 import pytest
+from pydantic import BaseModel
 
 import outbox
 import outbox.delivery
@@ -55,7 +56,7 @@ def test_a_page_without_the_markers_is_refused() -> None:
 @pytest.mark.parametrize(
     "model", [m for m, *_ in reference.settings_classes()], ids=lambda m: m.__name__
 )
-def test_every_setting_is_in_the_reference_with_its_meaning(model: type) -> None:
+def test_every_setting_is_in_the_reference_with_its_meaning(model: type[BaseModel]) -> None:
     text = page("settings.md")
     for name in model.model_fields:
         assert f"| `{name}` |" in text, f"{model.__name__}.{name} is not in settings.md"

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from outbox.delivery import Failed, Outcome, Retry, Succeeded, Unknown
 from outbox.delivery.attempt import Decision, decide
+from outbox.models import AttemptOutcome, EffectStatus
 from outbox.retry import RetryPolicy
 
 
@@ -89,7 +90,9 @@ def test_huge_attempt_numbers_do_not_overflow() -> None:
         assert POLICY.backoff(attempt, top) == 300.0
     assert RetryPolicy(base_seconds=10.0).backoff(1025, top) == 300.0
     decision = decide(Retry("busy"), attempt=2000, max_attempts=5000, policy=POLICY, rng=top)
-    assert decision == Decision("pending", "retry", delay=300.0, error="busy")
+    assert decision == Decision(
+        EffectStatus.PENDING, AttemptOutcome.RETRY, delay=300.0, error="busy"
+    )
 
 
 def test_zero_base_means_retry_immediately() -> None:
@@ -138,8 +141,8 @@ def test_retry_below_the_limit_is_pending_with_jittered_delay() -> None:
     outcome = Retry("HTTP 503", detail={"status": 503})
     decision = decide(outcome, attempt=3, max_attempts=10, policy=POLICY, rng=random.Random(3))
     assert decision == Decision(
-        "pending",
-        "retry",
+        EffectStatus.PENDING,
+        AttemptOutcome.RETRY,
         delay=random.Random(3).uniform(0, 2.0),
         error="HTTP 503",
         detail={"status": 503},
@@ -181,8 +184,8 @@ def test_retry_at_the_attempt_limit_fails_with_the_last_reason() -> None:
         policy=POLICY,
     )
     assert decision == Decision(
-        "failed",
-        "retry",  # the attempt itself was a retry; the effect is what failed
+        EffectStatus.FAILED,
+        AttemptOutcome.RETRY,  # the attempt itself was a retry; the effect is what failed
         delay=0.0,
         error="gave up after 5 attempts: HTTP 503",
         detail={"status": 503},
@@ -207,21 +210,25 @@ def test_the_attempt_before_the_limit_is_still_retried() -> None:
 
 def test_succeeded_records_the_result_and_ignores_the_attempt_limit() -> None:
     decision = decide(Succeeded({"id": 7}), attempt=99, max_attempts=1, policy=POLICY)
-    assert decision == Decision("succeeded", "succeeded", result={"id": 7})
+    assert decision == Decision(EffectStatus.SUCCEEDED, AttemptOutcome.SUCCEEDED, result={"id": 7})
 
 
 def test_failed_stops_at_once_with_its_reason() -> None:
     decision = decide(
         Failed("HTTP 400", detail={"body": "bad"}), attempt=1, max_attempts=10, policy=POLICY
     )
-    assert decision == Decision("failed", "failed", error="HTTP 400", detail={"body": "bad"})
+    assert decision == Decision(
+        EffectStatus.FAILED, AttemptOutcome.FAILED, error="HTTP 400", detail={"body": "bad"}
+    )
 
 
 def test_unknown_goes_to_an_operator_without_a_delay() -> None:
     decision = decide(
         Unknown("timed out", detail={"t": 10}), attempt=1, max_attempts=10, policy=POLICY
     )
-    assert decision == Decision("unknown", "unknown", error="timed out", detail={"t": 10})
+    assert decision == Decision(
+        EffectStatus.UNKNOWN, AttemptOutcome.UNKNOWN, error="timed out", detail={"t": 10}
+    )
 
 
 @pytest.mark.parametrize("attempt", [1, 10, 50])
@@ -241,4 +248,4 @@ def test_terminal_outcomes_never_become_retries(attempt: int) -> None:
 def test_decision_is_immutable() -> None:
     decision = decide(Succeeded(), attempt=1, max_attempts=1, policy=POLICY)
     with pytest.raises(AttributeError):
-        decision.status = "failed"  # type: ignore[misc]
+        decision.status = EffectStatus.FAILED  # type: ignore[misc]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -123,10 +124,10 @@ def test_a_field_named_key_is_shown_and_a_clipped_secret_never_half_shown() -> N
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
 def test_settings_refuse_non_finite_and_negative(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
-        ServeSettings(**{field: value})  # type: ignore[arg-type]
+        ServeSettings(**{field: value})
 
 
-def test_credentials_are_long_enough_and_read_from_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_credentials_are_long_enough_and_read_from_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="at least 16"):
         Credentials(operator_token=b"short")
     token = tmp_path / "token"
@@ -138,7 +139,7 @@ def test_credentials_are_long_enough_and_read_from_files(tmp_path) -> None:  # t
         Credentials.from_env({"OUTBOX_METRICS_TOKEN_FILE": str(tmp_path / "missing")})
 
 
-def test_the_api_token_is_its_own_credential(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_api_token_is_its_own_credential(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="api_token: must be at least 16"):
         Credentials(api_token=b"short")
     token = tmp_path / "api-token"
