@@ -97,7 +97,9 @@ BEGIN
         ), agg AS (
             -- the gates of the step's kinds (outbox_gates_of's lookup), read here once
             -- and planned with the statement: as a call it costs about 80 us a step
-            SELECT a.*, (SELECT coalesce(jsonb_agg(outbox_gate_json(g) ORDER BY g.name), '[]')
+            SELECT a.*, (SELECT coalesce(jsonb_agg(outbox_gate_json(g.name, g.kind,
+                                   g.conditions, g.timeout_seconds, g.on_timeout, g.escalate_to)
+                                   ORDER BY g.name), '[]')
                            FROM outbox_gates AS g WHERE g.kind = ANY (a.kinds)) AS gates
               FROM outbox_runs AS r, v, outbox_step_intents(outbox_write_step.run_id,
                 outbox_write_step.step_id, p_intents, r.priority, r.fairness_key, r.dry_run,
@@ -292,11 +294,11 @@ BEGIN
     IF inserted IS NULL THEN
         PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
     END IF;
+    gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
     INSERT INTO outbox_effects AS e (
         id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
         idempotency_key, ordering_key, max_attempts, compensate, cost, priority, fairness_key,
         status, available_at, approval, approval_deadline, trace_parent, shard, namespace)
-    gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
     SELECT h.* FROM outbox_intent_effects(a.rows, p_run_id, p_step_id, paused, run.namespace,
                                           gates, v_now) AS h;
     INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry, amount)

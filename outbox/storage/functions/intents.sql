@@ -489,17 +489,23 @@ $$;
 CREATE OR REPLACE FUNCTION outbox_gates_of(kinds text[]) RETURNS jsonb
     LANGUAGE plpgsql STABLE AS $$
 BEGIN
-    RETURN (SELECT coalesce(jsonb_agg(outbox_gate_json(g) ORDER BY g.name), '[]')
+    RETURN (SELECT coalesce(jsonb_agg(outbox_gate_json(g.name, g.kind, g.conditions,
+                              g.timeout_seconds, g.on_timeout, g.escalate_to) ORDER BY g.name),
+                            '[]')
               FROM outbox_gates AS g WHERE g.kind = ANY (kinds));
 END
 $$;
 
--- One gate (a row of outbox_gates) as outbox_intent_effects reads it.
-CREATE OR REPLACE FUNCTION outbox_gate_json(g outbox_gates) RETURNS jsonb
+-- One gate (the columns of an outbox_gates row) as outbox_intent_effects reads it.
+-- (Columns, not the row: on a Citus worker the row is of the shard's own type.)
+CREATE OR REPLACE FUNCTION outbox_gate_json(
+    name text, kind text, conditions jsonb, timeout_seconds double precision, on_timeout text,
+    escalate_to text
+) RETURNS jsonb
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT jsonb_build_object('name', g.name, 'kind', g.kind, 'conditions', g.conditions,
-                          'timeout_seconds', g.timeout_seconds, 'on_timeout', g.on_timeout,
-                          'escalate_to', g.escalate_to)
+SELECT jsonb_build_object('name', name, 'kind', kind, 'conditions', conditions,
+                          'timeout_seconds', timeout_seconds, 'on_timeout', on_timeout,
+                          'escalate_to', escalate_to)
 $$;
 
 -- What the step chain covers of a step's intents (outbox_step_link): each new

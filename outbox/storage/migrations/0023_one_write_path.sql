@@ -212,6 +212,19 @@ CREATE TYPE outbox_intent AS (
     first_n integer
 );
 
+-- id with its shard bits set to shard (a new id that must live on that shard).
+CREATE OR REPLACE FUNCTION outbox_on_shard(id uuid, shard smallint) RETURNS uuid
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+SELECT encode(set_byte(uuid_send(id), 15, (get_byte(uuid_send(id), 15) & 224) | shard), 'hex')::uuid
+$$;
+
+-- Whether the tables are distributed (Citus): outbox migrate --distribute sets it
+-- for the database. A session that unsets it only makes a delegated write refuse.
+CREATE OR REPLACE FUNCTION outbox_distributed() RETURNS boolean
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT coalesce(current_setting('outbox.distributed', true), '') = 'on'
+$$;
+
 -- An attempt-log row's v2 link (the algorithm at the top of this file).
 CREATE OR REPLACE FUNCTION outbox_attempt_link(
     prev bytea, effect_id uuid, attempt integer, worker text, started_at timestamptz,
@@ -222,20 +235,6 @@ SELECT sha256(prev || convert_to('outbox.attempt.v2' || outbox_lp(effect_id::tex
     || outbox_lp(attempt::text) || outbox_lp(worker) || outbox_lp(outbox_us(started_at))
     || outbox_lp(outbox_us(finished_at)) || outbox_lp(outcome) || outbox_lp(detail::text)
     || outbox_lp(effect_status) || outbox_lp(result_hash), 'UTF8'))
-$$;
-
-CREATE OR REPLACE FUNCTION outbox_json_field_number(item jsonb, name text, field text)
-    RETURNS numeric
-    LANGUAGE plpgsql IMMUTABLE AS $$
-BEGIN
-    IF item->name IS NULL OR item->name = 'null' THEN
-        RETURN NULL;
-    END IF;
-    IF jsonb_typeof(item->name) <> 'number' THEN
-        PERFORM outbox_refuse('OB001', field || name, (item->name)::text, 'must be a number');
-    END IF;
-    RETURN (item->name)::numeric;
-END
 $$;
 
 -- Refuse a run that takes no steps now: missing (OB004), paused (OB009) or
@@ -255,32 +254,6 @@ BEGIN
         PERFORM outbox_raise_run_ended(p_run_id, found_run.status);
     END IF;
 END
-$$;
-
-CREATE OR REPLACE FUNCTION outbox_json_field_int(item jsonb, name text, field text)
-    RETURNS numeric
-    LANGUAGE plpgsql IMMUTABLE AS $$
-DECLARE
-    value numeric := outbox_json_field_number(item, name, field);
-BEGIN
-    IF value <> trunc(value) THEN
-        PERFORM outbox_refuse('OB001', field || name, value::text, 'must be a whole number');
-    END IF;
-    RETURN value;
-END
-$$;
-
--- id with its shard bits set to shard (a new id that must live on that shard).
-CREATE OR REPLACE FUNCTION outbox_on_shard(id uuid, shard smallint) RETURNS uuid
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
-SELECT encode(set_byte(uuid_send(id), 15, (get_byte(uuid_send(id), 15) & 224) | shard), 'hex')::uuid
-$$;
-
--- Whether the tables are distributed (Citus): outbox migrate --distribute sets it
--- for the database. A session that unsets it only makes a delegated write refuse.
-CREATE OR REPLACE FUNCTION outbox_distributed() RETURNS boolean
-    LANGUAGE sql STABLE PARALLEL SAFE AS $$
-SELECT coalesce(current_setting('outbox.distributed', true), '') = 'on'
 $$;
 
 -- Intents (a JSON array of outbox_intend's arguments) of step_id of run_id, or of
@@ -403,46 +376,49 @@ BEGIN
 END
 $$;
 
--- Screens of outbox_intent_rows (absent and JSON null pass: the field is optional).
-CREATE OR REPLACE FUNCTION outbox_json_is_text(value jsonb, max_length integer,
-                                               may_be_empty boolean DEFAULT false) RETURNS boolean
+-- Statuses in which a run takes steps and intents (models.ACTIVE_RUN_STATUSES):
+-- the live ones but paused (a paused run still takes signals).
+-- (A constant, not read from outbox_intent_rules(): it is inlined into every step.)
+CREATE OR REPLACE FUNCTION outbox_active_run_statuses() RETURNS text[]
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
-            WHEN jsonb_typeof(value) <> 'string' THEN false
-            ELSE char_length(value #>> '{}') BETWEEN CASE WHEN may_be_empty THEN 0 ELSE 1 END
-                                                 AND max_length
-                 AND (value #>> '{}') !~ (outbox_intent_rules()->>'control_characters') END
+SELECT '{runnable,running,waiting}'::text[]
 $$;
 
-CREATE OR REPLACE FUNCTION outbox_json_is_number(value jsonb, low numeric, high numeric)
-    RETURNS boolean
+-- Statuses in which a run accepts steps, signals and intents (models.LIVE_RUN_STATUSES).
+CREATE OR REPLACE FUNCTION outbox_live_run_statuses() RETURNS text[]
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
-            WHEN jsonb_typeof(value) <> 'number' THEN false
-            ELSE value::numeric BETWEEN low AND high END
+SELECT '{runnable,running,waiting,paused}'::text[]
 $$;
 
-CREATE OR REPLACE FUNCTION outbox_json_is_int(value jsonb, low numeric, high numeric)
-    RETURNS boolean
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
-            WHEN jsonb_typeof(value) <> 'number' THEN false
-            ELSE value::numeric BETWEEN low AND high AND value::numeric = trunc(value::numeric) END
+-- What the database itself sets for outbox.<name> (ALTER DATABASE ... SET), if
+-- anything: unlike current_setting, nothing a session does changes it.
+CREATE OR REPLACE FUNCTION outbox_database_setting(name text) RETURNS text
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT nullif(substr(c, length(name) + 9), '')
+  FROM pg_catalog.pg_db_role_setting AS s, unnest(s.setconfig) AS c
+ WHERE s.setdatabase = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                         WHERE d.datname = current_database())
+   AND s.setrole = 0 AND c LIKE 'outbox.' || name || '=%'
 $$;
 
--- Field readers of outbox_check_intents: the value (NULL when absent or JSON
--- null), or OB001 naming the field when it has the wrong type.
-CREATE OR REPLACE FUNCTION outbox_json_field_text(item jsonb, name text, field text) RETURNS text
-    LANGUAGE plpgsql IMMUTABLE AS $$
-BEGIN
-    IF item->name IS NULL OR item->name = 'null' THEN
-        RETURN NULL;
-    END IF;
-    IF jsonb_typeof(item->name) <> 'string' THEN
-        PERFORM outbox_refuse('OB001', field || name, (item->name)::text, 'must be text');
-    END IF;
-    RETURN item->>name;
-END
+-- A numeric limit (max_payload_bytes, max_step_intents, ...): outbox_setting's
+-- value. The caps (all but blob_threshold_bytes, which only chooses where a value
+-- is stored) a session can only lower: above the database's own value, or the
+-- rule when the database sets none, the ceiling holds. The ceiling is read only
+-- when the session asks for more than the rule, so a client on the defaults (or
+-- stricter) pays nothing for it; a database that lowers a cap below the rule
+-- binds sessions that do not set their own (SQL API callers), as before.
+--
+-- One expression, no FROM: the planner inlines it where it is called (a step asks
+-- for seven limits; a call each costs about 12 us, the inlined form a fraction).
+CREATE OR REPLACE FUNCTION outbox_limit(name text) RETURNS bigint
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN name = 'blob_threshold_bytes'
+              OR outbox_setting(name)::bigint <= (outbox_intent_rules()->>name)::bigint
+            THEN outbox_setting(name)::bigint
+            ELSE least(outbox_setting(name)::bigint,
+                       coalesce(outbox_database_setting(name)::bigint,
+                                (outbox_intent_rules()->>name)::bigint)) END
 $$;
 
 -- Intents, derived, checked and written: the one implementation behind
@@ -785,24 +761,6 @@ BEGIN
 END
 $$;
 
--- JSON field readers that never raise: the value when it has the type, else NULL.
-CREATE OR REPLACE FUNCTION outbox_json_str(value jsonb) RETURNS text
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN jsonb_typeof(value) = 'string' THEN value #>> '{}' END
-$$;
-
-CREATE OR REPLACE FUNCTION outbox_json_num(value jsonb) RETURNS numeric
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN jsonb_typeof(value) = 'number' THEN value::numeric END
-$$;
-
-CREATE OR REPLACE FUNCTION outbox_json_int(value jsonb) RETURNS integer
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN jsonb_typeof(value) = 'number' AND value::numeric = trunc(value::numeric)
-             AND value::numeric BETWEEN -2147483648 AND 2147483647
-            THEN value::numeric::integer END
-$$;
-
 -- Every attempt-log row is chained as it is written, with the status and result its
 -- effect has then: the statement that logs an attempt changes the effect first (in
 -- a CTE), and a volatile trigger sees that change. So the newest link covers where
@@ -1011,7 +969,9 @@ BEGIN
         ), agg AS (
             -- the gates of the step's kinds (outbox_gates_of's lookup), read here once
             -- and planned with the statement: as a call it costs about 80 us a step
-            SELECT a.*, (SELECT coalesce(jsonb_agg(outbox_gate_json(g) ORDER BY g.name), '[]')
+            SELECT a.*, (SELECT coalesce(jsonb_agg(outbox_gate_json(g.name, g.kind,
+                                   g.conditions, g.timeout_seconds, g.on_timeout, g.escalate_to)
+                                   ORDER BY g.name), '[]')
                            FROM outbox_gates AS g WHERE g.kind = ANY (a.kinds)) AS gates
               FROM outbox_runs AS r, v, outbox_step_intents(outbox_write_step.run_id,
                 outbox_write_step.step_id, p_intents, r.priority, r.fairness_key, r.dry_run,
@@ -1206,11 +1166,11 @@ BEGIN
     IF inserted IS NULL THEN
         PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
     END IF;
+    gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
     INSERT INTO outbox_effects AS e (
         id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
         idempotency_key, ordering_key, max_attempts, compensate, cost, priority, fairness_key,
         status, available_at, approval, approval_deadline, trace_parent, shard, namespace)
-    gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
     SELECT h.* FROM outbox_intent_effects(a.rows, p_run_id, p_step_id, paused, run.namespace,
                                           gates, v_now) AS h;
     INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry, amount)
@@ -1672,11 +1632,30 @@ SELECT i.effect_id, i.idempotency_key, i.created
       NULL, false, outbox_intend.namespace) AS i
 $$;
 
-CREATE OR REPLACE FUNCTION outbox_json_uuid(value jsonb) RETURNS uuid
+-- Who may let go of what an operator holds: approve an effect held for
+-- approval, resume a paused run. Everyone, until `outbox roles` revokes EXECUTE
+-- from PUBLIC and grants it to the operator role: then an agent or deliverer
+-- login that writes the status by hand is refused (outbox_effects_hold_paused,
+-- outbox_runs_refuse_resume).
+CREATE OR REPLACE FUNCTION outbox_may_release() RETURNS boolean
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN jsonb_typeof(value) = 'string'
-             AND value #>> '{}' ~* '^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$'
-            THEN (value #>> '{}')::uuid END
+SELECT true
+$$;
+
+-- Refuses to resume a paused run (make it live again, or drop a pause asked of
+-- a running one) in a session without EXECUTE on outbox_may_release: an agent
+-- login cannot un-pause what an operator paused. The WHEN clause keeps it off
+-- every other update.
+CREATE OR REPLACE FUNCTION outbox_runs_refuse_resume() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
+        RAISE EXCEPTION 'permission denied: run % was paused by an operator; only a resume '
+            'lets it go (a role with EXECUTE on outbox_may_release())', OLD.id
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    RETURN NEW;
+END
 $$;
 
 -- Whether an intent (p_run_id, p_kind, p_hash, p_payload) under key p_key is the
@@ -1830,17 +1809,23 @@ $$;
 CREATE OR REPLACE FUNCTION outbox_gates_of(kinds text[]) RETURNS jsonb
     LANGUAGE plpgsql STABLE AS $$
 BEGIN
-    RETURN (SELECT coalesce(jsonb_agg(outbox_gate_json(g) ORDER BY g.name), '[]')
+    RETURN (SELECT coalesce(jsonb_agg(outbox_gate_json(g.name, g.kind, g.conditions,
+                              g.timeout_seconds, g.on_timeout, g.escalate_to) ORDER BY g.name),
+                            '[]')
               FROM outbox_gates AS g WHERE g.kind = ANY (kinds));
 END
 $$;
 
--- One gate (a row of outbox_gates) as outbox_intent_effects reads it.
-CREATE OR REPLACE FUNCTION outbox_gate_json(g outbox_gates) RETURNS jsonb
+-- One gate (the columns of an outbox_gates row) as outbox_intent_effects reads it.
+-- (Columns, not the row: on a Citus worker the row is of the shard's own type.)
+CREATE OR REPLACE FUNCTION outbox_gate_json(
+    name text, kind text, conditions jsonb, timeout_seconds double precision, on_timeout text,
+    escalate_to text
+) RETURNS jsonb
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT jsonb_build_object('name', g.name, 'kind', g.kind, 'conditions', g.conditions,
-                          'timeout_seconds', g.timeout_seconds, 'on_timeout', g.on_timeout,
-                          'escalate_to', g.escalate_to)
+SELECT jsonb_build_object('name', name, 'kind', kind, 'conditions', conditions,
+                          'timeout_seconds', timeout_seconds, 'on_timeout', on_timeout,
+                          'escalate_to', escalate_to)
 $$;
 
 -- What the step chain covers of a step's intents (outbox_step_link): each new
@@ -1866,6 +1851,24 @@ CREATE OR REPLACE FUNCTION outbox_intents_chain(parts jsonb) RETURNS text
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 SELECT coalesce(string_agg(p->>2, '' ORDER BY (p->>0)::integer, p->>1), '')
   FROM jsonb_array_elements(parts) AS p
+$$;
+
+-- A recorded step never changes: its result is what a replay returns, and the
+-- run's hash chain covers it. Its hash may be relinked (a fork does), which only
+-- verify can judge. The UPDATE trigger costs the step write (an INSERT) nothing.
+-- The table's owner (and a superuser) is not refused, as row-level security
+-- does not bind it: a hand edit by whoever owns the schema is for `outbox audit
+-- verify` to find; an agent login can no longer make one.
+CREATE OR REPLACE FUNCTION outbox_steps_refuse_rewrite() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF pg_has_role((SELECT c.relowner FROM pg_catalog.pg_class AS c WHERE c.oid = TG_RELID),
+                   'USAGE') THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION 'step % of run % is recorded: it never changes', OLD.step_id, OLD.run_id
+        USING ERRCODE = 'integrity_constraint_violation';
+END
 $$;
 
 -- Intend the compensations of a stopping run's succeeded effects (originals),
@@ -1904,6 +1907,100 @@ BEGIN
         PERFORM pg_notify('outbox_effects', '');
     END IF;
     RETURN inserted;
+END
+$$;
+
+-- JSON field readers that never raise: the value when it has the type, else NULL.
+CREATE OR REPLACE FUNCTION outbox_json_str(value jsonb) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN jsonb_typeof(value) = 'string' THEN value #>> '{}' END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_num(value jsonb) RETURNS numeric
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN jsonb_typeof(value) = 'number' THEN value::numeric END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_int(value jsonb) RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN jsonb_typeof(value) = 'number' AND value::numeric = trunc(value::numeric)
+             AND value::numeric BETWEEN -2147483648 AND 2147483647
+            THEN value::numeric::integer END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_uuid(value jsonb) RETURNS uuid
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN jsonb_typeof(value) = 'string'
+             AND value #>> '{}' ~* '^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$'
+            THEN (value #>> '{}')::uuid END
+$$;
+
+-- Screens of outbox_intent_rows (absent and JSON null pass: the field is optional).
+CREATE OR REPLACE FUNCTION outbox_json_is_text(value jsonb, max_length integer,
+                                               may_be_empty boolean DEFAULT false) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
+            WHEN jsonb_typeof(value) <> 'string' THEN false
+            ELSE char_length(value #>> '{}') BETWEEN CASE WHEN may_be_empty THEN 0 ELSE 1 END
+                                                 AND max_length
+                 AND (value #>> '{}') !~ (outbox_intent_rules()->>'control_characters') END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_is_number(value jsonb, low numeric, high numeric)
+    RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
+            WHEN jsonb_typeof(value) <> 'number' THEN false
+            ELSE value::numeric BETWEEN low AND high END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_is_int(value jsonb, low numeric, high numeric)
+    RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN value IS NULL OR value = 'null' THEN true
+            WHEN jsonb_typeof(value) <> 'number' THEN false
+            ELSE value::numeric BETWEEN low AND high AND value::numeric = trunc(value::numeric) END
+$$;
+
+-- Field readers of outbox_check_intents: the value (NULL when absent or JSON
+-- null), or OB001 naming the field when it has the wrong type.
+CREATE OR REPLACE FUNCTION outbox_json_field_text(item jsonb, name text, field text) RETURNS text
+    LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF item->name IS NULL OR item->name = 'null' THEN
+        RETURN NULL;
+    END IF;
+    IF jsonb_typeof(item->name) <> 'string' THEN
+        PERFORM outbox_refuse('OB001', field || name, (item->name)::text, 'must be text');
+    END IF;
+    RETURN item->>name;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_field_number(item jsonb, name text, field text)
+    RETURNS numeric
+    LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF item->name IS NULL OR item->name = 'null' THEN
+        RETURN NULL;
+    END IF;
+    IF jsonb_typeof(item->name) <> 'number' THEN
+        PERFORM outbox_refuse('OB001', field || name, (item->name)::text, 'must be a number');
+    END IF;
+    RETURN (item->name)::numeric;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_json_field_int(item jsonb, name text, field text)
+    RETURNS numeric
+    LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    value numeric := outbox_json_field_number(item, name, field);
+BEGIN
+    IF value <> trunc(value) THEN
+        PERFORM outbox_refuse('OB001', field || name, value::text, 'must be a whole number');
+    END IF;
+    RETURN value;
 END
 $$;
 
@@ -1981,95 +2078,6 @@ SELECT r.id, r.agent, r.agent_version, r.status, outbox_resolve(r.inputs, r.shar
        r.reserved, r.created_at, r.updated_at
   FROM outbox_runs AS r
  WHERE r.id = outbox_run_status.run_id AND r.shard = outbox_shard_of(outbox_run_status.run_id)
-$$;
-
--- Statuses in which a run takes steps and intents (models.ACTIVE_RUN_STATUSES):
--- the live ones but paused (a paused run still takes signals).
--- (A constant, not read from outbox_intent_rules(): it is inlined into every step.)
-CREATE OR REPLACE FUNCTION outbox_active_run_statuses() RETURNS text[]
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT '{runnable,running,waiting}'::text[]
-$$;
-
--- Statuses in which a run accepts steps, signals and intents (models.LIVE_RUN_STATUSES).
-CREATE OR REPLACE FUNCTION outbox_live_run_statuses() RETURNS text[]
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT '{runnable,running,waiting,paused}'::text[]
-$$;
-
--- What the database itself sets for outbox.<name> (ALTER DATABASE ... SET), if
--- anything: unlike current_setting, nothing a session does changes it.
-CREATE OR REPLACE FUNCTION outbox_database_setting(name text) RETURNS text
-    LANGUAGE sql STABLE PARALLEL SAFE AS $$
-SELECT nullif(substr(c, length(name) + 9), '')
-  FROM pg_catalog.pg_db_role_setting AS s, unnest(s.setconfig) AS c
- WHERE s.setdatabase = (SELECT d.oid FROM pg_catalog.pg_database AS d
-                         WHERE d.datname = current_database())
-   AND s.setrole = 0 AND c LIKE 'outbox.' || name || '=%'
-$$;
-
--- A numeric limit (max_payload_bytes, max_step_intents, ...): outbox_setting's
--- value. The caps (all but blob_threshold_bytes, which only chooses where a value
--- is stored) a session can only lower: above the database's own value, or the
--- rule when the database sets none, the ceiling holds. The ceiling is read only
--- when the session asks for more than the rule, so a client on the defaults (or
--- stricter) pays nothing for it; a database that lowers a cap below the rule
--- binds sessions that do not set their own (SQL API callers), as before.
---
--- One expression, no FROM: the planner inlines it where it is called (a step asks
--- for seven limits; a call each costs about 12 us, the inlined form a fraction).
-CREATE OR REPLACE FUNCTION outbox_limit(name text) RETURNS bigint
-    LANGUAGE sql STABLE PARALLEL SAFE AS $$
-SELECT CASE WHEN name = 'blob_threshold_bytes'
-              OR outbox_setting(name)::bigint <= (outbox_intent_rules()->>name)::bigint
-            THEN outbox_setting(name)::bigint
-            ELSE least(outbox_setting(name)::bigint,
-                       coalesce(outbox_database_setting(name)::bigint,
-                                (outbox_intent_rules()->>name)::bigint)) END
-$$;
-
--- Who may let go of what an operator holds: approve an effect held for
--- approval, resume a paused run. Everyone, until `outbox roles` revokes EXECUTE
--- from PUBLIC and grants it to the operator role: then an agent or deliverer
--- login that writes the status by hand is refused (outbox_effects_hold_paused,
--- outbox_runs_refuse_resume).
-CREATE OR REPLACE FUNCTION outbox_may_release() RETURNS boolean
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT true
-$$;
-
--- Refuses to resume a paused run (make it live again, or drop a pause asked of
--- a running one) in a session without EXECUTE on outbox_may_release: an agent
--- login cannot un-pause what an operator paused. The WHEN clause keeps it off
--- every other update.
-CREATE OR REPLACE FUNCTION outbox_runs_refuse_resume() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-BEGIN
-    IF NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
-        RAISE EXCEPTION 'permission denied: run % was paused by an operator; only a resume '
-            'lets it go (a role with EXECUTE on outbox_may_release())', OLD.id
-            USING ERRCODE = 'insufficient_privilege';
-    END IF;
-    RETURN NEW;
-END
-$$;
-
--- A recorded step never changes: its result is what a replay returns, and the
--- run's hash chain covers it. Its hash may be relinked (a fork does), which only
--- verify can judge. The UPDATE trigger costs the step write (an INSERT) nothing.
--- The table's owner (and a superuser) is not refused, as row-level security
--- does not bind it: a hand edit by whoever owns the schema is for `outbox audit
--- verify` to find; an agent login can no longer make one.
-CREATE OR REPLACE FUNCTION outbox_steps_refuse_rewrite() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-BEGIN
-    IF pg_has_role((SELECT c.relowner FROM pg_catalog.pg_class AS c WHERE c.oid = TG_RELID),
-                   'USAGE') THEN
-        RETURN NEW;
-    END IF;
-    RAISE EXCEPTION 'step % of run % is recorded: it never changes', OLD.step_id, OLD.run_id
-        USING ERRCODE = 'integrity_constraint_violation';
-END
 $$;
 
 -- Send signal name with a JSON payload to a live run; a run waiting for it
