@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 import psycopg
-import sqlalchemy.exc
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -29,7 +28,7 @@ from outbox.storage import blob_store
 from outbox.storage.attempts import Batched, ClaimedEffect, Completion, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
 from outbox.storage.direct import DirectConnections, prepared
-from outbox.storage.engine import libpq_dsn, node_unreachable, translate_errors
+from outbox.storage.engine import libpq_dsn, translate_errors
 from outbox.storage.notify import listen
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
@@ -149,19 +148,15 @@ class AsyncStore:
                 if taken >= limit:
                     break
                 self._shards.took(str(partition), shard)
-                try:
-                    # alone in autocommit, else a savepoint: one shard's failure is its own
-                    idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+                found: list[ClaimedEffect] = []
+                # alone in autocommit, else a savepoint: one shard's failure is its own
+                idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+                with self._shards.answering(shard):
                     async with contextlib.nullcontext() if idle else conn.transaction():
                         on_shard = {**partition, "shard": shard}
                         found = await self._claim_partition(
                             conn, spec, on_shard, limit - taken, owner, lease_seconds, rate
                         )
-                except psycopg.Error as exc:
-                    if not node_unreachable(exc):
-                        raise
-                    self._shards.rest(shard, exc)
-                    continue
                 taken += len(found)
                 rows += found
         for row in rows:
@@ -267,14 +262,10 @@ class AsyncStore:
                 for shard, part in by_shard.items():
                     params = queue.extend_params(part, owner=owner, lease_seconds=lease_seconds)
                     statement = queue.extend_leases(spec if shard < 0 else sharded)
-                    try:
+                    with self._shards.answering(shard):
                         async with conn.begin_nested():
                             result = await conn.execute(statement, {**params, "part_shard": shard})
                             kept |= {row[0] for row in result}
-                    except sqlalchemy.exc.DBAPIError as exc:
-                        if shard < 0 or not node_unreachable(exc.orig):
-                            raise
-                        self._shards.rest(shard, exc.orig)
         return kept
 
     async def complete(self, owner: str, done: Sequence[Completion]) -> list[tuple[UUID, str]]:
@@ -350,7 +341,7 @@ class AsyncStore:
                 # on Citus a statement per shard, each routed to the node holding it
                 for shard in self._shards.live() if sharded else [None]:
                     on = {} if shard is None else {"on_shard": shard}
-                    try:
+                    with self._shards.answering(shard):
                         async with conn.begin_nested():  # a savepoint per shard
                             if redispatch_as is not None:
                                 params = {"worker": redispatch_as, "max_rows": max_rows, **on}
@@ -362,10 +353,6 @@ class AsyncStore:
                             if want["max_rows"] > 0:
                                 rows = await conn.execute(effect_sql.expired_effects(sharded), want)
                                 found += _claimed(rows)
-                    except sqlalchemy.exc.DBAPIError as exc:
-                        if shard is None or not node_unreachable(exc.orig):
-                            raise
-                        self._shards.rest(shard, exc.orig)
         return redispatched, found
 
     async def _held_shards(self, conn: psycopg.AsyncConnection[Any]) -> dict[UUID, int] | None:

@@ -8,19 +8,22 @@ of outcomes is written a statement per shard, each routed to the node holding it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 from uuid import UUID
 
 import psycopg
+import sqlalchemy.exc
 
 from outbox.faults import crash_point
 from outbox.shards import SHARDS, shard_of
 from outbox.storage.attempts import Completion
 from outbox.storage.direct import prepared
+from outbox.storage.engine import node_unreachable
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql.common import RUNS_CHANNEL
 
@@ -69,6 +72,21 @@ class ShardTurns:
                 SHARD_REST_SECONDS,
             )
         self._resting[shard] = time.monotonic() + SHARD_REST_SECONDS
+
+    @contextlib.contextmanager
+    def answering(self, shard: int | None) -> Iterator[None]:
+        """Around a statement on ``shard``: if its node does not answer, rest it and go on.
+
+        Put it outside the statement's savepoint, so the savepoint is rolled back
+        first. ``None`` or a negative shard (one server's rows) lets every error through.
+        """
+        try:
+            yield
+        except (psycopg.Error, sqlalchemy.exc.DBAPIError) as exc:
+            cause = exc.orig if isinstance(exc, sqlalchemy.exc.DBAPIError) else exc
+            if shard is None or shard < 0 or not node_unreachable(cause):
+                raise
+            self.rest(shard, cause)
 
 
 async def complete_on(
