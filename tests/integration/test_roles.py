@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import DatabaseError, EffectTimeout, Outbox, Run, RunStatus
 from outbox.cli import cli
-from outbox.storage.engine import libpq_dsn
+from outbox.storage.engine import libpq_dsn, translate_errors
 from outbox.storage.roles import ROLES
 from tests.support import WorkerThread, wait_for
 
@@ -382,13 +382,14 @@ def test_a_role_cannot_use_its_column_grants_to_leave_its_lane(
     held_id = run.transaction("pay", lambda tx: str(tx.intend("k.pay", {"n": 99}).id))
     agent, deliverer = logins["agent"], logins["deliverer"]
 
-    # agent: a recorded step's result cannot be rewritten (nor its hash with it)
+    # agent: a recorded step's result cannot be rewritten (nor its hash with it): the
+    # agent holds no UPDATE on outbox_steps (a role granted one meets the trigger)
     refused_as(
         agent,
         "UPDATE outbox_steps SET result = '\"forged\"', hash = '\\x00'"
         " WHERE run_id = %(run)s AND step_id = 'pay'",
         {"run": run.id},
-        "is recorded: it never changes",
+        "permission denied",
     )
     # agent: a run an operator paused stays paused
     ob.pause(run.id, "audit")
@@ -431,3 +432,110 @@ def test_a_role_cannot_use_its_column_grants_to_leave_its_lane(
     with psycopg.connect(libpq_dsn(agent)) as conn:
         conn.execute("SET outbox.max_step_id_length = '100000'")
         assert conn.execute("SELECT outbox_limit('max_step_id_length')").fetchone() == (300,)
+
+
+def test_a_signal_is_consumed_only_by_a_wait_of_the_run_it_was_sent_to(
+    ob: Outbox, logins: dict[str, str]
+) -> None:
+    from outbox import SignalTimeout, ValidationError
+
+    mine, theirs = ob.start_run("billing", "1"), ob.start_run("billing", "1")
+    ob.signal(theirs.id, "approve", {"by": "ops"})
+    agent = logins["agent"]
+    # no plain UPDATE marks it consumed (the run would never see it) ...
+    for sql in (
+        "UPDATE outbox_signals SET consumed_at = now() WHERE run_id = %(run)s",
+        "UPDATE outbox_signals SET consumed_by = 'w' WHERE run_id = %(run)s",
+    ):
+        refused_as(agent, sql, {"run": theirs.id}, "permission denied")
+    # ... nor an INSERT of one already consumed
+    refused_as(
+        agent,
+        "INSERT INTO outbox_signals (id, run_id, shard, name, dedup_key, consumed_at)"
+        " VALUES (gen_random_uuid(), %(run)s, outbox_shard_of(%(run)s), 'approve', 'x', now())",
+        {"run": theirs.id},
+        "permission denied",
+    )
+    # the function takes a run's signal only for a wait of that run for it, which
+    # records it: not for another run's wait, not without a wait
+    with Outbox.connect(agent) as agent_ob, pytest.raises(SignalTimeout):
+        agent_ob.run(mine.id).wait_signal("w", name="approve", timeout=0)
+    for run_id in (mine.id, theirs.id):
+        with psycopg.connect(libpq_dsn(agent)) as conn, pytest.raises(psycopg.Error) as caught:
+            conn.execute(
+                "SELECT * FROM outbox_take_signal(%(run)s, 'w', 'approve')", {"run": run_id}
+            )
+        assert caught.value.sqlstate in ("OB001", "OB006"), caught.value
+    with Outbox.connect(agent) as agent_ob:
+        with (
+            pytest.raises(ValidationError, match="is not a wait of run"),
+            agent_ob.engine.begin() as conn,
+            translate_errors("taking a signal"),
+        ):
+            conn.execute(
+                text("SELECT * FROM outbox_take_signal(:run, 'w', 'approve')"),
+                {"run": theirs.id},
+            )
+        # the run it was sent to gets it, recorded by its wait step (chained)
+        theirs_h = agent_ob.run(theirs.id)
+        assert theirs_h.wait_signal("w", name="approve") == {"by": "ops"}
+    row = ob.engine.connect().execute(
+        text("SELECT consumed_by FROM outbox_signals WHERE run_id = :run"), {"run": theirs.id}
+    )
+    assert row.scalar_one() == "w"
+    assert ob.verify_run(theirs.id) == [] and ob.verify_run(mine.id) == []
+
+
+def test_the_hash_chain_is_written_only_by_the_step_writers(
+    ob: Outbox, logins: dict[str, str]
+) -> None:
+    agent = logins["agent"]
+    with Outbox.connect(agent) as agent_ob:
+        run = agent_ob.start_run("billing", "1")
+        run.transaction("a", lambda tx: {"n": 1})
+        run.sleep("nap", 0)
+        run.transaction("b", lambda tx: {"n": 2})
+        fork = agent_ob.fork(run.id, "b")
+        fork.transaction("b", lambda tx: {"n": 3})
+    assert ob.verify_run(run.id) == [] and ob.verify_run(fork.id) == []
+    head = ob.engine.connect().execute(
+        text("SELECT step_head FROM outbox_runs WHERE id = :run"), {"run": run.id}
+    )
+    before = head.scalar_one()
+    # the agent recomputing a head with the public hash function: refused
+    forged_head = (
+        "UPDATE outbox_runs SET step_head = outbox_step_link(step_head, id, 'c', 'transaction',"
+        " '\"forged\"', NULL, NULL, NULL, now(), '') WHERE id = %(run)s"
+    )
+    for sql in (
+        forged_head,
+        "UPDATE outbox_steps SET hash = '\\x00' WHERE run_id = %(run)s",
+        # a step of its own making, linked by hand, in the middle of the history
+        "INSERT INTO outbox_steps (run_id, shard, seq, step_id, kind, result, hash)"
+        " VALUES (%(run)s, outbox_shard_of(%(run)s), 0, 'forged', 'transaction', '1', '\\x00')",
+        "INSERT INTO outbox_runs (id, shard, agent, agent_version, inputs_hash, step_head)"
+        " SELECT gen_random_uuid(), 0, 'x', '1', 'h', '\\x00' WHERE false",
+    ):
+        refused_as(agent, sql, {"run": run.id}, "permission denied")
+    # relinking a chained run through the fork's writer changes nothing
+    with psycopg.connect(libpq_dsn(agent)) as conn:
+        conn.execute("SELECT outbox_chain_fork(%(run)s, %(run)s)", {"run": run.id})
+        conn.commit()
+    after = ob.engine.connect().execute(
+        text("SELECT step_head FROM outbox_runs WHERE id = :run"), {"run": run.id}
+    )
+    assert after.scalar_one() == before and ob.verify_run(run.id) == []
+    # the writers run as the tables' owner: only a login that may record steps calls them
+    for role in ("deliverer", "operator", "reader"):
+        refused_as(
+            logins[role],
+            "SELECT * FROM outbox_commit_step(%(run)s, 'c', '1')",
+            {"run": run.id},
+            "permission denied",
+        )
+        refused_as(
+            logins[role],
+            "SELECT * FROM outbox_complete_wait(%(run)s, 'nap')",
+            {"run": run.id},
+            "permission denied",
+        )
