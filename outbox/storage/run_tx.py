@@ -150,7 +150,7 @@ class RunTx:
         row = self._run(
             run_sql.consume_signal(), {"w_run": run_id, "w_step": step_id, "s_name": name}
         ).one()
-        if not row.found:
+        if not row.taken:
             return None
         return TakenSignal(payload=row.payload, seq=row.step_seq, completed_at=row.completed_at)
 

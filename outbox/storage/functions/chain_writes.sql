@@ -59,14 +59,14 @@ $$;
 -- p_name: the signal is marked consumed by that step and the step completes with
 -- its payload (as stored: a large one by reference), in one call. So a signal is
 -- consumed only by a wait of the run it was sent to that records it; no login can
--- mark one consumed without the run getting it. found is false (and nothing
+-- mark one consumed without the run getting it. taken is false (and nothing
 -- changes) when no such signal is there. Refused (OB001): a step that is not
 -- this run's wait for p_name; a step recorded before (OB006).
 CREATE OR REPLACE FUNCTION outbox_take_signal(
     p_run_id uuid,
     p_step_id text,
     p_name text,
-    OUT found boolean,
+    OUT taken boolean,
     OUT payload jsonb,
     OUT step_seq bigint,
     OUT completed_at timestamptz
@@ -96,8 +96,9 @@ BEGIN
                       AND o.consumed_at IS NULL
                     ORDER BY o.created_at, o.id LIMIT 1 FOR UPDATE)
     RETURNING g.payload INTO payload;
-    found := FOUND;
-    IF found THEN
+    -- (not named found: PL/pgSQL's FOUND is the same name, whatever the case)
+    taken := FOUND;
+    IF taken THEN
         SELECT w.step_seq, w.completed_at INTO step_seq, completed_at
           FROM outbox_complete_wait(p_run_id, p_step_id, payload, NULL) AS w;
     END IF;

@@ -171,10 +171,10 @@ def consume_signal() -> Any:
 
     ``outbox_take_signal`` (SECURITY DEFINER): only a waiting step of the run the
     signal was sent to consumes it, and records its payload in the same call.
-    Returns ``found, payload, step_seq, completed_at``.
+    Returns ``taken, payload, step_seq, completed_at``.
     """
     return text(
-        "SELECT found, payload, step_seq, completed_at FROM outbox_take_signal("
+        "SELECT taken, payload, step_seq, completed_at FROM outbox_take_signal("
         "CAST(:w_run AS uuid), CAST(:w_step AS text), CAST(:s_name AS text))"
     )
 
