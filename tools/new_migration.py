@@ -34,7 +34,7 @@ from sqlalchemy.engine import make_url
 
 from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
-from outbox.storage.functions import definitions
+from outbox.storage.functions import LOAD_SETTINGS, definitions
 from outbox.storage.migrate import Migration, migrate, shipped
 from outbox.storage.schema import metadata
 
@@ -116,8 +116,11 @@ def changes(admin_dsn: str, replacing: Migration | None = None) -> tuple[list[st
             conn.execute(f"CREATE DATABASE {name}")
     try:
         old, new = (
-            _catalog(url.set(database=n).render_as_string(hide_password=False), fresh=f,
-                     replacing=replacing)
+            _catalog(
+                url.set(database=n).render_as_string(hide_password=False),
+                fresh=f,
+                replacing=replacing,
+            )
             for n, f in zip(names, (False, True), strict=True)
         )
     finally:
@@ -169,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     head = (
         f"{GENERATED}\n"
         "-- a frozen copy once released: change the function files, never this part.\n\n"
-        "-- Bodies refer to each other in any order (as pg_dump's do).\n"
-        "SET LOCAL check_function_bodies = off;\n\n"
+        "-- Bodies refer to each other in any order (as pg_dump's do); the search path the\n"
+        "-- SECURITY DEFINER functions keep (outbox.storage.functions.LOAD_SETTINGS).\n"
+        f"{LOAD_SETTINGS}\n"
     )
     path.write_text(hand + head + "\n\n".join([*drops, *creates]) + "\n")
     print(f"wrote {path} ({len(drops)} drop(s), {len(creates)} definition(s))")

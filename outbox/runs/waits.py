@@ -151,11 +151,20 @@ def check_wait(
             return _complete(tx, run_id, step_id, spec.kind)
     elif spec.kind == "signal":
         assert spec.signal is not None
-        found, payload = tx.consume_signal(run_id, step_id, spec.signal)
-        if found:
-            # the step records the payload as stored (a large one by reference)
-            completed = _complete(tx, run_id, step_id, spec.kind, result=payload)
-            return completed.model_copy(update={"result": tx.resolved(payload)})
+        # the signal is consumed and the step completed with its payload in one call
+        # (outbox_take_signal): no signal is ever marked consumed without a run getting it
+        taken = tx.take_signal(run_id, step_id, spec.signal)
+        if taken is not None:
+            return StepRecord(
+                run_id=run_id,
+                step_id=step_id,
+                seq=taken.seq,
+                kind=spec.kind,
+                # the step records the payload as stored (a large one by reference)
+                result=tx.resolved(taken.payload),
+                error=None,
+                completed_at=taken.completed_at,
+            )
         if step.due:
             error = {"type": "SignalTimeout", "signal": spec.signal}
             return _complete(tx, run_id, step_id, spec.kind, error=error)

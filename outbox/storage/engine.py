@@ -37,6 +37,7 @@ from outbox.errors import (
     RunStateError,
     RunTerminal,
     StepAlreadyRecorded,
+    StoredValueAltered,
     ValidationError,
 )
 from outbox.settings import Settings
@@ -196,6 +197,8 @@ def sql_api_error(sqlstate: str | None, message: str, detail: str | None) -> Out
             return RunExists(fields["key"], _uuid(fields["run_id"]))
         case "OB011":
             return LeaseLost(message)
+        case "OB012":
+            return StoredValueAltered(fields["sha256"])
     return DatabaseError(message, sqlstate=sqlstate)
 
 

@@ -20,11 +20,16 @@ Four group roles (``NOLOGIN``); give each login one of them
   values included).
 - ``outbox_reader``: reads every table.
 
-Column privileges restrict updates; triggers refuse the transitions a column
-grant would otherwise allow: a recorded step never changes (an agent cannot
-rewrite a result), and only a session with EXECUTE on ``outbox_may_release()``
-(the operator's) moves an effect held for approval to ``pending`` or a paused
-run back to live (a deliverer cannot approve, an agent cannot un-pause). A
+Column privileges restrict inserts and updates; triggers refuse the transitions
+a column grant would otherwise allow: a recorded step never changes (an agent
+cannot rewrite a result), and only a session with EXECUTE on
+``outbox_may_release()`` (the operator's) moves an effect held for approval to
+``pending`` or a paused run back to live (a deliverer cannot approve, an agent
+cannot un-pause). The hash chain's columns (``outbox_runs.step_head``,
+``outbox_steps.hash``) and a signal's consumption are granted to no role: the
+``SECURITY DEFINER`` step writers (``STEP_WRITERS``, EXECUTE for the agent
+only) compute them from what is recorded, and a signal is consumed only by a
+wait of the run it was sent to, which records its payload. A
 row-level security policy on
 ``outbox_effects`` restricts inserts (the table owner, which runs migrations,
 is not subject to it). The policy calls ``outbox_is_declared_compensation``, a
@@ -45,7 +50,7 @@ from outbox.storage.engine import translate_errors
 from outbox.storage.schema import metadata
 from outbox.storage.sql.common import sql_in
 
-__all__ = ["ROLES", "RoleSpec", "apply_roles", "grants_markdown", "role_script"]
+__all__ = ["ROLES", "STEP_WRITERS", "RoleSpec", "apply_roles", "grants_markdown", "role_script"]
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 
@@ -101,7 +106,6 @@ _RUN_AGENT = (
     "wait_effect",
     "step_retries",
     "upgrades",
-    "step_head",
 )
 # Columns of outbox_effects an approval decision, a deadline or an escalation change.
 _EFFECT_APPROVAL = ("approval", "approval_deadline")
@@ -122,6 +126,25 @@ def _update(columns: tuple[str, ...]) -> str:
     return f"UPDATE ({', '.join(columns)})"
 
 
+def _insert_except(table: str, *excluded: str) -> str:
+    """INSERT on every column of ``table`` but ``excluded`` (a new column is granted too)."""
+    columns = [c.name for c in metadata.tables[table].columns]
+    assert set(excluded) <= set(columns), (table, excluded)
+    return f"INSERT ({', '.join(c for c in columns if c not in excluded)})"
+
+
+# The hash chain's columns: written only by the SECURITY DEFINER step writers
+# (outbox_write_step, outbox_complete_wait, outbox_take_signal, outbox_chain_fork),
+# never granted. Their argument lists, for the EXECUTE grant.
+STEP_WRITERS = (
+    "outbox_write_step(smallint, uuid, text, jsonb, jsonb, jsonb, jsonb, text, jsonb, text,"
+    " integer, boolean)",
+    "outbox_complete_wait(uuid, text, jsonb, jsonb)",
+    "outbox_take_signal(uuid, text, text)",
+    "outbox_chain_fork(uuid, uuid)",
+)
+
+
 _READ_ALL = {t: ("SELECT",) for t in metadata.tables}
 
 ROLES: tuple[RoleSpec, ...] = (
@@ -130,14 +153,19 @@ ROLES: tuple[RoleSpec, ...] = (
         "start runs, commit steps and intents, send and consume signals; no completion",
         {
             **_READ_ALL,
-            "outbox_runs": ("SELECT", "INSERT", _update(_RUN_AGENT)),
-            "outbox_steps": (
+            # the chain's head and links and a signal's consumption are written by
+            # the step writers only (STEP_WRITERS): not granted
+            "outbox_runs": (
                 "SELECT",
-                "INSERT",
-                _update(("status", "result", "error", "completed_at", "hash")),
+                _insert_except("outbox_runs", "step_head"),
+                _update(_RUN_AGENT),
             ),
+            "outbox_steps": ("SELECT", _insert_except("outbox_steps", "hash")),
             "outbox_effects": ("SELECT", "INSERT", _update(("awaited_by",))),
-            "outbox_signals": ("SELECT", "INSERT", _update(("consumed_by", "consumed_at"))),
+            "outbox_signals": (
+                "SELECT",
+                _insert_except("outbox_signals", "consumed_by", "consumed_at"),
+            ),
             "outbox_budget_ledger": ("SELECT", "INSERT"),
             # outbox serve remembers signed requests; a Kafka DedupConsumer marks keys
             "outbox_webhook_replays": ("SELECT", "INSERT", "DELETE"),
@@ -263,13 +291,19 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
     release = f"{schema}.outbox_may_release()"
     out.append(f"REVOKE ALL ON FUNCTION {release} FROM PUBLIC, {every}")
     out.append(f"GRANT EXECUTE ON FUNCTION {release} TO {names['operator']}")
+    # The step writers run as the tables' owner: the agent's, no one else's.
+    writers = ", ".join(f"{schema}.{w}" for w in STEP_WRITERS)
+    out.append(f"REVOKE ALL ON FUNCTION {writers} FROM PUBLIC, {every}")
+    out.append(f"GRANT EXECUTE ON FUNCTION {writers} TO {names['agent']}")
     # Who may insert into outbox_effects, and what.
     stopping = sql_in("r.status", STOPPING_RUN_STATUSES)
     out.append(
         f"CREATE OR REPLACE FUNCTION {fn}(original uuid, run uuid, comp_kind text, "
         "comp_payload jsonb)\n"
         "RETURNS boolean LANGUAGE sql STABLE SECURITY DEFINER\n"
-        f"SET search_path = pg_catalog, {schema} AS $$\n"
+        # pg_temp last: unnamed, it is searched first, and a caller's temporary
+        # outbox_effects would answer for the real one
+        f"SET search_path = pg_catalog, {schema}, pg_temp AS $$\n"
         "    SELECT EXISTS (\n"
         "        SELECT 1 FROM outbox_effects o JOIN outbox_runs r ON r.id = o.run_id\n"
         "         WHERE o.id = original AND o.run_id = run AND o.compensates IS NULL\n"
@@ -325,6 +359,15 @@ def apply_roles(engine: Engine, prefix: str = "outbox_", schema: str = "public")
     return [f"{prefix}{spec.suffix}" for spec in ROLES]
 
 
+def _shown(table: str, privilege: str) -> str:
+    """A privilege as the docs show it: an INSERT of all columns but a few names those few."""
+    if not privilege.startswith("INSERT ("):
+        return privilege
+    granted = {c.strip() for c in privilege[len("INSERT (") : -1].split(",")}
+    left_out = [c.name for c in metadata.tables[table].columns if c.name not in granted]
+    return f"INSERT (every column but {', '.join(left_out)})"
+
+
 def grants_markdown(prefix: str = "outbox_") -> str:
     """The grants as Markdown tables, one per role.
 
@@ -333,7 +376,7 @@ def grants_markdown(prefix: str = "outbox_") -> str:
     parts = []
     for spec in ROLES:
         rows = [
-            f"| `{table}` | {', '.join(privileges)} |"
+            f"| `{table}` | {', '.join(_shown(table, p) for p in privileges)} |"
             for table, privileges in spec.grants.items()
             if privileges != ("SELECT",)
         ]

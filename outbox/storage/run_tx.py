@@ -29,7 +29,7 @@ from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL, SIGNALS_CHANNEL, notify
 
-__all__ = ["LockedRun", "RunTx", "WaitRow"]
+__all__ = ["LockedRun", "RunTx", "TakenSignal", "WaitRow"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,15 @@ class WaitRow:
     completed_at: datetime
     due: bool
     seconds_left: float | None
+
+
+@dataclass(frozen=True)
+class TakenSignal:
+    """A signal a wait step consumed: its payload as stored, and the step as completed."""
+
+    payload: Any
+    seq: int
+    completed_at: datetime
 
 
 class RunTx:
@@ -130,14 +139,20 @@ class RunTx:
                 "wait_error": None if error is None else json.dumps(error),
             },
         ).one()
-        return row.seq, row.completed_at
+        return row.step_seq, row.completed_at
 
-    def consume_signal(self, run_id: uuid.UUID, step_id: str, name: str) -> tuple[bool, Any]:
-        """Take the oldest unconsumed signal ``name`` for this step: (found, payload)."""
+    def take_signal(self, run_id: uuid.UUID, step_id: str, name: str) -> TakenSignal | None:
+        """The wait step takes the oldest unconsumed signal ``name`` and completes with it.
+
+        None when no such signal is there (nothing changed). The payload is as
+        stored (a large one by reference).
+        """
         row = self._run(
             run_sql.consume_signal(), {"w_run": run_id, "w_step": step_id, "s_name": name}
-        ).first()
-        return (False, None) if row is None else (True, row[0])
+        ).one()
+        if not row.taken:
+            return None
+        return TakenSignal(payload=row.payload, seq=row.step_seq, completed_at=row.completed_at)
 
     def await_effect(self, run_id: uuid.UUID, effect_id: uuid.UUID) -> Any:
         """Mark the effect awaited by the run and read (status, result, last_error), or None."""
@@ -354,6 +369,6 @@ class RunTx:
         self._run(control.fork_run(), params).one()
         self.connection.execute(notify(RUNS_CHANNEL))
         self._run(control.fork_steps(), params)
-        self._run(control.fork_chain(), params)
+        self._run(control.fork_chain(), {"original": original, "fork": fork})
         self._run(control.fork_ledger(), params)
         self._run(blob_sql.copy_refs(), {"from_owner": original, "to_owner": fork})

@@ -17,10 +17,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from sqlalchemy import text
 
 from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox, StoredValueAltered
 from outbox.cli.audit import OUTSIDE_RUNS
+from outbox.storage.engine import libpq_dsn, translate_errors
 from tests.integration.test_audit import V1_CHAIN, history, in_process_cli  # noqa: F401
 from tests.support import DaemonThread, wait_for
 
@@ -383,6 +385,28 @@ def test_a_blob_is_hashed_on_read(ob: Outbox, dsn: str) -> None:
     run_sql(dsn, f"UPDATE outbox_blobs SET data = '{{\"n\": 12}}' WHERE sha256 = '{digest}'")
     with pytest.raises(StoredValueAltered, match=f"sha256={digest}") as raised:
         ob.effect(effect.id)
+    assert raised.value.sha256 == digest
+
+
+def test_the_sql_api_hashes_a_blob_on_read_too(ob: Outbox, dsn: str) -> None:
+    run = ob.start_run("big", "1")
+    run.transaction("large", lambda tx: {"n": 13, **BIG})
+    digest = sha(json.dumps({"n": 13, **BIG}))
+    read = "SELECT result FROM outbox_step(%(run)s, 'large')"
+    with psycopg.connect(libpq_dsn(dsn)) as conn:
+        (intact,) = conn.execute(read, {"run": run.id}).fetchone() or (None,)
+    assert intact == {"n": 13, **BIG}
+    run_sql(dsn, f"UPDATE outbox_blobs SET data = '{{\"n\": 1}}' WHERE sha256 = '{digest}'")
+    with psycopg.connect(libpq_dsn(dsn)) as conn, pytest.raises(psycopg.Error) as caught:
+        conn.execute(read, {"run": run.id})
+    assert caught.value.sqlstate == "OB012" and f"sha256={digest}" in str(caught.value)
+    # a client of the SQL API gets the typed error naming the value
+    with (
+        pytest.raises(StoredValueAltered, match=f"sha256={digest}") as raised,
+        translate_errors("reading a step"),
+        ob.engine.connect() as conn,
+    ):
+        conn.execute(text("SELECT result FROM outbox_step(:run, 'large')"), {"run": run.id})
     assert raised.value.sha256 == digest
 
 

@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import DatabaseError, EffectTimeout, Outbox, Run, RunStatus
 from outbox.cli import cli
-from outbox.storage.engine import libpq_dsn
+from outbox.storage.engine import libpq_dsn, translate_errors
 from outbox.storage.roles import ROLES
 from tests.support import WorkerThread, wait_for
 
@@ -382,13 +382,14 @@ def test_a_role_cannot_use_its_column_grants_to_leave_its_lane(
     held_id = run.transaction("pay", lambda tx: str(tx.intend("k.pay", {"n": 99}).id))
     agent, deliverer = logins["agent"], logins["deliverer"]
 
-    # agent: a recorded step's result cannot be rewritten (nor its hash with it)
+    # agent: a recorded step's result cannot be rewritten (nor its hash with it): the
+    # agent holds no UPDATE on outbox_steps (a role granted one meets the trigger)
     refused_as(
         agent,
         "UPDATE outbox_steps SET result = '\"forged\"', hash = '\\x00'"
         " WHERE run_id = %(run)s AND step_id = 'pay'",
         {"run": run.id},
-        "is recorded: it never changes",
+        "permission denied",
     )
     # agent: a run an operator paused stays paused
     ob.pause(run.id, "audit")
@@ -431,3 +432,356 @@ def test_a_role_cannot_use_its_column_grants_to_leave_its_lane(
     with psycopg.connect(libpq_dsn(agent)) as conn:
         conn.execute("SET outbox.max_step_id_length = '100000'")
         assert conn.execute("SELECT outbox_limit('max_step_id_length')").fetchone() == (300,)
+
+
+def test_a_signal_is_consumed_only_by_a_wait_of_the_run_it_was_sent_to(
+    ob: Outbox, logins: dict[str, str]
+) -> None:
+    from outbox import SignalTimeout, ValidationError
+
+    mine, theirs = ob.start_run("billing", "1"), ob.start_run("billing", "1")
+    ob.signal(theirs.id, "approve", {"by": "ops"})
+    agent = logins["agent"]
+    # no plain UPDATE marks it consumed (the run would never see it) ...
+    for sql in (
+        "UPDATE outbox_signals SET consumed_at = now() WHERE run_id = %(run)s",
+        "UPDATE outbox_signals SET consumed_by = 'w' WHERE run_id = %(run)s",
+    ):
+        refused_as(agent, sql, {"run": theirs.id}, "permission denied")
+    # ... nor an INSERT of one already consumed
+    refused_as(
+        agent,
+        "INSERT INTO outbox_signals (id, run_id, shard, name, dedup_key, consumed_at)"
+        " VALUES (gen_random_uuid(), %(run)s, outbox_shard_of(%(run)s), 'approve', 'x', now())",
+        {"run": theirs.id},
+        "permission denied",
+    )
+    # the function takes a run's signal only for a wait of that run for it, which
+    # records it: not for another run's wait, not without a wait
+    with Outbox.connect(agent) as agent_ob, pytest.raises(SignalTimeout):
+        agent_ob.run(mine.id).wait_signal("w", name="approve", timeout=0)
+    for run_id in (mine.id, theirs.id):
+        with psycopg.connect(libpq_dsn(agent)) as conn, pytest.raises(psycopg.Error) as caught:
+            conn.execute(
+                "SELECT * FROM outbox_take_signal(%(run)s, 'w', 'approve')", {"run": run_id}
+            )
+        assert caught.value.sqlstate in ("OB001", "OB006"), caught.value
+    with Outbox.connect(agent) as agent_ob:
+        with (
+            pytest.raises(ValidationError, match="is not a wait of run"),
+            agent_ob.engine.begin() as conn,
+            translate_errors("taking a signal"),
+        ):
+            conn.execute(
+                text("SELECT * FROM outbox_take_signal(:run, 'w', 'approve')"),
+                {"run": theirs.id},
+            )
+        # the run it was sent to gets it, recorded by its wait step (chained)
+        theirs_h = agent_ob.run(theirs.id)
+        assert theirs_h.wait_signal("w", name="approve") == {"by": "ops"}
+    row = ob.engine.connect().execute(
+        text("SELECT consumed_by FROM outbox_signals WHERE run_id = :run"), {"run": theirs.id}
+    )
+    assert row.scalar_one() == "w"
+    assert ob.verify_run(theirs.id) == [] and ob.verify_run(mine.id) == []
+
+
+def test_the_hash_chain_is_written_only_by_the_step_writers(
+    ob: Outbox, logins: dict[str, str]
+) -> None:
+    agent = logins["agent"]
+    with Outbox.connect(agent) as agent_ob:
+        run = agent_ob.start_run("billing", "1")
+        run.transaction("a", lambda tx: {"n": 1})
+        run.sleep("nap", 0)
+        run.transaction("b", lambda tx: {"n": 2})
+        fork = agent_ob.fork(run.id, "b")
+        fork.transaction("b", lambda tx: {"n": 3})
+    assert ob.verify_run(run.id) == [] and ob.verify_run(fork.id) == []
+    head = ob.engine.connect().execute(
+        text("SELECT step_head FROM outbox_runs WHERE id = :run"), {"run": run.id}
+    )
+    before = head.scalar_one()
+    # the agent recomputing a head with the public hash function: refused
+    forged_head = (
+        "UPDATE outbox_runs SET step_head = outbox_step_link(step_head, id, 'c', 'transaction',"
+        " '\"forged\"', NULL, NULL, NULL, now(), '') WHERE id = %(run)s"
+    )
+    for sql in (
+        forged_head,
+        "UPDATE outbox_steps SET hash = '\\x00' WHERE run_id = %(run)s",
+        # a step of its own making, linked by hand, in the middle of the history
+        "INSERT INTO outbox_steps (run_id, shard, seq, step_id, kind, result, hash)"
+        " VALUES (%(run)s, outbox_shard_of(%(run)s), 0, 'forged', 'transaction', '1', '\\x00')",
+        "INSERT INTO outbox_runs (id, shard, agent, agent_version, inputs_hash, step_head)"
+        " SELECT gen_random_uuid(), 0, 'x', '1', 'h', '\\x00' WHERE false",
+    ):
+        refused_as(agent, sql, {"run": run.id}, "permission denied")
+    # relinking a chained run through the fork's writer changes nothing
+    with psycopg.connect(libpq_dsn(agent)) as conn:
+        conn.execute("SELECT outbox_chain_fork(%(run)s, %(run)s)", {"run": run.id})
+        conn.commit()
+    after = ob.engine.connect().execute(
+        text("SELECT step_head FROM outbox_runs WHERE id = :run"), {"run": run.id}
+    )
+    assert after.scalar_one() == before and ob.verify_run(run.id) == []
+    # the writers run as the tables' owner: only a login that may record steps calls them
+    for role in ("deliverer", "operator", "reader"):
+        refused_as(
+            logins[role],
+            "SELECT * FROM outbox_commit_step(%(run)s, 'c', '1')",
+            {"run": run.id},
+            "permission denied",
+        )
+        refused_as(
+            logins[role],
+            "SELECT * FROM outbox_complete_wait(%(run)s, 'nap')",
+            {"run": run.id},
+            "permission denied",
+        )
+
+
+# Every UPDATE column grant a role holds, and what it does with it on the rows
+# seeded below (a paused run, an effect held for approval, and one row of each
+# other table): "allowed: why it is the role's job" or "refused: words of the
+# refusal". A grant added without an entry here fails the test below: decide
+# whether it is a legitimate transition, or guard it.
+ALLOWED_WORK = "allowed: a worker drives its run (leases, waits, results, costs)"
+DELIVERY = "allowed: delivery records an attempt's outcome"
+STOPPING = "allowed: moving a stopping run on (cancel, compensation, wake)"
+APPROVAL_DECISION = "allowed: an approval decision, a deadline or an escalation"
+UNPAUSE = "refused: paused by an operator"
+RELEASE = "refused: held for approval"
+COLUMN_GRANTS: dict[tuple[str, str], dict[str, str]] = {
+    ("agent", "outbox_runs"): {
+        **{
+            c: ALLOWED_WORK
+            for c in (
+                "agent_version",
+                "state",
+                "plan",
+                "current_step",
+                "step_count",
+                "result",
+                "error",
+                "spent",
+                "reserved",
+                "available_at",
+                "lease_owner",
+                "lease_expires_at",
+                "attempt",
+                "updated_at",
+                "wake_at",
+                "wait_signal",
+                "wait_effect",
+                "step_retries",
+                "upgrades",
+            )
+        },
+        "status": UNPAUSE,
+    },
+    ("agent", "outbox_effects"): {"awaited_by": "allowed: a run awaits an effect"},
+    ("agent", "outbox_blobs"): {"used_at": "allowed: a writer refreshes a value it uses"},
+    ("agent", "outbox_effect_keys"): {
+        c: "allowed: a caller's key registry (intent rows are checked against it)"
+        for c in ("effect_id", "run_id", "kind", "payload_hash")
+    },
+    ("deliverer", "outbox_runs"): {
+        **{
+            c: STOPPING
+            for c in (
+                "cancel_reason",
+                "available_at",
+                "lease_owner",
+                "lease_expires_at",
+                "wake_at",
+                "wait_signal",
+                "wait_effect",
+                "reserved",
+                "spent",
+                "updated_at",
+                "paused_at",
+                "pause_reason",
+            )
+        },
+        "status": UNPAUSE,
+    },
+    ("deliverer", "outbox_effects"): {
+        **{
+            c: DELIVERY
+            for c in (
+                "result",
+                "last_error",
+                "available_at",
+                "lease_owner",
+                "lease_expires_at",
+                "attempt",
+                "attempt_started_at",
+                "completed_at",
+                "updated_at",
+                "attempt_note",
+            )
+        },
+        **{c: APPROVAL_DECISION for c in ("approval", "approval_deadline")},
+        "status": RELEASE,
+    },
+    ("deliverer", "outbox_rate_limits"): {"tat": "allowed: a kind's shared rate"},
+    ("deliverer", "outbox_owners"): {"registered_at": "allowed: a daemon's registration"},
+    ("deliverer", "outbox_gates"): {
+        c: "allowed: `outbox deliver` stores the config's gates"
+        for c in (
+            "name",
+            "kind",
+            "conditions",
+            "timeout_seconds",
+            "on_timeout",
+            "escalate_to",
+            "updated_at",
+        )
+    },
+    ("operator", "outbox_runs"): {
+        **{
+            c: STOPPING
+            for c in (
+                "cancel_reason",
+                "available_at",
+                "lease_owner",
+                "lease_expires_at",
+                "wake_at",
+                "wait_signal",
+                "wait_effect",
+                "reserved",
+                "spent",
+                "updated_at",
+                "paused_at",
+                "pause_reason",
+            )
+        },
+        "status": "allowed: the operator resumes a paused run",
+    },
+    ("operator", "outbox_effects"): {
+        **{
+            c: "allowed: resolve, retry, reconcile"
+            for c in (
+                "result",
+                "last_error",
+                "available_at",
+                "lease_owner",
+                "lease_expires_at",
+                "attempt",
+                "attempt_started_at",
+                "completed_at",
+                "updated_at",
+                "max_attempts",
+            )
+        },
+        **{c: APPROVAL_DECISION for c in ("approval", "approval_deadline")},
+        "status": "allowed: the operator approves a held effect",
+    },
+    ("operator", "outbox_blobs"): {"used_at": "allowed: gc locks a value nothing uses"},
+    ("operator", "outbox_gates"): {
+        c: "allowed: the operator manages gates"
+        for c in (
+            "name",
+            "kind",
+            "conditions",
+            "timeout_seconds",
+            "on_timeout",
+            "escalate_to",
+            "updated_at",
+        )
+    },
+}
+# The row each table's tries change (:run is the paused run, :held the held effect).
+ROW_OF = {
+    "outbox_runs": "id = :run",
+    "outbox_effects": "id = :held",
+    "outbox_blobs": "true",
+    "outbox_effect_keys": "effect_id = :keyed",
+    "outbox_rate_limits": "true",
+    "outbox_owners": "true",
+    "outbox_gates": "true",
+}
+# A different value of each type (a status: the transition a guard is for).
+NEW_VALUE = {
+    ("outbox_runs", "status"): "'runnable'",
+    ("outbox_effects", "status"): "'pending'",
+    ("outbox_gates", "on_timeout"): "'cancel_run'",
+}
+BY_TYPE = {
+    "text": "{c} || '-forged'",
+    "jsonb": "'{{\"forged\": true}}'::jsonb",
+    "timestamp with time zone": "coalesce({c}, now()) + interval '1 day'",
+    "integer": "coalesce({c}, 0) + 1",
+    "bigint": "coalesce({c}, 0) + 1",
+    "smallint": "coalesce({c}, 0) + 1",
+    "numeric": "coalesce({c}, 0) + 1",
+    "double precision": "coalesce({c}, 0) + 1",
+    "uuid": "gen_random_uuid()",
+    "boolean": "NOT {c}",
+}
+
+
+def test_every_update_grant_of_every_role_is_a_legitimate_transition_or_refused(
+    dsn: str, ob: Outbox, logins: dict[str, str]
+) -> None:
+    from outbox.gates import Gate
+
+    ob.apply_gates(
+        [Gate(name="big", kind="k.pay", when=[{"pointer": "/n", "op": "gt", "value": 10}])]
+    )
+    run = ob.start_run("billing", "1")
+    held = run.transaction("pay", lambda tx: str(tx.intend("k.pay", {"n": 99}).id))
+    keyed = run.transaction(
+        "keyed", lambda tx: str(tx.intend("k.x", {"n": 1, "big": "x" * 40_000}, key="mine").id)
+    )
+    ob.pause(run.id, "audit")
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox_rate_limits (kind, tat) VALUES ('k.x', now())")
+        conn.execute("INSERT INTO outbox_owners (owner) VALUES ('d1')")
+        types = dict(
+            ((t, c), ty)
+            for t, c, ty in conn.execute(
+                "SELECT table_name, column_name, data_type FROM information_schema.columns"
+                " WHERE table_name LIKE 'outbox%%'"
+            )
+        )
+    params = {"run": run.id, "held": held, "keyed": keyed}
+    outcomes: dict[tuple[str, str], dict[str, str]] = {}
+    for spec in ROLES:
+        login = logins[spec.suffix]
+        with psycopg.connect(libpq_dsn(login)) as conn:
+            grants = conn.execute(
+                "SELECT table_name, column_name FROM information_schema.column_privileges"
+                " WHERE grantee = %(role)s AND privilege_type = 'UPDATE'"
+                " ORDER BY table_name, column_name",
+                {"role": f"outbox_{spec.suffix}"},
+            ).fetchall()
+            for table, column in grants:
+                value = NEW_VALUE.get((table, column)) or BY_TYPE[types[table, column]].format(
+                    c=column
+                )
+                where = ROW_OF[table].replace(":run", "%(run)s").replace(":held", "%(held)s")
+                where = where.replace(":keyed", "%(keyed)s")
+                try:
+                    # one transaction per try, rolled back: each starts from the seeded rows
+                    changed = conn.execute(
+                        f"UPDATE {table} SET {column} = {value} WHERE {where}", params
+                    ).rowcount
+                    outcome = "allowed" if changed else "no row"
+                except psycopg.Error as exc:
+                    outcome = f"refused: {exc.diag.message_primary}"
+                conn.rollback()
+                outcomes.setdefault((spec.suffix, table), {})[column] = outcome
+    # every grant has an entry, and each entry is still a grant
+    assert {k: set(v) for k, v in outcomes.items()} == {
+        k: set(v) for k, v in COLUMN_GRANTS.items()
+    }, outcomes
+    for key, columns in COLUMN_GRANTS.items():
+        for column, expected in columns.items():
+            got = outcomes[key][column]
+            if expected.startswith("allowed"):
+                assert got == "allowed", (key, column, got)
+            else:
+                words = expected.removeprefix("refused: ")
+                assert got.startswith("refused") and words in got, (key, column, got)

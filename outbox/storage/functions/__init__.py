@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-__all__ = ["Definition", "definitions", "function_files", "functions_ddl"]
+__all__ = ["LOAD_SETTINGS", "Definition", "definitions", "function_files", "functions_ddl"]
 
 _FUNCTION = re.compile(r"CREATE OR REPLACE FUNCTION (\w+)\(")
 _TRIGGER = re.compile(r"CREATE (?:CONSTRAINT )?TRIGGER (\w+)")
@@ -29,6 +29,18 @@ class Definition:
     name: str
     text: str
 
+
+#: What a script that (re)creates functions sets first (functions_ddl, and each
+#: migration tools/new_migration writes). Bodies refer to each other in any order
+#: (as pg_dump's do). The search path: the SECURITY DEFINER functions keep the one
+#: they were created with (``SET search_path FROM CURRENT``), so it names the
+#: outbox schema, then pg_catalog, then pg_temp explicitly, last: unnamed, pg_temp
+#: would be searched first, and a caller's temporary table could stand in for an
+#: outbox table inside a function that runs as the tables' owner.
+LOAD_SETTINGS = (
+    "SET LOCAL check_function_bodies = off;\n"
+    "SELECT set_config('search_path', format('%I, pg_catalog, pg_temp', current_schema()), true);\n"
+)
 
 #: Loaded before the others: the types their signatures name.
 TYPES_FILE = "types.sql"
@@ -48,7 +60,7 @@ def functions_ddl() -> str:
     Bodies are not checked against each other while it runs (as ``pg_dump`` does),
     so the files may come in any order.
     """
-    return "SET LOCAL check_function_bodies = off;\n" + "\n".join(function_files().values())
+    return LOAD_SETTINGS + "\n".join(function_files().values())
 
 
 def definitions() -> list[Definition]:

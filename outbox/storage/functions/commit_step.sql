@@ -2,6 +2,11 @@
 -- transaction: the one implementation of a step's checkpoint, for every client
 -- (the Python client calls it too; SQL callers call outbox_commit_step, below).
 --
+-- SECURITY DEFINER (it runs as the tables' owner, its search path pinned as in
+-- chain_writes.sql): it writes the run's chain head and the step's link, which
+-- `outbox roles` grants no login; only a session whose login may insert into
+-- outbox_steps may call it (outbox_raise_not_step_writer).
+--
 -- What it writes, all of it or none: the step's result; the run's new state and
 -- plan (NULL keeps them); its intents (intents: a JSON array of outbox_intend's
 -- arguments) and those outbox_intend wrote for this step earlier in the
@@ -44,7 +49,7 @@ CREATE OR REPLACE FUNCTION outbox_write_step(
     OUT paused boolean,
     OUT notify boolean
 )
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
     -- what outbox_intend and outbox_spend wrote for this step in this transaction
     tx_step jsonb;
@@ -61,6 +66,12 @@ DECLARE
     claimable boolean;
     v_now timestamptz := now();
 BEGIN
+    -- It runs as the tables' owner (the only writer of the chain's columns besides
+    -- chain_writes.sql): a login that could not record a step by hand cannot
+    -- through it either, whatever EXECUTE it was left.
+    IF NOT has_any_column_privilege(session_user, 'outbox_steps', 'INSERT') THEN
+        PERFORM outbox_raise_not_step_writer();
+    END IF;
     IF outbox_write_step.shard IS DISTINCT FROM outbox_shard_of(outbox_write_step.run_id) THEN
         PERFORM outbox_refuse('OB001', 'shard', outbox_write_step.shard::text,
             format('is not the shard of run_id %s (outbox_shard_of: %s)',

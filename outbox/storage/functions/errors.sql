@@ -85,3 +85,14 @@ BEGIN
     END IF;
 END
 $$;
+
+-- The step writers run as the tables' owner (SECURITY DEFINER): one refuses a
+-- session whose login could not record a step by hand (no INSERT on outbox_steps),
+-- as PostgreSQL would have refused its statements.
+CREATE OR REPLACE FUNCTION outbox_raise_not_step_writer() RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'permission denied: role % records no steps (it has no INSERT on outbox_steps)',
+        session_user USING ERRCODE = 'insufficient_privilege';
+END
+$$;

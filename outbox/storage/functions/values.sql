@@ -27,11 +27,14 @@ $$;
 
 -- A value as read from a row of shard (its owner's), with a reference replaced by
 -- the value it names. (Without a shard: any shard's copy, on one server.)
+-- The text read is hashed first, as outbox.storage.blob_store.fetch does: one that
+-- is not its sha256's (edited after it was written) is refused with OB012 naming
+-- it, never returned as a step's result, a run's state or a payload.
 CREATE OR REPLACE FUNCTION outbox_resolve(value jsonb, shard smallint DEFAULT NULL) RETURNS jsonb
     LANGUAGE plpgsql STABLE AS $$
 DECLARE
     sha text;
-    resolved jsonb;
+    stored text;
 BEGIN
     IF jsonb_typeof(value) IS DISTINCT FROM 'object' OR NOT value ? '__outbox_blob__'
        OR jsonb_typeof(value->'__outbox_blob__'->'sha256') IS DISTINCT FROM 'string'
@@ -40,14 +43,44 @@ BEGIN
     END IF;
     sha := value->'__outbox_blob__'->>'sha256';
     IF outbox_resolve.shard IS NULL THEN
-        SELECT b.data::jsonb INTO resolved FROM outbox_blobs AS b WHERE b.sha256 = sha LIMIT 1;
+        SELECT b.data INTO stored FROM outbox_blobs AS b WHERE b.sha256 = sha LIMIT 1;
     ELSE
-        SELECT b.data::jsonb INTO resolved FROM outbox_blobs AS b
+        SELECT b.data INTO stored FROM outbox_blobs AS b
          WHERE b.sha256 = sha AND b.shard = outbox_resolve.shard;
     END IF;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'stored value sha256=% is missing from outbox_blobs', sha;
     END IF;
-    RETURN resolved;
+    IF encode(sha256(convert_to(stored, 'UTF8')), 'hex') IS DISTINCT FROM sha THEN
+        PERFORM outbox_raise('OB012',
+            format('stored value sha256=%s does not match its text in outbox_blobs '
+                   '(altered after it was written): refused', sha),
+            jsonb_build_object('sha256', sha));
+    END IF;
+    RETURN stored::jsonb;
+END
+$$;
+
+-- outbox_resolve without the hash check, for `outbox audit verify` alone: the
+-- audit hashes every referenced blob itself and reports an altered one as a break
+-- naming it (outbox.chain), where a raised error would stop the whole report.
+-- Nothing else may read through it: what it returns is not vouched for.
+CREATE OR REPLACE FUNCTION outbox_resolve_unchecked(value jsonb) RETURNS jsonb
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    stored text;
+BEGIN
+    IF jsonb_typeof(value) IS DISTINCT FROM 'object' OR NOT value ? '__outbox_blob__'
+       OR jsonb_typeof(value->'__outbox_blob__'->'sha256') IS DISTINCT FROM 'string'
+       OR (SELECT count(*) FROM jsonb_object_keys(value)) <> 1 THEN
+        RETURN value;
+    END IF;
+    SELECT b.data INTO stored FROM outbox_blobs AS b
+     WHERE b.sha256 = value->'__outbox_blob__'->>'sha256' LIMIT 1;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'stored value sha256=% is missing from outbox_blobs',
+            value->'__outbox_blob__'->>'sha256';
+    END IF;
+    RETURN stored::jsonb;
 END
 $$;

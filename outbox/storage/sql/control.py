@@ -378,38 +378,12 @@ def fork_chain() -> Any:
     """Chain the fork's copied steps from the fork's own genesis, and set its ``step_head``.
 
     A copied step's hash cannot be copied: each link covers the run's id. So
-    the links are computed again, in the order the steps were copied (their
-    ``seq``), for the steps the original had chained (``outbox.chain``), and
-    ``outbox audit verify`` of a fork checks its replayed history too.
-    Parameters: ``original``, ``fork``.
+    the links are computed again (``outbox_chain_fork``, SECURITY DEFINER: no role
+    writes the chain's columns by hand), in the order the steps were copied,
+    for the steps the original had chained, and ``outbox audit verify`` of a
+    fork checks its replayed history too. Parameters: ``original``, ``fork``.
     """
-    return text(
-        """
-        WITH RECURSIVE copied AS (
-            SELECT f.seq, f.step_id, f.kind, f.result, f.error, f.state, f.plan, f.completed_at,
-                   row_number() OVER (ORDER BY f.seq) AS n
-            FROM outbox_steps f
-            JOIN outbox_steps o ON o.run_id = :original AND o.step_id = f.step_id
-            WHERE f.run_id = :fork AND o.hash IS NOT NULL
-        ), chain (n, seq, head) AS (
-            SELECT 0::bigint, NULL::bigint, outbox_run_genesis(r.id, r.agent, r.inputs_hash)
-            FROM outbox_runs r WHERE r.id = :fork
-            UNION ALL
-            SELECT c.n, c.seq, outbox_step_link(chain.head, CAST(:fork AS uuid), c.step_id, c.kind,
-                                                outbox_resolve(c.result)::text,
-                                                outbox_resolve(c.error)::text,
-                                                outbox_resolve(c.state)::text,
-                                                outbox_resolve(c.plan)::text, c.completed_at, '')
-            FROM chain JOIN copied c ON c.n = chain.n + 1
-        ), linked AS (
-            UPDATE outbox_steps s SET hash = chain.head
-            FROM chain WHERE s.run_id = :fork AND s.seq = chain.seq
-            RETURNING s.seq
-        )
-        UPDATE outbox_runs SET step_head = (SELECT head FROM chain ORDER BY n DESC LIMIT 1)
-        WHERE id = :fork AND EXISTS (SELECT FROM linked)
-        """
-    ).bindparams(bindparam("original", type_=UUID), bindparam("fork", type_=UUID))
+    return text("SELECT outbox_chain_fork(CAST(:original AS uuid), CAST(:fork AS uuid))")
 
 
 @cache

@@ -317,8 +317,12 @@ def recorded_result() -> AnySelect:
 
 
 def _value_text(column: Any) -> Any:
-    """The text of a stored value, a large one read back from its reference (v3 links hash it)."""
-    return func.outbox_resolve(column).cast(Text)
+    """The text of a stored value, a large one read back from its reference (v3 links hash it).
+
+    Unchecked (``outbox_resolve_unchecked``): the audit hashes every referenced blob
+    itself and reports an altered one as a break, rather than stop at the first.
+    """
+    return func.outbox_resolve_unchecked(column).cast(Text)
 
 
 def _effect_texts() -> list[Any]:

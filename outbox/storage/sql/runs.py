@@ -25,10 +25,10 @@ from sqlalchemy import (
     func,
     null,
     select,
+    text,
 )
-from sqlalchemy.dialects.postgresql import BYTEA, UUID
+from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.sql.expression import ColumnElement
 
 from outbox.models import (
     LIVE_RUN_STATUSES,
@@ -151,94 +151,31 @@ def wait_step() -> AnySelect:
     ).where(steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP, steps.c.shard == shard_of(_W_RUN))
 
 
-def step_link(step_id: Any, kind: Any, result: Any, error: Any) -> ColumnElement[Any]:
-    """The run's new chain head once a step with no state, plan or intents completes (a wait).
-
-    An ``outbox_runs`` SET value (``outbox_step_link``, a v3 link): the values'
-    own text, a large one read back from its reference.
-    """
-    previous = func.coalesce(
-        runs.c.step_head, func.outbox_run_genesis(runs.c.id, runs.c.agent, runs.c.inputs_hash)
-    )
-    return func.outbox_step_link(
-        previous,
-        runs.c.id,
-        step_id,
-        kind,
-        cast(func.outbox_resolve(result), Text),
-        cast(func.outbox_resolve(error), Text),
-        null(),
-        null(),
-        func.now(),
-        "",
-        type_=BYTEA,
-    )
-
-
 @cache
 def complete_wait_step() -> Any:
-    """A wait is over: record its result or error; the run's current step moves on."""
-    # The completed wait joins the run's hash chain now (a waiting step is not in it).
-    moved = (
-        runs.update()
-        .where(runs.c.id == _W_RUN, runs.c.shard == shard_of(_W_RUN))
-        .values(
-            current_step=_W_STEP,
-            step_head=step_link(
-                _W_STEP,
-                select(steps.c.kind)
-                .where(
-                    steps.c.run_id == _W_RUN,
-                    steps.c.step_id == _W_STEP,
-                    steps.c.shard == shard_of(_W_RUN),
-                )
-                .scalar_subquery(),
-                json_param("wait_result"),
-                json_param("wait_error"),
-            ),
-        )
-        .returning(runs.c.id, runs.c.step_head)
-        .cte("moved")
+    """A wait is over: record its result or error; the run's current step moves on.
+
+    ``outbox_complete_wait`` (SECURITY DEFINER) writes the run's chain head and the
+    step's link, which no role may write by hand. Returns ``step_seq, completed_at``.
+    """
+    return text(
+        "SELECT step_seq, completed_at FROM outbox_complete_wait("
+        "CAST(:w_run AS uuid), CAST(:w_step AS text), CAST(:wait_result AS jsonb), "
+        "CAST(:wait_error AS jsonb))"
     )
-    done = (
-        steps.update()
-        .where(
-            steps.c.run_id == _W_RUN, steps.c.step_id == _W_STEP, steps.c.shard == shard_of(_W_RUN)
-        )
-        .values(
-            status=const("completed"),
-            result=json_param("wait_result"),
-            error=json_param("wait_error"),
-            completed_at=func.now(),
-            hash=select(moved.c.step_head).scalar_subquery(),
-        )
-        .returning(steps.c.seq, steps.c.completed_at)
-        .cte("done")
-    )
-    return select(done.c.seq, done.c.completed_at, select(moved.c.id).scalar_subquery())
 
 
 @cache
 def consume_signal() -> Any:
-    """Take the run's oldest unconsumed signal ``name`` for ``step_id``; returns its payload."""
-    oldest = (
-        select(signals.c.id)
-        .where(
-            signals.c.run_id == _W_RUN,
-            signals.c.shard == shard_of(_W_RUN),
-            signals.c.name == _S_NAME,
-            signals.c.consumed_at.is_(None),
-        )
-        .order_by(signals.c.created_at, signals.c.id)
-        .limit(1)
-        .with_for_update()
-        .scalar_subquery()
-    )
-    return (
-        signals.update()
-        .where(signals.c.id == oldest, signals.c.shard == shard_of(_W_RUN))
-        .values(consumed_by=_W_STEP, consumed_at=func.now())
-        .returning(signals.c.payload)
+    """The wait ``w_step`` takes the run's oldest unconsumed signal ``s_name`` and completes.
+
+    ``outbox_take_signal`` (SECURITY DEFINER): only a waiting step of the run the
+    signal was sent to consumes it, and records its payload in the same call.
+    Returns ``taken, payload, step_seq, completed_at``.
+    """
+    return text(
+        "SELECT taken, payload, step_seq, completed_at FROM outbox_take_signal("
+        "CAST(:w_run AS uuid), CAST(:w_step AS text), CAST(:s_name AS text))"
     )
 
 

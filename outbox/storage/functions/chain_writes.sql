@@ -1,0 +1,144 @@
+-- The writers of the hash chain's columns (outbox_runs.step_head, outbox_steps.hash)
+-- besides outbox_write_step: a wait that ends, a signal a wait takes, a fork's
+-- copied history. Each is SECURITY DEFINER (it runs as the tables' owner), so
+-- `outbox roles` can leave those columns out of every role's grants: an agent
+-- login cannot write a head or a link of its own making, only have one of these
+-- compute it from what is recorded. The search path is pinned to the one the
+-- schema was loaded with (the outbox schema, pg_catalog, then pg_temp: a
+-- caller's temporary table cannot stand in for an outbox table). `outbox roles`
+-- grants EXECUTE on them to the agent role only.
+
+-- A wait step of run p_run_id (outbox.runs.waits) is over: record its result or
+-- error and join it to the run's hash chain (a waiting step is not in it yet).
+-- Refused: a step recorded before (OB006), a step that is not a waiting one of
+-- this run (OB001).
+CREATE OR REPLACE FUNCTION outbox_complete_wait(
+    p_run_id uuid,
+    p_step_id text,
+    p_result jsonb DEFAULT NULL,
+    p_error jsonb DEFAULT NULL,
+    OUT step_seq bigint,
+    OUT completed_at timestamptz
+)
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+DECLARE
+    p_shard smallint := outbox_shard_of(p_run_id);
+    v_now timestamptz := now();
+    v_kind text;
+    v_status text;
+    head bytea;
+BEGIN
+    IF NOT has_any_column_privilege(session_user, 'outbox_steps', 'INSERT') THEN
+        PERFORM outbox_raise_not_step_writer();
+    END IF;
+    SELECT s.kind, s.status INTO v_kind, v_status FROM outbox_steps AS s
+     WHERE s.run_id = p_run_id AND s.shard = p_shard AND s.step_id = p_step_id FOR UPDATE;
+    IF v_status = 'completed' THEN
+        PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
+    ELSIF v_status IS DISTINCT FROM 'waiting' THEN
+        PERFORM outbox_refuse('OB001', 'step_id', p_step_id,
+                              format('is not a waiting step of run %s', p_run_id));
+    END IF;
+    UPDATE outbox_runs AS r
+       SET current_step = p_step_id,
+           step_head = outbox_step_link(
+               coalesce(r.step_head, outbox_run_genesis(r.id, r.agent, r.inputs_hash)),
+               r.id, p_step_id, v_kind, outbox_resolve(p_result)::text,
+               outbox_resolve(p_error)::text, NULL, NULL, v_now, '')
+     WHERE r.id = p_run_id AND r.shard = p_shard
+    RETURNING r.step_head INTO head;
+    UPDATE outbox_steps AS s
+       SET status = 'completed', result = p_result, error = p_error, completed_at = v_now,
+           hash = head
+     WHERE s.run_id = p_run_id AND s.shard = p_shard AND s.step_id = p_step_id
+    RETURNING s.seq, s.completed_at INTO step_seq, completed_at;
+END
+$$;
+
+-- The wait step p_step_id of run p_run_id takes the run's oldest unconsumed signal
+-- p_name: the signal is marked consumed by that step and the step completes with
+-- its payload (as stored: a large one by reference), in one call. So a signal is
+-- consumed only by a wait of the run it was sent to that records it; no login can
+-- mark one consumed without the run getting it. taken is false (and nothing
+-- changes) when no such signal is there. Refused (OB001): a step that is not
+-- this run's wait for p_name; a step recorded before (OB006).
+CREATE OR REPLACE FUNCTION outbox_take_signal(
+    p_run_id uuid,
+    p_step_id text,
+    p_name text,
+    OUT taken boolean,
+    OUT payload jsonb,
+    OUT step_seq bigint,
+    OUT completed_at timestamptz
+)
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+DECLARE
+    p_shard smallint := outbox_shard_of(p_run_id);
+    v_status text;
+BEGIN
+    IF NOT has_any_column_privilege(session_user, 'outbox_steps', 'INSERT') THEN
+        PERFORM outbox_raise_not_step_writer();
+    END IF;
+    SELECT s.status INTO v_status FROM outbox_steps AS s
+     WHERE s.run_id = p_run_id AND s.shard = p_shard AND s.step_id = p_step_id
+       AND s.kind = 'signal' AND s.result->>'signal' = p_name FOR UPDATE;
+    IF v_status = 'completed' THEN
+        PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
+    ELSIF v_status IS DISTINCT FROM 'waiting' THEN
+        PERFORM outbox_refuse('OB001', 'step_id', p_step_id,
+                              format('is not a wait of run %s for signal %L', p_run_id, p_name));
+    END IF;
+    UPDATE outbox_signals AS g
+       SET consumed_by = p_step_id, consumed_at = now()
+     WHERE g.shard = p_shard
+       AND g.id = (SELECT o.id FROM outbox_signals AS o
+                    WHERE o.run_id = p_run_id AND o.shard = p_shard AND o.name = p_name
+                      AND o.consumed_at IS NULL
+                    ORDER BY o.created_at, o.id LIMIT 1 FOR UPDATE)
+    RETURNING g.payload INTO payload;
+    -- (not named found: PL/pgSQL's FOUND is the same name, whatever the case)
+    taken := FOUND;
+    IF taken THEN
+        SELECT w.step_seq, w.completed_at INTO step_seq, completed_at
+          FROM outbox_complete_wait(p_run_id, p_step_id, payload, NULL) AS w;
+    END IF;
+END
+$$;
+
+-- Chain a fork's copied steps from the fork's own genesis and set its step_head
+-- (outbox.storage.sql.control.fork_chain; a link covers the run's id, so a copied
+-- step's hash cannot be copied). Only a run with no chain yet (step_head NULL)
+-- and only its unlinked steps: called on any other run it changes nothing, so it
+-- cannot relink a recorded history.
+CREATE OR REPLACE FUNCTION outbox_chain_fork(p_original uuid, p_fork uuid) RETURNS void
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+BEGIN
+    IF NOT has_any_column_privilege(session_user, 'outbox_steps', 'INSERT') THEN
+        PERFORM outbox_raise_not_step_writer();
+    END IF;
+    WITH RECURSIVE copied AS (
+        SELECT f.seq, f.step_id, f.kind, f.result, f.error, f.state, f.plan, f.completed_at,
+               row_number() OVER (ORDER BY f.seq) AS n
+          FROM outbox_steps AS f
+          JOIN outbox_steps AS o ON o.run_id = p_original AND o.step_id = f.step_id
+         WHERE f.run_id = p_fork AND f.hash IS NULL AND f.status = 'completed'
+           AND o.hash IS NOT NULL
+    ), chain (n, seq, head) AS (
+        SELECT 0::bigint, NULL::bigint, outbox_run_genesis(r.id, r.agent, r.inputs_hash)
+          FROM outbox_runs AS r WHERE r.id = p_fork AND r.step_head IS NULL
+        UNION ALL
+        SELECT c.n, c.seq, outbox_step_link(chain.head, p_fork, c.step_id, c.kind,
+                                            outbox_resolve(c.result)::text,
+                                            outbox_resolve(c.error)::text,
+                                            outbox_resolve(c.state)::text,
+                                            outbox_resolve(c.plan)::text, c.completed_at, '')
+          FROM chain JOIN copied AS c ON c.n = chain.n + 1
+    ), linked AS (
+        UPDATE outbox_steps AS s SET hash = chain.head
+          FROM chain WHERE s.run_id = p_fork AND s.seq = chain.seq
+        RETURNING s.seq
+    )
+    UPDATE outbox_runs SET step_head = (SELECT head FROM chain ORDER BY n DESC LIMIT 1)
+     WHERE id = p_fork AND step_head IS NULL AND EXISTS (SELECT FROM linked);
+END
+$$;
