@@ -88,7 +88,8 @@ class WakeupThrottle:
                 return
             if self._closed:
                 return
-            if self._owed_first is None:
+            first = self._owed_first is None
+            if first:
                 self._owed_first = now
             self._owed_last = now
             if self._thread is None:
@@ -96,7 +97,10 @@ class WakeupThrottle:
                     target=self._trail, name="outbox-wakeup", daemon=True
                 )
                 self._thread.start()
-            self._wake.notify()
+            if first:
+                # Only a new debt moves the thread's deadline (owed_first + window): a
+                # wake-up per commit cost the writer a thread switch on every step.
+                self._wake.notify()
 
     def close(self) -> None:
         """Send what is owed and stop the background thread."""

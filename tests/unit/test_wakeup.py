@@ -89,3 +89,25 @@ def test_a_notify_that_started_before_the_owing_commit_finished_does_not_pay() -
     throttle.committed(early)
     assert sent.event.wait(2), "the trailing NOTIFY still goes out"
     throttle.close()
+
+
+def test_the_trailing_thread_is_woken_once_per_debt_not_once_per_commit() -> None:
+    """A writer's every commit waking the thread cost it a thread switch per step."""
+    sent = Recorder()
+    throttle = WakeupThrottle(sent, window_s=0.5)
+    throttle.committed(throttle.inline())
+    wakes = 0
+    notify = throttle._wake.notify
+
+    def counted(n: int = 1) -> None:
+        nonlocal wakes
+        wakes += 1
+        notify(n)
+
+    throttle._wake.notify = counted  # type: ignore[method-assign]
+    for _ in range(20):
+        throttle.committed(throttle.inline())
+    assert wakes == 1, "twenty owed commits, one debt: one wake-up"
+    assert sent.event.wait(5)
+    throttle.close()
+    assert len(sent.times) == 1
