@@ -94,8 +94,6 @@ _RUN_AGENT = (
     "step_count",
     "result",
     "error",
-    "spent",
-    "reserved",
     "available_at",
     "lease_owner",
     "lease_expires_at",
@@ -107,6 +105,9 @@ _RUN_AGENT = (
     "step_retries",
     "upgrades",
 )
+# (Not spent and reserved: a step's debits and reservations are written by
+# outbox_write_step, which runs as the tables' owner, so an agent that could set
+# them would only be able to undo its own budget.)
 # Columns of outbox_effects an approval decision, a deadline or an escalation change.
 _EFFECT_APPROVAL = ("approval", "approval_deadline")
 

@@ -134,6 +134,9 @@ def test_the_agent_drives_runs_and_cannot_complete_an_effect(
             agent.resolve_effect(effect.id, outcome="succeeded", note="no", operator="agent")
         with pytest.raises(DatabaseError, match="permission denied"):
             agent.cancel(agent.start_run("billing", "1").id, "not mine either")
+    # a budget is the operator's: the agent cannot give itself more of it back
+    denied(agent_dsn, "UPDATE outbox_runs SET spent = 0 WHERE id = %(id)s", {"id": run.id})
+    denied(agent_dsn, "UPDATE outbox_runs SET reserved = 0 WHERE id = %(id)s", {"id": run.id})
     denied(
         agent_dsn,
         "UPDATE outbox_effects SET status = 'succeeded' WHERE id = %(id)s",
@@ -564,8 +567,6 @@ COLUMN_GRANTS: dict[tuple[str, str], dict[str, str]] = {
                 "step_count",
                 "result",
                 "error",
-                "spent",
-                "reserved",
                 "available_at",
                 "lease_owner",
                 "lease_expires_at",
