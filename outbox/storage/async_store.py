@@ -252,16 +252,18 @@ class AsyncStore:
                     result = await conn.execute(queue.extend_leases(spec), params)
                     return {row[0] for row in result}
         # on Citus a statement per shard: a node that is down loses only its own leases
-        by_shard: dict[int, list[tuple[UUID, int]]] = {}
-        for id, attempt in held:
-            by_shard.setdefault(self._shards.of.get(id, -1), []).append((id, attempt))
         kept: set[UUID] = set()
         sharded = dataclasses.replace(spec, sharded=True)
         with translate_errors("extending leases"):
             async with self.engine.begin() as conn:
+                by_shard: dict[int, list[tuple[UUID, int]]] = {}
+                for id, attempt in held:
+                    # a shard is forgotten once the effect's outcome committed: no lease left
+                    if (shard := self._shards.of.get(id)) is not None:
+                        by_shard.setdefault(shard, []).append((id, attempt))
                 for shard, part in by_shard.items():
                     params = queue.extend_params(part, owner=owner, lease_seconds=lease_seconds)
-                    statement = queue.extend_leases(spec if shard < 0 else sharded)
+                    statement = queue.extend_leases(sharded)
                     with self._shards.answering(shard):
                         async with conn.begin_nested():
                             result = await conn.execute(statement, {**params, "part_shard": shard})
@@ -274,6 +276,7 @@ class AsyncStore:
         with translate_errors("recording outcomes"):
             async with self._direct.connection() as conn, conn.transaction():
                 logged = await complete_on(conn, owner, done, await self._held_shards(conn))
+        self._shards.forget(done)
         self._observe("complete", began, complete=len(logged))
         return logged
 
@@ -314,6 +317,7 @@ class AsyncStore:
                     ask = prepared(duties.duty_probe())
                     cur = await conn.execute(ask.sql, ask.params(probe.params()), prepare=True)
                     findings = DutyFindings.from_row(list((await cur.fetchone() or {}).values()))
+        self._shards.forget(done)
         self._observe("complete+claim", began, complete=len(logged), claim=len(rows))
         return Batched(logged, rows, kept, findings)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 import sqlalchemy.exc
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -50,6 +50,7 @@ POSTGRES_DRIVERS = frozenset(
 )
 
 __all__ = [
+    "distributed",
     "libpq_dsn",
     "make_async_engine",
     "make_engine",
@@ -358,3 +359,9 @@ def open_async_engine(settings: Settings, *, application_name: str = "outbox") -
             settings.idle_in_transaction_timeout_ms, application_name, write_settings(settings)
         ),
     )
+
+
+def distributed(conn: Connection) -> bool:
+    """Whether the tables are distributed (Citus: ``outbox migrate --distribute``)."""
+    setting = conn.execute(text("SELECT current_setting('outbox.distributed', true)")).scalar()
+    return setting == "on"

@@ -22,7 +22,9 @@ from sqlalchemy import Connection, text
 from outbox.blobs import Blob, reference_hash
 from outbox.errors import RunNotFound
 from outbox.models import Lease, RunStatus
+from outbox.shards import SHARDS
 from outbox.storage import blob_store, writes
+from outbox.storage.engine import distributed
 from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql import control, maintenance
 from outbox.storage.sql import governance as gov_sql
@@ -71,6 +73,8 @@ class RunTx:
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
+        # the shard of each effect this transaction named (statements name it: Citus)
+        self._effect_shards: dict[uuid.UUID, int] = {}
 
     def _run(self, statement: Any, params: dict[str, Any]) -> Any:
         return self.connection.execute(statement, params)
@@ -214,13 +218,22 @@ class RunTx:
 
     # -- approvals --------------------------------------------------------------------
 
+    def _one_effect(self, effect_id: uuid.UUID) -> dict[str, Any]:
+        """The parameters naming one effect: its id and the shard it is stored on."""
+        shard = self._effect_shards.get(effect_id)
+        if shard is None:
+            found = self._run(gov_sql.effect_shard(), {"effect_id": effect_id}).scalar()
+            shard = self._effect_shards[effect_id] = -1 if found is None else int(found)
+        return {"effect_id": effect_id, "effect_shard": shard}
+
     def lock_effect(self, effect_id: uuid.UUID) -> Any:
         """The effect row locked until commit (status, digest, approval, ``due``), or None."""
-        return self._run(gov_sql.lock_effect(), {"effect_id": effect_id}).first()
+        return self._run(gov_sql.lock_effect(), self._one_effect(effect_id)).first()
 
     def approve_held(self, effect_id: uuid.UUID, approver: str, detail: dict[str, Any]) -> bool:
         """Release a held effect to ``pending`` (logged ``approved``); wakes deliverers."""
-        params = {"effect_id": effect_id, "approver": approver, "detail": json.dumps(detail)}
+        params = {"approver": approver, "detail": json.dumps(detail)}
+        params |= self._one_effect(effect_id)
         changed = self._run(gov_sql.approve_held(), params).first() is not None
         if changed:
             self.connection.execute(notify(EFFECTS_CHANNEL))
@@ -237,11 +250,11 @@ class RunTx:
     ) -> bool:
         """End a held effect as ``rejected`` (logged as ``outcome``); wakes a run parked on it."""
         params = {
-            "effect_id": effect_id,
             "approver": approver,
             "note": note,
             "outcome": outcome,
             "detail": json.dumps(detail),
+            **self._one_effect(effect_id),
         }
         changed = self._run(gov_sql.reject_held(), params).first() is not None
         if changed:
@@ -251,7 +264,8 @@ class RunTx:
 
     def escalate_held(self, effect_id: uuid.UUID, approver: str, detail: dict[str, Any]) -> bool:
         """A held effect's deadline passed (escalate): it waits on without one (logged)."""
-        params = {"effect_id": effect_id, "approver": approver, "detail": json.dumps(detail)}
+        params = {"approver": approver, "detail": json.dumps(detail)}
+        params |= self._one_effect(effect_id)
         return self._run(gov_sql.escalate_held(), params).first() is not None
 
     def log_effect_event(
@@ -259,16 +273,26 @@ class RunTx:
     ) -> None:
         """Log a row about an effect that changes nothing else (a refused approval)."""
         params = {
-            "effect_id": effect_id,
             "worker": worker,
             "outcome": outcome,
             "detail": json.dumps(detail),
+            **self._one_effect(effect_id),
         }
         self._run(gov_sql.log_effect_event(), params)
 
     def due_approvals(self, max_rows: int) -> list[uuid.UUID]:
         """Held effects whose approval deadline passed, locked (others skip them)."""
-        return [r.id for r in self._run(gov_sql.due_approvals(), {"max_rows": max_rows})]
+        if not distributed(self.connection):
+            rows = self._run(gov_sql.due_approvals(), {"max_rows": max_rows}).all()
+        else:  # a shard at a time: Citus locks rows only in a statement on one shard
+            rows = []
+            for shard in range(SHARDS):
+                params = {"max_rows": max_rows - len(rows), "on_shard": shard}
+                rows += self._run(gov_sql.due_approvals(sharded=True), params).all()
+                if len(rows) >= max_rows:
+                    break
+        self._effect_shards.update((r.id, int(r.shard)) for r in rows)
+        return [r.id for r in rows]
 
     # -- stopping ---------------------------------------------------------------------
 

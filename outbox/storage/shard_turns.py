@@ -73,6 +73,15 @@ class ShardTurns:
             )
         self._resting[shard] = time.monotonic() + SHARD_REST_SECONDS
 
+    def forget(self, done: Sequence[Completion]) -> None:
+        """Outcomes committed: their effects hold no lease of ours any more.
+
+        Only after the commit: until then a heartbeat still extends their leases
+        (on their own shard), and a failed commit is retried with them.
+        """
+        for c in done:
+            self.of.pop(c.effect_id, None)
+
     @contextlib.contextmanager
     def answering(self, shard: int | None) -> Iterator[None]:
         """Around a statement on ``shard``: if its node does not answer, rest it and go on.
@@ -110,8 +119,6 @@ async def complete_on(
             logged += await _complete_batch(conn, owner, part, shard)
         # a run that awaited one of them goes on: its workers are told here
         await conn.execute("SELECT pg_notify(%s, '')", [RUNS_CHANNEL])
-        for c in done:
-            shards.pop(c.effect_id, None)
     crash_point("during_completion")
     return logged
 

@@ -29,7 +29,7 @@ from outbox.storage.blob_store import (
 )
 from outbox.storage.claims import ClaimMode
 from outbox.storage.deliverer_reads import DelivererReads
-from outbox.storage.engine import translate_errors
+from outbox.storage.engine import distributed, translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
 from outbox.storage.shard_turns import ShardTurns
@@ -479,12 +479,6 @@ class Store:
         """The effect kinds intended so far."""
         with translate_errors("listing effect kinds"), self.engine.connect() as conn:
             return [str(k) for k in conn.execute(audit.effect_kinds()).scalars()]
-
-
-def distributed(conn: Connection) -> bool:
-    """Whether the tables are distributed (Citus: ``outbox migrate --distribute``)."""
-    setting = conn.execute(text("SELECT current_setting('outbox.distributed', true)")).scalar()
-    return setting == "on"
 
 
 def read_state_counts(conn: Connection) -> maintenance.StateCounts:

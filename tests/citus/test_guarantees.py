@@ -23,8 +23,9 @@ from click.testing import CliRunner
 from sqlalchemy import Column, Integer, MetaData, String, Table, text
 
 from deliverers.testing import RecordingDeliverer
-from outbox import IdempotencyConflict, Outbox, Run, RunPaused, RunStatus
+from outbox import EffectStatus, IdempotencyConflict, Outbox, Run, RunPaused, RunStatus
 from outbox.cli import cli as cli_main
+from outbox.gates import Gate
 from outbox.shards import SHARDS, key_shard, shard_of
 from outbox.storage.async_store import AsyncStore, Completion
 from outbox.storage.engine import make_async_engine
@@ -337,3 +338,43 @@ def test_workers_drive_runs_on_every_shard_through_a_timer(ob: Outbox, dsn: str)
         )
     assert sorted(steps) == sorted(str(r.id) for r in runs), "each run finished once"
     assert all(ob.run(r.id).completed_steps == ["before", "nap"] for r in runs)
+
+
+def test_a_gate_holds_and_approvals_and_deadlines_act_on_the_held_effect(ob: Outbox) -> None:
+    """Approval decisions and the deadline sweep name the effect's shard (a router
+    statement each): Citus refuses a lock of a row by id alone."""
+    ob.apply_gates(
+        [
+            Gate(
+                name="citus-large",
+                kind="citus.pay",
+                when=[{"pointer": "/amount", "op": "gt", "value": 100}],
+            )
+        ]
+    )
+    held = []
+    for amount in (500, 600, 700):
+        run = ob.start_run("citus-payer", "1")
+        held.append(
+            ob.effect(
+                run.transaction(
+                    "pay", lambda tx, a=amount: str(tx.intend("citus.pay", {"amount": a}).id)
+                )
+            )
+        )
+    assert {e.status for e in held} == {EffectStatus.AWAITING_APPROVAL}
+    approved = ob.approve_effect(held[0].id, digest=held[0].digest, note="ok", by="cfo")
+    assert approved.status == EffectStatus.PENDING
+    ob.reject_effect(held[1].id, note="no", by="cfo")
+    assert ob.effect(held[1].id).status == EffectStatus.REJECTED
+    with ob.engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE outbox_effects SET approval_deadline = now() - interval '1 second'"
+                " WHERE id = :id"
+            ),
+            {"id": held[2].id},
+        )
+    assert ob.expire_approvals() == {"rejected": 1}
+    assert ob.effect(held[2].id).status == EffectStatus.REJECTED
+    ob.apply_gates([], prune=True)

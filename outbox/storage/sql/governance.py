@@ -14,6 +14,7 @@ from sqlalchemy import (
     ARRAY,
     BigInteger,
     Integer,
+    SmallInteger,
     Text,
     and_,
     any_,
@@ -42,6 +43,7 @@ __all__ = [
     "audit_run",
     "delete_gates",
     "due_approvals",
+    "effect_shard",
     "effects_outside_runs",
     "escalate_held",
     "list_gates",
@@ -56,6 +58,15 @@ __all__ = [
 ]
 
 _EFFECT_ID = bindparam("effect_id", type_=UUID(as_uuid=True))
+# Every statement on one held effect names its shard too (RunTx looks it up once):
+# on Citus a row locked or changed by id alone would be a statement on every shard.
+_EFFECT_SHARD = bindparam("effect_shard", type_=SmallInteger)
+_ONE_EFFECT = and_(effects.c.id == _EFFECT_ID, effects.c.shard == _EFFECT_SHARD)
+
+
+def effect_shard() -> AnySelect:
+    """The shard ``:effect_id`` is stored on (no row: none)."""
+    return select(effects.c.shard).where(effects.c.id == _EFFECT_ID)
 
 
 def lock_effect() -> AnySelect:
@@ -77,7 +88,7 @@ def lock_effect() -> AnySelect:
             effects.c.approval_deadline,
             func.coalesce(effects.c.approval_deadline <= func.now(), False).label("due"),
         )
-        .where(effects.c.id == _EFFECT_ID)
+        .where(_ONE_EFFECT)
         .with_for_update()
     )
 
@@ -85,7 +96,7 @@ def lock_effect() -> AnySelect:
 def _held_change(values: dict[str, Any]) -> Any:
     return (
         effects.update()
-        .where(effects.c.id == _EFFECT_ID, effects.c.status == const("awaiting_approval"))
+        .where(_ONE_EFFECT, effects.c.status == const("awaiting_approval"))
         .values(**values, updated_at=func.now())
         .returning(
             effects.c.id,
@@ -193,17 +204,22 @@ def log_effect_event() -> Any:
             bindparam("outcome", type_=Text),
             json_param("detail"),
             effects.c.shard,
-        ).where(effects.c.id == _EFFECT_ID),
+        ).where(_ONE_EFFECT),
     )
 
 
-def due_approvals() -> AnySelect:
-    """Held effects whose approval deadline passed (by index), locked; at most ``max_rows``."""
+def due_approvals(sharded: bool = False) -> AnySelect:
+    """Held effects whose approval deadline passed (by index), locked, at most ``max_rows``.
+
+    Returns id and shard; others skip the rows locked. ``sharded`` (Citus, which
+    locks rows only in a statement on one shard): of shard ``:on_shard`` only.
+    """
     return (
-        select(effects.c.id)
+        select(effects.c.id, effects.c.shard)
         .where(
             effects.c.status == const("awaiting_approval"),
             effects.c.approval_deadline <= func.now(),
+            *([effects.c.shard == bindparam("on_shard", type_=SmallInteger)] if sharded else []),
         )
         .order_by(effects.c.approval_deadline)
         .limit(bindparam("max_rows", type_=Integer))
@@ -224,6 +240,8 @@ def upsert_gate() -> Any:
         timeout_seconds=bindparam("timeout_seconds"),
         on_timeout=bindparam("on_timeout", type_=Text),
         escalate_to=bindparam("escalate_to", type_=Text),
+        # in VALUES, not in DO UPDATE SET: Citus refuses a non-immutable function there
+        updated_at=func.now(),
     )
     return ins.on_conflict_do_update(
         index_elements=[gates.c.name],
@@ -233,7 +251,7 @@ def upsert_gate() -> Any:
             "timeout_seconds": ins.excluded.timeout_seconds,
             "on_timeout": ins.excluded.on_timeout,
             "escalate_to": ins.excluded.escalate_to,
-            "updated_at": func.now(),
+            "updated_at": ins.excluded.updated_at,
         },
     ).returning(gates.c.name)
 
