@@ -34,7 +34,7 @@ from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
 from outbox.storage.shard_turns import ShardTurns, complete_on, effect_shard
 from outbox.storage.sql import dispatch as dispatch_sql
-from outbox.storage.sql import duties, maintenance, owners, queue
+from outbox.storage.sql import duties, maintenance, notes, owners, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql.common import EFFECTS_CHANNEL
@@ -446,7 +446,7 @@ class AsyncStore:
         }
         with translate_errors("noting unknown kinds"):
             async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.mark_unknown_kinds(), params)
+                result = await conn.execute(notes.mark_unknown_kinds(), params)
                 return len(result.all())
 
     async def recorded_result(self, effect_id: UUID) -> tuple[bool, Any]:
@@ -482,7 +482,7 @@ class AsyncStore:
         params = {"grace_seconds": grace_seconds, "max_rows": max_rows}
         with translate_errors("noting effects held back by their ordering key"):
             async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.note_blocked_by_order(), params)
+                result = await conn.execute(notes.note_blocked_by_order(), params)
                 return len(result.all())
 
     # -- owners that are gone (outbox.storage.sql.owners) ---------------------------
