@@ -61,7 +61,8 @@ from outbox.delivery import Delivery, Failed, NotApplied, Outcome, Retry, Succee
 from outbox.faults import crash_point
 
 if TYPE_CHECKING:
-    from deliverers.kafka import KafkaDeliverer, KafkaRecord
+    from deliverers.kafka import KafkaDeliverer
+    from deliverers.kafka_record import KafkaRecord
 
 __all__ = [
     "Marker",

@@ -20,7 +20,8 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from outbox.chain import Break, record_from_rows, stored_values, value_breaks, verify_record
+from outbox.audit_record import record_from_rows
+from outbox.chain import Break, stored_values, value_breaks, verify_record
 from outbox.client_args import (
     approval_decider,
     cancel_args,

@@ -65,13 +65,12 @@ from outbox.payloads import content_hash
 
 __all__ = [
     "RECORD_FORMAT",
+    "STEP_VALUES",
     "Break",
     "attempt_hash",
     "canonical",
     "effect_genesis",
-    "effect_records",
     "lp",
-    "record_from_rows",
     "run_genesis",
     "step_hash",
     "step_intents",
@@ -133,7 +132,7 @@ def step_hash(
             step["step_id"],
             step["kind"],
             step["status"],
-            *(step.get(f"{f}_value_text", step.get(f"{f}_text")) for f in _VALUES),
+            *(step.get(f"{f}_value_text", step.get(f"{f}_text")) for f in STEP_VALUES),
             _text(step["completed_us"]),
         ]
         created = "".join(
@@ -156,7 +155,7 @@ def step_hash(
 
 
 #: The values a step link covers, in order.
-_VALUES = ("result", "error", "state", "plan")
+STEP_VALUES = ("result", "error", "state", "plan")
 
 
 def step_intents(
@@ -436,7 +435,7 @@ def stored_values(rows: Mapping[str, Any]) -> dict[str, str]:
         for field in ("inputs", "state", "plan", "result", "error"):
             note(run[field], f"run {rid} {field}")
         for step in rows["steps"]:
-            for field in _VALUES:
+            for field in STEP_VALUES:
                 note(step[field], f"run {rid} step {step['step_id']!r} {field}")
     for effect in rows["effects"]:
         note(effect["payload"], f"effect {effect['id']} payload")
@@ -463,123 +462,3 @@ def value_breaks(places: Mapping[str, str], blob_rows: Iterable[Mapping[str, Any
     for sha in sorted(places.keys() - found):
         breaks.append(Break(places[sha], f"stored value sha256={sha} is missing from outbox_blobs"))
     return breaks
-
-
-def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
-
-
-def _hex(value: bytes | None) -> str | None:
-    return None if value is None else bytes(value).hex()
-
-
-#: Attempt-log outcomes that are decisions about an approval.
-APPROVAL_OUTCOMES = ("approved", "rejected", "approval_refused", "timed_out")
-
-
-def effect_records(
-    effect_rows: Iterable[Mapping[str, Any]], attempt_rows: Iterable[Mapping[str, Any]]
-) -> list[dict[str, Any]]:
-    """Effects as a record holds them, each with its attempt-log rows (``detail_text`` read)."""
-    attempts: dict[str, list[dict[str, Any]]] = {}
-    for a in attempt_rows:
-        attempts.setdefault(str(a["effect_id"]), []).append(
-            {
-                "id": a["id"],
-                "effect_id": str(a["effect_id"]),
-                "attempt": a["attempt"],
-                "worker": a["worker"],
-                "started_at": _iso(a["started_at"]),
-                "started_us": us(a["started_at"]),
-                "finished_at": _iso(a["finished_at"]),
-                "finished_us": us(a["finished_at"]),
-                "outcome": a["outcome"],
-                "detail": a["detail"],
-                "detail_text": a["detail_text"],
-                "effect_status": a.get("effect_status"),
-                "result_hash": a.get("result_hash"),
-                "hash": _hex(a["hash"]),
-            }
-        )
-    return [
-        {
-            "id": str(e["id"]),
-            "run_id": None if e["run_id"] is None else str(e["run_id"]),
-            "step_id": e["step_id"],
-            "step_index": e["step_index"],
-            "kind": e["kind"],
-            "idempotency_key": e["idempotency_key"],
-            "payload": e["payload"],
-            "payload_text": e.get("payload_text"),
-            "payload_hash": e["payload_hash"],
-            "compensates": None if e.get("compensates") is None else str(e["compensates"]),
-            "status": e["status"],
-            "attempt": e["attempt"],
-            "result": e["result"],
-            "result_text": e.get("result_text"),
-            "approval": e["approval"],
-            "created_at": _iso(e["created_at"]),
-            "attempts": attempts.get(str(e["id"]), []),
-        }
-        for e in effect_rows
-    ]
-
-
-def record_from_rows(rows: Mapping[str, Any], *, exported_at: datetime) -> dict[str, Any]:
-    """A self-contained run record from the rows ``Store.audit_rows`` read (unsigned)."""
-    run = rows["run"]
-    rid = str(run["id"])
-    effects = effect_records(rows["effects"], rows["attempts"])
-    approvals = [
-        {
-            "effect_id": row["effect_id"],
-            "outcome": row["outcome"],
-            "by": row["worker"],
-            "at": row["finished_at"],
-            **{k: (row["detail"] or {}).get(k) for k in ("digest", "note", "via", "reason")},
-        }
-        for effect in effects
-        for row in effect["attempts"]
-        if row["outcome"] in APPROVAL_OUTCOMES
-    ]
-    return {
-        "format": RECORD_FORMAT,
-        "exported_at": exported_at.isoformat(),
-        "run": {
-            "id": rid,
-            "agent": run["agent"],
-            "agent_version": run["agent_version"],
-            "mode": "dry_run" if run["dry_run"] else "live",
-            "inputs": run["inputs"],
-            "inputs_text": run.get("inputs_text"),
-            "inputs_hash": run["inputs_hash"],
-            "status": run["status"],
-            "result": run["result"],
-            "error": run["error"],
-            "created_at": _iso(run["created_at"]),
-            "step_head": _hex(run["step_head"]),
-        },
-        "steps": [
-            {
-                "step_id": s["step_id"],
-                "seq": s["seq"],
-                "kind": s["kind"],
-                "status": s["status"],
-                "result": s["result"],
-                "result_text": s["result_text"],
-                "error": s["error"],
-                "error_text": s["error_text"],
-                "state": s["state"],
-                "state_text": s["state_text"],
-                "plan": s["plan"],
-                "plan_text": s["plan_text"],
-                **{f"{f}_value_text": s.get(f"{f}_value_text") for f in _VALUES},
-                "completed_at": _iso(s["completed_at"]),
-                "completed_us": us(s["completed_at"]),
-                "hash": _hex(s["hash"]),
-            }
-            for s in rows["steps"]
-        ],
-        "effects": effects,
-        "approvals": approvals,
-    }

@@ -45,7 +45,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Resolve effects whose attempt started but never recorded an end; list the unknown ones.",
     ),
     "relay": (
-        "deliver",
+        "relay",
         "Stream mode: publish pending effects to Kafka for `outbox deliver --from-kafka`.",
     ),
     "roles": (

@@ -45,7 +45,8 @@ def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool)
     every chain holds, 1 when one does not (the break names the run, the step
     or the effect and its attempt-log row).
     """
-    from outbox.chain import effect_records, stored_values, value_breaks, verify_effect
+    from outbox.audit_record import effect_records
+    from outbox.chain import stored_values, value_breaks, verify_effect
     from outbox.storage.audit_reads import effects_outside_runs
 
     ob = cli.outbox

@@ -25,7 +25,7 @@ from outbox.cli._common import (
 from outbox.cli.reports import ReconcileReport
 from outbox.delivery import Deliverer
 from outbox.delivery.config import DeliverersConfig
-from outbox.delivery.settings import DeliverySettings, RelaySettings, StreamSettings
+from outbox.delivery.settings import DeliverySettings, StreamSettings
 from outbox.delivery.threads import DaemonThreads, default_workers
 from outbox.errors import DatabaseError
 from outbox.storage.async_store import AsyncStore
@@ -264,7 +264,7 @@ def deliver(
             bootstrap_servers=kafka,
             group=group,
             topic_prefix=topic_prefix,
-            consumer=_kafka_options(kafka_options),
+            consumer=kafka_options_of(kafka_options),
             **given,
         )
     else:
@@ -353,7 +353,8 @@ def serve_until_signal(dsn: str, make: Callable[[AsyncStore], _Daemon], banner: 
     asyncio.run(main())
 
 
-def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
+def kafka_options_of(options: tuple[str, ...]) -> dict[str, Any]:
+    """``--kafka-option KEY=VALUE`` settings as a dict (digits as integers)."""
     parsed: dict[str, Any] = {}
     for option in options:
         key, sep, raw = option.partition("=")
@@ -361,79 +362,6 @@ def _kafka_options(options: tuple[str, ...]) -> dict[str, Any]:
             raise click.BadParameter(f"{option!r}: expected KEY=VALUE", param_hint="--kafka-option")
         parsed[key] = int(raw) if raw.lstrip("-").isdigit() else raw
     return parsed
-
-
-@click.command("relay")
-@config_option
-@kind_option
-@click.option(
-    "--kafka",
-    envvar="OUTBOX_KAFKA_BOOTSTRAP",
-    required=True,
-    metavar="BOOTSTRAP",
-    help="Kafka bootstrap servers.",
-)
-@click.option(
-    "--topic-prefix",
-    envvar="OUTBOX_KAFKA_TOPIC_PREFIX",
-    default="outbox.",
-    show_default=True,
-    help="Effects of kind K go to topic PREFIX+K.",
-)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(1, 100_000),
-    default=RelaySettings.model_fields["batch_size"].default,
-    show_default=True,
-    help="Effects claimed, published and marked per round.",
-)
-@click.option(
-    "--dispatch-ttl",
-    type=click.FloatRange(min=0.001, max=86_400),
-    default=RelaySettings.model_fields["dispatch_ttl_seconds"].default,
-    show_default=True,
-    help="Seconds before an undelivered dispatch is dispatched again.",
-)
-@click.option(
-    "--kafka-option",
-    "kafka_options",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Extra kafka-python KafkaProducer setting, e.g. compression_type=gzip (repeatable).",
-)
-@click.option("--log-json", is_flag=True, help="Log JSON lines.")
-@pass_cli
-def relay(
-    cli: CliContext,
-    config_path: Path | None,
-    kinds: tuple[str, ...],
-    kafka: str,
-    topic_prefix: str,
-    batch_size: int,
-    dispatch_ttl: float,
-    kafka_options: tuple[str, ...],
-    log_json: bool,
-) -> None:
-    """Stream mode: publish pending effects to Kafka for `outbox deliver --from-kafka`."""
-    from outbox.cli.logs import configure
-    from outbox.delivery.relay import Relay
-
-    configure(logging.INFO, as_json=log_json)
-    chosen = sorted(kinds) or sorted(load_deliverers(read_config(config_path), ()))
-    dsn = retried_at_startup("checking the database", lambda: checked_dsn(cli))
-    settings = validated_settings(
-        RelaySettings,
-        bootstrap_servers=kafka,
-        topic_prefix=topic_prefix,
-        batch_size=batch_size,
-        dispatch_ttl_seconds=dispatch_ttl,
-        producer=_kafka_options(kafka_options),
-    )
-    serve_until_signal(
-        dsn,
-        lambda store: Relay(store, chosen, settings),
-        f"relaying kinds {chosen} to {kafka} as {settings.owner}",
-    )
 
 
 @click.command("reconcile")
@@ -533,4 +461,4 @@ def reconcile_command(
     emit(data, as_json, render)
 
 
-COMMANDS = [deliver, reconcile_command, relay]
+COMMANDS = [deliver, reconcile_command]

@@ -34,7 +34,7 @@ from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
 from outbox.storage.shard_turns import ShardTurns, complete_on, effect_shard
 from outbox.storage.sql import dispatch as dispatch_sql
-from outbox.storage.sql import duties, maintenance, owners, queue
+from outbox.storage.sql import duties, leases, maintenance, notes, owners, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql.common import EFFECTS_CHANNEL
@@ -246,10 +246,10 @@ class AsyncStore:
         if not held:
             return set()
         if not await self._is_sharded():
-            params = queue.extend_params(held, owner=owner, lease_seconds=lease_seconds)
+            params = leases.extend_params(held, owner=owner, lease_seconds=lease_seconds)
             with translate_errors("extending leases"):
                 async with self.engine.begin() as conn:
-                    result = await conn.execute(queue.extend_leases(spec), params)
+                    result = await conn.execute(leases.extend_leases(spec), params)
                     return {row[0] for row in result}
         # on Citus a statement per shard: a node that is down loses only its own leases
         kept: set[UUID] = set()
@@ -262,8 +262,8 @@ class AsyncStore:
                     if (shard := self._shards.of.get(id)) is not None:
                         by_shard.setdefault(shard, []).append((id, attempt))
                 for shard, part in by_shard.items():
-                    params = queue.extend_params(part, owner=owner, lease_seconds=lease_seconds)
-                    statement = queue.extend_leases(sharded)
+                    params = leases.extend_params(part, owner=owner, lease_seconds=lease_seconds)
+                    statement = leases.extend_leases(sharded)
                     with self._shards.answering(shard):
                         async with conn.begin_nested():
                             result = await conn.execute(statement, {**params, "part_shard": shard})
@@ -309,8 +309,8 @@ class AsyncStore:
                 logged = await complete_on(conn, owner, done, await self._held_shards(conn))
                 rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 if extend:
-                    params = queue.extend_params(extend, owner=owner, lease_seconds=lease_seconds)
-                    renew = prepared(queue.extend_leases(spec))
+                    params = leases.extend_params(extend, owner=owner, lease_seconds=lease_seconds)
+                    renew = prepared(leases.extend_leases(spec))
                     cur = await conn.execute(renew.sql, renew.params(params), prepare=True)
                     kept = {row["id"] for row in await cur.fetchall()}
                 if probe is not None:
@@ -450,7 +450,7 @@ class AsyncStore:
         }
         with translate_errors("noting unknown kinds"):
             async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.mark_unknown_kinds(), params)
+                result = await conn.execute(notes.mark_unknown_kinds(), params)
                 return len(result.all())
 
     async def recorded_result(self, effect_id: UUID) -> tuple[bool, Any]:
@@ -486,7 +486,7 @@ class AsyncStore:
         params = {"grace_seconds": grace_seconds, "max_rows": max_rows}
         with translate_errors("noting effects held back by their ordering key"):
             async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.note_blocked_by_order(), params)
+                result = await conn.execute(notes.note_blocked_by_order(), params)
                 return len(result.all())
 
     # -- owners that are gone (outbox.storage.sql.owners) ---------------------------
@@ -539,7 +539,7 @@ class AsyncStore:
         """The relay published these attempts; returns the ids it still held (fenced)."""
         if not held:
             return set()
-        params = queue.extend_params(held, owner=owner, lease_seconds=0)
+        params = leases.extend_params(held, owner=owner, lease_seconds=0)
         params["dispatch_ttl"] = dispatch_ttl
         mark = prepared(dispatch_sql.mark_dispatched())
         with translate_errors("marking effects dispatched"):

@@ -33,7 +33,7 @@ from outbox.storage.engine import distributed, translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
 from outbox.storage.shard_turns import ShardTurns
-from outbox.storage.sql import audit, control, maintenance, queue
+from outbox.storage.sql import audit, control, leases, maintenance, queue
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
@@ -320,9 +320,9 @@ class Store:
         """Heartbeat for runs; returns the ids still leased to ``owner``."""
         if not held:
             return set()
-        params = queue.extend_params(held, owner=owner, lease_seconds=lease_seconds)
+        params = leases.extend_params(held, owner=owner, lease_seconds=lease_seconds)
         with translate_errors("extending run leases"), self.engine.begin() as conn:
-            return {row[0] for row in conn.execute(queue.extend_leases(queue.RUN_QUEUE), params)}
+            return {row[0] for row in conn.execute(leases.extend_leases(queue.RUN_QUEUE), params)}
 
     def wake_due_runs(self, max_rows: int = 1000) -> int:
         """Fire due timers; returns how many runs became runnable."""

@@ -55,6 +55,7 @@ PRELOAD = (
     "outbox.client",
     "outbox.cli",
     "outbox.cli.deliver",
+    "outbox.cli.relay",
     "outbox.cli.worker",
     "outbox.delivery.daemon",
     "deliverers.record",

@@ -39,10 +39,9 @@ from outbox.testing.invariants import (
     Intent,
     Report,
     check,
-    load_database,
-    load_sink_log,
     replay_violations,
 )
+from outbox.testing.logs import load_database, load_sink_log
 from outbox.testing.plan import TrialPlan
 from outbox.testing.processes import Fleet, Process
 from outbox.testing.supervisor import TERMINAL, Supervisor, TrialContext, TrialError

@@ -3,7 +3,7 @@
 Real processes (``outbox deliver``, ``outbox worker``, ``outbox reconcile``), a
 real PostgreSQL, a real HTTP sink (:class:`deliverers.record.RecordingSink`).
 Every test states its expected outcome in its docstring; every test ends with
-:func:`outbox.testing.invariants.load` finding no lost intent, no duplicate, no
+:func:`outbox.testing.logs.load` finding no lost intent, no duplicate, no
 phantom and no regressed completed row.
 """
 
@@ -34,7 +34,7 @@ from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params
-from outbox.testing import invariants
+from outbox.testing import invariants, logs
 from outbox.testing.processes import Fleet, Process
 from outbox.testing.workload import (
     ScriptThread,
@@ -48,7 +48,7 @@ from tests.conftest import TEST_SERVER_SETTINGS
 from tests.support import embedded_home, wait_for
 
 # application_name prefixes of the test process's own connections (spared by the killer)
-OURS = ("chaos-%", invariants.CHECKER_APP + "%")
+OURS = ("chaos-%", logs.CHECKER_APP + "%")
 
 
 def own_outbox(dsn: str, name: str = "chaos-writer") -> Outbox:
@@ -157,7 +157,7 @@ def test_kill_9_of_deliverers_and_workers_at_random_points(
                     fleet.kill9(proc)
         top_up(final=True)
         context = f"seed {seed}; killed {killed}"
-        invariants.settle(
+        logs.settle(
             dsn,
             timeout=120,
             sink=sink,
@@ -166,9 +166,7 @@ def test_kill_9_of_deliverers_and_workers_at_random_points(
         survivors = [p for procs in pools.values() for p in procs]
         assert all(fleet.stop(p) == 0 for p in survivors), fleet.tails()
 
-    report = invariants.load(
-        dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids)
-    )
+    report = logs.load(dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids))
     report.assert_clean(context)
     all_succeeded(report, wl.total, dsn, context)
     assert killed, context
@@ -221,14 +219,12 @@ def test_pg_terminate_backend_of_every_deliverer_connection(
                 terminated += terminate_all_but_ours(dsn)
             script.join()
         assert sum(name == "outbox-deliver" for name, _ in terminated) >= 10, terminated
-        invariants.settle(dsn, timeout=90, sink=sink)
+        logs.settle(dsn, timeout=90, sink=sink)
         assert fleet.alive(deliverers) == deliverers, fleet.tails()
         assert [fleet.stop(p) for p in deliverers] == [0, 0], fleet.tails()
         assert run_statuses(ob, run_ids) == {"completed": wl.runs}
 
-    report = invariants.load(
-        dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids)
-    )
+    report = logs.load(dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids))
     report.assert_clean(f"{len(terminated)} backends terminated")
     all_succeeded(report, wl.total, dsn)
 
@@ -247,11 +243,9 @@ def test_the_deliver_command_listens_and_listens_again_after_termination(
         wl = Workload(runs=1, steps=1, effects=3, sink_url=sink.url)
         run_ids = start_runs(ob, wl)
         drive_script(ob, wl, run_ids)
-        invariants.settle(dsn, timeout=30, sink=sink)
+        logs.settle(dsn, timeout=30, sink=sink)
         assert fleet.stop(deliverer) == 0, fleet.tails()
-    report = invariants.load(
-        dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids)
-    )
+    report = logs.load(dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids))
     report.assert_clean()
     all_succeeded(report, wl.total, dsn)
 
@@ -309,25 +303,23 @@ def test_postgresql_restart_in_the_middle_of_load(
         deliverers = [fleet.deliverer("--concurrency", "4") for _ in range(2)]
         with ScriptThread(ob, wl, run_ids, retry_seconds=90, between_steps=0.05) as script:
             wait_for(
-                lambda: invariants.open_counts(dsn).get("succeeded", 0) >= 20,
+                lambda: logs.open_counts(dsn).get("succeeded", 0) >= 20,
                 timeout=60,
                 message="delivery under way",
             )
-            before = invariants.open_counts(dsn)
+            before = logs.open_counts(dsn)
             server.restart(mode="immediate")
             script.join(timeout=120)
         ob.engine.dispose()  # pooled connections from before the restart are dead
-        after_restart = invariants.open_counts(dsn)
-        invariants.settle(dsn, timeout=90, sink=sink)
+        after_restart = logs.open_counts(dsn)
+        logs.settle(dsn, timeout=90, sink=sink)
         assert fleet.alive(deliverers) == deliverers, fleet.tails()
         assert [fleet.stop(p) for p in deliverers] == [0, 0], fleet.tails()
         assert run_statuses(ob, run_ids) == {"completed": wl.runs}
 
     server_log = server.logfile.read_text(errors="replace")
     assert "not properly shut down" in server_log or "redo" in server_log, server_log[-2000:]
-    report = invariants.load(
-        dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids)
-    )
+    report = logs.load(dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids))
     report.assert_clean(f"before restart {before}; just after {after_restart}")
     all_succeeded(report, wl.total, dsn)
 
@@ -363,13 +355,11 @@ def test_a_sink_that_rate_limits_fails_and_hangs_under_load(
         ):
             sink.inject(fault)
         deliverers = [fleet.deliverer("--concurrency", "8") for _ in range(2)]
-        invariants.settle(dsn, timeout=120, sink=sink)
+        logs.settle(dsn, timeout=120, sink=sink)
         assert not sink.state.faults or all(f.times == 0 for f in sink.state.faults)
         assert [fleet.stop(p) for p in deliverers] == [0, 0], fleet.tails()
 
-    report = invariants.load(
-        dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids)
-    )
+    report = logs.load(dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids))
     report.assert_clean()
     blind = {e.id for e in ob.effects(kind="http.blind", limit=1000)}
     assert len(blind) == wl.total // 5
@@ -453,7 +443,7 @@ def test_a_paused_deliverer_cannot_overwrite_the_newer_attempt(
             return all(any(x.outcome == "stale" for x in log) for log in logs)
 
         wait_for(stale_logged, timeout=60, message="A's late outcomes in the attempt log")
-        invariants.settle(dsn, timeout=30, sink=sink)
+        logs.settle(dsn, timeout=30, sink=sink)
         assert [fleet.stop(a), fleet.stop(b)] == [0, 0], fleet.tails()
 
     for effect in ob.effects(limit=100):
@@ -471,9 +461,7 @@ def test_a_paused_deliverer_cannot_overwrite_the_newer_attempt(
         assert [
             (x.attempt, x.outcome) for x in log if (x.worker or "").startswith("reconciler:")
         ] == [(1, "expired")], log
-    report = invariants.load(
-        dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids)
-    )
+    report = logs.load(dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids))
     report.assert_clean()
     assert report.stale == n
     all_succeeded(report, n, dsn)
@@ -579,11 +567,11 @@ lookup_url = "{sink.url}/idempotency/{{key}}"
 
         fleet.config = config
         deliverer = fleet.deliverer("--concurrency", "8")
-        invariants.settle(dsn, timeout=60, sink=sink)
+        logs.settle(dsn, timeout=60, sink=sink)
         assert fleet.stop(deliverer) == 0, fleet.tails()
 
     expected = [f"{kind}:{i}" for kind in kinds for i in range(n)]
-    report = invariants.load(dsn, sink.log_path, expected_operations=expected)
+    report = logs.load(dsn, sink.log_path, expected_operations=expected)
     report.assert_clean()
     ambiguous = [
         (e.kind, e.attempt, e.last_error)

@@ -23,7 +23,15 @@ from click.testing import CliRunner
 from sqlalchemy import Column, Integer, MetaData, String, Table, text
 
 from deliverers.testing import RecordingDeliverer
-from outbox import EffectStatus, IdempotencyConflict, Outbox, Run, RunPaused, RunStatus
+from outbox import (
+    EffectStatus,
+    IdempotencyConflict,
+    Outbox,
+    Run,
+    RunPaused,
+    RunStatus,
+    StepTransaction,
+)
 from outbox.cli import cli as cli_main
 from outbox.gates import Gate
 from outbox.shards import SHARDS, key_shard, shard_of
@@ -340,6 +348,10 @@ def test_workers_drive_runs_on_every_shard_through_a_timer(ob: Outbox, dsn: str)
     assert all(ob.run(r.id).completed_steps == ["before", "nap"] for r in runs)
 
 
+def _intend_amount(tx: StepTransaction, amount: int) -> str:
+    return str(tx.intend("citus.pay", {"amount": amount}).id)
+
+
 def test_a_gate_holds_and_approvals_and_deadlines_act_on_the_held_effect(ob: Outbox) -> None:
     """Approval decisions and the deadline sweep name the effect's shard (a router
     statement each): Citus refuses a lock of a row by id alone."""
@@ -355,13 +367,8 @@ def test_a_gate_holds_and_approvals_and_deadlines_act_on_the_held_effect(ob: Out
     held = []
     for amount in (500, 600, 700):
         run = ob.start_run("citus-payer", "1")
-        held.append(
-            ob.effect(
-                run.transaction(
-                    "pay", lambda tx, a=amount: str(tx.intend("citus.pay", {"amount": a}).id)
-                )
-            )
-        )
+        pay = partial(_intend_amount, amount=amount)
+        held.append(ob.effect(run.transaction("pay", pay)))
     assert {e.status for e in held} == {EffectStatus.AWAITING_APPROVAL}
     approved = ob.approve_effect(held[0].id, digest=held[0].digest, note="ok", by="cfo")
     assert approved.status == EffectStatus.PENDING

@@ -15,7 +15,7 @@ from sqlalchemy import text
 from deliverers.record import RecordingSink
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import Outbox
-from outbox.testing import invariants
+from outbox.testing import logs
 from outbox.testing.invariants import Applied
 
 
@@ -38,7 +38,7 @@ def test_the_logging_sink_logs_applications_not_requests(sink: RecordingSink) ->
                 sink.url + "/x", json={"operation": "op1"}, headers={"Idempotency-Key": "k"}
             )
         client.post(sink.url + "/x", json={"operation": "op2"}, headers={"Idempotency-Key": "k2"})
-    applied_lines, requests = invariants.load_sink_log(sink.log_path)
+    applied_lines, requests = logs.load_sink_log(sink.log_path)
     assert requests == 4
     assert pairs(applied_lines) == [("k", "op1"), ("k2", "op2")]
     assert sink.stats()["keys_applied"] == 2
@@ -69,7 +69,7 @@ def test_the_logging_sink_ignores_a_request_whose_body_was_cut_off(sink: Recordi
     send_headers_then_die(sink, "k1")
     response = deliver_whole(sink, "k1")
     assert response.status_code == 200 and response.json()["applied"] is True
-    applied_lines, requests = invariants.load_sink_log(sink.log_path)
+    applied_lines, requests = logs.load_sink_log(sink.log_path)
     assert (pairs(applied_lines), requests) == ([("k1", "op1")], 1)
 
 
@@ -121,7 +121,7 @@ def test_the_loaders_detect_a_row_corrupted_in_a_real_database(
     with sink.log_path.open("a") as handle:  # and a phantom
         handle.write(json.dumps({"event": "applied", "key": "ghost", "operation": "op9"}) + "\n")
 
-    report = invariants.load(dsn, sink.log_path, expected_operations=[*ops, "op-never"])
+    report = logs.load(dsn, sink.log_path, expected_operations=[*ops, "op-never"])
     counts = report.counts()
     assert counts["lost"] == 3, report.lost  # two pending rows, and op-never has no intent
     assert counts["regressed"] == 1 and str(effects[1].id) in report.regressed[0]
@@ -130,7 +130,7 @@ def test_the_loaders_detect_a_row_corrupted_in_a_real_database(
     assert report.statuses == {"succeeded": 1, "pending": 2}
 
     with pytest.raises(AssertionError, match="did not settle"):
-        invariants.settle(dsn, timeout=0.3)
+        logs.settle(dsn, timeout=0.3)
     with ob.engine.begin() as conn:
         conn.execute(text("UPDATE outbox_effects SET status = 'unknown'"))
-    assert invariants.settle(dsn, timeout=5, sink=sink) == {"unknown": 3}
+    assert logs.settle(dsn, timeout=5, sink=sink) == {"unknown": 3}

@@ -35,6 +35,7 @@ BASE = {
     "gates",
     "effect_diff",
     "chain",
+    "audit_record",
     "tracing",
     "blobs",
 }

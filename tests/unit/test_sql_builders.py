@@ -27,13 +27,27 @@ from outbox.storage.sql import (
     dispatch,
     effects,
     governance,
+    leases,
     maintenance,
+    notes,
     queue,
     runs,
     steps,
 )
 
-MODULES = [steps, queue, effects, dispatch, runs, maintenance, control, blobs, governance]
+MODULES = [
+    steps,
+    queue,
+    leases,
+    effects,
+    notes,
+    dispatch,
+    runs,
+    maintenance,
+    control,
+    blobs,
+    governance,
+]
 # Literals a statement may compare a status (or an attempt-log outcome) with.
 KNOWN = {str(v) for enum in (RunStatus, EffectStatus, StepStatus, AttemptOutcome) for v in enum}
 VARIANTS: dict[str, list[dict[str, Any]]] = {
@@ -166,7 +180,7 @@ def test_claims_skip_locked_rows_and_start_a_new_attempt() -> None:
 
 
 def test_every_write_about_an_attempt_is_a_compare_and_set() -> None:
-    extend = _sql(queue.extend_leases(queue.EFFECT_QUEUE))
+    extend = _sql(leases.extend_leases(queue.EFFECT_QUEUE))
     assert "outbox_effects.attempt = h.attempt" in extend
     assert "outbox_effects.lease_owner = %(owner)s" in extend
     complete = _sql(effects.complete_effects())

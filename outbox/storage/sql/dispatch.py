@@ -29,7 +29,8 @@ from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.schema import effects
 from outbox.storage.sql.common import SECONDS, const
 from outbox.storage.sql.effects import log_changes, on_shard_predicate
-from outbox.storage.sql.queue import EFFECT_QUEUE, held_rows
+from outbox.storage.sql.leases import held_rows
+from outbox.storage.sql.queue import EFFECT_QUEUE
 
 __all__ = ["claim_dispatched", "mark_dispatched", "redispatch_expired"]
 

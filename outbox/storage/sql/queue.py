@@ -9,7 +9,7 @@ Both queues carry a priority and a fairness key; a claim takes higher
 priorities first and shares its batch between fairness keys (see :func:`claim`).
 Every later write about that attempt (heartbeat, completion, rescue) is a
 compare-and-set on (status, owner, attempt), so a worker whose lease was taken
-over changes nothing.
+over changes nothing (the heartbeat's statement: :mod:`outbox.storage.sql.leases`).
 
 The statements are pure functions returning SQLAlchemy Core; no parameter is
 named like a column (SQLAlchemy would add it to an UPDATE's SET).
@@ -17,7 +17,6 @@ named like a column (SQLAlchemy would add it to an UPDATE's SET).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, NamedTuple
@@ -34,7 +33,6 @@ from sqlalchemy import (
     any_,
     bindparam,
     cast,
-    column,
     exists,
     func,
     literal_column,
@@ -51,7 +49,7 @@ from sqlalchemy.sql.expression import ColumnElement
 
 from outbox.models import OPEN_EFFECT_STATUSES, EffectStatus, RunStatus
 from outbox.storage.schema import effects, rate_limits, runs
-from outbox.storage.sql.common import SECONDS, AnySelect, const, in_statuses, json_param
+from outbox.storage.sql.common import SECONDS, AnySelect, const, in_statuses
 
 __all__ = [
     "EFFECT_QUEUE",
@@ -61,9 +59,6 @@ __all__ = [
     "Rate",
     "claim",
     "claim_params",
-    "extend_leases",
-    "extend_params",
-    "held_rows",
 ]
 
 
@@ -484,43 +479,3 @@ def claim_params(
     if rate is not None:
         params.update(rate=rate.per_second, burst=rate.burst)
     return params
-
-
-def extend_params(held: Any, *, owner: str, lease_seconds: float) -> dict[str, Any]:
-    """Parameters of :func:`extend_leases` for ``(id, attempt)`` pairs."""
-    payload = json.dumps([{"id": str(i), "attempt": a} for i, a in held])
-    return {"held": payload, "owner": owner, "lease_seconds": lease_seconds}
-
-
-def held_rows() -> Any:
-    """The ``:held`` parameter (JSON ``[{id, attempt}]``) as a row set."""
-    return (
-        func.jsonb_to_recordset(json_param("held"))
-        .table_valued(column("id", UUID(as_uuid=True)), column("attempt", Integer))
-        .render_derived(name="h", with_types=True)
-    )
-
-
-@cache
-def extend_leases(spec: QueueSpec) -> Any:
-    """Heartbeat: push out the leases ``owner`` still holds; returns the ids still held.
-
-    Parameters: ``owner``, ``lease_seconds``, ``held`` (JSON ``[{id, attempt}]``).
-    An id missing from the result was taken over: its lease is lost.
-    """
-    t = spec.table
-    held = held_rows()
-    # a sharded spec's leases are extended a shard at a time (``part_shard``)
-    on_shard = [t.c.shard == bindparam("part_shard", type_=SmallInteger)] if spec.sharded else []
-    return (
-        t.update()
-        .where(
-            t.c.id == held.c.id,
-            t.c.attempt == held.c.attempt,
-            t.c.lease_owner == bindparam("owner", type_=Text),
-            t.c.status == const(spec.claimed),
-            *on_shard,
-        )
-        .values(lease_expires_at=func.now() + bindparam("lease_seconds", type_=Float) * SECONDS)
-        .returning(t.c.id)
-    )
