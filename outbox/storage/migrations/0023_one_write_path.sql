@@ -235,6 +235,27 @@ SELECT sha256(prev || convert_to('outbox.attempt.v2' || outbox_lp(effect_id::tex
     || outbox_lp(effect_status) || outbox_lp(result_hash), 'UTF8'))
 $$;
 
+-- outbox_resolve without the hash check, for `outbox audit verify` alone: the
+-- audit hashes every referenced blob itself and reports an altered one as a break
+-- naming it (outbox.chain), where a raised error would stop the whole report.
+-- Nothing else may read through it: what it returns is not vouched for.
+CREATE OR REPLACE FUNCTION outbox_resolve_unchecked(value jsonb) RETURNS jsonb
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    sha text := outbox_reference_sha(value);
+    stored text;
+BEGIN
+    IF sha IS NULL THEN
+        RETURN value;
+    END IF;
+    SELECT b.data INTO stored FROM outbox_blobs AS b WHERE b.sha256 = sha LIMIT 1;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'stored value sha256=% is missing from outbox_blobs', sha;
+    END IF;
+    RETURN stored::jsonb;
+END
+$$;
+
 -- Refuse a run that takes no steps now: missing (OB004), paused (OB009) or
 -- ended (OB005).
 CREATE OR REPLACE FUNCTION outbox_raise_run_refusal(p_run_id uuid) RETURNS void
@@ -2147,30 +2168,6 @@ SELECT r.id, r.agent, r.agent_version, r.status, outbox_resolve(r.inputs, r.shar
  WHERE r.id = outbox_run_status.run_id AND r.shard = outbox_shard_of(outbox_run_status.run_id)
 $$;
 
--- outbox_resolve without the hash check, for `outbox audit verify` alone: the
--- audit hashes every referenced blob itself and reports an altered one as a break
--- naming it (outbox.chain), where a raised error would stop the whole report.
--- Nothing else may read through it: what it returns is not vouched for.
-CREATE OR REPLACE FUNCTION outbox_resolve_unchecked(value jsonb) RETURNS jsonb
-    LANGUAGE plpgsql STABLE AS $$
-DECLARE
-    stored text;
-BEGIN
-    IF jsonb_typeof(value) IS DISTINCT FROM 'object' OR NOT value ? '__outbox_blob__'
-       OR jsonb_typeof(value->'__outbox_blob__'->'sha256') IS DISTINCT FROM 'string'
-       OR (SELECT count(*) FROM jsonb_object_keys(value)) <> 1 THEN
-        RETURN value;
-    END IF;
-    SELECT b.data INTO stored FROM outbox_blobs AS b
-     WHERE b.sha256 = value->'__outbox_blob__'->>'sha256' LIMIT 1;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'stored value sha256=% is missing from outbox_blobs',
-            value->'__outbox_blob__'->>'sha256';
-    END IF;
-    RETURN stored::jsonb;
-END
-$$;
-
 -- Statuses in which a run takes steps and intents (models.ACTIVE_RUN_STATUSES):
 -- the live ones but paused (a paused run still takes signals).
 -- (A constant, not read from outbox_intent_rules(): it is inlined into every step.)
@@ -2652,6 +2649,19 @@ BEGIN
 END
 $$;
 
+-- The sha256 a value names when it is a reference to a stored value (an object
+-- whose one key is __outbox_blob__, naming a sha256 string), else NULL. One
+-- expression (the planner inlines it), each test in its own branch.
+CREATE OR REPLACE FUNCTION outbox_reference_sha(value jsonb) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT CASE WHEN jsonb_typeof(value) IS DISTINCT FROM 'object' THEN NULL
+            WHEN NOT value ? '__outbox_blob__' THEN NULL
+            WHEN value - '__outbox_blob__' <> '{}'::jsonb THEN NULL
+            WHEN jsonb_typeof(value->'__outbox_blob__'->'sha256') IS DISTINCT FROM 'string'
+                THEN NULL
+            ELSE value->'__outbox_blob__'->>'sha256' END
+$$;
+
 -- A value as read from a row of shard (its owner's), with a reference replaced by
 -- the value it names. (Without a shard: any shard's copy, on one server.)
 -- The text read is hashed first, as outbox.storage.blob_store.fetch does: one that
@@ -2663,12 +2673,10 @@ DECLARE
     sha text;
     stored text;
 BEGIN
-    IF jsonb_typeof(value) IS DISTINCT FROM 'object' OR NOT value ? '__outbox_blob__'
-       OR jsonb_typeof(value->'__outbox_blob__'->'sha256') IS DISTINCT FROM 'string'
-       OR (SELECT count(*) FROM jsonb_object_keys(value)) <> 1 THEN
+    sha := outbox_reference_sha(value);
+    IF sha IS NULL THEN
         RETURN value;
     END IF;
-    sha := value->'__outbox_blob__'->>'sha256';
     IF outbox_resolve.shard IS NULL THEN
         SELECT b.data INTO stored FROM outbox_blobs AS b WHERE b.sha256 = sha LIMIT 1;
     ELSE
