@@ -137,7 +137,7 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
     if any(r.status not in TERMINAL_EFFECT_STATUSES for r in compensations):
         return status
     if all(r.status == EffectStatus.SUCCEEDED for r in compensations):
-        tx.mark_compensated([r.compensates for r in compensations])
+        tx.mark_compensated(run_id, [r.compensates for r in compensations])
         return finish(RunStatus.COMPENSATED)
     return finish(RunStatus.COMPENSATION_FAILED)
 

@@ -24,11 +24,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.blobs import reference_hash
 from outbox.errors import ConfigurationError
+from outbox.shards import SHARDS
 from outbox.storage import blob_store
 from outbox.storage.attempts import Batched, ClaimedEffect, Completion, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
 from outbox.storage.direct import DirectConnections, prepared
-from outbox.storage.engine import libpq_dsn, translate_errors
+from outbox.storage.engine import distributed, libpq_dsn, translate_errors
 from outbox.storage.notify import listen
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
@@ -442,16 +443,9 @@ class AsyncStore:
         self, known: Sequence[str], *, grace_seconds: float, note_prefix: str, max_rows: int = 1000
     ) -> int:
         """Note on pending effects of kinds no deliverer here knows; returns how many."""
-        params = {
-            "known": list(known),
-            "grace_seconds": grace_seconds,
-            "note_prefix": note_prefix,
-            "max_rows": max_rows,
-        }
+        params = {"known": list(known), "grace_seconds": grace_seconds, "note_prefix": note_prefix}
         with translate_errors("noting unknown kinds"):
-            async with self.engine.begin() as conn:
-                result = await conn.execute(notes.mark_unknown_kinds(), params)
-                return len(result.all())
+            return await self._note_each_shard(notes.mark_unknown_kinds, params, max_rows)
 
     async def recorded_result(self, effect_id: UUID) -> tuple[bool, Any]:
         """The result a real run recorded for the intent a dry-run effect stands for."""
@@ -483,11 +477,32 @@ class AsyncStore:
         Also clears such notes whose block is gone. Not for the claim path: a
         maintenance round calls it.
         """
-        params = {"grace_seconds": grace_seconds, "max_rows": max_rows}
+        params = {"grace_seconds": grace_seconds}
         with translate_errors("noting effects held back by their ordering key"):
+            return await self._note_each_shard(notes.note_blocked_by_order, params, max_rows)
+
+    async def _note_each_shard(
+        self, statement: Callable[..., Any], params: dict[str, Any], max_rows: int
+    ) -> int:
+        """Run a notes ``statement(sharded=...)`` for up to ``max_rows`` effects; how many.
+
+        On Citus a shard at a time, each in a transaction of its own: a
+        maintenance round must not send every shard a statement at once.
+        """
+        async with self.engine.connect() as conn:
+            sharded = await conn.run_sync(distributed)
+        if not sharded:
             async with self.engine.begin() as conn:
-                result = await conn.execute(notes.note_blocked_by_order(), params)
+                result = await conn.execute(statement(), {**params, "max_rows": max_rows})
                 return len(result.all())
+        noted = 0
+        for shard in range(SHARDS):
+            bound = {**params, "max_rows": max_rows - noted, "on_shard": shard}
+            async with self.engine.begin() as conn:
+                noted += len((await conn.execute(statement(sharded=True), bound)).all())
+            if noted >= max_rows:
+                break
+        return noted
 
     # -- owners that are gone (outbox.storage.sql.owners) ---------------------------
 

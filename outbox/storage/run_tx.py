@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -282,15 +282,7 @@ class RunTx:
 
     def due_approvals(self, max_rows: int) -> list[uuid.UUID]:
         """Held effects whose approval deadline passed, locked (others skip them)."""
-        if not distributed(self.connection):
-            rows = self._run(gov_sql.due_approvals(), {"max_rows": max_rows}).all()
-        else:  # a shard at a time: Citus locks rows only in a statement on one shard
-            rows = []
-            for shard in range(SHARDS):
-                params = {"max_rows": max_rows - len(rows), "on_shard": shard}
-                rows += self._run(gov_sql.due_approvals(sharded=True), params).all()
-                if len(rows) >= max_rows:
-                    break
+        rows = self._each_shard(gov_sql.due_approvals, max_rows)
         self._effect_shards.update((r.id, int(r.shard)) for r in rows)
         return [r.id for r in rows]
 
@@ -307,9 +299,9 @@ class RunTx:
         """Every effect of the run in intent order: id, status, compensate, compensates, key."""
         return list(self._run(run_sql.run_effects_for_stopping(), {"stopping_run": run_id}).all())
 
-    def mark_compensated(self, effect_ids: Sequence[uuid.UUID]) -> None:
-        """Succeeded effects whose compensation succeeded become ``compensated``."""
-        self._run(run_sql.mark_compensated(), {"ids": list(effect_ids)})
+    def mark_compensated(self, run_id: uuid.UUID, effect_ids: Sequence[uuid.UUID]) -> None:
+        """The run's succeeded effects whose compensation succeeded become ``compensated``."""
+        self._run(run_sql.mark_compensated(), {"stopping_run": run_id, "ids": list(effect_ids)})
 
     def intend_compensations(self, run_id: uuid.UUID, originals: Sequence[uuid.UUID]) -> int:
         """Intend the compensations of a stopping run's effects ``originals``; how many were new."""
@@ -317,7 +309,23 @@ class RunTx:
 
     def stopping_runs(self, max_rows: int) -> list[uuid.UUID]:
         """Cancelling and compensating runs, oldest change first."""
-        return [r.id for r in self._run(run_sql.stopping_runs(), {"max_rows": max_rows})]
+        return [r.id for r in self._each_shard(run_sql.stopping_runs, max_rows)]
+
+    def _each_shard(self, statement: Callable[..., Any], max_rows: int) -> list[Any]:
+        """Up to ``max_rows`` rows of a sweep's ``statement(sharded=...)``.
+
+        On Citus a shard at a time: it locks rows only in a statement on one
+        shard, and a sweep must not send every shard a statement each round.
+        """
+        if not distributed(self.connection):
+            return list(self._run(statement(), {"max_rows": max_rows}).all())
+        rows: list[Any] = []
+        for shard in range(SHARDS):
+            bound = {"max_rows": max_rows - len(rows), "on_shard": shard}
+            rows += self._run(statement(sharded=True), bound).all()
+            if len(rows) >= max_rows:
+                break
+        return rows
 
     def savepoint(self) -> Any:
         """A nested transaction (one stopping run's failure must not undo the others)."""

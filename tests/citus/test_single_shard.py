@@ -128,3 +128,42 @@ def test_workers_pause_resume_signal_and_timers_stay_on_one_shard_each(
 
             wait_for(completed, timeout=60)
     assert _refusals(caplog) == []
+
+
+def test_cancel_and_compensation_stay_on_one_shard_each(
+    ob: Outbox, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stopping sweep (every deliverer's and worker's duty) reads a shard at a time."""
+    runs = [ob.start_run("stopping", "1", {"i": i}) for i in range(4)]
+    for run in runs:
+        run.transaction(
+            "book",
+            lambda tx: tx.intend(KIND, {"n": 1}, compensate=(KIND, {"undo": 1})) and None,
+        )
+    deliverer = RecordingDeliverer(KIND)
+    with DaemonThread(dsn, {KIND: deliverer}, batch_size=4, poll_seconds=0.1, lease_seconds=2):
+
+        def succeeded() -> bool:
+            with psycopg.connect(dsn) as conn:
+                return all(
+                    conn.execute(
+                        "SELECT bool_and(status = 'succeeded') FROM outbox_effects"
+                        " WHERE run_id = %s AND shard = %s",
+                        [run.id, shard_of(run.id)],
+                    ).fetchone()
+                    == (True,)
+                    for run in runs
+                )
+
+        wait_for(succeeded, timeout=60, message="booked")
+        for run in runs:
+            assert ob.cancel(run.id, "changed my mind", by="test") == RunStatus.COMPENSATING
+        ob.advance_stopping_runs()  # the sweep, once by hand, beside the daemon's own
+
+        def compensated() -> bool:
+            ob.advance_stopping_runs()
+            return all(ob.run(r.id).status == RunStatus.COMPENSATED for r in runs)
+
+        wait_for(compensated, timeout=60, message="every run compensated")
+    assert sorted(d.payload.get("undo", 0) for d in deliverer.deliveries) == [0] * 4 + [1] * 4
+    assert _refusals(caplog) == []

@@ -419,6 +419,7 @@ def cancel_pending_effects() -> Any:
         effects.update()
         .where(
             effects.c.run_id == _OF_RUN,
+            effects.c.shard == shard_of(_OF_RUN),
             in_statuses(effects.c.status, NOT_STARTED_EFFECT_STATUSES),
             effects.c.compensates.is_(None),
         )
@@ -439,11 +440,17 @@ def cancel_pending_effects() -> Any:
     )
 
 
-def stopping_runs() -> AnySelect:
-    """Runs being cancelled or compensated, oldest change first (by index)."""
+def stopping_runs(sharded: bool = False) -> AnySelect:
+    """Runs being cancelled or compensated, oldest change first (by index).
+
+    ``sharded`` (Citus): of shard ``:on_shard`` only.
+    """
     return (
         select(runs.c.id)
-        .where(in_statuses(runs.c.status, STOPPING_RUN_STATUSES))
+        .where(
+            in_statuses(runs.c.status, STOPPING_RUN_STATUSES),
+            *([runs.c.shard == bindparam("on_shard", type_=SmallInteger)] if sharded else []),
+        )
         .order_by(runs.c.updated_at)
         .limit(bindparam("max_rows", type_=Integer))
     )
@@ -463,17 +470,19 @@ def run_effects_for_stopping() -> AnySelect:
             effects.c.priority,
             effects.c.fairness_key,
         )
-        .where(effects.c.run_id == _OF_RUN)
+        .where(effects.c.run_id == _OF_RUN, effects.c.shard == shard_of(_OF_RUN))
         .order_by(effects.c.seq)
     )
 
 
 @cache
 def mark_compensated() -> Any:
-    """Succeeded effects whose compensation succeeded become ``compensated``."""
+    """A stopping run's succeeded effects whose compensation succeeded become ``compensated``."""
     return (
         effects.update()
         .where(
+            effects.c.run_id == _OF_RUN,
+            effects.c.shard == shard_of(_OF_RUN),
             effects.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
             effects.c.status == const("succeeded"),
         )
