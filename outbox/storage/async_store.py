@@ -29,7 +29,7 @@ from outbox.storage import blob_store
 from outbox.storage.attempts import Batched, ClaimedEffect, Completion, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
 from outbox.storage.direct import DirectConnections, prepared
-from outbox.storage.engine import distributed, libpq_dsn, translate_errors
+from outbox.storage.engine import libpq_dsn, translate_errors
 from outbox.storage.notify import listen
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
@@ -484,24 +484,22 @@ class AsyncStore:
     async def _note_each_shard(
         self, statement: Callable[..., Any], params: dict[str, Any], max_rows: int
     ) -> int:
-        """Run a notes ``statement(sharded=...)`` for up to ``max_rows`` effects; how many.
+        """How many effects a notes ``statement`` noted, up to ``max_rows``.
 
-        On Citus a shard at a time, each in a transaction of its own: a
-        maintenance round must not send every shard a statement at once.
+        On Citus a shard at a time, a transaction each (a round must not ask every shard at once).
         """
-        async with self.engine.connect() as conn:
-            sharded = await conn.run_sync(distributed)
-        if not sharded:
-            async with self.engine.begin() as conn:
-                result = await conn.execute(statement(), {**params, "max_rows": max_rows})
-                return len(result.all())
         noted = 0
-        for shard in range(SHARDS):
-            bound = {**params, "max_rows": max_rows - noted, "on_shard": shard}
-            async with self.engine.begin() as conn:
-                noted += len((await conn.execute(statement(sharded=True), bound)).all())
-            if noted >= max_rows:
-                break
+        shards: Sequence[int | None] = range(SHARDS) if await self._is_sharded() else [None]
+        async with self.engine.connect() as conn:
+            for shard in shards:
+                bound = {**params, "max_rows": max_rows - noted}
+                if shard is not None:
+                    bound["on_shard"] = shard
+                async with conn.begin():
+                    result = await conn.execute(statement(sharded=shard is not None), bound)
+                    noted += len(result.all())
+                if noted >= max_rows:
+                    break
         return noted
 
     # -- owners that are gone (outbox.storage.sql.owners) ---------------------------

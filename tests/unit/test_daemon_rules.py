@@ -256,7 +256,11 @@ def test_a_trickle_of_one_kind_is_claimed_with_a_backlog_that_fills_the_daemon()
     run(
         store, {"k.backlog": backlog, "k.trickle": trickle}, scenario, concurrency=20, batch_size=10
     )
-    assert max(waited) < 0.4, [round(w, 3) for w in waited]
+    # Before the fix the first trickle waited about a second and two to four of the
+    # six waited over 0.3 s; now each is claimed with the next batch (~20 ms). One slow
+    # wait is let through: a loaded machine delays a claim now and then.
+    shown = [round(w, 3) for w in waited]
+    assert max(waited) < 0.8 and sum(w > 0.3 for w in waited) <= 1, shown
 
 
 # -- retries, failures, ordering ----------------------------------------------------------
