@@ -95,7 +95,7 @@ class AsyncStore:
 
     def listen_for_effects(self, wake: asyncio.Event) -> Coroutine[Any, Any, None]:
         """LISTEN for committed intents on a connection of its own (run it as a task)."""
-        return listen(self.dsn, EFFECTS_CHANNEL, wake)
+        return listen(self.dsn, EFFECTS_CHANNEL, wake, on_payload=self._shards.hint)
 
     def owner_lock(self, owner: str) -> OwnerLock:
         """The session lock of ``owner``, on a connection of its own."""
@@ -125,13 +125,15 @@ class AsyncStore:
     ) -> list[ClaimedEffect]:
         """The claim of each partition's quota on ``conn`` (the caller owns the transaction).
 
-        On Citus a claim reads one shard: the shards take turns, and a partition's
-        claim goes on to the next one until its quota is met or each was asked.
+        On Citus a claim reads one shard: a partition's claim asks them in the order
+        of ``ShardTurns.plan`` (named by a wake-up first, then taking turns) until
+        its quota is met, it may end with the named ones, or each was asked.
         """
         rows: list[ClaimedEffect] = []
         sharded = await self.sharded(conn)
         if sharded:
             spec = dataclasses.replace(spec, sharded=True)
+        hints = self._shards.take_hints() if sharded else frozenset()
         for partition, limit in quotas:
             rate = None if rates is None else rates.get(partition.get("kind", ""))
             if rate is not None and sharded:
@@ -145,8 +147,9 @@ class AsyncStore:
                 )
                 continue
             taken = 0  # this partition's own: partitions of one kind each have their quota
-            for shard in self._shards.live(self._shards.turn(str(partition))):
-                if taken >= limit:
+            order, may_end = self._shards.plan(str(partition), hints)
+            for n, shard in enumerate(order):
+                if taken >= limit or self._shards.ends_here(str(partition), n, taken, may_end):
                     break
                 self._shards.took(str(partition), shard)
                 found: list[ClaimedEffect] = []
@@ -160,9 +163,9 @@ class AsyncStore:
                         )
                 taken += len(found)
                 rows += found
-        for row in rows:
-            if row.shard is not None:
-                self._shards.of[row.id] = row.shard
+            else:
+                self._shards.swept(str(partition))
+        self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
         return rows
 
     async def _claim_partition(
@@ -484,17 +487,13 @@ class AsyncStore:
     async def _note_each_shard(
         self, statement: Callable[..., Any], params: dict[str, Any], max_rows: int
     ) -> int:
-        """How many effects a notes ``statement`` noted, up to ``max_rows``.
-
-        On Citus a shard at a time, a transaction each (a round must not ask every shard at once).
-        """
+        """Effects a notes ``statement`` noted, up to ``max_rows``: on Citus a shard at a time."""
         noted = 0
         shards: Sequence[int | None] = range(SHARDS) if await self._is_sharded() else [None]
         async with self.engine.connect() as conn:
             for shard in shards:
-                bound = {**params, "max_rows": max_rows - noted}
-                if shard is not None:
-                    bound["on_shard"] = shard
+                on = {} if shard is None else {"on_shard": shard}
+                bound = {**params, "max_rows": max_rows - noted, **on}
                 async with conn.begin():
                     result = await conn.execute(statement(sharded=shard is not None), bound)
                     noted += len(result.all())

@@ -130,11 +130,18 @@ class WakeupThrottle:
                 log.warning("trailing NOTIFY failed; listeners fall back to polling", exc_info=True)
 
 
-async def listen(dsn: str, channel: str, wake: asyncio.Event) -> None:
+async def listen(
+    dsn: str,
+    channel: str,
+    wake: asyncio.Event,
+    *,
+    on_payload: Callable[[str], None] | None = None,
+) -> None:
     """Set ``wake`` on every NOTIFY on ``channel``, reconnecting forever (cancel to stop).
 
     While the connection is down the caller's poll is the only wake-up; on
     reconnect ``wake`` is set once, for anything committed in between.
+    ``on_payload`` is given each NOTIFY's payload first.
     """
     backoff = 0.1
     while True:
@@ -144,7 +151,9 @@ async def listen(dsn: str, channel: str, wake: asyncio.Event) -> None:
                 await conn.execute(f"LISTEN {channel}")
                 backoff = 0.1
                 wake.set()
-                async for _ in conn.notifies():
+                async for note in conn.notifies():
+                    if on_payload is not None:
+                        on_payload(note.payload)
                     wake.set()
         except asyncio.CancelledError:
             raise

@@ -27,12 +27,15 @@ from outbox.storage.engine import node_unreachable
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql.common import RUNS_CHANNEL
 
-__all__ = ["SHARD_REST_SECONDS", "ShardTurns", "complete_on", "effect_shard"]
+__all__ = ["SHARD_REST_SECONDS", "SWEEP_SECONDS", "ShardTurns", "complete_on", "effect_shard"]
 
 log = logging.getLogger(__name__)
 
 #: How long a shard whose node did not answer is left alone before it is asked again.
 SHARD_REST_SECONDS = 5.0
+#: Claims woken for named shards may end with them for this long; then one asks
+#: every shard (the shards no wake-up named wait at most this much longer).
+SWEEP_SECONDS = 1.0
 
 
 class ShardTurns:
@@ -43,6 +46,9 @@ class ShardTurns:
         self.of: dict[UUID, int] = {}
         self._turn: dict[str, int] = {}
         self._resting: dict[int, float] = {}
+        self._hinted: set[int] = set()
+        #: When the first claim that ended with the named shards since a full round did.
+        self._skipping: dict[str, float] = {}
 
     def turn(self, partition: str) -> int:
         """The shard ``partition``'s next claim starts at."""
@@ -51,6 +57,45 @@ class ShardTurns:
     def took(self, partition: str, shard: int) -> None:
         """``partition`` asked ``shard``: the next claim starts after it."""
         self._turn[partition] = (shard + 1) % SHARDS
+
+    def hint(self, payload: str) -> None:
+        """A wake-up's payload: a step on Citus names its run's shard (others name none)."""
+        if payload.isdigit() and int(payload) < SHARDS:
+            self._hinted.add(int(payload))
+
+    def take_hints(self) -> frozenset[int]:
+        """The shards named since the last claim (the next claims start afresh)."""
+        hints, self._hinted = frozenset(self._hinted), set()
+        return hints
+
+    def plan(self, partition: str, hints: frozenset[int]) -> tuple[list[int], int]:
+        """The live shards a claim of ``partition`` asks, in order, and after how many it may end.
+
+        Shards a wake-up named come first, and a claim that took rows from them
+        ends there: an idle deliverer answers a step with one statement, not one
+        per shard. Claims may end so only for ``SWEEP_SECONDS`` after the first
+        of them (:meth:`ends_here`); then one asks every shard again
+        (:meth:`swept`), so a steady stream of wake-ups never starves the others.
+        """
+        live = self.live(self.turn(partition))
+        first = [s for s in live if s in hints]
+        since = self._skipping.get(partition)
+        may_end = first and (since is None or time.monotonic() - since < SWEEP_SECONDS)
+        return first + [s for s in live if s not in hints], len(first) if may_end else len(live)
+
+    def ends_here(self, partition: str, asked: int, taken: int, may_end: int) -> bool:
+        """Whether ``partition``'s claim, with ``asked`` shards asked, ends with the named ones.
+
+        Only right after them: past them, a claim fills its quota as any other.
+        """
+        if taken and asked == may_end:
+            self._skipping.setdefault(partition, time.monotonic())
+            return True
+        return False
+
+    def swept(self, partition: str) -> None:
+        """``partition``'s claim asked every live shard."""
+        self._skipping.pop(partition, None)
 
     def live(self, start: int = 0) -> list[int]:
         """The shards to ask, from ``start`` on, less those whose node just failed."""

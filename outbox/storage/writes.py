@@ -179,7 +179,8 @@ _BEGIN_RUN = (
 # On Citus the step's write runs on its run's shard alone: callers' keys are taken
 # on their own shards first, and the deliverers are woken from the coordinator.
 _TAKE_KEYS = "SELECT outbox_take_keys(%s, %s::jsonb)"
-_WAKE_DELIVERERS = "SELECT pg_notify('outbox_effects', '')"
+# The payload names the shard, so an idle deliverer asks it first (ShardTurns.plan).
+_WAKE_DELIVERERS = "SELECT pg_notify('outbox_effects', %s::text)"
 _FINISH_RUN = "SELECT outbox_finish_run(%s, %s, %s::jsonb, %s::jsonb, %s, %s)"
 _COMPENSATE = "SELECT outbox_intend_compensations(%s, %s)"
 
@@ -280,7 +281,7 @@ def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) 
     except StepAlreadyRecorded as exc:
         raise StepTaken from exc
     if row[3]:
-        _call(conn, _WAKE_DELIVERERS, ())
+        _call(conn, _WAKE_DELIVERERS, (params[0],))
     return StepWritten(int(row[0]), tuple(row[1]), bool(row[2]))
 
 

@@ -12,9 +12,11 @@ resume, signal, replay) must run without a single refusal. Reads for people
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import psycopg
 import pytest
@@ -24,6 +26,7 @@ from deliverers.testing import RecordingDeliverer
 from outbox import Outbox, Run, RunStatus, StepTransaction
 from outbox.cli import cli as cli_main
 from outbox.shards import shard_of
+from outbox.storage.async_store import AsyncStore
 from tests.citus_support import CitusDatabase
 from tests.support import DaemonThread, WorkerThread, wait_for
 
@@ -166,4 +169,44 @@ def test_cancel_and_compensation_stay_on_one_shard_each(
 
         wait_for(compensated, timeout=60, message="every run compensated")
     assert sorted(d.payload.get("undo", 0) for d in deliverer.deliveries) == [0] * 4 + [1] * 4
+    assert _refusals(caplog) == []
+
+
+def test_a_steps_wake_up_names_its_shard_and_an_idle_deliverer_asks_that_shard_alone(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without the name, the claim a wake-up starts asks the shards in turn, a statement each."""
+    claims: list[tuple[list[int], list[uuid.UUID]]] = []  # per claim: shards asked, rows taken
+    asking: list[int] = []
+    claim_on, claim_partition = AsyncStore._claim_on, AsyncStore._claim_partition
+
+    async def one_claim(store: AsyncStore, *args: Any) -> Any:
+        asking.clear()
+        rows = await claim_on(store, *args)
+        claims.append((list(asking), [r.id for r in rows]))
+        return rows
+
+    async def one_shard(store: AsyncStore, conn: Any, spec: Any, partition: Any, *a: Any) -> Any:
+        asking.append(int(partition["shard"]))
+        return await claim_partition(store, conn, spec, partition, *a)
+
+    monkeypatch.setattr(AsyncStore, "_claim_on", one_claim)
+    monkeypatch.setattr(AsyncStore, "_claim_partition", one_shard)
+    deliverer = RecordingDeliverer("k.named")
+    with DaemonThread(dsn, {"k.named": deliverer}, poll_seconds=60):
+        run = ob.start_run("named", "1")
+        with psycopg.connect(dsn, autocommit=True) as listener:
+            listener.execute("LISTEN outbox_effects")
+            # An idle deliverer's claims back off (0.01 s doubling); a few seconds in,
+            # just after one of them, the next is over a second away: the commit's
+            # wake-up, not a backoff claim, starts the claim that finds the intent.
+            time.sleep(3)
+            seen = len(claims)
+            wait_for(lambda: len(claims) > seen, timeout=60, message="an idle claim")
+            run.transaction("s", lambda tx: tx.intend("k.named", {"n": 1}) and None)
+            payloads = [n.payload for n in listener.notifies(timeout=10, stop_after=1)]
+        wait_for(lambda: deliverer.deliveries, timeout=30, message="the delivery")
+    assert payloads == [str(shard_of(run.id))]
+    effect_id = deliverer.deliveries[0].effect_id
+    assert [asked for asked, taken in claims if effect_id in taken] == [[shard_of(run.id)]]
     assert _refusals(caplog) == []

@@ -1,0 +1,85 @@
+"""The order in which a deliverer on Citus asks the shards (``ShardTurns``), without a cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from outbox.shards import SHARDS
+from outbox.storage import shard_turns
+from outbox.storage.shard_turns import ShardTurns
+
+P = "{'kind': 'k.one'}"
+
+
+def _claim(turns: ShardTurns, holding: set[int], limit: int = 10) -> list[int]:
+    """The shards one claim asks when ``holding`` have a row each (as AsyncStore._claim_on)."""
+    order, may_end = turns.plan(P, turns.take_hints())
+    asked: list[int] = []
+    taken = 0
+    for n, shard in enumerate(order):
+        if taken >= limit or turns.ends_here(P, n, taken, may_end):
+            break
+        turns.took(P, shard)
+        asked.append(shard)
+        taken += shard in holding
+    else:
+        turns.swept(P)
+    return asked
+
+
+def test_only_a_shard_number_is_a_hint() -> None:
+    turns = ShardTurns()
+    for payload in ("", "x", "-1", str(SHARDS), "3.0", "7", "7", "12"):
+        turns.hint(payload)
+    assert turns.take_hints() == {7, 12}
+    assert turns.take_hints() == frozenset()
+
+
+def test_without_a_hint_a_claim_asks_every_shard_in_turn() -> None:
+    turns = ShardTurns()
+    assert _claim(turns, holding={5}) == list(range(SHARDS))
+    # the next claim starts where this one stopped (after the last shard asked)
+    order, may_end = turns.plan(P, frozenset())
+    assert order[0] == 0 and may_end == SHARDS
+
+
+def test_a_quota_met_ends_a_claim_and_the_next_starts_after_it() -> None:
+    turns = ShardTurns()
+    assert _claim(turns, holding={1, 2}, limit=2) == [0, 1, 2]
+    assert turns.plan(P, frozenset())[0][0] == 3
+
+
+def test_a_named_shard_is_asked_first_and_alone_when_it_has_rows() -> None:
+    turns = ShardTurns()
+    turns.hint("9")
+    assert _claim(turns, holding={9}) == [9]
+
+
+def test_a_named_shard_without_rows_goes_on_to_every_other() -> None:
+    turns = ShardTurns()
+    turns.hint("9")
+    asked = _claim(turns, holding={20})
+    assert asked[0] == 9 and sorted(asked) == list(range(SHARDS))
+
+
+def test_claims_that_end_early_give_way_to_a_full_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A steady stream of wake-ups for one shard must not starve the others."""
+    turns = ShardTurns()
+    turns.hint("9")
+    assert _claim(turns, holding={9, 20}) == [9]
+    monkeypatch.setattr(shard_turns, "SWEEP_SECONDS", 0.0)  # the window has passed
+    turns.hint("9")
+    asked = _claim(turns, holding={9, 20})
+    assert asked[0] == 9 and 20 in asked and len(asked) == SHARDS
+    # after the full round, a named shard may end a claim again
+    monkeypatch.setattr(shard_turns, "SWEEP_SECONDS", 1.0)
+    turns.hint("9")
+    assert _claim(turns, holding={9, 20}) == [9]
+
+
+def test_a_resting_shard_is_not_asked_even_when_named() -> None:
+    turns = ShardTurns()
+    turns.rest(9, None)
+    turns.hint("9")
+    asked = _claim(turns, holding={9, 20})
+    assert 9 not in asked and 20 in asked
