@@ -111,9 +111,13 @@ def test_background_duties_ride_the_batches(ob: Outbox, dsn: str, idle_kinds: in
         reader.conn.close()
     assert attempts == N  # each delivered once: nothing expired or was put back
     assert batches >= N / 20
-    # The daemon's whole life counts, its start and stop included (a few commits).
+    # The daemon's whole life counts, its start and stop included: a fixed handful of
+    # commits, which weigh more per batch when a loaded machine makes fewer, fuller
+    # batches (CI once: 184 commits for 150 batches). Duties run apart, as before,
+    # would add several tenths of a commit to every batch.
     per_batch = during / batches
-    assert per_batch <= 1.2, f"{during} commits for {batches} batches: {per_batch:.2f} per batch"
+    shown = f"{during} commits for {batches} batches: {per_batch:.2f} per batch"
+    assert during <= 1.2 * batches + 10, shown
 
 
 class CountingStore(AsyncStore):
