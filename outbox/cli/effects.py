@@ -64,7 +64,7 @@ def effects_list(
     as_json: bool,
 ) -> None:
     """List effects, newest first, a page at a time (--limit, --before)."""
-    from outbox.client_args import effect_filters
+    from outbox.client_core import effect_filters
 
     filters = effect_filters(run_id=run_id, status=status, kind=kind, limit=limit)
     if before is not None:

@@ -68,7 +68,7 @@ def runs_list(
     as_json: bool,
 ) -> None:
     """List recent runs, newest first, a page at a time (--limit, --before)."""
-    from outbox.client_args import run_filters
+    from outbox.client_core import run_filters
 
     filters = run_filters(status=status, agent=agent, limit=limit)
     if before is not None:

@@ -20,7 +20,7 @@ LAYERS = ["storage", "runs", "delivery", "client", "integrations", "serve", "tes
 # The composition roots: the only packages that import ``deliverers``.
 COMPOSERS = (["outbox", "cli"], ["outbox", "testing"])
 # Modules named otherwise that belong to a layer.
-ALIASES = {"async_client": "client"}
+ALIASES = {"async_client": "client", "client_core": "client"}
 BASE = {
     "errors",
     "models",

@@ -115,9 +115,20 @@ def compile_(statement: Any) -> Any:
     return statement.compile(dialect=postgresql.dialect())
 
 
-@pytest.mark.parametrize(
-    ("name", "fn", "kwargs"), CASES, ids=[f"{c[0]}{c[2] or ''}" for c in CASES]
-)
+def _case_id(case: tuple[str, Any, dict[str, Any] | None]) -> str:
+    """A stable id (the same in every process: pytest-xdist compares them)."""
+
+    def short(value: Any) -> str:
+        table = getattr(value, "table", None)
+        if table is None:
+            return repr(value)
+        return f"{table.name}{'@sharded' if getattr(value, 'sharded', False) else ''}"
+
+    name, _, kwargs = case
+    return name + "".join(f"[{k}={short(v)}]" for k, v in (kwargs or {}).items())
+
+
+@pytest.mark.parametrize(("name", "fn", "kwargs"), CASES, ids=[_case_id(c) for c in CASES])
 def test_builder_compiles_with_known_status_literals(
     name: str, fn: Any, kwargs: dict[str, Any]
 ) -> None:
@@ -149,9 +160,7 @@ def _updates(statement: Any) -> Iterator[Update]:
             stack.append(element)
 
 
-@pytest.mark.parametrize(
-    ("name", "fn", "kwargs"), CASES, ids=[f"{c[0]}{c[2] or ''}" for c in CASES]
-)
+@pytest.mark.parametrize(("name", "fn", "kwargs"), CASES, ids=[_case_id(c) for c in CASES])
 def test_no_parameter_shadows_a_column_an_update_writes(
     name: str, fn: Any, kwargs: dict[str, Any]
 ) -> None:

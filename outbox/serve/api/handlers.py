@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from outbox.client_args import new_run
+from outbox.client_core import new_run
 from outbox.errors import IdempotencyConflict, OutboxError, RunNotFound, RunTerminal
 from outbox.ids import uuid7
 from outbox.models import Effect, EffectStatus, RunRecord, RunStatus
