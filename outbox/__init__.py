@@ -71,9 +71,10 @@ if typing.TYPE_CHECKING:
     )
     from outbox.runs.async_run import AsyncOutboxTransaction, AsyncRun, AsyncStepTransaction
     from outbox.runs.async_worker import AsyncWorker
-    from outbox.runs.intents import OutboxTransaction, StepTransaction
+    from outbox.runs.intents import OutboxTransaction
     from outbox.runs.run import Run
     from outbox.runs.signals import SignalReceipt
+    from outbox.runs.steps import StepTransaction
     from outbox.runs.worker import Worker, WorkerSettings
     from outbox.settings import Settings
 
@@ -130,7 +131,7 @@ _WHERE: dict[str, str] = {
     "StepAlreadyRecorded": "outbox.errors",
     "StepRecord": "outbox.models",
     "StepStatus": "outbox.models",
-    "StepTransaction": "outbox.runs.intents",
+    "StepTransaction": "outbox.runs.steps",
     "StoredValueAltered": "outbox.errors",
     "ValidationError": "outbox.errors",
     "WaitTimeout": "outbox.errors",

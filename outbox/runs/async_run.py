@@ -1,7 +1,7 @@
 """The async twin of :class:`~outbox.Run`: the same steps, replay, waits and end, awaited.
 
 Every rule comes from :class:`~outbox.runs.run_base.RunBase` and
-:class:`~outbox.runs.intents.StepWrites`; what a step writes is checked and
+:class:`~outbox.runs.steps.StepWrites`; what a step writes is checked and
 committed by the same sync code, run on the async connection through
 ``AsyncConnection.run_sync`` (a greenlet, not a thread). The step function
 gets an ``AsyncConnection`` for the caller's own rows.
@@ -22,14 +22,9 @@ from outbox.gates import ApprovalPolicy
 from outbox.models import Effect, RunStatus
 from outbox.payloads import Encoded
 from outbox.runs.context import AsyncRunContext
-from outbox.runs.intents import (
-    OutboxTransaction,
-    StepWrites,
-    _Prepared,
-    intend_options,
-    pending_intents,
-)
+from outbox.runs.intents import OutboxTransaction, PreparedIntent, intend_options
 from outbox.runs.run_base import AlreadyRecorded, RunBase
+from outbox.runs.steps import StepWrites, pending_intents
 from outbox.runs.waits import Pending, WaitSpec, wait_until
 from outbox.storage import AsyncConnection, Connection
 
@@ -68,7 +63,9 @@ def _check_awaited(pending: set[_Intend], where: str) -> None:
         )
 
 
-async def _lookup(connection: AsyncConnection, intents: Any, prepared: _Prepared) -> Effect | None:
+async def _lookup(
+    connection: AsyncConnection, intents: Any, prepared: PreparedIntent
+) -> Effect | None:
     if not prepared.caller_key:
         return None
     found: Effect | None = await connection.run_sync(lambda _: intents.lookup(prepared.key))

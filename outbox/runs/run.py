@@ -15,8 +15,8 @@ from outbox.errors import RunStateError
 from outbox.faults import crash_point
 from outbox.models import Effect, RunStatus
 from outbox.payloads import Encoded
-from outbox.runs.intents import StepTransaction, pending_intents
 from outbox.runs.run_base import AlreadyRecorded, RunBase, Suspended
+from outbox.runs.steps import StepTransaction, pending_intents
 from outbox.runs.waits import Pending, WaitSpec, block_until
 from outbox.storage import Connection
 

@@ -36,7 +36,7 @@ from outbox.models import (
 )
 from outbox.payloads import Encoded, encode_value
 from outbox.runs.context import RunContext
-from outbox.runs.intents import StepWrites, committed_values, step_checkpoint
+from outbox.runs.steps import StepWrites, committed_values, step_checkpoint
 from outbox.runs.waits import Pending, WaitSpec, check_wait, recorded_error
 from outbox.storage import Connection, writes
 from outbox.storage.run_tx import RunTx

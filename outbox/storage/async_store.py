@@ -9,8 +9,8 @@ values, and every driver error as :class:`~outbox.errors.DatabaseError`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -141,30 +141,18 @@ class AsyncStore:
                     f"kind {partition.get('kind')!r} declares a rate: a distributed database "
                     "does not enforce declared rates yet (docs/howto/citus.md)"
                 )
-            if not sharded:
-                rows += await self._claim_partition(
-                    conn, spec, partition, limit, owner, lease_seconds, rate
-                )
-                continue
-            taken = 0  # this partition's own: partitions of one kind each have their quota
-            order, may_end = self._shards.plan(str(partition), hints)
-            for n, shard in enumerate(order):
-                if taken >= limit or self._shards.ends_here(str(partition), n, taken, may_end):
-                    break
-                self._shards.took(str(partition), shard)
-                found: list[ClaimedEffect] = []
-                # alone in autocommit, else a savepoint: one shard's failure is its own
-                idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-                with self._shards.answering(shard):
-                    async with contextlib.nullcontext() if idle else conn.transaction():
-                        on_shard = {**partition, "shard": shard}
-                        found = await self._claim_partition(
-                            conn, spec, on_shard, limit - taken, owner, lease_seconds, rate
-                        )
-                taken += len(found)
-                rows += found
+            claim_on = functools.partial(
+                self._claim_partition,
+                conn,
+                spec,
+                owner=owner,
+                lease_seconds=lease_seconds,
+                rate=rate,
+            )
+            if sharded:
+                rows += await self._shards.claim(conn, partition, limit, hints, claim_on)
             else:
-                self._shards.swept(str(partition))
+                rows += await claim_on(partition, limit)
         self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
         return rows
 
@@ -174,6 +162,7 @@ class AsyncStore:
         spec: queue.QueueSpec,
         partition: dict[str, Any],
         limit: int,
+        *,
         owner: str,
         lease_seconds: float,
         rate: queue.Rate | None,

@@ -12,8 +12,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 from uuid import UUID
 
 import psycopg
@@ -30,6 +30,8 @@ from outbox.storage.sql.common import RUNS_CHANNEL
 __all__ = ["SHARD_REST_SECONDS", "SWEEP_SECONDS", "ShardTurns", "complete_on", "effect_shard"]
 
 log = logging.getLogger(__name__)
+
+Row = TypeVar("Row")
 
 #: How long a shard whose node did not answer is left alone before it is asked again.
 SHARD_REST_SECONDS = 5.0
@@ -92,6 +94,36 @@ class ShardTurns:
             self._skipping.setdefault(partition, time.monotonic())
             return True
         return False
+
+    async def claim(
+        self,
+        conn: psycopg.AsyncConnection[dict[str, Any]],
+        partition: dict[str, Any],
+        limit: int,
+        hints: frozenset[int],
+        claim_on: Callable[[dict[str, Any], int], Awaitable[list[Row]]],
+    ) -> list[Row]:
+        """One partition's claim of up to ``limit`` rows, a statement per shard.
+
+        ``claim_on(partition with its shard, room)`` claims on one shard. The
+        shards are asked in the order of :meth:`plan` until the quota is met, the
+        claim may end with the named ones, or each was asked. A shard whose node
+        does not answer rests, and the claim goes on with the others.
+        """
+        name, rows = str(partition), list[Row]()
+        order, may_end = self.plan(name, hints)
+        for n, shard in enumerate(order):
+            if len(rows) >= limit or self.ends_here(name, n, len(rows), may_end):
+                break
+            self.took(name, shard)
+            # alone in autocommit, else a savepoint: one shard's failure is its own
+            idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            with self.answering(shard):
+                async with contextlib.nullcontext() if idle else conn.transaction():
+                    rows += await claim_on({**partition, "shard": shard}, limit - len(rows))
+        else:
+            self.swept(name)
+        return rows
 
     def swept(self, partition: str) -> None:
         """``partition``'s claim asked every live shard."""

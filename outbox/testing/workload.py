@@ -25,8 +25,8 @@ from typing import Any
 
 from outbox.client import Outbox
 from outbox.errors import DatabaseError, RunNotFound
-from outbox.runs.intents import StepTransaction
 from outbox.runs.run import Run
+from outbox.runs.steps import StepTransaction
 
 __all__ = [
     "AGENT",

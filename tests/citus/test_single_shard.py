@@ -186,9 +186,11 @@ def test_a_steps_wake_up_names_its_shard_and_an_idle_deliverer_asks_that_shard_a
         claims.append((list(asking), [r.id for r in rows]))
         return rows
 
-    async def one_shard(store: AsyncStore, conn: Any, spec: Any, partition: Any, *a: Any) -> Any:
+    async def one_shard(
+        store: AsyncStore, conn: Any, spec: Any, partition: Any, *a: Any, **kw: Any
+    ) -> Any:
         asking.append(int(partition["shard"]))
-        return await claim_partition(store, conn, spec, partition, *a)
+        return await claim_partition(store, conn, spec, partition, *a, **kw)
 
     monkeypatch.setattr(AsyncStore, "_claim_on", one_claim)
     monkeypatch.setattr(AsyncStore, "_claim_partition", one_shard)

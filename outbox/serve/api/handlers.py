@@ -28,7 +28,7 @@ from outbox.client_core import new_run
 from outbox.errors import IdempotencyConflict, OutboxError, RunNotFound, RunTerminal
 from outbox.ids import uuid7
 from outbox.models import Effect, EffectStatus, RunRecord, RunStatus
-from outbox.runs.intents import StepTransaction
+from outbox.runs.steps import StepTransaction
 from outbox.serve.api.errors import (
     ApiRefusal,
     parse_body,
