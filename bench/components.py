@@ -63,8 +63,8 @@ def console_figures(bench: Bench, workdir: Path, quick: bool) -> dict[str, Any]:
 
 
 def component_targets(t: Any, r: dict[str, Any]) -> None:
-    """The targets these sections measure (``t``: :class:`bench.report.Targets`)."""
-    from bench.report import get
+    """The targets these sections measure (``t``: :class:`bench.targets.Targets`)."""
+    from bench.cells import get
 
     large = get(r, "runctl", "large") or {}
     if len(large) == 3:
@@ -107,7 +107,7 @@ def _ms(spread: dict[str, float]) -> dict[str, float]:
 
 def component_sections(r: dict[str, Any]) -> list[tuple[str, str, str, list[dict[str, Any]]]]:
     """Title, caption, columns and rows of each table these sections fill."""
-    from bench.report import get, rng
+    from bench.cells import get, rng
 
     out: list[tuple[str, str, str, list[dict[str, Any]]]] = []
     rc = r.get("runctl") or {}

@@ -167,8 +167,8 @@ TABLE = (
 
 
 def fairness_targets(t: Any, r: dict[str, Any]) -> None:
-    """p99 ≤ 100 ms for each case (``t``: :class:`bench.report.Targets`)."""
-    from bench.report import get, rng
+    """p99 ≤ 100 ms for each case (``t``: :class:`bench.targets.Targets`)."""
+    from bench.cells import get, rng
 
     for case, text in (("key", "fairness key"), ("kind", "kind")):
         p99 = get(r, "fairness", case, "p99_ms")
