@@ -24,7 +24,8 @@ from outbox.serve.settings import Credentials, ServeSettings
 from tests.browser.conftest import screenshot
 from tests.support import DaemonThread, wait_for
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+# One Chromium at a time (and one writer of docs/console): one xdist worker.
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.xdist_group("browser")]
 
 OPERATOR = "operator-token-0123456789"
 KEY = "invoice-2024-0042-reminder"

@@ -19,6 +19,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/citus/" in str(item.fspath):
             item.add_marker(pytest.mark.citus)
+            # One cluster per session: under pytest-xdist every Citus test goes to one worker.
+            item.add_marker(pytest.mark.xdist_group("citus"))
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,8 @@ from outbox.testing.processes import start_deliverer
 
 CLIENT = Path(__file__).parents[2] / "clients" / "typescript"
 
-pytestmark = pytest.mark.slow
+# One build of the client (dist/) at a time: under pytest-xdist these run on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("typescript")]
 
 
 def _npm(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
