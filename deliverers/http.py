@@ -15,7 +15,7 @@ the environment or a file named in the config, never from the payload, and are
 not carried to another origin by a redirect. Logged URLs hide their query
 string and userinfo.
 
-The intent rules (:mod:`outbox.intent_rules`) are checked again when a payload
+The intent rules (:mod:`outbox.governance.intent_rules`) are checked again when a payload
 is read for sending, whatever road its row took (written before the current
 rules, or by a direct ``INSERT``): a URL with userinfo (which httpx would turn
 into an ``Authorization`` header) or a credential parameter, and a framing,
@@ -56,7 +56,7 @@ from outbox.delivery import (
     Unknown,
 )
 from outbox.errors import ConfigurationError
-from outbox.intent_rules import find_violation
+from outbox.governance.intent_rules import find_violation
 
 __all__ = ["Credential", "HttpConfig", "HttpDeliverer", "HttpRequest", "parse_retry_after"]
 

@@ -38,7 +38,7 @@ from outbox.delivery import (
     Succeeded,
     Unknown,
 )
-from outbox.intent_rules import HEADER_VALUE_FORBIDDEN
+from outbox.governance.intent_rules import HEADER_VALUE_FORBIDDEN
 
 __all__ = ["Email", "SmtpConfig", "SmtpDeliverer"]
 

@@ -52,7 +52,7 @@ if typing.TYPE_CHECKING:
         ValidationError,
         WaitTimeout,
     )
-    from outbox.gates import ApprovalPolicy, OnTimeout
+    from outbox.governance.gates import ApprovalPolicy, OnTimeout
     from outbox.keys import compensation_key, derive_key
     from outbox.models import (
         AttemptOutcome,
@@ -80,7 +80,7 @@ if typing.TYPE_CHECKING:
 
 #: Where each exported name lives (imported on first use, see ``__getattr__``).
 _WHERE: dict[str, str] = {
-    "ApprovalPolicy": "outbox.gates",
+    "ApprovalPolicy": "outbox.governance.gates",
     "ApprovalRefused": "outbox.errors",
     "AsyncOutbox": "outbox.async_client",
     "AsyncOutboxTransaction": "outbox.runs.async_run",
@@ -106,7 +106,7 @@ _WHERE: dict[str, str] = {
     "MissingExtra": "outbox.errors",
     "NotFound": "outbox.errors",
     "OnConflict": "outbox.models",
-    "OnTimeout": "outbox.gates",
+    "OnTimeout": "outbox.governance.gates",
     "Outbox": "outbox.client",
     "OutboxError": "outbox.errors",
     "OutboxTransaction": "outbox.runs.intents",
@@ -146,11 +146,11 @@ _WHERE: dict[str, str] = {
 #: Only the error message reads this: they are not re-exported, so the top level
 #: stays what an agent author needs (docs/reference/client.md lists both).
 _MOVED: dict[str, str] = {
-    "Condition": "outbox.gates",
+    "Condition": "outbox.governance.gates",
     "DeliveryError": "outbox.delivery",
     "EmbeddedServer": "outbox.storage.embedded",
     "EmbeddedServerError": "outbox.errors",
-    "Gate": "outbox.gates",
+    "Gate": "outbox.governance.gates",
     "MigrationError": "outbox.errors",
     "Paused": "outbox.runs.run_base",
     "PermanentError": "outbox.delivery",

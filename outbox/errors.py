@@ -171,7 +171,7 @@ class ValidationError(OutboxError, ValueError):
     """A caller passed a value that cannot be accepted.
 
     ``field`` names the offending input and ``value`` holds it (shortened in the message).
-    ``rule`` is the stable code of the intent rule it breaks (``outbox.intent_rules``,
+    ``rule`` is the stable code of the intent rule it breaks (``outbox.governance.intent_rules``,
     e.g. ``credential-header``), when one does: the SQL API and the HTTP API report
     the same code.
     """

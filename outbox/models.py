@@ -16,8 +16,8 @@ from uuid import UUID
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, field_validator
 from pydantic_core import PydanticCustomError
 
-from outbox.gates import ApprovalPolicy
-from outbox.intent_rules import (
+from outbox.governance.gates import ApprovalPolicy
+from outbox.governance.intent_rules import (
     KIND_PATTERN,
     MAX_AMOUNT,
     MAX_ATTEMPTS,
@@ -299,7 +299,7 @@ class Compensation(BaseModel):
 
 
 class EffectIntent(BaseModel):
-    """What ``tx.intend`` accepts for one effect (the rules: ``outbox.intent_rules``)."""
+    """What ``tx.intend`` accepts for one effect (the rules: ``outbox.governance.intent_rules``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -318,7 +318,8 @@ class EffectIntent(BaseModel):
     priority: int | None = Field(default=None, ge=-MAX_PRIORITY, le=MAX_PRIORITY, strict=True)
     #: None: the run's ("" without a run). Claims share capacity between fairness keys.
     fairness_key: str | None = Field(default=None, max_length=MAX_FAIRNESS_KEY_LENGTH, strict=True)
-    #: wait for a person's approval of this payload before any delivery (see ``outbox.gates``)
+    #: wait for a person's approval of this payload before any delivery
+    #: (see ``outbox.governance.gates``)
     approval: ApprovalPolicy | None = None
 
     _numbers_are_numbers = field_validator("delay_seconds", "cost", mode="before")(_no_bool)

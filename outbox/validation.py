@@ -12,7 +12,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin
 import pydantic
 
 from outbox.errors import ConfigurationError, ValidationError
-from outbox.intent_rules import REASONS, check_identifier
+from outbox.governance.intent_rules import REASONS, check_identifier
 
 __all__ = [
     "as_uuid",

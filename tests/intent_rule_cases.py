@@ -1,4 +1,4 @@
-"""The cases every implementation of the intent rules must agree on (``outbox.intent_rules``).
+"""The cases every implementation of the intent rules must agree on (``governance.intent_rules``).
 
 Python checks them in ``tests/unit/test_intent_rules.py``; a port of the rules
 (PostgreSQL functions for agents in other languages) is held to the same table.

@@ -99,14 +99,14 @@ def deliverers_block() -> str:
 
 def gate_models() -> list[type[BaseModel]]:
     """The models of an ``[[approvals]]`` table of the deliverers config and its conditions."""
-    from outbox.gates import Condition, Gate
+    from outbox.governance.gates import Condition, Gate
 
     return [Gate, Condition]
 
 
 def approvals_block() -> str:
     """The keys of an ``[[approvals]]`` table and of its conditions."""
-    from outbox.gates import Condition, Gate
+    from outbox.governance.gates import Condition, Gate
 
     order = [
         "name",
@@ -116,9 +116,9 @@ def approvals_block() -> str:
     ]
     return "\n".join(
         [
-            f"`outbox.gates.Gate`: {summary(Gate)}\n",
+            f"`outbox.governance.gates.Gate`: {summary(Gate)}\n",
             fields_table(Gate, order, toml=True),
-            f"\nEach entry of `when` (`outbox.gates.Condition`): {summary(Condition)}\n",
+            f"\nEach entry of `when` (`outbox.governance.gates.Condition`): {summary(Condition)}\n",
             fields_table(Condition, toml=True),
         ]
     )

@@ -45,8 +45,8 @@ def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool)
     every chain holds, 1 when one does not (the break names the run, the step
     or the effect and its attempt-log row).
     """
-    from outbox.audit_record import effect_records
-    from outbox.chain import stored_values, value_breaks, verify_effect
+    from outbox.governance.audit_record import effect_records
+    from outbox.governance.chain import stored_values, value_breaks, verify_effect
     from outbox.storage.audit_reads import effects_outside_runs
 
     ob = cli.outbox
@@ -119,7 +119,7 @@ def audit_verify(cli: CliContext, run_id: str | None, limit: int, as_json: bool)
 @pass_cli
 def audit_export(cli: CliContext, run_id: str, key_path: Path, out_path: Path | None) -> None:
     """Write a signed, self-contained JSON record of a run (docs/reference/audit.md verifies it)."""
-    from outbox.chain_signing import sign_record
+    from outbox.governance.chain_signing import sign_record
 
     record, breaks = cli.outbox.checked_record(run_id)
     if breaks:
@@ -146,7 +146,7 @@ def audit_keygen(out_path: Path) -> None:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
-    from outbox.chain_signing import public_key_of
+    from outbox.governance.chain_signing import public_key_of
 
     if out_path.exists():
         raise click.BadParameter(f"{out_path} exists: not overwritten", param_hint="'--out'")

@@ -8,7 +8,7 @@ import click
 
 from outbox.cli._common import CliContext, console, emit, json_option, pass_cli, table
 from outbox.cli.reports import GateListReport, GatesApplyReport, GatesRemoveReport
-from outbox.gates import Gate
+from outbox.governance.gates import Gate
 
 __all__ = ["COMMANDS"]
 

@@ -17,7 +17,7 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, RootModel
 
-from outbox.gates import Gate
+from outbox.governance.gates import Gate
 from outbox.models import Effect, EffectAttempt, RunMode, RunRecord, RunStatus, StepRecord
 
 __all__ = [

@@ -7,8 +7,6 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from outbox.audit_record import record_from_rows
-from outbox.chain import Break, stored_values, value_breaks, verify_record
 from outbox.errors import (
     ApprovalRefused,
     EffectNotFound,
@@ -16,8 +14,10 @@ from outbox.errors import (
     RunStateError,
     ValidationError,
 )
-from outbox.gates import Gate
-from outbox.intent_rules import MAX_KEY_LENGTH
+from outbox.governance.audit_record import record_from_rows
+from outbox.governance.chain import Break, stored_values, value_breaks, verify_record
+from outbox.governance.gates import Gate
+from outbox.governance.intent_rules import MAX_KEY_LENGTH
 from outbox.models import Effect, EffectStatus
 from outbox.payloads import encode
 from outbox.runs.approvals import decide, expire_approvals
@@ -39,8 +39,9 @@ class EffectOperations(ClientBase):
     def audit_record(self, run_id: uuid.UUID | str) -> dict[str, Any]:
         """A self-contained record of a run: inputs, steps, effects, attempts, approvals (unsigned).
 
-        Read in one snapshot; ``outbox.chain_signing.sign_record`` signs it and
-        ``outbox.chain.verify_record`` (or the script in ``docs/reference/audit.md``) checks it.
+        Read in one snapshot; ``outbox.governance.chain_signing.sign_record`` signs it
+        and ``outbox.governance.chain.verify_record`` (or the script in
+        ``docs/reference/audit.md``) checks it.
         """
         return self.checked_record(run_id)[0]
 

@@ -10,10 +10,10 @@ from decimal import Decimal
 from typing import Any
 
 from outbox.blobs import store_value
-from outbox.effect_diff import RunDiff, diff_effects
 from outbox.errors import ReplayRefused, RunNotFound, ValidationError
+from outbox.governance.effect_diff import RunDiff, diff_effects
+from outbox.governance.intent_rules import MAX_KEY_LENGTH
 from outbox.ids import uuid7
-from outbox.intent_rules import MAX_KEY_LENGTH
 from outbox.models import RunMode, RunRecord, RunStart, RunStatus
 from outbox.payloads import Encoded, encode_value
 from outbox.runs.control import fork_run, pause_run, resume_run
@@ -166,7 +166,7 @@ class RunOperations(ClientBase):
     def diff_runs(self, run_a: uuid.UUID | str, run_b: uuid.UUID | str) -> RunDiff:
         """Compare the effects two runs intended (a dry run against a real one, say).
 
-        See :mod:`outbox.effect_diff`: effects are matched by step and index and
+        See :mod:`outbox.governance.effect_diff`: effects are matched by step and index and
         compared on kind, payload, compensation, ordering key and key, with each
         run's own id written ``{run}``.
         """

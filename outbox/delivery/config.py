@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from outbox.delivery.contract import Deliverer, DelivererConfig
 from outbox.delivery.dry_run import DryRunConfig
 from outbox.errors import ConfigurationError, MissingExtra
-from outbox.gates import Gate
+from outbox.governance.gates import Gate
 from outbox.validation import did_you_mean, validated_table
 
 __all__ = ["DeliverersConfig", "KindConfig"]

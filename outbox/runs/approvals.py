@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from outbox.errors import EffectNotFound, ReplayRefused, RunTerminal
-from outbox.gates import OnTimeout
+from outbox.governance.gates import OnTimeout
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.payloads import content_hash, encode
 from outbox.runs.stopping import advance_stopping_run, cancel_run

@@ -18,7 +18,7 @@ from typing import Any
 
 from outbox.errors import RunStateError, ValidationError
 from outbox.faults import crash_point
-from outbox.gates import ApprovalPolicy
+from outbox.governance.gates import ApprovalPolicy
 from outbox.models import Effect, RunStatus
 from outbox.payloads import Encoded
 from outbox.runs.context import AsyncRunContext

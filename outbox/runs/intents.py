@@ -18,9 +18,9 @@ from decimal import Decimal
 from typing import Any, Protocol
 
 from outbox.errors import IdempotencyConflict, PayloadError, ValidationError
-from outbox.gates import ApprovalPolicy
+from outbox.governance.gates import ApprovalPolicy
+from outbox.governance.intent_rules import check_payload
 from outbox.ids import uuid7
-from outbox.intent_rules import check_payload
 from outbox.keys import derive_key
 from outbox.models import (
     DRY_RUN_KIND_PREFIX,

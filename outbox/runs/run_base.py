@@ -23,7 +23,7 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.faults import crash_point
-from outbox.intent_rules import MAX_DELAY_SECONDS, check_identifier
+from outbox.governance.intent_rules import MAX_DELAY_SECONDS, check_identifier
 from outbox.models import (
     LIVE_RUN_STATUSES,
     TERMINAL_RUN_STATUSES,

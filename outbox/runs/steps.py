@@ -11,8 +11,8 @@ from decimal import Decimal
 from typing import Any
 
 from outbox.errors import ValidationError
-from outbox.gates import ApprovalPolicy
-from outbox.intent_rules import MAX_AMOUNT
+from outbox.governance.gates import ApprovalPolicy
+from outbox.governance.intent_rules import MAX_AMOUNT
 from outbox.models import (
     Effect,
     Lease,
@@ -146,7 +146,7 @@ class StepTransaction(StepWrites):
         A caller's own ``key`` names one intent across all runs: reusing it
         returns the existing intent when kind, payload and run all match, and
         raises :class:`~outbox.IdempotencyConflict` otherwise. What a payload
-        may contain: ``outbox.intent_rules`` (no credentials, no framing headers).
+        may contain: ``outbox.governance.intent_rules`` (no credentials, no framing headers).
         ``priority`` and ``fairness_key`` default to the run's: deliverers claim
         higher priorities first and share their capacity between fairness keys.
         A payload over ``Settings.blob_threshold_bytes`` is stored once, by reference.
@@ -154,7 +154,7 @@ class StepTransaction(StepWrites):
         ``approval`` (``True``, or ``{"timeout": 3600, "on_timeout": "reject"}``,
         see :class:`~outbox.ApprovalPolicy`) holds the effect as
         ``awaiting_approval`` until a person approves its payload; a gate of the
-        deliverers config may hold it without asking (``outbox.gates``).
+        deliverers config may hold it without asking (``outbox.governance.gates``).
         """
         options = intend_options(
             key=key,

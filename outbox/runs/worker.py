@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from outbox.blobs import store_value
 from outbox.errors import BudgetExceeded, LeaseLost, RunTerminal
 from outbox.faults import crash_point
+from outbox.governance.intent_rules import MAX_DELAY_SECONDS
 from outbox.ids import default_owner
-from outbox.intent_rules import MAX_DELAY_SECONDS
 from outbox.models import Lease, RunRecord, RunStatus
 from outbox.payloads import decode, encode
 from outbox.retry import RetryPolicy

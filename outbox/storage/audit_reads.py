@@ -30,7 +30,7 @@ def effects_outside_runs(
     A page is (effects, their attempt-log rows, the ``outbox_blobs`` rows their
     payloads refer to). Each page is read in one snapshot (repeatable read), so an effect and its
     attempt log agree; a page's attempt-log rows come with ``detail_text``,
-    ordered by effect then id (:func:`outbox.audit_record.effect_records` takes both).
+    ordered by effect then id (:func:`outbox.governance.audit_record.effect_records` takes both).
     """
     before, left = _AFTER_ALL, limit
     while left > 0:

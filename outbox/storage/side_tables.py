@@ -141,7 +141,7 @@ rate_limits = Table(
 )
 
 # 0010: approval gates from the deliverers config (``outbox gates apply``); the
-# statement that writes an intent evaluates them (``outbox.gates``)
+# statement that writes an intent evaluates them (``outbox.governance.gates``)
 gates = Table(
     "outbox_gates",
     metadata,

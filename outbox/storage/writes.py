@@ -63,7 +63,7 @@ class IntentRow:
     #: ``{"kind": ..., "payload": ...}`` as JSON text.
     compensate_json: str | None = None
     cost: Decimal | None = None
-    #: The intent's own approval policy (``outbox.gates.policy_json``), as JSON text.
+    #: The intent's own approval policy (``outbox.governance.gates.policy_json``), as JSON text.
     approval_json: str | None = None
     priority: int = 0
     fairness_key: str = ""

@@ -17,7 +17,7 @@ import pytest
 from deliverers.http import HttpDeliverer
 from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox
-from outbox.gates import Gate
+from outbox.governance.gates import Gate
 from outbox.models import EffectStatus
 from outbox.serve.app import OutboxServer
 from outbox.serve.settings import Credentials, ServeSettings

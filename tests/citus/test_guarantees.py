@@ -33,7 +33,7 @@ from outbox import (
     StepTransaction,
 )
 from outbox.cli import cli as cli_main
-from outbox.gates import Gate
+from outbox.governance.gates import Gate
 from outbox.shards import SHARDS, key_shard, shard_of
 from outbox.storage.async_store import AsyncStore, Completion
 from outbox.storage.engine import make_async_engine

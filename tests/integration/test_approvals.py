@@ -18,7 +18,7 @@ from outbox import (
     ValidationError,
 )
 from outbox.errors import ConfigurationError
-from outbox.gates import Gate
+from outbox.governance.gates import Gate
 
 
 def pay(ob: Outbox, amount: Any, *, kind: str = "payments.send", **options: Any) -> Any:

@@ -18,10 +18,10 @@ from click.testing import CliRunner
 
 from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox
-from outbox.chain import verify_record
 from outbox.cli import cli as outbox_cli
 from outbox.cli.audit import OUTSIDE_RUNS
-from outbox.gates import Gate
+from outbox.governance.chain import verify_record
+from outbox.governance.gates import Gate
 from tests.support import DaemonThread, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -296,7 +296,7 @@ def signed(record: dict[str, Any]) -> str:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
-    from outbox.chain_signing import sign_record
+    from outbox.governance.chain_signing import sign_record
 
     pem = ed25519.Ed25519PrivateKey.generate().private_bytes(
         serialization.Encoding.PEM,

@@ -24,7 +24,7 @@ import pytest
 from psycopg import sql
 
 from outbox import Outbox
-from outbox.gates import Gate
+from outbox.governance.gates import Gate
 from outbox.serve.app import OutboxServer
 from outbox.serve.settings import Credentials, ServeSettings
 from tests.api_client import TOKEN, ApiClient

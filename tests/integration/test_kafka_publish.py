@@ -261,7 +261,8 @@ def test_bad_records_fail_with_a_clear_reason(ob: Outbox, dsn: str, kafka_broker
         "bad-topic": {"topic": "no spaces allowed", "value": 1},
         "too-large": {"topic": topic, "value": "x" * 4000},
     }
-    # A forged idempotency key never gets this far: intend refuses it (outbox.intent_rules).
+    # A forged idempotency key never gets this far: intend refuses it
+    # (outbox.governance.intent_rules).
     with pytest.raises(ValidationError, match="set by the deliverer"):
         intend(ob, [{"topic": topic, "value": 1, "headers": {"Idempotency-Key": "forged"}}])
     intend(ob, list(payloads.values()))

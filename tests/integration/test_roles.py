@@ -336,7 +336,7 @@ def test_governance_under_the_roles_agent_holds_operator_decides_reader_cannot(
     ob: Outbox, logins: dict[str, str], tmp_path: Path
 ) -> None:
     from outbox import ApprovalRefused
-    from outbox.gates import Gate
+    from outbox.governance.gates import Gate
 
     config = tmp_path / "deliverers.toml"
     config.write_text(
@@ -376,7 +376,7 @@ def refused_as(dsn: str, sql: str, params: dict[str, Any], words: str) -> None:
 def test_a_role_cannot_use_its_column_grants_to_leave_its_lane(
     dsn: str, ob: Outbox, logins: dict[str, str]
 ) -> None:
-    from outbox.gates import Gate
+    from outbox.governance.gates import Gate
 
     ob.apply_gates(
         [Gate(name="big", kind="k.pay", when=[{"pointer": "/n", "op": "gt", "value": 10}])]
@@ -726,7 +726,7 @@ BY_TYPE = {
 def test_every_update_grant_of_every_role_is_a_legitimate_transition_or_refused(
     dsn: str, ob: Outbox, logins: dict[str, str]
 ) -> None:
-    from outbox.gates import Gate
+    from outbox.governance.gates import Gate
 
     ob.apply_gates(
         [Gate(name="big", kind="k.pay", when=[{"pointer": "/n", "op": "gt", "value": 10}])]

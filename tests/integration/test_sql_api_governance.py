@@ -21,8 +21,8 @@ import pytest
 from sqlalchemy import text
 
 from outbox import ApprovalRefused, EffectStatus, Outbox, ValidationError
-from outbox.gates import Gate
-from outbox.intent_rules import RESERVED_KIND_PREFIXES
+from outbox.governance.gates import Gate
+from outbox.governance.intent_rules import RESERVED_KIND_PREFIXES
 from outbox.models import DRY_RUN_KIND_PREFIX
 from outbox.payloads import content_hash, jsonb_text
 from outbox.storage.engine import translate_errors

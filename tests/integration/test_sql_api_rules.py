@@ -1,7 +1,7 @@
 """The SQL API enforces the Python client's rules: one list, held equal to the Python constants.
 
 ``outbox_intent_rules()`` (migration 0007) holds every limit and list the SQL
-functions check; ``outbox.intent_rules`` and ``Settings`` hold Python's. When a
+functions check; ``outbox.governance.intent_rules`` and ``Settings`` hold Python's. When a
 Python rule changes, this test fails until a new migration changes the SQL
 rule. (The shared refusal cases run in ``test_sql_api.py``.)
 """
@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from outbox import RunStart, Settings
-from outbox import intent_rules as rules_py
+from outbox.governance import intent_rules as rules_py
 from outbox.models import ACTIVE_RUN_STATUSES, LIVE_RUN_STATUSES
 from outbox.storage.functions import functions_ddl
 

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox.intent_rules import REASONS, find_violation
+from outbox.governance.intent_rules import REASONS, find_violation
 from tests.intent_rule_cases import IDENTIFIER_CASES, PAYLOAD_CASES
 from tests.sql_api_support import EMAIL, count, intend, start_run
 

@@ -1,4 +1,4 @@
-"""The intent rules (``outbox.intent_rules``) against the shared table of cases."""
+"""The intent rules (``outbox.governance.intent_rules``) against the shared table of cases."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from outbox import intent_rules
 from outbox.errors import ValidationError
-from outbox.intent_rules import (
+from outbox.governance import intent_rules
+from outbox.governance.intent_rules import (
     CREDENTIALS_BY_REFERENCE,
     REASONS,
     check_identifier,

@@ -22,6 +22,7 @@ COMPOSERS = (["outbox", "cli"], ["outbox", "testing"])
 # Modules named otherwise that belong to a layer.
 ALIASES = {"async_client": "client", "client_core": "client"}
 BASE = {
+    "governance",
     "errors",
     "models",
     "settings",
@@ -31,11 +32,6 @@ BASE = {
     "ids",
     "validation",
     "faults",
-    "intent_rules",
-    "gates",
-    "effect_diff",
-    "chain",
-    "audit_record",
     "tracing",
     "blobs",
 }
@@ -158,7 +154,7 @@ def test_deliverers_use_the_deliverer_surface_only() -> None:
     bad = []
     for path in _modules("deliverers"):
         for target, line in imports_of(path.read_text()):
-            # outbox.intent_rules: pure data and checks (no I/O), which a deliverer
+            # outbox.governance.intent_rules: pure data and checks (no I/O), which a deliverer
             # applies again at send time to rows that reached the table around them.
             if target.startswith("outbox.") and not target.startswith(
                 (
@@ -166,7 +162,7 @@ def test_deliverers_use_the_deliverer_surface_only() -> None:
                     "outbox.errors",
                     "outbox.validation",
                     "outbox.payloads",
-                    "outbox.intent_rules",
+                    "outbox.governance.intent_rules",
                 )
             ):
                 if path.name == "kafka_dedup.py" and target.startswith("outbox.storage"):

@@ -29,7 +29,7 @@ from outbox.errors import (
     RunTerminal,
     ValidationError,
 )
-from outbox.intent_rules import REASONS
+from outbox.governance.intent_rules import REASONS
 from outbox.serve.api.models import ERROR_CODES, ApiError
 from outbox.serve.transport import BODY_KEY
 from outbox.serve.webhooks import MAX_DEPTH, too_deep

@@ -3,7 +3,7 @@
 The request models reuse the client's own boundary models (``RunStart``,
 ``EffectIntent``), so a field is refused by the same rule whether it comes from
 Python or over HTTP. Fields the client checks itself (a step id, a debit, a
-signal's name) are only typed here: the client's checks (``outbox.intent_rules``,
+signal's name) are only typed here: the client's checks (``outbox.governance.intent_rules``,
 ``outbox.validation``, its settings) refuse them, so there is one implementation
 of every rule, and the SQL API is held to the same cases. The OpenAPI document
 (``schemas/http-api.openapi.json``) is generated from these models
@@ -316,7 +316,7 @@ class ApiError(BaseModel):
 
     ``field`` names the offending input (``intents[1].payload.headers``) when
     there is one; ``rule`` is the intent rule it breaks (the codes of
-    ``outbox.intent_rules``, the same the SQL API reports); ``key`` is the
+    ``outbox.governance.intent_rules``, the same the SQL API reports); ``key`` is the
     idempotency key of a conflict.
     """
 

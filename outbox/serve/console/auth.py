@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from starlette.requests import Request
 from starlette.responses import Response
 
-from outbox.intent_rules import identifier_violation
+from outbox.governance.intent_rules import identifier_violation
 from outbox.serve.hosts import HostAllowList
 from outbox.serve.settings import Credentials
 from outbox.serve.transport import HOST_KEY

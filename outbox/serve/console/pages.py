@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from outbox.errors import ApprovalRefused, NotFound, OutboxError, RunStateError, ValidationError
-from outbox.intent_rules import identifier_violation
+from outbox.governance.intent_rules import identifier_violation
 from outbox.models import EffectStatus, RunStatus
 from outbox.serve.console.auth import OPERATOR_KEY, ConsoleAuth, Operator, name_problem
 from outbox.serve.console.present import (

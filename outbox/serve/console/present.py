@@ -11,7 +11,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from markupsafe import Markup, escape
 
-from outbox.intent_rules import CREDENTIAL_SCHEMES, credential_name
+from outbox.governance.intent_rules import CREDENTIAL_SCHEMES, credential_name
 from outbox.storage import views
 
 __all__ = ["age", "clip", "delivery_chart", "pretty", "redact", "redact_text", "shown"]
@@ -73,7 +73,7 @@ def redact(value: Any, _depth: int = 0) -> Any:
 
     Applied to every payload, result, state, signal and attempt detail the
     console shows; the stored data is untouched. A field is a credential by the
-    intent rules' table (``outbox.intent_rules.credential_name``).
+    intent rules' table (``outbox.governance.intent_rules.credential_name``).
     """
     if _depth > _MAX_DEPTH:
         return "…"

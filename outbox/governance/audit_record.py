@@ -1,7 +1,7 @@
 """The run record ``outbox audit export`` writes: the rows ``Store.audit_rows`` read, as JSON.
 
 Each value is carried with its own text and each link as hex, so that
-:func:`outbox.chain.verify_record` (or the independent verifier in
+:func:`outbox.governance.chain.verify_record` (or the independent verifier in
 ``docs/reference/audit.md``) can recompute the chains from the record alone.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
-from outbox.chain import RECORD_FORMAT, STEP_VALUES, us
+from outbox.governance.chain import RECORD_FORMAT, STEP_VALUES, us
 
 __all__ = ["APPROVAL_OUTCOMES", "effect_records", "record_from_rows"]
 

@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from outbox.intent_rules import KIND_PATTERN, MAX_DELAY_SECONDS, identifier_violation
+from outbox.governance.intent_rules import KIND_PATTERN, MAX_DELAY_SECONDS, identifier_violation
 
 __all__ = [
     "JSON_TYPES",

@@ -1,8 +1,8 @@
 """Signing a run's exported record (``outbox audit export --sign``) and checking a signature.
 
-Ed25519 over the record's canonical JSON (:func:`outbox.chain.canonical`), with
+Ed25519 over the record's canonical JSON (:func:`outbox.governance.chain.canonical`), with
 the ``cryptography`` package of the ``audit`` extra; the chain itself
-(:mod:`outbox.chain`) needs no key. A signature says who exported the record;
+(:mod:`outbox.governance.chain`) needs no key. A signature says who exported the record;
 the chain says whether the rows were altered since they were written.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from outbox.chain import canonical
+from outbox.governance.chain import canonical
 
 __all__ = ["public_key_of", "sign_record", "verify_signature"]
 
