@@ -33,7 +33,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from outbox import AsyncOutbox, AsyncStepTransaction, Outbox, StepTransaction
-from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.admin.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 

@@ -29,7 +29,7 @@ import psycopg
 from outbox import Outbox
 from outbox.serve.app import OutboxServer
 from outbox.serve.settings import Credentials, ServeSettings
-from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.admin.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import psycopg
 
 from outbox.governance.gates import Gate
-from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.admin.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 

@@ -34,7 +34,7 @@ from typing import Any
 import psycopg
 import sqlalchemy
 
-from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.admin.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 from outbox.storage.sql.common import EFFECTS_CHANNEL

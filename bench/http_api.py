@@ -42,8 +42,8 @@ from outbox import Outbox, StepTransaction
 from outbox.delivery import Deliverer, DelivererConfig, Delivery, Outcome, Succeeded
 from outbox.delivery.daemon import DeliveryDaemon
 from outbox.delivery.settings import DeliverySettings
+from outbox.storage.admin.embedded import EmbeddedServer
 from outbox.storage.async_store import AsyncStore
-from outbox.storage.embedded import EmbeddedServer
 from outbox.storage.engine import make_async_engine, make_engine
 from outbox.storage.migrate import migrate
 

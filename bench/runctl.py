@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     admin = os.environ.get("OUTBOX_DSN")
     if not admin:
-        from outbox.storage.embedded import EmbeddedServer
+        from outbox.storage.admin.embedded import EmbeddedServer
 
         server = EmbeddedServer(work / "pg")
         admin = server.ensure_running()

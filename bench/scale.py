@@ -5,7 +5,7 @@ with SQL in 1M-row transactions, then VACUUM ANALYZE. At each level a backlog of
 2k pending effects of another kind is drained ``reps`` times through the
 store's own ``claim_many`` (batches of 100) and ``complete``, every call timed;
 an ``EXPLAIN (ANALYZE, BUFFERS)`` of one claim (rolled back) shows the pages it
-touches. After the 1M level, :func:`~outbox.storage.retention.collect_garbage`
+touches. After the 1M level, :func:`~outbox.storage.admin.retention.collect_garbage`
 deletes every finished row older than a day (batches of 1000, each timed) and
 the claims are measured again, after gc and after a VACUUM; then the archive
 variant (JSON lines written before deleting) on 100k rows.
@@ -30,10 +30,10 @@ from sqlalchemy import Engine
 
 from bench.delivery import succeeded
 from bench.harness import BACKLOG_INSERT, Bench, log, percentile, summary
-from outbox.storage.archive import ArchiveWriter
+from outbox.storage.admin.archive import ArchiveWriter
+from outbox.storage.admin.retention import collect_garbage
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine, make_engine
-from outbox.storage.retention import collect_garbage
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params
 
 DONE_KIND = "bench.done"

@@ -54,7 +54,7 @@ import psycopg
 from sqlalchemy import text
 
 from outbox import Outbox, StepTransaction
-from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.admin.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 

@@ -11,7 +11,7 @@ only a kind with a lookup answers lookups.
 :class:`RecordingSink` is the real :class:`~deliverers.testing.IdempotentHttpSink`
 with one addition to its JSON-lines request log: an ``applied`` line each time
 a request takes effect (``{"event": "applied", "key", "operation", "path",
-"body"}``), which is what the invariant checker of :mod:`outbox.testing`
+"body"}``), which is what the invariant checker of :mod:`outbox.check`
 counts. Requests that do not come from a stand-in (an agent calling the sink
 itself, a real ``http.request`` deliverer) are applied and logged the same way.
 """

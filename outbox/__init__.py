@@ -148,7 +148,7 @@ _WHERE: dict[str, str] = {
 _MOVED: dict[str, str] = {
     "Condition": "outbox.governance.gates",
     "DeliveryError": "outbox.delivery",
-    "EmbeddedServer": "outbox.storage.embedded",
+    "EmbeddedServer": "outbox.storage.admin.embedded",
     "EmbeddedServerError": "outbox.errors",
     "Gate": "outbox.governance.gates",
     "MigrationError": "outbox.errors",

@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from outbox import Outbox
-from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.admin.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 from tests.support import embedded_home

@@ -32,7 +32,7 @@ from pathlib import Path
 import psycopg
 from sqlalchemy.engine import make_url
 
-from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.admin.embedded import EmbeddedServer
 from outbox.storage.engine import make_engine
 from outbox.storage.functions import LOAD_SETTINGS, definitions
 from outbox.storage.migrate import Migration, migrate, shipped

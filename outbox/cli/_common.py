@@ -77,7 +77,7 @@ class CliContext:
         if settings.dsn:
             yield
             return
-        from outbox.storage.embedded import EmbeddedServer
+        from outbox.storage.admin.embedded import EmbeddedServer
 
         try:
             state = EmbeddedServer(settings.home).status()

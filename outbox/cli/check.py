@@ -137,9 +137,9 @@ def check(
     Exits 1 when any crash point shows a violation (the report names the first,
     explains it, and prints the command that reproduces it alone).
     """
-    from outbox.testing.check import check_agent
-    from outbox.testing.plan import CheckOptions
-    from outbox.testing.report import render
+    from outbox.check.check import check_agent
+    from outbox.check.plan import CheckOptions
+    from outbox.check.report import render
 
     # A SIGTERM (a CI job's timeout, a service manager) ends the check as a ^C does:
     # its processes are killed and its scratch server and databases go, not left behind.

@@ -20,7 +20,7 @@ from outbox.cli.reports import (
 )
 
 if TYPE_CHECKING:  # storage is imported by the commands that run, not by their --help
-    from outbox.storage.embedded import EmbeddedServer
+    from outbox.storage.admin.embedded import EmbeddedServer
 
 __all__ = ["COMMANDS"]
 
@@ -105,7 +105,7 @@ def db() -> None:
 
 
 def _server(cli: CliContext) -> EmbeddedServer:
-    from outbox.storage.embedded import EmbeddedServer
+    from outbox.storage.admin.embedded import EmbeddedServer
 
     if cli.settings.dsn:
         raise click.UsageError("OUTBOX_DSN is set: the embedded server is not in use")
@@ -175,7 +175,7 @@ batch is one short transaction.
   {"table": "outbox_runs", "row": {...every column...}}
 Rows of a batch come parents first (a run, its steps, signals, ledger,
 effects, then their attempts). Read it back with `outbox archive read FILE`
-or outbox.storage.archive.read_archive (docs/howto/retention-and-migrations.md).
+or outbox.storage.admin.archive.read_archive (docs/howto/retention-and-migrations.md).
 """
 
 
@@ -208,8 +208,8 @@ or outbox.storage.archive.read_archive (docs/howto/retention-and-migrations.md).
 def gc(
     cli: CliContext, older_than: str, batch: int, archive: Path | None, dry_run: bool, as_json: bool
 ) -> None:
-    from outbox.storage.archive import ArchiveWriter
-    from outbox.storage.retention import collect_garbage, parse_horizon
+    from outbox.storage.admin.archive import ArchiveWriter
+    from outbox.storage.admin.retention import collect_garbage, parse_horizon
 
     horizon = parse_horizon(older_than)
     engine = cli.outbox.engine
@@ -268,7 +268,7 @@ def archive_read(
     path: Path, rows: bool, only_table: str | None, run_id: UUID | None, as_json: bool
 ) -> None:
     """Summarise an archive (gc runs, rows per table), or print its rows."""
-    from outbox.storage.archive import read_archive, summarize_archive
+    from outbox.storage.admin.archive import read_archive, summarize_archive
 
     if rows or only_table or run_id:
         for entry in _filtered(read_archive(path), only_table, run_id):

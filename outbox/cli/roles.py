@@ -47,7 +47,7 @@ ROLES_HELP = """Create or update the agent, deliverer, operator and reader roles
 @pass_cli
 def roles(cli: CliContext, prefix: str, schema: str, print_only: bool, as_json: bool) -> None:
     """Create or update the agent, deliverer, operator and reader roles and their grants."""
-    from outbox.storage.roles import ROLES, apply_roles, role_script
+    from outbox.storage.admin.roles import ROLES, apply_roles, role_script
 
     if print_only:
         for statement in role_script(prefix, schema):

@@ -41,7 +41,7 @@ from outbox.errors import (
     ValidationError,
 )
 from outbox.settings import Settings
-from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.admin.embedded import EmbeddedServer
 from outbox.storage.migrate import check_schema, migrate
 
 DSN_FORM = "expected postgresql://user:password@host:port/database (OUTBOX_DSN or --dsn)"

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from deliverers.testing import IdempotentHttpSink
-from outbox.testing.plugin import OutboxCheck
-from outbox.testing.report import CheckReport
+from outbox.check.plugin import OutboxCheck
+from outbox.check.report import CheckReport
 from tests.chaos import broken_agents, versioned_agents
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from outbox.testing.plugin import OutboxCheck
+from outbox.check.plugin import OutboxCheck
 from tests.chaos import broken_agents
 from tests.chaos.test_kafka_exactly_once import committed_keys, uncommitted_keys
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from outbox import Outbox, RunStatus
-from outbox.testing.processes import Fleet, Process
+from outbox.check.processes import Fleet, Process
 from tests.support import wait_for
 
 

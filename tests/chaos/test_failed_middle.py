@@ -12,8 +12,8 @@ import pytest
 
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import Outbox, RunStatus
-from outbox.testing.processes import Fleet, Process, start_deliverer
-from outbox.testing.workload import write_config
+from outbox.check.processes import Fleet, Process, start_deliverer
+from outbox.check.workload import write_config
 from tests.support import wait_for
 
 

@@ -3,7 +3,7 @@
 Real processes (``outbox deliver``, ``outbox worker``, ``outbox reconcile``), a
 real PostgreSQL, a real HTTP sink (:class:`deliverers.record.RecordingSink`).
 Every test states its expected outcome in its docstring; every test ends with
-:func:`outbox.testing.logs.load` finding no lost intent, no duplicate, no
+:func:`outbox.check.logs.load` finding no lost intent, no duplicate, no
 phantom and no regressed completed row.
 """
 
@@ -30,13 +30,9 @@ from sqlalchemy import text
 from deliverers.record import RecordingSink
 from deliverers.testing import Fault
 from outbox import Outbox
-from outbox.storage.embedded import EmbeddedServer
-from outbox.storage.engine import make_engine
-from outbox.storage.migrate import migrate
-from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params
-from outbox.testing import invariants, logs
-from outbox.testing.processes import Fleet, Process
-from outbox.testing.workload import (
+from outbox.check import invariants, logs
+from outbox.check.processes import Fleet, Process
+from outbox.check.workload import (
     ScriptThread,
     Workload,
     drive_script,
@@ -44,6 +40,10 @@ from outbox.testing.workload import (
     start_runs,
     write_config,
 )
+from outbox.storage.admin.embedded import EmbeddedServer
+from outbox.storage.engine import make_engine
+from outbox.storage.migrate import migrate
+from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params
 from tests.conftest import TEST_SERVER_SETTINGS
 from tests.support import embedded_home, wait_for
 

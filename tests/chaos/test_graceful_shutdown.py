@@ -8,8 +8,8 @@ from pathlib import Path
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox
-from outbox.testing.processes import start_deliverer
-from outbox.testing.workload import write_config
+from outbox.check.processes import start_deliverer
+from outbox.check.workload import write_config
 from tests.support import wait_for
 
 

@@ -25,7 +25,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from deliverers.kafka_txn import committed_records, scan_partition
 from outbox import EffectStatus, Outbox
-from outbox.testing.processes import start_deliverer
+from outbox.check.processes import start_deliverer
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.chaos]

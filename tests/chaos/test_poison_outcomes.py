@@ -15,8 +15,8 @@ from pathlib import Path
 
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import Outbox, StepTransaction
-from outbox.testing.processes import Process, start_deliverer
-from outbox.testing.workload import write_config
+from outbox.check.processes import Process, start_deliverer
+from outbox.check.workload import write_config
 from tests.support import as_superuser, limited_role, wait_for
 
 GRACE = 5

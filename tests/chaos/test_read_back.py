@@ -21,7 +21,7 @@ import pytest
 
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import EffectStatus, Outbox
-from outbox.testing.processes import start_deliverer
+from outbox.check.processes import start_deliverer
 from tests.support import wait_for
 
 HTTP_CONFIG = """

@@ -29,9 +29,9 @@ import pytest
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox
+from outbox.check.processes import start_deliverer
+from outbox.check.workload import write_config
 from outbox.storage.engine import libpq_dsn
-from outbox.testing.processes import start_deliverer
-from outbox.testing.workload import write_config
 from tests.chaos.test_deliverer_crash import intend_both_kinds
 from tests.support import wait_for
 

@@ -22,9 +22,9 @@ import pytest
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import EffectStatus, Outbox, RunStatus
+from outbox.check.processes import start_deliverer
 from outbox.payloads import content_hash, jsonb_text
 from outbox.serve.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
-from outbox.testing.processes import start_deliverer
 from tests.support import wait_for
 
 pytestmark = pytest.mark.slow

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from outbox.testing.check import check_agent
-from outbox.testing.plan import CheckOptions
-from outbox.testing.report import CheckReport, plain_text
+from outbox.check.check import check_agent
+from outbox.check.plan import CheckOptions
+from outbox.check.report import CheckReport, plain_text
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = "tests.chaos.broken_agents"

@@ -8,11 +8,11 @@ import psycopg
 import pytest
 
 from outbox import Outbox, RunStatus
+from outbox.check.check import scratch_server
 from outbox.errors import DatabaseError
+from outbox.storage.admin.scratch import ScratchDatabases
 from outbox.storage.engine import redacted_dsn
-from outbox.storage.scratch import ScratchDatabases
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params
-from outbox.testing.check import scratch_server
 
 
 def databases(admin_dsn: str) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from outbox import Outbox
-from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.admin.embedded import EmbeddedServer
 from tests.support import embedded_home, wait_for
 
 

@@ -13,9 +13,9 @@ import pytest
 
 from deliverers.testing import IdempotentHttpSink, RecordingDeliverer
 from outbox import EffectStatus, Outbox, RunMode, ValidationError
+from outbox.check.processes import start_deliverer
 from outbox.delivery.dry_run import DryRunConfig, dry_run_registry
 from outbox.demo import agent as demo_agent
-from outbox.testing.processes import start_deliverer
 from tests.support import DaemonThread, wait_for
 
 

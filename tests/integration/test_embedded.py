@@ -18,7 +18,7 @@ import pytest
 
 from outbox import Outbox
 from outbox.errors import EmbeddedServerError
-from outbox.storage.embedded import EmbeddedServer
+from outbox.storage.admin.embedded import EmbeddedServer
 from tests.support import embedded_home
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox.testing.forkserver import ForkedOutbox, ForkServer
+from outbox.check.forkserver import ForkedOutbox, ForkServer
 from tests.support import wait_for
 
 

@@ -15,8 +15,8 @@ from sqlalchemy import text
 from deliverers.record import RecordingSink
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import Outbox
-from outbox.testing import logs
-from outbox.testing.invariants import Applied
+from outbox.check import logs
+from outbox.check.invariants import Applied
 
 
 def pairs(applied: list[Applied]) -> list[tuple[str | None, str | None]]:

@@ -23,8 +23,8 @@ from outbox import Outbox
 from outbox.cli import cli
 from outbox.ids import uuid7
 from outbox.shards import on_shard, shard_of
-from outbox.storage.archive import ArchiveWriter, read_archive, summarize_archive
-from outbox.storage.retention import GC_TABLES, collect_garbage, parse_horizon
+from outbox.storage.admin.archive import ArchiveWriter, read_archive, summarize_archive
+from outbox.storage.admin.retention import GC_TABLES, collect_garbage, parse_horizon
 from outbox.storage.schema import (
     blobs,
     budget_ledger,

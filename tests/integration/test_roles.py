@@ -25,8 +25,8 @@ from sqlalchemy.engine import make_url
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import DatabaseError, EffectTimeout, Outbox, Run, RunStatus
 from outbox.cli import cli
+from outbox.storage.admin.roles import ROLES
 from outbox.storage.engine import libpq_dsn, translate_errors
-from outbox.storage.roles import ROLES
 from tests.support import WorkerThread, wait_for
 
 PASSWORD = "a-test-password"

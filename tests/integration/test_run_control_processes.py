@@ -22,9 +22,9 @@ import pytest
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import EffectStatus, Outbox, Run, RunStatus
+from outbox.check.processes import start_deliverer
+from outbox.check.workload import write_config
 from outbox.keys import derive_key
-from outbox.testing.processes import start_deliverer
-from outbox.testing.workload import write_config
 from tests.support import wait_for
 
 pytestmark = pytest.mark.slow

@@ -18,9 +18,9 @@ import pytest
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox, derive_key
-from outbox.storage.embedded import EmbeddedServer
-from outbox.testing.processes import start_deliverer
-from outbox.testing.workload import write_config
+from outbox.check.processes import start_deliverer
+from outbox.check.workload import write_config
+from outbox.storage.admin.embedded import EmbeddedServer
 from tests.support import wait_for
 
 STEP = r"""

@@ -24,8 +24,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from deliverers.http import HttpDeliverer
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import Outbox
-from outbox.testing.processes import start_deliverer
-from outbox.testing.workload import write_config
+from outbox.check.processes import start_deliverer
+from outbox.check.workload import write_config
 from tests.support import DaemonThread, wait_for
 
 

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox, derive_key
+from outbox.check.processes import start_deliverer
 from outbox.serve.app import OutboxServer
 from outbox.serve.settings import Credentials, ServeSettings
-from outbox.testing.processes import start_deliverer
 
 CLIENT = Path(__file__).parents[2] / "clients" / "typescript"
 

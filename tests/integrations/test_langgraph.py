@@ -16,8 +16,8 @@ import pytest
 
 from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox, RunStatus
-from outbox.testing.processes import start_deliverer
-from outbox.testing.workload import write_config
+from outbox.check.processes import start_deliverer
+from outbox.check.workload import write_config
 from tests.integrations.langgraph_agent import USAGE
 from tests.integrations.processes import lines, start_worker, stop
 from tests.support import wait_for

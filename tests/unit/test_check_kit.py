@@ -12,7 +12,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from outbox.testing.compare import (
+from outbox.check.compare import (
     Reference,
     RunOutcome,
     differences,
@@ -21,8 +21,8 @@ from outbox.testing.compare import (
     masker,
     tag_operations,
 )
-from outbox.testing.crash import TraceEvent
-from outbox.testing.invariants import (
+from outbox.check.crash import TraceEvent
+from outbox.check.invariants import (
     Applied,
     AttemptRecord,
     Intent,
@@ -30,9 +30,9 @@ from outbox.testing.invariants import (
     operation_of,
     replay_violations,
 )
-from outbox.testing.plan import CheckOptions, TrialPlan, handover_target, plan_trials, select
-from outbox.testing.report import CheckReport, explain
-from outbox.testing.trial import Crash, TrialResult
+from outbox.check.plan import CheckOptions, TrialPlan, handover_target, plan_trials, select
+from outbox.check.report import CheckReport, explain
+from outbox.check.trial import Crash, TrialResult
 
 RUN_A = "0190a0a0-0000-7000-8000-00000000000a"
 RUN_B = "0190b0b0-0000-7000-8000-00000000000b"

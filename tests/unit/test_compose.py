@@ -19,7 +19,7 @@ import yaml
 
 from outbox.cli import cli
 from outbox.settings import ENV_PREFIX, Settings
-from outbox.storage.roles import ROLES
+from outbox.storage.admin.roles import ROLES
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOTSTRAP = ROOT / "deploy" / "compose" / "bootstrap.sql"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from outbox import faults
+from outbox.check.crash import CRASH_POINTS, occurrences, read_trace, target
 from outbox.faults import CRASH_ENV, POINTS, TRACE_ENV, crash_point, parse_target
-from outbox.testing.crash import CRASH_POINTS, occurrences, read_trace, target
 
 
 @pytest.mark.parametrize(

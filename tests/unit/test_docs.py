@@ -5,7 +5,7 @@ Covers README.md and every page under docs/. Three checks:
 - every relative link (``[text](path#anchor)``, images included) names an
   existing file, and its anchor a heading of that file (GitHub's slugs);
 - every backticked path (``outbox/storage/schema.py``, ``tests/...::test_x``)
-  and dotted name (``outbox.storage.archive.read_archive``) exists;
+  and dotted name (``outbox.storage.admin.archive.read_archive``) exists;
 - every test function a page names (``path::test_name``, or ``::test_name``
   after a path, as docs/discussions/guarantees.md's index does) is defined.
 """
@@ -253,9 +253,9 @@ def test_the_checkers_catch_what_they_should(tmp_path: Path) -> None:
     assert slug("G5 Replay") == "g5-replay"
     assert slug("`outbox serve`: signals, console") == "outbox-serve-signals-console"
     assert slug("What an intent may contain") == "what-an-intent-may-contain"
-    assert dotted_exists("outbox.storage.archive.read_archive")
+    assert dotted_exists("outbox.storage.admin.archive.read_archive")
     assert dotted_exists("outbox.delivery.contract.Deliverer.lookup")
-    assert not dotted_exists("outbox.storage.archive.no_such_function")
+    assert not dotted_exists("outbox.storage.admin.archive.no_such_function")
     assert not dotted_exists("outbox.no_such_module")
     page = ROOT / "docs" / "_checker_probe.md"
     page.write_text(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox.testing.invariants import Applied, AttemptRecord, Intent, check
+from outbox.check.invariants import Applied, AttemptRecord, Intent, check
 
 
 def intent(

@@ -14,11 +14,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # Lower layers may not import higher ones. Base modules (errors, models, ...)
-# sit under storage and import nothing of the layers. ``testing`` (the
+# sit under storage and import nothing of the layers. ``check`` (the
 # crash-consistency kit) composes the client and the deliverers, as the CLI does.
-LAYERS = ["storage", "runs", "delivery", "client", "integrations", "serve", "testing", "cli"]
+LAYERS = ["storage", "runs", "delivery", "client", "integrations", "serve", "check", "cli"]
 # The composition roots: the only packages that import ``deliverers``.
-COMPOSERS = (["outbox", "cli"], ["outbox", "testing"])
+COMPOSERS = (["outbox", "cli"], ["outbox", "check"])
 # Modules named otherwise that belong to a layer.
 ALIASES = {"async_client": "client", "client_core": "client"}
 BASE = {
@@ -122,7 +122,7 @@ def violations(files: dict[str, str]) -> list[str]:
             where = f"{relative}:{line} imports {target}"
             top = target.split(".")[0]
             if top == "deliverers" and here.split(".")[:2] not in COMPOSERS:
-                found.append(f"{where}: only outbox.cli and outbox.testing may import deliverers")
+                found.append(f"{where}: only outbox.cli and outbox.check may import deliverers")
             elif top == "deliverers" and eager:
                 # Every deliverer pulls in its client library (kafka, aiosmtplib, ...).
                 found.append(f"{where}: deliverers are imported lazily, inside the function")
@@ -189,12 +189,12 @@ def test_deliverers_use_the_deliverer_surface_only() -> None:
             "storage may not import delivery",
         ),
         ("outbox/runs/bad.py", "from outbox.client import Outbox\n", "runs may not import client"),
-        ("outbox/runs/bad.py", "import deliverers.http\n", "only outbox.cli and outbox.testing"),
+        ("outbox/runs/bad.py", "import deliverers.http\n", "only outbox.cli and outbox.check"),
         ("outbox/client.py", "def f():\n    from deliverers import registry\n", "only outbox.cli"),
         (
-            "outbox/testing/bad.py",
+            "outbox/check/bad.py",
             "from outbox.cli.check import check\n",
-            "testing may not import cli",
+            "check may not import cli",
         ),
         ("outbox/runs/bad.py", "from sqlalchemy import text\n", "only outbox.storage imports"),
         ("outbox/storage/bad.py", "from ..runs import run\n", "storage may not import runs"),

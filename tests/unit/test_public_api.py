@@ -38,7 +38,7 @@ ELSEWHERE = {
     "Paused": "outbox.runs.run_base",
     "Suspended": "outbox.runs.run_base",
     "migrate": "outbox.storage.migrate",
-    "EmbeddedServer": "outbox.storage.embedded",
+    "EmbeddedServer": "outbox.storage.admin.embedded",
     "MigrationError": "outbox.errors",
     "EmbeddedServerError": "outbox.errors",
     "Gate": "outbox.governance.gates",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from outbox import ValidationError
-from outbox.storage.roles import ROLES, grants_markdown, role_script
+from outbox.storage.admin.roles import ROLES, grants_markdown, role_script
 from outbox.storage.schema import metadata
 
 ROOT = Path(__file__).resolve().parents[2]

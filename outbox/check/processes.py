@@ -6,7 +6,7 @@ by all of them (``OUTBOX_TEST_TRACE``).
 
 Two ways to start one: ``python -m outbox ...`` (:func:`spawn_outbox`), or a
 fork of a server process that imported the package once
-(:class:`~outbox.testing.forkserver.ForkedOutbox`). A fork is the same
+(:class:`~outbox.check.forkserver.ForkedOutbox`). A fork is the same
 command in a real process, started in milliseconds instead of half a
 CPU-second of imports: ``outbox check`` kills and replaces workers dozens of
 times.
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from outbox.check.forkserver import ForkedOutbox
 from outbox.faults import CRASH_ENV, TRACE_ENV
-from outbox.testing.forkserver import ForkedOutbox
 
 __all__ = ["Fleet", "Process", "spawn_outbox", "start_deliverer"]
 
@@ -115,7 +115,7 @@ class Fleet:
     env: dict[str, str]
     logs: Path
     config: Path | None
-    handler: str = "outbox.testing.workload:workload_agent"
+    handler: str = "outbox.check.workload:workload_agent"
     agent: str = "chaos-load"
     version: str = "1"
     trace: Path | None = None

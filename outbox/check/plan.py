@@ -22,8 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from outbox.storage.engine import redacted_dsn
-from outbox.testing.crash import (
+from outbox.check.crash import (
     DELIVERER_POINTS,
     UPGRADE_POINTS,
     WORKER_POINTS,
@@ -31,6 +30,7 @@ from outbox.testing.crash import (
     occurrences,
     target,
 )
+from outbox.storage.engine import redacted_dsn
 
 __all__ = ["CheckOptions", "Role", "TrialPlan", "handover_target", "plan_trials", "select"]
 

@@ -5,7 +5,7 @@
 that already imported them a few milliseconds. Each fork is a real process
 running the same command line, killed with a real SIGKILL.
 
-The server (``python -m outbox.testing.forkserver``) is single-threaded, so
+The server (``python -m outbox.check.forkserver``) is single-threaded, so
 forking it is safe (the checking process has threads; forking *it* could copy a
 lock some thread holds). It speaks JSON lines on its standard streams:
 
@@ -221,7 +221,7 @@ class ForkServer:
 
     def __init__(self) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "outbox.testing.forkserver"],
+            [sys.executable, "-m", "outbox.check.forkserver"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

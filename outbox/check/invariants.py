@@ -35,7 +35,7 @@ Violations (each must be 0):
 ``unknown`` effects are not violations (they are visible, for an operator);
 they are counted in the report.
 
-:func:`check` is pure (the unit tests feed it hand-made logs); :mod:`outbox.testing.logs`
+:func:`check` is pure (the unit tests feed it hand-made logs); :mod:`outbox.check.logs`
 reads the real ones and waits until nothing is pending or in flight.
 """
 
@@ -48,8 +48,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from outbox.check.crash import TraceEvent
 from outbox.models import TERMINAL_EFFECT_STATUSES
-from outbox.testing.crash import TraceEvent
 
 __all__ = [
     "AFTER_SUCCESS",

@@ -18,7 +18,7 @@ What goes, batch by batch:
    A blob a writer is using at that moment is locked by it, and skipped.
 
 With an archive, every deleted row of every table is written to it
-(:mod:`outbox.storage.archive`) and fsynced before its batch commits.
+(:mod:`outbox.storage.admin.archive`) and fsynced before its batch commits.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from sqlalchemy import Connection, Engine
 from outbox.errors import ValidationError
 from outbox.faults import crash_point
 from outbox.models import OPEN_EFFECT_STATUSES
-from outbox.storage.archive import ArchiveWriter
+from outbox.storage.admin.archive import ArchiveWriter
 from outbox.storage.engine import translate_errors
 from outbox.storage.migrate import applied_versions
 from outbox.storage.schema import (

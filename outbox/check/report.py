@@ -15,12 +15,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from outbox.testing.compare import GLOBAL, split
-from outbox.testing.crash import CRASH_POINTS, DELIVERER_POINTS, UPGRADE_POINTS, WORKER_POINTS
-from outbox.testing.crash import target as crash_target
-from outbox.testing.invariants import Applied
-from outbox.testing.plan import CheckOptions, TrialPlan
-from outbox.testing.trial import Crash, TrialResult
+from outbox.check.compare import GLOBAL, split
+from outbox.check.crash import CRASH_POINTS, DELIVERER_POINTS, UPGRADE_POINTS, WORKER_POINTS
+from outbox.check.crash import target as crash_target
+from outbox.check.invariants import Applied
+from outbox.check.plan import CheckOptions, TrialPlan
+from outbox.check.trial import Crash, TrialResult
 
 __all__ = ["CheckReport", "Row", "Violation", "explain", "render"]
 

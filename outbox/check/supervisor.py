@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from outbox.check.plan import CheckOptions
+from outbox.check.processes import Fleet, Process
 from outbox.client import Outbox
 from outbox.models import TERMINAL_RUN_STATUSES, RunRecord, RunStatus
-from outbox.storage.scratch import ScratchDatabases
-from outbox.testing.plan import CheckOptions
-from outbox.testing.processes import Fleet, Process
+from outbox.storage.admin.scratch import ScratchDatabases
 
 __all__ = ["TERMINAL", "Supervisor", "TrialContext", "TrialError"]
 

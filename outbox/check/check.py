@@ -4,7 +4,7 @@
 embedded PostgreSQL, or scratch databases on ``dsn``), an uninterrupted,
 traced trial that becomes the reference and the plan, then every planned
 trial (``jobs`` at a time), each failing worker chain split into single
-crashes, and a :class:`~outbox.testing.report.CheckReport`. The scratch
+crashes, and a :class:`~outbox.check.report.CheckReport`. The scratch
 databases are dropped at the end; the trials' logs are kept when something
 failed.
 """
@@ -21,14 +21,14 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from outbox.check.compare import Reference, split
+from outbox.check.plan import BASELINE, CheckOptions, TrialPlan, plan_trials, select
+from outbox.check.report import CheckReport
+from outbox.check.supervisor import TrialContext
+from outbox.check.trial import TrialResult, run_trial
 from outbox.errors import ConfigurationError
-from outbox.storage.embedded import EmbeddedServer
-from outbox.storage.scratch import ScratchDatabases
-from outbox.testing.compare import Reference, split
-from outbox.testing.plan import BASELINE, CheckOptions, TrialPlan, plan_trials, select
-from outbox.testing.report import CheckReport
-from outbox.testing.supervisor import TrialContext
-from outbox.testing.trial import TrialResult, run_trial
+from outbox.storage.admin.embedded import EmbeddedServer
+from outbox.storage.admin.scratch import ScratchDatabases
 from outbox.validation import import_callable
 
 __all__ = ["Progress", "check_agent", "scratch_server"]

@@ -18,9 +18,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from outbox.check.invariants import Applied, Intent, Normalize
 from outbox.models import TERMINAL_RUN_STATUSES
 from outbox.runs.run import Run
-from outbox.testing.invariants import Applied, Intent, Normalize
 
 __all__ = [
     "GLOBAL",

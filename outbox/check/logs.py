@@ -2,7 +2,7 @@
 
 :func:`load_database` reads the intents, the attempt log and the step records
 from PostgreSQL in one snapshot, :func:`load_sink_log` the sink's JSON lines;
-:func:`load` reads both and hands them to :func:`outbox.testing.invariants.check`.
+:func:`load` reads both and hands them to :func:`outbox.check.invariants.check`.
 :func:`settle` waits until nothing is pending or in flight.
 """
 
@@ -14,9 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from outbox.storage.engine import make_engine
-from outbox.storage.store import Store
-from outbox.testing.invariants import (
+from outbox.check.invariants import (
     OPEN,
     Applied,
     AttemptRecord,
@@ -27,6 +25,8 @@ from outbox.testing.invariants import (
     operation_of,
     unchanged,
 )
+from outbox.storage.engine import make_engine
+from outbox.storage.store import Store
 
 __all__ = ["CHECKER_APP", "load", "load_database", "load_sink_log", "open_counts", "settle"]
 

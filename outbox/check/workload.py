@@ -9,7 +9,7 @@ Two drivers produce the same intents:
 - a script: plain ``run.transaction`` calls from the test process
   (:func:`drive_script`, or :class:`ScriptThread` to write while faults happen);
 - real ``outbox worker`` processes running :func:`workload_agent`, which reads
-  M, K and the sink URL from ``run.inputs`` (:class:`outbox.testing.processes.Fleet`).
+  M, K and the sink URL from ``run.inputs`` (:class:`outbox.check.processes.Fleet`).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _intend_step(tx: StepTransaction, run_id: uuid.UUID, m: int, inputs: dict[st
 
 
 def workload_agent(run: Run) -> Any:
-    """The handler ``outbox worker outbox.testing.workload:workload_agent`` runs."""
+    """The handler ``outbox worker outbox.check.workload:workload_agent`` runs."""
     inputs = run.inputs
     for m in range(int(inputs["steps"])):
 

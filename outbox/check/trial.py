@@ -1,10 +1,10 @@
 """One trial: a scratch database, the agent's runs, real processes killed on plan, the evidence.
 
 :func:`run_trial` starts the runs, then a deliverer and workers (armed as the
-plan says, through a :class:`~outbox.testing.supervisor.Supervisor`),
+plan says, through a :class:`~outbox.check.supervisor.Supervisor`),
 replaces each process that died at its crash point, and waits until every
 run has ended and no effect is on its way. Then it reads the database, the sink's log and the
-trace, and checks the invariants against a :class:`~outbox.testing.compare.Reference`.
+trace, and checks the invariants against a :class:`~outbox.check.compare.Reference`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from outbox.client import Outbox
-from outbox.storage.engine import make_engine
-from outbox.testing.compare import (
+from outbox.check.compare import (
     Reference,
     RunOutcome,
     differences,
@@ -33,18 +31,20 @@ from outbox.testing.compare import (
     tag_operations,
     unstable_step_ids,
 )
-from outbox.testing.crash import TraceEvent, read_trace, target
-from outbox.testing.invariants import (
+from outbox.check.crash import TraceEvent, read_trace, target
+from outbox.check.invariants import (
     Applied,
     Intent,
     Report,
     check,
     replay_violations,
 )
-from outbox.testing.logs import load_database, load_sink_log
-from outbox.testing.plan import TrialPlan
-from outbox.testing.processes import Fleet, Process
-from outbox.testing.supervisor import TERMINAL, Supervisor, TrialContext, TrialError
+from outbox.check.logs import load_database, load_sink_log
+from outbox.check.plan import TrialPlan
+from outbox.check.processes import Fleet, Process
+from outbox.check.supervisor import TERMINAL, Supervisor, TrialContext, TrialError
+from outbox.client import Outbox
+from outbox.storage.engine import make_engine
 
 __all__ = ["Crash", "TrialResult", "run_trial"]
 

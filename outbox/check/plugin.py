@@ -7,9 +7,9 @@
     def test_reconcile_survives_crashes(outbox_check):
         outbox_check(reconcile, inputs={"month": "2026-10"})
 
-The fixture runs :func:`outbox.testing.check_agent` and fails the test with
+The fixture runs :func:`outbox.check.check_agent` and fails the test with
 the rendered report when any crash point shows a violation; it returns the
-:class:`~outbox.testing.report.CheckReport` otherwise. Scratch databases are
+:class:`~outbox.check.report.CheckReport` otherwise. Scratch databases are
 made on one temporary embedded PostgreSQL per test session, or on the server
 of ``--outbox-check-dsn`` / ``OUTBOX_CHECK_DSN`` (override the
 ``outbox_check_server`` fixture to use one of your own).
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from outbox.testing.report import CheckReport
+    from outbox.check.report import CheckReport
 
 __all__ = ["OutboxCheck", "outbox_check", "outbox_check_server", "pytest_addoption"]
 
@@ -81,9 +81,9 @@ class OutboxCheck:
         allow_nondeterministic_result: bool = False,
     ) -> CheckReport:
         """Check ``handler``; fail the test with the report on any violation."""
-        from outbox.testing.check import check_agent
-        from outbox.testing.plan import CheckOptions
-        from outbox.testing.report import plain_text
+        from outbox.check.check import check_agent
+        from outbox.check.plan import CheckOptions
+        from outbox.check.report import plain_text
 
         path = handler_path(handler)
         options = CheckOptions(
@@ -112,7 +112,7 @@ class OutboxCheck:
 @pytest.fixture(scope="session")
 def outbox_check_server(request: pytest.FixtureRequest) -> Iterator[str]:
     """A server for scratch databases, for the whole session."""
-    from outbox.testing.check import scratch_server
+    from outbox.check.check import scratch_server
 
     dsn = request.config.getoption("outbox_check_dsn") or os.environ.get("OUTBOX_CHECK_DSN")
     with scratch_server(dsn) as server:
