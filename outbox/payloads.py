@@ -14,9 +14,11 @@ hash and size before its step commits.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -64,14 +66,20 @@ def encode(value: Any, *, field: str, max_bytes: int = DEFAULT_MAX_BYTES) -> str
 
 def encode_sized(value: Any, *, field: str, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, int]:
     """:func:`encode`, also returning the text's size in bytes (UTF-8)."""
+    canonical = functools.partial(
+        json.dumps,
+        sort_keys=True,
+        separators=(",", ":"),
+        allow_nan=False,
+        ensure_ascii=False,
+    )
+    return _sized(lambda: canonical(to_jsonable(value)), value, field, max_bytes)
+
+
+def _sized(render: Callable[[], str], value: Any, field: str, max_bytes: int) -> tuple[str, int]:
+    """``render()``'s text and its size in bytes, or :class:`PayloadError` naming ``field``."""
     try:
-        text = json.dumps(
-            to_jsonable(value),
-            sort_keys=True,
-            separators=(",", ":"),
-            allow_nan=False,
-            ensure_ascii=False,
-        )
+        text = render()
     except RecursionError:
         raise PayloadError(field, value, "nested too deeply to store as JSON") from None
     except ValueError as exc:  # NaN / Infinity, circular references, 4300+ digit integers
@@ -131,30 +139,7 @@ def jsonb_sized(value: Any, *, field: str, max_bytes: int = DEFAULT_MAX_BYTES) -
     integers too long to print, nesting too deep), NUL characters and lone
     surrogates (not text ``jsonb`` can hold), and a text over ``max_bytes``.
     """
-    try:
-        text = jsonb_text(value)
-    except RecursionError:
-        raise PayloadError(field, value, "nested too deeply to store as JSON") from None
-    except ValueError as exc:  # NaN / Infinity, circular references, 4300+ digit integers
-        reason = f"not valid JSON: {exc}"
-        if "integer string conversion" in str(exc):
-            reason = "holds an integer too long to write (over 4300 digits)"
-        raise PayloadError(field, value, reason) from exc
-    except TypeError as exc:
-        raise PayloadError(field, value, f"not JSON-serialisable: {exc}") from exc
-    if "\\u0000" in text and _NUL_ESCAPE.search(text) is not None:
-        raise PayloadError(field, value, "contains a NUL character, which PostgreSQL cannot store")
-    try:
-        size = len(text.encode())
-    except UnicodeEncodeError:
-        raise PayloadError(
-            field, value, "contains a lone surrogate, which is not valid Unicode text"
-        ) from None
-    if size > max_bytes:
-        raise PayloadError(
-            field, f"<{size} bytes>", f"is {size} bytes, over the limit of {max_bytes} bytes"
-        )
-    return text, size
+    return _sized(lambda: jsonb_text(value), value, field, max_bytes)
 
 
 _dumps_string = json.JSONEncoder(ensure_ascii=False).encode
