@@ -5,8 +5,9 @@ statement it would send to more than one shard. With it set for the whole
 database (so every session of the client, the deliverers and the workers has
 it), the paths that carry the load (start a run, write steps with intents and
 keys, claim, extend leases, complete, expire, wake timers, claim runs, pause,
-resume, signal, replay) must run without a single refusal. Reads for people
-(listing runs or effects, the console, audit) may span shards and are not run here.
+resume, signal, replay, a run's effects listed) must run without a single
+refusal. Other reads for people (listing runs, effects of every run, the
+console, audit) may span shards and are not run here.
 """
 
 from __future__ import annotations
@@ -170,6 +171,11 @@ def test_cancel_and_compensation_stay_on_one_shard_each(
         wait_for(compensated, timeout=60, message="every run compensated")
     assert sorted(d.payload.get("undo", 0) for d in deliverer.deliveries) == [0] * 4 + [1] * 4
     assert _refusals(caplog) == []
+    # A run's effects, as a person lists them, are read from the run's shard alone.
+    for run in runs:
+        listed = ob.effects(run_id=run.id)
+        assert len(listed) == 2 and {e.status for e in listed} == {"compensated", "succeeded"}
+        assert [e.id for e in ob.run(run.id).effects()] == [e.id for e in listed]
 
 
 def test_a_steps_wake_up_names_its_shard_and_an_idle_deliverer_asks_that_shard_alone(

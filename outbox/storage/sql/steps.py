@@ -109,7 +109,8 @@ def list_effects(
         anchor = select(effects.c.seq).where(effects.c.id == before).scalar_subquery()
         query = query.where(effects.c.seq < anchor if newest_first else effects.c.seq > anchor)
     if run_id is not None:
-        query = query.where(effects.c.run_id == run_id)
+        # a run's effects live on its shard: on Citus this read goes to one node
+        query = query.where(effects.c.run_id == run_id, effects.c.shard == shard_of(run_id))
     if step_id is not None:
         query = query.where(effects.c.step_id == step_id)
     if status is not None:
