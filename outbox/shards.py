@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Sequence
 
-__all__ = ["DEFAULT_NAMESPACE", "SHARDS", "key_shard", "on_shard", "shard_of"]
+__all__ = ["DEFAULT_NAMESPACE", "SHARDS", "key_shard", "on_shard", "shard_of", "sweep_shards"]
 
 #: The number of logical shards. Fixed for good: a run's shard is read from its id.
 SHARDS = 32
@@ -42,3 +43,8 @@ def on_shard(id: uuid.UUID, shard: int) -> uuid.UUID:
     raw = bytearray(id.bytes)
     raw[15] = (raw[15] & ~_MASK & 0xFF) | shard
     return uuid.UUID(bytes=bytes(raw))
+
+
+def sweep_shards(distributed: bool) -> Sequence[int | None]:
+    """What a sweep visits, a statement each: every shard on Citus, else ``None`` (the table)."""
+    return range(SHARDS) if distributed else [None]

@@ -19,7 +19,7 @@ from uuid import UUID
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox.shards import SHARDS
+from outbox.shards import sweep_shards
 from outbox.storage.attempts import ClaimedEffect, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
 from outbox.storage.direct import DirectConnections
@@ -266,7 +266,7 @@ class DutyStatements(DeliveryConnections):
     ) -> int:
         """Effects a notes ``statement`` noted, up to ``max_rows``: on Citus a shard at a time."""
         noted = 0
-        shards: Sequence[int | None] = range(SHARDS) if await self._is_sharded() else [None]
+        shards = sweep_shards(await self._is_sharded())
         async with self.engine.connect() as conn:
             for shard in shards:
                 on = {} if shard is None else {"on_shard": shard}
@@ -281,7 +281,14 @@ class DutyStatements(DeliveryConnections):
     async def gone_owners(
         self, kinds: Sequence[str], *, restart_grace: float
     ) -> list[tuple[str, bool]]:
-        """Registered owners whose lock is free: (owner, holds an attempt of ``kinds``)."""
+        """Registered owners whose lock is free: (owner, holds an attempt of ``kinds``).
+
+        None on Citus: the owners and their locks live on the coordinator, and a
+        statement may not join them with the distributed effects, so a dead
+        deliverer's attempts wait for their leases there.
+        """
+        if await self._is_sharded():
+            return []
         params = {"kinds": list(kinds), "restart_grace": restart_grace}
         with translate_errors("looking for deliverers that are gone"):
             async with self.engine.connect() as conn:

@@ -7,7 +7,6 @@ original stays as ``__cause__``). Callers never see SQL.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,10 +15,9 @@ from uuid import UUID
 
 from sqlalchemy import Connection, Engine, select, text
 
-from outbox.blobs import Blob, reference_hashes
-from outbox.faults import crash_point
-from outbox.models import Effect, EffectAttempt, Lease, RunRecord, StepRecord
-from outbox.shards import SHARDS, shard_of
+from outbox.blobs import reference_hashes
+from outbox.models import Effect, EffectAttempt, RunRecord, StepRecord
+from outbox.shards import shard_of
 from outbox.storage import blob_store, writes
 from outbox.storage.blob_store import (
     AUDITED_STEP_FIELDS,
@@ -33,20 +31,20 @@ from outbox.storage.engine import distributed, translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
 from outbox.storage.shard_turns import ShardTurns
-from outbox.storage.sql import audit, control, leases, maintenance, queue
+from outbox.storage.sql import audit, maintenance
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql import steps as sql
-from outbox.storage.sql.common import RUNS_CHANNEL, notify
 from outbox.storage.views import ConsoleViews
+from outbox.storage.worker_store import RunWorkerStatements
 
 __all__ = ["Store", "mark_consumed", "read_state_counts"]
 
 log = logging.getLogger(__name__)
 
 
-class Store:
+class Store(RunWorkerStatements):
     """Executes the client's statements on one engine."""
 
     def __init__(self, engine: Engine) -> None:
@@ -262,157 +260,6 @@ class Store:
         with translate_errors("listing runs"), self.engine.connect() as conn:
             query = select(runs.c.id).order_by(runs.c.created_at.desc()).limit(limit)
             return [row[0] for row in conn.execute(query)]
-
-    # -- runs in workers ---------------------------------------------------------------
-
-    def claim_runs(
-        self, quotas: list[tuple[dict[str, str], int]], *, owner: str, lease_seconds: float
-    ) -> list[RunRecord]:
-        """Claim runnable runs of the given (agent, version) partitions, in one transaction."""
-        claimed: list[RunRecord] = []
-        with translate_errors("claiming runs"), self.engine.begin() as conn:
-            if not self._is_sharded(conn):
-                for partition, limit in quotas:
-                    claimed += self._claim_runs_on(
-                        conn, queue.RUN_QUEUE, partition, limit, owner, lease_seconds
-                    )
-                return claimed
-            # on Citus a claim locks rows of one shard: the shards take turns
-            spec = dataclasses.replace(queue.RUN_QUEUE, sharded=True)
-            for partition, limit in quotas:
-                taken = 0
-                for shard in self._turns.live(self._turns.turn(str(partition))):
-                    if taken >= limit:
-                        break
-                    self._turns.took(str(partition), shard)
-                    on_shard = {**partition, "shard": shard}
-                    found = self._claim_runs_on(
-                        conn, spec, on_shard, limit - taken, owner, lease_seconds
-                    )
-                    taken += len(found)
-                    claimed += found
-        return claimed
-
-    def _claim_runs_on(
-        self,
-        conn: Connection,
-        spec: queue.QueueSpec,
-        partition: dict[str, Any],
-        limit: int,
-        owner: str,
-        lease_seconds: float,
-    ) -> list[RunRecord]:
-        params = queue.claim_params(
-            partition, limit=limit, owner=owner, lease_seconds=lease_seconds
-        )
-        claimed: list[RunRecord] = []
-        again = True
-        while again:  # at most twice: plain, then lanes (see ClaimMode)
-            statement, lanes = self._claims.statement(spec, partition, rated=False)
-            rows = conn.execute(statement, params).mappings().all()
-            found, again = self._claims.claimed(spec, partition, lanes, rows)
-            claimed += [RunRecord.model_validate(r) for r in found]
-        return claimed
-
-    def extend_run_leases(
-        self, held: list[tuple[UUID, int]], *, owner: str, lease_seconds: float
-    ) -> set[UUID]:
-        """Heartbeat for runs; returns the ids still leased to ``owner``."""
-        if not held:
-            return set()
-        params = leases.extend_params(held, owner=owner, lease_seconds=lease_seconds)
-        with translate_errors("extending run leases"), self.engine.begin() as conn:
-            return {row[0] for row in conn.execute(leases.extend_leases(queue.RUN_QUEUE), params)}
-
-    def wake_due_runs(self, max_rows: int = 1000) -> int:
-        """Fire due timers; returns how many runs became runnable."""
-        with translate_errors("firing timers"), self.engine.begin() as conn:
-            if self._is_sharded(conn):  # a shard at a time: each locks rows of one shard
-                woken = 0
-                for shard in range(SHARDS):
-                    params = {"max_rows": max_rows - woken, "on_shard": shard}
-                    if params["max_rows"] > 0:
-                        woken += len(conn.execute(run_sql.wake_due_timers(True), params).all())
-            else:
-                woken = len(conn.execute(run_sql.wake_due_timers(), {"max_rows": max_rows}).all())
-            if woken:
-                conn.execute(notify(RUNS_CHANNEL))
-            return woken
-
-    def rescue_expired_runs(self) -> int:
-        """Runs of dead workers become runnable again; returns how many."""
-        with translate_errors("rescuing runs"), self.engine.begin() as conn:
-            rows = conn.execute(run_sql.rescue_expired_runs()).all()
-            if rows:
-                conn.execute(notify(RUNS_CHANNEL))
-        for row in rows:
-            log.warning(
-                "run %s: its worker's lease expired; runnable again",
-                row.id,
-                extra={"run_id": str(row.id), "attempt": row.attempt},
-            )
-        return len(rows)
-
-    def record_step_failure(
-        self,
-        run_id: UUID,
-        lease: Lease,
-        *,
-        step: str,
-        max_retries: int,
-        delay: float,
-        failure_json: str,
-    ) -> str | None:
-        """Count a step's failure (fenced); returns the run's new status, None if not ours."""
-        params = {
-            "run_id": run_id,
-            "fence_owner": lease.owner,
-            "fence_attempt": lease.attempt,
-            "step_key": step,
-            "max_retries": max_retries,
-            "delay": delay,
-            "failure": failure_json,
-        }
-        with translate_errors("recording a step failure"), self.engine.begin() as conn:
-            row = conn.execute(run_sql.record_step_failure(), params).first()
-        return None if row is None else str(row.status)
-
-    def upgrade_run(
-        self,
-        run_id: UUID,
-        lease: Lease,
-        *,
-        from_version: str,
-        to_version: str,
-        state_json: str,
-        blobs: Sequence[Blob | None] = (),
-    ) -> RunRecord | None:
-        """Move a claimed run to ``to_version`` with upgraded state (fenced)."""
-        params = {
-            "run_id": run_id,
-            "fence_owner": lease.owner,
-            "fence_attempt": lease.attempt,
-            "from_version": from_version,
-            "to_version": to_version,
-            "upgraded_state": state_json,
-        }
-        with translate_errors("upgrading a run"), self.engine.begin() as conn:
-            row = conn.execute(run_sql.upgrade_run(), params).first()
-            if row is not None:
-                blob_store.put(conn, run_id, blobs)
-            crash_point("during_upgrade", f"{from_version}->{to_version}", run=run_id)
-            if row is None:
-                return None
-            return blob_store.resolve(conn, [RunRecord.model_validate(row._mapping)], RUN_FIELDS)[0]
-
-    def park_paused(self, run_id: UUID, lease: Lease) -> str | None:
-        """Let go of a run whose pause waited for its step (fenced); its new status, or None."""
-        params = {"run_id": run_id, "fence_owner": lease.owner, "fence_attempt": lease.attempt}
-        with translate_errors("parking a paused run"), self.engine.begin() as conn:
-            row = conn.execute(control.park_paused(), params).first()
-            if row is not None:
-                conn.execute(notify(RUNS_CHANNEL))
-        return None if row is None else str(row.status)
 
     def notify(self, channel: str) -> None:
         """Send one NOTIFY outside any transaction of the caller's.

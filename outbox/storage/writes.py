@@ -179,6 +179,7 @@ _BEGIN_RUN = (
 # On Citus the step's write runs on its run's shard alone: callers' keys are taken
 # on their own shards first, and the deliverers are woken from the coordinator.
 _TAKE_KEYS = "SELECT outbox_take_keys(%s, %s::jsonb)"
+_TAKE_KEYS_OF_NO_RUN = "SELECT outbox_take_keys(NULL, %s::jsonb, %s)"
 # The payload names the shard, so an idle deliverer asks it first (ShardTurns.plan).
 _WAKE_DELIVERERS = "SELECT pg_notify('outbox_effects', %s::text)"
 _FINISH_RUN = "SELECT outbox_finish_run(%s, %s, %s::jsonb, %s::jsonb, %s, %s)"
@@ -288,9 +289,17 @@ def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) 
 def intend(
     conn: Connection, rows: Sequence[IntentRow], *, wake: bool | None, namespace: str
 ) -> list[tuple[uuid.UUID, str, bool]]:
-    """Write intents of no run in ``conn``'s transaction: (effect id, key, created) each."""
+    """Write intents of no run in ``conn``'s transaction: (effect id, key, created) each.
+
+    Callers' keys are taken first, as a step's are (on Citus a key row may live on
+    another shard than the write reaches).
+    """
+    intents = intents_json(rows)
+    if any(r.key is not None for r in rows):
+        with translate_errors("taking the callers' keys"):
+            _call(conn, _TAKE_KEYS_OF_NO_RUN, (intents, namespace))
     with translate_errors("writing intents"):
-        found = _call(conn, _INTEND, (intents_json(rows), wake, namespace)).rows
+        found = _call(conn, _INTEND, (intents, wake, namespace)).rows
     return [(r[0], r[1], bool(r[2])) for r in found]
 
 

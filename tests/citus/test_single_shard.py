@@ -13,6 +13,7 @@ console, audit) may span shards and are not run here.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ import pytest
 from click.testing import CliRunner
 
 from deliverers.testing import RecordingDeliverer
-from outbox import Outbox, Run, RunStatus, StepTransaction
+from outbox import IdempotencyConflict, Outbox, Run, RunStatus, StepTransaction
 from outbox.cli import cli as cli_main
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore
@@ -67,7 +68,8 @@ def _pay(tx: StepTransaction, key: str) -> str:
 
 
 def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """What the daemon's or the worker's rounds logged as refused (they log and go on).
+    """What the daemon's, the relay's or the worker's rounds logged as failed (they log and
+    go on): a statement Citus refused for spanning shards, or for any other reason.
 
     The metrics gauges' counts (the stats round) read every shard at once on
     purpose: one parallel read of all shards every few seconds, not a hot path.
@@ -75,7 +77,9 @@ def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         m
         for r in caplog.records
-        if "multi-task" in (m := r.getMessage()) and not m.startswith("stats round failed")
+        if r.levelno >= logging.WARNING
+        and ("multi-task" in (m := r.getMessage()) or " failed" in m)
+        and not m.startswith("stats round failed")
     ]
 
 
@@ -99,6 +103,24 @@ def test_steps_and_their_delivery_stay_on_one_shard_each(
                 [run.id, shard_of(run.id)],
             ).fetchone()
             assert row == (2, 2)
+    assert _refusals(caplog) == []
+
+
+def test_intents_of_no_run_with_callers_keys_are_kept_once_on_their_own_shards(
+    ob: Outbox, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run-less intent's key is taken before it is written, as a step's are."""
+    kind, key = "k.plain", f"plain-{uuid.uuid4().hex[:8]}"
+    with ob.transaction() as tx:
+        first = tx.intend(kind, {"n": 1}, key=key)
+    with ob.transaction() as tx:
+        assert tx.intend(kind, {"n": 1}, key=key).id == first.id
+    with pytest.raises(IdempotencyConflict), ob.transaction() as tx:
+        tx.intend(kind, {"n": 2}, key=key)
+    deliverer = RecordingDeliverer(kind)
+    with DaemonThread(dsn, {kind: deliverer}, poll_seconds=0.1):
+        wait_for(lambda: key in deliverer.keys, timeout=60, message="the intent delivered")
+    assert deliverer.keys == [key]
     assert _refusals(caplog) == []
 
 

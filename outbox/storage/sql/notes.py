@@ -47,8 +47,10 @@ def mark_unknown_kinds(sharded: bool = False) -> Any:
     and ``on_shard`` when ``sharded``.
     """
     note = func.concat(bindparam("note_prefix", type_=Text), effects.c.kind)
+    # The note is made in the SELECT: Citus refuses a STABLE function (concat) over a
+    # column in an UPDATE's SET.
     target = (
-        select(effects.c.id)
+        select(effects.c.id, note.label("note"))
         .where(
             effects.c.status == const("pending"),
             effects.c.kind != all_(bindparam("known", type_=ARRAY(Text))),
@@ -62,7 +64,7 @@ def mark_unknown_kinds(sharded: bool = False) -> Any:
     return (
         effects.update()
         .where(effects.c.id == target.c.id, *_of_shard(sharded))
-        .values(last_error=note, updated_at=func.now())
+        .values(last_error=target.c.note, updated_at=func.now())
         .returning(effects.c.id)
     )
 

@@ -292,11 +292,21 @@ def wake_due_timers(sharded: bool = False) -> Any:
 
 
 @cache
-def rescue_expired_runs() -> Any:
-    """Runs whose worker died (lease expired) become runnable again (paused, if pausing)."""
+def rescue_expired_runs(sharded: bool = False) -> Any:
+    """Runs whose worker died (lease expired) become runnable again (paused, if pausing).
+
+    ``sharded`` (Citus): of shard ``on_shard``; found first (Citus refuses now() in an UPDATE).
+    """
+    on_shard = [runs.c.shard == bindparam("on_shard", type_=SmallInteger)] if sharded else []
+    due = (
+        select(runs.c.id, runs.c.shard)
+        .where(runs.c.status == const("running"), runs.c.lease_expires_at < func.now(), *on_shard)
+        .with_for_update(skip_locked=True)
+        .cte("expired")
+    )
     return (
         runs.update()
-        .where(runs.c.status == const("running"), runs.c.lease_expires_at < func.now())
+        .where(runs.c.id == due.c.id, runs.c.shard == due.c.shard, *on_shard)
         .values(
             status=case((_PAUSE_ASKED, const("paused")), else_=const("runnable")),
             lease_owner=null(),
