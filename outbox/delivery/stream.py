@@ -56,6 +56,7 @@ from outbox.delivery.relay import topic_for
 from outbox.delivery.settings import StreamSettings
 from outbox.delivery.sources import Writing, wait_or_wake
 from outbox.delivery.threads import DaemonThreads
+from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 
 __all__ = ["KafkaSource"]
@@ -90,18 +91,27 @@ class _Rebalances(ConsumerRebalanceListener):  # type: ignore[misc]
         self.moved.append(list(lost))
 
 
-def _effect_id(record: Any) -> uuid.UUID | None:
-    """The effect a record names: its ``effect-id`` header (the relay sets one), else its value.
+def _named(record: Any) -> tuple[uuid.UUID, int] | None:
+    """The effect a record names, and its shard (its run's; of no run, its own id's).
 
-    The header spares parsing the whole envelope, payload and all, per record.
+    From the ``effect-id`` and ``run-id`` headers the relay sets, which spare
+    parsing the whole envelope, payload and all, per record; else from the value.
     """
     try:
-        for key, value in record.headers or ():
-            if key == "effect-id":
-                return uuid.UUID(value.decode())
-        return uuid.UUID(json.loads(record.value)["effect_id"])
+        found = {key: value for key, value in record.headers or () if key in _NAMING}
+        if "effect-id" in found:
+            effect_id = uuid.UUID(found["effect-id"].decode())
+            run_id = uuid.UUID(found["run-id"].decode()) if "run-id" in found else None
+        else:
+            envelope = json.loads(record.value)
+            effect_id = uuid.UUID(envelope["effect_id"])
+            run_id = uuid.UUID(envelope["run_id"]) if envelope.get("run_id") else None
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
+    return effect_id, shard_of(run_id or effect_id)
+
+
+_NAMING = frozenset({"effect-id", "run-id"})
 
 
 class KafkaSource:
@@ -124,6 +134,8 @@ class KafkaSource:
         self.offsets: Offsets[TopicPartition] = Offsets()
         #: Reads whose claim failed: claimed again before anything more is read.
         self._undecided: list[Read] = []
+        #: The shard of each effect read and not yet claimed (on Citus a claim names it).
+        self._shards: dict[uuid.UUID, int] = {}
         #: Claims failed in a row: the pause before the next one doubles with each.
         self._claim_failures = 0
         self._rebalances = _Rebalances()
@@ -237,10 +249,12 @@ class KafkaSource:
             if not reads:
                 return []
         try:
+            ids = list({read.effect_id: None for read in reads})
             claimed = await self.store.claim_dispatched(
-                list({read.effect_id: None for read in reads}),
+                ids,
                 owner=self.settings.owner,
                 lease_seconds=self.settings.lease_seconds,
+                shards={i: self._shards[i] for i in ids if i in self._shards},
             )
         except Exception as exc:
             # The records stay open (nothing is committed past them) and are
@@ -263,6 +277,8 @@ class KafkaSource:
             return []
         self._undecided = []
         self._claim_failures = 0
+        for effect_id in ids:
+            self._shards.pop(effect_id, None)
         self.skipped += self.offsets.decide(reads, {effect.id for effect in claimed})
         return claimed
 
@@ -293,9 +309,10 @@ class KafkaSource:
         reads = []
         for tp, records in batch.items():
             for record in records:
-                effect_id = _effect_id(record)
-                read = self.offsets.read(tp, record.offset, effect_id)
-                if read is not None:
+                named = _named(record)
+                read = self.offsets.read(tp, record.offset, named[0] if named else None)
+                if read is not None and named is not None:
+                    self._shards[named[0]] = named[1]
                     reads.append(read)
                     continue
                 log.warning(

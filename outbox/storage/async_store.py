@@ -30,7 +30,7 @@ from outbox.storage.engine import translate_errors
 from outbox.storage.notify import listen
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
-from outbox.storage.shard_turns import complete_on
+from outbox.storage.shard_turns import complete_on, effect_shard
 from outbox.storage.sql import dispatch as dispatch_sql
 from outbox.storage.sql import duties, leases, maintenance, queue
 from outbox.storage.sql.common import EFFECTS_CHANNEL
@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+Item = TypeVar("Item")
 log = logging.getLogger(__name__)
 
 
@@ -267,32 +268,78 @@ class AsyncStore(DutyStatements):
     async def mark_dispatched(
         self, owner: str, held: Sequence[tuple[UUID, int]], *, dispatch_ttl: float
     ) -> set[UUID]:
-        """The relay published these attempts; returns the ids it still held (fenced)."""
+        """The relay published these attempts; returns the ids it still held (fenced).
+
+        On Citus a statement per shard, in one transaction.
+        """
         if not held:
             return set()
-        params = leases.extend_params(held, owner=owner, lease_seconds=0)
-        params["dispatch_ttl"] = dispatch_ttl
-        mark = prepared(dispatch_sql.mark_dispatched())
+        kept: set[UUID] = set()
         with translate_errors("marking effects dispatched"):
             async with self._direct.connection() as conn, conn.transaction():
-                cur = await conn.execute(mark.sql, mark.params(params), prepare=True)
-                return {row["effect_id"] for row in await cur.fetchall()}
+                groups = await self._shard_groups(conn, held, lambda h: h[0])
+                for shard, part in groups.items():
+                    params = leases.extend_params(part, owner=owner, lease_seconds=0)
+                    params["dispatch_ttl"] = dispatch_ttl
+                    if shard is not None:
+                        params["on_shard"] = shard
+                    mark = prepared(dispatch_sql.mark_dispatched(shard is not None))
+                    cur = await conn.execute(mark.sql, mark.params(params), prepare=shard is None)
+                    kept |= {row["effect_id"] for row in await cur.fetchall()}
+        for effect_id, _ in held:  # the relay holds them no more
+            self._shards.of.pop(effect_id, None)
+        return kept
 
     async def claim_dispatched(
-        self, ids: Sequence[UUID], *, owner: str, lease_seconds: float
+        self,
+        ids: Sequence[UUID],
+        *,
+        owner: str,
+        lease_seconds: float,
+        shards: Mapping[UUID, int] | None = None,
     ) -> list[ClaimedEffect]:
-        """Claim the effects named by Kafka records that are still ``dispatched``."""
+        """Claim the effects named by Kafka records that are still ``dispatched``.
+
+        ``shards``: on Citus, each id's shard as its record names it (a statement
+        per shard); an id without one is looked up.
+        """
         if not ids:
             return []
-        params = {"ids": list(ids), "owner": owner, "lease_seconds": lease_seconds}
         began = time.perf_counter()
-        claim = prepared(dispatch_sql.claim_dispatched())
+        rows: list[ClaimedEffect] = []
         with translate_errors("claiming dispatched effects"):
             async with self._direct.connection() as conn:
-                cur = await conn.execute(claim.sql, claim.params(params), prepare=True)
-                rows = [ClaimedEffect.from_row(row) for row in await cur.fetchall()]
+                groups = await self._shard_groups(conn, ids, lambda i: i, shards or {})
+                for shard, part in groups.items():
+                    params = {"ids": list(part), "owner": owner, "lease_seconds": lease_seconds}
+                    if shard is not None:
+                        params["on_shard"] = shard
+                    claim = prepared(dispatch_sql.claim_dispatched(shard is not None))
+                    cur = await conn.execute(claim.sql, claim.params(params), prepare=shard is None)
+                    rows += [ClaimedEffect.from_row(row) for row in await cur.fetchall()]
+        self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
         self._observe("claim", began, claim=len(rows))
         return rows
+
+    async def _shard_groups(
+        self,
+        conn: psycopg.AsyncConnection[dict[str, Any]],
+        items: Sequence[Item],
+        id_of: Callable[[Item], UUID],
+        known: Mapping[UUID, int] | None = None,
+    ) -> dict[int | None, list[Item]]:
+        """``items`` by the shard of their effect: ``{None: items}`` on one server."""
+        held = await self._held_shards(conn)
+        if held is None:
+            return {None: list(items)}
+        groups: dict[int | None, list[Item]] = {}
+        for item in items:
+            effect_id = id_of(item)
+            shard = (known or {}).get(effect_id, held.get(effect_id))
+            if shard is None:
+                shard = await effect_shard(conn, effect_id)
+            groups.setdefault(shard, []).append(item)
+        return groups
 
     # -- the rest ----------------------------------------------------------------------
 

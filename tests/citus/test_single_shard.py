@@ -24,15 +24,17 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 
-from deliverers.testing import RecordingDeliverer
+from deliverers.testing import RecordingDeliverer, TansuBroker
 from outbox import IdempotencyConflict, Outbox, Run, RunStatus, StepTransaction
 from outbox.cli import cli as cli_main
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore
 from tests.citus_support import CitusDatabase
+from tests.integration.test_stream_daemon import stream_daemon
 from tests.support import DaemonThread, WorkerThread, wait_for
 
 KIND = "k.one"
+STREAMED = "k.streamed"
 
 
 @pytest.fixture(scope="module")
@@ -67,20 +69,32 @@ def _pay(tx: StepTransaction, key: str) -> str:
     return str(tx.intend(KIND, {"n": 2}, key=key).id)
 
 
+def _three(tx: StepTransaction, n: int) -> None:
+    for j in range(3):
+        tx.intend(STREAMED, {"n": n, "j": j})
+
+
+#: What Citus says when it refuses a statement: spanning shards, locking rows of
+#: several, a STABLE function over a column in an UPDATE, a distributed table
+#: joined with a local one.
+CITUS_REFUSALS = ("multi-task", "distributed query", "column references", "not supported")
+
+
 def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """What the daemon's, the relay's or the worker's rounds logged as failed (they log and
-    go on): a statement Citus refused for spanning shards, or for any other reason.
+    """What the daemon's, the relay's or the worker's rounds logged as refused by Citus
+    (they log and go on), in the message or in the exception logged with it.
 
     The metrics gauges' counts (the stats round) read every shard at once on
     purpose: one parallel read of all shards every few seconds, not a hot path.
     """
-    return [
-        m
-        for r in caplog.records
-        if r.levelno >= logging.WARNING
-        and ("multi-task" in (m := r.getMessage()) or " failed" in m)
-        and not m.startswith("stats round failed")
-    ]
+    found = []
+    for r in caplog.records:
+        text = r.getMessage()
+        if r.exc_info:
+            text += logging.Formatter().formatException(r.exc_info)
+        if any(s in text for s in CITUS_REFUSALS) and not text.startswith("stats round failed"):
+            found.append(text)
+    return found
 
 
 def test_steps_and_their_delivery_stay_on_one_shard_each(
@@ -121,6 +135,30 @@ def test_intents_of_no_run_with_callers_keys_are_kept_once_on_their_own_shards(
     with DaemonThread(dsn, {kind: deliverer}, poll_seconds=0.1):
         wait_for(lambda: key in deliverer.keys, timeout=60, message="the intent delivered")
     assert deliverer.keys == [key]
+    assert _refusals(caplog) == []
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_stream_mode_relays_and_claims_on_one_shard_each(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The relay's claim and mark, and the stream deliverer's claim by the records' ids,
+    each name one shard: the records carry their run's id, so the shard is known."""
+    runs = [ob.start_run("streamed", "1", {"i": i}) for i in range(6)]
+    for i, run in enumerate(runs):
+        run.transaction("s", partial(_three, n=i))
+    with ob.transaction() as tx:  # of no run: on its key's shard
+        tx.intend(STREAMED, {"n": 100}, key=f"runless-{uuid.uuid4().hex[:8]}")
+    deliverer = RecordingDeliverer(STREAMED)
+    with stream_daemon(dsn, kafka_broker, {STREAMED: deliverer}):
+        wait_for(lambda: len(deliverer.deliveries) >= 19, timeout=120, message="all delivered")
+        wait_for(
+            lambda: all({e.status for e in ob.effects(run_id=r.id)} == {"succeeded"} for r in runs),
+            timeout=60,
+            message="every outcome recorded",
+        )
+    assert len(set(deliverer.keys)) == len(deliverer.keys) == 19
     assert _refusals(caplog) == []
 
 

@@ -36,31 +36,41 @@ __all__ = ["claim_dispatched", "mark_dispatched", "redispatch_expired"]
 
 
 @cache
-def mark_dispatched() -> Any:
+def mark_dispatched(sharded: bool = False) -> Any:
     """The relay published these attempts to Kafka: ``dispatched`` until ``dispatch_ttl`` runs out.
 
     Parameters: ``owner`` (the relay), ``held`` (JSON ``[{id, attempt}]``),
-    ``dispatch_ttl`` (seconds). Fenced like a completion; logged as ``dispatched``.
+    ``dispatch_ttl`` (seconds), and on Citus ``on_shard`` (the held rows of one
+    shard). Fenced like a completion; logged as ``dispatched``.
     """
     held = held_rows()
-    # Rows are locked in id order, as claim_dispatched locks them: a relay's mark
-    # and a stream deliverer's claim of the same effects never deadlock.
-    locked = (
-        select(effects.c.id)
-        .select_from(effects.join(held, effects.c.id == held.c.id))
-        .where(
-            effects.c.attempt == held.c.attempt,
-            effects.c.status == const("in_flight"),
-            effects.c.lease_owner == bindparam("owner", type_=Text),
+    fenced = [
+        effects.c.attempt == held.c.attempt,
+        effects.c.status == const("in_flight"),
+        effects.c.lease_owner == bindparam("owner", type_=Text),
+    ]
+    if sharded:
+        # On Citus the held rows' join in a locking CTE is planned apart and then
+        # fails on the worker: one UPDATE ... FROM (as a completion), on one shard.
+        # A deadlock with a deliverer's claim is then possible, and resolved by
+        # PostgreSQL: the loser retries (a relay's mark, a deliverer's claim).
+        target = effects.update().where(
+            effects.c.id == held.c.id, *fenced, *on_shard_predicate(sharded)
         )
-        .order_by(effects.c.id)
-        .with_for_update(of=effects)
-        .cte("locked")
-    )
+    else:
+        # Rows are locked in id order, as claim_dispatched locks them: a relay's mark
+        # and a stream deliverer's claim of the same effects never deadlock.
+        locked = (
+            select(effects.c.id)
+            .select_from(effects.join(held, effects.c.id == held.c.id))
+            .where(*fenced)
+            .order_by(effects.c.id)
+            .with_for_update(of=effects)
+            .cte("locked")
+        )
+        target = effects.update().where(effects.c.id == locked.c.id)
     changed = (
-        effects.update()
-        .where(effects.c.id == locked.c.id)
-        .values(
+        target.values(
             status=const("dispatched"),
             lease_owner=null(),
             lease_expires_at=func.now() + bindparam("dispatch_ttl", type_=Float) * SECONDS,
@@ -73,10 +83,11 @@ def mark_dispatched() -> Any:
 
 
 @cache
-def claim_dispatched() -> Any:
+def claim_dispatched(sharded: bool = False) -> Any:
     """A stream deliverer claims dispatched effects it read from Kafka (others are skipped).
 
-    Parameters: ``ids`` (array), ``owner``, ``lease_seconds``. An effect that is
+    Parameters: ``ids`` (array), ``owner``, ``lease_seconds``, and on Citus
+    ``on_shard`` (the ids of one shard). An effect that is
     no longer ``dispatched`` (delivered already, or claimed through another copy
     of its record) is not returned: redelivered records are harmless.
 
@@ -99,6 +110,7 @@ def claim_dispatched() -> Any:
                     e.c.lease_owner.startswith(RELAY_OWNER_PREFIX, autoescape=True),
                 ),
             ),
+            *on_shard_predicate(sharded),
         )
         .order_by(e.c.id)
         .with_for_update()
@@ -106,7 +118,7 @@ def claim_dispatched() -> Any:
     )
     return (
         e.update()
-        .where(e.c.id == locked.c.id)
+        .where(e.c.id == locked.c.id, *on_shard_predicate(sharded))
         .values(
             status=const("in_flight"),
             lease_owner=bindparam("owner", type_=Text),
