@@ -250,14 +250,22 @@ class AsyncStore(DutyStatements):
             async with self._direct.connection() as conn, conn.transaction():
                 logged = await complete_on(conn, owner, done, await self._held_shards(conn))
                 rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
-                if extend:
-                    params = leases.extend_params(extend, owner=owner, lease_seconds=lease_seconds)
-                    renew = prepared(leases.extend_leases(spec))
-                    cur = await conn.execute(renew.sql, renew.params(params), prepare=True)
-                    kept = {row["id"] for row in await cur.fetchall()}
+                sharded = await self.sharded(conn)
+                # on Citus a heartbeat statement per shard held, as :meth:`extend`
+                groups = await self._shard_groups(conn, extend, lambda h: h[0])
+                for shard, part in groups.items() if extend else ():
+                    params = leases.extend_params(part, owner=owner, lease_seconds=lease_seconds)
+                    params["part_shard"] = shard
+                    renew = prepared(
+                        leases.extend_leases(dataclasses.replace(spec, sharded=sharded))
+                    )
+                    cur = await conn.execute(renew.sql, renew.params(params), prepare=not sharded)
+                    kept |= {row["id"] for row in await cur.fetchall()}
                 if probe is not None:
-                    ask = prepared(duties.duty_probe())
-                    cur = await conn.execute(ask.sql, ask.params(probe.params()), prepare=True)
+                    ask = prepared(duties.duty_probe(sharded))
+                    cur = await conn.execute(
+                        ask.sql, ask.params(probe.params()), prepare=not sharded
+                    )
                     findings = DutyFindings.from_row(list((await cur.fetchone() or {}).values()))
         self._shards.forget(done)
         self._observe("complete+claim", began, complete=len(logged), claim=len(rows))

@@ -126,7 +126,8 @@ class DutyStatements(DeliveryConnections):
         with translate_errors("probing for background duties"):
             async with self.engine.connect() as conn:
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                found = await conn.execute(duties.duty_probe(), ask.params())
+                probe = duties.duty_probe(await self._is_sharded())
+                found = await conn.execute(probe, ask.params())
                 return DutyFindings.from_row(found.one())
 
     async def expired(

@@ -35,8 +35,9 @@ from outbox import (
 from outbox.cli import cli as cli_main
 from outbox.governance.gates import Gate
 from outbox.shards import SHARDS, key_shard, shard_of
-from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.async_store import AsyncStore, Completion, DutyAsk
 from outbox.storage.engine import make_async_engine
+from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.citus_support import CitusDatabase, node_port_of
 from tests.support import DaemonThread, WorkerThread, wait_for
 
@@ -385,3 +386,44 @@ def test_a_gate_holds_and_approvals_and_deadlines_act_on_the_held_effect(ob: Out
     assert ob.expire_approvals() == {"rejected": 1}
     assert ob.effect(held[2].id).status == EffectStatus.REJECTED
     ob.apply_gates([], prune=True)
+
+
+def test_a_batch_carries_its_heartbeat_and_duty_probe_on_a_cluster(ob: Outbox, dsn: str) -> None:
+    """A busy daemon's batch transaction (outcomes, claim, lease heartbeat, duty probe)
+    commits on a cluster: the heartbeat a statement per shard, the probe a read of
+    every shard that leaves out the coordinator's owners (once a refusal rolled the
+    batch back, and riding stopped for a minute)."""
+    kind = "k.ride"
+    for i in range(6):
+        ob.start_run("ride", "1").transaction("s", partial(_intend_one, kind=kind, n=i))
+
+    async def batches() -> tuple[set[uuid.UUID], set[uuid.UUID], Any]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            held = await store.claim_many(
+                EFFECT_QUEUE, [({"kind": kind}, 6)], owner="rider", lease_seconds=30
+            )
+            first, rest = held[0], held[1:]
+            done = [
+                Completion(first.id, first.attempt, "succeeded", "succeeded", shard=first.shard)
+            ]
+            batched = await store.complete_and_claim(
+                "rider",
+                done,
+                EFFECT_QUEUE,
+                [({"kind": kind}, 1)],
+                lease_seconds=30,
+                extend=[(e.id, e.attempt) for e in rest],
+                probe=DutyAsk(gone_kinds=(kind,)),
+            )
+            return {e.id for e in rest}, batched.kept, batched.findings
+        finally:
+            await store.dispose()
+
+    rest, kept, findings = asyncio.run(batches())
+    assert len(rest) == 5 and kept == rest
+    assert findings is not None and findings.gone == ()
+
+
+def _intend_one(tx: StepTransaction, kind: str, n: int) -> None:
+    tx.intend(kind, {"n": n})

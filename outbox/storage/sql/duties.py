@@ -26,8 +26,12 @@ __all__ = ["duty_probe"]
 
 
 @cache
-def duty_probe() -> TextClause:
+def duty_probe(sharded: bool = False) -> TextClause:
     """One row: which duties have work now.
+
+    ``sharded`` (Citus): a read of every shard at once (read-only, no lock), and
+    no gone owners: the owners live on the coordinator, and Citus refuses a
+    statement that joins them with the distributed effects.
 
     Parameters: ``askable`` (text[]: kinds whose ``unknown`` effects the
     reconciler settles by asking the sink), ``kinds`` (text[]: the idempotent
@@ -39,6 +43,7 @@ def duty_probe() -> TextClause:
     (JSON ``[[owner, holds], ...]`` as :func:`outbox.storage.sql.owners.gone_owners`
     returns them; ``[]`` when ``gone`` is false).
     """
+    gone = "              '[]'::jsonb AS gone" if sharded else _GONE_OWNERS
     return text(
         f"""SELECT
               EXISTS (SELECT 1 FROM outbox_effects
@@ -53,7 +58,12 @@ def duty_probe() -> TextClause:
                         AND approval_deadline <= now()) AS approvals,
               EXISTS (SELECT 1 FROM outbox_runs
                       WHERE {sql_in("status", STOPPING_RUN_STATUSES)}) AS stopping,
-              CASE WHEN CAST(:gone AS boolean) THEN (
+{gone}"""
+    )
+
+
+# Gone owners and whether each holds an attempt of :kinds (outbox.storage.sql.owners).
+_GONE_OWNERS = f"""              CASE WHEN CAST(:gone AS boolean) THEN (
                   SELECT coalesce(jsonb_agg(jsonb_build_array(o.owner, EXISTS (
                       SELECT 1 FROM outbox_effects e
                       WHERE e.status = 'in_flight' AND e.lease_owner = o.owner
@@ -61,4 +71,3 @@ def duty_probe() -> TextClause:
                   FROM outbox_owners o
                   WHERE {GONE_CONDITION})
               ELSE '[]'::jsonb END AS gone"""
-    )
