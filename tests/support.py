@@ -188,3 +188,26 @@ def embedded_home(prefix: str = "outbox-test-home-") -> Path:
     home = Path(tempfile.mkdtemp(prefix=prefix))
     home.chmod(0o711)
     return home
+
+
+def delivery_plan_modes(dsn: str, connections: int = 4) -> list[str]:
+    """``plan_cache_mode`` of a delivery store's connections, opened all at once at its start."""
+
+    async def modes() -> list[str]:
+        store = AsyncStore(make_async_engine(dsn))
+        barrier = asyncio.Barrier(connections)  # each holds its connection till all are open
+
+        async def one() -> str:
+            async with store._direct.connection() as conn:
+                await barrier.wait()
+                cur = await conn.execute("SELECT current_setting('plan_cache_mode') AS m")
+                row = await cur.fetchone()
+                assert row is not None
+                return str(row["m"])
+
+        try:
+            return list(await asyncio.gather(*(one() for _ in range(connections))))
+        finally:
+            await store.dispose()
+
+    return asyncio.run(modes())

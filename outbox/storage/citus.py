@@ -29,6 +29,7 @@ from outbox.shards import SHARDS
 
 __all__ = [
     "COLOCATED",
+    "DATABASE_SETTINGS",
     "DELEGATED",
     "REFERENCE",
     "Distribution",
@@ -53,6 +54,17 @@ COLOCATED = (
 REFERENCE = ("outbox_gates", "outbox_rate_limits")
 #: Functions whose call goes to the node holding the shard named by an argument.
 DELEGATED = {"outbox_write_step": "$1"}
+#: Set for the database on every node, so every session of every client has them.
+DATABASE_SETTINGS = (
+    # the write functions read it on every node (outbox_distributed)
+    "outbox.distributed = 'on'",
+    "citus.enable_unsafe_triggers = 'on'",
+    # A statement prepared by psycopg, or one in a PL/pgSQL function, is planned
+    # generically after five runs when PostgreSQL finds that no dearer; Citus
+    # cannot plan the claim or the step write without the shard's value ("could
+    # not create distributed plan"), so a long session failed at random.
+    "plan_cache_mode = 'force_custom_plan'",
+)
 
 
 @dataclass
@@ -158,8 +170,7 @@ def distribute(engine: Engine) -> Distribution:
             raise MigrationError(f"distributing the schema failed: {exc}") from exc
         done.propagated, done.delegated = _functions(conn)
         database = conn.info.dbname
-        # the write functions read it on every node (outbox_distributed)
-        for setting in ("outbox.distributed = 'on'", "citus.enable_unsafe_triggers = 'on'"):
+        for setting in DATABASE_SETTINGS:
             conn.execute(
                 "SELECT run_command_on_all_nodes(%s)",
                 [f'ALTER DATABASE "{database}" SET {setting}'],

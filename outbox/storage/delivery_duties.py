@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox.shards import sweep_shards
 from outbox.storage.attempts import ClaimedEffect, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
-from outbox.storage.direct import DirectConnections
+from outbox.storage.direct import GENERIC_PLANS_OFF_CITUS, DirectConnections
 from outbox.storage.engine import libpq_dsn, translate_errors
 from outbox.storage.shard_turns import ShardTurns, effect_shard
 from outbox.storage.sql import dispatch as dispatch_sql
@@ -59,10 +59,10 @@ class DeliveryConnections:
     ) -> None:
         self.engine = engine
         self._claims = ClaimMode()
-        self._idle_ms = idle_in_transaction_ms
         self._direct = DirectConnections(
             libpq_dsn(engine.url),
-            options=self._options(generic=True),
+            setup=GENERIC_PLANS_OFF_CITUS,
+            options=f"-c idle_in_transaction_session_timeout={idle_in_transaction_ms}",
             application_name=application_name,
         )
         #: Told of every claim/complete transaction (a benchmark's probe); None: nobody.
@@ -71,10 +71,6 @@ class DeliveryConnections:
         self._sharded: bool | None = None
         #: On Citus: which shard to ask next, which to leave alone, whose rows we hold.
         self._shards = ShardTurns()
-
-    def _options(self, *, generic: bool) -> str:
-        plans = "-c plan_cache_mode=force_generic_plan " if generic else ""
-        return f"{plans}-c idle_in_transaction_session_timeout={self._idle_ms}"
 
     @property
     def dsn(self) -> str:
@@ -87,11 +83,6 @@ class DeliveryConnections:
             cur = await conn.execute("SELECT current_setting('outbox.distributed', true) AS d")
             row = await cur.fetchone()
             self._sharded = row is not None and row["d"] == "on"
-            if self._sharded:
-                # Citus routes a statement by the shard it names: a generic plan,
-                # planned once for any value, cannot be routed
-                await conn.execute("SET plan_cache_mode = auto")
-                self._direct.configure(options=self._options(generic=False))
         return self._sharded
 
     async def _is_sharded(self) -> bool:

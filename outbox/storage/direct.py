@@ -12,8 +12,9 @@ claim is on the commit → handler start path. Measured on the embedded server
   ``plan_cache_mode = force_generic_plan`` it is planned once per connection.
 
 So the store runs these statements here, compiled once from the same Core
-builders (:class:`Prepared`), on connections opened with that setting and kept
-for the store's life (:class:`DirectConnections`). Every other statement stays
+builders (:class:`Prepared`), on connections given that setting (not on Citus,
+see :data:`GENERIC_PLANS_OFF_CITUS`) and kept for the store's life
+(:class:`DirectConnections`). Every other statement stays
 on the engine, where PostgreSQL picks plans per execution as before. The claim
 statements are written for generic plans: statuses and limits that decide an
 index are literals, the batch is claimed by one array of ids.
@@ -33,7 +34,18 @@ from psycopg.rows import dict_row
 from sqlalchemy.dialects.postgresql.psycopg import PGDialectAsync_psycopg
 from sqlalchemy.engine.interfaces import Dialect
 
-__all__ = ["DirectConnections", "Prepared", "prepared"]
+__all__ = ["GENERIC_PLANS_OFF_CITUS", "DirectConnections", "Prepared", "prepared"]
+
+#: Each delivery connection's setup: generic plans, unless the database is
+#: distributed. Citus routes a statement by the shard value it names, which a
+#: generic plan lacks ("could not create distributed plan"); ``outbox migrate
+#: --distribute`` sets custom plans for such a database. Decided on the
+#: connection itself, so none opened while the store was still asking can keep
+#: generic plans on a cluster.
+GENERIC_PLANS_OFF_CITUS = (
+    "SELECT set_config('plan_cache_mode', 'force_generic_plan', false)"
+    " WHERE current_setting('outbox.distributed', true) IS DISTINCT FROM 'on'"
+)
 
 _DIALECT: Dialect = PGDialectAsync_psycopg()
 
@@ -68,6 +80,8 @@ def prepared(statement: Any) -> Prepared:
 class DirectConnections:
     """Up to ``size`` psycopg connections (autocommit), each opened with ``params``.
 
+    ``setup``, if given, is run on each new connection before it is first used.
+
     A connection is taken by :meth:`connection` and given back after; one that
     failed at the connection level, or whose statement was cancelled half-way
     (its state is then unknown), is closed instead, and a new one opened when
@@ -75,9 +89,13 @@ class DirectConnections:
     all, as an engine's ``dispose`` does: the set may be used again after.
     """
 
-    def __init__(self, conninfo: str, *, size: int = 4, **params: Any) -> None:
+    def __init__(
+        self, conninfo: str, *, size: int = 4, setup: str | None = None, **params: Any
+    ) -> None:
         self._conninfo = conninfo
         self._params = params
+        #: Run once on each new connection, before its first use.
+        self._setup = setup
         self._idle: list[psycopg.AsyncConnection[dict[str, Any]]] = []
         self._slots = asyncio.Semaphore(size)
         #: Connections opened before the last close are not given back.
@@ -90,10 +108,17 @@ class DirectConnections:
         async with self._slots:
             conn = self._idle.pop() if self._idle else None
             if conn is None or conn.closed:
+                born = self._generation  # a close() while connecting makes this one stale
                 conn = await psycopg.AsyncConnection.connect(
                     self._conninfo, autocommit=True, row_factory=dict_row, **self._params
                 )
-                self._born[id(conn)] = self._generation
+                self._born[id(conn)] = born
+                if self._setup is not None:
+                    try:
+                        await conn.execute(self._setup)
+                    except BaseException:
+                        await self._discard(conn)
+                        raise
             try:
                 yield conn
             except BaseException as exc:
@@ -115,11 +140,6 @@ class DirectConnections:
         self._born.pop(id(conn), None)
         with contextlib.suppress(Exception):  # a broken connection: nothing more to do
             await conn.close()
-
-    def configure(self, **params: Any) -> None:
-        """Open new connections with these parameters too; those open now are not given back."""
-        self._params.update(params)
-        self._generation += 1
 
     async def close(self) -> None:
         """Close every connection (those in use when they are given back)."""

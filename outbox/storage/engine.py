@@ -95,11 +95,16 @@ def libpq_dsn(dsn: str | URL) -> str:
 
 
 def _connect_args(
+    url: URL,
     idle_in_transaction_ms: int,
     application_name: str,
     session_settings: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
-    options = f"-c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
+    # Ours come after the DSN's own ``options`` (which this argument would
+    # otherwise replace): a user's ``-c search_path=...`` still holds.
+    given = url.query.get("options", "")
+    options = " ".join(given) if isinstance(given, tuple) else given
+    options += f" -c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
     for name, value in (session_settings or {}).items():
         options += f" -c outbox.{name}={value}"
     return {"options": options, "application_name": application_name}
@@ -130,12 +135,13 @@ def make_engine(
     session_settings: Mapping[str, Any] | None = None,
 ) -> Engine:
     """A sync engine on psycopg 3 for any ``postgresql://`` DSN."""
+    url = psycopg_url(dsn)
     return create_engine(
-        psycopg_url(dsn),
+        url,
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=False,
-        connect_args=_connect_args(idle_in_transaction_ms, application_name, session_settings),
+        connect_args=_connect_args(url, idle_in_transaction_ms, application_name, session_settings),
     )
 
 
@@ -147,14 +153,15 @@ def make_async_engine(
     idle_in_transaction_ms: int = 60_000,
 ) -> AsyncEngine:
     """An async engine on psycopg 3, with the connection count bounded."""
+    url = psycopg_url(dsn)
     return create_async_engine(
-        psycopg_url(dsn),
+        url,
         pool_size=pool_size,
         max_overflow=0,
         # No ping per checkout (a round trip per transaction): a dropped
         # connection fails its statement, is discarded, and the loop retries.
         pool_pre_ping=False,
-        connect_args=_connect_args(idle_in_transaction_ms, application_name),
+        connect_args=_connect_args(url, idle_in_transaction_ms, application_name),
     )
 
 
@@ -350,13 +357,14 @@ def open_async_engine(settings: Settings, *, application_name: str = "outbox") -
         url = check.url
     finally:
         check.dispose()
+    url = psycopg_url(url)
     return create_async_engine(
-        psycopg_url(url),
+        url,
         pool_size=settings.pool_size,
         max_overflow=settings.pool_size,
         pool_pre_ping=False,
         connect_args=_connect_args(
-            settings.idle_in_transaction_timeout_ms, application_name, write_settings(settings)
+            url, settings.idle_in_transaction_timeout_ms, application_name, write_settings(settings)
         ),
     )
 

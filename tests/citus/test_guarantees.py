@@ -27,6 +27,7 @@ from outbox import (
     EffectStatus,
     IdempotencyConflict,
     Outbox,
+    OutboxError,
     Run,
     RunPaused,
     RunStatus,
@@ -39,7 +40,7 @@ from outbox.storage.async_store import AsyncStore, Completion, DutyAsk
 from outbox.storage.engine import make_async_engine
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.citus_support import CitusDatabase, node_port_of
-from tests.support import DaemonThread, WorkerThread, wait_for
+from tests.support import DaemonThread, WorkerThread, delivery_plan_modes, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -427,3 +428,39 @@ def test_a_batch_carries_its_heartbeat_and_duty_probe_on_a_cluster(ob: Outbox, d
 
 def _intend_one(tx: StepTransaction, kind: str, n: int) -> None:
     tx.intend(kind, {"n": n})
+
+
+def test_every_session_plans_each_statement_with_its_shard(
+    dsn: str, citus_module_db: CitusDatabase
+) -> None:
+    """A long session's prepared claims and step writes keep working past five runs.
+
+    PostgreSQL may plan a prepared statement (or one inside PL/pgSQL) without
+    its values after five runs; Citus cannot route such a plan. ``migrate
+    --distribute`` makes every session of the database plan with the values.
+    """
+    for node in (citus_module_db.coordinator, *citus_module_db.workers):
+        with psycopg.connect(node) as conn:
+            assert conn.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
+    # A deliverer's connections plan generically on one server; here none does,
+    # not even those opened before the first of them learnt it is on a cluster.
+    assert delivery_plan_modes(dsn) == ["force_custom_plan"] * 4
+    generic = Outbox.connect(f"{dsn}?options=-c%20plan_cache_mode%3Dforce_generic_plan")
+    try:
+        run = generic.start_run("plans", "generic")
+        with pytest.raises(OutboxError, match="could not create distributed plan"):
+            for n in range(3):
+                run.transaction(f"s{n}", lambda tx: tx.intend("k.plans", {"n": 1}) and None)
+    finally:
+        generic.close()
+    ob = Outbox.connect(dsn)
+    deliverer = RecordingDeliverer("k.plans")
+    try:
+        run = ob.start_run("plans", "custom")
+        with DaemonThread(dsn, {"k.plans": deliverer}, poll_seconds=0.05):
+            for n in range(12):
+                run.transaction(f"s{n}", lambda tx: tx.intend("k.plans", {"n": 1}) and None)
+                time.sleep(0.05)
+            wait_for(lambda: len(deliverer.deliveries) == 12, timeout=60, message="12 deliveries")
+    finally:
+        ob.close()
