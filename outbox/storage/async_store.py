@@ -30,7 +30,7 @@ from outbox.storage.engine import translate_errors
 from outbox.storage.notify import listen
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
-from outbox.storage.shard_turns import complete_on, effect_shard
+from outbox.storage.shard_turns import complete_on, shard_groups
 from outbox.storage.sql import dispatch as dispatch_sql
 from outbox.storage.sql import duties, leases, maintenance, queue
 from outbox.storage.sql.common import EFFECTS_CHANNEL
@@ -252,7 +252,9 @@ class AsyncStore(DutyStatements):
                 rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 sharded = await self.sharded(conn)
                 # on Citus a heartbeat statement per shard held, as :meth:`extend`
-                groups = await self._shard_groups(conn, extend, lambda h: h[0])
+                groups = await shard_groups(
+                    conn, extend, lambda h: h[0], await self._held_shards(conn)
+                )
                 for shard, part in groups.items() if extend else ():
                     params = leases.extend_params(part, owner=owner, lease_seconds=lease_seconds)
                     params["part_shard"] = shard
@@ -285,7 +287,9 @@ class AsyncStore(DutyStatements):
         kept: set[UUID] = set()
         with translate_errors("marking effects dispatched"):
             async with self._direct.connection() as conn, conn.transaction():
-                groups = await self._shard_groups(conn, held, lambda h: h[0])
+                groups = await shard_groups(
+                    conn, held, lambda h: h[0], await self._held_shards(conn)
+                )
                 for shard, part in groups.items():
                     params = leases.extend_params(part, owner=owner, lease_seconds=0)
                     params["dispatch_ttl"] = dispatch_ttl
@@ -317,7 +321,9 @@ class AsyncStore(DutyStatements):
         rows: list[ClaimedEffect] = []
         with translate_errors("claiming dispatched effects"):
             async with self._direct.connection() as conn:
-                groups = await self._shard_groups(conn, ids, lambda i: i, shards or {})
+                held_shards = await self._held_shards(conn)
+                named = (shards or {}).get
+                groups = await shard_groups(conn, ids, lambda i: i, held_shards, named)
                 for shard, part in groups.items():
                     params = {"ids": list(part), "owner": owner, "lease_seconds": lease_seconds}
                     if shard is not None:
@@ -328,26 +334,6 @@ class AsyncStore(DutyStatements):
         self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
         self._observe("claim", began, claim=len(rows))
         return rows
-
-    async def _shard_groups(
-        self,
-        conn: psycopg.AsyncConnection[dict[str, Any]],
-        items: Sequence[Item],
-        id_of: Callable[[Item], UUID],
-        known: Mapping[UUID, int] | None = None,
-    ) -> dict[int | None, list[Item]]:
-        """``items`` by the shard of their effect: ``{None: items}`` on one server."""
-        held = await self._held_shards(conn)
-        if held is None:
-            return {None: list(items)}
-        groups: dict[int | None, list[Item]] = {}
-        for item in items:
-            effect_id = id_of(item)
-            shard = (known or {}).get(effect_id, held.get(effect_id))
-            if shard is None:
-                shard = await effect_shard(conn, effect_id)
-            groups.setdefault(shard, []).append(item)
-        return groups
 
     # -- the rest ----------------------------------------------------------------------
 

@@ -11,12 +11,14 @@ methods and never sees SQL. Sync callers get a ``RunTx`` from
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import sqlalchemy.exc
 from sqlalchemy import Connection, text
 
 from outbox.blobs import Blob, reference_hash
@@ -24,7 +26,7 @@ from outbox.errors import RunNotFound
 from outbox.models import Lease, RunStatus
 from outbox.shards import SHARDS
 from outbox.storage import blob_store, writes
-from outbox.storage.engine import distributed
+from outbox.storage.engine import distributed, node_unreachable
 from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql import control, maintenance
 from outbox.storage.sql import governance as gov_sql
@@ -32,6 +34,8 @@ from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL, SIGNALS_CHANNEL, notify
 
 __all__ = ["LockedRun", "RunTx", "TakenSignal", "WaitRow"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -316,13 +320,21 @@ class RunTx:
 
         On Citus a shard at a time: it locks rows only in a statement on one
         shard, and a sweep must not send every shard a statement each round.
+        Each in a savepoint (two more round trips a shard, on Citus only), so a
+        node that is down leaves the other shards swept.
         """
         if not distributed(self.connection):
             return list(self._run(statement(), {"max_rows": max_rows}).all())
         rows: list[Any] = []
         for shard in range(SHARDS):
             bound = {"max_rows": max_rows - len(rows), "on_shard": shard}
-            rows += self._run(statement(sharded=True), bound).all()
+            try:  # in a savepoint: a node that does not answer stops only its own shards
+                with self.connection.begin_nested():
+                    rows += self._run(statement(sharded=True), bound).all()
+            except sqlalchemy.exc.DBAPIError as exc:
+                if not node_unreachable(exc.orig):
+                    raise
+                log.warning("shard %d: its node did not answer (%s); swept without it", shard, exc)
             if len(rows) >= max_rows:
                 break
         return rows

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -27,11 +27,20 @@ from outbox.storage.engine import node_unreachable
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql.common import RUNS_CHANNEL
 
-__all__ = ["SHARD_REST_SECONDS", "SWEEP_SECONDS", "ShardTurns", "complete_on", "effect_shard"]
+__all__ = [
+    "SHARD_REST_SECONDS",
+    "SWEEP_SECONDS",
+    "ShardTurns",
+    "complete_on",
+    "effect_shard",
+    "next_turn",
+    "shard_groups",
+]
 
 log = logging.getLogger(__name__)
 
 Row = TypeVar("Row")
+Item = TypeVar("Item")
 
 #: How long a shard whose node did not answer is left alone before it is asked again.
 SHARD_REST_SECONDS = 5.0
@@ -95,6 +104,21 @@ class ShardTurns:
             return True
         return False
 
+    def walk(self, partition: str, limit: int, hints: frozenset[int]) -> Generator[int, int, None]:
+        """The shards a claim of up to ``limit`` rows of ``partition`` asks: send each one's count.
+
+        In the order of :meth:`plan`, until the quota is met, the claim may end
+        with the named ones, or each was asked. Sync and async claims both walk it.
+        """
+        order, may_end = self.plan(partition, hints)
+        taken = 0
+        for n, shard in enumerate(order):
+            if taken >= limit or self.ends_here(partition, n, taken, may_end):
+                return
+            self.took(partition, shard)
+            taken += yield shard
+        self.swept(partition)
+
     async def claim(
         self,
         conn: psycopg.AsyncConnection[dict[str, Any]],
@@ -103,26 +127,23 @@ class ShardTurns:
         hints: frozenset[int],
         claim_on: Callable[[dict[str, Any], int], Awaitable[list[Row]]],
     ) -> list[Row]:
-        """One partition's claim of up to ``limit`` rows, a statement per shard.
+        """One partition's claim of up to ``limit`` rows, a statement per shard (:meth:`walk`).
 
-        ``claim_on(partition with its shard, room)`` claims on one shard. The
-        shards are asked in the order of :meth:`plan` until the quota is met, the
-        claim may end with the named ones, or each was asked. A shard whose node
-        does not answer rests, and the claim goes on with the others.
+        ``claim_on(partition with its shard, room)`` claims on one shard. A shard
+        whose node does not answer rests, and the claim goes on with the others.
         """
-        name, rows = str(partition), list[Row]()
-        order, may_end = self.plan(name, hints)
-        for n, shard in enumerate(order):
-            if len(rows) >= limit or self.ends_here(name, n, len(rows), may_end):
-                break
-            self.took(name, shard)
+        rows = list[Row]()
+        walk = self.walk(str(partition), limit, hints)
+        shard = next(walk, None)
+        while shard is not None:
+            found = list[Row]()
             # alone in autocommit, else a savepoint: one shard's failure is its own
             idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             with self.answering(shard):
                 async with contextlib.nullcontext() if idle else conn.transaction():
-                    rows += await claim_on({**partition, "shard": shard}, limit - len(rows))
-        else:
-            self.swept(name)
+                    found = await claim_on({**partition, "shard": shard}, limit - len(rows))
+            rows += found
+            shard = next_turn(walk, len(found))
         return rows
 
     def swept(self, partition: str) -> None:
@@ -175,6 +196,14 @@ class ShardTurns:
             self.rest(shard, cause)
 
 
+def next_turn(walk: Generator[int, int, None], taken: int) -> int | None:
+    """The shard :meth:`ShardTurns.walk` asks next, told ``taken`` rows came from the last."""
+    try:
+        return walk.send(taken)
+    except StopIteration:
+        return None
+
+
 async def complete_on(
     conn: psycopg.AsyncConnection[dict[str, Any]],
     owner: str,
@@ -182,22 +211,40 @@ async def complete_on(
     shards: dict[UUID, int] | None,
 ) -> list[tuple[UUID, str]]:
     """Write ``done`` on ``conn`` (the caller's transaction); ``shards``: on Citus, held rows'."""
-    if shards is None:
-        logged = await _complete_batch(conn, owner, done, None)
-    else:  # a statement per shard, each routed to the node that holds it
-        by_shard: dict[int, list[Completion]] = {}
-        for c in done:
-            shard = c.shard if c.shard is not None else shards.get(c.effect_id)
-            if shard is None:
-                shard = await effect_shard(conn, c.effect_id)
-            by_shard.setdefault(shard, []).append(dataclasses.replace(c, shard=shard))
-        logged = []
-        for shard, part in by_shard.items():
-            logged += await _complete_batch(conn, owner, part, shard)
-        # a run that awaited one of them goes on: its workers are told here
+    groups = await shard_groups(conn, done, lambda c: c.effect_id, shards, lambda c: c.shard)
+    logged = []
+    for shard, part in groups.items():  # on Citus a statement per shard, routed to its node
+        part = [dataclasses.replace(c, shard=shard) for c in part] if shard is not None else part
+        logged += await _complete_batch(conn, owner, part, shard)
+    if shards is not None:  # a run that awaited one of them goes on: its workers are told here
         await conn.execute("SELECT pg_notify(%s, '')", [RUNS_CHANNEL])
     crash_point("during_completion")
     return logged
+
+
+async def shard_groups(
+    conn: psycopg.AsyncConnection[dict[str, Any]],
+    items: Sequence[Item],
+    id_of: Callable[[Item], UUID],
+    held: Mapping[UUID, int] | None,
+    named: Callable[[Item], int | None] = lambda item: None,
+) -> dict[int | None, list[Item]]:
+    """``items`` by the shard of their effect; ``held`` None (one server): ``{None: items}``.
+
+    An item's shard is the one it names (``named``), else the one of a row this
+    deliverer holds (``held``), else read from the database.
+    """
+    if held is None:
+        return {None: list(items)}
+    groups: dict[int | None, list[Item]] = {}
+    for item in items:
+        shard = named(item)
+        if shard is None:
+            shard = held.get(id_of(item))
+        if shard is None:
+            shard = await effect_shard(conn, id_of(item))
+        groups.setdefault(shard, []).append(item)
+    return groups
 
 
 async def _complete_batch(

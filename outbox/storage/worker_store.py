@@ -7,9 +7,8 @@ rescue, heartbeats) go a shard at a time.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 from uuid import UUID
@@ -19,12 +18,12 @@ from sqlalchemy import Connection, Engine
 from outbox.blobs import Blob
 from outbox.faults import crash_point
 from outbox.models import Lease, RunRecord
-from outbox.shards import shard_of, sweep_shards
+from outbox.shards import shard_of
 from outbox.storage import blob_store
 from outbox.storage.blob_store import RUN_FIELDS
 from outbox.storage.claims import ClaimMode
 from outbox.storage.engine import translate_errors
-from outbox.storage.shard_turns import ShardTurns
+from outbox.storage.shard_turns import ShardTurns, next_turn
 from outbox.storage.sql import control, leases, queue
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql.common import RUNS_CHANNEL, notify
@@ -56,20 +55,30 @@ class RunWorkerStatements:
                         conn, queue.RUN_QUEUE, partition, limit, owner, lease_seconds
                     )
                 return claimed
-            # on Citus a claim locks rows of one shard: the shards take turns
-            spec = dataclasses.replace(queue.RUN_QUEUE, sharded=True)
+        # On Citus a claim locks rows of one shard: the shards take turns, each
+        # claim a transaction of its own, so a node that does not answer rests
+        # its shards and the others are claimed from.
+        spec = replace(queue.RUN_QUEUE, sharded=True)
+        with translate_errors("claiming runs"), self.engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
             for partition, limit in quotas:
-                taken = 0
-                for shard in self._turns.live(self._turns.turn(str(partition))):
-                    if taken >= limit:
-                        break
-                    self._turns.took(str(partition), shard)
-                    on_shard = {**partition, "shard": shard}
-                    found = self._claim_runs_on(
-                        conn, spec, on_shard, limit - taken, owner, lease_seconds
-                    )
-                    taken += len(found)
-                    claimed += found
+                taken: list[RunRecord] = []
+                walk = self._turns.walk(str(partition), limit, frozenset())
+                shard = next(walk, None)
+                while shard is not None:
+                    found: list[RunRecord] = []
+                    with self._turns.answering(shard):
+                        found = self._claim_runs_on(
+                            conn,
+                            spec,
+                            {**partition, "shard": shard},
+                            limit - len(taken),
+                            owner,
+                            lease_seconds,
+                        )
+                    taken += found
+                    shard = next_turn(walk, len(found))
+                claimed += taken
         return claimed
 
     def _claim_runs_on(
@@ -99,39 +108,44 @@ class RunWorkerStatements:
         """Heartbeat for runs; returns the ids still leased to ``owner``."""
         if not held:
             return set()
-        kept: set[UUID] = set()
-        with translate_errors("extending run leases"), self.engine.begin() as conn:
-            sharded = self._is_sharded(conn)  # on Citus a statement per shard held
-            spec = replace(queue.RUN_QUEUE, sharded=sharded)
-            groups: dict[int | None, list[tuple[UUID, int]]] = {}
-            for h in held:
-                groups.setdefault(shard_of(h[0]) if sharded else None, []).append(h)
-            for shard, part in groups.items():
-                params = leases.extend_params(part, owner=owner, lease_seconds=lease_seconds)
-                params["part_shard"] = shard
-                kept |= {row[0] for row in conn.execute(leases.extend_leases(spec), params)}
-        return kept
+
+        def extend(conn: Connection, shard: int | None) -> list[Any]:
+            part = [h for h in held if shard is None or shard_of(h[0]) == shard]
+            if not part:
+                return []
+            params = leases.extend_params(part, owner=owner, lease_seconds=lease_seconds)
+            params["part_shard"] = shard
+            spec = replace(queue.RUN_QUEUE, sharded=shard is not None)
+            return [row[0] for row in conn.execute(leases.extend_leases(spec), params)]
+
+        with translate_errors("extending run leases"):
+            return set(self._each_shard(extend, {shard_of(h[0]) for h in held}))
 
     def wake_due_runs(self, max_rows: int = 1000) -> int:
         """Fire due timers; returns how many runs became runnable."""
-        with translate_errors("firing timers"), self.engine.begin() as conn:
-            sharded, woken = self._is_sharded(conn), 0  # on Citus a shard at a time
-            for shard in sweep_shards(sharded):
-                if (room := max_rows - woken) > 0:
-                    params = {"max_rows": room, "on_shard": shard}
-                    woken += len(conn.execute(run_sql.wake_due_timers(sharded), params).all())
-            if woken:
-                conn.execute(notify(RUNS_CHANNEL))
-            return woken
+        woken = 0
+
+        def wake(conn: Connection, shard: int | None) -> list[Any]:
+            nonlocal woken
+            if (room := max_rows - woken) <= 0:
+                return []
+            params = {"max_rows": room, "on_shard": shard}
+            rows = list(conn.execute(run_sql.wake_due_timers(shard is not None), params))
+            woken += len(rows)
+            return rows
+
+        with translate_errors("firing timers"):
+            return len(self._each_shard(wake, notify_runs=True))
 
     def rescue_expired_runs(self) -> int:
         """Runs of dead workers become runnable again; returns how many."""
-        with translate_errors("rescuing runs"), self.engine.begin() as conn:
-            sharded = self._is_sharded(conn)  # on Citus a shard at a time, as timers
-            rescue = run_sql.rescue_expired_runs(sharded)
-            rows = [r for s in sweep_shards(sharded) for r in conn.execute(rescue, {"on_shard": s})]
-            if rows:
-                conn.execute(notify(RUNS_CHANNEL))
+
+        def rescue(conn: Connection, shard: int | None) -> list[Any]:
+            statement = run_sql.rescue_expired_runs(shard is not None)
+            return list(conn.execute(statement, {"on_shard": shard}))
+
+        with translate_errors("rescuing runs"):
+            rows = self._each_shard(rescue, notify_runs=True)
         for row in rows:
             log.warning(
                 "run %s: its worker's lease expired; runnable again",
@@ -139,6 +153,37 @@ class RunWorkerStatements:
                 extra={"run_id": str(row.id), "attempt": row.attempt},
             )
         return len(rows)
+
+    def _each_shard(
+        self,
+        statement: Callable[[Connection, int | None], list[Any]],
+        only: set[int] | None = None,
+        *,
+        notify_runs: bool = False,
+    ) -> list[Any]:
+        """The rows of ``statement(conn, shard)``: once on one server (``shard`` None).
+
+        On Citus once per live shard (of ``only``, if given), each its own
+        transaction: a node that does not answer rests its shards, and the
+        sweep goes on with the others. ``notify_runs``: wake the run workers
+        if any rows came back.
+        """
+        with self.engine.begin() as conn:
+            if not self._is_sharded(conn):
+                found = statement(conn, None)
+                if found and notify_runs:
+                    conn.execute(notify(RUNS_CHANNEL))
+                return found
+        rows: list[Any] = []
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            for shard in self._turns.live():
+                if only is None or shard in only:
+                    with self._turns.answering(shard):
+                        rows += statement(conn, shard)
+            if rows and notify_runs:
+                conn.execute(notify(RUNS_CHANNEL))
+        return rows
 
     def record_step_failure(
         self,

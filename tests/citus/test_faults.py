@@ -9,6 +9,7 @@ API does: an effect delivered again after the crash is the same key, applied onc
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -20,12 +21,12 @@ import pytest
 from click.testing import CliRunner
 
 from deliverers.testing import RecordingDeliverer
-from outbox import Outbox, StepTransaction
+from outbox import Outbox, Run, RunStatus, StepTransaction
 from outbox.cli import cli as cli_main
 from outbox.delivery import Delivery, Outcome, Succeeded
 from outbox.shards import shard_of
 from tests.citus_support import CitusCluster, CitusDatabase, node_port_of
-from tests.support import DaemonThread, wait_for
+from tests.support import DaemonThread, WorkerThread, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -182,3 +183,51 @@ def test_the_coordinator_killed_under_load_loses_nothing_and_applies_nothing_twi
     assert keys <= set(sink.applied), "every committed intent applied"
     assert max(sink.applied.values()) == 1, "none applied twice"
     assert {n for (n,) in counts} <= {0, 1}, "no effect recorded succeeded twice"
+
+
+def test_a_run_worker_with_a_node_down_drives_the_runs_on_the_other_node(
+    citus_cluster: CitusCluster, citus_db: CitusDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Runs waiting on both workers; one is killed: the survivor's runs complete, then the rest.
+
+    Each run sleeps on a timer, so the worker's sweeps (timers, rescue, its
+    heartbeat) must go on over the shards that answer, as its claims do.
+    """
+    migrated = CliRunner().invoke(
+        cli_main, ["migrate", "--distribute", "--json"], env={"OUTBOX_DSN": citus_db.dsn}
+    )
+    assert migrated.exit_code == 0, migrated.output
+    victim, survivor = citus_cluster.workers
+    runs: dict[int, list[uuid.UUID]] = {victim.port: [], survivor.port: []}
+    done: list[uuid.UUID] = []
+    with Outbox.connect(citus_db.dsn) as ob:
+        with psycopg.connect(citus_db.dsn) as conn:
+            while min(len(v) for v in runs.values()) < 3:
+                run = ob.start_run("errands", "1")
+                runs[node_port_of(conn, "outbox_runs", shard_of(run.id))].append(run.id)
+        victim.kill9()
+
+        def handler(run: Run) -> str:
+            run.transaction("only", lambda tx: None)
+            run.sleep("nap", 0.2)
+            done.append(run.id)
+            return "done"
+
+        with WorkerThread(ob, "errands", "1", handler, poll_seconds=0.1):
+            wait_for(
+                lambda: set(runs[survivor.port]) <= set(done),
+                timeout=60,
+                message="the survivor's runs completed while the other node is down",
+            )
+            assert not set(runs[victim.port]) & set(done)
+            failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            assert failed == [], "no sweep or claim failed while a node is down"
+            victim.restart_after_kill()
+            wait_for(
+                lambda: set(runs[victim.port]) <= set(done),
+                timeout=90,
+                message="the restarted node's runs completed",
+            )
+        statuses = {ob.run(r).status for ids in runs.values() for r in ids}
+    assert statuses == {RunStatus.COMPLETED}
+    assert len(done) == len(set(done)), "each run finished once"
