@@ -39,7 +39,10 @@ class DelivererReads:
         """``(owner, attempts, first lease end)`` of the in-flight attempts of gone deliverers."""
         params = {"restart_grace": restart_grace}
         with translate_errors("listing gone deliverers"), self.engine.connect() as conn:
-            rows = conn.execute(owners.gone_in_flight(), params).all()
+            gone = list(conn.execute(owners.gone_owner_names(), params).scalars())
+            if not gone:
+                return []
+            rows = conn.execute(owners.in_flight_by_owner(), {"owners": gone}).all()
         return [(str(owner), int(n), ends) for owner, n, ends in rows]
 
     def live_owners(self) -> list[str]:

@@ -464,3 +464,34 @@ def test_every_session_plans_each_statement_with_its_shard(
             wait_for(lambda: len(deliverer.deliveries) == 12, timeout=60, message="12 deliveries")
     finally:
         ob.close()
+
+
+def test_reconcile_lists_the_work_of_a_gone_deliverer_on_a_cluster(ob: Outbox, dsn: str) -> None:
+    """The owners live on the coordinator, the effects on the workers: two reads, no join."""
+    owner = "host:4242:gone-citus"
+    runs = [ob.start_run("gone", "1") for _ in range(4)]
+    for run in runs:
+        run.transaction("s", lambda tx: tx.intend("k.gone", {"n": 1}) and None)
+    assert len({shard_of(r.id) for r in runs}) > 1
+
+    async def claim_and_vanish() -> int:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            claimed = await store.claim_many(
+                EFFECT_QUEUE, [({"kind": "k.gone"}, 10)], owner=owner, lease_seconds=300
+            )
+            return len(claimed)
+        finally:
+            await store.dispose()
+
+    assert asyncio.run(claim_and_vanish()) == 4
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox_owners (owner) VALUES (%s)", [owner])
+        started = "SELECT now() - pg_postmaster_start_time() > interval '6 s'"
+        wait_for(lambda: conn.execute(started).fetchone() == (True,), timeout=30)
+    done = CliRunner().invoke(
+        cli_main, ["--dsn", dsn, "reconcile", "--dry-run", "--json"], catch_exceptions=False
+    )
+    assert done.exit_code == 0, done.output
+    held = {g["owner"]: g["in_flight"] for g in json.loads(done.output)["held_by_gone_deliverers"]}
+    assert held.get(owner) == 4

@@ -34,8 +34,9 @@ __all__ = [
     "TAKE_OWNER_LOCK",
     "expire_gone_owner",
     "forget_gone_owners",
-    "gone_in_flight",
+    "gone_owner_names",
     "gone_owners",
+    "in_flight_by_owner",
     "live_owners",
 ]
 
@@ -87,20 +88,27 @@ def gone_owners() -> TextClause:
 
 
 @cache
-def gone_in_flight() -> TextClause:
-    """In-flight attempts held by gone owners: ``(owner, attempts, first lease end)`` each.
+def gone_owner_names() -> TextClause:
+    """Registered owners whose lock is free (parameter ``restart_grace``, seconds), by name."""
+    return text(f"SELECT o.owner FROM outbox_owners o WHERE {_GONE} ORDER BY o.owner")
 
-    Parameter: ``restart_grace`` (seconds). What ``outbox reconcile`` shows
-    beside the expired leases: work a dead deliverer holds until its leases end
-    (or a running daemon's liveness check puts the idempotent part back).
+
+@cache
+def in_flight_by_owner() -> TextClause:
+    """In-flight attempts of ``:owners`` (text[]): ``(owner, attempts, first lease end)`` each.
+
+    With :func:`gone_owner_names`, what ``outbox reconcile`` shows beside the
+    expired leases: work a dead deliverer holds until its leases end (or a
+    running daemon's liveness check puts the idempotent part back). Two reads,
+    not a join: on Citus the owners stay on the coordinator and the effects
+    are distributed, which one statement may not join.
     """
     return text(
-        f"""SELECT o.owner, count(*) AS attempts, min(e.lease_expires_at) AS lease_ends
-            FROM outbox_owners o
-            JOIN outbox_effects e ON e.lease_owner = o.owner AND e.status = 'in_flight'
-            WHERE {_GONE}
-            GROUP BY o.owner
-            ORDER BY o.owner"""
+        """SELECT e.lease_owner, count(*) AS attempts, min(e.lease_expires_at) AS lease_ends
+             FROM outbox_effects e
+            WHERE e.status = 'in_flight' AND e.lease_owner = ANY(CAST(:owners AS text[]))
+            GROUP BY e.lease_owner
+            ORDER BY e.lease_owner"""
     )
 
 
