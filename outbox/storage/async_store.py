@@ -103,11 +103,24 @@ class AsyncStore(DutyStatements):
                 rate=rate,
             )
             if sharded:
-                rows += await self._shards.claim(conn, partition, limit, hints, claim_on)
+                ready = functools.partial(self._ready_on, conn, spec)
+                rows += await self._shards.claim(conn, partition, limit, hints, claim_on, ready)
             else:
                 rows += await claim_on(partition, limit)
         self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
         return rows
+
+    async def _ready_on(
+        self,
+        conn: psycopg.AsyncConnection[dict[str, Any]],
+        spec: queue.QueueSpec,
+        partition: dict[str, Any],
+    ) -> bool:
+        """On Citus: whether ``partition`` (its shard named) has a ready row."""
+        ask = prepared(queue.ready_on_shard(spec))
+        params = {f"part_{k}": v for k, v in partition.items()}
+        cur = await conn.execute(ask.sql, ask.params(params), prepare=True)
+        return await cur.fetchone() is not None
 
     async def _claim_partition(
         self,

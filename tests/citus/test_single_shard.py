@@ -12,6 +12,7 @@ console, audit) may span shards and are not run here.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -29,6 +30,8 @@ from outbox import IdempotencyConflict, Outbox, Run, RunStatus, StepTransaction
 from outbox.cli import cli as cli_main
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore
+from outbox.storage.engine import make_async_engine
+from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.citus_support import CitusDatabase
 from tests.integration.test_stream_daemon import stream_daemon
 from tests.support import DaemonThread, WorkerThread, wait_for
@@ -277,4 +280,42 @@ def test_a_steps_wake_up_names_its_shard_and_an_idle_deliverer_asks_that_shard_a
     assert payloads == [str(shard_of(run.id))]
     effect_id = deliverer.deliveries[0].effect_id
     assert [asked for asked, taken in claims if effect_id in taken] == [[shard_of(run.id)]]
+    assert _refusals(caplog) == []
+
+
+def test_an_idle_claim_reads_each_shard_and_claims_only_where_a_row_is_ready(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A claim that finds nothing costs a cheap read a shard, not a claim statement a shard."""
+    asked: list[int] = []
+    claim_partition = AsyncStore._claim_partition
+
+    async def one_shard(
+        store: AsyncStore, conn: Any, spec: Any, partition: Any, *a: Any, **kw: Any
+    ) -> Any:
+        asked.append(int(partition["shard"]))
+        return await claim_partition(store, conn, spec, partition, *a, **kw)
+
+    monkeypatch.setattr(AsyncStore, "_claim_partition", one_shard)
+
+    async def claim(store: AsyncStore) -> list[uuid.UUID]:
+        quota = [({"kind": "k.idle"}, 10)]
+        rows = await store.claim_many(EFFECT_QUEUE, quota, owner="idle", lease_seconds=30)
+        return [r.id for r in rows]
+
+    async def claims() -> tuple[list[uuid.UUID], list[int], list[uuid.UUID], list[int]]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            nothing = await claim(store)
+            idle_asks = list(asked)
+            run = ob.start_run("idle", "1")
+            run.transaction("s", lambda tx: tx.intend("k.idle", {"n": 1}) and None)
+            asked.clear()
+            return nothing, idle_asks, await claim(store), [shard_of(run.id)]
+        finally:
+            await store.dispose()
+
+    nothing, idle_asks, taken, shard = asyncio.run(claims())
+    assert (nothing, idle_asks) == ([], []), "no shard had a ready row: no claim statement"
+    assert len(taken) == 1 and asked == shard, "the one shard with a ready row was claimed from"
     assert _refusals(caplog) == []

@@ -59,6 +59,7 @@ __all__ = [
     "Rate",
     "claim",
     "claim_params",
+    "ready_on_shard",
 ]
 
 
@@ -450,6 +451,18 @@ def _lanes_pick(spec: QueueSpec, limit: Any) -> tuple[Any, Any]:
     )
     multi = select(func.count()).select_from(lanes).scalar_subquery() > _int(1)
     return picked, multi
+
+
+@cache
+def ready_on_shard(spec: QueueSpec) -> AnySelect:
+    """On Citus: one row if the partition has a ready row on the shard ``part_shard``.
+
+    A single-table read by the shard (Citus's fast path: about 0.6 ms against
+    the claim's 3); an idle claim asks it of each shard and claims only where
+    it answers, so an idle round costs 20 ms, not 110 (docs/howto/citus.md).
+    """
+    t = spec.table
+    return select(t.c.shard).where(*_ready(spec, t), t.c.available_at <= func.now()).limit(1)
 
 
 class Rate(NamedTuple):
