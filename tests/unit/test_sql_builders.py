@@ -66,6 +66,7 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
         for lanes in (False, True)
         if spec is queue.EFFECT_QUEUE or not rated
     ],
+    "ready_on_shard": [{"spec": dataclasses.replace(queue.EFFECT_QUEUE, sharded=True)}],
     "extend_leases": [
         {"spec": queue.EFFECT_QUEUE},
         {"spec": queue.RUN_QUEUE},
