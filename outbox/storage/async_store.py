@@ -47,7 +47,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-Item = TypeVar("Item")
 log = logging.getLogger(__name__)
 
 

@@ -241,13 +241,28 @@ def test_cancel_and_compensation_stay_on_one_shard_each(
         assert [e.id for e in ob.run(run.id).effects()] == [e.id for e in listed]
 
 
+def shards_sent_a_claim(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The shards each deliverer's claim statement goes to, in order, from now on."""
+    sent: list[int] = []
+    claim_partition = AsyncStore._claim_partition
+
+    async def one_shard(
+        store: AsyncStore, conn: Any, spec: Any, partition: Any, *a: Any, **kw: Any
+    ) -> Any:
+        sent.append(int(partition["shard"]))
+        return await claim_partition(store, conn, spec, partition, *a, **kw)
+
+    monkeypatch.setattr(AsyncStore, "_claim_partition", one_shard)
+    return sent
+
+
 def test_a_steps_wake_up_names_its_shard_and_an_idle_deliverer_asks_that_shard_alone(
     ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Without the name, the claim a wake-up starts asks the shards in turn, a statement each."""
     claims: list[tuple[list[int], list[uuid.UUID]]] = []  # per claim: shards asked, rows taken
-    asking: list[int] = []
-    claim_on, claim_partition = AsyncStore._claim_on, AsyncStore._claim_partition
+    asking = shards_sent_a_claim(monkeypatch)
+    claim_on = AsyncStore._claim_on
 
     async def one_claim(store: AsyncStore, *args: Any) -> Any:
         asking.clear()
@@ -255,14 +270,7 @@ def test_a_steps_wake_up_names_its_shard_and_an_idle_deliverer_asks_that_shard_a
         claims.append((list(asking), [r.id for r in rows]))
         return rows
 
-    async def one_shard(
-        store: AsyncStore, conn: Any, spec: Any, partition: Any, *a: Any, **kw: Any
-    ) -> Any:
-        asking.append(int(partition["shard"]))
-        return await claim_partition(store, conn, spec, partition, *a, **kw)
-
     monkeypatch.setattr(AsyncStore, "_claim_on", one_claim)
-    monkeypatch.setattr(AsyncStore, "_claim_partition", one_shard)
     deliverer = RecordingDeliverer("k.named")
     with DaemonThread(dsn, {"k.named": deliverer}, poll_seconds=60):
         run = ob.start_run("named", "1")
@@ -287,16 +295,7 @@ def test_an_idle_claim_reads_each_shard_and_claims_only_where_a_row_is_ready(
     ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A claim that finds nothing costs a cheap read a shard, not a claim statement a shard."""
-    asked: list[int] = []
-    claim_partition = AsyncStore._claim_partition
-
-    async def one_shard(
-        store: AsyncStore, conn: Any, spec: Any, partition: Any, *a: Any, **kw: Any
-    ) -> Any:
-        asked.append(int(partition["shard"]))
-        return await claim_partition(store, conn, spec, partition, *a, **kw)
-
-    monkeypatch.setattr(AsyncStore, "_claim_partition", one_shard)
+    asked = shards_sent_a_claim(monkeypatch)
 
     async def claim(store: AsyncStore) -> list[uuid.UUID]:
         quota = [({"kind": "k.idle"}, 10)]
