@@ -9,6 +9,7 @@ a run's step, effects, ledger and keys on the node that holds its shard.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -37,7 +38,9 @@ from outbox.cli import cli as cli_main
 from outbox.governance.gates import Gate
 from outbox.shards import SHARDS, key_shard, shard_of
 from outbox.storage.async_store import AsyncStore, Completion, DutyAsk
+from outbox.storage.direct import prepared
 from outbox.storage.engine import make_async_engine
+from outbox.storage.sql import queue
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.citus_support import CitusDatabase, node_port_of
 from tests.support import DaemonThread, WorkerThread, delivery_plan_modes, wait_for
@@ -436,15 +439,29 @@ def test_every_session_plans_each_statement_with_its_shard(
     """A long session's prepared claims and step writes keep working past five runs.
 
     PostgreSQL may plan a prepared statement (or one inside PL/pgSQL) without
-    its values after five runs; Citus cannot route such a plan. ``migrate
-    --distribute`` makes every session of the database plan with the values.
+    its values after five runs; Citus cannot route such a plan, and under
+    PostgreSQL's ``auto`` it never picks one for them. ``migrate --distribute``
+    leaves ``auto`` (forcing custom plans re-plans every PL/pgSQL expression), and
+    resets the ``force_custom_plan`` an earlier release set.
     """
     for node in (citus_module_db.coordinator, *citus_module_db.workers):
         with psycopg.connect(node) as conn:
-            assert conn.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
+            assert conn.execute("SHOW plan_cache_mode").fetchone() == ("auto",)
     # A deliverer's connections plan generically on one server; here none does,
     # not even those opened before the first of them learnt it is on a cluster.
-    assert delivery_plan_modes(dsn) == ["force_custom_plan"] * 4
+    assert delivery_plan_modes(dsn) == ["auto"] * 4
+    # the claim statement, prepared on one session and run well past five times on
+    # each of four shards, is planned with its shard every time: no failure
+    sharded = dataclasses.replace(EFFECT_QUEUE, sharded=True)
+    claim = prepared(queue.claim(sharded))
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
+        for _ in range(12):
+            for shard in range(4):
+                params = queue.claim_params(
+                    {"kind": "k.none"}, limit=5, owner="o", lease_seconds=30, shard=shard
+                )
+                rows = conn.execute(claim.sql, claim.params(params), prepare=True).fetchall()
+                assert rows == [(None,) * (len(rows[0]) - 1) + (False,)]
     generic = Outbox.connect(f"{dsn}?options=-c%20plan_cache_mode%3Dforce_generic_plan")
     try:
         run = generic.start_run("plans", "generic")
@@ -464,6 +481,23 @@ def test_every_session_plans_each_statement_with_its_shard(
             wait_for(lambda: len(deliverer.deliveries) == 12, timeout=60, message="12 deliveries")
     finally:
         ob.close()
+
+
+def test_distributing_again_resets_forced_custom_plans(
+    dsn: str, citus_module_db: CitusDatabase
+) -> None:
+    """A database an earlier release distributed (forced custom plans) gets ``auto`` back."""
+    database = dsn.rsplit("/", 1)[1].split("?")[0]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "SELECT run_command_on_all_nodes(%s)",
+            [f'ALTER DATABASE "{database}" SET plan_cache_mode = force_custom_plan'],
+        )
+    result = CliRunner().invoke(cli_main, ["migrate", "--distribute"], env={"OUTBOX_DSN": dsn})
+    assert result.exit_code == 0, result.output
+    for node in (citus_module_db.coordinator, *citus_module_db.workers):
+        with psycopg.connect(node) as conn:
+            assert conn.execute("SHOW plan_cache_mode").fetchone() == ("auto",)
 
 
 def test_reconcile_lists_the_work_of_a_gone_deliverer_on_a_cluster(ob: Outbox, dsn: str) -> None:
