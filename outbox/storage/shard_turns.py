@@ -114,12 +114,27 @@ class ShardTurns:
         """
         order, may_end = self.plan(partition, hints)
         taken = 0
-        for n, shard in enumerate(order):
-            if taken >= limit or self.ends_here(partition, n, taken, may_end):
-                return
-            self.took(partition, shard)
-            taken += yield shard
-        self.swept(partition)
+        try:
+            for n, shard in enumerate(order):
+                if taken >= limit or self.ends_here(partition, n, taken, may_end):
+                    return
+                self.took(partition, shard)
+                taken += yield shard
+            self.swept(partition)
+        finally:
+            if taken >= limit:
+                self._full.add(partition)
+            else:
+                self._full.discard(partition)
+
+    def asks_first(self, partition: str, shard: int, hints: frozenset[int]) -> bool:
+        """Whether a claim asks ``shard`` if it has a ready row before claiming from it.
+
+        The read is far cheaper than a claim (``queue.ready_on_shard``). Not when a
+        wake-up named the shard, nor when ``partition``'s last claim met its quota
+        (a backlog: most shards have rows, and the read would only add to the claim).
+        """
+        return partition not in self._full and shard not in hints
 
     async def claim(
         self,
@@ -135,12 +150,9 @@ class ShardTurns:
         ``claim_on(partition with its shard, room)`` claims on one shard. A shard
         whose node does not answer rests, and the claim goes on with the others.
         ``ready_on(partition with its shard)``: whether the shard has a ready row,
-        a read far cheaper than a claim; unless the last claim met its quota (a
-        backlog: most shards have rows), each shard no wake-up named is asked
-        it first, and claimed from only if so.
+        asked first where :meth:`asks_first` says so, and claimed from only if so.
         """
         name, rows = str(partition), list[Row]()
-        check = None if name in self._full else ready_on
         walk = self.walk(name, limit, hints)
         shard = next(walk, None)
         while shard is not None:
@@ -150,14 +162,11 @@ class ShardTurns:
             idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             with self.answering(shard):
                 async with contextlib.nullcontext() if idle else conn.transaction():
-                    if check is None or shard in hints or await check(on_shard):
+                    asks = ready_on is not None and self.asks_first(name, shard, hints)
+                    if ready_on is None or not asks or await ready_on(on_shard):
                         found = await claim_on(on_shard, limit - len(rows))
             rows += found
             shard = next_turn(walk, len(found))
-        if len(rows) >= limit:
-            self._full.add(name)
-        else:
-            self._full.discard(name)
         return rows
 
     def swept(self, partition: str) -> None:

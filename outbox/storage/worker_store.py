@@ -63,23 +63,30 @@ class RunWorkerStatements:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
             for partition, limit in quotas:
                 taken: list[RunRecord] = []
-                walk = self._turns.walk(str(partition), limit, frozenset())
+                name = str(partition)
+                walk = self._turns.walk(name, limit, frozenset())
                 shard = next(walk, None)
                 while shard is not None:
                     found: list[RunRecord] = []
+                    on_shard = {**partition, "shard": shard}
                     with self._turns.answering(shard):
-                        found = self._claim_runs_on(
-                            conn,
-                            spec,
-                            {**partition, "shard": shard},
-                            limit - len(taken),
-                            owner,
-                            lease_seconds,
-                        )
+                        # an idle round: a cheap read a shard, a claim only where it answers
+                        if not self._turns.asks_first(name, shard, frozenset()) or (
+                            self._ready_on(conn, spec, on_shard)
+                        ):
+                            found = self._claim_runs_on(
+                                conn, spec, on_shard, limit - len(taken), owner, lease_seconds
+                            )
                     taken += found
                     shard = next_turn(walk, len(found))
                 claimed += taken
         return claimed
+
+    @staticmethod
+    def _ready_on(conn: Connection, spec: queue.QueueSpec, partition: dict[str, Any]) -> bool:
+        """On Citus: whether ``partition`` (its shard named) has a runnable run now."""
+        params = {f"part_{k}": v for k, v in partition.items()}
+        return conn.execute(queue.ready_on_shard(spec), params).first() is not None
 
     def _claim_runs_on(
         self,

@@ -30,8 +30,9 @@ from outbox import IdempotencyConflict, Outbox, Run, RunStatus, StepTransaction
 from outbox.cli import cli as cli_main
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore
-from outbox.storage.engine import make_async_engine
+from outbox.storage.engine import make_async_engine, make_engine
 from outbox.storage.sql.queue import EFFECT_QUEUE
+from outbox.storage.store import Store
 from tests.citus_support import CitusDatabase
 from tests.integration.test_stream_daemon import stream_daemon
 from tests.support import DaemonThread, WorkerThread, wait_for
@@ -254,6 +255,31 @@ def shards_sent_a_claim(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(AsyncStore, "_claim_partition", one_shard)
     return sent
+
+
+def test_an_idle_run_claim_reads_each_shard_and_claims_only_where_a_run_is_ready(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run worker's claim that finds nothing costs a cheap read a shard, not a claim a shard."""
+    sent: list[int] = []
+    claim_runs_on = Store._claim_runs_on
+
+    def one_shard(store: Store, conn: Any, spec: Any, partition: Any, *a: Any) -> Any:
+        sent.append(int(partition["shard"]))
+        return claim_runs_on(store, conn, spec, partition, *a)
+
+    monkeypatch.setattr(Store, "_claim_runs_on", one_shard)
+    store = Store(make_engine(dsn))
+    quota = [({"agent": "idle-runs", "agent_version": "1"}, 5)]
+    try:
+        assert store.claim_runs(quota, owner="w", lease_seconds=30) == []
+        assert sent == [], "no shard had a runnable run: no claim statement"
+        run = ob.start_run("idle-runs", "1")
+        claimed = store.claim_runs(quota, owner="w", lease_seconds=30)
+        assert [r.id for r in claimed] == [run.id]
+        assert sent == [shard_of(run.id)], "the one shard with a runnable run was claimed from"
+    finally:
+        store.engine.dispose()
 
 
 def test_a_steps_wake_up_names_its_shard_and_an_idle_deliverer_asks_that_shard_alone(
