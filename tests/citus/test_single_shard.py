@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -34,6 +35,7 @@ from outbox.storage.engine import make_async_engine, make_engine
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from outbox.storage.store import Store
 from tests.citus_support import CitusDatabase
+from tests.integration.test_retention import archive_holds_every_deleted_row, build_history
 from tests.integration.test_stream_daemon import stream_daemon
 from tests.support import DaemonThread, WorkerThread, wait_for
 
@@ -41,18 +43,23 @@ KIND = "k.one"
 STREAMED = "k.streamed"
 
 
-@pytest.fixture(scope="module")
-def dsn(citus_module_db: CitusDatabase) -> str:
+def distributed_and_guarded(database: CitusDatabase) -> str:
+    """``database`` migrated and distributed, every session refusing a multi-shard statement."""
     result = CliRunner().invoke(
-        cli_main, ["migrate", "--distribute", "--json"], env={"OUTBOX_DSN": citus_module_db.dsn}
+        cli_main, ["migrate", "--distribute", "--json"], env={"OUTBOX_DSN": database.dsn}
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["distributed"]
-    with psycopg.connect(citus_module_db.dsn, autocommit=True) as conn:
+    with psycopg.connect(database.dsn, autocommit=True) as conn:
         name = conn.execute("SELECT current_database()").fetchone()
         assert name is not None
         conn.execute(f"ALTER DATABASE {name[0]} SET citus.multi_task_query_log_level = 'error'")
-    return citus_module_db.dsn
+    return database.dsn
+
+
+@pytest.fixture(scope="module")
+def dsn(citus_module_db: CitusDatabase) -> str:
+    return distributed_and_guarded(citus_module_db)
 
 
 @pytest.fixture
@@ -344,3 +351,21 @@ def test_an_idle_claim_reads_each_shard_and_claims_only_where_a_row_is_ready(
     assert (nothing, idle_asks) == ([], []), "no shard had a ready row: no claim statement"
     assert len(taken) == 1 and asked == shard, "the one shard with a ready row was claimed from"
     assert _refusals(caplog) == []
+
+
+def test_gc_goes_a_shard_at_a_time_and_archives_every_row_it_deletes(
+    citus_db: CitusDatabase, tmp_path: Path
+) -> None:
+    """One server's retention test on the cluster: the same history, gc, archive and checks.
+
+    gc runs under the guard (every statement on one shard); the history is built and
+    the tables read whole by a session without it. A database of its own: the
+    history's checks count every row of every table.
+    """
+    dsn = distributed_and_guarded(citus_db)
+    reader = Outbox.connect(f"{dsn}?options=-c%20citus.multi_task_query_log_level%3Doff")
+    try:
+        history = build_history(reader, dsn)
+        archive_holds_every_deleted_row(reader, dsn, tmp_path, history)
+    finally:
+        reader.close()

@@ -144,6 +144,16 @@ def gc(dsn: str, *args: str) -> dict[str, Any]:
 def test_the_archive_holds_every_deleted_row_of_every_table_exactly(
     ob: Outbox, dsn: str, tmp_path: Path, history: dict[str, Any]
 ) -> None:
+    archive_holds_every_deleted_row(ob, dsn, tmp_path, history)
+
+
+def archive_holds_every_deleted_row(
+    ob: Outbox, dsn: str, tmp_path: Path, history: dict[str, Any]
+) -> None:
+    """``gc --archive`` of :func:`build_history`: what went, what stayed, what was archived.
+
+    ``ob`` reads the tables; ``dsn`` is what gc runs against (also on Citus).
+    """
     before = snapshot(ob)
     for name in GC_TABLES:
         assert before[name], f"the history must touch {name}"
@@ -171,6 +181,9 @@ def test_the_archive_holds_every_deleted_row_of_every_table_exactly(
     assert report["deleted"]["outbox_consumed_keys"] == 1
     assert report["deleted"]["outbox_webhook_replays"] == 1
     assert report["deleted"]["outbox_budget_ledger"] >= 3  # spend, reserve, commit
+    # the old run's notes went by reference: its reference, and the blob nothing else uses
+    assert report["deleted"]["outbox_blob_refs"] == 1
+    assert report["deleted"]["outbox_blobs"] == 1
     # The effect of the unfinished run, and rows younger than the horizon, stay.
     assert count(ob, effects) == 1 and count(ob, steps) == 1
     assert count(ob, signals) == 1 and count(ob, webhook_replays) == 1

@@ -78,9 +78,11 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     "wake_due_timers": [{"sharded": False}, {"sharded": True}],
     "list_runs": [{}, {"status": "running", "agent": "a", "limit": 5}],
     "list_effects": [{}, {"status": "pending", "kind": "k", "limit": 5}],
-    "delete_refs_of": [{"rows": False}, {"rows": True}],
-    "delete_orphan_refs": [{"rows": False}, {"rows": True}],
-    "delete_unused_blobs": [{"rows": False}, {"rows": True}],
+    "delete_refs_of": [{"rows": r, "sharded": s} for r in (False, True) for s in (False, True)],
+    "delete_orphan_refs": [{"rows": r, "sharded": s} for r in (False, True) for s in (False, True)],
+    "delete_unused_blobs": [
+        {"rows": r, "sharded": s} for r in (False, True) for s in (False, True)
+    ],
     "delete_gates": [{"keep": False}, {"keep": True}],
 }
 NOT_BUILDERS = {
@@ -93,7 +95,7 @@ NOT_BUILDERS = {
     # parts of statements, not statements
     "log_changes",
     "next_step_head",
-    "on_shard_predicate",
+    "on_shard",
 }
 
 

@@ -19,6 +19,11 @@ What goes, batch by batch:
 
 With an archive, every deleted row of every table is written to it
 (:mod:`outbox.storage.admin.archive`) and fsynced before its batch commits.
+
+On Citus, phases 1, 2 and 4 go a shard at a time: every statement names its
+shard (a run's rows, its blobs and their references all live on the run's),
+so it runs on the node holding it, and locks rows only there. The keys of
+phase 3 live on the coordinator.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from sqlalchemy import Connection, Engine
 from outbox.errors import ValidationError
 from outbox.faults import crash_point
 from outbox.models import OPEN_EFFECT_STATUSES
+from outbox.shards import SHARDS
 from outbox.storage.admin.archive import ArchiveWriter
-from outbox.storage.engine import translate_errors
+from outbox.storage.engine import distributed, translate_errors
 from outbox.storage.migrate import applied_versions
 from outbox.storage.schema import (
     blob_refs,
@@ -107,11 +113,15 @@ class GcReport:
 class _Batch:
     """One transaction of ``gc``: deletes rows, counts them, keeps them for the archive."""
 
-    def __init__(self, conn: Connection, report: GcReport, *, keep_rows: bool) -> None:
+    def __init__(
+        self, conn: Connection, report: GcReport, *, keep_rows: bool, sharded: bool
+    ) -> None:
         self.conn = conn
         self.report = report
         #: Whether the deleted rows are read back (for the archive) or only counted.
         self.keep_rows = keep_rows
+        #: On Citus: each statement names its shard (the ``on_shard`` parameter).
+        self.sharded = sharded
         self.rows: dict[str, list[Any]] = {}
 
     def delete(self, table: str, statement: Any, params: dict[str, Any]) -> int:
@@ -152,13 +162,15 @@ class _RunPhase:
         self.limit = batch
 
     def __call__(self, batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
-        conn = batch.conn
+        conn, sharded, rows = batch.conn, batch.sharded, batch.keep_rows
+        on = {"on_shard": params["on_shard"]} if sharded else {}
         budget = int(params["batch"])
         pick = {**params, "batch": self.limit}
-        picked = [row[0] for row in conn.execute(sql.doomed_runs(), pick)]
+        picked = [row[0] for row in conn.execute(sql.doomed_runs(sharded), pick)]
         if not picked:
             return 0, False
-        totals: dict[UUID, int] = dict(conn.execute(sql.effects_of_runs(), {"ids": picked}).all())
+        counted = conn.execute(sql.effects_of_runs(sharded), {"ids": picked, **on}).all()
+        totals: dict[UUID, int] = dict(counted)
         # At most ``budget`` effects between them (a bigger run goes alone).
         fitting: list[UUID] = []
         effect_count = 0
@@ -170,7 +182,7 @@ class _RunPhase:
         trimmed = len(fitting) < len(picked)
         more = trimmed or len(picked) == self.limit
         self.limit = len(fitting) + 1 if trimmed else min(budget, self.limit * 2)
-        locked = conn.execute(sql.lock_effects_of_runs(), {"ids": fitting}).all()
+        locked = conn.execute(sql.lock_effects_of_runs(sharded), {"ids": fitting, **on}).all()
         held: dict[UUID, int] = {}
         reopened: set[UUID] = set()
         for row in locked:
@@ -181,24 +193,33 @@ class _RunPhase:
         ids = [r for r in fitting if r not in reopened and held.get(r, 0) == totals.get(r, 0)]
         if ids:
             chosen = set(ids)
-            effect_ids = [row.id for row in locked if row.run_id in chosen]
-            rows = batch.keep_rows
-            batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows), {"ids": effect_ids})
-            batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows), {"ids": effect_ids})
+            effect_ids = {"ids": [row.id for row in locked if row.run_id in chosen], **on}
+            run_ids = {"ids": ids, **on}
+            batch.delete(
+                effect_attempts.name, sql.delete_attempts(rows=rows, sharded=sharded), effect_ids
+            )
+            batch.delete(
+                effects.name, sql.delete_by_ids(effects, rows=rows, sharded=sharded), effect_ids
+            )
             for child in sql.RUN_CHILDREN:
-                batch.delete(child.name, sql.delete_run_children(child, rows=rows), {"ids": ids})
-            batch.delete(blob_refs.name, blob_sql.delete_refs_of(rows=rows), {"ids": ids})
-            batch.delete(runs.name, sql.delete_by_ids(runs, rows=rows), {"ids": ids})
+                statement = sql.delete_run_children(child, rows=rows, sharded=sharded)
+                batch.delete(child.name, statement, run_ids)
+            statement = blob_sql.delete_refs_of(rows=rows, sharded=sharded)
+            batch.delete(blob_refs.name, statement, run_ids)
+            statement = sql.delete_by_ids(runs, rows=rows, sharded=sharded)
+            batch.delete(runs.name, statement, run_ids)
         return len(picked), more
 
 
 def _runless_batch(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
-    picked = [row[0] for row in batch.conn.execute(sql.doomed_runless_effects(), params)]
+    sharded, rows = batch.sharded, batch.keep_rows
+    statement = sql.doomed_runless_effects(sharded)
+    picked = [row[0] for row in batch.conn.execute(statement, params)]
     if picked:
-        rows = batch.keep_rows
-        batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows), {"ids": picked})
-        batch.delete(blob_refs.name, blob_sql.delete_refs_of(rows=rows), {"ids": picked})
-        batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows), {"ids": picked})
+        ids = {"ids": picked, **({"on_shard": params["on_shard"]} if sharded else {})}
+        batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows, sharded=sharded), ids)
+        batch.delete(blob_refs.name, blob_sql.delete_refs_of(rows=rows, sharded=sharded), ids)
+        batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows, sharded=sharded), ids)
     return len(picked), len(picked) == params["batch"]
 
 
@@ -207,7 +228,8 @@ def _values_batch(table: Any) -> _Phase:
     statement = blob_sql.delete_orphan_refs if table is blob_refs else blob_sql.delete_unused_blobs
 
     def run(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
-        deleted = batch.delete(table.name, statement(rows=batch.keep_rows), params)
+        delete = statement(rows=batch.keep_rows, sharded=batch.sharded)
+        deleted = batch.delete(table.name, delete, params)
         return deleted, deleted == params["batch"]
 
     return run
@@ -253,34 +275,40 @@ def collect_garbage(
             schema_version=max(versions, default=0),
         )
         archive.sync()
-    phases: list[tuple[str, _Phase]] = [
-        (runs.name, _RunPhase(batch)),
-        (effects.name, _runless_batch),
-        (consumed_keys.name, _keys_batch(consumed_keys)),
-        (webhook_replays.name, _keys_batch(webhook_replays)),
-        (blob_refs.name, _values_batch(blob_refs)),
-        (blobs.name, _values_batch(blobs)),
+    with translate_errors("reading the schema"), engine.connect() as conn:
+        sharded = distributed(conn)
+    #: (phase, its batches, whether it goes a shard at a time on Citus)
+    phases: list[tuple[str, _Phase, bool]] = [
+        (runs.name, _RunPhase(batch), True),
+        (effects.name, _runless_batch, True),
+        (consumed_keys.name, _keys_batch(consumed_keys), False),
+        (webhook_replays.name, _keys_batch(webhook_replays), False),
+        (blob_refs.name, _values_batch(blob_refs), True),
+        (blobs.name, _values_batch(blobs), True),
     ]
-    for phase, run in phases:
-        while True:
-            with translate_errors(f"gc of {phase}"), engine.begin() as conn:
-                before = sum(report.deleted.values())
-                work = _Batch(conn, report, keep_rows=archive is not None and not dry_run)
-                picked, more = run(work, params)
-                if dry_run:
-                    conn.rollback()
-                elif archive is not None:
-                    work.archive_to(archive)
-                    # On disk before the delete commits: a crash must not lose rows
-                    # that are gone from the database and missing from the archive.
-                    archive.sync()
-                    crash_point("gc_archived")
-            report.batches += 1
-            if progress is not None:
-                progress(phase, picked)
-            deleted_nothing = sum(report.deleted.values()) == before
-            # Nothing more: nothing older is left. A batch that deleted nothing: every
-            # candidate is locked by someone else; the next gc takes it.
-            if dry_run or not more or deleted_nothing:
-                break
+    for phase, run, by_shard in phases:
+        for shard in range(SHARDS) if sharded and by_shard else (None,):
+            on = {**params, "on_shard": shard} if shard is not None else params
+            keep_rows = archive is not None and not dry_run
+            while True:
+                with translate_errors(f"gc of {phase}"), engine.begin() as conn:
+                    before = sum(report.deleted.values())
+                    work = _Batch(conn, report, keep_rows=keep_rows, sharded=shard is not None)
+                    picked, more = run(work, on)
+                    if dry_run:
+                        conn.rollback()
+                    elif archive is not None:
+                        work.archive_to(archive)
+                        # On disk before the delete commits: a crash must not lose rows
+                        # that are gone from the database and missing from the archive.
+                        archive.sync()
+                        crash_point("gc_archived")
+                report.batches += 1
+                if progress is not None:
+                    progress(phase, picked)
+                deleted_nothing = sum(report.deleted.values()) == before
+                # Nothing more: nothing older is left. A batch that deleted nothing: every
+                # candidate is locked by someone else; the next gc takes it.
+                if dry_run or not more or deleted_nothing:
+                    break
     return report

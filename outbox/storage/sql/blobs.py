@@ -31,7 +31,7 @@ from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.storage.schema import blob_refs, blobs, effects, runs
-from outbox.storage.sql.common import AnySelect, shard_of
+from outbox.storage.sql.common import AnySelect, on_shard, shard_of
 
 __all__ = [
     "copy_refs",
@@ -117,49 +117,63 @@ def _returning(statement: Any, table: Any, rows: bool) -> Any:
 
 
 @cache
-def delete_refs_of(*, rows: bool) -> Any:
-    """Delete what the owners ``ids`` (runs or run-less effects) used (``rows``: returning it)."""
+def delete_refs_of(*, rows: bool, sharded: bool = False) -> Any:
+    """Delete what the owners ``ids`` (runs or run-less effects) used (``rows``: returning it).
+
+    ``sharded`` (Citus): the owners are on the shard ``on_shard``, their references too.
+    """
     statement = delete(blob_refs).where(
-        blob_refs.c.owner == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True))))
+        *on_shard(blob_refs, sharded),
+        blob_refs.c.owner == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
     )
     return _returning(statement, blob_refs, rows)
 
 
 @cache
-def delete_orphan_refs(*, rows: bool) -> Any:
-    """References whose owner is gone (deleted other than by ``gc``), at most ``batch``."""
+def delete_orphan_refs(*, rows: bool, sharded: bool = False) -> Any:
+    """References whose owner is gone (deleted other than by ``gc``), at most ``batch``.
+
+    ``sharded`` (Citus): of the shard ``on_shard``, where a reference's owner lives.
+    """
     gone = (
         select(blob_refs.c.owner, blob_refs.c.sha256)
         .where(
-            ~exists().where(runs.c.id == blob_refs.c.owner),
-            ~exists().where(effects.c.id == blob_refs.c.owner),
+            *on_shard(blob_refs, sharded),
+            ~exists().where(*on_shard(runs, sharded), runs.c.id == blob_refs.c.owner),
+            ~exists().where(*on_shard(effects, sharded), effects.c.id == blob_refs.c.owner),
         )
         .limit(bindparam("batch", type_=Integer))
         .cte("gone")
     )
     statement = delete(blob_refs).where(
-        blob_refs.c.owner == gone.c.owner, blob_refs.c.sha256 == gone.c.sha256
+        *on_shard(blob_refs, sharded),
+        blob_refs.c.owner == gone.c.owner,
+        blob_refs.c.sha256 == gone.c.sha256,
     )
     return _returning(statement, blob_refs, rows)
 
 
 @cache
-def delete_unused_blobs(*, rows: bool) -> Any:
+def delete_unused_blobs(*, rows: bool, sharded: bool = False) -> Any:
     """Blobs no reference names, at most ``batch``; a blob a writer holds is skipped.
 
     A writer locks the blob it uses (its upsert, or its reference's foreign-key
     check) until it commits, so ``SKIP LOCKED`` leaves it alone; once committed,
-    its reference keeps the blob out of this statement.
+    its reference keeps the blob out of this statement. ``sharded`` (Citus): of
+    the shard ``on_shard`` (a blob is stored on each shard whose rows use it).
     """
     unused = (
         select(blobs.c.sha256, blobs.c.shard)
         .where(
+            *on_shard(blobs, sharded),
             ~exists().where(
                 blob_refs.c.sha256 == blobs.c.sha256, blob_refs.c.shard == blobs.c.shard
-            )
+            ),
         )
         .limit(bindparam("batch", type_=Integer))
         .with_for_update(skip_locked=True)
     )
-    statement = delete(blobs).where(tuple_(blobs.c.sha256, blobs.c.shard).in_(unused))
+    statement = delete(blobs).where(
+        *on_shard(blobs, sharded), tuple_(blobs.c.sha256, blobs.c.shard).in_(unused)
+    )
     return _returning(statement, blobs, rows)

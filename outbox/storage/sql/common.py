@@ -37,6 +37,7 @@ __all__ = [
     "in_statuses",
     "json_param",
     "notify",
+    "on_shard",
     "shard_of",
     "sql_in",
 ]
@@ -67,6 +68,11 @@ def const(value: str) -> ColumnElement[str]:
 def shard_of(id: Any) -> ColumnElement[int]:
     """The shard of a run (or of an effect of no run) with this id (``outbox.shards``)."""
     return func.outbox_shard_of(id, type_=SmallInteger)
+
+
+def on_shard(table: Any, sharded: bool) -> list[ColumnElement[bool]]:
+    """On Citus: ``table``'s rows of the shard ``on_shard`` only (the statement is routed there)."""
+    return [table.c.shard == bindparam("on_shard", type_=SmallInteger)] if sharded else []
 
 
 def json_param(name: str) -> ColumnElement[object]:

@@ -27,8 +27,8 @@ from sqlalchemy.dialects.postgresql import UUID
 
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.schema import effects
-from outbox.storage.sql.common import SECONDS, const
-from outbox.storage.sql.effects import log_changes, on_shard_predicate
+from outbox.storage.sql.common import SECONDS, const, on_shard
+from outbox.storage.sql.effects import log_changes
 from outbox.storage.sql.leases import held_rows
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
@@ -55,7 +55,7 @@ def mark_dispatched(sharded: bool = False) -> Any:
         # A deadlock with a deliverer's claim is then possible, and resolved by
         # PostgreSQL: the loser retries (a relay's mark, a deliverer's claim).
         target = effects.update().where(
-            effects.c.id == held.c.id, *fenced, *on_shard_predicate(sharded)
+            effects.c.id == held.c.id, *fenced, *on_shard(effects, sharded)
         )
     else:
         # Rows are locked in id order, as claim_dispatched locks them: a relay's mark
@@ -110,7 +110,7 @@ def claim_dispatched(sharded: bool = False) -> Any:
                     e.c.lease_owner.startswith(RELAY_OWNER_PREFIX, autoescape=True),
                 ),
             ),
-            *on_shard_predicate(sharded),
+            *on_shard(effects, sharded),
         )
         .order_by(e.c.id)
         .with_for_update()
@@ -118,7 +118,7 @@ def claim_dispatched(sharded: bool = False) -> Any:
     )
     return (
         e.update()
-        .where(e.c.id == locked.c.id, *on_shard_predicate(sharded))
+        .where(e.c.id == locked.c.id, *on_shard(effects, sharded))
         .values(
             status=const("in_flight"),
             lease_owner=bindparam("owner", type_=Text),
@@ -141,7 +141,7 @@ def redispatch_expired(sharded: bool = False) -> Any:
         .where(
             effects.c.status == const("dispatched"),
             effects.c.lease_expires_at < func.now(),
-            *on_shard_predicate(sharded),
+            *on_shard(effects, sharded),
         )
         .order_by(effects.c.lease_expires_at)
         .limit(bindparam("max_rows", type_=Integer))
@@ -150,7 +150,7 @@ def redispatch_expired(sharded: bool = False) -> Any:
     )
     changed = (
         effects.update()
-        .where(effects.c.id == due.c.id, *on_shard_predicate(sharded))
+        .where(effects.c.id == due.c.id, *on_shard(effects, sharded))
         .values(
             status=const("pending"),
             lease_expires_at=null(),

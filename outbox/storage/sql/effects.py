@@ -43,6 +43,7 @@ from outbox.storage.sql.common import (
     const,
     in_statuses,
     json_param,
+    on_shard,
 )
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "expire_effect",
     "expired_effects",
     "log_changes",
-    "on_shard_predicate",
     "resolve_unknown",
     "retry_failed",
     "take_over_effect",
@@ -206,11 +206,6 @@ def complete_effects(sharded: bool = False) -> Any:
     )
 
 
-def on_shard_predicate(sharded: bool) -> list[ColumnElement[bool]]:
-    """On Citus: the statement names its one shard (``on_shard``), so it is routed there."""
-    return [effects.c.shard == bindparam("on_shard", type_=SmallInteger)] if sharded else []
-
-
 def expired_effects(sharded: bool = False) -> AnySelect:
     """In-flight effects whose lease ran out (their deliverer died or stalled), oldest first."""
     return (
@@ -218,7 +213,7 @@ def expired_effects(sharded: bool = False) -> AnySelect:
         .where(
             effects.c.status == const("in_flight"),
             effects.c.lease_expires_at < func.now(),
-            *on_shard_predicate(sharded),
+            *on_shard(effects, sharded),
         )
         .order_by(effects.c.lease_expires_at)
         .limit(bindparam("max_rows", type_=Integer))
@@ -240,7 +235,7 @@ def unknown_of_kinds() -> AnySelect:
 
 def _expired_cas(sharded: bool) -> list[ColumnElement[bool]]:
     return [
-        *on_shard_predicate(sharded),
+        *on_shard(effects, sharded),
         effects.c.id == bindparam("effect_id", type_=UUID(as_uuid=True)),
         effects.c.attempt == bindparam("expected_attempt", type_=Integer),
         effects.c.status == const("in_flight"),

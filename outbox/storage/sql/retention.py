@@ -7,6 +7,10 @@ ledger rows without returning them. The runs and their effects are locked
 (``FOR UPDATE``) before anything is deleted: a row referencing them cannot be
 inserted meanwhile (it would need a key-share lock on them), and an effect an
 operator puts back to ``pending`` meanwhile keeps its run out of the batch.
+
+``sharded`` (Citus): each statement names the one shard it works on
+(``on_shard``), so it runs on the node holding it and may lock rows there. A
+run's rows, its blobs and their references all live on the run's shard.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from outbox.storage.schema import (
     steps,
     webhook_replays,
 )
-from outbox.storage.sql.common import AnySelect, in_statuses
+from outbox.storage.sql.common import AnySelect, in_statuses, on_shard
 
 __all__ = [
     "RUN_CHILDREN",
@@ -75,7 +79,7 @@ def _changed_since_horizon() -> Any:
 
 
 @cache
-def doomed_runs() -> AnySelect:
+def doomed_runs(sharded: bool = False) -> AnySelect:
     """Up to ``batch`` runs that ended before ``horizon``, locked, whose effects are done too.
 
     A run is old only when each of its effects is finished and was last changed
@@ -86,11 +90,13 @@ def doomed_runs() -> AnySelect:
     """
     still_open = exists().where(
         effects.c.run_id == runs.c.id,
+        *on_shard(effects, sharded),
         or_(in_statuses(effects.c.status, OPEN_EFFECT_STATUSES), _changed_since_horizon()),
     )
     return (
         select(runs.c.id)
         .where(
+            *on_shard(runs, sharded),
             in_statuses(runs.c.status, TERMINAL_RUN_STATUSES),
             runs.c.updated_at < _horizon(),
             ~still_open,
@@ -102,31 +108,32 @@ def doomed_runs() -> AnySelect:
 
 
 @cache
-def lock_effects_of_runs() -> AnySelect:
+def lock_effects_of_runs(sharded: bool = False) -> AnySelect:
     """Lock the effects of the runs ``ids`` (skipping locked ones): (id, run_id, status)."""
     return (
         select(effects.c.id, effects.c.run_id, effects.c.status)
-        .where(effects.c.run_id == any_(_ids()))
+        .where(*on_shard(effects, sharded), effects.c.run_id == any_(_ids()))
         .with_for_update(skip_locked=True)
     )
 
 
 @cache
-def effects_of_runs() -> AnySelect:
+def effects_of_runs(sharded: bool = False) -> AnySelect:
     """How many effects each of the runs ``ids`` has, locked or not: (run_id, count)."""
     return (
         select(effects.c.run_id, func.count())
-        .where(effects.c.run_id == any_(_ids()))
+        .where(*on_shard(effects, sharded), effects.c.run_id == any_(_ids()))
         .group_by(effects.c.run_id)
     )
 
 
 @cache
-def doomed_runless_effects() -> AnySelect:
+def doomed_runless_effects(sharded: bool = False) -> AnySelect:
     """Up to ``batch`` run-less effects finished before ``horizon``, locked (skipping locked)."""
     return (
         select(effects.c.id)
         .where(
+            *on_shard(effects, sharded),
             effects.c.completed_at < _horizon(),
             effects.c.updated_at < _horizon(),
             effects.c.run_id.is_(None),
@@ -144,28 +151,33 @@ def _returning(statement: Any, table: Table, rows: bool) -> Any:
 
 
 @cache
-def delete_attempts(*, rows: bool) -> Any:
+def delete_attempts(*, rows: bool, sharded: bool = False) -> Any:
     """Delete the attempt log of the effects ``ids`` (``rows``: returning every row)."""
-    statement = delete(effect_attempts).where(effect_attempts.c.effect_id == any_(_ids()))
+    statement = delete(effect_attempts).where(
+        *on_shard(effect_attempts, sharded), effect_attempts.c.effect_id == any_(_ids())
+    )
     return _returning(statement, effect_attempts, rows)
 
 
 @cache
-def delete_run_children(table: Table, *, rows: bool) -> Any:
+def delete_run_children(table: Table, *, rows: bool, sharded: bool = False) -> Any:
     """Delete the rows of ``table`` that belong to the runs ``ids`` (``rows``: returning them)."""
-    return _returning(delete(table).where(table.c.run_id == any_(_ids())), table, rows)
+    statement = delete(table).where(*on_shard(table, sharded), table.c.run_id == any_(_ids()))
+    return _returning(statement, table, rows)
 
 
 @cache
-def delete_by_ids(table: Table, *, rows: bool) -> Any:
+def delete_by_ids(table: Table, *, rows: bool, sharded: bool = False) -> Any:
     """Delete rows of ``table`` (runs or effects) by primary key ``ids`` (``rows``: returning them).
 
     For runs, a run that still has an effect is left alone, so the cascade of
     ``outbox_effects.run_id`` can never delete an effect that was not archived.
     """
-    statement = delete(table).where(table.c.id == any_(_ids()))
+    statement = delete(table).where(*on_shard(table, sharded), table.c.id == any_(_ids()))
     if table is runs:
-        statement = statement.where(~exists().where(effects.c.run_id == runs.c.id))
+        statement = statement.where(
+            ~exists().where(*on_shard(effects, sharded), effects.c.run_id == runs.c.id)
+        )
     return _returning(statement, table, rows)
 
 
