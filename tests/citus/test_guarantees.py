@@ -36,6 +36,8 @@ from outbox import (
 )
 from outbox.cli import cli as cli_main
 from outbox.governance.gates import Gate
+from outbox.serve.app import OutboxServer
+from outbox.serve.settings import Credentials, ServeSettings
 from outbox.shards import SHARDS, key_shard, shard_of
 from outbox.storage.async_store import AsyncStore, Completion, DutyAsk
 from outbox.storage.direct import prepared
@@ -43,6 +45,13 @@ from outbox.storage.engine import make_async_engine
 from outbox.storage.sql import queue
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.citus_support import CitusDatabase, node_port_of
+from tests.integration.test_console import (
+    OPERATOR,
+    _close_clients,  # noqa: F401 (an autouse fixture: closes the signed-in clients)
+    every_page_renders,
+    resolve_goes_to_the_attempt_log,
+    search_finds_a_run_by_an_effects_key,
+)
 from tests.support import DaemonThread, WorkerThread, delivery_plan_modes, wait_for
 
 
@@ -529,3 +538,18 @@ def test_reconcile_lists_the_work_of_a_gone_deliverer_on_a_cluster(ob: Outbox, d
     assert done.exit_code == 0, done.output
     held = {g["owner"]: g["in_flight"] for g in json.loads(done.output)["held_by_gone_deliverers"]}
     assert held.get(owner) == 4
+
+
+def test_the_console_renders_searches_and_resolves_on_a_cluster(ob: Outbox) -> None:
+    """The console's tests from one server, on the cluster: its reads may span shards."""
+    console = OutboxServer(
+        ob,
+        ServeSettings(port=0, counts_cache_seconds=0),
+        Credentials(operator_token=OPERATOR.encode()),
+    ).start()
+    try:
+        every_page_renders(ob, console, "console-pages")
+        search_finds_a_run_by_an_effects_key(ob, console, "console-search")
+        resolve_goes_to_the_attempt_log(ob, console, "console-resolve")
+    finally:
+        console.shutdown()

@@ -101,7 +101,12 @@ def csrf_of(page: httpx.Response) -> str:
 
 
 def test_every_page_renders(ob: Outbox, console: OutboxServer) -> None:
-    run_id, effect_id = unknown_effect(ob)
+    every_page_renders(ob, console)
+
+
+def every_page_renders(ob: Outbox, console: OutboxServer, key: str = "invoice-7-mail") -> None:
+    """Each page answers 200 with its CSP, shows the effect's key and none of its secrets."""
+    run_id, effect_id = unknown_effect(ob, key)
     for path in [
         "/console/",
         "/console/runs",
@@ -118,7 +123,7 @@ def test_every_page_renders(ob: Outbox, console: OutboxServer) -> None:
         assert answer.status_code == 200, (path, answer.text[:500])
         assert "Content-Security-Policy" in answer.headers
     effect_page = httpx.get(f"{console.url}/console/effects/{effect_id}").text
-    assert "invoice-7-mail" in effect_page
+    assert key in effect_page
     assert "hunter2" not in effect_page and "sk-live-123" not in effect_page
     assert "abc123" not in effect_page and "cfo@example.com" in effect_page
     run_page = httpx.get(f"{console.url}/console/runs/{run_id}").text
@@ -126,8 +131,15 @@ def test_every_page_renders(ob: Outbox, console: OutboxServer) -> None:
 
 
 def test_search_finds_a_run_by_an_effects_key(ob: Outbox, console: OutboxServer) -> None:
-    run_id, effect_id = unknown_effect(ob)
-    found = httpx.get(f"{console.url}/console/runs", params={"q": "invoice-7-mail"})
+    search_finds_a_run_by_an_effects_key(ob, console)
+
+
+def search_finds_a_run_by_an_effects_key(
+    ob: Outbox, console: OutboxServer, key: str = "invoice-7-mail"
+) -> None:
+    """The search box: by an effect's key to its run, by an effect's id to the effect."""
+    run_id, effect_id = unknown_effect(ob, key)
+    found = httpx.get(f"{console.url}/console/runs", params={"q": key})
     assert found.status_code == 303 and found.headers["location"] == f"/console/runs/{run_id}"
     by_id = httpx.get(f"{console.url}/console/runs", params={"q": effect_id})
     assert by_id.headers["location"] == f"/console/effects/{effect_id}"
@@ -138,7 +150,14 @@ def test_search_finds_a_run_by_an_effects_key(ob: Outbox, console: OutboxServer)
 def test_resolve_goes_to_the_attempt_log_with_who_and_why(
     ob: Outbox, console: OutboxServer
 ) -> None:
-    _, effect_id = unknown_effect(ob)
+    resolve_goes_to_the_attempt_log(ob, console)
+
+
+def resolve_goes_to_the_attempt_log(
+    ob: Outbox, console: OutboxServer, key: str = "invoice-7-mail"
+) -> None:
+    """An operator resolves an unknown effect; the attempt log says who and why."""
+    _, effect_id = unknown_effect(ob, key)
     client = signed_in(console, "alice")
     page = client.get(f"/console/effects/{effect_id}")
     done = client.post(

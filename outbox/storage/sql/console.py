@@ -223,7 +223,11 @@ def operator_queue(
     """``unknown`` or ``failed`` effects, oldest first, with their last attempt's record."""
     last = (
         select(effect_attempts.c.outcome, effect_attempts.c.detail, effect_attempts.c.worker)
-        .where(effect_attempts.c.effect_id == effects.c.id)
+        # by shard too: on Citus a join between distributed tables must name it
+        .where(
+            effect_attempts.c.effect_id == effects.c.id,
+            effect_attempts.c.shard == effects.c.shard,
+        )
         .order_by(effect_attempts.c.id.desc())
         .limit(1)
         .lateral("last")
