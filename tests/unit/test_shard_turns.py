@@ -83,3 +83,23 @@ def test_a_resting_shard_is_not_asked_even_when_named() -> None:
     turns.hint("9")
     asked = _claim(turns, holding={9, 20})
     assert 9 not in asked and 20 in asked
+
+
+def _walk(turns: ShardTurns, rows: dict[int, int], limit: int) -> list[int]:
+    """The shards one walk asks when ``rows`` says how many each gives."""
+    walk = turns.walk(P, limit, frozenset())
+    asked, shard = [], next(walk, None)
+    while shard is not None:
+        asked.append(shard)
+        shard = shard_turns.next_turn(walk, rows.get(shard, 0))
+    return asked
+
+
+def test_a_shard_is_read_first_unless_the_last_claim_met_its_quota_or_it_was_named() -> None:
+    turns = ShardTurns()
+    assert turns.asks_first(P, 3, frozenset()), "no claim yet: read before claiming"
+    assert not turns.asks_first(P, 3, frozenset({3})), "a wake-up named it: claim at once"
+    assert _walk(turns, {0: 5, 1: 5}, limit=10) == [0, 1], "the quota met on two shards"
+    assert not turns.asks_first(P, 7, frozenset()), "a backlog: claim without reading"
+    assert len(_walk(turns, {4: 1}, limit=10)) == SHARDS, "short of the quota: every shard"
+    assert turns.asks_first(P, 7, frozenset()), "idle again: read first"
