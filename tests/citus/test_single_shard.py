@@ -369,3 +369,11 @@ def test_gc_goes_a_shard_at_a_time_and_archives_every_row_it_deletes(
         archive_holds_every_deleted_row(reader, dsn, tmp_path, history)
     finally:
         reader.close()
+    # the old run's key went with it (from the key's own shard): it names a new run now
+    ob = Outbox.connect(dsn)
+    try:
+        inputs = {"order": 7, "notes": "n" * 20_000}
+        again = ob.start_run("a", "1", inputs, budget=100, key="order-7")
+        assert again.id != history["old"].id
+    finally:
+        ob.close()

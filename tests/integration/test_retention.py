@@ -48,6 +48,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "outbox_effect_attempts": ("id",),
     "outbox_signals": ("id",),
     "outbox_budget_ledger": ("id",),
+    "outbox_run_keys": ("namespace", "key", "shard"),
+    "outbox_effect_keys": ("namespace", "key", "shard"),
     "outbox_consumed_keys": ("consumer_group", "idempotency_key"),
     "outbox_webhook_replays": ("signature",),
     "outbox_blob_refs": ("owner", "sha256"),
@@ -74,7 +76,7 @@ def build_history(ob: Outbox, dsn: str) -> dict[str, Any]:
     """A run graph touching every table, aged past the horizon, next to rows that must stay."""
     sink = RecordingDeliverer("k.x")
     # its notes go by reference (outbox_blobs, outbox_blob_refs)
-    old = ob.start_run("a", "1", {"order": 7, "notes": "n" * 20_000}, budget=100)
+    old = ob.start_run("a", "1", {"order": 7, "notes": "n" * 20_000}, budget=100, key="order-7")
     ob.signal(old.id, "approve", {"by": "ops"}, request_id="sig-old")
 
     def step(tx: Any) -> str:
@@ -184,6 +186,10 @@ def archive_holds_every_deleted_row(
     # the old run's notes went by reference: its reference, and the blob nothing else uses
     assert report["deleted"]["outbox_blob_refs"] == 1
     assert report["deleted"]["outbox_blobs"] == 1
+    # the callers' keys: the old run's, its effect's and the two run-less effects'
+    assert report["deleted"]["outbox_run_keys"] == 1
+    gone_keys = {row["key"] for row in archived["outbox_effect_keys"].values()}
+    assert gone_keys == {"caller-key-1", "runless-old", "runless-old-too"}
     # The effect of the unfinished run, and rows younger than the horizon, stay.
     assert count(ob, effects) == 1 and count(ob, steps) == 1
     assert count(ob, signals) == 1 and count(ob, webhook_replays) == 1
@@ -368,6 +374,28 @@ def test_a_batch_holds_runs_with_at_most_batch_effects_between_them(ob: Outbox) 
     assert report.deleted["outbox_runs"] == 4 and report.deleted["outbox_effects"] == 8
     # 3 runs fit the batch, but 2 + 2 effects do not: one run (2 effects) per transaction.
     assert sizes == [6, 4, 2, 0]
+
+
+def test_a_key_whose_run_or_effect_gc_deleted_names_a_new_one(ob: Outbox, dsn: str) -> None:
+    """Past the horizon a caller's key is forgotten with its owner: using it again starts anew.
+
+    Before, the registration outlived its run: starting with the key again failed
+    for good ("started concurrently by another transaction"), and so did an intent.
+    """
+    old = ob.start_run("a", "1", {"x": 1}, key="order-8")
+    old.transaction("s", lambda tx: tx.intend("k.x", {"n": 1}, key="mail-8") and None)
+    old.complete()
+    with ob.engine.begin() as conn:
+        conn.execute(update(effects).values(status="succeeded", completed_at=OLD, updated_at=OLD))
+        conn.execute(update(runs).values(updated_at=OLD))
+    report = gc(dsn)
+    assert report["deleted"]["outbox_run_keys"] == 1
+    assert report["deleted"]["outbox_effect_keys"] >= 1
+    again = ob.start_run("a", "1", {"x": 1}, key="order-8")
+    assert again.id != old.id and ob.run(again.id).status == "runnable"
+    effect_id = again.transaction("s", lambda tx: str(tx.intend("k.x", {"n": 1}, key="mail-8").id))
+    assert ob.effect(effect_id).run_id == again.id
+    assert ob.start_run("a", "1", {"x": 1}, key="order-8").id == again.id, "held again"
 
 
 def test_gc_deletes_the_large_values_nothing_uses_any_more(ob: Outbox, dsn: str) -> None:

@@ -9,8 +9,11 @@ What goes, batch by batch:
 
 1. runs that ended before the horizon once none of their effects is still
    open, with everything that belongs to them: steps, effects (payload, key,
-   result), the effects' attempt log, signals and budget ledger;
-2. run-less effects that finished before the horizon, with their attempt log;
+   result), the effects' attempt log, signals, budget ledger, and the callers'
+   keys registered for the run and its effects (a key is forgotten with what
+   it named: used again, it starts a new run or intent);
+2. run-less effects that finished before the horizon, with their attempt log
+   and their callers' keys;
 3. consumer dedup keys and webhook replay marks older than the horizon;
 4. the large values stored by reference (:mod:`outbox.blobs`) that nothing uses
    any more: a run's or run-less effect's references go with it (and any left
@@ -40,7 +43,7 @@ from sqlalchemy import Connection, Engine
 from outbox.errors import ValidationError
 from outbox.faults import crash_point
 from outbox.models import OPEN_EFFECT_STATUSES
-from outbox.shards import SHARDS
+from outbox.shards import SHARDS, key_shard
 from outbox.storage.admin.archive import ArchiveWriter
 from outbox.storage.engine import distributed, translate_errors
 from outbox.storage.migrate import applied_versions
@@ -50,7 +53,9 @@ from outbox.storage.schema import (
     budget_ledger,
     consumed_keys,
     effect_attempts,
+    effect_keys,
     effects,
+    run_keys,
     runs,
     signals,
     steps,
@@ -76,6 +81,8 @@ GC_TABLES: tuple[str, ...] = tuple(
         budget_ledger,
         effects,
         effect_attempts,
+        run_keys,
+        effect_keys,
         consumed_keys,
         webhook_replays,
         blob_refs,
@@ -193,7 +200,10 @@ class _RunPhase:
         ids = [r for r in fitting if r not in reopened and held.get(r, 0) == totals.get(r, 0)]
         if ids:
             chosen = set(ids)
-            effect_ids = {"ids": [row.id for row in locked if row.run_id in chosen], **on}
+            doomed = [row.id for row in locked if row.run_id in chosen]
+            _delete_keys(batch, runs, ids, params)
+            _delete_keys(batch, effects, doomed, params)
+            effect_ids = {"ids": doomed, **on}
             run_ids = {"ids": ids, **on}
             batch.delete(
                 effect_attempts.name, sql.delete_attempts(rows=rows, sharded=sharded), effect_ids
@@ -216,11 +226,38 @@ def _runless_batch(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
     statement = sql.doomed_runless_effects(sharded)
     picked = [row[0] for row in batch.conn.execute(statement, params)]
     if picked:
+        _delete_keys(batch, effects, picked, params)
         ids = {"ids": picked, **({"on_shard": params["on_shard"]} if sharded else {})}
         batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows, sharded=sharded), ids)
         batch.delete(blob_refs.name, blob_sql.delete_refs_of(rows=rows, sharded=sharded), ids)
         batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows, sharded=sharded), ids)
     return len(picked), len(picked) == params["batch"]
+
+
+def _delete_keys(batch: _Batch, owners: Any, ids: list[UUID], params: dict[str, Any]) -> None:
+    """Delete the callers' keys registered for ``ids`` (runs or effects), before the owners go.
+
+    On Citus a key is registered on its own shard (and an effect's key copied to
+    its owner's): a statement per shard holding one, each routed there.
+    """
+    if not ids:
+        return
+    table = run_keys if owners is runs else effect_keys
+    sharded, conn = batch.sharded, batch.conn
+    on = {"on_shard": params["on_shard"]} if sharded else {}
+    found = conn.execute(sql.keys_of(owners, sharded), {"ids": ids, **on}).all()
+    if not found:
+        return
+    keys = {"ids": ids, "namespaces": [r[0] for r in found], "keys": [r[1] for r in found]}
+    statement = sql.delete_keys(table, rows=batch.keep_rows, sharded=sharded)
+    if not sharded:
+        batch.delete(table.name, statement, keys)
+        return
+    shards = {key_shard(namespace, key) for namespace, key in found}
+    if table is effect_keys:
+        shards.add(params["on_shard"])
+    for shard in sorted(shards):
+        batch.delete(table.name, statement, {**keys, "on_shard": shard})
 
 
 def _values_batch(table: Any) -> _Phase:

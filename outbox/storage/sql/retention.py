@@ -22,6 +22,7 @@ from sqlalchemy import (
     ARRAY,
     Integer,
     Table,
+    Text,
     any_,
     bindparam,
     delete,
@@ -39,6 +40,7 @@ from outbox.storage.schema import (
     consumed_keys,
     effect_attempts,
     effects,
+    run_keys,
     runs,
     signals,
     steps,
@@ -50,11 +52,13 @@ __all__ = [
     "RUN_CHILDREN",
     "delete_attempts",
     "delete_by_ids",
+    "delete_keys",
     "delete_run_children",
     "doomed_keys",
     "doomed_runless_effects",
     "doomed_runs",
     "effects_of_runs",
+    "keys_of",
     "lock_effects_of_runs",
 ]
 
@@ -209,3 +213,32 @@ def doomed_keys(table: Table, *, rows: bool) -> Any:
             rows,
         )
     raise ValueError(f"no retention rule for {table.name}")
+
+
+@cache
+def keys_of(table: Table, sharded: bool = False) -> AnySelect:
+    """The callers' keys of the runs or effects ``ids``: (namespace, key), one row each with one."""
+    key = table.c.key if table is runs else table.c.idempotency_key
+    return select(table.c.namespace, key).where(
+        *on_shard(table, sharded), table.c.id == any_(_ids()), key.is_not(None)
+    )
+
+
+@cache
+def delete_keys(table: Table, *, rows: bool, sharded: bool = False) -> Any:
+    """Delete the registrations in ``table`` (run or effect keys) that name one of ``ids``.
+
+    ``namespaces`` and ``keys`` are the owners' (:func:`keys_of`): they lead the
+    primary key, so each registration is found by its index, not by its owner.
+    Once gone, a key names nothing: a later start or intent with it is new.
+    ``sharded`` (Citus): the registrations on the shard ``on_shard`` (a key's own
+    row is on the key's shard, an effect key's copy on its owner's).
+    """
+    owner = table.c.run_id if table is run_keys else table.c.effect_id
+    statement = delete(table).where(
+        *on_shard(table, sharded),
+        table.c.namespace == any_(bindparam("namespaces", type_=ARRAY(Text))),
+        table.c.key == any_(bindparam("keys", type_=ARRAY(Text))),
+        owner == any_(_ids()),
+    )
+    return _returning(statement, table, rows)
