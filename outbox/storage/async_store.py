@@ -117,7 +117,7 @@ class AsyncStore(DutyStatements):
     ) -> bool:
         """On Citus: whether ``partition`` (its shard named) has a ready row."""
         ask = prepared(queue.ready_on_shard(spec))
-        params = {f"part_{k}": v for k, v in partition.items()}
+        params = queue.partition_params(partition)
         cur = await conn.execute(ask.sql, ask.params(params), prepare=True)
         return await cur.fetchone() is not None
 

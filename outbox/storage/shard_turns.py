@@ -162,8 +162,11 @@ class ShardTurns:
             idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             with self.answering(shard):
                 async with contextlib.nullcontext() if idle else conn.transaction():
-                    asks = ready_on is not None and self.asks_first(name, shard, hints)
-                    if ready_on is None or not asks or await ready_on(on_shard):
+                    if (
+                        ready_on is None
+                        or not self.asks_first(name, shard, hints)
+                        or await ready_on(on_shard)
+                    ):
                         found = await claim_on(on_shard, limit - len(rows))
             rows += found
             shard = next_turn(walk, len(found))

@@ -85,7 +85,7 @@ class RunWorkerStatements:
     @staticmethod
     def _ready_on(conn: Connection, spec: queue.QueueSpec, partition: dict[str, Any]) -> bool:
         """On Citus: whether ``partition`` (its shard named) has a runnable run now."""
-        params = {f"part_{k}": v for k, v in partition.items()}
+        params = queue.partition_params(partition)
         return conn.execute(queue.ready_on_shard(spec), params).first() is not None
 
     def _claim_runs_on(

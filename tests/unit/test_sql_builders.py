@@ -87,6 +87,7 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
 }
 NOT_BUILDERS = {
     "claim_params",
+    "partition_params",
     "extend_params",
     "StateCounts",
     "held_rows",

@@ -121,15 +121,25 @@ class _Batch:
     """One transaction of ``gc``: deletes rows, counts them, keeps them for the archive."""
 
     def __init__(
-        self, conn: Connection, report: GcReport, *, keep_rows: bool, sharded: bool
+        self, conn: Connection, report: GcReport, *, keep_rows: bool, shard: int | None
     ) -> None:
         self.conn = conn
         self.report = report
         #: Whether the deleted rows are read back (for the archive) or only counted.
         self.keep_rows = keep_rows
-        #: On Citus: each statement names its shard (the ``on_shard`` parameter).
-        self.sharded = sharded
+        #: On Citus: the one shard this batch works on (its statements name it).
+        self.shard = shard
         self.rows: dict[str, list[Any]] = {}
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the statements name a shard (on Citus)."""
+        return self.shard is not None
+
+    @property
+    def on(self) -> dict[str, Any]:
+        """The ``on_shard`` parameter of a sharded statement, or nothing."""
+        return {} if self.shard is None else {"on_shard": self.shard}
 
     def delete(self, table: str, statement: Any, params: dict[str, Any]) -> int:
         result = self.conn.execute(statement, params)
@@ -169,8 +179,7 @@ class _RunPhase:
         self.limit = batch
 
     def __call__(self, batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
-        conn, sharded, rows = batch.conn, batch.sharded, batch.keep_rows
-        on = {"on_shard": params["on_shard"]} if sharded else {}
+        conn, sharded, rows, on = batch.conn, batch.sharded, batch.keep_rows, batch.on
         budget = int(params["batch"])
         pick = {**params, "batch": self.limit}
         picked = [row[0] for row in conn.execute(sql.doomed_runs(sharded), pick)]
@@ -201,8 +210,8 @@ class _RunPhase:
         if ids:
             chosen = set(ids)
             doomed = [row.id for row in locked if row.run_id in chosen]
-            _delete_keys(batch, runs, ids, params)
-            _delete_keys(batch, effects, doomed, params)
+            _delete_keys(batch, runs, ids)
+            _delete_keys(batch, effects, doomed)
             effect_ids = {"ids": doomed, **on}
             run_ids = {"ids": ids, **on}
             batch.delete(
@@ -226,15 +235,15 @@ def _runless_batch(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
     statement = sql.doomed_runless_effects(sharded)
     picked = [row[0] for row in batch.conn.execute(statement, params)]
     if picked:
-        _delete_keys(batch, effects, picked, params)
-        ids = {"ids": picked, **({"on_shard": params["on_shard"]} if sharded else {})}
+        _delete_keys(batch, effects, picked)
+        ids = {"ids": picked, **batch.on}
         batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows, sharded=sharded), ids)
         batch.delete(blob_refs.name, blob_sql.delete_refs_of(rows=rows, sharded=sharded), ids)
         batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows, sharded=sharded), ids)
     return len(picked), len(picked) == params["batch"]
 
 
-def _delete_keys(batch: _Batch, owners: Any, ids: list[UUID], params: dict[str, Any]) -> None:
+def _delete_keys(batch: _Batch, owners: Any, ids: list[UUID]) -> None:
     """Delete the callers' keys registered for ``ids`` (runs or effects), before the owners go.
 
     On Citus a key is registered on its own shard (and an effect's key copied to
@@ -244,8 +253,7 @@ def _delete_keys(batch: _Batch, owners: Any, ids: list[UUID], params: dict[str, 
         return
     table = run_keys if owners is runs else effect_keys
     sharded, conn = batch.sharded, batch.conn
-    on = {"on_shard": params["on_shard"]} if sharded else {}
-    found = conn.execute(sql.keys_of(owners, sharded), {"ids": ids, **on}).all()
+    found = conn.execute(sql.keys_of(owners, sharded), {"ids": ids, **batch.on}).all()
     if not found:
         return
     keys = {"ids": ids, "namespaces": [r[0] for r in found], "keys": [r[1] for r in found]}
@@ -254,8 +262,8 @@ def _delete_keys(batch: _Batch, owners: Any, ids: list[UUID], params: dict[str, 
         batch.delete(table.name, statement, keys)
         return
     shards = {key_shard(namespace, key) for namespace, key in found}
-    if table is effect_keys:
-        shards.add(params["on_shard"])
+    if table is effect_keys and batch.shard is not None:
+        shards.add(batch.shard)
     for shard in sorted(shards):
         batch.delete(table.name, statement, {**keys, "on_shard": shard})
 
@@ -325,13 +333,12 @@ def collect_garbage(
     ]
     for phase, run, by_shard in phases:
         for shard in range(SHARDS) if sharded and by_shard else (None,):
-            on = {**params, "on_shard": shard} if shard is not None else params
             keep_rows = archive is not None and not dry_run
             while True:
                 with translate_errors(f"gc of {phase}"), engine.begin() as conn:
                     before = sum(report.deleted.values())
-                    work = _Batch(conn, report, keep_rows=keep_rows, sharded=shard is not None)
-                    picked, more = run(work, on)
+                    work = _Batch(conn, report, keep_rows=keep_rows, shard=shard)
+                    picked, more = run(work, {**params, **work.on})
                     if dry_run:
                         conn.rollback()
                     elif archive is not None:

@@ -59,6 +59,7 @@ __all__ = [
     "Rate",
     "claim",
     "claim_params",
+    "partition_params",
     "ready_on_shard",
 ]
 
@@ -472,6 +473,11 @@ class Rate(NamedTuple):
     burst: int
 
 
+def partition_params(partition: dict[str, Any]) -> dict[str, Any]:
+    """A partition's values (its shard too, if named) as the ``part_<column>`` parameters."""
+    return {f"part_{k}": v for k, v in partition.items()}
+
+
 def claim_params(
     partition: dict[str, str],
     *,
@@ -485,7 +491,7 @@ def claim_params(
 
     ``rate``: of ``claim(spec, rated=True)``; ``shard``: of a sharded spec's.
     """
-    params: dict[str, Any] = {f"part_{k}": v for k, v in partition.items()}
+    params = partition_params(partition)
     if shard is not None:
         params["part_shard"] = shard
     params.update(claim_limit=limit, owner=owner, lease_seconds=lease_seconds)
