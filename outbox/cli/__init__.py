@@ -186,6 +186,26 @@ def _not_utf8(arguments: list[str]) -> int | None:
     return None
 
 
+def _after_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while Ctrl-C was being handled.
+
+    Cleaning up after Ctrl-C can fail in turn (psycopg cancels the query it was
+    waiting on, and a late cancel can hit the next statement, the one that stops
+    the command's children): the user asked to stop, so that is an abort.
+    """
+    seen: BaseException | None = exc.__context__
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt | click.exceptions.Abort):
+            return True
+        seen = seen.__context__
+    return False
+
+
+def _aborted() -> NoReturn:
+    click.echo("aborted", err=True)
+    sys.exit(130)
+
+
 def main() -> None:
     """Entry point of the ``outbox`` script: bad input becomes one clear line and exit 1 or 2."""
     position = _not_utf8(sys.argv[1:])
@@ -195,9 +215,10 @@ def main() -> None:
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
+        _aborted()
     except click.ClickException as exc:
+        if _after_interrupt(exc):
+            _aborted()
         hint = ""
         if isinstance(exc, click.UsageError) and exc.ctx is not None:
             hint = f" (see `{exc.ctx.command_path} --help`)"
@@ -205,6 +226,8 @@ def main() -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except OutboxError as exc:
+        if _after_interrupt(exc):
+            _aborted()
         _fail(f"{type(exc).__name__}: {exc}")
     except ImportError as exc:
         # An optional extra's library (kafka for stream mode, cryptography for signed

@@ -111,7 +111,7 @@ def test_the_demo_in_a_reused_database(ob: Outbox, sub_env: dict[str, str], tmp_
     )
     stopped.send_signal(signal.SIGINT)
     _, err = stopped.communicate(timeout=60)
-    assert stopped.returncode == 130 and "aborted" in err
+    assert stopped.returncode == 130 and "aborted" in err, err[-3000:]
     again = demo(sub_env, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads(again.stdout)

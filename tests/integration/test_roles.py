@@ -247,8 +247,10 @@ def test_the_deliverer_delivers_and_moves_stopping_runs_on_but_intends_nothing(
 def test_the_operator_resolves_retries_cancels_and_collects_garbage(
     ob: Outbox, logins: dict[str, str], tmp_path: Path
 ) -> None:
-    run = ob.start_run("billing", "1")
-    run.transaction("s", lambda tx: [tx.intend("k.x", {"n": i}) for i in range(3)] and None)
+    run = ob.start_run("billing", "1", key="invoice-7")
+    run.transaction(
+        "s", lambda tx: [tx.intend("k.x", {"n": i}, key=f"n-{i}") for i in range(3)] and None
+    )
     first, second, third = ob.effects(run_id=run.id)
     with ob.transaction() as tx:
         stuck = tx.intend("http.request", {"url": "http://127.0.0.1:9/x"}, key="stuck")
@@ -289,6 +291,14 @@ def test_the_operator_resolves_retries_cancels_and_collects_garbage(
     )
     assert gc["deleted"]["outbox_runs"] == 1 and gc["deleted"]["outbox_effects"] == 3
     assert gc["deleted"]["outbox_effect_attempts"] >= 4
+    # The callers' keys go with what they named: the run's and its three intents' (each
+    # intent's with the copy on its run's shard, when the key hashes to another).
+    assert gc["deleted"]["outbox_run_keys"] == 1 and gc["deleted"]["outbox_effect_keys"] >= 3
+    with ob.engine.connect() as conn:
+        left = conn.execute(
+            text("SELECT key FROM outbox_effect_keys UNION ALL SELECT key FROM outbox_run_keys")
+        )
+        assert set(left.scalars()) == {"stuck"}
     # ...and nothing more.
     with Outbox.connect(dsn) as operator:
         with pytest.raises(DatabaseError, match="permission denied"):
