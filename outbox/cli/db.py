@@ -166,7 +166,8 @@ their steps, effects, attempt log, signals and budget ledger; run-less
 effects finished before it, with their attempts; consumer dedup keys and
 webhook replay marks older than it; then the large values stored by reference
 (outbox_blobs) that nothing refers to any more, whatever their age. Each
-batch is one short transaction.
+batch is one short transaction. On Citus, a shard whose node does not answer
+is left for the next gc and named (exit 1); the other shards are collected.
 
 \b
 --archive FILE appends every deleted row of every table to FILE (created
@@ -233,6 +234,7 @@ def gc(
         deleted=report.deleted,
         batches=report.batches,
         archive=None if writer is None else str(archive),
+        unreachable_shards=report.unreachable,
     )
     emit(
         data,
@@ -243,6 +245,13 @@ def gc(
             list(report.deleted.items()),
         ),
     )
+    if report.unreachable:
+        shards = ", ".join(str(s) for s in sorted(report.unreachable))
+        first = next(iter(report.unreachable.values()))
+        raise click.ClickException(
+            f"shards {shards} were left for the next gc: their node did not answer ({first}); "
+            "the other shards were collected"
+        )
 
 
 @click.group("archive")

@@ -101,6 +101,9 @@ class GcReport(Report):
     batches: int
     #: The archive file written, if any.
     archive: str | None
+    #: On Citus: the shards left for the next gc because their node did not answer
+    #: (shard -> the error), the rest collected; gc then exits 1.
+    unreachable_shards: dict[int, str] = {}
 
 
 class ArchiveHeader(BaseModel):

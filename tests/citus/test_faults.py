@@ -24,7 +24,7 @@ from deliverers.testing import RecordingDeliverer
 from outbox import Outbox, Run, RunStatus, StepTransaction
 from outbox.cli import cli as cli_main
 from outbox.delivery import Delivery, Outcome, Succeeded
-from outbox.shards import shard_of
+from outbox.shards import SHARDS, shard_of
 from tests.citus_support import CitusCluster, CitusDatabase, node_port_of
 from tests.support import DaemonThread, WorkerThread, wait_for
 
@@ -231,3 +231,45 @@ def test_a_run_worker_with_a_node_down_drives_the_runs_on_the_other_node(
         statuses = {ob.run(r).status for ids in runs.values() for r in ids}
     assert statuses == {RunStatus.COMPLETED}
     assert len(done) == len(set(done)), "each run finished once"
+
+
+def test_gc_with_a_node_down_collects_the_other_nodes_shards_and_names_the_rest(
+    citus_cluster: CitusCluster, citus_db: CitusDatabase
+) -> None:
+    """A worker killed: gc deletes the survivor's finished runs, names the victim's shards, exits 1.
+
+    The runs have no caller's key: a key is registered on its own shard, which may be
+    on the other node, and a batch deletes a run with its key or not at all.
+    """
+    env = {"OUTBOX_DSN": citus_db.dsn}
+    migrated = CliRunner().invoke(cli_main, ["migrate", "--distribute", "--json"], env=env)
+    assert migrated.exit_code == 0, migrated.output
+    victim, survivor = citus_cluster.workers
+    finished: dict[int, list[uuid.UUID]] = {victim.port: [], survivor.port: []}
+    with Outbox.connect(citus_db.dsn) as ob, psycopg.connect(citus_db.dsn) as conn:
+        while min(len(v) for v in finished.values()) < 2:
+            run = ob.start_run("tidy", "1")
+            run.complete({"ok": True})
+            finished[node_port_of(conn, "outbox_runs", shard_of(run.id))].append(run.id)
+        on_victim = {s for s in range(SHARDS) if node_port_of(conn, "outbox_runs", s) == victim.port}
+    assert 0 < len(on_victim) < SHARDS
+
+    victim.kill9()
+    try:
+        down = CliRunner().invoke(cli_main, ["gc", "--older-than", "0s", "--json"], env=env)
+        assert down.exit_code == 1, down.output
+        report = json.loads(down.stdout)
+        assert {int(s) for s in report["unreachable_shards"]} == on_victim
+        assert all("remote node" in e for e in report["unreachable_shards"].values()), report
+        assert report["deleted"]["outbox_runs"] == len(finished[survivor.port])
+        assert "left for the next gc" in down.stderr
+    finally:
+        victim.restart_after_kill()
+
+    back = CliRunner().invoke(cli_main, ["gc", "--older-than", "0s", "--json"], env=env)
+    assert back.exit_code == 0, back.output
+    report = json.loads(back.stdout)
+    assert report["unreachable_shards"] == {}
+    assert report["deleted"]["outbox_runs"] == len(finished[victim.port])
+    with Outbox.connect(citus_db.dsn) as ob:
+        assert ob.runs(agent="tidy") == []

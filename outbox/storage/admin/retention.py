@@ -26,7 +26,9 @@ With an archive, every deleted row of every table is written to it
 On Citus, phases 1, 2 and 4 go a shard at a time: every statement names its
 shard (a run's rows, its blobs and their references all live on the run's),
 so it runs on the node holding it, and locks rows only there. The keys of
-phase 3 live on the coordinator.
+phase 3 live on the coordinator. A shard whose node does not answer is left
+for the next gc (its batch rolled back, the report naming it); the other
+shards are collected.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from uuid import UUID
 
 from sqlalchemy import Connection, Engine
 
-from outbox.errors import ValidationError
+from outbox.errors import DatabaseError, ValidationError
 from outbox.faults import crash_point
 from outbox.models import OPEN_EFFECT_STATUSES
 from outbox.shards import SHARDS, key_shard
@@ -115,6 +117,9 @@ class GcReport:
     deleted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GC_TABLES, 0))
     batches: int = 0
     dry_run: bool = False
+    #: On Citus: the shards left for the next gc because their node did not answer,
+    #: each with the error that said so.
+    unreachable: dict[int, str] = field(default_factory=dict)
 
 
 class _Batch:
@@ -333,26 +338,62 @@ def collect_garbage(
     ]
     for phase, run, by_shard in phases:
         for shard in range(SHARDS) if sharded and by_shard else (None,):
-            keep_rows = archive is not None and not dry_run
-            while True:
-                with translate_errors(f"gc of {phase}"), engine.begin() as conn:
-                    before = sum(report.deleted.values())
-                    work = _Batch(conn, report, keep_rows=keep_rows, shard=shard)
-                    picked, more = run(work, {**params, **work.on})
-                    if dry_run:
-                        conn.rollback()
-                    elif archive is not None:
-                        work.archive_to(archive)
-                        # On disk before the delete commits: a crash must not lose rows
-                        # that are gone from the database and missing from the archive.
-                        archive.sync()
-                        crash_point("gc_archived")
-                report.batches += 1
-                if progress is not None:
-                    progress(phase, picked)
-                deleted_nothing = sum(report.deleted.values()) == before
-                # Nothing more: nothing older is left. A batch that deleted nothing: every
-                # candidate is locked by someone else; the next gc takes it.
-                if dry_run or not more or deleted_nothing:
-                    break
+            if shard in report.unreachable:
+                continue
+            try:
+                _collect(engine, report, phase, run, shard, params, archive, progress)
+            except DatabaseError as exc:
+                if shard is None or not _node_down(exc):
+                    raise
+                cause = getattr(exc.__cause__, "orig", None) or exc
+                report.unreachable[shard] = (str(cause).splitlines() or [""])[0]
     return report
+
+
+def _collect(
+    engine: Engine,
+    report: GcReport,
+    phase: str,
+    run: _Phase,
+    shard: int | None,
+    params: dict[str, Any],
+    archive: ArchiveWriter | None,
+    progress: Callable[[str, int], None] | None,
+) -> None:
+    """The batches of one phase (on Citus: on one shard) until nothing more is left."""
+    keep_rows = archive is not None and not report.dry_run
+    while True:
+        counted = dict(report.deleted)
+        before = sum(counted.values())
+        try:
+            with translate_errors(f"gc of {phase}"), engine.begin() as conn:
+                work = _Batch(conn, report, keep_rows=keep_rows, shard=shard)
+                picked, more = run(work, {**params, **work.on})
+                if report.dry_run:
+                    conn.rollback()
+                elif archive is not None:
+                    work.archive_to(archive)
+                    # On disk before the delete commits: a crash must not lose rows
+                    # that are gone from the database and missing from the archive.
+                    archive.sync()
+                    crash_point("gc_archived")
+        except BaseException:
+            report.deleted = counted  # rolled back: none of the batch's rows was deleted
+            raise
+        report.batches += 1
+        if progress is not None:
+            progress(phase, picked)
+        deleted_nothing = sum(report.deleted.values()) == before
+        # Nothing more: nothing older is left. A batch that deleted nothing: every
+        # candidate is locked by someone else; the next gc takes it.
+        if report.dry_run or not more or deleted_nothing:
+            return
+
+
+def _node_down(exc: DatabaseError) -> bool:
+    """Citus's word that the node holding a shard did not answer (SQLSTATE class 08).
+
+    From the coordinator, whose session lives on; a coordinator that does not
+    answer is no such word (the driver's error then has no SQLSTATE), and stops gc.
+    """
+    return (exc.sqlstate or "").startswith("08")
