@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import tempfile
 import threading
@@ -90,6 +91,22 @@ class DaemonThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def parse_python(source: str) -> ast.Module:
+    """``ast.parse``, tried again on CPython 3.11's spurious recursion-depth error.
+
+    3.11 keeps the AST converter's depth count in state shared by the threads, so
+    a thread switch mid-conversion can end in ``SystemError: AST constructor
+    recursion depth mismatch`` (python/cpython#106905); it failed a docs test once.
+    """
+    for _ in range(2):
+        try:
+            return ast.parse(source)
+        except SystemError as exc:
+            if "recursion depth mismatch" not in str(exc):
+                raise
+    return ast.parse(source)
 
 
 def wait_for(

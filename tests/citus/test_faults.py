@@ -251,7 +251,9 @@ def test_gc_with_a_node_down_collects_the_other_nodes_shards_and_names_the_rest(
             run = ob.start_run("tidy", "1")
             run.complete({"ok": True})
             finished[node_port_of(conn, "outbox_runs", shard_of(run.id))].append(run.id)
-        on_victim = {s for s in range(SHARDS) if node_port_of(conn, "outbox_runs", s) == victim.port}
+        on_victim = {
+            s for s in range(SHARDS) if node_port_of(conn, "outbox_runs", s) == victim.port
+        }
     assert 0 < len(on_victim) < SHARDS
 
     victim.kill9()

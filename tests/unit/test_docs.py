@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import parse_python
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
@@ -104,7 +106,7 @@ def code_spans(path: Path) -> list[tuple[int, str]]:
 
 @cache
 def _tree(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(encoding="utf-8"))
+    return parse_python(path.read_text(encoding="utf-8"))
 
 
 def _defines(body: list[ast.stmt], name: str) -> ast.AST | None:

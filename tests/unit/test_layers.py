@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import parse_python
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Lower layers may not import higher ones. Base modules (errors, models, ...)
@@ -60,7 +62,7 @@ def imports_of(source: str, module: str = "") -> list[tuple[str, int]]:
 
 def _imports(source: str, module: str) -> list[tuple[str, int, bool]]:
     """(module, line, at import time): the last is False inside functions and TYPE_CHECKING."""
-    tree = ast.parse(source)
+    tree = parse_python(source)
     eager = _eager_nodes(tree)
     found: list[tuple[str, int, bool]] = []
     for node in ast.walk(tree):

@@ -20,6 +20,7 @@ import outbox
 import outbox.delivery
 from outbox import errors
 from outbox.cli.schemas import exported_models
+from tests.support import parse_python
 from tools import reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,7 +154,7 @@ def _classes_deriving(package: str, bases: set[str]) -> set[str]:
     """Class names under ``package`` deriving (through classes found there) from ``bases``."""
     found: dict[str, list[str]] = {}
     for path in (ROOT / package).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parse_python(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ClassDef):
                 found[node.name] = [ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases]
     derived: set[str] = set()
