@@ -3,6 +3,7 @@ a signed export checked by the independent script of docs/reference/audit.md."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -22,6 +23,10 @@ from outbox.cli import cli as outbox_cli
 from outbox.cli.audit import OUTSIDE_RUNS
 from outbox.governance.chain import verify_record
 from outbox.governance.gates import Gate
+from outbox.storage.async_store import AsyncStore
+from outbox.storage.attempts import Completion
+from outbox.storage.engine import make_async_engine
+from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.support import DaemonThread, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -352,3 +357,45 @@ def test_a_step_recorded_through_sql_covers_its_state_and_plan(ob: Outbox, dsn: 
     assert ob.audit_record(run.id)["steps"][0]["plan"] == ["a", "b"]
     sql(dsn, "UPDATE outbox_steps SET plan = '[\"b\"]' WHERE step_id = 'plan-it'")
     assert "step 'plan-it': its hash does not follow" in str(ob.verify_run(run.id)[0])
+
+
+def test_a_completion_links_its_attempts_itself_and_a_stale_report_chains_after(
+    ob: Outbox, dsn: str
+) -> None:
+    """The completion computes the link of each attempt that changed its effect in its own
+    statement (the chain trigger does not run for it); a stale report of the same effect
+    in the same batch is chained by the trigger, after it. Verify recomputes every link."""
+    run = ob.start_run("auditor", "1")
+    run.transaction("s", lambda tx: [tx.intend("k.post", {"n": i}) for i in range(3)] and None)
+    sql(dsn, f"ALTER DATABASE {ob.engine.url.database} SET track_functions = 'all'")
+
+    async def deliver() -> tuple[Any, list[tuple[Any, str]]]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            held = await store.claim_many(
+                EFFECT_QUEUE, [({"kind": "k.post"}, 3)], owner="w", lease_seconds=30
+            )
+            assert len(held) == 3
+            done = [
+                Completion(e.id, e.attempt, "succeeded", "succeeded", result_json=f'{{"n": {i}}}')
+                for i, e in enumerate(held)
+            ]
+            # a late outcome of an earlier attempt of the first effect, first in the batch
+            late = Completion(held[0].id, held[0].attempt - 1, "failed", "failed")
+            return held[0].id, await store.complete("w", [late, *done])
+        finally:
+            await store.dispose()
+
+    first, logged = asyncio.run(deliver())
+    assert sorted(o for _, o in logged) == ["stale", "succeeded", "succeeded", "succeeded"]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        outcomes = conn.execute(
+            "SELECT outcome FROM outbox_effect_attempts WHERE effect_id = %s ORDER BY id",
+            [first],
+        ).fetchall()
+        calls = conn.execute(
+            "SELECT calls FROM pg_stat_user_functions WHERE funcname = 'outbox_attempts_chain'"
+        ).fetchone()
+    assert [o for (o,) in outcomes] == ["succeeded", "stale"], "the stale report chains after"
+    assert calls is not None and calls[0] == 1, "the trigger chained the stale report alone"
+    assert ob.verify_run(run.id) == []

@@ -115,11 +115,26 @@ SELECT sha256(prev || convert_to('outbox.attempt.v2' || outbox_lp(effect_id::tex
     || outbox_lp(effect_status) || outbox_lp(result_hash), 'UTF8'))
 $$;
 
+-- An effect's result as an attempt-log row records it (result_hash): the sha256 of
+-- its text, hex. (Immutable, so that Citus accepts it in a RETURNING clause.)
+CREATE OR REPLACE FUNCTION outbox_result_hash(result jsonb) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+SELECT encode(sha256(convert_to(result::text, 'UTF8')), 'hex')
+$$;
+
 -- Every attempt-log row is chained as it is written, with the status and result its
 -- effect has then: the statement that logs an attempt changes the effect first (in
 -- a CTE), and a volatile trigger sees that change. So the newest link covers where
 -- the effect ended: a status or result edited by hand does not match it. The cost
 -- is one rendering and sha256 of the effect's result per row logged, no statement.
+--
+-- A row written with its link (hash) is not chained again: a deliverer's
+-- completion computes the links of the attempts that changed their effects in its
+-- own statement, from the same inputs read under the effect's row lock
+-- (outbox.storage.sql.effects), which saves the trigger's two reads a row (on
+-- Citus each a distributed query). A link supplied wrong breaks the chain where
+-- `outbox audit verify` recomputes it: a writer gains nothing it could not get
+-- by letting the trigger compute the link of the row it inserts.
 CREATE OR REPLACE FUNCTION outbox_attempts_chain() RETURNS trigger
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -132,11 +147,11 @@ BEGIN
     -- locked, and draws a new id, so that id order stays chain order.
     SELECT e.xmin::text = (pg_current_xact_id()::text::bigint % 4294967296)::text,
            outbox_effect_genesis(e.id, e.run_id, e.kind, e.idempotency_key, e.payload_hash),
-           e.status, encode(sha256(convert_to(e.result::text, 'UTF8')), 'hex')
+           e.status, outbox_result_hash(e.result)
       INTO ours, prev, NEW.effect_status, NEW.result_hash
       FROM outbox_effects e WHERE e.id = NEW.effect_id AND e.shard = NEW.shard;
     IF NOT ours THEN
-        SELECT e.status, encode(sha256(convert_to(e.result::text, 'UTF8')), 'hex')
+        SELECT e.status, outbox_result_hash(e.result)
           INTO NEW.effect_status, NEW.result_hash
           FROM outbox_effects e WHERE e.id = NEW.effect_id AND e.shard = NEW.shard FOR UPDATE;
         NEW.id := nextval(pg_get_serial_sequence('outbox_effect_attempts', 'id'));
@@ -155,7 +170,7 @@ $$;
 
 DROP TRIGGER IF EXISTS outbox_attempts_chain ON outbox_effect_attempts;
 CREATE TRIGGER outbox_attempts_chain
-    BEFORE INSERT ON outbox_effect_attempts FOR EACH ROW
+    BEFORE INSERT ON outbox_effect_attempts FOR EACH ROW WHEN (NEW.hash IS NULL)
     EXECUTE FUNCTION outbox_attempts_chain();
 
 -- A step's v3 link (the algorithm at the top of this file): the texts are the
