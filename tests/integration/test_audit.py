@@ -364,7 +364,8 @@ def test_a_completion_links_its_attempts_itself_and_a_stale_report_chains_after(
 ) -> None:
     """The completion computes the link of each attempt that changed its effect in its own
     statement (the chain trigger does not run for it); a stale report of the same effect
-    in the same batch is chained by the trigger, after it. Verify recomputes every link."""
+    in the same batch, or the same outcome twice, is chained by the trigger, after it.
+    Verify recomputes every link."""
     run = ob.start_run("auditor", "1")
     run.transaction("s", lambda tx: [tx.intend("k.post", {"n": i}) for i in range(3)] and None)
     sql(dsn, f"ALTER DATABASE {ob.engine.url.database} SET track_functions = 'all'")
@@ -380,14 +381,15 @@ def test_a_completion_links_its_attempts_itself_and_a_stale_report_chains_after(
                 Completion(e.id, e.attempt, "succeeded", "succeeded", result_json=f'{{"n": {i}}}')
                 for i, e in enumerate(held)
             ]
-            # a late outcome of an earlier attempt of the first effect, first in the batch
+            # a late outcome of an earlier attempt of the first effect, first in the
+            # batch, and the second effect's outcome twice
             late = Completion(held[0].id, held[0].attempt - 1, "failed", "failed")
-            return held[0].id, await store.complete("w", [late, *done])
+            return held[0].id, await store.complete("w", [late, *done, done[1]])
         finally:
             await store.dispose()
 
     first, logged = asyncio.run(deliver())
-    assert sorted(o for _, o in logged) == ["stale", "succeeded", "succeeded", "succeeded"]
+    assert sorted(o for _, o in logged) == ["stale", *["succeeded"] * 4]
     with psycopg.connect(dsn, autocommit=True) as conn:
         outcomes = conn.execute(
             "SELECT outcome FROM outbox_effect_attempts WHERE effect_id = %s ORDER BY id",
@@ -397,5 +399,7 @@ def test_a_completion_links_its_attempts_itself_and_a_stale_report_chains_after(
             "SELECT calls FROM pg_stat_user_functions WHERE funcname = 'outbox_attempts_chain'"
         ).fetchone()
     assert [o for (o,) in outcomes] == ["succeeded", "stale"], "the stale report chains after"
-    assert calls is not None and calls[0] == 1, "the trigger chained the stale report alone"
+    assert calls is not None and calls[0] == 2, (
+        "the trigger chained the stale report and the repeat alone"
+    )
     assert ob.verify_run(run.id) == []

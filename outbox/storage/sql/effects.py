@@ -214,6 +214,9 @@ def complete_effects(sharded: bool = False) -> Any:
         else select(effects.c.shard).where(effects.c.id == d2.c.id).limit(1).scalar_subquery()
     )
     owner = bindparam("owner", type_=Text)
+    # The one row of each effect that changed it carries its link; any other (a stale
+    # report, the same outcome twice) is chained by the trigger, after it.
+    linked = and_(~stale, func.row_number().over(partition_by=d2.c.id, order_by=stale) == 1)
     logged = (
         select(
             d2.c.id,
@@ -230,19 +233,24 @@ def complete_effects(sharded: bool = False) -> Any:
             updated.c.status,
             updated.c.result_hash,
             # the link of the attempt that changed the row, chained here from what the
-            # update read under the row's lock; a stale one (NULL) is chained by the
-            # trigger, as any other writer's row
-            func.outbox_attempt_link(
-                func.coalesce(updated.c.prev, updated.c.genesis),
-                d2.c.id,
-                d2.c.attempt,
-                owner,
-                d2.c.started_at,
-                now,
-                d2.c.outcome,
-                d2.c.detail,
-                updated.c.status,
-                updated.c.result_hash,
+            # update read under the row's lock
+            case(
+                (
+                    linked,
+                    func.outbox_attempt_link(
+                        func.coalesce(updated.c.prev, updated.c.genesis),
+                        d2.c.id,
+                        d2.c.attempt,
+                        owner,
+                        d2.c.started_at,
+                        now,
+                        d2.c.outcome,
+                        d2.c.detail,
+                        updated.c.status,
+                        updated.c.result_hash,
+                    ),
+                ),
+                else_=null(),
             ),
         )
         .select_from(
@@ -251,9 +259,8 @@ def complete_effects(sharded: bool = False) -> Any:
             # the row is its outcome; the other is stale
             d2.outerjoin(updated, and_(updated.c.id == d2.c.id, updated.c.attempt == d2.c.attempt))
         )
-        # the rows that changed their effect first: a stale report of the same effect
-        # then chains after it (ids are drawn in this order)
-        .order_by(stale)
+        # the linked rows first: ids are drawn in this order, and chain order is id order
+        .order_by(~linked)
     )
     return (
         pg_insert(effect_attempts)
