@@ -553,3 +553,33 @@ def test_the_console_renders_searches_and_resolves_on_a_cluster(ob: Outbox) -> N
         resolve_goes_to_the_attempt_log(ob, console, "console-resolve")
     finally:
         console.shutdown()
+
+
+def test_a_runs_record_verifies_on_a_cluster_and_an_edited_result_is_named(
+    ob: Outbox, dsn: str
+) -> None:
+    """The tamper-evident record on a cluster: the links the completion computed on the
+    worker verify, `outbox audit verify` reads the run from its shard, and a result
+    edited by hand breaks it (before: the record's read joined the attempt log and the
+    effects by id alone, which Citus refuses)."""
+    run = ob.start_run("auditor", "1", {"month": "2026-11"})
+    run.transaction("s", lambda tx: [tx.intend("k.aud", {"n": i}) for i in range(3)] and None)
+    with DaemonThread(dsn, {"k.aud": RecordingDeliverer("k.aud")}, poll_seconds=0.05):
+        wait_for(
+            lambda: all(e.status == EffectStatus.SUCCEEDED for e in ob.effects(run_id=run.id)),
+            message="three deliveries",
+        )
+    run.complete({"ok": True})
+    assert ob.verify_run(run.id) == []
+    env = {"OUTBOX_DSN": dsn}
+    verified = CliRunner().invoke(cli_main, ["audit", "verify", str(run.id), "--json"], env=env)
+    assert verified.exit_code == 0, verified.output
+    assert json.loads(verified.stdout)["intact"] is True
+    edited = ob.effects(run_id=run.id)[0]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox_effects SET result = '{\"forged\": true}' WHERE id = %s AND shard = %s",
+            [edited.id, shard_of(run.id)],
+        )
+    (broken,) = ob.verify_run(run.id)
+    assert str(edited.id) in str(broken) and "its result is not the one" in str(broken)

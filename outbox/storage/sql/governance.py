@@ -377,28 +377,38 @@ def run_steps() -> AnySelect:
             _value_text(steps.c.state).label("state_value_text"),
             _value_text(steps.c.plan).label("plan_value_text"),
         )
-        .where(steps.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
+        .where(*_of_run(steps))
         .order_by(steps.c.seq)
     )
 
 
 def run_effects() -> AnySelect:
     """A run's effects in intent order, with their payload's and result's texts (``:run_id``)."""
-    return (
-        select(effects, *_effect_texts())
-        .where(effects.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
-        .order_by(effects.c.seq)
-    )
+    return select(effects, *_effect_texts()).where(*_of_run(effects)).order_by(effects.c.seq)
 
 
 def attempts_of_run() -> AnySelect:
     """The attempt-log rows of a run's effects, with ``detail::text``, by effect then id."""
     return (
         select(effect_attempts, effect_attempts.c.detail.cast(Text).label("detail_text"))
-        .select_from(effect_attempts.join(effects, effects.c.id == effect_attempts.c.effect_id))
-        .where(effects.c.run_id == bindparam("run_id", type_=UUID(as_uuid=True)))
+        .select_from(
+            effect_attempts.join(
+                effects,
+                and_(
+                    effects.c.id == effect_attempts.c.effect_id,
+                    effects.c.shard == effect_attempts.c.shard,
+                ),
+            )
+        )
+        .where(*_of_run(effects))
         .order_by(effect_attempts.c.effect_id, effect_attempts.c.id)
     )
+
+
+def _of_run(table: Any) -> list[Any]:
+    """Rows of the run ``:run_id``, on its shard (one shard's statement on Citus)."""
+    run_id = bindparam("run_id", type_=UUID(as_uuid=True))
+    return [table.c.run_id == run_id, table.c.shard == shard_of(run_id)]
 
 
 def effects_outside_runs() -> AnySelect:
