@@ -401,11 +401,14 @@ def test_a_gate_holds_and_approvals_and_deadlines_act_on_the_held_effect(ob: Out
     ob.apply_gates([], prune=True)
 
 
-def test_a_batch_carries_its_heartbeat_and_duty_probe_on_a_cluster(ob: Outbox, dsn: str) -> None:
-    """A busy daemon's batch transaction (outcomes, claim, lease heartbeat, duty probe)
-    commits on a cluster: the heartbeat a statement per shard, the probe a read of
-    every shard that leaves out the coordinator's owners (once a refusal rolled the
-    batch back, and riding stopped for a minute)."""
+def test_a_batch_carries_its_heartbeat_but_not_the_duty_probe_on_a_cluster(
+    ob: Outbox, dsn: str
+) -> None:
+    """A busy daemon's batch transaction (outcomes, claim, lease heartbeat) commits on a
+    cluster, the heartbeat a statement per shard. The duty probe, a read of every
+    shard (about 50 ms), does not ride there: the duties round sends it on its own
+    connection (a drain of 2,560 effects: 1,058-1,221 /s with it riding, 1,309-1,566
+    without)."""
     kind = "k.ride"
     for i in range(6):
         ob.start_run("ride", "1").transaction("s", partial(_intend_one, kind=kind, n=i))
@@ -435,7 +438,7 @@ def test_a_batch_carries_its_heartbeat_and_duty_probe_on_a_cluster(ob: Outbox, d
 
     rest, kept, findings = asyncio.run(batches())
     assert len(rest) == 5 and kept == rest
-    assert findings is not None and findings.gone == ()
+    assert findings is None, "the probe asked for was left to the duties round"
 
 
 def _intend_one(tx: StepTransaction, kind: str, n: int) -> None:
