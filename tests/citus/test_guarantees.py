@@ -350,7 +350,10 @@ def test_workers_drive_runs_on_every_shard_through_a_timer(ob: Outbox, dsn: str)
         steps.append(str(run.id))
         return "done"
 
+    # run ids are random: six land on one worker once in 32, so start more until both have some
     runs = [ob.start_run("napper", "1") for _ in range(6)]
+    while len({_node_of(dsn, r.id) for r in runs}) < 2 and len(runs) < 40:
+        runs.append(ob.start_run("napper", "1"))
     assert len({_node_of(dsn, r.id) for r in runs}) == 2, "runs on both workers"
     with WorkerThread(ob, "napper", "1", handler):
         wait_for(

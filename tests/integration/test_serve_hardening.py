@@ -6,6 +6,7 @@ Each test talks to a real uvicorn server: on a thread for behaviour, as a real
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -44,7 +45,9 @@ def server(ob: Outbox) -> Iterator[OutboxServer]:
 def raw_request(port: int, data: bytes, *, read_timeout: float = 10) -> bytes:
     """Send ``data`` on a fresh connection; everything the server answers until it closes."""
     with socket.create_connection(("127.0.0.1", port), timeout=read_timeout) as sock:
-        sock.sendall(data)
+        # a refusal may answer and close before all was sent: what it said is read below
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(data)
         chunks = []
         while True:
             try:
