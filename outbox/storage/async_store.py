@@ -30,7 +30,7 @@ from outbox.storage.engine import translate_errors
 from outbox.storage.notify import listen
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
-from outbox.storage.shard_turns import complete_on, shard_groups
+from outbox.storage.shard_turns import complete_on, logged_on_shard, shard_groups
 from outbox.storage.sql import dispatch as dispatch_sql
 from outbox.storage.sql import duties, leases, maintenance, queue
 from outbox.storage.sql.common import EFFECTS_CHANNEL
@@ -209,7 +209,7 @@ class AsyncStore(DutyStatements):
         kept: set[UUID] = set()
         sharded = dataclasses.replace(spec, sharded=True)
         with translate_errors("extending leases"):
-            async with self.engine.begin() as conn:
+            async with self.engine.connect() as conn:
                 by_shard: dict[int, list[tuple[UUID, int]]] = {}
                 for id, attempt in held:
                     # a shard is forgotten once the effect's outcome committed: no lease left
@@ -219,7 +219,8 @@ class AsyncStore(DutyStatements):
                     params = leases.extend_params(part, owner=owner, lease_seconds=lease_seconds)
                     statement = leases.extend_leases(sharded)
                     with self._shards.answering(shard):
-                        async with conn.begin_nested():
+                        # a transaction per shard: across two workers it would take two phases
+                        async with conn.begin():
                             result = await conn.execute(statement, {**params, "part_shard": shard})
                             kept |= {row[0] for row in result}
         return kept
@@ -228,7 +229,7 @@ class AsyncStore(DutyStatements):
         """Record a batch of attempt outcomes (fenced); returns (effect id, logged outcome)."""
         began = time.perf_counter()
         with translate_errors("recording outcomes"):
-            async with self._direct.connection() as conn, conn.transaction():
+            async with self._direct.connection() as conn, await self._one_commit(conn):
                 logged = await complete_on(conn, owner, done, await self._held_shards(conn))
         self._shards.forget(done)
         self._observe("complete", began, complete=len(logged))
@@ -249,8 +250,9 @@ class AsyncStore(DutyStatements):
         """:meth:`complete` and :meth:`claim_many` in one transaction: one commit per batch.
 
         The claim runs after the completion, so it sees what the completion
-        freed (the next effect of an ordering key, say). Either both commit or
-        neither does. The background duties of a busy daemon ride along, so they
+        freed (the next effect of an ordering key, say). On one server either
+        both commit or neither does; on Citus each shard's statement commits on
+        its own (``_one_commit``). The background duties of a busy daemon ride along, so they
         cost no transaction of their own: ``extend`` pushes out those held
         leases (a heartbeat, fenced like :meth:`extend`), ``probe`` asks which
         duties have work (:func:`~outbox.storage.sql.duties.duty_probe`).
@@ -259,7 +261,7 @@ class AsyncStore(DutyStatements):
         findings = None
         began = time.perf_counter()
         with translate_errors("recording outcomes and claiming effects"):
-            async with self._direct.connection() as conn, conn.transaction():
+            async with self._direct.connection() as conn, await self._one_commit(conn):
                 logged = await complete_on(conn, owner, done, await self._held_shards(conn))
                 rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 sharded = await self.sharded(conn)
@@ -294,13 +296,13 @@ class AsyncStore(DutyStatements):
     ) -> set[UUID]:
         """The relay published these attempts; returns the ids it still held (fenced).
 
-        On Citus a statement per shard, in one transaction.
+        On Citus a statement per shard, each its own transaction (``_one_commit``).
         """
         if not held:
             return set()
         kept: set[UUID] = set()
         with translate_errors("marking effects dispatched"):
-            async with self._direct.connection() as conn, conn.transaction():
+            async with self._direct.connection() as conn, await self._one_commit(conn):
                 groups = await shard_groups(
                     conn, held, lambda h: h[0], await self._held_shards(conn)
                 )
@@ -310,8 +312,12 @@ class AsyncStore(DutyStatements):
                     if shard is not None:
                         params["on_shard"] = shard
                     mark = prepared(dispatch_sql.mark_dispatched(shard is not None))
-                    cur = await conn.execute(mark.sql, mark.params(params), prepare=shard is None)
-                    kept |= {row["effect_id"] for row in await cur.fetchall()}
+                    if shard is None:
+                        cur = await conn.execute(mark.sql, mark.params(params), prepare=True)
+                        logged = await cur.fetchall()
+                    else:
+                        logged = await logged_on_shard(conn, mark, params)
+                    kept |= {row["effect_id"] for row in logged}
         for effect_id, _ in held:  # the relay holds them no more
             self._shards.of.pop(effect_id, None)
         return kept

@@ -10,6 +10,7 @@ path (claim, heartbeat, complete) on top.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +25,7 @@ from outbox.storage.attempts import ClaimedEffect, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
 from outbox.storage.direct import GENERIC_PLANS_OFF_CITUS, DirectConnections
 from outbox.storage.engine import libpq_dsn, translate_errors
-from outbox.storage.shard_turns import ShardTurns, effect_shard
+from outbox.storage.shard_turns import ShardTurns, effect_shard, logged_rows
 from outbox.storage.sql import dispatch as dispatch_sql
 from outbox.storage.sql import duties, notes, owners
 from outbox.storage.sql import effects as effect_sql
@@ -91,6 +92,19 @@ class DeliveryConnections:
                 await self.sharded(conn)
         return bool(self._sharded)
 
+    async def _one_commit(
+        self, conn: psycopg.AsyncConnection[Any]
+    ) -> contextlib.AbstractAsyncContextManager[Any]:
+        """One transaction for a batch's statements on one server; none on Citus.
+
+        On Citus a transaction whose writes reach two workers commits in two
+        phases (PREPARE and COMMIT PREPARED on each, a record on the coordinator),
+        and a batch's shards lie on several. There each statement names one shard
+        and holds on its own (an outcome with its attempt row, a claim with its
+        attempt, a heartbeat), so alone in autocommit each commits in one phase.
+        """
+        return contextlib.nullcontext() if await self.sharded(conn) else conn.transaction()
+
     async def _held_shards(self, conn: psycopg.AsyncConnection[Any]) -> dict[UUID, int] | None:
         return self._shards.of if await self.sharded(conn) else None  # None: one server
 
@@ -141,10 +155,14 @@ class DutyStatements(DeliveryConnections):
                         async with conn.begin_nested():  # a savepoint per shard
                             if redispatch_as is not None:
                                 params = {"worker": redispatch_as, "max_rows": max_rows, **on}
-                                result = await conn.execute(
-                                    dispatch_sql.redispatch_expired(sharded), params
+                                redispatched += len(
+                                    await conn.run_sync(
+                                        logged_rows,
+                                        dispatch_sql.redispatch_expired,
+                                        params,
+                                        sharded=sharded,
+                                    )
                                 )
-                                redispatched += len(result.all())
                             want = {"max_rows": max_rows - len(found), **on}
                             if want["max_rows"] > 0:
                                 rows = await conn.execute(effect_sql.expired_effects(sharded), want)
@@ -184,8 +202,10 @@ class DutyStatements(DeliveryConnections):
         }
         with translate_errors("expiring an attempt"):
             async with self.engine.begin() as conn:
-                result = await conn.execute(effect_sql.expire_effect(bool(on)), params)
-                return result.first() is not None
+                logged = await conn.run_sync(
+                    logged_rows, effect_sql.expire_effect, params, sharded=bool(on)
+                )
+                return bool(logged)
 
     async def take_over(
         self,

@@ -27,6 +27,7 @@ from outbox.models import Lease, RunStatus
 from outbox.shards import SHARDS
 from outbox.storage import blob_store, writes
 from outbox.storage.engine import distributed, node_unreachable
+from outbox.storage.shard_turns import logged_rows
 from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql import control, maintenance
 from outbox.storage.sql import governance as gov_sql
@@ -82,6 +83,11 @@ class RunTx:
 
     def _run(self, statement: Any, params: dict[str, Any]) -> Any:
         return self.connection.execute(statement, params)
+
+    def _logged(self, statement: Callable[[bool], Any], params: dict[str, Any]) -> list[Any]:
+        """A statement that logs attempts (``log_changes``): the rows it logged."""
+        sharded = distributed(self.connection)
+        return logged_rows(self.connection, statement, params, sharded=sharded)
 
     # -- the run row ---------------------------------------------------------------
 
@@ -238,7 +244,7 @@ class RunTx:
         """Release a held effect to ``pending`` (logged ``approved``); wakes deliverers."""
         params = {"approver": approver, "detail": json.dumps(detail)}
         params |= self._one_effect(effect_id)
-        changed = self._run(gov_sql.approve_held(), params).first() is not None
+        changed = bool(self._logged(gov_sql.approve_held, params))
         if changed:
             self.connection.execute(notify(EFFECTS_CHANNEL))
         return changed
@@ -260,7 +266,7 @@ class RunTx:
             "detail": json.dumps(detail),
             **self._one_effect(effect_id),
         }
-        changed = self._run(gov_sql.reject_held(), params).first() is not None
+        changed = bool(self._logged(gov_sql.reject_held, params))
         if changed:
             # a run parked on the effect may have woken (reject_held's CTE)
             self.connection.execute(notify(RUNS_CHANNEL))
@@ -270,7 +276,7 @@ class RunTx:
         """A held effect's deadline passed (escalate): it waits on without one (logged)."""
         params = {"approver": approver, "detail": json.dumps(detail)}
         params |= self._one_effect(effect_id)
-        return self._run(gov_sql.escalate_held(), params).first() is not None
+        return bool(self._logged(gov_sql.escalate_held, params))
 
     def log_effect_event(
         self, effect_id: uuid.UUID, worker: str, outcome: str, detail: dict[str, Any]
@@ -297,7 +303,7 @@ class RunTx:
     ) -> int:
         """Cancel the run's effects that have not started, each logged with ``by``; how many."""
         params = {"stopping_run": run_id, "reason": reason, "by": by, "detail": json.dumps(detail)}
-        return len(self._run(run_sql.cancel_pending_effects(), params).all())
+        return len(self._logged(run_sql.cancel_pending_effects, params))
 
     def effects_for_stopping(self, run_id: uuid.UUID) -> list[Any]:
         """Every effect of the run in intent order: id, status, compensate, compensates, key."""

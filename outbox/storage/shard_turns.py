@@ -18,13 +18,15 @@ from uuid import UUID
 
 import psycopg
 import sqlalchemy.exc
+from sqlalchemy import Connection
 
 from outbox.faults import crash_point
 from outbox.shards import SHARDS, shard_of
 from outbox.storage.attempts import Completion
-from outbox.storage.direct import prepared
+from outbox.storage.direct import Prepared, prepared
 from outbox.storage.engine import node_unreachable
 from outbox.storage.sql import effects as effect_sql
+from outbox.storage.sql.attempt_log import log_attempts
 from outbox.storage.sql.common import RUNS_CHANNEL
 
 __all__ = [
@@ -282,12 +284,54 @@ async def _complete_batch(
     payload = "[" + ",".join(c.as_json() for c in done) + "]"
     complete = prepared(effect_sql.complete_effects(shard is not None))
     params: dict[str, Any] = {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]}
-    if shard is not None:
+    if shard is None:
+        cur = await conn.execute(complete.sql, complete.params(params), prepare=True)
+        return [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
+    async with conn.transaction():
         # Citus refuses now() next to a column in an UPDATE: the time is bound once
         cur = await conn.execute("SELECT now() AS now")
         params.update(on_shard=shard, now=(await cur.fetchone() or {})["now"])
-    cur = await conn.execute(complete.sql, complete.params(params), prepare=shard is None)
-    return [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
+        logged = await logged_on_shard(conn, complete, params)
+    return [(row["effect_id"], row["outcome"]) for row in logged]
+
+
+def logged_rows(
+    conn: Connection, statement: Callable[[bool], Any], params: dict[str, Any], *, sharded: bool
+) -> list[Any]:
+    """Rows logged by ``statement(sharded)``, a statement that writes attempt-log rows.
+
+    On ``conn``, in the caller's transaction; on Citus the statement selects the
+    rows and they are inserted after it. The SQLAlchemy twin of
+    :func:`logged_on_shard`, for the sweeps and run transactions.
+    """
+    if not sharded:
+        return list(conn.execute(statement(False), params).all())
+    rows = conn.execute(statement(True), params).mappings().all()
+    if not rows:
+        return []
+    columns = tuple(rows[0])
+    values = {f"{c}_{n}": row[c] for n, row in enumerate(rows) for c in columns}
+    return list(conn.execute(log_attempts(len(rows), columns), values).all())
+
+
+async def logged_on_shard(
+    conn: psycopg.AsyncConnection[dict[str, Any]], statement: Prepared, params: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Run a sharded statement that selects attempt-log rows, then insert them.
+
+    Two statements routed to the shard's node (``effect_sql.log_attempts`` says
+    why), in the caller's transaction or one of their own: on that node alone,
+    one phase. Returns ``(effect_id, outcome)`` per row logged.
+    """
+    async with conn.transaction():
+        cur = await conn.execute(statement.sql, statement.params(params), prepare=False)
+        rows = await cur.fetchall()
+        if not rows:
+            return []
+        log = prepared(log_attempts(len(rows), tuple(rows[0])))
+        values = {f"{name}_{n}": value for n, row in enumerate(rows) for name, value in row.items()}
+        cur = await conn.execute(log.sql, log.params(values), prepare=False)
+        return await cur.fetchall()
 
 
 async def effect_shard(conn: psycopg.AsyncConnection[dict[str, Any]], id: UUID) -> int:

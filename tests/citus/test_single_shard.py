@@ -1,7 +1,10 @@
 """Every statement of the hot paths runs on one shard: Citus is told to refuse any other.
 
 ``citus.multi_task_query_log_level = error`` makes the coordinator raise on any
-statement it would send to more than one shard. With it set for the whole
+statement it would send to more than one shard, and
+``citus.max_intermediate_result_size = 0`` on any it would split into sub-plans
+run one by one (each on one shard, their rows collected on the coordinator and
+sent back: round trips, and a transaction that may take two phases). With both set for the whole
 database (so every session of the client, the deliverers and the workers has
 it), the paths that carry the load (start a run, write steps with intents and
 keys, claim, extend leases, complete, expire, wake timers, claim runs, pause,
@@ -54,6 +57,9 @@ def distributed_and_guarded(database: CitusDatabase) -> str:
         name = conn.execute("SELECT current_database()").fetchone()
         assert name is not None
         conn.execute(f"ALTER DATABASE {name[0]} SET citus.multi_task_query_log_level = 'error'")
+        # a statement Citus splits into sub-plans (a CTE, a sub-select it cannot send
+        # along) runs each on its own and collects their rows on the coordinator
+        conn.execute(f"ALTER DATABASE {name[0]} SET citus.max_intermediate_result_size = 0")
     return database.dsn
 
 
@@ -88,7 +94,13 @@ def _three(tx: StepTransaction, n: int) -> None:
 #: What Citus says when it refuses a statement: spanning shards, locking rows of
 #: several, a STABLE function over a column in an UPDATE, a distributed table
 #: joined with a local one.
-CITUS_REFUSALS = ("multi-task", "distributed query", "column references", "not supported")
+CITUS_REFUSALS = (
+    "multi-task",
+    "distributed query",
+    "column references",
+    "not supported",
+    "intermediate result size",
+)
 
 
 def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -262,6 +274,69 @@ def shards_sent_a_claim(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(AsyncStore, "_claim_partition", one_shard)
     return sent
+
+
+def _status_of(dsn: str, run: Run, effect_id: uuid.UUID | str, column: str = "status") -> str:
+    """An effect's status read from its run's shard (the guard refuses a read of every shard)."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            f"SELECT {column} FROM outbox_effects WHERE id = %s AND shard = %s",
+            [effect_id, shard_of(run.id)],
+        ).fetchone()
+    assert row is not None, effect_id
+    return str(row[0])
+
+
+def test_expiry_approval_and_a_cancel_log_their_attempts_on_one_shard_each(
+    ob: Outbox, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The statements that change effects and log the attempt (a lease run out, an
+    approval, a rejection, a cancel of what never started) each go to one node, the
+    log rows with them: no sub-plan, no rows collected on the coordinator."""
+    kind = "k.logged"
+    lapsed = [ob.start_run("logged", "1", {"i": i}) for i in range(3)]
+    ids = [uuid.UUID(r.transaction("s", lambda tx: str(tx.intend(kind, {}).id))) for r in lapsed]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for run, effect_id in zip(lapsed, ids, strict=True):
+            conn.execute(
+                "UPDATE outbox_effects SET status = 'in_flight', attempt = 1, lease_owner = 'gone',"
+                " lease_expires_at = now() - interval '1 minute' WHERE id = %s AND shard = %s",
+                [effect_id, shard_of(run.id)],
+            )
+    held, asked = [], []
+    for verdict in ("approve", "reject"):
+        asked.append(ob.start_run("logged", "1", {"verdict": verdict}))
+        held.append(asked[-1].transaction("s", lambda tx: str(tx.intend(kind, {}, approval={}).id)))
+    waiting = ob.start_run("logged", "1", {"cancel": True})
+    never = waiting.transaction("s", lambda tx: str(tx.intend("k.nobody", {}).id))
+    status = partial(_status_of, dsn)
+    assert [status(r, e) for r, e in zip(asked, held, strict=True)] == ["awaiting_approval"] * 2
+    digest = status(asked[0], held[0], "payload_hash")  # what Effect.digest is
+    # A person's approval finds the effect's shard by its id on every shard: that read
+    # is let through; the change and its log row must still go to one node.
+    person = Outbox.connect(f"{dsn}?options=-c%20citus.multi_task_query_log_level%3Doff")
+    person.approve_effect(held[0], digest=digest, note="ok", by="cfo")
+    person.reject_effect(held[1], note="no", by="cfo")
+    assert ob.cancel(waiting.id, "not needed", by="test") == RunStatus.CANCELLED
+    deliverer = RecordingDeliverer(kind)
+    with DaemonThread(dsn, {kind: deliverer}, poll_seconds=0.1, lease_seconds=5):
+        wait_for(lambda: len(deliverer.deliveries) == 4, timeout=60, message="redone, approved")
+    pairs = [*zip(lapsed, ids, strict=True), *zip(asked, held, strict=True), (waiting, never)]
+    assert [status(r, e) for r, e in pairs] == [*["succeeded"] * 4, "rejected", "cancelled"]
+    with psycopg.connect(dsn) as conn:
+        logged = sorted(
+            row[0]
+            for run, effect_id in pairs
+            for row in conn.execute(
+                "SELECT outcome FROM outbox_effect_attempts WHERE effect_id = %s AND shard = %s",
+                [effect_id, shard_of(run.id)],
+            )
+        )
+    assert logged == ["approved", "cancelled", *["expired"] * 3, "rejected", *["succeeded"] * 4]
+    # every row chained as on one server: each run's record verifies
+    assert [person.verify_run(run.id) for run, _ in pairs] == [[]] * len(pairs)
+    person.close()
+    assert _refusals(caplog) == []
 
 
 def test_an_idle_run_claim_reads_each_shard_and_claims_only_where_a_run_is_ready(

@@ -111,17 +111,18 @@ BEGIN
     END IF;
     -- once (as an argument of outbox_intent_effects it would run once per use)
     gates := outbox_gates_of(ARRAY(SELECT DISTINCT r.kind FROM unnest(rows) AS r));
-    WITH ins AS (
-        INSERT INTO outbox_effects AS e (
-            id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
-            idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
-            fairness_key, status, available_at, approval, approval_deadline, trace_parent,
-            shard, namespace)
-        SELECT * FROM outbox_intent_effects(rows, p_run_id, p_step_id, run.held,
-            coalesce(run.namespace, 'default'), gates, now())
-        RETURNING e.status
-    )
-    SELECT coalesce(bool_or(ins.status = 'pending'), false) INTO claimable FROM ins;
+    -- one INSERT ... SELECT, no CTE: Citus would run a CTE as sub-plans of their own
+    INSERT INTO outbox_effects AS e (
+        id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
+        idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
+        fairness_key, status, available_at, approval, approval_deadline, trace_parent,
+        shard, namespace)
+    SELECT * FROM outbox_intent_effects(rows, p_run_id, p_step_id, run.held,
+        coalesce(run.namespace, 'default'), gates, now());
+    -- as outbox_commit_step's: an intent a gate holds makes this true too (a NOTIFY
+    -- for nothing, never one missed)
+    claimable := NOT run.held AND EXISTS (SELECT 1 FROM unnest(rows) AS r
+                                           WHERE r.existing IS NULL AND r.first_n IS NULL);
     entry := entry || jsonb_build_object(
         'count', (entry->>'count')::integer + cardinality(rows),
         'bytes', (entry->>'bytes')::bigint

@@ -543,28 +543,25 @@ CREATE OR REPLACE FUNCTION outbox_intend_compensations(p_run_id uuid, p_original
 DECLARE
     inserted integer;
 BEGIN
-    WITH o AS (
-        SELECT x.*, k.n, (x.compensate->'payload')::text AS text
-          FROM unnest(p_originals) WITH ORDINALITY AS k(id, n)
-          JOIN outbox_effects AS x ON x.id = k.id AND x.run_id = p_run_id
-                                  AND x.shard = outbox_shard_of(p_run_id)
-         WHERE x.compensate IS NOT NULL
-    ), ins AS (
-        INSERT INTO outbox_effects AS e (
-            id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
-            idempotency_key, ordering_key, compensates, priority, fairness_key, status, shard,
-            namespace)
-        SELECT outbox_uuid7(), p_run_id, 'compensate', o.n - 1, o.compensate->>'kind',
-               o.compensate->'payload', encode(sha256(convert_to(o.text, 'UTF8')), 'hex'), 1,
-               outbox_compensation_key(o.idempotency_key),
-               -- one at a time, newest original first
-               'compensate:' || p_run_id::text, o.id, o.priority, o.fairness_key, 'pending',
-               o.shard, o.namespace
-          FROM o ORDER BY o.n
-        ON CONFLICT ON CONSTRAINT outbox_effects_idempotency_key DO NOTHING
-        RETURNING e.id
-    )
-    SELECT count(*) INTO inserted FROM ins;
+    -- one INSERT ... SELECT, no CTE: Citus would run a CTE as sub-plans of their own
+    INSERT INTO outbox_effects AS e (
+        id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
+        idempotency_key, ordering_key, compensates, priority, fairness_key, status, shard,
+        namespace)
+    SELECT outbox_uuid7(), p_run_id, 'compensate', k.n - 1, x.compensate->>'kind',
+           x.compensate->'payload',
+           encode(sha256(convert_to((x.compensate->'payload')::text, 'UTF8')), 'hex'), 1,
+           outbox_compensation_key(x.idempotency_key),
+           -- one at a time, newest original first
+           'compensate:' || p_run_id::text, x.id, x.priority, x.fairness_key, 'pending',
+           x.shard, x.namespace
+      FROM unnest(p_originals) WITH ORDINALITY AS k(id, n)
+      JOIN outbox_effects AS x ON x.id = k.id AND x.run_id = p_run_id
+                              AND x.shard = outbox_shard_of(p_run_id)
+     WHERE x.compensate IS NOT NULL
+     ORDER BY k.n
+    ON CONFLICT ON CONSTRAINT outbox_effects_idempotency_key DO NOTHING;
+    GET DIAGNOSTICS inserted = ROW_COUNT;
     IF inserted > 0 THEN
         PERFORM pg_notify('outbox_effects', '');
     END IF;

@@ -27,8 +27,8 @@ from sqlalchemy.dialects.postgresql import UUID
 
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.schema import effects
+from outbox.storage.sql.attempt_log import log_changes
 from outbox.storage.sql.common import SECONDS, const, on_shard
-from outbox.storage.sql.effects import log_changes
 from outbox.storage.sql.leases import held_rows
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
@@ -79,7 +79,9 @@ def mark_dispatched(sharded: bool = False) -> Any:
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
         .cte("changed")
     )
-    return log_changes(changed, worker=bindparam("owner", type_=Text), outcome=const("dispatched"))
+    return log_changes(
+        changed, worker=bindparam("owner", type_=Text), outcome=const("dispatched"), sharded=sharded
+    )
 
 
 @cache
@@ -166,4 +168,5 @@ def redispatch_expired(sharded: bool = False) -> Any:
         worker=bindparam("worker", type_=Text),
         outcome=const("expired"),
         detail=func.jsonb_build_object("resolution", const("re-dispatch")),
+        sharded=sharded,
     )

@@ -36,6 +36,7 @@ from sqlalchemy.sql.expression import ColumnElement
 
 from outbox.models import TERMINAL_EFFECT_STATUSES
 from outbox.storage.schema import effect_attempts, effects, runs
+from outbox.storage.sql.attempt_log import LOGGED_ATTEMPT, labelled, log_changes
 from outbox.storage.sql.common import (
     RUNS_CHANNEL,
     SECONDS,
@@ -50,7 +51,6 @@ __all__ = [
     "complete_effects",
     "expire_effect",
     "expired_effects",
-    "log_changes",
     "resolve_unknown",
     "retry_failed",
     "take_over_effect",
@@ -219,39 +219,48 @@ def complete_effects(sharded: bool = False) -> Any:
     linked = and_(~stale, func.row_number().over(partition_by=d2.c.id, order_by=stale) == 1)
     logged = (
         select(
-            d2.c.id,
-            d2.c.attempt,
-            owner,
-            d2.c.started_at,
-            now,
-            case((stale, const("stale")), else_=d2.c.outcome),
-            case(
-                (stale, func.jsonb_build_object("reported", d2.c.outcome, "detail", d2.c.detail)),
-                else_=d2.c.detail,
-            ),
-            func.coalesce(updated.c.shard, its_shard),
-            updated.c.status,
-            updated.c.result_hash,
-            # the link of the attempt that changed the row, chained here from what the
-            # update read under the row's lock
-            case(
+            *labelled(
                 (
-                    linked,
-                    func.outbox_attempt_link(
-                        func.coalesce(updated.c.prev, updated.c.genesis),
-                        d2.c.id,
-                        d2.c.attempt,
-                        owner,
-                        d2.c.started_at,
-                        now,
-                        d2.c.outcome,
-                        d2.c.detail,
-                        updated.c.status,
-                        updated.c.result_hash,
+                    d2.c.id,
+                    d2.c.attempt,
+                    owner,
+                    d2.c.started_at,
+                    now,
+                    case((stale, const("stale")), else_=d2.c.outcome),
+                    case(
+                        (
+                            stale,
+                            func.jsonb_build_object(
+                                "reported", d2.c.outcome, "detail", d2.c.detail
+                            ),
+                        ),
+                        else_=d2.c.detail,
                     ),
-                ),
-                else_=null(),
-            ),
+                    func.coalesce(updated.c.shard, its_shard),
+                    updated.c.status,
+                    updated.c.result_hash,
+                    # the link of the attempt that changed the row, chained here from what
+                    # the update read under the row's lock
+                    case(
+                        (
+                            linked,
+                            func.outbox_attempt_link(
+                                func.coalesce(updated.c.prev, updated.c.genesis),
+                                d2.c.id,
+                                d2.c.attempt,
+                                owner,
+                                d2.c.started_at,
+                                now,
+                                d2.c.outcome,
+                                d2.c.detail,
+                                updated.c.status,
+                                updated.c.result_hash,
+                            ),
+                        ),
+                        else_=null(),
+                    ),
+                )
+            )
         )
         .select_from(
             # by attempt too: a batch can carry a retried outcome of an older attempt
@@ -262,24 +271,11 @@ def complete_effects(sharded: bool = False) -> Any:
         # the linked rows first: ids are drawn in this order, and chain order is id order
         .order_by(~linked)
     )
+    if sharded:  # the rows are inserted by log_attempts, which says why
+        return logged.add_cte(woken)
     return (
         pg_insert(effect_attempts)
-        .from_select(
-            [
-                "effect_id",
-                "attempt",
-                "worker",
-                "started_at",
-                "finished_at",
-                "outcome",
-                "detail",
-                "shard",
-                "effect_status",
-                "result_hash",
-                "hash",
-            ],
-            logged,
-        )
+        .from_select(list(LOGGED_ATTEMPT), logged)
         .returning(effect_attempts.c.effect_id, effect_attempts.c.outcome)
         .add_cte(woken)
     )
@@ -322,30 +318,6 @@ def _expired_cas(sharded: bool) -> list[ColumnElement[bool]]:
     ]
 
 
-def log_changes(changed: Any, *, worker: Any, outcome: Any, detail: Any = None) -> Any:
-    """Insert one attempt-log row per row a ``changed`` CTE returned.
-
-    ``changed`` must return ``id``, ``attempt``, ``attempt_started_at`` and ``shard``; when
-    it returns nothing (another process won the compare-and-set), nothing is logged.
-    """
-    return (
-        pg_insert(effect_attempts)
-        .from_select(
-            ["effect_id", "attempt", "worker", "started_at", "outcome", "detail", "shard"],
-            select(
-                changed.c.id,
-                changed.c.attempt,
-                worker,
-                changed.c.attempt_started_at,
-                outcome,
-                null() if detail is None else detail,
-                changed.c.shard,
-            ),
-        )
-        .returning(effect_attempts.c.effect_id)
-    )
-
-
 @cache
 def expire_effect(sharded: bool = False) -> Any:
     """Resolve one expired attempt as ``new_status`` (pending | unknown | failed), logged.
@@ -382,6 +354,7 @@ def expire_effect(sharded: bool = False) -> Any:
             "note",
             bindparam("note", type_=Text),
         ),
+        sharded=sharded,
     )
 
 

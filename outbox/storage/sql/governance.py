@@ -28,13 +28,13 @@ from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.storage.schema import effect_attempts, effects, gates, runs, steps
+from outbox.storage.sql.attempt_log import log_changes
 from outbox.storage.sql.common import (
     AnySelect,
     const,
     json_param,
     shard_of,
 )
-from outbox.storage.sql.effects import log_changes
 
 __all__ = [
     "approve_held",
@@ -110,7 +110,7 @@ def _held_change(values: dict[str, Any]) -> Any:
 
 
 @cache
-def approve_held() -> Any:
+def approve_held(sharded: bool = False) -> Any:
     """Release a held effect to ``pending`` (deliverers claim it now); logged as ``approved``.
 
     Parameters: ``effect_id``, ``approver``, ``detail`` (JSON). Returns one row when it changed.
@@ -123,11 +123,12 @@ def approve_held() -> Any:
         worker=bindparam("approver", type_=Text),
         outcome=const("approved"),
         detail=json_param("detail"),
+        sharded=sharded,
     )
 
 
 @cache
-def reject_held() -> Any:
+def reject_held(sharded: bool = False) -> Any:
     """End a held effect as ``rejected``; a run parked on it goes on (and sees the rejection).
 
     Parameters: ``effect_id``, ``approver``, ``note``, ``outcome`` (``rejected`` or
@@ -145,7 +146,9 @@ def reject_held() -> Any:
         runs.update()
         .where(
             runs.c.id == changed.c.awaited_by,
-            runs.c.shard == shard_of(changed.c.awaited_by),
+            # on Citus the effect's shard, named so the statement is routed: a run there
+            # wakes when it awaits an effect of its own shard (docs/howto/citus.md)
+            runs.c.shard == (_EFFECT_SHARD if sharded else shard_of(changed.c.awaited_by)),
             runs.c.status == const("waiting"),
             runs.c.wait_effect == changed.c.id,
         )
@@ -164,11 +167,12 @@ def reject_held() -> Any:
         worker=bindparam("approver", type_=Text),
         outcome=bindparam("outcome", type_=Text),
         detail=json_param("detail"),
+        sharded=sharded,
     ).add_cte(woken)
 
 
 @cache
-def escalate_held() -> Any:
+def escalate_held(sharded: bool = False) -> Any:
     """A held effect's deadline passed with ``on_timeout = escalate``: it waits on, undated.
 
     Parameters: ``effect_id``, ``approver`` (who logs it), ``detail`` (JSON).
@@ -186,6 +190,7 @@ def escalate_held() -> Any:
         worker=bindparam("approver", type_=Text),
         outcome=const("timed_out"),
         detail=json_param("detail"),
+        sharded=sharded,
     )
 
 

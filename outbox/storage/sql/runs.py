@@ -34,9 +34,9 @@ from outbox.models import (
     LIVE_RUN_STATUSES,
     NOT_STARTED_EFFECT_STATUSES,
     STOPPING_RUN_STATUSES,
-    AttemptOutcome,
 )
 from outbox.storage.schema import effects, runs, signals, steps
+from outbox.storage.sql.attempt_log import log_changes
 from outbox.storage.sql.common import (
     SECONDS,
     AnySelect,
@@ -45,7 +45,6 @@ from outbox.storage.sql.common import (
     json_param,
     shard_of,
 )
-from outbox.storage.sql.effects import log_changes
 
 __all__ = [
     "await_effect",
@@ -417,7 +416,7 @@ def mark_run() -> Any:
 
 
 @cache
-def cancel_pending_effects() -> Any:
+def cancel_pending_effects(sharded: bool = False) -> Any:
     """A stopping run's effects that have not started are cancelled (they never will be).
 
     Each one gets an attempt-log row (outcome ``cancelled``) naming who
@@ -442,11 +441,9 @@ def cancel_pending_effects() -> Any:
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
         .cte("changed")
     )
+    by, detail = bindparam("by", type_=Text), json_param("detail")
     return log_changes(
-        changed,
-        worker=bindparam("by", type_=Text),
-        outcome=const(AttemptOutcome.CANCELLED),
-        detail=json_param("detail"),
+        changed, worker=by, outcome=const("cancelled"), detail=detail, sharded=sharded
     )
 
 
