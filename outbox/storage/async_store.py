@@ -252,8 +252,8 @@ class AsyncStore(DutyStatements):
         The claim runs after the completion, so it sees what the completion
         freed (the next effect of an ordering key, say). On one server either
         both commit or neither does; on Citus each shard's statement commits on
-        its own (``_one_commit``). The background duties of a busy daemon ride along, so they
-        cost no transaction of their own: ``extend`` pushes out those held
+        its own (``_one_commit``). The background duties of a busy daemon ride
+        along, so they cost no transaction of their own: ``extend`` pushes out those held
         leases (a heartbeat, fenced like :meth:`extend`), ``probe`` asks which
         duties have work (:func:`~outbox.storage.sql.duties.duty_probe`).
         """

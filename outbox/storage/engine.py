@@ -370,6 +370,13 @@ def open_async_engine(settings: Settings, *, application_name: str = "outbox") -
 
 
 def distributed(conn: Connection) -> bool:
-    """Whether the tables are distributed (Citus: ``outbox migrate --distribute``)."""
-    setting = conn.execute(text("SELECT current_setting('outbox.distributed', true)")).scalar()
-    return setting == "on"
+    """Whether the tables are distributed (Citus: ``outbox migrate --distribute``).
+
+    Asked once per database session: the setting is the database's, read by a
+    session when it starts, so a session's answer never changes.
+    """
+    known = conn.info.get("outbox.distributed")
+    if known is None:
+        setting = conn.execute(text("SELECT current_setting('outbox.distributed', true)")).scalar()
+        known = conn.info["outbox.distributed"] = setting == "on"
+    return bool(known)

@@ -287,11 +287,10 @@ async def _complete_batch(
     if shard is None:
         cur = await conn.execute(complete.sql, complete.params(params), prepare=True)
         return [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
-    async with conn.transaction():
-        # Citus refuses now() next to a column in an UPDATE: the time is bound once
-        cur = await conn.execute("SELECT now() AS now")
-        params.update(on_shard=shard, now=(await cur.fetchone() or {})["now"])
-        logged = await logged_on_shard(conn, complete, params)
+    # Citus refuses now() next to a column in an UPDATE: the time is bound once
+    cur = await conn.execute("SELECT now() AS now")
+    params.update(on_shard=shard, now=(await cur.fetchone() or {})["now"])
+    logged = await logged_on_shard(conn, complete, params)
     return [(row["effect_id"], row["outcome"]) for row in logged]
 
 
