@@ -133,6 +133,22 @@ def test_a_step_its_row_and_its_intents_commit_together_or_not_at_all(ob: Outbox
     assert ob.run(run.id).completed_steps == ["charge"]
 
 
+@pytest.mark.parametrize("intents", [1, 32, 33, 80])
+def test_a_step_of_any_size_writes_every_intent_in_order(ob: Outbox, intents: int) -> None:
+    """A worker writes a small step's effects an insert each and a large one's in one
+    statement (commit_step.sql, at 32): either way each intent once, in step order."""
+    run = ob.start_run("sizes", "1", {"intents": intents})
+
+    def many(tx: StepTransaction) -> list[str]:
+        return [str(tx.intend("k.sizes", {"n": n}, key=f"{run.id}-{n}").id) for n in range(intents)]
+
+    ids = run.transaction("many", many)
+    assert run.transaction("many", many) == ids, "replayed"
+    effects = ob.effects(run_id=run.id)
+    assert [str(e.id) for e in effects] == ids
+    assert [e.payload for e in effects] == [{"n": n} for n in range(intents)]
+
+
 def test_the_step_write_is_one_call_on_the_node_holding_the_run(ob: Outbox, dsn: str) -> None:
     run = ob.start_run("billing", "1")
     run.transaction("s", lambda tx: [tx.intend("k.x", {"n": n}) for n in range(3)] and None)

@@ -37,8 +37,9 @@ BEGIN
     SELECT r.* INTO run FROM outbox_runs AS r
      WHERE r.id = p_run_id AND r.shard = p_shard FOR NO KEY UPDATE;
     LOOP
-        SELECT x.* INTO a FROM outbox_step_intents_planned(p_run_id, p_step_id, p_intents, run.priority,
-            run.fairness_key, run.dry_run, run.namespace, p_tx_step, firsts, existing, p_chain,
+        SELECT x.* INTO a FROM outbox_step_intents_planned(p_run_id, p_step_id, p_intents,
+            run.priority, run.fairness_key, run.dry_run, run.namespace, p_tx_step, firsts,
+            existing, p_chain,
             stored IS NOT NULL OR outbox_values_screened(result_text, state_text, plan_text)) AS x;
         EXIT WHEN a.screened OR firsts IS NOT NULL OR run.id IS NULL;
         stored := outbox_store_values(p_run_id, ARRAY['result', 'state', 'plan'],
@@ -77,8 +78,21 @@ BEGIN
         PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
     END IF;
     gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
-    PERFORM outbox_insert_effects(a.rows, p_run_id, p_step_id, paused, run.namespace, gates,
-                                  v_now);
+    -- A fast-path INSERT a row wins for small steps, one INSERT ... SELECT for large
+    -- ones: from one writer on a cluster, 20 intents a step 106 -> 133 steps/s with
+    -- the fast-path inserts, 100 intents 51 -> 34; they cross at about 32.
+    IF cardinality(a.rows) <= 32 THEN
+        PERFORM outbox_insert_effects(a.rows, p_run_id, p_step_id, paused, run.namespace,
+                                      gates, v_now);
+    ELSE
+        INSERT INTO outbox_effects AS e (
+            id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
+            idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
+            fairness_key, status, available_at, approval, approval_deadline, trace_parent,
+            shard, namespace)
+        SELECT h.* FROM outbox_intent_effects(a.rows, p_run_id, p_step_id, paused,
+                                              run.namespace, gates, v_now) AS h;
+    END IF;
     -- (Citus plans an INSERT ... SELECT on every call, rows or none: only when there are)
     IF coalesce(jsonb_array_length(p_ledger), 0) > 0
        OR EXISTS (SELECT 1 FROM unnest(a.rows) AS i
@@ -249,9 +263,10 @@ BEGIN
 END
 $$;
 
--- The effects of a step on a Citus worker (outbox_write_step_apart): an INSERT ...
--- VALUES each, a fast-path insert whose plan the session keeps. Citus plans an
--- INSERT ... SELECT from a function afresh on every call (about 1.1 ms a step).
+-- The effects of a small step on a Citus worker (outbox_write_step_apart): an
+-- INSERT ... VALUES each, a fast-path insert whose plan the session keeps. Citus
+-- plans an INSERT ... SELECT from a function afresh on every call (about 1.1 ms
+-- for a step with one intent).
 CREATE OR REPLACE FUNCTION outbox_insert_effects(
     p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean, p_namespace text,
     p_gates jsonb, p_now timestamptz
