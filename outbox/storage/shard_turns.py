@@ -26,7 +26,7 @@ from outbox.storage.attempts import Completion
 from outbox.storage.direct import Prepared, prepared
 from outbox.storage.engine import node_unreachable
 from outbox.storage.sql import effects as effect_sql
-from outbox.storage.sql.attempt_log import log_attempts
+from outbox.storage.sql.attempt_log import log_selected
 from outbox.storage.sql.common import RUNS_CHANNEL
 
 __all__ = [
@@ -308,9 +308,8 @@ def logged_rows(
     rows = conn.execute(statement(True), params).mappings().all()
     if not rows:
         return []
-    columns = tuple(rows[0])
-    values = {f"{c}_{n}": row[c] for n, row in enumerate(rows) for c in columns}
-    return list(conn.execute(log_attempts(len(rows), columns), values).all())
+    insert, values = log_selected(rows)
+    return list(conn.execute(insert, values).all())
 
 
 async def logged_on_shard(
@@ -318,17 +317,17 @@ async def logged_on_shard(
 ) -> list[dict[str, Any]]:
     """Run a sharded statement that selects attempt-log rows, then insert them.
 
-    Two statements routed to the shard's node (``effect_sql.log_attempts`` says
-    why), in the caller's transaction or one of their own: on that node alone,
-    one phase. Returns ``(effect_id, outcome)`` per row logged.
+    Two statements routed to the shard's node (``attempt_log`` says why), in the
+    caller's transaction or one of their own: on that node alone, one phase.
+    Returns ``(effect_id, outcome)`` per row logged.
     """
     async with conn.transaction():
         cur = await conn.execute(statement.sql, statement.params(params), prepare=False)
         rows = await cur.fetchall()
         if not rows:
             return []
-        log = prepared(log_attempts(len(rows), tuple(rows[0])))
-        values = {f"{name}_{n}": value for n, row in enumerate(rows) for name, value in row.items()}
+        insert, values = log_selected(rows)
+        log = prepared(insert)
         cur = await conn.execute(log.sql, log.params(values), prepare=False)
         return await cur.fetchall()
 

@@ -10,7 +10,7 @@ phases), and the id sequence keeps it out of any router plan.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -20,7 +20,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.storage.schema import effect_attempts
 
-__all__ = ["LOGGED_ATTEMPT", "labelled", "log_attempts", "log_changes"]
+__all__ = ["LOGGED_ATTEMPT", "labelled", "log_attempts", "log_changes", "log_selected"]
 
 
 #: The attempt-log columns a completion writes, in the order of its selected rows.
@@ -62,6 +62,13 @@ def log_attempts(rows: int, columns: tuple[str, ...] = LOGGED_ATTEMPT) -> Any:
         .values([{c: bindparam(f"{c}_{n}", type_=types[c]) for c in columns} for n in range(rows)])
         .returning(effect_attempts.c.effect_id, effect_attempts.c.outcome)
     )
+
+
+def log_selected(rows: Sequence[Mapping[Any, Any]]) -> tuple[Any, dict[str, Any]]:
+    """The insert of attempt-log ``rows`` a sharded statement selected, and its parameters."""
+    columns = tuple(rows[0])
+    values = {f"{c}_{n}": row[c] for n, row in enumerate(rows) for c in columns}
+    return log_attempts(len(rows), columns), values
 
 
 def log_changes(

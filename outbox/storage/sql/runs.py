@@ -34,6 +34,7 @@ from outbox.models import (
     LIVE_RUN_STATUSES,
     NOT_STARTED_EFFECT_STATUSES,
     STOPPING_RUN_STATUSES,
+    AttemptOutcome,
 )
 from outbox.storage.schema import effects, runs, signals, steps
 from outbox.storage.sql.attempt_log import log_changes
@@ -443,7 +444,7 @@ def cancel_pending_effects(sharded: bool = False) -> Any:
     )
     by, detail = bindparam("by", type_=Text), json_param("detail")
     return log_changes(
-        changed, worker=by, outcome=const("cancelled"), detail=detail, sharded=sharded
+        changed, worker=by, outcome=const(AttemptOutcome.CANCELLED), detail=detail, sharded=sharded
     )
 
 
