@@ -279,7 +279,7 @@ class DeliveryDaemon:
 
         async def write(note: Mapping[str, Any]) -> bool:
             written = await self.store.note_attempt(
-                effect.id, effect.attempt, owner=owner, note=note
+                effect.id, effect.attempt, owner=owner, note=note, shard=effect.shard
             )
             crash_point("after_note")
             return written

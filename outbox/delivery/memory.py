@@ -280,7 +280,13 @@ class InMemoryStore:
         return effect
 
     async def note_attempt(
-        self, effect_id: UUID, attempt: int, *, owner: str, note: Mapping[str, Any]
+        self,
+        effect_id: UUID,
+        attempt: int,
+        *,
+        owner: str,
+        note: Mapping[str, Any],
+        shard: int | None = None,
     ) -> bool:
         """Keep a deliverer's note on the attempt, fenced."""
         await asyncio.sleep(0)  # a statement's round trip lets others run

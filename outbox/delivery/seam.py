@@ -91,9 +91,18 @@ class DeliveryStore(Protocol):
         ...
 
     async def note_attempt(
-        self, effect_id: UUID, attempt: int, *, owner: str, note: Mapping[str, Any]
+        self,
+        effect_id: UUID,
+        attempt: int,
+        *,
+        owner: str,
+        note: Mapping[str, Any],
+        shard: int | None = None,
     ) -> bool:
-        """Store a deliverer's note on the attempt (fenced); False if no longer ours."""
+        """Store a deliverer's note on the attempt (fenced); False if no longer ours.
+
+        ``shard``: where the claim found the effect.
+        """
         ...
 
     def listen_for_effects(self, wake: asyncio.Event) -> Coroutine[Any, Any, None]:

@@ -32,7 +32,7 @@ from outbox.models import (
 )
 from outbox.payloads import encode_value, jsonb_sized
 from outbox.runs.context import RunContext
-from outbox.shards import key_shard, on_shard
+from outbox.shards import key_shard, on_shard, shard_of
 from outbox.storage import Connection, writes
 from outbox.storage.writes import IntentRow
 from outbox.tracing import current_traceparent
@@ -180,10 +180,11 @@ class Intents:
         index = self.count
         self.count += 1
         effect_id = uuid7()
-        if run_id is None:  # of no run: on the shard of its key (or ordering key), if any
-            shard_key = intent.key or intent.ordering_key
-            if shard_key is not None:
-                effect_id = on_shard(effect_id, key_shard(settings.namespace, shard_key))
+        if run_id is not None:  # on its run's shard, where it lives: the id names it
+            effect_id = on_shard(effect_id, shard_of(run_id))
+        elif (shard_key := intent.key or intent.ordering_key) is not None:
+            # of no run: on the shard of its key (or ordering key), if any
+            effect_id = on_shard(effect_id, key_shard(settings.namespace, shard_key))
         if intent.key is not None:
             key = intent.key
             if dry_run:

@@ -142,17 +142,18 @@ class DutyStatements(DeliveryConnections):
 
         With ``redispatch_as`` (a worker name), dispatched effects not delivered
         within their TTL go back to ``pending`` first, in the same transaction
-        (one commit per reconcile round, not two).
+        (one commit per reconcile round, not two). On Citus a transaction a
+        shard, routed to the node holding it: one over every shard would write
+        to both workers and commit in two phases, every round.
         """
         sharded = await self._is_sharded()
         redispatched, found = 0, list[ClaimedEffect]()
         with translate_errors("finding expired attempts"):
-            async with self.engine.begin() as conn:
-                # on Citus a statement per shard, each routed to the node holding it
+            async with self.engine.connect() as conn:
                 for shard in self._shards.live() if sharded else [None]:
                     on = {} if shard is None else {"on_shard": shard}
                     with self._shards.answering(shard):
-                        async with conn.begin_nested():  # a savepoint per shard
+                        async with conn.begin():
                             if redispatch_as is not None:
                                 params = {"worker": redispatch_as, "max_rows": max_rows, **on}
                                 redispatched += len(
@@ -249,18 +250,29 @@ class DutyStatements(DeliveryConnections):
         return (False, None) if row is None else (True, row[0])
 
     async def note_attempt(
-        self, effect_id: UUID, attempt: int, *, owner: str, note: Mapping[str, Any]
+        self,
+        effect_id: UUID,
+        attempt: int,
+        *,
+        owner: str,
+        note: Mapping[str, Any],
+        shard: int | None = None,
     ) -> bool:
-        """Store a deliverer's note about the current attempt (fenced); False if no longer ours."""
+        """Store a deliverer's note about the current attempt (fenced); False if no longer ours.
+
+        ``shard``: where the claim found the effect (on Citus the change goes there alone).
+        """
         params = {
             "effect_id": effect_id,
             "expected_attempt": attempt,
             "owner": owner,
             "note": json.dumps({**note, "attempt": attempt}),
+            "effect_shard": shard,
         }
         with translate_errors("noting an attempt"):
             async with self.engine.begin() as conn:
-                result = await conn.execute(gov_sql.note_attempt(), params)
+                statement = gov_sql.note_attempt(named=shard is not None)
+                result = await conn.execute(statement, params)
                 return result.first() is not None
 
     async def note_blocked_by_order(self, *, grace_seconds: float, max_rows: int = 1000) -> int:

@@ -24,10 +24,10 @@ from sqlalchemy import Connection, text
 from outbox.blobs import Blob, reference_hash
 from outbox.errors import RunNotFound
 from outbox.models import Lease, RunStatus
-from outbox.shards import SHARDS
+from outbox.shards import SHARDS, shard_of
 from outbox.storage import blob_store, writes
 from outbox.storage.engine import distributed, node_unreachable
-from outbox.storage.shard_turns import logged_rows
+from outbox.storage.shard_turns import logged_rows, stored_shard
 from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql import control, maintenance
 from outbox.storage.sql import governance as gov_sql
@@ -170,9 +170,16 @@ class RunTx:
 
     def await_effect(self, run_id: uuid.UUID, effect_id: uuid.UUID) -> Any:
         """Mark the effect awaited by the run and read (status, result, last_error), or None."""
-        return self._run(
-            run_sql.await_effect(), {"awaited_effect": effect_id, "awaiting_run": run_id}
-        ).first()
+        named = shard_of(effect_id)
+        params = {"awaiting_run": run_id, "effect_id": effect_id, "effect_shard": named}
+        row = self._run(run_sql.await_effect(), params).first()
+        if row is not None:
+            return row
+        stored = self._run(gov_sql.effect_shard(), {"effect_id": effect_id}).scalar()
+        if stored not in (None, named):
+            # an effect written before ids named their shard (or a caller chose its id)
+            row = self._run(run_sql.await_effect(), {**params, "effect_shard": stored}).first()
+        return row
 
     def suspend(
         self,
@@ -232,8 +239,8 @@ class RunTx:
         """The parameters naming one effect: its id and the shard it is stored on."""
         shard = self._effect_shards.get(effect_id)
         if shard is None:
-            found = self._run(gov_sql.effect_shard(), {"effect_id": effect_id}).scalar()
-            shard = self._effect_shards[effect_id] = -1 if found is None else int(found)
+            found = stored_shard(self.connection, effect_id)
+            shard = self._effect_shards[effect_id] = -1 if found is None else found
         return {"effect_id": effect_id, "effect_shard": shard}
 
     def lock_effect(self, effect_id: uuid.UUID) -> Any:

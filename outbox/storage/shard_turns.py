@@ -26,6 +26,7 @@ from outbox.storage.attempts import Completion
 from outbox.storage.direct import Prepared, prepared
 from outbox.storage.engine import node_unreachable
 from outbox.storage.sql import effects as effect_sql
+from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql.attempt_log import log_selected
 from outbox.storage.sql.common import RUNS_CHANNEL
 
@@ -37,6 +38,7 @@ __all__ = [
     "effect_shard",
     "next_turn",
     "shard_groups",
+    "stored_shard",
 ]
 
 log = logging.getLogger(__name__)
@@ -332,8 +334,27 @@ async def logged_on_shard(
         return await cur.fetchall()
 
 
+def stored_shard(conn: Connection, id: UUID) -> int | None:
+    """The shard effect ``id`` is stored on; None when there is no such effect.
+
+    Asked first of the shard its id names (on Citus a read of that shard alone):
+    every effect written since ids name their shard lives there. An older one
+    (or one whose id a caller chose) is then looked for on every shard.
+    """
+    params = {"effect_id": id, "effect_shard": shard_of(id)}
+    for named in (True, False):
+        found = conn.execute(gov_sql.effect_shard(named=named), params).scalar()
+        if found is not None:
+            return int(found)
+    return None
+
+
 async def effect_shard(conn: psycopg.AsyncConnection[dict[str, Any]], id: UUID) -> int:
-    """The shard of effect ``id`` as stored (an effect of a run lives on its run's)."""
-    cur = await conn.execute("SELECT shard FROM outbox_effects WHERE id = %s", [id])
-    row = await cur.fetchone()
-    return shard_of(id) if row is None else int(row["shard"])
+    """The shard of effect ``id`` as stored, as :func:`stored_shard` finds it (none: its id's)."""
+    params = {"effect_id": id, "effect_shard": shard_of(id)}
+    for named in (True, False):
+        statement = prepared(gov_sql.effect_shard(named=named))
+        cur = await conn.execute(statement.sql, statement.params(params), prepare=False)
+        if (row := await cur.fetchone()) is not None:
+            return int(row["shard"])
+    return shard_of(id)

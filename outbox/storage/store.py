@@ -8,8 +8,9 @@ original stays as ``__cause__``). Callers never see SQL.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 from uuid import UUID
 
@@ -30,7 +31,7 @@ from outbox.storage.deliverer_reads import DelivererReads
 from outbox.storage.engine import distributed, translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
-from outbox.storage.shard_turns import ShardTurns
+from outbox.storage.shard_turns import ShardTurns, logged_rows, stored_shard
 from outbox.storage.sql import audit, maintenance
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
@@ -167,9 +168,12 @@ class Store(RunWorkerStatements):
         return blob_store.resolve(conn, [Effect.model_validate(row._mapping)], EFFECT_FIELDS)[0]
 
     def get_effect(self, effect_id: UUID) -> Effect | None:
-        """One effect by id."""
+        """One effect by id: on the shard its id names, else (an older id) on any."""
         with translate_errors("loading an effect"), self.engine.connect() as conn:
-            row = conn.execute(select(effects).where(effects.c.id == effect_id)).one_or_none()
+            named = {"id": effect_id, "home": shard_of(effect_id)}
+            row = conn.execute(sql.effect_on_shard(), named).one_or_none()
+            if row is None:
+                row = conn.execute(select(effects).where(effects.c.id == effect_id)).one_or_none()
             if row is None:
                 return None
             return blob_store.resolve(conn, [Effect.model_validate(row._mapping)], EFFECT_FIELDS)[0]
@@ -191,24 +195,29 @@ class Store(RunWorkerStatements):
         return [Effect.model_validate(r._mapping) for r in rows]
 
     def attempts(self, effect_id: UUID) -> list[EffectAttempt]:
-        """The attempt log of one effect, oldest first."""
-        query = (
-            select(effect_attempts)
-            .where(effect_attempts.c.effect_id == effect_id)
-            .order_by(effect_attempts.c.id)
-        )
+        """The attempt log of one effect, oldest first (read on the effect's shard)."""
+        query = select(effect_attempts).where(effect_attempts.c.effect_id == effect_id)
         with translate_errors("loading attempts"), self.engine.connect() as conn:
-            rows = conn.execute(query).all()
+            if self._is_sharded(conn):  # named, so that Citus reads that shard alone
+                shard = stored_shard(conn, effect_id)
+                query = query.where(effect_attempts.c.shard == (-1 if shard is None else shard))
+            rows = conn.execute(query.order_by(effect_attempts.c.id)).all()
         return [EffectAttempt.model_validate(r._mapping) for r in rows]
 
     def operator_change(self, which: str, params: dict[str, Any]) -> bool:
         """An operator's compare-and-set on one effect (``resolve`` or ``retry``)."""
-        if which == "resolve":
-            statement = effect_sql.resolve_unknown(reopen=params["new_status"] == "pending")
-        else:
-            statement = effect_sql.retry_failed()
+        statement: Callable[[bool], Any] = (
+            partial(effect_sql.resolve_unknown, reopen=params["new_status"] == "pending")
+            if which == "resolve"
+            else effect_sql.retry_failed
+        )
         with translate_errors(f"{which} of an effect"), self.engine.begin() as conn:
-            return conn.execute(statement, params).first() is not None
+            # The change and its log row go to the effect's shard alone on Citus.
+            shard = stored_shard(conn, params["effect_id"])
+            if shard is None:
+                return False
+            bound = {**params, "effect_shard": shard}
+            return bool(logged_rows(conn, statement, bound, sharded=self._is_sharded(conn)))
 
     # -- governance -------------------------------------------------------------------
 

@@ -32,12 +32,13 @@ from click.testing import CliRunner
 from deliverers.testing import RecordingDeliverer, TansuBroker
 from outbox import IdempotencyConflict, Outbox, Run, RunStatus, StepTransaction
 from outbox.cli import cli as cli_main
+from outbox.delivery.settings import DeliverySettings
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine, make_engine
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from outbox.storage.store import Store
-from tests.citus_support import CitusDatabase
+from tests.citus_support import CitusDatabase, node_port_of
 from tests.integration.test_retention import archive_holds_every_deleted_row, build_history
 from tests.integration.test_stream_daemon import stream_daemon
 from tests.support import DaemonThread, WorkerThread, wait_for
@@ -140,6 +141,56 @@ def test_steps_and_their_delivery_stay_on_one_shard_each(
                 [run.id, shard_of(run.id)],
             ).fetchone()
             assert row == (2, 2)
+    assert _refusals(caplog) == []
+
+
+def _two_phase_commits(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT count(*) FROM pg_dist_transaction").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_drain_over_both_workers_commits_each_transaction_in_one_phase(
+    ob: Outbox, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deliverer's batches hold effects of shards on both workers: each outcome, claim
+    and heartbeat commits on its own node, and so does each shard's part of a reconcile
+    round, so no transaction of the drain or of the idle rounds after it takes two
+    phases (Citus records each one that does in ``pg_dist_transaction``)."""
+    kind = "k.one-phase"
+    runs = [ob.start_run("one-phase", "1", {"i": i}) for i in range(12)]
+    ids = {
+        run.id: run.transaction(
+            "s", lambda tx: [str(tx.intend(kind, {"n": n}).id) for n in range(4)]
+        )
+        for run in runs
+    }
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # the coordinator's recovery would remove the records this counts
+        conn.execute("ALTER SYSTEM SET citus.recover_2pc_interval = -1")
+        conn.execute("SELECT pg_reload_conf()")
+        try:
+            time.sleep(0.5)
+            before = _two_phase_commits(conn)
+            deliverer = RecordingDeliverer(kind)
+            settings = DeliverySettings(batch_size=16, poll_seconds=0.1, lease_seconds=2)
+            with DaemonThread(dsn, {kind: deliverer}, settings=settings):
+                wait_for(
+                    lambda: (
+                        [_status_of(dsn, run, e) for run in runs for e in ids[run.id]]
+                        == ["succeeded"] * 48
+                    ),
+                    timeout=60,
+                    message="every outcome written",
+                )
+                time.sleep(2)  # idle rounds: the reconcile round asks every shard
+            assert _two_phase_commits(conn) == before
+        finally:
+            conn.execute("ALTER SYSTEM RESET citus.recover_2pc_interval")
+            conn.execute("SELECT pg_reload_conf()")
+    with psycopg.connect(dsn) as conn:
+        nodes = {node_port_of(conn, "outbox_runs", shard_of(run.id)) for run in runs}
+    assert len(nodes) == 2, "the runs lie on both workers"
     assert _refusals(caplog) == []
 
 
@@ -312,11 +363,9 @@ def test_expiry_approval_and_a_cancel_log_their_attempts_on_one_shard_each(
     status = partial(_status_of, dsn)
     assert [status(r, e) for r, e in zip(asked, held, strict=True)] == ["awaiting_approval"] * 2
     digest = status(asked[0], held[0], "payload_hash")  # what Effect.digest is
-    # A person's approval finds the effect's shard by its id on every shard: that read
-    # is let through; the change and its log row must still go to one node.
-    person = Outbox.connect(f"{dsn}?options=-c%20citus.multi_task_query_log_level%3Doff")
-    person.approve_effect(held[0], digest=digest, note="ok", by="cfo")
-    person.reject_effect(held[1], note="no", by="cfo")
+    # The effect's id names its shard: the approval reads and changes it there alone.
+    ob.approve_effect(held[0], digest=digest, note="ok", by="cfo")
+    ob.reject_effect(held[1], note="no", by="cfo")
     assert ob.cancel(waiting.id, "not needed", by="test") == RunStatus.CANCELLED
     deliverer = RecordingDeliverer(kind)
     with DaemonThread(dsn, {kind: deliverer}, poll_seconds=0.1, lease_seconds=5):
@@ -334,8 +383,63 @@ def test_expiry_approval_and_a_cancel_log_their_attempts_on_one_shard_each(
         )
     assert logged == ["approved", "cancelled", *["expired"] * 3, "rejected", *["succeeded"] * 4]
     # every row chained as on one server: each run's record verifies
-    assert [person.verify_run(run.id) for run, _ in pairs] == [[]] * len(pairs)
-    person.close()
+    assert [ob.verify_run(run.id) for run, _ in pairs] == [[]] * len(pairs)
+    assert _refusals(caplog) == []
+
+
+def test_a_run_awaits_its_own_effect_and_another_runs_a_shard_a_statement(
+    ob: Outbox, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An effect's id names its shard: awaiting it (and reading it by id) goes there alone."""
+    kind = "k.awaited"
+    mine = ob.start_run("awaits", "1")
+    theirs = ob.start_run("awaits", "1")
+    while shard_of(theirs.id) == shard_of(mine.id):
+        theirs = ob.start_run("awaits", "1")
+    own = uuid.UUID(mine.transaction("s", lambda tx: str(tx.intend(kind, {"n": 1}).id)))
+    other = uuid.UUID(theirs.transaction("s", lambda tx: str(tx.intend(kind, {"n": 2}).id)))
+    assert [shard_of(own), shard_of(other)] == [shard_of(mine.id), shard_of(theirs.id)]
+    deliverer = RecordingDeliverer(kind)
+    with DaemonThread(dsn, {kind: deliverer}, poll_seconds=0.1):
+        assert "recorded" in mine.await_effect(own, timeout=60)
+        assert "recorded" in mine.await_effect(other, timeout=60)
+    assert [ob.effect(e).status.value for e in (own, other)] == ["succeeded"] * 2
+    assert _refusals(caplog) == []
+
+
+def test_an_operators_resolve_and_retry_change_one_shard_and_log_there(
+    dsn: str, ob: Outbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator closes an unknown effect and retries a failed one: each read, the
+    change and its log row go to the effect's node alone (its id names its shard)."""
+    kind = "k.operator"
+    runs = [ob.start_run("operator", "1", {"i": i}) for i in range(2)]
+    ids = [r.transaction("s", lambda tx: str(tx.intend(kind, {}).id)) for r in runs]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for run, effect_id, was in zip(runs, ids, ("unknown", "failed"), strict=True):
+            conn.execute(
+                "UPDATE outbox_effects SET status = %s, attempt = 1, max_attempts = 1,"
+                " completed_at = now() WHERE id = %s AND shard = %s",
+                [was, effect_id, shard_of(run.id)],
+            )
+    ob.resolve_effect(ids[0], outcome="succeeded", note="in the ledger", operator="ops")
+    assert ob.retry_effect(ids[1], operator="ops", note="sink fixed").max_attempts == 4
+    assert [a.outcome for i in ids for a in ob.store.attempts(uuid.UUID(i))] == [
+        "resolved",
+        "retried",
+    ]
+    status = partial(_status_of, dsn)
+    assert [status(r, e) for r, e in zip(runs, ids, strict=True)] == ["succeeded", "pending"]
+    with psycopg.connect(dsn) as conn:
+        logged = [
+            conn.execute(
+                "SELECT outcome, worker, detail->>'note' FROM outbox_effect_attempts"
+                " WHERE effect_id = %s AND shard = %s",
+                [effect_id, shard_of(run.id)],
+            ).fetchall()
+            for run, effect_id in zip(runs, ids, strict=True)
+        ]
+    assert logged == [[("resolved", "ops", "in the ledger")], [("retried", "ops", "sink fixed")]]
     assert _refusals(caplog) == []
 
 

@@ -24,7 +24,8 @@
 -- the first at index p_next, in the lane, mode and namespace of its run. A value
 -- that does not pass a check derives NULL, never an error: screened is then false.
 -- An effect of no run gets an id on the shard of its key, else of its ordering
--- key, so that one key's effects live together.
+-- key, so that one key's effects live together; an effect of a run, one on its
+-- run's shard, where it lives: its id alone then names its shard.
 -- p_first[n] and p_existing[n], from outbox_check_intents: the first intent of the
 -- call under the n-th's key, when that is another one, and the effect its key
 -- names already. It reads no table (so Citus lets a write function call it).
@@ -75,7 +76,7 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
                          THEN outbox_on_shard(outbox_uuid7(), outbox_key_shard(p_namespace,
                              coalesce(f.key, outbox_json_str(a.item->'ordering_key'),
                                       gen_random_uuid()::text)))
-                         ELSE outbox_uuid7() END) AS id,
+                         ELSE outbox_on_shard(outbox_uuid7(), outbox_shard_of(p_run_id)) END) AS id,
            CASE WHEN p_run_id IS NOT NULL THEN coalesce(f.step_index, p_next + a.n::integer - 1) END
                AS step_index,
            CASE WHEN p_dry_run THEN (outbox_reserved_kind_prefixes())[1] ELSE '' END
@@ -548,7 +549,8 @@ BEGIN
         id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
         idempotency_key, ordering_key, compensates, priority, fairness_key, status, shard,
         namespace)
-    SELECT outbox_uuid7(), p_run_id, 'compensate', k.n - 1, x.compensate->>'kind',
+    SELECT outbox_on_shard(outbox_uuid7(), x.shard), p_run_id, 'compensate', k.n - 1,
+           x.compensate->>'kind',
            x.compensate->'payload',
            encode(sha256(convert_to((x.compensate->'payload')::text, 'UTF8')), 'hex'), 1,
            outbox_compensation_key(x.idempotency_key),

@@ -373,11 +373,14 @@ def take_over_effect(sharded: bool = False) -> Any:
     )
 
 
-def _operator_change(from_status: str, values: dict[str, Any], outcome: str) -> Any:
+def _operator_change(from_status: str, values: dict[str, Any], outcome: str, sharded: bool) -> Any:
+    # The effect is named with its shard (looked up first): on Citus a change by id
+    # alone would lock every shard's rows; its log rows come after it there.
     changed = (
         effects.update()
         .where(
             effects.c.id == bindparam("effect_id", type_=UUID(as_uuid=True)),
+            effects.c.shard == bindparam("effect_shard", type_=SmallInteger),
             effects.c.status == const(from_status),
         )
         .values(**values, lease_owner=null(), lease_expires_at=null(), updated_at=func.now())
@@ -389,16 +392,18 @@ def _operator_change(from_status: str, values: dict[str, Any], outcome: str) -> 
         worker=bindparam("operator", type_=Text),
         outcome=const(outcome),
         detail=json_param("detail"),
+        sharded=sharded,
     )
 
 
 @cache
-def resolve_unknown(*, reopen: bool) -> Any:
+def resolve_unknown(sharded: bool = False, *, reopen: bool) -> Any:
     """An operator closes an ``unknown`` effect as ``new_status``; logged with who and why.
 
-    Parameters: ``effect_id``, ``new_status``, ``operator``, ``detail`` (JSON).
-    ``reopen``: ``new_status`` is ``pending``, so the effect is not completed (a
-    statement each: Citus refuses ``now()`` inside CASE in an UPDATE).
+    Parameters: ``effect_id``, ``effect_shard``, ``new_status``, ``operator``,
+    ``detail`` (JSON). ``reopen``: ``new_status`` is ``pending``, so the effect
+    is not completed (a statement each: Citus refuses ``now()`` inside CASE in
+    an UPDATE).
     """
     return _operator_change(
         "unknown",
@@ -408,12 +413,17 @@ def resolve_unknown(*, reopen: bool) -> Any:
             "completed_at": null() if reopen else func.now(),
         },
         "resolved",
+        sharded,
     )
 
 
 @cache
-def retry_failed() -> Any:
-    """Put a ``failed`` effect back to ``pending`` with ``extra_attempts`` more tries."""
+def retry_failed(sharded: bool = False) -> Any:
+    """Put a ``failed`` effect back to ``pending`` with ``extra_attempts`` more tries.
+
+    Parameters: ``effect_id``, ``effect_shard``, ``extra_attempts``, ``operator``,
+    ``detail`` (JSON).
+    """
     return _operator_change(
         "failed",
         {
@@ -423,4 +433,5 @@ def retry_failed() -> Any:
             "max_attempts": effects.c.attempt + bindparam("extra_attempts", type_=Integer),
         },
         "retried",
+        sharded,
     )

@@ -64,9 +64,14 @@ _EFFECT_SHARD = bindparam("effect_shard", type_=SmallInteger)
 _ONE_EFFECT = and_(effects.c.id == _EFFECT_ID, effects.c.shard == _EFFECT_SHARD)
 
 
-def effect_shard() -> AnySelect:
-    """The shard ``:effect_id`` is stored on (no row: none)."""
-    return select(effects.c.shard).where(effects.c.id == _EFFECT_ID)
+@cache
+def effect_shard(*, named: bool = False) -> AnySelect:
+    """The shard ``:effect_id`` is stored on (no row: none).
+
+    ``named``: only if that is ``:effect_shard`` (on Citus a read of that shard
+    alone, where the effect's id says it lives).
+    """
+    return select(effects.c.shard).where(_ONE_EFFECT if named else effects.c.id == _EFFECT_ID)
 
 
 def lock_effect() -> AnySelect:
@@ -276,16 +281,17 @@ def list_gates() -> AnySelect:
 
 
 @cache
-def note_attempt() -> Any:
+def note_attempt(named: bool = False) -> Any:
     """A deliverer notes what it needs to ask the sink later, before it calls (fenced).
 
     Parameters: ``effect_id``, ``expected_attempt``, ``owner``, ``note`` (JSON with
-    ``attempt``). Returns the id when the attempt is still this owner's.
+    ``attempt``), and when ``named`` ``effect_shard`` (where the claim found it).
+    Returns the id when the attempt is still this owner's.
     """
     return (
         effects.update()
         .where(
-            effects.c.id == _EFFECT_ID,
+            _ONE_EFFECT if named else effects.c.id == _EFFECT_ID,
             effects.c.attempt == bindparam("expected_attempt", type_=Integer),
             effects.c.status == const("in_flight"),
             effects.c.lease_owner == bindparam("owner", type_=Text),

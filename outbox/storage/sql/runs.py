@@ -186,10 +186,12 @@ def await_effect() -> Any:
     Locking the row orders this against the effect's completion: either the
     completion committed first and its outcome is returned here, or it runs
     after and finds ``awaited_by`` to wake the run (see ``queue.complete_effects``).
+    The effect is named with its shard (``effect_shard``): on Citus, that shard alone.
     """
+    effect_id = bindparam("effect_id", type_=UUID(as_uuid=True))
     return (
         effects.update()
-        .where(effects.c.id == bindparam("awaited_effect", type_=UUID(as_uuid=True)))
+        .where(effects.c.id == effect_id, effects.c.shard == bindparam("effect_shard"))
         .values(awaited_by=bindparam("awaiting_run", type_=UUID(as_uuid=True)))
         .returning(effects.c.status, effects.c.result, effects.c.last_error)
     )
