@@ -404,6 +404,9 @@ def test_a_run_awaits_its_own_effect_and_another_runs_a_shard_a_statement(
         assert "recorded" in mine.await_effect(own, timeout=60)
         assert "recorded" in mine.await_effect(other, timeout=60)
     assert [ob.effect(e).status.value for e in (own, other)] == ["succeeded"] * 2
+    with psycopg.connect(dsn) as conn:  # the SQL API's read, as another language sends it
+        status = conn.execute("SELECT status FROM outbox_effect_status(%s)", [other]).fetchone()
+    assert status == ("succeeded",)
     assert _refusals(caplog) == []
 
 

@@ -74,6 +74,9 @@ def test_an_effect_whose_id_names_another_shard_is_still_found_awaited_and_resol
         )
     assert shard_of(moved) != shard_of(run.id)
     assert ob.effect(moved).run_id == run.id
+    with psycopg.connect(dsn) as db:  # the SQL API's read
+        found = db.execute("SELECT run_id FROM outbox_effect_status(%s)", [moved]).fetchall()
+    assert found == [(run.id,)]
     with ob.store.run_tx() as tx:
         assert isinstance(tx, RunTx)
         row = tx.await_effect(run.id, moved)

@@ -179,3 +179,28 @@ BEGIN
     RETURN inserted;
 END
 $$;
+
+-- Where an effect is: one row, or none when no effect has this id. Read first on
+-- the shard its id names (on Citus that shard alone), then, for an id written
+-- before ids named their shard or one its caller chose, on every shard.
+CREATE OR REPLACE FUNCTION outbox_effect_status(effect_id uuid)
+    RETURNS TABLE (id uuid, kind text, status text, idempotency_key text, attempt integer,
+                   result jsonb, last_error text, run_id uuid, step_id text, step_index integer,
+                   created_at timestamptz, updated_at timestamptz, completed_at timestamptz)
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    p_id uuid := outbox_effect_status.effect_id;
+    p_shard smallint := outbox_shard_of(outbox_effect_status.effect_id);
+BEGIN
+    RETURN QUERY
+    SELECT e.id, e.kind, e.status, e.idempotency_key, e.attempt, e.result, e.last_error,
+           e.run_id, e.step_id, e.step_index, e.created_at, e.updated_at, e.completed_at
+      FROM outbox_effects AS e WHERE e.id = p_id AND e.shard = p_shard;
+    IF NOT FOUND THEN
+        RETURN QUERY
+        SELECT e.id, e.kind, e.status, e.idempotency_key, e.attempt, e.result, e.last_error,
+               e.run_id, e.step_id, e.step_index, e.created_at, e.updated_at, e.completed_at
+          FROM outbox_effects AS e WHERE e.id = p_id;
+    END IF;
+END
+$$;
