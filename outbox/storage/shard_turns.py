@@ -66,6 +66,8 @@ class ShardTurns:
         self._skipping: dict[str, float] = {}
         #: Partitions whose last claim met its quota: a backlog, no shard asked in vain.
         self._full: set[str] = set()
+        #: Per partition, the shards that had no row for it when last asked.
+        self._empty: dict[str, set[int]] = {}
 
     def turn(self, partition: str) -> int:
         """The shard ``partition``'s next claim starts at."""
@@ -117,13 +119,16 @@ class ShardTurns:
         with the named ones, or each was asked. Sync and async claims both walk it.
         """
         order, may_end = self.plan(partition, hints)
+        empty = self._empty.setdefault(partition, set())
         taken = 0
         try:
             for n, shard in enumerate(order):
                 if taken >= limit or self.ends_here(partition, n, taken, may_end):
                     return
                 self.took(partition, shard)
-                taken += yield shard
+                got = yield shard
+                (empty.discard if got else empty.add)(shard)
+                taken += got
             self.swept(partition)
         finally:
             if taken >= limit:
@@ -136,9 +141,13 @@ class ShardTurns:
 
         The read is far cheaper than a claim (``queue.ready_on_shard``). Not when a
         wake-up named the shard, nor when ``partition``'s last claim met its quota
-        (a backlog: most shards have rows, and the read would only add to the claim).
+        (a backlog, where the read would only add to the claim) unless the shard had
+        no row when last asked: a backlog on a few shards is not asked of the rest
+        with a claim each.
         """
-        return partition not in self._full and shard not in hints
+        if shard in hints:
+            return False
+        return partition not in self._full or shard in self._empty.get(partition, ())
 
     async def claim(
         self,

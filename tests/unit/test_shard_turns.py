@@ -103,3 +103,16 @@ def test_a_shard_is_read_first_unless_the_last_claim_met_its_quota_or_it_was_nam
     assert not turns.asks_first(P, 7, frozenset()), "a backlog: claim without reading"
     assert len(_walk(turns, {4: 1}, limit=10)) == SHARDS, "short of the quota: every shard"
     assert turns.asks_first(P, 7, frozenset()), "idle again: read first"
+
+
+def test_a_backlog_on_a_few_shards_is_not_asked_of_the_others_with_a_claim_each() -> None:
+    turns = ShardTurns()
+    backlog = {3: 100, 17: 100}
+    assert _walk(turns, backlog, limit=150) == [*range(18)], "0-2, 4-16 had nothing"
+    assert not turns.asks_first(P, 3, frozenset()), "it had rows: claim at once"
+    assert all(turns.asks_first(P, s, frozenset()) for s in (0, 5)), "empty when asked"
+    assert not turns.asks_first(P, 18, frozenset()), "not asked yet, in a backlog: claim"
+    assert _walk(turns, backlog, limit=150) == [*range(18, SHARDS), *range(18)]
+    assert turns.asks_first(P, 18, frozenset()), "empty when asked: read it first"
+    assert not turns.asks_first(P, 17, frozenset()), "it had rows"
+    assert not turns.asks_first(P, 18, frozenset({18})), "a wake-up named it: claim at once"
