@@ -112,7 +112,30 @@ def test_a_backlog_on_a_few_shards_is_not_asked_of_the_others_with_a_claim_each(
     assert not turns.asks_first(P, 3, frozenset()), "it had rows: claim at once"
     assert all(turns.asks_first(P, s, frozenset()) for s in (0, 5)), "empty when asked"
     assert not turns.asks_first(P, 18, frozenset()), "not asked yet, in a backlog: claim"
-    assert _walk(turns, backlog, limit=150) == [*range(18, SHARDS), *range(18)]
+    # 0-2 and 4-16 were empty a moment ago: passed over until a sweep's time has gone by
+    assert _walk(turns, backlog, limit=150) == [*range(18, SHARDS), 3, 17]
     assert turns.asks_first(P, 18, frozenset()), "empty when asked: read it first"
     assert not turns.asks_first(P, 17, frozenset()), "it had rows"
     assert not turns.asks_first(P, 18, frozenset({18})), "a wake-up named it: claim at once"
+
+
+def test_a_backlog_passes_over_shards_just_found_empty_until_a_sweep_is_due(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One shard's backlog is not read of the 31 others before every claim, nor forever."""
+    turns = ShardTurns()
+    backlog = {5: 1000}
+    assert _walk(turns, backlog, limit=100) == [*range(6)], "the first claim asks on to 5"
+    assert _walk(turns, backlog, limit=100) == [*range(6, SHARDS), 5], "0-4 passed over"
+    assert _walk(turns, backlog, limit=100) == [5], "every other shard was empty just now"
+    assert _walk(turns, backlog, limit=100) == [5]
+    named = turns.walk(P, 100, frozenset({9}))
+    assert next(named) == 9, "a wake-up names a shard: asked even in a backlog"
+    assert shard_turns.next_turn(named, 0) == 5
+    clock = shard_turns.time.monotonic() + shard_turns.SWEEP_SECONDS
+    monkeypatch.setattr(shard_turns.time, "monotonic", lambda: clock)
+    assert _walk(turns, backlog, limit=100) == [*range(6, SHARDS), *range(6)], "a sweep is due"
+    assert _walk(turns, backlog, limit=100) == [5]
+    # the backlog gone, its claim falls short of the quota: idle again, every shard is asked
+    assert _walk(turns, {}, limit=100) == [5]
+    assert len(_walk(turns, {}, limit=100)) == SHARDS
