@@ -30,6 +30,7 @@ __all__ = [
     "emit",
     "json_option",
     "listening",
+    "page_options",
     "page_title",
     "pass_cli",
     "run_suffix",
@@ -142,6 +143,31 @@ def json_option(report: type[BaseModel]) -> Callable[[F], F]:
         report=report,
         help="Print JSON instead of a table (see docs/reference/json.md).",
     )
+
+
+def page_options(*, most: int, default: int, noun: str, since: str) -> Callable[[F], F]:
+    """``--limit`` and ``--before``: a listing a page at a time, newest first.
+
+    ``noun`` names what is listed ("effects"), ``since`` how the next page
+    follows the last row shown ("intended before", "started before").
+    """
+
+    def wrap(command: F) -> F:
+        command = click.option(
+            "--before",
+            metavar=f"{noun.rstrip('s').upper()}_ID",
+            default=None,
+            help=f"The next page: {noun} {since} this one (the last id shown).",
+        )(command)
+        return click.option(
+            "--limit",
+            type=click.IntRange(1, most),
+            default=default,
+            show_default=True,
+            help="At most this many.",
+        )(command)
+
+    return wrap
 
 
 def _declared_report() -> type[BaseModel] | None:

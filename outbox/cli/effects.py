@@ -9,6 +9,7 @@ from outbox.cli._common import (
     console,
     emit,
     json_option,
+    page_options,
     page_title,
     pass_cli,
     run_suffix,
@@ -35,19 +36,7 @@ def effects() -> None:
     help="Only effects in this state.",
 )
 @click.option("--kind", default=None, help="Only effects of this kind.")
-@click.option(
-    "--limit",
-    type=click.IntRange(1, 1_000_000),
-    default=100,
-    show_default=True,
-    help="At most this many.",
-)
-@click.option(
-    "--before",
-    metavar="EFFECT_ID",
-    default=None,
-    help="The next page: effects intended before this one (the last id shown).",
-)
+@page_options(most=1_000_000, default=100, noun="effects", since="intended before")
 @click.option(
     "--oldest-first", is_flag=True, help="Intent order instead (--before then means after)."
 )

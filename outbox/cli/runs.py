@@ -9,6 +9,7 @@ from outbox.cli._common import (
     console,
     emit,
     json_option,
+    page_options,
     page_title,
     pass_cli,
     short,
@@ -44,19 +45,7 @@ def runs() -> None:
     help="Only runs in this status.",
 )
 @click.option("--agent", default=None, help="Only runs of this agent.")
-@click.option(
-    "--limit",
-    type=click.IntRange(1, 100_000),
-    default=50,
-    show_default=True,
-    help="At most this many.",
-)
-@click.option(
-    "--before",
-    metavar="RUN_ID",
-    default=None,
-    help="The next page: runs started before this one (the last id shown).",
-)
+@page_options(most=100_000, default=50, noun="runs", since="started before")
 @json_option(RunListReport)
 @pass_cli
 def runs_list(

@@ -52,14 +52,12 @@ try:
     from langgraph.types import Command
 except ImportError as exc:  # the framework is an optional extra: say which
     raise (MissingExtra.of(exc, __name__) or exc) from exc
+from outbox.integrations import _scope
 from outbox.integrations._scope import (
-    _SCOPE,
     TokenPrice,
     current_run,
     effect,
     in_run,
-    in_step,
-    model_step,
     tokens,
     wait_for_signal,
 )
@@ -147,7 +145,7 @@ class RecordedModel(Runnable[Any, BaseMessage]):
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         """Call the model; inside a run use ``await ainvoke`` (refused here)."""
-        if _SCOPE.get() is not None:
+        if _scope._SCOPE.get() is not None:
             raise ValidationError(
                 "invoke", type(self.model).__name__, "inside a run, call `await model.ainvoke`"
             )
@@ -157,7 +155,7 @@ class RecordedModel(Runnable[Any, BaseMessage]):
         self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
     ) -> BaseMessage:
         """Call the model once per run and input; replay the recorded message after that."""
-        scope = _SCOPE.get()
+        scope = _scope._SCOPE.get()
         if scope is None:
             message: BaseMessage = await self.model.ainvoke(input, config, **kwargs)
             return message
@@ -170,7 +168,7 @@ class RecordedModel(Runnable[Any, BaseMessage]):
                 reply = AIMessage(content=str(reply))
             return message_to_dict(reply)
 
-        recorded = await model_step(scope, step_id, call, _usage)
+        recorded = await _scope.model_step(scope, step_id, call, _usage)
         return messages_from_dict([recorded])[0]
 
 
@@ -194,7 +192,7 @@ async def record_tool_call(
     so a replay returns the recorded ``ToolMessage`` without running the tool.
     Effects and signal waits inside the tool are named after this step.
     """
-    scope = _SCOPE.get()
+    scope = _scope._SCOPE.get()
     if scope is None:
         return await execute(request)
     call = request.tool_call
@@ -203,7 +201,7 @@ async def record_tool_call(
     async def body() -> Any:
         return _dump_tool_output(await execute(request))
 
-    with in_step(step_id):
+    with _scope.in_step(step_id):
         recorded = await scope.run.call(step_id, body)
     message = messages_from_dict([recorded])[0]
     assert isinstance(message, ToolMessage)

@@ -72,16 +72,12 @@ from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 
 from outbox.errors import EffectFailed, OutboxError, ValidationError, WaitTimeout
+from outbox.integrations import _scope
 from outbox.integrations._scope import (
-    _SCOPE,
-    _STEP,
-    Scope,
     TokenPrice,
     current_run,
     effect,
     in_run,
-    in_step,
-    model_step,
     tokens,
     wait_for_signal,
 )
@@ -109,9 +105,9 @@ def _usage(recorded: Any) -> Mapping[str, Any]:
     return usage or {}
 
 
-def _step_id(scope: Scope, what: str) -> str:
+def _step_id(scope: _scope.Scope, what: str) -> str:
     """``<prefix><what>#n`` for the agent, ``<tool step>:<what>#n`` inside a tool (nested agent)."""
-    step = _STEP.get()
+    step = _scope._STEP.get()
     return scope.next_step_id(what) if step is None else scope.sub_step_id(step, what)
 
 
@@ -161,12 +157,12 @@ class RecordedModel(Model):
             response = await ask()
             return _RESPONSE.dump_python(response, mode="json", by_alias=True, exclude_unset=True)
 
-        scope = _SCOPE.get()
+        scope = _scope._SCOPE.get()
         if scope is None:
             return await ask()
         step_id = _step_id(scope, "model")
         try:
-            recorded = await model_step(scope, step_id, call, _usage)
+            recorded = await _scope.model_step(scope, step_id, call, _usage)
         except BaseException:
             scope.release(step_id)  # the SDK's retry of this request takes the same step
             raise
@@ -187,7 +183,7 @@ class RecordedModel(Model):
         prompt: ResponsePromptParam | None,
     ) -> AsyncIterator[TResponseStreamEvent]:
         """Stream from the model outside a run; inside one, refused (streams are not recorded)."""
-        if _SCOPE.get() is not None:
+        if _scope._SCOPE.get() is not None:
             raise ValidationError(
                 "stream_response",
                 type(self.model).__name__,
@@ -301,7 +297,7 @@ def record_tool(tool: FunctionTool) -> FunctionTool:
 
     # ``ToolContext`` in the annotation: the SDK then passes the tool call's context (its id).
     async def on_invoke_tool(ctx: ToolContext[Any], arguments: str) -> Any:
-        scope = _SCOPE.get()
+        scope = _scope._SCOPE.get()
         if scope is None:
             return await invoke(ctx, arguments)
         step_id = _step_id(scope, f"tool:{tool.name}:{ctx.tool_call_id}")
@@ -319,7 +315,7 @@ def record_tool(tool: FunctionTool) -> FunctionTool:
             # so that the first run and every replay give the model the same value.
             return to_jsonable_python(output, fallback=str, by_alias=True)
 
-        with in_step(step_id):
+        with _scope.in_step(step_id):
             return await scope.run.call(step_id, body)
 
     setattr(on_invoke_tool, _RECORDING, True)

@@ -49,15 +49,12 @@ try:
 except ImportError as exc:  # the framework is an optional extra: say which
     raise (MissingExtra.of(exc, __name__) or exc) from exc
 
+from outbox.integrations import _scope
 from outbox.integrations._scope import (
-    _SCOPE,
     TokenPrice,
     current_run,
     effect,
     in_run,
-    in_step,
-    model_step,
-    scope_now,
     tokens,
     wait_for_signal,
 )
@@ -99,12 +96,12 @@ class _Backend(JournalCallableOperationBackend[None]):
         cache_key: tuple[object, ...],
         config: None,
     ) -> object:
-        scope = scope_now()
+        scope = _scope.scope_now()
         step_id = scope.next_step_id(name)
         run = scope.run
         if isinstance(operation_id, ModelRequestId):
-            return await model_step(scope, step_id, body, _usage)
-        with in_step(step_id):
+            return await _scope.model_step(scope, step_id, body, _usage)
+        with _scope.in_step(step_id):
             return await run.call(step_id, body)
 
 
@@ -154,11 +151,11 @@ class OutboxDurability(BaseDurabilityCapability[Any]):
     @property
     def in_durable_context(self) -> bool:
         """Inside :func:`run_agent` / :func:`in_run`."""
-        return _SCOPE.get() is not None
+        return _scope._SCOPE.get() is not None
 
     def get_default_run_id(self) -> str | None:
         """A run id the same on every replay (the agent-outbox run id and a counter)."""
-        scope = _SCOPE.get()
+        scope = _scope._SCOPE.get()
         if scope is None:
             return None
         n = scope.counts.get("agent-run", 0) + 1

@@ -12,24 +12,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from outbox.serve.api.models import (
-    CompleteRequest,
-    EffectList,
-    EffectOutcome,
-    EffectQuery,
-    EffectView,
-    FailRequest,
-    RunAnswer,
-    RunList,
-    RunQuery,
-    RunView,
-    SignalReceipt,
-    SignalRequest,
-    StartRunRequest,
-    StepRecorded,
-    StepRequest,
-    WaitQuery,
-)
+from outbox.serve.api import models
 
 __all__ = ["API_PREFIX", "OPENAPI_PATH", "OPERATIONS", "Operation"]
 
@@ -88,8 +71,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "arguments answer 200 with `replayed: true`; another agent, version, inputs, "
         "budget or mode under that id is a 409 `run_conflict` naming the field. `mode: "
         "dry_run` starts a dry run: its intents go to recording stubs, never to a sink.",
-        {201: RunAnswer, 200: RunAnswer},
-        body=StartRunRequest,
+        {201: models.RunAnswer, 200: models.RunAnswer},
+        body=models.StartRunRequest,
         refusals=(*_BODY_REFUSALS, "run_conflict"),
     ),
     Operation(
@@ -98,8 +81,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "list_runs",
         "List runs",
         "Runs, newest first, filtered by status and agent.",
-        {200: RunList},
-        query=RunQuery,
+        {200: models.RunList},
+        query=models.RunQuery,
         refusals=("invalid",),
     ),
     Operation(
@@ -108,7 +91,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "get_run",
         "Read a run",
         "The run (status, state, plan, budget) and its completed steps.",
-        {200: RunView},
+        {200: models.RunView},
         refusals=("invalid", "run_not_found"),
     ),
     Operation(
@@ -123,8 +106,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "writes nothing. An intent's own `key` already held by an intent of "
         "another kind, payload or run is a 409 `idempotency_conflict` naming the "
         "intent (`field`) and the key; nothing of the step is written.",
-        {201: StepRecorded, 200: StepRecorded},
-        body=StepRequest,
+        {201: models.StepRecorded, 200: models.StepRecorded},
+        body=models.StepRequest,
         refusals=(
             *_BODY_REFUSALS,
             "run_not_found",
@@ -142,8 +125,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "Sends signal `name` with a JSON `payload` to a run (an approval, an "
         "event). A run waiting for it is woken; one that has not reached its wait "
         "finds it there. The same `dedup_key` is accepted once (`duplicate: true`).",
-        {202: SignalReceipt},
-        body=SignalRequest,
+        {202: models.SignalReceipt},
+        body=models.SignalRequest,
         refusals=(*_BODY_REFUSALS, "run_not_found", "run_terminal"),
     ),
     Operation(
@@ -153,8 +136,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "Complete a run",
         "Ends the run as `completed` with an optional result. Completing a run "
         "that is completed already answers 200 `replayed: true` (the first result stays).",
-        {200: RunAnswer},
-        body=CompleteRequest,
+        {200: models.RunAnswer},
+        body=models.CompleteRequest,
         refusals=(*_BODY_REFUSALS, "run_not_found", "run_terminal", "run_state"),
     ),
     Operation(
@@ -164,8 +147,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "Fail a run",
         "Ends the run as `failed`, recording why. Failing a run that failed "
         "already answers 200 `replayed: true` (the first error stays).",
-        {200: RunAnswer},
-        body=FailRequest,
+        {200: models.RunAnswer},
+        body=models.FailRequest,
         refusals=(*_BODY_REFUSALS, "run_not_found", "run_terminal", "run_state"),
     ),
     Operation(
@@ -174,8 +157,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "list_effects",
         "List effects",
         "Effects in intent order, filtered by run (and step of that run), status and kind.",
-        {200: EffectList},
-        query=EffectQuery,
+        {200: models.EffectList},
+        query=models.EffectQuery,
         refusals=("invalid",),
     ),
     Operation(
@@ -184,7 +167,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "get_effect",
         "Read an effect",
         "One effect (its delivery state, result and last error) and its attempt log.",
-        {200: EffectView},
+        {200: models.EffectView},
         refusals=("invalid", "effect_not_found"),
     ),
     Operation(
@@ -197,8 +180,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "(`done: false`: ask again). Waiting writes nothing, so a client that "
         "goes away leaves nothing behind. `unknown` and `awaiting_approval` are not "
         "ends: a person decides them.",
-        {200: EffectOutcome},
-        query=WaitQuery,
+        {200: models.EffectOutcome},
+        query=models.WaitQuery,
         refusals=("invalid", "effect_not_found", "too_many_waiters"),
     ),
 )
