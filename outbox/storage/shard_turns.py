@@ -263,14 +263,34 @@ async def complete_on(
 ) -> list[tuple[UUID, str]]:
     """Write ``done`` on ``conn`` (the caller's transaction); ``shards``: on Citus, held rows'."""
     groups = await shard_groups(conn, done, lambda c: c.effect_id, shards, lambda c: c.shard)
-    logged = []
+    logged: list[tuple[UUID, str]] = []
+    waiters: dict[int, dict[UUID, UUID]] = {}
     for shard, part in groups.items():  # on Citus a statement per shard, routed to its node
         part = [dataclasses.replace(c, shard=shard) for c in part] if shard is not None else part
-        logged += await _complete_batch(conn, owner, part, shard)
+        logged += await _complete_batch(conn, owner, part, shard, waiters)
     if shards is not None:  # a run that awaited one of them goes on: its workers are told here
+        await _wake_waiters(conn, waiters)
         await conn.execute("SELECT pg_notify(%s, '')", [RUNS_CHANNEL])
     crash_point("during_completion")
     return logged
+
+
+async def _wake_waiters(
+    conn: psycopg.AsyncConnection[dict[str, Any]], waiters: dict[int, dict[UUID, UUID]]
+) -> None:
+    """On Citus: wake runs parked on effects of other shards that just ended, a shard at a time.
+
+    After the outcomes committed, each shard's statement on its own: one transaction
+    would take two phases across the workers. A run this misses (its node did not
+    answer) is not lost: it looks again when its recheck timer ends.
+    """
+    wake = prepared(effect_sql.wake_waiters())
+    for shard, awaited in waiters.items():
+        params = {"on_shard": shard, "runs": list(awaited), "awaited": list(awaited.values())}
+        try:
+            await conn.execute(wake.sql, wake.params(params), prepare=False)
+        except psycopg.Error as exc:
+            log.warning("shard %d: runs awaiting effects not woken (%s)", shard, exc)
 
 
 async def shard_groups(
@@ -303,7 +323,9 @@ async def _complete_batch(
     owner: str,
     done: Sequence[Completion],
     shard: int | None,
+    waiters: dict[int, dict[UUID, UUID]],
 ) -> list[tuple[UUID, str]]:
+    """``done`` of one shard (None: one server); runs of other shards to wake go to ``waiters``."""
     payload = "[" + ",".join(c.as_json() for c in done) + "]"
     complete = prepared(effect_sql.complete_effects(shard is not None))
     params: dict[str, Any] = {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]}
@@ -313,7 +335,10 @@ async def _complete_batch(
     # Citus refuses now() next to a column in an UPDATE: the time is bound once
     cur = await conn.execute("SELECT now() AS now")
     params.update(on_shard=shard, now=(await cur.fetchone() or {})["now"])
-    logged = await logged_on_shard(conn, complete, params)
+    selected, logged = await _selected_and_logged(conn, complete, params)
+    for row in selected:
+        if row["wakes"] is not None:
+            waiters.setdefault(shard_of(row["wakes"]), {})[row["wakes"]] = row["effect_id"]
     return [(row["effect_id"], row["outcome"]) for row in logged]
 
 
@@ -344,15 +369,22 @@ async def logged_on_shard(
     caller's transaction or one of their own: on that node alone, one phase.
     Returns ``(effect_id, outcome)`` per row logged.
     """
+    return (await _selected_and_logged(conn, statement, params))[1]
+
+
+async def _selected_and_logged(
+    conn: psycopg.AsyncConnection[dict[str, Any]], statement: Prepared, params: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """:func:`logged_on_shard`, with the rows the statement selected."""
     async with conn.transaction():
         cur = await conn.execute(statement.sql, statement.params(params), prepare=False)
         rows = await cur.fetchall()
         if not rows:
-            return []
+            return [], []
         insert, values = log_selected(rows)
         log = prepared(insert)
         cur = await conn.execute(log.sql, log.params(values), prepare=False)
-        return await cur.fetchall()
+        return rows, await cur.fetchall()
 
 
 def stored_shard(conn: Connection, id: UUID) -> int | None:

@@ -35,6 +35,7 @@ from outbox import (
 )
 from outbox.cli import cli as cli_main
 from outbox.governance.gates import Gate
+from outbox.runs import waits
 from outbox.serve.app import OutboxServer
 from outbox.serve.settings import Credentials, ServeSettings
 from outbox.shards import SHARDS, key_shard, shard_of
@@ -378,6 +379,39 @@ def test_workers_drive_runs_on_every_shard_through_a_timer(ob: Outbox, dsn: str)
         )
     assert sorted(steps) == sorted(str(r.id) for r in runs), "each run finished once"
     assert all(ob.run(r.id).completed_steps == ["before", "nap"] for r in runs)
+
+
+def test_a_run_parked_on_an_effect_of_another_shard_goes_on_when_it_ends(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outcome's statement stays on its shard: a run of another shard parked on the
+    effect is woken right after it commits, not by its recheck timer (put out of reach)."""
+    monkeypatch.setattr(waits, "EFFECT_RECHECK_SECONDS", 3600.0)
+    kind = "citus.awaited"
+    payer = ob.start_run("payer", "1")
+    effects = payer.transaction(
+        "pay", lambda tx: [str(tx.intend(kind, {"n": n}).id) for n in range(3)]
+    )
+    # one effect each: an effect names the last run parked on it (on one server too)
+    waiters = [ob.start_run("waiter", "1", {"effect": effect}) for effect in effects]
+    waiters = [w for w in waiters if shard_of(w.id) != shard_of(payer.id)]
+    assert waiters, "three runs on the payer's shard: once in 32,768"
+
+    def handler(run: Run) -> Any:
+        return run.await_effect(uuid.UUID(run.inputs["effect"]))
+
+    def statuses() -> set[RunStatus]:
+        return {ob.run(w.id).status for w in waiters}
+
+    with WorkerThread(ob, "waiter", "1", handler):
+        wait_for(lambda: statuses() == {RunStatus.WAITING}, timeout=30, message="parked")
+        with DaemonThread(dsn, {kind: RecordingDeliverer(kind)}, poll_seconds=0.1):
+            wait_for(
+                lambda: statuses() == {RunStatus.COMPLETED},
+                timeout=20,
+                message="woken by the outcome, on another shard",
+            )
+    assert all("recorded" in ob.run(w.id).record.result for w in waiters)
 
 
 def _intend_amount(tx: StepTransaction, amount: int) -> str:

@@ -65,8 +65,11 @@ def log_attempts(rows: int, columns: tuple[str, ...] = LOGGED_ATTEMPT) -> Any:
 
 
 def log_selected(rows: Sequence[Mapping[Any, Any]]) -> tuple[Any, dict[str, Any]]:
-    """The insert of attempt-log ``rows`` a sharded statement selected, and its parameters."""
-    columns = tuple(rows[0])
+    """The insert of attempt-log ``rows`` a sharded statement selected, and its parameters.
+
+    Columns the log has no place for (``wakes``) are left out.
+    """
+    columns = tuple(c for c in rows[0] if c in LOGGED_ATTEMPT)
     values = {f"{c}_{n}": row[c] for n, row in enumerate(rows) for c in columns}
     return log_attempts(len(rows), columns), values
 

@@ -45,6 +45,7 @@ from outbox.storage.sql.common import (
     in_statuses,
     json_param,
     on_shard,
+    shard_of,
 )
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "retry_failed",
     "take_over_effect",
     "unknown_of_kinds",
+    "wake_waiters",
 ]
 
 
@@ -136,6 +138,9 @@ def complete_effects(sharded: bool = False) -> Any:
     ``sharded`` (Citus): every effect of the batch is on shard ``on_shard``, the
     database's time is the ``now`` parameter, and a run woken is returned
     rather than notified (the caller sends the NOTIFY from the coordinator).
+    A run of another shard parked on an effect this ends cannot be woken by this
+    statement, which stays on one shard: each selected row names it (``wakes``)
+    for :func:`wake_waiters`, after the commit.
     """
     e = effects
     d = _done()
@@ -272,12 +277,50 @@ def complete_effects(sharded: bool = False) -> Any:
         .order_by(~linked)
     )
     if sharded:  # the rows are inserted by log_attempts, which says why
-        return logged.add_cte(woken)
+        elsewhere = and_(terminal, shard_of(updated.c.awaited_by) != shard)
+        wakes = case((elsewhere, updated.c.awaited_by), else_=null()).label("wakes")
+        return logged.add_columns(wakes).add_cte(woken)
     return (
         pg_insert(effect_attempts)
         .from_select(list(LOGGED_ATTEMPT), logged)
         .returning(effect_attempts.c.effect_id, effect_attempts.c.outcome)
         .add_cte(woken)
+    )
+
+
+@cache
+def wake_waiters() -> Any:
+    """On Citus: runs of shard ``on_shard`` parked on effects of other shards that ended.
+
+    Parameters ``on_shard``, and ``runs`` and ``awaited`` (two arrays of ids, in
+    pairs): each run goes on if it still waits for that effect. The runs a
+    completion names (``complete_effects``' ``wakes``); a run that missed it (its
+    node did not answer) looks again when its recheck timer ends.
+    """
+    pairs = (
+        func.unnest(
+            bindparam("runs", type_=ARRAY(UUID(as_uuid=True))),
+            bindparam("awaited", type_=ARRAY(UUID(as_uuid=True))),
+        )
+        .table_valued("run_id", "effect_id")
+        .render_derived(name="waiting")
+    )
+    return (
+        runs.update()
+        .where(
+            *on_shard(runs, True),
+            runs.c.id == pairs.c.run_id,
+            runs.c.status == const("waiting"),
+            runs.c.wait_effect == pairs.c.effect_id,
+        )
+        .values(
+            status=const("runnable"),
+            available_at=func.now(),
+            wake_at=null(),
+            wait_effect=null(),
+            updated_at=func.now(),
+        )
+        .returning(runs.c.id)
     )
 
 
