@@ -18,6 +18,7 @@ from sqlalchemy import (
     cast,
     func,
     literal_column,
+    null,
     select,
     text,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "on_shard",
     "shard_of",
     "sql_in",
+    "woken_run",
 ]
 
 # Rows of mixed columns; SQLAlchemy 2.1 types Select by its column tuple.
@@ -107,3 +109,17 @@ def notify(channel: str) -> AnySelect:
     and a NOTIFY must leave from the coordinator, where listeners connect.
     """
     return select(func.pg_notify(channel, ""))
+
+
+def woken_run(waited_on: str) -> dict[str, Any]:
+    """The SET of a parked run that goes on: runnable now, its timer and ``waited_on`` cleared.
+
+    ``waited_on``: the column it waited by (``wait_effect``, ``wait_signal``).
+    """
+    return {
+        "status": const("runnable"),
+        "available_at": func.now(),
+        "wake_at": null(),
+        waited_on: null(),
+        "updated_at": func.now(),
+    }

@@ -46,6 +46,7 @@ from outbox.storage.sql.common import (
     json_param,
     on_shard,
     shard_of,
+    woken_run,
 )
 
 __all__ = [
@@ -313,13 +314,7 @@ def wake_waiters() -> Any:
             runs.c.status == const("waiting"),
             runs.c.wait_effect == pairs.c.effect_id,
         )
-        .values(
-            status=const("runnable"),
-            available_at=func.now(),
-            wake_at=null(),
-            wait_effect=null(),
-            updated_at=func.now(),
-        )
+        .values(woken_run("wait_effect"))
         .returning(runs.c.id)
     )
 

@@ -34,6 +34,7 @@ from outbox.storage.sql.common import (
     const,
     json_param,
     shard_of,
+    woken_run,
 )
 
 __all__ = [
@@ -157,13 +158,7 @@ def reject_held(sharded: bool = False) -> Any:
             runs.c.status == const("waiting"),
             runs.c.wait_effect == changed.c.id,
         )
-        .values(
-            status=const("runnable"),
-            available_at=func.now(),
-            wake_at=null(),
-            wait_effect=null(),
-            updated_at=func.now(),
-        )
+        .values(woken_run("wait_effect"))
         .returning(runs.c.id)
         .cte("woken")
     )

@@ -45,6 +45,7 @@ from outbox.storage.sql.common import (
     in_statuses,
     json_param,
     shard_of,
+    woken_run,
 )
 
 __all__ = [
@@ -252,13 +253,7 @@ def wake_signalled_run() -> Any:
             runs.c.status == const("waiting"),
             runs.c.wait_signal == bindparam("name", type_=Text),
         )
-        .values(
-            status=const("runnable"),
-            available_at=func.now(),
-            wake_at=null(),
-            wait_signal=null(),
-            updated_at=func.now(),
-        )
+        .values(woken_run("wait_signal"))
         .returning(runs.c.id)
     )
 
