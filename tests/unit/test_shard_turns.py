@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from outbox.shards import SHARDS
@@ -132,8 +134,8 @@ def test_a_backlog_passes_over_shards_just_found_empty_until_a_sweep_is_due(
     named = turns.walk(P, 100, frozenset({9}))
     assert next(named) == 9, "a wake-up names a shard: asked even in a backlog"
     assert shard_turns.next_turn(named, 0) == 5
-    clock = shard_turns.time.monotonic() + shard_turns.SWEEP_SECONDS
-    monkeypatch.setattr(shard_turns.time, "monotonic", lambda: clock)
+    clock = time.monotonic() + shard_turns.SWEEP_SECONDS
+    monkeypatch.setattr(time, "monotonic", lambda: clock)
     assert _walk(turns, backlog, limit=100) == [*range(6, SHARDS), *range(6)], "a sweep is due"
     assert _walk(turns, backlog, limit=100) == [5]
     # the backlog gone, its claim falls short of the quota: idle again, every shard is asked
