@@ -19,6 +19,7 @@ from uuid import UUID
 
 import psycopg
 from sqlalchemy import Connection
+from sqlalchemy.exc import SQLAlchemyError
 
 from outbox.blobs import reference_hash
 from outbox.errors import ConfigurationError
@@ -30,7 +31,7 @@ from outbox.storage.engine import translate_errors
 from outbox.storage.notify import listen
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
-from outbox.storage.shard_turns import complete_on, logged_on_shard, shard_groups
+from outbox.storage.shard_turns import complete_on, logged_on_shard, shard_groups, wake_parked
 from outbox.storage.sql import dispatch as dispatch_sql
 from outbox.storage.sql import duties, leases, maintenance, queue
 from outbox.storage.sql.common import EFFECTS_CHANNEL
@@ -359,13 +360,31 @@ class AsyncStore(DutyStatements):
 
     async def run_sync(self, fn: Callable[[RunTx], T], what: str = "a run transaction") -> T:
         """Run sync domain logic (``runs.stopping``, say) on a :class:`RunTx` in one transaction."""
+        tx: RunTx | None = None
 
         def call(conn: Connection) -> T:
-            return fn(RunTx(conn))
+            nonlocal tx
+            tx = RunTx(conn)
+            return fn(tx)
 
         with translate_errors(what):
             async with self.engine.begin() as conn:
-                return await conn.run_sync(call)
+                result = await conn.run_sync(call)
+        for run_id, effect_id in tx.wake_after_commit if tx is not None else ():
+            await self._wake_apart(run_id, effect_id)
+        return result
+
+    async def _wake_apart(self, run_id: UUID, effect_id: UUID) -> None:
+        """On Citus: wake a run of another shard parked on an effect that ended.
+
+        In a transaction of its own: a node that does not answer leaves the run to
+        its recheck timer (as :meth:`Store._wake_apart <outbox.storage.store.Store._wake_apart>`).
+        """
+        try:
+            async with self.engine.begin() as conn:
+                await conn.run_sync(wake_parked, run_id, effect_id)
+        except SQLAlchemyError as exc:
+            log.warning("run %s parked on effect %s not woken (%s)", run_id, effect_id, exc)
 
     async def state_counts(self) -> maintenance.StateCounts:
         """Runs by status, open effects by (status, kind), oldest pending age."""

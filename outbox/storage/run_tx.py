@@ -30,6 +30,7 @@ from outbox.storage.engine import distributed, node_unreachable
 from outbox.storage.shard_turns import logged_rows, stored_shard
 from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql import control, maintenance
+from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL, SIGNALS_CHANNEL, notify
@@ -80,6 +81,9 @@ class RunTx:
         self.connection = connection
         # the shard of each effect this transaction named (statements name it: Citus)
         self._effect_shards: dict[uuid.UUID, int] = {}
+        #: (run, effect): on Citus, runs of other shards parked on effects this ended,
+        #: for the caller to wake after the commit (a statement stays on one shard)
+        self.wake_after_commit: list[tuple[uuid.UUID, uuid.UUID]] = []
 
     def _run(self, statement: Any, params: dict[str, Any]) -> Any:
         return self.connection.execute(statement, params)
@@ -277,6 +281,10 @@ class RunTx:
         if changed:
             # a run parked on the effect may have woken (reject_held's CTE)
             self.connection.execute(notify(RUNS_CHANNEL))
+            if distributed(self.connection):  # one of another shard is woken after it
+                waiter = self._run(effect_sql.awaiting_run(), params).scalar()
+                if waiter is not None and shard_of(waiter) != params["effect_shard"]:
+                    self.wake_after_commit.append((waiter, effect_id))
         return changed
 
     def escalate_held(self, effect_id: uuid.UUID, approver: str, detail: dict[str, Any]) -> bool:

@@ -29,7 +29,7 @@ from outbox.storage.engine import node_unreachable
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql.attempt_log import log_selected
-from outbox.storage.sql.common import RUNS_CHANNEL
+from outbox.storage.sql.common import RUNS_CHANNEL, notify
 
 __all__ = [
     "SHARD_REST_SECONDS",
@@ -40,6 +40,7 @@ __all__ = [
     "next_turn",
     "shard_groups",
     "stored_shard",
+    "wake_parked",
 ]
 
 log = logging.getLogger(__name__)
@@ -291,6 +292,19 @@ async def _wake_waiters(
             await conn.execute(wake.sql, wake.params(params), prepare=False)
         except psycopg.Error as exc:
             log.warning("shard %d: runs awaiting effects not woken (%s)", shard, exc)
+
+
+def wake_parked(conn: Connection, run_id: UUID, effect_id: UUID) -> bool:
+    """Wake run ``run_id`` if it is still parked on ``effect_id``, which just ended.
+
+    In ``conn``'s transaction, a statement on the run's own shard; its workers are
+    told at commit. True when it woke.
+    """
+    params = {"on_shard": shard_of(run_id), "runs": [run_id], "awaited": [effect_id]}
+    if conn.execute(effect_sql.wake_waiters(), params).first() is None:
+        return False
+    conn.execute(notify(RUNS_CHANNEL))
+    return True
 
 
 async def shard_groups(

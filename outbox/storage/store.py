@@ -15,9 +15,16 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import Connection, Engine, select, text
+from sqlalchemy.exc import SQLAlchemyError
 
 from outbox.blobs import reference_hashes
-from outbox.models import Effect, EffectAttempt, RunRecord, StepRecord
+from outbox.models import (
+    TERMINAL_EFFECT_STATUSES,
+    Effect,
+    EffectAttempt,
+    RunRecord,
+    StepRecord,
+)
 from outbox.shards import shard_of
 from outbox.storage import blob_store, writes
 from outbox.storage.blob_store import (
@@ -31,7 +38,7 @@ from outbox.storage.deliverer_reads import DelivererReads
 from outbox.storage.engine import distributed, translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
-from outbox.storage.shard_turns import ShardTurns, logged_rows, stored_shard
+from outbox.storage.shard_turns import ShardTurns, logged_rows, stored_shard, wake_parked
 from outbox.storage.sql import audit, maintenance
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
@@ -80,7 +87,10 @@ class Store(RunWorkerStatements):
     def run_tx(self, connection: Connection | None = None) -> Iterator[RunTx]:
         """A run-scoped transaction (waits, signals, stopping): see :class:`RunTx`."""
         with self.begin(connection) as conn:
-            yield RunTx(conn)
+            tx = RunTx(conn)
+            yield tx
+        for run_id, effect_id in tx.wake_after_commit:
+            self._wake_apart(run_id, effect_id)
 
     # -- runs -----------------------------------------------------------------
 
@@ -211,13 +221,36 @@ class Store(RunWorkerStatements):
             if which == "resolve"
             else effect_sql.retry_failed
         )
+        ends = params.get("new_status") in TERMINAL_EFFECT_STATUSES
+        effect_id = params["effect_id"]
         with translate_errors(f"{which} of an effect"), self.engine.begin() as conn:
             # The change and its log row go to the effect's shard alone on Citus.
-            shard = stored_shard(conn, params["effect_id"])
+            shard = stored_shard(conn, effect_id)
             if shard is None:
                 return False
             bound = {**params, "effect_shard": shard}
-            return bool(logged_rows(conn, statement, bound, sharded=self._is_sharded(conn)))
+            sharded = self._is_sharded(conn)
+            if not logged_rows(conn, statement, bound, sharded=sharded):
+                return False
+            waiter = conn.execute(effect_sql.awaiting_run(), bound).scalar() if ends else None
+            if waiter is not None and not sharded:
+                wake_parked(conn, waiter, effect_id)  # with the change: both or neither
+        if waiter is not None and sharded:
+            self._wake_apart(waiter, effect_id)
+        return True
+
+    def _wake_apart(self, run_id: UUID, effect_id: UUID) -> None:
+        """On Citus: wake a run parked on an effect that ended, in a transaction of its own.
+
+        The run may live on another node: the change it follows committed on the
+        effect's node alone, so a node that does not answer here stops only this
+        wake-up, and the run still goes on when its recheck timer ends.
+        """
+        try:
+            with self.engine.begin() as conn:
+                wake_parked(conn, run_id, effect_id)
+        except SQLAlchemyError as exc:
+            log.warning("run %s parked on effect %s not woken (%s)", run_id, effect_id, exc)
 
     # -- governance -------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, text
 
 from deliverers.testing import RecordingDeliverer
 from outbox import (
+    EffectFailed,
     EffectStatus,
     IdempotencyConflict,
     Outbox,
@@ -412,6 +413,55 @@ def test_a_run_parked_on_an_effect_of_another_shard_goes_on_when_it_ends(
                 message="woken by the outcome, on another shard",
             )
     assert all("recorded" in ob.run(w.id).record.result for w in waiters)
+
+
+def test_an_operators_resolve_and_an_approvers_rejection_wake_runs_of_other_shards(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A person's decision ends the effect on its shard; a run of another shard parked
+    on it is woken right after, in a transaction of its own, not by its recheck timer."""
+    monkeypatch.setattr(waits, "EFFECT_RECHECK_SECONDS", 3600.0)
+    gate = Gate(
+        name="citus-all", kind="citus.held", when=[{"pointer": "/n", "op": "ge", "value": 0}]
+    )
+    ob.apply_gates([gate])
+    payer = ob.start_run("payer", "1")
+    unknown = payer.transaction(
+        "ask", lambda tx: [str(tx.intend("citus.asked", {"n": n}).id) for n in range(3)]
+    )
+    held = payer.transaction(
+        "hold", lambda tx: [str(tx.intend("citus.held", {"n": n}).id) for n in range(3)]
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox_effects SET status = 'unknown', attempt = 1"
+            " WHERE id = ANY(%s::uuid[]) AND shard = %s",
+            [unknown, shard_of(payer.id)],
+        )
+    assert {ob.effect(e).status for e in held} == {EffectStatus.AWAITING_APPROVAL}
+    waiters = {ob.start_run("waiter", "1", {"effect": e}).id: e for e in unknown + held}
+    elsewhere = [w for w in waiters if shard_of(w) != shard_of(payer.id)]
+    assert elsewhere, "six runs on the payer's shard: once in 10^9"
+
+    def handler(run: Run) -> Any:
+        try:
+            return run.await_effect(uuid.UUID(run.inputs["effect"]))
+        except EffectFailed as exc:
+            return exc.status
+
+    def statuses() -> set[RunStatus]:
+        return {ob.run(w).status for w in elsewhere}
+
+    with WorkerThread(ob, "waiter", "1", handler):
+        wait_for(lambda: statuses() == {RunStatus.WAITING}, timeout=30, message="parked")
+        for effect in unknown:
+            ob.resolve_effect(effect, outcome="failed", note="never reached", operator="ops")
+        for effect in held:
+            ob.reject_effect(effect, note="not this month", by="cfo")
+        wait_for(lambda: statuses() == {RunStatus.COMPLETED}, timeout=20, message="woken")
+    ended = {"failed" if waiters[w] in unknown else "rejected" for w in elsewhere}
+    assert {ob.run(w).record.result for w in elsewhere} == ended
+    ob.remove_gates([gate.name])
 
 
 def _intend_amount(tx: StepTransaction, amount: int) -> str:

@@ -12,6 +12,7 @@ from sqlalchemy import text
 from deliverers.testing import RecordingDeliverer
 from outbox import (
     EffectFailed,
+    EffectStatus,
     Outbox,
     Run,
     RunStatus,
@@ -20,7 +21,8 @@ from outbox import (
     StepTransaction,
     ValidationError,
 )
-from outbox.delivery import Failed
+from outbox.delivery import Failed, Unknown
+from outbox.runs import waits
 from tests.support import DaemonThread, WorkerThread, wait_for
 
 
@@ -181,6 +183,32 @@ def test_await_effect_raises_when_the_effect_failed(ob: Outbox, dsn: str) -> Non
         run = ob.start_run("a", "1", {})
         wait_for(lambda: status(ob, run) == RunStatus.COMPLETED, timeout=10)
     assert seen == ["failed"]
+
+
+@pytest.mark.parametrize(("answer", "result"), [("succeeded", None), ("failed", "failed")])
+def test_a_run_parked_on_an_unknown_effect_goes_on_when_an_operator_resolves_it(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch, answer: str, result: str | None
+) -> None:
+    """The operator's resolve wakes the run then, not its recheck timer (put out of reach)."""
+    monkeypatch.setattr(waits, "EFFECT_RECHECK_SECONDS", 3600.0)
+    paid: list[str] = []
+
+    def handler(run: Run) -> Any:
+        effect = run.transaction("charge", lambda tx: str(tx.intend("k.pay", {}).id))
+        paid.append(effect)
+        try:
+            return run.await_effect(effect)
+        except EffectFailed as exc:
+            return exc.status
+
+    timed_out = RecordingDeliverer("k.pay", outcome=lambda d: Unknown("the bank timed out"))
+    with WorkerThread(ob, "a", "1", handler), DaemonThread(dsn, {"k.pay": timed_out}):
+        run = ob.start_run("a", "1", {})
+        wait_for(lambda: paid and ob.effect(paid[0]).status == EffectStatus.UNKNOWN, timeout=10)
+        wait_for(lambda: status(ob, run) == RunStatus.WAITING)
+        ob.resolve_effect(paid[0], outcome=answer, note="read the bank's ledger", operator="ops")
+        wait_for(lambda: status(ob, run) == RunStatus.COMPLETED, timeout=10)
+    assert ob.run(run.id).record.result == result
 
 
 def test_outside_a_worker_waits_block(ob: Outbox) -> None:

@@ -263,7 +263,13 @@ def test_the_operator_resolves_retries_cancels_and_collects_garbage(
             {"id": stuck.id},
         )
         conn.execute(
-            text("UPDATE outbox_effects SET status = 'unknown' WHERE id = :id"), {"id": first.id}
+            text("UPDATE outbox_effects SET status = 'unknown', awaited_by = :run WHERE id = :id"),
+            {"id": first.id, "run": run.id},
+        )
+        # the run parked on the unknown effect (run.await_effect): the resolve wakes it
+        conn.execute(
+            text("UPDATE outbox_runs SET status = 'waiting', wait_effect = :id WHERE id = :run"),
+            {"id": first.id, "run": run.id},
         )
         conn.execute(
             text(
@@ -275,6 +281,7 @@ def test_the_operator_resolves_retries_cancels_and_collects_garbage(
     outbox_cli(dsn, "effects", "resolve", str(first.id), "--as", "succeeded", "--note", "in log")
     outbox_cli(dsn, "effects", "retry", str(second.id))
     assert ob.effect(first.id).status == "succeeded" and ob.effect(second.id).status == "pending"
+    assert ob.run(run.id).status == RunStatus.RUNNABLE
     outbox_cli(dsn, "reconcile")
     assert ob.effect(stuck.id).status in ("pending", "unknown")
     outbox_cli(dsn, "runs", "cancel", str(run.id), "--reason", "customer left", "--by", "carol")

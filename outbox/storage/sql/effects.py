@@ -50,6 +50,7 @@ from outbox.storage.sql.common import (
 )
 
 __all__ = [
+    "awaiting_run",
     "complete_effects",
     "expire_effect",
     "expired_effects",
@@ -316,6 +317,19 @@ def wake_waiters() -> Any:
         )
         .values(woken_run("wait_effect"))
         .returning(runs.c.id)
+    )
+
+
+@cache
+def awaiting_run() -> AnySelect:
+    """The run that parked on effect ``effect_id`` (of shard ``effect_shard``), or NULL.
+
+    ``awaited_by`` names the last run that did; :func:`wake_waiters` wakes it only
+    while it still waits for that effect.
+    """
+    return select(effects.c.awaited_by).where(
+        effects.c.id == bindparam("effect_id", type_=UUID(as_uuid=True)),
+        effects.c.shard == bindparam("effect_shard", type_=SmallInteger),
     )
 
 
