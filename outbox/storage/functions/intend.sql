@@ -94,9 +94,10 @@ BEGIN
                <= outbox_limit('max_step_bytes'),
            coalesce(array_agg(x ORDER BY x.n), '{}')
       INTO screened, rows
-      FROM outbox_intent_rows(p_run_id, p_step_id, intents, coalesce((entry->>'next')::integer, 0),
-                              run.priority, run.fairness_key, run.dry_run, NULL,
-                              coalesce(run.namespace, 'default')) AS x;
+      FROM outbox_intent_rows_planned(p_run_id, p_step_id, intents,
+                                      coalesce((entry->>'next')::integer, 0), run.priority,
+                                      run.fairness_key, run.dry_run, NULL,
+                                      coalesce(run.namespace, 'default'), NULL) AS x;
     IF NOT screened THEN
         -- checked exactly (and callers' keys locked), then derived again: the
         -- effects a locked key names are seen now
@@ -105,20 +106,28 @@ BEGIN
             (entry->>'bytes')::bigint, coalesce(run.dry_run, false), indexed,
             coalesce(run.namespace, 'default'));
         SELECT coalesce(array_agg(x ORDER BY x.n), '{}') INTO rows
-          FROM outbox_intent_rows(p_run_id, p_step_id, checked, coalesce((entry->>'next')::integer, 0),
-                                  run.priority, run.fairness_key, run.dry_run, firsts,
-                                  coalesce(run.namespace, 'default'), existing) AS x;
+          FROM outbox_intent_rows_planned(p_run_id, p_step_id, checked,
+                                          coalesce((entry->>'next')::integer, 0), run.priority,
+                                          run.fairness_key, run.dry_run, firsts,
+                                          coalesce(run.namespace, 'default'), existing) AS x;
     END IF;
     -- once (as an argument of outbox_intent_effects it would run once per use)
     gates := outbox_gates_of(ARRAY(SELECT DISTINCT r.kind FROM unnest(rows) AS r));
-    -- one INSERT ... SELECT, no CTE: Citus would run a CTE as sub-plans of their own
-    INSERT INTO outbox_effects AS e (
-        id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
-        idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
-        fairness_key, status, available_at, approval, approval_deadline, trace_parent,
-        shard, namespace)
-    SELECT * FROM outbox_intent_effects(rows, p_run_id, p_step_id, run.held,
-        coalesce(run.namespace, 'default'), gates, now());
+    -- an INSERT ... VALUES a row, planned once a session (outbox_insert_effects), for
+    -- the common few; one INSERT ... SELECT, no CTE (Citus would run a CTE as
+    -- sub-plans of their own), planned on each call, for many
+    IF cardinality(rows) <= 32 THEN
+        PERFORM outbox_insert_effects(rows, p_run_id, p_step_id, run.held,
+                                      coalesce(run.namespace, 'default'), gates, now());
+    ELSE
+        INSERT INTO outbox_effects AS e (
+            id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
+            idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
+            fairness_key, status, available_at, approval, approval_deadline, trace_parent,
+            shard, namespace)
+        SELECT * FROM outbox_intent_effects(rows, p_run_id, p_step_id, run.held,
+            coalesce(run.namespace, 'default'), gates, now());
+    END IF;
     -- as outbox_commit_step's: an intent a gate holds makes this true too (a NOTIFY
     -- for nothing, never one missed)
     claimable := NOT run.held AND EXISTS (SELECT 1 FROM unnest(rows) AS r

@@ -133,6 +133,22 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
        AS screened) AS s
 $$;
 
+-- outbox_intent_rows as outbox_intend_all calls it, with its plan kept for the
+-- session: PostgreSQL judged a custom plan of the inlined derivation (hundreds
+-- of nodes) cheaper and planned it afresh on every call, 1.3 ms of the call's
+-- 1.75 ms of server CPU. It reads no distributed table: Citus takes the plan.
+CREATE OR REPLACE FUNCTION outbox_intent_rows_planned(
+    p_run_id uuid, p_step_id text, p_intents jsonb, p_next integer,
+    p_priority integer, p_fairness_key text, p_dry_run boolean, p_first integer[],
+    p_namespace text, p_existing uuid[]
+) RETURNS SETOF outbox_intent
+    LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM outbox_intent_rows(p_run_id, p_step_id, p_intents, p_next,
+        p_priority, p_fairness_key, p_dry_run, p_first, p_namespace, p_existing);
+END
+$$;
+
 -- Check p_intents exactly, as outbox_intent_rows derives them for the same step
 -- (p_count and p_bytes: what the step or transaction wrote before, which the caps
 -- count), raising the first refusal; take every caller's key (outbox_take_key:
