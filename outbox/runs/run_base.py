@@ -243,7 +243,8 @@ class RunBase:
         """
         # The client's throttle decides the wake-up (a NOTIFY in this commit, or none).
         step = step_checkpoint(tx, kind, result, lease=self._lease, wake=notified is not None)
-        alone = own and writes.untouched(conn) and not writes.takes_keys(step)
+        # takes_keys first: it may ask the database, which is then no longer untouched
+        alone = own and not writes.takes_keys(conn, step) and writes.untouched(conn)
         if alone:
             # The call below is the commit: a crash "before commit" is before it.
             crash_point("before_step_commit", step_id, run=self.id)
