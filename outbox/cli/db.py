@@ -77,7 +77,7 @@ def migrate_command(
 
             with console.status("distributing the tables…"):
                 distributed = distribute_tables(engine).distributed
-        with translate_errors("reading the schema version"), engine.connect() as conn:
+        with translate_errors("reading the schema version"), engine.begin() as conn:
             versions = applied_versions(conn)
     finally:
         engine.dispose()

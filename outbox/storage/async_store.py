@@ -185,7 +185,7 @@ class AsyncStore(DutyStatements):
         if sha is None:
             return effect
         with translate_errors("reading a payload"):
-            async with self.engine.connect() as conn:
+            async with self.engine.begin() as conn:
                 values = await conn.run_sync(blob_store.fetch, [sha])
         return dataclasses.replace(effect, payload=values[sha])
 
@@ -389,7 +389,7 @@ class AsyncStore(DutyStatements):
     async def state_counts(self) -> maintenance.StateCounts:
         """Runs by status, open effects by (status, kind), oldest pending age."""
         with translate_errors("counting states"):
-            async with self.engine.connect() as conn:
+            async with self.engine.begin() as conn:
                 return await conn.run_sync(read_state_counts)
 
     async def dispose(self) -> None:

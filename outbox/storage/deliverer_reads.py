@@ -28,7 +28,7 @@ class DelivererReads:
     def tally(self, run_ids: Sequence[UUID]) -> dict[str, dict[str, int]]:
         """Effects of these runs by status, attempt-log rows by outcome, successes by worker."""
         ids = {"ids": list(run_ids)}
-        with translate_errors("tallying effects"), self.engine.connect() as conn:
+        with translate_errors("tallying effects"), self.engine.begin() as conn:
             return {
                 "status": dict(conn.execute(maintenance.effects_by_status(), ids).all()),
                 "outcome": dict(conn.execute(maintenance.attempts_by_outcome(), ids).all()),
@@ -38,7 +38,7 @@ class DelivererReads:
     def gone_in_flight(self, restart_grace: float = 5.0) -> list[tuple[str, int, Any]]:
         """``(owner, attempts, first lease end)`` of the in-flight attempts of gone deliverers."""
         params = {"restart_grace": restart_grace}
-        with translate_errors("listing gone deliverers"), self.engine.connect() as conn:
+        with translate_errors("listing gone deliverers"), self.engine.begin() as conn:
             gone = list(conn.execute(owners.gone_owner_names(), params).scalars())
             if not gone:
                 return []
@@ -47,12 +47,12 @@ class DelivererReads:
 
     def live_owners(self) -> list[str]:
         """Lease owners of the delivery daemons alive on this database (their lock held)."""
-        with translate_errors("listing deliverers"), self.engine.connect() as conn:
+        with translate_errors("listing deliverers"), self.engine.begin() as conn:
             return list(conn.execute(owners.live_owners()).scalars())
 
     def in_flight_of(self, owner_pattern: str) -> int:
         """Effects in flight under lease owners matching the SQL ``LIKE`` pattern."""
-        with translate_errors("counting in-flight effects"), self.engine.connect() as conn:
+        with translate_errors("counting in-flight effects"), self.engine.begin() as conn:
             return int(
                 conn.execute(maintenance.in_flight_like(), {"pattern": owner_pattern}).scalar_one()
             )

@@ -176,7 +176,7 @@ class DutyStatements(DeliveryConnections):
             return []
         params = {"kinds": list(kinds), "max_rows": max_rows}
         with translate_errors("finding unknown effects"):
-            async with self.engine.connect() as conn:
+            async with self.engine.begin() as conn:
                 return claimed_rows(await conn.execute(effect_sql.unknown_of_kinds(), params))
 
     async def expire(
@@ -243,7 +243,7 @@ class DutyStatements(DeliveryConnections):
     async def recorded_result(self, effect_id: UUID) -> tuple[bool, Any]:
         """The result a real run recorded for the intent a dry-run effect stands for."""
         with translate_errors("looking up a recorded result"):
-            async with self.engine.connect() as conn:
+            async with self.engine.begin() as conn:
                 row = (
                     await conn.execute(gov_sql.recorded_result(), {"effect_id": effect_id})
                 ).first()

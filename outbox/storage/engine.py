@@ -126,6 +126,12 @@ def write_settings(settings: Settings) -> dict[str, Any]:
     }
 
 
+# Reads use ``engine.begin()`` (a COMMIT at the end), not ``engine.connect()`` (a
+# ROLLBACK): psycopg forgets every statement it prepared on a connection at a
+# ROLLBACK, so one read made every statement of that connection be planned afresh
+# (tests/integration/test_client_plans.py).
+
+
 def make_engine(
     dsn: str | URL,
     *,
@@ -338,7 +344,7 @@ def open_engine(settings: Settings, *, application_name: str = "outbox") -> Engi
         if auto:
             with translate_errors("migrating"):
                 migrate(engine)
-        with translate_errors("checking the schema"), engine.connect() as conn:
+        with translate_errors("checking the schema"), engine.begin() as conn:
             check_schema(conn)
     except BaseException:
         engine.dispose()

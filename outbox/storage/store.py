@@ -116,7 +116,7 @@ class Store(RunWorkerStatements):
         """
         run_q, steps_q = sql.run_with_steps(one_step=step_id is not None)
         params = {"run_id": run_id, "step_id": step_id}
-        with translate_errors("loading a run"), self.engine.connect() as conn:
+        with translate_errors("loading a run"), self.engine.begin() as conn:
             row = conn.execute(run_q, params).one_or_none()
             if row is None:
                 return None
@@ -139,7 +139,7 @@ class Store(RunWorkerStatements):
         query = select(steps).where(
             steps.c.run_id == run_id, steps.c.step_id == step_id, steps.c.shard == shard_of(run_id)
         )
-        with translate_errors("loading a step"), self.engine.connect() as conn:
+        with translate_errors("loading a step"), self.engine.begin() as conn:
             row = conn.execute(query).one_or_none()
             if row is None:
                 return None
@@ -149,7 +149,7 @@ class Store(RunWorkerStatements):
 
     def list_runs(self, **filters: Any) -> list[RunRecord]:
         """Runs, newest first."""
-        with translate_errors("listing runs"), self.engine.connect() as conn:
+        with translate_errors("listing runs"), self.engine.begin() as conn:
             rows = conn.execute(sql.list_runs(**filters)).all()
             return blob_store.resolve(
                 conn, [RunRecord.model_validate(r._mapping) for r in rows], RUN_FIELDS
@@ -179,7 +179,7 @@ class Store(RunWorkerStatements):
 
     def get_effect(self, effect_id: UUID) -> Effect | None:
         """One effect by id: on the shard its id names, else (an older id) on any."""
-        with translate_errors("loading an effect"), self.engine.connect() as conn:
+        with translate_errors("loading an effect"), self.engine.begin() as conn:
             named = {"id": effect_id, "home": shard_of(effect_id)}
             row = conn.execute(sql.effect_on_shard(), named).one_or_none()
             if row is None:
@@ -190,7 +190,7 @@ class Store(RunWorkerStatements):
 
     def list_effects(self, **filters: Any) -> list[Effect]:
         """Effects in intent order."""
-        with translate_errors("listing effects"), self.engine.connect() as conn:
+        with translate_errors("listing effects"), self.engine.begin() as conn:
             rows = conn.execute(sql.list_effects(**filters)).all()
             return blob_store.resolve(
                 conn, [Effect.model_validate(r._mapping) for r in rows], EFFECT_FIELDS
@@ -200,14 +200,14 @@ class Store(RunWorkerStatements):
         """Those of ``effect_ids`` that are terminal (succeeded, failed, cancelled, compensated)."""
         if not effect_ids:
             return []
-        with translate_errors("checking awaited effects"), self.engine.connect() as conn:
+        with translate_errors("checking awaited effects"), self.engine.begin() as conn:
             rows = conn.execute(sql.finished_effects(), {"ids": list(effect_ids)}).all()
         return [Effect.model_validate(r._mapping) for r in rows]
 
     def attempts(self, effect_id: UUID) -> list[EffectAttempt]:
         """The attempt log of one effect, oldest first (read on the effect's shard)."""
         query = select(effect_attempts).where(effect_attempts.c.effect_id == effect_id)
-        with translate_errors("loading attempts"), self.engine.connect() as conn:
+        with translate_errors("loading attempts"), self.engine.begin() as conn:
             if self._is_sharded(conn):  # named, so that Citus reads that shard alone
                 shard = stored_shard(conn, effect_id)
                 query = query.where(effect_attempts.c.shard == (-1 if shard is None else shard))
@@ -264,7 +264,7 @@ class Store(RunWorkerStatements):
 
     def list_gates(self) -> list[dict[str, Any]]:
         """Every approval gate as stored, by name."""
-        with translate_errors("listing approval gates"), self.engine.connect() as conn:
+        with translate_errors("listing approval gates"), self.engine.begin() as conn:
             return [dict(r._mapping) for r in conn.execute(gov_sql.list_gates())]
 
     def remove_gates(self, names: list[str]) -> list[str]:
@@ -299,7 +299,7 @@ class Store(RunWorkerStatements):
 
     def run_ids(self, limit: int) -> list[UUID]:
         """Run ids, newest first (what ``outbox audit verify`` checks without a run named)."""
-        with translate_errors("listing runs"), self.engine.connect() as conn:
+        with translate_errors("listing runs"), self.engine.begin() as conn:
             query = select(runs.c.id).order_by(runs.c.created_at.desc()).limit(limit)
             return [row[0] for row in conn.execute(query)]
 
@@ -315,7 +315,7 @@ class Store(RunWorkerStatements):
 
     def run_versions(self) -> list[dict[str, Any]]:
         """Unfinished runs per agent, version and status (a version with none may retire)."""
-        with translate_errors("counting runs per version"), self.engine.connect() as conn:
+        with translate_errors("counting runs per version"), self.engine.begin() as conn:
             rows = conn.execute(run_sql.run_versions()).all()
         return [
             {"agent": r.agent, "version": r.agent_version, "status": r.status, "runs": r.runs}
@@ -324,12 +324,12 @@ class Store(RunWorkerStatements):
 
     def ping(self) -> None:
         """One round trip to the server (health checks); raises :class:`DatabaseError`."""
-        with translate_errors("checking the database"), self.engine.connect() as conn:
+        with translate_errors("checking the database"), self.engine.begin() as conn:
             conn.execute(text("SELECT 1"))
 
     def state_counts(self) -> maintenance.StateCounts:
         """Runs by status, open effects by (status, kind), age of the oldest pending effect."""
-        with translate_errors("counting states"), self.engine.connect() as conn:
+        with translate_errors("counting states"), self.engine.begin() as conn:
             return read_state_counts(conn)
 
     # -- audit (``outbox check``, chaos tests): whole tables of a small scratch database --
@@ -349,7 +349,7 @@ class Store(RunWorkerStatements):
 
     def effect_counts(self) -> dict[str, int]:
         """Effects per status (every status present)."""
-        with translate_errors("counting effects"), self.engine.connect() as conn:
+        with translate_errors("counting effects"), self.engine.begin() as conn:
             return {str(s): int(n) for s, n in conn.execute(audit.effect_status_counts()).all()}
 
     def expire_leases_of(self, owner_pattern: str) -> int:
@@ -366,7 +366,7 @@ class Store(RunWorkerStatements):
 
     def effect_kinds(self) -> list[str]:
         """The effect kinds intended so far."""
-        with translate_errors("listing effect kinds"), self.engine.connect() as conn:
+        with translate_errors("listing effect kinds"), self.engine.begin() as conn:
             return [str(k) for k in conn.execute(audit.effect_kinds()).scalars()]
 
 

@@ -84,7 +84,7 @@ class ConsoleViews:
             after=after,
             limit=limit + 1,
         )
-        with translate_errors("listing runs"), self.engine.connect() as conn:
+        with translate_errors("listing runs"), self.engine.begin() as conn:
             rows = _rows(conn.execute(query, params))
         more = len(rows) > limit
         rows = rows[:limit]
@@ -105,7 +105,7 @@ class ConsoleViews:
         query, params = sql.effect_page(
             status=status, kind=kind, after=UUID(cursor) if cursor else None, limit=limit + 1
         )
-        with translate_errors("listing effects"), self.engine.connect() as conn:
+        with translate_errors("listing effects"), self.engine.begin() as conn:
             rows = _rows(conn.execute(query, params))
         more = len(rows) > limit
         rows = rows[:limit]
@@ -118,7 +118,7 @@ class ConsoleViews:
         query, params = sql.operator_queue(
             status.value, after=int(cursor) if cursor else None, limit=limit + 1
         )
-        with translate_errors("listing the operator queue"), self.engine.connect() as conn:
+        with translate_errors("listing the operator queue"), self.engine.begin() as conn:
             rows = _rows(conn.execute(query, params))
         more = len(rows) > limit
         rows = rows[:limit]
@@ -131,7 +131,7 @@ class ConsoleViews:
         returned, or the effect itself when it belongs to no run).
         """
         text = text.strip()
-        with translate_errors("searching"), self.engine.connect() as conn:
+        with translate_errors("searching"), self.engine.begin() as conn:
             try:
                 uid = UUID(text)
             except ValueError:
@@ -149,7 +149,7 @@ class ConsoleViews:
     def run(self, run_id: UUID) -> RunDetail | None:
         """The run with its steps, signals, budget ledger and effects (each capped)."""
         part = {"run_id": run_id, "lim": PART_LIMIT}
-        with translate_errors("loading a run"), self.engine.connect() as conn:
+        with translate_errors("loading a run"), self.engine.begin() as conn:
             row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
             if row is None:
                 return None
@@ -169,7 +169,7 @@ class ConsoleViews:
         self, effect_id: UUID
     ) -> tuple[Effect, list[EffectAttempt], list[dict[str, Any]]] | None:
         """One effect, its attempt log, and the effects that compensate it."""
-        with translate_errors("loading an effect"), self.engine.connect() as conn:
+        with translate_errors("loading an effect"), self.engine.begin() as conn:
             row = conn.execute(select(effects).where(effects.c.id == effect_id)).first()
             if row is None:
                 return None
@@ -187,12 +187,12 @@ class ConsoleViews:
 
     def delivery_by_minute(self, seconds: float = 3600) -> list[dict[str, Any]]:
         """Succeeded effects per minute over the last ``seconds`` with p50/p95 latency."""
-        with translate_errors("reading delivery rates"), self.engine.connect() as conn:
+        with translate_errors("reading delivery rates"), self.engine.begin() as conn:
             return _rows(conn.execute(sql.delivery_by_minute(), {"seconds": seconds}))
 
     def versions(self) -> list[dict[str, Any]]:
         """Unfinished runs per agent, version and status."""
-        with translate_errors("counting runs per version"), self.engine.connect() as conn:
+        with translate_errors("counting runs per version"), self.engine.begin() as conn:
             return _rows(conn.execute(run_sql.run_versions()))
 
     def revoke_session(self, digest: str, until: datetime) -> None:
@@ -202,5 +202,5 @@ class ConsoleViews:
 
     def session_revoked(self, digest: str) -> bool:
         """Whether the session ``digest`` was signed out."""
-        with translate_errors("checking a session"), self.engine.connect() as conn:
+        with translate_errors("checking a session"), self.engine.begin() as conn:
             return conn.execute(sql.session_revoked(), {"digest": digest}).first() is not None
