@@ -293,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     home = Path(tempfile.mkdtemp(prefix="outbox-bench-sql-api-"))
+    home.chmod(0o711)  # run as root, the server runs as its own user and must enter it
     server = EmbeddedServer(home, settings=NO_DURABILITY if args.durability == "off" else {})
     results: dict[str, Any] = {"seconds": args.seconds, "reps": args.reps}
     results["durability"] = args.durability
