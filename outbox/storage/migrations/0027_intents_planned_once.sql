@@ -197,6 +197,342 @@ BEGIN
 END
 $$;
 
+-- Record step_id of run_id (on its shard, outbox_shard_of(run_id)) in the caller's
+-- transaction: the one implementation of a step's checkpoint, for every client
+-- (the Python client calls it too; SQL callers call outbox_commit_step, below).
+--
+-- SECURITY DEFINER (it runs as the tables' owner, its search path pinned as in
+-- chain_writes.sql): it writes the run's chain head and the step's link, which
+-- `outbox roles` grants no login; only a session whose login may insert into
+-- outbox_steps may call it (outbox_raise_not_step_writer).
+--
+-- What it writes, all of it or none: the step's result; the run's new state and
+-- plan (NULL keeps them); its intents (intents: a JSON array of outbox_intend's
+-- arguments) and those outbox_intend wrote for this step earlier in the
+-- transaction; its budget debits (spends: a JSON array of {"reason", "amount"},
+-- and outbox_spend's) and the reservations of its intents' costs, with their
+-- ledger entries. The step joins its run's hash chain (outbox_step_link), which
+-- covers the ids, keys, kinds and payload hashes of the intents it created.
+--
+-- Refused, writing nothing: a run that is missing, paused or ended (OB004,
+-- OB009, OB005), a step recorded before (OB006: roll back and replay it), a
+-- budget that cannot cover the step (OB007), and with lease_owner and
+-- lease_attempt (a worker's fence, G4) a run leased to someone else since
+-- (OB011). paused is true when a pause waits for this step: its intents are
+-- held as paused with the run's others.
+--
+-- wake: true sends the deliverers' NOTIFY if the step wrote a claimable intent,
+-- false never, NULL leaves it to outbox_wake's shared window.
+--
+-- The common step (small values, intents the cheap checks of outbox_intent_rows
+-- clear, nothing written for it earlier in the transaction) is one statement and
+-- a handful of expressions: PL/pgSQL builds each expression's state anew in every
+-- transaction, so the function keeps few. Anything else is checked exactly first
+-- (outbox_check_step, outbox_check_intents, outbox_store_values), then written by
+-- the same statement.
+--
+-- Its statements keep one generic plan from a session's first step: PostgreSQL
+-- would plan the step statement afresh for each of a session's first five steps
+-- (about 6.7 ms each, a plan of hundreds of nodes) before settling on the generic
+-- plan it then keeps. A short-lived process paid that on every step.
+CREATE OR REPLACE FUNCTION outbox_write_step(
+    shard smallint,
+    run_id uuid,
+    step_id text,
+    result jsonb DEFAULT NULL,
+    state jsonb DEFAULT NULL,
+    plan jsonb DEFAULT NULL,
+    intents jsonb DEFAULT NULL,
+    step_kind text DEFAULT 'transaction',
+    spends jsonb DEFAULT NULL,
+    lease_owner text DEFAULT NULL,
+    lease_attempt integer DEFAULT NULL,
+    wake boolean DEFAULT NULL,
+    OUT step_seq bigint,
+    OUT effect_ids uuid[],
+    OUT paused boolean,
+    OUT notify boolean
+)
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT
+    SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    -- what outbox_intend and outbox_spend wrote for this step in this transaction
+    tx_step jsonb;
+    debit numeric := 0;
+    ledger jsonb := '[]';
+    chain jsonb := '[]';
+    stored jsonb[];
+    firsts integer[];
+    existing uuid[];
+    p_intents jsonb := coalesce(nullif(intents, 'null'), '[]');
+    screened boolean;
+    run_ok boolean;
+    rows outbox_intent[];
+    claimable boolean;
+    v_now timestamptz := now();
+BEGIN
+    -- It runs as the tables' owner (the only writer of the chain's columns besides
+    -- chain_writes.sql): a login that could not record a step by hand cannot
+    -- through it either, whatever EXECUTE it was left.
+    IF NOT has_any_column_privilege(session_user, 'outbox_steps', 'INSERT') THEN
+        PERFORM outbox_raise_not_step_writer();
+    END IF;
+    IF outbox_write_step.shard IS DISTINCT FROM outbox_shard_of(outbox_write_step.run_id) THEN
+        PERFORM outbox_refuse('OB001', 'shard', outbox_write_step.shard::text,
+            format('is not the shard of run_id %s (outbox_shard_of: %s)',
+                   outbox_write_step.run_id, outbox_shard_of(outbox_write_step.run_id)));
+    END IF;
+    IF current_setting('outbox.tx_steps', true) <> '' OR spends IS NOT NULL
+       OR step_kind IS NULL OR step_kind NOT IN ('transaction', 'call')
+       OR outbox_step_id_refused(outbox_write_step.step_id)
+       OR (lease_owner IS NULL) <> (lease_attempt IS NULL) THEN
+        tx_step := outbox_tx_steps()->outbox_tx_step_slot(outbox_write_step.run_id,
+                                                          outbox_write_step.step_id);
+        SELECT * INTO debit, ledger, chain
+          FROM outbox_check_step(outbox_write_step.run_id, outbox_write_step.step_id, step_kind,
+                                 lease_owner, lease_attempt, spends, tx_step);
+    END IF;
+    notify := false;
+    IF outbox_distributed() THEN
+        SELECT w.step_seq, w.effect_ids, w.paused, w.notify INTO step_seq, effect_ids, paused, notify
+          FROM outbox_write_step_apart(outbox_write_step.shard, outbox_write_step.run_id,
+            outbox_write_step.step_id, result, state, plan, p_intents, step_kind, lease_owner,
+            lease_attempt, wake, tx_step, debit, ledger, chain) AS w;
+        RETURN;
+    END IF;
+    LOOP
+        -- one statement: the values and the intents derived, the run checked and
+        -- moved on (a compare-and-set on its status, budget and, for a worker, its
+        -- lease, with the chain's new head), the step recorded (a racer on the
+        -- same step waited on the run's row and finds it recorded), the effects
+        -- and the budget ledger written
+        WITH v AS (
+            SELECT coalesce(outbox_write_step.result, 'null')::text AS result_text,
+                   outbox_write_step.state::text AS state_text,
+                   outbox_write_step.plan::text AS plan_text
+        ), agg AS (
+            -- the gates of the step's kinds (outbox_gates_of's lookup), read here once
+            -- and planned with the statement: as a call it costs about 80 us a step
+            SELECT a.*, (SELECT coalesce(jsonb_agg(outbox_gate_json(g.name, g.kind,
+                                   g.conditions, g.timeout_seconds, g.on_timeout, g.escalate_to)
+                                   ORDER BY g.name), '[]')
+                           FROM outbox_gates AS g WHERE g.kind = ANY (a.kinds)) AS gates
+              FROM outbox_runs AS r, v, outbox_step_intents(outbox_write_step.run_id,
+                outbox_write_step.step_id, p_intents, r.priority, r.fairness_key, r.dry_run,
+                r.namespace, tx_step, firsts, existing, chain,
+                stored IS NOT NULL OR outbox_values_screened(v.result_text, v.state_text,
+                                                             v.plan_text)) AS a
+             WHERE r.id = outbox_write_step.run_id AND r.shard = outbox_write_step.shard
+        ), run_upd AS (
+            UPDATE outbox_runs AS r
+               SET state = coalesce(stored[2], outbox_write_step.state, r.state),
+                   plan = coalesce(stored[3], outbox_write_step.plan, r.plan),
+                   current_step = outbox_write_step.step_id,
+                   step_count = r.step_count + 1,
+                   spent = r.spent + debit,
+                   reserved = r.reserved + agg.reserve,
+                   step_head = outbox_step_link(
+                       coalesce(r.step_head, outbox_run_genesis(r.id, r.agent, r.inputs_hash)),
+                       r.id, outbox_write_step.step_id, step_kind, v.result_text, NULL,
+                       v.state_text, v.plan_text, v_now, agg.chain_text)
+                   -- updated_at is left alone: it is indexed, and a step's update must stay HOT
+              FROM agg, v
+             WHERE r.id = outbox_write_step.run_id AND r.shard = outbox_write_step.shard
+               AND (agg.screened OR firsts IS NOT NULL)
+               AND r.status = ANY (outbox_active_run_statuses())
+               AND (r.budget IS NULL OR r.spent + r.reserved + debit + agg.reserve <= r.budget)
+               AND (outbox_write_step.lease_owner IS NULL
+                    OR (r.lease_owner = outbox_write_step.lease_owner
+                        AND r.attempt = outbox_write_step.lease_attempt))
+            RETURNING r.paused_at IS NOT NULL AS paused, r.step_head, r.step_count, r.namespace
+        ), step_ins AS (
+            -- the step keeps the state and plan it set, so a fork can start from it
+            INSERT INTO outbox_steps AS s (run_id, shard, seq, step_id, kind, result, state, plan,
+                                           hash)
+            SELECT outbox_write_step.run_id, outbox_write_step.shard, u.step_count,
+                   outbox_write_step.step_id, step_kind,
+                   coalesce(stored[1], outbox_write_step.result, 'null'),
+                   coalesce(stored[2], outbox_write_step.state),
+                   coalesce(stored[3], outbox_write_step.plan), u.step_head
+              FROM run_upd AS u
+            ON CONFLICT ON CONSTRAINT outbox_steps_pkey DO NOTHING
+            RETURNING s.seq
+        ), effect_ins AS (
+            INSERT INTO outbox_effects AS e (
+                id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
+                idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
+                fairness_key, status, available_at, approval, approval_deadline, trace_parent,
+                shard, namespace)
+            SELECT h.*
+              FROM step_ins, run_upd AS u, agg,
+                   outbox_intent_effects(agg.rows, outbox_write_step.run_id,
+                                         outbox_write_step.step_id, u.paused, u.namespace,
+                                         agg.gates, v_now) AS h
+            RETURNING e.status
+        ), ledger_ins AS (
+            INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry,
+                                              amount)
+            SELECT outbox_write_step.run_id, outbox_write_step.shard, outbox_write_step.step_id,
+                   l.effect_id, l.reason, l.entry, l.amount
+              FROM (SELECT * FROM jsonb_to_recordset(ledger)
+                           AS l(entry text, reason text, amount numeric, effect_id uuid)
+                    UNION ALL
+                    SELECT 'reserve', i.kind, i.cost, i.id FROM agg, unnest(agg.rows) AS i
+                     WHERE i.cost IS NOT NULL AND i.existing IS NULL AND i.first_n IS NULL) AS l
+             CROSS JOIN step_ins
+        )
+        SELECT s.seq, agg.ids, u.paused, agg.screened, u.paused IS NOT NULL AS run_ok, agg.rows,
+               (SELECT bool_or(e.status = 'pending') FROM effect_ins AS e) AS claimable
+          INTO step_seq, effect_ids, paused, screened, run_ok, rows, claimable
+          FROM v LEFT JOIN agg ON true LEFT JOIN run_upd AS u ON true
+               LEFT JOIN step_ins AS s ON true;
+        EXIT WHEN screened OR firsts IS NOT NULL;
+        -- something the cheap checks did not clear: check it exactly (raising the
+        -- refusal, taking the locks of callers' keys; a large value stored by
+        -- reference), then write it
+        stored := outbox_store_values(outbox_write_step.run_id, ARRAY['result', 'state', 'plan'],
+                                      ARRAY[coalesce(result, 'null'), state, plan]);
+        SELECT c.firsts, c.intents, c.existing INTO firsts, p_intents, existing
+          FROM outbox_runs AS r, outbox_check_intents(outbox_write_step.run_id,
+            outbox_write_step.step_id, p_intents, coalesce((tx_step->>'next')::integer, 0),
+            coalesce((tx_step->>'count')::integer, 0), coalesce((tx_step->>'bytes')::bigint, 0),
+            r.dry_run, true, r.namespace) AS c
+         WHERE r.id = outbox_write_step.run_id AND r.shard = outbox_write_step.shard;
+        IF NOT FOUND THEN
+            -- no run to check the intents against: the statement above says why
+            firsts := '{}';
+        END IF;
+    END LOOP;
+    IF step_seq IS NULL OR firsts IS NOT NULL OR tx_step IS NOT NULL
+       OR (claimable AND NOT paused AND wake IS DISTINCT FROM false) THEN
+        PERFORM outbox_finish_step(outbox_write_step.run_id, outbox_write_step.step_id,
+            lease_owner, lease_attempt, run_ok, step_seq, debit, rows, tx_step, paused,
+            claimable AND NOT paused, wake);
+        IF firsts IS NOT NULL OR tx_step IS NOT NULL THEN
+            effect_ids := coalesce(array(SELECT jsonb_array_elements_text(tx_step->'ids')::uuid),
+                                   '{}')
+                          || CASE WHEN firsts IS NULL THEN effect_ids
+                                  ELSE outbox_intent_ids(rows) END;
+        END IF;
+    END IF;
+END
+$$;
+
+-- outbox_write_step on Citus, where it runs on the node holding the run's shard:
+-- the same step in a statement each (Citus plans a statement that writes through
+-- common table expressions over several shards' worth of tasks), every value it
+-- sets computed first. The deliverers' NOTIFY there would wake only that node's
+-- listeners: notify asks the caller to send it from the coordinator instead.
+CREATE OR REPLACE FUNCTION outbox_write_step_apart(
+    p_shard smallint, p_run_id uuid, p_step_id text, p_result jsonb, p_state jsonb,
+    p_plan jsonb, p_intents jsonb, p_kind text, p_owner text, p_attempt integer,
+    p_wake boolean, p_tx_step jsonb, p_debit numeric, p_ledger jsonb, p_chain jsonb,
+    OUT step_seq bigint, OUT effect_ids uuid[], OUT paused boolean, OUT notify boolean
+)
+    -- (plans as Citus allows them: outbox_write_step's generic plans are refused here)
+    LANGUAGE plpgsql SET plan_cache_mode = auto AS $$
+DECLARE
+    run outbox_runs;
+    v_now timestamptz := now();
+    result_text text := coalesce(p_result, 'null')::text;
+    state_text text := p_state::text;
+    plan_text text := p_plan::text;
+    stored jsonb[];
+    firsts integer[];
+    existing uuid[];
+    a record;
+    head bytea;
+    inserted bigint;
+    gates jsonb;
+BEGIN
+    SELECT r.* INTO run FROM outbox_runs AS r
+     WHERE r.id = p_run_id AND r.shard = p_shard FOR NO KEY UPDATE;
+    LOOP
+        SELECT x.* INTO a FROM outbox_step_intents_planned(p_run_id, p_step_id, p_intents,
+            run.priority, run.fairness_key, run.dry_run, run.namespace, p_tx_step, firsts,
+            existing, p_chain,
+            stored IS NOT NULL OR outbox_values_screened(result_text, state_text, plan_text)) AS x;
+        EXIT WHEN a.screened OR firsts IS NOT NULL OR run.id IS NULL;
+        stored := outbox_store_values(p_run_id, ARRAY['result', 'state', 'plan'],
+                                      ARRAY[coalesce(p_result, 'null'), p_state, p_plan]);
+        SELECT c.firsts, c.intents, c.existing INTO firsts, p_intents, existing
+          FROM outbox_check_intents(p_run_id, p_step_id, p_intents,
+            coalesce((p_tx_step->>'next')::integer, 0), coalesce((p_tx_step->>'count')::integer, 0),
+            coalesce((p_tx_step->>'bytes')::bigint, 0), run.dry_run, true, run.namespace) AS c;
+    END LOOP;
+    IF run.id IS NULL OR NOT run.status = ANY (outbox_active_run_statuses())
+       OR (run.budget IS NOT NULL AND run.spent + run.reserved + p_debit + a.reserve > run.budget)
+       OR (p_owner IS NOT NULL AND (run.lease_owner IS DISTINCT FROM p_owner
+                                    OR run.attempt <> p_attempt)) THEN
+        PERFORM outbox_raise_step_refusal(p_run_id, p_owner, p_attempt, p_debit + a.reserve);
+    END IF;
+    paused := run.paused_at IS NOT NULL;
+    head := outbox_step_link(coalesce(run.step_head, outbox_run_genesis(run.id, run.agent,
+                                                                        run.inputs_hash)),
+        run.id, p_step_id, p_kind, result_text, NULL, state_text, plan_text, v_now, a.chain_text);
+    UPDATE outbox_runs AS r
+       SET state = coalesce(stored[2], p_state, run.state),
+           plan = coalesce(stored[3], p_plan, run.plan),
+           current_step = p_step_id,
+           step_count = run.step_count + 1,
+           spent = run.spent + p_debit,
+           reserved = run.reserved + a.reserve,
+           step_head = head
+     WHERE r.id = p_run_id AND r.shard = p_shard;
+    step_seq := run.step_count + 1;
+    INSERT INTO outbox_steps AS s (run_id, shard, seq, step_id, kind, result, state, plan, hash)
+    VALUES (p_run_id, p_shard, step_seq, p_step_id, p_kind, coalesce(stored[1], p_result, 'null'),
+            coalesce(stored[2], p_state), coalesce(stored[3], p_plan), head)
+    ON CONFLICT ON CONSTRAINT outbox_steps_pkey DO NOTHING
+    RETURNING s.seq INTO inserted;
+    IF inserted IS NULL THEN
+        PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
+    END IF;
+    gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
+    -- A fast-path INSERT a row wins for small steps, one INSERT ... SELECT for large
+    -- ones: from one writer on a cluster, 20 intents a step 106 -> 133 steps/s with
+    -- the fast-path inserts, 100 intents 51 -> 34; they cross at about 32.
+    IF cardinality(a.rows) <= 32 THEN
+        PERFORM outbox_insert_effects(a.rows, p_run_id, p_step_id, paused, run.namespace,
+                                      gates, v_now);
+    ELSE
+        INSERT INTO outbox_effects AS e (
+            id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
+            idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
+            fairness_key, status, available_at, approval, approval_deadline, trace_parent,
+            shard, namespace)
+        SELECT h.* FROM outbox_intent_effects(a.rows, p_run_id, p_step_id, paused,
+                                              run.namespace, gates, v_now) AS h;
+    END IF;
+    -- (Citus plans an INSERT ... SELECT on every call, rows or none: only when there are)
+    IF coalesce(jsonb_array_length(p_ledger), 0) > 0
+       OR EXISTS (SELECT 1 FROM unnest(a.rows) AS i
+                   WHERE i.cost IS NOT NULL AND i.existing IS NULL AND i.first_n IS NULL) THEN
+        INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry,
+                                          amount)
+        SELECT p_run_id, p_shard, p_step_id, l.effect_id, l.reason, l.entry, l.amount
+          FROM (SELECT * FROM jsonb_to_recordset(p_ledger)
+                       AS l(entry text, reason text, amount numeric, effect_id uuid)
+                UNION ALL
+                SELECT 'reserve', i.kind, i.cost, i.id FROM unnest(a.rows) AS i
+                 WHERE i.cost IS NOT NULL AND i.existing IS NULL AND i.first_n IS NULL) AS l;
+    END IF;
+    -- (an intent a gate holds makes this true too: a NOTIFY for nothing, never one missed)
+    notify := NOT paused AND p_wake IS DISTINCT FROM false
+              AND (EXISTS (SELECT 1 FROM unnest(a.rows) AS i
+                            WHERE i.existing IS NULL AND i.first_n IS NULL)
+                   OR coalesce((p_tx_step->>'claimable')::boolean, false));
+    effect_ids := a.ids;
+    IF firsts IS NOT NULL OR p_tx_step IS NOT NULL THEN
+        PERFORM outbox_finish_step(p_run_id, p_step_id, p_owner, p_attempt, true, step_seq,
+            p_debit, a.rows, p_tx_step, paused, false, false);
+        effect_ids := coalesce(array(SELECT jsonb_array_elements_text(p_tx_step->'ids')::uuid),
+                               '{}')
+                      || CASE WHEN firsts IS NULL THEN a.ids ELSE outbox_intent_ids(a.rows) END;
+    END IF;
+END
+$$;
+
 -- Intents (a JSON array of outbox_intend's arguments) of step_id of run_id, or of
 -- no run (both NULL), written now: what outbox_intend does for one, in one call.
 -- The step's count, bytes, next index, reservations and chain parts are kept for
