@@ -314,21 +314,8 @@ BEGIN
         PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
     END IF;
     gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
-    -- A fast-path INSERT a row wins for small steps, one INSERT ... SELECT for large
-    -- ones: from one writer on a cluster, 20 intents a step 106 -> 133 steps/s with
-    -- the fast-path inserts, 100 intents 51 -> 34; they cross at about 32.
-    IF cardinality(a.rows) <= 32 THEN
-        PERFORM outbox_insert_effects(a.rows, p_run_id, p_step_id, paused, run.namespace,
-                                      gates, v_now);
-    ELSE
-        INSERT INTO outbox_effects AS e (
-            id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
-            idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
-            fairness_key, status, available_at, approval, approval_deadline, trace_parent,
-            shard, namespace)
-        SELECT h.* FROM outbox_intent_effects(a.rows, p_run_id, p_step_id, paused,
-                                              run.namespace, gates, v_now) AS h;
-    END IF;
+    PERFORM outbox_write_effects(a.rows, p_run_id, p_step_id, paused, run.namespace, gates,
+                                 v_now);
     -- (Citus plans an INSERT ... SELECT on every call, rows or none: only when there are)
     IF coalesce(jsonb_array_length(p_ledger), 0) > 0
        OR EXISTS (SELECT 1 FROM unnest(a.rows) AS i
@@ -447,6 +434,33 @@ BEGIN
             h.cost, h.priority, h.fairness_key, h.status, h.available_at, h.approval,
             h.approval_deadline, h.trace_parent, h.shard, h.namespace);
     END LOOP;
+END
+$$;
+
+-- The effects of rows (outbox_intent_effects), written apart from the step's one
+-- statement (outbox_write_step_apart on Citus, outbox_intend_all): a fast-path
+-- INSERT a row (outbox_insert_effects) wins for a few, one INSERT ... SELECT for
+-- many (no CTE: Citus would run it as sub-plans of their own). From one writer on
+-- a cluster, 20 intents a step 106 -> 133 steps/s with the fast-path inserts, 100
+-- intents 51 -> 34; they cross at about 32.
+CREATE OR REPLACE FUNCTION outbox_write_effects(
+    p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean, p_namespace text,
+    p_gates jsonb, p_now timestamptz
+) RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF cardinality(p_rows) <= 32 THEN
+        PERFORM outbox_insert_effects(p_rows, p_run_id, p_step_id, p_paused, p_namespace,
+                                      p_gates, p_now);
+    ELSE
+        INSERT INTO outbox_effects AS e (
+            id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
+            idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
+            fairness_key, status, available_at, approval, approval_deadline, trace_parent,
+            shard, namespace)
+        SELECT h.* FROM outbox_intent_effects(p_rows, p_run_id, p_step_id, p_paused,
+                                              p_namespace, p_gates, p_now) AS h;
+    END IF;
 END
 $$;
 

@@ -113,21 +113,8 @@ BEGIN
     END IF;
     -- once (as an argument of outbox_intent_effects it would run once per use)
     gates := outbox_gates_of(ARRAY(SELECT DISTINCT r.kind FROM unnest(rows) AS r));
-    -- an INSERT ... VALUES a row, planned once a session (outbox_insert_effects), for
-    -- the common few; one INSERT ... SELECT, no CTE (Citus would run a CTE as
-    -- sub-plans of their own), planned on each call, for many
-    IF cardinality(rows) <= 32 THEN
-        PERFORM outbox_insert_effects(rows, p_run_id, p_step_id, run.held,
-                                      coalesce(run.namespace, 'default'), gates, now());
-    ELSE
-        INSERT INTO outbox_effects AS e (
-            id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
-            idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
-            fairness_key, status, available_at, approval, approval_deadline, trace_parent,
-            shard, namespace)
-        SELECT * FROM outbox_intent_effects(rows, p_run_id, p_step_id, run.held,
-            coalesce(run.namespace, 'default'), gates, now());
-    END IF;
+    PERFORM outbox_write_effects(rows, p_run_id, p_step_id, run.held,
+                                 coalesce(run.namespace, 'default'), gates, now());
     -- as outbox_commit_step's: an intent a gate holds makes this true too (a NOTIFY
     -- for nothing, never one missed)
     claimable := NOT run.held AND EXISTS (SELECT 1 FROM unnest(rows) AS r
