@@ -89,6 +89,8 @@ class Store(RunWorkerStatements):
         with self.begin(connection) as conn:
             tx = RunTx(conn)
             yield tx
+        if connection is not None:
+            return  # not committed yet: a run woken now would find the effect unchanged
         for run_id, effect_id in tx.wake_after_commit:
             self._wake_apart(run_id, effect_id)
 
