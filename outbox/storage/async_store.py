@@ -119,7 +119,7 @@ class AsyncStore(DutyStatements):
         """On Citus: whether ``partition`` (its shard named) has a ready row."""
         ask = prepared(queue.ready_on_shard(spec))
         params = queue.partition_params(partition)
-        cur = await conn.execute(ask.sql, ask.params(params), prepare=True)
+        cur = await ask.execute(conn, params, prepare=True)
         return await cur.fetchone() is not None
 
     async def _claim_partition(
@@ -141,7 +141,7 @@ class AsyncStore(DutyStatements):
         while again:  # at most twice: plain, then lanes (see ClaimMode)
             statement, lanes = self._claims.statement(spec, partition, rated=rate is not None)
             claim = prepared(statement)
-            cur = await conn.execute(claim.sql, claim.params(params), prepare=True)
+            cur = await claim.execute(conn, params, prepare=True)
             found, again = self._claims.claimed(spec, partition, lanes, await cur.fetchall())
             rows += [ClaimedEffect.from_row(row) for row in found]
         return rows
@@ -276,15 +276,13 @@ class AsyncStore(DutyStatements):
                     renew = prepared(
                         leases.extend_leases(dataclasses.replace(spec, sharded=sharded))
                     )
-                    cur = await conn.execute(renew.sql, renew.params(params), prepare=not sharded)
+                    cur = await renew.execute(conn, params, prepare=not sharded)
                     kept |= {row["id"] for row in await cur.fetchall()}
                 # On Citus the probe reads every shard (about 50 ms): the duties round
                 # sends it on a connection of its own rather than hold up the batch.
                 if probe is not None and not sharded:
                     ask = prepared(duties.duty_probe(sharded))
-                    cur = await conn.execute(
-                        ask.sql, ask.params(probe.params()), prepare=not sharded
-                    )
+                    cur = await ask.execute(conn, probe.params(), prepare=not sharded)
                     findings = DutyFindings.from_row(list((await cur.fetchone() or {}).values()))
         self._shards.forget(done)
         self._observe("complete+claim", began, complete=len(logged), claim=len(rows))
@@ -314,7 +312,7 @@ class AsyncStore(DutyStatements):
                         params["on_shard"] = shard
                     mark = prepared(dispatch_sql.mark_dispatched(shard is not None))
                     if shard is None:
-                        cur = await conn.execute(mark.sql, mark.params(params), prepare=True)
+                        cur = await mark.execute(conn, params, prepare=True)
                         logged = await cur.fetchall()
                     else:
                         logged = await logged_on_shard(conn, mark, params)
@@ -350,7 +348,7 @@ class AsyncStore(DutyStatements):
                     if shard is not None:
                         params["on_shard"] = shard
                     claim = prepared(dispatch_sql.claim_dispatched(shard is not None))
-                    cur = await conn.execute(claim.sql, claim.params(params), prepare=shard is None)
+                    cur = await claim.execute(conn, params, prepare=shard is None)
                     rows += [ClaimedEffect.from_row(row) for row in await cur.fetchall()]
         self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
         self._observe("claim", began, claim=len(rows))

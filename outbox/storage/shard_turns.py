@@ -266,10 +266,19 @@ async def complete_on(
     groups = await shard_groups(conn, done, lambda c: c.effect_id, shards, lambda c: c.shard)
     logged: list[tuple[UUID, str]] = []
     waiters: dict[int, dict[UUID, UUID]] = {}
+    woke = False
     for shard, part in groups.items():  # on Citus a statement per shard, routed to its node
-        part = [dataclasses.replace(c, shard=shard) for c in part] if shard is not None else part
-        logged += await _complete_batch(conn, owner, part, shard, waiters)
-    if shards is not None:  # a run that awaited one of them goes on: its workers are told here
+        if shard is None:
+            logged += await _complete_batch(conn, owner, part)
+            continue
+        part = [dataclasses.replace(c, shard=shard) for c in part]
+        done_here, wakes = await _complete_on_shard(conn, owner, part, shard)
+        logged += done_here
+        for run, effect in wakes:  # of this shard the statement woke it; another's below
+            woke = True
+            if shard_of(run) != shard:
+                waiters.setdefault(shard_of(run), {})[run] = effect
+    if woke:  # a run that awaited one of them goes on: its workers are told here
         await _wake_waiters(conn, waiters)
         await conn.execute("SELECT pg_notify(%s, '')", [RUNS_CHANNEL])
     crash_point("during_completion")
@@ -289,7 +298,7 @@ async def _wake_waiters(
     for shard, awaited in waiters.items():
         params = {"on_shard": shard, "runs": list(awaited), "awaited": list(awaited.values())}
         try:
-            await conn.execute(wake.sql, wake.params(params), prepare=False)
+            await wake.execute(conn, params, prepare=False)
         except psycopg.Error as exc:
             log.warning("shard %d: runs awaiting effects not woken (%s)", shard, exc)
 
@@ -333,27 +342,34 @@ async def shard_groups(
 
 
 async def _complete_batch(
+    conn: psycopg.AsyncConnection[dict[str, Any]], owner: str, done: Sequence[Completion]
+) -> list[tuple[UUID, str]]:
+    """Write ``done`` on one server: the statement logs them and wakes and notifies runs."""
+    complete = prepared(effect_sql.complete_effects(False))
+    cur = await complete.execute(conn, _completion_params(owner, done), prepare=True)
+    return [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
+
+
+async def _complete_on_shard(
     conn: psycopg.AsyncConnection[dict[str, Any]],
     owner: str,
     done: Sequence[Completion],
-    shard: int | None,
-    waiters: dict[int, dict[UUID, UUID]],
-) -> list[tuple[UUID, str]]:
-    """``done`` of one shard (None: one server); runs of other shards to wake go to ``waiters``."""
-    payload = "[" + ",".join(c.as_json() for c in done) + "]"
-    complete = prepared(effect_sql.complete_effects(shard is not None))
-    params: dict[str, Any] = {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]}
-    if shard is None:
-        cur = await conn.execute(complete.sql, complete.params(params), prepare=True)
-        return [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
+    shard: int,
+) -> tuple[list[tuple[UUID, str]], list[tuple[UUID, UUID]]]:
+    """Write ``done``, all of ``shard``; and (run, effect) for each run an ended effect may wake."""
+    complete = prepared(effect_sql.complete_effects(True))
+    params = _completion_params(owner, done)
     # Citus refuses now() next to a column in an UPDATE: the time is bound once
-    cur = await conn.execute("SELECT now() AS now")
-    params.update(on_shard=shard, now=(await cur.fetchone() or {})["now"])
+    clock = await conn.execute("SELECT now() AS now")
+    params.update(on_shard=shard, now=(await clock.fetchone() or {})["now"])
     selected, logged = await _selected_and_logged(conn, complete, params)
-    for row in selected:
-        if row["wakes"] is not None:
-            waiters.setdefault(shard_of(row["wakes"]), {})[row["wakes"]] = row["effect_id"]
-    return [(row["effect_id"], row["outcome"]) for row in logged]
+    wakes = [(row["wakes"], row["effect_id"]) for row in selected if row["wakes"] is not None]
+    return [(row["effect_id"], row["outcome"]) for row in logged], wakes
+
+
+def _completion_params(owner: str, done: Sequence[Completion]) -> dict[str, Any]:
+    payload = "[" + ",".join(c.as_json() for c in done) + "]"
+    return {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]}
 
 
 def logged_rows(
@@ -391,13 +407,13 @@ async def _selected_and_logged(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """:func:`logged_on_shard`, with the rows the statement selected."""
     async with conn.transaction():
-        cur = await conn.execute(statement.sql, statement.params(params), prepare=False)
+        cur = await statement.execute(conn, params, prepare=False)
         rows = await cur.fetchall()
         if not rows:
             return [], []
         insert, values = log_selected(rows)
         log = prepared(insert)
-        cur = await conn.execute(log.sql, log.params(values), prepare=False)
+        cur = await log.execute(conn, values, prepare=False)
         return rows, await cur.fetchall()
 
 
@@ -421,7 +437,7 @@ async def effect_shard(conn: psycopg.AsyncConnection[dict[str, Any]], id: UUID) 
     params = {"effect_id": id, "effect_shard": shard_of(id)}
     for named in (True, False):
         statement = prepared(gov_sql.effect_shard(named=named))
-        cur = await conn.execute(statement.sql, statement.params(params), prepare=False)
+        cur = await statement.execute(conn, params, prepare=False)
         if (row := await cur.fetchone()) is not None:
             return int(row["shard"])
     return shard_of(id)

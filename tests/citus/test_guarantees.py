@@ -415,6 +415,33 @@ def test_a_run_parked_on_an_effect_of_another_shard_goes_on_when_it_ends(
     assert all("recorded" in ob.run(w.id).record.result for w in waiters)
 
 
+def test_a_run_parked_on_its_own_effect_goes_on_when_it_ends(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The outcome's statement wakes a run of its own shard, not its recheck timer (put out
+    of reach); the deliverer sends the NOTIFY from the coordinator as it does so."""
+    monkeypatch.setattr(waits, "EFFECT_RECHECK_SECONDS", 3600.0)
+    kind = "citus.own"
+
+    def handler(run: Run) -> Any:
+        effect = run.transaction("pay", lambda tx: str(tx.intend(kind, {}).id))
+        return run.await_effect(uuid.UUID(effect))
+
+    runs = [ob.start_run("self-waiter", "1") for _ in range(2)]
+
+    def statuses() -> set[RunStatus]:
+        return {ob.run(r.id).status for r in runs}
+
+    with WorkerThread(ob, "self-waiter", "1", handler):
+        wait_for(lambda: statuses() == {RunStatus.WAITING}, timeout=30, message="parked")
+        with DaemonThread(dsn, {kind: RecordingDeliverer(kind)}, poll_seconds=0.1):
+            wait_for(
+                lambda: statuses() == {RunStatus.COMPLETED},
+                timeout=20,
+                message="woken by the outcome, on its own shard",
+            )
+
+
 def test_an_operators_resolve_and_an_approvers_rejection_wake_runs_of_other_shards(
     ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

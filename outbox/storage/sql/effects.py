@@ -45,7 +45,6 @@ from outbox.storage.sql.common import (
     in_statuses,
     json_param,
     on_shard,
-    shard_of,
     woken_run,
 )
 
@@ -139,10 +138,11 @@ def complete_effects(sharded: bool = False) -> Any:
 
     ``sharded`` (Citus): every effect of the batch is on shard ``on_shard``, the
     database's time is the ``now`` parameter, and a run woken is returned
-    rather than notified (the caller sends the NOTIFY from the coordinator).
-    A run of another shard parked on an effect this ends cannot be woken by this
-    statement, which stays on one shard: each selected row names it (``wakes``)
-    for :func:`wake_waiters`, after the commit.
+    rather than notified: each selected row names the run its effect's end may
+    wake (``wakes``), and the caller sends the NOTIFY from the coordinator when
+    there is one. A run of another shard parked on an effect this ends cannot be
+    woken by this statement, which stays on one shard: the caller wakes it with
+    :func:`wake_waiters`, after the commit.
     """
     e = effects
     d = _done()
@@ -279,8 +279,7 @@ def complete_effects(sharded: bool = False) -> Any:
         .order_by(~linked)
     )
     if sharded:  # the rows are inserted by log_attempts, which says why
-        elsewhere = and_(terminal, shard_of(updated.c.awaited_by) != shard)
-        wakes = case((elsewhere, updated.c.awaited_by), else_=null()).label("wakes")
+        wakes = case((terminal, updated.c.awaited_by), else_=null()).label("wakes")
         return logged.add_columns(wakes).add_cte(woken)
     return (
         pg_insert(effect_attempts)
