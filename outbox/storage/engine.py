@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 import sqlalchemy.exc
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -142,13 +142,15 @@ def make_engine(
 ) -> Engine:
     """A sync engine on psycopg 3 for any ``postgresql://`` DSN."""
     url = psycopg_url(dsn)
-    return create_engine(
+    engine = create_engine(
         url,
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=False,
         connect_args=_connect_args(url, idle_in_transaction_ms, application_name, session_settings),
     )
+    event.listen(engine, "connect", _learn_layout)
+    return engine
 
 
 def make_async_engine(
@@ -160,7 +162,7 @@ def make_async_engine(
 ) -> AsyncEngine:
     """An async engine on psycopg 3, with the connection count bounded."""
     url = psycopg_url(dsn)
-    return create_async_engine(
+    engine = create_async_engine(
         url,
         pool_size=pool_size,
         max_overflow=0,
@@ -169,6 +171,8 @@ def make_async_engine(
         pool_pre_ping=False,
         connect_args=_connect_args(url, idle_in_transaction_ms, application_name),
     )
+    event.listen(engine.sync_engine, "connect", _learn_layout)
+    return engine
 
 
 def sql_api_error(sqlstate: str | None, message: str, detail: str | None) -> OutboxError | None:
@@ -364,7 +368,7 @@ def open_async_engine(settings: Settings, *, application_name: str = "outbox") -
     finally:
         check.dispose()
     url = psycopg_url(url)
-    return create_async_engine(
+    engine = create_async_engine(
         url,
         pool_size=settings.pool_size,
         max_overflow=settings.pool_size,
@@ -373,16 +377,39 @@ def open_async_engine(settings: Settings, *, application_name: str = "outbox") -
             url, settings.idle_in_transaction_timeout_ms, application_name, write_settings(settings)
         ),
     )
+    event.listen(engine.sync_engine, "connect", _learn_layout)
+    return engine
+
+
+_DISTRIBUTED = "SELECT current_setting('outbox.distributed', true)"
 
 
 def distributed(conn: Connection) -> bool:
     """Whether the tables are distributed (Citus: ``outbox migrate --distribute``).
 
     Asked once per database session: the setting is the database's, read by a
-    session when it starts, so a session's answer never changes.
+    session when it starts, so a session's answer never changes. Our engines ask
+    as they connect (:func:`_learn_layout`); a caller's connection, on first use.
     """
     known = conn.info.get("outbox.distributed")
     if known is None:
-        setting = conn.execute(text("SELECT current_setting('outbox.distributed', true)")).scalar()
+        setting = conn.execute(text(_DISTRIBUTED)).scalar()
         known = conn.info["outbox.distributed"] = setting == "on"
     return bool(known)
+
+
+def _learn_layout(dbapi_connection: Any, record: Any) -> None:
+    """A new connection of our engines asks :func:`distributed`'s question at once.
+
+    Not on first use: a step's call commits by itself only while its transaction
+    has sent nothing (``writes.untouched``), and the question would be something
+    sent; asked later, the first step of every connection took three round trips.
+    """
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(_DISTRIBUTED)
+        row = cursor.fetchone()
+    finally:
+        cursor.close()
+    dbapi_connection.commit()
+    record.info["outbox.distributed"] = row is not None and row[0] == "on"

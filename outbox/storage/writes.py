@@ -186,34 +186,57 @@ _FINISH_RUN = "SELECT outbox_finish_run(%s, %s, %s::jsonb, %s::jsonb, %s, %s)"
 _COMPENSATE = "SELECT outbox_intend_compensations(%s, %s)"
 
 
-def _call(conn: Connection, query: str, params: Sequence[Any], *, alone: bool = False) -> _Rows:
+def _call(
+    conn: Connection,
+    query: str,
+    params: Sequence[Any],
+    *,
+    alone: bool = False,
+    then: tuple[str, Sequence[Any]] | None = None,
+) -> _Rows:
     """Run one prepared call on ``conn``'s driver connection; its rows, fetched.
 
     The SQLAlchemy connection of the async client runs its sync code in a greenlet
     (``run_sync``): its driver connection is psycopg's async one, awaited in place.
-    With ``alone`` the connection is in autocommit for this call only.
+    With ``alone`` the connection is in autocommit for this call only. ``then``:
+    a statement sent after it in the same round trip (a pipeline), run only if
+    the call succeeds and in its transaction (alone: the implicit one both share).
     """
     driver = conn.connection.driver_connection
     if isinstance(driver, psycopg.AsyncConnection):
-        rows: _Rows = await_only(_call_async(driver, query, params, alone))
+        rows: _Rows = await_only(_call_async(driver, query, params, alone, then))
         return rows
     assert isinstance(driver, psycopg.Connection)
     if alone:
         driver.autocommit = True
     try:
-        return _Rows(driver.execute(query, params, prepare=True))
+        if then is None:
+            return _Rows(driver.execute(query, params, prepare=True))
+        with driver.pipeline():
+            cursor = driver.execute(query, params, prepare=True)
+            driver.execute(*then, prepare=True)
+        return _Rows(cursor)
     finally:
         if alone and not driver.closed:
             driver.autocommit = False
 
 
 async def _call_async(
-    driver: psycopg.AsyncConnection[Any], query: str, params: Sequence[Any], alone: bool
+    driver: psycopg.AsyncConnection[Any],
+    query: str,
+    params: Sequence[Any],
+    alone: bool,
+    then: tuple[str, Sequence[Any]] | None,
 ) -> _Rows:
     if alone:
         await driver.set_autocommit(True)
     try:
-        cursor = await driver.execute(query, params, prepare=True)
+        if then is None:
+            cursor = await driver.execute(query, params, prepare=True)
+            return _Rows(cursor, await cursor.fetchall())
+        async with driver.pipeline():
+            cursor = await driver.execute(query, params, prepare=True)
+            await driver.execute(*then, prepare=True)
         return _Rows(cursor, await cursor.fetchall())
     finally:
         if alone and not driver.closed:
@@ -282,12 +305,17 @@ def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) 
         None if lease is None else lease.attempt,
         step.wake,
     )
+    # On Citus the deliverers' NOTIFY goes with the call, in its round trip and
+    # its transaction, whenever the step may have written a claimable intent.
+    wake = None
+    if step.intents and step.wake is not False and distributed(conn):
+        wake = (_WAKE_DELIVERERS, (params[0],))
     try:
         with translate_errors("committing a step"):
-            row = _call(conn, _COMMIT_STEP, params, alone=alone).one()
+            row = _call(conn, _COMMIT_STEP, params, alone=alone, then=wake).one()
     except StepAlreadyRecorded as exc:
         raise StepTaken from exc
-    if row[3]:
+    if row[3] and wake is None:
         _call(conn, _WAKE_DELIVERERS, (params[0],))
     return StepWritten(int(row[0]), tuple(row[1]), bool(row[2]))
 

@@ -25,6 +25,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, text
 
 from deliverers.testing import RecordingDeliverer
 from outbox import (
+    AsyncOutbox,
     EffectFailed,
     EffectStatus,
     IdempotencyConflict,
@@ -260,6 +261,41 @@ def test_a_replayed_run_returns_what_it_recorded(ob: Outbox) -> None:
     key = again.transaction("s", lambda tx: tx.intend("k.x", {"n": 1}).idempotency_key)
     assert calls == [1] and len(ob.effects(run_id=run.id)) == 1
     assert key == ob.effects(run_id=run.id)[0].idempotency_key
+
+
+def _wake_ups(listener: psycopg.Connection[Any], seconds: float) -> list[str]:
+    return [n.payload for n in listener.notifies(timeout=seconds) if n.channel == "outbox_effects"]
+
+
+def test_a_steps_wake_up_rides_with_its_call_and_not_with_a_refusal(dsn: str) -> None:
+    """On Citus the deliverers' NOTIFY is sent from the coordinator in the step call's own
+    round trip and transaction (sync and async clients): it names the run's shard, and a
+    refused step sends none."""
+    kind = "citus.wake"
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute("LISTEN outbox_effects")
+        with Outbox.connect(dsn) as ob:
+            run = ob.start_run("wake", "1")
+            run.transaction("s", lambda tx: tx.intend(kind, {"n": 1}))
+            assert _wake_ups(listener, 2.0) == [str(shard_of(run.id))]
+            ob.pause(run.id, "held")
+            with pytest.raises(RunPaused):
+                run.transaction("t", lambda tx: tx.intend(kind, {"n": 2}))
+            assert _wake_ups(listener, 1.0) == []
+
+        async def async_step() -> uuid.UUID:
+            async with await AsyncOutbox.connect(dsn) as aob:
+                arun = await aob.start_run("wake", "1")
+                await arun.transaction("s", lambda tx: tx.intend(kind, {"n": 3}))
+                return arun.id
+
+        async_run = asyncio.run(async_step())
+        assert _wake_ups(listener, 2.0) == [str(shard_of(async_run))]
+    with psycopg.connect(dsn) as conn:
+        held = conn.execute(
+            "SELECT count(*) FROM outbox_effects WHERE run_id = %s", [run.id]
+        ).fetchone()
+    assert held == (1,), "the refused step wrote nothing"
 
 
 def test_a_paused_run_takes_no_step_until_resumed(ob: Outbox) -> None:
