@@ -26,6 +26,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, text
 from deliverers.testing import RecordingDeliverer
 from outbox import (
     AsyncOutbox,
+    BudgetExceeded,
     EffectFailed,
     EffectStatus,
     IdempotencyConflict,
@@ -296,6 +297,29 @@ def test_a_steps_wake_up_rides_with_its_call_and_not_with_a_refusal(dsn: str) ->
             "SELECT count(*) FROM outbox_effects WHERE run_id = %s", [run.id]
         ).fetchone()
     assert held == (1,), "the refused step wrote nothing"
+
+
+def test_the_rarer_parts_of_a_step_write_run_on_its_worker(ob: Outbox, dsn: str) -> None:
+    """Debits, reserved costs with their ledger rows, a value stored by reference and an
+    over-budget refusal: the branches of the step write a small step never takes."""
+    run = ob.start_run("rare", "1", budget=10)
+    big = "x" * 40_000  # over the blob threshold: stored by reference
+
+    def think(tx: StepTransaction) -> str:
+        tx.spend(3, "model")
+        tx.intend("k.cost", {"n": 1}, cost=2)
+        return big
+
+    assert run.transaction("think", think) == big
+    assert ob.run(run.id).transaction("think", think) == big, "replayed from its reference"
+    with pytest.raises(BudgetExceeded):
+        run.transaction("more", lambda tx: tx.intend("k.cost", {"n": 2}, cost=20))
+    record = ob.run(run.id).record
+    assert (record.spent, record.reserved) == (3, 2)
+    ledger = "SELECT entry, amount FROM outbox_budget_ledger WHERE run_id = %s ORDER BY entry"
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(ledger, [run.id]).fetchall()
+    assert rows == [("reserve", 2), ("spend", 3)]
 
 
 def test_a_paused_run_takes_no_step_until_resumed(ob: Outbox) -> None:
