@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from decimal import Decimal
 from functools import partial
 from typing import Any
 
@@ -315,7 +316,7 @@ def test_the_rarer_parts_of_a_step_write_run_on_its_worker(ob: Outbox, dsn: str)
     with pytest.raises(BudgetExceeded):
         run.transaction("more", lambda tx: tx.intend("k.cost", {"n": 2}, cost=20))
     record = ob.run(run.id).record
-    assert (record.spent, record.reserved) == (3, 2)
+    assert (record.spent, record.reserved) == (Decimal(3), Decimal(2))
     ledger = "SELECT entry, amount FROM outbox_budget_ledger WHERE run_id = %s ORDER BY entry"
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(ledger, [run.id]).fetchall()
