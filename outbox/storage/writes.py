@@ -272,9 +272,12 @@ def takes_keys(conn: Connection, step: StepCheckpoint) -> bool:
     On Citus only, where the step's write reaches its run's shard alone and a key
     lives on its own. On one server the write takes them itself: a statement
     first would do it twice (2.4 ms of server CPU a step with one keyed intent).
-    May ask the database (:func:`~outbox.storage.engine.distributed`, once a session).
+    Asks :func:`~outbox.storage.engine.distributed` whatever the step, so that
+    :func:`commit_step` never has to: our engines know the answer from the
+    connection's start, but on a caller's own engine it is a question sent, and
+    sent after :func:`untouched` it would make a call meant to commit alone fail.
     """
-    return any(i.key is not None for i in step.intents) and distributed(conn)
+    return distributed(conn) and any(i.key is not None for i in step.intents)
 
 
 def commit_step(conn: Connection, step: StepCheckpoint, *, alone: bool = False) -> StepWritten:

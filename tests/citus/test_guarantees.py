@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 from click.testing import CliRunner
-from sqlalchemy import Column, Integer, MetaData, String, Table, text
+from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, text
 
 from deliverers.testing import RecordingDeliverer
 from outbox import (
@@ -45,7 +45,7 @@ from outbox.serve.settings import Credentials, ServeSettings
 from outbox.shards import SHARDS, key_shard, shard_of
 from outbox.storage.async_store import AsyncStore, Completion, DutyAsk
 from outbox.storage.direct import prepared
-from outbox.storage.engine import make_async_engine
+from outbox.storage.engine import make_async_engine, psycopg_url
 from outbox.storage.sql import queue
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.citus_support import CitusDatabase, node_port_of
@@ -298,6 +298,23 @@ def test_a_steps_wake_up_rides_with_its_call_and_not_with_a_refusal(dsn: str) ->
             "SELECT count(*) FROM outbox_effects WHERE run_id = %s", [run.id]
         ).fetchone()
     assert held == (1,), "the refused step wrote nothing"
+
+
+def test_an_outbox_on_a_callers_own_engine_takes_steps_from_a_connections_first(
+    dsn: str,
+) -> None:
+    """An engine the caller made does not know the tables are distributed when a
+    connection opens: the client asks before the step, not in the middle of it."""
+    engine = create_engine(psycopg_url(dsn), pool_size=1, max_overflow=0)
+    ob = Outbox(engine)
+    try:
+        run = ob.start_run("own-engine", "1")
+        engine.dispose()  # the step gets a connection that has asked nothing yet
+        effect = run.transaction("s", lambda tx: str(tx.intend("k.own", {"n": 1}).id))
+        keyed = run.transaction("t", lambda tx: str(tx.intend("k.own", {}, key=f"{run.id}-t").id))
+        assert [str(e.id) for e in ob.effects(run_id=run.id)] == [effect, keyed]
+    finally:
+        ob.close()
 
 
 def test_the_rarer_parts_of_a_step_write_run_on_its_worker(ob: Outbox, dsn: str) -> None:
