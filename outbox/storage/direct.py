@@ -73,16 +73,15 @@ class Prepared:
             name: fn for name, fn in compiled._bind_processors.items() if fn is not None
         }
         self.sql: str = str(compiled)
-        self._order: list[str] = []
+        self._numbers: dict[str, int] = {}  # a name used twice is one $n
         self._native = _PLACEHOLDER.sub(self._number, self.sql)
+        self._order = list(self._numbers)
 
     def _number(self, match: re.Match[str]) -> str:
         name = match.group(1)
         if name is None:
             return "%"
-        if name not in self._order:
-            self._order.append(name)
-        return f"${self._order.index(name) + 1}"
+        return f"${self._numbers.setdefault(name, len(self._numbers) + 1)}"
 
     def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Every parameter of the statement: ``values`` and the literals it binds itself."""
