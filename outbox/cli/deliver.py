@@ -203,6 +203,16 @@ _seconds = click.FloatRange(min=0.001, max=86_400)
     help="Effects of kind K are read from topic PREFIX+K (stream mode).",
 )
 @click.option(
+    "--write-linger",
+    type=float,
+    envvar="OUTBOX_KAFKA_WRITE_LINGER",
+    default=StreamSettings.model_fields["write_linger_seconds"].default,
+    show_default=True,
+    metavar="SECONDS",
+    help="Stream mode: how long outcomes wait for the calls still under way, to be "
+    "written together (0: at once).",
+)
+@click.option(
     "--kafka-option",
     "kafka_options",
     multiple=True,
@@ -225,6 +235,7 @@ def deliver(
     kafka: str | None,
     group: str,
     topic_prefix: str,
+    write_linger: float,
     kafka_options: tuple[str, ...],
     **chosen: Any,
 ) -> None:
@@ -264,6 +275,7 @@ def deliver(
             bootstrap_servers=kafka,
             group=group,
             topic_prefix=topic_prefix,
+            write_linger_seconds=write_linger,
             consumer=kafka_options_of(kafka_options),
             **given,
         )

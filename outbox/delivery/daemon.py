@@ -13,6 +13,7 @@ daemon's effects are recovered by the living.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -307,6 +308,24 @@ class DeliveryDaemon:
             self._done_ready.clear()
             await self._flush()
 
+    async def _linger(self) -> None:
+        """Wait up to the source's linger while attempts are under way and the batch has room."""
+        if self.source.linger <= 0:
+            return
+        until = time.monotonic() + self.source.linger
+        while (
+            len(self._done) < self.settings.batch_size
+            and not self._stopping.is_set()
+            # A task that recorded its outcome is done by the time this runs.
+            and any(not task.done() for task in self._tasks)
+        ):
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            self._done_ready.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._done_ready.wait(), left)
+
     def _write_timeout(self) -> float | None:
         """How long one write may take: unbounded while running, the grace left when stopping."""
         if self._deadline is None:
@@ -315,6 +334,7 @@ class DeliveryDaemon:
 
     async def _flush(self) -> None:
         while self._done:
+            await self._linger()
             batch, self._done = self._done, []
             maintenance = self._maintenance
             writing = Writing(

@@ -78,6 +78,9 @@ class InMemoryStore:
         #: Transactions per operation, as a benchmark's probe would count them.
         self.calls: dict[str, int] = defaultdict(int)
 
+    #: One store, no shards: outcomes are written a batch at a time.
+    distributed = False
+
     # -- setting up a test ---------------------------------------------------------------
 
     def add(

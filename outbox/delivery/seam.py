@@ -47,6 +47,11 @@ class OwnerLockLike(Protocol):
 class DeliveryStore(Protocol):
     """The statements of delivery (see :class:`~outbox.storage.async_store.AsyncStore`)."""
 
+    @property
+    def distributed(self) -> bool:
+        """Whether the database is distributed (Citus), as far as the store knows yet."""
+        ...
+
     # -- the claim / call / complete path ----------------------------------------------
 
     async def claim_many(

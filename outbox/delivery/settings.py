@@ -100,6 +100,11 @@ class StreamSettings(DeliverySettings):
     #: Extra kafka-python ``KafkaConsumer`` settings (``--kafka-option KEY=VALUE``), such as
     #: ``session_timeout_ms`` and ``heartbeat_interval_ms``.
     consumer: dict[str, Any] = Field(default_factory=dict)
+    #: How long outcomes wait for the rest of the attempts under way before they are
+    #: written. A stream's claims do not ride its writes (its records come from the
+    #: broker), so without a wait each write records the few attempts that ended
+    #: while the last was in PostgreSQL: a write per three effects at 1,700 /s.
+    write_linger_seconds: float = Field(default=0.005, ge=0, le=1)
 
 
 def _relay_owner() -> str:

@@ -52,6 +52,9 @@ class EffectSource(Protocol):
 
     #: Said in the daemon's banner and logs ("poll", "kafka").
     name: str
+    #: Seconds the daemon lets outcomes wait for the attempts still under way, so
+    #: that one write records them together (0: each write goes at once).
+    linger: float
 
     async def open(self) -> None:
         """Connect (LISTEN, a consumer group); called once before the first :meth:`take`."""
@@ -82,6 +85,8 @@ class PollSource:
     """
 
     name = "poll"
+    #: A write carries the next claim, which must not wait.
+    linger = 0.0
 
     def __init__(self, store: DeliveryStore, settings: DeliverySettings) -> None:
         self.store = store

@@ -129,6 +129,7 @@ class KafkaSource:
         self.store = store
         self.kinds = list(kinds)
         self.settings = settings
+        self.linger = settings.write_linger_seconds
         #: Records whose effect was not claimed through them (finished, or claimed elsewhere).
         self.skipped = 0
         self.offsets: Offsets[TopicPartition] = Offsets()

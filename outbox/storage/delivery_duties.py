@@ -86,6 +86,11 @@ class DeliveryConnections:
             self._sharded = row is not None and row["d"] == "on"
         return self._sharded
 
+    @property
+    def distributed(self) -> bool:
+        """Whether the database is distributed (Citus); False until a statement has asked."""
+        return bool(self._sharded)
+
     async def _is_sharded(self) -> bool:
         if self._sharded is None:
             async with self._direct.connection() as conn:
