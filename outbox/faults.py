@@ -35,8 +35,9 @@ written), ``during_completion`` (the completion statement ran, before its
 commit), ``after_note`` (a note about its attempt was stored, before it calls
 the sink), ``after_send`` (a transactional ``kafka.publish`` had its record
 acknowledged inside its open transaction, before the commit); of a relay:
-``after_publish`` (Kafka acknowledged the records, before they are marked
-dispatched); of ``outbox gc``: ``gc_archived`` (a batch is
+``after_dispatch_claim`` (a batch claimed into ``dispatched``, before it is
+published) and ``after_publish`` (Kafka answered for the records, before what
+failed is given back); of ``outbox gc``: ``gc_archived`` (a batch is
 archived and fsynced, before its delete commits).
 """
 
@@ -61,7 +62,7 @@ WORKER_POINTS = (
     "after_upgrade",
 )
 DELIVERER_POINTS = ("after_claim", "after_note", "after_send", "after_call", "during_completion")
-RELAY_POINTS = ("after_publish",)
+RELAY_POINTS = ("after_dispatch_claim", "after_publish")
 MAINTENANCE_POINTS = ("gc_archived",)
 POINTS = frozenset(WORKER_POINTS + DELIVERER_POINTS + RELAY_POINTS + MAINTENANCE_POINTS)
 CRASH_ENV = "OUTBOX_TEST_CRASH_AT"

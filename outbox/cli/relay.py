@@ -46,7 +46,7 @@ __all__ = ["COMMANDS"]
     type=click.IntRange(1, 100_000),
     default=RelaySettings.model_fields["batch_size"].default,
     show_default=True,
-    help="Effects claimed, published and marked per round.",
+    help="Effects claimed and published per round.",
 )
 @click.option(
     "--dispatch-ttl",

@@ -1,10 +1,15 @@
 """``outbox relay``: pending effects carried to Kafka for stream-mode deliverers.
 
 The relay claims pending effects with the poll deliverer's claim (so per-key
-order holds), publishes each to the topic ``<prefix><kind>``, keyed by ordering
-key (else run id), and marks them ``dispatched`` with the same fencing as a
-completion. See :mod:`outbox.delivery.stream` for the consuming side and what
-the two promise together.
+order holds) straight into ``dispatched``, leased to it for the dispatch TTL,
+then publishes each to the topic ``<prefix><kind>``, keyed by ordering key
+(else run id). What the broker did not acknowledge goes back to ``pending``
+(fenced like a completion). One statement in PostgreSQL per batch published:
+a mark after the publish cost more than the claim and held rows a stream
+deliverer was already claiming. A relay killed between its claim and its
+publish leaves that batch ``dispatched`` with no record: it is dispatched
+again when the TTL runs out. See :mod:`outbox.delivery.stream` for the
+consuming side and what the two promise together.
 
 Needs the ``kafka`` extra (kafka-python).
 """
@@ -28,7 +33,7 @@ from outbox.delivery.sources import wait_or_wake
 from outbox.faults import crash_point
 from outbox.retry import IdleBackoff
 from outbox.storage.async_store import AsyncStore, ClaimedEffect
-from outbox.storage.sql.queue import EFFECT_QUEUE
+from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 
 __all__ = ["Relay", "close_producer", "topic_for"]
 
@@ -146,10 +151,14 @@ class Relay:
     async def _relay_batch(self) -> int:
         quotas = [({"kind": kind}, self.settings.batch_size) for kind in self.kinds]
         effects = await self.store.claim_many(
-            EFFECT_QUEUE, quotas, owner=self.owner, lease_seconds=self.settings.lease_seconds
+            DISPATCH_QUEUE,
+            quotas,
+            owner=self.owner,
+            lease_seconds=self.settings.dispatch_ttl_seconds,
         )
         if not effects:
             return 0
+        crash_point("after_dispatch_claim")
         published, failed = await asyncio.to_thread(self._publish, effects)
         crash_point("after_publish")
         if failed:
@@ -163,12 +172,7 @@ class Relay:
                     for effect, error in failed
                 ],
             )
-        kept = await self.store.mark_dispatched(
-            self.owner,
-            [(effect.id, effect.attempt) for effect in published],
-            dispatch_ttl=self.settings.dispatch_ttl_seconds,
-        )
-        self.dispatched += len(kept)
+        self.dispatched += len(published)
         return len(effects)
 
     def _make_producer(self) -> KafkaProducer:

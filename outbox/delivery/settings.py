@@ -112,7 +112,7 @@ def _relay_owner() -> str:
 
 
 class RelaySettings(BaseModel):
-    """How a relay behaves: claim pending effects, publish them to Kafka, mark them dispatched."""
+    """How a relay behaves: claim pending effects into ``dispatched``, publish them to Kafka."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -120,11 +120,10 @@ class RelaySettings(BaseModel):
     bootstrap_servers: str = Field(min_length=1)
     #: Effects of kind K go to topic PREFIX+K.
     topic_prefix: str = "outbox."
-    #: Effects claimed, published and marked per round.
+    #: Effects claimed and published per round.
     batch_size: int = Field(default=500, ge=1, le=100_000)
-    #: Seconds a claimed effect is leased to the relay until it is marked dispatched.
-    lease_seconds: float = Field(default=30.0, gt=0, le=86_400)
-    #: A dispatched effect not delivered within this long is dispatched again.
+    #: A dispatched effect not delivered within this long is dispatched again (and
+    #: so is a batch whose relay died between its claim and its publish).
     dispatch_ttl_seconds: float = Field(default=300.0, gt=0)
     #: Longest wait between claims when idle (a NOTIFY usually wakes the relay sooner).
     poll_seconds: float = Field(default=1.0, gt=0, le=3600)

@@ -1,13 +1,13 @@
 """Stream mode: a relay carries pending effects to Kafka; a Kafka source feeds the delivery daemon.
 
 ``outbox relay`` (:mod:`outbox.delivery.relay`) claims pending effects with the
-same claim machinery as the
-poll deliverer (so per-key order holds: the next effect of an ordering key is
-not claimed while one is undecided), publishes each to the topic
-``<prefix><kind>``, keyed by ordering key (else run id), and marks them
-``dispatched`` with the same fencing as a completion. Several relays may run.
-A relay also re-dispatches what nobody delivered within ``dispatch_ttl`` and
-rescues the claims of a relay that died, so a relay alone keeps its promises.
+same claim machinery as the poll deliverer (so per-key order holds: the next
+effect of an ordering key is not claimed while one is undecided), straight
+into ``dispatched``, and publishes each to the topic ``<prefix><kind>``, keyed
+by ordering key (else run id). Several relays may run. A relay also
+re-dispatches what nobody delivered within ``dispatch_ttl`` (a batch whose
+relay died before publishing it among them), so a relay alone keeps its
+promises.
 
 ``outbox deliver --from-kafka`` is the one :class:`~outbox.delivery.daemon.DeliveryDaemon`
 with a :class:`KafkaSource`: for each batch of records it claims the named

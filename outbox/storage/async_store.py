@@ -31,7 +31,7 @@ from outbox.storage.engine import translate_errors
 from outbox.storage.notify import listen
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
-from outbox.storage.shard_turns import complete_on, logged_on_shard, shard_groups, wake_parked
+from outbox.storage.shard_turns import complete_on, shard_groups, wake_parked
 from outbox.storage.sql import dispatch as dispatch_sql
 from outbox.storage.sql import duties, leases, maintenance, queue
 from outbox.storage.sql.common import EFFECTS_CHANNEL
@@ -289,37 +289,6 @@ class AsyncStore(DutyStatements):
         return Batched(logged, rows, kept, findings)
 
     # -- stream mode -----------------------------------------------------------------
-
-    async def mark_dispatched(
-        self, owner: str, held: Sequence[tuple[UUID, int]], *, dispatch_ttl: float
-    ) -> set[UUID]:
-        """The relay published these attempts; returns the ids it still held (fenced).
-
-        On Citus a statement per shard, each its own transaction (``_one_commit``).
-        """
-        if not held:
-            return set()
-        kept: set[UUID] = set()
-        with translate_errors("marking effects dispatched"):
-            async with self._direct.connection() as conn, await self._one_commit(conn):
-                groups = await shard_groups(
-                    conn, held, lambda h: h[0], await self._held_shards(conn)
-                )
-                for shard, part in groups.items():
-                    params = leases.extend_params(part, owner=owner, lease_seconds=0)
-                    params["dispatch_ttl"] = dispatch_ttl
-                    if shard is not None:
-                        params["on_shard"] = shard
-                    mark = prepared(dispatch_sql.mark_dispatched(shard is not None))
-                    if shard is None:
-                        cur = await mark.execute(conn, params, prepare=True)
-                        logged = await cur.fetchall()
-                    else:
-                        logged = await logged_on_shard(conn, mark, params)
-                    kept |= {row["effect_id"] for row in logged}
-        for effect_id, _ in held:  # the relay holds them no more
-            self._shards.of.pop(effect_id, None)
-        return kept
 
     async def claim_dispatched(
         self,

@@ -4,11 +4,12 @@ Each test runs the processes against a Tansu broker and a real HTTP sink and
 hurts them: a stream deliverer killed with SIGKILL while copies of records
 (dispatches expired and published again) are in the topic; a consumer group
 rebalancing while batches are in flight (a deliverer joining, another
-leaving); relays killed with SIGKILL between publishing and marking, several
-relays at once. Expected: no committed offset passes the record an effect
-was claimed through while its outcome is not recorded; every effect is
-delivered, none skipped; an idempotent sink applies each key once and a sink
-that cannot dedup is never called twice for one effect.
+leaving); relays killed with SIGKILL right after publishing, several relays
+at once, and between claiming a batch and publishing it. Expected: no
+committed offset passes the record an effect was claimed through while its
+outcome is not recorded; every effect is delivered, none skipped; an
+idempotent sink applies each key once and a sink that cannot dedup is never
+called twice for one effect.
 """
 
 from __future__ import annotations
@@ -296,12 +297,12 @@ def test_a_rebalance_while_batches_are_in_flight_calls_no_sink_twice(
     assert procs.our_tracebacks() == [], procs.logs()
 
 
-def test_relays_killed_between_publish_and_mark_with_others_running(
+def test_relays_killed_right_after_publishing_with_others_running(
     ob: Outbox, sub_env: dict[str, str], tmp_path: Path, broker: TansuBroker
 ) -> None:
-    """Three relays at once; two die (SIGKILL) after publishing a batch, before marking it.
+    """Three relays at once; two die (SIGKILL) after publishing a batch, before going on.
 
-    Their published effects stay in flight under their leases; the stream
+    Their published effects are ``dispatched`` under their names; the stream
     deliverer takes them from the records, the rest are dispatched by the
     living relay. A sink that cannot dedup is called once per effect.
     """
@@ -311,8 +312,10 @@ def test_relays_killed_between_publish_and_mark_with_others_running(
         try:
             first = procs.relay("doomed-1", "--batch-size", "5", crash_at="after_publish:1")
             later = procs.relay("doomed-2", "--batch-size", "5", crash_at="after_publish:3")
-            procs.relay("living", "--batch-size", "5")
+            # The living one starts once the first died: a relay dispatches 200
+            # effects in well under a second, and one that found nothing never dies.
             assert first.wait(60) == -signal.SIGKILL
+            procs.relay("living", "--batch-size", "5")
             procs.deliverer("stream", "--concurrency", "16")
             settled(ob, n, procs, timeout=180)
         finally:
@@ -324,3 +327,43 @@ def test_relays_killed_between_publish_and_mark_with_others_running(
     for effect in ob.effects(limit=n):
         outcomes = [a.outcome for a in ob.store.attempts(effect.id)]
         assert outcomes.count("succeeded") == 1, outcomes
+
+
+def test_a_relay_killed_between_its_claim_and_its_publish_loses_nothing(
+    ob: Outbox, sub_env: dict[str, str], tmp_path: Path, broker: TansuBroker
+) -> None:
+    """A relay dies (SIGKILL) with a batch claimed into ``dispatched`` and never published.
+
+    No record of those effects exists: when the dispatch TTL runs out, the
+    next relay's reconcile round puts them back to ``pending`` (logged as
+    ``expired``) and dispatches them again. Every effect is delivered once.
+    """
+    procs = Procs(sub_env, tmp_path, broker, make_config(tmp_path, idempotent=False))
+    with IdempotentHttpSink(honour_keys=False) as sink:
+        n = intend(ob, f"{sink.url}/ledger", runs=4, per_run=10)
+        try:
+            doomed = procs.relay(
+                "doomed",
+                "--batch-size",
+                "7",
+                "--dispatch-ttl",
+                "2",
+                crash_at="after_dispatch_claim:1",
+            )
+            assert doomed.wait(60) == -signal.SIGKILL
+            assert statuses(ob) == {"dispatched": 7, "pending": n - 7}
+            assert topic_size(broker) == 0, "nothing was published"
+            stranded = {e.id for e in ob.effects(limit=n) if e.status == "dispatched"}
+            procs.deliverer("stream", "--concurrency", "16")
+            procs.relay("living", "--batch-size", "7", "--dispatch-ttl", "2")
+            settled(ob, n, procs, timeout=180)
+        finally:
+            procs.stop_all()
+        stats = sink.stats()
+    assert stats["redeliveries"] == 0, "no effect was sent twice"
+    assert stats["duplicate_keys_applied"] == [] and stats["keys_applied"] == n
+    for effect in ob.effects(limit=n):
+        outcomes = [a.outcome for a in ob.store.attempts(effect.id)]
+        assert outcomes.count("succeeded") == 1, outcomes
+        if effect.id in stranded:  # (others may expire too, while the group settles)
+            assert outcomes[0] == "expired", outcomes

@@ -217,7 +217,7 @@ def test_intents_of_no_run_with_callers_keys_are_kept_once_on_their_own_shards(
 def test_stream_mode_relays_and_claims_on_one_shard_each(
     ob: Outbox, dsn: str, kafka_broker: TansuBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The relay's claim and mark, and the stream deliverer's claim by the records' ids,
+    """The relay's claim into dispatched, and the stream deliverer's claim by the records' ids,
     each name one shard: the records carry their run's id, so the shard is known."""
     runs = [ob.start_run("streamed", "1", {"i": i}) for i in range(6)]
     for i, run in enumerate(runs):

@@ -1,10 +1,12 @@
 """The hand-off from relay to stream deliverer, at the database (no broker needed).
 
-A relay publishes, waits for the broker's acknowledgement, then marks the
-effects ``dispatched``. A consumer can read the record before that mark
-commits. Expected: the stream deliverer takes an effect a relay still holds
-(the record proves it was published), the relay's late mark is fenced and
-changes nothing, and an effect held by another *deliverer* is never taken.
+A relay claims a batch straight into ``dispatched`` (leased to it for the
+dispatch TTL), publishes it, and gives back what the broker did not take.
+Expected: a stream deliverer takes a dispatched effect over with the relay's
+attempt; the relay's give-back of an effect a deliverer already took is
+fenced and changes nothing; what it gives back in time is ``pending`` again;
+an effect in flight under a relay of an earlier version (which marked after
+publishing) is still taken; an effect held by another *deliverer* never is.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import asyncio
 from typing import Any
 
 from outbox import Outbox
+from outbox.delivery.attempt import released
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.async_store import AsyncStore, Completion
 from outbox.storage.engine import make_async_engine
+from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
 RELAY = RELAY_OWNER_PREFIX + "host:1:abc"
@@ -34,39 +38,78 @@ def status_and_owner(ob: Outbox) -> list[tuple[str, str | None]]:
     return [(r[0], r[1]) for r in rows]
 
 
-def test_a_record_read_before_the_relay_marks_it_dispatched_is_delivered(
+def test_a_dispatched_effect_is_taken_over_and_a_late_give_back_is_fenced(
     ob: Outbox, dsn: str
 ) -> None:
-    intend(ob, 2)
+    intend(ob, 3)
 
     async def main() -> dict[str, Any]:
         store = AsyncStore(make_async_engine(dsn))
         try:
             held = await store.claim_many(
-                EFFECT_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=30
+                DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=300
             )
-            ids = [row.id for row in held]
-            # The consumer reads the records while the relay waits for its acks.
-            taken = await store.claim_dispatched(ids, owner="stream-1", lease_seconds=30)
-            # The relay's mark comes late: fenced, it keeps nothing.
-            kept = await store.mark_dispatched(
-                RELAY, [(row.id, row.attempt) for row in held], dispatch_ttl=60
+            statuses = status_and_owner(ob)
+            # The consumer read two records; the third failed to publish.
+            taken = await store.claim_dispatched(
+                [row.id for row in held[:2]], owner="stream-1", lease_seconds=30
+            )
+            # The relay gives back the failed one, and (a flush that timed out after
+            # the broker took it) the first too: that one is fenced off.
+            given_back = await store.complete(
+                RELAY, [released(held[0], "no ack", delay=60), released(held[2], "no ack")]
             )
             logged = await store.complete(
                 "stream-1",
                 [Completion(row.id, row.attempt, "succeeded", "succeeded") for row in taken],
             )
-            return {"held": held, "taken": taken, "kept": kept, "logged": logged}
+            return {
+                "held": held,
+                "statuses": statuses,
+                "taken": taken,
+                "given_back": dict(given_back),
+                "logged": logged,
+            }
         finally:
             await store.dispose()
 
     out = asyncio.run(main())
-    assert len(out["held"]) == 2
-    assert {r.id for r in out["taken"]} == {r.id for r in out["held"]}
+    held = out["held"]
+    assert len(held) == 3 and {r.attempt for r in held} == {1}
+    assert out["statuses"] == [("dispatched", RELAY)] * 3
+    assert {r.id for r in out["taken"]} == {r.id for r in held[:2]}
     assert {r.attempt for r in out["taken"]} == {1}, "the relay's attempt, not a new one"
-    assert out["kept"] == set()
+    assert out["given_back"] == {held[0].id: "stale", held[2].id: "released"}
     assert sorted(outcome for _, outcome in out["logged"]) == ["succeeded", "succeeded"]
-    assert status_and_owner(ob) == [("succeeded", None), ("succeeded", None)]
+    assert sorted(status_and_owner(ob)) == [
+        ("pending", None),
+        ("succeeded", None),
+        ("succeeded", None),
+    ]
+
+
+def test_an_effect_in_flight_under_an_earlier_relay_is_taken_from_its_record(
+    ob: Outbox, dsn: str
+) -> None:
+    """A relay of an earlier version claimed into ``in_flight`` and marked after publishing."""
+    intend(ob, 2)
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            held = await store.claim_many(
+                EFFECT_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=30
+            )
+            taken = await store.claim_dispatched(
+                [row.id for row in held], owner="stream-1", lease_seconds=30
+            )
+            return held, taken
+        finally:
+            await store.dispose()
+
+    held, taken = asyncio.run(main())
+    assert {r.id for r in taken} == {r.id for r in held} and len(held) == 2
+    assert status_and_owner(ob) == [("in_flight", "stream-1")] * 2
 
 
 def test_an_effect_held_by_a_deliverer_is_not_taken_by_a_stream_deliverer(
@@ -104,11 +147,8 @@ def test_cancelling_a_run_cancels_its_dispatched_effects(ob: Outbox, dsn: str) -
     async def dispatch() -> None:
         store = AsyncStore(make_async_engine(dsn))
         try:
-            held = await store.claim_many(
-                EFFECT_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=30
-            )
-            await store.mark_dispatched(
-                RELAY, [(row.id, row.attempt) for row in held], dispatch_ttl=60
+            await store.claim_many(
+                DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=60
             )
         finally:
             await store.dispose()
@@ -122,7 +162,7 @@ def test_cancelling_a_run_cancels_its_dispatched_effects(ob: Outbox, dsn: str) -
             await store.dispose()
 
     asyncio.run(dispatch())
-    assert status_and_owner(ob) == [("dispatched", None)]
+    assert status_and_owner(ob) == [("dispatched", RELAY)]
     assert ob.cancel(run.id, "not needed").value == "cancelled"
     assert [s for s, _ in status_and_owner(ob)] == ["cancelled"]
     assert asyncio.run(late_record()) == []

@@ -1,9 +1,8 @@
-"""Stream mode's row locks under contention: a relay's mark against deliverers' claims.
+"""Stream mode's row locks under contention: deliverers' claims of the same dispatched rows.
 
-A relay marks the effects it published ``dispatched`` while stream
-deliverers, reading the records first, claim them, each naming the same rows
-in its own order (a group's copies after a rebalance, the relay's batch in
-claim order). Every statement locks the rows in id order, so none of them ever
+Stream deliverers claim the effects a relay dispatched, each naming the same
+rows in its own order (a group's copies after a rebalance, the relay's batch
+in claim order). Every claim locks the rows in id order, so none of them ever
 deadlocks (the bench once ended with ``deadlock detected`` from such a mix),
 and each effect is claimed by exactly one deliverer.
 """
@@ -17,16 +16,14 @@ from outbox import Outbox
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine
-from outbox.storage.sql.queue import EFFECT_QUEUE
+from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 
 KIND = "k.locks"
 RELAY = RELAY_OWNER_PREFIX + "test:1:locks"
 ROUNDS, PER_ROUND, DELIVERERS = 8, 60, 3
 
 
-def test_marks_and_claims_of_the_same_rows_in_any_order_never_deadlock(
-    ob: Outbox, dsn: str
-) -> None:
+def test_claims_of_the_same_rows_in_any_order_never_deadlock(ob: Outbox, dsn: str) -> None:
     run = ob.start_run("agent", "1")
     n = ROUNDS * PER_ROUND
     run.transaction("s", lambda tx: [tx.intend(KIND, {"i": i}) for i in range(n)] and None)
@@ -38,34 +35,23 @@ def test_marks_and_claims_of_the_same_rows_in_any_order_never_deadlock(
             owners: dict[object, list[str]] = {}
             for _ in range(ROUNDS):
                 held = await store.claim_many(
-                    EFFECT_QUEUE, [({"kind": KIND}, PER_ROUND)], owner=RELAY, lease_seconds=60
+                    DISPATCH_QUEUE, [({"kind": KIND}, PER_ROUND)], owner=RELAY, lease_seconds=600
                 )
-                pairs = [(e.id, e.attempt) for e in held]
                 orders = []
                 for _ in range(DELIVERERS):
                     ids = [e.id for e in held]
                     shuffle(ids)
                     orders.append(ids)
-                shuffle(pairs)
-                # Tasks in the order gather would make them: the mark, then each claim.
-                mark = asyncio.create_task(store.mark_dispatched(RELAY, pairs, dispatch_ttl=600))
                 claims = [
                     asyncio.create_task(
                         store.claim_dispatched(ids, owner=f"d{k}", lease_seconds=60)
                     )
                     for k, ids in enumerate(orders)
                 ]
-                await asyncio.gather(mark, *claims)
+                await asyncio.gather(*claims)
                 for k, claim in enumerate(claims):
                     for effect in claim.result():
                         owners.setdefault(effect.id, []).append(f"d{k}")
-                # What no deliverer took (the mark came first and they read nothing
-                # dispatched yet) is taken now: every effect ends up claimed once.
-                late = await store.claim_dispatched(
-                    [e.id for e in held], owner="late", lease_seconds=60
-                )
-                for effect in late:
-                    owners.setdefault(effect.id, []).append("late")
             assert len(owners) == n
             assert all(len(who) == 1 for who in owners.values())
         finally:

@@ -33,7 +33,7 @@ from outbox.delivery.stream import KafkaSource
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 from outbox.storage.engine import make_async_engine
-from outbox.storage.sql.queue import EFFECT_QUEUE
+from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 from tests.support import limited_role
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -58,11 +58,10 @@ def intend(ob: Outbox, n: int) -> None:
 
 
 async def dispatch(store: AsyncStore, n: int) -> list[ClaimedEffect]:
-    """What a relay does before publishing: claim and mark ``dispatched``."""
+    """What a relay does before publishing: claim into ``dispatched``."""
     held = await store.claim_many(
-        EFFECT_QUEUE, [({"kind": KIND}, n)], owner=RELAY, lease_seconds=60
+        DISPATCH_QUEUE, [({"kind": KIND}, n)], owner=RELAY, lease_seconds=600
     )
-    await store.mark_dispatched(RELAY, [(e.id, e.attempt) for e in held], dispatch_ttl=600)
     return sorted(held, key=lambda e: e.payload["i"])
 
 

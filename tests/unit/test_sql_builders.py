@@ -220,7 +220,6 @@ def test_every_exported_builder_is_exercised() -> None:
 def test_stream_mode_locks_effects_in_id_order() -> None:
     # A relay's mark and stream deliverers' claims of the same effects took row
     # locks in different orders and deadlocked (found by `python -m bench --only
-    # stream`); both now lock in id order first.
-    for statement in (dispatch.claim_dispatched(), dispatch.mark_dispatched()):
-        sql = _sql(statement)
-        assert "ORDER BY outbox_effects.id" in sql and "FOR UPDATE" in sql, sql
+    # stream`); the relay no longer marks, and claims lock in id order first.
+    sql = _sql(dispatch.claim_dispatched())
+    assert "ORDER BY outbox_effects.id" in sql and "FOR UPDATE" in sql, sql

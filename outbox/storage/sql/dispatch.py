@@ -1,12 +1,14 @@
-"""Stream mode's SQL on effects: a relay marks what it published, deliverers claim it.
+"""Stream mode's SQL on effects: deliverers claim what a relay dispatched.
 
-``dispatched`` is a claim the relay made for Kafka; a deliverer reading the
-record takes it over (fenced like any claim), and an attempt nobody took within
-its ``dispatch_ttl`` goes back to ``pending``. Logged like every other change.
+``dispatched`` is a claim the relay made for Kafka (``queue.DISPATCH_QUEUE``);
+a deliverer reading the record takes it over (fenced like any claim), and an
+attempt nobody took within its ``dispatch_ttl`` goes back to ``pending``,
+logged like every other change.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
@@ -26,62 +28,18 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import UUID
 
 from outbox.ids import RELAY_OWNER_PREFIX
+from outbox.models import EffectStatus
 from outbox.storage.schema import effects
 from outbox.storage.sql.attempt_log import log_changes
 from outbox.storage.sql.common import SECONDS, const, on_shard
-from outbox.storage.sql.leases import held_rows
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
-__all__ = ["claim_dispatched", "mark_dispatched", "redispatch_expired"]
+__all__ = ["DISPATCH_QUEUE", "claim_dispatched", "redispatch_expired"]
 
-
-@cache
-def mark_dispatched(sharded: bool = False) -> Any:
-    """The relay published these attempts to Kafka: ``dispatched`` until ``dispatch_ttl`` runs out.
-
-    Parameters: ``owner`` (the relay), ``held`` (JSON ``[{id, attempt}]``),
-    ``dispatch_ttl`` (seconds), and on Citus ``on_shard`` (the held rows of one
-    shard). Fenced like a completion; logged as ``dispatched``.
-    """
-    held = held_rows()
-    fenced = [
-        effects.c.attempt == held.c.attempt,
-        effects.c.status == const("in_flight"),
-        effects.c.lease_owner == bindparam("owner", type_=Text),
-    ]
-    if sharded:
-        # On Citus the held rows' join in a locking CTE is planned apart and then
-        # fails on the worker: one UPDATE ... FROM (as a completion), on one shard.
-        # A deadlock with a deliverer's claim is then possible, and resolved by
-        # PostgreSQL: the loser retries (a relay's mark, a deliverer's claim).
-        target = effects.update().where(
-            effects.c.id == held.c.id, *fenced, *on_shard(effects, sharded)
-        )
-    else:
-        # Rows are locked in id order, as claim_dispatched locks them: a relay's mark
-        # and a stream deliverer's claim of the same effects never deadlock.
-        locked = (
-            select(effects.c.id)
-            .select_from(effects.join(held, effects.c.id == held.c.id))
-            .where(*fenced)
-            .order_by(effects.c.id)
-            .with_for_update(of=effects)
-            .cte("locked")
-        )
-        target = effects.update().where(effects.c.id == locked.c.id)
-    changed = (
-        target.values(
-            status=const("dispatched"),
-            lease_owner=null(),
-            lease_expires_at=func.now() + bindparam("dispatch_ttl", type_=Float) * SECONDS,
-            updated_at=func.now(),
-        )
-        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
-        .cte("changed")
-    )
-    return log_changes(
-        changed, worker=bindparam("owner", type_=Text), outcome=const("dispatched"), sharded=sharded
-    )
+#: A relay's claim: the poll claim's order, lanes and per-key rule, but the rows
+#: go straight to ``dispatched`` (leased to the relay for the dispatch TTL), so
+#: a publish costs one statement in PostgreSQL, not a claim and then a mark.
+DISPATCH_QUEUE = replace(EFFECT_QUEUE, claimed=EffectStatus.DISPATCHED)
 
 
 @cache
@@ -93,14 +51,15 @@ def claim_dispatched(sharded: bool = False) -> Any:
     no longer ``dispatched`` (delivered already, or claimed through another copy
     of its record) is not returned: redelivered records are harmless.
 
-    An effect still held by a relay is taken too: the relay marks effects
-    dispatched only after the broker acknowledged them, so a quick consumer
-    reads the record first. The record is the proof that the publish landed;
-    the relay's later mark (fenced on its owner) then changes nothing.
+    An effect in flight under a relay is taken too: a relay of an earlier
+    version claimed into ``in_flight`` and marked the effects ``dispatched``
+    only after the broker acknowledged them, so a quick consumer could read a
+    record first. The record is the proof that the publish landed; that
+    relay's later mark (fenced on its owner) changed nothing.
     """
     e = effects
-    # Locked in id order (so is mark_dispatched): two deliverers reading copies of
-    # the same records, or a relay marking them, wait for each other, never deadlock.
+    # Locked in id order: two deliverers reading copies of the same records wait
+    # for each other, never deadlock.
     locked = (
         select(e.c.id)
         .where(

@@ -129,11 +129,12 @@ def complete_effects(sharded: bool = False) -> Any:
 
     Parameters: ``owner``, ``done`` (a JSON array of ``{id, attempt, status,
     outcome, result, error, delay, detail, started_at}``) and ``ids`` (the same
-    ids). A row changes only while it still holds that attempt: in flight under
-    ``owner``, or set aside by the reconciler (``unknown``, or back to ``pending``) without a newer
-    attempt having started, in which case this late answer is the truth about
-    that attempt. Otherwise the completion is stale: it is logged as ``stale``
-    (with what it reported) and changes nothing else (G4).
+    ids). A row changes only while it still holds that attempt: in flight (or,
+    for a relay, dispatched) under ``owner``, or set aside by the reconciler
+    (``unknown``, or back to ``pending``) without a newer attempt having
+    started, in which case this late answer is the truth about that attempt.
+    Otherwise the completion is stale: it is logged as ``stale`` (with what it
+    reported) and changes nothing else (G4).
     Returns ``(effect_id, outcome)`` per logged attempt.
 
     ``sharded`` (Citus): every effect of the batch is on shard ``on_shard``, the
@@ -157,7 +158,8 @@ def complete_effects(sharded: bool = False) -> Any:
         e.c.id == d.c.id,
         e.c.attempt == d.c.attempt,
         or_(
-            and_(e.c.status == const("in_flight"), ours),
+            # ``dispatched`` under ``owner``: a relay gives back what it could not publish
+            and_(in_statuses(e.c.status, ("in_flight", "dispatched")), ours),
             in_statuses(e.c.status, ("unknown", "pending")),
         ),
     )
