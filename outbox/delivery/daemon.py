@@ -310,9 +310,11 @@ class DeliveryDaemon:
 
     async def _linger(self) -> None:
         """Wait up to the source's linger while attempts are under way and the batch has room."""
-        if self.source.linger <= 0:
+        # (a source written before ``linger`` existed has none: it never waits)
+        linger = getattr(self.source, "linger", 0.0)
+        if linger <= 0:
             return
-        until = time.monotonic() + self.source.linger
+        until = time.monotonic() + linger
         while (
             len(self._done) < self.settings.batch_size
             and not self._stopping.is_set()
