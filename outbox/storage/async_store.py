@@ -23,6 +23,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from outbox.blobs import reference_hash
 from outbox.errors import ConfigurationError
+from outbox.models import EffectStatus
 from outbox.storage import blob_store
 from outbox.storage.attempts import Batched, ClaimedEffect, Completion, DutyAsk, DutyFindings
 from outbox.storage.delivery_duties import DutyStatements, Observer
@@ -107,7 +108,11 @@ class AsyncStore(DutyStatements):
                 rows += await self._shards.claim(conn, partition, limit, hints, claim_on, ready)
             else:
                 rows += await claim_on(partition, limit)
-        self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
+        if spec.claimed != EffectStatus.DISPATCHED:
+            # A relay's claim hands its rows on to whichever deliverer reads their
+            # records: it holds no lease to extend, and its give-back names each
+            # row's shard. Remembered, they would pile up for the relay's life.
+            self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
         return rows
 
     async def _ready_on(

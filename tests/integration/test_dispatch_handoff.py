@@ -49,6 +49,9 @@ def test_a_dispatched_effect_is_taken_over_and_a_late_give_back_is_fenced(
             held = await store.claim_many(
                 DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=300
             )
+            # A relay holds no lease to extend: a long-lived relay remembers nothing
+            # of what it dispatched (its map of held rows' shards stays empty).
+            remembered = dict(store._shards.of)
             statuses = status_and_owner(ob)
             # The consumer read two records; the third failed to publish.
             taken = await store.claim_dispatched(
@@ -65,6 +68,7 @@ def test_a_dispatched_effect_is_taken_over_and_a_late_give_back_is_fenced(
             )
             return {
                 "held": held,
+                "remembered": remembered,
                 "statuses": statuses,
                 "taken": taken,
                 "given_back": dict(given_back),
@@ -76,6 +80,7 @@ def test_a_dispatched_effect_is_taken_over_and_a_late_give_back_is_fenced(
     out = asyncio.run(main())
     held = out["held"]
     assert len(held) == 3 and {r.attempt for r in held} == {1}
+    assert out["remembered"] == {}
     assert out["statuses"] == [("dispatched", RELAY)] * 3
     assert {r.id for r in out["taken"]} == {r.id for r in held[:2]}
     assert {r.attempt for r in out["taken"]} == {1}, "the relay's attempt, not a new one"
