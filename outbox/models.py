@@ -105,7 +105,8 @@ class EffectStatus(StrEnum):
 
     PENDING = "pending"
     IN_FLIGHT = "in_flight"
-    #: published to Kafka by the relay, waiting for a stream deliverer (stream mode)
+    #: claimed by a relay for Kafka (published, or about to be), waiting for a
+    #: stream deliverer to read its record (stream mode)
     DISPATCHED = "dispatched"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -198,7 +199,9 @@ class AttemptOutcome(StrEnum):
     CANCELLED = "cancelled"
     #: given back unstarted (shutdown, a schema version this deliverer does not know)
     RELEASED = "released"
-    #: published to Kafka by a relay (stream mode)
+    #: published to Kafka by a relay (stream mode): written by relays that marked
+    #: after publishing; a relay now claims straight into ``dispatched`` and logs
+    #: nothing, so only older attempt logs hold it
     DISPATCHED = "dispatched"
     #: settled by asking the sink (``Deliverer.lookup``)
     LOOKED_UP = "looked_up"

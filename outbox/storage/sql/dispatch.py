@@ -1,6 +1,6 @@
 """Stream mode's SQL on effects: deliverers claim what a relay dispatched.
 
-``dispatched`` is a claim the relay made for Kafka (``queue.DISPATCH_QUEUE``);
+``dispatched`` is a claim the relay made for Kafka (``DISPATCH_QUEUE``, below);
 a deliverer reading the record takes it over (fenced like any claim), and an
 attempt nobody took within its ``dispatch_ttl`` goes back to ``pending``,
 logged like every other change.
