@@ -12,7 +12,8 @@ publishing) is still taken; an effect held by another *deliverer* never is.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from outbox import Outbox
 from outbox.delivery.attempt import released
@@ -23,6 +24,8 @@ from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
 RELAY = RELAY_OWNER_PREFIX + "host:1:abc"
+
+T = TypeVar("T")
 
 
 def intend(ob: Outbox, n: int) -> None:
@@ -171,3 +174,40 @@ def test_cancelling_a_run_cancels_its_dispatched_effects(ob: Outbox, dsn: str) -
     assert ob.cancel(run.id, "not needed").value == "cancelled"
     assert [s for s, _ in status_and_owner(ob)] == ["cancelled"]
     assert asyncio.run(late_record()) == []
+
+
+def test_a_dispatch_whose_ttl_ran_out_is_pending_again_and_nobodys(ob: Outbox, dsn: str) -> None:
+    """A relay died between its claim and its publish: no record will ever come.
+
+    Expected: once the TTL has run out, the reconciler's round puts the effect
+    back to ``pending`` with the relay's name cleared, logged as ``expired``,
+    and the next relay's claim takes it with a new attempt.
+    """
+    intend(ob, 1)
+
+    async def with_store(work: Callable[[AsyncStore], Awaitable[T]]) -> T:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            return await work(store)
+        finally:
+            await store.dispose()
+
+    async def dispatch_and_expire(store: AsyncStore) -> int:
+        await store.claim_many(
+            DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=0.05
+        )
+        await asyncio.sleep(0.2)
+        redispatched, _ = await store.expired(100, redispatch_as="reconciler:test")
+        return redispatched
+
+    async def dispatch_again(store: AsyncStore) -> list[Any]:
+        return await store.claim_many(
+            DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY + "-2", lease_seconds=300
+        )
+
+    assert asyncio.run(with_store(dispatch_and_expire)) == 1
+    assert status_and_owner(ob) == [("pending", None)]
+    effect = ob.effects(limit=1)[0]
+    assert [(a.attempt, a.outcome) for a in ob.store.attempts(effect.id)] == [(1, "expired")]
+    again = asyncio.run(with_store(dispatch_again))
+    assert [(r.attempt, r.lease_owner) for r in again] == [(2, RELAY + "-2")]

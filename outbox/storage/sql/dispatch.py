@@ -114,6 +114,8 @@ def redispatch_expired(sharded: bool = False) -> Any:
         .where(effects.c.id == due.c.id, *on_shard(effects, sharded))
         .values(
             status=const("pending"),
+            # (a relay's claim named it; a pending effect is nobody's)
+            lease_owner=null(),
             lease_expires_at=null(),
             available_at=func.now(),
             last_error=const("dispatched but not delivered in time: re-dispatching"),
