@@ -41,46 +41,70 @@ def status_and_owner(ob: Outbox) -> list[tuple[str, str | None]]:
     return [(r[0], r[1]) for r in rows]
 
 
+def on_store(dsn: str, work: Callable[[AsyncStore], Awaitable[T]]) -> T:
+    """Run ``work`` on a store of its own, as a process of its own would."""
+
+    async def main() -> T:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            return await work(store)
+        finally:
+            await store.dispose()
+
+    return asyncio.run(main())
+
+
+def claimed_then_read(dsn: str, owner: str) -> tuple[list[Any], list[Any]]:
+    """``owner`` claims (the poll claim, into ``in_flight``); a stream deliverer reads them."""
+
+    async def work(store: AsyncStore) -> tuple[list[Any], list[Any]]:
+        held = await store.claim_many(
+            EFFECT_QUEUE, [({"kind": "k"}, 10)], owner=owner, lease_seconds=30
+        )
+        taken = await store.claim_dispatched(
+            [row.id for row in held], owner="stream-1", lease_seconds=30
+        )
+        return held, taken
+
+    return on_store(dsn, work)
+
+
 def test_a_dispatched_effect_is_taken_over_and_a_late_give_back_is_fenced(
     ob: Outbox, dsn: str
 ) -> None:
     intend(ob, 3)
 
-    async def main() -> dict[str, Any]:
-        store = AsyncStore(make_async_engine(dsn))
-        try:
-            held = await store.claim_many(
-                DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=300
-            )
-            # A relay holds no lease to extend: a long-lived relay remembers nothing
-            # of what it dispatched (its map of held rows' shards stays empty).
-            remembered = dict(store._shards.of)
-            statuses = status_and_owner(ob)
-            # The consumer read two records; the third failed to publish.
-            taken = await store.claim_dispatched(
-                [row.id for row in held[:2]], owner="stream-1", lease_seconds=30
-            )
-            # The relay gives back the failed one, and (a flush that timed out after
-            # the broker took it) the first too: that one is fenced off.
-            given_back = await store.complete(
-                RELAY, [released(held[0], "no ack", delay=60), released(held[2], "no ack")]
-            )
-            logged = await store.complete(
-                "stream-1",
-                [Completion(row.id, row.attempt, "succeeded", "succeeded") for row in taken],
-            )
-            return {
-                "held": held,
-                "remembered": remembered,
-                "statuses": statuses,
-                "taken": taken,
-                "given_back": dict(given_back),
-                "logged": logged,
-            }
-        finally:
-            await store.dispose()
+    async def work(store: AsyncStore) -> dict[str, Any]:
+        held = await store.claim_many(
+            DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=300
+        )
+        # A relay holds no lease to extend: a long-lived relay remembers nothing
+        # of what it dispatched (its map of held rows' shards stays empty).
+        remembered = dict(store._shards.of)
+        statuses = status_and_owner(ob)
+        # The consumer read two records; the third failed to publish.
+        taken = await store.claim_dispatched(
+            [row.id for row in held[:2]], owner="stream-1", lease_seconds=30
+        )
+        # The relay gives back the failed one, and (a flush that timed out after
+        # the broker took it) the first too: that one is fenced off.
+        given_back = await store.complete(
+            RELAY, [released(held[0], "no ack", delay=60), released(held[2], "no ack")]
+        )
+        logged = await store.complete(
+            "stream-1",
+            [Completion(row.id, row.attempt, "succeeded", "succeeded") for row in taken],
+        )
+        return {
+            "held": held,
+            "remembered": remembered,
+            "statuses": statuses,
+            "taken": taken,
+            "given_back": dict(given_back),
+            "logged": logged,
+        }
 
-    out = asyncio.run(main())
+    out = on_store(dsn, work)
     held = out["held"]
     assert len(held) == 3 and {r.attempt for r in held} == {1}
     assert out["remembered"] == {}
@@ -102,20 +126,7 @@ def test_an_effect_in_flight_under_an_earlier_relay_is_taken_from_its_record(
     """A relay of an earlier version claimed into ``in_flight`` and marked after publishing."""
     intend(ob, 2)
 
-    async def main() -> tuple[list[Any], list[Any]]:
-        store = AsyncStore(make_async_engine(dsn))
-        try:
-            held = await store.claim_many(
-                EFFECT_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=30
-            )
-            taken = await store.claim_dispatched(
-                [row.id for row in held], owner="stream-1", lease_seconds=30
-            )
-            return held, taken
-        finally:
-            await store.dispose()
-
-    held, taken = asyncio.run(main())
+    held, taken = claimed_then_read(dsn, RELAY)
     assert {r.id for r in taken} == {r.id for r in held} and len(held) == 2
     assert status_and_owner(ob) == [("in_flight", "stream-1")] * 2
 
@@ -125,20 +136,7 @@ def test_an_effect_held_by_a_deliverer_is_not_taken_by_a_stream_deliverer(
 ) -> None:
     intend(ob, 1)
 
-    async def main() -> tuple[list[Any], list[Any]]:
-        store = AsyncStore(make_async_engine(dsn))
-        try:
-            held = await store.claim_many(
-                EFFECT_QUEUE, [({"kind": "k"}, 10)], owner="poll-deliverer", lease_seconds=30
-            )
-            taken = await store.claim_dispatched(
-                [row.id for row in held], owner="stream-1", lease_seconds=30
-            )
-            return held, taken
-        finally:
-            await store.dispose()
-
-    held, taken = asyncio.run(main())
+    held, taken = claimed_then_read(dsn, "poll-deliverer")
     assert len(held) == 1 and taken == []
     assert status_and_owner(ob) == [("in_flight", "poll-deliverer")]
 
@@ -152,28 +150,18 @@ def test_cancelling_a_run_cancels_its_dispatched_effects(ob: Outbox, dsn: str) -
     run = ob.start_run("agent", "1")
     run.transaction("s", lambda tx: tx.intend("k", {"i": 1}) and None)
 
-    async def dispatch() -> None:
-        store = AsyncStore(make_async_engine(dsn))
-        try:
-            await store.claim_many(
-                DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=60
-            )
-        finally:
-            await store.dispose()
+    async def dispatch(store: AsyncStore) -> None:
+        await store.claim_many(DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=60)
 
-    async def late_record() -> list[Any]:
-        store = AsyncStore(make_async_engine(dsn))
-        try:
-            ids = [e.id for e in ob.effects(limit=10)]
-            return await store.claim_dispatched(ids, owner="stream-1", lease_seconds=30)
-        finally:
-            await store.dispose()
+    async def late_record(store: AsyncStore) -> list[Any]:
+        ids = [e.id for e in ob.effects(limit=10)]
+        return await store.claim_dispatched(ids, owner="stream-1", lease_seconds=30)
 
-    asyncio.run(dispatch())
+    on_store(dsn, dispatch)
     assert status_and_owner(ob) == [("dispatched", RELAY)]
     assert ob.cancel(run.id, "not needed").value == "cancelled"
     assert [s for s, _ in status_and_owner(ob)] == ["cancelled"]
-    assert asyncio.run(late_record()) == []
+    assert on_store(dsn, late_record) == []
 
 
 def test_a_dispatch_whose_ttl_ran_out_is_pending_again_and_nobodys(ob: Outbox, dsn: str) -> None:
@@ -184,13 +172,6 @@ def test_a_dispatch_whose_ttl_ran_out_is_pending_again_and_nobodys(ob: Outbox, d
     and the next relay's claim takes it with a new attempt.
     """
     intend(ob, 1)
-
-    async def with_store(work: Callable[[AsyncStore], Awaitable[T]]) -> T:
-        store = AsyncStore(make_async_engine(dsn))
-        try:
-            return await work(store)
-        finally:
-            await store.dispose()
 
     async def dispatch_and_expire(store: AsyncStore) -> int:
         await store.claim_many(
@@ -205,9 +186,9 @@ def test_a_dispatch_whose_ttl_ran_out_is_pending_again_and_nobodys(ob: Outbox, d
             DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY + "-2", lease_seconds=300
         )
 
-    assert asyncio.run(with_store(dispatch_and_expire)) == 1
+    assert on_store(dsn, dispatch_and_expire) == 1
     assert status_and_owner(ob) == [("pending", None)]
     effect = ob.effects(limit=1)[0]
     assert [(a.attempt, a.outcome) for a in ob.store.attempts(effect.id)] == [(1, "expired")]
-    again = asyncio.run(with_store(dispatch_again))
+    again = on_store(dsn, dispatch_again)
     assert [(r.attempt, r.lease_owner) for r in again] == [(2, RELAY + "-2")]
