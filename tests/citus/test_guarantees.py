@@ -340,6 +340,48 @@ def test_the_rarer_parts_of_a_step_write_run_on_its_worker(ob: Outbox, dsn: str)
     assert rows == [("reserve", 2), ("spend", 3)]
 
 
+def test_a_step_without_intents_reads_no_gates(ob: Outbox, dsn: str) -> None:
+    """Gates are read, and effects inserted, only for a step that has intents: on a worker
+    each is a statement Citus deparses and plans. Shown by a lock: with the gates'
+    placement on the run's worker locked, a step without intents commits, and a step
+    with one waits until the lock is let go."""
+    run = ob.start_run("gates", "1")
+    port = _node_of(dsn, run.id)
+    worker = next(w for w in ob_workers(dsn) if w.endswith(f":{port}"))
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT shard_name('outbox_gates'::regclass, shardid) FROM pg_dist_shard"
+            " WHERE logicalrelid = 'outbox_gates'::regclass"
+        ).fetchone()
+    assert row is not None
+    ended: dict[str, BaseException | None] = {}
+
+    def step(name: str, intends: bool) -> threading.Thread:
+        def take() -> None:
+            try:
+                run.transaction(name, lambda tx: tx.intend("k.g", {}) if intends else None)
+                ended[name] = None
+            except BaseException as exc:  # reported by the asserts below
+                ended[name] = exc
+
+        thread = threading.Thread(target=take, daemon=True)
+        thread.start()
+        return thread
+
+    with psycopg.connect(f"postgresql://postgres@{worker}/{dsn.rsplit('/', 1)[1]}") as locker:
+        locker.execute("SET citus.enable_manual_changes_to_shards = on")  # a LOCK is one
+        locker.execute(f"LOCK TABLE {row[0]} IN ACCESS EXCLUSIVE MODE")
+        step("bare", intends=False).join(30)
+        assert ended == {"bare": None}, "a step without intents waited for the gates"
+        gated = step("gated", intends=True)
+        gated.join(1.0)
+        assert gated.is_alive(), "a step with an intent reads the gates"
+        locker.rollback()
+    gated.join(30)
+    assert ended == {"bare": None, "gated": None}
+    assert ob.run(run.id).completed_steps == ["bare", "gated"]
+
+
 def test_a_paused_run_takes_no_step_until_resumed(ob: Outbox) -> None:
     run = ob.start_run("pause", "1")
     run.transaction("one", lambda tx: None)

@@ -320,9 +320,13 @@ BEGIN
     IF inserted IS NULL THEN
         PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
     END IF;
-    gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
-    PERFORM outbox_write_effects(a.rows, p_run_id, p_step_id, paused, run.namespace, gates,
-                                 v_now);
+    -- A step without intents reads no gates and inserts nothing: on a worker each is
+    -- a statement Citus deparses and plans, 250 of a bare step's 1,350 us.
+    IF cardinality(a.rows) > 0 THEN
+        gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
+        PERFORM outbox_write_effects(a.rows, p_run_id, p_step_id, paused, run.namespace, gates,
+                                     v_now);
+    END IF;
     -- (Citus plans an INSERT ... SELECT on every call, rows or none: only when there are)
     IF coalesce(jsonb_array_length(p_ledger), 0) > 0
        OR EXISTS (SELECT 1 FROM unnest(a.rows) AS i
