@@ -371,3 +371,6 @@ def test_a_relay_killed_between_its_claim_and_its_publish_loses_nothing(
         assert outcomes.count("succeeded") == 1, outcomes
         if effect.id in stranded:  # (others may expire too, while the group settles)
             assert outcomes[0] == "expired", outcomes
+    # the attempt chains hold with the expiries in them
+    runs = {effect.run_id for effect in ob.effects(limit=n)}
+    assert [ob.verify_run(run_id) for run_id in runs if run_id] == [[]] * len(runs)

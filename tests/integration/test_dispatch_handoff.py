@@ -192,3 +192,27 @@ def test_a_dispatch_whose_ttl_ran_out_is_pending_again_and_nobodys(ob: Outbox, d
     assert [(a.attempt, a.outcome) for a in ob.store.attempts(effect.id)] == [(1, "expired")]
     again = on_store(dsn, dispatch_again)
     assert [(r.attempt, r.lease_owner) for r in again] == [(2, RELAY + "-2")]
+    assert effect.run_id is not None and ob.verify_run(effect.run_id) == []
+
+
+def test_a_dispatched_effect_cannot_be_completed_by_a_deliverer_that_never_claimed_it(
+    ob: Outbox, dsn: str
+) -> None:
+    """The completion's fence admits ``dispatched`` rows for their own relay only.
+
+    A stream deliverer that reports an outcome without having claimed the effect
+    from its record (a stale process, a bug) is logged ``stale`` and changes
+    nothing: the effect stays dispatched, for the deliverer that reads its record.
+    """
+    intend(ob, 1)
+
+    async def work(store: AsyncStore) -> dict[Any, str]:
+        held = await store.claim_many(
+            DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=300
+        )
+        done = [Completion(row.id, row.attempt, "succeeded", "succeeded") for row in held]
+        return dict(await store.complete("stream-1", done))
+
+    logged = on_store(dsn, work)
+    assert list(logged.values()) == ["stale"]
+    assert status_and_owner(ob) == [("dispatched", RELAY)]

@@ -182,6 +182,7 @@ def test_relay_and_stream_deliverer_deliver_every_effect_once(
     outcomes = [a.outcome for a in ob.store.attempts(effect.id)]
     # The relay's claim is not an outcome: one row, the deliverer's
     assert outcomes == ["succeeded"]
+    assert effect.run_id is not None and ob.verify_run(effect.run_id) == []
 
 
 def test_kill_9_of_a_stream_deliverer_mid_batch_loses_nothing(
