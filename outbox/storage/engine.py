@@ -407,7 +407,7 @@ def _learn_layout(engine: Engine) -> None:
     The first connection asks and the rest are told: the layout is the database's
     (``outbox migrate --distribute`` changes it, and processes restart after, as a
     delivery store's answer is kept for its life too), and asking on each one cost
-    the 8-writer bench a query and a commit per overflow connection (5 % of its steps).
+    a query and a commit per connection, which a pool opens per checkout past its size.
     """
     known: list[bool] = []
 
