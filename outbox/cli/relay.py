@@ -56,6 +56,14 @@ __all__ = ["COMMANDS"]
     help="Seconds before an undelivered dispatch is dispatched again.",
 )
 @click.option(
+    "--orphan-ttl",
+    type=click.FloatRange(min=0, max=86_400),
+    default=RelaySettings.model_fields["orphan_ttl_seconds"].default,
+    show_default=True,
+    help="Seconds what a dead relay dispatched waits for its deliverer before it is "
+    "dispatched again (instead of the whole dispatch TTL).",
+)
+@click.option(
     "--kafka-option",
     "kafka_options",
     multiple=True,
@@ -72,6 +80,7 @@ def relay(
     topic_prefix: str,
     batch_size: int,
     dispatch_ttl: float,
+    orphan_ttl: float,
     kafka_options: tuple[str, ...],
     log_json: bool,
 ) -> None:
@@ -88,6 +97,7 @@ def relay(
         topic_prefix=topic_prefix,
         batch_size=batch_size,
         dispatch_ttl_seconds=dispatch_ttl,
+        orphan_ttl_seconds=orphan_ttl,
         producer=kafka_options_of(kafka_options),
     )
     serve_until_signal(

@@ -7,9 +7,16 @@ then publishes each to the topic ``<prefix><kind>``, keyed by ordering key
 (fenced like a completion). One statement in PostgreSQL per batch published:
 a mark after the publish cost more than the claim and held rows a stream
 deliverer was already claiming. A relay killed between its claim and its
-publish leaves that batch ``dispatched`` with no record: it is dispatched
-again when the TTL runs out. See :mod:`outbox.delivery.stream` for the
-consuming side and what the two promise together.
+publish leaves that batch ``dispatched`` with no record, and cannot say
+which batch that was. So a relay holds its owner's session lock while it
+lives (:mod:`outbox.storage.sql.owners`), and another relay's reconcile
+round, finding it gone twice ``gone_grace`` apart, cuts what it dispatched
+to the orphan TTL (30 s): deliverers take what reached Kafka meanwhile, and
+the rest is dispatched again then, not when the dispatch TTL (300 s) runs
+out (which stays the rule on Citus). A relay starting under the name of one
+that died does the same with its own name's. See
+:mod:`outbox.delivery.stream` for the consuming side and what the two
+promise together.
 
 Needs the ``kafka`` extra (kafka-python).
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,8 +34,11 @@ from kafka import KafkaProducer
 from kafka import errors as kafka_errors
 
 from outbox.delivery.attempt import released
+from outbox.delivery.daemon import OWNER_LOCK_WAIT_SECONDS
+from outbox.delivery.liveness import FORGET_EVERY
 from outbox.delivery.maintenance import every
 from outbox.delivery.reconcile import reconcile
+from outbox.delivery.seam import OwnerLockLike
 from outbox.delivery.settings import RelaySettings
 from outbox.delivery.sources import wait_or_wake
 from outbox.faults import crash_point
@@ -101,6 +112,9 @@ class Relay:
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._producer: KafkaProducer | None = None
+        #: Relays found gone, and when first (monotonic).
+        self._gone_since: dict[str, float] = {}
+        self._last_forget = 0.0
 
     def stop(self) -> None:
         """Stop after the current batch."""
@@ -118,6 +132,9 @@ class Relay:
                 self.settings.bootstrap_servers,
                 exc,
             )
+        lock = self.store.owner_lock(self.owner)
+        lock.start()
+        await self._take_over_own_name(lock)
         background = [
             asyncio.create_task(self.store.listen_for_effects(self._wake)),
             asyncio.create_task(every(self.settings.reconcile_seconds, self._reconcile, "relay")),
@@ -143,10 +160,67 @@ class Relay:
             producer, self._producer = self._producer, None
             if producer is not None:
                 await asyncio.to_thread(close_producer, producer, 10)
+            await lock.close()
+
+    async def _take_over_own_name(self, lock: OwnerLockLike) -> None:
+        if not await lock.wait_held(OWNER_LOCK_WAIT_SECONDS):
+            log.warning(
+                "relay %s: no session lock yet; if this process dies, what it dispatched "
+                "waits for the dispatch TTL",
+                self.owner,
+            )
+            return
+        # This relay holds its name's lock, so what is dispatched under the name was
+        # claimed by a relay of that name that died (one restarted with --owner).
+        try:
+            ended = await self.store.end_relay_dispatches(
+                self.owner,
+                ttl=self.settings.orphan_ttl_seconds,
+                gone_only=False,
+                restart_grace=self.settings.restart_grace_seconds,
+            )
+        except Exception as exc:  # the TTL still covers them
+            log.warning(
+                "relay %s: could not end its predecessor's dispatches (%s)", self.owner, exc
+            )
+            return
+        if ended:
+            log.info(
+                "relay %s: %d effects dispatched before a restart: dispatched again unless "
+                "taken within %gs",
+                self.owner,
+                ended,
+                self.settings.orphan_ttl_seconds,
+            )
 
     async def _reconcile(self) -> None:
-        # Needs no deliverer: a relay's own expired claims and stale dispatches.
+        # Needs no deliverer: dead relays' claims, expired dispatches.
+        await self._end_gone_relays_dispatches()
         await reconcile(self.store, {}, worker=f"reconciler:{self.owner}", report_skipped=False)
+
+    async def _end_gone_relays_dispatches(self) -> None:
+        grace = self.settings.restart_grace_seconds
+        gone = [o for o in await self.store.gone_relays(restart_grace=grace) if o != self.owner]
+        now = time.monotonic()
+        # A relay whose lock is held again is not gone (a lock session that dropped).
+        self._gone_since = {o: self._gone_since.get(o, now) for o in gone}
+        for owner, since in self._gone_since.items():
+            if now - since < self.settings.gone_grace_seconds:
+                continue
+            ended = await self.store.end_relay_dispatches(
+                owner, ttl=self.settings.orphan_ttl_seconds, gone_only=True, restart_grace=grace
+            )
+            if ended:
+                log.info(
+                    "relay %s is gone: %d effects it dispatched are dispatched again unless "
+                    "taken within %gs",
+                    owner,
+                    ended,
+                    self.settings.orphan_ttl_seconds,
+                )
+        if gone and now - self._last_forget >= FORGET_EVERY:
+            self._last_forget = now
+            await self.store.forget_gone_owners(gone, restart_grace=grace)
 
     async def _relay_batch(self) -> int:
         quotas = [({"kind": kind}, self.settings.batch_size) for kind in self.kinds]

@@ -129,6 +129,15 @@ class RelaySettings(BaseModel):
     poll_seconds: float = Field(default=1.0, gt=0, le=3600)
     #: How often a relay re-dispatches expired dispatches and rescues dead relays' claims.
     reconcile_seconds: float = Field(default=1.0, gt=0, le=3600)
+    #: What a relay that is gone dispatched waits at most this long more (deliverers
+    #: take those whose records reached Kafka meanwhile), not the whole TTL; then it
+    #: is dispatched again.
+    orphan_ttl_seconds: float = Field(default=30.0, ge=0, le=86_400)
+    #: A relay whose session lock is free is gone when found so twice this far apart.
+    gone_grace_seconds: float = Field(default=0.4, ge=0, le=3600)
+    #: No relay counts as gone this long after PostgreSQL started (a restart frees
+    #: every lock at once).
+    restart_grace_seconds: float = Field(default=5.0, ge=0, le=86_400)
     #: This relay's name in leases and logs (must start with the relay prefix).
     owner: str = Field(default_factory=_relay_owner, min_length=1, max_length=200)
     #: Extra kafka-python ``KafkaProducer`` settings (``--kafka-option KEY=VALUE``).

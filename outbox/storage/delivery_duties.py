@@ -20,6 +20,7 @@ from uuid import UUID
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.shards import sweep_shards
 from outbox.storage.attempts import ClaimedEffect, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
@@ -346,6 +347,38 @@ class DutyStatements(DeliveryConnections):
             async with self.engine.begin() as conn:
                 result = await conn.execute(owners.expire_gone_owner(), params)
                 return [row[0] for row in result]
+
+    async def gone_relays(self, *, restart_grace: float) -> list[str]:
+        """Registered Kafka relays whose session lock is free (none on Citus, as above)."""
+        if await self._is_sharded():
+            return []
+        with translate_errors("looking for relays that are gone"):
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                names = await conn.execute(
+                    owners.gone_owner_names(), {"restart_grace": restart_grace}
+                )
+                return [name for name in names.scalars() if name.startswith(RELAY_OWNER_PREFIX)]
+
+    async def end_relay_dispatches(
+        self, owner: str, *, ttl: float, gone_only: bool, restart_grace: float
+    ) -> int:
+        """Cut relay ``owner``'s dispatch leases to ``ttl`` s (:func:`owners.end_relay_dispatches`).
+
+        Returns how many. On Citus nothing: the owners live on the coordinator,
+        and those dispatches wait for their TTL there.
+        """
+        if await self._is_sharded():
+            return 0
+        params = {
+            "owner": owner,
+            "ttl": ttl,
+            "gone_only": gone_only,
+            "restart_grace": restart_grace,
+        }
+        with translate_errors("ending the dispatches of a relay that is gone"):
+            async with self.engine.begin() as conn:
+                return len((await conn.execute(owners.end_relay_dispatches(), params)).all())
 
     async def forget_gone_owners(self, candidates: Sequence[str], *, restart_grace: float) -> int:
         """Unregister gone owners that hold nothing (checked again); returns how many."""

@@ -339,29 +339,24 @@ def test_a_relay_killed_between_its_claim_and_its_publish_loses_nothing(
 ) -> None:
     """A relay dies (SIGKILL) with a batch claimed into ``dispatched`` and never published.
 
-    No record of those effects exists: when the dispatch TTL runs out, the
-    next relay's reconcile round puts them back to ``pending`` (logged as
-    ``expired``) and dispatches them again. Every effect is delivered once.
+    No record of those effects exists. Its session lock went with it: the next
+    relay's reconcile round finds it gone and cuts its dispatches to the orphan
+    TTL (1 s here; the dispatch TTL, 300 s by default, had most of its time to
+    run); then they go back to ``pending`` (logged as ``expired``) and are
+    dispatched again. Every effect is delivered once, within a minute.
     """
     procs = Procs(sub_env, tmp_path, broker, make_config(tmp_path, idempotent=False))
     with IdempotentHttpSink(honour_keys=False) as sink:
         n = intend(ob, f"{sink.url}/ledger", runs=4, per_run=10)
         try:
-            doomed = procs.relay(
-                "doomed",
-                "--batch-size",
-                "7",
-                "--dispatch-ttl",
-                "2",
-                crash_at="after_dispatch_claim:1",
-            )
+            doomed = procs.relay("doomed", "--batch-size", "7", crash_at="after_dispatch_claim:1")
             assert doomed.wait(60) == -signal.SIGKILL
             assert statuses(ob) == {"dispatched": 7, "pending": n - 7}
             assert topic_size(broker) == 0, "nothing was published"
             stranded = {e.id for e in ob.effects(limit=n) if e.status == "dispatched"}
             procs.deliverer("stream", "--concurrency", "16")
-            procs.relay("living", "--batch-size", "7", "--dispatch-ttl", "2")
-            settled(ob, n, procs, timeout=180)
+            procs.relay("living", "--batch-size", "7", "--orphan-ttl", "1")
+            settled(ob, n, procs, timeout=60)
         finally:
             procs.stop_all()
         stats = sink.stats()

@@ -6,7 +6,8 @@ Expected: a stream deliverer takes a dispatched effect over with the relay's
 attempt; the relay's give-back of an effect a deliverer already took is
 fenced and changes nothing; what it gives back in time is ``pending`` again;
 an effect in flight under a relay of an earlier version (which marked after
-publishing) is still taken; an effect held by another *deliverer* never is.
+publishing) is still taken; an effect held by another *deliverer* never is; a
+relay that is gone (its session lock free) has its dispatches end early.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from outbox.delivery.attempt import released
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.async_store import AsyncStore, Completion
 from outbox.storage.engine import make_async_engine
+from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
@@ -216,3 +218,84 @@ def test_a_dispatched_effect_cannot_be_completed_by_a_deliverer_that_never_claim
     logged = on_store(dsn, work)
     assert list(logged.values()) == ["stale"]
     assert status_and_owner(ob) == [("dispatched", RELAY)]
+
+
+def test_a_gone_relays_dispatches_end_early_and_a_live_relays_do_not(ob: Outbox, dsn: str) -> None:
+    """A relay holds its owner's session lock; killed, its lock is free (it stays registered).
+
+    Expected: its dispatch leases end at once (the next reconcile round dispatches
+    them again, logged ``expired``), though the TTL has 300 s to run; a relay whose
+    lock is held keeps its own; just after a server (re)start nobody counts as gone;
+    and a gone relay is unregistered only once nothing it dispatched is left.
+    """
+    intend(ob, 4)
+    alive = RELAY_OWNER_PREFIX + "host:2:def"
+
+    async def work(store: AsyncStore) -> dict[str, Any]:
+        locks = {owner: OwnerLock(store.dsn, owner) for owner in (RELAY, alive)}
+        for owner, lock in locks.items():
+            lock.start()
+            assert await lock.wait_held(10)
+            await store.claim_many(
+                DISPATCH_QUEUE, [({"kind": "k"}, 2)], owner=owner, lease_seconds=300
+            )
+        await locks[RELAY].close()  # its backend ended (its row stays: it died)
+        async with store.engine.begin() as conn:
+            await conn.exec_driver_sql(
+                "INSERT INTO outbox_owners (owner, registered_at)"
+                " VALUES (%(o)s, now() - interval '1 hour')",
+                {"o": RELAY},
+            )
+        found: dict[str, Any] = {
+            "gone": await store.gone_relays(restart_grace=0),
+            "in_restart_window": await store.end_relay_dispatches(
+                RELAY, ttl=0, gone_only=True, restart_grace=1e9
+            ),
+            "alive": await store.end_relay_dispatches(
+                alive, ttl=0, gone_only=True, restart_grace=0
+            ),
+            "forgotten_holding": await store.forget_gone_owners([RELAY], restart_grace=0),
+            "gone_ended": await store.end_relay_dispatches(
+                RELAY, ttl=0, gone_only=True, restart_grace=0
+            ),
+        }
+        await asyncio.sleep(0.01)
+        found["redispatched"] = (await store.expired(100, redispatch_as="reconciler:t"))[0]
+        found["forgotten"] = await store.forget_gone_owners([RELAY], restart_grace=0)
+        await locks[alive].close()
+        return found
+
+    found = on_store(dsn, work)
+    assert found == {
+        "gone": [RELAY],
+        "in_restart_window": 0,
+        "alive": 0,
+        "forgotten_holding": 0,
+        "gone_ended": 2,
+        "redispatched": 2,
+        "forgotten": 1,
+    }
+    assert sorted(status_and_owner(ob), key=str) == sorted(
+        [("dispatched", alive)] * 2 + [("pending", None)] * 2, key=str
+    )
+    run_id = ob.effects(limit=1)[0].run_id
+    assert run_id is not None and ob.verify_run(run_id) == []
+
+
+def test_a_relay_starting_under_a_dead_relays_name_ends_its_dispatches(
+    ob: Outbox, dsn: str
+) -> None:
+    """Holding the name's lock, a relay knows what is dispatched under the name is a
+    predecessor's (a relay restarted with ``--owner``): those leases end at once."""
+    intend(ob, 2)
+
+    async def work(store: AsyncStore) -> tuple[int, int]:
+        await store.claim_many(
+            DISPATCH_QUEUE, [({"kind": "k"}, 10)], owner=RELAY, lease_seconds=300
+        )
+        ended = await store.end_relay_dispatches(RELAY, ttl=0, gone_only=False, restart_grace=0)
+        await asyncio.sleep(0.01)
+        return ended, (await store.expired(100, redispatch_as="reconciler:t"))[0]
+
+    assert on_store(dsn, work) == (2, 2)
+    assert status_and_owner(ob) == [("pending", None)] * 2

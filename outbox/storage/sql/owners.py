@@ -32,6 +32,7 @@ __all__ = [
     "OWNER_LOCK_CLASS",
     "REGISTER_OWNER",
     "TAKE_OWNER_LOCK",
+    "end_relay_dispatches",
     "expire_gone_owner",
     "forget_gone_owners",
     "gone_owner_names",
@@ -156,11 +157,41 @@ def expire_gone_owner() -> TextClause:
 
 
 @cache
+def end_relay_dispatches() -> TextClause:
+    """Cut the dispatch leases of relay ``:owner`` to ``:ttl`` seconds from now.
+
+    A relay's claim takes effects straight into ``dispatched`` for the dispatch
+    TTL; one killed before it published leaves them there with no record for a
+    deliverer to claim them from, and it cannot say which ones. Those whose
+    records did reach Kafka are taken by deliverers meanwhile; the rest are
+    dispatched again by the next re-dispatch after ``ttl`` (same key, a new
+    attempt: a late record only finds its effect taken). What a deliverer has
+    not claimed yet has had no call made, so this holds for any kind.
+
+    Parameters: ``owner``, ``ttl`` (seconds); ``gone_only`` (boolean): only
+    while the owner's lock is free, checked in this statement (a relay found
+    gone), else always (a relay starting under the name of one that died);
+    ``restart_grace`` (seconds). Returns the ids.
+    """
+    return text(
+        f"""UPDATE outbox_effects e
+            SET lease_expires_at = now() + :ttl * interval '1 second', updated_at = now()
+            WHERE e.status = 'dispatched' AND e.lease_owner = :owner
+              AND e.lease_expires_at > now() + :ttl * interval '1 second'
+              AND (NOT CAST(:gone_only AS boolean) OR EXISTS (
+                  SELECT 1 FROM outbox_owners o WHERE o.owner = :owner AND {_GONE}))
+            RETURNING e.id"""
+    )
+
+
+@cache
 def forget_gone_owners() -> TextClause:
-    """Unregister gone owners that hold nothing in flight, registered over a minute ago.
+    """Unregister gone owners that hold nothing, registered over a minute ago.
 
     Parameters: ``owners`` (text[]: candidates a read found gone),
-    ``restart_grace``. The lock is checked again here. Returns the owners removed.
+    ``restart_grace``. The lock is checked again here. An owner holds an
+    attempt in flight, or (a relay) an effect it dispatched that no deliverer
+    took yet. Returns the owners removed.
     """
     return text(
         f"""DELETE FROM outbox_owners o
@@ -168,7 +199,7 @@ def forget_gone_owners() -> TextClause:
               AND o.registered_at < now() - interval '1 minute'
               AND NOT EXISTS (
                   SELECT 1 FROM outbox_effects e
-                  WHERE e.status = 'in_flight' AND e.lease_owner = o.owner)
+                  WHERE e.status IN ('in_flight', 'dispatched') AND e.lease_owner = o.owner)
               AND {_GONE}
             RETURNING o.owner"""
     )
