@@ -13,7 +13,7 @@ lives (:mod:`outbox.storage.sql.owners`), and another relay's reconcile
 round, finding it gone twice ``gone_grace`` apart, cuts what it dispatched
 to the orphan TTL (30 s): deliverers take what reached Kafka meanwhile, and
 the rest is dispatched again then, not when the dispatch TTL (300 s) runs
-out (which stays the rule on Citus). A relay starting under the name of one
+out. A relay starting under the name of one
 that died does the same with its own name's. See
 :mod:`outbox.delivery.stream` for the consuming side and what the two
 promise together.

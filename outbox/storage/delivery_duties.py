@@ -349,9 +349,10 @@ class DutyStatements(DeliveryConnections):
                 return [row[0] for row in result]
 
     async def gone_relays(self, *, restart_grace: float) -> list[str]:
-        """Registered Kafka relays whose session lock is free (none on Citus, as above)."""
-        if await self._is_sharded():
-            return []
+        """Registered Kafka relays whose session lock is free.
+
+        On Citus too: the owners and their locks live on the coordinator.
+        """
         with translate_errors("looking for relays that are gone"):
             async with self.engine.connect() as conn:
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -365,20 +366,33 @@ class DutyStatements(DeliveryConnections):
     ) -> int:
         """Cut relay ``owner``'s dispatch leases to ``ttl`` s (:func:`owners.end_relay_dispatches`).
 
-        Returns how many. On Citus nothing: the owners live on the coordinator,
-        and those dispatches wait for their TTL there.
+        Returns how many. On Citus a transaction a shard, the lock checked just
+        before the sweep rather than in each statement.
         """
-        if await self._is_sharded():
-            return 0
         params = {
             "owner": owner,
             "ttl": ttl,
             "gone_only": gone_only,
             "restart_grace": restart_grace,
         }
+        sharded = await self._is_sharded()
         with translate_errors("ending the dispatches of a relay that is gone"):
-            async with self.engine.begin() as conn:
-                return len((await conn.execute(owners.end_relay_dispatches(), params)).all())
+            if not sharded:
+                async with self.engine.begin() as conn:
+                    return len((await conn.execute(owners.end_relay_dispatches(), params)).all())
+            if gone_only and owner not in await self.gone_relays(restart_grace=restart_grace):
+                return 0
+            ended = 0
+            async with self.engine.connect() as conn:
+                for shard in self._shards.live():
+                    with self._shards.answering(shard):
+                        async with conn.begin():
+                            result = await conn.execute(
+                                owners.end_relay_dispatches(sharded=True),
+                                {**params, "on_shard": shard},
+                            )
+                            ended += len(result.all())
+            return ended
 
     async def forget_gone_owners(self, candidates: Sequence[str], *, restart_grace: float) -> int:
         """Unregister gone owners that hold nothing (checked again); returns how many."""

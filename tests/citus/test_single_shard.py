@@ -33,9 +33,12 @@ from deliverers.testing import RecordingDeliverer, TansuBroker
 from outbox import IdempotencyConflict, Outbox, Run, RunStatus, StepTransaction
 from outbox.cli import cli as cli_main
 from outbox.delivery.settings import DeliverySettings
+from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine, make_engine
+from outbox.storage.owner_lock import OwnerLock
+from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from outbox.storage.store import Store
 from tests.citus_support import CitusDatabase, node_port_of
@@ -559,3 +562,52 @@ def test_gc_goes_a_shard_at_a_time_and_archives_every_row_it_deletes(
         assert again.id != history["old"].id
     finally:
         ob.close()
+
+
+def test_a_gone_relays_dispatches_are_cut_a_shard_at_a_time(ob: Outbox, dsn: str) -> None:
+    """A relay killed between its claim and its publish, on a cluster: its owner and lock
+    live on the coordinator, its dispatched effects on the shards of their runs. The lock is
+    checked on the coordinator, then each shard's dispatches are cut to the orphan TTL
+    in a statement on that shard alone (the guard refuses any other); the reconciler's
+    next round puts them back to ``pending``. A relay whose lock is held keeps its own."""
+    dead, alive = RELAY_OWNER_PREFIX + "host:1:dead", RELAY_OWNER_PREFIX + "host:2:alive"
+    for i in range(4):
+        ob.start_run("relayed", "1", {"i": i}).transaction("s", partial(_three, n=i))
+
+    async def main() -> dict[str, int]:
+        store = AsyncStore(make_async_engine(dsn))
+        lock = OwnerLock(store.dsn, alive)
+        try:
+            lock.start()
+            assert await lock.wait_held(10)
+            for owner in (dead, alive):
+                await store.claim_many(
+                    DISPATCH_QUEUE, [({"kind": STREAMED}, 6)], owner=owner, lease_seconds=300
+                )
+            async with store.engine.begin() as conn:  # it died: registered, its lock free
+                await conn.exec_driver_sql(
+                    "INSERT INTO outbox_owners (owner) VALUES (%(o)s)", {"o": dead}
+                )
+            cut = {
+                owner: await store.end_relay_dispatches(
+                    owner, ttl=0, gone_only=True, restart_grace=0
+                )
+                for owner in (dead, alive)
+            }
+            await asyncio.sleep(0.01)
+            cut["redispatched"] = (await store.expired(100, redispatch_as="reconciler:t"))[0]
+            return cut
+        finally:
+            await lock.close()
+            await store.dispose()
+
+    assert asyncio.run(main()) == {dead: 6, alive: 0, "redispatched": 6}
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SET citus.multi_task_query_log_level = 'off'")  # the test's own read
+        held = conn.execute(
+            "SELECT status, lease_owner, count(*) FROM outbox_effects"
+            " WHERE kind = %s AND status IN ('dispatched', 'pending')"
+            " GROUP BY status, lease_owner ORDER BY status",
+            [STREAMED],
+        ).fetchall()
+    assert held == [("dispatched", alive, 6), ("pending", None, 6)]

@@ -157,7 +157,7 @@ def expire_gone_owner() -> TextClause:
 
 
 @cache
-def end_relay_dispatches() -> TextClause:
+def end_relay_dispatches(sharded: bool = False) -> TextClause:
     """Cut the dispatch leases of relay ``:owner`` to ``:ttl`` seconds from now.
 
     A relay's claim takes effects straight into ``dispatched`` for the dispatch
@@ -171,15 +171,23 @@ def end_relay_dispatches() -> TextClause:
     Parameters: ``owner``, ``ttl`` (seconds); ``gone_only`` (boolean): only
     while the owner's lock is free, checked in this statement (a relay found
     gone), else always (a relay starting under the name of one that died);
-    ``restart_grace`` (seconds). Returns the ids.
+    ``restart_grace`` (seconds). Returns the ids. ``sharded`` (Citus): on the
+    shard ``on_shard`` only, and the lock is not checked here (the owners live
+    on the coordinator, which no statement may join with the distributed
+    effects): the caller checks it just before.
     """
+    gone = (
+        "AND e.shard = :on_shard"
+        if sharded
+        else f"""AND (NOT CAST(:gone_only AS boolean) OR EXISTS (
+                  SELECT 1 FROM outbox_owners o WHERE o.owner = :owner AND {_GONE}))"""
+    )
     return text(
         f"""UPDATE outbox_effects e
             SET lease_expires_at = now() + :ttl * interval '1 second', updated_at = now()
             WHERE e.status = 'dispatched' AND e.lease_owner = :owner
               AND e.lease_expires_at > now() + :ttl * interval '1 second'
-              AND (NOT CAST(:gone_only AS boolean) OR EXISTS (
-                  SELECT 1 FROM outbox_owners o WHERE o.owner = :owner AND {_GONE}))
+              {gone}
             RETURNING e.id"""
     )
 
