@@ -17,7 +17,6 @@ from sqlalchemy import (
     Float,
     Integer,
     Text,
-    and_,
     any_,
     bindparam,
     func,
@@ -31,7 +30,7 @@ from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.models import EffectStatus
 from outbox.storage.schema import effects
 from outbox.storage.sql.attempt_log import log_changes
-from outbox.storage.sql.common import SECONDS, const, on_shard
+from outbox.storage.sql.common import SECONDS, const, in_statuses, on_shard
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
 __all__ = ["DISPATCH_QUEUE", "claim_dispatched", "redispatch_expired"]
@@ -64,12 +63,15 @@ def claim_dispatched(sharded: bool = False) -> Any:
         select(e.c.id)
         .where(
             e.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
+            # Found by id, never through the status indexes: written as "dispatched,
+            # or in flight under a relay", the planner read every dispatched effect
+            # (both arms match a partial index) and kept the batch's, 30,000 rows
+            # for 100 when consumers lagged, since it cannot know how many are
+            # dispatched (the statistics were taken while they were pending).
+            in_statuses(e.c.status, ("dispatched", "in_flight")),
             or_(
                 e.c.status == const("dispatched"),
-                and_(
-                    e.c.status == const("in_flight"),
-                    e.c.lease_owner.startswith(RELAY_OWNER_PREFIX, autoescape=True),
-                ),
+                e.c.lease_owner.startswith(RELAY_OWNER_PREFIX, autoescape=True),
             ),
             *on_shard(effects, sharded),
         )
