@@ -13,20 +13,16 @@ relay that is gone (its session lock free) has its dispatches end early.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
-
-import psycopg
-from sqlalchemy.dialects import postgresql
 
 from outbox import Outbox
 from outbox.delivery.attempt import released
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.async_store import AsyncStore, Completion
-from outbox.storage.engine import libpq_dsn, make_async_engine
+from outbox.storage.engine import make_async_engine
 from outbox.storage.owner_lock import OwnerLock
-from outbox.storage.sql.dispatch import DISPATCH_QUEUE, claim_dispatched
+from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
 RELAY = RELAY_OWNER_PREFIX + "host:1:abc"
@@ -303,38 +299,3 @@ def test_a_relay_starting_under_a_dead_relays_name_ends_its_dispatches(
 
     assert on_store(dsn, work) == (2, 2)
     assert status_and_owner(ob) == [("pending", None)] * 2
-
-
-def test_a_stream_claim_reads_its_records_effects_not_every_dispatched_one(dsn: str) -> None:
-    """Consumers lagging behind a relay: 20,000 effects dispatched, a claim of 10.
-
-    The planner's statistics were taken while the effects were pending, so it
-    guesses that almost none are dispatched. Expected: the claim finds its 10
-    by id all the same (it read every dispatched effect, 7 ms a claim per
-    30,000 waiting, before it was written to keep off the status indexes).
-    """
-    insert = (
-        "INSERT INTO outbox_effects (id, shard, kind, payload, payload_hash, idempotency_key,"
-        " status, available_at) SELECT i, outbox_shard_of(i), 'k', '{}', md5('{}'),"
-        " md5(i::text), 'pending', now()"
-        " FROM (SELECT gen_random_uuid() AS i FROM generate_series(1, 20000)) AS s"
-    )
-    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
-        conn.execute(insert)
-        conn.execute("ANALYZE outbox_effects")
-
-    async def dispatch_all(store: AsyncStore) -> list[Any]:
-        return await store.claim_many(
-            DISPATCH_QUEUE, [({"kind": "k"}, 20_000)], owner=RELAY, lease_seconds=300
-        )
-
-    ids = [row.id for row in on_store(dsn, dispatch_all)][5_000:5_010]
-    compiled = claim_dispatched().compile(dialect=postgresql.dialect())
-    params = {**compiled.params, "ids": ids, "owner": "stream-1", "lease_seconds": 30.0}
-    with psycopg.connect(libpq_dsn(dsn)) as conn:
-        plan = "\n".join(row[0] for row in conn.execute("EXPLAIN ANALYZE " + str(compiled), params))
-        conn.rollback()
-    assert "outbox_effects_dispatched" not in plan, plan
-    removed = sum(int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan))
-    assert removed == 0, plan
-    assert "rows=10" in plan.split("Nested Loop")[0], plan

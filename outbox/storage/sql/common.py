@@ -37,6 +37,7 @@ __all__ = [
     "const",
     "in_statuses",
     "json_param",
+    "not_by_index",
     "notify",
     "on_shard",
     "shard_of",
@@ -65,6 +66,18 @@ def const(value: str) -> ColumnElement[str]:
     is spelled out, and psycopg prepares statements after a few executions.
     """
     return literal_column("'" + value.replace("'", "''") + "'", Text)
+
+
+def not_by_index(column: ColumnElement[str]) -> ColumnElement[str]:
+    """``column`` in a form no partial index's predicate matches (``column || ''``).
+
+    For a statement that finds its rows by id and checks their status too: the
+    planner otherwise may read a status index instead and keep the ids it was
+    given. With statistics taken before a backlog changed status (ANALYZE saw
+    them pending), it guesses that index almost empty and reads all of it:
+    every in-flight or dispatched effect, for a batch.
+    """
+    return column.concat("")
 
 
 def shard_of(id: Any) -> ColumnElement[int]:

@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import Float, Integer, SmallInteger, Text, bindparam, column, func
 from sqlalchemy.dialects.postgresql import UUID
 
-from outbox.storage.sql.common import SECONDS, const, json_param
+from outbox.storage.sql.common import SECONDS, const, json_param, not_by_index
 from outbox.storage.sql.queue import QueueSpec
 
 __all__ = ["extend_leases", "extend_params", "held_rows"]
@@ -51,7 +51,9 @@ def extend_leases(spec: QueueSpec) -> Any:
             t.c.id == held.c.id,
             t.c.attempt == held.c.attempt,
             t.c.lease_owner == bindparam("owner", type_=Text),
-            t.c.status == const(spec.claimed),
+            # by id: every in-flight effect's lease, for a batch, when the
+            # statistics thought few were in flight
+            not_by_index(t.c.status) == const(spec.claimed),
             *on_shard,
         )
         .values(lease_expires_at=func.now() + bindparam("lease_seconds", type_=Float) * SECONDS)
