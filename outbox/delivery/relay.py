@@ -7,16 +7,15 @@ then publishes each to the topic ``<prefix><kind>``, keyed by ordering key
 (fenced like a completion). One statement in PostgreSQL per batch published:
 a mark after the publish cost more than the claim and held rows a stream
 deliverer was already claiming. A relay killed between its claim and its
-publish leaves that batch ``dispatched`` with no record, and cannot say
+publish leaves that batch ``dispatched`` with no record, and nothing says
 which batch that was. So a relay holds its owner's session lock while it
 lives (:mod:`outbox.storage.sql.owners`), and another relay's reconcile
 round, finding it gone twice ``gone_grace`` apart, cuts what it dispatched
 to the orphan TTL (30 s): deliverers take what reached Kafka meanwhile, and
 the rest is dispatched again then, not when the dispatch TTL (300 s) runs
-out. A relay starting under the name of one
-that died does the same with its own name's. See
-:mod:`outbox.delivery.stream` for the consuming side and what the two
-promise together.
+out. A relay started under the name of one that died does the same with
+its own name's. See :mod:`outbox.delivery.stream` for the consuming side
+and what the two promise together.
 
 Needs the ``kafka`` extra (kafka-python).
 """
