@@ -33,6 +33,8 @@ _DONE = {
     "approval": {RunStatus.COMPLETED},
     "trip": {RunStatus.COMPENSATED, RunStatus.COMPENSATION_FAILED},
 }
+#: Deliverers the story kills at most, looking for one killed with calls in flight.
+MAX_DELIVERER_KILLS = 3
 
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -95,6 +97,7 @@ class Demo:
     worker: subprocess.Popen[bytes] | None = None
     agent_killed: bool = False
     deliverer_killed: bool = False
+    deliverer_kills: int = 0
     approved_at: float | None = None
     waiting_since: float | None = None
     cancelled: bool = False
@@ -230,19 +233,26 @@ class Demo:
         self.agent_killed = True
 
     def _kill_a_deliverer(self) -> None:
-        first = self.deliverers[0]
-        if self.deliverer_killed:
+        living = [p for p in self.deliverers if p.poll() is None]
+        if self.deliverer_killed or self.deliverer_kills >= MAX_DELIVERER_KILLS or not living:
             return
-        held = self.ob.store.deliverers.in_flight_of(f"%:{first.pid}:%")
+        victim, reads = living[0], self.ob.store.deliverers
+        if reads.in_flight_of(f"%:{victim.pid}:%") == 0:
+            return
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        self.deliverer_kills += 1
+        self.deliverers.append(self.spawn(self.deliver_args, f"deliver-{len(self.deliverers) + 1}"))
+        # Counted again now that it can change nothing: its calls take 30 ms, and a kill
+        # that landed just after they were recorded left nothing to recover (the story
+        # then kills the next deliverer that holds calls).
+        held = reads.in_flight_of(f"%:{victim.pid}:%")
         if held == 0:
             return
-        first.send_signal(signal.SIGKILL)
-        first.wait()
         self.events.append(
-            f"deliverer {first.pid} killed (SIGKILL) holding {held} calls in "
+            f"deliverer {victim.pid} killed (SIGKILL) holding {held} calls in "
             "flight; a new deliverer started, expired leases reconciled"
         )
-        self.deliverers.append(self.spawn(self.deliver_args, "deliver-3"))
         self.deliverer_killed = True
         # Now, not at the start: the 429s answered to the deliverer just killed
         # died with its unwritten outcomes, and the tally showed no retry.
