@@ -309,7 +309,14 @@ class Demo:
 
     def unfinished_stories(self) -> None:
         """Say which crash of the story did not happen (another deliverer took the work, say)."""
-        if not self.deliverer_killed:
+        if self.deliverer_killed:
+            return
+        if self.deliverer_kills:
+            self.events.append(
+                f"{self.deliverer_kills} deliverer(s) killed, each just after its calls were "
+                "recorded: nothing was left to recover"
+            )
+        else:
             self.events.append(
                 "no deliverer was killed: the demo's first deliverer never held a call in "
                 "flight (deliverers the demo did not start took the work)"
