@@ -418,8 +418,8 @@ def reconcile_command(
         report = asyncio.run(main())
     unknown = cli.outbox.effects(status="unknown", limit=max_rows)
     gone = [
-        {"owner": owner, "in_flight": n, "lease_ends": ends}
-        for owner, n, ends in cli.outbox.store.deliverers.gone_in_flight()
+        {"owner": owner, "in_flight": n, "dispatched": d, "lease_ends": ends}
+        for owner, n, d, ends in cli.outbox.store.deliverers.gone_in_flight()
     ]
     data = ReconcileReport.model_validate(
         {
@@ -450,9 +450,10 @@ def reconcile_command(
             table(
                 f"in flight under {len(gone)} deliverer(s) that are gone (killed or crashed): "
                 "reconciled when their leases end; a running `outbox deliver` puts the "
-                "idempotent ones back within seconds",
-                ["owner", "attempts", "leases end"],
-                [(g["owner"], g["in_flight"], g["lease_ends"]) for g in gone],
+                "idempotent ones back within seconds, a running `outbox relay` cuts a dead "
+                "relay's dispatches to its orphan TTL",
+                ["owner", "attempts", "dispatched", "leases end"],
+                [(g["owner"], g["in_flight"], g["dispatched"], g["lease_ends"]) for g in gone],
             )
         if report.items:
             table(

@@ -168,12 +168,14 @@ class UnknownEffect(Report):
 
 
 class GoneDeliverer(Report):
-    """A deliverer that died holding attempts whose leases have not ended yet."""
+    """A deliverer (or Kafka relay) that died holding work whose leases have not ended yet."""
 
-    #: Its lease owner (``host:pid:suffix``).
+    #: Its lease owner (``host:pid:suffix``; a relay's starts with ``relay:``).
     owner: str
     #: Attempts it holds in flight.
     in_flight: int
+    #: Effects it dispatched to Kafka (a relay) that no deliverer has taken yet.
+    dispatched: int = 0
     #: When the first of their leases ends (then they are reconciled as expired).
     lease_ends: datetime
 

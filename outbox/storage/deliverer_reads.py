@@ -35,15 +35,18 @@ class DelivererReads:
                 "worker": dict(conn.execute(maintenance.succeeded_by_worker(), ids).all()),
             }
 
-    def gone_in_flight(self, restart_grace: float = 5.0) -> list[tuple[str, int, Any]]:
-        """``(owner, attempts, first lease end)`` of the in-flight attempts of gone deliverers."""
+    def gone_in_flight(self, restart_grace: float = 5.0) -> list[tuple[str, int, int, Any]]:
+        """``(owner, in flight, dispatched, first lease end)`` of what gone owners hold.
+
+        Deliverers hold attempts in flight; Kafka relays, effects they dispatched.
+        """
         params = {"restart_grace": restart_grace}
         with translate_errors("listing gone deliverers"), self.engine.begin() as conn:
             gone = list(conn.execute(owners.gone_owner_names(), params).scalars())
             if not gone:
                 return []
             rows = conn.execute(owners.in_flight_by_owner(), {"owners": gone}).all()
-        return [(str(owner), int(n), ends) for owner, n, ends in rows]
+        return [(str(owner), int(n), int(d), ends) for owner, n, d, ends in rows]
 
     def live_owners(self) -> list[str]:
         """Lease owners of the delivery daemons alive on this database (their lock held)."""

@@ -13,6 +13,7 @@ from outbox.delivery.liveness import GoneOwners
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import libpq_dsn, make_async_engine
 from outbox.storage.owner_lock import OwnerLock
+from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 from outbox.storage.sql.owners import OWNER_LOCK_CLASS
 from outbox.storage.sql.queue import EFFECT_QUEUE
 
@@ -195,16 +196,23 @@ def test_reconcile_names_the_attempts_a_dead_deliverer_holds_before_their_leases
     from tests.support import wait_for
 
     intend(ob, n=2)
+    intend(ob, n=1)  # a relay dispatches these two
 
     async def die_holding() -> None:
         store = AsyncStore(make_async_engine(dsn))
         try:
-            lock = OwnerLock(store.dsn, "host:4242:dead")
-            lock.start()
-            assert await lock.wait_held(10)
-            await claim_all(store, "host:4242:dead")
-            await lock.close()
-            sql(dsn, "INSERT INTO outbox_owners (owner) VALUES ('host:4242:dead')")
+            for owner, spec, quota in (
+                ("relay:host:4243:dead", DISPATCH_QUEUE, 1),
+                ("host:4242:dead", EFFECT_QUEUE, 100),
+            ):
+                lock = OwnerLock(store.dsn, owner)
+                lock.start()
+                assert await lock.wait_held(10)
+                await store.claim_many(
+                    spec, [({"kind": k}, quota) for k in KINDS], owner=owner, lease_seconds=300
+                )
+                await lock.close()
+                sql(dsn, "INSERT INTO outbox_owners (owner) VALUES (%s)", [owner])
         finally:
             await store.dispose()
 
@@ -219,7 +227,9 @@ def test_reconcile_names_the_attempts_a_dead_deliverer_holds_before_their_leases
     assert done.exit_code == 0, done.output
     report = json.loads(done.output)
     assert report["counts"] == {}, "no lease has ended yet"
-    (gone,) = report["held_by_gone_deliverers"]
-    assert gone["owner"] == "host:4242:dead" and gone["in_flight"] == 4
+    held = {
+        g["owner"]: (g["in_flight"], g["dispatched"]) for g in report["held_by_gone_deliverers"]
+    }
+    assert held == {"host:4242:dead": (4, 0), "relay:host:4243:dead": (0, 2)}
     table = CliRunner().invoke(cli, args, catch_exceptions=False).output
-    assert "in flight under 1 deliverer(s) that are gone" in table and "host:4242:dead" in table
+    assert "in flight under 2 deliverer(s) that are gone" in table and "host:4242:dead" in table

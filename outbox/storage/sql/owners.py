@@ -96,18 +96,24 @@ def gone_owner_names() -> TextClause:
 
 @cache
 def in_flight_by_owner() -> TextClause:
-    """In-flight attempts of ``:owners`` (text[]): ``(owner, attempts, first lease end)`` each.
+    """What ``:owners`` (text[]) hold: ``(owner, in flight, dispatched, first lease end)`` each.
 
     With :func:`gone_owner_names`, what ``outbox reconcile`` shows beside the
     expired leases: work a dead deliverer holds until its leases end (or a
-    running daemon's liveness check puts the idempotent part back). Two reads,
-    not a join: on Citus the owners stay on the coordinator and the effects
-    are distributed, which one statement may not join.
+    running daemon's liveness check puts the idempotent part back), and what a
+    dead Kafka relay dispatched that no deliverer has taken (a running relay
+    cuts it to the orphan TTL). Two reads, not a join: on Citus the owners stay
+    on the coordinator and the effects are distributed, which one statement
+    may not join.
     """
     return text(
-        """SELECT e.lease_owner, count(*) AS attempts, min(e.lease_expires_at) AS lease_ends
+        """SELECT e.lease_owner,
+                  count(*) FILTER (WHERE e.status = 'in_flight') AS in_flight,
+                  count(*) FILTER (WHERE e.status = 'dispatched') AS dispatched,
+                  min(e.lease_expires_at) AS lease_ends
              FROM outbox_effects e
-            WHERE e.status = 'in_flight' AND e.lease_owner = ANY(CAST(:owners AS text[]))
+            WHERE e.status IN ('in_flight', 'dispatched')
+              AND e.lease_owner = ANY(CAST(:owners AS text[]))
             GROUP BY e.lease_owner
             ORDER BY e.lease_owner"""
     )
