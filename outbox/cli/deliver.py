@@ -448,9 +448,9 @@ def reconcile_command(
         )
         if gone:
             table(
-                f"in flight under {len(gone)} deliverer(s) that are gone (killed or crashed): "
-                "reconciled when their leases end; a running `outbox deliver` puts the "
-                "idempotent ones back within seconds, a running `outbox relay` cuts a dead "
+                f"held by {len(gone)} deliverer(s) or relay(s) that are gone (killed or "
+                "crashed): reconciled when their leases end; a running `outbox deliver` puts "
+                "the idempotent ones back within seconds, a running `outbox relay` cuts a dead "
                 "relay's dispatches to its orphan TTL",
                 ["owner", "attempts", "dispatched", "leases end"],
                 [(g["owner"], g["in_flight"], g["dispatched"], g["lease_ends"]) for g in gone],

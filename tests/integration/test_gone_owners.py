@@ -232,4 +232,5 @@ def test_reconcile_names_the_attempts_a_dead_deliverer_holds_before_their_leases
     }
     assert held == {"host:4242:dead": (4, 0), "relay:host:4243:dead": (0, 2)}
     table = CliRunner().invoke(cli, args, catch_exceptions=False).output
-    assert "in flight under 2 deliverer(s) that are gone" in table and "host:4242:dead" in table
+    assert "held by 2 deliverer(s) or relay(s) that are gone" in table
+    assert "host:4242:dead" in table and "relay:host:4243:dead" in table
