@@ -19,17 +19,42 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from outbox.delivery.contract import Deliverer
 from outbox.delivery.seam import DeliveryStore
 
-__all__ = ["GoneOwners"]
+__all__ = ["GoneOwners", "Sightings"]
 
 log = logging.getLogger(__name__)
 
 #: Gone owners holding nothing are unregistered at most this often.
 FORGET_EVERY = 60.0
+
+
+class Sightings:
+    """Owners seen gone, and since when: gone for good once seen so ``grace`` s apart.
+
+    An owner seen with its lock held again (a lock session that dropped and came
+    back) starts afresh. Shared by a deliverer's reconciler and a relay's.
+    """
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self._since: dict[str, float] = {}
+        self._last_forget = 0.0
+
+    def seen(self, gone: Iterable[str], now: float) -> set[str]:
+        """Note who is gone at ``now`` (monotonic); those gone for ``grace`` s at least."""
+        self._since = {owner: self._since.get(owner, now) for owner in gone}
+        return {owner for owner, first in self._since.items() if now - first >= self.grace}
+
+    def forget_due(self, now: float) -> bool:
+        """Whether gone owners holding nothing may be unregistered now (every FORGET_EVERY s)."""
+        if now - self._last_forget < FORGET_EVERY:
+            return False
+        self._last_forget = now
+        return True
 
 
 class GoneOwners:
@@ -47,7 +72,6 @@ class GoneOwners:
     ) -> None:
         self.store = store
         self.owner = owner
-        self.grace = grace_seconds
         self.restart_grace = restart_grace_seconds
         #: Idempotent kinds this process knows, and each one's attempt cap.
         self.limits = {
@@ -55,8 +79,7 @@ class GoneOwners:
             for kind, d in deliverers.items()
             if d.idempotent
         }
-        self._since: dict[str, float] = {}
-        self._last_forget = 0.0
+        self.sightings = Sightings(grace_seconds)
 
     async def check(self) -> int:
         """One round; returns how many attempts were put back."""
@@ -72,22 +95,15 @@ class GoneOwners:
         """
         if not self.limits:
             return 0
-        now = at
-        gone = {owner for owner, _ in found if owner != self.owner}
-        # An owner whose lock is held again is not gone: its suspicion ends.
-        self._since = {o: t for o, t in self._since.items() if o in gone}
+        # (our own lock session dropped: we are alive, it comes back)
+        holding = {owner: holds for owner, holds in found if owner != self.owner}
+        long_gone = self.sightings.seen(holding, at)
         put_back = 0
-        idle: list[str] = []
-        for owner, holds in found:
-            if owner not in gone:
-                continue  # our own lock session dropped: we are alive, it comes back
-            first = self._since.setdefault(owner, now)
-            if not holds:
-                idle.append(owner)
-            elif now - first >= self.grace:
+        for owner in sorted(long_gone):
+            if holding[owner]:
                 put_back += await self._put_back(owner)
-        if idle and now - self._last_forget >= FORGET_EVERY:
-            self._last_forget = now
+        idle = [owner for owner, holds in holding.items() if not holds]
+        if idle and self.sightings.forget_due(at):
             await self.store.forget_gone_owners(idle, restart_grace=self.restart_grace)
         return put_back
 

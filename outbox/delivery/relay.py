@@ -34,7 +34,7 @@ from kafka import errors as kafka_errors
 
 from outbox.delivery.attempt import released
 from outbox.delivery.daemon import OWNER_LOCK_WAIT_SECONDS
-from outbox.delivery.liveness import FORGET_EVERY
+from outbox.delivery.liveness import Sightings
 from outbox.delivery.maintenance import every
 from outbox.delivery.reconcile import reconcile
 from outbox.delivery.seam import OwnerLockLike
@@ -111,9 +111,8 @@ class Relay:
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._producer: KafkaProducer | None = None
-        #: Relays found gone, and when first (monotonic).
-        self._gone_since: dict[str, float] = {}
-        self._last_forget = 0.0
+        #: Relays found gone, and since when.
+        self._sightings = Sightings(settings.gone_grace_seconds)
 
     def stop(self) -> None:
         """Stop after the current batch."""
@@ -201,11 +200,7 @@ class Relay:
         grace = self.settings.restart_grace_seconds
         gone = [o for o in await self.store.gone_relays(restart_grace=grace) if o != self.owner]
         now = time.monotonic()
-        # A relay whose lock is held again is not gone (a lock session that dropped).
-        self._gone_since = {o: self._gone_since.get(o, now) for o in gone}
-        for owner, since in self._gone_since.items():
-            if now - since < self.settings.gone_grace_seconds:
-                continue
+        for owner in sorted(self._sightings.seen(gone, now)):
             ended = await self.store.end_relay_dispatches(
                 owner, ttl=self.settings.orphan_ttl_seconds, gone_only=True, restart_grace=grace
             )
@@ -217,8 +212,7 @@ class Relay:
                     ended,
                     self.settings.orphan_ttl_seconds,
                 )
-        if gone and now - self._last_forget >= FORGET_EVERY:
-            self._last_forget = now
+        if gone and self._sightings.forget_due(now):
             await self.store.forget_gone_owners(gone, restart_grace=grace)
 
     async def _relay_batch(self) -> int:
