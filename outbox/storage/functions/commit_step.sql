@@ -249,11 +249,17 @@ $$;
 -- sets computed first. The deliverers' NOTIFY there would wake only that node's
 -- listeners: notify asks the caller to send it from the coordinator instead.
 --
--- The common step's statements keep one generic plan (single-shard statements
--- Citus plans generically: 1.58 -> 1.42 ms a step on the worker). Before a branch
--- the common step never takes, plans go back to per-call for the rest of the call:
--- Citus refuses generic plans of what those branches run (an INSERT ... SELECT,
--- a lookup by outbox_shard_of), and they are rare enough to plan each time.
+-- What the common step computes keeps one generic plan (re-planning the intents'
+-- query cost a worker about 1.6 ms a step). Its statements on distributed tables
+-- are planned per call (plan_cache_mode switched around them): Citus 14.0.1 adds
+-- a copy of the shard's plan to a generic plan at each run without ever finding
+-- it again (citusdata/citus#8824), about 100 kB a step in every session the
+-- coordinator keeps open to the worker, until the server runs out of memory; a
+-- per-call plan of a single-shard statement costs no more. Before a branch the
+-- common step never takes, every plan is per call for the rest of the call:
+-- Citus refuses generic plans of some of what those branches run (an INSERT ...
+-- SELECT, a lookup by outbox_shard_of), and keeps growing the others (a key's
+-- lookup on its own shard).
 CREATE OR REPLACE FUNCTION outbox_write_step_apart(
     p_shard smallint, p_run_id uuid, p_step_id text, p_result jsonb, p_state jsonb,
     p_plan jsonb, p_intents jsonb, p_kind text, p_owner text, p_attempt integer,
@@ -275,15 +281,17 @@ DECLARE
     inserted bigint;
     gates jsonb;
 BEGIN
+    PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
     SELECT r.* INTO run FROM outbox_runs AS r
      WHERE r.id = p_run_id AND r.shard = p_shard FOR NO KEY UPDATE;
+    PERFORM set_config('plan_cache_mode', 'force_generic_plan', true);
     LOOP
         SELECT x.* INTO a FROM outbox_step_intents_planned(p_run_id, p_step_id, p_intents,
             run.priority, run.fairness_key, run.dry_run, run.namespace, p_tx_step, firsts,
             existing, p_chain,
             stored IS NOT NULL OR outbox_values_screened(result_text, state_text, plan_text)) AS x;
         EXIT WHEN a.screened OR firsts IS NOT NULL OR run.id IS NULL;
-        PERFORM set_config('plan_cache_mode', 'auto', true);
+        PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
         stored := outbox_store_values(p_run_id, ARRAY['result', 'state', 'plan'],
                                       ARRAY[coalesce(p_result, 'null'), p_state, p_plan]);
         SELECT c.firsts, c.intents, c.existing INTO firsts, p_intents, existing
@@ -295,13 +303,14 @@ BEGIN
        OR (run.budget IS NOT NULL AND run.spent + run.reserved + p_debit + a.reserve > run.budget)
        OR (p_owner IS NOT NULL AND (run.lease_owner IS DISTINCT FROM p_owner
                                     OR run.attempt <> p_attempt)) THEN
-        PERFORM set_config('plan_cache_mode', 'auto', true);
+        PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
         PERFORM outbox_raise_step_refusal(p_run_id, p_owner, p_attempt, p_debit + a.reserve);
     END IF;
     paused := run.paused_at IS NOT NULL;
     head := outbox_step_link(coalesce(run.step_head, outbox_run_genesis(run.id, run.agent,
                                                                         run.inputs_hash)),
         run.id, p_step_id, p_kind, result_text, NULL, state_text, plan_text, v_now, a.chain_text);
+    PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
     UPDATE outbox_runs AS r
        SET state = coalesce(stored[2], p_state, run.state),
            plan = coalesce(stored[3], p_plan, run.plan),
@@ -317,6 +326,7 @@ BEGIN
             coalesce(stored[2], p_state), coalesce(stored[3], p_plan), head)
     ON CONFLICT ON CONSTRAINT outbox_steps_pkey DO NOTHING
     RETURNING s.seq INTO inserted;
+    PERFORM set_config('plan_cache_mode', 'force_generic_plan', true);
     IF inserted IS NULL THEN
         PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
     END IF;
@@ -331,7 +341,7 @@ BEGIN
     IF coalesce(jsonb_array_length(p_ledger), 0) > 0
        OR EXISTS (SELECT 1 FROM unnest(a.rows) AS i
                    WHERE i.cost IS NOT NULL AND i.existing IS NULL AND i.first_n IS NULL) THEN
-        PERFORM set_config('plan_cache_mode', 'auto', true);
+        PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
         INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry,
                                           amount)
         SELECT p_run_id, p_shard, p_step_id, l.effect_id, l.reason, l.entry, l.amount
@@ -348,7 +358,7 @@ BEGIN
                    OR coalesce((p_tx_step->>'claimable')::boolean, false));
     effect_ids := a.ids;
     IF firsts IS NOT NULL OR p_tx_step IS NOT NULL THEN
-        PERFORM set_config('plan_cache_mode', 'auto', true);
+        PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
         PERFORM outbox_finish_step(p_run_id, p_step_id, p_owner, p_attempt, true, step_seq,
             p_debit, a.rows, p_tx_step, paused, false, false);
         effect_ids := coalesce(array(SELECT jsonb_array_elements_text(p_tx_step->'ids')::uuid),
@@ -424,9 +434,10 @@ END
 $$;
 
 -- The effects of a small step on a Citus worker (outbox_write_step_apart): an
--- INSERT ... VALUES each, a fast-path insert whose plan the session keeps. Citus
--- plans an INSERT ... SELECT from a function afresh on every call (about 1.1 ms
--- for a step with one intent).
+-- INSERT ... VALUES each, a fast-path insert, cheaper to plan on every call than
+-- an INSERT ... SELECT from a function, which Citus plans afresh each time too
+-- (about 1.1 ms for a step with one intent). Planned per call on Citus, not kept:
+-- a kept plan grows at each run there (see outbox_write_step_apart).
 CREATE OR REPLACE FUNCTION outbox_insert_effects(
     p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean, p_namespace text,
     p_gates jsonb, p_now timestamptz
@@ -434,9 +445,13 @@ CREATE OR REPLACE FUNCTION outbox_insert_effects(
     LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     h record;
+    per_call boolean := outbox_distributed();
 BEGIN
     FOR h IN SELECT * FROM outbox_intent_effects(p_rows, p_run_id, p_step_id, p_paused,
                                                  p_namespace, p_gates, p_now) LOOP
+        IF per_call THEN  -- (after the loop's query is planned, which keeps its plan)
+            PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
+        END IF;
         INSERT INTO outbox_effects (
             id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
             idempotency_key, ordering_key, max_attempts, compensate, cost, priority,

@@ -1,0 +1,111 @@
+"""A worker's sessions keep a bounded memory however many steps they write.
+
+Citus 14.0.1 adds a copy of a shard's plan to a kept (generic) plan each time it
+runs on the node holding the shard, and never finds it again (citusdata/citus
+pull request 8824): about 100 kB a step in every session the coordinator keeps
+open to a worker, which grows until the server runs out of memory. The step's
+writes on a worker are planned per call instead (``outbox_write_step_apart``).
+These tests write steps through the coordinator, as a client does, and read the
+private memory of every session on the workers before and after.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from outbox import Outbox, Run, StepTransaction
+from tests.citus.test_single_shard import distributed_and_guarded
+from tests.citus_support import CitusDatabase
+
+KIND = "k.memory"
+#: A session's private memory may grow this much over a segment (caches warming up);
+#: the leak this guards against grew a session by 30-100 MB over the same steps.
+ALLOWED_GROWTH_MB = 6.0
+
+
+def _private_mb(pid: int) -> float | None:
+    """The session's private memory (RssAnon, not the shared buffers it touches), in MB."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
+def _worker_sessions(database: CitusDatabase) -> dict[tuple[str, int], float]:
+    """Each worker's client sessions in ``database`` (the coordinator's among them), by pid."""
+    found: dict[tuple[str, int], float] = {}
+    for worker in database.workers:
+        with psycopg.connect(worker, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+            ).fetchall()
+        for (pid,) in rows:
+            mb = _private_mb(pid)
+            if mb is not None:
+                found[(worker, pid)] = mb
+    return found
+
+
+def _growth(
+    database: CitusDatabase,
+    runs: list[Run],
+    steps: int,
+    body: Callable[[StepTransaction, int], None],
+) -> dict[tuple[str, int], float]:
+    """MB each worker session grew by while ``runs`` wrote ``steps`` steps of ``body``."""
+    prefix = uuid.uuid4().hex[:8]
+    before = _worker_sessions(database)
+    for n in range(steps):
+        runs[n % len(runs)].transaction(f"{prefix}-{n}", lambda tx, n=n: body(tx, n))
+    after = _worker_sessions(database)
+    return {session: after[session] - mb for session, mb in before.items() if session in after}
+
+
+def _one_intent(tx: StepTransaction, n: int) -> None:
+    tx.intend(KIND, {"n": n})
+
+
+def _keyed_intent(tx: StepTransaction, n: int) -> None:
+    # a caller's key lives on its own shard: taken first, then checked on the run's
+    tx.intend(KIND, {"n": n}, key=f"memory-{uuid.uuid4()}")
+
+
+@pytest.fixture(scope="module")
+def runs(citus_module_db: CitusDatabase) -> Iterator[list[Run]]:
+    ob = Outbox.connect(distributed_and_guarded(citus_module_db), pool_size=3)
+    started = [ob.start_run("memory", "1") for _ in range(2)]
+    # every session on the workers opened and warmed (catalog caches, shards met)
+    _growth(citus_module_db, started, 200, _one_intent)
+    _growth(citus_module_db, started, 200, _keyed_intent)
+    yield started
+    ob.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "steps"),
+    [(_one_intent, 1000), (_keyed_intent, 1200)],
+    ids=["one intent", "a caller's key"],
+)
+def test_a_workers_sessions_do_not_grow_with_the_steps_they_write(
+    citus_module_db: CitusDatabase,
+    runs: list[Run],
+    body: Callable[[StepTransaction, int], None],
+    steps: int,
+) -> None:
+    grown = _growth(citus_module_db, runs, steps, body)
+    assert grown, "no session on the workers was seen before and after the steps"
+    assert max(grown.values()) < ALLOWED_GROWTH_MB, {
+        f"port {conninfo_to_dict(dsn).get('port')} pid {pid}": round(mb, 1)
+        for (dsn, pid), mb in grown.items()
+    }
