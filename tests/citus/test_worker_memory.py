@@ -11,6 +11,7 @@ private memory of every session on the workers before and after.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,9 +68,13 @@ def _growth(
     prefix = uuid.uuid4().hex[:8]
     before = _worker_sessions(database)
     for n in range(steps):
-        runs[n % len(runs)].transaction(f"{prefix}-{n}", lambda tx, n=n: body(tx, n))
+        runs[n % len(runs)].transaction(f"{prefix}-{n}", functools.partial(_step, body, n))
     after = _worker_sessions(database)
     return {session: after[session] - mb for session, mb in before.items() if session in after}
+
+
+def _step(body: Callable[[StepTransaction, int], None], n: int, tx: StepTransaction) -> None:
+    body(tx, n)
 
 
 def _one_intent(tx: StepTransaction, n: int) -> None:
