@@ -5,8 +5,10 @@ runs on the node holding the shard, and never finds it again (citusdata/citus
 pull request 8824): about 100 kB a step in every session the coordinator keeps
 open to a worker, which grows until the server runs out of memory. The step's
 writes on a worker are planned per call instead (``outbox_write_step_apart``).
-These tests write steps through the coordinator, as a client does, and read the
-private memory of every session on the workers before and after.
+The same holds for the triggers that run on a worker's shards as a deliverer
+completes (a costed effect settles its run's budget). These tests write steps
+and deliver effects through the coordinator, as clients and deliverers do, and
+read the private memory of every session on the workers before and after.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
+from deliverers.testing import RecordingDeliverer
 from outbox import Outbox, Run, StepTransaction
 from tests.citus.test_single_shard import distributed_and_guarded
 from tests.citus_support import CitusDatabase
+from tests.support import DaemonThread, wait_for
 
 KIND = "k.memory"
 #: A session's private memory may grow this much over a segment (caches warming up);
@@ -65,12 +69,16 @@ def _growth(
     body: Callable[[StepTransaction, int], None],
 ) -> dict[tuple[str, int], float]:
     """MB each worker session grew by while ``runs`` wrote ``steps`` steps of ``body``."""
-    prefix = uuid.uuid4().hex[:8]
     before = _worker_sessions(database)
-    for n in range(steps):
-        runs[n % len(runs)].transaction(f"{prefix}-{n}", functools.partial(_step, body, n))
+    _write(runs, steps, body)
     after = _worker_sessions(database)
     return {session: after[session] - mb for session, mb in before.items() if session in after}
+
+
+def _write(runs: list[Run], steps: int, body: Callable[[StepTransaction, int], None]) -> None:
+    prefix = uuid.uuid4().hex[:8]
+    for n in range(steps):
+        runs[n % len(runs)].transaction(f"{prefix}-{n}", functools.partial(_step, body, n))
 
 
 def _step(body: Callable[[StepTransaction, int], None], n: int, tx: StepTransaction) -> None:
@@ -110,6 +118,37 @@ def test_a_workers_sessions_do_not_grow_with_the_steps_they_write(
 ) -> None:
     grown = _growth(citus_module_db, runs, steps, body)
     assert grown, "no session on the workers was seen before and after the steps"
+    assert max(grown.values()) < ALLOWED_GROWTH_MB, {
+        f"port {conninfo_to_dict(dsn).get('port')} pid {pid}": round(mb, 1)
+        for (dsn, pid), mb in grown.items()
+    }
+
+
+def _ten_costed_intents(tx: StepTransaction, n: int) -> None:
+    for i in range(10):
+        tx.intend(KIND, {"n": n, "i": i}, cost=1)
+
+
+def test_a_workers_sessions_do_not_grow_with_the_costed_effects_they_complete(
+    citus_module_db: CitusDatabase, runs: list[Run]
+) -> None:
+    # each completion settles its run's budget: a trigger on the effect's shard
+    # updates the run and writes a ledger row, from PL/pgSQL on the worker
+    ob = Outbox.connect(citus_module_db.dsn, pool_size=2)
+    try:
+        budgeted = [ob.start_run("memory", "1", budget=1_000_000) for _ in range(4)]
+        _write(budgeted, 300, _ten_costed_intents)
+    finally:
+        ob.close()
+    deliverer = RecordingDeliverer(KIND)
+    with DaemonThread(citus_module_db.dsn, {KIND: deliverer}, batch_size=100, poll_seconds=0.05):
+        # the deliverer's sessions on the workers open, and warm, with the first ones
+        wait_for(lambda: len(deliverer.deliveries) >= 600, timeout=120, message="600 delivered")
+        before = _worker_sessions(citus_module_db)
+        wait_for(lambda: len(deliverer.deliveries) >= 3000, timeout=240, message="all delivered")
+        after = _worker_sessions(citus_module_db)
+    grown = {session: after[session] - mb for session, mb in before.items() if session in after}
+    assert grown, "no session on the workers was seen before and after the deliveries"
     assert max(grown.values()) < ALLOWED_GROWTH_MB, {
         f"port {conninfo_to_dict(dsn).get('port')} pid {pid}": round(mb, 1)
         for (dsn, pid), mb in grown.items()

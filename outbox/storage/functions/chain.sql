@@ -141,6 +141,7 @@ DECLARE
     ours boolean;
     prev bytea;
 BEGIN
+    PERFORM outbox_citus_plans_per_call();  -- on a worker, its shard's statements
     -- Appends to one effect's chain take turns on the effect's row. The statement that
     -- logs an attempt has nearly always just changed that row, so holds its lock; one
     -- that did not (a stale completion) takes the lock here, reads the row again as

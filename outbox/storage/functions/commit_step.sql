@@ -251,10 +251,9 @@ $$;
 --
 -- What the common step computes keeps one generic plan (re-planning the intents'
 -- query cost a worker about 1.6 ms a step). Its statements on distributed tables
--- are planned per call (plan_cache_mode switched around them): Citus 14.0.1 adds
--- a copy of the shard's plan to a generic plan at each run without ever finding
--- it again (citusdata/citus#8824), about 100 kB a step in every session the
--- coordinator keeps open to the worker, until the server runs out of memory; a
+-- are planned per call (plan_cache_mode switched around them): a kept plan of
+-- those grows at each run on Citus 14.0.1 (outbox_citus_plans_per_call), about
+-- 100 kB a step in every session the coordinator keeps open to the worker; a
 -- per-call plan of a single-shard statement costs no more. Before a branch the
 -- common step never takes, every plan is per call for the rest of the call:
 -- Citus refuses generic plans of some of what those branches run (an INSERT ...
@@ -437,7 +436,7 @@ $$;
 -- INSERT ... VALUES each, a fast-path insert, cheaper to plan on every call than
 -- an INSERT ... SELECT from a function, which Citus plans afresh each time too
 -- (about 1.1 ms for a step with one intent). Planned per call on Citus, not kept:
--- a kept plan grows at each run there (see outbox_write_step_apart).
+-- a kept plan grows at each run there (outbox_citus_plans_per_call).
 CREATE OR REPLACE FUNCTION outbox_insert_effects(
     p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean, p_namespace text,
     p_gates jsonb, p_now timestamptz
@@ -445,13 +444,11 @@ CREATE OR REPLACE FUNCTION outbox_insert_effects(
     LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     h record;
-    per_call boolean := outbox_distributed();
 BEGIN
     FOR h IN SELECT * FROM outbox_intent_effects(p_rows, p_run_id, p_step_id, p_paused,
                                                  p_namespace, p_gates, p_now) LOOP
-        IF per_call THEN  -- (after the loop's query is planned, which keeps its plan)
-            PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
-        END IF;
+        -- (after the loop's query is planned, which keeps its plan)
+        PERFORM outbox_citus_plans_per_call();
         INSERT INTO outbox_effects (
             id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
             idempotency_key, ordering_key, max_attempts, compensate, cost, priority,

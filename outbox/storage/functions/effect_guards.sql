@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION outbox_effects_settle_cost() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
+    PERFORM outbox_citus_plans_per_call();  -- on a worker, its shard's statements
     IF NEW.status = 'succeeded' THEN
         UPDATE outbox_runs
            SET reserved = reserved - NEW.cost, spent = spent + NEW.cost
@@ -41,6 +42,7 @@ CREATE TRIGGER outbox_effects_settle_cost
 CREATE OR REPLACE FUNCTION outbox_effects_hold_paused() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
+    PERFORM outbox_citus_plans_per_call();  -- on a worker, its shard's statements
     IF OLD.status = 'awaiting_approval'
        AND NEW.status NOT IN ('awaiting_approval', 'rejected', 'cancelled')
        AND NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN

@@ -308,11 +308,8 @@ BEGIN
     intents := coalesce(intents, '[]');
     FOR r IN SELECT * FROM outbox_intent_rows(p_run_id, p_step_id, intents, p_next, 0, '',
                                               p_dry_run, NULL, p_namespace) ORDER BY n LOOP
-        IF outbox_distributed() THEN
-            -- the loop's query planned: what follows reads and writes shards, and on
-            -- Citus a kept plan of that grows at each run (outbox_write_step_apart)
-            PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
-        END IF;
+        -- the loop's query planned, what follows reads and writes shards
+        PERFORM outbox_citus_plans_per_call();
         IF seen ? r.idempotency_key THEN
             IF (seen->r.idempotency_key) - 0 <> jsonb_build_array(r.kind, r.payload_hash) THEN
                 PERFORM outbox_raise_conflict(r.idempotency_key,

@@ -28,3 +28,20 @@ CREATE OR REPLACE FUNCTION outbox_distributed() RETURNS boolean
     LANGUAGE sql STABLE PARALLEL SAFE AS $$
 SELECT coalesce(current_setting('outbox.distributed', true), '') = 'on'
 $$;
+
+-- On Citus, plan the rest of the transaction's statements per call (until the
+-- calling function returns, if it sets plan_cache_mode itself). Citus 14.0.1 adds
+-- a copy of the shard's plan to a kept (generic) plan each time one runs on the
+-- node holding its shard, and never finds it again (citusdata/citus pull request
+-- 8824): a worker's session grew by about 100 kB a step, 28 kB a statement, until
+-- the server ran out of memory. A per-call plan of a single-shard statement costs
+-- no more there. Called first by what runs on a worker and reads or writes its
+-- shards from PL/pgSQL (triggers, the step's writes); on one server it does nothing.
+CREATE OR REPLACE FUNCTION outbox_citus_plans_per_call() RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF outbox_distributed() THEN
+        PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
+    END IF;
+END
+$$;

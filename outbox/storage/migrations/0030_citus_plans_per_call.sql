@@ -167,11 +167,8 @@ BEGIN
     intents := coalesce(intents, '[]');
     FOR r IN SELECT * FROM outbox_intent_rows(p_run_id, p_step_id, intents, p_next, 0, '',
                                               p_dry_run, NULL, p_namespace) ORDER BY n LOOP
-        IF outbox_distributed() THEN
-            -- the loop's query planned: what follows reads and writes shards, and on
-            -- Citus a kept plan of that grows at each run (outbox_write_step_apart)
-            PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
-        END IF;
+        -- the loop's query planned, what follows reads and writes shards
+        PERFORM outbox_citus_plans_per_call();
         IF seen ? r.idempotency_key THEN
             IF (seen->r.idempotency_key) - 0 <> jsonb_build_array(r.kind, r.payload_hash) THEN
                 PERFORM outbox_raise_conflict(r.idempotency_key,
@@ -202,6 +199,53 @@ BEGIN
 END
 $$;
 
+-- Every attempt-log row is chained as it is written, with the status and result its
+-- effect has then: the statement that logs an attempt changes the effect first (in
+-- a CTE), and a volatile trigger sees that change. So the newest link covers where
+-- the effect ended: a status or result edited by hand does not match it. The cost
+-- is one rendering and sha256 of the effect's result per row logged, no statement.
+--
+-- A row written with its link (hash) is not chained again: a deliverer's
+-- completion computes the links of the attempts that changed their effects in its
+-- own statement, from the same inputs read under the effect's row lock
+-- (outbox.storage.sql.effects), which saves the trigger's two reads a row (on
+-- Citus each a distributed query). A link supplied wrong breaks the chain where
+-- `outbox audit verify` recomputes it: a writer gains nothing it could not get
+-- by letting the trigger compute the link of the row it inserts.
+CREATE OR REPLACE FUNCTION outbox_attempts_chain() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+DECLARE
+    ours boolean;
+    prev bytea;
+BEGIN
+    PERFORM outbox_citus_plans_per_call();  -- on a worker, its shard's statements
+    -- Appends to one effect's chain take turns on the effect's row. The statement that
+    -- logs an attempt has nearly always just changed that row, so holds its lock; one
+    -- that did not (a stale completion) takes the lock here, reads the row again as
+    -- locked, and draws a new id, so that id order stays chain order.
+    SELECT e.xmin::text = (pg_current_xact_id()::text::bigint % 4294967296)::text,
+           outbox_effect_genesis(e.id, e.run_id, e.kind, e.idempotency_key, e.payload_hash),
+           e.status, outbox_result_hash(e.result)
+      INTO ours, prev, NEW.effect_status, NEW.result_hash
+      FROM outbox_effects e WHERE e.id = NEW.effect_id AND e.shard = NEW.shard;
+    IF NOT ours THEN
+        SELECT e.status, outbox_result_hash(e.result)
+          INTO NEW.effect_status, NEW.result_hash
+          FROM outbox_effects e WHERE e.id = NEW.effect_id AND e.shard = NEW.shard FOR UPDATE;
+        NEW.id := nextval(pg_get_serial_sequence('outbox_effect_attempts', 'id'));
+    END IF;
+    -- The newest link of this effect's chain, else its genesis.
+    SELECT coalesce((SELECT a.hash FROM outbox_effect_attempts a
+                      WHERE a.effect_id = NEW.effect_id AND a.shard = NEW.shard
+                      ORDER BY a.id DESC LIMIT 1), prev)
+      INTO prev;
+    NEW.hash := outbox_attempt_link(prev, NEW.effect_id, NEW.attempt, NEW.worker,
+                                    NEW.started_at, NEW.finished_at, NEW.outcome, NEW.detail,
+                                    NEW.effect_status, NEW.result_hash);
+    RETURN NEW;
+END
+$$;
+
 -- outbox_write_step on Citus, where it runs on the node holding the run's shard:
 -- the same step in a statement each (Citus plans a statement that writes through
 -- common table expressions over several shards' worth of tasks), every value it
@@ -210,10 +254,9 @@ $$;
 --
 -- What the common step computes keeps one generic plan (re-planning the intents'
 -- query cost a worker about 1.6 ms a step). Its statements on distributed tables
--- are planned per call (plan_cache_mode switched around them): Citus 14.0.1 adds
--- a copy of the shard's plan to a generic plan at each run without ever finding
--- it again (citusdata/citus#8824), about 100 kB a step in every session the
--- coordinator keeps open to the worker, until the server runs out of memory; a
+-- are planned per call (plan_cache_mode switched around them): a kept plan of
+-- those grows at each run on Citus 14.0.1 (outbox_citus_plans_per_call), about
+-- 100 kB a step in every session the coordinator keeps open to the worker; a
 -- per-call plan of a single-shard statement costs no more. Before a branch the
 -- common step never takes, every plan is per call for the rest of the call:
 -- Citus refuses generic plans of some of what those branches run (an INSERT ...
@@ -331,7 +374,7 @@ $$;
 -- INSERT ... VALUES each, a fast-path insert, cheaper to plan on every call than
 -- an INSERT ... SELECT from a function, which Citus plans afresh each time too
 -- (about 1.1 ms for a step with one intent). Planned per call on Citus, not kept:
--- a kept plan grows at each run there (see outbox_write_step_apart).
+-- a kept plan grows at each run there (outbox_citus_plans_per_call).
 CREATE OR REPLACE FUNCTION outbox_insert_effects(
     p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean, p_namespace text,
     p_gates jsonb, p_now timestamptz
@@ -339,13 +382,11 @@ CREATE OR REPLACE FUNCTION outbox_insert_effects(
     LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     h record;
-    per_call boolean := outbox_distributed();
 BEGIN
     FOR h IN SELECT * FROM outbox_intent_effects(p_rows, p_run_id, p_step_id, p_paused,
                                                  p_namespace, p_gates, p_now) LOOP
-        IF per_call THEN  -- (after the loop's query is planned, which keeps its plan)
-            PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
-        END IF;
+        -- (after the loop's query is planned, which keeps its plan)
+        PERFORM outbox_citus_plans_per_call();
         INSERT INTO outbox_effects (
             id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
             idempotency_key, ordering_key, max_attempts, compensate, cost, priority,
@@ -356,5 +397,74 @@ BEGIN
             h.cost, h.priority, h.fairness_key, h.status, h.available_at, h.approval,
             h.approval_deadline, h.trace_parent, h.shard, h.namespace);
     END LOOP;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_effects_settle_cost() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM outbox_citus_plans_per_call();  -- on a worker, its shard's statements
+    IF NEW.status = 'succeeded' THEN
+        UPDATE outbox_runs
+           SET reserved = reserved - NEW.cost, spent = spent + NEW.cost
+         WHERE id = NEW.run_id AND shard = NEW.shard;
+        INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.shard, NEW.step_id, NEW.id, NEW.kind, 'commit', NEW.cost);
+    ELSIF NEW.status IN ('failed', 'cancelled', 'rejected') THEN
+        UPDATE outbox_runs SET reserved = reserved - NEW.cost
+         WHERE id = NEW.run_id AND shard = NEW.shard;
+        INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.shard, NEW.step_id, NEW.id, NEW.kind, 'release', NEW.cost);
+    ELSIF OLD.status IN ('failed', 'cancelled', 'rejected') THEN
+        -- an operator put it back: it holds its reservation again
+        UPDATE outbox_runs SET reserved = reserved + NEW.cost
+         WHERE id = NEW.run_id AND shard = NEW.shard;
+        INSERT INTO outbox_budget_ledger (run_id, shard, step_id, effect_id, reason, entry, amount)
+        VALUES (NEW.run_id, NEW.shard, NEW.step_id, NEW.id, NEW.kind, 'reserve', NEW.cost);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- Every way back to pending (a retry, the reconciler, an operator) holds the
+-- effect of a paused run as paused; commit_step decides it for new intents. And
+-- an effect held for approval leaves it only by an approval (a session with
+-- EXECUTE on outbox_may_release: the operator's, under `outbox roles`), a
+-- rejection or a cancellation, never by a deliverer's hand-written UPDATE. One
+-- trigger for both, so the claims and completions pay for one WHEN clause.
+CREATE OR REPLACE FUNCTION outbox_effects_hold_paused() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM outbox_citus_plans_per_call();  -- on a worker, its shard's statements
+    IF OLD.status = 'awaiting_approval'
+       AND NEW.status NOT IN ('awaiting_approval', 'rejected', 'cancelled')
+       AND NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
+        RAISE EXCEPTION 'permission denied: effect % is held for approval; only an approval '
+            'releases it (a role with EXECUTE on outbox_may_release())', OLD.id
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    IF NEW.status = 'pending' AND NEW.run_id IS NOT NULL AND EXISTS (
+        SELECT 1 FROM outbox_runs
+         WHERE id = NEW.run_id AND shard = NEW.shard AND paused_at IS NOT NULL) THEN
+        NEW.status := 'paused';
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+-- On Citus, plan the rest of the transaction's statements per call (until the
+-- calling function returns, if it sets plan_cache_mode itself). Citus 14.0.1 adds
+-- a copy of the shard's plan to a kept (generic) plan each time one runs on the
+-- node holding its shard, and never finds it again (citusdata/citus pull request
+-- 8824): a worker's session grew by about 100 kB a step, 28 kB a statement, until
+-- the server ran out of memory. A per-call plan of a single-shard statement costs
+-- no more there. Called first by what runs on a worker and reads or writes its
+-- shards from PL/pgSQL (triggers, the step's writes); on one server it does nothing.
+CREATE OR REPLACE FUNCTION outbox_citus_plans_per_call() RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF outbox_distributed() THEN
+        PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
+    END IF;
 END
 $$;
