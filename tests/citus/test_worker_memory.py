@@ -75,6 +75,14 @@ def _growth(
     return {session: after[session] - mb for session, mb in before.items() if session in after}
 
 
+def _assert_bounded(grown: dict[tuple[str, int], float]) -> None:
+    assert grown, "no session on the workers was seen both before and after"
+    assert max(grown.values()) < ALLOWED_GROWTH_MB, {
+        f"port {conninfo_to_dict(dsn).get('port')} pid {pid}": round(mb, 1)
+        for (dsn, pid), mb in grown.items()
+    }
+
+
 def _write(runs: list[Run], steps: int, body: Callable[[StepTransaction, int], None]) -> None:
     prefix = uuid.uuid4().hex[:8]
     for n in range(steps):
@@ -116,12 +124,7 @@ def test_a_workers_sessions_do_not_grow_with_the_steps_they_write(
     body: Callable[[StepTransaction, int], None],
     steps: int,
 ) -> None:
-    grown = _growth(citus_module_db, runs, steps, body)
-    assert grown, "no session on the workers was seen before and after the steps"
-    assert max(grown.values()) < ALLOWED_GROWTH_MB, {
-        f"port {conninfo_to_dict(dsn).get('port')} pid {pid}": round(mb, 1)
-        for (dsn, pid), mb in grown.items()
-    }
+    _assert_bounded(_growth(citus_module_db, runs, steps, body))
 
 
 def _ten_costed_intents(tx: StepTransaction, n: int) -> None:
@@ -130,7 +133,8 @@ def _ten_costed_intents(tx: StepTransaction, n: int) -> None:
 
 
 def test_a_workers_sessions_do_not_grow_with_the_costed_effects_they_complete(
-    citus_module_db: CitusDatabase, runs: list[Run]
+    citus_module_db: CitusDatabase,
+    runs: list[Run],  # (the schema distributed, the steps' sessions warmed)
 ) -> None:
     # each completion settles its run's budget: a trigger on the effect's shard
     # updates the run and writes a ledger row, from PL/pgSQL on the worker
@@ -147,9 +151,4 @@ def test_a_workers_sessions_do_not_grow_with_the_costed_effects_they_complete(
         before = _worker_sessions(citus_module_db)
         wait_for(lambda: len(deliverer.deliveries) >= 3000, timeout=240, message="all delivered")
         after = _worker_sessions(citus_module_db)
-    grown = {session: after[session] - mb for session, mb in before.items() if session in after}
-    assert grown, "no session on the workers was seen before and after the deliveries"
-    assert max(grown.values()) < ALLOWED_GROWTH_MB, {
-        f"port {conninfo_to_dict(dsn).get('port')} pid {pid}": round(mb, 1)
-        for (dsn, pid), mb in grown.items()
-    }
+    _assert_bounded({s: after[s] - mb for s, mb in before.items() if s in after})

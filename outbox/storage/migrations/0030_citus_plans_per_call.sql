@@ -256,8 +256,9 @@ $$;
 -- query cost a worker about 1.6 ms a step). Its statements on distributed tables
 -- are planned per call (plan_cache_mode switched around them): a kept plan of
 -- those grows at each run on Citus 14.0.1 (outbox_citus_plans_per_call), about
--- 100 kB a step in every session the coordinator keeps open to the worker. Before a branch the
--- common step never takes, every plan is per call for the rest of the call:
+-- 100 kB a step in every session the coordinator keeps open to the worker.
+-- Before a branch the common step never takes, every plan is per call for the
+-- rest of the call:
 -- Citus refuses generic plans of some of what those branches run (an INSERT ...
 -- SELECT, a lookup by outbox_shard_of), and keeps growing the others (a key's
 -- lookup on its own shard).
