@@ -283,9 +283,11 @@ BEGIN
     PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
     SELECT r.* INTO run FROM outbox_runs AS r
      WHERE r.id = p_run_id AND r.shard = p_shard FOR NO KEY UPDATE;
-    PERFORM set_config('plan_cache_mode', 'force_generic_plan', true);
     LOOP
-        SELECT x.* INTO a FROM outbox_step_intents_planned(p_run_id, p_step_id, p_intents,
+        -- kept for the session: it reads no distributed table (a plan Citus accepts)
+        -- and planning its inlined query cost a worker about 2.1 ms
+        PERFORM set_config('plan_cache_mode', 'force_generic_plan', true);
+        SELECT x.* INTO a FROM outbox_step_intents(p_run_id, p_step_id, p_intents,
             run.priority, run.fairness_key, run.dry_run, run.namespace, p_tx_step, firsts,
             existing, p_chain,
             stored IS NOT NULL OR outbox_values_screened(result_text, state_text, plan_text)) AS x;
@@ -410,26 +412,6 @@ SELECT coalesce(array_agg(i::outbox_intent ORDER BY i.n) FILTER (WHERE i.id IS N
                 '{}'),
        coalesce(array_agg(DISTINCT i.kind) FILTER (WHERE i.kind IS NOT NULL), '{}')
   FROM (SELECT 1) AS one LEFT JOIN i ON true
-$$;
-
--- outbox_step_intents as outbox_write_step_apart calls it on a Citus worker, with
--- its plan kept for the session: it reads no distributed table, so a generic plan
--- is one Citus accepts, and re-planning the inlined query on every step cost a
--- worker about 1.6 ms a step (custom plans are what PostgreSQL kept choosing).
-CREATE OR REPLACE FUNCTION outbox_step_intents_planned(
-    p_run_id uuid, p_step_id text, p_intents jsonb, p_priority integer, p_fairness_key text,
-    p_dry_run boolean, p_namespace text, p_tx_step jsonb, p_firsts integer[],
-    p_existing uuid[], p_chain jsonb, p_values_screened boolean
-) RETURNS TABLE (
-    rows outbox_intent[], screened boolean, reserve numeric, chain_text text, ids uuid[],
-    kinds text[]
-)
-    LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan AS $$
-BEGIN
-    RETURN QUERY SELECT * FROM outbox_step_intents(p_run_id, p_step_id, p_intents, p_priority,
-        p_fairness_key, p_dry_run, p_namespace, p_tx_step, p_firsts, p_existing, p_chain,
-        p_values_screened);
-END
 $$;
 
 -- The effects of a small step on a Citus worker (outbox_write_step_apart): an
