@@ -42,6 +42,7 @@ from outbox.errors import (
     SchemaOutdated,
     SchemaTooNew,
 )
+from outbox.storage import citus
 
 __all__ = [
     "MIN_SERVER_VERSION",
@@ -291,13 +292,19 @@ def migrate(
             recorded = _recorded(pg)
             _refuse_newer(recorded)
             _verify_checksums(pg, recorded, accept_changed)
-            for migration in shipped():
-                if migration.version in recorded:
-                    continue
-                if target is not None and migration.version > target:
-                    break
+            pending = [
+                m
+                for m in shipped()
+                if m.version not in recorded and (target is None or m.version <= target)
+            ]
+            distributed = bool(pending) and citus.is_distributed(pg)
+            if distributed:
+                citus.drop_gates_views(pg)
+            for migration in pending:
                 _apply(pg, migration)
                 applied.append(migration)
+            if distributed:
+                citus.place_gates_views(pg)
         finally:
             if not pg.closed:
                 pg.execute("SELECT pg_advisory_unlock(%s)", [_LOCK_ID])

@@ -1,0 +1,173 @@
+"""The step write reads the gates on a worker through a view of the worker's own placement.
+
+Read through Citus, the gates cost a worker about 150 us a step: Citus plans the
+statement on every call. Each worker has a view of its own placement of the
+reference table (``outbox_gates_placement``, placed by ``outbox migrate
+--distribute`` and again after migrations); ``outbox_gates_of`` reads it when it
+is there and the session may, and reads through Citus otherwise. Either way a
+gate holds the effects it matches.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from uuid import UUID
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import create_engine
+
+from outbox import EffectStatus, Outbox
+from outbox.cli import cli as cli_main
+from outbox.governance.gates import Gate
+from outbox.shards import shard_of
+from outbox.storage.citus import GATES_VIEW, distribute, drop_gates_views, place_gates_views
+from outbox.storage.engine import psycopg_url
+from outbox.storage.migrate import migrate, shipped
+from tests.citus_support import CitusCluster, CitusDatabase, node_port_of
+
+
+@pytest.fixture(scope="module")
+def dsn(citus_module_db: CitusDatabase) -> str:
+    result = CliRunner().invoke(
+        cli_main, ["migrate", "--distribute", "--json"], env={"OUTBOX_DSN": citus_module_db.dsn}
+    )
+    assert result.exit_code == 0, result.output
+    return citus_module_db.dsn
+
+
+@pytest.fixture
+def ob(dsn: str) -> Iterator[Outbox]:
+    outbox = Outbox.connect(dsn)
+    yield outbox
+    outbox.close()
+
+
+def _placement(dsn: str) -> str:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT shard_name('outbox_gates'::regclass, shardid) FROM pg_dist_shard"
+            " WHERE logicalrelid = 'outbox_gates'::regclass"
+        ).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def _views(dsn: str) -> dict[str, str | None]:
+    """Each node's view of the gates (its definition), by node; None where there is none."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT nodeport::text, success, result FROM run_command_on_all_nodes("
+            f"$$SELECT pg_get_viewdef(to_regclass('{GATES_VIEW}'))$$)"
+            " JOIN pg_dist_node USING (nodeid) ORDER BY nodeport"
+        ).fetchall()
+    assert all(ok for _, ok, _ in rows), rows
+    return {port: result or None for port, _, result in rows}  # NULL comes back as ''
+
+
+def _worker_of(cluster: CitusCluster, db: CitusDatabase, run_id: UUID) -> str:
+    """The DSN of the worker holding ``run_id``'s shard, in ``db``."""
+    with psycopg.connect(db.dsn) as conn:
+        port = node_port_of(conn, "outbox_runs", shard_of(run_id))
+    return next(w for w in cluster.workers if w.port == port).dsn(db.name)
+
+
+def test_each_worker_has_a_view_of_its_own_placement_and_the_coordinator_none(
+    dsn: str, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
+) -> None:
+    placement = _placement(dsn)
+    views = _views(dsn)
+    # the coordinator reads through Citus
+    assert views.pop(str(citus_cluster.coordinator.port)) is None
+    assert len(views) == 2
+    for port, definition in views.items():
+        assert definition is not None and placement in definition, (port, definition)
+    with psycopg.connect(citus_cluster.workers[0].dsn(citus_module_db.name)) as conn:
+        grants = conn.execute(
+            "SELECT count(*) FROM information_schema.role_table_grants"
+            " WHERE table_name = %s AND grantee = 'PUBLIC'",
+            [GATES_VIEW],
+        ).fetchone()
+    assert grants == (0,)
+
+
+def test_a_step_reads_the_gates_through_the_view_and_a_gate_holds(
+    ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
+) -> None:
+    """Shown by a lock on the view alone: a step with an intent waits for it."""
+    gate = Gate(name="view-held", kind="view.pay", when=[{"pointer": "/n", "op": "ge", "value": 5}])
+    ob.apply_gates([gate])
+    run = ob.start_run("view", "1")
+    ended: list[BaseException | None] = []
+
+    def step() -> None:
+        try:
+            run.transaction("pay", lambda tx: tx.intend("view.pay", {"n": 7}))
+            ended.append(None)
+        except BaseException as exc:  # reported by the asserts below
+            ended.append(exc)
+
+    with psycopg.connect(_worker_of(citus_cluster, citus_module_db, run.id)) as locker:
+        locker.execute(f"LOCK TABLE {GATES_VIEW} IN ACCESS EXCLUSIVE MODE")
+        writer = threading.Thread(target=step, daemon=True)
+        writer.start()
+        writer.join(1.0)
+        assert writer.is_alive(), "the step did not read the gates through the view"
+        locker.rollback()
+    writer.join(30)
+    assert ended == [None]
+    (effect,) = ob.run(run.id).effects()
+    assert effect.status == EffectStatus.AWAITING_APPROVAL
+    ob.remove_gates([gate.name])
+
+
+def test_without_the_views_the_gates_are_read_through_citus_and_still_hold(
+    ob: Outbox, dsn: str
+) -> None:
+    gate = Gate(
+        name="no-view", kind="view.refund", when=[{"pointer": "/n", "op": "ge", "value": 0}]
+    )
+    ob.apply_gates([gate])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        drop_gates_views(conn)
+        assert set(_views(dsn).values()) == {None}
+        try:
+            run = ob.start_run("view", "1")
+            run.transaction("refund", lambda tx: tx.intend("view.refund", {"n": 1}))
+            (effect,) = ob.run(run.id).effects()
+            assert effect.status == EffectStatus.AWAITING_APPROVAL
+        finally:
+            place_gates_views(conn)
+    assert sum(v is not None for v in _views(dsn).values()) == 2
+    ob.remove_gates([gate.name])
+
+
+def test_migrations_on_a_distributed_database_take_the_views_off_and_place_them_again(
+    citus_cluster: CitusCluster, citus_db: CitusDatabase
+) -> None:
+    """A migration may change a column of the gates, which the views name: they are
+    dropped first and placed again after (an upgrade from before them gets them too)."""
+
+    def view_ids() -> list[int | None]:
+        ids = []
+        for worker in citus_cluster.workers:
+            with psycopg.connect(worker.dsn(citus_db.name)) as conn:
+                row = conn.execute(f"SELECT to_regclass('{GATES_VIEW}')::oid").fetchone()
+            ids.append(None if row is None else row[0])
+        return ids
+
+    engine = create_engine(psycopg_url(citus_db.dsn))
+    try:
+        migrate(engine, target=shipped()[-2].version)
+        distribute(engine)
+        before = view_ids()
+        assert None not in before
+        applied = migrate(engine)
+        assert [m.version for m in applied] == [shipped()[-1].version]
+        after = view_ids()
+        assert None not in after
+        assert not set(before) & set(after), "the views were not dropped and placed again"
+    finally:
+        engine.dispose()
