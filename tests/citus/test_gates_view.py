@@ -171,3 +171,29 @@ def test_migrations_on_a_distributed_database_take_the_views_off_and_place_them_
         assert not set(before) & set(after), "the views were not dropped and placed again"
     finally:
         engine.dispose()
+
+
+def test_a_login_that_may_not_read_the_view_reads_the_gates_through_citus(
+    ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
+) -> None:
+    """The view is its owner's alone (no grant to PUBLIC): a login with the table's
+    SELECT but not the view's gets the same gates, read through Citus."""
+    gate = Gate(name="reader", kind="view.read", when=[{"pointer": "/n", "op": "ge", "value": 0}])
+    ob.apply_gates([gate])
+    with psycopg.connect(citus_module_db.dsn, autocommit=True) as conn:
+        conn.execute("DROP ROLE IF EXISTS gates_reader")
+        conn.execute("CREATE ROLE gates_reader LOGIN")
+        conn.execute("GRANT SELECT ON outbox_gates TO gates_reader")
+    try:
+        worker = citus_cluster.workers[0].dsn(citus_module_db.name)
+        with psycopg.connect(worker) as conn:
+            conn.execute("SET ROLE gates_reader")
+            may = conn.execute(f"SELECT has_table_privilege('{GATES_VIEW}', 'SELECT')")
+            assert may.fetchone() == (False,)
+            row = conn.execute("SELECT outbox_gates_of(ARRAY['view.read'])").fetchone()
+        assert row is not None and [g["name"] for g in row[0]] == ["reader"]
+    finally:
+        ob.remove_gates([gate.name])
+        with psycopg.connect(citus_module_db.dsn, autocommit=True) as conn:
+            conn.execute("REVOKE SELECT ON outbox_gates FROM gates_reader")
+            conn.execute("DROP ROLE gates_reader")
