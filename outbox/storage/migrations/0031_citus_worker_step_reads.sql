@@ -16,8 +16,8 @@ DROP FUNCTION outbox_step_intents_planned(p_run_id uuid, p_step_id text, p_inten
 -- sets computed first. The deliverers' NOTIFY there would wake only that node's
 -- listeners: notify asks the caller to send it from the coordinator instead.
 --
--- What the common step computes keeps one generic plan (re-planning the intents'
--- query cost a worker about 1.6 ms a step). Its statements on distributed tables
+-- What the common step computes keeps one generic plan (planning the intents'
+-- query costs a worker about 2 ms, once a session). Its statements on distributed tables
 -- are planned per call (plan_cache_mode switched around them): a kept plan of
 -- those grows at each run on Citus 14.0.1 (outbox_citus_plans_per_call), about
 -- 100 kB a step in every session the coordinator keeps open to the worker.
