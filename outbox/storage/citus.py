@@ -76,7 +76,8 @@ DATABASE_RESETS = ("plan_cache_mode",)
 #: the statement, 150 us of a worker's 1,900 a step. Not propagated: a view over
 #: a shard means nothing on another node. It names the placement's columns, so a
 #: migration that changes one of them finds it in the way: :func:`migrate
-#: <outbox.storage.migrate.migrate>` drops the views first and places them again.
+#: <outbox.storage.migrate.migrate>` drops the views first, and places them after
+#: every run (a worker added since gets its own).
 GATES_VIEW = "outbox_gates_placement"
 _ON_WORKERS = "SELECT nodename, nodeport, success, result FROM run_command_on_workers(%s)"
 _PLACE_GATES_VIEW = f"""DO $place$
@@ -276,4 +277,7 @@ def _on_workers(conn: psycopg.Connection[Any], command: str, what: str) -> None:
         if not ok
     ]
     if failed:
-        raise MigrationError(f"{what} failed: {', '.join(failed)}")
+        raise MigrationError(
+            f"{what} failed: {', '.join(failed)}; a worker without its view reads the"
+            " gates through Citus: run `outbox migrate` again when every worker answers"
+        )

@@ -297,8 +297,9 @@ def migrate(
                 for m in shipped()
                 if m.version not in recorded and (target is None or m.version <= target)
             ]
-            distributed = bool(pending) and citus.is_distributed(pg)
-            if distributed:
+            # (placed again even with nothing pending: a worker added since gets one)
+            distributed = citus.is_distributed(pg)
+            if distributed and pending:
                 citus.drop_gates_views(pg)
             for migration in pending:
                 _apply(pg, migration)

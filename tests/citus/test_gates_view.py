@@ -197,3 +197,15 @@ def test_a_login_that_may_not_read_the_view_reads_the_gates_through_citus(
         with psycopg.connect(citus_module_db.dsn, autocommit=True) as conn:
             conn.execute("REVOKE SELECT ON outbox_gates FROM gates_reader")
             conn.execute("DROP ROLE gates_reader")
+
+
+def test_migrate_with_nothing_pending_places_a_missing_view(dsn: str) -> None:
+    """As after adding a worker: a plain ``outbox migrate`` gives it its view."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        drop_gates_views(conn)
+    engine = create_engine(psycopg_url(dsn))
+    try:
+        assert migrate(engine) == []
+    finally:
+        engine.dispose()
+    assert sum(v is not None for v in _views(dsn).values()) == 2
