@@ -123,13 +123,7 @@ def is_citus(conn: psycopg.Connection[Any]) -> bool:
 
 def is_distributed(conn: psycopg.Connection[Any]) -> bool:
     """Whether ``outbox migrate --distribute`` distributed this database (read from Citus)."""
-    if not is_citus(conn):
-        return False
-    row = conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM pg_dist_partition"
-        " WHERE logicalrelid = to_regclass('outbox_gates'))"
-    ).fetchone()
-    return row is not None and bool(row[0])
+    return is_citus(conn) and "outbox_gates" in _distributed(conn)
 
 
 def _check_nodes(conn: psycopg.Connection[Any]) -> int:

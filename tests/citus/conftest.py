@@ -8,10 +8,14 @@ never skip.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
+from click.testing import CliRunner
 
+from outbox import Outbox
+from outbox.cli import cli as cli_main
 from tests.citus_support import CitusCluster, CitusDatabase, running_cluster
 
 
@@ -44,3 +48,23 @@ def citus_module_db(citus_cluster: CitusCluster) -> Iterator[CitusDatabase]:
     database = citus_cluster.create_database()
     yield database
     citus_cluster.drop_database(database)
+
+
+@pytest.fixture(scope="module")
+def dsn(citus_module_db: CitusDatabase) -> str:
+    """The coordinator of a cluster whose schema ``outbox migrate --distribute`` built."""
+    result = CliRunner().invoke(
+        cli_main, ["migrate", "--distribute", "--json"], env={"OUTBOX_DSN": citus_module_db.dsn}
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert "outbox_effects" in report["distributed"]
+    return citus_module_db.dsn
+
+
+@pytest.fixture
+def ob(dsn: str) -> Iterator[Outbox]:
+    """A client of ``dsn`` (a module may name another ``dsn``)."""
+    outbox = Outbox.connect(dsn)
+    yield outbox
+    outbox.close()

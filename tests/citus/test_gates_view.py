@@ -10,38 +10,18 @@ gate holds the effects it matches.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from uuid import UUID
 
 import psycopg
-import pytest
-from click.testing import CliRunner
 from sqlalchemy import create_engine
 
 from outbox import EffectStatus, Outbox
-from outbox.cli import cli as cli_main
 from outbox.governance.gates import Gate
 from outbox.shards import shard_of
 from outbox.storage.citus import GATES_VIEW, distribute, drop_gates_views, place_gates_views
 from outbox.storage.engine import psycopg_url
 from outbox.storage.migrate import migrate, shipped
 from tests.citus_support import CitusCluster, CitusDatabase, node_port_of
-
-
-@pytest.fixture(scope="module")
-def dsn(citus_module_db: CitusDatabase) -> str:
-    result = CliRunner().invoke(
-        cli_main, ["migrate", "--distribute", "--json"], env={"OUTBOX_DSN": citus_module_db.dsn}
-    )
-    assert result.exit_code == 0, result.output
-    return citus_module_db.dsn
-
-
-@pytest.fixture
-def ob(dsn: str) -> Iterator[Outbox]:
-    outbox = Outbox.connect(dsn)
-    yield outbox
-    outbox.close()
 
 
 def _placement(dsn: str) -> str:

@@ -14,7 +14,6 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from decimal import Decimal
 from functools import partial
 from typing import Any
@@ -57,25 +56,6 @@ from tests.integration.test_console import (
     search_finds_a_run_by_an_effects_key,
 )
 from tests.support import DaemonThread, WorkerThread, delivery_plan_modes, wait_for
-
-
-@pytest.fixture(scope="module")
-def dsn(citus_module_db: CitusDatabase) -> str:
-    """The coordinator of a cluster whose schema ``outbox migrate --distribute`` built."""
-    result = CliRunner().invoke(
-        cli_main, ["migrate", "--distribute", "--json"], env={"OUTBOX_DSN": citus_module_db.dsn}
-    )
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
-    assert "outbox_effects" in report["distributed"]
-    return citus_module_db.dsn
-
-
-@pytest.fixture
-def ob(dsn: str) -> Iterator[Outbox]:
-    outbox = Outbox.connect(dsn)
-    yield outbox
-    outbox.close()
 
 
 def _node_of(dsn: str, run_id: uuid.UUID) -> int:

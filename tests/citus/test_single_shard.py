@@ -20,7 +20,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -70,13 +69,6 @@ def distributed_and_guarded(database: CitusDatabase) -> str:
 @pytest.fixture(scope="module")
 def dsn(citus_module_db: CitusDatabase) -> str:
     return distributed_and_guarded(citus_module_db)
-
-
-@pytest.fixture
-def ob(dsn: str) -> Iterator[Outbox]:
-    outbox = Outbox.connect(dsn)
-    yield outbox
-    outbox.close()
 
 
 def test_the_guard_refuses_a_statement_on_many_shards(dsn: str) -> None:
