@@ -250,10 +250,13 @@ $$;
 -- listeners: notify asks the caller to send it from the coordinator instead.
 --
 -- What the common step computes keeps one generic plan (planning the intents'
--- query costs a worker about 2 ms, once a session). Its statements on distributed tables
--- are planned per call (plan_cache_mode switched around them): a kept plan of
--- those grows at each run on Citus 14.0.1 (outbox_citus_plans_per_call), about
--- 100 kB a step in every session the coordinator keeps open to the worker.
+-- query costs a worker about 2 ms, once a session). The run's lock and update,
+-- the step's insert and its effects' go to the worker's own placements by name
+-- (outbox_shard_placement: PostgreSQL plans each, Citus 14.0.1 would deparse and
+-- plan it again, about 150 us more a statement), through the distributed tables
+-- where the function runs on the coordinator. Either way by dynamic SQL, planned
+-- per call: a kept plan of a statement on a distributed table grows at each run
+-- on Citus 14.0.1 (outbox_citus_plans_per_call).
 -- Before a branch the common step never takes, every plan is per call for the
 -- rest of the call:
 -- Citus refuses generic plans of some of what those branches run (an INSERT ...
@@ -279,14 +282,16 @@ DECLARE
     head bytea;
     inserted bigint;
     gates jsonb;
+    -- the worker's own placements of the run's shard, if it holds them
+    placements regclass[] := coalesce(outbox_shard_placements(p_shard,
+        ARRAY['outbox_runs', 'outbox_steps', 'outbox_effects']::regclass[]), '{}');
+    runs regclass := coalesce(placements[1], 'outbox_runs');
 BEGIN
-    PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
-    SELECT r.* INTO run FROM outbox_runs AS r
-     WHERE r.id = p_run_id AND r.shard = p_shard FOR NO KEY UPDATE;
+    EXECUTE format('SELECT r.* FROM %s AS r WHERE r.id = $1 AND r.shard = $2 FOR NO KEY UPDATE',
+                   runs) INTO run USING p_run_id, p_shard;
     LOOP
         -- kept for the session: it reads no distributed table (a plan Citus accepts)
         -- and planning its inlined query cost a worker about 2.1 ms
-        PERFORM set_config('plan_cache_mode', 'force_generic_plan', true);
         SELECT x.* INTO a FROM outbox_step_intents(p_run_id, p_step_id, p_intents,
             run.priority, run.fairness_key, run.dry_run, run.namespace, p_tx_step, firsts,
             existing, p_chain,
@@ -299,6 +304,7 @@ BEGIN
           FROM outbox_check_intents(p_run_id, p_step_id, p_intents,
             coalesce((p_tx_step->>'next')::integer, 0), coalesce((p_tx_step->>'count')::integer, 0),
             coalesce((p_tx_step->>'bytes')::bigint, 0), run.dry_run, true, run.namespace) AS c;
+        PERFORM set_config('plan_cache_mode', 'force_generic_plan', true);
     END LOOP;
     IF run.id IS NULL OR NOT run.status = ANY (outbox_active_run_statuses())
        OR (run.budget IS NOT NULL AND run.spent + run.reserved + p_debit + a.reserve > run.budget)
@@ -311,24 +317,23 @@ BEGIN
     head := outbox_step_link(coalesce(run.step_head, outbox_run_genesis(run.id, run.agent,
                                                                         run.inputs_hash)),
         run.id, p_step_id, p_kind, result_text, NULL, state_text, plan_text, v_now, a.chain_text);
-    PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
-    UPDATE outbox_runs AS r
-       SET state = coalesce(stored[2], p_state, run.state),
-           plan = coalesce(stored[3], p_plan, run.plan),
-           current_step = p_step_id,
-           step_count = run.step_count + 1,
-           spent = run.spent + p_debit,
-           reserved = run.reserved + a.reserve,
-           step_head = head
-     WHERE r.id = p_run_id AND r.shard = p_shard;
+    EXECUTE format('UPDATE %s AS r SET state = $3, plan = $4, current_step = $5, step_count = $6,
+                           spent = $7, reserved = $8, step_head = $9
+                     WHERE r.id = $1 AND r.shard = $2', runs)
+      USING p_run_id, p_shard, coalesce(stored[2], p_state, run.state),
+            coalesce(stored[3], p_plan, run.plan), p_step_id, run.step_count + 1,
+            run.spent + p_debit, run.reserved + a.reserve, head;
     step_seq := run.step_count + 1;
-    INSERT INTO outbox_steps AS s (run_id, shard, seq, step_id, kind, result, state, plan, hash)
-    VALUES (p_run_id, p_shard, step_seq, p_step_id, p_kind, coalesce(stored[1], p_result, 'null'),
-            coalesce(stored[2], p_state), coalesce(stored[3], p_plan), head)
-    ON CONFLICT ON CONSTRAINT outbox_steps_pkey DO NOTHING
-    RETURNING s.seq INTO inserted;
-    PERFORM set_config('plan_cache_mode', 'force_generic_plan', true);
+    EXECUTE format('INSERT INTO %s AS s (run_id, shard, seq, step_id, kind, result, state, plan,
+                                          hash)
+                    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                    ON CONFLICT (run_id, step_id, shard) DO NOTHING RETURNING s.seq',
+                   coalesce(placements[2], 'outbox_steps'))
+      INTO inserted
+      USING p_run_id, p_shard, step_seq, p_step_id, p_kind, coalesce(stored[1], p_result, 'null'),
+            coalesce(stored[2], p_state), coalesce(stored[3], p_plan), head;
     IF inserted IS NULL THEN
+        PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
         PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
     END IF;
     -- A step without intents reads no gates and inserts nothing: on a worker each is
@@ -336,7 +341,7 @@ BEGIN
     IF cardinality(a.rows) > 0 THEN
         gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
         PERFORM outbox_write_effects(a.rows, p_run_id, p_step_id, paused, run.namespace, gates,
-                                     v_now);
+                                     v_now, placements[3]);
     END IF;
     -- (Citus plans an INSERT ... SELECT on every call, rows or none: only when there are)
     IF coalesce(jsonb_array_length(p_ledger), 0) > 0
@@ -417,11 +422,14 @@ $$;
 -- The effects of a small step on a Citus worker (outbox_write_step_apart): an
 -- INSERT ... VALUES each, a fast-path insert, cheaper to plan on every call than
 -- an INSERT ... SELECT from a function, which Citus plans afresh each time too
--- (about 1.1 ms for a step with one intent). Planned per call on Citus, not kept:
--- a kept plan grows at each run there (outbox_citus_plans_per_call).
+-- (about 1.1 ms for a step with one intent). Given the worker's own placement
+-- of the effects' shard (outbox_shard_placements, for a run's effects), into it
+-- by name: PostgreSQL's plan, not Citus's. Otherwise through the table, planned
+-- per call on Citus, not kept: a kept plan grows at each run there
+-- (outbox_citus_plans_per_call).
 CREATE OR REPLACE FUNCTION outbox_insert_effects(
     p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean, p_namespace text,
-    p_gates jsonb, p_now timestamptz
+    p_gates jsonb, p_now timestamptz, p_placement regclass
 ) RETURNS void
     LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
@@ -429,6 +437,23 @@ DECLARE
 BEGIN
     FOR h IN SELECT * FROM outbox_intent_effects(p_rows, p_run_id, p_step_id, p_paused,
                                                  p_namespace, p_gates, p_now) LOOP
+        IF p_placement IS NOT NULL THEN
+            -- (a placement has no default for seq: the table's identity is drawn here,
+            -- from the node's own range, as Citus would)
+            EXECUTE format('INSERT INTO %s (id, run_id, step_id, step_index, kind, payload,
+                    payload_hash, schema_version, idempotency_key, ordering_key, max_attempts,
+                    compensate, cost, priority, fairness_key, status, available_at, approval,
+                    approval_deadline, trace_parent, shard, namespace, seq)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+                        $16, $17, $18, $19, $20, $21, $22,
+                        nextval(pg_get_serial_sequence(''outbox_effects'', ''seq'')))',
+                p_placement)
+              USING h.id, h.run_id, h.step_id, h.step_index, h.kind, h.payload, h.payload_hash,
+                h.schema_version, h.idempotency_key, h.ordering_key, h.max_attempts, h.compensate,
+                h.cost, h.priority, h.fairness_key, h.status, h.available_at, h.approval,
+                h.approval_deadline, h.trace_parent, h.shard, h.namespace;
+            CONTINUE;
+        END IF;
         -- (after the loop's query is planned, which keeps its plan)
         PERFORM outbox_citus_plans_per_call();
         INSERT INTO outbox_effects (
@@ -450,16 +475,17 @@ $$;
 -- many (no CTE: Citus would run it as sub-plans of their own). From one writer on
 -- a cluster, 20 intents a step 106 -> 133 steps/s with the fast-path inserts, 100
 -- intents 51 -> 34; they cross at about 32. (Planned per call: Citus refuses a
--- generic plan of an INSERT ... SELECT from a function of parameters.)
+-- generic plan of an INSERT ... SELECT from a function of parameters.) A few go
+-- into p_placement by name when given (outbox_shard_placements, on a worker).
 CREATE OR REPLACE FUNCTION outbox_write_effects(
     p_rows outbox_intent[], p_run_id uuid, p_step_id text, p_paused boolean, p_namespace text,
-    p_gates jsonb, p_now timestamptz
+    p_gates jsonb, p_now timestamptz, p_placement regclass DEFAULT NULL
 ) RETURNS void
     LANGUAGE plpgsql SET plan_cache_mode = auto AS $$
 BEGIN
     IF cardinality(p_rows) <= 32 THEN
         PERFORM outbox_insert_effects(p_rows, p_run_id, p_step_id, p_paused, p_namespace,
-                                      p_gates, p_now);
+                                      p_gates, p_now, p_placement);
     ELSE
         INSERT INTO outbox_effects AS e (
             id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,

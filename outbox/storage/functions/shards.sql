@@ -47,3 +47,54 @@ BEGIN
     END IF;
 END
 $$;
+
+-- This node's own copies (placements) of the shards of tables (co-located, the
+-- first one's owner theirs) for the distribution value shard, where PL/pgSQL may
+-- write them by name: on a Citus worker holding the shards' only placement. NULL
+-- anywhere else (one server; the coordinator, where a transaction may have
+-- reached a placement through other connections; a worker without the shards;
+-- shards kept twice; a caller who does not own the tables): write through the
+-- distributed tables there.
+--
+-- Why by name: Citus 14.0.1 deparses, parses and plans a statement on a
+-- distributed table again on every call from PL/pgSQL (its kept plans leak,
+-- outbox_citus_plans_per_call), about 150 us a statement on a worker; the same
+-- statement on the placement, by dynamic SQL, costs PostgreSQL's parse and plan
+-- of it alone. A function delegated to the worker (force_delegation) may touch
+-- only the shards of its distribution argument, all on that worker, so no other
+-- connection of the transaction can hold rows it writes there. What Citus's own
+-- writers hold is held here too, for the whole transaction: a share lock on the
+-- shards' metadata, which a shard move or split takes exclusively (on every
+-- node) before it switches placements; the placement is read after it.
+CREATE OR REPLACE FUNCTION outbox_shard_placements(shard smallint, tables regclass[])
+    RETURNS regclass[]
+    LANGUAGE plpgsql AS $$
+DECLARE
+    first bigint;
+    tbl regclass;
+    placements regclass[] := '{}';
+BEGIN
+    IF NOT outbox_distributed() THEN
+        RETURN NULL;  -- (apart: on one server the next line would not parse)
+    ELSIF citus_is_coordinator() THEN
+        RETURN NULL;
+    END IF;
+    first := get_shard_id_for_distribution_column(tables[1], shard);
+    IF NOT pg_has_role((SELECT c.relowner FROM pg_class AS c WHERE c.oid = tables[1]), 'USAGE')
+    THEN
+        RETURN NULL;  -- (lock_shard_metadata is the tables' owner's)
+    END IF;
+    PERFORM lock_shard_metadata(5, ARRAY[first]);  -- ShareLock, as Citus's writers
+    IF (SELECT count(*) <> 1 OR bool_or(p.groupid <> g.groupid)
+          FROM pg_dist_placement AS p, pg_dist_local_group AS g
+         WHERE p.shardid = first) THEN
+        RETURN NULL;
+    END IF;
+    -- (simple expressions, a loop: cheaper here than a query over the arrays)
+    FOREACH tbl IN ARRAY tables LOOP
+        placements := placements
+            || to_regclass(tbl::text || '_' || get_shard_id_for_distribution_column(tbl, shard));
+    END LOOP;
+    RETURN placements;
+END
+$$;

@@ -1,0 +1,221 @@
+"""A step on a worker writes the worker's own placements by name, not through Citus.
+
+Citus 14.0.1 deparses, parses and plans each statement on a distributed table
+again on every call from PL/pgSQL (its kept plans leak, so the step plans per
+call): about 150 us a statement on a worker. ``outbox_shard_placements`` names
+the worker's own placement of a shard; the step's four statements (the run's lock
+and update, the step's and its effects' inserts) go to it by dynamic SQL, which
+PostgreSQL alone plans. Where there is no such placement (the coordinator, a
+worker without the shard) the step goes through the distributed tables, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from uuid import UUID
+
+import psycopg
+from click.testing import CliRunner
+
+from outbox import Outbox, StepTransaction
+from outbox.cli import cli as cli_main
+from outbox.shards import shard_of
+from tests.citus_support import CitusCluster, CitusDatabase, node_port_of
+
+TABLES = ("outbox_runs", "outbox_steps", "outbox_effects")
+
+
+def _nodes(cluster: CitusCluster, db: CitusDatabase, run_id: UUID) -> tuple[str, str, str]:
+    """The DSNs of the coordinator, the worker holding run_id's shard, and the other worker."""
+    with psycopg.connect(db.dsn) as conn:
+        port = node_port_of(conn, "outbox_runs", shard_of(run_id))
+    holder = next(w for w in cluster.workers if w.port == port)
+    other = next(w for w in cluster.workers if w.port != port)
+    return db.dsn, holder.dsn(db.name), other.dsn(db.name)
+
+
+def _placement(dsn: str, table: str, shard: int) -> str | None:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT (outbox_shard_placements(%s::smallint, ARRAY[%s::regclass]))[1]::text",
+            [shard, table],
+        ).fetchone()
+    assert row is not None
+    return None if row[0] is None else str(row[0])
+
+
+def test_only_the_worker_holding_a_shard_names_its_placement(
+    ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
+) -> None:
+    run = ob.start_run("placements", "1")
+    shard = shard_of(run.id)
+    coordinator, holder, other = _nodes(citus_cluster, citus_module_db, run.id)
+    with psycopg.connect(coordinator) as conn:
+        names = {
+            table: conn.execute(
+                "SELECT shard_name(%s::regclass,"
+                " get_shard_id_for_distribution_column(%s, %s::smallint))",
+                [table, table, shard],
+            ).fetchone()
+            for table in TABLES
+        }
+    for table in TABLES:
+        assert _placement(holder, table, shard) == names[table][0]  # type: ignore[index]
+        assert _placement(other, table, shard) is None
+        # the coordinator writes through Citus: a transaction there may have reached
+        # the placement through other connections
+        assert _placement(coordinator, table, shard) is None
+
+
+def test_a_step_on_its_worker_leaves_citus_none_of_its_statements(
+    ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
+) -> None:
+    """citus.log_local_commands reports each statement Citus runs on a local shard:
+    a step with an intent, called on the worker holding its run, reports none of its
+    tables (a read of the steps right after, through Citus, is reported)."""
+    run = ob.start_run("placements", "1")
+    _, holder, _ = _nodes(citus_cluster, citus_module_db, run.id)
+    logged: list[str] = []
+    with psycopg.connect(holder, autocommit=True) as conn:
+        conn.add_notice_handler(lambda diag: logged.append(diag.message_primary or ""))
+        conn.execute("SET citus.log_local_commands = on")
+        conn.execute("SET client_min_messages = log")
+        with conn.transaction():
+            row = conn.execute(
+                "SELECT step_seq, effect_ids FROM outbox_commit_step(%s, 'on-worker',"
+                ' intents => \'[{"kind": "placement.send", "payload": {"n": 1}}]\')',
+                [run.id],
+            ).fetchone()
+        step_logs = list(logged)
+        conn.execute(
+            "SELECT count(*) FROM outbox_steps WHERE run_id = %s AND shard = %s",
+            [run.id, shard_of(run.id)],
+        )
+    assert row is not None and row[0] == 1 and len(row[1]) == 1
+    assert not [m for m in step_logs if any(t in m for t in TABLES)], step_logs
+    assert any("outbox_steps_" in m for m in logged[len(step_logs) :]), logged
+
+    (effect,) = ob.run(run.id).effects()
+    assert effect.id == row[1][0] and effect.kind == "placement.send"
+
+
+def test_effects_written_by_name_keep_their_order_and_their_steps_chain(
+    ob: Outbox, citus_module_db: CitusDatabase
+) -> None:
+    """A placement has no default for the effects' seq (Citus draws the identity on
+    the worker): the step draws it from the same sequence, so a later step's effect
+    comes later, and the run's chain verifies."""
+    run = ob.start_run("placements", "1")
+
+    def two_intents(tx: StepTransaction, n: int) -> None:
+        for i in range(2):
+            tx.intend("placement.order", {"n": n, "i": i})
+
+    for n in range(3):
+        run.transaction(f"s{n}", functools.partial(two_intents, n=n))
+    with psycopg.connect(citus_module_db.dsn) as conn:
+        rows = conn.execute(
+            "SELECT step_id, step_index, seq FROM outbox_effects"
+            " WHERE run_id = %s AND shard = %s ORDER BY seq",
+            [run.id, shard_of(run.id)],
+        ).fetchall()
+    assert [(s, i) for s, i, _ in rows] == [(f"s{n}", i) for n in range(3) for i in range(2)]
+    assert ob.verify_run(run.id) == []
+
+
+def _one(tx: StepTransaction, n: int) -> None:
+    tx.intend("moved.send", {"n": n})
+
+
+def test_a_shard_moved_under_a_writer_loses_no_step_and_its_old_copy_is_not_written(
+    citus_cluster: CitusCluster, citus_db: CitusDatabase
+) -> None:
+    """A move blocks the writes of the shards' group (Citus's metadata lock, which the
+    step holds too) and switches placements: steps written meanwhile all land, in
+    order, on the new worker. The old copy stays on its worker until Citus cleans it
+    up; a step called there afterwards finds it is no longer the placement and goes
+    through Citus, to the new one."""
+    result = CliRunner().invoke(
+        cli_main, ["migrate", "--distribute", "--json"], env={"OUTBOX_DSN": citus_db.dsn}
+    )
+    assert result.exit_code == 0, result.output
+    ob = Outbox.connect(citus_db.dsn)
+    try:
+        run = ob.start_run("moved", "1")
+        shard = shard_of(run.id)
+        _, source, target = _nodes(citus_cluster, citus_db, run.id)
+        source_port = next(w.port for w in citus_cluster.workers if w.dsn(citus_db.name) == source)
+        target_port = next(w.port for w in citus_cluster.workers if w.dsn(citus_db.name) == target)
+        written: list[int] = []
+        failed: list[BaseException] = []
+        stop = threading.Event()
+
+        def write() -> None:
+            n = 0
+            while not stop.is_set():
+                try:
+                    run.transaction(f"s{n}", functools.partial(_one, n=n))
+                except BaseException as exc:
+                    failed.append(exc)
+                    return
+                written.append(n)
+                n += 1
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            time.sleep(0.5)
+            with psycopg.connect(citus_db.dsn, autocommit=True) as conn:
+                conn.execute(
+                    "SELECT citus_move_shard_placement("
+                    " get_shard_id_for_distribution_column('outbox_runs', %s::smallint),"
+                    " '127.0.0.1', %s, '127.0.0.1', %s, shard_transfer_mode => 'block_writes')",
+                    [shard, source_port, target_port],
+                )
+            before = len(written)
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            writer.join(30)
+        assert not failed, failed
+        assert len(written) > before > 0
+        with psycopg.connect(citus_db.dsn) as conn:
+            assert node_port_of(conn, "outbox_runs", shard) == target_port
+            steps = conn.execute(
+                "SELECT step_id FROM outbox_steps WHERE run_id = %s AND shard = %s ORDER BY seq",
+                [run.id, shard],
+            ).fetchall()
+        assert [s for (s,) in steps] == [f"s{n}" for n in written]
+        assert len(ob.run(run.id).effects()) == len(written)
+        assert ob.verify_run(run.id) == []
+
+        # the old copy is still on the source worker (dropped later), but not the placement
+        with psycopg.connect(source) as conn:
+            old = conn.execute(
+                "SELECT to_regclass(shard_name('outbox_runs'::regclass,"
+                " get_shard_id_for_distribution_column('outbox_runs', %s::smallint)))",
+                [shard],
+            ).fetchone()
+            placed = conn.execute(
+                "SELECT outbox_shard_placements(%s::smallint, ARRAY['outbox_runs'::regclass])",
+                [shard],
+            ).fetchone()
+            conn.execute(
+                "SELECT outbox_commit_step(%s, 'after-move',"
+                ' intents => \'[{"kind": "moved.send", "payload": {}}]\')',
+                [run.id],
+            )
+            conn.commit()
+        assert old is not None and old[0] is not None, "Citus dropped the old copy at once"
+        assert placed == (None,)
+        with psycopg.connect(citus_db.dsn) as conn:
+            last = conn.execute(
+                "SELECT step_id FROM outbox_steps WHERE run_id = %s AND shard = %s"
+                " ORDER BY seq DESC LIMIT 1",
+                [run.id, shard],
+            ).fetchone()
+        assert last == ("after-move",)
+    finally:
+        ob.close()
