@@ -297,7 +297,8 @@ def migrate(
                 for m in shipped()
                 if m.version not in recorded and (target is None or m.version <= target)
             ]
-            # (placed again even with nothing pending: a worker added since gets one)
+            # (placed again even with nothing pending: a worker added since gets one;
+            # the database's settings, an upgrade's new ones included, likewise)
             distributed = citus.is_distributed(pg)
             if distributed and pending:
                 citus.drop_gates_views(pg)
@@ -306,6 +307,7 @@ def migrate(
                 applied.append(migration)
             if distributed:
                 citus.place_gates_views(pg)
+                citus.apply_database_settings(pg)
         finally:
             if not pg.closed:
                 pg.execute("SELECT pg_advisory_unlock(%s)", [_LOCK_ID])
