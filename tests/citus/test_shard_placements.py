@@ -105,23 +105,27 @@ def test_effects_written_by_name_keep_their_order_and_their_steps_chain(
     ob: Outbox, citus_module_db: CitusDatabase
 ) -> None:
     """A placement has no default for the effects' seq (Citus draws the identity on
-    the worker): the step draws it from the same sequence, so a later step's effect
-    comes later, and the run's chain verifies."""
+    the worker): the step draws it from the same sequence. Steps of 2 intents (by
+    name) around one of 40 (one ``INSERT ... SELECT`` through Citus) keep their
+    order, and the run's chain verifies."""
     run = ob.start_run("placements", "1")
+    sizes = [2, 40, 2]
 
-    def two_intents(tx: StepTransaction, n: int) -> None:
-        for i in range(2):
+    def intents(tx: StepTransaction, n: int) -> None:
+        for i in range(sizes[n]):
             tx.intend("placement.order", {"n": n, "i": i})
 
-    for n in range(3):
-        run.transaction(f"s{n}", functools.partial(two_intents, n=n))
+    for n in range(len(sizes)):
+        run.transaction(f"s{n}", functools.partial(intents, n=n))
     with psycopg.connect(citus_module_db.dsn) as conn:
         rows = conn.execute(
             "SELECT step_id, step_index, seq FROM outbox_effects"
             " WHERE run_id = %s AND shard = %s ORDER BY seq",
             [run.id, shard_of(run.id)],
         ).fetchall()
-    assert [(s, i) for s, i, _ in rows] == [(f"s{n}", i) for n in range(3) for i in range(2)]
+    assert [(s, i) for s, i, _ in rows] == [
+        (f"s{n}", i) for n, size in enumerate(sizes) for i in range(size)
+    ]
     assert ob.verify_run(run.id) == []
 
 

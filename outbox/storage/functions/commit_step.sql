@@ -252,7 +252,7 @@ $$;
 -- What the common step computes keeps one generic plan (planning the intents'
 -- query costs a worker about 2 ms, once a session). The run's lock and update,
 -- the step's insert and its effects' go to the worker's own placements by name
--- (outbox_shard_placement: PostgreSQL plans each, Citus 14.0.1 would deparse and
+-- (outbox_shard_placements: PostgreSQL plans each, Citus 14.0.1 would deparse and
 -- plan it again, about 150 us more a statement), through the distributed tables
 -- where the function runs on the coordinator. Either way by dynamic SQL, planned
 -- per call: a kept plan of a statement on a distributed table grows at each run
