@@ -126,6 +126,15 @@ def write_settings(settings: Settings) -> dict[str, Any]:
     }
 
 
+#: The pool every engine of ours gets. No ping per checkout (a round trip per
+#: transaction): a dropped connection fails its statement, is discarded, and the
+#: caller's retry takes another. Last in, first out: a FIFO pool hands a lone
+#: writer its connections in turn as soon as a second one exists (the wake-up
+#: thread's trailing NOTIFY, a read beside a step), and each backend then serves
+#: every other step with its caches cold: 892 against 976 steps/s, one writer,
+#: ten interleaved rounds on the embedded server (2026-12-06).
+POOL_OPTIONS: Mapping[str, Any] = {"pool_pre_ping": False, "pool_use_lifo": True}
+
 # Reads use ``engine.begin()`` (a COMMIT at the end), not ``engine.connect()`` (a
 # ROLLBACK): psycopg forgets every statement it prepared on a connection at a
 # ROLLBACK, so one read made every statement of that connection be planned afresh
@@ -146,8 +155,8 @@ def make_engine(
         url,
         pool_size=pool_size,
         max_overflow=pool_size,
-        pool_pre_ping=False,
         connect_args=_connect_args(url, idle_in_transaction_ms, application_name, session_settings),
+        **POOL_OPTIONS,
     )
     _learn_layout(engine)
     return engine
@@ -166,10 +175,8 @@ def make_async_engine(
         url,
         pool_size=pool_size,
         max_overflow=0,
-        # No ping per checkout (a round trip per transaction): a dropped
-        # connection fails its statement, is discarded, and the loop retries.
-        pool_pre_ping=False,
         connect_args=_connect_args(url, idle_in_transaction_ms, application_name),
+        **POOL_OPTIONS,
     )
     _learn_layout(engine.sync_engine)
     return engine
@@ -372,10 +379,10 @@ def open_async_engine(settings: Settings, *, application_name: str = "outbox") -
         url,
         pool_size=settings.pool_size,
         max_overflow=settings.pool_size,
-        pool_pre_ping=False,
         connect_args=_connect_args(
             url, settings.idle_in_transaction_timeout_ms, application_name, write_settings(settings)
         ),
+        **POOL_OPTIONS,
     )
     _learn_layout(engine.sync_engine)
     return engine
