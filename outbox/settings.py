@@ -59,7 +59,8 @@ class Settings(BaseModel):
     max_step_bytes: int = Field(default=DEFAULT_MAX_STEP_BYTES, gt=0, le=MAX_STEP_BYTES)
     #: Longest step id, in characters.
     max_step_id_length: int = Field(default=200, gt=0)
-    #: Connections this process keeps open (as many again may open in overflow).
+    #: Connections this process keeps open (as many again may open in overflow),
+    #: handed out last in, first out; one idle 10 s or more is pinged before use.
     pool_size: int = Field(default=5, gt=0)
     #: Our sessions never sit idle inside a transaction longer (0: no limit): an open
     #: transaction stops vacuum and slows every claim.

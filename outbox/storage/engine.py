@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -134,6 +135,10 @@ def write_settings(settings: Settings) -> dict[str, Any]:
 #: every other step with its caches cold: 892 against 976 steps/s, one writer,
 #: ten interleaved rounds on the embedded server (2026-12-06).
 POOL_OPTIONS: Mapping[str, Any] = {"pool_pre_ping": False, "pool_use_lifo": True}
+#: Seconds a pooled connection may sit idle before it is pinged on checkout (see
+#: :func:`_ping_after_idle`); read at each checkout.
+IDLE_PING_S = 10.0
+_IDLE_SINCE = "outbox.idle_since"
 
 # Reads use ``engine.begin()`` (a COMMIT at the end), not ``engine.connect()`` (a
 # ROLLBACK): psycopg forgets every statement it prepared on a connection at a
@@ -158,7 +163,7 @@ def make_engine(
         connect_args=_connect_args(url, idle_in_transaction_ms, application_name, session_settings),
         **POOL_OPTIONS,
     )
-    _learn_layout(engine)
+    _watch_pool(engine)
     return engine
 
 
@@ -178,7 +183,7 @@ def make_async_engine(
         connect_args=_connect_args(url, idle_in_transaction_ms, application_name),
         **POOL_OPTIONS,
     )
-    _learn_layout(engine.sync_engine)
+    _watch_pool(engine.sync_engine)
     return engine
 
 
@@ -384,7 +389,7 @@ def open_async_engine(settings: Settings, *, application_name: str = "outbox") -
         ),
         **POOL_OPTIONS,
     )
-    _learn_layout(engine.sync_engine)
+    _watch_pool(engine.sync_engine)
     return engine
 
 
@@ -403,6 +408,42 @@ def distributed(conn: Connection) -> bool:
         setting = conn.execute(text(_DISTRIBUTED)).scalar()
         known = conn.info["outbox.distributed"] = setting == "on"
     return bool(known)
+
+
+def _watch_pool(engine: Engine) -> None:
+    """The pool events every engine of ours gets."""
+    _learn_layout(engine)
+    _ping_after_idle(engine)
+
+
+def _ping_after_idle(engine: Engine) -> None:
+    """A connection idle in the pool for :data:`IDLE_PING_S` is pinged before it is handed out.
+
+    Last in, first out leaves the spare connections idle for as long as the load
+    stays low (FIFO left them all idle after a quiet night), and a proxy or the
+    server's ``idle_session_timeout`` may close them meanwhile: a dead one is now
+    replaced on checkout instead of failing its caller's first statement. One in
+    steady use is never pinged; ``pool_pre_ping`` would cost every transaction a
+    round trip. The ping commits (a ROLLBACK would make psycopg forget the
+    statements it prepared on the connection).
+    """
+    dialect = engine.dialect
+
+    def idle_from(dbapi_connection: Any, record: Any) -> None:
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+    def ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        since = record.info.pop(_IDLE_SINCE, None)
+        if since is None or time.monotonic() - since < IDLE_PING_S:
+            return
+        try:
+            dialect.do_ping(dbapi_connection)
+            dbapi_connection.commit()
+        except Exception as exc:  # the pool replaces the connection and tries again
+            raise sqlalchemy.exc.DisconnectionError(f"idle connection is gone: {exc}") from exc
+
+    event.listen(engine, "checkin", idle_from)
+    event.listen(engine, "checkout", ping_if_idle)
 
 
 def _learn_layout(engine: Engine) -> None:

@@ -27,26 +27,3 @@ def test_reads_leave_the_connections_prepared_statements_in_place(dsn: str) -> N
     # the run's read (``ob.run``), prepared after a few calls and planned once since
     run_reads = [plans for statement, plans in prepared if "FROM outbox_runs" in statement]
     assert run_reads and max(run_reads) > 0, prepared
-
-
-def test_a_lone_writer_keeps_one_backend_once_a_second_connection_exists(dsn: str) -> None:
-    # A FIFO pool handed the connections out in turn as soon as a second one had
-    # been opened (by the trailing NOTIFY's thread, say), so
-    # every backend served every other step with cold caches and plans.
-    with Outbox.connect(dsn, pool_size=2) as ob:
-        run = ob.start_run("plans", "1")
-        with ob.engine.connect() as first, ob.engine.connect() as second:
-            opened = {
-                conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-                for conn in (first, second)
-            }
-        assert len(opened) == 2
-        backends = []
-        for n in range(6):
-            run.transaction(
-                f"s{n}",
-                lambda tx: backends.append(
-                    tx.connection.execute(text("SELECT pg_backend_pid()")).scalar_one()
-                ),
-            )
-        assert len(set(backends)) == 1, backends
