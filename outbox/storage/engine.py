@@ -127,13 +127,14 @@ def write_settings(settings: Settings) -> dict[str, Any]:
     }
 
 
-#: The pool every engine of ours gets. No ping per checkout (a round trip per
-#: transaction): a dropped connection fails its statement, is discarded, and the
-#: caller's retry takes another. Last in, first out: a FIFO pool hands a lone
-#: writer its connections in turn as soon as a second one exists (the wake-up
-#: thread's trailing NOTIFY, a read beside a step), and each backend then serves
-#: every other step with its caches cold: 892 against 976 steps/s, one writer,
-#: ten interleaved rounds on the embedded server (2026-12-06).
+#: The pool every engine of ours gets. No ping on every checkout (a round trip
+#: per transaction): only a connection idle for ``IDLE_PING_S`` is pinged
+#: (:func:`_ping_after_idle`); one dropped while in use fails its statement, is
+#: discarded, and the caller's retry takes another. Last in, first out: a FIFO
+#: pool hands a lone writer its connections in turn as soon as a second one
+#: exists (the wake-up thread's trailing NOTIFY, a read beside a step), and each
+#: backend then serves every other step with its caches cold: 892 against 976
+#: steps/s, one writer, ten interleaved rounds on the embedded server (2026-12-06).
 POOL_OPTIONS: Mapping[str, Any] = {"pool_pre_ping": False, "pool_use_lifo": True}
 #: Seconds a pooled connection may sit idle before it is pinged on checkout (see
 #: :func:`_ping_after_idle`); read at each checkout.
