@@ -471,5 +471,12 @@ def _learn_layout(engine: Engine) -> None:
             dbapi_connection.commit()
             known.append(row is not None and row[0] == "on")
         record.info["outbox.distributed"] = known[0]
+        if known[0]:
+            # Statements find their shard by ``shard = outbox_shard_of(:id)``: once a
+            # session prepared one, PostgreSQL may take a generic plan, which Citus
+            # cannot route without the value (it ran on every shard, and one that
+            # locks was refused). Unprepared, each is planned with its values.
+            driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+            driver.prepare_threshold = None
 
     event.listen(engine, "connect", learn)

@@ -603,3 +603,20 @@ def test_a_gone_relays_dispatches_are_cut_a_shard_at_a_time(ob: Outbox, dsn: str
             [STREAMED],
         ).fetchall()
     assert held == [("dispatched", alive, 6), ("pending", None, 6)]
+
+
+def test_a_statement_that_names_its_shard_by_id_stays_on_it_when_its_session_repeats_it(
+    dsn: str,
+) -> None:
+    """One connection, the same statements again and again: PostgreSQL would switch a
+    prepared statement to a generic plan, and Citus cannot route ``shard =
+    outbox_shard_of($1)`` without the value (it ran on every shard; a ``FOR
+    UPDATE`` one is refused)."""
+    with Outbox.connect(dsn, pool_size=1) as ob:
+        run = ob.start_run("repeat", "1")
+        for n in range(15):
+            assert ob.run(run.id).id == run.id  # read by id, routed by the id's shard
+            assert ob.pause(run.id, "hold") == RunStatus.PAUSED  # locks and marks the run
+            assert ob.resume(run.id) == RunStatus.RUNNABLE
+            run.transaction(f"s{n}", lambda tx: None)
+        assert len(ob.run(run.id).completed_steps) == 15
