@@ -43,6 +43,7 @@ scratch = Table(
 DEFAULT_WINDOW = Settings.model_fields["notify_window_ms"].default
 VARIANTS = {"step": DEFAULT_WINDOW, "step_notify_every_commit": 0.0, "step_no_notify": 3_600_000.0}
 Work = Callable[[int], object]
+WRITERS = (1, 4, 8)
 
 
 def run_writers(
@@ -157,9 +158,13 @@ def write(bench: Bench, workdir: Path, quick: bool) -> dict[str, Any]:
     names = list(makers)
     out: dict[str, Any] = {"seconds": seconds}
     try:
-        for make in makers.values():  # warm: connections, compiled statements, plans
-            run_writers(bench, 2, 0.5, make())
-        for count in (1, 4, 8):
+        # Warm as many connections as the most writers will use (their backends'
+        # caches, compiled functions, prepared statements): the pools hand out the
+        # last one returned, so a connection first used at 8 writers would
+        # otherwise warm up inside that measurement.
+        for make in makers.values():
+            run_writers(bench, max(WRITERS), 0.5, make())
+        for count in WRITERS:
             got: dict[str, list[dict[str, float]]] = {name: [] for name in names}
             for rep in range(reps):
                 for name in names[rep % len(names) :] + names[: rep % len(names)]:
