@@ -28,12 +28,17 @@ import psycopg
 from click.testing import CliRunner
 
 from bench.delivery import DaemonRunner, NoopDeliverer, check
-from bench.harness import Bench, log, process_table
+from bench.harness import Bench, log, process_table, summary
 from outbox import Outbox, StepTransaction
 from outbox.cli import cli as cli_main
 from outbox.delivery.settings import DeliverySettings
 
 KIND = "bench.citus"
+#: Each writer's steps before the clock starts, on the connections it then measures
+#: with: a session's first steps compile the write functions and plan their
+#: statements (on a cluster, on the coordinator and on each worker session it opens),
+#: which is not what a step costs once running.
+WARM_SECONDS = 1.0
 
 
 def _migrate(dsn: str, *, distribute: bool) -> None:
@@ -68,20 +73,37 @@ def _steps(
     """
     ob = Outbox.connect(dsn, pool_size=writers + 2)
     counts = [0] * writers
-    stop = time.monotonic() + seconds
+    warmed = threading.Barrier(writers + 1)
+    timed = threading.Event()
+    stop = 0.0
 
     def loop(w: int) -> None:
         run = ob.start_run("bench", "1")
+        n = 0
+
+        def step() -> None:
+            nonlocal n
+            run.transaction(f"s{n}", functools.partial(_one_intent, n=n))
+            n += 1
+
+        warm_until = time.monotonic() + WARM_SECONDS
+        while time.monotonic() < warm_until:
+            step()
+        warmed.wait()
+        timed.wait()
         while time.monotonic() < stop:
-            run.transaction(f"s{counts[w]}", functools.partial(_one_intent, n=counts[w]))
+            step()
             counts[w] += 1
 
     nodes = nodes or {}
-    before = {name: _tree_cpu(pids) for name, pids in nodes.items()}
-    began = time.monotonic()
     threads = [threading.Thread(target=loop, args=(w,)) for w in range(writers)]
     for t in threads:
         t.start()
+    warmed.wait()
+    before = {name: _tree_cpu(pids) for name, pids in nodes.items()}
+    began = time.monotonic()
+    stop = began + seconds
+    timed.set()
     for t in threads:
         t.join()
     elapsed = time.monotonic() - began
@@ -152,10 +174,10 @@ def citus(bench: Bench | None, workdir: Path, quick: bool) -> dict[str, Any]:
                     "coordinator": [pid for pid in [cluster.coordinator.pid()] if pid],
                     "workers": [pid for w in cluster.workers if (pid := w.pid())],
                 }
-                for name, dsn in (
-                    ("plain", cluster.coordinator.dsn(plain)),
-                    ("citus", database.dsn),
-                ):
+                pair = [("plain", cluster.coordinator.dsn(plain)), ("citus", database.dsn)]
+                # each goes first in turn: what drifts over a repetition (the machine's
+                # speed, a checkpoint) weighs on both alike
+                for name, dsn in pair[:: -1 if rep % 2 else 1]:
                     log(f"citus section, rep {rep + 1}/{reps}: {name}")
                     runs[name].append(measure(dsn, nodes, quick=quick))
             finally:
@@ -167,6 +189,11 @@ def citus(bench: Bench | None, workdir: Path, quick: bool) -> dict[str, Any]:
         out[name] = {k: statistics.median(r[k] for r in got) for k in got[0]}
     rates = [k for k in out["plain"] if k.endswith("_per_s") or "_per_s_" in k]
     out["ratio"] = {k: out["citus"][k] / out["plain"][k] for k in rates}
+    # Repetition i of each database paired: the min-max shows how far one pair strays.
+    out["ratio_reps"] = {
+        k: summary([c[k] / p[k] for c, p in zip(runs["citus"], runs["plain"], strict=True)])
+        for k in rates
+    }
     return out
 
 

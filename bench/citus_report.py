@@ -24,11 +24,13 @@ TARGETS = {
 }
 
 
-def ratios(section: dict[str, Any] | None) -> Iterator[tuple[str, float, float]]:
-    """(target, Citus's figure, the plain server's) for each target the section measured."""
+def ratios(section: dict[str, Any] | None) -> Iterator[tuple[str, float, float, Any]]:
+    """(target, Citus's figure, the plain server's, the ratio per repetition or None) each."""
     for key, what in TARGETS.items() if section else ():
         assert section is not None
-        yield f"citus: {what} ≥ 0.5x a plain server", section["citus"][key], section["plain"][key]
+        per_rep = section.get("ratio_reps", {}).get(key)  # (runs saved before it: None)
+        target = f"citus: {what} ≥ 0.5x a plain server"
+        yield target, section["citus"][key], section["plain"][key], per_rep
 
 
 def rows(section: dict[str, Any], num: Callable[[float], str]) -> list[dict[str, str]]:

@@ -35,8 +35,8 @@ class Targets(list[dict[str, Any]]):
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """Every DESIGN.md performance target this run measured, with its verdict."""
     t = Targets()
-    for target, ours, plain in citus_report.ratios(r.get("citus")):
-        t.ratio(target, ours, plain, 0.5, "/s")
+    for target, ours, plain, per_rep in citus_report.ratios(r.get("citus")):
+        t.ratio(target, ours, plain, 0.5, "/s", of=per_rep)
     w, pg = r.get("write", {}), r.get("pgbench", {})
     # The median over writer counts: one checkpoint's full-page writes skew a single one.
     wals = [med(get(w, n, "step", "wal_bytes_per_tx")) for n in keys(w)]
