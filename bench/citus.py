@@ -145,10 +145,9 @@ def _deliveries(dsn: str, timeout: float = 300.0) -> float:
 def _settle(dsn: str, servers: list[str]) -> None:
     """Leave nothing of one measurement for the next to pay: vacuum what it wrote, checkpoint.
 
-    The database measured second shared the cores with autovacuum working
-    through the first one's rows and with its checkpoint: a quick run's ratio
-    moved by a third with the order alone (0.42-0.46 with the plain server
-    first, 0.59 with Citus first).
+    Otherwise the database measured second may share the cores with
+    autovacuum working through the first one's rows, and with its checkpoint
+    (docs/discussions/performance.md has the runs that suggested it).
     """
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("VACUUM ANALYZE")
