@@ -457,6 +457,8 @@ def _learn_layout(engine: Engine) -> None:
     (``outbox migrate --distribute`` changes it, and processes restart after, as a
     delivery store's answer is kept for its life too), and asking on each one cost
     a query and a commit per connection, which a pool opens per checkout past its size.
+    On a distributed database each connection also prepares nothing of its own
+    accord (the statements that name their shard by its id must be planned with it).
     """
     known: list[bool] = []
 
