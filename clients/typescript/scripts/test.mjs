@@ -3,7 +3,7 @@
 // tests run here. Without them, the Python suite's test starts all of that and runs
 // `npm test` again with the variables set: tests/integration/test_typescript_client.py.
 import { spawnSync } from "node:child_process";
-import { readdirSync } from "node:fs";
+import { mkdtempSync, readdirSync, rmSync } from "node:fs";
 import { dirname, join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
 
@@ -24,13 +24,22 @@ function run(command, args, cwd) {
 
 const missing = NEEDED.filter((name) => !process.env[name]);
 if (missing.length === 0) {
-  const built = run("npm", ["run", "build"], client);
-  if (built !== 0) {
-    process.exit(built);
+  // The tests run from a build of their own, inside the client (so `pg` resolves from its
+  // node_modules): a build of dist/ by anything else meanwhile truncates the files it
+  // rewrites, and a test file loaded at that moment would see a module with no exports.
+  const out = mkdtempSync(join(client, ".test-build-"));
+  try {
+    const built = run(process.execPath, [join(client, "node_modules", "typescript", "bin", "tsc"), "-p", ".", "--outDir", out], client);
+    if (built !== 0) {
+      process.exit(built);
+    }
+    const files = readdirSync(join(out, "test")).filter((f) => f.endsWith(".test.js"));
+    const tests = files.sort().map((f) => join(out, "test", f));
+    process.exitCode = run(process.execPath, ["--test", "--test-concurrency=1", ...tests], client);
+  } finally {
+    rmSync(out, { recursive: true, force: true });
   }
-  const files = readdirSync(join(client, "dist", "test")).filter((f) => f.endsWith(".test.js"));
-  const tests = files.sort().map((f) => join("dist", "test", f));
-  process.exit(run("node", ["--test", "--test-concurrency=1", ...tests], client));
+  process.exit();
 }
 
 // A Python that has agent-outbox and its test extra: the suite starts what the tests need.
