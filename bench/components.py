@@ -76,6 +76,7 @@ def component_targets(t: Any, r: dict[str, Any]) -> None:
             1.1,
             "ms p50",
             most=True,
+            of=list(large.values())[1].get("p50_vs_small"),
         )
     pages = get(r, "console", "pages") or []
     if pages:

@@ -6,8 +6,10 @@ outbox a step with one intent (``run.transaction``), delivered by a
 an ``outbox deliver`` process (:func:`bench.sinks.record_start`); for
 Procrastinate ``defer`` through its synchronous API, one worker process. All
 with default settings (LISTEN/NOTIFY, 1 s poll backstop). The three take
-turns, one repetition each, so a disturbance hits all of them alike. Clock:
-``time.time()`` when the commit call returns and when the handler starts.
+turns, one repetition each, so a disturbance hits all of them alike, and the
+targets judge each repetition's pair (``paired``: the outbox's p50 and p99 over
+Procrastinate's, the same repetition), as the stream and Citus sections do.
+Clock: ``time.time()`` when the commit call returns and when the handler starts.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from bench.harness import (
     run_python,
     spawn_python,
     summarize,
+    summary,
 )
 from bench.processes import DelivererProcess
 from bench.sinks import LATENCY_KIND, LATENCY_LOG_ENV
@@ -190,6 +193,16 @@ def latency(bench: Bench, workdir: Path, quick: bool) -> dict[str, Any]:
             )
         )
     out: dict[str, Any] = {"rate_per_s": RATE, "seconds": seconds}
+    if theirs := got.get("procrastinate"):
+        out["paired"] = {
+            name: {
+                q: summary(
+                    [ours[q] / other[q] for ours, other in zip(got[name], theirs, strict=True)]
+                )
+                for q in ("p50_ms", "p99_ms")
+            }
+            for name in ("outbox", "outbox_process")
+        }
     for name, figures in got.items():
         pooled = [x for f in figures for x in f.pop("latencies_ms")]
         out[name] = {"per_rep": summarize(figures), "pooled": latency_figures(pooled)}

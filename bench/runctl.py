@@ -209,9 +209,14 @@ def large_section(admin: str, reps: int, n: int, size: int) -> dict[str, Any]:
                 got[name].append({"fill_seconds": fill, **found, **quantiles(times)})
                 print(f"  large {name}: p50 {got[name][-1]['p50'] * 1000:.2f} ms", flush=True)
     out: dict[str, Any] = {}
+    small = next(iter(got.values()))
     for name, runs in got.items():
         figures = [key for key in runs[0] if isinstance(runs[0][key], float)]
         out[name] = {key: spread([r[key] for r in runs]) for key in figures}
+        # Each repetition's p50 over the small payloads' of the same turn: the pair a target judges.
+        out[name]["p50_vs_small"] = spread(
+            [r["p50"] / s["p50"] for r, s in zip(runs, small, strict=True)]
+        )
     return out
 
 

@@ -111,22 +111,21 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     theirs = get(r, "latency", "procrastinate", "per_rep")
     for name, where in (("outbox", "in-process daemon"), ("outbox_process", "`outbox deliver`")):
         ours = get(r, "latency", name, "per_rep")
-        a, b = get(ours, "p50_ms"), get(theirs, "p50_ms")
-        t.add(
-            f"latency ({where}): commit → handler start p50 ≤ 0.8x Procrastinate's",
-            a,
-            None if med(b) is None else 0.8 * (med(b) or 0),
-            f"{rng(a, 2)} vs {rng(b, 2)} ms",
-            most=True,
-        )
-        a, b = get(ours, "p99_ms"), get(theirs, "p99_ms")
-        t.add(
-            f"latency ({where}): p99 ≤ Procrastinate's and ≤ 10 ms",
-            a,
-            min(10.0, med(b) or 10.0),
-            f"{rng(a, 2)} vs {rng(b, 2)} ms",
-            most=True,
-        )
+        for q, goal, text in (("p50_ms", 0.8, "p50 ≤ 0.8x"), ("p99_ms", 1.0, "p99 ≤")):
+            # Judged by each repetition's pair (the three systems take turns), as stream mode is.
+            a, b, pairs = get(ours, q), get(theirs, q), get(r, "latency", "paired", name, q)
+            shown = f"{rng(a, 2)} vs {rng(b, 2)} ms"
+            if pairs is not None:
+                shown = f"{rng(pairs, 2, 'x')} by pairs ({shown})"
+            t.add(
+                f"latency ({where}): commit → handler start {text} Procrastinate's",
+                pairs if pairs is not None else div(a, b),
+                goal,
+                shown,
+                most=True,
+            )
+        a = get(ours, "p99_ms")
+        t.add(f"latency ({where}): p99 ≤ 10 ms", a, 10.0, f"{rng(a, 2)} ms", most=True)
     from bench.fairness import fairness_targets
 
     fairness_targets(t, r)
