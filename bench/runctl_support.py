@@ -1,4 +1,4 @@
-"""Helpers of ``python -m bench.runctl``: scratch databases, backlogs, claim timings."""
+"""Helpers of the runctl, async and console sections: scratch databases, backlogs, claims."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import psycopg
 from sqlalchemy.engine import make_url
 
-REPO = Path(__file__).resolve().parent.parent
 MB = 1024 * 1024
 
 
