@@ -20,6 +20,7 @@ picks some; ``--quick`` shrinks each one):
   runctl         claims of large payloads, of many fairness keys; pausing a run
   async          steps/s through AsyncOutbox and Outbox, 1 and 50 runs
   console        every console page's server time at 1M effects
+  http           steps posted to `outbox serve` vs run.transaction; the long poll
   citus          steps and deliveries on a Citus cluster vs a plain server, same binaries
 
 It prints the targets, writes every figure as JSON (``--json``, by default
@@ -48,6 +49,7 @@ from bench import (
     components,
     delivery,
     fairness,
+    http_api,
     latency,
     memory,
     recovery,
@@ -76,6 +78,7 @@ SECTIONS: dict[str, Section] = {
     "runctl": components.runctl_figures,
     "async": components.async_figures,
     "console": components.console_figures,
+    "http": http_api.http,
     "citus": citus.citus,
 }
 #: Sections that need a package of the bench extra.

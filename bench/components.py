@@ -8,6 +8,8 @@
   50 runs (:mod:`bench.async_steps`).
 - ``console``: every console page's server time with 10,000 runs and 1,000,000
   effects loaded (:mod:`bench.console`; ``--quick``: a tenth of that).
+- ``http``: steps posted to ``outbox serve`` beside ``run.transaction``, and the
+  long poll (:mod:`bench.http_api`; its tables are drawn here).
 
 Each runs in scratch databases of the run's one server, so its figures sit on
 the generated page beside the others (they had a page of their own before).
@@ -100,6 +102,14 @@ ASYNC = (
     " | waiting for a CPU, s/s=cpu_wait_share:m2"
 )
 CONSOLE = "page=page | p50 ms=p50_ms:m1 | max ms=max_ms:m1"
+HTTP = (
+    "client threads=label | HTTP steps/s=http_steps_per_s:r0"
+    " | run.transaction steps/s=direct_steps_per_s:r0 | HTTP / direct=ratio:r2"
+)
+LONG_POLL = (
+    "effects=polls | ended while their poll waited=polls_that_waited"
+    " | p50 ms=p50_ms:m0 | p95 ms=p95_ms:m0 | max ms=max_ms:m0"
+)
 
 
 def _ms(spread: dict[str, float]) -> dict[str, float]:
@@ -148,4 +158,13 @@ def component_sections(r: dict[str, Any]) -> list[tuple[str, str, str, list[dict
             " (request in → response headers), state-count cache off."
         )
         out.append(("Operator console", caption, CONSOLE, pages))
+    if http := r.get("http"):
+        rows = [{"label": k, **v} for k, v in http.items() if k.isdigit()]
+        caption = (
+            f"Steps with one intent, {http['seconds']} s each, {http['reps']} repetition(s);"
+            " the ratio is each repetition's pair."
+        )
+        out.append(("HTTP API: steps over HTTP", caption, HTTP, rows))
+        caption = "The effect's `completed_at` → the `/outcome?wait=30` answer's arrival."
+        out.append(("HTTP API: the long poll", caption, LONG_POLL, [http["long_poll"]]))
     return out

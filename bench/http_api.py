@@ -1,33 +1,27 @@
-"""The HTTP API at work: steps over HTTP against the Python client, and long-poll latency.
+"""The ``http`` section of ``python -m bench``: steps over HTTP, and the long poll's latency.
 
-``python -m bench.http_api`` starts an embedded PostgreSQL in a temporary
-directory (or uses ``--dsn``, a migrated database), a real ``outbox serve``
-subprocess with an API token, and measures, side by side in one run:
+A real ``outbox serve`` subprocess with an API token, on a scratch database of
+the bench's server, measured side by side in one run:
 
 - steps/s with one intent each, by 1 and 8 client threads (each with its own
   run and keep-alive connection) posting ``/api/v1/runs/{id}/steps``, next to
   as many threads calling ``run.transaction`` directly in this process (what
   the server itself does per request), order rotated over the repetitions;
+  each repetition's pair gives a ratio;
 - the long poll: for each of N effects, a client waits on
   ``/outcome?wait=30`` while an in-process no-op deliverer completes it; the
   figure is the effect's ``completed_at`` (database clock) to the answer's
   arrival (this machine's clock, the same one), p50 / p95 / max.
-
-Prints a Markdown table (``--json`` for JSON).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -36,16 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
 
+from bench.harness import Bench, summary
+from bench.runctl_support import migrated, scratch
 from outbox import Outbox, StepTransaction
 from outbox.delivery import Deliverer, DelivererConfig, Delivery, Outcome, Succeeded
 from outbox.delivery.daemon import DeliveryDaemon
 from outbox.delivery.settings import DeliverySettings
-from outbox.storage.admin.embedded import EmbeddedServer
 from outbox.storage.async_store import AsyncStore
-from outbox.storage.engine import make_async_engine, make_engine
-from outbox.storage.migrate import migrate
+from outbox.storage.engine import make_async_engine
 
 TOKEN = "bench-api-token-0123456789"
 KIND = "bench.http_api"
@@ -218,9 +211,9 @@ def measure(dsn: str, seconds: float, reps: int, polls: int) -> dict[str, Any]:
                         got[name].append(rate(threads, seconds, makers[name]))
                 ratios = [h / d for h, d in zip(got["http"], got["direct"], strict=True)]
                 out[str(threads)] = {
-                    "http_steps_per_s": statistics.median(got["http"]),
-                    "direct_steps_per_s": statistics.median(got["direct"]),
-                    "ratio": statistics.median(ratios),
+                    "http_steps_per_s": summary(got["http"]),
+                    "direct_steps_per_s": summary(got["direct"]),
+                    "ratio": summary(ratios),
                 }
             out["long_poll"] = long_poll_latency(base, dsn, ob, polls)
         return out
@@ -229,55 +222,9 @@ def measure(dsn: str, seconds: float, reps: int, polls: int) -> dict[str, Any]:
         server.wait(30)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dsn", help="a migrated database (default: an embedded server)")
-    parser.add_argument("--seconds", type=float, default=4.0)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--polls", type=int, default=50)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    home = None
-    server = None
-    dsn = args.dsn
-    try:
-        if dsn is None:
-            home = Path(tempfile.mkdtemp(prefix="outbox-bench-http-"))
-            home.chmod(0o711)  # as root, the server runs as another user, who must enter it
-            server = EmbeddedServer(home)
-            server.ensure_running()
-            with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
-                conn.execute(f"DROP DATABASE IF EXISTS {DATABASE}")
-                conn.execute(f"CREATE DATABASE {DATABASE}")
-            dsn = server.dsn(DATABASE)
-            engine = make_engine(dsn)
-            migrate(engine)
-            engine.dispose()
-        results = measure(dsn, args.seconds, args.reps, args.polls)
-    finally:
-        if server is not None:
-            server.stop(mode="immediate")
-        if home is not None:
-            shutil.rmtree(home, ignore_errors=True)
-    if args.json:
-        print(json.dumps(results, indent=2))
-        return 0
-    print("| client threads | HTTP steps/s | run.transaction steps/s | HTTP / direct |")
-    print("|---:|---:|---:|---:|")
-    for threads in ("1", "8"):
-        r = results[threads]
-        print(
-            f"| {threads} | {r['http_steps_per_s']:.0f} | {r['direct_steps_per_s']:.0f}"
-            f" | {r['ratio']:.2f} |"
-        )
-    poll = results["long_poll"]
-    print(
-        f"\nlong poll, effect completed → answer received ({args.polls} effects, "
-        f"{poll['polls_that_waited']} ended while their poll waited): "
-        f"p50 {poll['p50_ms']:.0f} ms, p95 {poll['p95_ms']:.0f} ms, max {poll['max_ms']:.0f} ms"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def http(bench: Bench, workdir: Path, quick: bool) -> dict[str, Any]:
+    """The section: steps over HTTP beside direct ones, then the long poll."""
+    seconds, reps, polls = (2.0, 1, 20) if quick else (4.0, 3, 50)
+    with scratch(bench.server.dsn("postgres"), DATABASE) as dsn:
+        migrated(dsn)
+        return measure(dsn, seconds, reps, polls)
