@@ -29,13 +29,13 @@ if (missing.length === 0) {
   // rewrites, and a test file loaded at that moment would see a module with no exports.
   const out = mkdtempSync(join(client, ".test-build-"));
   try {
-    const built = run(process.execPath, [join(client, "node_modules", "typescript", "bin", "tsc"), "-p", ".", "--outDir", out], client);
-    if (built !== 0) {
-      process.exit(built);
+    const tsc = join(client, "node_modules", "typescript", "bin", "tsc");
+    process.exitCode = run(process.execPath, [tsc, "-p", ".", "--outDir", out], client);
+    if (process.exitCode === 0) {
+      const files = readdirSync(join(out, "test")).filter((f) => f.endsWith(".test.js"));
+      const tests = files.sort().map((f) => join(out, "test", f));
+      process.exitCode = run(process.execPath, ["--test", "--test-concurrency=1", ...tests], client);
     }
-    const files = readdirSync(join(out, "test")).filter((f) => f.endsWith(".test.js"));
-    const tests = files.sort().map((f) => join(out, "test", f));
-    process.exitCode = run(process.execPath, ["--test", "--test-concurrency=1", ...tests], client);
   } finally {
     rmSync(out, { recursive: true, force: true });
   }
