@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import click
 
 from outbox.cli._common import (
@@ -313,7 +315,9 @@ def runs_fork(
         forked_from=record.forked_from,
         from_step=from_step,
         version=record.agent_version,
-        replayed_steps=list(fork.completed_steps),
+        # The fork is committed before its handle is read, so a worker may already have
+        # run from_step and later ones: the replayed steps are those before it.
+        replayed_steps=list(itertools.takewhile(lambda s: s != from_step, fork.completed_steps)),
         status=record.status,
     )
     emit(
@@ -321,7 +325,7 @@ def runs_fork(
         as_json,
         lambda: console.print(
             f"run {record.id} forked from {record.forked_from} at step {from_step!r} "
-            f"({record.agent} {record.agent_version}; {len(fork.completed_steps)} step(s) replay)"
+            f"({record.agent} {record.agent_version}; {len(data.replayed_steps)} step(s) replay)"
         ),
     )
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from outbox import Outbox
@@ -124,3 +126,26 @@ def test_listings_are_newest_first_a_page_at_a_time(ob: Outbox, dsn: str) -> Non
     runs = list(reversed(started))
     assert ids("runs", "list", "--limit", "2") == runs[:2]
     assert ids("runs", "list", "--limit", "2", "--before", runs[1]) == runs[2:]
+
+
+def test_runs_fork_reports_the_replayed_steps_even_when_a_worker_ran_the_fork_first(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork commits before its handle is read: a worker may have run its from-step already."""
+    with Outbox.connect(dsn) as ob:
+        run = ob.start_run("a", "1")
+        run.call("fetch", lambda: {"n": 1})
+        run.call("charge", lambda: "charged")
+    real_fork = Outbox.fork
+
+    def fork_then_a_worker_runs_it(self: Outbox, *args: Any, **kwargs: Any) -> Any:
+        forked = real_fork(self, *args, **kwargs)
+        forked.call("charge", lambda: "charged by the fork")  # what a worker would do meanwhile
+        return self.run(forked.id)
+
+    monkeypatch.setattr(Outbox, "fork", fork_then_a_worker_runs_it)
+    result = CliRunner().invoke(
+        cli, ["--dsn", dsn, "runs", "fork", str(run.id), "--from", "charge", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["replayed_steps"] == ["fetch"]
