@@ -14,10 +14,13 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from typing import Any
 from uuid import UUID
 
 import psycopg
+import pytest
 from click.testing import CliRunner
+from psycopg.types.json import Jsonb
 
 from outbox import Outbox, StepTransaction
 from outbox.cli import cli as cli_main
@@ -126,6 +129,108 @@ def test_effects_written_by_name_keep_their_order_and_their_steps_chain(
     assert [(s, i) for s, i, _ in rows] == [
         (f"s{n}", i) for n, size in enumerate(sizes) for i in range(size)
     ]
+    assert ob.verify_run(run.id) == []
+
+
+_PREPARED = "SELECT name FROM pg_prepared_statements WHERE name LIKE 'outbox.%%' ORDER BY name"
+
+
+def _step_on(conn: psycopg.Connection[Any], run_id: UUID, step_id: str) -> None:
+    conn.execute(
+        "SELECT outbox_commit_step(%s, %s,"
+        ' intents => \'[{"kind": "placement.send", "payload": {"n": 1}}]\')',
+        [run_id, step_id],
+    )
+
+
+def test_a_worker_session_prepares_its_placements_statements_once_and_again_when_dropped(
+    ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
+) -> None:
+    """The four statements of a step on a placement are prepared in the worker's
+    session at its first step and kept; a DEALLOCATE ALL (psycopg sends one after a
+    rollback) or a DISCARD ALL drops them, and the next step prepares them again
+    instead of failing on a name that points at nothing."""
+    run = ob.start_run("placements", "1")
+    shard = shard_of(run.id)
+    _, holder, _ = _nodes(citus_cluster, citus_module_db, run.id)
+    names = {
+        f"outbox.{what}:{_placement(holder, table, shard)}"
+        for what, table in [
+            ("lock", "outbox_runs"),
+            ("move", "outbox_runs"),
+            ("step", "outbox_steps"),
+            ("effect", "outbox_effects"),
+        ]
+    }
+    with psycopg.connect(holder, autocommit=True) as conn:
+        for n, reset in enumerate([None, None, "DEALLOCATE ALL", "ROLLBACK", "DISCARD ALL"]):
+            if reset == "ROLLBACK":  # prepared by a step whose transaction rolled back
+                conn.execute("DEALLOCATE ALL")
+                with pytest.raises(psycopg.errors.RaiseException), conn.transaction():
+                    _step_on(conn, run.id, f"rolled-back-{n}")
+                    conn.execute("DO $$BEGIN RAISE EXCEPTION 'undone'; END$$")
+            elif reset is not None:
+                conn.execute(reset)
+                assert conn.execute(_PREPARED).fetchall() == []
+            _step_on(conn, run.id, f"s{n}")
+            assert {name for (name,) in conn.execute(_PREPARED)} == names
+    with psycopg.connect(citus_module_db.dsn) as conn:
+        steps = conn.execute(
+            "SELECT step_id FROM outbox_steps WHERE run_id = %s AND shard = %s ORDER BY seq",
+            [run.id, shard],
+        ).fetchall()
+    assert [s for (s,) in steps] == [f"s{n}" for n in range(5)]
+    assert len(ob.run(run.id).effects()) == 5
+    assert ob.verify_run(run.id) == []
+
+
+def test_values_written_through_the_prepared_statements_read_back_unchanged(
+    ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
+) -> None:
+    """The prepared statements take their values as literals: quotes, backslashes,
+    non-ASCII text, numbers past a double's precision, an effect's delay and
+    ordering key come back exactly as written from the worker holding the run, and
+    the run's chain (the effects' derived keys in it) verifies."""
+    run = ob.start_run("placements", "1")
+    _, holder, _ = _nodes(citus_cluster, citus_module_db, run.id)
+    tricky = {
+        "quote": 'it\'s "quoted" \\ back\\slash $$ dollar $1',
+        "unicode": "Zoë — 日本語 ✓",
+        "big": 12345678901234567890123456789,
+        "exact": 0.1000000000000000055511151231257827,
+        "nested": [{"a": None, "b": [True, False]}],
+    }
+    intents = [
+        {
+            "kind": "placement.tricky",
+            "payload": tricky,
+            "ordering_key": "o\\k",
+            "delay_seconds": 3600,
+            "priority": 7,
+        }
+    ]
+    with psycopg.connect(holder, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT effect_ids FROM outbox_commit_step(%s, %s, result => %s::jsonb,"
+            " state => %s::jsonb, plan => %s::jsonb, intents => %s::jsonb)",
+            [run.id, "tricky's step", Jsonb(tricky), Jsonb(tricky), Jsonb([tricky]),
+             Jsonb(intents)],
+        ).fetchone()  # fmt: skip
+    assert row is not None
+    with psycopg.connect(citus_module_db.dsn) as conn:
+        step = conn.execute(
+            "SELECT result, state, plan FROM outbox_steps WHERE run_id = %s AND shard = %s",
+            [run.id, shard_of(run.id)],
+        ).fetchone()
+        effect = conn.execute(
+            "SELECT payload, ordering_key, priority,"
+            " available_at - created_at > interval '59 minutes'"
+            " FROM outbox_effects WHERE id = %s AND shard = %s",
+            [row[0][0], shard_of(run.id)],
+        ).fetchone()
+    assert step == (tricky, tricky, [tricky])
+    assert effect is not None
+    assert effect == (tricky, "o\\k", 7, True)
     assert ob.verify_run(run.id) == []
 
 

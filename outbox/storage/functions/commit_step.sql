@@ -253,10 +253,11 @@ $$;
 -- query costs a worker about 2 ms, once a session). The run's lock and update,
 -- the step's insert and its effects' go to the worker's own placements by name
 -- (outbox_shard_placements: PostgreSQL plans each, Citus 14.0.1 would deparse and
--- plan it again, about 150 us more a statement), through the distributed tables
--- where the function runs on the coordinator. Either way by dynamic SQL, planned
--- per call: a kept plan of a statement on a distributed table grows at each run
--- on Citus 14.0.1 (outbox_citus_plans_per_call).
+-- plan it again, about 150 us more a statement), as statements prepared once a
+-- session (outbox_prepare_placements); through the distributed tables where the
+-- function runs on the coordinator, by dynamic SQL planned per call: a kept plan
+-- of a statement on a distributed table grows at each run on Citus 14.0.1
+-- (outbox_citus_plans_per_call).
 -- Before a branch the common step never takes, every plan is per call for the
 -- rest of the call:
 -- Citus refuses generic plans of some of what those branches run (an INSERT ...
@@ -286,9 +287,14 @@ DECLARE
     placements regclass[] := coalesce(outbox_shard_placements(p_shard,
         ARRAY['outbox_runs', 'outbox_steps', 'outbox_effects']::regclass[]), '{}');
     runs regclass := coalesce(placements[1], 'outbox_runs');
+    prepared boolean := outbox_prepare_placements(placements);
 BEGIN
-    EXECUTE format('SELECT r.* FROM %s AS r WHERE r.id = $1 AND r.shard = $2 FOR NO KEY UPDATE',
-                   runs) INTO run USING p_run_id, p_shard;
+    IF prepared THEN
+        EXECUTE format('EXECUTE %I(%L, %L)', 'outbox.lock:' || runs, p_run_id, p_shard) INTO run;
+    ELSE
+        EXECUTE format('SELECT r.* FROM %s AS r WHERE r.id = $1 AND r.shard = $2
+                        FOR NO KEY UPDATE', runs) INTO run USING p_run_id, p_shard;
+    END IF;
     LOOP
         -- kept for the session: it reads no distributed table (a plan Citus accepts)
         -- and planning its inlined query cost a worker about 2.1 ms
@@ -317,21 +323,32 @@ BEGIN
     head := outbox_step_link(coalesce(run.step_head, outbox_run_genesis(run.id, run.agent,
                                                                         run.inputs_hash)),
         run.id, p_step_id, p_kind, result_text, NULL, state_text, plan_text, v_now, a.chain_text);
-    EXECUTE format('UPDATE %s AS r SET state = $3, plan = $4, current_step = $5, step_count = $6,
-                           spent = $7, reserved = $8, step_head = $9
-                     WHERE r.id = $1 AND r.shard = $2', runs)
-      USING p_run_id, p_shard, coalesce(stored[2], p_state, run.state),
-            coalesce(stored[3], p_plan, run.plan), p_step_id, run.step_count + 1,
-            run.spent + p_debit, run.reserved + a.reserve, head;
     step_seq := run.step_count + 1;
-    EXECUTE format('INSERT INTO %s AS s (run_id, shard, seq, step_id, kind, result, state, plan,
-                                          hash)
-                    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-                    ON CONFLICT (run_id, step_id, shard) DO NOTHING RETURNING s.seq',
-                   coalesce(placements[2], 'outbox_steps'))
-      INTO inserted
-      USING p_run_id, p_shard, step_seq, p_step_id, p_kind, coalesce(stored[1], p_result, 'null'),
-            coalesce(stored[2], p_state), coalesce(stored[3], p_plan), head;
+    IF prepared THEN
+        EXECUTE format('EXECUTE %I(%L, %L, %L, %L, %L, %L, %L, %L, %L)', 'outbox.move:' || runs,
+            p_run_id, p_shard, coalesce(stored[2], p_state, run.state),
+            coalesce(stored[3], p_plan, run.plan), p_step_id, step_seq, run.spent + p_debit,
+            run.reserved + a.reserve, head);
+        EXECUTE format('EXECUTE %I(%L, %L, %L, %L, %L, %L, %L, %L, %L)',
+            'outbox.step:' || placements[2], p_run_id, p_shard, step_seq, p_step_id, p_kind,
+            coalesce(stored[1], p_result, 'null'), coalesce(stored[2], p_state),
+            coalesce(stored[3], p_plan), head) INTO inserted;
+    ELSE
+        EXECUTE format('UPDATE %s AS r SET state = $3, plan = $4, current_step = $5,
+                               step_count = $6, spent = $7, reserved = $8, step_head = $9
+                         WHERE r.id = $1 AND r.shard = $2', runs)
+          USING p_run_id, p_shard, coalesce(stored[2], p_state, run.state),
+                coalesce(stored[3], p_plan, run.plan), p_step_id, step_seq,
+                run.spent + p_debit, run.reserved + a.reserve, head;
+        EXECUTE 'INSERT INTO outbox_steps AS s (run_id, shard, seq, step_id, kind, result,
+                                                state, plan, hash)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                 ON CONFLICT (run_id, step_id, shard) DO NOTHING RETURNING s.seq'
+          INTO inserted
+          USING p_run_id, p_shard, step_seq, p_step_id, p_kind,
+                coalesce(stored[1], p_result, 'null'), coalesce(stored[2], p_state),
+                coalesce(stored[3], p_plan), head;
+    END IF;
     IF inserted IS NULL THEN
         PERFORM set_config('plan_cache_mode', 'force_custom_plan', true);
         PERFORM outbox_raise_step_recorded(p_run_id, p_step_id);
@@ -341,7 +358,7 @@ BEGIN
     IF cardinality(a.rows) > 0 THEN
         gates := outbox_gates_of(a.kinds);  -- once (as an argument it would run once per use)
         PERFORM outbox_write_effects(a.rows, p_run_id, p_step_id, paused, run.namespace, gates,
-                                     v_now, placements[3]);
+                                     v_now, CASE WHEN prepared THEN placements[3] END);
     END IF;
     -- (Citus plans an INSERT ... SELECT on every call, rows or none: only when there are)
     IF coalesce(jsonb_array_length(p_ledger), 0) > 0
@@ -424,7 +441,8 @@ $$;
 -- an INSERT ... SELECT from a function, which Citus plans afresh each time too
 -- (about 1.1 ms for a step with one intent). Given the worker's own placement
 -- of the effects' shard (outbox_shard_placements, for a run's effects), into it
--- by name: PostgreSQL's plan, not Citus's. Otherwise through the table, planned
+-- by name, by the statement outbox_prepare_placements prepared for it: PostgreSQL's
+-- plan, kept for the session, not Citus's. Otherwise through the table, planned
 -- per call on Citus, not kept: a kept plan grows at each run there
 -- (outbox_citus_plans_per_call).
 CREATE OR REPLACE FUNCTION outbox_insert_effects(
@@ -438,20 +456,16 @@ BEGIN
     FOR h IN SELECT * FROM outbox_intent_effects(p_rows, p_run_id, p_step_id, p_paused,
                                                  p_namespace, p_gates, p_now) LOOP
         IF p_placement IS NOT NULL THEN
-            -- (a placement has no default for seq: the table's identity is drawn here,
-            -- from the node's own range, as Citus would)
-            EXECUTE format('INSERT INTO %s (id, run_id, step_id, step_index, kind, payload,
-                    payload_hash, schema_version, idempotency_key, ordering_key, max_attempts,
-                    compensate, cost, priority, fairness_key, status, available_at, approval,
-                    approval_deadline, trace_parent, shard, namespace, seq)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
-                        $16, $17, $18, $19, $20, $21, $22,
-                        nextval(pg_get_serial_sequence(''outbox_effects'', ''seq'')))',
-                p_placement)
-              USING h.id, h.run_id, h.step_id, h.step_index, h.kind, h.payload, h.payload_hash,
-                h.schema_version, h.idempotency_key, h.ordering_key, h.max_attempts, h.compensate,
-                h.cost, h.priority, h.fairness_key, h.status, h.available_at, h.approval,
-                h.approval_deadline, h.trace_parent, h.shard, h.namespace;
+            -- (outbox_prepare_placements prepared it; a trigger of the insert before
+            -- may have asked for plans per call, which this one need not)
+            PERFORM set_config('plan_cache_mode', 'force_generic_plan', true);
+            EXECUTE format('EXECUTE %I(%L, %L, %L, %L, %L, %L, %L, %L, %L, %L, %L, %L, %L, %L,
+                                       %L, %L, %L, %L, %L, %L, %L, %L)',
+                'outbox.effect:' || p_placement, h.id, h.run_id, h.step_id, h.step_index,
+                h.kind, h.payload, h.payload_hash, h.schema_version, h.idempotency_key,
+                h.ordering_key, h.max_attempts, h.compensate, h.cost, h.priority,
+                h.fairness_key, h.status, h.available_at, h.approval, h.approval_deadline,
+                h.trace_parent, h.shard, h.namespace);
             CONTINUE;
         END IF;
         -- (after the loop's query is planned, which keeps its plan)
