@@ -4,7 +4,10 @@ Citus 14.0.1 adds a copy of a shard's plan to a kept (generic) plan each time it
 runs on the node holding the shard, and never finds it again (citusdata/citus
 pull request 8824): about 100 kB a step in every session the coordinator keeps
 open to a worker, which grows until the server runs out of memory. The step's
-writes on a worker are planned per call instead (``outbox_write_step_apart``).
+writes on a worker are planned per call instead (``outbox_write_step_apart``), or
+go to the worker's own copies of the shards by statements prepared once a session
+(``outbox_prepare_placements``: four a shard, plans of plain tables, which do not
+grow).
 The same holds for the triggers that run on a worker's shards as a deliverer
 completes (a costed effect settles its run's budget). These tests write steps
 and deliver effects through the coordinator, as clients and deliverers do, and
