@@ -184,6 +184,35 @@ def test_a_worker_session_prepares_its_placements_statements_once_and_again_when
     assert ob.verify_run(run.id) == []
 
 
+def test_a_statement_prepared_under_a_steps_name_by_the_session_is_replaced_not_run(
+    ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
+) -> None:
+    """The step runs as the tables' owner. A session on a worker that prepared its
+    own statement under one of the step's names (here one that answers the step's
+    insert with a sequence number and writes nothing) does not get it run: the step
+    replaces it with its own, and the step is recorded."""
+    run = ob.start_run("placements", "1")
+    shard = shard_of(run.id)
+    _, holder, _ = _nodes(citus_cluster, citus_module_db, run.id)
+    name = f"outbox.step:{_placement(holder, 'outbox_steps', shard)}"
+    with psycopg.connect(holder, autocommit=True) as conn:
+        _step_on(conn, run.id, "first")
+        conn.execute(f'DEALLOCATE "{name}"')
+        conn.execute(f'PREPARE "{name}"({", ".join(["text"] * 9)}) AS SELECT 2::bigint')
+        _step_on(conn, run.id, "forged")
+        row = conn.execute(
+            "SELECT statement FROM pg_prepared_statements WHERE name = %s", [name]
+        ).fetchone()
+    assert row is not None and "INSERT INTO" in row[0]
+    with psycopg.connect(citus_module_db.dsn) as conn:
+        steps = conn.execute(
+            "SELECT step_id FROM outbox_steps WHERE run_id = %s AND shard = %s ORDER BY seq",
+            [run.id, shard],
+        ).fetchall()
+    assert [s for (s,) in steps] == ["first", "forged"]
+    assert ob.verify_run(run.id) == []
+
+
 def test_values_written_through_the_prepared_statements_read_back_unchanged(
     ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
 ) -> None:

@@ -107,57 +107,66 @@ $$;
 -- SQL each was parsed, analysed and planned again on every call, about 150 us of a
 -- worker's 1,000 a step (a run's lock 42-66 us against 13 prepared, its update 82
 -- against 53); PostgreSQL keeps these plans (they read no distributed table), so
--- Citus's growing plans (outbox_citus_plans_per_call) do not apply. Asked of
--- pg_prepared_statements on every call (about 20 us), not remembered: a DEALLOCATE
--- ALL (psycopg sends one after a rollback) or a DISCARD ALL in the session would
--- leave a remembered name pointing at nothing. A prepared statement takes no
--- parameters from PL/pgSQL: callers EXECUTE it with literals (format's %L).
+-- Citus's growing plans (outbox_citus_plans_per_call) do not apply. A prepared
+-- statement takes no parameters from PL/pgSQL: callers EXECUTE it with literals
+-- (format's %L).
+--
+-- Asked of pg_prepared_statements on every call (about 20 us), not remembered: a
+-- DEALLOCATE ALL (psycopg sends one after a rollback) or a DISCARD ALL would leave
+-- a remembered name pointing at nothing. And asked by name and text: a login may
+-- prepare a statement of one of these names in its own session on a worker, then
+-- call the step there, which runs as the tables' owner; a statement whose text is
+-- not exactly ours is replaced, never run. (The same text prepared under another
+-- search_path is analysed again under the step's when it runs: PostgreSQL's plan
+-- cache does that whenever the search path differs.)
 CREATE OR REPLACE FUNCTION outbox_prepare_placements(placements regclass[]) RETURNS boolean
     LANGUAGE plpgsql AS $$
 DECLARE
-    wanted text[];
+    names text[];
+    texts text[];
     ready text[];
 BEGIN
     IF cardinality(placements) IS DISTINCT FROM 3 OR array_position(placements, NULL) IS NOT NULL
     THEN
         RETURN false;
     END IF;
-    wanted := ARRAY['outbox.lock:' || placements[1], 'outbox.move:' || placements[1],
-                    'outbox.step:' || placements[2], 'outbox.effect:' || placements[3]];
-    ready := ARRAY(SELECT p.name FROM pg_prepared_statements AS p WHERE p.name = ANY (wanted));
+    names := ARRAY['outbox.lock:' || placements[1], 'outbox.move:' || placements[1],
+                   'outbox.step:' || placements[2], 'outbox.effect:' || placements[3]];
+    texts := ARRAY[
+        format('PREPARE %I AS SELECT r.* FROM %s AS r WHERE r.id = $1 AND r.shard = $2
+                FOR NO KEY UPDATE', names[1], placements[1]),
+        format('PREPARE %I AS UPDATE %s AS r SET state = $3, plan = $4, current_step = $5,
+                       step_count = $6, spent = $7, reserved = $8, step_head = $9
+                 WHERE r.id = $1 AND r.shard = $2', names[2], placements[1]),
+        format('PREPARE %I AS INSERT INTO %s AS s (run_id, shard, seq, step_id, kind, result,
+                       state, plan, hash)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                ON CONFLICT (run_id, step_id, shard) DO NOTHING RETURNING s.seq',
+               names[3], placements[2]),
+        -- (a placement has no default for seq: the table's identity is drawn here,
+        -- from the node's own range, as Citus would)
+        format('PREPARE %I AS INSERT INTO %s (id, run_id, step_id, step_index, kind, payload,
+                       payload_hash, schema_version, idempotency_key, ordering_key,
+                       max_attempts, compensate, cost, priority, fairness_key, status,
+                       available_at, approval, approval_deadline, trace_parent, shard,
+                       namespace, seq)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+                        $17, $18, $19, $20, $21, $22,
+                        nextval(pg_get_serial_sequence(''outbox_effects'', ''seq'')))',
+               names[4], placements[3])];
+    ready := ARRAY(SELECT p.name FROM pg_prepared_statements AS p
+                     JOIN unnest(names, texts) AS w(name, text)
+                       ON p.name = w.name AND p.statement = w.text);
     IF cardinality(ready) = 4 THEN
         RETURN true;
     END IF;
-    IF NOT wanted[1] = ANY (ready) THEN
-        EXECUTE format('PREPARE %I AS SELECT r.* FROM %s AS r WHERE r.id = $1 AND r.shard = $2
-                        FOR NO KEY UPDATE', wanted[1], placements[1]);
-    END IF;
-    IF NOT wanted[2] = ANY (ready) THEN
-        EXECUTE format('PREPARE %I AS UPDATE %s AS r SET state = $3, plan = $4,
-                               current_step = $5, step_count = $6, spent = $7, reserved = $8,
-                               step_head = $9
-                         WHERE r.id = $1 AND r.shard = $2', wanted[2], placements[1]);
-    END IF;
-    IF NOT wanted[3] = ANY (ready) THEN
-        EXECUTE format('PREPARE %I AS INSERT INTO %s AS s (run_id, shard, seq, step_id, kind,
-                               result, state, plan, hash)
-                        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-                        ON CONFLICT (run_id, step_id, shard) DO NOTHING RETURNING s.seq',
-                       wanted[3], placements[2]);
-    END IF;
-    IF NOT wanted[4] = ANY (ready) THEN
-        -- (a placement has no default for seq: the table's identity is drawn here,
-        -- from the node's own range, as Citus would)
-        EXECUTE format('PREPARE %I AS INSERT INTO %s (id, run_id, step_id, step_index, kind,
-                    payload, payload_hash, schema_version, idempotency_key, ordering_key,
-                    max_attempts, compensate, cost, priority, fairness_key, status,
-                    available_at, approval, approval_deadline, trace_parent, shard, namespace,
-                    seq)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
-                        $16, $17, $18, $19, $20, $21, $22,
-                        nextval(pg_get_serial_sequence(''outbox_effects'', ''seq'')))',
-            wanted[4], placements[3]);
-    END IF;
+    FOR i IN 1..4 LOOP
+        CONTINUE WHEN names[i] = ANY (ready);
+        IF EXISTS (SELECT 1 FROM pg_prepared_statements AS p WHERE p.name = names[i]) THEN
+            EXECUTE format('DEALLOCATE %I', names[i]);
+        END IF;
+        EXECUTE texts[i];
+    END LOOP;
     RETURN true;
 END
 $$;
