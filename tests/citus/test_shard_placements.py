@@ -213,6 +213,44 @@ def test_a_statement_prepared_under_a_steps_name_by_the_session_is_replaced_not_
     assert ob.verify_run(run.id) == []
 
 
+def test_a_worker_session_keeps_writing_steps_after_a_migration_adds_a_column(
+    ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
+) -> None:
+    """The coordinator keeps its sessions on a worker open for long, across an
+    ``outbox migrate``. A prepared statement must keep its result's columns: a
+    run's lock that returned ``r.*`` failed every step of such a session after a
+    column was added to the runs ("cached plan must not change result type").
+    And a step on a run that is not there is refused, as through Citus."""
+    run = ob.start_run("placements", "1")
+    shard = shard_of(run.id)
+    _, holder, _ = _nodes(citus_cluster, citus_module_db, run.id)
+    with psycopg.connect(holder, autocommit=True) as conn:
+        _step_on(conn, run.id, "before")
+        with psycopg.connect(citus_module_db.dsn, autocommit=True) as coordinator:
+            for table in TABLES:
+                coordinator.execute(f"ALTER TABLE {table} ADD COLUMN placement_extra integer")
+        try:
+            _step_on(conn, run.id, "after")
+        finally:
+            with psycopg.connect(citus_module_db.dsn, autocommit=True) as coordinator:
+                for table in TABLES:
+                    coordinator.execute(f"ALTER TABLE {table} DROP COLUMN placement_extra")
+        _step_on(conn, run.id, "after-drop")
+        missing = conn.execute(
+            "SELECT outbox_on_shard(gen_random_uuid(), %s::smallint)", [shard]
+        ).fetchone()
+        assert missing is not None
+        with pytest.raises(psycopg.Error, match="run"):
+            _step_on(conn, missing[0], "nowhere")
+    with psycopg.connect(citus_module_db.dsn) as conn:
+        steps = conn.execute(
+            "SELECT step_id FROM outbox_steps WHERE run_id = %s AND shard = %s ORDER BY seq",
+            [run.id, shard],
+        ).fetchall()
+    assert [s for (s,) in steps] == ["before", "after", "after-drop"]
+    assert ob.verify_run(run.id) == []
+
+
 def test_values_written_through_the_prepared_statements_read_back_unchanged(
     ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
 ) -> None:

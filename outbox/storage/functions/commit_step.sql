@@ -288,9 +288,12 @@ DECLARE
         ARRAY['outbox_runs', 'outbox_steps', 'outbox_effects']::regclass[]), '{}');
     runs regclass := coalesce(placements[1], 'outbox_runs');
     prepared boolean := outbox_prepare_placements(placements);
+    locked record;
 BEGIN
     IF prepared THEN
-        EXECUTE format('EXECUTE %I(%L, %L)', 'outbox.lock:' || runs, p_run_id, p_shard) INTO run;
+        EXECUTE format('EXECUTE %I(%L, %L)', 'outbox.lock:' || runs, p_run_id, p_shard)
+          INTO locked;
+        run := locked.run;  -- (the placement's row type to the table's, column by column)
     ELSE
         EXECUTE format('SELECT r.* FROM %s AS r WHERE r.id = $1 AND r.shard = $2
                         FOR NO KEY UPDATE', runs) INTO run USING p_run_id, p_shard;
