@@ -251,6 +251,40 @@ def test_a_worker_session_keeps_writing_steps_after_a_migration_adds_a_column(
     assert ob.verify_run(run.id) == []
 
 
+def test_one_worker_session_writes_the_steps_of_runs_on_several_of_its_shards(
+    ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
+) -> None:
+    """The coordinator's session on a worker writes the steps of every run whose
+    shard the worker holds, several in one transaction when the caller's is one.
+    Each shard's placement has a row type of its own; the step reads the run's row
+    as the table's type, whichever placement it came from (read as the placement's,
+    the second shard's in a transaction was refused: "type of parameter ... does
+    not match that when preparing the plan")."""
+    first = ob.start_run("placements", "1")
+    _, holder, _ = _nodes(citus_cluster, citus_module_db, first.id)
+    runs = [first]
+    while len(runs) < 2:
+        run = ob.start_run("placements", "1")
+        if (
+            shard_of(run.id) != shard_of(first.id)
+            and _nodes(citus_cluster, citus_module_db, run.id)[1] == holder
+        ):
+            runs.append(run)
+    with psycopg.connect(holder, autocommit=True) as conn:
+        for n in range(0, 4, 2):  # both runs' steps in one transaction, twice
+            with conn.transaction():
+                _step_on(conn, runs[0].id, f"s{n}")
+                _step_on(conn, runs[1].id, f"s{n + 1}")
+    with psycopg.connect(citus_module_db.dsn) as conn:
+        for i, run in enumerate(runs):
+            steps = conn.execute(
+                "SELECT step_id FROM outbox_steps WHERE run_id = %s AND shard = %s ORDER BY seq",
+                [run.id, shard_of(run.id)],
+            ).fetchall()
+            assert [s for (s,) in steps] == [f"s{n}" for n in range(4) if n % 2 == i]
+            assert ob.verify_run(run.id) == []
+
+
 def test_values_written_through_the_prepared_statements_read_back_unchanged(
     ob: Outbox, citus_cluster: CitusCluster, citus_module_db: CitusDatabase
 ) -> None:

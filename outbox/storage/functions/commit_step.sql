@@ -293,7 +293,7 @@ BEGIN
     IF prepared THEN
         EXECUTE format('EXECUTE %I(%L, %L)', 'outbox.lock:' || runs, p_run_id, p_shard)
           INTO locked;
-        run := locked.run;  -- (the placement's row type to the table's, column by column)
+        run := locked.run;
     ELSE
         EXECUTE format('SELECT r.* FROM %s AS r WHERE r.id = $1 AND r.shard = $2
                         FOR NO KEY UPDATE', runs) INTO run USING p_run_id, p_shard;

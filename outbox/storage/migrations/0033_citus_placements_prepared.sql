@@ -58,7 +58,7 @@ BEGIN
     IF prepared THEN
         EXECUTE format('EXECUTE %I(%L, %L)', 'outbox.lock:' || runs, p_run_id, p_shard)
           INTO locked;
-        run := locked.run;  -- (the placement's row type to the table's, column by column)
+        run := locked.run;
     ELSE
         EXECUTE format('SELECT r.* FROM %s AS r WHERE r.id = $1 AND r.shard = $2
                         FOR NO KEY UPDATE', runs) INTO run USING p_run_id, p_shard;
@@ -240,10 +240,12 @@ BEGIN
     names := ARRAY['outbox.lock:' || placements[1], 'outbox.move:' || placements[1],
                    'outbox.step:' || placements[2], 'outbox.effect:' || placements[3]];
     texts := ARRAY[
-        -- (the row as one value: a prepared statement must keep its result's
-        -- columns, and r.* would change them when a migration adds one)
-        format('PREPARE %I AS SELECT r AS run FROM %s AS r WHERE r.id = $1 AND r.shard = $2
-                FOR NO KEY UPDATE', names[1], placements[1]),
+        -- (the row as one value of the table's type: a prepared statement must keep
+        -- its result's columns, which r.* would change when a migration adds one,
+        -- and the step reads the value into a variable whose type must not change
+        -- from one shard's placement to the next)
+        format('PREPARE %I AS SELECT ROW(r.*)::outbox_runs AS run FROM %s AS r
+                WHERE r.id = $1 AND r.shard = $2 FOR NO KEY UPDATE', names[1], placements[1]),
         format('PREPARE %I AS UPDATE %s AS r SET state = $3, plan = $4, current_step = $5,
                        step_count = $6, spent = $7, reserved = $8, step_head = $9
                  WHERE r.id = $1 AND r.shard = $2', names[2], placements[1]),
