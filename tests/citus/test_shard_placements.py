@@ -4,9 +4,10 @@ Citus 14.0.1 deparses, parses and plans each statement on a distributed table
 again on every call from PL/pgSQL (its kept plans leak, so the step plans per
 call): about 150 us a statement on a worker. ``outbox_shard_placements`` names
 the worker's own placement of a shard; the step's four statements (the run's lock
-and update, the step's and its effects' inserts) go to it by dynamic SQL, which
-PostgreSQL alone plans. Where there is no such placement (the coordinator, a
-worker without the shard) the step goes through the distributed tables, as before.
+and update, the step's and its effects' inserts) go to it as statements prepared
+once a session (``outbox_prepare_placements``), which PostgreSQL alone plans and
+keeps. Where there is no such placement (the coordinator, a worker without the
+shard) the step goes through the distributed tables, as before.
 """
 
 from __future__ import annotations
