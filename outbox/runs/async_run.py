@@ -10,6 +10,7 @@ gets an ``AsyncConnection`` for the caller's own rows.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import uuid
 from collections.abc import Awaitable, Callable, Generator
@@ -27,6 +28,7 @@ from outbox.runs.run_base import AlreadyRecorded, RunBase
 from outbox.runs.steps import StepWrites, pending_intents
 from outbox.runs.waits import Pending, WaitSpec, wait_until
 from outbox.storage import AsyncConnection, Connection
+from outbox.storage.run_tx import EffectBusy, RunTx
 
 __all__ = ["AsyncOutboxTransaction", "AsyncRun", "AsyncStepTransaction"]
 
@@ -274,7 +276,13 @@ class AsyncRun(RunBase):
 
     async def _wait_loop(self, step_id: str, spec: WaitSpec) -> Any:
         while True:
-            outcome = await self._actx.aio.run_tx(lambda tx: self._check_wait(tx, step_id, spec))
+            try:
+                outcome = await self._actx.aio.run_tx(
+                    lambda tx: self._check_wait(tx, step_id, spec)
+                )
+            except EffectBusy as busy:
+                await self._actx.aio.run_tx(functools.partial(RunTx.settle_effect, busy=busy))
+                continue
             done, result = self._wait_done(step_id, outcome)
             if done:
                 return result

@@ -19,6 +19,7 @@ from outbox.runs.run_base import AlreadyRecorded, RunBase, Suspended
 from outbox.runs.steps import StepTransaction, pending_intents
 from outbox.runs.waits import Pending, WaitSpec, block_until
 from outbox.storage import Connection
+from outbox.storage.run_tx import EffectBusy
 
 __all__ = ["Run", "Suspended"]
 
@@ -133,8 +134,13 @@ class Run(RunBase):
 
     def _wait_loop(self, step_id: str, spec: WaitSpec) -> Any:
         while True:
-            with self._ctx.store.run_tx() as tx:
-                outcome = self._check_wait(tx, step_id, spec)
+            try:
+                with self._ctx.store.run_tx() as tx:
+                    outcome = self._check_wait(tx, step_id, spec)
+            except EffectBusy as busy:
+                with self._ctx.store.run_tx() as tx:
+                    tx.settle_effect(busy)
+                continue
             done, result = self._wait_done(step_id, outcome)
             if done:
                 return result

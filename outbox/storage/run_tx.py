@@ -35,9 +35,25 @@ from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL, SIGNALS_CHANNEL, notify
 
-__all__ = ["LockedRun", "RunTx", "TakenSignal", "WaitRow"]
+__all__ = ["EffectBusy", "LockedRun", "RunTx", "TakenSignal", "WaitRow"]
 
 log = logging.getLogger(__name__)
+
+
+class EffectBusy(Exception):
+    """Another transaction holds the row of an effect a wait checks (its completion, mostly).
+
+    Raised out of the wait's run transaction so that the run's lock is let go
+    before anyone waits for the effect: a completion holds the effect's row
+    and then takes the run's to wake it, so a check that held the run while it
+    waited for the effect would deadlock with it. Never reaches a caller of
+    the public API: the wait settles the effect and checks again.
+    """
+
+    def __init__(self, effect_id: uuid.UUID, shard: int) -> None:
+        super().__init__(f"effect {effect_id} (shard {shard}) is being changed")
+        self.effect_id = effect_id
+        self.shard = shard
 
 
 @dataclass(frozen=True)
@@ -173,17 +189,32 @@ class RunTx:
         return TakenSignal(payload=row.payload, seq=row.step_seq, completed_at=row.completed_at)
 
     def await_effect(self, run_id: uuid.UUID, effect_id: uuid.UUID) -> Any:
-        """Mark the effect awaited by the run and read (status, result, last_error), or None."""
+        """Mark the effect awaited by the run and read (status, result, last_error), or None.
+
+        Raises :class:`EffectBusy` when another transaction holds the effect's
+        row: the caller lets go of the run and calls :meth:`settle_effect`.
+        """
         named = shard_of(effect_id)
         params = {"awaiting_run": run_id, "effect_id": effect_id, "effect_shard": named}
         row = self._run(run_sql.await_effect(), params).first()
         if row is not None:
             return row
         stored = self._run(gov_sql.effect_shard(), {"effect_id": effect_id}).scalar()
-        if stored not in (None, named):
+        if stored is None:
+            return None
+        if stored != named:
             # an effect written before ids named their shard (or a caller chose its id)
             row = self._run(run_sql.await_effect(), {**params, "effect_shard": stored}).first()
-        return row
+            if row is not None:
+                return row
+        raise EffectBusy(effect_id, int(stored))
+
+    def settle_effect(self, busy: EffectBusy) -> None:
+        """Wait until the transaction that held ``busy``'s effect row ends (hold no other lock)."""
+        # FOR SHARE waits for a writer's commit, and holds nothing a writer waits for
+        # once this transaction ends
+        held = gov_sql.effect_shard(named=True).with_for_update(read=True)
+        self._run(held, {"effect_id": busy.effect_id, "effect_shard": busy.shard}).first()
 
     def suspend(
         self,

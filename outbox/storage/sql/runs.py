@@ -188,11 +188,16 @@ def await_effect() -> Any:
     completion committed first and its outcome is returned here, or it runs
     after and finds ``awaited_by`` to wake the run (see ``queue.complete_effects``).
     The effect is named with its shard (``effect_shard``): on Citus, that shard alone.
+
+    No row comes back while another transaction holds the effect's row: a
+    completion holds it and takes the run's lock next, which the caller holds.
     """
     effect_id = bindparam("effect_id", type_=UUID(as_uuid=True))
+    named = (effects.c.id == effect_id, effects.c.shard == bindparam("effect_shard"))
+    free = select(effects.c.id).where(*named).with_for_update(skip_locked=True)
     return (
         effects.update()
-        .where(effects.c.id == effect_id, effects.c.shard == bindparam("effect_shard"))
+        .where(*named, effects.c.id == free.scalar_subquery())
         .values(awaited_by=bindparam("awaiting_run", type_=UUID(as_uuid=True)))
         .returning(effects.c.status, effects.c.result, effects.c.last_error)
     )
