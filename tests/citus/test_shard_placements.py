@@ -430,3 +430,33 @@ def test_a_shard_moved_under_a_writer_loses_no_step_and_its_old_copy_is_not_writ
         assert last == ("after-move",)
     finally:
         ob.close()
+
+
+def test_a_step_the_coordinator_writes_goes_through_the_tables_by_the_same_statements(
+    ob: Outbox, citus_module_db: CitusDatabase
+) -> None:
+    """Where the step runs on the coordinator (Citus did not delegate it), it holds no
+    placement: the run's lock and update and the step's insert go through the
+    distributed tables, by the texts the workers prepare (outbox_placement_statement),
+    and nothing is prepared there. The step joins the chain; the same step again and
+    a missing run are refused as on a worker."""
+    run = ob.start_run("placements", "1")
+    apart = (
+        "SELECT step_seq, effect_ids FROM outbox_write_step_apart(%s::smallint, %s, %s,"
+        " NULL, '{\"at\": 1}', NULL, %s, 'transaction', NULL, NULL, NULL, NULL, 0, '[]', '[]')"
+    )
+    intents = Jsonb([{"kind": "placement.send", "payload": {"n": 1}}])
+    with psycopg.connect(citus_module_db.dsn) as conn:
+        row = conn.execute(apart, [shard_of(run.id), run.id, "by-coordinator", intents]).fetchone()
+        assert conn.execute(_PREPARED).fetchall() == []
+    assert row is not None and row[0] == 1 and len(row[1]) == 1
+    assert ob.run(run.id).record.state == {"at": 1}
+    (effect,) = ob.run(run.id).effects()
+    assert effect.id == row[1][0]
+    assert ob.verify_run(run.id) == []
+    missing = UUID(int=run.id.int ^ (1 << 64))
+    assert shard_of(missing) == shard_of(run.id)
+    for run_id, refused in [(run.id, "already recorded"), (missing, "no such run")]:
+        with psycopg.connect(citus_module_db.dsn) as conn, pytest.raises(psycopg.Error) as error:
+            conn.execute(apart, [shard_of(run_id), run_id, "by-coordinator", intents])
+        assert refused in str(error.value)

@@ -293,11 +293,10 @@ BEGIN
     IF prepared THEN
         EXECUTE format('EXECUTE %I(%L, %L)', 'outbox.lock:' || runs, p_run_id, p_shard)
           INTO locked;
-        run := locked.run;
     ELSE
-        EXECUTE format('SELECT r.* FROM %s AS r WHERE r.id = $1 AND r.shard = $2
-                        FOR NO KEY UPDATE', runs) INTO run USING p_run_id, p_shard;
+        EXECUTE outbox_placement_statement('lock', runs) INTO locked USING p_run_id, p_shard;
     END IF;
+    run := locked.run;
     LOOP
         -- kept for the session: it reads no distributed table (a plan Citus accepts)
         -- and planning its inlined query cost a worker about 2.1 ms
@@ -337,16 +336,11 @@ BEGIN
             coalesce(stored[1], p_result, 'null'), coalesce(stored[2], p_state),
             coalesce(stored[3], p_plan), head) INTO inserted;
     ELSE
-        EXECUTE format('UPDATE %s AS r SET state = $3, plan = $4, current_step = $5,
-                               step_count = $6, spent = $7, reserved = $8, step_head = $9
-                         WHERE r.id = $1 AND r.shard = $2', runs)
+        EXECUTE outbox_placement_statement('move', runs)
           USING p_run_id, p_shard, coalesce(stored[2], p_state, run.state),
                 coalesce(stored[3], p_plan, run.plan), p_step_id, step_seq,
                 run.spent + p_debit, run.reserved + a.reserve, head;
-        EXECUTE 'INSERT INTO outbox_steps AS s (run_id, shard, seq, step_id, kind, result,
-                                                state, plan, hash)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-                 ON CONFLICT (run_id, step_id, shard) DO NOTHING RETURNING s.seq'
+        EXECUTE outbox_placement_statement('step', 'outbox_steps')
           INTO inserted
           USING p_run_id, p_shard, step_seq, p_step_id, p_kind,
                 coalesce(stored[1], p_result, 'null'), coalesce(stored[2], p_state),

@@ -99,6 +99,40 @@ BEGIN
 END
 $$;
 
+-- The statement a step writes with: "lock" the run's lock and "move" its update on
+-- target (the runs, or a worker's placement of them), "step" the step's insert,
+-- "effect" an effect's insert, with their values as $n. Prepared on a worker's
+-- placements (outbox_prepare_placements), run by dynamic SQL through the tables
+-- elsewhere (outbox_write_step_apart): one text, so the two cannot drift.
+CREATE OR REPLACE FUNCTION outbox_placement_statement(what text, target regclass) RETURNS text
+    LANGUAGE sql STABLE PARALLEL SAFE AS $$
+SELECT CASE what
+    -- (the row as one value of the table's type: a prepared statement must keep
+    -- its result's columns, which r.* would change when a migration adds one,
+    -- and the step reads the value into a variable whose type must not change
+    -- from one shard's placement to the next)
+    WHEN 'lock' THEN format('SELECT ROW(r.*)::outbox_runs AS run FROM %s AS r
+                WHERE r.id = $1 AND r.shard = $2 FOR NO KEY UPDATE', target)
+    WHEN 'move' THEN format('UPDATE %s AS r SET state = $3, plan = $4, current_step = $5,
+                       step_count = $6, spent = $7, reserved = $8, step_head = $9
+                 WHERE r.id = $1 AND r.shard = $2', target)
+    WHEN 'step' THEN format('INSERT INTO %s AS s (run_id, shard, seq, step_id, kind, result,
+                       state, plan, hash)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                ON CONFLICT (run_id, step_id, shard) DO NOTHING RETURNING s.seq', target)
+    -- (a placement has no default for seq: the table's identity is drawn here,
+    -- from the node's own range, as Citus would)
+    WHEN 'effect' THEN format('INSERT INTO %s (id, run_id, step_id, step_index, kind, payload,
+                       payload_hash, schema_version, idempotency_key, ordering_key,
+                       max_attempts, compensate, cost, priority, fairness_key, status,
+                       available_at, approval, approval_deadline, trace_parent, shard,
+                       namespace, seq)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+                        $17, $18, $19, $20, $21, $22,
+                        nextval(pg_get_serial_sequence(''outbox_effects'', ''seq'')))', target)
+END
+$$;
+
 -- Whether the statements a step writes a worker's placements with (placements:
 -- outbox_shard_placements' of the runs, the steps and the effects) are prepared in
 -- this session, preparing the missing ones; false without placements. Named for
@@ -133,31 +167,11 @@ BEGIN
     names := ARRAY['outbox.lock:' || placements[1], 'outbox.move:' || placements[1],
                    'outbox.step:' || placements[2], 'outbox.effect:' || placements[3]];
     texts := ARRAY[
-        -- (the row as one value of the table's type: a prepared statement must keep
-        -- its result's columns, which r.* would change when a migration adds one,
-        -- and the step reads the value into a variable whose type must not change
-        -- from one shard's placement to the next)
-        format('PREPARE %I AS SELECT ROW(r.*)::outbox_runs AS run FROM %s AS r
-                WHERE r.id = $1 AND r.shard = $2 FOR NO KEY UPDATE', names[1], placements[1]),
-        format('PREPARE %I AS UPDATE %s AS r SET state = $3, plan = $4, current_step = $5,
-                       step_count = $6, spent = $7, reserved = $8, step_head = $9
-                 WHERE r.id = $1 AND r.shard = $2', names[2], placements[1]),
-        format('PREPARE %I AS INSERT INTO %s AS s (run_id, shard, seq, step_id, kind, result,
-                       state, plan, hash)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-                ON CONFLICT (run_id, step_id, shard) DO NOTHING RETURNING s.seq',
-               names[3], placements[2]),
-        -- (a placement has no default for seq: the table's identity is drawn here,
-        -- from the node's own range, as Citus would)
-        format('PREPARE %I AS INSERT INTO %s (id, run_id, step_id, step_index, kind, payload,
-                       payload_hash, schema_version, idempotency_key, ordering_key,
-                       max_attempts, compensate, cost, priority, fairness_key, status,
-                       available_at, approval, approval_deadline, trace_parent, shard,
-                       namespace, seq)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
-                        $17, $18, $19, $20, $21, $22,
-                        nextval(pg_get_serial_sequence(''outbox_effects'', ''seq'')))',
-               names[4], placements[3])];
+        format('PREPARE %I AS %s', names[1], outbox_placement_statement('lock', placements[1])),
+        format('PREPARE %I AS %s', names[2], outbox_placement_statement('move', placements[1])),
+        format('PREPARE %I AS %s', names[3], outbox_placement_statement('step', placements[2])),
+        format('PREPARE %I AS %s', names[4],
+               outbox_placement_statement('effect', placements[3]))];
     ready := ARRAY(SELECT p.name FROM pg_prepared_statements AS p
                      JOIN unnest(names, texts) AS w(name, text)
                        ON p.name = w.name AND p.statement = w.text);
