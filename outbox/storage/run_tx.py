@@ -199,6 +199,9 @@ class RunTx:
         row = self._run(run_sql.await_effect(), params).first()
         if row is not None:
             return row
+        # held on the shard its id names (the common case): a read of that shard alone
+        if self._run(gov_sql.effect_shard(named=True), params).first() is not None:
+            raise EffectBusy(effect_id, named)
         stored = self._run(gov_sql.effect_shard(), {"effect_id": effect_id}).scalar()
         if stored is None:
             return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from functools import partial
@@ -403,6 +404,54 @@ def test_a_run_awaits_its_own_effect_and_another_runs_a_shard_a_statement(
         status = conn.execute("SELECT status FROM outbox_effect_status(%s)", [other]).fetchone()
     assert status == ("succeeded",)
     assert _refusals(caplog) == []
+
+
+def test_a_wait_on_an_effect_another_transaction_holds_goes_to_its_shard_alone(
+    ob: Outbox, dsn: str
+) -> None:
+    """A wait's check steps aside from an effect row another transaction holds (a
+    completion holds it, then takes the run's lock to wake it): it finds the row on
+    the shard its id names, lets go of the run, waits for that row there and checks
+    again. None of it reads every shard (CI once saw the check look the row up on
+    all of them: a multi-task query)."""
+    run = ob.start_run("awaits", "1")
+    effect_id = uuid.UUID(run.transaction("s", lambda tx: str(tx.intend("k.held", {}).id)))
+    shard = shard_of(effect_id)
+    got: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            got["result"] = run.await_effect(effect_id, timeout=60)
+        except Exception as error:
+            got["result"] = error
+
+    def waiting_for_a_lock() -> bool:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SET citus.multi_task_query_log_level = 'off'")  # the test's own read
+            row = conn.execute(
+                "SELECT count(*) FROM citus_stat_activity WHERE wait_event_type = 'Lock'"
+            ).fetchone()
+        return row is not None and row[0] > 0
+
+    with psycopg.connect(dsn) as holder:
+        holder.execute(
+            "SELECT 1 FROM outbox_effects WHERE id = %s AND shard = %s FOR UPDATE",
+            [effect_id, shard],
+        )
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        wait_for(
+            lambda: "result" in got or waiting_for_a_lock(),
+            timeout=30,
+            message="the wait to wait for the effect's row",
+        )
+        holder.execute(
+            "UPDATE outbox_effects SET status = 'succeeded', result = '{\"done\": 1}',"
+            " completed_at = now() WHERE id = %s AND shard = %s",
+            [effect_id, shard],
+        )
+    waiter.join(30)
+    assert got == {"result": {"done": 1}}
 
 
 def test_an_operators_resolve_and_retry_change_one_shard_and_log_there(
