@@ -56,6 +56,13 @@ def own_outbox(dsn: str, name: str = "chaos-writer") -> Outbox:
     return Outbox(make_engine(dsn, application_name=name))
 
 
+def _owners(dsn: str) -> int:
+    """How many delivery owners are registered (one a running deliverer)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM outbox_owners").fetchone()
+    return int(row[0]) if row else 0
+
+
 def admin(dsn: str) -> psycopg.Connection[Any]:
     return psycopg.connect(dsn, autocommit=True, application_name="chaos-admin")
 
@@ -301,6 +308,11 @@ def test_postgresql_restart_in_the_middle_of_load(
         wl = Workload(runs=6, steps=5, effects=4, sink_url=sink.url)
         run_ids = start_runs(ob, wl)
         deliverers = [fleet.deliverer("--concurrency", "4") for _ in range(2)]
+        # Both deliverers past their start (each registers its owner once it is
+        # connected and has checked the schema): the restart is to come mid-load,
+        # not in a start-up that one deliverer alone can outpace (CI saw one exit at
+        # its schema check, the 20 deliveries all made by the other).
+        wait_for(lambda: _owners(dsn) == 2, timeout=60, message="both deliverers to register")
         with ScriptThread(ob, wl, run_ids, retry_seconds=90, between_steps=0.05) as script:
             wait_for(
                 lambda: logs.open_counts(dsn).get("succeeded", 0) >= 20,
