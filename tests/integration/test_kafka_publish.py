@@ -316,10 +316,15 @@ def test_an_unacknowledged_record_is_unknown_when_consumers_do_not_dedup(
         kafka_broker.pause()
         try:
             intend(ob, [{"topic": topic, "value": "in-doubt"}], step="in-doubt")
-            wait_for(
-                lambda: sorted(e.status.value for e in effects(ob)) == ["succeeded", "unknown"],
-                message="the unacknowledged effect is unknown",
-            )
+            try:
+                wait_for(
+                    lambda: sorted(e.status.value for e in effects(ob)) == ["succeeded", "unknown"],
+                    message="the unacknowledged effect is unknown",
+                )
+            except AssertionError as timed_out:
+                # CI timed out here once (not reproduced): say where each effect stood
+                seen = [(e.status.value, e.attempt, e.last_error) for e in effects(ob)]
+                raise AssertionError(f"{timed_out}; the effects: {seen}") from None
         finally:
             kafka_broker.resume()
     doubtful = next(e for e in effects(ob) if e.status.value == "unknown")
