@@ -407,12 +407,23 @@ class DatabaseError(OutboxError):
     ``transient`` says the same statement may well succeed later (a lost
     connection, a deadlock, a server shutting down); otherwise it failed on
     what it was given or on what the role may do, and would fail again.
+    ``connection_lost`` says a connection the server had accepted was cut
+    before it answered (a server restarting mid-statement gives no SQLSTATE):
+    the server was there, unlike a connection that was never made.
     """
 
-    def __init__(self, message: str, *, sqlstate: str | None = None, transient: bool = False):
+    def __init__(
+        self,
+        message: str,
+        *,
+        sqlstate: str | None = None,
+        transient: bool = False,
+        connection_lost: bool = False,
+    ):
         super().__init__(message)
         self.sqlstate = sqlstate
         self.transient = transient
+        self.connection_lost = connection_lost
 
 
 class EmbeddedServerError(DatabaseError):

@@ -93,8 +93,9 @@ def retried_at_startup(what: str, step: Callable[[], T]) -> T:
         try:
             return step()
         except DatabaseError as exc:
-            answered = exc.sqlstate is not None
-            if not exc.transient or (first and not answered) or time.monotonic() > deadline:
+            # a restart cuts a connection it had accepted with no SQLSTATE: reached too
+            reached = exc.sqlstate is not None or exc.connection_lost
+            if not exc.transient or (first and not reached) or time.monotonic() > deadline:
                 raise
             logging.getLogger("outbox.cli").warning(
                 "%s: the connection was lost (%s); trying again in %.1fs", what, exc, pause

@@ -312,19 +312,21 @@ def node_unreachable(exc: BaseException | None) -> bool:
 
 
 def _nature(exc: sqlalchemy.exc.SQLAlchemyError) -> dict[str, Any]:
-    """``sqlstate`` and ``transient`` of a driver error, for :class:`DatabaseError`."""
+    """What :class:`DatabaseError` says of a driver error (sqlstate, transient, connection_lost)."""
     if isinstance(exc, sqlalchemy.exc.TimeoutError | sqlalchemy.exc.DisconnectionError):
         return {"sqlstate": None, "transient": True}  # the pool: no statement ran
     orig = getattr(exc, "orig", None)
     sqlstate = getattr(orig, "sqlstate", None)
+    # SQLAlchemy invalidates a connection it had when the driver says it is gone; a
+    # connection that could not be made at all is not invalidated
+    lost = bool(getattr(exc, "connection_invalidated", False))
     if sqlstate:
-        return {"sqlstate": sqlstate, "transient": sqlstate[:2] in TRANSIENT_SQLSTATE_CLASSES}
+        transient = sqlstate[:2] in TRANSIENT_SQLSTATE_CLASSES
+        return {"sqlstate": sqlstate, "transient": transient, "connection_lost": lost}
     # No code from the server: the connection failed, or the driver refused the
     # parameters before sending them (an encoding error), which would recur.
-    connection_lost = bool(getattr(exc, "connection_invalidated", False)) or isinstance(
-        orig, psycopg.OperationalError | psycopg.InterfaceError
-    )
-    return {"sqlstate": None, "transient": connection_lost}
+    failed = lost or isinstance(orig, psycopg.OperationalError | psycopg.InterfaceError)
+    return {"sqlstate": None, "transient": failed, "connection_lost": lost}
 
 
 def resolve_dsn(settings: Settings) -> tuple[str, bool]:
