@@ -156,6 +156,18 @@ class WorkerThread:
             raise self.error
 
 
+def lock_waiters(dsn: str, application_name: str | None = None) -> list[int]:
+    """Pids of the backends of ``dsn``'s database waiting on a lock (of one application)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock'"
+            " AND (%(app)s::text IS NULL OR application_name = %(app)s::text)",
+            {"app": application_name},
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
 @contextmanager
 def limited_role(dsn: str, *revoke: str) -> Iterator[str]:
     """Every new session on ``dsn``'s database runs as a role that lacks ``revoke`` privileges.

@@ -45,7 +45,7 @@ from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params
 from tests.conftest import TEST_SERVER_SETTINGS
-from tests.support import embedded_home, wait_for
+from tests.support import embedded_home, lock_waiters, wait_for
 
 # application_name prefixes of the test process's own connections (spared by the killer)
 OURS = ("chaos-%", logs.CHECKER_APP + "%")
@@ -304,18 +304,11 @@ def test_a_deliverer_whose_start_up_check_is_cut_without_a_word_tries_again(
             stderr=subprocess.STDOUT,
         )
     try:
-
-        def checking() -> list[int]:
-            with admin(dsn) as conn:
-                return [
-                    row[0]
-                    for row in conn.execute(
-                        "SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-cli'"
-                        " AND wait_event_type = 'Lock'"
-                    )
-                ]
-
-        (pid,) = wait_for(checking, timeout=60, message="the start-up check waits on the lock")
+        (pid,) = wait_for(
+            lambda: lock_waiters(dsn, "outbox-cli"),
+            timeout=60,
+            message="the start-up check waits on the lock",
+        )
         os.kill(pid, signal.SIGKILL)
         locker.close()  # PostgreSQL ended every backend, this one's too
 

@@ -26,18 +26,9 @@ from outbox.storage.attempts import Completion
 from outbox.storage.engine import make_async_engine
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql.queue import EFFECT_QUEUE
-from tests.support import wait_for
+from tests.support import lock_waiters, wait_for
 
 KIND = "k.ordered"
-
-
-def _lock_waiters(dsn: str) -> int:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        ).fetchone()
-    return int(row[0]) if row else 0
 
 
 def _await_async(dsn: str, run_id: uuid.UUID, effect_id: uuid.UUID) -> Any:
@@ -89,10 +80,10 @@ def test_a_wait_that_holds_its_run_while_the_effect_completes_does_not_deadlock(
         holder.execute("SELECT 1 FROM outbox_runs WHERE id = %s FOR UPDATE", [run.id])
         waiter = threading.Thread(target=wait)
         waiter.start()
-        wait_for(lambda: _lock_waiters(dsn) == 1, timeout=10)
+        wait_for(lambda: len(lock_waiters(dsn)) == 1, timeout=10)
         completer = threading.Thread(target=complete)
         completer.start()
-        wait_for(lambda: _lock_waiters(dsn) == 2, timeout=10)
+        wait_for(lambda: len(lock_waiters(dsn)) == 2, timeout=10)
         began = time.monotonic()
     waiter.join(30)
     completer.join(30)

@@ -17,16 +17,7 @@ from pathlib import Path
 import psycopg
 
 from outbox import EffectStatus, Outbox
-from tests.support import wait_for
-
-
-def _checking(conn: psycopg.Connection) -> list[int]:
-    """Backends of the deliverer's start-up check waiting on a lock."""
-    rows = conn.execute(
-        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-        " AND application_name = 'outbox-cli' AND wait_event_type = 'Lock'"
-    ).fetchall()
-    return [row[0] for row in rows]
+from tests.support import lock_waiters, wait_for
 
 
 def test_a_connection_cut_during_the_start_up_check_is_tried_again(
@@ -48,8 +39,12 @@ def test_a_connection_cut_during_the_start_up_check_is_tried_again(
             stderr=subprocess.STDOUT,
         )
         try:
-            wait_for(lambda: _checking(admin), timeout=60, message="the check waits on the lock")
-            for pid in _checking(admin):
+            wait_for(
+                lambda: lock_waiters(dsn, "outbox-cli"),
+                timeout=60,
+                message="the check waits on the lock",
+            )
+            for pid in lock_waiters(dsn, "outbox-cli"):
                 admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
             time.sleep(0.3)
             locker.rollback()  # the lock goes; the check tried again passes
