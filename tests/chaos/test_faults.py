@@ -164,7 +164,14 @@ def test_kill_9_of_deliverers_and_workers_at_random_points(
             also=lambda: run_statuses(ob, run_ids) == {"completed": wl.runs},
         )
         survivors = [p for procs in pools.values() for p in procs]
-        assert all(fleet.stop(p) == 0 for p in survivors), fleet.tails()
+        # A process SIGTERMed while Python was still starting it (a late top-up, the
+        # work already done by the others) dies of the signal before any handler of
+        # ours is installed, with nothing logged and nothing held: CI saw one. Every
+        # process that got as far as logging must stop cleanly, with 0.
+        codes = [(fleet.stop(p), fleet.log_of(p)) for p in survivors]
+        assert all(
+            code == 0 or (code == -signal.SIGTERM and not log.strip()) for code, log in codes
+        ), fleet.tails()
 
     report = logs.load(dsn, sink.log_path, expected_operations=wl.expected_operations(run_ids))
     report.assert_clean(context)
