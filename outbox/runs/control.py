@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 def pause_run(tx: RunTx, run_id: uuid.UUID, reason: str) -> RunStatus:
     """Pause a live run; returns ``paused``, or ``running`` while its worker finishes a step."""
-    locked = tx.lock(run_id)
+    locked = tx.lock_with_effects(run_id)
     if locked.status in TERMINAL_RUN_STATUSES:
         raise RunTerminal(run_id, locked.status.value)
     if locked.status in STOPPING_RUN_STATUSES:
@@ -67,7 +67,7 @@ def resume_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
 
     A run that is not paused is left as it is (resuming twice changes nothing).
     """
-    locked = tx.lock(run_id)
+    locked = tx.lock_with_effects(run_id)
     if locked.status in TERMINAL_RUN_STATUSES:
         raise RunTerminal(run_id, locked.status.value)
     if not locked.paused and locked.status != RunStatus.PAUSED:

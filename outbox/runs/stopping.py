@@ -71,7 +71,7 @@ def cancel_run(tx: RunTx, run_id: uuid.UUID, reason: str, *, by: str, via: str) 
     Each effect cancelled gets an attempt-log row (outcome ``cancelled``) with
     ``by`` as who and ``{"note": reason, "by": by, "via": via}`` as detail.
     """
-    status = tx.lock(run_id).status
+    status = tx.lock_with_effects(run_id).status
     if status in STOPPING_RUN_STATUSES:
         return status  # already stopping: cancelling twice changes nothing
     if status not in LIVE_RUN_STATUSES:
@@ -97,7 +97,7 @@ def cancel_run(tx: RunTx, run_id: uuid.UUID, reason: str, *, by: str, via: str) 
 
 def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
     """Move a cancelling or compensating run on as far as its effects allow."""
-    status = tx.lock(run_id).status
+    status = tx.lock_with_effects(run_id).status
     if status not in STOPPING_RUN_STATUSES:
         return status
     rows = tx.effects_for_stopping(run_id)

@@ -119,6 +119,14 @@ class RunTx:
         lease = None if row.lease_owner is None else Lease(row.lease_owner, row.attempt)
         return LockedRun(RunStatus(row.status), lease, row.paused_at is not None, row.error)
 
+    def lock_with_effects(self, run_id: uuid.UUID) -> LockedRun:
+        """:meth:`lock`, after the run's effects that have not started (a completion's order).
+
+        For what changes those effects under the run's lock: pause, resume, cancel.
+        """
+        self._run(control.lock_unstarted_effects(), {"of_run": run_id})
+        return self.lock(run_id)
+
     def mark(self, run_id: uuid.UUID, status: RunStatus, reason: str | None = None) -> None:
         """Set the locked run's status (and cancel reason); clears its lease and waits."""
         self._run(

@@ -35,7 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from outbox.models import EffectStatus
+from outbox.models import NOT_STARTED_EFFECT_STATUSES, EffectStatus
 from outbox.storage.schema import budget_ledger, effects, runs, steps
 from outbox.storage.sql.common import (
     EFFECTS_CHANNEL,
@@ -53,6 +53,7 @@ __all__ = [
     "fork_steps",
     "fork_unsettled",
     "hold_effects",
+    "lock_unstarted_effects",
     "park_paused",
     "pause_run",
     "release_effects",
@@ -64,6 +65,25 @@ _RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
 _OF_RUN = bindparam("of_run", type_=UUID(as_uuid=True))
 _ORIGINAL = bindparam("original", type_=UUID(as_uuid=True))
 _FORK = bindparam("fork", type_=UUID(as_uuid=True))
+
+
+def lock_unstarted_effects() -> AnySelect:
+    """Lock the run's effects no deliverer started, before the run itself.
+
+    A completion holds its effect while it wakes the run that awaits it: the
+    effect's row, then the run's. Pause, resume and cancel change those effects
+    under the run's lock, so they take the effects first too, in the same order,
+    rather than wait for a completing effect while holding the run it must wake.
+    """
+    return (
+        select(effects.c.id)
+        .where(
+            effects.c.run_id == _OF_RUN,
+            effects.c.shard == shard_of(_OF_RUN),
+            in_statuses(effects.c.status, NOT_STARTED_EFFECT_STATUSES),
+        )
+        .with_for_update(of=effects)
+    )
 
 
 @cache
