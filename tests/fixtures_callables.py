@@ -117,6 +117,12 @@ def slow_handler(run: Any) -> None:
     time.sleep(600)
 
 
+def intends_one(run: Any) -> str:
+    """A worker handler whose one step intends one ``k.start`` effect."""
+    run.transaction("s", lambda tx: tx.intend("k.start", {"n": 1}) and None)
+    return "done"
+
+
 async def sleepy_async_handler(run: Any) -> str:
     """A worker handler that finishes 4 s after it starts (async)."""
     await asyncio.sleep(4)

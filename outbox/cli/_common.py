@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,11 +22,14 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from outbox.errors import DatabaseError
+
 if TYPE_CHECKING:  # imported when a command needs them: `outbox --help` does not
     from outbox.client import Outbox
     from outbox.settings import Settings
 
 __all__ = [
+    "STARTUP_RETRY_SECONDS",
     "CliContext",
     "JsonOption",
     "emit",
@@ -33,12 +38,14 @@ __all__ = [
     "page_options",
     "page_title",
     "pass_cli",
+    "retried_at_startup",
     "run_suffix",
     "short",
     "table",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 # Piped output is read by scripts and logs, not by a narrow terminal: do not wrap it at 80.
 console = Console() if Console().is_terminal else Console(width=200)
@@ -277,3 +284,34 @@ def page_title(
 def run_suffix(run_id: UUID | None) -> str:
     """A run's id in a narrow column: ``…`` and its last 8 hex digits (random, unlike the first)."""
     return f"…{str(run_id)[-8:]}" if run_id is not None else ""
+
+
+#: How long a daemon's start-up checks are tried again after a connection was lost.
+STARTUP_RETRY_SECONDS = 30.0
+
+
+def retried_at_startup(what: str, step: Callable[[], T]) -> T:
+    """Run a start-up step of a daemon; a connection lost meanwhile does not end the process.
+
+    A connection the server cut (a backend terminated, a server restarting: an
+    error with a transient SQLSTATE) is tried again, with a backoff, for up to
+    :data:`STARTUP_RETRY_SECONDS`, as the running daemon would. A server that
+    cannot be reached at all the first time, or any other error, still fails at
+    once with its one line, so a wrong DSN is told without delay.
+    """
+    deadline = time.monotonic() + STARTUP_RETRY_SECONDS
+    pause, first = 0.1, True
+    while True:
+        try:
+            return step()
+        except DatabaseError as exc:
+            # a restart cuts a connection it had accepted with no SQLSTATE: reached too
+            reached = exc.sqlstate is not None or exc.connection_lost
+            if not exc.transient or (first and not reached) or time.monotonic() > deadline:
+                raise
+            logging.getLogger("outbox.cli").warning(
+                "%s: the connection was lost (%s); trying again in %.1fs", what, exc, pause
+            )
+        first = False
+        time.sleep(pause)
+        pause = min(pause * 2, 2.0)

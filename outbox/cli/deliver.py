@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -20,6 +19,7 @@ from outbox.cli._common import (
     json_option,
     listening,
     pass_cli,
+    retried_at_startup,
     table,
 )
 from outbox.cli.reports import ReconcileReport
@@ -27,7 +27,6 @@ from outbox.delivery import Deliverer
 from outbox.delivery.config import DeliverersConfig
 from outbox.delivery.settings import DeliverySettings, StreamSettings
 from outbox.delivery.threads import DaemonThreads, default_workers
-from outbox.errors import DatabaseError
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import libpq_dsn, make_async_engine, open_engine
 
@@ -72,37 +71,6 @@ def checked_dsn(cli: CliContext) -> str:
         return libpq_dsn(engine.url)
     finally:
         engine.dispose()
-
-
-#: How long a daemon's start-up checks are tried again after a connection was lost.
-STARTUP_RETRY_SECONDS = 30.0
-
-
-def retried_at_startup(what: str, step: Callable[[], T]) -> T:
-    """Run a start-up step of a daemon; a connection lost meanwhile does not end the process.
-
-    A connection the server cut (a backend terminated, a server restarting: an
-    error with a transient SQLSTATE) is tried again, with a backoff, for up to
-    :data:`STARTUP_RETRY_SECONDS`, as the running daemon would. A server that
-    cannot be reached at all the first time, or any other error, still fails at
-    once with its one line, so a wrong DSN is told without delay.
-    """
-    deadline = time.monotonic() + STARTUP_RETRY_SECONDS
-    pause, first = 0.1, True
-    while True:
-        try:
-            return step()
-        except DatabaseError as exc:
-            # a restart cuts a connection it had accepted with no SQLSTATE: reached too
-            reached = exc.sqlstate is not None or exc.connection_lost
-            if not exc.transient or (first and not reached) or time.monotonic() > deadline:
-                raise
-            logging.getLogger("outbox.cli").warning(
-                "%s: the connection was lost (%s); trying again in %.1fs", what, exc, pause
-            )
-        first = False
-        time.sleep(pause)
-        pause = min(pause * 2, 2.0)
 
 
 def _default(name: str) -> Any:

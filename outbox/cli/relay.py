@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from outbox.cli._common import CliContext, pass_cli
+from outbox.cli._common import CliContext, pass_cli, retried_at_startup
 from outbox.cli.deliver import (
     checked_dsn,
     config_option,
@@ -15,7 +15,6 @@ from outbox.cli.deliver import (
     kind_option,
     load_deliverers,
     read_config,
-    retried_at_startup,
     serve_until_signal,
     validated_settings,
 )

@@ -23,6 +23,7 @@ from outbox.cli._common import (
     json_option,
     listening,
     pass_cli,
+    retried_at_startup,
 )
 from outbox.errors import ConfigurationError
 from outbox.runs.signals import SignalReceipt
@@ -99,7 +100,7 @@ def worker(
     configure(logging.INFO, as_json=log_json)
     given = {name: value for name, value in chosen.items() if value is not None}
     handler = import_callable(handler_path, field="handler")
-    ob = cli.outbox
+    ob = retried_at_startup("connecting", lambda: cli.outbox)
     if setup_path is not None:
         import_callable(setup_path, field="setup")(ob)
     runner = ob.worker(agent, version, handler, **given)

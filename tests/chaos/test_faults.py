@@ -50,6 +50,8 @@ from tests.support import embedded_home, lock_waiters, wait_for
 # application_name prefixes of the test process's own connections (spared by the killer)
 OURS = ("chaos-%", logs.CHECKER_APP + "%")
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def own_outbox(dsn: str, name: str = "chaos-writer") -> Outbox:
     """An Outbox whose connections say they are ours (spared by the backend killer)."""
@@ -285,34 +287,44 @@ def own_server() -> Iterator[tuple[EmbeddedServer, str]]:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def test_a_deliverer_whose_start_up_check_is_cut_without_a_word_tries_again(
-    own_server: tuple[EmbeddedServer, str], sub_env: dict[str, str], tmp_path: Path
+@pytest.mark.parametrize("daemon", ["deliver", "worker"])
+def test_a_daemon_whose_start_up_check_is_cut_without_a_word_tries_again(
+    own_server: tuple[EmbeddedServer, str], sub_env: dict[str, str], tmp_path: Path, daemon: str
 ) -> None:
     """A server that dies under the start-up check answers nothing (no SQLSTATE):
     the connection it had accepted just closes, as CI saw when a restart came while
     a deliverer was starting. That server was reached, so the check is tried again
     until it is back, as for any lost connection; only a server never reached the
     first time ends the start at once. Here the check's own backend is killed with
-    SIGKILL, and PostgreSQL restarts every backend after it."""
+    SIGKILL, and PostgreSQL restarts every backend after it. A worker's start
+    (connecting its client) is tried again the same way."""
     server, dsn = own_server
     config = tmp_path / "deliverers.toml"
     config.write_text(
         '[kinds."k.start"]\ntype = "python.call"\nfunction = "bench.sinks:noop"\n'
         "idempotent = true\n"
     )
-    log_path = tmp_path / "deliver.log"
+    if daemon == "deliver":
+        command, application = ["deliver", "--config", str(config)], "outbox-cli"
+    else:
+        handler = "tests.fixtures_callables:intends_one"
+        command = ["worker", handler, "--agent", "agent", "--version", "1"]
+        application = "outbox"
+    log_path = tmp_path / f"{daemon}.log"
     locker = psycopg.connect(dsn)
     locker.execute("LOCK TABLE outbox_migrations IN ACCESS EXCLUSIVE MODE")
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "outbox", "deliver", "--config", str(config)],
+            [sys.executable, "-m", "outbox", *command],
             env={**sub_env, "OUTBOX_DSN": dsn},
+            cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+    delivery: subprocess.Popen[bytes] | None = None
     try:
         (pid,) = wait_for(
-            lambda: lock_waiters(dsn, "outbox-cli"),
+            lambda: lock_waiters(dsn, application),
             timeout=60,
             message="the start-up check waits on the lock",
         )
@@ -328,8 +340,17 @@ def test_a_deliverer_whose_start_up_check_is_cut_without_a_word_tries_again(
 
         wait_for(accepting, timeout=60, message="PostgreSQL back after the crash")
         with own_outbox(dsn) as ob:
-            run = ob.start_run("agent", "1")
-            run.transaction("s", lambda tx: tx.intend("k.start", {"n": 1}) and None)
+            if daemon == "deliver":
+                run = ob.start_run("agent", "1")
+                run.transaction("s", lambda tx: tx.intend("k.start", {"n": 1}) and None)
+            else:  # the worker's run intends the effect; a deliverer started now delivers it
+                ob.start_run("agent", "1")
+                delivery = subprocess.Popen(
+                    [sys.executable, "-m", "outbox", "deliver", "--config", str(config)],
+                    env={**sub_env, "OUTBOX_DSN": dsn},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
             wait_for(
                 lambda: [e.status for e in ob.effects()] == [EffectStatus.SUCCEEDED],
                 timeout=60,
@@ -339,9 +360,10 @@ def test_a_deliverer_whose_start_up_check_is_cut_without_a_word_tries_again(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for process in (proc, delivery):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
     text = log_path.read_text()
     assert "the connection was lost" in text and "server closed the connection" in text, text
     server_log = server.logfile.read_text(errors="replace")
