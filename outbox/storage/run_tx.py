@@ -33,6 +33,7 @@ from outbox.storage.sql import control, maintenance
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
+from outbox.storage.sql import stopping as stopping_sql
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL, SIGNALS_CHANNEL, notify
 
 __all__ = ["EffectBusy", "LockedRun", "RunTx", "TakenSignal", "WaitRow"]
@@ -360,15 +361,23 @@ class RunTx:
     ) -> int:
         """Cancel the run's effects that have not started, each logged with ``by``; how many."""
         params = {"stopping_run": run_id, "reason": reason, "by": by, "detail": json.dumps(detail)}
-        return len(self._logged(run_sql.cancel_pending_effects, params))
+        return len(self._logged(stopping_sql.cancel_pending_effects, params))
 
     def effects_for_stopping(self, run_id: uuid.UUID) -> list[Any]:
-        """Every effect of the run in intent order: id, status, compensate, compensates, key."""
-        return list(self._run(run_sql.run_effects_for_stopping(), {"stopping_run": run_id}).all())
+        """Every effect of the run in intent order, with what stopping it needs.
+
+        Columns: id, status, compensate, compensates, key, and ``in_doubt`` (its
+        lost attempt is being delivered again).
+        """
+        return list(
+            self._run(stopping_sql.run_effects_for_stopping(), {"stopping_run": run_id}).all()
+        )
 
     def mark_compensated(self, run_id: uuid.UUID, effect_ids: Sequence[uuid.UUID]) -> None:
         """The run's succeeded effects whose compensation succeeded become ``compensated``."""
-        self._run(run_sql.mark_compensated(), {"stopping_run": run_id, "ids": list(effect_ids)})
+        self._run(
+            stopping_sql.mark_compensated(), {"stopping_run": run_id, "ids": list(effect_ids)}
+        )
 
     def intend_compensations(self, run_id: uuid.UUID, originals: Sequence[uuid.UUID]) -> int:
         """Intend the compensations of a stopping run's effects ``originals``; how many were new."""
@@ -376,7 +385,7 @@ class RunTx:
 
     def stopping_runs(self, max_rows: int) -> list[uuid.UUID]:
         """Cancelling and compensating runs, oldest change first."""
-        return [r.id for r in self._each_shard(run_sql.stopping_runs, max_rows)]
+        return [r.id for r in self._each_shard(stopping_sql.stopping_runs, max_rows)]
 
     def _each_shard(self, statement: Callable[..., Any], max_rows: int) -> list[Any]:
         """Up to ``max_rows`` rows of a sweep's ``statement(sharded=...)``.

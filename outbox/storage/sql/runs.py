@@ -1,4 +1,4 @@
-"""SQL of durable runs: waits, signals, suspension, step retries, upgrades, sweeps, stopping.
+"""SQL of durable runs: waits, signals, suspension, step retries, upgrades, sweeps.
 
 Pure functions returning SQLAlchemy Core statements, executed by
 :mod:`outbox.run_store`. Writes about a run held by a worker are fenced by
@@ -11,13 +11,11 @@ from functools import cache
 from typing import Any
 
 from sqlalchemy import (
-    ARRAY,
     DateTime,
     Float,
     Integer,
     SmallInteger,
     Text,
-    any_,
     bindparam,
     case,
     cast,
@@ -32,12 +30,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.models import (
     LIVE_RUN_STATUSES,
-    NOT_STARTED_EFFECT_STATUSES,
-    STOPPING_RUN_STATUSES,
-    AttemptOutcome,
 )
 from outbox.storage.schema import effects, runs, signals, steps
-from outbox.storage.sql.attempt_log import log_changes
 from outbox.storage.sql.common import (
     SECONDS,
     AnySelect,
@@ -50,19 +44,15 @@ from outbox.storage.sql.common import (
 
 __all__ = [
     "await_effect",
-    "cancel_pending_effects",
     "complete_wait_step",
     "consume_signal",
     "insert_signal",
     "insert_wait_step",
     "lock_run",
-    "mark_compensated",
     "mark_run",
     "record_step_failure",
     "rescue_expired_runs",
-    "run_effects_for_stopping",
     "run_versions",
-    "stopping_runs",
     "suspend_run",
     "upgrade_run",
     "wait_step",
@@ -76,9 +66,6 @@ _RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
 _W_RUN = bindparam("w_run", type_=UUID(as_uuid=True))
 _W_STEP = bindparam("w_step", type_=Text)
 _S_NAME = bindparam("s_name", type_=Text)
-# Statements on outbox_effects cannot bind "run_id": it is a column there, and
-# SQLAlchemy reserves column names for the SET clause.
-_OF_RUN = bindparam("stopping_run", type_=UUID(as_uuid=True))
 #: A pause waits for the worker holding the run: it takes effect when the worker lets go.
 _PAUSE_ASKED = runs.c.paused_at.isnot(None)
 
@@ -415,86 +402,4 @@ def mark_run() -> Any:
             updated_at=func.now(),
         )
         .returning(runs.c.status)
-    )
-
-
-@cache
-def cancel_pending_effects(sharded: bool = False) -> Any:
-    """A stopping run's effects that have not started are cancelled (they never will be).
-
-    Each one gets an attempt-log row (outcome ``cancelled``) naming who
-    cancelled and why, as an operator's resolve or retry does. Parameters:
-    ``stopping_run``, ``reason`` (the effects' ``last_error``), ``by`` (who),
-    ``detail`` (JSON). Returns one row per effect cancelled.
-    """
-    changed = (
-        effects.update()
-        .where(
-            effects.c.run_id == _OF_RUN,
-            effects.c.shard == shard_of(_OF_RUN),
-            in_statuses(effects.c.status, NOT_STARTED_EFFECT_STATUSES),
-            effects.c.compensates.is_(None),
-        )
-        .values(
-            status=const("cancelled"),
-            completed_at=func.now(),
-            updated_at=func.now(),
-            last_error=bindparam("reason", type_=Text),
-        )
-        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
-        .cte("changed")
-    )
-    by, detail = bindparam("by", type_=Text), json_param("detail")
-    return log_changes(
-        changed, worker=by, outcome=const(AttemptOutcome.CANCELLED), detail=detail, sharded=sharded
-    )
-
-
-def stopping_runs(sharded: bool = False) -> AnySelect:
-    """Runs being cancelled or compensated, oldest change first (by index).
-
-    ``sharded`` (Citus): of shard ``:on_shard`` only.
-    """
-    return (
-        select(runs.c.id)
-        .where(
-            in_statuses(runs.c.status, STOPPING_RUN_STATUSES),
-            *([runs.c.shard == bindparam("on_shard", type_=SmallInteger)] if sharded else []),
-        )
-        .order_by(runs.c.updated_at)
-        .limit(bindparam("max_rows", type_=Integer))
-    )
-
-
-def run_effects_for_stopping() -> AnySelect:
-    """Every effect of one run, in intent order, with what compensation needs."""
-    return (
-        select(
-            effects.c.id,
-            effects.c.status,
-            effects.c.compensate,
-            effects.c.compensates,
-            effects.c.idempotency_key,
-            effects.c.seq,
-            effects.c.kind,
-            effects.c.priority,
-            effects.c.fairness_key,
-        )
-        .where(effects.c.run_id == _OF_RUN, effects.c.shard == shard_of(_OF_RUN))
-        .order_by(effects.c.seq)
-    )
-
-
-@cache
-def mark_compensated() -> Any:
-    """A stopping run's succeeded effects whose compensation succeeded become ``compensated``."""
-    return (
-        effects.update()
-        .where(
-            effects.c.run_id == _OF_RUN,
-            effects.c.shard == shard_of(_OF_RUN),
-            effects.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
-            effects.c.status == const("succeeded"),
-        )
-        .values(status=const("compensated"), updated_at=func.now())
     )

@@ -1,0 +1,153 @@
+"""SQL of stopping runs: a cancel's effects, the sweep that moves stopping runs on.
+
+Pure builders, executed by :class:`~outbox.storage.run_tx.RunTx`, which holds
+the run row's lock (taken after the run's unstarted effects:
+:func:`~outbox.storage.sql.control.lock_unstarted_effects`).
+
+A cancel stops what has not started. An effect pending again because its last
+attempt was lost (the deliverer died holding it, and the reconciler gave it back
+for redelivery) has started: that attempt may have reached the sink, and only
+its late answer or its redelivery (same key) can tell. Such an effect is
+:func:`in_doubt`: a cancel leaves it to be delivered, as it leaves an attempt in
+flight to finish, and the run is compensated for it if it happened.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import ARRAY, Integer, SmallInteger, Text, any_, bindparam, func, select
+from sqlalchemy.dialects.postgresql import UUID
+
+from outbox.models import NOT_STARTED_EFFECT_STATUSES, STOPPING_RUN_STATUSES, AttemptOutcome
+from outbox.storage.schema import effect_attempts, effects, runs
+from outbox.storage.sql.attempt_log import log_changes
+from outbox.storage.sql.common import AnySelect, const, in_statuses, json_param, shard_of
+
+__all__ = [
+    "cancel_pending_effects",
+    "in_doubt",
+    "mark_compensated",
+    "run_effects_for_stopping",
+    "stopping_runs",
+]
+
+# Statements on outbox_effects cannot bind "run_id": it is a column there, and
+# SQLAlchemy reserves column names for the SET clause.
+_OF_RUN = bindparam("stopping_run", type_=UUID(as_uuid=True))
+#: How the reconciler logs an attempt it gave back for redelivery (lease expired).
+REDELIVERED = "redeliver"
+
+
+def in_doubt(shard: Any) -> Any:
+    """True for an effect whose current attempt was lost and given back to be delivered again.
+
+    The newest log row of that attempt says so (``expired``, resolution
+    ``redeliver``); any answer accepted since (a late ``retry``, a lookup) is
+    logged after it and decides instead. ``shard`` is the effect's, as a value
+    the statement knows (Citus sends the subquery to one shard only by it).
+    """
+    a = effect_attempts
+    newest = (
+        select(
+            (a.c.outcome == const(AttemptOutcome.EXPIRED))
+            & (a.c.detail["resolution"].astext == REDELIVERED)
+        )
+        .where(
+            a.c.effect_id == effects.c.id,
+            a.c.shard == shard,
+            a.c.attempt == effects.c.attempt,
+        )
+        .order_by(a.c.id.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    return func.coalesce(newest, False)
+
+
+def _of_stopping_run() -> tuple[Any, ...]:
+    return (effects.c.run_id == _OF_RUN, effects.c.shard == shard_of(_OF_RUN))
+
+
+@cache
+def cancel_pending_effects(sharded: bool = False) -> Any:
+    """A stopping run's effects that have not started are cancelled (they never will be).
+
+    Each one gets an attempt-log row (outcome ``cancelled``) naming who
+    cancelled and why, as an operator's resolve or retry does. Parameters:
+    ``stopping_run``, ``reason`` (the effects' ``last_error``), ``by`` (who),
+    ``detail`` (JSON). Returns one row per effect cancelled. An effect
+    :func:`in_doubt` is not cancelled.
+    """
+    changed = (
+        effects.update()
+        .where(
+            *_of_stopping_run(),
+            in_statuses(effects.c.status, NOT_STARTED_EFFECT_STATUSES),
+            effects.c.compensates.is_(None),
+            ~in_doubt(shard_of(_OF_RUN)),
+        )
+        .values(
+            status=const("cancelled"),
+            completed_at=func.now(),
+            updated_at=func.now(),
+            last_error=bindparam("reason", type_=Text),
+        )
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
+        .cte("changed")
+    )
+    by, detail = bindparam("by", type_=Text), json_param("detail")
+    return log_changes(
+        changed, worker=by, outcome=const(AttemptOutcome.CANCELLED), detail=detail, sharded=sharded
+    )
+
+
+def stopping_runs(sharded: bool = False) -> AnySelect:
+    """Runs being cancelled or compensated, oldest change first (by index).
+
+    ``sharded`` (Citus): of shard ``:on_shard`` only.
+    """
+    return (
+        select(runs.c.id)
+        .where(
+            in_statuses(runs.c.status, STOPPING_RUN_STATUSES),
+            *([runs.c.shard == bindparam("on_shard", type_=SmallInteger)] if sharded else []),
+        )
+        .order_by(runs.c.updated_at)
+        .limit(bindparam("max_rows", type_=Integer))
+    )
+
+
+def run_effects_for_stopping() -> AnySelect:
+    """Every effect of one run, in intent order, with what compensation needs."""
+    return (
+        select(
+            effects.c.id,
+            effects.c.status,
+            effects.c.compensate,
+            effects.c.compensates,
+            effects.c.idempotency_key,
+            effects.c.seq,
+            effects.c.kind,
+            effects.c.priority,
+            effects.c.fairness_key,
+            in_doubt(shard_of(_OF_RUN)).label("in_doubt"),
+        )
+        .where(*_of_stopping_run())
+        .order_by(effects.c.seq)
+    )
+
+
+@cache
+def mark_compensated() -> Any:
+    """A stopping run's succeeded effects whose compensation succeeded become ``compensated``."""
+    return (
+        effects.update()
+        .where(
+            *_of_stopping_run(),
+            effects.c.id == any_(bindparam("ids", type_=ARRAY(UUID(as_uuid=True)))),
+            effects.c.status == const("succeeded"),
+        )
+        .values(status=const("compensated"), updated_at=func.now())
+    )
