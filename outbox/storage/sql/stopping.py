@@ -4,7 +4,7 @@ Pure builders, executed by :class:`~outbox.storage.run_tx.RunTx`, which holds
 the run row's lock (taken after the run's unstarted effects:
 :func:`~outbox.storage.sql.control.lock_unstarted_effects`).
 
-A cancel stops what has not started. An effect pending again because its last
+A cancel stops what has not started. An effect pending again because an
 attempt was lost (the deliverer died holding it, and the reconciler gave it back
 for redelivery) has started: that attempt may have reached the sink, and only
 its late answer or its redelivery (same key) can tell. Such an effect is
@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from sqlalchemy import ARRAY, Integer, SmallInteger, Text, any_, bindparam, func, select
+from sqlalchemy import ARRAY, Integer, SmallInteger, Text, any_, bindparam, exists, func, select
 from sqlalchemy.dialects.postgresql import UUID
 
 from outbox.models import NOT_STARTED_EFFECT_STATUSES, STOPPING_RUN_STATUSES, AttemptOutcome
@@ -41,29 +41,21 @@ REDELIVERED = "redeliver"
 
 
 def in_doubt(shard: Any) -> Any:
-    """True for an effect whose current attempt was lost and given back to be delivered again.
+    """True for an effect an attempt of which was lost and given back to be delivered again.
 
-    The newest log row of that attempt says so (``expired``, resolution
-    ``redeliver``); any answer accepted since (a late ``retry``, a lookup) is
-    logged after it and decides instead. ``shard`` is the effect's, as a value
-    the statement knows (Citus sends the subquery to one shard only by it).
+    Its log says so (``expired``, resolution ``redeliver``). Later attempts do not
+    settle it: a later ``retry`` answer says nothing of the lost call, and in stream
+    mode the redelivery is dispatched under a new attempt before it is called. The
+    effect is in doubt until an attempt ends it. ``shard`` is the effect's, as a
+    value the statement knows (Citus sends the subquery to one shard only by it).
     """
     a = effect_attempts
-    newest = (
-        select(
-            (a.c.outcome == const(AttemptOutcome.EXPIRED))
-            & (a.c.detail["resolution"].astext == REDELIVERED)
-        )
-        .where(
-            a.c.effect_id == effects.c.id,
-            a.c.shard == shard,
-            a.c.attempt == effects.c.attempt,
-        )
-        .order_by(a.c.id.desc())
-        .limit(1)
-        .scalar_subquery()
+    return exists().where(
+        a.c.effect_id == effects.c.id,
+        a.c.shard == shard,
+        a.c.outcome == const(AttemptOutcome.EXPIRED),
+        a.c.detail["resolution"].astext == REDELIVERED,
     )
-    return func.coalesce(newest, False)
 
 
 def _of_stopping_run() -> tuple[Any, ...]:
