@@ -251,9 +251,6 @@ class RunOperations(ClientBase):
     ) -> RunStatus:
         """Stop a run: pending effects are cancelled, in-flight ones finish, then compensation.
 
-        An effect whose attempt was lost and is being delivered again counts as in
-        flight: that attempt may have reached the sink, so it is not cancelled.
-
         Each effect the cancel stops gets a row in its attempt log (outcome
         ``cancelled``) naming ``by`` (who; default: the user this process runs
         as) with ``reason`` and ``via`` (where the cancel came from: ``api``,

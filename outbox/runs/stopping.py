@@ -71,17 +71,12 @@ def cancel_run(tx: RunTx, run_id: uuid.UUID, reason: str, *, by: str, via: str) 
     Each effect cancelled gets an attempt-log row (outcome ``cancelled``) with
     ``by`` as who and ``{"note": reason, "by": by, "via": via}`` as detail.
     """
-    locked = tx.lock_with_effects(run_id)
-    status = locked.status
+    status = tx.lock_with_effects(run_id).status
     if status in STOPPING_RUN_STATUSES:
         return status  # already stopping: cancelling twice changes nothing
     if status not in LIVE_RUN_STATUSES:
         raise RunTerminal(run_id, status.value)
     tx.mark(run_id, RunStatus.CANCELLING, reason)
-    if locked.paused or status == RunStatus.PAUSED:
-        # The pause is over: what it held is cancelled below, but for an effect whose
-        # lost attempt is being delivered again, which goes on (see in_doubt)
-        tx.release_effects(run_id)
     cancelled = tx.cancel_pending_effects(
         run_id,
         f"run cancelled: {reason}",
@@ -118,7 +113,7 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
         # An attempt that was in flight at the cancel and asked for a retry is
         # pending again, and a relay may have handed one to Kafka meanwhile: neither
         # will be delivered now.
-        if any(r.status in NOT_STARTED_EFFECT_STATUSES and not r.in_doubt for r in originals):
+        if any(r.status in NOT_STARTED_EFFECT_STATUSES for r in originals):
             tx.cancel_pending_effects(
                 run_id,
                 "run cancelled",
@@ -126,7 +121,7 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
                 detail={"note": _LATE_NOTE, "by": STOPPING_WORKER, "via": "stopping"},
             )
             originals = [r for r in tx.effects_for_stopping(run_id) if r.compensates is None]
-        if any(_under_way(r) for r in originals):
+        if any(r.status in (EffectStatus.IN_FLIGHT, EffectStatus.UNKNOWN) for r in originals):
             return status  # in-flight calls finish first; unknown ones wait for an operator
         to_undo = [
             r
@@ -145,13 +140,6 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
         tx.mark_compensated(run_id, [r.compensates for r in compensations])
         return finish(RunStatus.COMPENSATED)
     return finish(RunStatus.COMPENSATION_FAILED)
-
-
-def _under_way(effect: Any) -> bool:
-    """An attempt that may reach the sink yet: in flight, unknown, or lost and redelivered."""
-    if effect.status in (EffectStatus.IN_FLIGHT, EffectStatus.UNKNOWN):
-        return True
-    return bool(effect.in_doubt) and effect.status in NOT_STARTED_EFFECT_STATUSES
 
 
 def _intend_compensations(tx: RunTx, run_id: uuid.UUID, to_undo: list[Any]) -> None:

@@ -364,11 +364,7 @@ class RunTx:
         return len(self._logged(stopping_sql.cancel_pending_effects, params))
 
     def effects_for_stopping(self, run_id: uuid.UUID) -> list[Any]:
-        """Every effect of the run in intent order, with what stopping it needs.
-
-        Columns: id, status, compensate, compensates, key, and ``in_doubt`` (its
-        lost attempt is being delivered again).
-        """
+        """Every effect of the run in intent order: id, status, compensate, compensates, key."""
         return list(
             self._run(stopping_sql.run_effects_for_stopping(), {"stopping_run": run_id}).all()
         )

@@ -55,9 +55,6 @@ from tests.integration.test_console import (
     resolve_goes_to_the_attempt_log,
     search_finds_a_run_by_an_effects_key,
 )
-from tests.integration.test_stopping_and_budgets import (
-    a_lost_attempt_is_delivered_again_then_undone,
-)
 from tests.support import DaemonThread, WorkerThread, delivery_plan_modes, wait_for
 
 
@@ -446,12 +443,6 @@ def test_a_late_completion_after_a_takeover_changes_nothing(ob: Outbox, dsn: str
     assert asyncio.run(late()) == [(effect_id, "stale")]
     assert ob.effect(effect_id).status.value == "succeeded"
     assert len(deliverer.deliveries) == 1
-
-
-def test_a_cancel_delivers_again_an_effect_whose_lost_attempt_may_have_happened(
-    ob: Outbox, dsn: str
-) -> None:
-    a_lost_attempt_is_delivered_again_then_undone(ob, dsn, paused=True)
 
 
 def test_shards_spread_over_both_workers(dsn: str) -> None:

@@ -168,15 +168,13 @@ def test_a_cancel_or_pause_and_a_late_completion_of_an_awaited_effect_do_not_dea
     assert outcomes["operator"] == stopped, outcomes
     assert elapsed < 1.0, elapsed  # no deadlock was waited out
     log = [(a.outcome, (a.detail or {}).get("reported")) for a in ob.store.attempts(effect_id)]
-    if first == "operator" and action == "pause":
-        # the late answer came after the pause: kept as stale, with what it said; the
-        # pause holds the effect, to be delivered again (same key) at resume
+    if first == "operator":
+        # the late answer came after the operator: kept as stale, with what it said
         assert outcomes["completion"] == [(effect_id, "stale")], outcomes
-        assert ob.effect(effect_id).status == EffectStatus.PAUSED
+        held = EffectStatus.CANCELLED if action == "cancel" else EffectStatus.PAUSED
+        assert ob.effect(effect_id).status == held
         assert log[-1] == ("stale", "succeeded"), log
     else:
-        # a cancel does not cancel an effect whose lost attempt may have happened: its
-        # late answer is taken, whichever came first
         assert outcomes["completion"] == [(effect_id, "succeeded")], outcomes
         assert ob.effect(effect_id).status == EffectStatus.SUCCEEDED
         assert "cancelled" not in [outcome for outcome, _ in log], log

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from decimal import Decimal
 from typing import Any
@@ -23,11 +22,7 @@ from outbox import (
     compensation_key,
 )
 from outbox.delivery import Delivery, Failed, Outcome, Succeeded
-from outbox.delivery.reconcile import reconcile
-from outbox.storage.async_store import AsyncStore
-from outbox.storage.engine import make_async_engine
 from outbox.storage.schema import budget_ledger
-from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.support import DaemonThread, wait_for
 
 
@@ -106,63 +101,6 @@ def test_cancellation_while_an_effect_is_in_flight_waits_for_it(ob: Outbox, dsn:
             timeout=20,
         )
     assert [d.payload["item"] for d in refund.deliveries] == ["flight"]
-
-
-def _lose_an_attempt(dsn: str, kind: str) -> None:
-    """A deliverer claims one effect of ``kind`` and dies; the reconciler gives it back."""
-
-    async def main() -> None:
-        store = AsyncStore(make_async_engine(dsn))
-        try:
-            held = await store.claim_many(
-                EFFECT_QUEUE, [({"kind": kind}, 1)], owner="dead", lease_seconds=0.001
-            )
-            assert len(held) == 1
-            report = await reconcile(store, {kind: RecordingDeliverer(kind)}, worker="r")
-            assert report.counts == {"redeliver": 1}
-        finally:
-            await store.dispose()
-
-    asyncio.run(main())
-
-
-@pytest.mark.parametrize("paused", [False, True], ids=["running", "paused"])
-def test_a_cancel_delivers_again_an_effect_whose_lost_attempt_may_have_happened(
-    ob: Outbox, dsn: str, paused: bool
-) -> None:
-    a_lost_attempt_is_delivered_again_then_undone(ob, dsn, paused=paused)
-
-
-def a_lost_attempt_is_delivered_again_then_undone(ob: Outbox, dsn: str, *, paused: bool) -> None:
-    """The flight's deliverer died mid-call: the booking may have been made.
-
-    A cancel stops what never started (the hotel, the car) but not that one: it is
-    booked again with the same key (the sink applies it once) and then refunded, as
-    an attempt in flight at the cancel would be. Cancelled, it would stay booked.
-    """
-    run = book_trip(ob)
-    _lose_an_attempt(dsn, "k.book")
-    (lost,) = [e for e in ob.effects(run_id=run.id) if e.attempt == 1]
-    if paused:  # a pause holds it, and the cancel that ends the pause lets it go
-        ob.pause(run.id, "checking")
-        assert ob.effect(lost.id).status == EffectStatus.PAUSED
-    assert ob.cancel(run.id, "stop") == RunStatus.CANCELLING
-    statuses = {e.id: e.status for e in ob.effects(run_id=run.id)}
-    assert statuses.pop(lost.id) == EffectStatus.PENDING
-    assert set(statuses.values()) == {EffectStatus.CANCELLED}
-    book = RecordingDeliverer("k.book")
-    refund = RecordingDeliverer("k.refund")
-    with DaemonThread(dsn, {"k.book": book, "k.refund": refund}):
-        wait_for(
-            lambda: (
-                ob.advance_stopping_runs() is not None
-                and ob.run(run.id).status == RunStatus.COMPENSATED
-            ),
-            timeout=20,
-        )
-    assert [(d.effect_id, d.attempt) for d in book.deliveries] == [(lost.id, 2)]
-    assert [d.payload["item"] for d in refund.deliveries] == [lost.payload["item"]]
-    assert ob.effect(lost.id).status == EffectStatus.COMPENSATED
 
 
 def test_a_compensation_that_fails_is_visible(ob: Outbox, dsn: str) -> None:

@@ -3,13 +3,6 @@
 Pure builders, executed by :class:`~outbox.storage.run_tx.RunTx`, which holds
 the run row's lock (taken after the run's unstarted effects:
 :func:`~outbox.storage.sql.control.lock_unstarted_effects`).
-
-A cancel stops what has not started. An effect pending again because an
-attempt was lost (the deliverer died holding it, and the reconciler gave it back
-for redelivery) has started: that attempt may have reached the sink, and only
-its late answer or its redelivery (same key) can tell. Such an effect is
-:func:`in_doubt`: a cancel leaves it to be delivered, as it leaves an attempt in
-flight to finish, and the run is compensated for it if it happened.
 """
 
 from __future__ import annotations
@@ -17,17 +10,16 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from sqlalchemy import ARRAY, Integer, SmallInteger, Text, any_, bindparam, exists, func, select
+from sqlalchemy import ARRAY, Integer, SmallInteger, Text, any_, bindparam, func, select
 from sqlalchemy.dialects.postgresql import UUID
 
 from outbox.models import NOT_STARTED_EFFECT_STATUSES, STOPPING_RUN_STATUSES, AttemptOutcome
-from outbox.storage.schema import effect_attempts, effects, runs
+from outbox.storage.schema import effects, runs
 from outbox.storage.sql.attempt_log import log_changes
 from outbox.storage.sql.common import AnySelect, const, in_statuses, json_param, shard_of
 
 __all__ = [
     "cancel_pending_effects",
-    "in_doubt",
     "mark_compensated",
     "run_effects_for_stopping",
     "stopping_runs",
@@ -36,26 +28,6 @@ __all__ = [
 # Statements on outbox_effects cannot bind "run_id": it is a column there, and
 # SQLAlchemy reserves column names for the SET clause.
 _OF_RUN = bindparam("stopping_run", type_=UUID(as_uuid=True))
-#: How the reconciler logs an attempt it gave back for redelivery (lease expired).
-REDELIVERED = "redeliver"
-
-
-def in_doubt(shard: Any) -> Any:
-    """True for an effect an attempt of which was lost and given back to be delivered again.
-
-    Its log says so (``expired``, resolution ``redeliver``). Later attempts do not
-    settle it: a later ``retry`` answer says nothing of the lost call, and in stream
-    mode the redelivery is dispatched under a new attempt before it is called. The
-    effect is in doubt until an attempt ends it. ``shard`` is the effect's, as a
-    value the statement knows (Citus sends the subquery to one shard only by it).
-    """
-    a = effect_attempts
-    return exists().where(
-        a.c.effect_id == effects.c.id,
-        a.c.shard == shard,
-        a.c.outcome == const(AttemptOutcome.EXPIRED),
-        a.c.detail["resolution"].astext == REDELIVERED,
-    )
 
 
 def _of_stopping_run() -> tuple[Any, ...]:
@@ -69,8 +41,7 @@ def cancel_pending_effects(sharded: bool = False) -> Any:
     Each one gets an attempt-log row (outcome ``cancelled``) naming who
     cancelled and why, as an operator's resolve or retry does. Parameters:
     ``stopping_run``, ``reason`` (the effects' ``last_error``), ``by`` (who),
-    ``detail`` (JSON). Returns one row per effect cancelled. An effect
-    :func:`in_doubt` is not cancelled.
+    ``detail`` (JSON). Returns one row per effect cancelled.
     """
     changed = (
         effects.update()
@@ -78,7 +49,6 @@ def cancel_pending_effects(sharded: bool = False) -> Any:
             *_of_stopping_run(),
             in_statuses(effects.c.status, NOT_STARTED_EFFECT_STATUSES),
             effects.c.compensates.is_(None),
-            ~in_doubt(shard_of(_OF_RUN)),
         )
         .values(
             status=const("cancelled"),
@@ -124,7 +94,6 @@ def run_effects_for_stopping() -> AnySelect:
             effects.c.kind,
             effects.c.priority,
             effects.c.fairness_key,
-            in_doubt(shard_of(_OF_RUN)).label("in_doubt"),
         )
         .where(*_of_stopping_run())
         .order_by(effects.c.seq)
