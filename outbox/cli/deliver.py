@@ -33,7 +33,6 @@ from outbox.storage.engine import libpq_dsn, make_async_engine, open_engine
 __all__ = ["COMMANDS"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-T = TypeVar("T")
 S = TypeVar("S", bound=pydantic.BaseModel)
 
 config_option = click.option(

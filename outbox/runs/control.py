@@ -1,9 +1,11 @@
 """Run control: pause and resume one run, fork a run from a step.
 
 Every function takes a :class:`~outbox.storage.run_tx.RunTx` inside one
-transaction and locks the run row first, as waits, signals and cancellation
-do, so none of them interleave. Both clients call these (the sync one through
-``Store.run_tx()``, the async one through ``AsyncRunStore.run_tx``).
+transaction and locks the run row before it changes anything, as waits, signals
+and cancellation do, so none of them interleave (pause and resume, which change
+the run's unstarted effects, lock those first, as a cancel does). Both clients
+call these (the sync one through ``Store.run_tx()``, the async one through
+``AsyncRunStore.run_tx``).
 
 **Pause.** A paused run is not claimed by workers and its effects that no
 deliverer has started are not claimed by deliverers (they are ``paused``).

@@ -1,9 +1,12 @@
 """How a run stops: cancellation, then compensation in reverse order.
 
 Every function takes a :class:`~outbox.storage.run_tx.RunTx` inside a
-transaction and locks the run row first, so signals, waits and cancellation of
-one run never interleave. Sync callers use ``Store.run_tx()``; the async daemon
-passes the same functions to ``AsyncStore.run_sync``.
+transaction and locks the run row before it changes anything, so signals, waits
+and cancellation of one run never interleave. Before the run row it locks the
+run's effects that have not started (``RunTx.lock_with_effects``): a completion
+holds its effect while it wakes the run, so the two take those rows in one
+order. Sync callers use ``Store.run_tx()``; the async daemon passes the same
+functions to ``AsyncStore.run_sync``.
 
 Stopping: ``cancel`` marks the run ``cancelling`` and cancels its effects that
 have not started, each with an attempt-log row saying who and why (as an

@@ -1,7 +1,10 @@
 """The statements of one run-scoped transaction: waits, signals and stopping, by name.
 
-Waits, signals and cancellation of one run serialise on the run row's lock,
-which :meth:`RunTx.lock` takes first. The domain logic (what a wait decides,
+Waits, signals and cancellation of one run serialise on the run row's lock
+(:meth:`RunTx.lock`). What changes the run's unstarted effects under it (pause,
+resume, cancel, an approval's deadline) locks those effects first, in id order
+(:meth:`RunTx.lock_with_effects`), the order a completion takes an effect and
+then the run it wakes. The domain logic (what a wait decides,
 how a stopping run moves on) lives in :mod:`outbox.runs`; it calls these
 methods and never sees SQL. Sync callers get a ``RunTx`` from
 ``Store.run_tx()``; the async daemon runs the same logic through
@@ -125,8 +128,12 @@ class RunTx:
 
         For what changes those effects under the run's lock: pause, resume, cancel.
         """
-        self._run(control.lock_unstarted_effects(), {"of_run": run_id})
+        self.lock_unstarted(run_id)
         return self.lock(run_id)
+
+    def lock_unstarted(self, run_id: uuid.UUID) -> None:
+        """Lock the run's effects that have not started, in id order (not the run)."""
+        self._run(control.lock_unstarted_effects(), {"of_run": run_id})
 
     def mark(self, run_id: uuid.UUID, status: RunStatus, reason: str | None = None) -> None:
         """Set the locked run's status (and cancel reason); clears its lease and waits."""
@@ -290,6 +297,10 @@ class RunTx:
             shard = self._effect_shards[effect_id] = -1 if found is None else found
         return {"effect_id": effect_id, "effect_shard": shard}
 
+    def effect_run(self, effect_id: uuid.UUID) -> uuid.UUID | None:
+        """The run of an effect (None for an effect of no run, or none at all); not locked."""
+        return self._run(gov_sql.effect_run(), self._one_effect(effect_id)).scalar()  # type: ignore[no-any-return]
+
     def lock_effect(self, effect_id: uuid.UUID) -> Any:
         """The effect row locked until commit (status, digest, approval, ``due``), or None."""
         return self._run(gov_sql.lock_effect(), self._one_effect(effect_id)).first()
@@ -348,11 +359,11 @@ class RunTx:
         }
         self._run(gov_sql.log_effect_event(), params)
 
-    def due_approvals(self, max_rows: int) -> list[uuid.UUID]:
-        """Held effects whose approval deadline passed, locked (others skip them)."""
+    def due_approvals(self, max_rows: int) -> list[tuple[uuid.UUID, uuid.UUID | None]]:
+        """Held effects whose approval deadline passed, with their runs (not locked)."""
         rows = self._each_shard(gov_sql.due_approvals, max_rows)
         self._effect_shards.update((r.id, int(r.shard)) for r in rows)
-        return [r.id for r in rows]
+        return [(r.id, r.run_id) for r in rows]
 
     # -- stopping ---------------------------------------------------------------------
 

@@ -25,7 +25,14 @@ import psycopg
 import pytest
 
 from deliverers.testing import RecordingDeliverer
-from outbox import AsyncOutbox, EffectStatus, Outbox, RunStatus
+from outbox import (
+    ApprovalRefused,
+    AsyncOutbox,
+    EffectStatus,
+    Outbox,
+    RunStatus,
+    RunTerminal,
+)
 from outbox.delivery.reconcile import reconcile
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.attempts import Completion
@@ -179,3 +186,60 @@ def test_a_cancel_or_pause_and_a_late_completion_of_an_awaited_effect_do_not_dea
         assert ob.effect(effect_id).status == EffectStatus.SUCCEEDED
         assert "cancelled" not in [outcome for outcome, _ in log], log
     assert ob.run(run.id).status == stopped
+
+
+def test_an_approval_past_its_deadline_and_a_pause_of_its_run_do_not_deadlock(
+    ob: Outbox, dsn: str
+) -> None:
+    # An approval that comes after the deadline applies on_timeout first, here
+    # cancel_run, which locks the run's unstarted effects and then the run. A pause
+    # locks the same effects, in id order. The approval held its effect (the higher
+    # id) while the pause held the lower one and waited for it: a deadlock. The
+    # approval now takes the run's unstarted effects first, in the same order.
+    run = ob.start_run("payer", "1")
+    policy = {"timeout": 0.2, "on_timeout": "cancel_run"}
+    low, held = (
+        uuid.UUID(i)
+        for i in run.transaction(
+            "pay",
+            lambda tx: [
+                str(tx.intend(KIND, {"n": 0}).id),
+                str(tx.intend(KIND, {"n": 1}, approval=policy).id),
+            ],
+        )
+    )
+    assert low < held
+    assert ob.effect(held).status == EffectStatus.AWAITING_APPROVAL
+    digest = ob.effect(held).digest
+    time.sleep(0.4)  # the deadline passes
+    outcomes: dict[str, Any] = {}
+
+    def approve() -> None:
+        try:
+            outcomes["approve"] = ob.approve_effect(held, digest=digest, note="late", by="cfo")
+        except Exception as error:
+            outcomes["approve"] = error
+
+    def pause() -> None:
+        try:
+            outcomes["pause"] = ob.pause(run.id, "checking")
+        except Exception as error:
+            outcomes["pause"] = error
+
+    with psycopg.connect(dsn) as holder:  # the approval queues first, then the pause
+        holder.execute("SELECT 1 FROM outbox_effects WHERE id = %s FOR UPDATE", [held])
+        approver = threading.Thread(target=approve)
+        approver.start()
+        wait_for(lambda: len(lock_waiters(dsn)) == 1, timeout=10)
+        pauser = threading.Thread(target=pause)
+        pauser.start()
+        wait_for(lambda: len(lock_waiters(dsn)) == 2, timeout=10)
+        began = time.monotonic()
+    approver.join(30)
+    pauser.join(30)
+    elapsed = time.monotonic() - began
+    assert isinstance(outcomes["approve"], ApprovalRefused), outcomes
+    assert isinstance(outcomes["pause"], RunTerminal), outcomes  # cancelled before it
+    assert elapsed < 1.0, elapsed  # no deadlock was waited out
+    assert ob.run(run.id).status == RunStatus.CANCELLED
+    assert {ob.effect(low).status, ob.effect(held).status} == {EffectStatus.CANCELLED}

@@ -82,6 +82,8 @@ def lock_unstarted_effects() -> AnySelect:
             effects.c.shard == shard_of(_OF_RUN),
             in_statuses(effects.c.status, NOT_STARTED_EFFECT_STATUSES),
         )
+        # one order for every taker, so two never hold parts of the set each
+        .order_by(effects.c.id)
         .with_for_update(of=effects)
     )
 

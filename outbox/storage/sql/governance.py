@@ -44,6 +44,7 @@ __all__ = [
     "audit_run",
     "delete_gates",
     "due_approvals",
+    "effect_run",
     "effect_shard",
     "effects_outside_runs",
     "escalate_held",
@@ -73,6 +74,11 @@ def effect_shard(*, named: bool = False) -> AnySelect:
     alone, where the effect's id says it lives).
     """
     return select(effects.c.shard).where(_ONE_EFFECT if named else effects.c.id == _EFFECT_ID)
+
+
+def effect_run() -> AnySelect:
+    """The run of the effect ``:effect_id`` (read, not locked)."""
+    return select(effects.c.run_id).where(_ONE_EFFECT)
 
 
 def lock_effect() -> AnySelect:
@@ -214,21 +220,22 @@ def log_effect_event() -> Any:
 
 
 def due_approvals(sharded: bool = False) -> AnySelect:
-    """Held effects whose approval deadline passed (by index), locked, at most ``max_rows``.
+    """Held effects whose approval deadline passed (by index), at most ``max_rows``.
 
-    Returns id and shard; others skip the rows locked. ``sharded`` (Citus, which
-    locks rows only in a statement on one shard): of shard ``:on_shard`` only.
+    Returns id, shard and run_id, oldest deadline first (then by id, so two sweeps
+    meet them in one order). Not locked: the caller locks each one's run's unstarted
+    effects first and then the effect, as every path that may cancel the run does.
+    ``sharded`` (Citus): of shard ``:on_shard`` only.
     """
     return (
-        select(effects.c.id, effects.c.shard)
+        select(effects.c.id, effects.c.shard, effects.c.run_id)
         .where(
             effects.c.status == const("awaiting_approval"),
             effects.c.approval_deadline <= func.now(),
             *([effects.c.shard == bindparam("on_shard", type_=SmallInteger)] if sharded else []),
         )
-        .order_by(effects.c.approval_deadline)
+        .order_by(effects.c.approval_deadline, effects.c.id)
         .limit(bindparam("max_rows", type_=Integer))
-        .with_for_update(skip_locked=True)
     )
 
 
