@@ -19,6 +19,7 @@ import asyncio
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -44,6 +45,74 @@ from tests.support import lock_waiters, wait_for
 KIND = "k.ordered"
 
 
+def race(
+    dsn: str, table: str, row_id: uuid.UUID, first: Callable[[], Any], second: Callable[[], Any]
+) -> tuple[Any, Any, float]:
+    """``first`` and ``second`` in threads; what each returned (or raised), and how long.
+
+    The row ``row_id`` of ``table`` is held here first, so that ``first`` queues for
+    it before ``second`` starts and queues too; both go on when it is let go. The
+    time runs from then until both ended: PostgreSQL breaks a deadlock after
+    ``deadlock_timeout`` (1 s), so a race under a second waited none out.
+    """
+    results: list[Any] = [None, None]
+
+    def call(index: int, side: Callable[[], Any]) -> None:
+        try:
+            results[index] = side()
+        except Exception as error:
+            results[index] = error
+
+    threads = [
+        threading.Thread(target=call, args=(i, side)) for i, side in enumerate((first, second))
+    ]
+    with psycopg.connect(dsn) as holder:
+        holder.execute(f"SELECT 1 FROM {table} WHERE id = %s FOR UPDATE", [row_id])
+        threads[0].start()
+        wait_for(lambda: len(lock_waiters(dsn)) == 1, timeout=10)
+        threads[1].start()
+        wait_for(lambda: len(lock_waiters(dsn)) == 2, timeout=10)
+        began = time.monotonic()
+    for thread in threads:
+        thread.join(30)
+    return results[0], results[1], time.monotonic() - began
+
+
+class AwaitedEffect:
+    """A run that awaits its one effect, claimed by deliverer ``w``; its completion."""
+
+    def __init__(self, ob: Outbox, dsn: str, key: str, *, lease_seconds: float) -> None:
+        self.run = ob.start_run("orders", key)
+        self.id = uuid.UUID(self.run.transaction("charge", lambda tx: str(tx.intend(KIND, {}).id)))
+        with ob.store.run_tx() as tx:  # an earlier check of this wait marked it awaited
+            assert isinstance(tx, RunTx)
+            assert tx.await_effect(self.run.id, self.id) is not None
+        self.store = AsyncStore(make_async_engine(dsn))
+        self.loop = asyncio.new_event_loop()
+        claimed = self.loop.run_until_complete(
+            self.store.claim_many(
+                EFFECT_QUEUE, [({"kind": KIND}, 1)], owner="w", lease_seconds=lease_seconds
+            )
+        )
+        assert [c.id for c in claimed] == [self.id]
+        self.attempt = claimed[0].attempt
+
+    def complete(self) -> Any:
+        """The claimed attempt's late or timely answer: succeeded."""
+        done = Completion(self.id, self.attempt, "succeeded", "succeeded", '{"ok": 1}')
+        return self.loop.run_until_complete(self.store.complete("w", [done]))
+
+    def reconcile(self) -> None:
+        """Its lease ran out: the reconciler puts it back to pending (an idempotent kind)."""
+        deliverers = {KIND: RecordingDeliverer(KIND, idempotent=True)}
+        report = self.loop.run_until_complete(reconcile(self.store, deliverers, worker="r"))
+        assert report.counts == {"redeliver": 1}
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.store.dispose())
+        self.loop.close()
+
+
 def _await_async(dsn: str, run_id: uuid.UUID, effect_id: uuid.UUID) -> Any:
     async def main() -> Any:
         async with await AsyncOutbox.connect(dsn) as aob:
@@ -57,54 +126,22 @@ def _await_async(dsn: str, run_id: uuid.UUID, effect_id: uuid.UUID) -> Any:
 def test_a_wait_that_holds_its_run_while_the_effect_completes_does_not_deadlock(
     ob: Outbox, dsn: str, client: str
 ) -> None:
-    run = ob.start_run("orders", "1")
-    effect_id = uuid.UUID(run.transaction("charge", lambda tx: str(tx.intend(KIND, {}).id)))
-    with ob.store.run_tx() as tx:  # an earlier check of this wait marked it awaited
-        assert isinstance(tx, RunTx)
-        assert tx.await_effect(run.id, effect_id) is not None
-    store = AsyncStore(make_async_engine(dsn))
-    loop = asyncio.new_event_loop()
-    claimed = loop.run_until_complete(
-        store.claim_many(EFFECT_QUEUE, [({"kind": KIND}, 1)], owner="w", lease_seconds=60)
-    )
-    assert [c.id for c in claimed] == [effect_id]
-    outcomes: dict[str, Any] = {}
+    effect = AwaitedEffect(ob, dsn, "1", lease_seconds=60)
+    run = effect.run
 
-    def wait() -> None:
-        try:
-            if client == "sync":
-                outcomes["wait"] = run.await_effect(effect_id, timeout=30)
-            else:
-                outcomes["wait"] = _await_async(dsn, run.id, effect_id)
-        except Exception as error:
-            outcomes["wait"] = error
+    def wait() -> Any:
+        if client == "sync":
+            return run.await_effect(effect.id, timeout=30)
+        return _await_async(dsn, run.id, effect.id)
 
-    def complete() -> None:
-        done = Completion(effect_id, claimed[0].attempt, "succeeded", "succeeded", '{"ok": 1}')
-        try:
-            outcomes["completion"] = loop.run_until_complete(store.complete("w", [done]))
-        except Exception as error:
-            outcomes["completion"] = error
-
-    # The run's lock is held here first, so that the wait's check queues for it before
-    # the completion does, and takes it first when it is let go: the check then holds
-    # the run while the completion holds the effect and waits for the run.
-    with psycopg.connect(dsn) as holder:
-        holder.execute("SELECT 1 FROM outbox_runs WHERE id = %s FOR UPDATE", [run.id])
-        waiter = threading.Thread(target=wait)
-        waiter.start()
-        wait_for(lambda: len(lock_waiters(dsn)) == 1, timeout=10)
-        completer = threading.Thread(target=complete)
-        completer.start()
-        wait_for(lambda: len(lock_waiters(dsn)) == 2, timeout=10)
-        began = time.monotonic()
-    waiter.join(30)
-    completer.join(30)
-    elapsed = time.monotonic() - began
-    loop.run_until_complete(store.dispose())
-    loop.close()
-    assert outcomes == {"wait": {"ok": 1}, "completion": [(effect_id, "succeeded")]}
-    # PostgreSQL breaks a deadlock after deadlock_timeout (1 s): none was waited out
+    # The wait's check queues for the run first and takes it first when it is let
+    # go: the check then holds the run while the completion holds the effect and
+    # waits for the run.
+    try:
+        waited, completion, elapsed = race(dsn, "outbox_runs", run.id, wait, effect.complete)
+    finally:
+        effect.close()
+    assert (waited, completion) == ({"ok": 1}, [(effect.id, "succeeded")])
     assert elapsed < 1.0, elapsed
 
 
@@ -120,72 +157,44 @@ def test_a_cancel_or_pause_and_a_late_completion_of_an_awaited_effect_do_not_dea
     # truth about it, and the operator's action would change it. Whichever of the two
     # gets the effect's row first wins; neither waits for the other while holding a row
     # the other needs.
-    run = ob.start_run("orders", "2")
-    effect_id = uuid.UUID(run.transaction("charge", lambda tx: str(tx.intend(KIND, {}).id)))
-    with ob.store.run_tx() as tx:
-        assert isinstance(tx, RunTx)
-        assert tx.await_effect(run.id, effect_id) is not None
-    store = AsyncStore(make_async_engine(dsn))
-    loop = asyncio.new_event_loop()
-    claimed = loop.run_until_complete(
-        store.claim_many(EFFECT_QUEUE, [({"kind": KIND}, 1)], owner="w", lease_seconds=0.001)
-    )
-    assert [c.id for c in claimed] == [effect_id]
-    redelivered = loop.run_until_complete(
-        reconcile(store, {KIND: RecordingDeliverer(KIND, idempotent=True)}, worker="r")
-    )
-    assert redelivered.counts == {"redeliver": 1}
-    assert ob.effect(effect_id).status == EffectStatus.PENDING
-    outcomes: dict[str, Any] = {}
+    effect = AwaitedEffect(ob, dsn, "2", lease_seconds=0.001)
+    run = effect.run
+    effect.reconcile()
+    assert ob.effect(effect.id).status == EffectStatus.PENDING
 
-    def operator() -> None:
-        try:
-            if action == "cancel":
-                outcomes["operator"] = ob.cancel(run.id, "the customer left", by="ops")
-            else:
-                outcomes["operator"] = ob.pause(run.id, "the bank is down")
-        except Exception as error:
-            outcomes["operator"] = error
+    def operator() -> RunStatus:
+        if action == "cancel":
+            return ob.cancel(run.id, "the customer left", by="ops")
+        return ob.pause(run.id, "the bank is down")
 
-    def complete() -> None:
-        done = Completion(effect_id, claimed[0].attempt, "succeeded", "succeeded", '{"ok": 1}')
-        try:
-            outcomes["completion"] = loop.run_until_complete(store.complete("w", [done]))
-        except Exception as error:
-            outcomes["completion"] = error
-
-    # With the run's lock held here, the first side queues for the run; the second
-    # then queues too, and both go on when it is let go. The operator first was the
-    # deadlock: it took the run and waited for the effect that the completion held.
-    order = [operator, complete] if first == "operator" else [complete, operator]
-    with psycopg.connect(dsn) as holder:
-        holder.execute("SELECT 1 FROM outbox_runs WHERE id = %s FOR UPDATE", [run.id])
-        threads = [threading.Thread(target=side) for side in order]
-        threads[0].start()
-        wait_for(lambda: len(lock_waiters(dsn)) == 1, timeout=10)
-        threads[1].start()
-        wait_for(lambda: len(lock_waiters(dsn)) == 2, timeout=10)
-        began = time.monotonic()
-    for thread in threads:
-        thread.join(30)
-    elapsed = time.monotonic() - began
-    loop.run_until_complete(store.dispose())
-    loop.close()
-    stopped = RunStatus.CANCELLED if action == "cancel" else RunStatus.PAUSED
-    assert outcomes["operator"] == stopped, outcomes
-    assert elapsed < 1.0, elapsed  # no deadlock was waited out
-    log = [(a.outcome, (a.detail or {}).get("reported")) for a in ob.store.attempts(effect_id)]
+    # The operator first was the deadlock: it took the run and waited for the effect
+    # that the completion held.
+    try:
+        if first == "operator":
+            stopped, completion, elapsed = race(
+                dsn, "outbox_runs", run.id, operator, effect.complete
+            )
+        else:
+            completion, stopped, elapsed = race(
+                dsn, "outbox_runs", run.id, effect.complete, operator
+            )
+    finally:
+        effect.close()
+    expected = RunStatus.CANCELLED if action == "cancel" else RunStatus.PAUSED
+    assert stopped == expected, (stopped, completion)
+    assert elapsed < 1.0, elapsed
+    log = [(a.outcome, (a.detail or {}).get("reported")) for a in ob.store.attempts(effect.id)]
     if first == "operator":
         # the late answer came after the operator: kept as stale, with what it said
-        assert outcomes["completion"] == [(effect_id, "stale")], outcomes
+        assert completion == [(effect.id, "stale")], completion
         held = EffectStatus.CANCELLED if action == "cancel" else EffectStatus.PAUSED
-        assert ob.effect(effect_id).status == held
+        assert ob.effect(effect.id).status == held
         assert log[-1] == ("stale", "succeeded"), log
     else:
-        assert outcomes["completion"] == [(effect_id, "succeeded")], outcomes
-        assert ob.effect(effect_id).status == EffectStatus.SUCCEEDED
+        assert completion == [(effect.id, "succeeded")], completion
+        assert ob.effect(effect.id).status == EffectStatus.SUCCEEDED
         assert "cancelled" not in [outcome for outcome, _ in log], log
-    assert ob.run(run.id).status == stopped
+    assert ob.run(run.id).status == expected
 
 
 def test_an_approval_past_its_deadline_and_a_pause_of_its_run_do_not_deadlock(
@@ -212,34 +221,15 @@ def test_an_approval_past_its_deadline_and_a_pause_of_its_run_do_not_deadlock(
     assert ob.effect(held).status == EffectStatus.AWAITING_APPROVAL
     digest = ob.effect(held).digest
     time.sleep(0.4)  # the deadline passes
-    outcomes: dict[str, Any] = {}
-
-    def approve() -> None:
-        try:
-            outcomes["approve"] = ob.approve_effect(held, digest=digest, note="late", by="cfo")
-        except Exception as error:
-            outcomes["approve"] = error
-
-    def pause() -> None:
-        try:
-            outcomes["pause"] = ob.pause(run.id, "checking")
-        except Exception as error:
-            outcomes["pause"] = error
-
-    with psycopg.connect(dsn) as holder:  # the approval queues first, then the pause
-        holder.execute("SELECT 1 FROM outbox_effects WHERE id = %s FOR UPDATE", [held])
-        approver = threading.Thread(target=approve)
-        approver.start()
-        wait_for(lambda: len(lock_waiters(dsn)) == 1, timeout=10)
-        pauser = threading.Thread(target=pause)
-        pauser.start()
-        wait_for(lambda: len(lock_waiters(dsn)) == 2, timeout=10)
-        began = time.monotonic()
-    approver.join(30)
-    pauser.join(30)
-    elapsed = time.monotonic() - began
-    assert isinstance(outcomes["approve"], ApprovalRefused), outcomes
-    assert isinstance(outcomes["pause"], RunTerminal), outcomes  # cancelled before it
-    assert elapsed < 1.0, elapsed  # no deadlock was waited out
+    approved, paused, elapsed = race(
+        dsn,
+        "outbox_effects",
+        held,
+        lambda: ob.approve_effect(held, digest=digest, note="late", by="cfo"),
+        lambda: ob.pause(run.id, "checking"),
+    )
+    assert isinstance(approved, ApprovalRefused), (approved, paused)
+    assert isinstance(paused, RunTerminal), (approved, paused)  # cancelled before it
+    assert elapsed < 1.0, elapsed
     assert ob.run(run.id).status == RunStatus.CANCELLED
     assert {ob.effect(low).status, ob.effect(held).status} == {EffectStatus.CANCELLED}
