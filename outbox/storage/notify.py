@@ -11,7 +11,11 @@ therefore followed by a NOTIFY within ``window`` of its commit; under load the
 extra notifies are at most one per window per process.
 
 A commit that carries its own NOTIFY also pays any earlier debt, so a steady
-trickle costs no extra transaction at all.
+trickle costs no extra transaction at all. One that is under way when a debt
+falls due is waited for, up to a second window: a steady writer's next NOTIFY
+commit usually ends just after the deadline, and sending the trailing NOTIFY
+then cost one extra transaction every few steps. If that commit fails, the
+trailing NOTIFY goes out at the end of the second window.
 
 A NOTIFY is only a hint: listeners always keep a poll as the backstop, because
 notifications are lost when a listener's connection drops.
@@ -66,6 +70,8 @@ class WakeupThrottle:
         # monotonic times of the first and the last commit still owed a NOTIFY
         self._owed_first: float | None = None
         self._owed_last: float | None = None
+        # the token of a commit carrying its own NOTIFY, handed out and not yet committed
+        self._paying: float | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -74,7 +80,7 @@ class WakeupThrottle:
         now = time.monotonic()
         with self._lock:
             if now - self._last >= self._window:
-                self._last = now
+                self._last = self._paying = now
                 return now
             return None
 
@@ -83,6 +89,8 @@ class WakeupThrottle:
         now = time.monotonic()
         with self._lock:
             if token is not None:
+                if token == self._paying:
+                    self._paying = None
                 if self._owed_last is not None and token >= self._owed_last:
                     self._owed_first = self._owed_last = None
                 return
@@ -118,7 +126,11 @@ class WakeupThrottle:
                     self._wake.wait()
                 if self._owed_first is None:
                     return
-                wait = self._owed_first + self._window - time.monotonic()
+                due = self._owed_first + self._window
+                assert self._owed_last is not None
+                if self._paying is not None and self._paying >= self._owed_last:
+                    due += self._window  # that commit's NOTIFY will cover the debt
+                wait = due - time.monotonic()
                 if wait > 0 and not self._closed:
                     self._wake.wait(wait)  # a NOTIFYing commit may pay meanwhile
                     continue

@@ -111,3 +111,34 @@ def test_the_trailing_thread_is_woken_once_per_debt_not_once_per_commit() -> Non
     assert sent.event.wait(5)
     throttle.close()
     assert len(sent.times) == 1
+
+
+def test_a_notify_commit_under_way_at_the_deadline_pays_the_debt_when_it_ends() -> None:
+    sent = Recorder()
+    throttle = WakeupThrottle(sent, window_s=1.0)
+    throttle.committed(throttle.inline())  # leading edge at 0
+    time.sleep(0.5)
+    throttle.committed(throttle.inline())  # suppressed at 0.5: owes one, due at 1.5
+    time.sleep(0.75)
+    paying = throttle.inline()  # at 1.25: this commit will carry a NOTIFY...
+    assert paying is not None
+    time.sleep(0.5)  # ...but it ends at 1.75, after the debt fell due
+    throttle.committed(paying)
+    time.sleep(1.0)  # past 2.5, the latest the trailing NOTIFY could have waited
+    throttle.close()
+    assert sent.times == [], "a steady writer whose commit ended late paid its own debt"
+
+
+def test_a_notify_commit_that_never_ends_delays_the_trailing_notify_one_window_at_most() -> None:
+    sent = Recorder()
+    throttle = WakeupThrottle(sent, window_s=1.0)
+    throttle.committed(throttle.inline())
+    time.sleep(0.25)
+    owed_at = time.monotonic()
+    throttle.committed(throttle.inline())  # owes one, due one window later
+    time.sleep(0.75)
+    assert throttle.inline() is not None  # a NOTIFY commit that then fails: never committed
+    assert sent.event.wait(5)
+    throttle.close()
+    assert len(sent.times) == 1
+    assert owed_at + 1.0 <= sent.times[0] <= owed_at + 2.5, sent.times[0] - owed_at
