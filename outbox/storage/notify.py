@@ -7,8 +7,9 @@ process sends at most one NOTIFY per ``window`` inline with a commit (the
 leading edge: a trickle of intents is signalled with no delay at all), and when
 it skipped one it sends a single trailing NOTIFY after the window, outside any
 transaction, once the skipped commits are durable. Every committed intent is
-therefore followed by a NOTIFY within ``window`` of its commit; under load the
-extra notifies are at most one per window per process.
+therefore followed by a NOTIFY within ``window`` of its commit (two windows at
+most, below); under load the extra notifies are at most one per window per
+process.
 
 A commit that carries its own NOTIFY also pays any earlier debt, so a steady
 trickle costs no extra transaction at all. One that is under way when a debt
