@@ -207,15 +207,12 @@ def test_an_approval_past_its_deadline_and_a_pause_of_its_run_do_not_deadlock(
     # approval now takes the run's unstarted effects first, in the same order.
     run = ob.start_run("payer", "1")
     policy = {"timeout": 0.2, "on_timeout": "cancel_run"}
-    low, held = (
-        uuid.UUID(i)
-        for i in run.transaction(
-            "pay",
-            lambda tx: [
-                str(tx.intend(KIND, {"n": 0}).id),
-                str(tx.intend(KIND, {"n": 1}, approval=policy).id),
-            ],
-        )
+    # Ids are time-ordered to the millisecond (UUIDv7): the held effect is intended
+    # a few milliseconds later, so it has the higher id.
+    low = uuid.UUID(run.transaction("ship", lambda tx: str(tx.intend(KIND, {"n": 0}).id)))
+    time.sleep(0.01)
+    held = uuid.UUID(
+        run.transaction("pay", lambda tx: str(tx.intend(KIND, {"n": 1}, approval=policy).id))
     )
     assert low < held
     assert ob.effect(held).status == EffectStatus.AWAITING_APPROVAL
