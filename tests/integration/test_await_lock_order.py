@@ -230,3 +230,47 @@ def test_an_approval_past_its_deadline_and_a_pause_of_its_run_do_not_deadlock(
     assert elapsed < 1.0, elapsed
     assert ob.run(run.id).status == RunStatus.CANCELLED
     assert {ob.effect(low).status, ob.effect(held).status} == {EffectStatus.CANCELLED}
+
+
+def test_a_stopping_sweep_and_a_late_completion_of_an_awaited_effect_do_not_deadlock(
+    ob: Outbox, dsn: str
+) -> None:
+    # The sweep moves a cancelling run on: it cancels an effect that is pending again
+    # (an attempt in flight at the cancel was lost and given back), under the run's
+    # lock, while that attempt's late answer holds the effect and wakes the run.
+    effect = AwaitedEffect(ob, dsn, "3", lease_seconds=0.001)
+    run = effect.run
+    assert ob.cancel(run.id, "the customer left", by="ops") == RunStatus.CANCELLING
+    effect.reconcile()
+    try:
+        moved, completion, elapsed = race(
+            dsn, "outbox_runs", run.id, ob.advance_stopping_runs, effect.complete
+        )
+    finally:
+        effect.close()
+    assert moved == {"cancelled": 1}, (moved, completion)
+    assert completion == [(effect.id, "stale")], completion
+    assert elapsed < 1.0, elapsed
+    assert ob.effect(effect.id).status == EffectStatus.CANCELLED
+    assert ob.run(run.id).status == RunStatus.CANCELLED
+
+
+def test_a_resume_and_a_cancel_of_a_paused_run_do_not_deadlock(ob: Outbox, dsn: str) -> None:
+    # Both change the run's unstarted effects under its lock: a resume releases the
+    # paused ones, a cancel cancels them. Taken in the same order (effects, then the
+    # run), the one that queued first for the run goes first and the other follows.
+    run = ob.start_run("orders", "4")
+    effect_id = uuid.UUID(run.transaction("charge", lambda tx: str(tx.intend(KIND, {}).id)))
+    assert ob.pause(run.id, "checking") == RunStatus.PAUSED
+    assert ob.effect(effect_id).status == EffectStatus.PAUSED
+    resumed, cancelled, elapsed = race(
+        dsn,
+        "outbox_runs",
+        run.id,
+        lambda: ob.resume(run.id),
+        lambda: ob.cancel(run.id, "not needed", by="ops"),
+    )
+    assert resumed == RunStatus.RUNNABLE, (resumed, cancelled)
+    assert cancelled == RunStatus.CANCELLED, (resumed, cancelled)
+    assert elapsed < 1.0, elapsed
+    assert ob.effect(effect_id).status == EffectStatus.CANCELLED
