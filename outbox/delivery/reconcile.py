@@ -285,7 +285,9 @@ async def _resolve(
             attempt,
             new_status="pending",
             note=note,
-            resolution="redeliver",
+            # no sink was called: unlike a deliverer's lost attempt, this leaves no
+            # doubt that a cancel must keep (sql/stopping.py)
+            resolution="re-dispatch",
             worker=worker,
             shard=row.shard,
         )

@@ -10,7 +10,10 @@ functions to ``AsyncStore.run_sync``.
 
 Stopping: ``cancel`` marks the run ``cancelling`` and cancels its effects that
 have not started, each with an attempt-log row saying who and why (as an
-operator's resolve or retry writes one); in-flight ones finish. Once none is in flight (and none is
+operator's resolve or retry writes one); in-flight ones finish. One that is
+pending again because an earlier attempt was lost (its lease ran out with no
+answer, and the reconciler put it back for redelivery) may have happened: it
+becomes ``unknown`` instead. Once none is in flight (and none is
 ``unknown``: an operator must say whether it happened), every succeeded effect
 that declared ``compensate=(kind, payload)`` gets its compensating effect
 intended, newest first, one at a time (a shared ordering key), with a key
@@ -80,18 +83,20 @@ def cancel_run(tx: RunTx, run_id: uuid.UUID, reason: str, *, by: str, via: str) 
     if status not in LIVE_RUN_STATUSES:
         raise RunTerminal(run_id, status.value)
     tx.mark(run_id, RunStatus.CANCELLING, reason)
-    cancelled = tx.cancel_pending_effects(
+    cancelled, unknown = tx.cancel_pending_effects(
         run_id,
         f"run cancelled: {reason}",
         by=by,
         detail={"note": reason, "by": by, "via": via},
     )
     log.info(
-        "run %s cancelling by %s via %s (%d pending effects cancelled): %s",
+        "run %s cancelling by %s via %s (%d pending effects cancelled, %d in doubt left "
+        "unknown for an operator): %s",
         run_id,
         by,
         via,
         cancelled,
+        unknown,
         reason,
         extra={"run_id": str(run_id)},
     )

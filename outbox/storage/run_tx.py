@@ -4,11 +4,10 @@ Waits, signals and cancellation of one run serialise on the run row's lock
 (:meth:`RunTx.lock`). What changes the run's unstarted effects under it (pause,
 resume, cancel, an approval's deadline) locks those effects first, in id order
 (:meth:`RunTx.lock_with_effects`), the order a completion takes an effect and
-then the run it wakes. The domain logic (what a wait decides,
-how a stopping run moves on) lives in :mod:`outbox.runs`; it calls these
-methods and never sees SQL. Sync callers get a ``RunTx`` from
-``Store.run_tx()``; the async daemon runs the same logic through
-``AsyncStore.run_sync``.
+then the run it wakes. The domain logic (what a wait decides, how a stopping
+run moves on) lives in :mod:`outbox.runs`; it calls these methods, never SQL.
+Sync callers get a ``RunTx`` from ``Store.run_tx()``; the async daemon runs
+the same logic through ``AsyncStore.run_sync``.
 """
 
 from __future__ import annotations
@@ -369,10 +368,13 @@ class RunTx:
 
     def cancel_pending_effects(
         self, run_id: uuid.UUID, reason: str, *, by: str, detail: dict[str, Any]
-    ) -> int:
-        """Cancel the run's effects that have not started, each logged with ``by``; how many."""
-        params = {"stopping_run": run_id, "reason": reason, "by": by, "detail": json.dumps(detail)}
-        return len(self._logged(stopping_sql.cancel_pending_effects, params))
+    ) -> tuple[int, int]:
+        """Stop the unstarted effects, logged with ``by``: (cancelled, made ``unknown``)."""
+        params = {"stopping_run": run_id, "by": by, "detail": json.dumps(detail)}
+        doubt = f"{reason}, but an earlier attempt was lost and may have taken effect: say whether"
+        unknown = self._logged(stopping_sql.doubt_pending_effects, {**params, "reason": doubt})
+        cancelled = self._logged(stopping_sql.cancel_pending_effects, {**params, "reason": reason})
+        return len(cancelled), len(unknown)
 
     def effects_for_stopping(self, run_id: uuid.UUID) -> list[Any]:
         """Every effect of the run in intent order: id, status, compensate, compensates, key."""

@@ -27,7 +27,7 @@ def intend(ob: Outbox, kind: str, payloads: list[Any]) -> None:
     run.transaction(f"s-{kind}", lambda tx: [tx.intend(kind, p) for p in payloads] and None)
 
 
-def lose_attempts(dsn: str, kinds: list[str]) -> None:
+def lose_attempts(dsn: str, kinds: list[str], owner: str = "dead-deliverer") -> None:
     """Claim every pending effect as a deliverer that then dies: leases expire at once."""
 
     async def main() -> None:
@@ -36,7 +36,7 @@ def lose_attempts(dsn: str, kinds: list[str]) -> None:
             await store.claim_many(
                 EFFECT_QUEUE,
                 [({"kind": k}, 1000) for k in kinds],
-                owner="dead-deliverer",
+                owner=owner,
                 lease_seconds=0.001,
             )
         finally:

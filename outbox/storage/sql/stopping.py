@@ -10,16 +10,28 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from sqlalchemy import ARRAY, Integer, SmallInteger, Text, any_, bindparam, func, select
+from sqlalchemy import (
+    ARRAY,
+    Integer,
+    SmallInteger,
+    Text,
+    any_,
+    bindparam,
+    exists,
+    func,
+    null,
+    select,
+)
 from sqlalchemy.dialects.postgresql import UUID
 
 from outbox.models import NOT_STARTED_EFFECT_STATUSES, STOPPING_RUN_STATUSES, AttemptOutcome
-from outbox.storage.schema import effects, runs
+from outbox.storage.schema import effect_attempts, effects, runs
 from outbox.storage.sql.attempt_log import log_changes
 from outbox.storage.sql.common import AnySelect, const, in_statuses, json_param, shard_of
 
 __all__ = [
     "cancel_pending_effects",
+    "doubt_pending_effects",
     "mark_compensated",
     "run_effects_for_stopping",
     "stopping_runs",
@@ -34,6 +46,79 @@ def _of_stopping_run() -> tuple[Any, ...]:
     return (effects.c.run_id == _OF_RUN, effects.c.shard == shard_of(_OF_RUN))
 
 
+#: Attempt-log outcomes that are the sink's (or an operator's) word on whether an
+#: effect happened: after one of them, an earlier lost attempt is no longer in doubt.
+_ANSWERS = (
+    AttemptOutcome.SUCCEEDED,
+    AttemptOutcome.RETRY,
+    AttemptOutcome.FAILED,
+    AttemptOutcome.LOOKED_UP,
+    AttemptOutcome.RESOLVED,
+)
+
+
+def _lost_without_answer() -> Any:
+    """The effect may have happened, though it is back to not started.
+
+    An attempt's lease ran out and it was put back for redelivery (``expired``,
+    resolution ``redeliver``): the call may have reached the sink, and no later
+    attempt brought an answer. A relay's lost dispatch (``re-dispatch``)
+    made no call, so it leaves no doubt.
+    """
+    lost, answer = effect_attempts.alias("lost"), effect_attempts.alias("answer")
+    answered = exists().where(
+        answer.c.effect_id == lost.c.effect_id,
+        answer.c.shard == lost.c.shard,
+        answer.c.attempt >= lost.c.attempt,
+        in_statuses(answer.c.outcome, _ANSWERS),
+    )
+    return exists().where(
+        lost.c.effect_id == effects.c.id,
+        lost.c.shard == effects.c.shard,
+        lost.c.outcome == const(AttemptOutcome.EXPIRED),
+        lost.c.detail["resolution"].astext == const("redeliver"),
+        ~answered,
+    )
+
+
+def _stop_unstarted(sharded: bool, outcome: AttemptOutcome, *where: Any, **values: Any) -> Any:
+    changed = (
+        effects.update()
+        .where(
+            *_of_stopping_run(),
+            in_statuses(effects.c.status, NOT_STARTED_EFFECT_STATUSES),
+            effects.c.compensates.is_(None),
+            *where,
+        )
+        .values(updated_at=func.now(), last_error=bindparam("reason", type_=Text), **values)
+        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
+        .cte("changed")
+    )
+    by, detail = bindparam("by", type_=Text), json_param("detail")
+    return log_changes(changed, worker=by, outcome=const(outcome), detail=detail, sharded=sharded)
+
+
+@cache
+def doubt_pending_effects(sharded: bool = False) -> Any:
+    """A stopping run's unstarted effects that may have happened become ``unknown``.
+
+    Such an effect's earlier attempt was lost and put back for redelivery (its
+    sink dedups the key), so it is pending again, yet the lost call may have
+    taken effect. Cancelling it would record that it never happened, and a
+    compensation would skip it; as ``unknown`` it waits for an operator to say
+    (G3), and the run's stop waits with it. Parameters as
+    :func:`cancel_pending_effects`; run it first. Returns one row per effect.
+    """
+    return _stop_unstarted(
+        sharded,
+        AttemptOutcome.UNKNOWN,
+        _lost_without_answer(),
+        status=const("unknown"),
+        lease_owner=null(),
+        lease_expires_at=null(),
+    )
+
+
 @cache
 def cancel_pending_effects(sharded: bool = False) -> Any:
     """A stopping run's effects that have not started are cancelled (they never will be).
@@ -43,25 +128,8 @@ def cancel_pending_effects(sharded: bool = False) -> Any:
     ``stopping_run``, ``reason`` (the effects' ``last_error``), ``by`` (who),
     ``detail`` (JSON). Returns one row per effect cancelled.
     """
-    changed = (
-        effects.update()
-        .where(
-            *_of_stopping_run(),
-            in_statuses(effects.c.status, NOT_STARTED_EFFECT_STATUSES),
-            effects.c.compensates.is_(None),
-        )
-        .values(
-            status=const("cancelled"),
-            completed_at=func.now(),
-            updated_at=func.now(),
-            last_error=bindparam("reason", type_=Text),
-        )
-        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
-        .cte("changed")
-    )
-    by, detail = bindparam("by", type_=Text), json_param("detail")
-    return log_changes(
-        changed, worker=by, outcome=const(AttemptOutcome.CANCELLED), detail=detail, sharded=sharded
+    return _stop_unstarted(
+        sharded, AttemptOutcome.CANCELLED, status=const("cancelled"), completed_at=func.now()
     )
 
 

@@ -1,0 +1,125 @@
+"""A cancel does not call "never happened" an effect whose lost attempt may have reached its sink.
+
+The reconciler puts a lost attempt of an idempotent kind back to ``pending``
+for redelivery (the sink dedups the key). If its run is cancelled before that
+redelivery, the effect has not started again, yet the lost call may have taken
+effect: recording it ``cancelled`` would be untrue, and the compensation would
+skip it (G3). It becomes ``unknown``, and the run's stop waits for an operator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deliverers.testing import RecordingDeliverer
+from outbox import AttemptOutcome, EffectStatus, Outbox, Run, RunStatus
+from outbox.delivery import Retry
+from outbox.ids import RELAY_OWNER_PREFIX
+from tests.integration.test_reconcile import lose_attempts, run_reconcile
+from tests.support import DaemonThread, wait_for
+
+
+def booking(ob: Outbox, dsn: str) -> Run:
+    """A run whose flight booking was lost mid-call and put back for redelivery."""
+    run = ob.start_run("travel", "1", {"trip": "LIS"})
+    run.transaction(
+        "book-flight",
+        lambda tx: tx.intend("k.book", {"item": "flight"}, compensate=("k.refund", {})) and None,
+    )
+    lose_attempts(dsn, ["k.book"])
+    report = run_reconcile(dsn, {"k.book": RecordingDeliverer("k.book")})
+    assert report.counts == {"redeliver": 1}
+    return run
+
+
+def effect_of(ob: Outbox, run: Run, item: str) -> Any:
+    (effect,) = [e for e in ob.effects(run_id=run.id) if e.payload.get("item") == item]
+    return effect
+
+
+def test_a_cancelled_effect_that_a_lost_attempt_may_have_done_is_unknown_until_an_operator_says(
+    ob: Outbox, dsn: str
+) -> None:
+    run = booking(ob, dsn)
+    # another run's effect with an answer in its log: it says nothing about this one
+    other = ob.start_run("travel", "1", {"trip": "car"})
+    other.transaction("rent", lambda tx: tx.intend("k.car", {}) and None)
+    with DaemonThread(dsn, {"k.car": RecordingDeliverer("k.car")}):
+        wait_for(lambda: [e.status for e in ob.effects(kind="k.car")] == ["succeeded"])
+    run.transaction(
+        "book-hotel",
+        lambda tx: tx.intend("k.book", {"item": "hotel"}, compensate=("k.refund", {})) and None,
+    )
+
+    assert ob.cancel(run.id, "customer changed plans") == RunStatus.CANCELLING
+    flight, hotel = effect_of(ob, run, "flight"), effect_of(ob, run, "hotel")
+    assert hotel.status == EffectStatus.CANCELLED, "never attempted: it did not happen"
+    assert flight.status == EffectStatus.UNKNOWN
+    assert "may have taken effect" in (flight.last_error or "")
+    last = ob.store.attempts(flight.id)[-1]
+    assert (last.outcome, last.attempt) == (AttemptOutcome.UNKNOWN, 1)
+    ob.advance_stopping_runs()
+    assert ob.run(run.id).status == RunStatus.CANCELLING, "the stop waits for the operator"
+
+    ob.resolve_effect(
+        flight.id, outcome="succeeded", note="the airline has the booking", operator="ops"
+    )
+    refund = RecordingDeliverer("k.refund")
+    with DaemonThread(dsn, {"k.refund": refund}):
+        wait_for(
+            lambda: (
+                ob.advance_stopping_runs() is not None
+                and ob.run(run.id).status == RunStatus.COMPENSATED
+            ),
+            timeout=20,
+        )
+    assert len(refund.deliveries) == 1, "the flight it did book is refunded"
+    assert effect_of(ob, run, "flight").status == EffectStatus.COMPENSATED
+
+
+def test_an_operator_who_finds_it_never_happened_lets_the_cancel_end(ob: Outbox, dsn: str) -> None:
+    run = booking(ob, dsn)
+    assert ob.cancel(run.id, "stop") == RunStatus.CANCELLING
+    flight = effect_of(ob, run, "flight")
+    ob.resolve_effect(flight.id, outcome="failed", note="no such booking", operator="ops")
+    ob.advance_stopping_runs()
+    assert ob.run(run.id).status == RunStatus.CANCELLED
+
+
+def test_a_lost_attempt_that_a_later_one_answered_leaves_no_doubt(ob: Outbox, dsn: str) -> None:
+    run = booking(ob, dsn)
+    # the redelivery reaches the sink, which answers "not now": it dedups the key,
+    # so the lost call did not take effect either
+    busy = RecordingDeliverer("k.book", outcome=lambda d: Retry("busy", after=3600))
+    with DaemonThread(dsn, {"k.book": busy}):
+        wait_for(lambda: len(busy.deliveries) == 1, message="the redelivery was answered")
+        wait_for(lambda: effect_of(ob, run, "flight").status == EffectStatus.PENDING)
+
+    assert ob.cancel(run.id, "stop") == RunStatus.CANCELLED
+    assert effect_of(ob, run, "flight").status == EffectStatus.CANCELLED
+
+
+def test_an_attempt_lost_after_the_cancel_leaves_its_effect_unknown_not_cancelled(
+    ob: Outbox, dsn: str
+) -> None:
+    """The usual way in: the call is in flight at the cancel, and its deliverer dies."""
+    run = ob.start_run("travel", "1", {"trip": "OPO"})
+    run.transaction(
+        "book-flight",
+        lambda tx: tx.intend("k.book", {"item": "flight"}, compensate=("k.refund", {})) and None,
+    )
+    lose_attempts(dsn, ["k.book"])
+    assert ob.cancel(run.id, "stop") == RunStatus.CANCELLING, "an in-flight call finishes first"
+    assert run_reconcile(dsn, {"k.book": RecordingDeliverer("k.book")}).counts == {"redeliver": 1}
+    ob.advance_stopping_runs()
+    assert effect_of(ob, run, "flight").status == EffectStatus.UNKNOWN
+    assert ob.run(run.id).status == RunStatus.CANCELLING
+
+
+def test_a_relay_s_lost_dispatch_made_no_call_and_leaves_no_doubt(ob: Outbox, dsn: str) -> None:
+    run = ob.start_run("travel", "1", {"trip": "FAO"})
+    run.transaction("book-flight", lambda tx: tx.intend("k.book", {"item": "flight"}) and None)
+    lose_attempts(dsn, ["k.book"], owner=f"{RELAY_OWNER_PREFIX}gone")
+    assert run_reconcile(dsn, {"k.book": RecordingDeliverer("k.book")}).counts == {"redeliver": 1}
+    assert ob.cancel(run.id, "stop") == RunStatus.CANCELLED
+    assert effect_of(ob, run, "flight").status == EffectStatus.CANCELLED
