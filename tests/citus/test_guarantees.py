@@ -55,6 +55,7 @@ from tests.integration.test_console import (
     resolve_goes_to_the_attempt_log,
     search_finds_a_run_by_an_effects_key,
 )
+from tests.integration.test_reconcile import lose_attempts, run_reconcile
 from tests.support import DaemonThread, WorkerThread, delivery_plan_modes, wait_for
 
 
@@ -829,3 +830,35 @@ def test_a_runs_record_verifies_on_a_cluster_and_an_edited_result_is_named(
         )
     (broken,) = ob.verify_run(run.id)
     assert str(edited.id) in str(broken) and "its result is not the one" in str(broken)
+
+
+def test_a_cancel_leaves_a_possibly_done_effect_unknown_and_compensates_it_once_resolved(
+    ob: Outbox, dsn: str
+) -> None:
+    """G3 on a cluster: a lost attempt put back for redelivery may have happened.
+
+    The cancel (one statement on the run's node) makes it ``unknown``, not
+    ``cancelled``; resolved as done, it is compensated like any succeeded effect.
+    """
+    run = ob.start_run("doubt", "1")
+    effect_id = uuid.UUID(
+        run.transaction(
+            "book",
+            lambda tx: str(tx.intend("k.doubt", {"n": 1}, compensate=("k.undo", {"n": 1})).id),
+        )
+    )
+    lose_attempts(dsn, ["k.doubt"])
+    assert run_reconcile(dsn, {"k.doubt": RecordingDeliverer("k.doubt")}).counts == {"redeliver": 1}
+    assert ob.cancel(run.id, "changed my mind", by="test") == RunStatus.CANCELLING
+    assert ob.effect(effect_id).status.value == "unknown"
+    ob.resolve_effect(effect_id, outcome="succeeded", note="it was booked", operator="ops")
+    undo = RecordingDeliverer("k.undo")
+    with DaemonThread(dsn, {"k.undo": undo}, poll_seconds=0.1):
+
+        def compensated() -> bool:
+            ob.advance_stopping_runs()
+            return ob.run(run.id).status == RunStatus.COMPENSATED
+
+        wait_for(compensated, timeout=60, message="the possibly-done booking compensated")
+    assert [d.payload for d in undo.deliveries] == [{"n": 1}]
+    assert ob.verify_run(run.id) == []
