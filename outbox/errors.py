@@ -261,7 +261,8 @@ class ForkRefused(RunStateError):
 
     ``effects`` lists them (``effect_id``, ``step_id``, ``kind``, ``status``,
     ``idempotency_key``): ``unknown``, ``in_flight`` or ``dispatched`` effects of
-    ``from_step`` or a later step. The fork would intend them again under new
+    ``from_step`` or a later step, or ones not started again since an attempt
+    was lost (its call may have reached the sink). The fork would intend them again under new
     keys, which the sink has never seen: it could apply them twice. Settle them
     first (``outbox effects resolve``), or fork with ``allow_unsettled=True``.
     """

@@ -100,7 +100,8 @@ def fork_run(
     ``from_step`` is a completed step of the original, or the step a failed
     original failed at (then every completed step is replayed). An effect of
     ``from_step`` or a later step that may already have taken effect
-    (``unknown``, ``in_flight``, ``dispatched``) refuses the fork with
+    (``unknown``, ``in_flight``, ``dispatched``, or pending again after a lost
+    attempt) refuses the fork with
     :class:`ForkRefused`, unless ``allow_unsettled``.
     """
     locked = tx.lock(original)

@@ -2,10 +2,12 @@
 
 A fork runs STEP and the steps after it again, with new idempotency keys. An
 effect of those steps that is ``unknown`` (a deliverer died mid-call at a sink
-that cannot dedup) or ``in_flight``/``dispatched`` may have taken effect: the
-fork would intend it again under a key the sink has never seen, so the sink
-could apply it twice. The fork is refused with the list, unless the operator
-says they know (``allow_unsettled=True``, ``--allow-unsettled``).
+that cannot dedup) or ``in_flight``/``dispatched`` may have taken effect, and
+so may one pending again after a lost attempt (its deliverer died in the call
+and the reconciler put it back for redelivery): the fork would intend it again
+under a key the sink has never seen, so the sink could apply it twice. The fork
+is refused with the list, unless the operator says they know
+(``allow_unsettled=True``, ``--allow-unsettled``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from deliverers.testing import RecordingDeliverer
 from outbox import Outbox, StepTransaction
 from outbox.cli import cli
 from outbox.errors import ForkRefused, RunStateError
+from tests.integration.test_reconcile import lose_attempts, run_reconcile
 
 
 def three_steps(ob: Outbox) -> tuple[Any, dict[str, str]]:
@@ -57,6 +61,23 @@ def test_a_fork_from_or_before_an_unsettled_effect_is_refused_naming_it(
         assert ids["charge"] in str(refused.value) and status in str(refused.value)
         assert [e["effect_id"] for e in refused.value.effects] == [ids["charge"]]
     assert [r.id for r in ob.runs()] == [run.id]  # nothing was written
+
+
+def test_an_effect_pending_again_after_a_lost_attempt_is_unsettled(ob: Outbox, dsn: str) -> None:
+    # its deliverer died in the call; the reconciler put it back for redelivery (the
+    # sink dedups the key), but a fork would intend it under a key the sink never saw
+    run, ids = three_steps(ob)
+    lose_attempts(dsn, ["k.charge"])
+    assert run_reconcile(dsn, {"k.charge": RecordingDeliverer("k.charge")}).counts == {
+        "redeliver": 1
+    }
+    assert ob.effect(ids["charge"]).status.value == "pending"
+    with pytest.raises(ForkRefused) as refused:
+        ob.fork(run.id, "charge")
+    assert [(e["effect_id"], e["status"]) for e in refused.value.effects] == [
+        (ids["charge"], "pending again after a lost attempt")
+    ]
+    assert ob.fork(run.id, "mail").completed_steps == ["quote", "charge"]
 
 
 def test_a_fork_after_the_unsettled_effect_or_with_the_override_goes_ahead(ob: Outbox) -> None:

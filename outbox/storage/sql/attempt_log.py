@@ -1,4 +1,6 @@
-"""The attempt log's writes: one row per attempt a statement changed, chained by id order.
+"""The attempt log: one row per attempt a statement changed, chained by id order.
+
+What the log says of an effect whose attempt was lost is :func:`lost_without_answer`.
 
 :func:`log_changes` logs the rows an ``UPDATE ... RETURNING`` CTE changed, in
 the same statement on one server. On Citus the statement selects them instead
@@ -14,13 +16,22 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
 
-from sqlalchemy import JSON, bindparam, null, select
+from sqlalchemy import JSON, bindparam, exists, null, select
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from outbox.storage.schema import effect_attempts
+from outbox.models import AttemptOutcome
+from outbox.storage.schema import effect_attempts, effects
+from outbox.storage.sql.common import const, in_statuses
 
-__all__ = ["LOGGED_ATTEMPT", "labelled", "log_attempts", "log_changes", "log_selected"]
+__all__ = [
+    "LOGGED_ATTEMPT",
+    "labelled",
+    "log_attempts",
+    "log_changes",
+    "log_selected",
+    "lost_without_answer",
+]
 
 
 #: The attempt-log columns a completion writes, in the order of its selected rows.
@@ -101,4 +112,39 @@ def log_changes(
         pg_insert(effect_attempts)
         .from_select(list(columns), logged)
         .returning(effect_attempts.c.effect_id)
+    )
+
+
+#: Attempt-log outcomes that are the sink's (or an operator's) word on whether an
+#: effect happened: after one of them, an earlier lost attempt is no longer in doubt.
+_ANSWERS = (
+    AttemptOutcome.SUCCEEDED,
+    AttemptOutcome.RETRY,
+    AttemptOutcome.FAILED,
+    AttemptOutcome.LOOKED_UP,
+    AttemptOutcome.RESOLVED,
+)
+
+
+def lost_without_answer() -> Any:
+    """An effect (of the statement's ``outbox_effects``) may have happened, though not started.
+
+    An attempt's lease ran out and it was put back for redelivery (``expired``,
+    resolution ``redeliver``): the call may have reached the sink, and no later
+    attempt brought an answer. A relay's lost dispatch (``re-dispatch``)
+    made no call, so it leaves no doubt.
+    """
+    lost, answer = effect_attempts.alias("lost"), effect_attempts.alias("answer")
+    answered = exists().where(
+        answer.c.effect_id == lost.c.effect_id,
+        answer.c.shard == lost.c.shard,
+        answer.c.attempt >= lost.c.attempt,
+        in_statuses(answer.c.outcome, _ANSWERS),
+    )
+    return exists().where(
+        lost.c.effect_id == effects.c.id,
+        lost.c.shard == effects.c.shard,
+        lost.c.outcome == const(AttemptOutcome.EXPIRED),
+        lost.c.detail["resolution"].astext == const("redeliver"),
+        ~answered,
     )

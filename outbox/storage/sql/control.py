@@ -37,6 +37,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.models import NOT_STARTED_EFFECT_STATUSES, EffectStatus
 from outbox.storage.schema import budget_ledger, effects, runs, steps
+from outbox.storage.sql.attempt_log import lost_without_answer
 from outbox.storage.sql.common import (
     EFFECTS_CHANNEL,
     AnySelect,
@@ -237,7 +238,8 @@ def _last_set(column: Any) -> Any:
 
 
 #: Effects that may already have taken effect (a deliverer was in the call, or Kafka
-#: has the record): a fork that runs their step again would intend them twice.
+#: has the record): a fork that runs their step again would intend them twice. So
+#: may one not started again since an attempt was lost (``lost_without_answer``).
 UNSETTLED_EFFECT_STATUSES = (
     EffectStatus.UNKNOWN,
     EffectStatus.IN_FLIGHT,
@@ -260,17 +262,23 @@ def fork_unsettled() -> AnySelect:
         cut.isnot(None),
         steps.c.seq >= cut,
     )
+    unsettled = in_statuses(effects.c.status, UNSETTLED_EFFECT_STATUSES)
+    # pending (say) again after a lost attempt that may have reached the sink
+    lost = and_(in_statuses(effects.c.status, NOT_STARTED_EFFECT_STATUSES), lost_without_answer())
     return (
         select(
             effects.c.id.label("effect_id"),
             effects.c.step_id,
             effects.c.kind,
-            effects.c.status,
+            case(
+                (unsettled, effects.c.status),
+                else_=effects.c.status + const(" again after a lost attempt"),
+            ).label("status"),
             effects.c.idempotency_key,
         )
         .where(
             effects.c.run_id == _OF_RUN,
-            in_statuses(effects.c.status, UNSETTLED_EFFECT_STATUSES),
+            unsettled | lost,
             (effects.c.step_id.in_(rerun))
             | (effects.c.step_id == bindparam("from_step", type_=Text)),
         )

@@ -17,7 +17,6 @@ from sqlalchemy import (
     Text,
     any_,
     bindparam,
-    exists,
     func,
     null,
     select,
@@ -25,8 +24,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import UUID
 
 from outbox.models import NOT_STARTED_EFFECT_STATUSES, STOPPING_RUN_STATUSES, AttemptOutcome
-from outbox.storage.schema import effect_attempts, effects, runs
-from outbox.storage.sql.attempt_log import log_changes
+from outbox.storage.schema import effects, runs
+from outbox.storage.sql.attempt_log import log_changes, lost_without_answer
 from outbox.storage.sql.common import AnySelect, const, in_statuses, json_param, shard_of
 
 __all__ = [
@@ -44,41 +43,6 @@ _OF_RUN = bindparam("stopping_run", type_=UUID(as_uuid=True))
 
 def _of_stopping_run() -> tuple[Any, ...]:
     return (effects.c.run_id == _OF_RUN, effects.c.shard == shard_of(_OF_RUN))
-
-
-#: Attempt-log outcomes that are the sink's (or an operator's) word on whether an
-#: effect happened: after one of them, an earlier lost attempt is no longer in doubt.
-_ANSWERS = (
-    AttemptOutcome.SUCCEEDED,
-    AttemptOutcome.RETRY,
-    AttemptOutcome.FAILED,
-    AttemptOutcome.LOOKED_UP,
-    AttemptOutcome.RESOLVED,
-)
-
-
-def _lost_without_answer() -> Any:
-    """The effect may have happened, though it is back to not started.
-
-    An attempt's lease ran out and it was put back for redelivery (``expired``,
-    resolution ``redeliver``): the call may have reached the sink, and no later
-    attempt brought an answer. A relay's lost dispatch (``re-dispatch``)
-    made no call, so it leaves no doubt.
-    """
-    lost, answer = effect_attempts.alias("lost"), effect_attempts.alias("answer")
-    answered = exists().where(
-        answer.c.effect_id == lost.c.effect_id,
-        answer.c.shard == lost.c.shard,
-        answer.c.attempt >= lost.c.attempt,
-        in_statuses(answer.c.outcome, _ANSWERS),
-    )
-    return exists().where(
-        lost.c.effect_id == effects.c.id,
-        lost.c.shard == effects.c.shard,
-        lost.c.outcome == const(AttemptOutcome.EXPIRED),
-        lost.c.detail["resolution"].astext == const("redeliver"),
-        ~answered,
-    )
 
 
 def _stop_unstarted(sharded: bool, outcome: AttemptOutcome, *where: Any, **values: Any) -> Any:
@@ -112,7 +76,7 @@ def doubt_pending_effects(sharded: bool = False) -> Any:
     return _stop_unstarted(
         sharded,
         AttemptOutcome.UNKNOWN,
-        _lost_without_answer(),
+        lost_without_answer(),
         status=const("unknown"),
         lease_owner=null(),
         lease_expires_at=null(),
