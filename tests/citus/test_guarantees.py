@@ -37,11 +37,12 @@ from outbox import (
     StepTransaction,
 )
 from outbox.cli import cli as cli_main
+from outbox.errors import ForkRefused
 from outbox.governance.gates import Gate
 from outbox.runs import waits
 from outbox.serve.app import OutboxServer
 from outbox.serve.settings import Credentials, ServeSettings
-from outbox.shards import SHARDS, key_shard, shard_of
+from outbox.shards import SHARDS, key_shard, on_shard, shard_of
 from outbox.storage.async_store import AsyncStore, Completion, DutyAsk
 from outbox.storage.direct import prepared
 from outbox.storage.engine import make_async_engine, psycopg_url
@@ -862,3 +863,38 @@ def test_a_cancel_leaves_a_possibly_done_effect_unknown_and_compensates_it_once_
         wait_for(compensated, timeout=60, message="the possibly-done booking compensated")
     assert [d.payload for d in undo.deliveries] == [{"n": 1}]
     assert ob.verify_run(run.id) == []
+
+
+def test_a_fork_replays_its_steps_debits_and_chain_from_another_shard(ob: Outbox, dsn: str) -> None:
+    """A fork's copied steps, their debits and its re-chained history are written on
+    its shard (the original's, or another for a caller's fork id); an effect of a
+    step it would run again that a lost attempt may have done refuses it."""
+    original = ob.start_run("forked", "1", {"month": 12}, budget=10.0)
+    original.call("fetch", lambda: {"tool": "fetch"})
+
+    def charge(tx: StepTransaction) -> str:
+        tx.set_state({"after": "charge"})
+        tx.spend(2.5, "model")
+        return str(tx.intend("k.fork", {"cents": 100}).id)
+
+    charged = original.transaction("charge", charge)
+    original.call("notify", lambda: {"step": "notify"})
+    original.complete({"done": True})
+
+    elsewhere = on_shard(uuid.uuid4(), (shard_of(original.id) + 1) % SHARDS)
+    forks = [ob.fork(original.id, "notify"), ob.fork(original.id, "notify", fork_id=elsewhere)]
+    assert shard_of(forks[0].id) == shard_of(original.id), "a fork's own id: the same shard"
+    for fork in forks:
+        assert fork.completed_steps == ["fetch", "charge"]
+        assert fork.record.spent == 2.5 and fork.state == {"after": "charge"}
+        fork.call("notify", lambda: {"step": "notify again"})
+        assert ob.verify_run(fork.id) == []
+    assert ob.verify_run(original.id) == []
+
+    lose_attempts(dsn, ["k.fork"])
+    assert run_reconcile(dsn, {"k.fork": RecordingDeliverer("k.fork")}).counts == {"redeliver": 1}
+    with pytest.raises(ForkRefused) as refused:
+        ob.fork(original.id, "charge")
+    assert [(e["effect_id"], e["status"]) for e in refused.value.effects] == [
+        (charged, "pending again after a lost attempt")
+    ]

@@ -109,36 +109,49 @@ $$;
 -- (outbox.storage.sql.control.fork_chain; a link covers the run's id, so a copied
 -- step's hash cannot be copied). Only a run with no chain yet (step_head NULL)
 -- and only its unlinked steps: called on any other run it changes nothing, so it
--- cannot relink a recorded history.
+-- cannot relink a recorded history. A loop of statements, each filtered by its
+-- run's shard: Citus refuses a recursive query without a distribution column
+-- filter (and a fork given its own id may be on another shard than its original).
 CREATE OR REPLACE FUNCTION outbox_chain_fork(p_original uuid, p_fork uuid) RETURNS void
     LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+DECLARE
+    head bytea;
+    chained text[];
+    copied record;
+    linked boolean := false;
 BEGIN
     IF NOT has_any_column_privilege(session_user, 'outbox_steps', 'INSERT') THEN
         PERFORM outbox_raise_not_step_writer();
     END IF;
-    WITH RECURSIVE copied AS (
-        SELECT f.seq, f.step_id, f.kind, f.result, f.error, f.state, f.plan, f.completed_at,
-               row_number() OVER (ORDER BY f.seq) AS n
+    SELECT outbox_run_genesis(r.id, r.agent, r.inputs_hash) INTO head
+      FROM outbox_runs AS r
+     WHERE r.id = p_fork AND r.shard = outbox_shard_of(p_fork) AND r.step_head IS NULL;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    SELECT array_agg(o.step_id) INTO chained
+      FROM outbox_steps AS o
+     WHERE o.run_id = p_original AND o.shard = outbox_shard_of(p_original)
+       AND o.hash IS NOT NULL;
+    FOR copied IN
+        SELECT f.seq, f.step_id, f.kind, f.result, f.error, f.state, f.plan, f.completed_at
           FROM outbox_steps AS f
-          JOIN outbox_steps AS o ON o.run_id = p_original AND o.step_id = f.step_id
-         WHERE f.run_id = p_fork AND f.hash IS NULL AND f.status = 'completed'
-           AND o.hash IS NOT NULL
-    ), chain (n, seq, head) AS (
-        SELECT 0::bigint, NULL::bigint, outbox_run_genesis(r.id, r.agent, r.inputs_hash)
-          FROM outbox_runs AS r WHERE r.id = p_fork AND r.step_head IS NULL
-        UNION ALL
-        SELECT c.n, c.seq, outbox_step_link(chain.head, p_fork, c.step_id, c.kind,
-                                            outbox_resolve(c.result)::text,
-                                            outbox_resolve(c.error)::text,
-                                            outbox_resolve(c.state)::text,
-                                            outbox_resolve(c.plan)::text, c.completed_at, '')
-          FROM chain JOIN copied AS c ON c.n = chain.n + 1
-    ), linked AS (
-        UPDATE outbox_steps AS s SET hash = chain.head
-          FROM chain WHERE s.run_id = p_fork AND s.seq = chain.seq
-        RETURNING s.seq
-    )
-    UPDATE outbox_runs SET step_head = (SELECT head FROM chain ORDER BY n DESC LIMIT 1)
-     WHERE id = p_fork AND step_head IS NULL AND EXISTS (SELECT FROM linked);
+         WHERE f.run_id = p_fork AND f.shard = outbox_shard_of(p_fork)
+           AND f.hash IS NULL AND f.status = 'completed' AND f.step_id = ANY (chained)
+         ORDER BY f.seq
+    LOOP
+        head := outbox_step_link(head, p_fork, copied.step_id, copied.kind,
+                                 outbox_resolve(copied.result)::text,
+                                 outbox_resolve(copied.error)::text,
+                                 outbox_resolve(copied.state)::text,
+                                 outbox_resolve(copied.plan)::text, copied.completed_at, '');
+        UPDATE outbox_steps SET hash = head
+         WHERE run_id = p_fork AND shard = outbox_shard_of(p_fork) AND seq = copied.seq;
+        linked := true;
+    END LOOP;
+    IF linked THEN
+        UPDATE outbox_runs SET step_head = head
+         WHERE id = p_fork AND shard = outbox_shard_of(p_fork) AND step_head IS NULL;
+    END IF;
 END
 $$;

@@ -226,6 +226,20 @@ def _copied() -> list[Any]:
     ]
 
 
+def _copied_debits() -> list[Any]:
+    """The original's debits of the copied steps (joined on the shard too: Citus)."""
+    return [
+        budget_ledger.c.run_id == _ORIGINAL,
+        budget_ledger.c.shard == shard_of(_ORIGINAL),
+        budget_ledger.c.entry == const("spend"),
+        exists().where(
+            *_copied(),
+            steps.c.shard == budget_ledger.c.shard,
+            steps.c.step_id == budget_ledger.c.step_id,
+        ),
+    ]
+
+
 def _last_set(column: Any) -> Any:
     """What the last copied step that set ``column`` (state or plan) set it to."""
     return (
@@ -299,11 +313,7 @@ def fork_run() -> Any:
     """
     spent = (
         select(func.coalesce(func.sum(budget_ledger.c.amount), 0))
-        .where(
-            budget_ledger.c.run_id == _ORIGINAL,
-            budget_ledger.c.entry == const("spend"),
-            budget_ledger.c.step_id.in_(select(steps.c.step_id).where(*_copied())),
-        )
+        .where(*_copied_debits())
         .scalar_subquery()
     )
     current = (
@@ -419,11 +429,6 @@ def fork_chain() -> Any:
 @cache
 def fork_ledger() -> Any:
     """The copied steps' debits, on the fork (a replayed step does not spend again)."""
-    copied = and_(
-        budget_ledger.c.run_id == _ORIGINAL,
-        budget_ledger.c.entry == const("spend"),
-        exists().where(*_copied(), steps.c.step_id == budget_ledger.c.step_id),
-    )
     return pg_insert(budget_ledger).from_select(
         ["run_id", "shard", "step_id", "reason", "entry", "amount"],
         select(
@@ -433,5 +438,5 @@ def fork_ledger() -> Any:
             budget_ledger.c.reason,
             budget_ledger.c.entry,
             budget_ledger.c.amount,
-        ).where(copied),
+        ).where(*_copied_debits()),
     )
