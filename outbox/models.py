@@ -38,6 +38,7 @@ __all__ = [
     "NEEDS_PERSON_EFFECT_STATUSES",
     "NOT_STARTED_EFFECT_STATUSES",
     "OPEN_EFFECT_STATUSES",
+    "REDISPATCH",
     "STOPPING_RUN_STATUSES",
     "TERMINAL_EFFECT_STATUSES",
     "TERMINAL_RUN_STATUSES",
@@ -213,6 +214,11 @@ class AttemptOutcome(StrEnum):
     APPROVAL_REFUSED = "approval_refused"
     #: the gate's deadline passed: its ``on_timeout`` was applied
     TIMED_OUT = "timed_out"
+
+
+#: The ``resolution`` of an ``expired`` attempt-log row whose attempt made no call
+#: (a relay's dispatch): unlike any other lost attempt's, it leaves no doubt.
+REDISPATCH = "re-dispatch"
 
 
 class Lease(NamedTuple):

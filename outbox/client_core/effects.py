@@ -18,7 +18,7 @@ from outbox.governance.audit_record import record_from_rows
 from outbox.governance.chain import Break, stored_values, value_breaks, verify_record
 from outbox.governance.gates import Gate
 from outbox.governance.intent_rules import MAX_KEY_LENGTH
-from outbox.models import Effect, EffectStatus
+from outbox.models import STOPPING_RUN_STATUSES, Effect, EffectStatus
 from outbox.payloads import encode
 from outbox.runs.approvals import decide, expire_approvals
 from outbox.validation import as_uuid, name_field, row_limit
@@ -109,6 +109,7 @@ class EffectOperations(ClientBase):
         effect = self.effect(effect_id)
         params = {"new_status": _RESOLVED[outcome], "operator": operator, "detail": detail}
         if not self.store.operator_change("resolve", {"effect_id": effect.id, **params}):
+            self._refused_reopen(effect.id, EffectStatus.UNKNOWN, "succeeded or failed")
             raise RunStateError(
                 f"effect_id={str(effect.id)!r} is {effect.status.value}, not unknown: "
                 "only unknown effects are resolved"
@@ -116,6 +117,20 @@ class EffectOperations(ClientBase):
         if outcome == "retry":
             self._effects_wakeup.committed(None)
         return self.effect(effect.id)
+
+    def _refused_reopen(self, effect_id: uuid.UUID, status: EffectStatus, instead: str) -> None:
+        """Raise when ``status`` was right and the effect's run is stopping (the refusal's why)."""
+        effect = self.effect(effect_id)
+        if effect.status != status or effect.run_id is None:
+            return
+        with self.store.engine.begin() as conn:
+            run = self.store.run_record(conn, effect.run_id)
+        if run is not None and run.status in STOPPING_RUN_STATUSES:
+            raise RunStateError(
+                f"effect_id={str(effect_id)!r}: its run is {run.status.value}, so it is not "
+                f"delivered again; {instead} (a succeeded effect is compensated if it "
+                "declares a compensation)"
+            )
 
     def retry_effect(
         self,
@@ -140,6 +155,7 @@ class EffectOperations(ClientBase):
         effect = self.effect(effect_id)
         params = {"extra_attempts": extra_attempts, "operator": operator, "detail": detail}
         if not self.store.operator_change("retry", {"effect_id": effect.id, **params}):
+            self._refused_reopen(effect.id, EffectStatus.FAILED, "it stays failed")
             raise RunStateError(
                 f"effect_id={str(effect.id)!r} is {effect.status.value}, not failed: "
                 "only failed effects are retried (resolve unknown ones)"

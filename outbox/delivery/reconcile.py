@@ -36,7 +36,7 @@ from outbox.delivery.contract import Deliverer, Delivery, NotApplied, Succeeded,
 from outbox.delivery.seam import DeliveryStore
 from outbox.delivery.storable import storable_json, storable_text
 from outbox.ids import RELAY_OWNER_PREFIX
-from outbox.models import AttemptOutcome, EffectStatus
+from outbox.models import REDISPATCH, AttemptOutcome, EffectStatus
 from outbox.storage.attempts import ClaimedEffect, Completion
 
 __all__ = ["LookupBackoff", "ReconcileItem", "ReconcileReport", "reconcile"]
@@ -286,8 +286,8 @@ async def _resolve(
             new_status="pending",
             note=note,
             # no sink was called: unlike a deliverer's lost attempt, this leaves no
-            # doubt that a cancel must keep (sql/stopping.py)
-            resolution="re-dispatch",
+            # doubt that a cancel or a fork must keep (sql/attempt_log.py)
+            resolution=REDISPATCH,
             worker=worker,
             shard=row.shard,
         )

@@ -9,12 +9,19 @@ skip it (G3). It becomes ``unknown``, and the run's stop waits for an operator.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import psycopg
+import pytest
+
 from deliverers.testing import RecordingDeliverer
-from outbox import AttemptOutcome, EffectStatus, Outbox, Run, RunStatus
-from outbox.delivery import Retry
+from outbox import AttemptOutcome, EffectStatus, Outbox, Run, RunStateError, RunStatus
+from outbox.delivery import Failed, Retry
 from outbox.ids import RELAY_OWNER_PREFIX
+from outbox.shards import shard_of
+from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.engine import make_async_engine
 from tests.integration.test_reconcile import lose_attempts, run_reconcile
 from tests.support import DaemonThread, wait_for
 
@@ -86,17 +93,108 @@ def test_an_operator_who_finds_it_never_happened_lets_the_cancel_end(ob: Outbox,
     assert ob.run(run.id).status == RunStatus.CANCELLED
 
 
-def test_a_lost_attempt_that_a_later_one_answered_leaves_no_doubt(ob: Outbox, dsn: str) -> None:
+def test_a_retry_answer_of_the_redelivery_leaves_the_doubt(ob: Outbox, dsn: str) -> None:
     run = booking(ob, dsn)
-    # the redelivery reaches the sink, which answers "not now": it dedups the key,
-    # so the lost call did not take effect either
-    busy = RecordingDeliverer("k.book", outcome=lambda d: Retry("busy", after=3600))
+    # An idempotent kind answers "try again" for a call it could not send as for
+    # one whose fate it cannot tell (a timeout after sending): no word on the lost one.
+    busy = RecordingDeliverer("k.book", outcome=lambda d: Retry("timed out", after=3600))
     with DaemonThread(dsn, {"k.book": busy}):
         wait_for(lambda: len(busy.deliveries) == 1, message="the redelivery was answered")
         wait_for(lambda: effect_of(ob, run, "flight").status == EffectStatus.PENDING)
 
+    assert ob.cancel(run.id, "stop") == RunStatus.CANCELLING
+    assert effect_of(ob, run, "flight").status == EffectStatus.UNKNOWN
+
+
+def test_an_operator_s_word_on_the_lost_attempt_leaves_no_doubt(ob: Outbox, dsn: str) -> None:
+    # a kind whose sink cannot dedup: the lost attempt is unknown at once, and the
+    # operator, having checked, says it did not happen and sends it again
+    run = ob.start_run("travel", "1", {"trip": "BCN"})
+    run.transaction("book-flight", lambda tx: tx.intend("k.blind", {"item": "flight"}) and None)
+    lose_attempts(dsn, ["k.blind"])
+    blind = {"k.blind": RecordingDeliverer("k.blind", idempotent=False)}
+    assert run_reconcile(dsn, blind).counts == {"unknown": 1}
+    flight = effect_of(ob, run, "flight")
+    ob.resolve_effect(flight.id, outcome="retry", note="no such booking", operator="ops")
+
     assert ob.cancel(run.id, "stop") == RunStatus.CANCELLED
     assert effect_of(ob, run, "flight").status == EffectStatus.CANCELLED
+
+
+def test_an_attempt_lost_at_its_cap_then_retried_by_an_operator_is_still_in_doubt(
+    ob: Outbox, dsn: str
+) -> None:
+    run = ob.start_run("travel", "1", {"trip": "MAD"})
+    run.transaction(
+        "book-flight", lambda tx: tx.intend("k.book", {"item": "flight"}, max_attempts=1) and None
+    )
+    lose_attempts(dsn, ["k.book"])
+    assert run_reconcile(dsn, {"k.book": RecordingDeliverer("k.book")}).counts == {"failed": 1}
+    flight = effect_of(ob, run, "flight")
+    ob.retry_effect(flight.id, operator="ops", note="one more go")
+
+    assert ob.cancel(run.id, "stop") == RunStatus.CANCELLING
+    assert effect_of(ob, run, "flight").status == EffectStatus.UNKNOWN
+
+
+def test_an_effect_of_a_stopping_run_is_not_sent_again_by_an_operator(ob: Outbox, dsn: str) -> None:
+    run = booking(ob, dsn)
+    assert ob.cancel(run.id, "stop") == RunStatus.CANCELLING
+    flight = effect_of(ob, run, "flight")
+    with pytest.raises(RunStateError, match=r"its run is cancelling.*succeeded or failed"):
+        ob.resolve_effect(flight.id, outcome="retry", note="send it", operator="ops")
+    assert effect_of(ob, run, "flight").status == EffectStatus.UNKNOWN
+    ob.resolve_effect(flight.id, outcome="failed", note="it did not happen", operator="ops")
+    # a failed effect of a stopping run is not retried either
+    other = booking(ob, dsn)
+    other.transaction("fail", lambda tx: tx.intend("k.fail", {}) and None)
+    with DaemonThread(
+        dsn, {"k.fail": RecordingDeliverer("k.fail", outcome=lambda d: Failed("no"))}
+    ):
+        wait_for(lambda: [e.status for e in ob.effects(kind="k.fail")] == ["failed"])
+    assert ob.cancel(other.id, "stop") == RunStatus.CANCELLING
+    (failed,) = ob.effects(kind="k.fail")
+    with pytest.raises(RunStateError, match="its run is cancelling"):
+        ob.retry_effect(failed.id, operator="ops")
+    assert ob.effect(failed.id).status == EffectStatus.FAILED
+
+
+def test_a_doubted_effect_the_relay_held_is_not_given_back_by_its_release(
+    ob: Outbox, dsn: str
+) -> None:
+    run = booking(ob, dsn)
+    # a relay claimed it again (a newer attempt) and has not published it yet
+    flight = effect_of(ob, run, "flight")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox_effects SET status = 'dispatched', attempt = 2,"
+            " lease_owner = 'relay:r1', lease_expires_at = now() + interval '1 minute'"
+            " WHERE id = %s",
+            [flight.id],
+        )
+    assert ob.cancel(run.id, "stop") == RunStatus.CANCELLING
+    assert (ob.effect(flight.id).status, ob.effect(flight.id).attempt) == (
+        EffectStatus.UNKNOWN,
+        3,
+    ), "its attempt 2 (the relay's) is spent"
+
+    async def give_back() -> Any:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            undone = Completion(
+                flight.id,
+                2,
+                "pending",
+                "released",
+                error="not published",
+                shard=shard_of(flight.id),
+            )
+            return await store.complete("relay:r1", [undone])
+        finally:
+            await store.dispose()
+
+    assert asyncio.run(give_back()) == [(flight.id, "stale")]
+    assert ob.effect(flight.id).status == EffectStatus.UNKNOWN
 
 
 def test_an_attempt_lost_after_the_cancel_leaves_its_effect_unknown_not_cancelled(

@@ -20,7 +20,7 @@ from sqlalchemy import JSON, bindparam, exists, null, select
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from outbox.models import AttemptOutcome
+from outbox.models import REDISPATCH, AttemptOutcome
 from outbox.storage.schema import effect_attempts, effects
 from outbox.storage.sql.common import const, in_statuses
 
@@ -117,9 +117,10 @@ def log_changes(
 
 #: Attempt-log outcomes that are the sink's (or an operator's) word on whether an
 #: effect happened: after one of them, an earlier lost attempt is no longer in doubt.
+#: Not ``retry``: an idempotent kind answers it for a call whose fate it cannot
+#: tell (a timeout after sending), as for one never sent.
 _ANSWERS = (
     AttemptOutcome.SUCCEEDED,
-    AttemptOutcome.RETRY,
     AttemptOutcome.FAILED,
     AttemptOutcome.LOOKED_UP,
     AttemptOutcome.RESOLVED,
@@ -129,10 +130,11 @@ _ANSWERS = (
 def lost_without_answer() -> Any:
     """An effect (of the statement's ``outbox_effects``) may have happened, though not started.
 
-    An attempt's lease ran out and it was put back for redelivery (``expired``,
-    resolution ``redeliver``): the call may have reached the sink, and no later
-    attempt brought an answer. A relay's lost dispatch (``re-dispatch``)
-    made no call, so it leaves no doubt.
+    An attempt's lease ran out with no answer (``expired``, whatever the
+    reconciler made of it: redelivered, failed at its cap and retried by an
+    operator since): the call may have reached the sink, and no later attempt
+    or operator said whether it did. A relay's lost dispatch (resolution
+    :data:`~outbox.models.REDISPATCH`) made no call, so it leaves no doubt.
     """
     lost, answer = effect_attempts.alias("lost"), effect_attempts.alias("answer")
     answered = exists().where(
@@ -145,6 +147,7 @@ def lost_without_answer() -> Any:
         lost.c.effect_id == effects.c.id,
         lost.c.shard == effects.c.shard,
         lost.c.outcome == const(AttemptOutcome.EXPIRED),
-        lost.c.detail["resolution"].astext == const("redeliver"),
+        # IS DISTINCT FROM: a row without a resolution counts as lost
+        lost.c.detail["resolution"].astext.is_distinct_from(const(REDISPATCH)),
         ~answered,
     )

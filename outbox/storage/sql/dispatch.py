@@ -27,7 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import UUID
 
 from outbox.ids import RELAY_OWNER_PREFIX
-from outbox.models import EffectStatus
+from outbox.models import REDISPATCH, EffectStatus
 from outbox.storage.schema import effects
 from outbox.storage.sql.attempt_log import log_changes
 from outbox.storage.sql.common import SECONDS, const, in_statuses, on_shard
@@ -130,6 +130,6 @@ def redispatch_expired(sharded: bool = False) -> Any:
         changed,
         worker=bindparam("worker", type_=Text),
         outcome=const("expired"),
-        detail=func.jsonb_build_object("resolution", const("re-dispatch")),
+        detail=func.jsonb_build_object("resolution", const(REDISPATCH)),
         sharded=sharded,
     )

@@ -25,6 +25,7 @@ from sqlalchemy import (
     bindparam,
     case,
     column,
+    exists,
     func,
     null,
     or_,
@@ -34,7 +35,7 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement
 
-from outbox.models import TERMINAL_EFFECT_STATUSES
+from outbox.models import STOPPING_RUN_STATUSES, TERMINAL_EFFECT_STATUSES
 from outbox.storage.schema import effect_attempts, effects, runs
 from outbox.storage.sql.attempt_log import LOGGED_ATTEMPT, labelled, log_changes
 from outbox.storage.sql.common import (
@@ -426,15 +427,21 @@ def take_over_effect(sharded: bool = False) -> Any:
     )
 
 
-def _operator_change(from_status: str, values: dict[str, Any], outcome: str, sharded: bool) -> Any:
+def _operator_change(
+    from_status: str, values: dict[str, Any], outcome: str, sharded: bool, *, reopen: bool
+) -> Any:
     # The effect is named with its shard (looked up first): on Citus a change by id
-    # alone would lock every shard's rows; its log rows come after it there.
+    # alone would lock every shard's rows; its log rows come after it there. Claims
+    # do not look at runs: reopened while its run stops, it would be delivered.
+    run = (runs.c.id == effects.c.run_id, runs.c.shard == effects.c.shard)
+    stopping = exists().where(*run, in_statuses(runs.c.status, STOPPING_RUN_STATUSES))
     changed = (
         effects.update()
         .where(
             effects.c.id == bindparam("effect_id", type_=UUID(as_uuid=True)),
             effects.c.shard == bindparam("effect_shard", type_=SmallInteger),
             effects.c.status == const(from_status),
+            *([~stopping] if reopen else []),
         )
         .values(**values, lease_owner=null(), lease_expires_at=null(), updated_at=func.now())
         .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
@@ -456,7 +463,7 @@ def resolve_unknown(sharded: bool = False, *, reopen: bool) -> Any:
     Parameters: ``effect_id``, ``effect_shard``, ``new_status``, ``operator``,
     ``detail`` (JSON). ``reopen``: ``new_status`` is ``pending``, so the effect
     is not completed (a statement each: Citus refuses ``now()`` inside CASE in
-    an UPDATE).
+    an UPDATE), and not while its run is stopping (nothing changes).
     """
     return _operator_change(
         "unknown",
@@ -467,6 +474,7 @@ def resolve_unknown(sharded: bool = False, *, reopen: bool) -> Any:
         },
         "resolved",
         sharded,
+        reopen=reopen,
     )
 
 
@@ -475,7 +483,7 @@ def retry_failed(sharded: bool = False) -> Any:
     """Put a ``failed`` effect back to ``pending`` with ``extra_attempts`` more tries.
 
     Parameters: ``effect_id``, ``effect_shard``, ``extra_attempts``, ``operator``,
-    ``detail`` (JSON).
+    ``detail`` (JSON). Not while its run is stopping (nothing changes).
     """
     return _operator_change(
         "failed",
@@ -487,4 +495,5 @@ def retry_failed(sharded: bool = False) -> Any:
         },
         "retried",
         sharded,
+        reopen=True,
     )

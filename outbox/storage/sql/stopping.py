@@ -17,6 +17,7 @@ from sqlalchemy import (
     Text,
     any_,
     bindparam,
+    case,
     func,
     null,
     select,
@@ -73,11 +74,16 @@ def doubt_pending_effects(sharded: bool = False) -> Any:
     (G3), and the run's stop waits with it. Parameters as
     :func:`cancel_pending_effects`; run it first. Returns one row per effect.
     """
+    # A dispatched one carries the relay's newer attempt, which says nothing of the
+    # lost one: that attempt is spent, or the relay's give-back (``released``, a
+    # truth about an attempt that made no call) would turn it back to pending.
+    dispatched = effects.c.status == const("dispatched")
     return _stop_unstarted(
         sharded,
         AttemptOutcome.UNKNOWN,
         lost_without_answer(),
         status=const("unknown"),
+        attempt=case((dispatched, effects.c.attempt + 1), else_=effects.c.attempt),
         lease_owner=null(),
         lease_expires_at=null(),
     )
