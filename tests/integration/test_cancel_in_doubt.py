@@ -17,7 +17,7 @@ import pytest
 
 from deliverers.testing import RecordingDeliverer
 from outbox import AttemptOutcome, EffectStatus, Outbox, Run, RunStateError, RunStatus
-from outbox.delivery import Failed, Retry
+from outbox.delivery import Deliverer, Failed, Retry
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore, Completion
@@ -112,7 +112,7 @@ def test_an_operator_s_word_on_the_lost_attempt_leaves_no_doubt(ob: Outbox, dsn:
     run = ob.start_run("travel", "1", {"trip": "BCN"})
     run.transaction("book-flight", lambda tx: tx.intend("k.blind", {"item": "flight"}) and None)
     lose_attempts(dsn, ["k.blind"])
-    blind = {"k.blind": RecordingDeliverer("k.blind", idempotent=False)}
+    blind: dict[str, Deliverer] = {"k.blind": RecordingDeliverer("k.blind", idempotent=False)}
     assert run_reconcile(dsn, blind).counts == {"unknown": 1}
     flight = effect_of(ob, run, "flight")
     ob.resolve_effect(flight.id, outcome="retry", note="no such booking", operator="ops")
