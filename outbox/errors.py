@@ -260,11 +260,14 @@ class ForkRefused(RunStateError):
     """A fork from ``from_step`` would run again steps whose effects may have taken effect.
 
     ``effects`` lists them (``effect_id``, ``step_id``, ``kind``, ``status``,
-    ``idempotency_key``): ``unknown``, ``in_flight`` or ``dispatched`` effects of
-    ``from_step`` or a later step, or ones not started again since an attempt
-    was lost (its call may have reached the sink). The fork would intend them again under new
-    keys, which the sink has never seen: it could apply them twice. Settle them
-    first (``outbox effects resolve``), or fork with ``allow_unsettled=True``.
+    ``idempotency_key``, ``lost_attempt``): ``unknown``, ``in_flight`` or
+    ``dispatched`` effects of ``from_step`` or a later step, or ones not started
+    again since an attempt was lost (``lost_attempt``: its call may have reached
+    the sink). The fork would intend them again under new keys, which the sink
+    has never seen: it could apply them twice. Settle them first (resolve the
+    unknown ones; let the others be delivered, or cancel the original, which
+    leaves one a lost attempt may have done ``unknown``), or fork with
+    ``allow_unsettled=True``.
     """
 
     def __init__(self, run_id: Any, from_step: str, effects: list[dict[str, Any]]) -> None:
@@ -273,6 +276,7 @@ class ForkRefused(RunStateError):
         self.effects = effects
         listed = "; ".join(
             f"{e['effect_id']} ({e['kind']}, step {e['step_id']!r}) is {e['status']}"
+            + (" again after a lost attempt" if e.get("lost_attempt") else "")
             for e in effects[:20]
         )
         more = f"; and {len(effects) - 20} more" if len(effects) > 20 else ""
@@ -280,7 +284,8 @@ class ForkRefused(RunStateError):
             f"from_step={from_step!r}: run {run_id} has {len(effects)} effect(s) at or after "
             f"this step that may already have taken effect: {listed}{more}. The fork would "
             "intend them again under new keys, so a sink could apply them twice: settle them "
-            "first (outbox effects resolve), or fork anyway with allow_unsettled=True "
+            "first (outbox effects resolve the unknown ones; let the others be delivered, or "
+            "cancel the original), or fork anyway with allow_unsettled=True "
             "(outbox runs fork --allow-unsettled)"
         )
 

@@ -109,28 +109,38 @@ class EffectOperations(ClientBase):
         effect = self.effect(effect_id)
         params = {"new_status": _RESOLVED[outcome], "operator": operator, "detail": detail}
         if not self.store.operator_change("resolve", {"effect_id": effect.id, **params}):
-            self._refused_reopen(effect.id, EffectStatus.UNKNOWN, "succeeded or failed")
+            now = self._refused_reopen(
+                effect.id,
+                EffectStatus.UNKNOWN,
+                "resolve it as succeeded (it is then compensated if it declares a "
+                "compensation) or as failed",
+            )
             raise RunStateError(
-                f"effect_id={str(effect.id)!r} is {effect.status.value}, not unknown: "
+                f"effect_id={str(effect.id)!r} is {now.value}, not unknown: "
                 "only unknown effects are resolved"
             )
         if outcome == "retry":
             self._effects_wakeup.committed(None)
         return self.effect(effect.id)
 
-    def _refused_reopen(self, effect_id: uuid.UUID, status: EffectStatus, instead: str) -> None:
-        """Raise when ``status`` was right and the effect's run is stopping (the refusal's why)."""
+    def _refused_reopen(
+        self, effect_id: uuid.UUID, status: EffectStatus, instead: str
+    ) -> EffectStatus:
+        """Why a reopen changed nothing: raise when the effect's run is stopping.
+
+        Otherwise the effect's status now (it was not ``status``).
+        """
         effect = self.effect(effect_id)
-        if effect.status != status or effect.run_id is None:
-            return
-        with self.store.engine.begin() as conn:
-            run = self.store.run_record(conn, effect.run_id)
+        if effect.status != status or effect.run_id is None or effect.compensates is not None:
+            return effect.status
+        loaded = self.store.load_run(effect.run_id, step_id="")  # the run, no steps
+        run = None if loaded is None else loaded[0]
         if run is not None and run.status in STOPPING_RUN_STATUSES:
             raise RunStateError(
                 f"effect_id={str(effect_id)!r}: its run is {run.status.value}, so it is not "
-                f"delivered again; {instead} (a succeeded effect is compensated if it "
-                "declares a compensation)"
+                f"delivered again; {instead}"
             )
+        return effect.status
 
     def retry_effect(
         self,
@@ -155,9 +165,9 @@ class EffectOperations(ClientBase):
         effect = self.effect(effect_id)
         params = {"extra_attempts": extra_attempts, "operator": operator, "detail": detail}
         if not self.store.operator_change("retry", {"effect_id": effect.id, **params}):
-            self._refused_reopen(effect.id, EffectStatus.FAILED, "it stays failed")
+            now = self._refused_reopen(effect.id, EffectStatus.FAILED, "it stays failed")
             raise RunStateError(
-                f"effect_id={str(effect.id)!r} is {effect.status.value}, not failed: "
+                f"effect_id={str(effect.id)!r} is {now.value}, not failed: "
                 "only failed effects are retried (resolve unknown ones)"
             )
         self._effects_wakeup.committed(None)

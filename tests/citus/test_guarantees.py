@@ -895,6 +895,6 @@ def test_a_fork_replays_its_steps_debits_and_chain_from_another_shard(ob: Outbox
     assert run_reconcile(dsn, {"k.fork": RecordingDeliverer("k.fork")}).counts == {"redeliver": 1}
     with pytest.raises(ForkRefused) as refused:
         ob.fork(original.id, "charge")
-    assert [(e["effect_id"], e["status"]) for e in refused.value.effects] == [
-        (charged, "pending again after a lost attempt")
+    assert [(e["effect_id"], e["status"], e["lost_attempt"]) for e in refused.value.effects] == [
+        (charged, "pending", True)
     ]

@@ -141,7 +141,7 @@ def test_an_effect_of_a_stopping_run_is_not_sent_again_by_an_operator(ob: Outbox
     run = booking(ob, dsn)
     assert ob.cancel(run.id, "stop") == RunStatus.CANCELLING
     flight = effect_of(ob, run, "flight")
-    with pytest.raises(RunStateError, match=r"its run is cancelling.*succeeded or failed"):
+    with pytest.raises(RunStateError, match=r"its run is cancelling.*as succeeded .* or as failed"):
         ob.resolve_effect(flight.id, outcome="retry", note="send it", operator="ops")
     assert effect_of(ob, run, "flight").status == EffectStatus.UNKNOWN
     ob.resolve_effect(flight.id, outcome="failed", note="it did not happen", operator="ops")
@@ -221,3 +221,32 @@ def test_a_relay_s_lost_dispatch_made_no_call_and_leaves_no_doubt(ob: Outbox, ds
     assert run_reconcile(dsn, {"k.book": RecordingDeliverer("k.book")}).counts == {"redeliver": 1}
     assert ob.cancel(run.id, "stop") == RunStatus.CANCELLED
     assert effect_of(ob, run, "flight").status == EffectStatus.CANCELLED
+
+
+def test_a_compensation_of_a_stopping_run_may_be_sent_again(ob: Outbox, dsn: str) -> None:
+    # its compensations are the stop's own work: an operator who finds the refund
+    # never happened sends it again
+    run = ob.start_run("travel", "1", {"trip": "LIS"})
+    run.transaction(
+        "book-flight",
+        lambda tx: tx.intend("k.book", {"item": "flight"}, compensate=("k.refund", {})) and None,
+    )
+    with DaemonThread(dsn, {"k.book": RecordingDeliverer("k.book")}):
+        wait_for(lambda: effect_of(ob, run, "flight").status == EffectStatus.SUCCEEDED)
+    assert ob.cancel(run.id, "stop") == RunStatus.COMPENSATING
+    (refund,) = ob.effects(kind="k.refund")
+    with psycopg.connect(dsn, autocommit=True) as conn:  # its call was lost, say
+        conn.execute(
+            "UPDATE outbox_effects SET status = 'unknown', attempt = 1 WHERE id = %s", [refund.id]
+        )
+    ob.resolve_effect(refund.id, outcome="retry", note="no refund yet", operator="ops")
+    sink = RecordingDeliverer("k.refund")
+    with DaemonThread(dsn, {"k.refund": sink}):
+        wait_for(
+            lambda: (
+                ob.advance_stopping_runs() is not None
+                and ob.run(run.id).status == RunStatus.COMPENSATED
+            ),
+            timeout=20,
+        )
+    assert len(sink.deliveries) == 1

@@ -74,9 +74,10 @@ def test_an_effect_pending_again_after_a_lost_attempt_is_unsettled(ob: Outbox, d
     assert ob.effect(ids["charge"]).status.value == "pending"
     with pytest.raises(ForkRefused) as refused:
         ob.fork(run.id, "charge")
-    assert [(e["effect_id"], e["status"]) for e in refused.value.effects] == [
-        (ids["charge"], "pending again after a lost attempt")
+    assert [(e["effect_id"], e["status"], e["lost_attempt"]) for e in refused.value.effects] == [
+        (ids["charge"], "pending", True)
     ]
+    assert "is pending again after a lost attempt" in str(refused.value)
     assert ob.fork(run.id, "mail").completed_steps == ["quote", "charge"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from decimal import Decimal
 from typing import Any
 
@@ -21,7 +22,7 @@ from outbox import (
     ValidationError,
     compensation_key,
 )
-from outbox.delivery import Delivery, Failed, Outcome, Succeeded
+from outbox.delivery import Delivery, Failed, Outcome, Retry, Succeeded
 from outbox.storage.schema import budget_ledger
 from tests.support import DaemonThread, wait_for
 
@@ -214,3 +215,38 @@ def test_costly_effects_reserve_then_commit_or_release(ob: Outbox, dsn: str) -> 
             ("release", "k.no", Decimal(2)),
         ]
     )
+
+
+def test_an_attempt_in_flight_at_the_cancel_that_asks_for_a_retry_is_not_sent_again(
+    ob: Outbox, dsn: str
+) -> None:
+    # The answer puts it back to pending at once (no delay), and claims do not look
+    # at runs: before the stopping sweep cancelled it, the daemon took it again.
+    run = ob.start_run("a", "1")
+    run.transaction("s", lambda tx: tx.intend("k.busy", {}) and None)
+    release = threading.Event()
+
+    def busy(delivery: Delivery) -> Outcome:
+        if release.wait(30) and delivery.attempt == 1:
+            return Retry("busy", after=0)
+        return Succeeded()
+
+    sink = RecordingDeliverer("k.busy", outcome=busy)
+    # its duties (the stopping sweep among them) wait: the test sweeps by hand
+    with DaemonThread(dsn, {"k.busy": sink}, poll_seconds=0.05, reconcile_seconds=60):
+        wait_for(lambda: len(sink.deliveries) == 1, message="the first attempt in flight")
+        assert ob.cancel(run.id, "stop") == RunStatus.CANCELLING
+        release.set()
+        (effect,) = ob.effects(run_id=run.id)
+        wait_for(lambda: "retry" in [a.outcome for a in ob.store.attempts(effect.id)])
+        time.sleep(0.5)  # the daemon's chance to take it again, before any sweep
+        assert len(sink.deliveries) == 1, "not delivered again after the cancel"
+        wait_for(
+            lambda: (
+                ob.advance_stopping_runs() is not None
+                and ob.run(run.id).status == RunStatus.CANCELLED
+            ),
+            timeout=20,
+        )
+    (effect,) = ob.effects(run_id=run.id)
+    assert effect.status == EffectStatus.CANCELLED

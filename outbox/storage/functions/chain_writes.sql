@@ -116,6 +116,7 @@ CREATE OR REPLACE FUNCTION outbox_chain_fork(p_original uuid, p_fork uuid) RETUR
     LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
     head bytea;
+    chained_already bytea;
     chained text[];
     copied record;
     linked boolean := false;
@@ -123,10 +124,14 @@ BEGIN
     IF NOT has_any_column_privilege(session_user, 'outbox_steps', 'INSERT') THEN
         PERFORM outbox_raise_not_step_writer();
     END IF;
-    SELECT outbox_run_genesis(r.id, r.agent, r.inputs_hash) INTO head
-      FROM outbox_runs AS r
-     WHERE r.id = p_fork AND r.shard = outbox_shard_of(p_fork) AND r.step_head IS NULL;
+    SELECT outbox_run_genesis(r.id, r.agent, r.inputs_hash), r.step_head
+      INTO head, chained_already
+      FROM outbox_runs AS r WHERE r.id = p_fork AND r.shard = outbox_shard_of(p_fork);
     IF NOT FOUND THEN
+        -- the caller has just written it: a fork it cannot see would stay unchained
+        RAISE EXCEPTION 'outbox_chain_fork: run % is not there to chain', p_fork
+            USING ERRCODE = 'no_data_found';
+    ELSIF chained_already IS NOT NULL THEN
         RETURN;
     END IF;
     SELECT array_agg(o.step_id) INTO chained
@@ -146,7 +151,8 @@ BEGIN
                                  outbox_resolve(copied.state)::text,
                                  outbox_resolve(copied.plan)::text, copied.completed_at, '');
         UPDATE outbox_steps SET hash = head
-         WHERE run_id = p_fork AND shard = outbox_shard_of(p_fork) AND seq = copied.seq;
+         WHERE run_id = p_fork AND shard = outbox_shard_of(p_fork) AND seq = copied.seq
+           AND hash IS NULL;
         linked := true;
     END LOOP;
     IF linked THEN

@@ -34,13 +34,19 @@ CREATE TRIGGER outbox_effects_settle_cost
     EXECUTE FUNCTION outbox_effects_settle_cost();
 
 -- Every way back to pending (a retry, the reconciler, an operator) holds the
--- effect of a paused run as paused; commit_step decides it for new intents. And
+-- effect of a paused run as paused; commit_step decides it for new intents. One
+-- of a run being cancelled (not a compensation) stays pending but is never due:
+-- claims do not look at runs, and the stopping sweep cancels it (or leaves it
+-- unknown when a lost attempt may have done it) at its next pass. And
 -- an effect held for approval leaves it only by an approval (a session with
 -- EXECUTE on outbox_may_release: the operator's, under `outbox roles`), a
 -- rejection or a cancellation, never by a deliverer's hand-written UPDATE. One
 -- trigger for both, so the claims and completions pay for one WHEN clause.
 CREATE OR REPLACE FUNCTION outbox_effects_hold_paused() RETURNS trigger
     LANGUAGE plpgsql AS $$
+DECLARE
+    paused boolean;
+    stopping boolean;
 BEGIN
     PERFORM outbox_citus_plans_per_call();  -- on a worker, its shard's statements
     IF OLD.status = 'awaiting_approval'
@@ -50,10 +56,15 @@ BEGIN
             'releases it (a role with EXECUTE on outbox_may_release())', OLD.id
             USING ERRCODE = 'insufficient_privilege';
     END IF;
-    IF NEW.status = 'pending' AND NEW.run_id IS NOT NULL AND EXISTS (
-        SELECT 1 FROM outbox_runs
-         WHERE id = NEW.run_id AND shard = NEW.shard AND paused_at IS NOT NULL) THEN
-        NEW.status := 'paused';
+    IF NEW.status = 'pending' AND NEW.run_id IS NOT NULL THEN
+        SELECT r.paused_at IS NOT NULL, r.status IN ('cancelling', 'compensating')
+          INTO paused, stopping
+          FROM outbox_runs AS r WHERE r.id = NEW.run_id AND r.shard = NEW.shard;
+        IF paused THEN
+            NEW.status := 'paused';
+        ELSIF stopping AND NEW.compensates IS NULL THEN
+            NEW.available_at := now() + interval '100 years';  -- finite: clients read it
+        END IF;
     END IF;
     RETURN NEW;
 END

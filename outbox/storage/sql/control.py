@@ -267,7 +267,8 @@ def fork_unsettled() -> AnySelect:
 
     Parameters: ``of_run``, ``cut`` (the seq of the step the fork restarts at;
     NULL: after every completed step) and ``from_step`` (the step a failed run
-    failed at). Rows: (effect_id, step_id, kind, status, idempotency_key).
+    failed at). Rows: (effect_id, step_id, kind, status, idempotency_key,
+    lost_attempt: not started again since an attempt was lost).
     """
     cut = bindparam("cut", type_=Integer)
     rerun = select(steps.c.step_id).where(
@@ -284,14 +285,13 @@ def fork_unsettled() -> AnySelect:
             effects.c.id.label("effect_id"),
             effects.c.step_id,
             effects.c.kind,
-            case(
-                (unsettled, effects.c.status),
-                else_=effects.c.status + const(" again after a lost attempt"),
-            ).label("status"),
+            effects.c.status,
             effects.c.idempotency_key,
+            ~unsettled.self_group().label("lost_attempt"),
         )
         .where(
             effects.c.run_id == _OF_RUN,
+            effects.c.shard == shard_of(_OF_RUN),
             unsettled | lost,
             (effects.c.step_id.in_(rerun))
             | (effects.c.step_id == bindparam("from_step", type_=Text)),

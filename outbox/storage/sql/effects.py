@@ -432,9 +432,10 @@ def _operator_change(
 ) -> Any:
     # The effect is named with its shard (looked up first): on Citus a change by id
     # alone would lock every shard's rows; its log rows come after it there. Claims
-    # do not look at runs: reopened while its run stops, it would be delivered.
+    # do not look at runs: an original reopened while its run stops would go out.
     run = (runs.c.id == effects.c.run_id, runs.c.shard == effects.c.shard)
-    stopping = exists().where(*run, in_statuses(runs.c.status, STOPPING_RUN_STATUSES))
+    stops = exists().where(*run, in_statuses(runs.c.status, STOPPING_RUN_STATUSES))
+    stopping = and_(effects.c.compensates.is_(None), stops)
     changed = (
         effects.update()
         .where(
