@@ -430,10 +430,10 @@ def take_over_effect(sharded: bool = False) -> Any:
 def _operator_change(
     from_status: str, values: dict[str, Any], outcome: str, sharded: bool, *, reopen: bool
 ) -> Any:
-    # The effect is named with its shard (looked up first): on Citus a change by id
-    # alone would lock every shard's rows; its log rows come after it there. Claims
-    # do not look at runs: an original reopened while its run stops would go out.
-    run = (runs.c.id == effects.c.run_id, runs.c.shard == effects.c.shard)
+    # Named with its shard (looked up first; its run's too): Citus would lock every
+    # shard's rows by id alone, and logs after it there. Claims do not look at
+    # runs: an original reopened while its run stops would go out.
+    run = (runs.c.id == effects.c.run_id, runs.c.shard == bindparam("effect_shard"))
     stops = exists().where(*run, in_statuses(runs.c.status, STOPPING_RUN_STATUSES))
     stopping = and_(effects.c.compensates.is_(None), stops)
     changed = (
