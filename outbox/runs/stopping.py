@@ -129,8 +129,12 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
                 detail={"note": _LATE_NOTE, "by": STOPPING_WORKER, "via": "stopping"},
             )
             originals = [r for r in tx.effects_for_stopping(run_id) if r.compensates is None]
-        if any(r.status in (EffectStatus.IN_FLIGHT, EffectStatus.UNKNOWN) for r in originals):
-            return status  # in-flight calls finish first; unknown ones wait for an operator
+        # in-flight calls finish first; unknown ones wait for an operator; one that an
+        # answer made pending since the cancel above (held, never due) is the next
+        # pass's to cancel
+        waiting = (EffectStatus.IN_FLIGHT, EffectStatus.UNKNOWN, *NOT_STARTED_EFFECT_STATUSES)
+        if any(r.status in waiting for r in originals):
+            return status
         to_undo = [
             r
             for r in reversed(originals)
@@ -142,6 +146,15 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
         tx.mark(run_id, RunStatus.COMPENSATING)
         return RunStatus.COMPENSATING
 
+    if any(r.status in NOT_STARTED_EFFECT_STATUSES for r in originals):
+        # made pending by an answer that raced the end of the cancelling pass: held
+        # by the trigger, it is cancelled (or left unknown) here, never delivered
+        tx.cancel_pending_effects(
+            run_id,
+            "run cancelled",
+            by=STOPPING_WORKER,
+            detail={"note": _LATE_NOTE, "by": STOPPING_WORKER, "via": "stopping"},
+        )
     if any(r.status not in TERMINAL_EFFECT_STATUSES for r in compensations):
         return status
     if all(r.status == EffectStatus.SUCCEEDED for r in compensations):

@@ -39,7 +39,7 @@ from outbox.storage.engine import distributed, translate_errors
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
 from outbox.storage.shard_turns import ShardTurns, logged_rows, stored_shard, wake_parked
-from outbox.storage.sql import audit, maintenance
+from outbox.storage.sql import audit, maintenance, operator_changes
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql import runs as run_sql
@@ -219,9 +219,9 @@ class Store(RunWorkerStatements):
     def operator_change(self, which: str, params: dict[str, Any]) -> bool:
         """An operator's compare-and-set on one effect (``resolve`` or ``retry``)."""
         statement: Callable[[bool], Any] = (
-            partial(effect_sql.resolve_unknown, reopen=params["new_status"] == "pending")
+            partial(operator_changes.resolve_unknown, reopen=params["new_status"] == "pending")
             if which == "resolve"
-            else effect_sql.retry_failed
+            else operator_changes.retry_failed
         )
         ends = params.get("new_status") in TERMINAL_EFFECT_STATUSES
         effect_id = params["effect_id"]

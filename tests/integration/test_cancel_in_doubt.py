@@ -10,6 +10,7 @@ skip it (G3). It becomes ``unknown``, and the run's stop waits for an operator.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import psycopg
@@ -250,3 +251,33 @@ def test_a_compensation_of_a_stopping_run_may_be_sent_again(ob: Outbox, dsn: str
             timeout=20,
         )
     assert len(sink.deliveries) == 1
+
+
+def test_a_late_retry_answer_of_a_lost_attempt_does_not_make_it_due(ob: Outbox, dsn: str) -> None:
+    # in flight at the cancel; its lease ran out and the reconciler put it back
+    # (held: never due while its run stops); then the lost attempt's own late answer,
+    # "retry now", lands on the pending row: it must not make it due either
+    run = ob.start_run("travel", "1", {"trip": "ZRH"})
+    effect_id = run.transaction("book", lambda tx: str(tx.intend("k.book", {"n": 1}).id))
+    lose_attempts(dsn, ["k.book"])
+    assert ob.cancel(run.id, "stop") == RunStatus.CANCELLING
+    assert run_reconcile(dsn, {"k.book": RecordingDeliverer("k.book")}).counts == {"redeliver": 1}
+
+    async def late_retry() -> Any:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            late = Completion(uuid.UUID(effect_id), 1, "pending", "retry", error="busy", delay=0)
+            return await store.complete("dead-deliverer", [late])
+        finally:
+            await store.dispose()
+
+    assert asyncio.run(late_retry()) == [(uuid.UUID(effect_id), "retry")]
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT status, available_at > now() + interval '1 year' FROM outbox_effects"
+            " WHERE id = %s",
+            [effect_id],
+        ).fetchone()
+    assert row == ("pending", True), "held for the stopping sweep, not due"
+    ob.advance_stopping_runs()
+    assert ob.effect(effect_id).status == EffectStatus.UNKNOWN  # the retry answered nothing

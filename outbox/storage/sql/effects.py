@@ -1,7 +1,8 @@
-"""The delivery SQL on effects: completion, expiry and take-over, operator changes.
+"""The delivery SQL on effects: completion, expiry and take-over.
 
 Stream mode's dispatch statements are in :mod:`outbox.storage.sql.dispatch`, the notes
-on pending effects no deliverer takes in :mod:`outbox.storage.sql.notes`.
+on pending effects no deliverer takes in :mod:`outbox.storage.sql.notes`, an
+operator's resolve and retry in :mod:`outbox.storage.sql.operator_changes`.
 
 Every statement is a compare-and-set on (status, lease owner, attempt): a
 deliverer whose lease was taken over changes nothing (G4). Each change that
@@ -25,7 +26,6 @@ from sqlalchemy import (
     bindparam,
     case,
     column,
-    exists,
     func,
     null,
     or_,
@@ -35,7 +35,7 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.expression import ColumnElement
 
-from outbox.models import STOPPING_RUN_STATUSES, TERMINAL_EFFECT_STATUSES
+from outbox.models import TERMINAL_EFFECT_STATUSES
 from outbox.storage.schema import effect_attempts, effects, runs
 from outbox.storage.sql.attempt_log import LOGGED_ATTEMPT, labelled, log_changes
 from outbox.storage.sql.common import (
@@ -54,8 +54,6 @@ __all__ = [
     "complete_effects",
     "expire_effect",
     "expired_effects",
-    "resolve_unknown",
-    "retry_failed",
     "take_over_effect",
     "unknown_of_kinds",
     "wake_waiters",
@@ -172,6 +170,12 @@ def complete_effects(sharded: bool = False) -> Any:
             result=case((d.c.status == const("succeeded"), d.c.result), else_=e.c.result),
             last_error=d.c.error,
             available_at=case(
+                # a late answer on one put back pending keeps a later time: the hold
+                # of a stopping run's effect (effect_guards.sql), say
+                (
+                    and_(d.c.status == const("pending"), e.c.status == const("pending")),
+                    func.greatest(e.c.available_at, after(now, d.c.delay, sharded)),
+                ),
                 (d.c.status == const("pending"), after(now, d.c.delay, sharded)),
                 else_=e.c.available_at,
             ),
@@ -424,77 +428,4 @@ def take_over_effect(sharded: bool = False) -> Any:
             updated_at=func.now(),
         )
         .returning(effects.c.id)
-    )
-
-
-def _operator_change(
-    from_status: str, values: dict[str, Any], outcome: str, sharded: bool, *, reopen: bool
-) -> Any:
-    # Named with its shard (looked up first; its run's too): Citus would lock every
-    # shard's rows by id alone, and logs after it there. Claims do not look at
-    # runs: an original reopened while its run stops would go out.
-    run = (runs.c.id == effects.c.run_id, runs.c.shard == bindparam("effect_shard"))
-    stops = exists().where(*run, in_statuses(runs.c.status, STOPPING_RUN_STATUSES))
-    stopping = and_(effects.c.compensates.is_(None), stops)
-    changed = (
-        effects.update()
-        .where(
-            effects.c.id == bindparam("effect_id", type_=UUID(as_uuid=True)),
-            effects.c.shard == bindparam("effect_shard", type_=SmallInteger),
-            effects.c.status == const(from_status),
-            *([~stopping] if reopen else []),
-        )
-        .values(**values, lease_owner=null(), lease_expires_at=null(), updated_at=func.now())
-        .returning(effects.c.id, effects.c.attempt, effects.c.attempt_started_at, effects.c.shard)
-        .cte("changed")
-    )
-    return log_changes(
-        changed,
-        worker=bindparam("operator", type_=Text),
-        outcome=const(outcome),
-        detail=json_param("detail"),
-        sharded=sharded,
-    )
-
-
-@cache
-def resolve_unknown(sharded: bool = False, *, reopen: bool) -> Any:
-    """An operator closes an ``unknown`` effect as ``new_status``; logged with who and why.
-
-    Parameters: ``effect_id``, ``effect_shard``, ``new_status``, ``operator``,
-    ``detail`` (JSON). ``reopen``: ``new_status`` is ``pending``, so the effect
-    is not completed (a statement each: Citus refuses ``now()`` inside CASE in
-    an UPDATE), and not while its run is stopping (nothing changes).
-    """
-    return _operator_change(
-        "unknown",
-        {
-            "status": bindparam("new_status", type_=Text),
-            "available_at": func.now(),
-            "completed_at": null() if reopen else func.now(),
-        },
-        "resolved",
-        sharded,
-        reopen=reopen,
-    )
-
-
-@cache
-def retry_failed(sharded: bool = False) -> Any:
-    """Put a ``failed`` effect back to ``pending`` with ``extra_attempts`` more tries.
-
-    Parameters: ``effect_id``, ``effect_shard``, ``extra_attempts``, ``operator``,
-    ``detail`` (JSON). Not while its run is stopping (nothing changes).
-    """
-    return _operator_change(
-        "failed",
-        {
-            "status": const("pending"),
-            "available_at": func.now(),
-            "completed_at": null(),
-            "max_attempts": effects.c.attempt + bindparam("extra_attempts", type_=Integer),
-        },
-        "retried",
-        sharded,
-        reopen=True,
     )
