@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 #: Who the attempt log names for an effect a stopping run's sweep cancels.
 STOPPING_WORKER = "run-stopping"
 # The sweep does not know who cancelled the run (the cancel's own rows do).
-_LATE_NOTE = "run cancelled: it was due to start again after the cancel (a retry, say)"
+_LATE_NOTE = "run cancelled: it was pending again after the cancel (a retry, say)"
 
 
 def canceller(by: str | None, via: str) -> tuple[str, str]:
@@ -130,8 +130,8 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
             )
             originals = [r for r in tx.effects_for_stopping(run_id) if r.compensates is None]
         # in-flight calls finish first; unknown ones wait for an operator; one that an
-        # answer made pending since the cancel above (held, never due) is the next
-        # pass's to cancel
+        # answer made pending since the cancel above (held by the trigger, unless it
+        # read the run before the cancel committed) is the next pass's to cancel
         waiting = (EffectStatus.IN_FLIGHT, EffectStatus.UNKNOWN, *NOT_STARTED_EFFECT_STATUSES)
         if any(r.status in waiting for r in originals):
             return status
@@ -147,14 +147,26 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
         return RunStatus.COMPENSATING
 
     if any(r.status in NOT_STARTED_EFFECT_STATUSES for r in originals):
-        # made pending by an answer that raced the end of the cancelling pass: held
-        # by the trigger, it is cancelled (or left unknown) here, never delivered
+        # An original pending again since the run moved on (a put-back that raced the
+        # cancelling pass, before it waited for such ones): cancelled, or unknown.
         tx.cancel_pending_effects(
             run_id,
             "run cancelled",
             by=STOPPING_WORKER,
             detail={"note": _LATE_NOTE, "by": STOPPING_WORKER, "via": "stopping"},
         )
+        originals = [r for r in tx.effects_for_stopping(run_id) if r.compensates is None]
+    if any(r.status not in TERMINAL_EFFECT_STATUSES for r in originals):
+        return status  # an unknown one waits for an operator, as when cancelling
+    undone = {r.compensates for r in compensations}
+    late = [
+        r
+        for r in reversed(originals)
+        if r.status == EffectStatus.SUCCEEDED and r.compensate is not None and r.id not in undone
+    ]
+    if late:  # resolved as done since the compensations were intended: undone too
+        _intend_compensations(tx, run_id, late)
+        return status
     if any(r.status not in TERMINAL_EFFECT_STATUSES for r in compensations):
         return status
     if all(r.status == EffectStatus.SUCCEEDED for r in compensations):

@@ -18,7 +18,7 @@ import pytest
 
 from deliverers.testing import RecordingDeliverer
 from outbox import AttemptOutcome, EffectStatus, Outbox, Run, RunStateError, RunStatus
-from outbox.delivery import Deliverer, Failed, Retry
+from outbox.delivery import Deliverer, Failed, Retry, Succeeded
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore, Completion
@@ -281,3 +281,54 @@ def test_a_late_retry_answer_of_a_lost_attempt_does_not_make_it_due(ob: Outbox, 
     assert row == ("pending", True), "held for the stopping sweep, not due"
     ob.advance_stopping_runs()
     assert ob.effect(effect_id).status == EffectStatus.UNKNOWN  # the retry answered nothing
+
+
+def test_an_original_in_doubt_found_while_compensating_is_waited_for_and_undone(
+    ob: Outbox, dsn: str
+) -> None:
+    # The hotel booking failed, so the cancel compensates the flight only; then a
+    # put-back that raced the cancelling pass leaves the hotel pending after a lost
+    # attempt (written here by hand). The compensating pass must not end the run:
+    # the hotel may have been booked.
+    run = ob.start_run("travel", "1", {"trip": "VIE"})
+    for item in ("flight", "hotel"):
+        run.transaction(
+            f"book-{item}",
+            lambda tx, item=item: (
+                tx.intend("k.book", {"item": item}, compensate=("k.refund", {"item": item}))
+                and None
+            ),
+        )
+    book = RecordingDeliverer(
+        "k.book", outcome=lambda d: Failed("full") if d.payload["item"] == "hotel" else Succeeded()
+    )
+    with DaemonThread(dsn, {"k.book": book}):
+        wait_for(lambda: {e.status for e in ob.effects(kind="k.book")} == {"succeeded", "failed"})
+    assert ob.cancel(run.id, "stop") == RunStatus.COMPENSATING
+    hotel = effect_of(ob, run, "hotel")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox_effects SET status = 'pending', attempt = 2, completed_at = NULL"
+            " WHERE id = %s",
+            [hotel.id],
+        )
+        conn.execute(
+            "INSERT INTO outbox_effect_attempts (effect_id, attempt, worker, outcome, detail,"
+            " shard) VALUES (%s, 2, 'gone', 'expired', '{\"resolution\": \"redeliver\"}', %s)",
+            [hotel.id, shard_of(run.id)],
+        )
+    refund = RecordingDeliverer("k.refund")
+    with DaemonThread(dsn, {"k.refund": refund}):
+        wait_for(lambda: len(refund.deliveries) == 1, message="the flight refunded")
+        ob.advance_stopping_runs()
+        assert effect_of(ob, run, "hotel").status == EffectStatus.UNKNOWN
+        assert ob.run(run.id).status == RunStatus.COMPENSATING, "it waits for the operator"
+        ob.resolve_effect(hotel.id, outcome="succeeded", note="it was booked", operator="ops")
+        wait_for(
+            lambda: (
+                ob.advance_stopping_runs() is not None
+                and ob.run(run.id).status == RunStatus.COMPENSATED
+            ),
+            timeout=20,
+        )
+    assert sorted(d.payload["item"] for d in refund.deliveries) == ["flight", "hotel"]

@@ -131,7 +131,8 @@ def complete_effects(sharded: bool = False) -> Any:
     ids). A row changes only while it still holds that attempt: in flight (or,
     for a relay, dispatched) under ``owner``, or set aside by the reconciler
     (``unknown``, or back to ``pending``) without a newer attempt having
-    started, in which case this late answer is the truth about that attempt.
+    started, in which case this late answer is the truth about that attempt (on
+    a row already pending it keeps the later of the two due times: a hold stays).
     Otherwise the completion is stale: it is logged as ``stale`` (with what it
     reported) and changes nothing else (G4).
     Returns ``(effect_id, outcome)`` per logged attempt.
