@@ -17,7 +17,15 @@ import psycopg
 import pytest
 
 from deliverers.testing import RecordingDeliverer
-from outbox import AttemptOutcome, EffectStatus, Outbox, Run, RunStateError, RunStatus
+from outbox import (
+    AttemptOutcome,
+    EffectStatus,
+    Outbox,
+    Run,
+    RunStateError,
+    RunStatus,
+    StepTransaction,
+)
 from outbox.delivery import Deliverer, Failed, Retry, Succeeded
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.shards import shard_of
@@ -292,13 +300,11 @@ def test_an_original_in_doubt_found_while_compensating_is_waited_for_and_undone(
     # the hotel may have been booked.
     run = ob.start_run("travel", "1", {"trip": "VIE"})
     for item in ("flight", "hotel"):
-        run.transaction(
-            f"book-{item}",
-            lambda tx, item=item: (
-                tx.intend("k.book", {"item": item}, compensate=("k.refund", {"item": item}))
-                and None
-            ),
-        )
+
+        def book_it(tx: StepTransaction, item: str = item) -> None:
+            tx.intend("k.book", {"item": item}, compensate=("k.refund", {"item": item}))
+
+        run.transaction(f"book-{item}", book_it)
     book = RecordingDeliverer(
         "k.book", outcome=lambda d: Failed("full") if d.payload["item"] == "hotel" else Succeeded()
     )
