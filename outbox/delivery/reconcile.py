@@ -180,8 +180,9 @@ async def reconcile(
                 },
             )
     # Effects left ``unknown`` by an ambiguous answer (a timeout after the request
-    # was sent) are settled the same way when their sink can be asked.
-    askable = [k for k, d in deliverers.items() if d.has_lookup and not d.idempotent]
+    # was sent) are settled the same way when their sink can be asked; so are those
+    # of idempotent kinds a cancel left unknown (a lost attempt may have happened).
+    askable = [k for k, d in deliverers.items() if d.has_lookup]
     unknown = await store.unknown_of(askable, max_rows)
     lookups.forget(keep={row.id for row in unknown})
     for row in unknown:

@@ -13,10 +13,12 @@ import asyncio
 import uuid
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 
-from deliverers.testing import RecordingDeliverer
+from deliverers.http import HttpDeliverer
+from deliverers.testing import IdempotentHttpSink, RecordingDeliverer
 from outbox import (
     AttemptOutcome,
     EffectStatus,
@@ -338,3 +340,50 @@ def test_an_original_in_doubt_found_while_compensating_is_waited_for_and_undone(
             timeout=20,
         )
     assert sorted(d.payload["item"] for d in refund.deliveries) == ["flight", "hotel"]
+
+
+def test_a_sink_that_can_be_asked_settles_the_doubt_without_an_operator(
+    ob: Outbox, dsn: str
+) -> None:
+    # an idempotent kind with a lookup: the reconciler asks the sink about the key
+    # of each effect a cancel left unknown
+    with IdempotentHttpSink() as sink:
+        run = ob.start_run("travel", "1", {"trip": "OSL"})
+        for n in (1, 2):
+
+            def book(tx: StepTransaction, n: int = n) -> None:
+                request = {"url": f"{sink.url}/ledger", "json": {"n": n}}
+                tx.intend("http.request", request, compensate=("k.refund", {"n": n}))
+
+            run.transaction(f"book-{n}", book)
+        booked, never = sorted(
+            ob.effects(kind="http.request"), key=lambda e: e.payload["json"]["n"]
+        )
+        # the first call reached the sink before its deliverer died; the second did not
+        httpx.post(
+            f"{sink.url}/ledger", json={"n": 1}, headers={"Idempotency-Key": booked.idempotency_key}
+        )
+        lose_attempts(dsn, ["http.request"])
+        config = {"allow_private": ["127.0.0.1"], "lookup_url": sink.url + "/idempotency/{key}"}
+        http: dict[str, Deliverer] = {
+            "http.request": HttpDeliverer.from_config("http.request", config)
+        }
+        assert run_reconcile(dsn, http).counts == {"redeliver": 2}
+        assert ob.cancel(run.id, "stop") == RunStatus.CANCELLING
+        assert {ob.effect(booked.id).status, ob.effect(never.id).status} == {EffectStatus.UNKNOWN}
+        http = {"http.request": HttpDeliverer.from_config("http.request", config)}
+        report = run_reconcile(dsn, http)
+    assert sorted(report.counts.items()) == [("looked_up_redeliver", 1), ("looked_up_succeeded", 1)]
+    assert ob.effect(booked.id).status == EffectStatus.SUCCEEDED
+    ob.advance_stopping_runs()
+    assert ob.effect(never.id).status == EffectStatus.CANCELLED, "the sink said: never applied"
+    refund = RecordingDeliverer("k.refund")
+    with DaemonThread(dsn, {"k.refund": refund}):
+        wait_for(
+            lambda: (
+                ob.advance_stopping_runs() is not None
+                and ob.run(run.id).status == RunStatus.COMPENSATED
+            ),
+            timeout=20,
+        )
+    assert [d.payload for d in refund.deliveries] == [{"n": 1}], "only what happened is undone"
