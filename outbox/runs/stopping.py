@@ -122,13 +122,7 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
         # pending again, and a relay may have handed one to Kafka meanwhile: neither
         # will be delivered now.
         if any(r.status in NOT_STARTED_EFFECT_STATUSES for r in originals):
-            tx.cancel_pending_effects(
-                run_id,
-                "run cancelled",
-                by=STOPPING_WORKER,
-                detail={"note": _LATE_NOTE, "by": STOPPING_WORKER, "via": "stopping"},
-            )
-            originals = [r for r in tx.effects_for_stopping(run_id) if r.compensates is None]
+            originals = _stop_late(tx, run_id)
         # in-flight calls finish first; unknown ones wait for an operator; one that an
         # answer made pending since the cancel above (held by the trigger, unless it
         # read the run before the cancel committed) is the next pass's to cancel
@@ -149,13 +143,7 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
     if any(r.status in NOT_STARTED_EFFECT_STATUSES for r in originals):
         # An original pending again since the run moved on (a put-back that raced the
         # cancelling pass, before it waited for such ones): cancelled, or unknown.
-        tx.cancel_pending_effects(
-            run_id,
-            "run cancelled",
-            by=STOPPING_WORKER,
-            detail={"note": _LATE_NOTE, "by": STOPPING_WORKER, "via": "stopping"},
-        )
-        originals = [r for r in tx.effects_for_stopping(run_id) if r.compensates is None]
+        originals = _stop_late(tx, run_id)
     if any(r.status not in TERMINAL_EFFECT_STATUSES for r in originals):
         return status  # an unknown one waits for an operator, as when cancelling
     undone = {r.compensates for r in compensations}
@@ -173,6 +161,17 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
         tx.mark_compensated(run_id, [r.compensates for r in compensations])
         return finish(RunStatus.COMPENSATED)
     return finish(RunStatus.COMPENSATION_FAILED)
+
+
+def _stop_late(tx: RunTx, run_id: uuid.UUID) -> list[Any]:
+    """Stop originals not started since the cancel; the run's originals as they are now."""
+    tx.cancel_pending_effects(
+        run_id,
+        "run cancelled",
+        by=STOPPING_WORKER,
+        detail={"note": _LATE_NOTE, "by": STOPPING_WORKER, "via": "stopping"},
+    )
+    return [r for r in tx.effects_for_stopping(run_id) if r.compensates is None]
 
 
 def _intend_compensations(tx: RunTx, run_id: uuid.UUID, to_undo: list[Any]) -> None:

@@ -50,6 +50,14 @@ def booking(ob: Outbox, dsn: str) -> Run:
     return run
 
 
+def swept_until(ob: Outbox, run: Run, status: RunStatus) -> None:
+    """Run the stopping sweep until the run is ``status``, as a daemon would."""
+    wait_for(
+        lambda: ob.advance_stopping_runs() is not None and ob.run(run.id).status == status,
+        timeout=20,
+    )
+
+
 def effect_of(ob: Outbox, run: Run, item: str) -> Any:
     (effect,) = [e for e in ob.effects(run_id=run.id) if e.payload.get("item") == item]
     return effect
@@ -84,13 +92,7 @@ def test_a_cancelled_effect_that_a_lost_attempt_may_have_done_is_unknown_until_a
     )
     refund = RecordingDeliverer("k.refund")
     with DaemonThread(dsn, {"k.refund": refund}):
-        wait_for(
-            lambda: (
-                ob.advance_stopping_runs() is not None
-                and ob.run(run.id).status == RunStatus.COMPENSATED
-            ),
-            timeout=20,
-        )
+        swept_until(ob, run, RunStatus.COMPENSATED)
     assert len(refund.deliveries) == 1, "the flight it did book is refunded"
     assert effect_of(ob, run, "flight").status == EffectStatus.COMPENSATED
 
@@ -253,13 +255,7 @@ def test_a_compensation_of_a_stopping_run_may_be_sent_again(ob: Outbox, dsn: str
     ob.resolve_effect(refund.id, outcome="retry", note="no refund yet", operator="ops")
     sink = RecordingDeliverer("k.refund")
     with DaemonThread(dsn, {"k.refund": sink}):
-        wait_for(
-            lambda: (
-                ob.advance_stopping_runs() is not None
-                and ob.run(run.id).status == RunStatus.COMPENSATED
-            ),
-            timeout=20,
-        )
+        swept_until(ob, run, RunStatus.COMPENSATED)
     assert len(sink.deliveries) == 1
 
 
@@ -332,13 +328,7 @@ def test_an_original_in_doubt_found_while_compensating_is_waited_for_and_undone(
         assert effect_of(ob, run, "hotel").status == EffectStatus.UNKNOWN
         assert ob.run(run.id).status == RunStatus.COMPENSATING, "it waits for the operator"
         ob.resolve_effect(hotel.id, outcome="succeeded", note="it was booked", operator="ops")
-        wait_for(
-            lambda: (
-                ob.advance_stopping_runs() is not None
-                and ob.run(run.id).status == RunStatus.COMPENSATED
-            ),
-            timeout=20,
-        )
+        swept_until(ob, run, RunStatus.COMPENSATED)
     assert sorted(d.payload["item"] for d in refund.deliveries) == ["flight", "hotel"]
 
 
@@ -379,11 +369,5 @@ def test_a_sink_that_can_be_asked_settles_the_doubt_without_an_operator(
     assert ob.effect(never.id).status == EffectStatus.CANCELLED, "the sink said: never applied"
     refund = RecordingDeliverer("k.refund")
     with DaemonThread(dsn, {"k.refund": refund}):
-        wait_for(
-            lambda: (
-                ob.advance_stopping_runs() is not None
-                and ob.run(run.id).status == RunStatus.COMPENSATED
-            ),
-            timeout=20,
-        )
+        swept_until(ob, run, RunStatus.COMPENSATED)
     assert [d.payload for d in refund.deliveries] == [{"n": 1}], "only what happened is undone"
