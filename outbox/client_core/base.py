@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from outbox.models import RunRecord, StepRecord
 from outbox.runs.context import RunContext
+from outbox.runs.stopping import StoppingSweep
 from outbox.settings import Settings
 
 __all__ = ["ClientBase", "LoadedRun", "connect_settings", "exposed"]
@@ -36,6 +37,8 @@ class ClientBase:
         self.store = ctx.store
         self._effects_wakeup = ctx.effects_wakeup
         self._runs_wakeup = ctx.runs_wakeup
+        #: Each call of ``advance_stopping_runs`` goes on where the last one stopped.
+        self._stopping = StoppingSweep()
 
 
 def exposed(

@@ -18,7 +18,7 @@ from outbox.models import RunMode, RunRecord, RunStart, RunStatus
 from outbox.payloads import Encoded, encode_value
 from outbox.runs.control import fork_run, pause_run, resume_run
 from outbox.runs.signals import SignalReceipt, send_signal
-from outbox.runs.stopping import advance_stopping_run, advance_stopping_runs, cancel_run, canceller
+from outbox.runs.stopping import advance_stopping_run, cancel_run, canceller
 from outbox.settings import Settings
 from outbox.shards import key_shard, on_shard, shard_of
 from outbox.storage.writes import RunStart as RunStartRow
@@ -271,9 +271,13 @@ class RunOperations(ClientBase):
         return status
 
     def advance_stopping_runs(self) -> dict[str, int]:
-        """Move cancelling and compensating runs on (workers and deliverers do this on a timer)."""
+        """Move a page of cancelling and compensating runs on, after the last call's page.
+
+        Workers and deliverers do this on a timer. Returns how many runs the
+        page left in each state.
+        """
         with self.store.run_tx() as tx:
-            return advance_stopping_runs(tx)
+            return self._stopping(tx)
 
 
 def _reasoned(run_id: uuid.UUID | str, reason: str, done: str) -> uuid.UUID:

@@ -33,7 +33,7 @@ from outbox.delivery.seam import DeliveryStore
 from outbox.delivery.settings import DeliverySettings
 from outbox.retry import wait_or_wake
 from outbox.runs.approvals import expire_approvals
-from outbox.runs.stopping import advance_stopping_runs
+from outbox.runs.stopping import StoppingSweep
 from outbox.storage.attempts import DutyAsk, DutyFindings
 
 __all__ = ["UNKNOWN_KIND_NOTE", "Maintenance", "Ride", "every"]
@@ -103,6 +103,7 @@ class Maintenance:
         self.metrics = metrics
         self.on_requeued = on_requeued
         self._last_kinds_check = 0.0
+        self._stopping = StoppingSweep()
         self._changed = asyncio.Event()
         #: Set when a probe that rode a batch found work: the duty round runs now.
         self._work = asyncio.Event()
@@ -359,7 +360,7 @@ class Maintenance:
     async def _advance_stopping(self) -> None:
         # Cancelled runs move on as their effects finish, even where no worker of
         # their agent runs.
-        await self.store.run_sync(advance_stopping_runs, "advancing stopping runs")
+        await self.store.run_sync(self._stopping, "advancing stopping runs")
 
     async def _notes(self) -> None:
         if time.monotonic() - self._last_kinds_check <= UNKNOWN_KINDS_EVERY:

@@ -24,7 +24,7 @@ from outbox.retry import wait_or_wake
 from outbox.runs.async_run import AsyncRun
 from outbox.runs.context import AsyncRunContext
 from outbox.runs.run_base import Paused, Suspended
-from outbox.runs.stopping import advance_stopping_runs
+from outbox.runs.stopping import StoppingSweep
 from outbox.runs.worker import WorkerCore, WorkerSettings
 from outbox.storage.notify import listen
 from outbox.storage.sql.common import RUNS_CHANNEL
@@ -183,6 +183,7 @@ class AsyncWorker(WorkerCore):
         aio, store = self.actx.aio, self.ctx.store
         loop = asyncio.get_running_loop()
         last_heartbeat = last_stopping = 0.0
+        stopping = StoppingSweep()
         while not self._stopping.is_set():
             await asyncio.sleep(self.settings.sweep_seconds)
             try:
@@ -203,7 +204,7 @@ class AsyncWorker(WorkerCore):
                     self._report_lost(held, kept)
                 if now - last_stopping >= 1.0:
                     last_stopping = now
-                    await aio.run_tx(advance_stopping_runs)
+                    await aio.run_tx(stopping)
             except Exception:
                 log.exception("worker sweep failed")
 

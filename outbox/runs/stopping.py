@@ -40,12 +40,13 @@ from outbox.models import (
     RunStatus,
 )
 from outbox.storage.run_tx import RunTx
+from outbox.storage.sql.stopping import StoppingMark
 from outbox.validation import name_field
 
 __all__ = [
     "STOPPING_WORKER",
+    "StoppingSweep",
     "advance_stopping_run",
-    "advance_stopping_runs",
     "cancel_run",
     "canceller",
 ]
@@ -184,17 +185,34 @@ def _intend_compensations(tx: RunTx, run_id: uuid.UUID, to_undo: list[Any]) -> N
     )
 
 
-def advance_stopping_runs(tx: RunTx, max_rows: int = 100) -> dict[str, int]:
-    """One sweep over stopping runs; returns how many ended in each state."""
-    moved: dict[str, int] = {}
-    for run_id in tx.stopping_runs(max_rows):
-        nested = tx.savepoint()
-        try:
-            status = advance_stopping_run(tx, run_id)
-            nested.commit()
-        except Exception:
-            nested.rollback()
-            log.exception("advancing stopping run %s failed", run_id)
-            continue
-        moved[status.value] = moved.get(status.value, 0) + 1
-    return moved
+class StoppingSweep:
+    """Moves stopping runs on a page of ``max_rows`` at a time, each pass after the last.
+
+    Pages go by shard, then oldest change, then id. A run that cannot move on
+    (an effect still in flight, or ``unknown`` until an operator says) keeps its
+    last change, so a first page of them would be every pass, and a run behind
+    them would never end: each pass goes on after the last run of the one
+    before, and a page that is not full starts the round again. A daemon keeps
+    one; concurrent passes may visit a run twice, never skip one for good.
+    """
+
+    def __init__(self, max_rows: int = 100) -> None:
+        self.max_rows = max_rows
+        self._after: StoppingMark | None = None
+
+    def __call__(self, tx: RunTx) -> dict[str, int]:
+        """One pass; returns how many runs it left in each state."""
+        page = tx.stopping_runs(self.max_rows, self._after)
+        self._after = page[-1] if len(page) >= self.max_rows else None
+        moved: dict[str, int] = {}
+        for run in page:
+            nested = tx.savepoint()
+            try:
+                status = advance_stopping_run(tx, run.id)
+                nested.commit()
+            except Exception:
+                nested.rollback()
+                log.exception("advancing stopping run %s failed", run.id)
+                continue
+            moved[status.value] = moved.get(status.value, 0) + 1
+        return moved

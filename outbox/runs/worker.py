@@ -35,7 +35,7 @@ from outbox.retry import RetryPolicy
 from outbox.runs.context import RunContext, StateUpgrade
 from outbox.runs.run import Run, Suspended
 from outbox.runs.run_base import Paused, RunBase
-from outbox.runs.stopping import advance_stopping_runs
+from outbox.runs.stopping import StoppingSweep
 from outbox.storage.notify import listen_blocking
 from outbox.storage.sql.common import RUNS_CHANNEL
 
@@ -369,7 +369,7 @@ class Worker(WorkerCore):
 
     def _sweep(self) -> None:
         last_heartbeat = last_stopping = 0.0
-        store = self.ctx.store
+        store, stopping = self.ctx.store, StoppingSweep()
         while not self._stopping.is_set():
             time.sleep(self.settings.sweep_seconds)
             try:
@@ -388,6 +388,6 @@ class Worker(WorkerCore):
                 if now - last_stopping >= 1.0:
                     last_stopping = now
                     with store.run_tx() as tx:
-                        advance_stopping_runs(tx)
+                        stopping(tx)
             except Exception:
                 log.exception("worker sweep failed")

@@ -13,23 +13,21 @@ the same logic through ``AsyncStore.run_sync``.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import sqlalchemy.exc
 from sqlalchemy import Connection, text
 
 from outbox.blobs import Blob, reference_hash
 from outbox.errors import RunNotFound
 from outbox.models import Lease, RunStatus
-from outbox.shards import SHARDS, shard_of
+from outbox.shards import shard_of
 from outbox.storage import blob_store, writes
-from outbox.storage.engine import distributed, node_unreachable
-from outbox.storage.shard_turns import logged_rows, stored_shard
+from outbox.storage.engine import distributed
+from outbox.storage.shard_turns import each_shard, logged_rows, stored_shard
 from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql import control, maintenance
 from outbox.storage.sql import effects as effect_sql
@@ -39,8 +37,6 @@ from outbox.storage.sql import stopping as stopping_sql
 from outbox.storage.sql.common import EFFECTS_CHANNEL, RUNS_CHANNEL, SIGNALS_CHANNEL, notify
 
 __all__ = ["EffectBusy", "LockedRun", "RunTx", "TakenSignal", "WaitRow"]
-
-log = logging.getLogger(__name__)
 
 
 class EffectBusy(Exception):
@@ -360,7 +356,7 @@ class RunTx:
 
     def due_approvals(self, max_rows: int) -> list[tuple[uuid.UUID, uuid.UUID | None]]:
         """Held effects whose approval deadline passed, with their runs (not locked)."""
-        rows = self._each_shard(gov_sql.due_approvals, max_rows)
+        rows = each_shard(self.connection, gov_sql.due_approvals, max_rows)
         self._effect_shards.update((r.id, int(r.shard)) for r in rows)
         return [(r.id, r.run_id) for r in rows]
 
@@ -392,33 +388,12 @@ class RunTx:
         """Intend the compensations of a stopping run's effects ``originals``; how many were new."""
         return writes.intend_compensations(self.connection, run_id, originals)
 
-    def stopping_runs(self, max_rows: int) -> list[uuid.UUID]:
-        """Cancelling and compensating runs, oldest change first."""
-        return [r.id for r in self._each_shard(stopping_sql.stopping_runs, max_rows)]
-
-    def _each_shard(self, statement: Callable[..., Any], max_rows: int) -> list[Any]:
-        """Up to ``max_rows`` rows of a sweep's ``statement(sharded=...)``.
-
-        On Citus a shard at a time: it locks rows only in a statement on one
-        shard, and a sweep must not send every shard a statement each round.
-        Each in a savepoint (two more round trips a shard, on Citus only), so a
-        node that is down leaves the other shards swept.
-        """
-        if not distributed(self.connection):
-            return list(self._run(statement(), {"max_rows": max_rows}).all())
-        rows: list[Any] = []
-        for shard in range(SHARDS):
-            bound = {"max_rows": max_rows - len(rows), "on_shard": shard}
-            try:  # in a savepoint: a node that does not answer stops only its own shards
-                with self.connection.begin_nested():
-                    rows += self._run(statement(sharded=True), bound).all()
-            except sqlalchemy.exc.DBAPIError as exc:
-                if not node_unreachable(exc.orig):
-                    raise
-                log.warning("shard %d: its node did not answer (%s); swept without it", shard, exc)
-            if len(rows) >= max_rows:
-                break
-        return rows
+    def stopping_runs(
+        self, max_rows: int, after: stopping_sql.StoppingMark | None = None
+    ) -> list[stopping_sql.StoppingMark]:
+        """Cancelling and compensating runs after ``after``, by shard, oldest change first."""
+        rows = each_shard(self.connection, stopping_sql.stopping_runs, max_rows, after)
+        return [stopping_sql.StoppingMark(r.id, int(r.shard), r.updated_at) for r in rows]
 
     def savepoint(self) -> Any:
         """A nested transaction (one stopping run's failure must not undo the others)."""

@@ -25,7 +25,7 @@ from outbox.faults import crash_point
 from outbox.shards import SHARDS, shard_of
 from outbox.storage.attempts import Completion
 from outbox.storage.direct import Prepared, prepared
-from outbox.storage.engine import node_unreachable
+from outbox.storage.engine import distributed, node_unreachable
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
 from outbox.storage.sql.attempt_log import log_selected
@@ -36,6 +36,7 @@ __all__ = [
     "SWEEP_SECONDS",
     "ShardTurns",
     "complete_on",
+    "each_shard",
     "effect_shard",
     "next_turn",
     "shard_groups",
@@ -370,6 +371,38 @@ async def _complete_on_shard(
 def _completion_params(owner: str, done: Sequence[Completion]) -> dict[str, Any]:
     payload = "[" + ",".join(c.as_json() for c in done) + "]"
     return {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]}
+
+
+def each_shard(
+    conn: Connection, statement: Callable[..., Any], max_rows: int, after: Any = None
+) -> list[Any]:
+    """Up to ``max_rows`` rows of a sweep's ``statement(sharded=...)``, on ``conn``.
+
+    On Citus a shard at a time: it locks rows only in a statement on one shard,
+    and a sweep must not send every shard a statement each round. Each in a
+    savepoint (two more round trips a shard, on Citus only), so a node that is
+    down leaves the other shards swept. ``after`` (a row with ``shard``,
+    ``updated_at`` and ``id``, for a statement that takes ``after_at`` and
+    ``after_id``): go on from it, in that order.
+    """
+    mark = {} if after is None else {"after_at": after.updated_at, "after_id": after.id}
+    if not distributed(conn):
+        return list(conn.execute(statement(), {"max_rows": max_rows, **mark}).all())
+    rows: list[Any] = []
+    for shard in range(0 if after is None else after.shard, SHARDS):
+        bound = {"max_rows": max_rows - len(rows), "on_shard": shard}
+        if after is not None and shard == after.shard:
+            bound.update(mark)
+        try:  # in a savepoint: a node that does not answer stops only its own shards
+            with conn.begin_nested():
+                rows += conn.execute(statement(sharded=True), bound).all()
+        except sqlalchemy.exc.DBAPIError as exc:
+            if not node_unreachable(exc.orig):
+                raise
+            log.warning("shard %d: its node did not answer (%s); swept without it", shard, exc)
+        if len(rows) >= max_rows:
+            break
+    return rows
 
 
 def logged_rows(

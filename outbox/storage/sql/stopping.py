@@ -7,11 +7,14 @@ the run row's lock (taken after the run's open effects:
 
 from __future__ import annotations
 
+import uuid
+from datetime import UTC, datetime
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     ARRAY,
+    DateTime,
     Integer,
     SmallInteger,
     Text,
@@ -21,6 +24,7 @@ from sqlalchemy import (
     func,
     null,
     select,
+    tuple_,
 )
 from sqlalchemy.dialects.postgresql import UUID
 
@@ -30,6 +34,7 @@ from outbox.storage.sql.attempt_log import log_changes, lost_without_answer
 from outbox.storage.sql.common import AnySelect, const, in_statuses, json_param, shard_of
 
 __all__ = [
+    "StoppingMark",
     "cancel_pending_effects",
     "doubt_pending_effects",
     "mark_compensated",
@@ -103,18 +108,32 @@ def cancel_pending_effects(sharded: bool = False) -> Any:
     )
 
 
-def stopping_runs(sharded: bool = False) -> AnySelect:
-    """Runs being cancelled or compensated, oldest change first (by index).
+class StoppingMark(NamedTuple):
+    """Where a sweep of stopping runs stopped: its order is (shard, last change, id)."""
 
-    ``sharded`` (Citus): of shard ``:on_shard`` only.
+    id: uuid.UUID
+    shard: int
+    updated_at: datetime
+
+
+def stopping_runs(sharded: bool = False) -> AnySelect:
+    """Runs being cancelled or compensated, oldest change first (by index), as marks.
+
+    Only those after ``:after_at`` and ``:after_id`` (a :class:`StoppingMark`; by
+    default, all). ``sharded`` (Citus): of shard ``:on_shard`` only.
     """
+    after = tuple_(
+        bindparam("after_at", datetime.min.replace(tzinfo=UTC), type_=DateTime(timezone=True)),
+        bindparam("after_id", uuid.UUID(int=0), type_=UUID(as_uuid=True)),
+    )
     return (
-        select(runs.c.id)
+        select(runs.c.id, runs.c.shard, runs.c.updated_at)
         .where(
             in_statuses(runs.c.status, STOPPING_RUN_STATUSES),
             *([runs.c.shard == bindparam("on_shard", type_=SmallInteger)] if sharded else []),
+            tuple_(runs.c.updated_at, runs.c.id) > after,
         )
-        .order_by(runs.c.updated_at)
+        .order_by(runs.c.updated_at, runs.c.id)
         .limit(bindparam("max_rows", type_=Integer))
     )
 
