@@ -5,6 +5,7 @@ The browser tests (tests/browser) click through the same pages in Chromium.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
@@ -18,6 +19,9 @@ from outbox.models import EffectStatus
 from outbox.serve.app import OutboxServer
 from outbox.serve.settings import Credentials, ServeSettings
 from outbox.storage import views
+from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.engine import make_async_engine
+from tests.integration.test_reconcile import lose_attempts
 
 OPERATOR = "operator-token-0123456789"
 
@@ -390,3 +394,27 @@ def test_the_run_page_totals_what_the_budget_got_back(ob: Outbox, console: Outbo
     page = httpx.get(f"{console.url}/console/runs/{run.id}").text
     released = re.search(r'<dd id="released">([^<]*)</dd>', page)
     assert released is not None and float(released[1]) == 3.0, page[:2000]
+
+
+def test_an_effect_held_by_a_stopping_run_says_it_is_never_due(
+    ob: Outbox, dsn: str, console: OutboxServer
+) -> None:
+    # in flight at the cancel, then a "retry" answer: pending, held a century ahead
+    run = ob.start_run("travel", "1", {"trip": "OSL"})
+    effect_id = run.transaction("book", lambda tx: str(tx.intend("k.book", {}).id))
+    lose_attempts(dsn, ["k.book"])
+    ob.cancel(run.id, "stop")
+
+    async def retry_answer() -> None:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            answer = Completion(uuid.UUID(effect_id), 1, "pending", "retry", error="busy")
+            await store.complete("dead-deliverer", [answer])
+        finally:
+            await store.dispose()
+
+    asyncio.run(retry_answer())
+    assert ob.effect(effect_id).status == EffectStatus.PENDING
+    page = httpx.get(f"{console.url}/console/effects/{effect_id}").text
+    shown = re.search(r'<dd id="next-attempt">([^<]*)</dd>', page)
+    assert shown is not None and shown[1].startswith("never: its run is being stopped"), shown

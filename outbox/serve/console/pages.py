@@ -32,6 +32,7 @@ from outbox.serve.console.present import (
     delivery_chart,
     duration,
     last_pass,
+    next_attempt,
     pretty,
     redact,
     shown,
@@ -87,7 +88,13 @@ class Console:
             finalize=last_pass,
         )
         self.env.filters.update(
-            age=age, clip=clip, duration=duration, pretty=pretty, redact=redact, shown=shown
+            age=age,
+            clip=clip,
+            duration=duration,
+            next_attempt=next_attempt,
+            pretty=pretty,
+            redact=redact,
+            shown=shown,
         )
 
     def checked(self, page: Page) -> Page:

@@ -14,7 +14,16 @@ from markupsafe import Markup, escape
 from outbox.governance.intent_rules import CREDENTIAL_SCHEMES, credential_name
 from outbox.storage import views
 
-__all__ = ["age", "clip", "delivery_chart", "pretty", "redact", "redact_text", "shown"]
+__all__ = [
+    "age",
+    "clip",
+    "delivery_chart",
+    "next_attempt",
+    "pretty",
+    "redact",
+    "redact_text",
+    "shown",
+]
 
 REDACTED = "[redacted]"
 _MAX_DEPTH = 50
@@ -165,6 +174,21 @@ def age(moment: datetime | None, now: datetime | None = None) -> str:
             text = f"{int(seconds // size)}{unit}"
             break
     return f"in {text}" if future else f"{text} ago"
+
+
+#: Further off than any delay a caller may ask for (ten years): the hold of an effect
+#: of a stopping run (``outbox_effects_hold_paused``: a hundred years ahead).
+_HELD_BEYOND = timedelta(days=20 * 365)
+
+
+def next_attempt(effect: Any, now: datetime | None = None) -> str:
+    """When an effect is due next, or why never: the hold of a stopping run's effect."""
+    due = effect.available_at
+    if due is None:
+        return ""
+    if effect.status == "pending" and due - (now or datetime.now(UTC)) > _HELD_BEYOND:
+        return "never: its run is being stopped (the stopping sweep cancels it)"
+    return str(due.isoformat())
 
 
 def duration(seconds: float | None) -> str:
