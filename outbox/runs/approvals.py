@@ -72,11 +72,11 @@ def decide(
     The caller commits, then raises :class:`~outbox.ApprovalRefused` for a
     refusal: what the refusal did (its log row, a deadline acted on) stays.
     """
-    # A deadline passed may cancel the run, which locks the run's open effects
+    # A deadline passed may cancel the run, which locks the run's unstarted effects
     # and then the run: they are taken first here, before this one, in that order.
     run_id = tx.effect_run(effect_id)
     if run_id is not None:
-        tx.lock_open(run_id)
+        tx.lock_unstarted(run_id)
     row = tx.lock_effect(effect_id)
     if row is None:
         raise EffectNotFound(effect_id)
@@ -119,7 +119,7 @@ def expire_approvals(tx: RunTx, max_rows: int = 100) -> dict[str, int]:
     counts: dict[str, int] = {}
     for effect_id, run_id in tx.due_approvals(max_rows):
         if run_id is not None:  # in the order a cancel takes them (see decide)
-            tx.lock_open(run_id)
+            tx.lock_unstarted(run_id)
         row = tx.lock_effect(effect_id)
         if row is None or row.status != EffectStatus.AWAITING_APPROVAL or not row.due:
             continue

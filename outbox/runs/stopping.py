@@ -3,11 +3,10 @@
 Every function takes a :class:`~outbox.storage.run_tx.RunTx` inside a
 transaction and locks the run row before it changes anything, so signals, waits
 and cancellation of one run never interleave. Before the run row it locks the
-run's open effects (``RunTx.lock_with_effects``): a completion holds its
-effect while it wakes the run, so the two take those rows in one order, and an
-answer that puts an effect back to pending waits for the stop and is held.
-Sync callers use ``Store.run_tx()``; the async daemon passes the same functions
-to ``AsyncStore.run_sync``.
+run's effects that have not started (``RunTx.lock_with_effects``): a completion
+holds its effect while it wakes the run, so the two take those rows in one
+order. Sync callers use ``Store.run_tx()``; the async daemon passes the same
+functions to ``AsyncStore.run_sync``.
 
 Stopping: ``cancel`` marks the run ``cancelling`` and cancels its effects that
 have not started, each with an attempt-log row saying who and why (as an
@@ -125,8 +124,9 @@ def advance_stopping_run(tx: RunTx, run_id: uuid.UUID) -> RunStatus:
         # will be delivered now.
         if any(r.status in NOT_STARTED_EFFECT_STATUSES for r in originals):
             originals = _stop_late(tx, run_id)
-        # in-flight calls finish first; unknown ones wait for an operator; one still
-        # not started is the next pass's to cancel
+        # in-flight calls finish first; unknown ones wait for an operator; one that an
+        # answer made pending since the cancel above (held by the trigger, which
+        # waited for the cancel's commit) is the next pass's to cancel
         waiting = (EffectStatus.IN_FLIGHT, EffectStatus.UNKNOWN, *NOT_STARTED_EFFECT_STATUSES)
         if any(r.status in waiting for r in originals):
             return status

@@ -2,7 +2,7 @@
 
 Waits, signals and cancellation of one run serialise on the run row's lock
 (:meth:`RunTx.lock`). What changes the run's unstarted effects under it (pause,
-resume, cancel, an approval's deadline) locks its open effects first, in id order
+resume, cancel, an approval's deadline) locks those effects first, in id order
 (:meth:`RunTx.lock_with_effects`), the order a completion takes an effect and
 then the run it wakes. The domain logic (what a wait decides, how a stopping
 run moves on) lives in :mod:`outbox.runs`; it calls these methods, never SQL.
@@ -119,16 +119,16 @@ class RunTx:
         return LockedRun(RunStatus(row.status), lease, row.paused_at is not None, row.error)
 
     def lock_with_effects(self, run_id: uuid.UUID) -> LockedRun:
-        """:meth:`lock`, after the run's open effects (a completion's order).
+        """:meth:`lock`, after the run's effects that have not started (a completion's order).
 
         For what changes those effects under the run's lock: pause, resume, cancel.
         """
-        self.lock_open(run_id)
+        self.lock_unstarted(run_id)
         return self.lock(run_id)
 
-    def lock_open(self, run_id: uuid.UUID) -> None:
-        """Lock the run's open effects, in id order (not the run)."""
-        self._run(control.lock_open_effects(), {"of_run": run_id})
+    def lock_unstarted(self, run_id: uuid.UUID) -> None:
+        """Lock the run's effects that have not started, in id order (not the run)."""
+        self._run(control.lock_unstarted_effects(), {"of_run": run_id})
 
     def mark(self, run_id: uuid.UUID, status: RunStatus, reason: str | None = None) -> None:
         """Set the locked run's status (and cancel reason); clears its lease and waits."""

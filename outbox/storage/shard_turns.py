@@ -369,6 +369,9 @@ async def _complete_on_shard(
 
 
 def _completion_params(owner: str, done: Sequence[Completion]) -> dict[str, Any]:
+    # The statement locks the rows in the batch's order: in id order, as a cancel, a
+    # pause and an approval lock a run's effects, so none of them waits in a cycle.
+    done = sorted(done, key=lambda c: c.effect_id)
     payload = "[" + ",".join(c.as_json() for c in done) + "]"
     return {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]}
 

@@ -37,7 +37,11 @@ CREATE TRIGGER outbox_effects_settle_cost
 -- effect of a paused run as paused; commit_step decides it for new intents. One
 -- of a run being cancelled (not a compensation) stays pending but is never due:
 -- claims do not look at runs, and the stopping sweep cancels it (or leaves it
--- unknown when a lost attempt may have done it) at its next pass. And
+-- unknown when a lost attempt may have done it) at its next pass. The run is
+-- read FOR KEY SHARE: a pause or a cancel holds it FOR UPDATE until it commits,
+-- so an answer racing one waits and reads the run stopped (read before that
+-- commit, the run looked live, and the effect came back due and was sent again);
+-- a step's update of the run (FOR NO KEY UPDATE) does not make it wait. And
 -- an effect held for approval leaves it only by an approval (a session with
 -- EXECUTE on outbox_may_release: the operator's, under `outbox roles`), a
 -- rejection or a cancellation, never by a deliverer's hand-written UPDATE. One
@@ -59,7 +63,8 @@ BEGIN
     IF NEW.status = 'pending' AND NEW.run_id IS NOT NULL THEN
         SELECT r.paused_at IS NOT NULL, r.status IN ('cancelling', 'compensating')
           INTO paused, stopping
-          FROM outbox_runs AS r WHERE r.id = NEW.run_id AND r.shard = NEW.shard;
+          FROM outbox_runs AS r WHERE r.id = NEW.run_id AND r.shard = NEW.shard
+           FOR KEY SHARE;
         IF paused THEN
             NEW.status := 'paused';
         ELSIF stopping AND NEW.compensates IS NULL THEN

@@ -35,7 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from outbox.models import NOT_STARTED_EFFECT_STATUSES, OPEN_EFFECT_STATUSES, EffectStatus
+from outbox.models import NOT_STARTED_EFFECT_STATUSES, EffectStatus
 from outbox.storage.schema import budget_ledger, effects, runs, steps
 from outbox.storage.sql.attempt_log import lost_without_answer
 from outbox.storage.sql.common import (
@@ -54,7 +54,7 @@ __all__ = [
     "fork_steps",
     "fork_unsettled",
     "hold_effects",
-    "lock_open_effects",
+    "lock_unstarted_effects",
     "park_paused",
     "pause_run",
     "release_effects",
@@ -68,25 +68,20 @@ _ORIGINAL = bindparam("original", type_=UUID(as_uuid=True))
 _FORK = bindparam("fork", type_=UUID(as_uuid=True))
 
 
-def lock_open_effects() -> AnySelect:
-    """Lock the run's open effects (not started, in flight, unknown), before the run itself.
+def lock_unstarted_effects() -> AnySelect:
+    """Lock the run's effects no deliverer started, before the run itself.
 
     A completion holds its effect while it wakes the run that awaits it: the
     effect's row, then the run's. Pause, resume and cancel change those effects
     under the run's lock, so they take the effects first too, in the same order,
     rather than wait for a completing effect while holding the run it must wake.
-    The effects in flight and in doubt are locked too, though a stop does not
-    change them: an answer that puts one back to ``pending`` then waits for the
-    stop's commit, and the trigger that holds a paused or stopping run's effects
-    (``outbox_effects_hold_paused``) reads the run as stopped. Read before that
-    commit, the run looked live, and the effect came back due.
     """
     return (
         select(effects.c.id)
         .where(
             effects.c.run_id == _OF_RUN,
             effects.c.shard == shard_of(_OF_RUN),
-            in_statuses(effects.c.status, OPEN_EFFECT_STATUSES),
+            in_statuses(effects.c.status, NOT_STARTED_EFFECT_STATUSES),
         )
         # one order for every taker, so two never hold parts of the set each
         .order_by(effects.c.id)

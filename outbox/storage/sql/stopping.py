@@ -1,8 +1,8 @@
 """SQL of stopping runs: a cancel's effects, the sweep that moves stopping runs on.
 
 Pure builders, executed by :class:`~outbox.storage.run_tx.RunTx`, which holds
-the run row's lock (taken after the run's open effects:
-:func:`~outbox.storage.sql.control.lock_open_effects`).
+the run row's lock (taken after the run's unstarted effects:
+:func:`~outbox.storage.sql.control.lock_unstarted_effects`).
 """
 
 from __future__ import annotations
