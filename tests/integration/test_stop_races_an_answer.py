@@ -10,6 +10,7 @@ so such an answer waits for it and then reads the stopped run.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from collections.abc import Callable
@@ -23,7 +24,11 @@ from outbox import EffectStatus, Outbox, RunStatus
 from outbox.delivery import Delivery, Outcome, Retry, Succeeded
 from outbox.runs.control import pause_run
 from outbox.runs.stopping import cancel_run
+from outbox.shards import shard_of
+from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.engine import make_async_engine
 from outbox.storage.run_tx import RunTx
+from tests.integration.test_reconcile import lose_attempts
 from tests.support import DaemonThread, wait_for
 
 Stop = Callable[[RunTx, uuid.UUID], RunStatus]
@@ -109,3 +114,48 @@ def _answer_waits(ob: Outbox) -> bool:
                 )
             ).scalar()
         )
+
+
+def test_a_cancel_and_a_batch_answering_two_of_its_effects_do_not_deadlock(
+    ob: Outbox, dsn: str
+) -> None:
+    # The batch names the higher id first and is slowed on that row, so it takes the
+    # rows in the other order from the cancel's (id order), if it takes them as named.
+    run = ob.start_run("a", "1")
+    low, high = sorted(
+        uuid.UUID(i)
+        for i in run.transaction(
+            "s", lambda tx: [str(tx.intend("k.slow", {"n": n}).id) for n in range(2)]
+        )
+    )
+    lose_attempts(dsn, ["k.slow"])
+    with ob.store.engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE FUNCTION test_slow_row() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                f" IF OLD.id = '{high}' THEN PERFORM pg_sleep(0.3); END IF; RETURN NEW; END $$;"
+                " CREATE TRIGGER test_slow_row BEFORE UPDATE ON outbox_effects"
+                " FOR EACH ROW EXECUTE FUNCTION test_slow_row()"
+            )
+        )
+    answered: list[tuple[uuid.UUID, str]] = []
+
+    async def answer() -> None:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            done = [
+                Completion(e, 1, "succeeded", "succeeded", shard=shard_of(e)) for e in (high, low)
+            ]
+            answered.extend(await store.complete("dead-deliverer", done))
+        finally:
+            await store.dispose()
+
+    batch = threading.Thread(target=asyncio.run, args=(answer(),))
+    batch.start()
+    threading.Event().wait(0.1)  # the batch is on its first row
+    stopped = ob.cancel(run.id, "stop")  # a deadlock would raise here, or in the batch
+    batch.join(20)
+    assert sorted(answered) == sorted([(low, "succeeded"), (high, "succeeded")])
+    assert stopped in (RunStatus.CANCELLING, RunStatus.CANCELLED)
+    ob.advance_stopping_runs()
+    assert ob.run(run.id).status == RunStatus.CANCELLED, "both done: nothing to undo"
