@@ -228,7 +228,31 @@ def _first_line(exc: BaseException | None) -> str:
     return message.strip().splitlines()[0] if message.strip() else type(exc).__name__
 
 
-def _apply(pg: psycopg.Connection[Any], migration: Migration) -> None:
+# What a script's semicolons hide in: comments, quoted text and names, dollar quotes.
+_SKIPPED = re.compile(
+    r"--[^\n]*|/\*.*?\*/|'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\""
+    r"|(\$(?:[A-Za-z_][A-Za-z_0-9]*)?\$).*?\1|;",
+    re.S,
+)
+
+
+def one_by_one(script: str) -> list[str]:
+    """The statements of ``script``, split at the semicolons outside quotes and comments.
+
+    Citus propagates some DDL (a trigger's) to the shards with the text it was
+    given: a script sent whole reaches them as several commands in one prepared
+    statement, which they refuse. On a distributed database each goes alone.
+    """
+    found, start = [], 0
+    for match in _SKIPPED.finditer(script):
+        if match.group() == ";":
+            found.append(script[start : match.end()])
+            start = match.end()
+    found.append(script[start:])
+    return [s for s in found if _SKIPPED.sub("", s).strip(" \t\n;")]
+
+
+def _apply(pg: psycopg.Connection[Any], migration: Migration, *, distributed: bool) -> None:
     record = (
         "INSERT INTO outbox_migrations (version, name, checksum) VALUES (%s, %s, %s)",
         [migration.version, migration.name, migration.checksum],
@@ -238,7 +262,8 @@ def _apply(pg: psycopg.Connection[Any], migration: Migration) -> None:
         if migration.transactional:
             with pg.transaction():
                 # psycopg runs a parameterless multi-statement script in one go.
-                pg.execute(migration.sql.encode())
+                for script in one_by_one(migration.sql) if distributed else [migration.sql]:
+                    pg.execute(script.encode())
                 pg.execute(*record)
         else:
             for statement in migration.statements():
@@ -303,7 +328,7 @@ def migrate(
             if distributed and pending:
                 citus.drop_gates_views(pg)
             for migration in pending:
-                _apply(pg, migration)
+                _apply(pg, migration, distributed=distributed)
                 applied.append(migration)
             if distributed:
                 citus.place_gates_views(pg)

@@ -29,11 +29,16 @@ cannot un-pause). The hash chain's columns (``outbox_runs.step_head``,
 ``outbox_steps.hash``) and a signal's consumption are granted to no role: the
 ``SECURITY DEFINER`` step writers (``STEP_WRITERS``, EXECUTE for the agent
 only) compute them from what is recorded, and a signal is consumed only by a
-wait of the run it was sent to, which records its payload. A
-row-level security policy on
-``outbox_effects`` restricts inserts (the table owner, which runs migrations,
-is not subject to it). The policy calls ``outbox_is_declared_compensation``, a
-``SECURITY DEFINER`` function owned by the table's owner. Applying the script
+wait of the run it was sent to, which records its payload. Row-level security policies on
+``outbox_effects`` (the table owner, which runs migrations and the step writers,
+is not subject to them) restrict inserts: a fresh row, one no configured gate
+holds unless it is held for approval (``outbox_gate_hold``: a hand-written
+INSERT skips no gate), an agent's only into a run that takes intents, a
+compensation only as its original declared it (``outbox_is_declared_compensation``,
+a ``SECURITY DEFINER`` function owned by the table's owner); and a deliverer
+updates no failed, cancelled, rejected or compensated effect (it cannot undo
+an operator's decision). A trigger keeps an ended run ended, and a stopping
+one on its way to its end (``outbox_runs_ended_guard``). Applying the script
 again brings the roles to exactly these grants.
 """
 
@@ -45,7 +50,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from outbox.errors import ValidationError
-from outbox.models import STOPPING_RUN_STATUSES, EffectStatus
+from outbox.models import LIVE_RUN_STATUSES, STOPPING_RUN_STATUSES, EffectStatus
 from outbox.storage.engine import translate_errors
 from outbox.storage.schema import metadata
 from outbox.storage.sql.common import sql_in
@@ -337,13 +342,44 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
         "AND attempt = 0 AND lease_owner IS NULL AND result IS NULL "
         "AND completed_at IS NULL AND awaited_by IS NULL"
     )
+    # A row no configured gate holds, or one held for approval: a hand-written INSERT
+    # is judged by the gates as the step's statement judges an intent.
+    gated = (
+        f"(status = '{EffectStatus.AWAITING_APPROVAL}' AND approval IS NOT NULL"
+        " OR outbox_gate_hold(kind, outbox_resolve(payload)) IS NULL)"
+    )
+    # An agent's intent of a run: the run takes intents (a paused one, held ones).
+    live = sql_in("r.status", LIVE_RUN_STATUSES)
+    of_live_run = (
+        "(run_id IS NULL OR EXISTS (SELECT 1 FROM outbox_runs r WHERE r.id = run_id"
+        f" AND r.shard = outbox_shard_of(run_id) AND {live}"
+        f" AND (r.paused_at IS NULL OR outbox_effects.status <> '{EffectStatus.PENDING}')))"
+    )
     out.append(f"DROP POLICY IF EXISTS outbox_intents ON {effects}")
     out.append(
         f"CREATE POLICY outbox_intents ON {effects} AS RESTRICTIVE FOR INSERT "
         f"TO {names['agent']}, {names['deliverer']}, {names['operator']}\n"
-        f"WITH CHECK ({fresh} AND (\n"
-        f"    (compensates IS NULL AND pg_has_role(current_user, '{names['agent']}', 'USAGE'))\n"
+        f"WITH CHECK ({fresh} AND {gated} AND (\n"
+        f"    (compensates IS NULL AND pg_has_role(current_user, '{names['agent']}', 'USAGE')\n"
+        f"     AND {of_live_run})\n"
         f"    OR (compensates IS NOT NULL AND {fn}(compensates, run_id, kind, payload))))"
+    )
+    # What an operator ended stays ended: a deliverer reopens no failed, cancelled,
+    # rejected or compensated effect (a succeeded one becomes compensated).
+    ended = sql_in(
+        "status",
+        (
+            EffectStatus.FAILED,
+            EffectStatus.CANCELLED,
+            EffectStatus.REJECTED,
+            EffectStatus.COMPENSATED,
+        ),
+    )
+    out.append(f"DROP POLICY IF EXISTS outbox_ended_effects ON {effects}")
+    out.append(
+        f"CREATE POLICY outbox_ended_effects ON {effects} AS RESTRICTIVE FOR UPDATE "
+        # (the new row may end: a WITH CHECK left out would be the USING clause)
+        f"TO {names['deliverer']} USING (NOT {ended}) WITH CHECK (true)"
     )
     return out
 

@@ -66,3 +66,19 @@ SELECT CASE
 END
 FROM (SELECT outbox_gate_verdict(c, payload) FROM jsonb_array_elements(conditions) AS c) AS v(r)
 $$;
+
+-- The approval a configured gate asks of an effect of p_kind with p_payload (the
+-- first matching gate's, by name, as outbox_intent_effects decides a step's), or
+-- NULL when no gate holds it. For what is written outside the step's statement:
+-- the compensations a stopping run intends, and the check `outbox roles` puts on
+-- every insert of its logins (a hand-written INSERT skips no gate).
+CREATE OR REPLACE FUNCTION outbox_gate_hold(p_kind text, p_payload jsonb) RETURNS jsonb
+    LANGUAGE sql STABLE AS $$
+SELECT jsonb_build_object('gate', g.gate->>'name', 'timeout', g.gate->'timeout_seconds',
+                          'on_timeout', g.gate->>'on_timeout',
+                          'escalate_to', g.gate->>'escalate_to') || g.verdict
+  FROM (SELECT gate, outbox_gate_match(gate->'conditions', p_payload) AS verdict
+          FROM jsonb_array_elements(outbox_gates_of(ARRAY[p_kind])) AS gate) AS g
+ WHERE g.verdict IS NOT NULL
+ ORDER BY g.gate->>'name' LIMIT 1
+$$;

@@ -575,30 +575,36 @@ $$;
 
 -- Intend the compensations of a stopping run's succeeded effects (originals),
 -- each as its original declared it, keyed from the original's key; one at a time,
--- newest original first (their ordering key). An original compensated already is
--- skipped. Returns how many were new.
+-- newest original first (their ordering key). A configured gate holds one as it
+-- would the same intent written by a step (outbox_gate_hold). An original
+-- compensated already is skipped. Returns how many were new.
 CREATE OR REPLACE FUNCTION outbox_intend_compensations(p_run_id uuid, p_originals uuid[])
     RETURNS integer
     LANGUAGE plpgsql AS $$
 DECLARE
     inserted integer;
+    v_now timestamptz := now();  -- a value: Citus pushes no now() down to a shard
 BEGIN
     -- one INSERT ... SELECT, no CTE: Citus would run a CTE as sub-plans of their own
     INSERT INTO outbox_effects AS e (
         id, run_id, step_id, step_index, kind, payload, payload_hash, schema_version,
         idempotency_key, ordering_key, compensates, priority, fairness_key, status, shard,
-        namespace)
+        namespace, approval, approval_deadline)
     SELECT outbox_on_shard(outbox_uuid7(), x.shard), p_run_id, 'compensate', k.n - 1,
            x.compensate->>'kind',
            x.compensate->'payload',
            encode(sha256(convert_to((x.compensate->'payload')::text, 'UTF8')), 'hex'), 1,
            outbox_compensation_key(x.idempotency_key),
            -- one at a time, newest original first
-           'compensate:' || p_run_id::text, x.id, x.priority, x.fairness_key, 'pending',
-           x.shard, x.namespace
+           'compensate:' || p_run_id::text, x.id, x.priority, x.fairness_key,
+           CASE WHEN h.hold IS NULL THEN 'pending' ELSE 'awaiting_approval' END,
+           x.shard, x.namespace, h.hold,
+           v_now + (h.hold->>'timeout')::double precision * interval '1 second'
       FROM unnest(p_originals) WITH ORDINALITY AS k(id, n)
       JOIN outbox_effects AS x ON x.id = k.id AND x.run_id = p_run_id
                               AND x.shard = outbox_shard_of(p_run_id)
+     CROSS JOIN LATERAL (SELECT outbox_gate_hold(x.compensate->>'kind',
+                                                 x.compensate->'payload') AS hold) AS h
      WHERE x.compensate IS NOT NULL
      ORDER BY k.n
     ON CONFLICT ON CONSTRAINT outbox_effects_idempotency_key DO NOTHING;

@@ -50,6 +50,28 @@ CREATE TRIGGER outbox_runs_resume_guard
           AND (OLD.status = 'paused' OR (OLD.paused_at IS NOT NULL AND NEW.paused_at IS NULL)))
     EXECUTE FUNCTION outbox_runs_refuse_resume();
 
+-- A run that ended stays as it ended, and one being cancelled goes on only to its
+-- end: whoever writes the status by hand (an agent login cannot undo an operator's
+-- cancel; a fork is a new run). The WHEN clause keeps it off every other update.
+CREATE OR REPLACE FUNCTION outbox_runs_refuse_revival() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'permission denied: run % is %; it cannot become % (a fork starts it '
+        'again as a new run)', OLD.id, OLD.status, NEW.status
+        USING ERRCODE = 'insufficient_privilege';
+END
+$$;
+
+DROP TRIGGER IF EXISTS outbox_runs_ended_guard ON outbox_runs;
+CREATE TRIGGER outbox_runs_ended_guard
+    BEFORE UPDATE OF status ON outbox_runs FOR EACH ROW
+    WHEN ((OLD.status IN ('completed', 'failed', 'cancelled', 'compensated',
+                          'compensation_failed') AND NEW.status <> OLD.status)
+          OR (OLD.status IN ('cancelling', 'compensating')
+              AND NEW.status NOT IN ('cancelling', 'compensating', 'cancelled', 'compensated',
+                                     'compensation_failed')))
+    EXECUTE FUNCTION outbox_runs_refuse_revival();
+
 -- A recorded step never changes: its result is what a replay returns, and the
 -- run's hash chain covers it. Its hash may be relinked (a fork does), which only
 -- verify can judge. The UPDATE trigger costs the step write (an INSERT) nothing.
