@@ -57,7 +57,6 @@ from tests.integration.test_console import (
     search_finds_a_run_by_an_effects_key,
 )
 from tests.integration.test_reconcile import lose_attempts, run_reconcile
-from tests.integration.test_stopping_sweep import a_run_behind_a_full_page_is_ended
 from tests.support import DaemonThread, WorkerThread, delivery_plan_modes, wait_for
 
 
@@ -864,13 +863,6 @@ def test_a_cancel_leaves_a_possibly_done_effect_unknown_and_compensates_it_once_
         wait_for(compensated, timeout=60, message="the possibly-done booking compensated")
     assert [d.payload for d in undo.deliveries] == [{"n": 1}]
     assert ob.verify_run(run.id) == []
-
-
-def test_the_stopping_sweep_goes_on_shard_by_shard_after_its_last_page(
-    ob: Outbox, dsn: str
-) -> None:
-    """Its pages are in (shard, last change, id) order: no shard's stuck runs hold it."""
-    a_run_behind_a_full_page_is_ended(ob, dsn)
 
 
 def test_a_fork_replays_its_steps_debits_and_chain_from_another_shard(ob: Outbox, dsn: str) -> None:

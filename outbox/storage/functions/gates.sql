@@ -70,15 +70,23 @@ $$;
 -- The approval a configured gate asks of an effect of p_kind with p_payload (the
 -- first matching gate's, by name, as outbox_intent_effects decides a step's), or
 -- NULL when no gate holds it. For what is written outside the step's statement:
--- the compensations a stopping run intends, and the check `outbox roles` puts on
--- every insert of its logins (a hand-written INSERT skips no gate).
+-- the check `outbox roles` puts on every insert of its logins (a hand-written
+-- INSERT skips no gate) and the compensations a stopping run intends.
 CREATE OR REPLACE FUNCTION outbox_gate_hold(p_kind text, p_payload jsonb) RETURNS jsonb
     LANGUAGE sql STABLE AS $$
+SELECT outbox_gate_hold_in(outbox_gates_of(ARRAY[p_kind]), p_kind, p_payload)
+$$;
+
+-- outbox_gate_hold among p_gates (outbox_gates_of's): a function of its arguments
+-- alone, so Citus runs it on the shards in an INSERT ... SELECT.
+CREATE OR REPLACE FUNCTION outbox_gate_hold_in(p_gates jsonb, p_kind text, p_payload jsonb)
+    RETURNS jsonb
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 SELECT jsonb_build_object('gate', g.gate->>'name', 'timeout', g.gate->'timeout_seconds',
                           'on_timeout', g.gate->>'on_timeout',
                           'escalate_to', g.gate->>'escalate_to') || g.verdict
   FROM (SELECT gate, outbox_gate_match(gate->'conditions', p_payload) AS verdict
-          FROM jsonb_array_elements(outbox_gates_of(ARRAY[p_kind])) AS gate) AS g
+          FROM jsonb_array_elements(p_gates) AS gate WHERE gate->>'kind' = p_kind) AS g
  WHERE g.verdict IS NOT NULL
  ORDER BY g.gate->>'name' LIMIT 1
 $$;

@@ -584,6 +584,10 @@ CREATE OR REPLACE FUNCTION outbox_intend_compensations(p_run_id uuid, p_original
 DECLARE
     inserted integer;
     v_now timestamptz := now();  -- a value: Citus pushes no now() down to a shard
+    gates jsonb := outbox_gates_of(ARRAY(
+        SELECT DISTINCT x.compensate->>'kind' FROM outbox_effects AS x
+         WHERE x.id = ANY (p_originals) AND x.run_id = p_run_id
+           AND x.shard = outbox_shard_of(p_run_id) AND x.compensate IS NOT NULL));
 BEGIN
     -- one INSERT ... SELECT, no CTE: Citus would run a CTE as sub-plans of their own
     INSERT INTO outbox_effects AS e (
@@ -603,8 +607,8 @@ BEGIN
       FROM unnest(p_originals) WITH ORDINALITY AS k(id, n)
       JOIN outbox_effects AS x ON x.id = k.id AND x.run_id = p_run_id
                               AND x.shard = outbox_shard_of(p_run_id)
-     CROSS JOIN LATERAL (SELECT outbox_gate_hold(x.compensate->>'kind',
-                                                 x.compensate->'payload') AS hold) AS h
+     CROSS JOIN LATERAL (SELECT outbox_gate_hold_in(gates, x.compensate->>'kind',
+                                                    x.compensate->'payload') AS hold) AS h
      WHERE x.compensate IS NOT NULL
      ORDER BY k.n
     ON CONFLICT ON CONSTRAINT outbox_effects_idempotency_key DO NOTHING;

@@ -8,18 +8,6 @@
 SET LOCAL check_function_bodies = off;
 SELECT set_config('search_path', format('%I, pg_catalog, pg_temp', current_schema()), true);
 
--- A run that ended stays as it ended, and one being cancelled goes on only to its
--- end: whoever writes the status by hand (an agent login cannot undo an operator's
--- cancel; a fork is a new run). The WHEN clause keeps it off every other update.
-CREATE OR REPLACE FUNCTION outbox_runs_refuse_revival() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-BEGIN
-    RAISE EXCEPTION 'permission denied: run % is %; it cannot become % (a fork starts it '
-        'again as a new run)', OLD.id, OLD.status, NEW.status
-        USING ERRCODE = 'insufficient_privilege';
-END
-$$;
-
 -- Every way back to pending (a retry, the reconciler, an operator) holds the
 -- effect of a paused run as paused; commit_step decides it for new intents. One
 -- of a run being cancelled (not a compensation) stays pending but is never due:
@@ -65,15 +53,23 @@ $$;
 -- The approval a configured gate asks of an effect of p_kind with p_payload (the
 -- first matching gate's, by name, as outbox_intent_effects decides a step's), or
 -- NULL when no gate holds it. For what is written outside the step's statement:
--- the compensations a stopping run intends, and the check `outbox roles` puts on
--- every insert of its logins (a hand-written INSERT skips no gate).
+-- the check `outbox roles` puts on every insert of its logins (a hand-written
+-- INSERT skips no gate) and the compensations a stopping run intends.
 CREATE OR REPLACE FUNCTION outbox_gate_hold(p_kind text, p_payload jsonb) RETURNS jsonb
     LANGUAGE sql STABLE AS $$
+SELECT outbox_gate_hold_in(outbox_gates_of(ARRAY[p_kind]), p_kind, p_payload)
+$$;
+
+-- outbox_gate_hold among p_gates (outbox_gates_of's): a function of its arguments
+-- alone, so Citus runs it on the shards in an INSERT ... SELECT.
+CREATE OR REPLACE FUNCTION outbox_gate_hold_in(p_gates jsonb, p_kind text, p_payload jsonb)
+    RETURNS jsonb
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 SELECT jsonb_build_object('gate', g.gate->>'name', 'timeout', g.gate->'timeout_seconds',
                           'on_timeout', g.gate->>'on_timeout',
                           'escalate_to', g.gate->>'escalate_to') || g.verdict
   FROM (SELECT gate, outbox_gate_match(gate->'conditions', p_payload) AS verdict
-          FROM jsonb_array_elements(outbox_gates_of(ARRAY[p_kind])) AS gate) AS g
+          FROM jsonb_array_elements(p_gates) AS gate WHERE gate->>'kind' = p_kind) AS g
  WHERE g.verdict IS NOT NULL
  ORDER BY g.gate->>'name' LIMIT 1
 $$;
@@ -89,6 +85,10 @@ CREATE OR REPLACE FUNCTION outbox_intend_compensations(p_run_id uuid, p_original
 DECLARE
     inserted integer;
     v_now timestamptz := now();  -- a value: Citus pushes no now() down to a shard
+    gates jsonb := outbox_gates_of(ARRAY(
+        SELECT DISTINCT x.compensate->>'kind' FROM outbox_effects AS x
+         WHERE x.id = ANY (p_originals) AND x.run_id = p_run_id
+           AND x.shard = outbox_shard_of(p_run_id) AND x.compensate IS NOT NULL));
 BEGIN
     -- one INSERT ... SELECT, no CTE: Citus would run a CTE as sub-plans of their own
     INSERT INTO outbox_effects AS e (
@@ -108,8 +108,8 @@ BEGIN
       FROM unnest(p_originals) WITH ORDINALITY AS k(id, n)
       JOIN outbox_effects AS x ON x.id = k.id AND x.run_id = p_run_id
                               AND x.shard = outbox_shard_of(p_run_id)
-     CROSS JOIN LATERAL (SELECT outbox_gate_hold(x.compensate->>'kind',
-                                                 x.compensate->'payload') AS hold) AS h
+     CROSS JOIN LATERAL (SELECT outbox_gate_hold_in(gates, x.compensate->>'kind',
+                                                    x.compensate->'payload') AS hold) AS h
      WHERE x.compensate IS NOT NULL
      ORDER BY k.n
     ON CONFLICT ON CONSTRAINT outbox_effects_idempotency_key DO NOTHING;
@@ -118,6 +118,18 @@ BEGIN
         PERFORM pg_notify('outbox_effects', '');
     END IF;
     RETURN inserted;
+END
+$$;
+
+-- A run that ended stays as it ended, and one being cancelled goes on only to its
+-- end: whoever writes the status by hand (an agent login cannot undo an operator's
+-- cancel; a fork is a new run). The WHEN clause keeps it off every other update.
+CREATE OR REPLACE FUNCTION outbox_runs_refuse_revival() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'permission denied: run % is %; it cannot become % (a fork starts it '
+        'again as a new run)', OLD.id, OLD.status, NEW.status
+        USING ERRCODE = 'insufficient_privilege';
 END
 $$;
 
