@@ -9,6 +9,7 @@ import urllib.request
 from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox, StepTransaction
 from outbox.delivery import Delivery, Outcome, Succeeded
+from outbox.shards import shard_of
 from tests.support import DaemonThread, wait_for
 
 
@@ -51,6 +52,36 @@ def test_effects_sharing_an_ordering_key_are_delivered_one_at_a_time_in_order(
     for account in range(3):
         seen = [d.payload["n"] for d in recorder.deliveries if d.ordering_key == f"acct-{account}"]
         assert seen == sorted(seen) and len(seen) == 10, "intent order within a key"
+
+
+def test_an_ordering_key_orders_the_effects_of_runs_on_other_shards_and_of_no_run(
+    ob: Outbox, dsn: str
+) -> None:
+    # a run's effects live on its logical shard: the key spans them all the same
+    runs = [ob.start_run("agent", "1")]
+    while len(runs) < 3:
+        run = ob.start_run("agent", "1")
+        if shard_of(run.id) not in {shard_of(r.id) for r in runs}:
+            runs.append(run)
+    for n, run in enumerate(runs):
+
+        def step(tx: StepTransaction, n: int = n) -> None:
+            tx.intend("k.o", {"n": n}, ordering_key="c-42")
+
+        run.transaction("s", step)
+    with ob.transaction() as tx:
+        tx.intend("k.o", {"n": 3}, ordering_key="c-42")
+    calls: list[tuple[str, int]] = []
+
+    def slow(delivery: Delivery) -> Outcome:
+        calls.append(("start", delivery.payload["n"]))
+        time.sleep(0.05)
+        calls.append(("end", delivery.payload["n"]))
+        return Succeeded()
+
+    with DaemonThread(dsn, {"k.o": RecordingDeliverer("k.o", outcome=slow)}, concurrency=8):
+        wait_for(lambda: _all(ob, "succeeded", 4))
+    assert calls == [(edge, n) for n in range(4) for edge in ("start", "end")]
 
 
 def test_a_failed_effect_does_not_block_its_key_forever(ob: Outbox, dsn: str) -> None:

@@ -129,17 +129,16 @@ RUN_QUEUE = QueueSpec(
 
 
 def _ordering_free(spec: QueueSpec, t: Any) -> ColumnElement[bool]:
-    """No earlier effect with the same ordering key (on its shard) is still undecided."""
+    """No earlier effect with the same ordering key, of any run, is still open."""
     prior = effects.alias("prior")
-    # (a sharded claim names its shard: Citus routes by a value, not a join)
-    same_shard = (
-        prior.c.shard == bindparam("part_shard", type_=SmallInteger)
-        if spec.sharded
-        else prior.c.shard == t.c.shard
+    # On Citus only those of the claim's shard (a run's, or a run-less key's): a
+    # sharded claim names its shard, and Citus routes by a value, not a join.
+    on_shard = (
+        [prior.c.shard == bindparam("part_shard", type_=SmallInteger)] if spec.sharded else []
     )
     blocked = exists().where(
         prior.c.ordering_key == t.c.ordering_key,
-        same_shard,
+        *on_shard,
         prior.c.seq < t.c.seq,
         in_statuses(prior.c.status, OPEN_EFFECT_STATUSES),  # an open effect holds back its key,
     )
