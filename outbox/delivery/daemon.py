@@ -186,6 +186,7 @@ class DeliveryDaemon:
                 await wait_or_wake(self._room, self.settings.poll_seconds)
                 self._start_ready()
                 continue
+            asked = time.monotonic()
             try:
                 batch = await self.source.take(self.leases)
             except Exception as exc:
@@ -200,13 +201,13 @@ class DeliveryDaemon:
                 for effect in batch:
                     self._record(released(effect, "released unstarted at shutdown"))
                 break
-            self._hold(batch)
+            self._hold(batch, asked)
 
-    def _hold(self, batch: list[ClaimedEffect]) -> None:
-        """Hold claimed attempts and start those that may start."""
+    def _hold(self, batch: list[ClaimedEffect], asked: float) -> None:
+        """Hold attempts claimed by a claim sent at ``asked``; start those that may start."""
         for effect in batch:
             if effect.kind in self.deliverers:
-                self.leases.hold(effect)
+                self.leases.hold(effect, asked)
             else:  # a record of a kind this process does not deliver
                 self._record(released(effect, f"no deliverer for kind {effect.kind!r} here"))
         self._start_ready()
@@ -348,6 +349,7 @@ class DeliveryDaemon:
                 # due, so a busy daemon's rounds find nothing left to do on their own.
                 ride=maintenance.ride if maintenance is not None else None,
             )
+            sent = time.monotonic()
             written = await self.source.write(batch, writing)
             if maintenance is not None and written.ride is not None:
                 if written.duties_failed:
@@ -356,7 +358,7 @@ class DeliveryDaemon:
                     maintenance.rode(written.ride, written.kept, written.findings)
             self._account(batch, written)
             if written.claimed:
-                self._hold(written.claimed)
+                self._hold(written.claimed, sent)
             finished = [*written.logged, *written.abandoned]
             if finished:
                 self._changed()

@@ -38,7 +38,7 @@ class Held:
     started: bool = False
     lease_lost: bool = False
     #: When its lease was last known to run a full lease from (monotonic): the
-    #: claim, then each heartbeat that extended it (taken when the statement began).
+    #: claim, then each heartbeat that extended it (taken when each was sent).
     renewed: float = field(default_factory=time.monotonic)
 
 
@@ -182,9 +182,15 @@ class Leases:
         quotas.left_out = left_out
         return quotas
 
-    def hold(self, effect: ClaimedEffect) -> None:
-        """Keep a claimed attempt; it waits for :meth:`startable`."""
-        self.held[effect.id] = Held(effect)
+    def hold(self, effect: ClaimedEffect, asked: float) -> None:
+        """Keep a claimed attempt; it waits for :meth:`startable`.
+
+        ``asked``: when the claim was sent (monotonic). Its lease runs from the
+        claiming transaction's start, which a wait for a lock may have put long
+        before the answer came: counted from the answer, a lease already run out
+        (and taken over, and re-sent by a reconciler) looked whole.
+        """
+        self.held[effect.id] = Held(effect, renewed=asked)
         self._waiting[effect.kind].append(effect.id)
         self.metrics.in_flight.set(len(self.held))
 
