@@ -27,6 +27,7 @@ from outbox.delivery import Deliverer
 from outbox.delivery.config import DeliverersConfig
 from outbox.delivery.settings import DeliverySettings, StreamSettings
 from outbox.delivery.threads import DaemonThreads, default_workers
+from outbox.errors import ConfigurationError
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import libpq_dsn, make_async_engine, open_engine
 
@@ -253,6 +254,14 @@ def deliver(
         with listening(metrics_host, metrics_port, hint="'--metrics-port'"):
             metrics.serve(metrics_port, metrics_host)
 
+    if isinstance(settings, StreamSettings) and (
+        rated := sorted(k for k, d in deliverers.items() if d.rate is not None)
+    ):
+        # its claims take what the relay published: no rate is charged on the way
+        raise ConfigurationError(
+            f"kind {rated[0]!r} declares a rate: stream mode does not enforce declared "
+            "rates yet; deliver that kind by polling (docs/howto/stream-mode.md)"
+        )
     serving = deliverers
     if dry_run:
         # Only the recording deliverer: these processes never reach a sink.

@@ -37,6 +37,8 @@ def _cases(tmp_path: Path, busy_port: int) -> list[Case]:
     a_file.write_text("not a directory")
     port = str(busy_port)
     handler = "tests.fixtures_callables:echo"
+    rated = tmp_path / "rated.toml"
+    rated.write_text('[kinds."http.request"]\nrate = 5\n')
     worker = ["worker", handler, "--agent", "a", "--version", "1"]
     return [
         ("deliver --lease x", ["deliver", "--lease", "x"], {}),
@@ -45,6 +47,11 @@ def _cases(tmp_path: Path, busy_port: int) -> list[Case]:
         ("deliver --grace nan", ["deliver", "--grace", "nan"], {}),
         ("deliver --poll -1", ["deliver", "--poll", "-1"], {}),
         ("deliver --poll nan", ["deliver", "--poll", "nan"], {}),
+        (
+            "deliver --from-kafka, a kind with a rate",
+            ["deliver", "--config", str(rated), "--from-kafka", "127.0.0.1:1"],
+            {},
+        ),
         ("worker --lease nan", [*worker, "--lease", "nan"], {}),
         ("worker --lease inf", [*worker, "--lease", "inf"], {}),
         ("worker --lease -1", [*worker, "--lease", "-1"], {}),
