@@ -344,17 +344,31 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
     )
     # A row no configured gate holds, or one held for approval: a hand-written INSERT
     # is judged by the gates as the step's statement judges an intent.
-    gated = (
-        f"(status = '{EffectStatus.AWAITING_APPROVAL}' AND approval IS NOT NULL"
-        " OR outbox_gate_hold(kind, outbox_resolve(payload)) IS NULL)"
+    # (Functions of the row's columns, not expressions in the policy: Citus cannot
+    # propagate a policy with a sub-select or a nested call.)
+    clears = f"{schema}.outbox_gates_clear"
+    out.append(
+        f"CREATE OR REPLACE FUNCTION {clears}(kind text, payload jsonb, effect_status text, "
+        "approval jsonb) RETURNS boolean\n"
+        f"LANGUAGE sql STABLE SET search_path = pg_catalog, {schema}, pg_temp AS $$\n"
+        f"    SELECT effect_status = '{EffectStatus.AWAITING_APPROVAL}' AND approval IS NOT NULL\n"
+        "        OR outbox_gate_hold(kind, outbox_resolve(payload)) IS NULL\n"
+        "$$"
     )
+    gated = f"{clears}(kind, payload, status, approval)"
     # An agent's intent of a run: the run takes intents (a paused one, held ones).
     live = sql_in("r.status", LIVE_RUN_STATUSES)
-    of_live_run = (
-        "(run_id IS NULL OR EXISTS (SELECT 1 FROM outbox_runs r WHERE r.id = run_id"
-        f" AND r.shard = outbox_shard_of(run_id) AND {live}"
-        f" AND (r.paused_at IS NULL OR outbox_effects.status <> '{EffectStatus.PENDING}')))"
+    takes = f"{schema}.outbox_run_takes_intent"
+    out.append(
+        f"CREATE OR REPLACE FUNCTION {takes}(run uuid, effect_status text) RETURNS boolean\n"
+        f"LANGUAGE sql STABLE SET search_path = pg_catalog, {schema}, pg_temp AS $$\n"
+        "    SELECT run IS NULL OR EXISTS (\n"
+        "        SELECT 1 FROM outbox_runs r WHERE r.id = run AND r.shard = outbox_shard_of(run)\n"
+        f"           AND {live}\n"
+        f"           AND (r.paused_at IS NULL OR effect_status <> '{EffectStatus.PENDING}'))\n"
+        "$$"
     )
+    of_live_run = f"{takes}(run_id, status)"
     out.append(f"DROP POLICY IF EXISTS outbox_intents ON {effects}")
     out.append(
         f"CREATE POLICY outbox_intents ON {effects} AS RESTRICTIVE FOR INSERT "
