@@ -9,6 +9,7 @@ declared as a compensation is held like the same intent written by a step.
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -82,7 +83,7 @@ def test_a_deliverer_reopens_nothing_an_operator_ended(
     assert ob.effect(cancelled).status == EffectStatus.CANCELLED
     reopen = "UPDATE outbox_effects SET status = 'pending' WHERE id = %(id)s"
     for effect in (failed, cancelled, held):
-        assert _changed(logins["deliverer"], reopen, {"id": effect}) == 0
+        _refused(logins["deliverer"], reopen, {"id": effect}, "only an operator reopens")
     assert [ob.effect(e).status for e in (failed, cancelled, held)] == [
         EffectStatus.FAILED,
         EffectStatus.CANCELLED,
@@ -120,3 +121,19 @@ def test_a_gated_compensation_waits_for_an_approval(ob: Outbox, dsn: str) -> Non
     (refund,) = [e for e in ob.effects(run_id=run.id) if e.compensates is not None]
     assert refund.status == EffectStatus.AWAITING_APPROVAL
     assert refund.approval is not None and refund.approval["gate"] == "big"
+
+
+def test_a_declared_compensation_is_never_a_reference_to_a_stored_value(
+    ob: Outbox, dsn: str
+) -> None:
+    # its gate judges what it sends as written: a reference would hide the amount
+    ob.apply_gates([BIG])
+    run = ob.start_run("a", "1")
+    reference = {"__outbox_blob__": {"bytes": 20000, "sha256": "0" * 64}}
+    with psycopg.connect(libpq_dsn(dsn)) as conn, pytest.raises(psycopg.Error) as caught:
+        conn.execute(
+            "SELECT * FROM outbox_intend(kind => 'notes.add', payload => '{}'::jsonb,"
+            " run_id => %(run)s, step_id => 's', compensate => %(comp)s::jsonb)",
+            {"run": run.id, "comp": json.dumps({"kind": "payments.send", "payload": reference})},
+        )
+    assert "compensate.payload" in str(caught.value) and "reserved" in str(caught.value)

@@ -35,10 +35,11 @@ is not subject to them) restrict inserts: a fresh row, one no configured gate
 holds unless it is held for approval (``outbox_gate_hold``: a hand-written
 INSERT skips no gate), an agent's only into a run that takes intents, a
 compensation only as its original declared it (``outbox_is_declared_compensation``,
-a ``SECURITY DEFINER`` function owned by the table's owner); and a deliverer
-updates no failed, cancelled, rejected or compensated effect (it cannot undo
-an operator's decision). A trigger keeps an ended run ended, and a stopping
-one on its way to its end (``outbox_runs_ended_guard``). Applying the script
+a ``SECURITY DEFINER`` function owned by the table's owner). Triggers keep what
+an operator ended ended: only a session with EXECUTE on ``outbox_may_release()``
+reopens a failed, cancelled, rejected or compensated effect
+(``outbox_effects_ended_guard``), and no one brings an ended run back
+(``outbox_runs_ended_guard``). Applying the script
 again brings the roles to exactly these grants.
 """
 
@@ -378,23 +379,8 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
         f"     AND {of_live_run})\n"
         f"    OR (compensates IS NOT NULL AND {fn}(compensates, run_id, kind, payload))))"
     )
-    # What an operator ended stays ended: a deliverer reopens no failed, cancelled,
-    # rejected or compensated effect (a succeeded one becomes compensated).
-    ended = sql_in(
-        "status",
-        (
-            EffectStatus.FAILED,
-            EffectStatus.CANCELLED,
-            EffectStatus.REJECTED,
-            EffectStatus.COMPENSATED,
-        ),
-    )
+    # (an UPDATE policy of 0035 before its release; outbox_effects_ended_guard does it)
     out.append(f"DROP POLICY IF EXISTS outbox_ended_effects ON {effects}")
-    out.append(
-        f"CREATE POLICY outbox_ended_effects ON {effects} AS RESTRICTIVE FOR UPDATE "
-        # (the new row may end: a WITH CHECK left out would be the USING clause)
-        f"TO {names['deliverer']} USING (NOT {ended}) WITH CHECK (true)"
-    )
     return out
 
 

@@ -83,3 +83,30 @@ CREATE TRIGGER outbox_effects_hold_paused
           OR (OLD.status = 'awaiting_approval'
               AND NEW.status NOT IN ('awaiting_approval', 'rejected', 'cancelled')))
     EXECUTE FUNCTION outbox_effects_hold_paused();
+
+-- What an operator ended stays ended: a failed, cancelled, rejected or compensated
+-- effect changes status only in a session with EXECUTE on outbox_may_release (the
+-- operator's, under `outbox roles`: its retry of a failed one), and a succeeded
+-- one only to compensated. A deliverer login cannot undo an operator's decision,
+-- nor walk an effect held for approval out through rejected or cancelled. The
+-- WHEN clause keeps it off the claims and completions.
+CREATE OR REPLACE FUNCTION outbox_effects_refuse_reopen() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
+        RAISE EXCEPTION 'permission denied: effect % is %; it cannot become % (only an '
+            'operator reopens one: a role with EXECUTE on outbox_may_release())',
+            OLD.id, OLD.status, NEW.status
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+DROP TRIGGER IF EXISTS outbox_effects_ended_guard ON outbox_effects;
+CREATE TRIGGER outbox_effects_ended_guard
+    BEFORE UPDATE OF status ON outbox_effects FOR EACH ROW
+    WHEN ((OLD.status IN ('failed', 'cancelled', 'rejected', 'compensated')
+           AND NEW.status <> OLD.status)
+          OR (OLD.status = 'succeeded' AND NEW.status NOT IN ('succeeded', 'compensated')))
+    EXECUTE FUNCTION outbox_effects_refuse_reopen();

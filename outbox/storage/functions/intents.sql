@@ -273,6 +273,9 @@ BEGIN
             END IF;
             PERFORM outbox_check_kind(field || 'compensate', comp->>'kind');
             PERFORM outbox_check_payload(comp->'payload', field || 'compensate.payload');
+            -- what a compensation sends is judged by the gates as written: never a
+            -- reference to a value stored elsewhere
+            PERFORM outbox_check_not_reference(field || 'compensate.payload', comp->'payload');
             size := size + octet_length(outbox_check_json(field || 'compensate', comp, max_bytes));
         END IF;
         IF item->'approval' IS NOT NULL THEN

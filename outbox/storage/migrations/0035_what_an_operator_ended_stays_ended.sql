@@ -50,6 +50,25 @@ BEGIN
 END
 $$;
 
+-- What an operator ended stays ended: a failed, cancelled, rejected or compensated
+-- effect changes status only in a session with EXECUTE on outbox_may_release (the
+-- operator's, under `outbox roles`: its retry of a failed one), and a succeeded
+-- one only to compensated. A deliverer login cannot undo an operator's decision,
+-- nor walk an effect held for approval out through rejected or cancelled. The
+-- WHEN clause keeps it off the claims and completions.
+CREATE OR REPLACE FUNCTION outbox_effects_refuse_reopen() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
+        RAISE EXCEPTION 'permission denied: effect % is %; it cannot become % (only an '
+            'operator reopens one: a role with EXECUTE on outbox_may_release())',
+            OLD.id, OLD.status, NEW.status
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    RETURN NEW;
+END
+$$;
+
 -- The approval a configured gate asks of an effect of p_kind with p_payload (the
 -- first matching gate's, by name, as outbox_intent_effects decides a step's), or
 -- NULL when no gate holds it. For what is written outside the step's statement:
@@ -72,6 +91,200 @@ SELECT jsonb_build_object('gate', g.gate->>'name', 'timeout', g.gate->'timeout_s
           FROM jsonb_array_elements(p_gates) AS gate WHERE gate->>'kind' = p_kind) AS g
  WHERE g.verdict IS NOT NULL
  ORDER BY g.gate->>'name' LIMIT 1
+$$;
+
+-- Check p_intents exactly, as outbox_intent_rows derives them for the same step
+-- (p_count and p_bytes: what the step or transaction wrote before, which the caps
+-- count), raising the first refusal; take every caller's key (outbox_take_key:
+-- racers on a key take turns until commit) and compare it with the effect it
+-- names, if any. On Citus, where this runs on the run's shard alone, the keys
+-- were taken before by outbox_take_keys and are only checked to be.
+-- p_indexed names fields intents[n].x rather than x. Returns, for each
+-- intent named again under the key of an earlier one of the call (the same
+-- intent), that earlier one's ordinal (outbox_intent_rows' p_first), and the
+-- intents with an id each: a large payload is stored here, by reference, owned
+-- by its run or (of no run) by its effect.
+--
+-- Its statements, and those of the functions it calls, keep one generic plan a
+-- session: PostgreSQL planned them afresh on every call (custom plans of the
+-- inlined derivation looked cheaper), 1.8 ms of a step with one keyed intent.
+CREATE OR REPLACE FUNCTION outbox_check_intents(
+    p_run_id uuid, p_step_id text, p_intents jsonb, p_next integer, p_count integer,
+    p_bytes bigint, p_dry_run boolean, p_indexed boolean, p_namespace text,
+    OUT firsts integer[], OUT intents jsonb, OUT existing uuid[]
+)
+    LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    rules jsonb := outbox_intent_rules();
+    max_bytes bigint := outbox_limit('max_payload_bytes');
+    max_step_bytes bigint := outbox_limit('max_step_bytes');
+    max_intents bigint := outbox_limit('max_step_intents');
+    max_key integer := (rules->>'max_key_length')::integer;
+    max_attempts integer := (rules->>'max_attempts')::integer;
+    top integer := (rules->>'max_priority')::integer;
+    known_fields text[] := ARRAY['kind', 'payload', 'key', 'ordering_key', 'step_index',
+        'max_attempts', 'delay_seconds', 'schema_version', 'compensate', 'cost', 'approval',
+        'priority', 'fairness_key', 'id', 'trace_parent'];
+    item jsonb;
+    n integer := 0;
+    field text;
+    payload jsonb;
+    comp jsonb;
+    size bigint;
+    bytes bigint := 0;
+    num numeric;
+    r outbox_intent;
+    seen jsonb := '{}';
+BEGIN
+    firsts := '{}';
+    existing := '{}';
+    IF p_intents IS NULL OR jsonb_typeof(p_intents) <> 'array' THEN
+        PERFORM outbox_refuse('OB001', 'intents', left(p_intents::text, 80),
+            'must be a JSON array of intents');
+    END IF;
+    FOR item IN SELECT value FROM jsonb_array_elements(p_intents) LOOP
+        field := CASE WHEN p_indexed THEN format('intents[%s].', n) ELSE '' END;
+        IF jsonb_typeof(item) <> 'object' THEN
+            PERFORM outbox_refuse('OB001', rtrim(field, '.'), left(item::text, 80), 'must be an object');
+        END IF;
+        IF (item - known_fields) <> '{}'::jsonb THEN
+            PERFORM outbox_refuse('OB001',
+                field || (SELECT min(k) FROM jsonb_object_keys(item - known_fields) AS k),
+                NULL, 'is not an argument of outbox_intend');
+        END IF;
+        IF p_count + n >= max_intents THEN
+            PERFORM outbox_refuse('OB001', 'intents', (p_count + n + 1)::text,
+                format('a step or transaction may intend at most %s effects (outbox.max_step_intents)',
+                       max_intents));
+        END IF;
+        PERFORM outbox_check_kind(field || 'kind', outbox_json_field_text(item, 'kind', field));
+        payload := item->'payload';
+        IF payload IS NULL THEN
+            PERFORM outbox_refuse('OB001', field || 'payload', NULL,
+                'is required (pass ''null''::jsonb for a JSON null)');
+        END IF;
+        PERFORM outbox_check_not_reference(field || 'payload', payload);
+        PERFORM outbox_check_payload(payload, field || 'payload');
+        size := octet_length(outbox_check_json(field || 'payload', payload, max_bytes));
+        IF outbox_json_field_text(item, 'key', field) IS NOT NULL THEN
+            PERFORM outbox_check_text(field || 'key', item->>'key', max_key);
+        END IF;
+        IF outbox_json_field_text(item, 'ordering_key', field) IS NOT NULL THEN
+            PERFORM outbox_check_text(field || 'ordering_key', item->>'ordering_key', max_key);
+        END IF;
+        num := outbox_json_field_int(item, 'max_attempts', field);
+        IF num NOT BETWEEN 1 AND max_attempts THEN
+            PERFORM outbox_refuse('OB001', field || 'max_attempts', num::text,
+                'must be between 1 and ' || max_attempts);
+        END IF;
+        num := outbox_json_field_number(item, 'delay_seconds', field);
+        IF num NOT BETWEEN 0 AND (rules->>'max_delay_seconds')::numeric THEN
+            PERFORM outbox_refuse('OB001', field || 'delay_seconds', num::text,
+                'must be between 0 and ' || (rules->>'max_delay_seconds'));
+        END IF;
+        IF outbox_json_field_int(item, 'schema_version', field) < 1 THEN
+            PERFORM outbox_refuse('OB001', field || 'schema_version', item->>'schema_version',
+                'must be at least 1');
+        END IF;
+        num := outbox_json_field_number(item, 'cost', field);
+        IF num IS NOT NULL THEN
+            PERFORM outbox_check_amount(field || 'cost', num);
+        END IF;
+        num := outbox_json_field_int(item, 'priority', field);
+        IF num NOT BETWEEN -top AND top THEN
+            PERFORM outbox_refuse('OB001', field || 'priority', num::text,
+                format('must be between %s and %s', -top, top));
+        END IF;
+        IF coalesce(outbox_json_field_text(item, 'fairness_key', field), '') <> '' THEN
+            PERFORM outbox_check_text(field || 'fairness_key', item->>'fairness_key',
+                                      (rules->>'max_fairness_key_length')::integer);
+        END IF;
+        IF item->'id' IS NOT NULL AND outbox_json_uuid(item->'id') IS NULL THEN
+            PERFORM outbox_refuse('OB001', field || 'id', item->>'id', 'must be a UUID');
+        END IF;
+        IF coalesce(outbox_json_field_text(item, 'trace_parent', field), '')
+           !~ '^([0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2})?$' THEN
+            PERFORM outbox_refuse('OB001', field || 'trace_parent', item->>'trace_parent',
+                'must be a W3C traceparent (00-<trace id>-<span id>-<flags>)');
+        END IF;
+        comp := nullif(item->'compensate', 'null');
+        IF comp IS NOT NULL THEN
+            IF jsonb_typeof(comp) <> 'object' OR NOT comp ? 'kind' OR NOT comp ? 'payload'
+               OR (comp - ARRAY['kind', 'payload']) <> '{}'::jsonb
+               OR jsonb_typeof(comp->'kind') <> 'string' THEN
+                PERFORM outbox_refuse('OB001', field || 'compensate', left(comp::text, 80),
+                    'must be {"kind": "...", "payload": ...}');
+            END IF;
+            PERFORM outbox_check_kind(field || 'compensate', comp->>'kind');
+            PERFORM outbox_check_payload(comp->'payload', field || 'compensate.payload');
+            -- what a compensation sends is judged by the gates as written: never a
+            -- reference to a value stored elsewhere
+            PERFORM outbox_check_not_reference(field || 'compensate.payload', comp->'payload');
+            size := size + octet_length(outbox_check_json(field || 'compensate', comp, max_bytes));
+        END IF;
+        IF item->'approval' IS NOT NULL THEN
+            PERFORM outbox_approval_policy(item->'approval');
+        END IF;
+        IF p_run_id IS NULL AND item->'step_index' IS NOT NULL AND item->'step_index' <> 'null' THEN
+            PERFORM outbox_refuse('OB001', field || 'step_index', item->>'step_index',
+                'belongs to a step: pass run_id and step_id too');
+        END IF;
+        IF outbox_json_field_int(item, 'step_index', field) < 0 THEN
+            PERFORM outbox_refuse('OB001', field || 'step_index', item->>'step_index',
+                'must not be negative');
+        END IF;
+        IF p_bytes + bytes + size > max_step_bytes THEN
+            PERFORM outbox_refuse('OB002', 'intents', format('<%s bytes>', p_bytes + bytes + size),
+                format('the payloads of one step or transaction may total at most %s bytes '
+                       '(outbox.max_step_bytes)', max_step_bytes));
+        END IF;
+        bytes := bytes + size;
+        n := n + 1;
+    END LOOP;
+
+    -- Every field passes. Each intent gets its id now (a large payload's reference
+    -- names its owner), then the keys: two intents of this call under one key, or
+    -- a key that names an effect already, are the same intent or a conflict (G5).
+    -- (the ids outbox_intent_rows picks: an effect of no run on its key's shard)
+    SELECT jsonb_agg(CASE WHEN a.item ? 'id' AND a.item->'id' <> 'null' THEN a.item
+                          ELSE a.item || jsonb_build_object('id', x.id) END ORDER BY a.n)
+      INTO intents
+      FROM jsonb_array_elements(p_intents) WITH ORDINALITY AS a(item, n)
+      JOIN outbox_intent_rows(p_run_id, p_step_id, p_intents, p_next, 0, '', p_dry_run, NULL,
+                              p_namespace) AS x ON x.n = a.n;
+    intents := coalesce(intents, '[]');
+    FOR r IN SELECT * FROM outbox_intent_rows(p_run_id, p_step_id, intents, p_next, 0, '',
+                                              p_dry_run, NULL, p_namespace) ORDER BY n LOOP
+        -- the loop's query planned, what follows reads and writes shards
+        PERFORM outbox_citus_plans_per_call();
+        IF seen ? r.idempotency_key THEN
+            IF (seen->r.idempotency_key) - 0 <> jsonb_build_array(r.kind, r.payload_hash) THEN
+                PERFORM outbox_raise_conflict(r.idempotency_key,
+                    'intended twice in this step with a different kind or payload');
+            END IF;
+            firsts[r.n] := (seen->r.idempotency_key->>0)::integer;
+            CONTINUE;
+        END IF;
+        seen := seen || jsonb_build_object(r.idempotency_key,
+                                           jsonb_build_array(r.n, r.kind, r.payload_hash));
+        IF (intents->(r.n - 1))->'key' NOT IN ('null') AND outbox_distributed() THEN
+            existing[r.n] := outbox_check_key_taken(p_namespace, r.idempotency_key, r.id,
+                                                    outbox_shard_of(coalesce(p_run_id, r.id)));
+        ELSIF (intents->(r.n - 1))->'key' NOT IN ('null') THEN
+            existing[r.n] := outbox_take_key(p_namespace, r.idempotency_key, r.id, p_run_id,
+                                             r.kind, r.payload_hash,
+                                             (intents->(r.n - 1))->'payload');
+        ELSIF r.caller_key THEN
+            -- an index named explicitly: its derived key, on this run's shard
+            existing[r.n] := outbox_check_existing(p_namespace, r.idempotency_key, p_run_id,
+                r.kind, r.payload_hash, (intents->(r.n - 1))->'payload');
+        END IF;
+        IF r.payload_size > outbox_limit('blob_threshold_bytes') THEN
+            PERFORM outbox_store_value(coalesce(p_run_id, r.id), (intents->(r.n - 1))->'payload',
+                                       r.payload_text);
+        END IF;
+    END LOOP;
+END
 $$;
 
 -- Intend the compensations of a stopping run's succeeded effects (originals),
@@ -132,6 +345,14 @@ BEGIN
         USING ERRCODE = 'insufficient_privilege';
 END
 $$;
+
+DROP TRIGGER IF EXISTS outbox_effects_ended_guard ON outbox_effects;
+CREATE TRIGGER outbox_effects_ended_guard
+    BEFORE UPDATE OF status ON outbox_effects FOR EACH ROW
+    WHEN ((OLD.status IN ('failed', 'cancelled', 'rejected', 'compensated')
+           AND NEW.status <> OLD.status)
+          OR (OLD.status = 'succeeded' AND NEW.status NOT IN ('succeeded', 'compensated')))
+    EXECUTE FUNCTION outbox_effects_refuse_reopen();
 
 DROP TRIGGER IF EXISTS outbox_runs_ended_guard ON outbox_runs;
 CREATE TRIGGER outbox_runs_ended_guard
