@@ -186,7 +186,6 @@ class DeliveryDaemon:
                 await wait_or_wake(self._room, self.settings.poll_seconds)
                 self._start_ready()
                 continue
-            asked = time.monotonic()
             try:
                 batch = await self.source.take(self.leases)
             except Exception as exc:
@@ -201,7 +200,7 @@ class DeliveryDaemon:
                 for effect in batch:
                     self._record(released(effect, "released unstarted at shutdown"))
                 break
-            self._hold(batch, asked)
+            self._hold(batch, self.source.claim_sent)
 
     def _hold(self, batch: list[ClaimedEffect], asked: float) -> None:
         """Hold attempts claimed by a claim sent at ``asked``; start those that may start."""

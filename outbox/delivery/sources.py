@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -55,6 +56,9 @@ class EffectSource(Protocol):
     #: Seconds the daemon lets outcomes wait for the attempts still under way, so
     #: that one write records them together (0: each write goes at once).
     linger: float
+    #: When the claim of the last :meth:`take` was sent (monotonic): the leases it
+    #: took run from then, not from the answer (nor from a wait before it).
+    claim_sent: float
 
     async def open(self) -> None:
         """Connect (LISTEN, a consumer group); called once before the first :meth:`take`."""
@@ -95,6 +99,7 @@ class PollSource:
         self._idle = IdleBackoff(settings.poll_seconds)
         self._listener: asyncio.Task[None] | None = None
         self._wait_first = 0.0
+        self.claim_sent = 0.0
 
     async def open(self) -> None:
         """Start listening for committed intents."""
@@ -118,6 +123,7 @@ class PollSource:
             self._wait_first = self.settings.poll_seconds
             return []
         try:
+            self.claim_sent = time.monotonic()
             with leases.reserving(quotas):  # the outcome writer's claim sees it taken
                 rows = await self.store.claim_many(
                     EFFECT_QUEUE,

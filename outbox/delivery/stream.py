@@ -130,6 +130,7 @@ class KafkaSource:
         self.kinds = list(kinds)
         self.settings = settings
         self.linger = settings.write_linger_seconds
+        self.claim_sent = 0.0
         #: Records whose effect was not claimed through them (finished, or claimed elsewhere).
         self.skipped = 0
         self.offsets: Offsets[TopicPartition] = Offsets()
@@ -251,6 +252,7 @@ class KafkaSource:
                 return []
         try:
             ids = list({read.effect_id: None for read in reads})
+            self.claim_sent = time.monotonic()
             claimed = await self.store.claim_dispatched(
                 ids,
                 owner=self.settings.owner,

@@ -15,7 +15,8 @@ from collections import Counter
 
 from sqlalchemy import text
 
-from outbox import Outbox
+from deliverers.testing import RecordingDeliverer
+from outbox import EffectStatus, Outbox
 from outbox.delivery import Deliverer, DelivererConfig, Delivery, NotApplied, Outcome, Succeeded
 from outbox.storage.engine import make_engine
 from tests.support import DaemonThread, wait_for
@@ -79,3 +80,16 @@ def test_a_claim_answered_after_its_lease_ran_out_is_not_called(ob: Outbox, dsn:
         wait_for(lambda: len(ob.effects(status="succeeded")) == 3, timeout=40)
     twice = {k: n for k, n in Counter(sink.applied).items() if n > 1}
     assert twice == {}, "a sink that cannot dedup charged once per effect"
+
+
+def test_an_idle_wait_before_a_claim_does_not_count_against_its_lease(ob: Outbox, dsn: str) -> None:
+    # the poll backoff (up to poll_seconds, here longer than a lease) comes before
+    # the claim: counted in, the attempt was given back unstarted, then redone
+    sink = RecordingDeliverer("k")
+    with DaemonThread(dsn, {"k": sink}, lease_seconds=1.0, poll_seconds=2.0):
+        time.sleep(2.5)  # idle: the backoff reaches its ceiling
+        with ob.transaction() as tx:  # due later: no NOTIFY wakes the claim when it is
+            tx.intend("k", {"n": 1}, delay_seconds=0.5, max_attempts=1)
+        wait_for(lambda: ob.effects()[0].status == EffectStatus.SUCCEEDED, timeout=30)
+    (effect,) = ob.effects()
+    assert [a.outcome for a in ob.store.attempts(effect.id)] == ["succeeded"]

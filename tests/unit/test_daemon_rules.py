@@ -414,6 +414,7 @@ class Greedy(PollSource):
     async def take(self, leases: Any) -> list[Any]:
         await asyncio.sleep(0.01)
         quotas = [({"kind": kind}, 2) for kind in leases.deliverers]
+        self.claim_sent = time.monotonic()
         rows = await self.store.claim_many(
             EFFECT_QUEUE,
             quotas,
