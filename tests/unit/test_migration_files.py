@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from outbox.storage.functions import definitions
-from outbox.storage.migrate import NO_TRANSACTION, Migration, shipped
+from outbox.storage.migrate import NO_TRANSACTION, Migration, one_by_one, shipped
 
 # Migrations from this one on run against tables that may be big in production.
 FIRST_ON_LIVE_TABLES = 4
@@ -69,3 +71,23 @@ def test_each_function_and_trigger_has_one_current_truth_file() -> None:
         seen[key] = definition.file
     assert ("function", "outbox_commit_step") in seen
     assert ("trigger", "outbox_attempts_chain") in seen
+
+
+@pytest.mark.parametrize(
+    ("script", "statements"),
+    [
+        ("SELECT E'a\\';b'; SELECT 2;", ["SELECT E'a\\';b';", " SELECT 2;"]),
+        ("SELECT 'it''s;'; SELECT 2", ["SELECT 'it''s;';", " SELECT 2"]),
+        ('SELECT "we;ird" FROM t;', ['SELECT "we;ird" FROM t;']),
+        ("SELECT a$b$c FROM t; SELECT 2;", ["SELECT a$b$c FROM t;", " SELECT 2;"]),
+        (
+            "CREATE FUNCTION f() RETURNS int AS $x$ SELECT 1; $y$; $x$ LANGUAGE sql;\n-- c;\n",
+            ["CREATE FUNCTION f() RETURNS int AS $x$ SELECT 1; $y$; $x$ LANGUAGE sql;"],
+        ),
+        ("SELECT 1; /* ; */ SELECT 2;", ["SELECT 1;", " /* ; */ SELECT 2;"]),
+    ],
+)
+def test_a_script_splits_at_the_semicolons_outside_quotes_and_comments(
+    script: str, statements: list[str]
+) -> None:
+    assert one_by_one(script) == statements
