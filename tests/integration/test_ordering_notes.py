@@ -18,6 +18,7 @@ import psycopg
 from deliverers.testing import RecordingDeliverer
 from outbox import Outbox
 from outbox.delivery import Delivery, Outcome, Retry, Succeeded, Unknown
+from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine
 from tests.support import DaemonThread, wait_for
@@ -73,6 +74,19 @@ def test_an_undeliverable_kind_holds_its_key_and_the_held_effects_say_so(
     with DaemonThread(dsn, both):
         wait_for(lambda: ob.effect(held.id).status.value == "succeeded", timeout=20)
     assert ob.effect(held.id).last_error is None
+
+
+def test_a_head_in_another_run_on_another_shard_is_named_too(ob: Outbox, dsn: str) -> None:
+    (head,) = intend(ob, ("crm.update", "acct-9"))
+    while True:  # a second run, on another logical shard than the first
+        (held,) = intend(ob, ("k.o", "acct-9"))
+        if shard_of(held.run_id) != shard_of(head.run_id):
+            break
+        ob.cancel(held.run_id, "same shard: try another")
+    with DaemonThread(dsn, {"k.o": RecordingDeliverer("k.o")}, **FAST_NOTES):
+        wait_for(lambda: note(ob, held), timeout=20, message="a note on the held effect")
+    found = note(ob, held)
+    assert found is not None and found["id"] == str(head.id)
 
 
 def test_an_unknown_effect_holds_its_key_until_an_operator_resolves_it(

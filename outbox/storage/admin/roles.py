@@ -38,7 +38,7 @@ compensation only as its original declared it (``outbox_is_declared_compensation
 a ``SECURITY DEFINER`` function owned by the table's owner). Triggers keep what
 an operator ended ended: only a session with EXECUTE on ``outbox_may_release()``
 reopens a failed, cancelled, rejected or compensated effect
-(``outbox_effects_ended_guard``), and no one brings an ended run back
+(``outbox_effects_hold_paused``), and no one brings an ended run back
 (``outbox_runs_ended_guard``). Applying the script
 again brings the roles to exactly these grants.
 """
@@ -379,7 +379,7 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
         f"     AND {of_live_run})\n"
         f"    OR (compensates IS NOT NULL AND {fn}(compensates, run_id, kind, payload))))"
     )
-    # (an UPDATE policy of 0035 before its release; outbox_effects_ended_guard does it)
+    # (an UPDATE policy of 0035 before its release; outbox_effects_hold_paused does it)
     out.append(f"DROP POLICY IF EXISTS outbox_ended_effects ON {effects}")
     return out
 

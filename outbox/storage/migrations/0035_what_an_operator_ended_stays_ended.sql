@@ -19,8 +19,12 @@ SELECT set_config('search_path', format('%I, pg_catalog, pg_temp', current_schem
 -- a step's update of the run (FOR NO KEY UPDATE) does not make it wait. And
 -- an effect held for approval leaves it only by an approval (a session with
 -- EXECUTE on outbox_may_release: the operator's, under `outbox roles`), a
--- rejection or a cancellation, never by a deliverer's hand-written UPDATE. One
--- trigger for both, so the claims and completions pay for one WHEN clause.
+-- rejection or a cancellation, never by a deliverer's hand-written UPDATE. And
+-- what an operator ended stays ended: a failed, cancelled, rejected or
+-- compensated effect changes status only in such a session (the operator's retry
+-- of a failed one), a succeeded one only to compensated, so a deliverer login
+-- cannot undo a decision nor walk a held effect out through rejected. One trigger
+-- for all, so the claims and completions pay for one WHEN clause.
 CREATE OR REPLACE FUNCTION outbox_effects_hold_paused() RETURNS trigger
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -28,6 +32,15 @@ DECLARE
     stopping boolean;
 BEGIN
     PERFORM outbox_citus_plans_per_call();  -- on a worker, its shard's statements
+    IF ((OLD.status IN ('failed', 'cancelled', 'rejected', 'compensated')
+         AND NEW.status <> OLD.status)
+        OR (OLD.status = 'succeeded' AND NEW.status NOT IN ('succeeded', 'compensated')))
+       AND NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
+        RAISE EXCEPTION 'permission denied: effect % is %; it cannot become % (only an '
+            'operator reopens one: a role with EXECUTE on outbox_may_release())',
+            OLD.id, OLD.status, NEW.status
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
     IF OLD.status = 'awaiting_approval'
        AND NEW.status NOT IN ('awaiting_approval', 'rejected', 'cancelled')
        AND NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
@@ -45,25 +58,6 @@ BEGIN
         ELSIF stopping AND NEW.compensates IS NULL THEN
             NEW.available_at := now() + interval '100 years';  -- finite: clients read it
         END IF;
-    END IF;
-    RETURN NEW;
-END
-$$;
-
--- What an operator ended stays ended: a failed, cancelled, rejected or compensated
--- effect changes status only in a session with EXECUTE on outbox_may_release (the
--- operator's, under `outbox roles`: its retry of a failed one), and a succeeded
--- one only to compensated. A deliverer login cannot undo an operator's decision,
--- nor walk an effect held for approval out through rejected or cancelled. The
--- WHEN clause keeps it off the claims and completions.
-CREATE OR REPLACE FUNCTION outbox_effects_refuse_reopen() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-BEGIN
-    IF NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
-        RAISE EXCEPTION 'permission denied: effect % is %; it cannot become % (only an '
-            'operator reopens one: a role with EXECUTE on outbox_may_release())',
-            OLD.id, OLD.status, NEW.status
-            USING ERRCODE = 'insufficient_privilege';
     END IF;
     RETURN NEW;
 END
@@ -346,13 +340,17 @@ BEGIN
 END
 $$;
 
-DROP TRIGGER IF EXISTS outbox_effects_ended_guard ON outbox_effects;
-CREATE TRIGGER outbox_effects_ended_guard
+DROP TRIGGER IF EXISTS outbox_effects_hold_paused ON outbox_effects;
+CREATE TRIGGER outbox_effects_hold_paused
     BEFORE UPDATE OF status ON outbox_effects FOR EACH ROW
-    WHEN ((OLD.status IN ('failed', 'cancelled', 'rejected', 'compensated')
-           AND NEW.status <> OLD.status)
+    WHEN ((NEW.status = 'pending' AND OLD.status <> 'pending' AND OLD.status <> 'paused'
+           AND NEW.run_id IS NOT NULL)
+          OR (OLD.status = 'awaiting_approval'
+              AND NEW.status NOT IN ('awaiting_approval', 'rejected', 'cancelled'))
+          OR (OLD.status IN ('failed', 'cancelled', 'rejected', 'compensated')
+              AND NEW.status <> OLD.status)
           OR (OLD.status = 'succeeded' AND NEW.status NOT IN ('succeeded', 'compensated')))
-    EXECUTE FUNCTION outbox_effects_refuse_reopen();
+    EXECUTE FUNCTION outbox_effects_hold_paused();
 
 DROP TRIGGER IF EXISTS outbox_runs_ended_guard ON outbox_runs;
 CREATE TRIGGER outbox_runs_ended_guard
