@@ -19,9 +19,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import text
 
-from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox, RunStatus
-from outbox.delivery import Delivery, Outcome, Retry, Succeeded
 from outbox.runs.control import pause_run
 from outbox.runs.stopping import cancel_run
 from outbox.shards import shard_of
@@ -29,6 +27,7 @@ from outbox.storage.async_store import AsyncStore, Completion
 from outbox.storage.engine import make_async_engine
 from outbox.storage.run_tx import RunTx
 from tests.integration.test_reconcile import lose_attempts
+from tests.integration.test_stopping_and_budgets import busy_run
 from tests.support import DaemonThread, wait_for
 
 Stop = Callable[[RunTx, uuid.UUID], RunStatus]
@@ -55,16 +54,7 @@ def test_a_retry_answer_while_the_stop_commits_is_held_not_sent_again(
     ob: Outbox, dsn: str, stop: str
 ) -> None:
     act, held_as = STOPS[stop]
-    run = ob.start_run("a", "1")
-    run.transaction("s", lambda tx: tx.intend("k.busy", {}) and None)
-    release = threading.Event()
-
-    def busy(delivery: Delivery) -> Outcome:
-        if release.wait(30) and delivery.attempt == 1:
-            return Retry("busy", after=0)
-        return Succeeded()
-
-    sink = RecordingDeliverer("k.busy", outcome=busy)
+    run, sink, release = busy_run(ob)
     (effect,) = ob.effects(run_id=run.id)
     with DaemonThread(dsn, {"k.busy": sink}, poll_seconds=0.05, reconcile_seconds=60):
         wait_for(lambda: len(sink.deliveries) == 1, message="the first attempt in flight")

@@ -217,11 +217,8 @@ def test_costly_effects_reserve_then_commit_or_release(ob: Outbox, dsn: str) -> 
     )
 
 
-def test_an_attempt_in_flight_at_the_cancel_that_asks_for_a_retry_is_not_sent_again(
-    ob: Outbox, dsn: str
-) -> None:
-    # The answer puts it back to pending at once (no delay), and claims do not look
-    # at runs: before the stopping sweep cancelled it, the daemon took it again.
+def busy_run(ob: Outbox) -> tuple[Run, RecordingDeliverer, threading.Event]:
+    """A run of one effect whose first attempt answers "retry now" once released."""
     run = ob.start_run("a", "1")
     run.transaction("s", lambda tx: tx.intend("k.busy", {}) and None)
     release = threading.Event()
@@ -231,7 +228,15 @@ def test_an_attempt_in_flight_at_the_cancel_that_asks_for_a_retry_is_not_sent_ag
             return Retry("busy", after=0)
         return Succeeded()
 
-    sink = RecordingDeliverer("k.busy", outcome=busy)
+    return run, RecordingDeliverer("k.busy", outcome=busy), release
+
+
+def test_an_attempt_in_flight_at_the_cancel_that_asks_for_a_retry_is_not_sent_again(
+    ob: Outbox, dsn: str
+) -> None:
+    # The answer puts it back to pending at once (no delay), and claims do not look
+    # at runs: before the stopping sweep cancelled it, the daemon took it again.
+    run, sink, release = busy_run(ob)
     # its duties (the stopping sweep among them) wait: the test sweeps by hand
     with DaemonThread(dsn, {"k.busy": sink}, poll_seconds=0.05, reconcile_seconds=60):
         wait_for(lambda: len(sink.deliveries) == 1, message="the first attempt in flight")
