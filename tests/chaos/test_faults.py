@@ -332,6 +332,10 @@ def test_a_daemon_whose_start_up_check_is_cut_without_a_word_tries_again(
         locker.close()  # PostgreSQL ended every backend, this one's too
 
         def accepting() -> bool:
+            # Only once the crash restart began: a connection made before it (the
+            # postmaster had not yet ended every backend) is closed under the test.
+            if "all server processes terminated" not in server.logfile.read_text(errors="replace"):
+                return False
             try:
                 with admin(dsn) as conn:
                     return conn.execute("SELECT true").fetchone() is not None

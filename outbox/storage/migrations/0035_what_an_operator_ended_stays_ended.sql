@@ -25,6 +25,18 @@ SELECT set_config('search_path', format('%I, pg_catalog, pg_temp', current_schem
 -- of a failed one), a succeeded one only to compensated, so a deliverer login
 -- cannot undo a decision nor walk a held effect out through rejected. One trigger
 -- for all, so the claims and completions pay for one WHEN clause.
+-- Whether a run holds its effects (paused, or stopping), its row read FOR KEY
+-- SHARE (see below). As the tables' owner: a row lock asks UPDATE on the table,
+-- which a login that may move an effect back to pending need not have.
+CREATE OR REPLACE FUNCTION outbox_run_holds(
+    p_run uuid, p_shard smallint, OUT paused boolean, OUT stopping boolean
+)
+    LANGUAGE sql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+SELECT r.paused_at IS NOT NULL, r.status IN ('cancelling', 'compensating')
+  FROM outbox_runs AS r WHERE r.id = p_run AND r.shard = p_shard
+   FOR KEY SHARE
+$$;
+
 CREATE OR REPLACE FUNCTION outbox_effects_hold_paused() RETURNS trigger
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -49,10 +61,8 @@ BEGIN
             USING ERRCODE = 'insufficient_privilege';
     END IF;
     IF NEW.status = 'pending' AND NEW.run_id IS NOT NULL THEN
-        SELECT r.paused_at IS NOT NULL, r.status IN ('cancelling', 'compensating')
-          INTO paused, stopping
-          FROM outbox_runs AS r WHERE r.id = NEW.run_id AND r.shard = NEW.shard
-           FOR KEY SHARE;
+        SELECT h.paused, h.stopping INTO paused, stopping
+          FROM outbox_run_holds(NEW.run_id, NEW.shard) AS h;
         IF paused THEN
             NEW.status := 'paused';
         ELSIF stopping AND NEW.compensates IS NULL THEN
