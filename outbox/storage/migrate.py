@@ -119,18 +119,15 @@ class Migration:
         return not any(line.strip() == NO_TRANSACTION for line in self.sql.splitlines())
 
     def statements(self) -> list[str]:
-        """The statements of a no-transaction file, one by one (comments dropped)."""
-        found, current = [], []
-        for line in self.sql.splitlines():
-            if line.strip().startswith("--") or not line.strip():
-                continue
-            current.append(line)
-            if line.rstrip().endswith(";"):
-                found.append("\n".join(current))
-                current = []
-        if current:
-            found.append("\n".join(current))
-        return found
+        """The statements of a no-transaction file, one by one (comment lines dropped)."""
+        return [
+            "\n".join(
+                line
+                for line in statement.splitlines()
+                if line.strip() and not line.strip().startswith("--")
+            )
+            for statement in one_by_one(self.sql)
+        ]
 
 
 def shipped() -> list[Migration]:

@@ -58,19 +58,23 @@ def _catalog(engine: Engine) -> dict[str, list[Any]]:
         return {name: [tuple(r) for r in conn.execute(text(q))] for name, q in CATALOG.items()}
 
 
-def test_migrated_database_equals_one_created_from_the_models(empty_dsn: str, dsn: str) -> None:
-    fresh = make_engine(empty_dsn)
-    migrated = make_engine(dsn)
+def _assert_same_catalog(one: Engine, other: Engine) -> None:
+    """Every part of the two databases' catalogs is equal (both engines disposed)."""
     try:
-        metadata.create_all(
-            fresh, tables=[t for t in metadata.sorted_tables if t.name != "outbox_migrations"]
-        )
-        a, b = _catalog(fresh), _catalog(migrated)
+        a, b = _catalog(one), _catalog(other)
         for part in CATALOG:
             assert a[part] == b[part], part
     finally:
-        fresh.dispose()
-        migrated.dispose()
+        one.dispose()
+        other.dispose()
+
+
+def test_migrated_database_equals_one_created_from_the_models(empty_dsn: str, dsn: str) -> None:
+    fresh = make_engine(empty_dsn)
+    metadata.create_all(
+        fresh, tables=[t for t in metadata.sorted_tables if t.name != "outbox_migrations"]
+    )
+    _assert_same_catalog(fresh, make_engine(dsn))
 
 
 def test_every_migration_sent_a_statement_at_a_time_builds_the_same_database(
@@ -86,14 +90,7 @@ def test_every_migration_sent_a_statement_at_a_time_builds_the_same_database(
             else:
                 for statement in migration.statements():
                     conn.execute(statement.encode())
-    split, whole = make_engine(empty_dsn), make_engine(dsn)
-    try:
-        a, b = _catalog(split), _catalog(whole)
-        for part in CATALOG:
-            assert a[part] == b[part], part
-    finally:
-        split.dispose()
-        whole.dispose()
+    _assert_same_catalog(make_engine(empty_dsn), make_engine(dsn))
 
 
 def test_migrate_is_idempotent(empty_dsn: str) -> None:

@@ -26,6 +26,7 @@ from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore, Completion
 from outbox.storage.engine import make_async_engine
 from outbox.storage.run_tx import RunTx
+from tests.integration.test_cancel_in_doubt import swept_until
 from tests.integration.test_reconcile import lose_attempts
 from tests.integration.test_stopping_and_budgets import busy_run
 from tests.support import DaemonThread, wait_for
@@ -77,13 +78,7 @@ def test_a_retry_answer_while_the_stop_commits_is_held_not_sent_again(
         assert due is not None and due > datetime.now(UTC) + timedelta(days=365), "never due"
     if stop == "cancel":
         # held pending, never due: the stopping sweep cancels it
-        wait_for(
-            lambda: (
-                ob.advance_stopping_runs() is not None
-                and ob.run(run.id).status == RunStatus.CANCELLED
-            ),
-            timeout=20,
-        )
+        swept_until(ob, run, RunStatus.CANCELLED)
         (effect,) = ob.effects(run_id=run.id)
         assert effect.status == EffectStatus.CANCELLED
         assert len(sink.deliveries) == 1

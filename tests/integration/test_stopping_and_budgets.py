@@ -24,6 +24,7 @@ from outbox import (
 )
 from outbox.delivery import Delivery, Failed, Outcome, Retry, Succeeded
 from outbox.storage.schema import budget_ledger
+from tests.integration.test_cancel_in_doubt import swept_until
 from tests.support import DaemonThread, wait_for
 
 
@@ -246,12 +247,6 @@ def test_an_attempt_in_flight_at_the_cancel_that_asks_for_a_retry_is_not_sent_ag
         wait_for(lambda: "retry" in [a.outcome for a in ob.store.attempts(effect.id)])
         time.sleep(0.5)  # the daemon's chance to take it again, before any sweep
         assert len(sink.deliveries) == 1, "not delivered again after the cancel"
-        wait_for(
-            lambda: (
-                ob.advance_stopping_runs() is not None
-                and ob.run(run.id).status == RunStatus.CANCELLED
-            ),
-            timeout=20,
-        )
+        swept_until(ob, run, RunStatus.CANCELLED)
     (effect,) = ob.effects(run_id=run.id)
     assert effect.status == EffectStatus.CANCELLED
