@@ -40,6 +40,7 @@ __all__ = [
     "is_citus",
     "is_distributed",
     "place_gates_views",
+    "propagate_functions",
 ]
 
 #: Distributed by ``shard``, co-located with the first.
@@ -58,7 +59,14 @@ COLOCATED = (
 #: A copy on every node: read by the statements that write and claim.
 REFERENCE = ("outbox_gates", "outbox_rate_limits")
 #: Functions whose call goes to the node holding the shard named by an argument.
-DELEGATED = {"outbox_write_step": "$1"}
+#: (The step writers: each writes one shard's rows as the tables' owner, so run on
+#: the node holding it, in the caller's session there; see chain_writes.sql.)
+DELEGATED = {
+    "outbox_write_step": "$1",
+    "outbox_complete_wait": "$1",
+    "outbox_take_signal": "$1",
+    "outbox_chain_fork": "$1",
+}
 #: Set for the database on every node, so every session of every client has them.
 DATABASE_SETTINGS = (
     # the write functions read it on every node (outbox_distributed)
@@ -220,7 +228,7 @@ def distribute(engine: Engine) -> Distribution:
                     conn.execute(ddl)
         except psycopg.Error as exc:
             raise MigrationError(f"distributing the schema failed: {exc}") from exc
-        done.propagated, done.delegated = _functions(conn)
+        done.propagated, done.delegated = propagate_functions(conn)
         place_gates_views(conn)
         apply_database_settings(conn)
         return done
@@ -244,18 +252,26 @@ def apply_database_settings(conn: psycopg.Connection[Any]) -> None:
         )
 
 
-def _functions(conn: psycopg.Connection[Any]) -> tuple[int, list[str]]:
-    """Propagate every function to every node; delegate the write functions."""
+def propagate_functions(conn: psycopg.Connection[Any]) -> tuple[int, list[str]]:
+    """Propagate every function to every node; delegate the write functions (``DELEGATED``).
+
+    Idempotent: ``outbox migrate`` runs it again after migrations on a distributed
+    database, so a function a migration adds or re-creates with new arguments is
+    delegated too. Returns how many were propagated and the delegated signatures.
+    """
     rows = conn.execute(
         "SELECT p.oid::regprocedure::text, p.proname,"
         "       EXISTS (SELECT 1 FROM pg_dist_object d"
-        "                WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid)"
+        "                WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid),"
+        "       p.proargtypes[0] = 'smallint'::regtype"
         "  FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace"
         "   AND p.proname LIKE 'outbox\\_%%'"
     ).fetchall()
     propagated, delegated = 0, []
-    for signature, name, known in rows:
-        if name in DELEGATED:
+    for signature, name, known, by_shard in rows:
+        # (a schema from before 0036 has chain writers that do not take the shard first:
+        # each is delegated once `outbox migrate` brings the one that does)
+        if name in DELEGATED and by_shard:
             conn.execute(
                 "SELECT create_distributed_function(%s, %s, colocate_with => %s,"
                 " force_delegation => true)",

@@ -331,6 +331,8 @@ def migrate(
                 _apply(pg, migration, distributed=distributed)
                 applied.append(migration)
             if distributed:
+                if pending:
+                    citus.propagate_functions(pg)
                 citus.place_gates_views(pg)
                 citus.apply_database_settings(pg)
         finally:

@@ -178,6 +178,7 @@ class RunTx:
         row = self._run(
             run_sql.complete_wait_step(),
             {
+                "w_shard": shard_of(run_id),
                 "w_run": run_id,
                 "w_step": step_id,
                 "wait_result": None if result is None else json.dumps(result),
@@ -193,7 +194,8 @@ class RunTx:
         stored (a large one by reference).
         """
         row = self._run(
-            run_sql.consume_signal(), {"w_run": run_id, "w_step": step_id, "s_name": name}
+            run_sql.consume_signal(),
+            {"w_shard": shard_of(run_id), "w_run": run_id, "w_step": step_id, "s_name": name},
         ).one()
         if not row.taken:
             return None
@@ -469,6 +471,10 @@ class RunTx:
         self._run(control.fork_run(), params).one()
         self.connection.execute(notify(RUNS_CHANNEL))
         self._run(control.fork_steps(), params)
-        self._run(control.fork_chain(), {"original": original, "fork": fork})
         self._run(control.fork_ledger(), params)
+        # the blobs first: the chain's writer reads the fork's own shard only
         self._run(blob_sql.copy_refs(), {"from_owner": original, "to_owner": fork})
+        chained = list(self._run(control.fork_chained(), params).scalars())
+        self._run(
+            control.fork_chain(), {"fork_shard": shard_of(fork), "fork": fork, "chained": chained}
+        )

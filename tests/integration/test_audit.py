@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from outbox.cli import cli as outbox_cli
 from outbox.cli.audit import OUTSIDE_RUNS
 from outbox.governance.chain import verify_record
 from outbox.governance.gates import Gate
+from outbox.shards import SHARDS, on_shard, shard_of
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.attempts import Completion
 from outbox.storage.engine import make_async_engine
@@ -408,3 +410,36 @@ def test_a_completion_links_its_attempts_itself_and_a_stale_report_chains_after(
     assert [o for (o,) in outcomes] == ["succeeded", "stale"], "the stale report chains after"
     assert chained == 2, "the trigger chained the stale report and the repeat alone"
     assert ob.verify_run(run.id) == []
+
+
+def test_a_large_signal_a_wait_took_verifies_in_the_run_its_fork_and_the_export(
+    ob: Outbox, sub_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The client stores a large signal's payload as canonical JSON; the wait that
+    takes it links that text, so verify, a fork's and the exported record's script
+    agree (they reported 'result_value_text differs' on an untouched run)."""
+    run = ob.start_run("audit-signal", "1")
+    ob.signal(run.id, "approve", {"by": "ops", "big": "x" * 20_000, "n": 1.5})
+    assert run.wait_signal("ok", name="approve")["by"] == "ops"
+    run.call("notify", lambda: {"sent": True})
+    stored = ob.engine.connect().exec_driver_sql(
+        "SELECT result::text FROM outbox_steps WHERE step_id = 'ok' AND run_id = %(r)s",
+        {"r": run.id},
+    )
+    assert "__outbox_blob__" in stored.scalar_one(), "stored by reference"
+    assert ob.verify_run(run.id) == []
+    for shard in (shard_of(run.id), (shard_of(run.id) + 1) % SHARDS):
+        fork = ob.fork(run.id, "notify", fork_id=on_shard(uuid.uuid4(), shard))
+        assert ob.verify_run(fork.id) == []
+    key, out = tmp_path / "audit.key", tmp_path / "run.json"
+    made = cli(sub_env, "audit", "keygen", "--out", str(key))
+    assert made.returncode == 0, made.stderr
+    exported = cli(sub_env, "audit", "export", str(run.id), "--key", str(key), "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    checked = subprocess.run(
+        [sys.executable, str(independent_script(tmp_path)), str(out), made.stdout.strip()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

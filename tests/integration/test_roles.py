@@ -25,8 +25,10 @@ from sqlalchemy.engine import make_url
 from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import DatabaseError, EffectTimeout, Outbox, Run, RunStatus
 from outbox.cli import cli
-from outbox.storage.admin.roles import ROLES
-from outbox.storage.engine import libpq_dsn, translate_errors
+from outbox.shards import SHARDS, shard_of
+from outbox.storage.admin.roles import ROLES, STEP_WRITERS
+from outbox.storage.engine import libpq_dsn, make_engine, translate_errors
+from outbox.storage.migrate import migrate
 from tests.support import WorkerThread, wait_for
 
 PASSWORD = "a-test-password"
@@ -483,7 +485,8 @@ def test_a_signal_is_consumed_only_by_a_wait_of_the_run_it_was_sent_to(
     for run_id in (mine.id, theirs.id):
         with psycopg.connect(libpq_dsn(agent)) as conn, pytest.raises(psycopg.Error) as caught:
             conn.execute(
-                "SELECT * FROM outbox_take_signal(%(run)s, 'w', 'approve')", {"run": run_id}
+                "SELECT * FROM outbox_take_signal(outbox_shard_of(%(r)s), %(r)s, 'w', 'approve')",
+                {"r": run_id},
             )
         assert caught.value.sqlstate in ("OB001", "OB006"), caught.value
     with Outbox.connect(agent) as agent_ob:
@@ -493,7 +496,9 @@ def test_a_signal_is_consumed_only_by_a_wait_of_the_run_it_was_sent_to(
             translate_errors("taking a signal"),
         ):
             conn.execute(
-                text("SELECT * FROM outbox_take_signal(:run, 'w', 'approve')"),
+                text(
+                    "SELECT * FROM outbox_take_signal(outbox_shard_of(:run), :run, 'w', 'approve')"
+                ),
                 {"run": theirs.id},
             )
         # the run it was sent to gets it, recorded by its wait step (chained)
@@ -537,14 +542,28 @@ def test_the_hash_chain_is_written_only_by_the_step_writers(
         " SELECT gen_random_uuid(), 0, 'x', '1', 'h', '\\x00' WHERE false",
     ):
         refused_as(agent, sql, {"run": run.id}, "permission denied")
-    # relinking a chained run through the fork's writer changes nothing
-    with psycopg.connect(libpq_dsn(agent)) as conn:
-        conn.execute("SELECT outbox_chain_fork(%(run)s, %(run)s)", {"run": run.id})
-        conn.commit()
-    after = ob.engine.connect().execute(
-        text("SELECT step_head FROM outbox_runs WHERE id = :run"), {"run": run.id}
+    # the fork's writer refuses a run that is not a fork, and relinks no fork
+    refused_as(
+        agent,
+        "SELECT outbox_chain_fork(outbox_shard_of(%(run)s), %(run)s, ARRAY['a', 'nap'])",
+        {"run": run.id},
+        "is not a fork",
     )
-    assert after.scalar_one() == before and ob.verify_run(run.id) == []
+    heads = text("SELECT id, step_head FROM outbox_runs WHERE id IN (:run, :fork)")
+    chained: dict[Any, Any] = dict(
+        ob.engine.connect().execute(heads, {"run": run.id, "fork": fork.id}).all()
+    )
+    with psycopg.connect(libpq_dsn(agent)) as conn:
+        conn.execute(
+            "SELECT outbox_chain_fork(outbox_shard_of(%(run)s), %(run)s, ARRAY['a', 'nap'])",
+            {"run": fork.id},
+        )
+        conn.commit()
+    after: dict[Any, Any] = dict(
+        ob.engine.connect().execute(heads, {"run": run.id, "fork": fork.id}).all()
+    )
+    assert after == chained and after[run.id] == before
+    assert ob.verify_run(run.id) == [] and ob.verify_run(fork.id) == []
     # the writers run as the tables' owner: only a login that may record steps calls them
     for role in ("deliverer", "operator", "reader"):
         refused_as(
@@ -555,7 +574,7 @@ def test_the_hash_chain_is_written_only_by_the_step_writers(
         )
         refused_as(
             logins[role],
-            "SELECT * FROM outbox_complete_wait(%(run)s, 'nap')",
+            "SELECT * FROM outbox_complete_wait(outbox_shard_of(%(run)s), %(run)s, 'nap')",
             {"run": run.id},
             "permission denied",
         )
@@ -803,3 +822,51 @@ def test_every_update_grant_of_every_role_is_a_legitimate_transition_or_refused(
             else:
                 words = expected.removeprefix("refused: ")
                 assert got.startswith("refused") and words in got, (key, column, got)
+
+
+def test_an_upgrade_keeps_who_may_call_the_chain_writers(empty_dsn: str) -> None:
+    """0036 gave the chain writers new argument lists (their run's shard first): the
+    new ones are callable by whom the old ones were (after `outbox roles`: the agent
+    role alone), not by PUBLIC."""
+    engine = make_engine(empty_dsn)
+    writers = [w for w in STEP_WRITERS if not w.startswith("outbox_write_step")]
+    agent, other = (f"t_{who}_{uuid.uuid4().hex[:8]}" for who in ("agent", "other"))
+    may = text(
+        "SELECT r, has_function_privilege(r, s, 'EXECUTE')"
+        " FROM unnest(CAST(:sigs AS text[])) AS s, unnest(CAST(:roles AS text[])) AS r"
+    )
+    try:
+        migrate(engine, target=35)
+        # what `outbox roles` of 0035 did to them (this code's refuses that schema)
+        old = "outbox_complete_wait(uuid, text, jsonb, jsonb), outbox_take_signal(uuid, text,"
+        old += " text), outbox_chain_fork(uuid, uuid)"
+        with engine.begin() as conn:
+            for role in (agent, other):
+                conn.execute(text(f"CREATE ROLE {role}"))
+            conn.execute(text(f"REVOKE ALL ON FUNCTION {old} FROM PUBLIC"))
+            conn.execute(text(f"GRANT EXECUTE ON FUNCTION {old} TO {agent}"))
+        migrate(engine)
+        with engine.connect() as conn:
+            granted = conn.execute(may, {"sigs": writers, "roles": [agent, other]}).all()
+        assert len(granted) == 6
+        assert set(granted) == {(agent, True), (other, False)}
+    finally:
+        with engine.begin() as conn:
+            for role in (agent, other):
+                conn.execute(text(f"DROP OWNED BY {role}"))
+                conn.execute(text(f"DROP ROLE {role}"))
+        engine.dispose()
+
+
+def test_a_chain_writer_given_another_runs_shard_is_refused(
+    ob: Outbox, logins: dict[str, str]
+) -> None:
+    with Outbox.connect(logins["agent"]) as agent:
+        run = agent.start_run("billing", "1")
+    wrong = (shard_of(run.id) + 1) % SHARDS
+    for sql in (
+        "SELECT * FROM outbox_complete_wait(%(s)s::smallint, %(run)s, 'nap')",
+        "SELECT * FROM outbox_take_signal(%(s)s::smallint, %(run)s, 'nap', 'go')",
+        "SELECT outbox_chain_fork(%(s)s::smallint, %(run)s, ARRAY['nap'])",
+    ):
+        refused_as(logins["agent"], sql, {"s": wrong, "run": run.id}, "is not the shard of run")

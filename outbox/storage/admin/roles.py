@@ -146,9 +146,9 @@ def _insert_except(table: str, *excluded: str) -> str:
 STEP_WRITERS = (
     "outbox_write_step(smallint, uuid, text, jsonb, jsonb, jsonb, jsonb, text, jsonb, text,"
     " integer, boolean)",
-    "outbox_complete_wait(uuid, text, jsonb, jsonb)",
-    "outbox_take_signal(uuid, text, text)",
-    "outbox_chain_fork(uuid, uuid)",
+    "outbox_complete_wait(smallint, uuid, text, jsonb, jsonb)",
+    "outbox_take_signal(smallint, uuid, text, text)",
+    "outbox_chain_fork(smallint, uuid, text[])",
 )
 
 

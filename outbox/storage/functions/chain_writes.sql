@@ -7,12 +7,21 @@
 -- schema was loaded with (the outbox schema, pg_catalog, then pg_temp: a
 -- caller's temporary table cannot stand in for an outbox table). `outbox roles`
 -- grants EXECUTE on them to the agent role only.
+--
+-- Each takes the shard of the run it writes first, and touches that shard only:
+-- on Citus it is delegated to the node holding the shard (outbox/storage/citus.py,
+-- DELEGATED), so it runs there, as the owner, in the caller's own session to that
+-- node. Run from the coordinator instead, it would reach the shard through a
+-- session of the owner's beside the caller's, and Citus refuses a transaction
+-- that touches a shard's rows as two users (an agent login's sleep, signal wait
+-- and fork failed so).
 
 -- A wait step of run p_run_id (outbox.runs.waits) is over: record its result or
 -- error and join it to the run's hash chain (a waiting step is not in it yet).
--- Refused: a step recorded before (OB006), a step that is not a waiting one of
--- this run (OB001).
+-- p_shard is the run's (outbox_shard_of). Refused: a step recorded before (OB006),
+-- a step that is not a waiting one of this run (OB001), another shard (OB001).
 CREATE OR REPLACE FUNCTION outbox_complete_wait(
+    p_shard smallint,
     p_run_id uuid,
     p_step_id text,
     p_result jsonb DEFAULT NULL,
@@ -22,7 +31,6 @@ CREATE OR REPLACE FUNCTION outbox_complete_wait(
 )
     LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
-    p_shard smallint := outbox_shard_of(p_run_id);
     v_now timestamptz := now();
     v_kind text;
     v_status text;
@@ -31,6 +39,7 @@ BEGIN
     IF NOT has_any_column_privilege(session_user, 'outbox_steps', 'INSERT') THEN
         PERFORM outbox_raise_not_step_writer();
     END IF;
+    PERFORM outbox_shard_given(p_shard, p_run_id);
     SELECT s.kind, s.status INTO v_kind, v_status FROM outbox_steps AS s
      WHERE s.run_id = p_run_id AND s.shard = p_shard AND s.step_id = p_step_id FOR UPDATE;
     IF v_status = 'completed' THEN
@@ -43,8 +52,8 @@ BEGIN
        SET current_step = p_step_id,
            step_head = outbox_step_link(
                coalesce(r.step_head, outbox_run_genesis(r.id, r.agent, r.inputs_hash)),
-               r.id, p_step_id, v_kind, outbox_resolve(p_result)::text,
-               outbox_resolve(p_error)::text, NULL, NULL, v_now, '')
+               r.id, p_step_id, v_kind, outbox_value_text(p_result, p_shard),
+               outbox_value_text(p_error, p_shard), NULL, NULL, v_now, '')
      WHERE r.id = p_run_id AND r.shard = p_shard
     RETURNING r.step_head INTO head;
     UPDATE outbox_steps AS s
@@ -61,8 +70,10 @@ $$;
 -- consumed only by a wait of the run it was sent to that records it; no login can
 -- mark one consumed without the run getting it. taken is false (and nothing
 -- changes) when no such signal is there. Refused (OB001): a step that is not
--- this run's wait for p_name; a step recorded before (OB006).
+-- this run's wait for p_name, or another shard than the run's; a step recorded
+-- before (OB006).
 CREATE OR REPLACE FUNCTION outbox_take_signal(
+    p_shard smallint,
     p_run_id uuid,
     p_step_id text,
     p_name text,
@@ -73,12 +84,12 @@ CREATE OR REPLACE FUNCTION outbox_take_signal(
 )
     LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
-    p_shard smallint := outbox_shard_of(p_run_id);
     v_status text;
 BEGIN
     IF NOT has_any_column_privilege(session_user, 'outbox_steps', 'INSERT') THEN
         PERFORM outbox_raise_not_step_writer();
     END IF;
+    PERFORM outbox_shard_given(p_shard, p_run_id);
     SELECT s.status INTO v_status FROM outbox_steps AS s
      WHERE s.run_id = p_run_id AND s.shard = p_shard AND s.step_id = p_step_id
        AND s.kind = 'signal' AND s.result->>'signal' = p_name FOR UPDATE;
@@ -100,64 +111,79 @@ BEGIN
     taken := FOUND;
     IF taken THEN
         SELECT w.step_seq, w.completed_at INTO step_seq, completed_at
-          FROM outbox_complete_wait(p_run_id, p_step_id, payload, NULL) AS w;
+          FROM outbox_complete_wait(p_shard, p_run_id, p_step_id, payload, NULL) AS w;
     END IF;
 END
 $$;
 
 -- Chain a fork's copied steps from the fork's own genesis and set its step_head
 -- (outbox.storage.sql.control.fork_chain; a link covers the run's id, so a copied
--- step's hash cannot be copied). Only a run with no chain yet (step_head NULL)
--- and only its unlinked steps: called on any other run it changes nothing, so it
--- cannot relink a recorded history. A loop of statements, each filtered by its
--- run's shard: Citus refuses a recursive query without a distribution column
--- filter (and a fork given its own id may be on another shard than its original).
-CREATE OR REPLACE FUNCTION outbox_chain_fork(p_original uuid, p_fork uuid) RETURNS void
+-- step's hash cannot be copied). p_chained names the steps its original had
+-- chained (the caller reads them: the original may be on another shard, which a
+-- delegated call cannot reach), and the fork's blobs are on its own shard by
+-- now. Only a fork (forked_from set; another run is refused, OB001) with no
+-- chain yet (step_head NULL), and only its unlinked completed steps: called on a
+-- fork chained before it changes nothing, so it cannot relink a recorded
+-- history; a step named in p_chained that the original had not chained is linked
+-- as the agent wrote it, as any step an agent records is.
+CREATE OR REPLACE FUNCTION outbox_chain_fork(p_shard smallint, p_fork uuid, p_chained text[])
+    RETURNS void
     LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
     head bytea;
     chained_already bytea;
-    chained text[];
+    original uuid;
     copied record;
     linked boolean := false;
 BEGIN
     IF NOT has_any_column_privilege(session_user, 'outbox_steps', 'INSERT') THEN
         PERFORM outbox_raise_not_step_writer();
     END IF;
-    SELECT outbox_run_genesis(r.id, r.agent, r.inputs_hash), r.step_head
-      INTO head, chained_already
-      FROM outbox_runs AS r WHERE r.id = p_fork AND r.shard = outbox_shard_of(p_fork);
+    PERFORM outbox_shard_given(p_shard, p_fork);
+    SELECT outbox_run_genesis(r.id, r.agent, r.inputs_hash), r.step_head, r.forked_from
+      INTO head, chained_already, original
+      FROM outbox_runs AS r WHERE r.id = p_fork AND r.shard = p_shard;
     IF NOT FOUND THEN
         -- the caller has just written it: a fork it cannot see would stay unchained
-        RAISE EXCEPTION 'outbox_chain_fork: run % is not there to chain', p_fork
+        RAISE EXCEPTION 'outbox_chain_fork: fork % is not there to chain', p_fork
             USING ERRCODE = 'no_data_found';
+    ELSIF original IS NULL THEN
+        PERFORM outbox_refuse('OB001', 'fork', p_fork::text, 'is not a fork');
     ELSIF chained_already IS NOT NULL THEN
         RETURN;
     END IF;
-    SELECT array_agg(o.step_id) INTO chained
-      FROM outbox_steps AS o
-     WHERE o.run_id = p_original AND o.shard = outbox_shard_of(p_original)
-       AND o.hash IS NOT NULL;
     FOR copied IN
         SELECT f.seq, f.step_id, f.kind, f.result, f.error, f.state, f.plan, f.completed_at
           FROM outbox_steps AS f
-         WHERE f.run_id = p_fork AND f.shard = outbox_shard_of(p_fork)
-           AND f.hash IS NULL AND f.status = 'completed' AND f.step_id = ANY (chained)
+         WHERE f.run_id = p_fork AND f.shard = p_shard
+           AND f.hash IS NULL AND f.status = 'completed' AND f.step_id = ANY (p_chained)
          ORDER BY f.seq
     LOOP
         head := outbox_step_link(head, p_fork, copied.step_id, copied.kind,
-                                 outbox_resolve(copied.result)::text,
-                                 outbox_resolve(copied.error)::text,
-                                 outbox_resolve(copied.state)::text,
-                                 outbox_resolve(copied.plan)::text, copied.completed_at, '');
+                                 outbox_value_text(copied.result, p_shard),
+                                 outbox_value_text(copied.error, p_shard),
+                                 outbox_value_text(copied.state, p_shard),
+                                 outbox_value_text(copied.plan, p_shard),
+                                 copied.completed_at, '');
         UPDATE outbox_steps SET hash = head
-         WHERE run_id = p_fork AND shard = outbox_shard_of(p_fork) AND seq = copied.seq
-           AND hash IS NULL;
+         WHERE run_id = p_fork AND shard = p_shard AND seq = copied.seq AND hash IS NULL;
         linked := true;
     END LOOP;
     IF linked THEN
         UPDATE outbox_runs SET step_head = head
-         WHERE id = p_fork AND shard = outbox_shard_of(p_fork) AND step_head IS NULL;
+         WHERE id = p_fork AND shard = p_shard AND step_head IS NULL;
+    END IF;
+END
+$$;
+
+-- p_shard is p_run_id's shard, or OB001 naming it: a writer given another run's
+-- shard would find nothing, or, delegated on Citus, reach the wrong node.
+CREATE OR REPLACE FUNCTION outbox_shard_given(p_shard smallint, p_run_id uuid) RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_shard IS DISTINCT FROM outbox_shard_of(p_run_id) THEN
+        PERFORM outbox_refuse('OB001', 'shard', p_shard::text,
+                              format('is not the shard of run %s', p_run_id));
     END IF;
 END
 $$;

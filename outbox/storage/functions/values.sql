@@ -39,25 +39,51 @@ SELECT CASE WHEN jsonb_typeof(value) IS DISTINCT FROM 'object' THEN NULL
 $$;
 
 -- A value as read from a row of shard (its owner's), with a reference replaced by
--- the value it names. (Without a shard: any shard's copy, on one server.)
--- The text read is hashed first, as outbox.storage.blob_store.fetch does: one that
--- is not its sha256's (edited after it was written) is refused with OB012 naming
--- it, never returned as a step's result, a run's state or a payload.
+-- the value it names (outbox_stored_text). (Without a shard: any shard's copy, on
+-- one server.)
 CREATE OR REPLACE FUNCTION outbox_resolve(value jsonb, shard smallint DEFAULT NULL) RETURNS jsonb
     LANGUAGE plpgsql STABLE AS $$
 DECLARE
-    sha text;
-    stored text;
+    sha text := outbox_reference_sha(value);
 BEGIN
-    sha := outbox_reference_sha(value);
     IF sha IS NULL THEN
         RETURN value;
     END IF;
-    IF outbox_resolve.shard IS NULL THEN
+    RETURN outbox_stored_text(sha, shard)::jsonb;
+END
+$$;
+
+-- The text a chain link hashes for a value: the value's own (value::text), or for
+-- a reference the stored value's text as outbox_blobs holds it, whose sha256 the
+-- reference names. (Not its jsonb rendering: a value the client stored holds its
+-- canonical JSON, and `outbox audit verify`, the exported record's script too,
+-- checks that the text a link hashed is the one the reference names.)
+CREATE OR REPLACE FUNCTION outbox_value_text(value jsonb, shard smallint) RETURNS text
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    sha text := outbox_reference_sha(value);
+BEGIN
+    IF sha IS NULL THEN
+        RETURN value::text;
+    END IF;
+    RETURN outbox_stored_text(sha, shard);
+END
+$$;
+
+-- The text of the value stored as sha on shard (NULL: any shard's copy). The text
+-- read is hashed first, as outbox.storage.blob_store.fetch does: one that is not
+-- its sha256's (edited after it was written) is refused with OB012 naming it,
+-- never returned as a step's result, a run's state or a payload.
+CREATE OR REPLACE FUNCTION outbox_stored_text(sha text, shard smallint) RETURNS text
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    stored text;
+BEGIN
+    IF outbox_stored_text.shard IS NULL THEN
         SELECT b.data INTO stored FROM outbox_blobs AS b WHERE b.sha256 = sha LIMIT 1;
     ELSE
         SELECT b.data INTO stored FROM outbox_blobs AS b
-         WHERE b.sha256 = sha AND b.shard = outbox_resolve.shard;
+         WHERE b.sha256 = sha AND b.shard = outbox_stored_text.shard;
     END IF;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'stored value sha256=% is missing from outbox_blobs', sha;
@@ -68,27 +94,6 @@ BEGIN
                    '(altered after it was written): refused', sha),
             jsonb_build_object('sha256', sha));
     END IF;
-    RETURN stored::jsonb;
-END
-$$;
-
--- outbox_resolve without the hash check, for `outbox audit verify` alone: the
--- audit hashes every referenced blob itself and reports an altered one as a break
--- naming it (outbox.chain), where a raised error would stop the whole report.
--- Nothing else may read through it: what it returns is not vouched for.
-CREATE OR REPLACE FUNCTION outbox_resolve_unchecked(value jsonb) RETURNS jsonb
-    LANGUAGE plpgsql STABLE AS $$
-DECLARE
-    sha text := outbox_reference_sha(value);
-    stored text;
-BEGIN
-    IF sha IS NULL THEN
-        RETURN value;
-    END IF;
-    SELECT b.data INTO stored FROM outbox_blobs AS b WHERE b.sha256 = sha LIMIT 1;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'stored value sha256=% is missing from outbox_blobs', sha;
-    END IF;
-    RETURN stored::jsonb;
+    RETURN stored;
 END
 $$;

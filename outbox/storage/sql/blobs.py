@@ -52,9 +52,11 @@ def put_blob() -> Any:
         bytes=bindparam("size", type_=BigInteger),
         data=bindparam("data", type_=Text),
         shard=bindparam("shard", type_=SmallInteger),
+        used_at=func.now(),
     )
+    # the row's own now(): Citus refuses a function in DO UPDATE SET that is not IMMUTABLE
     return ins.on_conflict_do_update(
-        index_elements=[blobs.c.sha256, blobs.c.shard], set_={"used_at": func.now()}
+        index_elements=[blobs.c.sha256, blobs.c.shard], set_={"used_at": ins.excluded.used_at}
     )
 
 

@@ -420,10 +420,20 @@ def fork_chain() -> Any:
     A copied step's hash cannot be copied: each link covers the run's id. So
     the links are computed again (``outbox_chain_fork``, SECURITY DEFINER: no role
     writes the chain's columns by hand), in the order the steps were copied,
-    for the steps the original had chained, and ``outbox audit verify`` of a
-    fork checks its replayed history too. Parameters: ``original``, ``fork``.
+    for the steps the original had chained (``chained``, read by
+    ``fork_chained``), and ``outbox audit verify`` of a fork checks its replayed
+    history too. Parameters: ``fork_shard``, ``fork``, ``chained``.
     """
-    return text("SELECT outbox_chain_fork(CAST(:original AS uuid), CAST(:fork AS uuid))")
+    return text(
+        "SELECT outbox_chain_fork(CAST(:fork_shard AS smallint), CAST(:fork AS uuid),"
+        " CAST(:chained AS text[]))"
+    )
+
+
+@cache
+def fork_chained() -> Any:
+    """The step ids of the original's copied steps that its hash chain links."""
+    return select(steps.c.step_id).where(*_copied(), steps.c.hash.isnot(None))
 
 
 @cache

@@ -27,7 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from outbox.storage.schema import effect_attempts, effects, gates, runs, steps
+from outbox.storage.schema import blobs, effect_attempts, effects, gates, runs, steps
 from outbox.storage.sql.attempt_log import log_changes
 from outbox.storage.sql.common import (
     AnySelect,
@@ -64,6 +64,8 @@ _EFFECT_ID = bindparam("effect_id", type_=UUID(as_uuid=True))
 # on Citus a row locked or changed by id alone would be a statement on every shard.
 _EFFECT_SHARD = bindparam("effect_shard", type_=SmallInteger)
 _ONE_EFFECT = and_(effects.c.id == _EFFECT_ID, effects.c.shard == _EFFECT_SHARD)
+_RUN_ID = bindparam("run_id", type_=UUID(as_uuid=True))
+_RUN_SHARD = shard_of(_RUN_ID)
 
 
 @cache
@@ -93,7 +95,8 @@ def lock_effect() -> AnySelect:
             effects.c.payload_hash,
             # what payload_hash must be: the sha256 of the payload's own text, now
             func.encode(
-                func.sha256(func.convert_to(_value_text(effects.c.payload), "UTF8")), "hex"
+                func.sha256(func.convert_to(_value_text(effects.c.payload, _EFFECT_SHARD), "UTF8")),
+                "hex",
             ).label("payload_digest"),
             effects.c.attempt,
             effects.c.approval,
@@ -347,28 +350,37 @@ def recorded_result() -> AnySelect:
 # -- audit ------------------------------------------------------------------------------
 
 
-def _value_text(column: Any) -> Any:
-    """The text of a stored value, a large one read back from its reference (v3 links hash it).
+def _value_text(column: Any, shard: Any) -> Any:
+    """The text a link hashes for a stored value: its own, or its blob's as stored (v3 links).
 
-    Unchecked (``outbox_resolve_unchecked``): the audit hashes every referenced blob
-    itself and reports an altered one as a break, rather than stop at the first.
+    (``outbox_value_text``'s, read here unchecked: the audit hashes every
+    referenced blob itself and reports an altered or missing one as a break,
+    rather than stop at the first; a reference whose blob is gone keeps its own
+    text, which no link matches.) The blob is read on ``shard``, where the
+    value's owner keeps it: given as the statement's own shard (a parameter), not
+    the row's column, Citus routes even a ``FOR UPDATE`` to that one shard.
     """
-    return func.outbox_resolve_unchecked(column).cast(Text)
+    stored = (
+        select(blobs.c.data)
+        .where(blobs.c.shard == shard, blobs.c.sha256 == func.outbox_reference_sha(column))
+        .limit(1)
+        .scalar_subquery()
+    )
+    return func.coalesce(stored, column.cast(Text))
 
 
-def _effect_texts() -> list[Any]:
+def _effect_texts(shard: Any) -> list[Any]:
     """An effect's payload's own text (its digest's) and its result's (the attempt log's)."""
     return [
-        _value_text(effects.c.payload).label("payload_text"),
+        _value_text(effects.c.payload, shard).label("payload_text"),
         effects.c.result.cast(Text).label("result_text"),
     ]
 
 
 def audit_run() -> AnySelect:
     """The run ``:run_id`` with its inputs' own text (what ``inputs_hash`` is the sha256 of)."""
-    run_id = bindparam("run_id", type_=UUID(as_uuid=True))
-    return select(runs, _value_text(runs.c.inputs).label("inputs_text")).where(
-        runs.c.id == run_id, runs.c.shard == shard_of(run_id)
+    return select(runs, _value_text(runs.c.inputs, _RUN_SHARD).label("inputs_text")).where(
+        runs.c.id == _RUN_ID, runs.c.shard == _RUN_SHARD
     )
 
 
@@ -385,10 +397,10 @@ def run_steps() -> AnySelect:
             steps.c.error.cast(Text).label("error_text"),
             steps.c.state.cast(Text).label("state_text"),
             steps.c.plan.cast(Text).label("plan_text"),
-            _value_text(steps.c.result).label("result_value_text"),
-            _value_text(steps.c.error).label("error_value_text"),
-            _value_text(steps.c.state).label("state_value_text"),
-            _value_text(steps.c.plan).label("plan_value_text"),
+            _value_text(steps.c.result, _RUN_SHARD).label("result_value_text"),
+            _value_text(steps.c.error, _RUN_SHARD).label("error_value_text"),
+            _value_text(steps.c.state, _RUN_SHARD).label("state_value_text"),
+            _value_text(steps.c.plan, _RUN_SHARD).label("plan_value_text"),
         )
         .where(*_of_run(steps))
         .order_by(steps.c.seq)
@@ -397,7 +409,9 @@ def run_steps() -> AnySelect:
 
 def run_effects() -> AnySelect:
     """A run's effects in intent order, with their payload's and result's texts (``:run_id``)."""
-    return select(effects, *_effect_texts()).where(*_of_run(effects)).order_by(effects.c.seq)
+    return (
+        select(effects, *_effect_texts(_RUN_SHARD)).where(*_of_run(effects)).order_by(effects.c.seq)
+    )
 
 
 def attempts_of_run() -> AnySelect:
@@ -420,8 +434,7 @@ def attempts_of_run() -> AnySelect:
 
 def _of_run(table: Any) -> list[Any]:
     """Rows of the run ``:run_id``, on its shard (one shard's statement on Citus)."""
-    run_id = bindparam("run_id", type_=UUID(as_uuid=True))
-    return [table.c.run_id == run_id, table.c.shard == shard_of(run_id)]
+    return [table.c.run_id == _RUN_ID, table.c.shard == _RUN_SHARD]
 
 
 def effects_outside_runs() -> AnySelect:
@@ -431,7 +444,7 @@ def effects_outside_runs() -> AnySelect:
     page passes one above any) and ``page_size``. Found by the ``(run_id, seq)`` index.
     """
     return (
-        select(effects, *_effect_texts())
+        select(effects, *_effect_texts(effects.c.shard))
         .where(effects.c.run_id.is_(None), effects.c.seq < bindparam("before", type_=BigInteger))
         .order_by(effects.c.seq.desc())
         .limit(bindparam("page_size", type_=Integer))

@@ -148,8 +148,8 @@ def complete_wait_step() -> Any:
     """
     return text(
         "SELECT step_seq, completed_at FROM outbox_complete_wait("
-        "CAST(:w_run AS uuid), CAST(:w_step AS text), CAST(:wait_result AS jsonb), "
-        "CAST(:wait_error AS jsonb))"
+        "CAST(:w_shard AS smallint), CAST(:w_run AS uuid), CAST(:w_step AS text), "
+        "CAST(:wait_result AS jsonb), CAST(:wait_error AS jsonb))"
     )
 
 
@@ -163,7 +163,8 @@ def consume_signal() -> Any:
     """
     return text(
         "SELECT taken, payload, step_seq, completed_at FROM outbox_take_signal("
-        "CAST(:w_run AS uuid), CAST(:w_step AS text), CAST(:s_name AS text))"
+        "CAST(:w_shard AS smallint), CAST(:w_run AS uuid), CAST(:w_step AS text), "
+        "CAST(:s_name AS text))"
     )
 
 
