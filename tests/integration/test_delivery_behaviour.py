@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
+
+import psycopg
+import pytest
 
 from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox, StepTransaction
 from outbox.delivery import Delivery, Outcome, Succeeded
 from outbox.shards import shard_of
+from outbox.storage.engine import libpq_dsn
 from tests.support import DaemonThread, wait_for
 
 
@@ -82,6 +87,46 @@ def test_an_ordering_key_orders_the_effects_of_runs_on_other_shards_and_of_no_ru
     with DaemonThread(dsn, {"k.o": RecordingDeliverer("k.o", outcome=slow)}, concurrency=8):
         wait_for(lambda: _all(ob, "succeeded", 4))
     assert calls == [(edge, n) for n in range(4) for edge in ("start", "end")]
+
+
+@pytest.mark.parametrize("second_writer", ["step", "no run"])
+def test_two_transactions_writing_one_ordering_key_at_once_are_delivered_in_commit_order(
+    ob: Outbox, dsn: str, second_writer: str
+) -> None:
+    """An effect's seq is drawn at insert: the writer that inserted first and has
+    not committed yet is still delivered first. Its key is locked until it commits,
+    so a second writer of the key waits and comes after (before, the second was
+    delivered while the first was open: 2 of 2 writers)."""
+    first, second = ob.start_run("agent", "1"), ob.start_run("agent", "1")
+    recorder = RecordingDeliverer("k.o")
+    written = threading.Event()
+
+    def write_second() -> None:
+        with Outbox.connect(dsn) as other:
+            if second_writer == "step":
+                other.run(second.id).transaction(
+                    "s", lambda tx: tx.intend("k.o", {"n": 1}, ordering_key="c-7") and None
+                )
+            else:
+                with other.transaction() as tx:
+                    tx.intend("k.o", {"n": 1}, ordering_key="c-7")
+        written.set()
+
+    with psycopg.connect(libpq_dsn(dsn)) as held:
+        # the first writer, through the SQL API: its step written, not committed
+        held.execute(
+            "SELECT * FROM outbox_commit_step(%s, 's', intents => %s::jsonb)",
+            [first.id, json.dumps([{"kind": "k.o", "payload": {"n": 0}, "ordering_key": "c-7"}])],
+        )
+        writer = threading.Thread(target=write_second)
+        writer.start()
+        with DaemonThread(dsn, {"k.o": recorder}, poll_seconds=0.05):
+            time.sleep(1.0)
+            assert not written.is_set(), "the second writer of the key waits for the first"
+            held.commit()
+            writer.join(timeout=30)
+            wait_for(lambda: _all(ob, "succeeded", 2))
+    assert [d.payload["n"] for d in recorder.deliveries] == [0, 1]
 
 
 def test_a_failed_effect_does_not_block_its_key_forever(ob: Outbox, dsn: str) -> None:

@@ -93,6 +93,9 @@ BEGIN
           FROM outbox_check_step(outbox_write_step.run_id, outbox_write_step.step_id, step_kind,
                                  lease_owner, lease_attempt, spends, tx_step);
     END IF;
+    IF p_intents @? '$[*].ordering_key' THEN
+        PERFORM outbox_lock_ordering_keys(p_intents);
+    END IF;
     notify := false;
     IF outbox_distributed() THEN
         SELECT w.step_seq, w.effect_ids, w.paused, w.notify INTO step_seq, effect_ids, paused, notify

@@ -88,6 +88,9 @@ BEGIN
         PERFORM outbox_refuse('OB001', 'intents', left(intents::text, 80),
             'must be a JSON array of intents');
     END IF;
+    IF intents @? '$[*].ordering_key' THEN
+        PERFORM outbox_lock_ordering_keys(intents);
+    END IF;
     SELECT coalesce(bool_and(x.screened), true)
            AND count(*) + (entry->>'count')::integer <= outbox_limit('max_step_intents')
            AND coalesce(sum(x.payload_size), 0) + (entry->>'bytes')::bigint

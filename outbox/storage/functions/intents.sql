@@ -623,6 +623,28 @@ BEGIN
 END
 $$;
 
+-- Lock each ordering key p_intents name until the transaction ends, in key order.
+-- An effect's seq, the order its key's effects are delivered in, is drawn when
+-- its row is inserted, not when its transaction commits: two transactions writing
+-- one key at once could commit in the other order, and a deliverer then claim the
+-- later seq first, the earlier one not visible yet. With the key locked from
+-- before the insert until commit, a second writer of the key waits for the first
+-- to commit and draws a seq after its. Taken by every writer of intents
+-- (outbox_write_step, outbox_intend_all); only intents with a key pay for it.
+-- The two-key form's first key (0x6F6B) keeps these apart from other advisory
+-- locks. On Citus a lock is the node's: it orders the writers of a key on its
+-- shard's node, as far as a claim orders their effects (docs/howto/citus.md).
+CREATE OR REPLACE FUNCTION outbox_lock_ordering_keys(p_intents jsonb) RETURNS void
+    LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(28523, hashtext(k.key))
+       FROM (SELECT DISTINCT i->>'ordering_key' AS key
+               FROM jsonb_array_elements(p_intents) AS i
+              WHERE jsonb_typeof(i->'ordering_key') = 'string'
+              ORDER BY 1) AS k;
+END
+$$;
+
 -- JSON field readers that never raise: the value when it has the type, else NULL.
 CREATE OR REPLACE FUNCTION outbox_json_str(value jsonb) RETURNS text
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
