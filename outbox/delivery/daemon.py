@@ -223,7 +223,7 @@ class DeliveryDaemon:
         if self._stopping.is_set():
             self._record(released(effect, "released unstarted at shutdown"))
             return
-        if not self.leases.may_call(effect.id, self.settings.lease_seconds):
+        if not self.leases.may_call(effect, self.settings.lease_seconds):
             # It waited (behind a cap, a pause) and its lease may be another's now:
             # a reconciler that took it over redelivers or asks the sink, so a call
             # here could be a second one. Given back unstarted; fenced, so it is
@@ -403,13 +403,13 @@ class DeliveryDaemon:
         abandoned: dict[str, list[Completion]] = {}
         for completion in batch:
             if completion.effect_id in written.abandoned:
-                held = self.leases.release(completion.effect_id)
+                held = self.leases.release(completion.effect_id, completion.attempt)
                 if held is not None:
                     abandoned.setdefault(held.effect.kind, []).append(completion)
                 continue
             if completion.effect_id not in outcomes:
                 continue  # left for a later write
-            held = self.leases.release(completion.effect_id)
+            held = self.leases.release(completion.effect_id, completion.attempt)
             if held is None:
                 continue
             kind = held.effect.kind

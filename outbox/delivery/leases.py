@@ -94,10 +94,12 @@ class Leases:
         self.deliverers = deliverers
         self.concurrency = concurrency
         self.metrics = metrics
-        self.held: dict[UUID, Held] = {}
+        #: By (effect id, attempt): a lease lost and the effect claimed again by
+        #: this process are two attempts, each released by its own outcome.
+        self.held: dict[tuple[UUID, int], Held] = {}
         self._reserved = 0
         self._running: dict[str, int] = dict.fromkeys(deliverers, 0)
-        self._waiting: dict[str, deque[UUID]] = {kind: deque() for kind in deliverers}
+        self._waiting: dict[str, deque[tuple[UUID, int]]] = {kind: deque() for kind in deliverers}
         self._paused_until: dict[str, float] = {}
         self._kinds_rr = list(deliverers)
         #: kind -> until when it yields its turn (its last claim came back short)
@@ -190,18 +192,18 @@ class Leases:
         before the answer came: counted from the answer, a lease already run out
         (and taken over, and re-sent by a reconciler) looked whole.
         """
-        self.held[effect.id] = Held(effect, renewed=asked)
-        self._waiting[effect.kind].append(effect.id)
+        self.held[effect.id, effect.attempt] = Held(effect, renewed=asked)
+        self._waiting[effect.kind].append((effect.id, effect.attempt))
         self.metrics.in_flight.set(len(self.held))
 
-    def may_call(self, effect_id: UUID, lease_seconds: float) -> bool:
+    def may_call(self, effect: ClaimedEffect, lease_seconds: float) -> bool:
         """Whether the lease of a held attempt is surely still this process's, so it may start.
 
         Not when the heartbeat found it taken over, nor when no heartbeat has
         extended it for a whole lease (the database unreachable or locked): it
         may have run out and been taken over, and a call now could be a second.
         """
-        held = self.held.get(effect_id)
+        held = self.held.get((effect.id, effect.attempt))
         if held is None:
             return True
         return not held.lease_lost and time.monotonic() - held.renewed < lease_seconds
@@ -236,9 +238,9 @@ class Leases:
         self._paused_until[kind] = until
         log.info("kind %s %s: paused for %.1fs", kind, why, seconds)
 
-    def release(self, effect_id: UUID) -> Held | None:
+    def release(self, effect_id: UUID, attempt: int) -> Held | None:
         """Forget an attempt whose outcome was recorded."""
-        held = self.held.pop(effect_id, None)
+        held = self.held.pop((effect_id, attempt), None)
         if held is not None and held.started:
             self._running[held.effect.kind] -= 1
         self.metrics.in_flight.set(len(self.held))
@@ -255,16 +257,23 @@ class Leases:
         """
         now = time.monotonic()
         skip = set(exclude)
-        live = [(i, h) for i, h in self.held.items() if not h.lease_lost and i not in skip]
+        live = [(k, h) for k, h in self.held.items() if not h.lease_lost and k[0] not in skip]
         if not any(now - h.renewed >= min_age for _, h in live):
             return []
-        return [(i, h.effect.attempt) for i, h in live]
+        return [k for k, _ in live]
 
     def renewed(self, held: list[tuple[UUID, int]], kept: set[UUID], sent: float) -> None:
-        """Note what a renewal of ``held`` begun at ``sent`` found: ``kept`` are still ours."""
+        """Note what a renewal of ``held`` begun at ``sent`` found: ``kept`` are still ours.
+
+        ``kept`` names effects: of two attempts of one held here, only the newer
+        can still be the effect's, so the older is lost whatever it says.
+        """
+        newest: dict[UUID, int] = {}
+        for effect_id, attempt in self.held:
+            newest[effect_id] = max(attempt, newest.get(effect_id, attempt))
         for effect_id, attempt in held:
-            entry = self.held.get(effect_id)
-            if entry is not None and effect_id in kept:
+            entry = self.held.get((effect_id, attempt))
+            if entry is not None and effect_id in kept and newest[effect_id] == attempt:
                 entry.renewed = max(entry.renewed, sent)
             elif entry is not None and not entry.lease_lost:
                 entry.lease_lost = True

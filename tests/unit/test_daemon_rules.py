@@ -408,6 +408,42 @@ def test_an_outcome_after_the_lease_was_taken_over_is_stale_and_changes_nothing(
     assert (row.status, row.attempt, row.lease_owner) == ("in_flight", 2, "someone-else")
 
 
+def test_an_effect_claimed_again_while_its_lost_attempt_runs_is_two_attempts() -> None:
+    """Its lease lost and the effect pending again, this daemon claims it as attempt 2
+    while attempt 1 still runs: each is released by its own outcome, and the kind's
+    place under its cap comes back (held by effect id alone, attempt 1's late answer
+    released attempt 2's entry, and a place stayed taken for good)."""
+    store = InMemoryStore()
+    effect = store.add("k.c", {"n": 0})
+    late = asyncio.Event()
+
+    async def first_hangs(delivery: Delivery) -> Outcome:
+        if delivery.attempt == 1 and delivery.payload["n"] == 0:
+            await late.wait()
+            return Failed("late answer")
+        return Succeeded()
+
+    sink = Scripted("k.c", first_hangs, concurrency=2)
+
+    async def scenario(daemon: DeliveryDaemon) -> None:
+        await until(lambda: sink.running == 1)
+        row = store.effects[effect]
+        # a reconciler gave the attempt back (its lease ran out, say): pending again
+        row.status, row.lease_owner, row.lease_expires_at = EffectStatus.PENDING, None, None
+        row.available_at = 0.0
+        await until(lambda: store.status(effect) == EffectStatus.SUCCEEDED)
+        assert [d.attempt for d in sink.calls] == [1, 2]
+        late.set()
+        await until(lambda: store.effects[effect].outcomes == ["succeeded", "stale"])
+        await until(lambda: len(daemon.leases) == 0)
+        # both places of the kind are free again: two calls at once
+        more = [store.add("k.c", {"n": n}) for n in range(1, 5)]
+        await until(lambda: all(store.status(i) == EffectStatus.SUCCEEDED for i in more))
+
+    daemon = run(store, {"k.c": sink}, scenario, lease_seconds=5.0)
+    assert daemon.leases._running["k.c"] == 0
+
+
 class Greedy(PollSource):
     """Takes two of each kind whatever the room, as a Kafka source takes what its records name."""
 
