@@ -125,6 +125,11 @@ def record_from_rows(rows: Mapping[str, Any], *, exported_at: datetime) -> dict[
                 "plan": s["plan"],
                 "plan_text": s["plan_text"],
                 **{f"{f}_value_text": s.get(f"{f}_value_text") for f in STEP_VALUES},
+                **{
+                    f"{f}_rendered_text": s[f"{f}_rendered_text"]
+                    for f in STEP_VALUES
+                    if s.get(f"{f}_rendered_text") is not None
+                },
                 "completed_at": _iso(s["completed_at"]),
                 "completed_us": us(s["completed_at"]),
                 "hash": _hex(s["hash"]),

@@ -178,6 +178,15 @@ def _step_follows(
     stored = bytes.fromhex(step["hash"])
     if step_hash(prev, step, run_id, intents=intents) == stored:
         return True
+    rendered = {
+        f"{f}_value_text": step[f"{f}_rendered_text"]
+        for f in STEP_VALUES
+        if step.get(f"{f}_rendered_text") is not None
+    }
+    # a wait's or a fork's link before migration 0036: a blob the client stored
+    # (canonical JSON) was hashed as PostgreSQL renders it
+    if rendered and step_hash(prev, {**step, **rendered}, run_id, intents=intents) == stored:
+        return True
     return any(step_hash(prev, step, run_id, version=v) == stored for v in (2, 1))
 
 
@@ -274,7 +283,9 @@ def _texts_differ(row: Mapping[str, Any], fields: Sequence[str]) -> list[str]:
     """The fields whose texts (what links hash) are not the value's.
 
     ``<field>_text`` is the value as stored; ``<field>_value_text`` its own text
-    (a large value's blob, when the row holds its reference).
+    (a large value's blob, when the row holds its reference);
+    ``<field>_rendered_text``, for a reference, that blob as PostgreSQL renders
+    it (older links hashed it), which must be the same value.
     """
     differ = []
     for f in fields:
@@ -286,6 +297,10 @@ def _texts_differ(row: Mapping[str, Any], fields: Sequence[str]) -> list[str]:
             row.get(f), own, hashlib.sha256(own.encode()).hexdigest()
         ):
             differ.append(f"{f}_value_text")
+            continue
+        rendered = row.get(f"{f}_rendered_text")
+        if rendered is not None and (own is None or json.loads(rendered) != json.loads(own)):
+            differ.append(f"{f}_rendered_text")
     return differ
 
 

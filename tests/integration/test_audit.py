@@ -443,3 +443,51 @@ def test_a_large_signal_a_wait_took_verifies_in_the_run_its_fork_and_the_export(
         timeout=60,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_a_wait_linked_before_0036_over_the_rendering_of_a_client_blob_verifies(
+    ob: Outbox, sub_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Before migration 0036 a wait's link hashed PostgreSQL's rendering of a blob
+    the client stored as canonical JSON: such a link, and the steps after it, still
+    verify, in the database and in the exported record."""
+    run = ob.start_run("audit-signal", "1")
+    ob.signal(run.id, "approve", {"by": "ops", "big": "x" * 20_000})
+    run.wait_signal("w", name="approve")
+    # the link as outbox_complete_wait wrote it then (the wait is the first step)
+    with ob.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "UPDATE outbox_steps AS s SET hash = outbox_step_link("
+            " outbox_run_genesis(r.id, r.agent, r.inputs_hash), r.id, s.step_id, s.kind,"
+            " outbox_resolve(s.result)::text, outbox_resolve(s.error)::text, NULL, NULL,"
+            " s.completed_at, '') FROM outbox_runs AS r"
+            " WHERE r.id = s.run_id AND s.run_id = %(r)s AND s.step_id = 'w'",
+            {"r": run.id},
+        )
+        conn.exec_driver_sql(
+            "UPDATE outbox_runs SET step_head = (SELECT hash FROM outbox_steps"
+            " WHERE run_id = %(r)s AND step_id = 'w') WHERE id = %(r)s",
+            {"r": run.id},
+        )
+    run.call("after", lambda: {"n": 1})
+    assert ob.verify_run(run.id) == []
+    fork = ob.fork(run.id, "after")
+    assert ob.verify_run(fork.id) == []
+    # the rendering stands for the same value only: edited, the step breaks
+    key, out = tmp_path / "audit.key", tmp_path / "run.json"
+    made = cli(sub_env, "audit", "keygen", "--out", str(key))
+    exported = cli(sub_env, "audit", "export", str(run.id), "--key", str(key), "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    script = independent_script(tmp_path)
+    checked = subprocess.run(
+        [sys.executable, str(script), str(out), made.stdout.strip()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    record = json.loads(out.read_text())
+    step = next(s for s in record["steps"] if s["step_id"] == "w")
+    assert step["result_rendered_text"] is not None
+    step["result_rendered_text"] = step["result_rendered_text"].replace('"ops"', '"cfo"')
+    assert any("rendered_text" in b.reason for b in verify_record(record))

@@ -124,8 +124,9 @@ $$;
 -- now. Only a fork (forked_from set; another run is refused, OB001) with no
 -- chain yet (step_head NULL), and only its unlinked completed steps: called on a
 -- fork chained before it changes nothing, so it cannot relink a recorded
--- history; a step named in p_chained that the original had not chained is linked
--- as the agent wrote it, as any step an agent records is.
+-- history. What it links is the fork's rows as they are: the client copies them
+-- with the agent's own grants, so an agent login that writes a fork's run and
+-- completed steps by hand gets them linked (docs/howto/secure-a-deployment.md).
 CREATE OR REPLACE FUNCTION outbox_chain_fork(p_shard smallint, p_fork uuid, p_chained text[])
     RETURNS void
     LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$

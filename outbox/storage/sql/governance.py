@@ -24,7 +24,7 @@ from sqlalchemy import (
     null,
     select,
 )
-from sqlalchemy.dialects.postgresql import UUID
+from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from outbox.storage.schema import blobs, effect_attempts, effects, gates, runs, steps
@@ -369,6 +369,20 @@ def _value_text(column: Any, shard: Any) -> Any:
     return func.coalesce(stored, column.cast(Text))
 
 
+def _rendered_text(column: Any, shard: Any) -> Any:
+    """A reference's blob as PostgreSQL renders it (``data::jsonb::text``); NULL for a value.
+
+    What a wait's or a fork's link hashed before migration 0036, for a value the
+    client stored as canonical JSON: such links still verify by it.
+    """
+    return (
+        select(blobs.c.data.cast(JSONB).cast(Text))
+        .where(blobs.c.shard == shard, blobs.c.sha256 == func.outbox_reference_sha(column))
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
 def _effect_texts(shard: Any) -> list[Any]:
     """An effect's payload's own text (its digest's) and its result's (the attempt log's)."""
     return [
@@ -401,6 +415,10 @@ def run_steps() -> AnySelect:
             _value_text(steps.c.error, _RUN_SHARD).label("error_value_text"),
             _value_text(steps.c.state, _RUN_SHARD).label("state_value_text"),
             _value_text(steps.c.plan, _RUN_SHARD).label("plan_value_text"),
+            *(
+                _rendered_text(steps.c[f], _RUN_SHARD).label(f"{f}_rendered_text")
+                for f in ("result", "error", "state", "plan")
+            ),
         )
         .where(*_of_run(steps))
         .order_by(steps.c.seq)
