@@ -236,6 +236,26 @@ class DeliveryDaemon:
             )
             self._record(released(effect, "lease lost before the call started: not called"))
             return
+        if self.leases.waited(effect) and effect.run_id is not None:
+            # A pause or a cancel counts a claimed attempt as started. One that
+            # waited (a stream source claims what its records name, whatever the
+            # kind's room) may have waited past one: given back instead, the
+            # hold trigger keeps it for its run.
+            try:
+                holds = await self.store.run_holds(effect.run_id)
+            except Exception as exc:
+                self._record(released(effect, f"its run could not be read: {exc}", delay=1.0))
+                return
+            if holds:
+                log.info(
+                    "effect %s attempt %d: its run was paused or stopped while it waited;"
+                    " not called",
+                    effect.id,
+                    effect.attempt,
+                    extra={"effect_id": str(effect.id), "attempt": effect.attempt},
+                )
+                self._record(released(effect, "its run holds its effects: not called"))
+                return
         try:
             attempt = await self.store.with_payload(effect)
         except Exception as exc:  # the payload is read again with the next attempt

@@ -37,6 +37,8 @@ class Held:
     effect: ClaimedEffect
     started: bool = False
     lease_lost: bool = False
+    #: It was not started with its claim: it waited behind its kind's cap or pause.
+    waited: bool = False
     #: When its lease was last known to run a full lease from (monotonic): the
     #: claim, then each heartbeat that extended it (taken when each was sent).
     renewed: float = field(default_factory=time.monotonic)
@@ -213,7 +215,12 @@ class Leases:
         now = time.monotonic()
         ready: list[ClaimedEffect] = []
         for kind, waiting in self._waiting.items():
-            if not waiting or self.paused(kind, now):
+            if not waiting:
+                continue
+            if self.paused(kind, now):
+                for key in waiting:
+                    if (left := self.held.get(key)) is not None:
+                        left.waited = True
                 continue
             cap = self.deliverers[kind].concurrency
             while waiting and (cap is None or self._running[kind] < cap):
@@ -223,7 +230,15 @@ class Leases:
                 held.started = True
                 self._running[kind] += 1
                 ready.append(held.effect)
+            for key in waiting:
+                if (left := self.held.get(key)) is not None:
+                    left.waited = True
         return ready
+
+    def waited(self, effect: ClaimedEffect) -> bool:
+        """Whether a held attempt waited before it started (behind a cap or a pause)."""
+        held = self.held.get((effect.id, effect.attempt))
+        return held is not None and held.waited
 
     def unstarted(self) -> list[ClaimedEffect]:
         """Held attempts not started (given back at shutdown); they leave the queue."""

@@ -77,6 +77,8 @@ class InMemoryStore:
         self._refuse: Callable[[Completion], str | None] | None = None
         #: Transactions per operation, as a benchmark's probe would count them.
         self.calls: dict[str, int] = defaultdict(int)
+        #: Runs that hold their effects (paused, or being stopped): a test sets them.
+        self.holding_runs: set[UUID] = set()
 
     #: One store, no shards: outcomes are written a batch at a time.
     distributed = False
@@ -217,6 +219,8 @@ class InMemoryStore:
                 effect.last_error = c.error
                 if c.status == EffectStatus.PENDING:
                     effect.available_at = now + c.delay
+                    if effect.run_id in self.holding_runs:  # as the hold trigger does
+                        effect.status = EffectStatus.PAUSED
                 effect.lease_owner = effect.lease_expires_at = None
             if effect is not None:
                 # A stale outcome is logged with what it reported, as the SQL logs it.
@@ -281,6 +285,11 @@ class InMemoryStore:
     async def with_payload(self, effect: ClaimedEffect) -> ClaimedEffect:
         """Payloads are kept inline here."""
         return effect
+
+    async def run_holds(self, run_id: UUID) -> bool:
+        """Whether the run is one a test made hold its effects."""
+        await asyncio.sleep(0)  # a statement's round trip lets others run
+        return run_id in self.holding_runs
 
     async def note_attempt(
         self,

@@ -95,6 +95,10 @@ class DeliveryStore(Protocol):
         """The attempt with a payload stored by reference read back."""
         ...
 
+    async def run_holds(self, run_id: UUID) -> bool:
+        """Whether the run holds its effects now (paused, or being stopped)."""
+        ...
+
     async def note_attempt(
         self,
         effect_id: UUID,

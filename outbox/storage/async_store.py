@@ -34,7 +34,7 @@ from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
 from outbox.storage.shard_turns import complete_on, shard_groups, wake_parked
 from outbox.storage.sql import dispatch as dispatch_sql
-from outbox.storage.sql import duties, leases, maintenance, queue
+from outbox.storage.sql import duties, leases, maintenance, queue, stopping
 from outbox.storage.sql.common import EFFECTS_CHANNEL
 from outbox.storage.store import read_state_counts
 
@@ -193,6 +193,13 @@ class AsyncStore(DutyStatements):
             async with self.engine.begin() as conn:
                 values = await conn.run_sync(blob_store.fetch, [sha])
         return dataclasses.replace(effect, payload=values[sha])
+
+    async def run_holds(self, run_id: UUID) -> bool:
+        """Whether the run holds its effects now (paused, or being stopped)."""
+        with translate_errors("reading whether a run holds its effects"):
+            async with self.engine.connect() as conn:
+                held = await conn.scalar(stopping.run_holds(), {"held_run": run_id})
+        return bool(held)
 
     async def extend(
         self,

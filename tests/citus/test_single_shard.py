@@ -299,6 +299,18 @@ def test_cancel_and_compensation_stay_on_one_shard_each(
             return all(ob.run(r.id).status == RunStatus.COMPENSATED for r in runs)
 
         wait_for(compensated, timeout=60, message="every run compensated")
+
+    paused = ob.start_run("stopping", "1", {"i": "paused"})
+    ob.pause(paused.id, "hold on")
+
+    async def holds() -> list[bool]:  # asked before an attempt that waited is called
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            return [await store.run_holds(run.id) for run in (*runs, paused)]
+        finally:
+            await store.engine.dispose()
+
+    assert asyncio.run(holds()) == [False] * 4 + [True], "the compensated runs; the paused one"
     assert sorted(d.payload.get("undo", 0) for d in deliverer.deliveries) == [0] * 4 + [1] * 4
     assert _refusals(caplog) == []
     # A run's effects, as a person lists them, are read from the run's shard alone.

@@ -467,6 +467,36 @@ def test_an_attempt_whose_lease_was_taken_while_it_waited_is_not_called(
     assert ob.effect(waiting.id).status == "in_flight", "left to its new owner"
 
 
+@pytest.mark.parametrize("stop", ["pause", "cancel"])
+def test_an_attempt_waiting_behind_a_cap_is_not_called_after_its_run_is_stopped(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker, stop: str
+) -> None:
+    """A stream deliverer claims what its records name, so an attempt waits, in flight,
+    behind its kind's cap; a pause or a cancel of its run counts it as started. When
+    its turn comes it is given back instead of called, and its run keeps it (before:
+    called, 2 of 2 stops)."""
+    release = threading.Event()
+    first: list[int] = []
+    capped = RecordingDeliverer("k.stop", outcome=blocking_the_first(release, first))
+    capped.concurrency = 1
+    run = ob.start_run("agent", "1")
+    run.transaction("s", lambda tx: [tx.intend("k.stop", {"n": i}) for i in range(2)] and None)
+    with stream_daemon(dsn, kafka_broker, {"k.stop": capped}, reconcile_seconds=0.2):
+        wait_for(lambda: first, timeout=60, message="the first call blocking")
+        other = next(e for e in ob.effects() if e.payload["n"] != first[0])
+        wait_for(lambda: ob.effect(other.id).status == "in_flight", timeout=90, message="held")
+        if stop == "pause":
+            ob.pause(run.id, "hold on")
+        else:
+            ob.cancel(run.id, "not needed", by="ops")
+        release.set()
+        held = {"pause": "paused", "cancel": "cancelled"}[stop]
+        wait_for(lambda: ob.effect(other.id).status == held, timeout=30, message=held)
+    assert [d.payload["n"] for d in capped.deliveries] == first, "the held attempt was called"
+    outcomes = [a.outcome for a in ob.store.attempts(other.id)]
+    assert "released" in outcomes and "succeeded" not in outcomes, outcomes
+
+
 def test_an_attempt_whose_lease_could_not_be_renewed_while_it_waited_is_not_called(
     ob: Outbox, dsn: str, kafka_broker: TansuBroker
 ) -> None:

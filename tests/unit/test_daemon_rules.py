@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -493,6 +494,42 @@ def test_an_attempt_whose_lease_was_lost_while_it_waited_is_never_called() -> No
     )
     # Given back unstarted, fenced: logged stale, reporting its release.
     assert store.effects[waiting].log[0][3]["reported"] == "released"
+
+
+def test_an_attempt_that_waited_is_not_called_once_its_run_holds_its_effects() -> None:
+    """A source that claims what its records name (stream mode) holds attempts behind
+    a kind's cap; a pause or a cancel of their run counts them as started. When its
+    turn comes one is not called but given back, and its run keeps it (it was called)."""
+    store = InMemoryStore()
+    release = asyncio.Event()
+    run_id = uuid.uuid4()
+
+    async def hold(delivery: Delivery) -> Outcome:
+        if delivery.payload["n"] == 0:
+            await release.wait()
+        return Succeeded()
+
+    ids = [store.add("k.c", {"n": n}) for n in range(2)]  # what Greedy takes at once
+    for effect_id in ids:
+        store.effects[effect_id].run_id = run_id
+    sink = Scripted("k.c", hold, concurrency=1)
+    fast = settings(concurrency=5)
+
+    async def main() -> None:
+        daemon = DeliveryDaemon(store, {"k.c": sink}, fast, source=Greedy(store, fast))
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: sink.running == 1)
+        await until(lambda: store.status(ids[1]) == EffectStatus.IN_FLIGHT)
+        store.holding_runs.add(run_id)  # the run is paused (or being cancelled)
+        release.set()
+        await until(lambda: store.status(ids[0]) == EffectStatus.SUCCEEDED)
+        await until(lambda: store.status(ids[1]) == EffectStatus.PAUSED)
+        daemon.stop()
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(main())
+    assert [d.payload["n"] for d in sink.calls] == [0], "a held attempt was called"
+    assert store.effects[ids[1]].outcomes == ["released"]
 
 
 # -- stopping -----------------------------------------------------------------------------

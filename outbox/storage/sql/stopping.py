@@ -39,6 +39,7 @@ __all__ = [
     "doubt_pending_effects",
     "mark_compensated",
     "run_effects_for_stopping",
+    "run_holds",
     "stopping_runs",
 ]
 
@@ -169,3 +170,16 @@ def mark_compensated() -> Any:
         )
         .values(status=const("compensated"), updated_at=func.now())
     )
+
+
+@cache
+def run_holds() -> AnySelect:
+    """Whether the run ``:held_run`` holds its effects: paused, or being stopped.
+
+    The condition the hold trigger (``outbox_effects_hold_paused``) applies to
+    an effect moving back to pending; read plainly, on the run's shard.
+    """
+    run = bindparam("held_run", type_=UUID(as_uuid=True))
+    return select(
+        runs.c.paused_at.isnot(None) | in_statuses(runs.c.status, STOPPING_RUN_STATUSES)
+    ).where(runs.c.id == run, runs.c.shard == shard_of(run))
