@@ -242,7 +242,7 @@ class DeliveryDaemon:
             # kind's room) may have waited past one: given back instead, the
             # hold trigger keeps it for its run.
             try:
-                holds = await self.store.run_holds(effect.run_id)
+                holds = await self.store.run_holds(effect.run_id, effect.id)
             except Exception as exc:
                 self._record(released(effect, f"its run could not be read: {exc}", delay=1.0))
                 return

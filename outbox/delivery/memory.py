@@ -286,7 +286,7 @@ class InMemoryStore:
         """Payloads are kept inline here."""
         return effect
 
-    async def run_holds(self, run_id: UUID) -> bool:
+    async def run_holds(self, run_id: UUID, effect_id: UUID) -> bool:
         """Whether the run is one a test made hold its effects."""
         await asyncio.sleep(0)  # a statement's round trip lets others run
         return run_id in self.holding_runs

@@ -95,8 +95,8 @@ class DeliveryStore(Protocol):
         """The attempt with a payload stored by reference read back."""
         ...
 
-    async def run_holds(self, run_id: UUID) -> bool:
-        """Whether the run holds its effects now (paused, or being stopped)."""
+    async def run_holds(self, run_id: UUID, effect_id: UUID) -> bool:
+        """Whether the run holds this effect back now (paused; stopping, unless a compensation)."""
         ...
 
     async def note_attempt(

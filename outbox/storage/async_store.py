@@ -194,11 +194,13 @@ class AsyncStore(DutyStatements):
                 values = await conn.run_sync(blob_store.fetch, [sha])
         return dataclasses.replace(effect, payload=values[sha])
 
-    async def run_holds(self, run_id: UUID) -> bool:
-        """Whether the run holds its effects now (paused, or being stopped)."""
+    async def run_holds(self, run_id: UUID, effect_id: UUID) -> bool:
+        """Whether the run holds this effect back now (paused; stopping, unless a compensation)."""
         with translate_errors("reading whether a run holds its effects"):
             async with self.engine.connect() as conn:
-                held = await conn.scalar(stopping.run_holds(), {"held_run": run_id})
+                held = await conn.scalar(
+                    stopping.run_holds(), {"held_run": run_id, "held_effect": effect_id}
+                )
         return bool(held)
 
     async def extend(

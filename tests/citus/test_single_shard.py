@@ -301,12 +301,14 @@ def test_cancel_and_compensation_stay_on_one_shard_each(
         wait_for(compensated, timeout=60, message="every run compensated")
 
     paused = ob.start_run("stopping", "1", {"i": "paused"})
+    paused.transaction("book", lambda tx: tx.intend(KIND, {"n": 2}) and None)
     ob.pause(paused.id, "hold on")
+    first = {run.id: ob.effects(run_id=run.id)[0].id for run in (*runs, paused)}
 
     async def holds() -> list[bool]:  # asked before an attempt that waited is called
         store = AsyncStore(make_async_engine(dsn))
         try:
-            return [await store.run_holds(run.id) for run in (*runs, paused)]
+            return [await store.run_holds(run.id, first[run.id]) for run in (*runs, paused)]
         finally:
             await store.engine.dispose()
 

@@ -497,6 +497,48 @@ def test_an_attempt_waiting_behind_a_cap_is_not_called_after_its_run_is_stopped(
     assert "released" in outcomes and "succeeded" not in outcomes, outcomes
 
 
+def test_a_compensation_waiting_behind_a_cap_is_called_while_its_run_compensates(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    """What a stop sends is not held by it: a compensation that waited behind its
+    kind's cap is called when its turn comes (not given back to be relayed again),
+    and both runs end compensated."""
+    release = threading.Event()
+    first: list[int] = []
+    undo = RecordingDeliverer("k.undo", outcome=blocking_the_first(release, first))
+    undo.concurrency = 1
+    runs = [ob.start_run("agent", "1") for _ in range(2)]
+    for n, run in enumerate(runs):
+        run.transaction(
+            "book",
+            lambda tx, n=n: tx.intend("k.book", {"n": n}, compensate=("k.undo", {"n": n})) and None,
+        )
+    book = RecordingDeliverer("k.book")
+    with stream_daemon(dsn, kafka_broker, {"k.book": book, "k.undo": undo}, reconcile_seconds=0.2):
+        wait_for(lambda: len(book.deliveries) == 2, timeout=60, message="booked")
+        wait_for(
+            lambda: all(e.status == "succeeded" for e in ob.effects(kind="k.book")),
+            message="booked recorded",
+        )
+        for run in runs:
+            ob.cancel(run.id, "changed my mind", by="ops")
+        wait_for(lambda: first, timeout=60, message="the first compensation blocking")
+        wait_for(
+            lambda: [e.status for e in ob.effects(kind="k.undo")].count("in_flight") == 2,
+            timeout=60,
+            message="the second one waiting",
+        )
+        release.set()
+        wait_for(
+            lambda: all(ob.run(r.id).status == "compensated" for r in runs),
+            timeout=60,
+            message="both runs compensated",
+        )
+    assert sorted(d.payload["n"] for d in undo.deliveries) == [0, 1]
+    for effect in ob.effects(kind="k.undo"):
+        assert [a.outcome for a in ob.store.attempts(effect.id)] == ["succeeded"], "not given back"
+
+
 def test_an_attempt_whose_lease_could_not_be_renewed_while_it_waited_is_not_called(
     ob: Outbox, dsn: str, kafka_broker: TansuBroker
 ) -> None:

@@ -174,12 +174,28 @@ def mark_compensated() -> Any:
 
 @cache
 def run_holds() -> AnySelect:
-    """Whether the run ``:held_run`` holds its effects: paused, or being stopped.
+    """Whether the run ``:held_run`` holds its effect ``:held_effect`` back now.
 
     The condition the hold trigger (``outbox_effects_hold_paused``) applies to
-    an effect moving back to pending; read plainly, on the run's shard.
+    an effect moving back to pending: its run paused, or being stopped and the
+    effect not a compensation (those are what a stop sends). Read plainly, on
+    the run's shard.
     """
     run = bindparam("held_run", type_=UUID(as_uuid=True))
-    return select(
-        runs.c.paused_at.isnot(None) | in_statuses(runs.c.status, STOPPING_RUN_STATUSES)
-    ).where(runs.c.id == run, runs.c.shard == shard_of(run))
+    effect = bindparam("held_effect", type_=UUID(as_uuid=True))
+    return (
+        select(
+            runs.c.paused_at.isnot(None)
+            | (
+                in_statuses(runs.c.status, STOPPING_RUN_STATUSES)
+                & effects.c.compensates.is_(None)
+            )
+        )
+        .select_from(runs.join(effects, effects.c.run_id == runs.c.id))
+        .where(
+            runs.c.id == run,
+            runs.c.shard == shard_of(run),
+            effects.c.id == effect,
+            effects.c.shard == shard_of(run),
+        )
+    )
