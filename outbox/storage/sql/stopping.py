@@ -186,10 +186,7 @@ def run_holds() -> AnySelect:
     return (
         select(
             runs.c.paused_at.isnot(None)
-            | (
-                in_statuses(runs.c.status, STOPPING_RUN_STATUSES)
-                & effects.c.compensates.is_(None)
-            )
+            | (in_statuses(runs.c.status, STOPPING_RUN_STATUSES) & effects.c.compensates.is_(None))
         )
         .select_from(runs.join(effects, effects.c.run_id == runs.c.id))
         .where(
