@@ -30,7 +30,7 @@ from deliverers.testing import (
     RecordingDeliverer,
     TansuBroker,
 )
-from outbox import EffectStatus, Outbox
+from outbox import EffectStatus, Outbox, StepTransaction
 from outbox.delivery import Deliverer, Delivery, Failed, Outcome, Retry, Succeeded
 from outbox.delivery.daemon import DeliveryDaemon
 from outbox.delivery.relay import Relay
@@ -509,10 +509,11 @@ def test_a_compensation_waiting_behind_a_cap_is_called_while_its_run_compensates
     undo.concurrency = 1
     runs = [ob.start_run("agent", "1") for _ in range(2)]
     for n, run in enumerate(runs):
-        run.transaction(
-            "book",
-            lambda tx, n=n: tx.intend("k.book", {"n": n}, compensate=("k.undo", {"n": n})) and None,
-        )
+
+        def book_one(tx: StepTransaction, n: int = n) -> None:
+            tx.intend("k.book", {"n": n}, compensate=("k.undo", {"n": n}))
+
+        run.transaction("book", book_one)
     book = RecordingDeliverer("k.book")
     with stream_daemon(dsn, kafka_broker, {"k.book": book, "k.undo": undo}, reconcile_seconds=0.2):
         wait_for(lambda: len(book.deliveries) == 2, timeout=60, message="booked")
@@ -524,7 +525,9 @@ def test_a_compensation_waiting_behind_a_cap_is_called_while_its_run_compensates
             ob.cancel(run.id, "changed my mind", by="ops")
         wait_for(lambda: first, timeout=60, message="the first compensation blocking")
         wait_for(
-            lambda: [e.status for e in ob.effects(kind="k.undo")].count("in_flight") == 2,
+            lambda: (
+                [e.status for e in ob.effects(kind="k.undo")].count(EffectStatus.IN_FLIGHT) == 2
+            ),
             timeout=60,
             message="the second one waiting",
         )
