@@ -26,7 +26,7 @@ from outbox.delivery.contract import AttemptNotes, Deliverer, Retry
 from outbox.delivery.leases import Leases
 from outbox.delivery.maintenance import Maintenance
 from outbox.delivery.metrics import DeliveryMetrics
-from outbox.delivery.recording import OutcomeWriter, Written, describe
+from outbox.delivery.recording import OutcomeWriter, Written, describe, one_per_effect
 from outbox.delivery.seam import DeliveryStore, OwnerLockLike
 from outbox.delivery.settings import DeliverySettings
 from outbox.delivery.sources import EffectSource, PollSource, Writing, wait_or_wake
@@ -236,11 +236,17 @@ class DeliveryDaemon:
             )
             self._record(released(effect, "lease lost before the call started: not called"))
             return
+        try:
+            attempt = await self.store.with_payload(effect)
+        except Exception as exc:  # the payload is read again with the next attempt
+            log.warning("effect %s: its payload could not be read: %s", effect.id, exc)
+            self._record(released(effect, f"payload could not be read: {exc}", delay=1.0))
+            return
         if self.leases.waited(effect) and effect.run_id is not None:
             # A pause or a cancel counts a claimed attempt as started. One that
             # waited (a stream source claims what its records name, whatever the
             # kind's room) may have waited past one: given back instead, the
-            # hold trigger keeps it for its run.
+            # hold trigger keeps it for its run. (Asked last, just before the call.)
             try:
                 holds = await self.store.run_holds(effect.run_id, effect.id)
             except Exception as exc:
@@ -256,12 +262,6 @@ class DeliveryDaemon:
                 )
                 self._record(released(effect, "its run holds its effects: not called"))
                 return
-        try:
-            attempt = await self.store.with_payload(effect)
-        except Exception as exc:  # the payload is read again with the next attempt
-            log.warning("effect %s: its payload could not be read: %s", effect.id, exc)
-            self._record(released(effect, f"payload could not be read: {exc}", delay=1.0))
-            return
         try:
             completion, outcome = await perform_attempt(
                 self.deliverers[effect.kind],
@@ -357,7 +357,7 @@ class DeliveryDaemon:
     async def _flush(self) -> None:
         while self._done:
             await self._linger()
-            batch, self._done = self._done, []
+            batch, self._done = one_per_effect(self._done)
             maintenance = self._maintenance
             writing = Writing(
                 self._writer,

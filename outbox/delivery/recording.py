@@ -50,7 +50,15 @@ from outbox.storage.attempts import (
 )
 from outbox.storage.sql.queue import EFFECT_QUEUE, Rate
 
-__all__ = ["ClaimRider", "OutcomeWriter", "Ride", "Written", "is_transient", "substitute"]
+__all__ = [
+    "ClaimRider",
+    "OutcomeWriter",
+    "Ride",
+    "Written",
+    "is_transient",
+    "one_per_effect",
+    "substitute",
+]
 
 log = logging.getLogger(__name__)
 
@@ -286,3 +294,19 @@ class OutcomeWriter:
                     return written
                 written.abandoned[poison.effect_id] = describe(exc)
         return written
+
+
+def one_per_effect(done: list[Completion]) -> tuple[list[Completion], list[Completion]]:
+    """A batch naming each effect once, and the rest (written by the next batch).
+
+    Two attempts of one effect (the first's lease lost, the effect claimed again
+    here) may end together; a write reports outcomes by effect, so each goes in
+    a batch of its own.
+    """
+    batch: list[Completion] = []
+    later: list[Completion] = []
+    seen: set[UUID] = set()
+    for completion in done:
+        (later if completion.effect_id in seen else batch).append(completion)
+        seen.add(completion.effect_id)
+    return batch, later

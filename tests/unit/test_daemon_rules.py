@@ -445,6 +445,39 @@ def test_an_effect_claimed_again_while_its_lost_attempt_runs_is_two_attempts() -
     assert daemon.leases._running["k.c"] == 0
 
 
+def test_two_attempts_of_one_effect_ending_together_are_each_counted_with_their_own() -> None:
+    """Attempt 1 (its lease lost) and attempt 2 answer at once: a write reports
+    outcomes by effect, so they go in two batches and each is counted as what it
+    was (in one batch both were counted succeeded, the stale one never)."""
+    store = InMemoryStore()
+    effect = store.add("k.c", {"n": 0})
+    answer = asyncio.Event()
+
+    async def both_wait(delivery: Delivery) -> Outcome:
+        await answer.wait()
+        return Failed("late answer") if delivery.attempt == 1 else Succeeded()
+
+    sink = Scripted("k.c", both_wait, concurrency=2)
+
+    async def scenario(daemon: DeliveryDaemon) -> None:
+        await until(lambda: sink.running == 1)
+        row = store.effects[effect]
+        row.status, row.lease_owner, row.lease_expires_at = EffectStatus.PENDING, None, None
+        row.available_at = 0.0
+        await until(lambda: sink.running == 2)
+        answer.set()
+        await until(lambda: len(store.effects[effect].outcomes) == 2)
+        await until(lambda: len(daemon.leases) == 0)
+
+    daemon = run(store, {"k.c": sink}, scenario, lease_seconds=5.0)
+    counted = {
+        o: daemon.metrics.attempts.labels(kind="k.c", outcome=o)._value.get()
+        for o in ("succeeded", "stale")
+    }
+    assert store.status(effect) == EffectStatus.SUCCEEDED
+    assert counted == {"succeeded": 1.0, "stale": 1.0}
+
+
 class Greedy(PollSource):
     """Takes two of each kind whatever the room, as a Kafka source takes what its records name."""
 

@@ -361,13 +361,16 @@ $$;
 -- to commit and draws a seq after its. Taken by every writer of intents
 -- (outbox_write_step, outbox_intend_all); only intents with a key pay for it.
 -- The two-key form's first key (0x6F6B) keeps these apart from other advisory
--- locks. On Citus a lock is the node's: it orders the writers of a key on its
--- shard's node, as far as a claim orders their effects (docs/howto/citus.md).
+-- locks. The locks are taken in the order of what is locked, the keys' hashes
+-- (two keys may share one): in the keys' own order, writers of k1 < k2 and of
+-- k2 < k3 with hashtext(k1) = hashtext(k3) took two locks in opposite orders.
+-- On Citus a lock is the node's: it orders the writers of a key on its shard's
+-- node, as far as a claim orders their effects (docs/howto/citus.md).
 CREATE OR REPLACE FUNCTION outbox_lock_ordering_keys(p_intents jsonb) RETURNS void
     LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_advisory_xact_lock(28523, hashtext(k.key))
-       FROM (SELECT DISTINCT i->>'ordering_key' AS key
+    PERFORM pg_advisory_xact_lock(28523, k.hash)
+       FROM (SELECT DISTINCT hashtext(i->>'ordering_key') AS hash
                FROM jsonb_array_elements(p_intents) AS i
               WHERE jsonb_typeof(i->'ordering_key') = 'string'
               ORDER BY 1) AS k;
