@@ -1,18 +1,24 @@
-"""Large values by reference on the delivery side: claims return the reference, calls get the value.
+"""Large values by reference: claims return the reference, calls get the value.
 
 A claim never reads a blob (its rows stay small, whatever the payload); the
-daemon reads one payload just before calling the deliverer with it.
+daemon reads one payload just before calling the deliverer with it. A wait
+that records a reference keeps the value for its run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
+
+from sqlalchemy import text
 
 from deliverers.testing import RecordingDeliverer
 from outbox import Outbox
 from outbox.blobs import is_reference
+from outbox.shards import on_shard, shard_of
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine
+from outbox.storage.run_tx import RunTx
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.support import DaemonThread, wait_for
 
@@ -49,3 +55,30 @@ def test_the_daemon_delivers_a_large_payload_whole(ob: Outbox, dsn: str) -> None
         wait_for(lambda: len(ob.effects(status="succeeded")) == 3, timeout=60)
     assert sorted(d.payload["n"] for d in recorder.deliveries) == [0, 1, 2]
     assert all(d.payload["document"] == BIG["document"] for d in recorder.deliveries)
+
+
+def test_a_wait_that_records_another_owners_stored_value_keeps_it_for_its_run(
+    ob: Outbox,
+) -> None:
+    """``outbox_complete_wait`` may be handed a reference to a value another run stored
+    (on the run's shard): the run uses it from then on, so ``outbox gc`` keeps it
+    (no reference of the run was recorded, and gc could take it from under the run)."""
+    stored = ob.start_run("blob-owner", "1")
+    stored.transaction("big", lambda tx: {"document": "y" * 20_000})
+    reader = ob.start_run("blob-reader", "1", run_id=on_shard(uuid.uuid4(), shard_of(stored.id)))
+    with ob.engine.begin() as conn:
+        reference = conn.execute(
+            text("SELECT result FROM outbox_steps WHERE run_id = :r AND step_id = 'big'"),
+            {"r": stored.id},
+        ).scalar_one()
+        assert is_reference(reference)
+        tx = RunTx(conn)
+        tx.record_wait(reader.id, "w", kind="sleep", seconds=3600, until=None, detail={})
+        tx.complete_wait(reader.id, "w", result=reference)
+    with ob.engine.connect() as conn:
+        owners = conn.execute(
+            text("SELECT owner FROM outbox_blob_refs WHERE sha256 = :sha ORDER BY owner"),
+            {"sha": reference["__outbox_blob__"]["sha256"]},
+        ).scalars()
+        assert set(owners) == {stored.id, reader.id}
+    assert ob.verify_run(reader.id) == []

@@ -61,6 +61,13 @@ BEGIN
            hash = head
      WHERE s.run_id = p_run_id AND s.shard = p_shard AND s.step_id = p_step_id
     RETURNING s.seq, s.completed_at INTO step_seq, completed_at;
+    -- a value recorded by reference is one the run uses now, whoever stored it:
+    -- `outbox gc` keeps it while the run is kept (the link above read it, so it is here)
+    INSERT INTO outbox_blob_refs AS f (owner, sha256, shard)
+    SELECT p_run_id, v.sha, p_shard
+      FROM (VALUES (outbox_reference_sha(p_result)), (outbox_reference_sha(p_error))) AS v(sha)
+     WHERE v.sha IS NOT NULL
+    ON CONFLICT ON CONSTRAINT outbox_blob_refs_pkey DO NOTHING;
 END
 $$;
 
