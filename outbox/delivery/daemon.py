@@ -219,6 +219,18 @@ class DeliveryDaemon:
 
     # -- one delivery -------------------------------------------------------------
 
+    def _not_called(self, effect: ClaimedEffect, level: int, logged: str, why: str) -> None:
+        """Give a held attempt back uncalled (logged at ``level``); ``why`` goes in its record."""
+        log.log(
+            level,
+            "effect %s attempt %d: %s; not called",
+            effect.id,
+            effect.attempt,
+            logged,
+            extra={"effect_id": str(effect.id), "attempt": effect.attempt},
+        )
+        self._record(released(effect, f"{why}: not called"))
+
     async def _deliver(self, effect: ClaimedEffect) -> None:
         if self._stopping.is_set():
             self._record(released(effect, "released unstarted at shutdown"))
@@ -228,13 +240,12 @@ class DeliveryDaemon:
             # a reconciler that took it over redelivers or asks the sink, so a call
             # here could be a second one. Given back unstarted; fenced, so it is
             # logged as stale if the lease is indeed no longer ours.
-            log.warning(
-                "effect %s attempt %d: lease lost while it waited; not called",
-                effect.id,
-                effect.attempt,
-                extra={"effect_id": str(effect.id), "attempt": effect.attempt},
+            self._not_called(
+                effect,
+                logging.WARNING,
+                "lease lost while it waited",
+                "lease lost before the call started",
             )
-            self._record(released(effect, "lease lost before the call started: not called"))
             return
         try:
             attempt = await self.store.with_payload(effect)
@@ -253,14 +264,12 @@ class DeliveryDaemon:
                 self._record(released(effect, f"its run could not be read: {exc}", delay=1.0))
                 return
             if holds:
-                log.info(
-                    "effect %s attempt %d: its run was paused or stopped while it waited;"
-                    " not called",
-                    effect.id,
-                    effect.attempt,
-                    extra={"effect_id": str(effect.id), "attempt": effect.attempt},
+                self._not_called(
+                    effect,
+                    logging.INFO,
+                    "its run was paused or stopped while it waited",
+                    "its run holds its effects",
                 )
-                self._record(released(effect, "its run holds its effects: not called"))
                 return
         try:
             completion, outcome = await perform_attempt(

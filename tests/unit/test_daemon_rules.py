@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+from uuid import UUID
 
 import pytest
 
@@ -409,6 +410,13 @@ def test_an_outcome_after_the_lease_was_taken_over_is_stale_and_changes_nothing(
     assert (row.status, row.attempt, row.lease_owner) == ("in_flight", 2, "someone-else")
 
 
+def given_back(store: InMemoryStore, effect: UUID) -> None:
+    """A reconciler gave the attempt back (its lease ran out, say): pending again, due now."""
+    row = store.effects[effect]
+    row.status, row.lease_owner, row.lease_expires_at = EffectStatus.PENDING, None, None
+    row.available_at = 0.0
+
+
 def test_an_effect_claimed_again_while_its_lost_attempt_runs_is_two_attempts() -> None:
     """Its lease lost and the effect pending again, this daemon claims it as attempt 2
     while attempt 1 still runs: each is released by its own outcome, and the kind's
@@ -428,10 +436,7 @@ def test_an_effect_claimed_again_while_its_lost_attempt_runs_is_two_attempts() -
 
     async def scenario(daemon: DeliveryDaemon) -> None:
         await until(lambda: sink.running == 1)
-        row = store.effects[effect]
-        # a reconciler gave the attempt back (its lease ran out, say): pending again
-        row.status, row.lease_owner, row.lease_expires_at = EffectStatus.PENDING, None, None
-        row.available_at = 0.0
+        given_back(store, effect)
         await until(lambda: store.status(effect) == EffectStatus.SUCCEEDED)
         assert [d.attempt for d in sink.calls] == [1, 2]
         late.set()
@@ -461,9 +466,7 @@ def test_two_attempts_of_one_effect_ending_together_are_each_counted_with_their_
 
     async def scenario(daemon: DeliveryDaemon) -> None:
         await until(lambda: sink.running == 1)
-        row = store.effects[effect]
-        row.status, row.lease_owner, row.lease_expires_at = EffectStatus.PENDING, None, None
-        row.available_at = 0.0
+        given_back(store, effect)
         await until(lambda: sink.running == 2)
         answer.set()
         await until(lambda: len(store.effects[effect].outcomes) == 2)
