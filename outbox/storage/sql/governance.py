@@ -350,23 +350,29 @@ def recorded_result() -> AnySelect:
 # -- audit ------------------------------------------------------------------------------
 
 
+def _stored(column: Any, shard: Any) -> Any:
+    """The text of the blob a reference names, on ``shard`` (NULL for a value, or one gone).
+
+    Given as the statement's own shard (a parameter), not the row's column, Citus
+    routes even a ``FOR UPDATE`` to that one shard: the value's owner keeps it there.
+    """
+    return (
+        select(blobs.c.data)
+        .where(blobs.c.shard == shard, blobs.c.sha256 == func.outbox_reference_sha(column))
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
 def _value_text(column: Any, shard: Any) -> Any:
     """The text a link hashes for a stored value: its own, or its blob's as stored (v3 links).
 
     (``outbox_value_text``'s, read here unchecked: the audit hashes every
     referenced blob itself and reports an altered or missing one as a break,
     rather than stop at the first; a reference whose blob is gone keeps its own
-    text, which no link matches.) The blob is read on ``shard``, where the
-    value's owner keeps it: given as the statement's own shard (a parameter), not
-    the row's column, Citus routes even a ``FOR UPDATE`` to that one shard.
+    text, which no link matches.)
     """
-    stored = (
-        select(blobs.c.data)
-        .where(blobs.c.shard == shard, blobs.c.sha256 == func.outbox_reference_sha(column))
-        .limit(1)
-        .scalar_subquery()
-    )
-    return func.coalesce(stored, column.cast(Text))
+    return func.coalesce(_stored(column, shard), column.cast(Text))
 
 
 def _rendered_text(column: Any, shard: Any) -> Any:
@@ -375,12 +381,7 @@ def _rendered_text(column: Any, shard: Any) -> Any:
     What a wait's or a fork's link hashed before migration 0036, for a value the
     client stored as canonical JSON: such links still verify by it.
     """
-    return (
-        select(blobs.c.data.cast(JSONB).cast(Text))
-        .where(blobs.c.shard == shard, blobs.c.sha256 == func.outbox_reference_sha(column))
-        .limit(1)
-        .scalar_subquery()
-    )
+    return _stored(column, shard).cast(JSONB).cast(Text)
 
 
 def _effect_texts(shard: Any) -> list[Any]:
