@@ -249,6 +249,8 @@ class RolesReport(Report):
     """``outbox roles --json``."""
 
     roles: list[RoleLine]
+    #: The namespace the roles are confined to (``--namespace``); None: every namespace.
+    namespace: str | None = None
 
 
 class RunListReport(RootModel[list[RunRecord]]):

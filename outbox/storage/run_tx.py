@@ -468,10 +468,18 @@ class RunTx:
             "from_step": from_step,
             "version": version,
         }
-        self._run(control.fork_run(), params).one()
+        # read, then written as values (control.fork_run says why)
+        self._run(
+            control.fork_insert("runs"), self._run(control.fork_run(), params).one()._asdict()
+        )
         self.connection.execute(notify(RUNS_CHANNEL))
-        self._run(control.fork_steps(), params)
-        self._run(control.fork_ledger(), params)
+        for table, rows in (
+            ("steps", control.fork_steps()),
+            ("budget_ledger", control.fork_ledger()),
+        ):
+            copied = [row._asdict() for row in self._run(rows, params)]
+            if copied:
+                self.connection.execute(control.fork_insert(table), copied)
         # the blobs first: the chain's writer reads the fork's own shard only
         self._run(blob_sql.copy_refs(), {"from_owner": original, "to_owner": fork})
         chained = list(self._run(control.fork_chained(), params).scalars())

@@ -20,7 +20,14 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
 from deliverers.testing import RecordingDeliverer
-from outbox import DatabaseError, EffectStatus, Outbox, RunStatus, StepTransaction
+from outbox import (
+    DatabaseError,
+    EffectNotFound,
+    EffectStatus,
+    Outbox,
+    RunStatus,
+    StepTransaction,
+)
 from outbox.cli import cli
 from outbox.shards import SHARDS, on_shard, shard_of
 from outbox.storage.citus import DELEGATED, distribute
@@ -130,3 +137,47 @@ def test_an_operator_login_cancels_and_a_reader_changes_nothing(
             assert operator.cancel(run.id, "not needed", by="ops") == RunStatus.CANCELLED
     denied(logins["reader"], "UPDATE outbox_runs SET status = 'running'")
     assert {ob.run(r.id).status for r in runs} == {RunStatus.CANCELLED}
+
+
+def test_an_agent_cannot_insert_an_effect_that_never_ran_its_intents_and_compensations_go_in(
+    ob: Outbox,
+    logins: dict[str, str],  # noqa: F811
+) -> None:
+    """The checks on a login's inserts into outbox_effects hold on the shards.
+
+    (Citus 14.0.1 creates a restrictive policy on the shards as a permissive one:
+    before the policies were all permissive, an agent login inserted an effect
+    already succeeded, one a sink never saw.)
+    """
+    forged = uuid.uuid4()
+    denied(
+        logins["agent"],
+        "INSERT INTO outbox_effects (id, shard, kind, payload, payload_hash, idempotency_key,"
+        " status) VALUES (%(id)s, %(s)s, 'k.x', '{}', 'h', 'forged', 'succeeded')",
+        {"id": forged, "s": shard_of(forged)},
+    )
+    with Outbox.connect(logins["agent"]) as agent:
+        # an intent of no run, and a run's with a compensation, go in as the agent's
+        with agent.transaction() as tx:
+            runless = tx.intend("k.bill", {"n": 0}).id
+        run = agent.start_run("billing", "1")
+        charged = uuid.UUID(
+            run.transaction(
+                "charge",
+                lambda tx: str(tx.intend("k.bill", {"n": 1}, compensate=("k.refund", {"n": 1})).id),
+            )
+        )
+    sink = RecordingDeliverer("k.bill")
+    refunds = RecordingDeliverer("k.refund")
+    with DaemonThread(
+        logins["deliverer"], {"k.bill": sink, "k.refund": refunds}, poll_seconds=0.05
+    ):
+        wait_for(lambda: ob.effect(charged).status == EffectStatus.SUCCEEDED)
+        with Outbox.connect(logins["operator"]) as operator:
+            operator.cancel(run.id, "refund it", by="ops")
+        # the deliverer login intends the declared refund and delivers it
+        wait_for(lambda: ob.run(run.id).status == RunStatus.COMPENSATED, timeout=30)
+    assert [d.payload for d in refunds.deliveries] == [{"n": 1}]
+    assert ob.effect(runless).status == EffectStatus.SUCCEEDED
+    with pytest.raises(EffectNotFound):
+        ob.effect(forged)

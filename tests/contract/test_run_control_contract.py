@@ -295,6 +295,35 @@ def test_a_failed_run_forks_from_the_step_it_failed_at(ob: Outbox) -> None:
         ob.fork(run.id, "no-such-step")
 
 
+def test_a_forks_copied_rows_keep_every_digit_of_a_recorded_number(ob: Outbox) -> None:
+    # The fork's rows are read and written back as values: a number a step
+    # recorded (PostgreSQL's numeric in jsonb keeps its scale) is copied as text,
+    # not through a Python float (1.10 would come back as 1.1).
+    recorded = '{"qty": 2.500, "price": 1.10}'  # as jsonb renders it
+    run = ob.start_run("agent", "1", {"n": 1})
+    with ob.engine.begin() as conn:
+        # what a client with exact decimals (the SQL API, the TypeScript client) records
+        conn.execute(
+            text(
+                "SELECT * FROM outbox_commit_step(:id, 'quote', result => CAST(:r AS jsonb),"
+                " state => CAST(:r AS jsonb))"
+            ),
+            {"id": run.id, "r": recorded},
+        )
+    run.call("charge", lambda: 1)
+    fork = ob.fork(run.id, "charge")
+    with ob.engine.connect() as conn:
+        copied = conn.execute(
+            text(
+                "SELECT s.result::text, s.state::text, r.state::text FROM outbox_steps s"
+                " JOIN outbox_runs r ON r.id = s.run_id WHERE s.run_id = :id"
+            ),
+            {"id": fork.id},
+        ).one()
+    assert list(copied) == [recorded] * 3
+    assert ob.verify_run(fork.id) == []
+
+
 # -- large values by reference ----------------------------------------------------------
 
 

@@ -51,12 +51,20 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from outbox.errors import ValidationError
-from outbox.models import LIVE_RUN_STATUSES, STOPPING_RUN_STATUSES, EffectStatus
+from outbox.models import EffectStatus
 from outbox.storage.engine import translate_errors
 from outbox.storage.schema import metadata
 from outbox.storage.sql.common import sql_in
 
-__all__ = ["ROLES", "STEP_WRITERS", "RoleSpec", "apply_roles", "grants_markdown", "role_script"]
+__all__ = [
+    "ROLES",
+    "STEP_WRITERS",
+    "RoleSpec",
+    "apply_roles",
+    "grants_markdown",
+    "namespace_prefix",
+    "role_script",
+]
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 
@@ -154,6 +162,34 @@ STEP_WRITERS = (
 
 _READ_ALL = {t: ("SELECT",) for t in metadata.tables}
 
+# What a login confined to a namespace may touch of each run-scoped table: the
+# namespace's rows, its runs', its effects'. (A constant in the policy: a column
+# compared with it costs nothing; a row that names only its run costs a lookup.)
+_CONFINED = {
+    "outbox_runs": "namespace = {ns}",
+    "outbox_effects": "namespace = {ns}",
+    "outbox_run_keys": "namespace = {ns}",
+    "outbox_effect_keys": "namespace = {ns}",
+    "outbox_steps": "{schema}.outbox_row_in_namespace('outbox_runs', shard, run_id, {ns})",
+    "outbox_signals": "{schema}.outbox_row_in_namespace('outbox_runs', shard, run_id, {ns})",
+    "outbox_budget_ledger": "{schema}.outbox_row_in_namespace('outbox_runs', shard, run_id, {ns})",
+    "outbox_effect_attempts": (
+        "{schema}.outbox_row_in_namespace('outbox_effects', shard, effect_id, {ns})"
+    ),
+}
+_OLD_CHECKS = (
+    "outbox_is_declared_compensation(uuid, uuid, text, jsonb)",
+    "outbox_gates_clear(text, jsonb, text, jsonb)",
+    "outbox_run_takes_intent(uuid, text)",
+)
+# Marker roles, whoever the prefix: every role confined to a namespace is in
+# CONFINED, every role whose inserts into outbox_effects are checked in INTENDING.
+CONFINED = "outbox_confined"
+INTENDING = "outbox_intending"
+# Configuration every namespace shares: a confined login reads it, changes none of it.
+_SHARED_CONFIG = ("outbox_gates",)
+_NAMESPACE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+
 ROLES: tuple[RoleSpec, ...] = (
     RoleSpec(
         "agent",
@@ -248,19 +284,28 @@ def _check(name: str, value: str) -> str:
     return value
 
 
-def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
+def namespace_prefix(namespace: str) -> str:
+    """The role prefix ``outbox roles --namespace`` uses by default: ``outbox_<namespace>_``."""
+    return "outbox_" + re.sub(r"[.-]", "_", namespace) + "_"
+
+
+def role_script(
+    prefix: str = "outbox_", schema: str = "public", namespace: str | None = None
+) -> list[str]:
     """The statements that create (or bring up to date) the four roles, in order.
 
-    Run them in one transaction as the owner of the outbox tables (or a superuser).
+    With ``namespace``, the four roles (named with ``prefix``) are confined to it:
+    see ``_confinement``. Run them in one transaction as the owner of the outbox
+    tables (or a superuser).
     """
     prefix = _check("prefix", prefix)
     schema = _check("schema", schema)
+    if namespace is not None and not _NAMESPACE.match(namespace):
+        raise ValidationError("namespace", namespace, f"must match {_NAMESPACE.pattern}")
     names = {spec.suffix: f"{prefix}{spec.suffix}" for spec in ROLES}
     tables = [f"{schema}.{name}" for name in metadata.tables]
-    fn = f"{schema}.outbox_is_declared_compensation"
     out: list[str] = []
-    for spec in ROLES:
-        role = names[spec.suffix]
+    for role in (*names.values(), CONFINED, INTENDING):
         out.append(
             "DO $$ BEGIN\n"
             f"    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN\n"
@@ -275,10 +320,13 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
         "current_database()); END $$"
     )
     out.append(f"GRANT USAGE ON SCHEMA {schema} TO {every}")
+    out.append(f"GRANT {INTENDING} TO {names['agent']}, {names['deliverer']}, {names['operator']}")
     # Brought to exactly these grants: whatever an earlier version granted goes first.
     out.append(f"REVOKE ALL ON {', '.join(tables)} FROM {every}")
     for spec in ROLES:
         for table, privileges in spec.grants.items():
+            if namespace is not None and table in _SHARED_CONFIG:
+                privileges = ("SELECT",)
             out.append(f"GRANT {', '.join(privileges)} ON {schema}.{table} TO {names[spec.suffix]}")
     # The SQL API's wake-up throttle (0007) reads and moves these; an agent calls it.
     clocks = ", ".join(f"{schema}.{name}" for name in sorted(metadata._sequences))
@@ -302,39 +350,8 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
     writers = ", ".join(f"{schema}.{w}" for w in STEP_WRITERS)
     out.append(f"REVOKE ALL ON FUNCTION {writers} FROM PUBLIC, {every}")
     out.append(f"GRANT EXECUTE ON FUNCTION {writers} TO {names['agent']}")
-    # Who may insert into outbox_effects, and what.
-    stopping = sql_in("r.status", STOPPING_RUN_STATUSES)
-    out.append(
-        f"CREATE OR REPLACE FUNCTION {fn}(original uuid, run uuid, comp_kind text, "
-        "comp_payload jsonb)\n"
-        "RETURNS boolean LANGUAGE sql STABLE SECURITY DEFINER\n"
-        # pg_temp last: unnamed, it is searched first, and a caller's temporary
-        # outbox_effects would answer for the real one
-        f"SET search_path = pg_catalog, {schema}, pg_temp AS $$\n"
-        "    SELECT EXISTS (\n"
-        "        SELECT 1 FROM outbox_effects o JOIN outbox_runs r ON r.id = o.run_id\n"
-        "         WHERE o.id = original AND o.run_id = run AND o.compensates IS NULL\n"
-        f"           AND o.status = '{EffectStatus.SUCCEEDED}' AND {stopping}\n"
-        "           AND o.compensate ->> 'kind' = comp_kind\n"
-        "           AND o.compensate -> 'payload' = comp_payload)\n"
-        "$$"
-    )
-    out.append(
-        "DO $$ BEGIN EXECUTE format('ALTER FUNCTION "
-        f"{fn}(uuid, uuid, text, jsonb) OWNER TO %I', "
-        f"(SELECT tableowner FROM pg_tables WHERE schemaname = '{schema}' "
-        "AND tablename = 'outbox_effects')); END $$"
-    )
-    out.append(f"REVOKE ALL ON FUNCTION {fn}(uuid, uuid, text, jsonb) FROM PUBLIC")
-    out.append(f"GRANT EXECUTE ON FUNCTION {fn}(uuid, uuid, text, jsonb) TO {every}")
+    # Who may insert into outbox_effects, and what (functions/insert_checks.sql).
     effects = f"{schema}.outbox_effects"
-    out.append(f"ALTER TABLE {effects} ENABLE ROW LEVEL SECURITY")
-    # Other roles a deployment already uses keep seeing and writing every row.
-    out.append(f"DROP POLICY IF EXISTS outbox_every_row ON {effects}")
-    out.append(
-        f"CREATE POLICY outbox_every_row ON {effects} AS PERMISSIVE FOR ALL TO PUBLIC "
-        "USING (true) WITH CHECK (true)"
-    )
     # An intent commits pending, held by an approval gate (awaiting_approval), or
     # paused for a paused run's step (outbox.runs.control).
     intended = (EffectStatus.PENDING, EffectStatus.AWAITING_APPROVAL, EffectStatus.PAUSED)
@@ -343,50 +360,117 @@ def role_script(prefix: str = "outbox_", schema: str = "public") -> list[str]:
         "AND attempt = 0 AND lease_owner IS NULL AND result IS NULL "
         "AND completed_at IS NULL AND awaited_by IS NULL"
     )
-    # A row no configured gate holds, or one held for approval: a hand-written INSERT
-    # is judged by the gates as the step's statement judges an intent.
     # (Functions of the row's columns, not expressions in the policy: Citus cannot
     # propagate a policy with a sub-select or a nested call.)
-    clears = f"{schema}.outbox_gates_clear"
+    gated = f"{schema}.outbox_intent_gated(kind, payload, status, approval, shard)"
+    of_live_run = f"{schema}.outbox_intent_of_live_run(run_id, status)"
+    declared = f"{schema}.outbox_compensation_declared(compensates, run_id, kind, payload)"
+    # One policy per prefix (another prefix's roles keep theirs), permissive: Citus
+    # 14.0.1 creates a restrictive policy on the shards as a permissive one, where
+    # it would add nothing to the others (an agent login inserted a succeeded effect).
+    intents = f"{prefix}intents"
+    own_namespace = "" if namespace is None else f" AND namespace = '{namespace}'"
+    out.append(f"DROP POLICY IF EXISTS {intents} ON {effects}")
     out.append(
-        f"CREATE OR REPLACE FUNCTION {clears}(kind text, payload jsonb, effect_status text, "
-        "approval jsonb) RETURNS boolean\n"
-        f"LANGUAGE sql STABLE SET search_path = pg_catalog, {schema}, pg_temp AS $$\n"
-        f"    SELECT effect_status = '{EffectStatus.AWAITING_APPROVAL}' AND approval IS NOT NULL\n"
-        "        OR outbox_gate_hold(kind, outbox_resolve(payload)) IS NULL\n"
-        "$$"
-    )
-    gated = f"{clears}(kind, payload, status, approval)"
-    # An agent's intent of a run: the run takes intents (a paused one, held ones).
-    live = sql_in("r.status", LIVE_RUN_STATUSES)
-    takes = f"{schema}.outbox_run_takes_intent"
-    out.append(
-        f"CREATE OR REPLACE FUNCTION {takes}(run uuid, effect_status text) RETURNS boolean\n"
-        f"LANGUAGE sql STABLE SET search_path = pg_catalog, {schema}, pg_temp AS $$\n"
-        "    SELECT run IS NULL OR EXISTS (\n"
-        "        SELECT 1 FROM outbox_runs r WHERE r.id = run AND r.shard = outbox_shard_of(run)\n"
-        f"           AND {live}\n"
-        f"           AND (r.paused_at IS NULL OR effect_status <> '{EffectStatus.PENDING}'))\n"
-        "$$"
-    )
-    of_live_run = f"{takes}(run_id, status)"
-    out.append(f"DROP POLICY IF EXISTS outbox_intents ON {effects}")
-    out.append(
-        f"CREATE POLICY outbox_intents ON {effects} AS RESTRICTIVE FOR INSERT "
+        f"CREATE POLICY {intents} ON {effects} AS PERMISSIVE FOR INSERT "
         f"TO {names['agent']}, {names['deliverer']}, {names['operator']}\n"
-        f"WITH CHECK ({fresh} AND {gated} AND (\n"
+        f"WITH CHECK ({fresh} AND {gated}{own_namespace} AND (\n"
         f"    (compensates IS NULL AND pg_has_role(current_user, '{names['agent']}', 'USAGE')\n"
         f"     AND {of_live_run})\n"
-        f"    OR (compensates IS NOT NULL AND {fn}(compensates, run_id, kind, payload))))"
+        f"    OR (compensates IS NOT NULL AND {declared})))"
     )
+    # the checks' functions `outbox roles` made before migration 0038
+    for old in _OLD_CHECKS:
+        out.append(
+            f"DO $$ BEGIN DROP FUNCTION IF EXISTS {schema}.{old}; "
+            "EXCEPTION WHEN insufficient_privilege OR dependent_objects_still_exist THEN NULL;"
+            " END $$"
+        )
     # (an UPDATE policy of 0035 before its release; outbox_effects_hold_paused does it)
     out.append(f"DROP POLICY IF EXISTS outbox_ended_effects ON {effects}")
+    out.extend(_every_row(schema))
+    out.extend(_confinement(prefix, schema, names, namespace))
     return out
 
 
-def apply_roles(engine: Engine, prefix: str = "outbox_", schema: str = "public") -> list[str]:
+def _every_row(schema: str) -> list[str]:
+    """Every run-scoped table's policies for roles not confined to a namespace.
+
+    They see, change and delete every row, as without row-level security; they
+    insert every row but into ``outbox_effects``, where the agents', deliverers'
+    and operators' inserts are checked (the intents policy of each prefix).
+    """
+    free = f"NOT pg_has_role(current_user, '{CONFINED}', 'USAGE')"
+    unchecked = f"{free} AND NOT pg_has_role(current_user, '{INTENDING}', 'USAGE')"
+    out = []
+    for table in _CONFINED:
+        target = f"{schema}.{table}"
+        inserts = unchecked if table == "outbox_effects" else free
+        out.append(f"ALTER TABLE {target} ENABLE ROW LEVEL SECURITY")
+        for command, using, check in (
+            ("SELECT", free, None),
+            ("UPDATE", free, free),
+            ("DELETE", free, None),
+            ("INSERT", None, inserts),
+        ):
+            out.append(f"DROP POLICY IF EXISTS {_policy('outbox_every_row', command)} ON {target}")
+            out.append(
+                f"CREATE POLICY {_policy('outbox_every_row', command)} ON {target} "
+                f"AS PERMISSIVE FOR {command} TO PUBLIC"
+                + (f" USING ({using})" if using else "")
+                + (f" WITH CHECK ({check})" if check else "")
+            )
+    return out
+
+
+def _policy(name: str, command: str) -> str:
+    """A policy's name for one command (SELECT keeps the bare name, as before 0038)."""
+    return name if command == "SELECT" else f"{name}_{command.lower()}"
+
+
+def _confinement(
+    prefix: str, schema: str, names: dict[str, str], namespace: str | None
+) -> list[str]:
+    """Confine the four roles to ``namespace`` (or free them of any, when None).
+
+    Each is a member of ``CONFINED`` (so no policy for free roles lets it
+    through) and carries the setting ``outbox.namespace`` (the step writers
+    read it from the catalog, functions/namespaces.sql); every run-scoped table
+    gets a policy per command for the four: a row of the namespace, or of one of
+    its runs or effects. Their inserts into ``outbox_effects`` are the intents
+    policy's, which names the namespace too.
+    """
+    roles = ", ".join(names.values())
+    out = [f"REVOKE {CONFINED} FROM {roles}"]
+    if namespace is not None:
+        out.append(f"GRANT {CONFINED} TO {roles}")
+    for role in names.values():
+        if namespace is None:
+            out.append(f"ALTER ROLE {role} RESET outbox.namespace")
+        else:
+            out.append(f"ALTER ROLE {role} SET outbox.namespace = '{namespace}'")
+    for table, of_namespace in _CONFINED.items():
+        target = f"{schema}.{table}"
+        check = of_namespace.format(schema=schema, ns=f"'{namespace}'")
+        for command in ("SELECT", "UPDATE", "DELETE", "INSERT"):
+            policy = _policy(f"{prefix}namespace", command)
+            out.append(f"DROP POLICY IF EXISTS {policy} ON {target}")
+            if namespace is None or (command == "INSERT" and table == "outbox_effects"):
+                continue
+            using = "" if command == "INSERT" else f" USING ({check})"
+            with_check = f" WITH CHECK ({check})" if command in ("UPDATE", "INSERT") else ""
+            out.append(
+                f"CREATE POLICY {policy} ON {target} AS PERMISSIVE FOR {command} "
+                f"TO {roles}{using}{with_check}"
+            )
+    return out
+
+
+def apply_roles(
+    engine: Engine, prefix: str = "outbox_", schema: str = "public", namespace: str | None = None
+) -> list[str]:
     """Create or update the roles in one transaction; returns the role names."""
-    statements = role_script(prefix, schema)
+    statements = role_script(prefix, schema, namespace)
     with translate_errors("creating roles"), engine.begin() as conn:
         driver = conn.connection.driver_connection
         assert driver is not None

@@ -40,6 +40,7 @@ BEGIN
         PERFORM outbox_raise_not_step_writer();
     END IF;
     PERFORM outbox_shard_given(p_shard, p_run_id);
+    PERFORM outbox_confined_to_run(p_shard, p_run_id);
     SELECT s.kind, s.status INTO v_kind, v_status FROM outbox_steps AS s
      WHERE s.run_id = p_run_id AND s.shard = p_shard AND s.step_id = p_step_id FOR UPDATE;
     IF v_status = 'completed' THEN
@@ -97,6 +98,7 @@ BEGIN
         PERFORM outbox_raise_not_step_writer();
     END IF;
     PERFORM outbox_shard_given(p_shard, p_run_id);
+    PERFORM outbox_confined_to_run(p_shard, p_run_id);
     SELECT s.status INTO v_status FROM outbox_steps AS s
      WHERE s.run_id = p_run_id AND s.shard = p_shard AND s.step_id = p_step_id
        AND s.kind = 'signal' AND s.result->>'signal' = p_name FOR UPDATE;
@@ -148,6 +150,7 @@ BEGIN
         PERFORM outbox_raise_not_step_writer();
     END IF;
     PERFORM outbox_shard_given(p_shard, p_fork);
+    PERFORM outbox_confined_to_run(p_shard, p_fork);
     SELECT outbox_run_genesis(r.id, r.agent, r.inputs_hash), r.step_head, r.forked_from
       INTO head, chained_already, original
       FROM outbox_runs AS r WHERE r.id = p_fork AND r.shard = p_shard;

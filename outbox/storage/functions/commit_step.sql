@@ -83,6 +83,7 @@ BEGIN
             format('is not the shard of run_id %s (outbox_shard_of: %s)',
                    outbox_write_step.run_id, outbox_shard_of(outbox_write_step.run_id)));
     END IF;
+    PERFORM outbox_confined_to_run(outbox_write_step.shard, outbox_write_step.run_id);
     IF current_setting('outbox.tx_steps', true) <> '' OR spends IS NOT NULL
        OR step_kind IS NULL OR step_kind NOT IN ('transaction', 'call')
        OR outbox_step_id_refused(outbox_write_step.step_id)

@@ -27,13 +27,13 @@ from sqlalchemy import (
     cast,
     exists,
     func,
+    insert,
     literal_column,
     null,
     select,
     text,
 )
-from sqlalchemy.dialects.postgresql import UUID
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 from outbox.models import NOT_STARTED_EFFECT_STATUSES, EffectStatus
 from outbox.storage.schema import budget_ledger, effects, runs, steps
@@ -302,14 +302,17 @@ def fork_unsettled() -> AnySelect:
 
 @cache
 def fork_run() -> Any:
-    """Insert the fork of ``original`` as ``fork``: same agent, inputs, budget, priority.
+    """The row of the fork of ``original`` as ``fork``: same agent, inputs, budget, priority.
 
     Parameters: ``original``, ``fork``, ``cut`` (the seq of the step it restarts
     at; NULL: after every completed step), ``from_step``, ``version`` (NULL: the
     original's). Its state and plan are those the last copied step set (else
     the defaults), it has spent what the copied steps spent, and it starts
-    runnable (workers are told). Returns the fork's id; nothing when the
-    original does not exist.
+    runnable. No row when the original does not exist.
+
+    The fork's rows are read, then inserted as values (``fork_insert``): on Citus
+    an ``INSERT ... SELECT`` from another shard is a ``COPY``, which PostgreSQL
+    refuses into a table with row-level security (``outbox roles``).
     """
     spent = (
         select(func.coalesce(func.sum(budget_ledger.c.amount), 0))
@@ -323,94 +326,81 @@ def fork_run() -> Any:
         .limit(literal_column("1", Integer))
         .scalar_subquery()
     )
-    source = select(
-        _FORK,
+    return select(
+        _FORK.label("id"),
         runs.c.agent,
-        func.coalesce(bindparam("version", type_=Text), runs.c.agent_version),
-        runs.c.inputs,
+        func.coalesce(bindparam("version", type_=Text), runs.c.agent_version).label(
+            "agent_version"
+        ),
+        _as_text(runs.c.inputs),
         runs.c.inputs_hash,
-        const("runnable"),
-        func.coalesce(_last_set(steps.c.state), text("'{}'::jsonb")),
-        func.coalesce(_last_set(steps.c.plan), text("'[]'::jsonb")),
-        current,
+        const("runnable").label("status"),
+        _as_text(func.coalesce(_last_set(steps.c.state), text("'{}'::jsonb")), "state"),
+        _as_text(func.coalesce(_last_set(steps.c.plan), text("'[]'::jsonb")), "plan"),
+        current.label("current_step"),
         runs.c.budget,
-        cast(spent, Numeric),
+        cast(spent, Numeric).label("spent"),
         runs.c.priority,
         runs.c.fairness_key,
-        runs.c.id,
-        bindparam("from_step", type_=Text),
+        runs.c.id.label("forked_from"),
+        bindparam("from_step", type_=Text).label("forked_at_step"),
         # a dry run's fork is a dry run too: its new effects never reach a sink
         runs.c.dry_run,
-        shard_of(_FORK),
+        shard_of(_FORK).label("shard"),
         runs.c.namespace,
-        select(func.count()).select_from(steps).where(*_copied()).scalar_subquery(),
+        select(func.count())
+        .select_from(steps)
+        .where(*_copied())
+        .scalar_subquery()
+        .label("step_count"),
     ).where(runs.c.id == _ORIGINAL, runs.c.shard == shard_of(_ORIGINAL))
-    ins = (
-        pg_insert(runs)
-        .from_select(
-            [
-                "id",
-                "agent",
-                "agent_version",
-                "inputs",
-                "inputs_hash",
-                "status",
-                "state",
-                "plan",
-                "current_step",
-                "budget",
-                "spent",
-                "priority",
-                "fairness_key",
-                "forked_from",
-                "forked_at_step",
-                "dry_run",
-                "shard",
-                "namespace",
-                "step_count",
-            ],
-            source,
-        )
-        .returning(runs.c.id)
-        .cte("forked")
-    )
-    return select(ins.c.id)
 
 
 @cache
 def fork_steps() -> Any:
-    """Copy the original's steps before the cut to the fork, in order, results as recorded."""
-    return pg_insert(steps).from_select(
-        [
-            "run_id",
-            "shard",
-            "seq",
-            "step_id",
-            "kind",
-            "result",
-            "error",
-            "completed_at",
-            "status",
-            "state",
-            "plan",
-        ],
+    """The original's steps before the cut as the fork's, in order, results as recorded."""
+    return (
         select(
-            _FORK,
-            shard_of(_FORK),
+            _FORK.label("run_id"),
+            shard_of(_FORK).label("shard"),
             # numbered by the fork, as the original ordered them
-            func.row_number().over(order_by=steps.c.seq),
+            func.row_number().over(order_by=steps.c.seq).label("seq"),
             steps.c.step_id,
             steps.c.kind,
-            steps.c.result,
-            steps.c.error,
+            _as_text(steps.c.result),
+            _as_text(steps.c.error),
             steps.c.completed_at,
             steps.c.status,
-            steps.c.state,
-            steps.c.plan,
+            _as_text(steps.c.state),
+            _as_text(steps.c.plan),
         )
         .where(*_copied())
-        .order_by(steps.c.seq),
+        .order_by(steps.c.seq)
     )
+
+
+def _as_text(value: Any, name: str | None = None) -> Any:
+    """A JSON value read as PostgreSQL's text of it, to be written back exactly.
+
+    (Through Python a number would become a float: 0.1000000000000000055 would
+    replay as 0.1.)
+    """
+    return cast(value, Text).label(name or value.name)
+
+
+@cache
+def fork_insert(table: str) -> Any:
+    """Insert the rows ``fork_run``, ``fork_steps`` or ``fork_ledger`` read, as values."""
+    target = {"runs": runs, "steps": steps, "budget_ledger": budget_ledger}[table]
+    read = {"runs": fork_run, "steps": fork_steps, "budget_ledger": fork_ledger}[table]()
+    values: dict[str, Any] = {}
+    for name in [c.key for c in read.selected_columns]:
+        column = target.c[name]
+        if isinstance(column.type, JSONB):
+            values[name] = cast(bindparam(name, type_=Text), JSONB)
+        else:
+            values[name] = bindparam(name, type_=column.type)
+    return insert(target).values(values)
 
 
 @cache
@@ -438,15 +428,12 @@ def fork_chained() -> Any:
 
 @cache
 def fork_ledger() -> Any:
-    """The copied steps' debits, on the fork (a replayed step does not spend again)."""
-    return pg_insert(budget_ledger).from_select(
-        ["run_id", "shard", "step_id", "reason", "entry", "amount"],
-        select(
-            _FORK,
-            shard_of(_FORK),
-            budget_ledger.c.step_id,
-            budget_ledger.c.reason,
-            budget_ledger.c.entry,
-            budget_ledger.c.amount,
-        ).where(*_copied_debits()),
-    )
+    """The copied steps' debits, as the fork's (a replayed step does not spend again)."""
+    return select(
+        _FORK.label("run_id"),
+        shard_of(_FORK).label("shard"),
+        budget_ledger.c.step_id,
+        budget_ledger.c.reason,
+        budget_ledger.c.entry,
+        budget_ledger.c.amount,
+    ).where(*_copied_debits())

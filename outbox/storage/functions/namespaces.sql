@@ -1,0 +1,75 @@
+-- A login confined to a namespace (`outbox roles --namespace NS`): the group roles
+-- made for NS carry the role setting outbox.namespace=NS, and a login in one of
+-- them may touch only NS's runs, effects and what belongs to them. The tables'
+-- row-level security policies say so for statements a login sends itself (with
+-- NS as a constant: `outbox roles` writes them); these functions say so where a
+-- policy cannot: in the SECURITY DEFINER step writers, which run as the tables'
+-- owner, and for the tables that name their run but not its namespace.
+--
+-- The setting is read from the catalog, never from the session (a login may SET
+-- any outbox.* it likes), for the login (session_user) and for the role it SET
+-- ROLE to: a login cannot shed its confinement by switching to a group of its
+-- own. Superusers are confined by nothing (pg_has_role is true for them of every
+-- role). Catalogs are on every node, so on Citus this reads the same on a worker.
+
+-- The namespaces that confine this session: one per confining group role it is
+-- in (a login in two namespaces' groups may touch neither), NULL when none does.
+CREATE OR REPLACE FUNCTION outbox_session_namespaces() RETURNS text[]
+    LANGUAGE sql STABLE AS $$
+SELECT array_agg(DISTINCT substr(c.setting, length('outbox.namespace=') + 1))
+  FROM pg_catalog.pg_db_role_setting AS s, unnest(s.setconfig) AS c(setting)
+ WHERE s.setdatabase = 0 AND c.setting LIKE 'outbox.namespace=%'
+   AND EXISTS (SELECT FROM pg_catalog.pg_roles AS u
+                WHERE u.rolname IN (session_user, nullif(current_setting('role'), 'none'))
+                  AND NOT u.rolsuper AND pg_has_role(u.oid, s.setrole, 'USAGE'))
+$$;
+
+-- A step writer's (outbox_write_step, chain_writes.sql) check of its caller: the
+-- run p_run_id is in every namespace that confines the session, or permission is
+-- denied naming both. Nothing is read when nothing confines the session (a step
+-- pays one read of a small catalog). By dynamic SQL: planned per call on Citus,
+-- where a kept plan on a worker's shard grows (outbox_citus_plans_per_call).
+CREATE OR REPLACE FUNCTION outbox_confined_to_run(p_shard smallint, p_run_id uuid) RETURNS void
+    LANGUAGE plpgsql AS $$
+DECLARE
+    confined text[] := outbox_session_namespaces();
+    ns text;
+BEGIN
+    IF confined IS NULL THEN
+        RETURN;
+    END IF;
+    EXECUTE 'SELECT r.namespace FROM outbox_runs AS r WHERE r.id = $1 AND r.shard = $2'
+       INTO ns USING p_run_id, p_shard;
+    IF ns IS NOT NULL AND NOT ns = ALL (confined) THEN
+        RAISE EXCEPTION 'permission denied: role % is confined to namespace %, and run % is in '
+                        'namespace %', coalesce(nullif(current_setting('role'), 'none'),
+                                                session_user::text),
+            array_to_string(confined, ', '), p_run_id, ns
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+END
+$$;
+
+-- Whether the row p_id of table p_table (outbox_runs or outbox_effects) on shard
+-- p_shard is in namespace p_namespace: the policy, for a login confined to
+-- p_namespace, of a table that names its run or effect but not its namespace
+-- (steps, signals, budget ledger; the attempt log). As the tables' owner (the
+-- login may not read the row it asks about); no such row is in no namespace.
+-- On Citus the row is read from its placement on this node, with the row asked
+-- about (co-located): see insert_checks.sql.
+CREATE OR REPLACE FUNCTION outbox_row_in_namespace(
+    p_table regclass, p_shard smallint, p_id uuid, p_namespace text
+) RETURNS boolean
+    LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT AS $$
+DECLARE
+    ns text;
+BEGIN
+    IF p_table NOT IN ('outbox_runs'::regclass, 'outbox_effects'::regclass) THEN
+        RAISE EXCEPTION 'outbox_row_in_namespace: not a table with a namespace: %', p_table;
+    END IF;
+    EXECUTE format('SELECT t.namespace FROM %s AS t WHERE t.id = $1 AND t.shard = $2',
+                   outbox_placement_of(p_table, p_shard))
+       INTO ns USING p_id, p_shard;
+    RETURN coalesce(ns = p_namespace, false);
+END
+$$;

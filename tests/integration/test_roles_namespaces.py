@@ -1,0 +1,285 @@
+"""`outbox roles --namespace`: a login confined to a namespace reaches only its runs.
+
+Two namespaces (two teams) get their roles from the real command; each role has a
+real password login. What one team's logins do to the other's runs, effects,
+steps and signals is refused or finds nothing, by the tables' policies for what
+they send themselves and by the step writers, which run as the tables' owner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from deliverers.testing import IdempotentHttpSink
+from outbox import (
+    DatabaseError,
+    EffectNotFound,
+    Outbox,
+    RunNotFound,
+    RunStatus,
+    StepTransaction,
+)
+from outbox.cli import cli
+from outbox.storage.admin.roles import ROLES, namespace_prefix
+from outbox.storage.engine import libpq_dsn
+from tests.support import wait_for
+
+PASSWORD = "a-test-password"
+
+
+@pytest.fixture
+def teams(dsn: str) -> Iterator[dict[str, dict[str, str]]]:
+    """Per team (billing, support): its namespace and one login DSN per role."""
+    suffix = uuid.uuid4().hex[:6]
+    # a dot and a dash: a namespace need not be an SQL identifier
+    namespaces = {"billing": f"billing-{suffix}", "support": f"support.{suffix}"}
+    out: dict[str, dict[str, str]] = {}
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        for team, namespace in namespaces.items():
+            for _ in range(2):  # running it again changes nothing
+                done = CliRunner().invoke(
+                    cli, ["--dsn", dsn, "roles", "--namespace", namespace, "--json"]
+                )
+                assert done.exit_code == 0, done.output
+                report = json.loads(done.stdout)
+            prefix = namespace_prefix(namespace)
+            assert report["namespace"] == namespace
+            assert [r["role"] for r in report["roles"]] == [f"{prefix}{s.suffix}" for s in ROLES]
+            out[team] = {"namespace": namespace}
+            for spec in ROLES:
+                login = f"t_{team}_{spec.suffix}_{suffix}"
+                conn.execute(
+                    f"CREATE ROLE {login} LOGIN PASSWORD '{PASSWORD}' IN ROLE {prefix}{spec.suffix}"
+                )
+                url = make_url(dsn).set(username=login, password=PASSWORD)
+                out[team][spec.suffix] = url.render_as_string(hide_password=False)
+    yield out
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        for team in namespaces:
+            for spec in ROLES:
+                conn.execute(f"DROP ROLE IF EXISTS t_{team}_{spec.suffix}_{suffix}")
+
+
+def confined_error(dsn: str, sql: str, params: dict[str, Any]) -> str:
+    """Run one statement as a login; it must be refused for lack of a privilege."""
+    with psycopg.connect(libpq_dsn(dsn)) as conn, pytest.raises(psycopg.Error) as caught:
+        conn.execute(sql, params)
+    assert caught.value.sqlstate == "42501", caught.value
+    return str(caught.value)
+
+
+def counted(dsn: str, table: str) -> int:
+    with psycopg.connect(libpq_dsn(dsn)) as conn:
+        row = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def step_ids(ob: Outbox, run_id: uuid.UUID) -> list[str]:
+    with ob.engine.connect() as conn:
+        found = conn.execute(
+            text("SELECT step_id FROM outbox_steps WHERE run_id = :r ORDER BY seq"), {"r": run_id}
+        )
+        return list(found.scalars())
+
+
+def test_a_confined_agent_drives_its_own_runs_and_reaches_no_other_namespaces(
+    ob: Outbox, teams: dict[str, dict[str, str]]
+) -> None:
+    billing, support = teams["billing"], teams["support"]
+    with Outbox.connect(support["agent"], namespace=support["namespace"]) as theirs_ob:
+        theirs = theirs_ob.start_run("triage", "1", key="ticket-9")
+        theirs.transaction("s1", lambda tx: tx.intend("k.x", {"n": 1}) and None)
+        theirs_ob.signal(theirs.id, "approve", {"by": "support"})
+    with Outbox.connect(billing["agent"], namespace=billing["namespace"]) as agent:
+        mine = agent.start_run("billing", "1", key="invoice-7", budget=10)
+        agent.signal(mine.id, "approve", {"by": "ops"})
+
+        def step(tx: Any) -> None:
+            tx.spend(1, "llm")
+            tx.intend("k.x", {"n": 2}, key="charge-7")
+
+        mine.transaction("s1", step)
+        assert mine.wait_signal("w1", name="approve") == {"by": "ops"}
+        mine.sleep("nap", 0)
+        fork = agent.fork(mine.id, "nap")
+        fork.complete({"forked": True})
+        mine.complete({"ok": True})
+        # the other team's run is not there for it, nor are its rows
+        with pytest.raises(RunNotFound):
+            agent.run(theirs.id)
+        assert {r.id for r in agent.runs()} == {mine.id, fork.id}
+        assert [e.run_id for e in agent.effects()] == [mine.id]
+        # a client set to the other namespace cannot start a run there
+    with (
+        Outbox.connect(billing["agent"], namespace=support["namespace"]) as astray,
+        pytest.raises(DatabaseError, match="row-level security"),
+    ):
+        astray.start_run("triage", "1")
+    agent_dsn, owner = billing["agent"], str(ob.settings.dsn)
+    for table, theirs_too in (
+        ("outbox_runs", 1),
+        ("outbox_steps", 1),
+        ("outbox_effects", 1),
+        ("outbox_signals", 1),
+        ("outbox_run_keys", 1),
+    ):
+        assert counted(owner, table) - counted(agent_dsn, table) == theirs_too, table
+    # Each step writer runs as the tables' owner, and refuses a run of another
+    # namespace by itself: a step, a wait's end, a signal taken, a fork chained.
+    shard = {"run": theirs.id}
+    for call in (
+        "SELECT * FROM outbox_commit_step(%(run)s, 'forged', intents => "
+        '\'[{"kind": "k.x", "payload": {"n": 666}}]\')',
+        "SELECT * FROM outbox_complete_wait(outbox_shard_of(%(run)s), %(run)s, 's1', '1')",
+        "SELECT * FROM outbox_take_signal(outbox_shard_of(%(run)s), %(run)s, 'w', 'approve')",
+        "SELECT outbox_chain_fork(outbox_shard_of(%(run)s), %(run)s, '{s1}')",
+    ):
+        message = confined_error(agent_dsn, call, shard)
+        assert f"confined to namespace {billing['namespace']}" in message, message
+        assert f"in namespace {support['namespace']}" in message, message
+    # switching to its own group role sheds nothing (on Citus a role that may not
+    # log in cannot reach the workers at all)
+    with psycopg.connect(libpq_dsn(agent_dsn)) as conn, pytest.raises(psycopg.Error) as caught:
+        conn.execute(f"SET ROLE {namespace_prefix(billing['namespace'])}agent")
+        distributed = conn.execute("SELECT outbox_distributed()").fetchone() == (True,)
+        conn.execute("SELECT * FROM outbox_commit_step(%(run)s, 'forged')", shard)
+    assert caught.value.sqlstate == ("08006" if distributed else "42501"), caught.value
+    # what it sends itself meets the tables' policies: a signal, a run, a takeover
+    for sql in (
+        "INSERT INTO outbox_signals (id, run_id, shard, name, dedup_key) VALUES "
+        "(gen_random_uuid(), %(run)s, outbox_shard_of(%(run)s), 'approve', 'forged')",
+        "INSERT INTO outbox_runs (id, shard, agent, agent_version, status, namespace) VALUES "
+        "(%(run)s::uuid, outbox_shard_of(%(run)s::uuid), 'x', '1', 'running', 'default')",
+    ):
+        assert "row-level security" in confined_error(agent_dsn, sql, {"run": uuid.uuid4()})
+    with psycopg.connect(libpq_dsn(agent_dsn)) as conn:
+        moved = conn.execute(
+            "UPDATE outbox_runs SET lease_owner = 'me', status = 'running' WHERE id = %(run)s",
+            shard,
+        )
+        assert moved.rowcount == 0
+    # nothing of theirs changed, and their record verifies
+    assert step_ids(ob, theirs.id) == ["s1"]
+    assert ob.run(theirs.id).status == RunStatus.RUNNABLE
+    assert ob.verify_run(theirs.id) == [] and ob.verify_run(fork.id) == []
+    assert ob.verify_run(mine.id) == []
+
+
+def test_confined_operators_and_readers_see_and_change_only_their_namespace(
+    ob: Outbox, teams: dict[str, dict[str, str]]
+) -> None:
+    billing, support = teams["billing"], teams["support"]
+    started: dict[str, tuple[uuid.UUID, uuid.UUID]] = {}
+    for team in ("billing", "support"):
+        with Outbox.connect(teams[team]["agent"], namespace=teams[team]["namespace"]) as agent:
+            run = agent.start_run("job", "1")
+            run.transaction("s1", lambda tx: tx.intend("k.x", {"n": 1}) and None)
+            started[team] = (run.id, run.effects()[0].id)
+    (mine, my_effect), (theirs, their_effect) = started["billing"], started["support"]
+    runner = CliRunner(env={"OUTBOX_DSN": billing["reader"]})
+    listed = runner.invoke(cli, ["runs", "list", "--json"])
+    assert [r["id"] for r in json.loads(listed.stdout)] == [str(mine)], listed.output
+    effects = runner.invoke(cli, ["effects", "list", "--json"])
+    assert [e["id"] for e in json.loads(effects.stdout)] == [str(my_effect)], effects.output
+    operator = CliRunner(env={"OUTBOX_DSN": billing["operator"]})
+    for args in (
+        ["runs", "cancel", str(theirs), "--reason", "not ours"],
+        ["runs", "pause", str(theirs), "--reason", "not ours"],
+        ["effects", "resolve", str(their_effect), "--as", "failed", "--note", "x"],
+        ["effects", "retry", str(their_effect)],
+    ):
+        done = operator.invoke(cli, args)
+        assert isinstance(done.exception, RunNotFound | EffectNotFound), (args, done.exception)
+    with psycopg.connect(libpq_dsn(billing["operator"])) as conn:
+        for sql in (
+            "DELETE FROM outbox_steps WHERE run_id = %(run)s",
+            "DELETE FROM outbox_runs WHERE id = %(run)s",
+            "UPDATE outbox_effects SET status = 'cancelled' WHERE run_id = %(run)s",
+        ):
+            assert conn.execute(sql, {"run": theirs}).rowcount == 0, sql
+    # its own namespace it manages as an operator does
+    done = operator.invoke(cli, ["runs", "cancel", str(mine), "--reason", "ours"])
+    assert done.exit_code == 0, done.output
+    assert ob.run(theirs).status == RunStatus.RUNNABLE
+    assert ob.effect(their_effect).status == "pending"
+    assert step_ids(ob, theirs) == ["s1"]
+    # and a support login sees billing's no more than billing sees support's
+    with psycopg.connect(libpq_dsn(support["reader"])) as conn:
+        seen = conn.execute("SELECT id FROM outbox_runs").fetchall()
+    assert [r[0] for r in seen] == [theirs]
+
+
+@pytest.mark.slow
+def test_a_confined_deliverer_delivers_only_its_namespaces_effects(
+    ob: Outbox, teams: dict[str, dict[str, str]], tmp_path: Path
+) -> None:
+    billing, support = teams["billing"], teams["support"]
+    config = tmp_path / "deliverers.toml"
+    config.write_text('[kinds."http.request"]\nallow_private = ["127.0.0.1"]\n')
+    with IdempotentHttpSink() as sink:
+        for team in ("billing", "support"):
+            with Outbox.connect(teams[team]["agent"], namespace=teams[team]["namespace"]) as a:
+                run = a.start_run("pay", "1")
+                for i in range(3):
+                    intent = {"url": f"{sink.url}/ledger", "json": {"operation": f"{team}-{i}"}}
+
+                    def step(tx: StepTransaction, intent: dict[str, Any] = intent) -> None:
+                        tx.intend("http.request", intent)
+
+                    run.transaction(f"s{i}", step)
+                with a.transaction() as tx:  # and an intent of no run
+                    tx.intend(
+                        "http.request",
+                        {"url": f"{sink.url}/ledger", "json": {"operation": f"{team}-9"}},
+                    )
+        log = (tmp_path / "deliver.log").open("wb")
+        deliverer = subprocess.Popen(
+            [sys.executable, "-m", "outbox", "deliver", "--config", str(config), "--poll", "0.1"],
+            env={**os.environ, "OUTBOX_DSN": billing["deliverer"], "PYTHONUNBUFFERED": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_for(
+                lambda: len(sink.state.operations) == 4,
+                timeout=60,
+                message="the billing deliverer to deliver billing's four effects",
+            )
+            # a few more polls (0.1 s each): support's effects stay where they were
+            time.sleep(1.5)
+        finally:
+            deliverer.terminate()
+            deliverer.wait(timeout=30)
+            log.close()
+        assert sorted(sink.state.operations) == [f"billing-{i}" for i in (0, 1, 2, 9)]
+    statuses = {e.payload["json"]["operation"]: e.status for e in ob.effects()}
+    assert {op for op, status in statuses.items() if status == "succeeded"} == {
+        f"billing-{i}" for i in (0, 1, 2, 9)
+    }
+    assert {op for op, status in statuses.items() if status == "pending"} == {
+        f"support-{i}" for i in (0, 1, 2, 9)
+    }
+    with ob.engine.connect() as conn:
+        attempts = conn.execute(
+            text(
+                "SELECT count(*) FROM outbox_effect_attempts a JOIN outbox_effects e "
+                "ON e.id = a.effect_id WHERE e.namespace = :ns"
+            ),
+            {"ns": support["namespace"]},
+        ).scalar_one()
+    assert attempts == 0
