@@ -35,7 +35,7 @@ from outbox import (
 )
 from outbox.cli import cli
 from outbox.storage.admin.roles import ROLES, namespace_prefix
-from outbox.storage.engine import libpq_dsn
+from outbox.storage.engine import libpq_dsn, make_engine
 from tests.support import wait_for
 
 PASSWORD = "a-test-password"
@@ -283,3 +283,56 @@ def test_a_confined_deliverer_delivers_only_its_namespaces_effects(
             {"ns": support["namespace"]},
         ).scalar_one()
     assert attempts == 0
+
+
+def test_outbox_roles_again_after_the_upgrade_brings_the_policies_of_0038(dsn: str) -> None:
+    """Before 0038 `outbox roles` made three check functions of its own and a
+    restrictive policy using them; run again, it leaves only permissive policies
+    and the function files' checks."""
+    engine = make_engine(dsn)
+    try:
+        with engine.begin() as conn:
+            for old in (
+                "outbox_gates_clear(kind text, payload jsonb, s text, a jsonb)",
+                "outbox_run_takes_intent(run uuid, s text)",
+                "outbox_is_declared_compensation(o uuid, run uuid, k text, p jsonb)",
+            ):
+                conn.execute(
+                    text(
+                        f"CREATE OR REPLACE FUNCTION {old} RETURNS boolean"
+                        " LANGUAGE sql AS 'SELECT true'"
+                    )
+                )
+            conn.execute(text("ALTER TABLE outbox_effects ENABLE ROW LEVEL SECURITY"))
+            for policy in ("outbox_every_row", "outbox_intents"):
+                conn.execute(text(f"DROP POLICY IF EXISTS {policy} ON outbox_effects"))
+            conn.execute(
+                text(
+                    "CREATE POLICY outbox_every_row ON outbox_effects AS PERMISSIVE FOR ALL"
+                    " TO PUBLIC USING (true) WITH CHECK (true)"
+                )
+            )
+            conn.execute(
+                text(
+                    "CREATE POLICY outbox_intents ON outbox_effects AS RESTRICTIVE FOR INSERT"
+                    " TO PUBLIC WITH CHECK (outbox_gates_clear(kind, payload, status, approval)"
+                    " AND outbox_run_takes_intent(run_id, status)"
+                    " AND outbox_is_declared_compensation(id, run_id, kind, payload))"
+                )
+            )
+        done = CliRunner().invoke(cli, ["--dsn", dsn, "roles", "--json"])
+        assert done.exit_code == 0, done.output
+        with engine.connect() as conn:
+            kinds = conn.execute(
+                text("SELECT DISTINCT polpermissive FROM pg_policy WHERE polname LIKE 'outbox_%'")
+            ).scalars()
+            assert set(kinds) == {True}
+            left = conn.execute(
+                text(
+                    "SELECT proname FROM pg_proc WHERE proname IN ('outbox_gates_clear',"
+                    " 'outbox_run_takes_intent', 'outbox_is_declared_compensation')"
+                )
+            ).scalars()
+            assert list(left) == []
+    finally:
+        engine.dispose()

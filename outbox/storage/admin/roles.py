@@ -32,15 +32,19 @@ only) compute them from what is recorded, and a signal is consumed only by a
 wait of the run it was sent to, which records its payload. Row-level security policies on
 ``outbox_effects`` (the table owner, which runs migrations and the step writers,
 is not subject to them) restrict inserts: a fresh row, one no configured gate
-holds unless it is held for approval (``outbox_gate_hold``: a hand-written
+holds unless it is held for approval (``outbox_intent_gated``: a hand-written
 INSERT skips no gate), an agent's only into a run that takes intents, a
-compensation only as its original declared it (``outbox_is_declared_compensation``,
-a ``SECURITY DEFINER`` function owned by the table's owner). Triggers keep what
+compensation only as its original declared it (``outbox_compensation_declared``;
+the three in functions/insert_checks.sql). Triggers keep what
 an operator ended ended: only a session with EXECUTE on ``outbox_may_release()``
 reopens a failed, cancelled, rejected or compensated effect
 (``outbox_effects_hold_paused``), and no one brings an ended run back
 (``outbox_runs_ended_guard``). Applying the script
 again brings the roles to exactly these grants.
+
+With ``namespace`` the four roles are confined to one namespace: row-level
+security on every run-scoped table, and the step writers' own check
+(functions/namespaces.sql). Every policy is permissive.
 """
 
 from __future__ import annotations
@@ -182,10 +186,6 @@ _OLD_CHECKS = (
     "outbox_gates_clear(text, jsonb, text, jsonb)",
     "outbox_run_takes_intent(uuid, text)",
 )
-# Marker roles, whoever the prefix: every role confined to a namespace is in
-# CONFINED, every role whose inserts into outbox_effects are checked in INTENDING.
-CONFINED = "outbox_confined"
-INTENDING = "outbox_intending"
 # Configuration every namespace shares: a confined login reads it, changes none of it.
 _SHARED_CONFIG = ("outbox_gates",)
 _NAMESPACE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -305,7 +305,7 @@ def role_script(
     names = {spec.suffix: f"{prefix}{spec.suffix}" for spec in ROLES}
     tables = [f"{schema}.{name}" for name in metadata.tables]
     out: list[str] = []
-    for role in (*names.values(), CONFINED, INTENDING):
+    for role in names.values():
         out.append(
             "DO $$ BEGIN\n"
             f"    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN\n"
@@ -320,7 +320,6 @@ def role_script(
         "current_database()); END $$"
     )
     out.append(f"GRANT USAGE ON SCHEMA {schema} TO {every}")
-    out.append(f"GRANT {INTENDING} TO {names['agent']}, {names['deliverer']}, {names['operator']}")
     # Brought to exactly these grants: whatever an earlier version granted goes first.
     out.append(f"REVOKE ALL ON {', '.join(tables)} FROM {every}")
     for spec in ROLES:
@@ -394,14 +393,17 @@ def role_script(
 
 
 def _every_row(schema: str) -> list[str]:
-    """Every run-scoped table's policies for roles not confined to a namespace.
+    """Every run-scoped table's policies for roles of a deployment's own.
 
     They see, change and delete every row, as without row-level security; they
     insert every row but into ``outbox_effects``, where the agents', deliverers'
-    and operators' inserts are checked (the intents policy of each prefix).
+    and operators' inserts are checked (the intents policy of each prefix). A
+    role confined to a namespace gets nothing from them. (Their functions run
+    once a row for the roles they are for: the roles of ``outbox roles`` have
+    their own, whose constant ``true`` PostgreSQL folds them into.)
     """
-    free = f"NOT pg_has_role(current_user, '{CONFINED}', 'USAGE')"
-    unchecked = f"{free} AND NOT pg_has_role(current_user, '{INTENDING}', 'USAGE')"
+    free = f"NOT {schema}.outbox_session_confined()"
+    unchecked = f"{free} AND NOT {schema}.outbox_session_inserts_checked()"
     out = []
     for table in _CONFINED:
         target = f"{schema}.{table}"
@@ -433,29 +435,40 @@ def _confinement(
 ) -> list[str]:
     """Confine the four roles to ``namespace`` (or free them of any, when None).
 
-    Each is a member of ``CONFINED`` (so no policy for free roles lets it
-    through) and carries the setting ``outbox.namespace`` (the step writers
-    read it from the catalog, functions/namespaces.sql); every run-scoped table
-    gets a policy per command for the four: a row of the namespace, or of one of
-    its runs or effects. Their inserts into ``outbox_effects`` are the intents
-    policy's, which names the namespace too.
+    Every run-scoped table gets a policy per command for the four: every row,
+    or when confined a row of the namespace, or of one of its runs or effects.
+    Their inserts into ``outbox_effects`` are the intents policy's, which names
+    the namespace too. Confined, each carries the role setting
+    ``outbox.namespace`` (read from the catalog by the step writers and by the
+    policies for other roles, which so leave it out: functions/namespaces.sql).
+    (Setting a role's settings takes CREATEROLE; freeing roles that carry none
+    takes nothing.)
     """
     roles = ", ".join(names.values())
-    out = [f"REVOKE {CONFINED} FROM {roles}"]
-    if namespace is not None:
-        out.append(f"GRANT {CONFINED} TO {roles}")
+    out = []
     for role in names.values():
-        if namespace is None:
-            out.append(f"ALTER ROLE {role} RESET outbox.namespace")
-        else:
+        if namespace is not None:
             out.append(f"ALTER ROLE {role} SET outbox.namespace = '{namespace}'")
+        else:
+            out.append(
+                "DO $$ BEGIN\n"
+                "    IF EXISTS (SELECT FROM pg_db_role_setting AS s JOIN pg_roles AS r\n"
+                f"                 ON r.oid = s.setrole WHERE r.rolname = '{role}'\n"
+                "                AND s.setconfig::text LIKE '%outbox.namespace=%') THEN\n"
+                f"        ALTER ROLE {role} RESET outbox.namespace;\n"
+                "    END IF;\n"
+                "END $$"
+            )
     for table, of_namespace in _CONFINED.items():
         target = f"{schema}.{table}"
-        check = of_namespace.format(schema=schema, ns=f"'{namespace}'")
+        # (true: a constant, so the free roles' policies, ORed with it, are never run)
+        check = (
+            "true" if namespace is None else of_namespace.format(schema=schema, ns=f"'{namespace}'")
+        )
         for command in ("SELECT", "UPDATE", "DELETE", "INSERT"):
-            policy = _policy(f"{prefix}namespace", command)
+            policy = _policy(f"{prefix}rows", command)
             out.append(f"DROP POLICY IF EXISTS {policy} ON {target}")
-            if namespace is None or (command == "INSERT" and table == "outbox_effects"):
+            if command == "INSERT" and table == "outbox_effects":
                 continue
             using = "" if command == "INSERT" else f" USING ({check})"
             with_check = f" WITH CHECK ({check})" if command in ("UPDATE", "INSERT") else ""

@@ -101,3 +101,16 @@ BEGIN
     RETURN declared;
 END
 $$;
+
+-- Whether the session's role is one whose inserts into outbox_effects some role
+-- prefix's intents policy checks (`outbox roles` names its agent, deliverer and
+-- operator roles in one): the policy that lets every other role insert any row
+-- leaves those to their own. Read from the catalog, once a statement (no column
+-- in it: a one-time filter).
+CREATE OR REPLACE FUNCTION outbox_session_inserts_checked() RETURNS boolean
+    LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_policy AS p, unnest(p.polroles) AS r(role)
+                WHERE p.polrelid = 'outbox_effects'::regclass AND p.polcmd = 'a'
+                  AND p.polname LIKE '%intents' AND r.role <> 0
+                  AND pg_has_role(current_user, r.role, 'USAGE'))
+$$;

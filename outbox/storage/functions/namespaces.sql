@@ -18,10 +18,18 @@ CREATE OR REPLACE FUNCTION outbox_session_namespaces() RETURNS text[]
     LANGUAGE sql STABLE AS $$
 SELECT array_agg(DISTINCT substr(c.setting, length('outbox.namespace=') + 1))
   FROM pg_catalog.pg_db_role_setting AS s, unnest(s.setconfig) AS c(setting)
- WHERE s.setdatabase = 0 AND c.setting LIKE 'outbox.namespace=%'
+ WHERE s.setdatabase = 0 AND s.setrole <> 0 AND c.setting LIKE 'outbox.namespace=%'
    AND EXISTS (SELECT FROM pg_catalog.pg_roles AS u
                 WHERE u.rolname IN (session_user, nullif(current_setting('role'), 'none'))
                   AND NOT u.rolsuper AND pg_has_role(u.oid, s.setrole, 'USAGE'))
+$$;
+
+-- Whether a namespace confines this session: the policies that let every other
+-- role at every row leave such a session out. (A boolean of its own: Citus
+-- 14.0.1 cannot deparse a policy's IS NULL.)
+CREATE OR REPLACE FUNCTION outbox_session_confined() RETURNS boolean
+    LANGUAGE sql STABLE AS $$
+SELECT outbox_session_namespaces() IS NOT NULL
 $$;
 
 -- A step writer's (outbox_write_step, chain_writes.sql) check of its caller: the

@@ -28,10 +28,18 @@ CREATE OR REPLACE FUNCTION outbox_session_namespaces() RETURNS text[]
     LANGUAGE sql STABLE AS $$
 SELECT array_agg(DISTINCT substr(c.setting, length('outbox.namespace=') + 1))
   FROM pg_catalog.pg_db_role_setting AS s, unnest(s.setconfig) AS c(setting)
- WHERE s.setdatabase = 0 AND c.setting LIKE 'outbox.namespace=%'
+ WHERE s.setdatabase = 0 AND s.setrole <> 0 AND c.setting LIKE 'outbox.namespace=%'
    AND EXISTS (SELECT FROM pg_catalog.pg_roles AS u
                 WHERE u.rolname IN (session_user, nullif(current_setting('role'), 'none'))
                   AND NOT u.rolsuper AND pg_has_role(u.oid, s.setrole, 'USAGE'))
+$$;
+
+-- Whether a namespace confines this session: the policies that let every other
+-- role at every row leave such a session out. (A boolean of its own: Citus
+-- 14.0.1 cannot deparse a policy's IS NULL.)
+CREATE OR REPLACE FUNCTION outbox_session_confined() RETURNS boolean
+    LANGUAGE sql STABLE AS $$
+SELECT outbox_session_namespaces() IS NOT NULL
 $$;
 
 -- The writers of the hash chain's columns (outbox_runs.step_head, outbox_steps.hash)
@@ -576,6 +584,19 @@ BEGIN
        INTO declared USING p_original, p_run, shard, p_kind, p_payload;
     RETURN declared;
 END
+$$;
+
+-- Whether the session's role is one whose inserts into outbox_effects some role
+-- prefix's intents policy checks (`outbox roles` names its agent, deliverer and
+-- operator roles in one): the policy that lets every other role insert any row
+-- leaves those to their own. Read from the catalog, once a statement (no column
+-- in it: a one-time filter).
+CREATE OR REPLACE FUNCTION outbox_session_inserts_checked() RETURNS boolean
+    LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_policy AS p, unnest(p.polroles) AS r(role)
+                WHERE p.polrelid = 'outbox_effects'::regclass AND p.polcmd = 'a'
+                  AND p.polname LIKE '%intents' AND r.role <> 0
+                  AND pg_has_role(current_user, r.role, 'USAGE'))
 $$;
 
 -- Whether the row p_id of table p_table (outbox_runs or outbox_effects) on shard
