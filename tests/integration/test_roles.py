@@ -95,6 +95,17 @@ def sink() -> Iterator[IdempotentHttpSink]:
         yield running
 
 
+def deliver_as(dsn: str, config: Path, log: Path) -> subprocess.Popen[bytes]:
+    """``outbox deliver`` (polling every 0.1 s) as the login of ``dsn``, its output in ``log``."""
+    with log.open("wb") as handle:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "outbox", "deliver", "--config", str(config), "--poll", "0.1"],
+            env={**os.environ, "OUTBOX_DSN": dsn, "PYTHONUNBUFFERED": "1"},
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
+
+
 def http_intent(sink: IdempotentHttpSink, op: str) -> dict[str, Any]:
     return {"url": f"{sink.url}/ledger", "json": {"operation": op}}
 
@@ -179,13 +190,7 @@ def test_the_deliverer_delivers_and_moves_stopping_runs_on_but_intends_nothing(
     paid.transaction("charge", charge)
     plain = agent.start_run("billing", "1")
     plain.transaction("notes", notes)
-    log = (tmp_path / "deliver.log").open("wb")
-    deliverer = subprocess.Popen(
-        [sys.executable, "-m", "outbox", "deliver", "--config", str(config), "--poll", "0.1"],
-        env={**os.environ, "OUTBOX_DSN": logins["deliverer"], "PYTHONUNBUFFERED": "1"},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    deliverer = deliver_as(logins["deliverer"], config, tmp_path / "deliver.log")
     try:
         wait_for(
             lambda: [e.status for e in ob.effects()] == ["succeeded"] * 4,
@@ -213,7 +218,6 @@ def test_the_deliverer_delivers_and_moves_stopping_runs_on_but_intends_nothing(
     finally:
         deliverer.terminate()
         deliverer.wait(30)
-        log.close()
         agent.close()
     assert deliverer.returncode == 0, (tmp_path / "deliver.log").read_text()[-3000:]
     assert sink.stats()["duplicate_keys_applied"] == []

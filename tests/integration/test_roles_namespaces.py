@@ -9,9 +9,6 @@ they send themselves and by the step writers, which run as the tables' owner.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -36,6 +33,7 @@ from outbox import (
 from outbox.cli import cli
 from outbox.storage.admin.roles import ROLES, namespace_prefix
 from outbox.storage.engine import libpq_dsn, make_engine
+from tests.integration.test_roles import deliver_as
 from tests.support import wait_for
 
 PASSWORD = "a-test-password"
@@ -193,8 +191,10 @@ def test_confined_operators_and_readers_see_and_change_only_their_namespace(
     (mine, my_effect), (theirs, their_effect) = started["billing"], started["support"]
     runner = CliRunner(env={"OUTBOX_DSN": billing["reader"]})
     listed = runner.invoke(cli, ["runs", "list", "--json"])
+    assert listed.exit_code == 0, (listed.output, listed.exception)
     assert [r["id"] for r in json.loads(listed.stdout)] == [str(mine)], listed.output
     effects = runner.invoke(cli, ["effects", "list", "--json"])
+    assert effects.exit_code == 0, (effects.output, effects.exception)
     assert [e["id"] for e in json.loads(effects.stdout)] == [str(my_effect)], effects.output
     operator = CliRunner(env={"OUTBOX_DSN": billing["operator"]})
     for args in (
@@ -247,13 +247,7 @@ def test_a_confined_deliverer_delivers_only_its_namespaces_effects(
                         "http.request",
                         {"url": f"{sink.url}/ledger", "json": {"operation": f"{team}-9"}},
                     )
-        log = (tmp_path / "deliver.log").open("wb")
-        deliverer = subprocess.Popen(
-            [sys.executable, "-m", "outbox", "deliver", "--config", str(config), "--poll", "0.1"],
-            env={**os.environ, "OUTBOX_DSN": billing["deliverer"], "PYTHONUNBUFFERED": "1"},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        deliverer = deliver_as(billing["deliverer"], config, tmp_path / "deliver.log")
         try:
             wait_for(
                 lambda: len(sink.state.operations) == 4,
@@ -265,7 +259,6 @@ def test_a_confined_deliverer_delivers_only_its_namespaces_effects(
         finally:
             deliverer.terminate()
             deliverer.wait(timeout=30)
-            log.close()
         assert sorted(sink.state.operations) == [f"billing-{i}" for i in (0, 1, 2, 9)]
     statuses = {e.payload["json"]["operation"]: e.status for e in ob.effects()}
     assert {op for op, status in statuses.items() if status == "succeeded"} == {

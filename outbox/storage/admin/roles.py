@@ -55,10 +55,9 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from outbox.errors import ValidationError
-from outbox.models import EffectStatus
+from outbox.storage.admin.role_policies import role_policies
 from outbox.storage.engine import translate_errors
 from outbox.storage.schema import metadata
-from outbox.storage.sql.common import sql_in
 
 __all__ = [
     "ROLES",
@@ -166,26 +165,6 @@ STEP_WRITERS = (
 
 _READ_ALL = {t: ("SELECT",) for t in metadata.tables}
 
-# What a login confined to a namespace may touch of each run-scoped table: the
-# namespace's rows, its runs', its effects'. (A constant in the policy: a column
-# compared with it costs nothing; a row that names only its run costs a lookup.)
-_CONFINED = {
-    "outbox_runs": "namespace = {ns}",
-    "outbox_effects": "namespace = {ns}",
-    "outbox_run_keys": "namespace = {ns}",
-    "outbox_effect_keys": "namespace = {ns}",
-    "outbox_steps": "{schema}.outbox_row_in_namespace('outbox_runs', shard, run_id, {ns})",
-    "outbox_signals": "{schema}.outbox_row_in_namespace('outbox_runs', shard, run_id, {ns})",
-    "outbox_budget_ledger": "{schema}.outbox_row_in_namespace('outbox_runs', shard, run_id, {ns})",
-    "outbox_effect_attempts": (
-        "{schema}.outbox_row_in_namespace('outbox_effects', shard, effect_id, {ns})"
-    ),
-}
-_OLD_CHECKS = (
-    "outbox_is_declared_compensation(uuid, uuid, text, jsonb)",
-    "outbox_gates_clear(text, jsonb, text, jsonb)",
-    "outbox_run_takes_intent(uuid, text)",
-)
 # Configuration every namespace shares: a confined login reads it, changes none of it.
 _SHARED_CONFIG = ("outbox_gates",)
 _NAMESPACE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -349,133 +328,7 @@ def role_script(
     writers = ", ".join(f"{schema}.{w}" for w in STEP_WRITERS)
     out.append(f"REVOKE ALL ON FUNCTION {writers} FROM PUBLIC, {every}")
     out.append(f"GRANT EXECUTE ON FUNCTION {writers} TO {names['agent']}")
-    # Who may insert into outbox_effects, and what (functions/insert_checks.sql).
-    effects = f"{schema}.outbox_effects"
-    # An intent commits pending, held by an approval gate (awaiting_approval), or
-    # paused for a paused run's step (outbox.runs.control).
-    intended = (EffectStatus.PENDING, EffectStatus.AWAITING_APPROVAL, EffectStatus.PAUSED)
-    fresh = (
-        f"{sql_in('status', intended)} "
-        "AND attempt = 0 AND lease_owner IS NULL AND result IS NULL "
-        "AND completed_at IS NULL AND awaited_by IS NULL"
-    )
-    # (Functions of the row's columns, not expressions in the policy: Citus cannot
-    # propagate a policy with a sub-select or a nested call.)
-    gated = f"{schema}.outbox_intent_gated(kind, payload, status, approval, shard)"
-    of_live_run = f"{schema}.outbox_intent_of_live_run(run_id, status)"
-    declared = f"{schema}.outbox_compensation_declared(compensates, run_id, kind, payload)"
-    # One policy per prefix (another prefix's roles keep theirs), permissive: Citus
-    # 14.0.1 creates a restrictive policy on the shards as a permissive one, where
-    # it would add nothing to the others (an agent login inserted a succeeded effect).
-    intents = f"{prefix}intents"
-    own_namespace = "" if namespace is None else f" AND namespace = '{namespace}'"
-    out.append(f"DROP POLICY IF EXISTS {intents} ON {effects}")
-    out.append(
-        f"CREATE POLICY {intents} ON {effects} AS PERMISSIVE FOR INSERT "
-        f"TO {names['agent']}, {names['deliverer']}, {names['operator']}\n"
-        f"WITH CHECK ({fresh} AND {gated}{own_namespace} AND (\n"
-        f"    (compensates IS NULL AND pg_has_role(current_user, '{names['agent']}', 'USAGE')\n"
-        f"     AND {of_live_run})\n"
-        f"    OR (compensates IS NOT NULL AND {declared})))"
-    )
-    # the checks' functions `outbox roles` made before migration 0038
-    for old in _OLD_CHECKS:
-        out.append(
-            f"DO $$ BEGIN DROP FUNCTION IF EXISTS {schema}.{old}; "
-            "EXCEPTION WHEN insufficient_privilege OR dependent_objects_still_exist THEN NULL;"
-            " END $$"
-        )
-    # (an UPDATE policy of 0035 before its release; outbox_effects_hold_paused does it)
-    out.append(f"DROP POLICY IF EXISTS outbox_ended_effects ON {effects}")
-    out.extend(_every_row(schema))
-    out.extend(_confinement(prefix, schema, names, namespace))
-    return out
-
-
-def _every_row(schema: str) -> list[str]:
-    """Every run-scoped table's policies for roles of a deployment's own.
-
-    They see, change and delete every row, as without row-level security; they
-    insert every row but into ``outbox_effects``, where the agents', deliverers'
-    and operators' inserts are checked (the intents policy of each prefix). A
-    role confined to a namespace gets nothing from them. (Their functions run
-    once a row for the roles they are for: the roles of ``outbox roles`` have
-    their own, whose constant ``true`` PostgreSQL folds them into.)
-    """
-    free = f"NOT {schema}.outbox_session_confined()"
-    unchecked = f"{free} AND NOT {schema}.outbox_session_inserts_checked()"
-    out = []
-    for table in _CONFINED:
-        target = f"{schema}.{table}"
-        inserts = unchecked if table == "outbox_effects" else free
-        out.append(f"ALTER TABLE {target} ENABLE ROW LEVEL SECURITY")
-        for command, using, check in (
-            ("SELECT", free, None),
-            ("UPDATE", free, free),
-            ("DELETE", free, None),
-            ("INSERT", None, inserts),
-        ):
-            out.append(f"DROP POLICY IF EXISTS {_policy('outbox_every_row', command)} ON {target}")
-            out.append(
-                f"CREATE POLICY {_policy('outbox_every_row', command)} ON {target} "
-                f"AS PERMISSIVE FOR {command} TO PUBLIC"
-                + (f" USING ({using})" if using else "")
-                + (f" WITH CHECK ({check})" if check else "")
-            )
-    return out
-
-
-def _policy(name: str, command: str) -> str:
-    """A policy's name for one command (SELECT keeps the bare name, as before 0038)."""
-    return name if command == "SELECT" else f"{name}_{command.lower()}"
-
-
-def _confinement(
-    prefix: str, schema: str, names: dict[str, str], namespace: str | None
-) -> list[str]:
-    """Confine the four roles to ``namespace`` (or free them of any, when None).
-
-    Every run-scoped table gets a policy per command for the four: every row,
-    or when confined a row of the namespace, or of one of its runs or effects.
-    Their inserts into ``outbox_effects`` are the intents policy's, which names
-    the namespace too. Confined, each carries the role setting
-    ``outbox.namespace`` (read from the catalog by the step writers and by the
-    policies for other roles, which so leave it out: functions/namespaces.sql).
-    (Setting a role's settings takes CREATEROLE; freeing roles that carry none
-    takes nothing.)
-    """
-    roles = ", ".join(names.values())
-    out = []
-    for role in names.values():
-        if namespace is not None:
-            out.append(f"ALTER ROLE {role} SET outbox.namespace = '{namespace}'")
-        else:
-            out.append(
-                "DO $$ BEGIN\n"
-                "    IF EXISTS (SELECT FROM pg_db_role_setting AS s JOIN pg_roles AS r\n"
-                f"                 ON r.oid = s.setrole WHERE r.rolname = '{role}'\n"
-                "                AND s.setconfig::text LIKE '%outbox.namespace=%') THEN\n"
-                f"        ALTER ROLE {role} RESET outbox.namespace;\n"
-                "    END IF;\n"
-                "END $$"
-            )
-    for table, of_namespace in _CONFINED.items():
-        target = f"{schema}.{table}"
-        # (true: a constant, so the free roles' policies, ORed with it, are never run)
-        check = (
-            "true" if namespace is None else of_namespace.format(schema=schema, ns=f"'{namespace}'")
-        )
-        for command in ("SELECT", "UPDATE", "DELETE", "INSERT"):
-            policy = _policy(f"{prefix}rows", command)
-            out.append(f"DROP POLICY IF EXISTS {policy} ON {target}")
-            if command == "INSERT" and table == "outbox_effects":
-                continue
-            using = "" if command == "INSERT" else f" USING ({check})"
-            with_check = f" WITH CHECK ({check})" if command in ("UPDATE", "INSERT") else ""
-            out.append(
-                f"CREATE POLICY {policy} ON {target} AS PERMISSIVE FOR {command} "
-                f"TO {roles}{using}{with_check}"
-            )
+    out.extend(role_policies(prefix, schema, names, namespace))
     return out
 
 
