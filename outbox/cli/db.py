@@ -235,6 +235,7 @@ def gc(
         batches=report.batches,
         archive=None if writer is None else str(archive),
         unreachable_shards=report.unreachable,
+        values_left=report.values_left,
     )
     emit(
         data,
@@ -245,6 +246,11 @@ def gc(
             list(report.deleted.items()),
         ),
     )
+    if report.values_left and not as_json:
+        console.print(
+            "large values left: this login may not delete them (confined to a namespace); "
+            "an unconfined operator's gc collects them"
+        )
     if report.unreachable:
         shards = ", ".join(str(s) for s in sorted(report.unreachable))
         first = next(iter(report.unreachable.values()))

@@ -104,6 +104,9 @@ class GcReport(Report):
     #: On Citus: the shards left for the next gc because their node did not answer
     #: (shard -> the error), the rest collected; gc then exits 1.
     unreachable_shards: dict[int, str] = {}
+    #: Large values were left for a gc by a login that may delete them (this one is
+    #: confined to a namespace: values are shared by every namespace).
+    values_left: bool = False
 
 
 class ArchiveHeader(BaseModel):

@@ -19,6 +19,8 @@ from tests.integration.test_roles_namespaces import (  # noqa: F401 (a fixture, 
     confined_error,
     teams,
     test_a_confined_agent_drives_its_own_runs_and_reaches_no_other_namespaces,
+    test_a_confined_login_cannot_write_into_another_namespaces_run,
+    test_a_confined_operators_gc_leaves_the_large_values_every_namespace_shares,
     test_confined_operators_and_readers_see_and_change_only_their_namespace,
 )
 

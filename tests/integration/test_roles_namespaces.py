@@ -329,3 +329,117 @@ def test_outbox_roles_again_after_the_upgrade_brings_the_policies_of_0038(dsn: s
             assert list(left) == []
     finally:
         engine.dispose()
+
+
+def test_a_confined_login_cannot_write_into_another_namespaces_run(
+    ob: Outbox, teams: dict[str, dict[str, str]]
+) -> None:
+    """An effect is its run's namespace's: one of A's namespace written into B's run
+    (A's policies see only the new row) would be delivered, and break B's record."""
+    billing, support = teams["billing"], teams["support"]
+    with Outbox.connect(support["agent"], namespace=support["namespace"]) as theirs_ob:
+        theirs = theirs_ob.start_run("triage", "1")
+        theirs.transaction(
+            "s1", lambda tx: tx.intend("k.x", {"n": 1}, compensate=("k.undo", {"n": 1})) and None
+        )
+    forged = (
+        "INSERT INTO outbox_effects (id, run_id, step_id, step_index, kind, payload,"
+        " payload_hash, idempotency_key, status, shard, namespace, compensates) VALUES"
+        " (outbox_on_shard(gen_random_uuid(), outbox_shard_of(%(run)s)), %(run)s, 's1', 7,"
+        " %(kind)s, %(payload)s, 'h', %(key)s, 'pending', outbox_shard_of(%(run)s), %(ns)s,"
+        " %(original)s)"
+    )
+    with ob.engine.begin() as conn:  # their effect succeeded, their run is being cancelled
+        conn.execute(
+            text("UPDATE outbox_effects SET status = 'succeeded' WHERE run_id = :r"),
+            {"r": theirs.id},
+        )
+        conn.execute(
+            text("UPDATE outbox_runs SET status = 'cancelling' WHERE id = :r"), {"r": theirs.id}
+        )
+    original = ob.effects(run_id=theirs.id)[0].id
+    for who, kind, payload, compensates in (
+        ("agent", "k.x", '{"n": 666}', None),  # an intent into their run
+        ("deliverer", "k.undo", '{"n": 1}', original),  # their declared compensation
+        ("operator", "k.undo", '{"n": 1}', original),
+    ):
+        params = {
+            "run": theirs.id,
+            "kind": kind,
+            "payload": payload,
+            "key": f"forged-{who}",
+            "ns": billing["namespace"],
+            "original": compensates,
+        }
+        message = confined_error(billing[who], forged, params)
+        assert "row-level security" in message, message
+    assert len(ob.effects(run_id=theirs.id)) == 1
+
+
+def test_a_confined_operators_gc_leaves_the_large_values_every_namespace_shares(
+    ob: Outbox, teams: dict[str, dict[str, str]]
+) -> None:
+    billing, support = teams["billing"], teams["support"]
+    big = {"text": "x" * 40_000}
+    with Outbox.connect(support["agent"], namespace=support["namespace"]) as theirs_ob:
+        run = theirs_ob.start_run("triage", "1")
+        effect_id = uuid.UUID(run.transaction("s1", lambda tx: str(tx.intend("k.x", big).id)))
+    done = CliRunner(env={"OUTBOX_DSN": billing["operator"]}).invoke(
+        cli, ["gc", "--older-than", "0s", "--json"]
+    )
+    assert done.exit_code == 0, (done.output, done.exception)
+    assert json.loads(done.stdout)["values_left"] is True
+    assert ob.effect(effect_id).payload == big
+    for table in ("outbox_blobs", "outbox_blob_refs"):
+        assert counted(str(ob.settings.dsn), table) == 1, table
+        message = confined_error(billing["operator"], f"DELETE FROM {table}", {})
+        assert "permission denied" in message
+
+
+def test_a_confined_login_cannot_shadow_what_its_policies_call(
+    dsn: str, teams: dict[str, dict[str, str]]
+) -> None:
+    """A login with a schema of its own puts a function of the same name first on
+    its search path: the policies call what they were made with."""
+    billing, support = teams["billing"], teams["support"]
+    with Outbox.connect(support["agent"], namespace=support["namespace"]) as theirs_ob:
+        theirs_ob.start_run("triage", "1")
+    login = make_url(billing["operator"]).username
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {login} AUTHORIZATION {login}")
+    try:
+        seen, changed = shadowed(billing["operator"], str(login))
+    finally:
+        with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {login} CASCADE")
+    assert seen == (0,) and changed == 0
+
+
+def shadowed(operator: str, login: str) -> tuple[Any, int]:
+    """As ``operator``: its own functions first on its path, then what it sees and changes."""
+    with psycopg.connect(libpq_dsn(operator)) as conn:
+        conn.execute(f"SET search_path = {login}, public")
+        for name, result in (
+            ("outbox_session_namespaces", "text[] LANGUAGE sql AS 'SELECT NULL::text[]'"),
+            ("pg_has_role", "boolean LANGUAGE sql AS 'SELECT false'"),
+        ):
+            conn.execute(
+                f"CREATE FUNCTION {login}.{name}(a name, b text, c text) RETURNS {result}"
+                if name == "pg_has_role"
+                else f"CREATE FUNCTION {login}.{name}() RETURNS {result}"
+            )
+        seen = conn.execute("SELECT count(*) FROM outbox_runs").fetchone()
+        changed = conn.execute("UPDATE outbox_runs SET pause_reason = 'x'").rowcount
+    return seen, changed
+
+
+def test_two_namespaces_cannot_share_one_set_of_roles(dsn: str) -> None:
+    runner = CliRunner()
+    suffix = uuid.uuid4().hex[:6]
+    first = runner.invoke(cli, ["--dsn", dsn, "roles", "--namespace", f"a-{suffix}"])
+    assert first.exit_code == 0, first.output
+    second = runner.invoke(cli, ["--dsn", dsn, "roles", "--namespace", f"a.{suffix}"])
+    assert second.exit_code == 1
+    assert "is confined to another namespace" in str(second.exception)
+    long = runner.invoke(cli, ["--dsn", dsn, "roles", "--namespace", "n" * 40])
+    assert long.exit_code == 1 and "--prefix" in str(long.exception)

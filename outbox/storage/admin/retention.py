@@ -120,6 +120,10 @@ class GcReport:
     #: On Citus: the shards left for the next gc because their node did not answer,
     #: each with the error that said so.
     unreachable: dict[int, str] = field(default_factory=dict)
+    #: Large values (and their references) were left alone: this session may not
+    #: delete them (a login confined to a namespace: the values are shared by
+    #: every namespace, and it sees only its own references).
+    values_left: bool = False
 
 
 class _Batch:
@@ -228,8 +232,9 @@ class _RunPhase:
             for child in sql.RUN_CHILDREN:
                 statement = sql.delete_run_children(child, rows=rows, sharded=sharded)
                 batch.delete(child.name, statement, run_ids)
-            statement = blob_sql.delete_refs_of(rows=rows, sharded=sharded)
-            batch.delete(blob_refs.name, statement, run_ids)
+            if not batch.report.values_left:
+                statement = blob_sql.delete_refs_of(rows=rows, sharded=sharded)
+                batch.delete(blob_refs.name, statement, run_ids)
             statement = sql.delete_by_ids(runs, rows=rows, sharded=sharded)
             batch.delete(runs.name, statement, run_ids)
         return len(picked), more
@@ -243,7 +248,9 @@ def _runless_batch(batch: _Batch, params: dict[str, Any]) -> tuple[int, bool]:
         _delete_keys(batch, effects, picked)
         ids = {"ids": picked, **batch.on}
         batch.delete(effect_attempts.name, sql.delete_attempts(rows=rows, sharded=sharded), ids)
-        batch.delete(blob_refs.name, blob_sql.delete_refs_of(rows=rows, sharded=sharded), ids)
+        if not batch.report.values_left:
+            statement = blob_sql.delete_refs_of(rows=rows, sharded=sharded)
+            batch.delete(blob_refs.name, statement, ids)
         batch.delete(effects.name, sql.delete_by_ids(effects, rows=rows, sharded=sharded), ids)
     return len(picked), len(picked) == params["batch"]
 
@@ -327,14 +334,22 @@ def collect_garbage(
         archive.sync()
     with translate_errors("reading the schema"), engine.connect() as conn:
         sharded = distributed(conn)
+        # (a reference its owner left is deleted with a later gc's orphans)
+        report.values_left = not conn.execute(blob_sql.may_delete_values()).scalar_one()
     #: (phase, its batches, whether it goes a shard at a time on Citus)
     phases: list[tuple[str, _Phase, bool]] = [
         (runs.name, _RunPhase(batch), True),
         (effects.name, _runless_batch, True),
         (consumed_keys.name, _keys_batch(consumed_keys), False),
         (webhook_replays.name, _keys_batch(webhook_replays), False),
-        (blob_refs.name, _values_batch(blob_refs), True),
-        (blobs.name, _values_batch(blobs), True),
+        *(
+            []
+            if report.values_left
+            else [
+                (blob_refs.name, _values_batch(blob_refs), True),
+                (blobs.name, _values_batch(blobs), True),
+            ]
+        ),
     ]
     for phase, run, by_shard in phases:
         for shard in range(SHARDS) if sharded and by_shard else (None,):

@@ -20,7 +20,11 @@ from __future__ import annotations
 from outbox.models import EffectStatus
 from outbox.storage.sql.common import sql_in
 
-__all__ = ["CONFINED_TABLES", "role_policies"]
+__all__ = ["CONFINED", "CONFINED_TABLES", "role_policies"]
+
+#: The role every role confined to a namespace is in (whatever its prefix): the
+#: policies that let other roles at every row leave its members out.
+CONFINED = "outbox_confined"
 
 # What a login confined to a namespace may touch of each run-scoped table: the
 # namespace's rows, its runs', its effects'. (A constant in the policy: a column
@@ -62,8 +66,12 @@ def role_policies(
     # (Functions of the row's columns, not expressions in the policy: Citus cannot
     # propagate a policy with a sub-select or a nested call.)
     gated = f"{schema}.outbox_intent_gated(kind, payload, status, approval, shard)"
-    of_live_run = f"{schema}.outbox_intent_of_live_run(run_id, status)"
-    declared = f"{schema}.outbox_compensation_declared(compensates, run_id, kind, payload)"
+    # (an effect is its run's namespace's: of another, it would be written into the
+    # record of a run its login may not see)
+    of_live_run = f"{schema}.outbox_intent_of_live_run(run_id, status, namespace)"
+    declared = (
+        f"{schema}.outbox_compensation_declared(compensates, run_id, kind, payload, namespace)"
+    )
     # (one policy per prefix: another prefix's roles keep theirs)
     intents = f"{prefix}intents"
     own_namespace = "" if namespace is None else f" AND namespace = '{namespace}'"
@@ -96,31 +104,66 @@ def _every_row(schema: str) -> list[str]:
     They see, change and delete every row, as without row-level security; they
     insert every row but into ``outbox_effects``, where the agents', deliverers'
     and operators' inserts are checked (the intents policy of each prefix). A
-    role confined to a namespace gets nothing from them. (Their functions run
-    once a row for the roles they are for: the roles of ``outbox roles`` have
-    their own, whose constant ``true`` PostgreSQL folds them into.)
+    role confined to a namespace (in ``CONFINED``) gets nothing from them: once
+    such a role exists they ask ``pg_has_role``, a cached lookup, of each row;
+    until then they are the constant ``true``. The roles of ``outbox roles``
+    have policies of their own, which PostgreSQL folds these into when theirs
+    is ``true``.
     """
-    free = f"NOT {schema}.outbox_session_confined()"
-    unchecked = f"{free} AND NOT {schema}.outbox_session_inserts_checked()"
+    free = f"NOT pg_catalog.pg_has_role(current_user, ''{CONFINED}'', ''USAGE'')"
+    checked = f"{schema}.outbox_session_inserts_checked()"
     out = []
     for table in CONFINED_TABLES:
         target = f"{schema}.{table}"
-        inserts = unchecked if table == "outbox_effects" else free
         out.append(f"ALTER TABLE {target} ENABLE ROW LEVEL SECURITY")
+        creates = []
         for command, using, check in (
-            ("SELECT", free, None),
-            ("UPDATE", free, free),
-            ("DELETE", free, None),
-            ("INSERT", None, inserts),
+            ("SELECT", True, False),
+            ("UPDATE", True, True),
+            ("DELETE", True, False),
+            ("INSERT", False, True),
         ):
-            out.append(f"DROP POLICY IF EXISTS {_policy('outbox_every_row', command)} ON {target}")
-            out.append(
-                f"CREATE POLICY {_policy('outbox_every_row', command)} ON {target} "
-                f"AS PERMISSIVE FOR {command} TO PUBLIC"
-                + (f" USING ({using})" if using else "")
-                + (f" WITH CHECK ({check})" if check else "")
+            name = _policy("outbox_every_row", command)
+            inserts = command == "INSERT" and table == "outbox_effects"
+            creates.append(
+                f"    DROP POLICY IF EXISTS {name} ON {target};\n"
+                f"    EXECUTE format('CREATE POLICY {name} ON {target} AS PERMISSIVE FOR {command}"
+                " TO PUBLIC"
+                + (" USING (%1$s)" if using else "")
+                + (
+                    " WITH CHECK (%1$s" + (f" AND NOT {checked}" if inserts else "") + ")"
+                    if check
+                    else ""
+                )
+                + "', free);"
             )
+        out.append(
+            "DO $$\nDECLARE\n"
+            f"    free text := CASE WHEN to_regrole('{CONFINED}') IS NULL THEN 'true'\n"
+            f"                      ELSE '{free}' END;\n"
+            "BEGIN\n" + "\n".join(creates) + "\nEND $$"
+        )
     return out
+
+
+def _one_namespace(role: str, namespace: str) -> str:
+    """Refuse to confine ``role`` to ``namespace`` when it is confined to another.
+
+    (Two namespaces can make one role prefix: ``a.b`` and ``a-b`` both
+    ``outbox_a_b_``; the second would move the first one's logins.)
+    """
+    return (
+        "DO $$ BEGIN\n"
+        "    IF EXISTS (SELECT FROM pg_db_role_setting AS s, unnest(s.setconfig) AS c(setting)\n"
+        f"                WHERE s.setrole = to_regrole('{role}')\n"
+        "                  AND c.setting LIKE 'outbox.namespace=%'\n"
+        f"                  AND c.setting <> 'outbox.namespace={namespace}') THEN\n"
+        f"        RAISE EXCEPTION 'role {role} is confined to another namespace than {namespace}'\n"
+        "            USING ERRCODE = 'invalid_parameter_value',\n"
+        "                  HINT = 'give this namespace its own role names: --prefix';\n"
+        "    END IF;\n"
+        "END $$"
+    )
 
 
 def _policy(name: str, command: str) -> str:
@@ -146,8 +189,19 @@ def _confinement(
     out = []
     for role in names.values():
         if namespace is not None:
+            out.append(_one_namespace(role, namespace))
             out.append(f"ALTER ROLE {role} SET outbox.namespace = '{namespace}'")
+            out.append(f"GRANT {CONFINED} TO {role}")
         else:
+            out.append(
+                "DO $$ BEGIN\n"
+                "    IF EXISTS (SELECT FROM pg_auth_members AS m\n"
+                f"                WHERE m.roleid = to_regrole('{CONFINED}')\n"
+                f"                  AND m.member = to_regrole('{role}')) THEN\n"
+                f"        REVOKE {CONFINED} FROM {role};\n"
+                "    END IF;\n"
+                "END $$"
+            )
             out.append(
                 "DO $$ BEGIN\n"
                 "    IF EXISTS (SELECT FROM pg_db_role_setting AS s JOIN pg_roles AS r\n"

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from outbox.errors import ValidationError
-from outbox.storage.admin.role_policies import role_policies
+from outbox.storage.admin.role_policies import CONFINED, role_policies
 from outbox.storage.engine import translate_errors
 from outbox.storage.schema import metadata
 
@@ -167,6 +167,9 @@ _READ_ALL = {t: ("SELECT",) for t in metadata.tables}
 
 # Configuration every namespace shares: a confined login reads it, changes none of it.
 _SHARED_CONFIG = ("outbox_gates",)
+# Large values, shared by every namespace that stores the same text: a confined
+# login stores and reads them, deletes none (`outbox gc` leaves them).
+_SHARED_VALUES = ("outbox_blobs", "outbox_blob_refs")
 _NAMESPACE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
 ROLES: tuple[RoleSpec, ...] = (
@@ -265,7 +268,12 @@ def _check(name: str, value: str) -> str:
 
 def namespace_prefix(namespace: str) -> str:
     """The role prefix ``outbox roles --namespace`` uses by default: ``outbox_<namespace>_``."""
-    return "outbox_" + re.sub(r"[.-]", "_", namespace) + "_"
+    prefix = "outbox_" + re.sub(r"[.-]", "_", namespace) + "_"
+    if not _IDENT.match(prefix):
+        raise ValidationError(
+            "namespace", namespace, f"makes no role prefix ({prefix!r}): give one with --prefix"
+        )
+    return prefix
 
 
 def role_script(
@@ -284,7 +292,7 @@ def role_script(
     names = {spec.suffix: f"{prefix}{spec.suffix}" for spec in ROLES}
     tables = [f"{schema}.{name}" for name in metadata.tables]
     out: list[str] = []
-    for role in names.values():
+    for role in (*names.values(), *([] if namespace is None else [CONFINED])):
         out.append(
             "DO $$ BEGIN\n"
             f"    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN\n"
@@ -305,6 +313,8 @@ def role_script(
         for table, privileges in spec.grants.items():
             if namespace is not None and table in _SHARED_CONFIG:
                 privileges = ("SELECT",)
+            elif namespace is not None and table in _SHARED_VALUES:
+                privileges = tuple(p for p in privileges if p != "DELETE")
             out.append(f"GRANT {', '.join(privileges)} ON {schema}.{table} TO {names[spec.suffix]}")
     # The SQL API's wake-up throttle (0007) reads and moves these; an agent calls it.
     clocks = ", ".join(f"{schema}.{name}" for name in sorted(metadata._sequences))

@@ -24,14 +24,6 @@ SELECT array_agg(DISTINCT substr(c.setting, length('outbox.namespace=') + 1))
                   AND NOT u.rolsuper AND pg_has_role(u.oid, s.setrole, 'USAGE'))
 $$;
 
--- Whether a namespace confines this session: the policies that let every other
--- role at every row leave such a session out. (A boolean of its own: Citus
--- 14.0.1 cannot deparse a policy's IS NULL.)
-CREATE OR REPLACE FUNCTION outbox_session_confined() RETURNS boolean
-    LANGUAGE sql STABLE AS $$
-SELECT outbox_session_namespaces() IS NOT NULL
-$$;
-
 -- A step writer's (outbox_write_step, chain_writes.sql) check of its caller: the
 -- run p_run_id is in every namespace that confines the session, or permission is
 -- denied naming both. Nothing is read when nothing confines the session (a step

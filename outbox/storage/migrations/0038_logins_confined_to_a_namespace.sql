@@ -34,14 +34,6 @@ SELECT array_agg(DISTINCT substr(c.setting, length('outbox.namespace=') + 1))
                   AND NOT u.rolsuper AND pg_has_role(u.oid, s.setrole, 'USAGE'))
 $$;
 
--- Whether a namespace confines this session: the policies that let every other
--- role at every row leave such a session out. (A boolean of its own: Citus
--- 14.0.1 cannot deparse a policy's IS NULL.)
-CREATE OR REPLACE FUNCTION outbox_session_confined() RETURNS boolean
-    LANGUAGE sql STABLE AS $$
-SELECT outbox_session_namespaces() IS NOT NULL
-$$;
-
 -- The writers of the hash chain's columns (outbox_runs.step_head, outbox_steps.hash)
 -- besides outbox_write_step: a wait that ends, a signal a wait takes, a fork's
 -- copied history. Each is SECURITY DEFINER (it runs as the tables' owner), so
@@ -543,9 +535,11 @@ BEGIN
 END
 $$;
 
--- An intent (an effect with p_status) of run p_run that the run takes: a live
--- run's (a paused run's only paused or held); an intent of no run, always.
-CREATE OR REPLACE FUNCTION outbox_intent_of_live_run(p_run uuid, p_status text) RETURNS boolean
+-- An intent (an effect with p_status, in namespace p_namespace) of run p_run that
+-- the run takes: a live run's of that namespace (a paused run's only paused or
+-- held); an intent of no run, always.
+CREATE OR REPLACE FUNCTION outbox_intent_of_live_run(p_run uuid, p_status text, p_namespace text)
+    RETURNS boolean
     LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
     taken boolean;
@@ -554,19 +548,20 @@ BEGIN
         RETURN true;
     END IF;
     EXECUTE format('SELECT r.status = ANY (outbox_active_run_statuses() || ''{paused}'')'
-                   '   AND (r.paused_at IS NULL OR $3 <> ''pending'')'
+                   '   AND (r.paused_at IS NULL OR $3 <> ''pending'') AND r.namespace = $4'
                    '  FROM %s AS r WHERE r.id = $1 AND r.shard = $2',
                    outbox_placement_of('outbox_runs', outbox_shard_of(p_run)))
-       INTO taken USING p_run, outbox_shard_of(p_run), p_status;
+       INTO taken USING p_run, outbox_shard_of(p_run), p_status, p_namespace;
     RETURN coalesce(taken, false);
 END
 $$;
 
--- A compensation (p_kind, p_payload) of effect p_original of run p_run, as that
--- effect declared it, once it succeeded and while the run is being stopped: the
--- one insert a deliverer or an operator makes into outbox_effects.
+-- A compensation (p_kind, p_payload, in namespace p_namespace) of effect
+-- p_original of run p_run, as that effect declared it, once it succeeded and
+-- while the run is being stopped: the one insert a deliverer or an operator
+-- makes into outbox_effects.
 CREATE OR REPLACE FUNCTION outbox_compensation_declared(
-    p_original uuid, p_run uuid, p_kind text, p_payload jsonb
+    p_original uuid, p_run uuid, p_kind text, p_payload jsonb, p_namespace text
 ) RETURNS boolean
     LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
@@ -575,13 +570,13 @@ DECLARE
 BEGIN
     EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s AS o JOIN %s AS r'
                    '    ON r.id = o.run_id AND r.shard = o.shard'
-                   ' WHERE o.id = $1 AND o.run_id = $2 AND o.shard = $3'
+                   ' WHERE o.id = $1 AND o.run_id = $2 AND o.shard = $3 AND o.namespace = $6'
                    '   AND o.compensates IS NULL AND o.status = ''succeeded'''
                    '   AND r.status IN (''cancelling'', ''compensating'')'
                    '   AND o.compensate ->> ''kind'' = $4 AND o.compensate -> ''payload'' = $5)',
                    outbox_placement_of('outbox_effects', shard),
                    outbox_placement_of('outbox_runs', shard))
-       INTO declared USING p_original, p_run, shard, p_kind, p_payload;
+       INTO declared USING p_original, p_run, shard, p_kind, p_payload, p_namespace;
     RETURN declared;
 END
 $$;

@@ -25,6 +25,7 @@ from sqlalchemy import (
     exists,
     func,
     select,
+    text,
     tuple_,
 )
 from sqlalchemy.dialects.postgresql import UUID
@@ -179,3 +180,11 @@ def delete_unused_blobs(*, rows: bool, sharded: bool = False) -> Any:
         *on_shard(blobs, sharded), tuple_(blobs.c.sha256, blobs.c.shard).in_(unused)
     )
     return _returning(statement, blobs, rows)
+
+
+def may_delete_values() -> Any:
+    """Whether the session may delete large values and their references (``outbox gc``)."""
+    return text(
+        "SELECT has_table_privilege('outbox_blobs', 'DELETE')"
+        " AND has_table_privilege('outbox_blob_refs', 'DELETE')"
+    )
