@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from outbox.blobs import ValueLimits
 from outbox.errors import ConfigurationError
-from outbox.shards import DEFAULT_NAMESPACE
+from outbox.shards import DEFAULT_NAMESPACE, NAMESPACE_PATTERN
 
 __all__ = ["ENV_PREFIX", "Settings"]
 
@@ -74,7 +74,7 @@ class Settings(BaseModel):
     auto_migrate: bool | None = None
     #: The namespace (a tenant, a team) this client's runs and intents are in: a
     #: business key or a caller's idempotency key is unique within its namespace.
-    namespace: str = Field(default=DEFAULT_NAMESPACE, pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
+    namespace: str = Field(default=DEFAULT_NAMESPACE, pattern=NAMESPACE_PATTERN)
 
     @property
     def value_limits(self) -> ValueLimits:

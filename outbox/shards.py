@@ -19,12 +19,23 @@ import hashlib
 import uuid
 from collections.abc import Sequence
 
-__all__ = ["DEFAULT_NAMESPACE", "SHARDS", "key_shard", "on_shard", "shard_of", "sweep_shards"]
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "NAMESPACE_PATTERN",
+    "SHARDS",
+    "key_shard",
+    "on_shard",
+    "shard_of",
+    "sweep_shards",
+]
 
 #: The number of logical shards. Fixed for good: a run's shard is read from its id.
 SHARDS = 32
 #: Keys are unique within a namespace; this one when none is given.
 DEFAULT_NAMESPACE = "default"
+#: What a namespace may be (Settings.namespace, `outbox roles --namespace`; the
+#: database refuses others: outbox_check_namespace).
+NAMESPACE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 _MASK = SHARDS - 1
 
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from outbox.errors import ValidationError
+from outbox.shards import NAMESPACE_PATTERN
 from outbox.storage.admin.role_policies import CONFINED, role_policies
 from outbox.storage.engine import translate_errors
 from outbox.storage.schema import metadata
@@ -170,7 +171,7 @@ _SHARED_CONFIG = ("outbox_gates",)
 # Large values, shared by every namespace that stores the same text: a confined
 # login stores and reads them, deletes none (`outbox gc` leaves them).
 _SHARED_VALUES = ("outbox_blobs", "outbox_blob_refs")
-_NAMESPACE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+_NAMESPACE = re.compile(NAMESPACE_PATTERN)
 
 ROLES: tuple[RoleSpec, ...] = (
     RoleSpec(
@@ -281,8 +282,8 @@ def role_script(
 ) -> list[str]:
     """The statements that create (or bring up to date) the four roles, in order.
 
-    With ``namespace``, the four roles (named with ``prefix``) are confined to it:
-    see ``_confinement``. Run them in one transaction as the owner of the outbox
+    With ``namespace``, the four roles (named with ``prefix``) are confined to it
+    (outbox.storage.admin.role_policies). Run them in one transaction as the owner of the outbox
     tables (or a superuser).
     """
     prefix = _check("prefix", prefix)
