@@ -13,7 +13,8 @@
 -- role). Catalogs are on every node, so on Citus this reads the same on a worker.
 
 -- The namespaces that confine this session: one per confining group role it is
--- in (a login in two namespaces' groups may touch neither), NULL when none does.
+-- in (a login in two namespaces' groups records steps in neither), NULL when none
+-- does.
 CREATE OR REPLACE FUNCTION outbox_session_namespaces() RETURNS text[]
     LANGUAGE sql STABLE AS $$
 SELECT array_agg(DISTINCT substr(c.setting, length('outbox.namespace=') + 1))
