@@ -131,11 +131,16 @@ def test_a_long_retry_delay_holds_its_key_and_the_note_says_until_when(
     with DaemonThread(dsn, {"k.o": recorder}, **FAST_NOTES):
         wait_for(lambda: recorder.deliveries, message="the first attempt")
     with DaemonThread(dsn, {"k.o": recorder}, **FAST_NOTES):
-        # As above: a note written while the head was in flight is followed by this one.
+        # As above: a note written while the head was in flight is followed by this one;
+        # so is one written before its first attempt (pending too, with no retry to name).
         wait_for(
-            lambda: (found := note(ob, held)) is not None and found["state"] == "pending",
+            lambda: (
+                (found := note(ob, held)) is not None
+                and found["state"] == "pending"
+                and found["rest"] != ""
+            ),
             timeout=20,
-            message="a note on the held effect naming the waiting head",
+            message="a note on the held effect naming the waiting head's retry",
         )
     found = note(ob, held)
     assert found is not None and found["state"] == "pending"
