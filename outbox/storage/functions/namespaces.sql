@@ -27,15 +27,21 @@ $$;
 
 -- A step writer's (outbox_write_step, chain_writes.sql) check of its caller: the
 -- run p_run_id is in every namespace that confines the session, or permission is
--- denied naming both. Nothing is read when nothing confines the session (a step
--- pays one read of a small catalog). By dynamic SQL: planned per call on Citus,
--- where a kept plan on a worker's shard grows (outbox_citus_plans_per_call).
+-- denied naming both. Every step pays for it: until `outbox roles --namespace`
+-- has made a confined role (every one is in outbox_confined) it is one lookup of
+-- a role by name; the settings are read only then, the run only for a confined
+-- session. By dynamic SQL: planned per call on Citus, where a kept plan on a
+-- worker's shard grows (outbox_citus_plans_per_call).
 CREATE OR REPLACE FUNCTION outbox_confined_to_run(p_shard smallint, p_run_id uuid) RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
-    confined text[] := outbox_session_namespaces();
+    confined text[];
     ns text;
 BEGIN
+    IF to_regrole('outbox_confined') IS NULL THEN
+        RETURN;
+    END IF;
+    confined := outbox_session_namespaces();
     IF confined IS NULL THEN
         RETURN;
     END IF;
