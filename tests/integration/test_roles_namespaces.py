@@ -443,3 +443,35 @@ def test_two_namespaces_cannot_share_one_set_of_roles(dsn: str) -> None:
     assert "is confined to another namespace" in str(second.exception)
     long = runner.invoke(cli, ["--dsn", dsn, "roles", "--namespace", "n" * 40])
     assert long.exit_code == 1 and "--prefix" in str(long.exception)
+
+
+def test_the_plain_roles_pay_nothing_for_the_namespace_policies(
+    dsn: str, teams: dict[str, dict[str, str]]
+) -> None:
+    """With namespaces confined, the policies for other roles ask pg_has_role of each
+    row; a plain `outbox roles` login's own policy is `true`, which PostgreSQL folds
+    them into: its claim's plan filters on nothing of theirs."""
+    done = CliRunner().invoke(cli, ["--dsn", dsn, "roles"])
+    assert done.exit_code == 0, done.output
+    plain, own = (f"t_{who}_{uuid.uuid4().hex[:6]}" for who in ("plain", "own"))
+    claim = (
+        "EXPLAIN SELECT id FROM outbox_effects WHERE status = 'pending'"
+        " ORDER BY available_at LIMIT 10 FOR UPDATE SKIP LOCKED"
+    )
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {plain} IN ROLE outbox_deliverer")
+        conn.execute(f"CREATE ROLE {own}")
+        conn.execute(f"GRANT SELECT, UPDATE ON outbox_effects TO {own}")
+        try:
+            plans = {}
+            for role in (plain, own):
+                conn.execute(f"SET ROLE {role}")
+                plans[role] = "\n".join(row[0] for row in conn.execute(claim))
+                conn.execute("RESET ROLE")
+        finally:
+            conn.execute("RESET ROLE")
+            conn.execute(f"DROP OWNED BY {own}")
+            for role in (plain, own):
+                conn.execute(f"DROP ROLE {role}")
+    assert "pg_has_role" not in plans[plain], plans[plain]
+    assert "pg_has_role" in plans[own], plans[own]  # (what the plain role is spared)
