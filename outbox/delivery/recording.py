@@ -170,7 +170,8 @@ class Written:
     left: list[Completion] = field(default_factory=list)
     #: That transient failure.
     error: BaseException | None = None
-    #: What the rider claimed (committed with the outcomes); empty when it did not ride.
+    #: What the rider claimed (committed with the outcomes, or on Citus beside them:
+    #: then even when they failed); empty when it did not ride.
     claimed: list[ClaimedEffect] = field(default_factory=list)
     #: Of the rider's ``extend``, the leases still ours (extended), when it rode.
     kept: set[UUID] = field(default_factory=set)
@@ -226,13 +227,15 @@ class OutcomeWriter:
         if rider is not None and rider.quotas and batch:
             try:
                 batched = await self._complete_and_claim(batch, rider, timeout)
-                written.logged.update(batched.logged)
                 written.claimed = batched.claimed
+                if batched.unwritten is not None:
+                    raise batched.unwritten
+                written.logged.update(batched.logged)
                 written.kept, written.findings = batched.kept, batched.findings
                 return written
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # rolled back: written again below, without the claim
+            except Exception as exc:  # not written: written again below, without the claim
                 written.duties_failed = rider.has_duties
                 log.debug("outcomes with a claim failed (%s); writing them alone", describe(exc))
         # A stack: the next part to write is on top. On Citus a part per shard: a

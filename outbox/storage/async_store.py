@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -30,9 +30,10 @@ from outbox.storage.delivery_duties import DutyStatements, Observer
 from outbox.storage.direct import prepared
 from outbox.storage.engine import translate_errors
 from outbox.storage.notify import listen
+from outbox.storage.outcome_writes import complete_on, wake_parked
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
-from outbox.storage.shard_turns import complete_on, shard_groups, wake_parked
+from outbox.storage.shard_turns import shard_groups
 from outbox.storage.sql import dispatch as dispatch_sql
 from outbox.storage.sql import duties, leases, maintenance, queue, stopping
 from outbox.storage.sql.common import EFFECTS_CHANNEL
@@ -113,6 +114,7 @@ class AsyncStore(DutyStatements):
             # records: it holds no lease to extend, and its give-back names each
             # row's shard. Remembered, they would pile up for the relay's life.
             self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
+            self._shards.ordered.update(r.id for r in rows if r.ordering_key is not None)
         return rows
 
     async def _ready_on(
@@ -245,7 +247,8 @@ class AsyncStore(DutyStatements):
         began = time.perf_counter()
         with translate_errors("recording outcomes"):
             async with self._direct.connection() as conn, await self._one_commit(conn):
-                logged = await complete_on(conn, owner, done, await self._held_shards(conn))
+                held = await self._held_shards(conn)
+                logged = await complete_on(conn, owner, done, held, self._direct.spare)
         self._shards.forget(done)
         self._observe("complete", began, complete=len(logged))
         return logged
@@ -267,7 +270,9 @@ class AsyncStore(DutyStatements):
         The claim runs after the completion, so it sees what the completion
         freed (the next effect of an ordering key, say). On one server either
         both commit or neither does; on Citus each shard's statement commits on
-        its own (``_one_commit``). The background duties of a busy daemon ride
+        its own (``_one_commit``), and unless an outcome is of an effect with an
+        ordering key the claim runs beside the outcomes, on a second connection
+        (:meth:`_complete_beside_claim`). The background duties of a busy daemon ride
         along, so they cost no transaction of their own: ``extend`` pushes out those held
         leases (a heartbeat, fenced like :meth:`extend`), ``probe`` asks which
         duties have work (:func:`~outbox.storage.sql.duties.duty_probe`).
@@ -277,9 +282,27 @@ class AsyncStore(DutyStatements):
         began = time.perf_counter()
         with translate_errors("recording outcomes and claiming effects"):
             async with self._direct.connection() as conn, await self._one_commit(conn):
-                logged = await complete_on(conn, owner, done, await self._held_shards(conn))
-                rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 sharded = await self.sharded(conn)
+                if sharded and not self._shards.ordered.intersection(c.effect_id for c in done):
+                    claim = functools.partial(
+                        self._claim_on,
+                        spec=spec,
+                        quotas=quotas,
+                        owner=owner,
+                        lease_seconds=lease_seconds,
+                        rates=rates,
+                    )
+                    logged, rows, unwritten = await self._complete_beside_claim(
+                        conn, owner, done, claim
+                    )
+                    if unwritten is not None:
+                        self._observe("complete+claim", began, complete=0, claim=len(rows))
+                        return Batched([], rows, unwritten=unwritten)
+                else:
+                    held = await self._held_shards(conn)
+                    spare = self._direct.spare if sharded else None
+                    logged = await complete_on(conn, owner, done, held, spare)
+                    rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 # on Citus a heartbeat statement per shard held, as :meth:`extend`
                 groups = await shard_groups(
                     conn, extend, lambda h: h[0], await self._held_shards(conn)
@@ -301,6 +324,51 @@ class AsyncStore(DutyStatements):
         self._shards.forget(done)
         self._observe("complete+claim", began, complete=len(logged), claim=len(rows))
         return Batched(logged, rows, kept, findings)
+
+    async def _complete_beside_claim(
+        self,
+        conn: psycopg.AsyncConnection[dict[str, Any]],
+        owner: str,
+        done: Sequence[Completion],
+        claim: Callable[[psycopg.AsyncConnection[dict[str, Any]]], Awaitable[list[ClaimedEffect]]],
+    ) -> tuple[list[tuple[UUID, str]], list[ClaimedEffect], BaseException | None]:
+        """On Citus: write ``done`` on ``conn`` while ``claim`` runs on a spare connection.
+
+        A deliverer's round is otherwise a chain of waits, each on one process
+        (this one, the coordinator, a worker) while the others idle; side by side
+        the claim costs the round nothing but its CPU. It cannot see what the
+        outcomes free, which is why a batch with an ordered effect does not come
+        here; with no connection free it runs after them on ``conn``. Returns
+        what was logged, what was claimed, and why the outcomes were not written
+        (None: they were): rows a claim committed are returned whatever became
+        of the outcomes, or their leases would run out uncalled. A claim that
+        failed claimed nothing: the take loop claims again, and says why not.
+        """
+
+        async def apart() -> list[ClaimedEffect] | None:
+            async with self._direct.spare() as other:
+                return None if other is None else await claim(other)
+
+        claiming = asyncio.ensure_future(apart())
+        logged: list[tuple[UUID, str]] = []
+        unwritten: Exception | None = None
+        try:
+            with translate_errors("recording outcomes"):
+                held = await self._held_shards(conn)
+                logged = await complete_on(conn, owner, done, held, self._direct.spare)
+        except asyncio.CancelledError:
+            claiming.cancel()
+            raise
+        except Exception as exc:
+            unwritten = exc
+        try:
+            rows = await claiming
+            if rows is None and unwritten is None:
+                rows = await claim(conn)
+        except Exception as exc:
+            log.debug("a claim beside outcomes failed (%s)", exc)
+            rows = None
+        return logged, rows or [], unwritten
 
     # -- stream mode -----------------------------------------------------------------
 

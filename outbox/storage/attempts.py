@@ -165,6 +165,10 @@ class Batched:
     kept: set[UUID] = dataclasses.field(default_factory=set)
     #: The duty probe's answer, when one was asked.
     findings: DutyFindings | None = None
+    #: Why the outcomes were not written (None: they were). On Citus the claim
+    #: runs beside the outcomes' statements and commits on its own: what it
+    #: claimed is in ``claimed`` even when the outcomes failed.
+    unwritten: BaseException | None = None
 
 
 def _current_note(note: Any, attempt: int) -> Any:

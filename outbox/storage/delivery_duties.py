@@ -26,7 +26,8 @@ from outbox.storage.attempts import ClaimedEffect, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
 from outbox.storage.direct import GENERIC_PLANS_OFF_CITUS, DirectConnections
 from outbox.storage.engine import libpq_dsn, translate_errors
-from outbox.storage.shard_turns import ShardTurns, effect_shard, logged_rows
+from outbox.storage.outcome_writes import logged_rows
+from outbox.storage.shard_turns import ShardTurns, effect_shard
 from outbox.storage.sql import dispatch as dispatch_sql
 from outbox.storage.sql import duties, notes, owners
 from outbox.storage.sql import effects as effect_sql

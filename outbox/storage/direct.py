@@ -165,6 +165,20 @@ class DirectConnections:
                 raise
             await self._give_back(conn)
 
+    @asynccontextmanager
+    async def spare(self) -> AsyncIterator[psycopg.AsyncConnection[dict[str, Any]] | None]:
+        """A connection of the set if one is free now, else None: never waits for one.
+
+        For work its caller can also do in turn on the connection it holds: a
+        second connection taken while holding a first must not wait for one,
+        or two such callers could each hold what the other waits for.
+        """
+        if self._slots.locked():
+            yield None
+            return
+        async with self.connection() as conn:
+            yield conn
+
     async def _give_back(self, conn: psycopg.AsyncConnection[dict[str, Any]]) -> None:
         idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
         if conn.closed or not idle or self._born.get(id(conn)) != self._generation:

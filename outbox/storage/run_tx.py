@@ -27,7 +27,8 @@ from outbox.models import Lease, RunStatus
 from outbox.shards import shard_of
 from outbox.storage import blob_store, writes
 from outbox.storage.engine import distributed
-from outbox.storage.shard_turns import each_shard, logged_rows, stored_shard
+from outbox.storage.outcome_writes import logged_rows
+from outbox.storage.shard_turns import each_shard, stored_shard
 from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql import control, maintenance
 from outbox.storage.sql import effects as effect_sql

@@ -1,15 +1,14 @@
-"""A deliverer's view of the shards on Citus: whose turn it is, which node is down, outcomes.
+"""A deliverer's view of the shards on Citus: whose turn it is, which node is down.
 
 On one server none of this is used: every statement reads the whole table. On a
 Citus cluster each statement names one shard (``outbox.shards``), so a claim asks
-the shards in turn, a shard whose node does not answer rests a while, and a batch
-of outcomes is written a statement per shard, each routed to the node holding it.
+the shards in turn and a shard whose node does not answer rests a while (a batch
+of outcomes is written a statement per shard: ``outbox.storage.outcome_writes``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
@@ -21,27 +20,21 @@ import psycopg
 import sqlalchemy.exc
 from sqlalchemy import Connection
 
-from outbox.faults import crash_point
 from outbox.shards import SHARDS, shard_of
 from outbox.storage.attempts import Completion
-from outbox.storage.direct import Prepared, prepared
+from outbox.storage.direct import prepared
 from outbox.storage.engine import distributed, node_unreachable
-from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql
-from outbox.storage.sql.attempt_log import log_selected
-from outbox.storage.sql.common import RUNS_CHANNEL, notify
 
 __all__ = [
     "SHARD_REST_SECONDS",
     "SWEEP_SECONDS",
     "ShardTurns",
-    "complete_on",
     "each_shard",
     "effect_shard",
     "next_turn",
     "shard_groups",
     "stored_shard",
-    "wake_parked",
 ]
 
 log = logging.getLogger(__name__)
@@ -62,6 +55,8 @@ class ShardTurns:
     def __init__(self) -> None:
         #: The shard of each effect claimed and not completed yet.
         self.of: dict[UUID, int] = {}
+        #: Of those, the ones with an ordering key (their outcome may free the next).
+        self.ordered: set[UUID] = set()
         self._turn: dict[str, int] = {}
         self._resting: dict[int, float] = {}
         self._hinted: set[int] = set()
@@ -232,6 +227,7 @@ class ShardTurns:
         """
         for c in done:
             self.of.pop(c.effect_id, None)
+            self.ordered.discard(c.effect_id)
 
     @contextlib.contextmanager
     def answering(self, shard: int | None) -> Iterator[None]:
@@ -257,66 +253,6 @@ def next_turn(walk: Generator[int, int, None], taken: int) -> int | None:
         return None
 
 
-async def complete_on(
-    conn: psycopg.AsyncConnection[dict[str, Any]],
-    owner: str,
-    done: Sequence[Completion],
-    shards: dict[UUID, int] | None,
-) -> list[tuple[UUID, str]]:
-    """Write ``done`` on ``conn`` (the caller's transaction); ``shards``: on Citus, held rows'."""
-    groups = await shard_groups(conn, done, lambda c: c.effect_id, shards, lambda c: c.shard)
-    logged: list[tuple[UUID, str]] = []
-    waiters: dict[int, dict[UUID, UUID]] = {}
-    woke = False
-    for shard, part in groups.items():  # on Citus a statement per shard, routed to its node
-        if shard is None:
-            logged += await _complete_batch(conn, owner, part)
-            continue
-        part = [dataclasses.replace(c, shard=shard) for c in part]
-        done_here, wakes = await _complete_on_shard(conn, owner, part, shard)
-        logged += done_here
-        for run, effect in wakes:  # of this shard the statement woke it; another's below
-            woke = True
-            if shard_of(run) != shard:
-                waiters.setdefault(shard_of(run), {})[run] = effect
-    if woke:  # a run that awaited one of them goes on: its workers are told here
-        await _wake_waiters(conn, waiters)
-        await conn.execute("SELECT pg_notify(%s, '')", [RUNS_CHANNEL])
-    crash_point("during_completion")
-    return logged
-
-
-async def _wake_waiters(
-    conn: psycopg.AsyncConnection[dict[str, Any]], waiters: dict[int, dict[UUID, UUID]]
-) -> None:
-    """On Citus: wake runs parked on effects of other shards that just ended, a shard at a time.
-
-    After the outcomes committed, each shard's statement on its own: one transaction
-    would take two phases across the workers. A run this misses (its node did not
-    answer) is not lost: it looks again when its recheck timer ends.
-    """
-    wake = prepared(effect_sql.wake_waiters())
-    for shard, awaited in waiters.items():
-        params = {"on_shard": shard, "runs": list(awaited), "awaited": list(awaited.values())}
-        try:
-            await wake.execute(conn, params, prepare=False)
-        except psycopg.Error as exc:
-            log.warning("shard %d: runs awaiting effects not woken (%s)", shard, exc)
-
-
-def wake_parked(conn: Connection, run_id: UUID, effect_id: UUID) -> bool:
-    """Wake run ``run_id`` if it is still parked on ``effect_id``, which just ended.
-
-    In ``conn``'s transaction, a statement on the run's own shard; its workers are
-    told at commit. True when it woke.
-    """
-    params = {"on_shard": shard_of(run_id), "runs": [run_id], "awaited": [effect_id]}
-    if conn.execute(effect_sql.wake_waiters(), params).first() is None:
-        return False
-    conn.execute(notify(RUNS_CHANNEL))
-    return True
-
-
 async def shard_groups(
     conn: psycopg.AsyncConnection[dict[str, Any]],
     items: Sequence[Item],
@@ -340,40 +276,6 @@ async def shard_groups(
             shard = await effect_shard(conn, id_of(item))
         groups.setdefault(shard, []).append(item)
     return groups
-
-
-async def _complete_batch(
-    conn: psycopg.AsyncConnection[dict[str, Any]], owner: str, done: Sequence[Completion]
-) -> list[tuple[UUID, str]]:
-    """Write ``done`` on one server: the statement logs them and wakes and notifies runs."""
-    complete = prepared(effect_sql.complete_effects(False))
-    cur = await complete.execute(conn, _completion_params(owner, done), prepare=True)
-    return [(row["effect_id"], row["outcome"]) for row in await cur.fetchall()]
-
-
-async def _complete_on_shard(
-    conn: psycopg.AsyncConnection[dict[str, Any]],
-    owner: str,
-    done: Sequence[Completion],
-    shard: int,
-) -> tuple[list[tuple[UUID, str]], list[tuple[UUID, UUID]]]:
-    """Write ``done``, all of ``shard``; and (run, effect) for each run an ended effect may wake."""
-    complete = prepared(effect_sql.complete_effects(True))
-    params = _completion_params(owner, done)
-    # Citus refuses now() next to a column in an UPDATE: the time is bound once
-    clock = await conn.execute("SELECT now() AS now")
-    params.update(on_shard=shard, now=(await clock.fetchone() or {})["now"])
-    selected, logged = await _selected_and_logged(conn, complete, params)
-    wakes = [(row["wakes"], row["effect_id"]) for row in selected if row["wakes"] is not None]
-    return [(row["effect_id"], row["outcome"]) for row in logged], wakes
-
-
-def _completion_params(owner: str, done: Sequence[Completion]) -> dict[str, Any]:
-    # The statement locks the rows in the batch's order: in id order, as a cancel, a
-    # pause and an approval lock a run's effects, so none of them waits in a cycle.
-    done = sorted(done, key=lambda c: c.effect_id)
-    payload = "[" + ",".join(c.as_json() for c in done) + "]"
-    return {"owner": owner, "done": payload, "ids": [c.effect_id for c in done]}
 
 
 def each_shard(
@@ -406,51 +308,6 @@ def each_shard(
         if len(rows) >= max_rows:
             break
     return rows
-
-
-def logged_rows(
-    conn: Connection, statement: Callable[[bool], Any], params: dict[str, Any], *, sharded: bool
-) -> list[Any]:
-    """Rows logged by ``statement(sharded)``, a statement that writes attempt-log rows.
-
-    On ``conn``, in the caller's transaction; on Citus the statement selects the
-    rows and they are inserted after it. The SQLAlchemy twin of
-    :func:`logged_on_shard`, for the sweeps and run transactions.
-    """
-    if not sharded:
-        return list(conn.execute(statement(False), params).all())
-    rows = conn.execute(statement(True), params).mappings().all()
-    if not rows:
-        return []
-    insert, values = log_selected(rows)
-    return list(conn.execute(insert, values).all())
-
-
-async def logged_on_shard(
-    conn: psycopg.AsyncConnection[dict[str, Any]], statement: Prepared, params: dict[str, Any]
-) -> list[dict[str, Any]]:
-    """Run a sharded statement that selects attempt-log rows, then insert them.
-
-    Two statements routed to the shard's node (``attempt_log`` says why), in the
-    caller's transaction or one of their own: on that node alone, one phase.
-    Returns ``(effect_id, outcome)`` per row logged.
-    """
-    return (await _selected_and_logged(conn, statement, params))[1]
-
-
-async def _selected_and_logged(
-    conn: psycopg.AsyncConnection[dict[str, Any]], statement: Prepared, params: dict[str, Any]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """:func:`logged_on_shard`, with the rows the statement selected."""
-    async with conn.transaction():
-        cur = await statement.execute(conn, params, prepare=False)
-        rows = await cur.fetchall()
-        if not rows:
-            return [], []
-        insert, values = log_selected(rows)
-        log = prepared(insert)
-        cur = await log.execute(conn, values, prepare=False)
-        return rows, await cur.fetchall()
 
 
 def stored_shard(conn: Connection, id: UUID) -> int | None:

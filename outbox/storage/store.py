@@ -36,9 +36,10 @@ from outbox.storage.blob_store import (
 from outbox.storage.claims import ClaimMode
 from outbox.storage.deliverer_reads import DelivererReads
 from outbox.storage.engine import distributed, translate_errors
+from outbox.storage.outcome_writes import logged_rows, wake_parked
 from outbox.storage.run_tx import RunTx
 from outbox.storage.schema import effect_attempts, effects, runs, steps
-from outbox.storage.shard_turns import ShardTurns, logged_rows, stored_shard, wake_parked
+from outbox.storage.shard_turns import ShardTurns, stored_shard
 from outbox.storage.sql import audit, maintenance, operator_changes
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql import governance as gov_sql

@@ -1,0 +1,154 @@
+"""On Citus a deliverer's claim runs beside the statements that write its last outcomes.
+
+Each statement there commits on its own, so nothing ties the claim to the
+outcomes' transaction; side by side the round waits for the slower of the two,
+not for both (``AsyncStore._complete_beside_claim``). Two things must still
+hold: what a claim committed reaches the deliverer even when the outcomes
+failed (or its leases would run out on effects nobody called), and an outcome
+that frees the next effect of its ordering key has that effect claimed in the
+same round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from functools import partial
+from typing import Any
+
+import psycopg
+
+from outbox import Outbox, StepTransaction
+from outbox.delivery.recording import ClaimRider, OutcomeWriter, Written
+from outbox.shards import shard_of
+from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.engine import make_async_engine
+from outbox.storage.outcome_writes import OUTCOME_PART_ROWS
+from outbox.storage.sql.queue import EFFECT_QUEUE
+
+
+def _intend(tx: StepTransaction, kind: str, count: int, key: str | None = None) -> None:
+    for n in range(count):
+        tx.intend(kind, {"n": n}, ordering_key=key)
+
+
+def _in_flight(dsn: str, owner: str) -> set[uuid.UUID]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT id FROM outbox_effects WHERE status = 'in_flight' AND lease_owner = %s",
+            [owner],
+        ).fetchall()
+    return {row[0] for row in rows}
+
+
+def test_what_a_claim_took_beside_failed_outcomes_reaches_the_deliverer(
+    ob: Outbox, dsn: str
+) -> None:
+    """The outcome's statement fails (a result no JSON column takes); the claim beside it
+    committed its rows: they come back with the batch, and the outcome is written alone."""
+    kind, owner = "k.beside", "beside-1"
+    for _ in range(3):
+        ob.start_run("beside", "1").transaction("s", partial(_intend, kind=kind, count=3))
+
+    async def batch() -> tuple[Any, Written]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            first = (
+                await store.claim_many(
+                    EFFECT_QUEUE, [({"kind": kind}, 1)], owner=owner, lease_seconds=60
+                )
+            )[0]
+            poison = Completion(
+                first.id,
+                first.attempt,
+                "succeeded",
+                "succeeded",
+                result_json='{"amount": 1',
+                shard=first.shard,
+            )
+            rider = ClaimRider(quotas=[({"kind": kind}, 5)], lease_seconds=60)
+            return first, await OutcomeWriter(store, owner).write([poison], rider=rider)
+        finally:
+            await store.dispose()
+
+    first, written = asyncio.run(batch())
+    claimed = {e.id for e in written.claimed}
+    assert len(claimed) == 5, written
+    assert _in_flight(dsn, owner) == claimed, "every row claimed is held by the deliverer"
+    # the outcome itself, refused whole, is written in its minimal form, alone
+    assert first.id in written.substituted
+    assert ob.effect(first.id).status.value != "in_flight"
+
+
+def test_an_outcome_that_frees_the_next_of_its_ordering_key_has_it_claimed_at_once(
+    ob: Outbox, dsn: str
+) -> None:
+    """The second effect of a key waits for the first; the round that records the first's
+    outcome claims it (a claim beside the outcome would not see it free)."""
+    kind, owner = "k.beside.ordered", "beside-2"
+    run = ob.start_run("beside", "1")
+    run.transaction("s", partial(_intend, kind=kind, count=2, key=f"key-{uuid.uuid4()}"))
+    ids = [e.id for e in sorted(ob.effects(run_id=run.id), key=lambda e: e.seq or 0)]
+
+    async def rounds() -> list[list[uuid.UUID]]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            quotas = [({"kind": kind}, 10)]
+            # two connections open already, as in a running deliverer: a claim
+            # beside the outcome would start at once, before the outcome commits
+            got, _ = await asyncio.gather(
+                store.claim_many(EFFECT_QUEUE, quotas, owner=owner, lease_seconds=60),
+                store.claim_many(
+                    EFFECT_QUEUE, [({"kind": "k.none"}, 1)], owner=owner, lease_seconds=60
+                ),
+            )
+            taken = [[e.id for e in got]]
+            done = [
+                Completion(e.id, e.attempt, "succeeded", "succeeded", shard=shard_of(run.id))
+                for e in got
+            ]
+            batched = await store.complete_and_claim(
+                owner, done, EFFECT_QUEUE, quotas, lease_seconds=60
+            )
+            return [*taken, [e.id for e in batched.claimed]]
+        finally:
+            await store.dispose()
+
+    assert asyncio.run(rounds()) == [[ids[0]], [ids[1]]]
+
+
+def test_a_batch_of_one_shard_is_written_in_parts_side_by_side_and_its_record_verifies(
+    ob: Outbox, dsn: str
+) -> None:
+    """120 outcomes of one run (one shard): three statements of at most 50 rows, two of
+    them on spare connections; every outcome is logged once and the run's record holds."""
+    kind, owner = "k.beside.parts", "beside-3"
+    run = ob.start_run("beside", "1")
+    run.transaction("s", partial(_intend, kind=kind, count=OUTCOME_PART_ROWS * 2 + 20))
+    ids = {e.id for e in ob.effects(run_id=run.id)}
+
+    async def batch() -> list[tuple[uuid.UUID, str]]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            got = await store.claim_many(
+                EFFECT_QUEUE, [({"kind": kind}, len(ids))], owner=owner, lease_seconds=60
+            )
+            assert {e.id for e in got} == ids
+            done = [
+                Completion(e.id, e.attempt, "succeeded", "succeeded", result_json='{"ok": 1}')
+                for e in got
+            ]
+            return await store.complete(owner, done)
+        finally:
+            await store.dispose()
+
+    logged = asyncio.run(batch())
+    assert sorted(logged) == sorted((i, "succeeded") for i in ids)
+    assert {e.status.value for e in ob.effects(run_id=run.id)} == {"succeeded"}
+    with psycopg.connect(dsn) as conn:
+        attempts = conn.execute(
+            "SELECT count(*) FROM outbox_effect_attempts WHERE effect_id = ANY(%s)", [list(ids)]
+        ).fetchone()
+    assert attempts == (len(ids),)
+    run.complete({"ok": True})
+    assert ob.verify_run(run.id) == []
