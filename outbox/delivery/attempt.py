@@ -147,16 +147,8 @@ def delivery_for(
 
 def released(effect: ClaimedEffect, reason: str, *, delay: float = 0.0) -> Completion:
     """Give an attempt back unstarted: ``pending`` again, the reason in the log."""
-    return Completion(
-        effect.id,
-        effect.attempt,
-        EffectStatus.PENDING,
-        AttemptOutcome.RELEASED,
-        error=storable_text(reason),  # may quote a broker's or a sink's words
-        delay=delay,
-        started_at=effect.started_iso,
-        shard=effect.shard,
-    )
+    # the reason may quote a broker's or a sink's words
+    return Completion.released(effect, storable_text(reason), delay=delay)
 
 
 async def perform_attempt(

@@ -47,6 +47,7 @@ from outbox.storage.attempts import (
     Completion,
     DutyAsk,
     DutyFindings,
+    OutcomesLeft,
 )
 from outbox.storage.sql.queue import EFFECT_QUEUE, Rate
 
@@ -237,6 +238,9 @@ class OutcomeWriter:
                 raise
             except Exception as exc:  # not written: written again below, without the claim
                 written.duties_failed = rider.has_duties
+                if isinstance(exc, OutcomesLeft):  # (on Citus) the others' parts were written
+                    written.logged.update(exc.logged)
+                    batch = exc.left
                 log.debug("outcomes with a claim failed (%s); writing them alone", describe(exc))
         # A stack: the next part to write is on top. On Citus a part per shard: a
         # node that is down leaves only its own. On one server the whole batch is
@@ -254,22 +258,26 @@ class OutcomeWriter:
                 continue
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
-                if is_transient(exc) and part[0].shard is not None:
+            except Exception as failure:
+                cause: Exception = failure
+                if isinstance(failure, OutcomesLeft):  # (on Citus) the others' parts were written
+                    written.logged.update(failure.logged)
+                    part, cause = failure.left, failure.error
+                if is_transient(cause) and part[0].shard is not None:
                     # every row of a part is of one shard: its node's rows wait, the
                     # other shards' are written
                     written.left += part
-                    written.error = exc
+                    written.error = cause
                     continue
-                if is_transient(exc):
+                if is_transient(cause):
                     written.left = written.left + part + [c for p in reversed(parts) for c in p]
-                    written.error = exc
+                    written.error = cause
                     return written
                 if len(part) > 1:
                     middle = len(part) // 2
                     parts += [part[middle:], part[:middle]]
                     continue
-                error: BaseException = exc
+                error: BaseException = cause
             # One row the statement cannot take: write it in its minimal form.
             poison = part[0]
             minimal = substitute(poison, error)

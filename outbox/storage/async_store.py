@@ -25,7 +25,14 @@ from outbox.blobs import reference_hash
 from outbox.errors import ConfigurationError
 from outbox.models import EffectStatus
 from outbox.storage import blob_store
-from outbox.storage.attempts import Batched, ClaimedEffect, Completion, DutyAsk, DutyFindings
+from outbox.storage.attempts import (
+    Batched,
+    ClaimedEffect,
+    Completion,
+    DutyAsk,
+    DutyFindings,
+    OutcomesLeft,
+)
 from outbox.storage.delivery_duties import DutyStatements, Observer
 from outbox.storage.direct import prepared
 from outbox.storage.engine import translate_errors
@@ -115,6 +122,7 @@ class AsyncStore(DutyStatements):
             # row's shard. Remembered, they would pile up for the relay's life.
             self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
             self._shards.ordered.update(r.id for r in rows if r.ordering_key is not None)
+            self._shards.runs.update((r.id, r.run_id) for r in rows)
         return rows
 
     async def _ready_on(
@@ -248,7 +256,13 @@ class AsyncStore(DutyStatements):
         with translate_errors("recording outcomes"):
             async with self._direct.connection() as conn, await self._one_commit(conn):
                 held = await self._held_shards(conn)
-                logged = await complete_on(conn, owner, done, held, self._direct.spare)
+                try:
+                    logged = await complete_on(
+                        conn, owner, done, held, self._direct.spare, self._shards.runs
+                    )
+                except OutcomesLeft as partly:
+                    self._forget_written(done, partly)
+                    raise
         self._shards.forget(done)
         self._observe("complete", began, complete=len(logged))
         return logged
@@ -296,12 +310,20 @@ class AsyncStore(DutyStatements):
                         conn, owner, done, claim
                     )
                     if unwritten is not None:
+                        if isinstance(unwritten, OutcomesLeft):
+                            self._forget_written(done, unwritten)
                         self._observe("complete+claim", began, complete=0, claim=len(rows))
                         return Batched([], rows, unwritten=unwritten)
                 else:
                     held = await self._held_shards(conn)
                     spare = self._direct.spare if sharded else None
-                    logged = await complete_on(conn, owner, done, held, spare)
+                    try:
+                        logged = await complete_on(
+                            conn, owner, done, held, spare, self._shards.runs
+                        )
+                    except OutcomesLeft as partly:
+                        self._forget_written(done, partly)
+                        raise
                     rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 # on Citus a heartbeat statement per shard held, as :meth:`extend`
                 groups = await shard_groups(
@@ -325,6 +347,11 @@ class AsyncStore(DutyStatements):
         self._observe("complete+claim", began, complete=len(logged), claim=len(rows))
         return Batched(logged, rows, kept, findings)
 
+    def _forget_written(self, done: Sequence[Completion], partly: OutcomesLeft) -> None:
+        """Of ``done``, what was written holds no lease of ours any more (``left`` still does)."""
+        left = {c.effect_id for c in partly.left}
+        self._shards.forget([c for c in done if c.effect_id not in left])
+
     async def _complete_beside_claim(
         self,
         conn: psycopg.AsyncConnection[dict[str, Any]],
@@ -341,8 +368,11 @@ class AsyncStore(DutyStatements):
         here; with no connection free it runs after them on ``conn``. Returns
         what was logged, what was claimed, and why the outcomes were not written
         (None: they were): rows a claim committed are returned whatever became
-        of the outcomes, or their leases would run out uncalled. A claim that
-        failed claimed nothing: the take loop claims again, and says why not.
+        of the outcomes, or their leases would run out uncalled (a cancelled
+        round gives them back: :meth:`_give_back`). A claim that failed is left
+        to the take loop, which claims again and says why it cannot (what the
+        failed claim's statements on other shards committed waits for its
+        leases, as after any claim that failed part-way on Citus).
         """
 
         async def apart() -> list[ClaimedEffect] | None:
@@ -355,9 +385,10 @@ class AsyncStore(DutyStatements):
         try:
             with translate_errors("recording outcomes"):
                 held = await self._held_shards(conn)
-                logged = await complete_on(conn, owner, done, held, self._direct.spare)
+                runs = self._shards.runs
+                logged = await complete_on(conn, owner, done, held, self._direct.spare, runs)
         except asyncio.CancelledError:
-            claiming.cancel()
+            await self._give_back(owner, claiming)
             raise
         except Exception as exc:
             unwritten = exc
@@ -369,6 +400,23 @@ class AsyncStore(DutyStatements):
             log.debug("a claim beside outcomes failed (%s)", exc)
             rows = None
         return logged, rows or [], unwritten
+
+    async def _give_back(
+        self, owner: str, claiming: asyncio.Future[list[ClaimedEffect] | None]
+    ) -> None:
+        """The round was cancelled: give back what its claim beside the outcomes took.
+
+        The claim has most likely committed by then; unreturned, its rows would
+        wait for their leases to run out, uncalled, and the reconciler could not
+        tell them from calls that may have happened.
+        """
+        try:
+            rows = await claiming or []
+            if rows:
+                reason = "released unstarted: the round that claimed it was cancelled"
+                await self.complete(owner, [Completion.released(r, reason) for r in rows])
+        except Exception as exc:
+            log.warning("effects claimed by a cancelled round were not given back (%s)", exc)
 
     # -- stream mode -----------------------------------------------------------------
 

@@ -14,7 +14,10 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-__all__ = ["Batched", "ClaimedEffect", "Completion", "DutyAsk", "DutyFindings"]
+from outbox.errors import OutboxError
+from outbox.models import AttemptOutcome, EffectStatus
+
+__all__ = ["Batched", "ClaimedEffect", "Completion", "DutyAsk", "DutyFindings", "OutcomesLeft"]
 
 #: One encoder for every completion (``json.dumps`` with options builds one per call).
 _ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
@@ -86,6 +89,20 @@ class Completion:
     #: The effect's shard, where the outcome is written (None: looked up).
     shard: int | None = None
 
+    @classmethod
+    def released(cls, effect: ClaimedEffect, reason: str, *, delay: float = 0.0) -> Completion:
+        """An attempt given back unstarted: ``pending`` again, ``reason`` in the log."""
+        return cls(
+            effect.id,
+            effect.attempt,
+            EffectStatus.PENDING,
+            AttemptOutcome.RELEASED,
+            error=reason,
+            delay=delay,
+            started_at=effect.started_iso,
+            shard=effect.shard,
+        )
+
     def as_json(self) -> str:
         """One element of the ``done`` parameter; result and detail spliced in as JSON text."""
         # A non-finite delay fails here, in this one row, not in the batch's statement.
@@ -105,6 +122,20 @@ class Completion:
             f'{head[:-1]},"result":{self.result_json or "null"},'
             f'"detail":{self.detail_json or "null"}}}'
         )
+
+
+class OutcomesLeft(OutboxError):
+    """Some of a batch's outcomes were written, the others not (on Citus each part commits alone).
+
+    Between the store and the outcome writer: ``logged`` is committed, ``left``
+    is to be written again, as a batch that failed whole would be, for ``error``.
+    """
+
+    def __init__(
+        self, logged: list[tuple[UUID, str]], left: list[Completion], error: Exception
+    ) -> None:
+        super().__init__(f"{len(left)} outcomes not written: {error}")
+        self.logged, self.left, self.error = logged, left, error
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -23,8 +23,9 @@ from sqlalchemy import Connection
 
 from outbox.faults import crash_point
 from outbox.shards import shard_of
-from outbox.storage.attempts import Completion
+from outbox.storage.attempts import Completion, OutcomesLeft
 from outbox.storage.direct import Prepared, prepared
+from outbox.storage.engine import translate_errors
 from outbox.storage.shard_turns import shard_groups
 from outbox.storage.sql import effects as effect_sql
 from outbox.storage.sql.attempt_log import log_selected
@@ -34,6 +35,7 @@ __all__ = [
     "OUTCOME_PART_ROWS",
     "complete_on",
     "logged_rows",
+    "shard_parts",
     "side_by_side",
     "wake_parked",
 ]
@@ -63,20 +65,27 @@ async def side_by_side(
     spare: Spare[Conn] | None,
     items: Sequence[Item],
     work: Callable[[Conn, Item], Awaitable[Row]],
-) -> list[Row]:
-    """``work(connection, item)`` for each item, the results in order.
+) -> list[Row | Exception]:
+    """``work(connection, item)`` for each item: each one's result, or what it raised, in order.
 
     The first item on ``conn``, each other on a ``spare`` connection at the same
-    time while one is free, and those left over in turn on ``conn`` after. Every
-    item is tried; the first failure is raised once none is under way.
+    time while one is free, and those left over in turn on ``conn`` after (as is
+    one whose spare connection could not be opened). Every item is tried.
     """
 
     async def apart(item: Item) -> Any:
         if spare is None:
             return _IN_TURN
-        async with spare() as other:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                other = await stack.enter_async_context(spare())
+            except Exception as exc:  # a refused connect: no spare after all
+                log.debug("no spare connection (%s): in turn", exc)
+                return _IN_TURN
             return _IN_TURN if other is None else await work(other, item)
 
+    if not items:
+        return []
     results: list[Any] = list(
         await asyncio.gather(
             work(conn, items[0]), *(apart(item) for item in items[1:]), return_exceptions=True
@@ -89,9 +98,33 @@ async def side_by_side(
             except Exception as exc:
                 results[n] = exc
     for result in results:
-        if isinstance(result, BaseException):
-            raise result
+        if isinstance(result, BaseException) and not isinstance(result, Exception):
+            raise result  # cancelled, or worse: not a part's failure
     return results
+
+
+def shard_parts(
+    part: Sequence[Completion], runs: Mapping[UUID, UUID | None] | None
+) -> list[list[Completion]]:
+    """One shard's outcomes in statements of at most ``OUTCOME_PART_ROWS`` rows, no run in two.
+
+    A statement locks the runs of the effects it ends (a parked run woken, a
+    costed effect's budget settled) in its rows' order: two statements sharing
+    two runs could take them in opposite orders and deadlock. So a run's
+    outcomes stay together (a run's more than 50 with it), and with an effect
+    whose run ``runs`` does not name, the shard's outcomes are one statement.
+    """
+    if len(part) <= OUTCOME_PART_ROWS or runs is None or any(c.effect_id not in runs for c in part):
+        return [list(part)]
+    by_run: dict[UUID, list[Completion]] = {}
+    for c in part:  # an effect of no run locks none: a group of its own
+        by_run.setdefault(runs[c.effect_id] or c.effect_id, []).append(c)
+    parts: list[list[Completion]] = [[]]
+    for group in by_run.values():
+        if parts[-1] and len(parts[-1]) + len(group) > OUTCOME_PART_ROWS:
+            parts.append([])
+        parts[-1] += group
+    return parts
 
 
 async def complete_on(
@@ -100,12 +133,15 @@ async def complete_on(
     done: Sequence[Completion],
     shards: dict[UUID, int] | None,
     spare: Spare[AsyncConn] | None = None,
+    runs: Mapping[UUID, UUID | None] | None = None,
 ) -> list[tuple[UUID, str]]:
     """Write ``done`` on ``conn`` (the caller's transaction); ``shards``: on Citus, held rows'.
 
-    On Citus a statement per shard (``OUTCOME_PART_ROWS`` rows at most), routed
-    to its node, each committed on its own, side by side on ``spare``
-    connections while there are any.
+    On Citus a statement per shard (parts of it: :func:`shard_parts`, with
+    ``runs`` the run of each held effect), routed to its node, each committed
+    on its own, side by side on ``spare`` connections while there are any.
+    When some parts fail, raises :class:`OutcomesLeft` with what the others
+    wrote (it is committed) and what is left to write.
     """
     groups = await shard_groups(conn, done, lambda c: c.effect_id, shards, lambda c: c.shard)
     if None in groups:  # one server: one statement
@@ -113,18 +149,30 @@ async def complete_on(
         crash_point("during_completion")
         return batch
     parts = [
-        (shard, [dataclasses.replace(c, shard=shard) for c in part[at : at + OUTCOME_PART_ROWS]])
+        (shard, [dataclasses.replace(c, shard=shard) for c in rows])
         for shard, part in groups.items()
         if shard is not None
-        for at in range(0, len(part), OUTCOME_PART_ROWS)
+        for rows in shard_parts(part, runs)
     ]
-    written = await side_by_side(
-        conn, spare, parts, lambda c, part: _complete_on_shard(c, owner, part[1], part[0])
-    )
+
+    async def write(
+        on: AsyncConn, part: tuple[int, list[Completion]]
+    ) -> tuple[list[tuple[UUID, str]], list[tuple[UUID, UUID]]]:
+        with translate_errors("recording outcomes"):
+            return await _complete_on_shard(on, owner, part[1], part[0])
+
+    written = await side_by_side(conn, spare, parts, write)
     logged: list[tuple[UUID, str]] = []
+    left: list[Completion] = []
+    error: Exception | None = None
     waiters: dict[int, dict[UUID, UUID]] = {}
     woke = False
-    for (shard, _), (done_here, wakes) in zip(parts, written, strict=True):
+    for (shard, part), result in zip(parts, written, strict=True):
+        if isinstance(result, Exception):
+            left += part
+            error = error or result
+            continue
+        done_here, wakes = result
         logged += done_here
         for run, effect in wakes:  # of this shard the statement woke it; another's below
             woke = True
@@ -134,6 +182,8 @@ async def complete_on(
         await _wake_waiters(conn, waiters)
         await conn.execute("SELECT pg_notify(%s, '')", [RUNS_CHANNEL])
     crash_point("during_completion")
+    if error is not None:
+        raise OutcomesLeft(logged, left, error)
     return logged
 
 

@@ -57,6 +57,9 @@ class ShardTurns:
         self.of: dict[UUID, int] = {}
         #: Of those, the ones with an ordering key (their outcome may free the next).
         self.ordered: set[UUID] = set()
+        #: And the run of each (None: of no run), so that no run's outcomes are
+        #: written by two statements at once (``outcome_writes.shard_parts``).
+        self.runs: dict[UUID, UUID | None] = {}
         self._turn: dict[str, int] = {}
         self._resting: dict[int, float] = {}
         self._hinted: set[int] = set()
@@ -228,6 +231,7 @@ class ShardTurns:
         for c in done:
             self.of.pop(c.effect_id, None)
             self.ordered.discard(c.effect_id)
+            self.runs.pop(c.effect_id, None)
 
     @contextlib.contextmanager
     def answering(self, shard: int | None) -> Iterator[None]:

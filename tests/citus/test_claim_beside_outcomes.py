@@ -12,6 +12,7 @@ same round.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from functools import partial
 from typing import Any
@@ -20,7 +21,7 @@ import psycopg
 
 from outbox import Outbox, StepTransaction
 from outbox.delivery.recording import ClaimRider, OutcomeWriter, Written
-from outbox.shards import shard_of
+from outbox.shards import key_shard, shard_of
 from outbox.storage.async_store import AsyncStore, Completion
 from outbox.storage.engine import make_async_engine
 from outbox.storage.outcome_writes import OUTCOME_PART_ROWS
@@ -152,3 +153,102 @@ def test_a_batch_of_one_shard_is_written_in_parts_side_by_side_and_its_record_ve
     assert attempts == (len(ids),)
     run.complete({"ok": True})
     assert ob.verify_run(run.id) == []
+
+
+def _runs_on_one_shard(ob: Outbox, count: int) -> list[Any]:
+    """``count`` runs on one shard: started with business keys of that shard."""
+    prefix = uuid.uuid4().hex
+    target = key_shard("default", f"{prefix}-0")
+    keys = (f"{prefix}-{n}" for n in range(10_000))
+    chosen = [k for k in keys if key_shard("default", k) == target][:count]
+    return [ob.start_run("beside", "1", key=k) for k in chosen]
+
+
+def test_parts_that_committed_are_kept_when_another_part_fails(ob: Outbox, dsn: str) -> None:
+    """Two runs of one shard, 30 outcomes each: two parts. The second holds an outcome no
+    statement takes; the first part's 30 stay written once (they were written again, each
+    with a second, stale attempt-log row), and the second's are written without it."""
+    kind, owner = "k.beside.partial", "beside-4"
+    first, second = _runs_on_one_shard(ob, 2)
+    assert shard_of(first.id) == shard_of(second.id)
+    for run in (first, second):
+        run.transaction("s", partial(_intend, kind=kind, count=30))
+    of_second = {e.id for e in ob.effects(run_id=second.id)}
+    ids = {e.id for e in ob.effects(run_id=first.id)} | of_second
+
+    async def batch() -> Written:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            got = await store.claim_many(
+                EFFECT_QUEUE, [({"kind": kind}, 60)], owner=owner, lease_seconds=60
+            )
+            assert {e.id for e in got} == ids
+            poison = min(of_second)
+            done = [
+                Completion(
+                    e.id,
+                    e.attempt,
+                    "succeeded",
+                    "succeeded",
+                    result_json='{"cut": ' if e.id == poison else '{"ok": 1}',
+                    shard=e.shard,
+                )
+                for e in got
+            ]
+            return await OutcomeWriter(store, owner).write(done)
+        finally:
+            await store.dispose()
+
+    written = asyncio.run(batch())
+    assert set(written.logged) == ids and len(written.substituted) == 1
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT effect_id, count(*) FROM outbox_effect_attempts"
+            " WHERE effect_id = ANY(%s) GROUP BY effect_id",
+            [list(ids)],
+        ).fetchall()
+    assert {count for _, count in rows} == {1}, "one attempt-log row an effect"
+    assert len(rows) == 60
+
+
+def test_a_cancelled_round_gives_back_what_its_claim_took(ob: Outbox, dsn: str) -> None:
+    """The outcome's statement waits on a row lock; the claim beside it commits; the round
+    is cancelled (a stop's grace ran out): the claimed rows are given back, pending again,
+    not left in flight until their leases run out uncalled."""
+    kind, owner = "k.beside.cancel", "beside-5"
+    run = ob.start_run("beside", "1")
+    run.transaction("s", partial(_intend, kind=kind, count=4))
+
+    async def round_() -> set[uuid.UUID]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            quotas = [({"kind": kind}, 1)]
+            got = await store.claim_many(EFFECT_QUEUE, quotas, owner=owner, lease_seconds=60)
+            done = [Completion(e.id, e.attempt, "succeeded", "succeeded") for e in got]
+            async with await psycopg.AsyncConnection.connect(dsn) as locker:
+                await locker.execute(
+                    "SELECT 1 FROM outbox_effects WHERE id = %s AND shard = %s FOR UPDATE",
+                    [got[0].id, got[0].shard],
+                )
+                task = asyncio.ensure_future(
+                    store.complete_and_claim(
+                        owner, done, EFFECT_QUEUE, [({"kind": kind}, 3)], lease_seconds=60
+                    )
+                )
+                for _ in range(200):  # until the claim beside has committed
+                    await asyncio.sleep(0.05)
+                    if len(_in_flight(dsn, owner)) == 4:
+                        break
+                claimed = _in_flight(dsn, owner) - {got[0].id}
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await locker.rollback()
+            return claimed
+        finally:
+            await store.dispose()
+
+    claimed = asyncio.run(round_())
+    assert len(claimed) == 3
+    statuses = {e.id: e.status.value for e in ob.effects(run_id=run.id)}
+    assert {statuses[i] for i in claimed} == {"pending"}, statuses

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
-
-from outbox.storage.outcome_writes import side_by_side
+from outbox.storage.attempts import Completion
+from outbox.storage.outcome_writes import OUTCOME_PART_ROWS, shard_parts, side_by_side
 
 
 class Lender:
@@ -42,8 +42,7 @@ def test_each_part_runs_once_in_order_of_its_results_the_rest_in_turn_on_the_cal
         return conn, item * 10
 
     got = asyncio.run(side_by_side("own", lender.spare, [0, 1, 2, 3, 4], work))
-    assert [r[1] for r in got] == [0, 10, 20, 30, 40]
-    assert [r[0] for r in got] == ["own", "c1", "c2", "own", "own"]
+    assert got == [("own", 0), ("c1", 10), ("c2", 20), ("own", 30), ("own", 40)]
     assert under_way[:3] == [0, 1, 2], "the first three at once"
     assert sorted(item for _, item in ran) == [0, 1, 2, 3, 4]
 
@@ -59,16 +58,67 @@ def test_without_a_lender_everything_runs_in_turn_on_the_callers_connection() ->
     assert seen == ["own"] * 3
 
 
-def test_a_failed_part_is_raised_once_every_part_has_ended() -> None:
-    ended: list[int] = []
-
+def test_a_failed_part_is_given_back_in_its_place_and_the_others_run() -> None:
     async def work(conn: Any, item: int) -> int:
-        if item == 0:
-            raise ValueError("part 0")
+        if item == 1:
+            raise ValueError("part 1")
         await asyncio.sleep(0.01)
-        ended.append(item)
         return item
 
-    with pytest.raises(ValueError, match="part 0"):
-        asyncio.run(side_by_side("own", Lender(free=1).spare, [0, 1, 2], work))
-    assert sorted(ended) == [1, 2], "the other parts were written (each commits on its own)"
+    got = asyncio.run(side_by_side("own", Lender(free=1).spare, [0, 1, 2], work))
+    assert got[0] == 0 and got[2] == 2
+    assert isinstance(got[1], ValueError) and str(got[1]) == "part 1"
+
+
+def test_a_spare_that_cannot_be_opened_leaves_its_part_to_the_callers_connection() -> None:
+    @contextlib.asynccontextmanager
+    async def refused() -> AsyncIterator[Any]:
+        raise ConnectionRefusedError("too many clients")
+        yield  # pragma: no cover
+
+    seen: list[Any] = []
+
+    async def work(conn: Any, item: int) -> int:
+        seen.append((conn, item))
+        return item
+
+    assert asyncio.run(side_by_side("own", refused, [0, 1], work)) == [0, 1]
+    assert seen == [("own", 0), ("own", 1)]
+    assert asyncio.run(side_by_side("own", refused, [], work)) == []
+
+
+def _done(run: int, n: int) -> Completion:
+    return Completion(uuid.UUID(int=run * 1000 + n), 1, "succeeded", "succeeded", shard=3)
+
+
+def test_no_run_has_its_outcomes_in_two_parts_and_no_part_grows_past_its_size_but_by_one_run() -> (
+    None
+):
+    runs: dict[uuid.UUID, uuid.UUID | None] = {}
+    batch = []
+    for run, count in [(1, 30), (2, 30), (3, 70), (4, 5)]:
+        for n in range(count):
+            c = _done(run, n)
+            runs[c.effect_id] = uuid.UUID(int=run)
+            batch.append(c)
+    loose = _done(9, 0)  # an effect of no run
+    runs[loose.effect_id] = None
+    batch.append(loose)
+    parts = shard_parts(batch, runs)
+    assert sorted(c.effect_id for p in parts for c in p) == sorted(c.effect_id for c in batch)
+    owner = {c.effect_id: n for n, p in enumerate(parts) for c in p}
+    for run in (1, 2, 3, 4):
+        assert len({owner[i] for i, r in runs.items() if r == uuid.UUID(int=run)}) == 1
+    assert [len(p) for p in parts] == [30, 30, 70, 6]
+    assert max(len(p) for p in parts if len(p) != 70) <= OUTCOME_PART_ROWS
+
+
+def test_a_shard_with_an_effect_of_unknown_run_is_written_whole() -> None:
+    batch = [_done(1, n) for n in range(60)]
+    runs: dict[uuid.UUID, uuid.UUID | None] = {
+        c.effect_id: uuid.UUID(int=n % 7) for n, c in enumerate(batch)
+    }
+    assert len(shard_parts(batch, runs)) > 1
+    del runs[batch[5].effect_id]
+    assert shard_parts(batch, runs) == [batch]
+    assert shard_parts(batch, None) == [batch]
