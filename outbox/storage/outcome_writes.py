@@ -106,25 +106,33 @@ async def side_by_side(
 def shard_parts(
     part: Sequence[Completion], runs: Mapping[UUID, UUID | None] | None
 ) -> list[list[Completion]]:
-    """One shard's outcomes in statements of at most ``OUTCOME_PART_ROWS`` rows, no run in two.
+    """One shard's outcomes in statements of at most ``OUTCOME_PART_ROWS`` rows.
 
     A statement locks the runs of the effects it ends (a parked run woken, a
-    costed effect's budget settled) in its rows' order: two statements sharing
-    two runs could take them in opposite orders and deadlock. So a run's
-    outcomes stay together (a run's more than 50 with it), and with an effect
-    whose run ``runs`` does not name, the shard's outcomes are one statement.
+    costed effect's budget settled) in its rows' order: two statements that
+    each lock two runs of the other's could take them in opposite orders and
+    deadlock. So a run's outcomes share a statement only with whole runs found
+    in no other (a run of more than ``OUTCOME_PART_ROWS`` has statements of its
+    own, which share that one run alone: one lock cannot make a cycle). With an
+    effect whose run ``runs`` does not name, the shard's outcomes are one statement.
     """
-    if len(part) <= OUTCOME_PART_ROWS or runs is None or any(c.effect_id not in runs for c in part):
+    size = OUTCOME_PART_ROWS
+    if len(part) <= size or runs is None or any(c.effect_id not in runs for c in part):
         return [list(part)]
     by_run: dict[UUID, list[Completion]] = {}
     for c in part:  # an effect of no run locks none: a group of its own
         by_run.setdefault(runs[c.effect_id] or c.effect_id, []).append(c)
-    parts: list[list[Completion]] = [[]]
+    parts: list[list[Completion]] = []
+    mixed: list[Completion] = []
     for group in by_run.values():
-        if parts[-1] and len(parts[-1]) + len(group) > OUTCOME_PART_ROWS:
-            parts.append([])
-        parts[-1] += group
-    return parts
+        if len(group) > size:
+            parts += [group[at : at + size] for at in range(0, len(group), size)]
+            continue
+        if len(mixed) + len(group) > size:
+            parts.append(mixed)
+            mixed = []
+        mixed += group
+    return [*parts, mixed] if mixed else parts
 
 
 async def complete_on(

@@ -91,12 +91,11 @@ def _done(run: int, n: int) -> Completion:
     return Completion(uuid.UUID(int=run * 1000 + n), 1, "succeeded", "succeeded", shard=3)
 
 
-def test_no_run_has_its_outcomes_in_two_parts_and_no_part_grows_past_its_size_but_by_one_run() -> (
-    None
-):
+def test_parts_share_a_run_only_when_each_holds_that_run_alone() -> None:
+    """No two parts can lock two runs each in opposite orders; each at most 50 rows."""
     runs: dict[uuid.UUID, uuid.UUID | None] = {}
     batch = []
-    for run, count in [(1, 30), (2, 30), (3, 70), (4, 5)]:
+    for run, count in [(1, 30), (2, 30), (3, 120), (4, 5)]:
         for n in range(count):
             c = _done(run, n)
             runs[c.effect_id] = uuid.UUID(int=run)
@@ -106,11 +105,13 @@ def test_no_run_has_its_outcomes_in_two_parts_and_no_part_grows_past_its_size_bu
     batch.append(loose)
     parts = shard_parts(batch, runs)
     assert sorted(c.effect_id for p in parts for c in p) == sorted(c.effect_id for c in batch)
-    owner = {c.effect_id: n for n, p in enumerate(parts) for c in p}
-    for run in (1, 2, 3, 4):
-        assert len({owner[i] for i, r in runs.items() if r == uuid.UUID(int=run)}) == 1
-    assert [len(p) for p in parts] == [30, 30, 70, 6]
-    assert max(len(p) for p in parts if len(p) != 70) <= OUTCOME_PART_ROWS
+    assert max(len(p) for p in parts) <= OUTCOME_PART_ROWS
+    held = [{runs[c.effect_id] for c in p} - {None} for p in parts]
+    for n, one in enumerate(held):
+        for other in held[n + 1 :]:
+            shared = one & other
+            assert not shared or (one == shared == other), (one, other)
+    assert sorted(len(p) for p in parts) == [20, 30, 36, 50, 50]
 
 
 def test_a_shard_with_an_effect_of_unknown_run_is_written_whole() -> None:
