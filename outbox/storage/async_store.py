@@ -255,14 +255,7 @@ class AsyncStore(DutyStatements):
         began = time.perf_counter()
         with translate_errors("recording outcomes"):
             async with self._direct.connection() as conn, await self._one_commit(conn):
-                held = await self._held_shards(conn)
-                try:
-                    logged = await complete_on(
-                        conn, owner, done, held, self._direct.spare, self._shards.runs
-                    )
-                except OutcomesLeft as partly:
-                    self._forget_written(done, partly)
-                    raise
+                logged = await self._write_outcomes(conn, owner, done)
         self._shards.forget(done)
         self._observe("complete", began, complete=len(logged))
         return logged
@@ -310,20 +303,10 @@ class AsyncStore(DutyStatements):
                         conn, owner, done, claim
                     )
                     if unwritten is not None:
-                        if isinstance(unwritten, OutcomesLeft):
-                            self._forget_written(done, unwritten)
                         self._observe("complete+claim", began, complete=0, claim=len(rows))
                         return Batched([], rows, unwritten=unwritten)
                 else:
-                    held = await self._held_shards(conn)
-                    spare = self._direct.spare if sharded else None
-                    try:
-                        logged = await complete_on(
-                            conn, owner, done, held, spare, self._shards.runs
-                        )
-                    except OutcomesLeft as partly:
-                        self._forget_written(done, partly)
-                        raise
+                    logged = await self._write_outcomes(conn, owner, done)
                     rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
                 # on Citus a heartbeat statement per shard held, as :meth:`extend`
                 groups = await shard_groups(
@@ -347,10 +330,22 @@ class AsyncStore(DutyStatements):
         self._observe("complete+claim", began, complete=len(logged), claim=len(rows))
         return Batched(logged, rows, kept, findings)
 
-    def _forget_written(self, done: Sequence[Completion], partly: OutcomesLeft) -> None:
-        """Of ``done``, what was written holds no lease of ours any more (``left`` still does)."""
-        left = {c.effect_id for c in partly.left}
-        self._shards.forget([c for c in done if c.effect_id not in left])
+    async def _write_outcomes(
+        self, conn: psycopg.AsyncConnection[dict[str, Any]], owner: str, done: Sequence[Completion]
+    ) -> list[tuple[UUID, str]]:
+        """:func:`complete_on` with what this store holds (on Citus, spare connections too).
+
+        Outcomes written part-way (:class:`OutcomesLeft`): the written ones hold no
+        lease of ours any more, the ones left still do.
+        """
+        held = await self._held_shards(conn)
+        spare = self._direct.spare if held is not None else None
+        try:
+            return await complete_on(conn, owner, done, held, spare, self._shards.runs)
+        except OutcomesLeft as partly:
+            left = {c.effect_id for c in partly.left}
+            self._shards.forget([c for c in done if c.effect_id not in left])
+            raise
 
     async def _complete_beside_claim(
         self,
@@ -384,9 +379,7 @@ class AsyncStore(DutyStatements):
         unwritten: Exception | None = None
         try:
             with translate_errors("recording outcomes"):
-                held = await self._held_shards(conn)
-                runs = self._shards.runs
-                logged = await complete_on(conn, owner, done, held, self._direct.spare, runs)
+                logged = await self._write_outcomes(conn, owner, done)
         except asyncio.CancelledError:
             await self._give_back(owner, claiming)
             raise
