@@ -321,7 +321,9 @@ def test_client_disconnects_log_no_trace(ob: Outbox, serve_process: tuple[int, i
             )
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-    assert _answers(port)
+    # 40 connections in a burst from one address pass the per-client limit (32) until
+    # the server has seen them close, which on a loaded machine takes a moment
+    wait_for(lambda: _answers(port), timeout=10, message="outbox serve to answer again")
     time.sleep(0.5)
     logged = log_path.read_text()
     assert "Traceback" not in logged and "Exception" not in logged, logged[-3000:]
