@@ -244,11 +244,7 @@ class Relay:
 
     def _make_producer(self) -> KafkaProducer:
         return KafkaProducer(
-            bootstrap_servers=self.settings.bootstrap_servers,
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=5,
-            **self.settings.producer,
+            bootstrap_servers=self.settings.bootstrap_servers, **self.settings.producer_settings
         )
 
     def _replace_producer(self) -> None:

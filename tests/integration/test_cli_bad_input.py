@@ -56,6 +56,11 @@ def _cases(tmp_path: Path, busy_port: int) -> list[Case]:
         ("worker --lease inf", [*worker, "--lease", "inf"], {}),
         ("worker --lease -1", [*worker, "--lease", "-1"], {}),
         ("relay --dispatch-ttl inf", ["relay", "--kafka", "x:1", "--dispatch-ttl", "inf"], {}),
+        (
+            "relay --kafka-option acks=1",
+            ["relay", "--kafka", "x:1", "--kafka-option", "acks=1"],
+            {},
+        ),
         ("serve --port 70000", ["serve", "--port", "70000"], {}),
         ("serve --port -1", ["serve", "--port", "-1"], {}),
         ("serve --port busy", ["serve", "--port", port], {}),

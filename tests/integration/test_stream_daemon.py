@@ -49,13 +49,16 @@ def stream_daemon(
     """A relay and a stream deliverer on one loop, as `outbox relay` and `deliver --from-kafka`."""
     for kind in deliverers:
         broker.create_topic(f"outbox.{kind}", partitions=2)
+    producer = fields.pop("producer", {})
     settings = StreamSettings(
         bootstrap_servers=broker.bootstrap,
         group="drift",
         consumer={**TANSU_CONSUMER_TUNING, **fields.pop("consumer", {})},
         **fields,
     )
-    relay_settings = RelaySettings(bootstrap_servers=broker.bootstrap, poll_seconds=0.2)
+    relay_settings = RelaySettings(
+        bootstrap_servers=broker.bootstrap, poll_seconds=0.2, producer=producer
+    )
 
     def source(store: AsyncStore) -> KafkaSource:
         return KafkaSource(store, sorted(deliverers), settings)
@@ -135,6 +138,19 @@ def test_stream_mode_pauses_a_rate_limited_kind(
     with stream_daemon(dsn, kafka_broker, {"k.slow": slow}, concurrency=1, retry_base_seconds=0.01):
         wait_for(all_succeeded(ob, 3), timeout=60, message="delivery")
     assert all(t - calls[0] >= 1.5 for t in calls[1:]), "k.slow waited out its pause"
+
+
+def test_a_relays_producer_options_override_its_defaults(
+    ob: Outbox, dsn: str, kafka_broker: TansuBroker
+) -> None:
+    # linger_ms is one of the relay's own defaults: given again it was a second
+    # keyword argument to KafkaProducer, and the relay never started publishing
+    intend(ob, "k.tuned", 40)
+    recorder = RecordingDeliverer("k.tuned")
+    producer = {"linger_ms": 0, "batch_size": 1024}  # a round spans many produce batches
+    with stream_daemon(dsn, kafka_broker, {"k.tuned": recorder}, producer=producer):
+        wait_for(all_succeeded(ob, 40), timeout=60, message="40 effects delivered")
+    assert sorted(d.payload["n"] for d in recorder.deliveries) == list(range(40))
 
 
 def test_stream_mode_uses_the_schema_retry_setting(

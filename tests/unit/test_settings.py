@@ -97,3 +97,18 @@ def test_a_dsn_that_is_not_postgresql_is_a_configuration_error(dsn: str, reason:
         resolve_dsn(Settings(dsn=dsn))
     assert "hunter2" not in str(info.value)
     assert psycopg_url("postgresql://u@h/db").drivername == "postgresql+psycopg"
+
+
+def test_a_relays_producer_keeps_acks_all_and_idempotence() -> None:
+    from outbox.delivery.settings import RelaySettings
+
+    tuned = RelaySettings(bootstrap_servers="k:9092", producer={"linger_ms": 0, "acks": "all"})
+    assert tuned.producer_settings == {
+        "linger_ms": 0,
+        "batch_size": 512 * 1024,
+        "acks": "all",
+        "enable_idempotence": True,
+    }
+    for key, value in (("acks", 1), ("acks", 0), ("enable_idempotence", False)):
+        with pytest.raises(pydantic.ValidationError, match=f"{key}={value!r}: a relay publishes"):
+            RelaySettings(bootstrap_servers="k:9092", producer={key: value})
