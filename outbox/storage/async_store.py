@@ -243,7 +243,7 @@ class AsyncStore(DutyStatements):
                 for shard, part in by_shard.items():
                     params = leases.extend_params(part, owner=owner, lease_seconds=lease_seconds)
                     statement = leases.extend_leases(sharded)
-                    with self._shards.answering(shard):
+                    with self._shards.answering(shard, conn):
                         # a transaction per shard: across two workers it would take two phases
                         async with conn.begin():
                             result = await conn.execute(statement, {**params, "part_shard": shard})

@@ -159,7 +159,7 @@ class DutyStatements(DeliveryConnections):
             async with self.engine.connect() as conn:
                 for shard in self._shards.live() if sharded else [None]:
                     on = {} if shard is None else {"on_shard": shard}
-                    with self._shards.answering(shard):
+                    with self._shards.answering(shard, conn):
                         async with conn.begin():
                             if redispatch_as is not None:
                                 params = {"worker": redispatch_as, "max_rows": max_rows, **on}
@@ -386,7 +386,7 @@ class DutyStatements(DeliveryConnections):
             ended = 0
             async with self.engine.connect() as conn:
                 for shard in self._shards.live():
-                    with self._shards.answering(shard):
+                    with self._shards.answering(shard, conn):
                         async with conn.begin():
                             result = await conn.execute(
                                 owners.end_relay_dispatches(sharded=True),

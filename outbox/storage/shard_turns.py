@@ -19,6 +19,7 @@ from uuid import UUID
 import psycopg
 import sqlalchemy.exc
 from sqlalchemy import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.shards import SHARDS, shard_of
 from outbox.storage.attempts import Completion
@@ -185,14 +186,19 @@ class ShardTurns:
             on_shard = {**partition, "shard": shard}
             # alone in autocommit, else a savepoint: one shard's failure is its own
             idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-            with self.answering(shard):
-                async with contextlib.nullcontext() if idle else conn.transaction():
-                    if (
-                        ready_on is None
-                        or not self.asks_first(name, shard, hints)
-                        or await ready_on(on_shard)
-                    ):
-                        found = await claim_on(on_shard, limit - len(rows))
+            try:
+                with self.answering(shard, conn):
+                    async with contextlib.nullcontext() if idle else conn.transaction():
+                        if (
+                            ready_on is None
+                            or not self.asks_first(name, shard, hints)
+                            or await ready_on(on_shard)
+                        ):
+                            found = await claim_on(on_shard, limit - len(rows))
+            except (psycopg.Error, sqlalchemy.exc.DBAPIError) as exc:
+                if idle and self.kept(exc, shard, len(rows)):
+                    return rows
+                raise
             rows += found
             shard = next_turn(walk, len(found))
         return rows
@@ -233,20 +239,59 @@ class ShardTurns:
             self.ordered.discard(c.effect_id)
             self.runs.pop(c.effect_id, None)
 
-    @contextlib.contextmanager
-    def answering(self, shard: int | None) -> Iterator[None]:
-        """Around a statement on ``shard``: if its node does not answer, rest it and go on.
+    @staticmethod
+    def kept(exc: BaseException, shard: int, committed: int) -> bool:
+        """Whether a claim keeps what it committed when its statement on ``shard`` failed.
 
-        Put it outside the statement's savepoint, so the savepoint is rolled back
-        first. ``None`` or a negative shard (one server's rows) lets every error through.
+        The ``committed`` rows of its statements on other shards are returned
+        rather than ``exc`` raised: raised, they would be nobody's, their leases
+        running out on effects (or runs) that nobody started.
+        """
+        if not committed:
+            return False
+        log.warning(
+            "claiming on shard %d failed (%s); the %d rows claimed before it are kept",
+            shard,
+            exc,
+            committed,
+        )
+        return True
+
+    @contextlib.contextmanager
+    def answering(self, shard: int | None, conn: object) -> Iterator[None]:
+        """Around a statement on ``shard`` sent on ``conn``: if its node does not answer, rest it.
+
+        The claim, sweep or heartbeat goes on with the other shards. Put it
+        outside the statement's savepoint, so the savepoint is rolled back first.
+        ``None`` or a negative shard (one server's rows) lets every error through,
+        and so does a ``conn`` that lost its own session: each shard after it
+        would fail too, and rested, every node that answers would be left alone
+        for ``SHARD_REST_SECONDS`` (and a heartbeat would call every lease lost).
         """
         try:
             yield
         except (psycopg.Error, sqlalchemy.exc.DBAPIError) as exc:
             cause = exc.orig if isinstance(exc, sqlalchemy.exc.DBAPIError) else exc
-            if shard is None or shard < 0 or not node_unreachable(cause):
+            if shard is None or shard < 0 or not node_unreachable(cause) or session_lost(conn):
                 raise
             self.rest(shard, cause)
+
+
+def session_lost(conn: object) -> bool:
+    """Whether ``conn`` (psycopg's or SQLAlchemy's, sync or async) has lost its own session.
+
+    On Citus a worker that does not answer fails one statement while the
+    coordinator's session lives on; a session that ended (terminated, its
+    server restarted, the network cut) fails every statement after it, so it
+    says nothing of the nodes behind it.
+    """
+    if isinstance(conn, AsyncConnection):
+        conn = conn.sync_connection
+    if isinstance(conn, Connection):
+        if conn.invalidated or conn.closed:
+            return True
+        conn = conn.connection.driver_connection
+    return conn is None or bool(getattr(conn, "broken", False) or getattr(conn, "closed", False))
 
 
 def next_turn(walk: Generator[int, int, None], taken: int) -> int | None:
@@ -306,7 +351,7 @@ def each_shard(
             with conn.begin_nested():
                 rows += conn.execute(statement(sharded=True), bound).all()
         except sqlalchemy.exc.DBAPIError as exc:
-            if not node_unreachable(exc.orig):
+            if not node_unreachable(exc.orig) or session_lost(conn):
                 raise
             log.warning("shard %d: its node did not answer (%s); swept without it", shard, exc)
         if len(rows) >= max_rows:

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 from uuid import UUID
 
+import sqlalchemy.exc
 from sqlalchemy import Connection, Engine
 
 from outbox.blobs import Blob
@@ -69,14 +70,19 @@ class RunWorkerStatements:
                 while shard is not None:
                     found: list[RunRecord] = []
                     on_shard = {**partition, "shard": shard}
-                    with self._turns.answering(shard):
-                        # an idle round: a cheap read a shard, a claim only where it answers
-                        if not self._turns.asks_first(name, shard, frozenset()) or (
-                            self._ready_on(conn, spec, on_shard)
-                        ):
-                            found = self._claim_runs_on(
-                                conn, spec, on_shard, limit - len(taken), owner, lease_seconds
-                            )
+                    try:
+                        with self._turns.answering(shard, conn):
+                            # an idle round: a cheap read a shard, a claim only where it answers
+                            if not self._turns.asks_first(name, shard, frozenset()) or (
+                                self._ready_on(conn, spec, on_shard)
+                            ):
+                                found = self._claim_runs_on(
+                                    conn, spec, on_shard, limit - len(taken), owner, lease_seconds
+                                )
+                    except sqlalchemy.exc.DBAPIError as exc:
+                        if self._turns.kept(exc, shard, len(claimed) + len(taken)):
+                            return claimed + taken
+                        raise
                     taken += found
                     shard = next_turn(walk, len(found))
                 claimed += taken
@@ -186,7 +192,7 @@ class RunWorkerStatements:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
             for shard in self._turns.live():
                 if only is None or shard in only:
-                    with self._turns.answering(shard):
+                    with self._turns.answering(shard, conn):
                         rows += statement(conn, shard)
             if rows and notify_runs:
                 conn.execute(notify(RUNS_CHANNEL))
