@@ -115,6 +115,8 @@ RELAY_PRODUCER_REQUIRED: dict[str, Any] = {"acks": "all", "enable_idempotence": 
 #: cut a round into about ten per partition, each waking its sender thread (59-61
 #: against 52-56 µs of relay CPU per effect, measured with ``bench/stream.py``'s shapes).
 RELAY_PRODUCER_DEFAULTS: dict[str, Any] = {"linger_ms": 5, "batch_size": 512 * 1024}
+#: Spellings kafka-python takes as the same setting (``acks=-1`` is ``acks='all'``).
+_SAME_AS: dict[Any, tuple[Any, ...]] = {"all": ("all", -1)}
 
 
 def _relay_owner() -> str:
@@ -159,7 +161,7 @@ class RelaySettings(BaseModel):
     @classmethod
     def _keeps_what_the_relay_needs(cls, producer: dict[str, Any]) -> dict[str, Any]:
         for key, needed in RELAY_PRODUCER_REQUIRED.items():
-            if key in producer and producer[key] != needed:
+            if key in producer and producer[key] not in _SAME_AS.get(needed, (needed,)):
                 raise ValueError(
                     f"{key}={producer[key]!r}: a relay publishes with {key}={needed!r}"
                     " (a record it counts as published must not be lost or written twice)"

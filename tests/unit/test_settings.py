@@ -109,6 +109,10 @@ def test_a_relays_producer_keeps_acks_all_and_idempotence() -> None:
         "acks": "all",
         "enable_idempotence": True,
     }
+    assert (
+        RelaySettings(bootstrap_servers="k:9092", producer={"acks": -1}).producer_settings["acks"]
+        == "all"
+    ), "kafka-python's -1 is 'all'"
     for key, value in (("acks", 1), ("acks", 0), ("enable_idempotence", False)):
         with pytest.raises(pydantic.ValidationError, match=f"{key}={value!r}: a relay publishes"):
             RelaySettings(bootstrap_servers="k:9092", producer={key: value})
