@@ -233,6 +233,7 @@ class OutcomeWriter:
                     raise batched.unwritten
                 written.logged.update(batched.logged)
                 written.kept, written.findings = batched.kept, batched.findings
+                written.duties_failed = rider.has_duties and not batched.rode
                 return written
             except asyncio.CancelledError:
                 raise

@@ -22,19 +22,19 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox.blobs import reference_hash
-from outbox.errors import ConfigurationError
-from outbox.models import EffectStatus
 from outbox.storage import blob_store
 from outbox.storage.attempts import (
     Batched,
+    ClaimCutShort,
     ClaimedEffect,
     Completion,
     DutyAsk,
     DutyFindings,
     OutcomesLeft,
 )
-from outbox.storage.delivery_duties import DutyStatements, Observer
+from outbox.storage.delivery_duties import Observer
 from outbox.storage.direct import prepared
+from outbox.storage.effect_claims import EffectClaims
 from outbox.storage.engine import translate_errors
 from outbox.storage.notify import listen
 from outbox.storage.outcome_writes import complete_on, wake_parked
@@ -60,7 +60,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-class AsyncStore(DutyStatements):
+class AsyncStore(EffectClaims):
     """The delivery store: the daemons and the reconciler call it, and never see SQL.
 
     The hot path (claim, heartbeat, complete) and stream mode are here; the
@@ -75,120 +75,6 @@ class AsyncStore(DutyStatements):
     def owner_lock(self, owner: str) -> OwnerLock:
         """The session lock of ``owner``, on a connection of its own."""
         return OwnerLock(self.dsn, owner)
-
-    async def _claim_on(
-        self,
-        conn: psycopg.AsyncConnection[dict[str, Any]],
-        spec: queue.QueueSpec,
-        quotas: Sequence[tuple[dict[str, str], int]],
-        owner: str,
-        lease_seconds: float,
-        rates: Mapping[str, queue.Rate] | None,
-    ) -> list[ClaimedEffect]:
-        """The claim of each partition's quota on ``conn`` (the caller owns the transaction).
-
-        On Citus a claim reads one shard: a partition's claim asks them in the order
-        of ``ShardTurns.plan`` (named by a wake-up first, then taking turns) until
-        its quota is met, it may end with the named ones, or each was asked.
-        """
-        rows: list[ClaimedEffect] = []
-        sharded = await self.sharded(conn)
-        if sharded:
-            spec = dataclasses.replace(spec, sharded=True)
-        hints = self._shards.take_hints() if sharded else frozenset()
-        for partition, limit in quotas:
-            rate = None if rates is None else rates.get(partition.get("kind", ""))
-            if rate is not None and sharded:
-                raise ConfigurationError(
-                    f"kind {partition.get('kind')!r} declares a rate: a distributed database "
-                    "does not enforce declared rates yet (docs/howto/citus.md)"
-                )
-            claim_on = functools.partial(
-                self._claim_partition,
-                conn,
-                spec,
-                owner=owner,
-                lease_seconds=lease_seconds,
-                rate=rate,
-            )
-            if sharded:
-                ready = functools.partial(self._ready_on, conn, spec)
-                rows += await self._shards.claim(conn, partition, limit, hints, claim_on, ready)
-            else:
-                rows += await claim_on(partition, limit)
-        if spec.claimed != EffectStatus.DISPATCHED:
-            # A relay's claim hands its rows on to whichever deliverer reads their
-            # records: it holds no lease to extend, and its give-back names each
-            # row's shard. Remembered, they would pile up for the relay's life.
-            self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
-            self._shards.ordered.update(r.id for r in rows if r.ordering_key is not None)
-            self._shards.runs.update((r.id, r.run_id) for r in rows)
-        return rows
-
-    async def _ready_on(
-        self,
-        conn: psycopg.AsyncConnection[dict[str, Any]],
-        spec: queue.QueueSpec,
-        partition: dict[str, Any],
-    ) -> bool:
-        """On Citus: whether ``partition`` (its shard named) has a ready row."""
-        ask = prepared(queue.ready_on_shard(spec))
-        params = queue.partition_params(partition)
-        cur = await ask.execute(conn, params, prepare=True)
-        return await cur.fetchone() is not None
-
-    async def _claim_partition(
-        self,
-        conn: psycopg.AsyncConnection[dict[str, Any]],
-        spec: queue.QueueSpec,
-        partition: dict[str, Any],
-        limit: int,
-        *,
-        owner: str,
-        lease_seconds: float,
-        rate: queue.Rate | None,
-    ) -> list[ClaimedEffect]:
-        params = queue.claim_params(
-            partition, limit=limit, owner=owner, lease_seconds=lease_seconds, rate=rate
-        )
-        rows: list[ClaimedEffect] = []
-        again = True
-        while again:  # at most twice: plain, then lanes (see ClaimMode)
-            statement, lanes = self._claims.statement(spec, partition, rated=rate is not None)
-            claim = prepared(statement)
-            cur = await claim.execute(conn, params, prepare=True)
-            found, again = self._claims.claimed(spec, partition, lanes, await cur.fetchall())
-            rows += [ClaimedEffect.from_row(row) for row in found]
-        return rows
-
-    async def claim_many(
-        self,
-        spec: queue.QueueSpec,
-        quotas: Sequence[tuple[dict[str, str], int]],
-        *,
-        owner: str,
-        lease_seconds: float,
-        rates: Mapping[str, queue.Rate] | None = None,
-    ) -> list[ClaimedEffect]:
-        """Claim from each partition, all in one transaction (claimed rows are all returned).
-
-        ``rates`` maps a kind to its declared rate: that kind's claims take no
-        more than the rate allows, shared with every process through PostgreSQL.
-        """
-        began = time.perf_counter()
-        with translate_errors("claiming effects"):
-            async with self._direct.connection() as conn:
-                if len(quotas) == 1:
-                    # One statement claims and records the attempt's start, so alone it
-                    # needs no explicit transaction: autocommit saves the BEGIN and COMMIT
-                    # round trips on the commit -> handler start path. With several, a
-                    # failure part-way must not leave claims that were never returned.
-                    rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
-                else:
-                    async with conn.transaction():
-                        rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
-        self._observe("claim", began, claim=len(rows))
-        return rows
 
     async def with_payload(self, effect: ClaimedEffect) -> ClaimedEffect:
         """The attempt with its payload read back if it was stored by reference.
@@ -292,7 +178,7 @@ class AsyncStore(DutyStatements):
                 sharded = await self.sharded(conn)
                 if sharded and not self._shards.ordered.intersection(c.effect_id for c in done):
                     claim = functools.partial(
-                        self._claim_on,
+                        self._claim_kept,
                         spec=spec,
                         quotas=quotas,
                         owner=owner,
@@ -307,7 +193,19 @@ class AsyncStore(DutyStatements):
                         return Batched([], rows, unwritten=unwritten)
                 else:
                     logged = await self._write_outcomes(conn, owner, done)
-                    rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
+                    try:
+                        rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
+                    except ClaimCutShort as cut:
+                        # (Citus) the outcomes are committed, the session may be gone: the
+                        # heartbeat and the probe are left to the daemon's own rounds
+                        rows = cut.rows if self._shards.kept(cut) else []
+                        if not rows:
+                            log.warning("a claim after outcomes failed (%s)", cut.error)
+                        self._shards.forget(done)
+                        self._observe(
+                            "complete+claim", began, complete=len(logged), claim=len(rows)
+                        )
+                        return Batched(logged, rows, rode=False)
                 # on Citus a heartbeat statement per shard held, as :meth:`extend`
                 groups = await shard_groups(
                     conn, extend, lambda h: h[0], await self._held_shards(conn)
@@ -364,10 +262,10 @@ class AsyncStore(DutyStatements):
         what was logged, what was claimed, and why the outcomes were not written
         (None: they were): rows a claim committed are returned whatever became
         of the outcomes, or their leases would run out uncalled (a cancelled
-        round gives them back: :meth:`_give_back`). A claim that failed is left
-        to the take loop, which claims again and says why it cannot (what the
-        failed claim's statements on other shards committed waits for its
-        leases, as after any claim that failed part-way on Citus).
+        round gives them back: :meth:`_give_back`), and so are the rows of a
+        claim cut short part-way (:class:`ClaimCutShort`). A claim that failed
+        with nothing committed is left to the take loop, which claims again and
+        says why it cannot.
         """
 
         async def apart() -> list[ClaimedEffect] | None:

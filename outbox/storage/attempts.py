@@ -138,6 +138,19 @@ class OutcomesLeft(OutboxError):
         self.logged, self.left, self.error = logged, left, error
 
 
+class ClaimCutShort(OutboxError):
+    """On Citus: a claim's statement on one shard failed after others had committed theirs.
+
+    ``rows``: what the claim's statements committed (every partition's so far);
+    they are the caller's, or their leases would run out on effects nobody
+    started. ``lost``: the failure was the session's own, not the shard's.
+    """
+
+    def __init__(self, rows: list[Any], error: Exception, shard: int, *, lost: bool) -> None:
+        super().__init__(f"claiming on shard {shard} failed after {len(rows)} rows: {error}")
+        self.rows, self.error, self.shard, self.lost = rows, error, shard, lost
+
+
 @dataclass(frozen=True, slots=True)
 class DutyAsk:
     """What a daemon's duty probe asks (see :func:`outbox.storage.sql.duties.duty_probe`)."""
@@ -200,6 +213,9 @@ class Batched:
     #: runs beside the outcomes' statements and commits on its own: what it
     #: claimed is in ``claimed`` even when the outcomes failed.
     unwritten: BaseException | None = None
+    #: Whether the heartbeat and the probe asked of it ran (on Citus a claim cut
+    #: short after the outcomes leaves them to the daemon's own rounds).
+    rode: bool = True
 
 
 def _current_note(note: Any, attempt: int) -> Any:

@@ -22,7 +22,7 @@ from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.shards import SHARDS, shard_of
-from outbox.storage.attempts import Completion
+from outbox.storage.attempts import ClaimCutShort, Completion
 from outbox.storage.direct import prepared
 from outbox.storage.engine import distributed, node_unreachable
 from outbox.storage.sql import governance as gov_sql
@@ -196,8 +196,8 @@ class ShardTurns:
                         ):
                             found = await claim_on(on_shard, limit - len(rows))
             except (psycopg.Error, sqlalchemy.exc.DBAPIError) as exc:
-                if idle and self.kept(exc, shard, len(rows)):
-                    return rows
+                if idle:  # what the statements before it committed is the caller's
+                    raise ClaimCutShort(rows, exc, shard, lost=session_lost(conn)) from exc
                 raise
             rows += found
             shard = next_turn(walk, len(found))
@@ -240,20 +240,22 @@ class ShardTurns:
             self.runs.pop(c.effect_id, None)
 
     @staticmethod
-    def kept(exc: BaseException, shard: int, committed: int) -> bool:
-        """Whether a claim keeps what it committed when its statement on ``shard`` failed.
+    def kept(cut: ClaimCutShort) -> bool:
+        """Whether a claim cut short returns the rows it committed rather than raise.
 
-        The ``committed`` rows of its statements on other shards are returned
-        rather than ``exc`` raised: raised, they would be nobody's, their leases
-        running out on effects (or runs) that nobody started.
+        It does when there are any: raised, they would be nobody's, their leases
+        running out on effects (or runs) that nobody started. Logged as an error
+        unless the session was lost (a failure of the shard's own recurs, and the
+        claims that find rows elsewhere would otherwise hide it).
         """
-        if not committed:
+        if not cut.rows:
             return False
-        log.warning(
+        log.log(
+            logging.WARNING if cut.lost else logging.ERROR,
             "claiming on shard %d failed (%s); the %d rows claimed before it are kept",
-            shard,
-            exc,
-            committed,
+            cut.shard,
+            cut.error,
+            len(cut.rows),
         )
         return True
 

@@ -21,10 +21,11 @@ from outbox.faults import crash_point
 from outbox.models import Lease, RunRecord
 from outbox.shards import shard_of
 from outbox.storage import blob_store
+from outbox.storage.attempts import ClaimCutShort
 from outbox.storage.blob_store import RUN_FIELDS
 from outbox.storage.claims import ClaimMode
 from outbox.storage.engine import translate_errors
-from outbox.storage.shard_turns import ShardTurns, next_turn
+from outbox.storage.shard_turns import ShardTurns, next_turn, session_lost
 from outbox.storage.sql import control, leases, queue
 from outbox.storage.sql import runs as run_sql
 from outbox.storage.sql.common import RUNS_CHANNEL, notify
@@ -80,8 +81,10 @@ class RunWorkerStatements:
                                     conn, spec, on_shard, limit - len(taken), owner, lease_seconds
                                 )
                     except sqlalchemy.exc.DBAPIError as exc:
-                        if self._turns.kept(exc, shard, len(claimed) + len(taken)):
-                            return claimed + taken
+                        lost = session_lost(conn)
+                        cut = ClaimCutShort([*claimed, *taken], exc, shard, lost=lost)
+                        if self._turns.kept(cut):
+                            return cut.rows
                         raise
                     taken += found
                     shard = next_turn(walk, len(found))

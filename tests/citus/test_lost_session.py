@@ -25,7 +25,7 @@ import pytest
 from outbox import Outbox, StepTransaction
 from outbox.errors import DatabaseError
 from outbox.shards import shard_of
-from outbox.storage.async_store import AsyncStore
+from outbox.storage.async_store import AsyncStore, Completion
 from outbox.storage.engine import make_async_engine, make_engine
 from outbox.storage.shard_turns import SHARD_REST_SECONDS
 from outbox.storage.sql.queue import EFFECT_QUEUE
@@ -215,3 +215,86 @@ def test_a_run_claim_keeps_what_it_committed_before_its_session_was_lost(
         ).fetchall()
     assert {row[0] for row in held} == {r.id for r in claimed}
     assert _rested(caplog) == []
+
+
+def test_a_claim_of_several_kinds_beside_outcomes_keeps_every_kinds_rows(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside the outcomes every statement commits on its own: the first kind's rows are
+    committed when the second kind's claim finds the session gone."""
+    first, second, owner = "k.lost-a", "k.lost-b", "several"
+    _spread(ob, first, runs=1)
+    assert len(_spread(ob, second)) > 1
+    monkeypatch.setattr(
+        AsyncStore,
+        "_claim_partition",
+        _losing_the_session_after(
+            AsyncStore._claim_partition, dsn, lambda conn: conn.info.backend_pid
+        ),
+    )
+
+    async def round_() -> set[uuid.UUID]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            quotas = [({"kind": first}, 1), ({"kind": second}, 100)]
+            batched = await store.complete_and_claim(
+                owner, [], EFFECT_QUEUE, quotas, lease_seconds=60
+            )
+            return {e.id for e in batched.claimed}
+        finally:
+            await store.dispose()
+
+    claimed = asyncio.run(round_())
+    assert len(claimed) == 1
+    assert _in_flight(dsn, owner) == claimed, "every effect claimed is the caller's"
+
+
+def test_a_claim_after_ordered_outcomes_keeps_its_rows_and_writes_each_outcome_once(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ordered effect's outcome is written before the claim, on the same session: the
+    session goes during the claim; the claim's rows come back, the outcome is written
+    once, and the heartbeat that would have ridden is left undone, not reported lost."""
+    ordered, kind, owner = "k.lost-ordered", "k.lost-after", "ordered"
+    ob.start_run("lost-ordered", "1").transaction(
+        "s", lambda tx: tx.intend(ordered, {"n": 0}, ordering_key="acct-1") and None
+    )
+    assert len(_spread(ob, kind)) > 1
+
+    async def round_() -> tuple[Any, set[uuid.UUID]]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            (held,) = await store.claim_many(
+                EFFECT_QUEUE, [({"kind": ordered}, 1)], owner=owner, lease_seconds=60
+            )
+            monkeypatch.setattr(
+                AsyncStore,
+                "_claim_partition",
+                _losing_the_session_after(
+                    AsyncStore._claim_partition, dsn, lambda conn: conn.info.backend_pid
+                ),
+            )
+            done = Completion(held.id, held.attempt, "succeeded", "succeeded", shard=held.shard)
+            batched = await store.complete_and_claim(
+                owner,
+                [done],
+                EFFECT_QUEUE,
+                [({"kind": kind}, 100)],
+                lease_seconds=60,
+                extend=[(held.id, held.attempt)],
+            )
+            return batched, {e.id for e in batched.claimed}
+        finally:
+            await store.dispose()
+
+    batched, claimed = asyncio.run(round_())
+    assert batched.logged and batched.logged[0][1] == "succeeded"
+    assert 0 < len(claimed) < 16 and not batched.rode
+    assert _in_flight(dsn, owner) == claimed
+    with psycopg.connect(dsn) as conn:
+        (logged,) = conn.execute(
+            "SELECT count(*) FROM outbox_effect_attempts a JOIN outbox_effects e"
+            " ON e.id = a.effect_id AND e.shard = a.shard WHERE e.kind = %s",
+            [ordered],
+        ).fetchone() or (None,)
+    assert logged == 1, "the outcome is written once"
