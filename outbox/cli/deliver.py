@@ -343,13 +343,18 @@ def serve_until_signal(dsn: str, make: Callable[[AsyncStore], _Daemon], banner: 
 
 
 def kafka_options_of(options: tuple[str, ...]) -> dict[str, Any]:
-    """``--kafka-option KEY=VALUE`` settings as a dict (digits as integers)."""
+    """``--kafka-option KEY=VALUE`` settings as a dict (digits as integers, true/false as bools)."""
     parsed: dict[str, Any] = {}
     for option in options:
         key, sep, raw = option.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"{option!r}: expected KEY=VALUE", param_hint="--kafka-option")
-        parsed[key] = int(raw) if raw.lstrip("-").isdigit() else raw
+        if raw.lstrip("-").isdigit():
+            parsed[key] = int(raw)
+        elif raw.lower() in ("true", "false"):
+            parsed[key] = raw.lower() == "true"
+        else:
+            parsed[key] = raw
     return parsed
 
 

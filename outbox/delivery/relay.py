@@ -40,6 +40,7 @@ from outbox.delivery.reconcile import reconcile
 from outbox.delivery.seam import OwnerLockLike
 from outbox.delivery.settings import RelaySettings
 from outbox.delivery.sources import wait_or_wake
+from outbox.errors import ConfigurationError
 from outbox.faults import crash_point
 from outbox.retry import IdleBackoff
 from outbox.storage.async_store import AsyncStore, ClaimedEffect
@@ -130,6 +131,8 @@ class Relay:
                 self.settings.bootstrap_servers,
                 exc,
             )
+        except (ValueError, TypeError, kafka_errors.KafkaConfigurationError) as exc:
+            raise ConfigurationError(f"--kafka-option: the Kafka producer refused: {exc}") from exc
         lock = self.store.owner_lock(self.owner)
         lock.start()
         await self._take_over_own_name(lock)

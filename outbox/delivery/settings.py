@@ -166,6 +166,15 @@ class RelaySettings(BaseModel):
                     f"{key}={producer[key]!r}: a relay publishes with {key}={needed!r}"
                     " (a record it counts as published must not be lost or written twice)"
                 )
+        # what an idempotent producer also needs (kafka-python says so only once connected)
+        if producer.get("retries") == 0:
+            raise ValueError("retries=0: a relay's idempotent producer needs retries > 0")
+        in_flight = producer.get("max_in_flight_requests_per_connection")
+        if isinstance(in_flight, int) and in_flight > 5:
+            raise ValueError(
+                f"max_in_flight_requests_per_connection={in_flight}: a relay's idempotent"
+                " producer allows at most 5"
+            )
         return producer
 
     @property

@@ -56,6 +56,7 @@ from outbox.delivery.relay import topic_for
 from outbox.delivery.settings import StreamSettings
 from outbox.delivery.sources import Writing, wait_or_wake
 from outbox.delivery.threads import DaemonThreads
+from outbox.errors import ConfigurationError
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
 
@@ -185,6 +186,8 @@ class KafkaSource:
         connecting, self._connecting = self._connecting, None
         try:
             connecting.result()
+        except kafka_errors.KafkaConfigurationError as exc:
+            raise ConfigurationError(f"--kafka-option: the Kafka consumer refused: {exc}") from exc
         except _UNREACHABLE as exc:
             log.warning(
                 "Kafka is not reachable at %s (%s); trying again",

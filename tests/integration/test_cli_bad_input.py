@@ -61,6 +61,11 @@ def _cases(tmp_path: Path, busy_port: int) -> list[Case]:
             ["relay", "--kafka", "x:1", "--kafka-option", "acks=1"],
             {},
         ),
+        (
+            "relay --kafka-option retries=0",
+            ["relay", "--kafka", "x:1", "--kafka-option", "retries=0"],
+            {},
+        ),
         ("serve --port 70000", ["serve", "--port", "70000"], {}),
         ("serve --port -1", ["serve", "--port", "-1"], {}),
         ("serve --port busy", ["serve", "--port", port], {}),
@@ -144,6 +149,20 @@ def test_bad_cli_input_is_one_line_and_a_non_zero_exit(
             wrong.append(f"{name}: exit {code}: {stderr!r}")
     assert wrong == [], "\n".join(wrong)
     assert len(results) >= 26
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["relay", "--kafka", "127.0.0.1:1"], ["deliver", "--from-kafka", "127.0.0.1:1"]],
+    ids=["relay", "deliver --from-kafka"],
+)
+def test_a_kafka_option_kafka_python_refuses_is_a_configuration_error(
+    sub_env: dict[str, str], command: list[str]
+) -> None:
+    """Known only once the producer or consumer is made, after the start: not a traceback."""
+    _, code, stderr = _run(("", [*command, "--kafka-option", "bogus=1"], {}), sub_env)
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert "error: ConfigurationError: --kafka-option" in stderr and "bogus" in stderr, stderr
 
 
 def test_secrets_in_a_bad_dsn_are_not_repeated(sub_env: dict[str, str]) -> None:

@@ -116,3 +116,16 @@ def test_a_relays_producer_keeps_acks_all_and_idempotence() -> None:
     for key, value in (("acks", 1), ("acks", 0), ("enable_idempotence", False)):
         with pytest.raises(pydantic.ValidationError, match=f"{key}={value!r}: a relay publishes"):
             RelaySettings(bootstrap_servers="k:9092", producer={key: value})
+    for key, value in (("retries", 0), ("max_in_flight_requests_per_connection", 6)):
+        with pytest.raises(pydantic.ValidationError, match=f"{key}={value}: a relay's idempotent"):
+            RelaySettings(bootstrap_servers="k:9092", producer={key: value})
+
+
+def test_kafka_options_read_numbers_and_booleans() -> None:
+    from outbox.cli.deliver import kafka_options_of
+
+    assert kafka_options_of(("acks=-1", "enable_idempotence=True", "compression_type=gzip")) == {
+        "acks": -1,
+        "enable_idempotence": True,
+        "compression_type": "gzip",
+    }
