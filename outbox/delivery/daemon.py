@@ -382,7 +382,7 @@ class DeliveryDaemon:
             if maintenance is not None and written.ride is not None:
                 if written.duties_failed:
                     maintenance.ride_failed()
-                elif not written.left:
+                elif not written.left and written.rode:
                     maintenance.rode(written.ride, written.kept, written.findings)
             self._account(batch, written)
             if written.claimed:

@@ -182,6 +182,9 @@ class Written:
     duties_failed: bool = False
     #: The duties offered to ride with the claim (None: none were).
     ride: Ride | None = None
+    #: Whether they rode (False: on Citus a session lost after the outcomes left them
+    #: to the daemon's own rounds; their answers are not in ``kept`` and ``findings``).
+    rode: bool = True
 
 
 class OutcomeWriter:
@@ -233,7 +236,7 @@ class OutcomeWriter:
                     raise batched.unwritten
                 written.logged.update(batched.logged)
                 written.kept, written.findings = batched.kept, batched.findings
-                written.duties_failed = rider.has_duties and not batched.rode
+                written.rode = batched.rode
                 return written
             except asyncio.CancelledError:
                 raise

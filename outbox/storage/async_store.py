@@ -172,6 +172,7 @@ class AsyncStore(EffectClaims):
         """
         kept: set[UUID] = set()
         findings = None
+        rode = True
         began = time.perf_counter()
         with translate_errors("recording outcomes and claiming effects"):
             async with self._direct.connection() as conn, await self._one_commit(conn):
@@ -195,38 +196,54 @@ class AsyncStore(EffectClaims):
                     logged = await self._write_outcomes(conn, owner, done)
                     try:
                         rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
-                    except ClaimCutShort as cut:
-                        # (Citus) the outcomes are committed, the session may be gone: the
-                        # heartbeat and the probe are left to the daemon's own rounds
+                    except ClaimCutShort as cut:  # (Citus) the outcomes are committed
                         rows = cut.rows if self._shards.kept(cut) else []
                         if not rows:
-                            log.warning("a claim after outcomes failed (%s)", cut.error)
-                        self._shards.forget(done)
-                        self._observe(
-                            "complete+claim", began, complete=len(logged), claim=len(rows)
+                            level = logging.WARNING if cut.lost else logging.ERROR
+                            log.log(level, "a claim after outcomes failed (%s)", cut.error)
+                        rode = False
+                try:
+                    if rode:
+                        kept, findings = await self._ride(
+                            conn, spec, sharded, owner, lease_seconds, extend, probe
                         )
-                        return Batched(logged, rows, rode=False)
-                # on Citus a heartbeat statement per shard held, as :meth:`extend`
-                groups = await shard_groups(
-                    conn, extend, lambda h: h[0], await self._held_shards(conn)
-                )
-                for shard, part in groups.items() if extend else ():
-                    params = leases.extend_params(part, owner=owner, lease_seconds=lease_seconds)
-                    params["part_shard"] = shard
-                    renew = prepared(
-                        leases.extend_leases(dataclasses.replace(spec, sharded=sharded))
-                    )
-                    cur = await renew.execute(conn, params, prepare=not sharded)
-                    kept |= {row["id"] for row in await cur.fetchall()}
-                # On Citus the probe reads every shard (about 50 ms): the duties round
-                # sends it on a connection of its own rather than hold up the batch.
-                if probe is not None and not sharded:
-                    ask = prepared(duties.duty_probe(sharded))
-                    cur = await ask.execute(conn, probe.params(), prepare=not sharded)
-                    findings = DutyFindings.from_row(list((await cur.fetchone() or {}).values()))
+                except psycopg.Error as exc:
+                    if not sharded:
+                        raise  # one transaction: the outcomes and the claim roll back with it
+                    # (Citus) the outcomes and the claim are committed, and must be returned
+                    log.warning("the heartbeat riding a batch failed (%s)", exc)
+                    rode = False
         self._shards.forget(done)
         self._observe("complete+claim", began, complete=len(logged), claim=len(rows))
-        return Batched(logged, rows, kept, findings)
+        return Batched(logged, rows, kept, findings, rode=rode)
+
+    async def _ride(
+        self,
+        conn: psycopg.AsyncConnection[dict[str, Any]],
+        spec: queue.QueueSpec,
+        sharded: bool,
+        owner: str,
+        lease_seconds: float,
+        extend: Sequence[tuple[UUID, int]],
+        probe: DutyAsk | None,
+    ) -> tuple[set[UUID], DutyFindings | None]:
+        """The heartbeat and the duty probe riding a batch: the leases kept, what was found."""
+        kept: set[UUID] = set()
+        # on Citus a heartbeat statement per shard held, as :meth:`extend`
+        groups = await shard_groups(conn, extend, lambda h: h[0], await self._held_shards(conn))
+        for shard, part in groups.items() if extend else ():
+            params = leases.extend_params(part, owner=owner, lease_seconds=lease_seconds)
+            params["part_shard"] = shard
+            renew = prepared(leases.extend_leases(dataclasses.replace(spec, sharded=sharded)))
+            cur = await renew.execute(conn, params, prepare=not sharded)
+            kept |= {row["id"] for row in await cur.fetchall()}
+        # On Citus the probe reads every shard (about 50 ms): the duties round
+        # sends it on a connection of its own rather than hold up the batch.
+        if probe is None or sharded:
+            return kept, None
+        ask = prepared(duties.duty_probe(sharded))
+        cur = await ask.execute(conn, probe.params(), prepare=not sharded)
+        return kept, DutyFindings.from_row(list((await cur.fetchone() or {}).values()))
 
     async def _write_outcomes(
         self, conn: psycopg.AsyncConnection[dict[str, Any]], owner: str, done: Sequence[Completion]

@@ -79,7 +79,7 @@ class EffectClaims(DutyStatements):
         except ClaimCutShort as cut:
             if self._shards.kept(cut):
                 return cut.rows
-            raise cut.error from cut
+            raise cut.error from None  # (it is the cut's cause: chained, a cycle)
 
     async def _claim_partitions(
         self,
@@ -95,13 +95,15 @@ class EffectClaims(DutyStatements):
         if sharded:
             spec = dataclasses.replace(spec, sharded=True)
         hints = self._shards.take_hints() if sharded else frozenset()
+        kinds = [partition.get("kind", "") for partition, _ in quotas]
+        rated = [kind for kind in kinds if rates is not None and kind in rates]
+        if rated and sharded:  # before any statement: on Citus each commits on its own
+            raise ConfigurationError(
+                f"kind {rated[0]!r} declares a rate: a distributed database "
+                "does not enforce declared rates yet (docs/howto/citus.md)"
+            )
         for partition, limit in quotas:
             rate = None if rates is None else rates.get(partition.get("kind", ""))
-            if rate is not None and sharded:
-                raise ConfigurationError(
-                    f"kind {partition.get('kind')!r} declares a rate: a distributed database "
-                    "does not enforce declared rates yet (docs/howto/citus.md)"
-                )
             claim_on = functools.partial(
                 self._claim_partition,
                 conn,

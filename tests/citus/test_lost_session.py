@@ -298,3 +298,43 @@ def test_a_claim_after_ordered_outcomes_keeps_its_rows_and_writes_each_outcome_o
             [ordered],
         ).fetchone() or (None,)
     assert logged == 1, "the outcome is written once"
+
+
+def test_a_heartbeat_riding_a_batch_on_a_lost_session_leaves_its_claim_returned(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outcomes and claim committed, the session goes before the heartbeat riding with
+    them: the batch still returns what it claimed, its duties left to the daemon."""
+    kind, owner = "k.lost-ride", "ride"
+    assert len(_spread(ob, kind)) > 1
+    ride = AsyncStore._ride
+
+    async def session_lost_first(store: AsyncStore, conn: Any, *args: Any) -> Any:
+        _terminate(dsn, conn.info.backend_pid)
+        return await ride(store, conn, *args)
+
+    async def round_() -> tuple[Any, set[uuid.UUID]]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            held = await store.claim_many(
+                EFFECT_QUEUE, [({"kind": kind}, 2)], owner=owner, lease_seconds=60
+            )
+            monkeypatch.setattr(AsyncStore, "_ride", session_lost_first)
+            done = Completion(
+                held[0].id, held[0].attempt, "succeeded", "succeeded", shard=held[0].shard
+            )
+            batched = await store.complete_and_claim(
+                owner,
+                [done],
+                EFFECT_QUEUE,
+                [({"kind": kind}, 100)],
+                lease_seconds=60,
+                extend=[(held[1].id, held[1].attempt)],
+            )
+            return batched, {e.id for e in batched.claimed} | {held[1].id}
+        finally:
+            await store.dispose()
+
+    batched, holding = asyncio.run(round_())
+    assert batched.logged and not batched.rode and len(batched.claimed) == 14
+    assert _in_flight(dsn, owner) == holding, "every effect claimed is the caller's"
