@@ -343,19 +343,41 @@ def serve_until_signal(dsn: str, make: Callable[[AsyncStore], _Daemon], banner: 
 
 
 def kafka_options_of(options: tuple[str, ...]) -> dict[str, Any]:
-    """``--kafka-option KEY=VALUE`` settings as a dict (digits as integers, true/false as bools)."""
+    """``--kafka-option KEY=VALUE`` settings as a dict, each value of the type of KEY's default.
+
+    A number or a boolean where kafka-python's default for KEY is one (and the
+    text reads as one), else the text: ``client_id=007`` and a password of
+    ``true`` stay text.
+    """
+    defaults = _kafka_defaults()
     parsed: dict[str, Any] = {}
     for option in options:
         key, sep, raw = option.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"{option!r}: expected KEY=VALUE", param_hint="--kafka-option")
-        if raw.lstrip("-").isdigit():
-            parsed[key] = int(raw)
-        elif raw.lower() in ("true", "false"):
-            parsed[key] = raw.lower() == "true"
-        else:
-            parsed[key] = raw
+        parsed[key] = _kafka_value(raw, defaults.get(key), numeric=key.endswith("_bytes"))
     return parsed
+
+
+def _kafka_defaults() -> dict[str, Any]:
+    try:
+        from kafka import KafkaConsumer, KafkaProducer
+    except ImportError:  # the command says the extra is missing
+        return {}
+    return {**KafkaConsumer.DEFAULT_CONFIG, **KafkaProducer.DEFAULT_CONFIG}
+
+
+def _kafka_value(raw: str, default: Any, *, numeric: bool) -> Any:
+    """``raw`` as the type of ``default`` when it reads as one (``acks=all`` stays text)."""
+    if isinstance(default, bool):
+        return {"true": True, "false": False}.get(raw.lower(), raw)
+    if isinstance(default, int | float) or (default is None and numeric):
+        for number in (int, float):
+            try:
+                return number(raw)
+            except ValueError:
+                continue
+    return raw
 
 
 @click.command("reconcile")

@@ -132,7 +132,9 @@ class Relay:
                 exc,
             )
         except (ValueError, TypeError, kafka_errors.KafkaConfigurationError) as exc:
-            raise ConfigurationError(f"--kafka-option: the Kafka producer refused: {exc}") from exc
+            raise ConfigurationError(
+                f"the Kafka producer refused its settings (--kafka, --kafka-option): {exc}"
+            ) from exc
         lock = self.store.owner_lock(self.owner)
         lock.start()
         await self._take_over_own_name(lock)

@@ -88,6 +88,15 @@ class DeliverySettings(BaseModel):
         return owner
 
 
+#: Consumer settings a stream deliverer makes itself: each is not a ``--kafka-option``.
+STREAM_CONSUMER_SET: dict[str, str] = {
+    "bootstrap_servers": "give it as --from-kafka",
+    "group_id": "give it as --group",
+    "enable_auto_commit": "a stream deliverer commits an offset only past outcomes recorded",
+    "auto_offset_reset": "a new group reads each partition from its earliest record",
+}
+
+
 class StreamSettings(DeliverySettings):
     """A stream deliverer: a delivery daemon whose effects come from a Kafka consumer group."""
 
@@ -100,6 +109,15 @@ class StreamSettings(DeliverySettings):
     #: Extra kafka-python ``KafkaConsumer`` settings (``--kafka-option KEY=VALUE``), such as
     #: ``session_timeout_ms`` and ``heartbeat_interval_ms``.
     consumer: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("consumer")
+    @classmethod
+    def _leaves_what_the_deliverer_sets(cls, consumer: dict[str, Any]) -> dict[str, Any]:
+        for key, why in STREAM_CONSUMER_SET.items():
+            if key in consumer:
+                raise ValueError(f"{key}: {why}")
+        return consumer
+
     #: How long outcomes wait for the rest of the attempts under way before they are
     #: written. A stream's claims do not ride its writes (its records come from the
     #: broker), so without a wait each write records the few attempts that ended
@@ -153,20 +171,23 @@ class RelaySettings(BaseModel):
     #: This relay's name in leases and logs (must start with the relay prefix).
     owner: str = Field(default_factory=_relay_owner, min_length=1, max_length=200)
     #: Extra kafka-python ``KafkaProducer`` settings (``--kafka-option KEY=VALUE``): they
-    #: override the relay's ``linger_ms=5`` and ``batch_size=524288``; ``acks='all'`` and
-    #: ``enable_idempotence=True`` cannot be changed.
+    #: override the relay's ``linger_ms=5`` and ``batch_size=524288``; ``acks='all'``,
+    #: ``enable_idempotence=True``, ``retries`` above 0 and at most 5 requests in flight
+    #: cannot be changed.
     producer: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("producer")
     @classmethod
     def _keeps_what_the_relay_needs(cls, producer: dict[str, Any]) -> dict[str, Any]:
+        if "bootstrap_servers" in producer:
+            raise ValueError("bootstrap_servers: give it as --kafka")
         for key, needed in RELAY_PRODUCER_REQUIRED.items():
             if key in producer and producer[key] not in _SAME_AS.get(needed, (needed,)):
                 raise ValueError(
                     f"{key}={producer[key]!r}: a relay publishes with {key}={needed!r}"
                     " (a record it counts as published must not be lost or written twice)"
                 )
-        # what an idempotent producer also needs (kafka-python says so only once connected)
+        # what an idempotent producer also needs, said here in the option's own words
         if producer.get("retries") == 0:
             raise ValueError("retries=0: a relay's idempotent producer needs retries > 0")
         in_flight = producer.get("max_in_flight_requests_per_connection")

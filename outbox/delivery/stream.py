@@ -187,7 +187,9 @@ class KafkaSource:
         try:
             connecting.result()
         except kafka_errors.KafkaConfigurationError as exc:
-            raise ConfigurationError(f"--kafka-option: the Kafka consumer refused: {exc}") from exc
+            raise ConfigurationError(
+                f"the Kafka consumer refused its settings (--from-kafka, --kafka-option): {exc}"
+            ) from exc
         except _UNREACHABLE as exc:
             log.warning(
                 "Kafka is not reachable at %s (%s); trying again",

@@ -124,8 +124,39 @@ def test_a_relays_producer_keeps_acks_all_and_idempotence() -> None:
 def test_kafka_options_read_numbers_and_booleans() -> None:
     from outbox.cli.deliver import kafka_options_of
 
-    assert kafka_options_of(("acks=-1", "enable_idempotence=True", "compression_type=gzip")) == {
+    given = (
+        "acks=-1",
+        "enable_idempotence=True",
+        "compression_type=gzip",
+        "acks=all",
+        "client_id=007",
+        "sasl_plain_password=true",
+        "send_buffer_bytes=131072",
+        "retries=3",
+        "linger_ms=--5",
+        "batch_size=²",
+    )
+    assert kafka_options_of(given[:3]) == {
         "acks": -1,
         "enable_idempotence": True,
         "compression_type": "gzip",
     }
+    assert kafka_options_of(given[3:]) == {
+        "acks": "all",
+        "client_id": "007",
+        "sasl_plain_password": "true",
+        "send_buffer_bytes": 131072,
+        "retries": 3,
+        "linger_ms": "--5",  # not a number: kafka-python refuses it, named
+        "batch_size": "²",
+    }
+
+
+def test_kafka_options_do_not_override_what_outbox_sets_itself() -> None:
+    from outbox.delivery.settings import RelaySettings, StreamSettings
+
+    with pytest.raises(pydantic.ValidationError, match="bootstrap_servers: give it as --kafka"):
+        RelaySettings(bootstrap_servers="k:9092", producer={"bootstrap_servers": "x:1"})
+    for key in ("group_id", "enable_auto_commit", "auto_offset_reset", "bootstrap_servers"):
+        with pytest.raises(pydantic.ValidationError, match=f"{key}: "):
+            StreamSettings(bootstrap_servers="k:9092", consumer={key: "x"})
