@@ -7,6 +7,7 @@ import asyncio
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -198,6 +199,16 @@ def limited_role(dsn: str, *revoke: str) -> Iterator[str]:
             conn.execute(f"ALTER DATABASE {database} RESET role")
             conn.execute(f"DROP OWNED BY {role}")
             conn.execute(f"DROP ROLE {role}")
+
+
+def in_flight(dsn: str, owner: str) -> set[uuid.UUID]:
+    """The effects in flight under ``owner``'s lease, as the database has them."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT id FROM outbox_effects WHERE status = 'in_flight' AND lease_owner = %s",
+            [owner],
+        ).fetchall()
+    return {row[0] for row in rows}
 
 
 def as_superuser(dsn: str, sql: str, params: Any = None) -> list[Any]:

@@ -26,20 +26,12 @@ from outbox.storage.async_store import AsyncStore, Completion
 from outbox.storage.engine import make_async_engine
 from outbox.storage.outcome_writes import OUTCOME_PART_ROWS
 from outbox.storage.sql.queue import EFFECT_QUEUE
+from tests.support import in_flight
 
 
 def _intend(tx: StepTransaction, kind: str, count: int, key: str | None = None) -> None:
     for n in range(count):
         tx.intend(kind, {"n": n}, ordering_key=key)
-
-
-def _in_flight(dsn: str, owner: str) -> set[uuid.UUID]:
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            "SELECT id FROM outbox_effects WHERE status = 'in_flight' AND lease_owner = %s",
-            [owner],
-        ).fetchall()
-    return {row[0] for row in rows}
 
 
 def test_what_a_claim_took_beside_failed_outcomes_reaches_the_deliverer(
@@ -75,7 +67,7 @@ def test_what_a_claim_took_beside_failed_outcomes_reaches_the_deliverer(
     first, written = asyncio.run(batch())
     claimed = {e.id for e in written.claimed}
     assert len(claimed) == 5, written
-    assert _in_flight(dsn, owner) == claimed, "every row claimed is held by the deliverer"
+    assert in_flight(dsn, owner) == claimed, "every row claimed is held by the deliverer"
     # the outcome itself, refused whole, is written in its minimal form, alone
     assert first.id in written.substituted
     assert ob.effect(first.id).status.value != "in_flight"
@@ -237,9 +229,9 @@ def test_a_cancelled_round_gives_back_what_its_claim_took(ob: Outbox, dsn: str) 
                 )
                 for _ in range(200):  # until the claim beside has committed
                     await asyncio.sleep(0.05)
-                    if len(_in_flight(dsn, owner)) == 4:
+                    if len(in_flight(dsn, owner)) == 4:
                         break
-                claimed = _in_flight(dsn, owner) - {got[0].id}
+                claimed = in_flight(dsn, owner) - {got[0].id}
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

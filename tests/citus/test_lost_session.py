@@ -30,6 +30,7 @@ from outbox.storage.engine import make_async_engine, make_engine
 from outbox.storage.shard_turns import SHARD_REST_SECONDS
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from outbox.storage.store import Store
+from tests.support import in_flight
 
 
 def _intend(tx: StepTransaction, kind: str, count: int) -> None:
@@ -54,15 +55,6 @@ def _terminate(dsn: str, pid: int) -> None:
 
 def _rested(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
-
-
-def _in_flight(dsn: str, owner: str) -> set[uuid.UUID]:
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            "SELECT id FROM outbox_effects WHERE status = 'in_flight' AND lease_owner = %s",
-            [owner],
-        ).fetchall()
-    return {row[0] for row in rows}
 
 
 def test_a_claim_on_a_lost_session_rests_no_shard(
@@ -156,11 +148,8 @@ def _losing_the_session_after(
     return claim_async if asyncio.iscoroutinefunction(original) else claim
 
 
-def test_a_claim_keeps_what_it_committed_before_its_session_was_lost(
-    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    kind, owner = "k.lost-midway", "midway"
-    assert len(_spread(ob, kind)) > 1
+def _lose_the_session_after_a_claim(monkeypatch: pytest.MonkeyPatch, dsn: str) -> None:
+    """A deliverer's claims on one shard lose their session after the first that claims."""
     monkeypatch.setattr(
         AsyncStore,
         "_claim_partition",
@@ -168,6 +157,14 @@ def test_a_claim_keeps_what_it_committed_before_its_session_was_lost(
             AsyncStore._claim_partition, dsn, lambda conn: conn.info.backend_pid
         ),
     )
+
+
+def test_a_claim_keeps_what_it_committed_before_its_session_was_lost(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    kind, owner = "k.lost-midway", "midway"
+    assert len(_spread(ob, kind)) > 1
+    _lose_the_session_after_a_claim(monkeypatch, dsn)
 
     async def claim() -> set[uuid.UUID]:
         store = AsyncStore(make_async_engine(dsn))
@@ -181,7 +178,7 @@ def test_a_claim_keeps_what_it_committed_before_its_session_was_lost(
     with caplog.at_level(logging.WARNING):
         claimed = asyncio.run(claim())
     assert 0 < len(claimed) < 16
-    assert _in_flight(dsn, owner) == claimed, "every effect claimed is the caller's"
+    assert in_flight(dsn, owner) == claimed, "every effect claimed is the caller's"
     assert _rested(caplog) == []
 
 
@@ -225,13 +222,7 @@ def test_a_claim_of_several_kinds_beside_outcomes_keeps_every_kinds_rows(
     first, second, owner = "k.lost-a", "k.lost-b", "several"
     _spread(ob, first, runs=1)
     assert len(_spread(ob, second)) > 1
-    monkeypatch.setattr(
-        AsyncStore,
-        "_claim_partition",
-        _losing_the_session_after(
-            AsyncStore._claim_partition, dsn, lambda conn: conn.info.backend_pid
-        ),
-    )
+    _lose_the_session_after_a_claim(monkeypatch, dsn)
 
     async def round_() -> set[uuid.UUID]:
         store = AsyncStore(make_async_engine(dsn))
@@ -246,7 +237,7 @@ def test_a_claim_of_several_kinds_beside_outcomes_keeps_every_kinds_rows(
 
     claimed = asyncio.run(round_())
     assert len(claimed) == 1
-    assert _in_flight(dsn, owner) == claimed, "every effect claimed is the caller's"
+    assert in_flight(dsn, owner) == claimed, "every effect claimed is the caller's"
 
 
 def test_a_claim_after_ordered_outcomes_keeps_its_rows_and_writes_each_outcome_once(
@@ -267,13 +258,7 @@ def test_a_claim_after_ordered_outcomes_keeps_its_rows_and_writes_each_outcome_o
             (held,) = await store.claim_many(
                 EFFECT_QUEUE, [({"kind": ordered}, 1)], owner=owner, lease_seconds=60
             )
-            monkeypatch.setattr(
-                AsyncStore,
-                "_claim_partition",
-                _losing_the_session_after(
-                    AsyncStore._claim_partition, dsn, lambda conn: conn.info.backend_pid
-                ),
-            )
+            _lose_the_session_after_a_claim(monkeypatch, dsn)
             done = Completion(held.id, held.attempt, "succeeded", "succeeded", shard=held.shard)
             batched = await store.complete_and_claim(
                 owner,
@@ -290,7 +275,7 @@ def test_a_claim_after_ordered_outcomes_keeps_its_rows_and_writes_each_outcome_o
     batched, claimed = asyncio.run(round_())
     assert batched.logged and batched.logged[0][1] == "succeeded"
     assert 0 < len(claimed) < 16 and not batched.rode
-    assert _in_flight(dsn, owner) == claimed
+    assert in_flight(dsn, owner) == claimed
     with psycopg.connect(dsn) as conn:
         (logged,) = conn.execute(
             "SELECT count(*) FROM outbox_effect_attempts a JOIN outbox_effects e"
@@ -337,4 +322,4 @@ def test_a_heartbeat_riding_a_batch_on_a_lost_session_leaves_its_claim_returned(
 
     batched, holding = asyncio.run(round_())
     assert batched.logged and not batched.rode and len(batched.claimed) == 14
-    assert _in_flight(dsn, owner) == holding, "every effect claimed is the caller's"
+    assert in_flight(dsn, owner) == holding, "every effect claimed is the caller's"
