@@ -179,12 +179,13 @@ class AsyncStore(EffectClaims):
                 sharded = await self.sharded(conn)
                 if sharded and not self._shards.ordered.intersection(c.effect_id for c in done):
                     claim = functools.partial(
-                        self._claim_kept,
+                        self._claim_on,
                         spec=spec,
                         quotas=quotas,
                         owner=owner,
                         lease_seconds=lease_seconds,
                         rates=rates,
+                        keep=True,
                     )
                     logged, rows, unwritten = await self._complete_beside_claim(
                         conn, owner, done, claim

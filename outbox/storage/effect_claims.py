@@ -38,6 +38,8 @@ class EffectClaims(DutyStatements):
         owner: str,
         lease_seconds: float,
         rates: Mapping[str, queue.Rate] | None,
+        *,
+        keep: bool = False,
     ) -> list[ClaimedEffect]:
         """The claim of each partition's quota on ``conn`` (the caller owns the transaction).
 
@@ -45,51 +47,9 @@ class EffectClaims(DutyStatements):
         of ``ShardTurns.plan`` (named by a wake-up first, then taking turns) until
         its quota is met, it may end with the named ones, or each was asked. A claim
         whose statements commit one by one (Citus, autocommit) and fails part-way
-        raises :class:`ClaimCutShort` with every partition's rows committed so far.
+        raises :class:`ClaimCutShort` with every partition's rows committed so far;
+        with ``keep`` it returns them instead (and raises the failure if there are none).
         """
-        rows: list[ClaimedEffect] = []
-        cut: ClaimCutShort | None = None
-        try:
-            rows = await self._claim_partitions(conn, spec, quotas, owner, lease_seconds, rates)
-        except ClaimCutShort as exc:
-            rows, cut = exc.rows, exc
-        if spec.claimed != EffectStatus.DISPATCHED:
-            # A relay's claim hands its rows on to whichever deliverer reads their
-            # records: it holds no lease to extend, and its give-back names each
-            # row's shard. Remembered, they would pile up for the relay's life.
-            self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
-            self._shards.ordered.update(r.id for r in rows if r.ordering_key is not None)
-            self._shards.runs.update((r.id, r.run_id) for r in rows)
-        if cut is not None:
-            raise cut
-        return rows
-
-    async def _claim_kept(
-        self,
-        conn: psycopg.AsyncConnection[dict[str, Any]],
-        spec: queue.QueueSpec,
-        quotas: Sequence[tuple[dict[str, str], int]],
-        owner: str,
-        lease_seconds: float,
-        rates: Mapping[str, queue.Rate] | None,
-    ) -> list[ClaimedEffect]:
-        """:meth:`_claim_on`, but a claim cut short returns what it committed, if anything."""
-        try:
-            return await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)
-        except ClaimCutShort as cut:
-            if self._shards.kept(cut):
-                return cut.rows
-            raise cut.error from None  # (it is the cut's cause: chained, a cycle)
-
-    async def _claim_partitions(
-        self,
-        conn: psycopg.AsyncConnection[dict[str, Any]],
-        spec: queue.QueueSpec,
-        quotas: Sequence[tuple[dict[str, str], int]],
-        owner: str,
-        lease_seconds: float,
-        rates: Mapping[str, queue.Rate] | None,
-    ) -> list[ClaimedEffect]:
         rows: list[ClaimedEffect] = []
         sharded = await self.sharded(conn)
         if sharded:
@@ -102,26 +62,42 @@ class EffectClaims(DutyStatements):
                 f"kind {rated[0]!r} declares a rate: a distributed database "
                 "does not enforce declared rates yet (docs/howto/citus.md)"
             )
-        for partition, limit in quotas:
-            rate = None if rates is None else rates.get(partition.get("kind", ""))
-            claim_on = functools.partial(
-                self._claim_partition,
-                conn,
-                spec,
-                owner=owner,
-                lease_seconds=lease_seconds,
-                rate=rate,
-            )
-            if not sharded:
-                rows += await claim_on(partition, limit)
-                continue
-            ready = functools.partial(self._ready_on, conn, spec)
-            try:
-                rows += await self._shards.claim(conn, partition, limit, hints, claim_on, ready)
-            except ClaimCutShort as cut:  # what other partitions claimed is committed too
-                cut.rows = rows + cut.rows
+        try:
+            for partition, limit in quotas:
+                rate = None if rates is None else rates.get(partition.get("kind", ""))
+                claim_on = functools.partial(
+                    self._claim_partition,
+                    conn,
+                    spec,
+                    owner=owner,
+                    lease_seconds=lease_seconds,
+                    rate=rate,
+                )
+                if sharded:
+                    ready = functools.partial(self._ready_on, conn, spec)
+                    rows += await self._shards.claim(conn, partition, limit, hints, claim_on, ready)
+                else:
+                    rows += await claim_on(partition, limit)
+        except ClaimCutShort as cut:  # what earlier partitions claimed is committed too
+            cut.rows = rows + cut.rows
+            self._remember(spec, cut.rows)
+            if not keep:
                 raise
+            if self._shards.kept(cut):
+                return cut.rows
+            raise cut.error from None  # (it is the cut's cause: chained, a cycle)
+        self._remember(spec, rows)
         return rows
+
+    def _remember(self, spec: queue.QueueSpec, rows: list[ClaimedEffect]) -> None:
+        """Note each claimed row's shard, ordering key and run (where its lease goes on)."""
+        if spec.claimed != EffectStatus.DISPATCHED:
+            # A relay's claim hands its rows on to whichever deliverer reads their
+            # records: it holds no lease to extend, and its give-back names each
+            # row's shard. Remembered, they would pile up for the relay's life.
+            self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
+            self._shards.ordered.update(r.id for r in rows if r.ordering_key is not None)
+            self._shards.runs.update((r.id, r.run_id) for r in rows)
 
     async def _ready_on(
         self,
@@ -181,7 +157,9 @@ class EffectClaims(DutyStatements):
                     # needs no explicit transaction: autocommit saves the BEGIN and COMMIT
                     # round trips on the commit -> handler start path. With several, a
                     # failure part-way must not leave claims that were never returned.
-                    rows = await self._claim_kept(conn, spec, quotas, owner, lease_seconds, rates)
+                    rows = await self._claim_on(
+                        conn, spec, quotas, owner, lease_seconds, rates, keep=True
+                    )
                 else:
                     async with conn.transaction():
                         rows = await self._claim_on(conn, spec, quotas, owner, lease_seconds, rates)

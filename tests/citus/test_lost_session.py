@@ -25,7 +25,7 @@ import pytest
 from outbox import Outbox, StepTransaction
 from outbox.errors import DatabaseError
 from outbox.shards import shard_of
-from outbox.storage.async_store import AsyncStore, Completion
+from outbox.storage.async_store import AsyncStore, Batched, ClaimedEffect, Completion
 from outbox.storage.engine import make_async_engine, make_engine
 from outbox.storage.shard_turns import SHARD_REST_SECONDS
 from outbox.storage.sql.queue import EFFECT_QUEUE
@@ -240,6 +240,21 @@ def test_a_claim_of_several_kinds_beside_outcomes_keeps_every_kinds_rows(
     assert in_flight(dsn, owner) == claimed, "every effect claimed is the caller's"
 
 
+async def _succeed_and_claim(
+    store: AsyncStore, owner: str, done: ClaimedEffect, kind: str, *, heartbeat: ClaimedEffect
+) -> Batched:
+    """A deliverer's batch: ``done`` succeeded, up to 100 of ``kind`` claimed, ``heartbeat``'s
+    lease extended with them."""
+    return await store.complete_and_claim(
+        owner,
+        [Completion(done.id, done.attempt, "succeeded", "succeeded", shard=done.shard)],
+        EFFECT_QUEUE,
+        [({"kind": kind}, 100)],
+        lease_seconds=60,
+        extend=[(heartbeat.id, heartbeat.attempt)],
+    )
+
+
 def test_a_claim_after_ordered_outcomes_keeps_its_rows_and_writes_each_outcome_once(
     ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -259,15 +274,7 @@ def test_a_claim_after_ordered_outcomes_keeps_its_rows_and_writes_each_outcome_o
                 EFFECT_QUEUE, [({"kind": ordered}, 1)], owner=owner, lease_seconds=60
             )
             _lose_the_session_after_a_claim(monkeypatch, dsn)
-            done = Completion(held.id, held.attempt, "succeeded", "succeeded", shard=held.shard)
-            batched = await store.complete_and_claim(
-                owner,
-                [done],
-                EFFECT_QUEUE,
-                [({"kind": kind}, 100)],
-                lease_seconds=60,
-                extend=[(held.id, held.attempt)],
-            )
+            batched = await _succeed_and_claim(store, owner, held, kind, heartbeat=held)
             return batched, {e.id for e in batched.claimed}
         finally:
             await store.dispose()
@@ -305,17 +312,7 @@ def test_a_heartbeat_riding_a_batch_on_a_lost_session_leaves_its_claim_returned(
                 EFFECT_QUEUE, [({"kind": kind}, 2)], owner=owner, lease_seconds=60
             )
             monkeypatch.setattr(AsyncStore, "_ride", session_lost_first)
-            done = Completion(
-                held[0].id, held[0].attempt, "succeeded", "succeeded", shard=held[0].shard
-            )
-            batched = await store.complete_and_claim(
-                owner,
-                [done],
-                EFFECT_QUEUE,
-                [({"kind": kind}, 100)],
-                lease_seconds=60,
-                extend=[(held[1].id, held[1].attempt)],
-            )
+            batched = await _succeed_and_claim(store, owner, held[0], kind, heartbeat=held[1])
             return batched, {e.id for e in batched.claimed} | {held[1].id}
         finally:
             await store.dispose()

@@ -537,9 +537,9 @@ def test_a_steps_wake_up_names_its_shard_and_an_idle_deliverer_asks_that_shard_a
     asking = shards_sent_a_claim(monkeypatch)
     claim_on = AsyncStore._claim_on
 
-    async def one_claim(store: AsyncStore, *args: Any) -> Any:
+    async def one_claim(store: AsyncStore, *args: Any, **kwargs: Any) -> Any:
         asking.clear()
-        rows = await claim_on(store, *args)
+        rows = await claim_on(store, *args, **kwargs)
         claims.append((list(asking), [r.id for r in rows]))
         return rows
 
