@@ -53,6 +53,7 @@ __all__ = [
     "migrate",
     "pending",
     "refuse_old_server",
+    "refuse_server_encoding",
     "shipped",
 ]
 
@@ -79,6 +80,21 @@ def refuse_old_server(server_version: int) -> None:
     )
     raise ConfigurationError(
         f"PostgreSQL {shown} is too old: agent-outbox needs {MIN_SERVER_VERSION // 10000} or newer"
+    )
+
+
+def refuse_server_encoding(encoding: str | None) -> None:
+    """Refuse a database whose encoding is not UTF-8 before anything is written to it.
+
+    The hash chains and derived keys hash text as UTF-8 (as Python does), and the
+    functions that do it take the database's own bytes as that (outbox_utf8 in
+    ``functions/shards.sql``), which is what lets PostgreSQL inline them.
+    """
+    if encoding is None or encoding.upper() == "UTF8":
+        return
+    raise ConfigurationError(
+        f"the database's encoding is {encoding}: agent-outbox needs a UTF8 database "
+        "(CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
     )
 
 
@@ -312,6 +328,7 @@ def migrate(
     try:
         pg.autocommit = True
         refuse_old_server(pg.info.server_version)
+        refuse_server_encoding(pg.info.parameter_status("server_encoding"))
         _lock(pg)
         try:
             recorded = _recorded(pg)

@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 from sqlalchemy import Engine, text
+from sqlalchemy.engine import make_url
 
 from outbox import Outbox, SchemaOutdated, SchemaTooNew, Settings
 from outbox.errors import MigrationError
@@ -229,6 +230,30 @@ def test_a_failing_migration_is_one_line_naming_it(empty_dsn: str) -> None:
     assert "migration 0001_initial failed" in done.stderr
     assert 'relation "outbox_runs" already exists' in done.stderr
     assert "nothing of it was applied" in done.stderr
+
+
+def test_a_database_not_in_utf8_is_refused_before_anything_is_written(admin_dsn: str) -> None:
+    # The hash chains and keys hash the database's own bytes of a text as its UTF-8
+    # (outbox_utf8): in another encoding they would not match Python's.
+    name = f"latin_{os.getpid()}"
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(
+            f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C'"
+            " TEMPLATE template0"
+        )
+    dsn = str(make_url(admin_dsn).set(database=name).render_as_string(False))
+    try:
+        done = _outbox(dsn, "migrate")
+        assert done.returncode == 1
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+        assert "the database's encoding is LATIN1: agent-outbox needs a UTF8 database" in (
+            done.stderr
+        )
+        with psycopg.connect(dsn) as conn:
+            assert conn.execute("SELECT to_regclass('outbox_migrations')").fetchone() == (None,)
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
 def test_migrate_on_an_unreachable_server_is_one_line() -> None:

@@ -11,9 +11,9 @@ $$;
 -- (outbox_key_digest of the three, spelled out: it runs for every intent.)
 CREATE OR REPLACE FUNCTION outbox_derive_key(run_id uuid, step_id text, step_index integer) RETURNS text
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
-SELECT encode(sha256('\x0000000000000024'::bytea || convert_to(run_id::text, 'UTF8')
-    || int8send(octet_length(convert_to(step_id, 'UTF8'))::bigint) || convert_to(step_id, 'UTF8')
-    || int8send(octet_length(step_index::text)::bigint) || convert_to(step_index::text, 'UTF8')),
+SELECT encode(sha256('\x0000000000000024'::bytea || outbox_utf8(run_id::text)
+    || int8send(octet_length(outbox_utf8(step_id))::bigint) || outbox_utf8(step_id)
+    || int8send(octet_length(step_index::text)::bigint) || outbox_utf8(step_index::text)),
     'hex')
 $$;
 

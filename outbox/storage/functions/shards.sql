@@ -5,6 +5,20 @@
 -- On one server the shard is a column and a check; on Citus it is what the
 -- tables are distributed by (docs/howto/citus.md).
 
+-- Text as UTF-8 bytes: convert_to(value, 'UTF8'), for a database whose encoding
+-- is UTF-8 (outbox migrate refuses any other). decode(..., 'escape') copies every
+-- byte of its text but a backslash's escape, so backslashes (chr(92): a literal
+-- would depend on standard_conforming_strings) are doubled first. Unlike
+-- convert_to (STABLE: a conversion can be redefined), both are IMMUTABLE, so a
+-- hashing helper that calls this one is inlined into its caller's statement
+-- (chain.sql says what that saves); STRICT, as a STRICT caller's body must be.
+-- In this file, loaded before the tables (their checks call its functions),
+-- since outbox_key_shard calls it.
+CREATE OR REPLACE FUNCTION outbox_utf8(value text) RETURNS bytea
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+SELECT decode(replace(value, chr(92), chr(92) || chr(92)), 'escape')
+$$;
+
 CREATE OR REPLACE FUNCTION outbox_shard_of(id uuid) RETURNS smallint
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
 SELECT (get_byte(uuid_send(id), 15) & 31)::smallint
@@ -13,7 +27,7 @@ $$;
 -- The shard of a caller's key in its namespace: sha256 of namespace, 0x1f, key.
 CREATE OR REPLACE FUNCTION outbox_key_shard(namespace text, key text) RETURNS smallint
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
-SELECT (get_byte(sha256(convert_to(namespace || chr(31) || key, 'UTF8')), 31) & 31)::smallint
+SELECT (get_byte(sha256(outbox_utf8(namespace || chr(31) || key)), 31) & 31)::smallint
 $$;
 
 -- id with its shard bits set to shard (a new id that must live on that shard).
