@@ -475,3 +475,126 @@ def test_the_plain_roles_pay_nothing_for_the_namespace_policies(
                 conn.execute(f"DROP ROLE {role}")
     assert "pg_has_role" not in plans[plain], plans[plain]
     assert "pg_has_role" in plans[own], plans[own]  # (what the plain role is spared)
+
+
+def as_login(dsn: str, sql: str, params: dict[str, Any]) -> Any:
+    """One statement's first row, as a login (its own transaction, committed)."""
+    with psycopg.connect(libpq_dsn(dsn)) as conn:
+        return conn.execute(sql, params).fetchone()
+
+
+def one_run(team: dict[str, str], *, compensated: bool = False) -> tuple[uuid.UUID, uuid.UUID]:
+    """A run of the team's namespace with one intent (declaring a compensation, or not)."""
+    with Outbox.connect(team["agent"], namespace=team["namespace"]) as agent:
+        run = agent.start_run("triage", "1")
+        compensate = ("k.undo", {"n": 1}) if compensated else None
+        run.transaction("s1", lambda tx: tx.intend("k.x", {"n": 1}, compensate=compensate) and None)
+        return run.id, run.effects()[0].id
+
+
+# What each check the policies call tells a caller about run `run` (effect `effect`)
+# of namespace `ns`: the one a stopping run's compensation `k.undo {"n": 1}` is of.
+CHECKS = {
+    "row_in_namespace(run)": (
+        "SELECT outbox_row_in_namespace('outbox_runs', outbox_shard_of(%(run)s), %(run)s, %(ns)s)"
+    ),
+    "row_in_namespace(effect)": (
+        "SELECT outbox_row_in_namespace('outbox_effects', outbox_shard_of(%(run)s), %(effect)s,"
+        " %(ns)s)"
+    ),
+    "intent_of_live_run": "SELECT outbox_intent_of_live_run(%(live)s, 'pending', %(ns)s)",
+    "compensation_declared": (
+        "SELECT outbox_compensation_declared(%(effect)s, %(run)s, 'k.undo', '{\"n\": 1}', %(ns)s)"
+    ),
+    "run_holds": "SELECT paused, stopping FROM outbox_run_holds(%(run)s, outbox_shard_of(%(run)s))",
+}
+
+
+def stopping_with_a_succeeded_effect(ob: Outbox, run: uuid.UUID) -> None:
+    with ob.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE outbox_effects SET status = 'succeeded' WHERE run_id = :r"), {"r": run}
+        )
+        conn.execute(text("UPDATE outbox_runs SET status = 'cancelling' WHERE id = :r"), {"r": run})
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_the_policies_checks_tell_a_confined_login_nothing_of_another_namespace(
+    ob: Outbox, teams: dict[str, dict[str, str]], check: str
+) -> None:
+    """The checks run as the tables' owner and every login may call them: asked
+    about another namespace's rows, they answered what the policies hide (a run
+    there exists, is live, is stopping; an effect succeeded, and what it declared)."""
+    billing, support = teams["billing"], teams["support"]
+    answers: dict[str, dict[str, Any]] = {}
+    for team in (billing, support):
+        run, effect = one_run(team, compensated=True)
+        live, _ = one_run(team)
+        stopping_with_a_succeeded_effect(ob, run)
+        answers[team["namespace"]] = {"run": run, "effect": effect, "live": live}
+    truth = (False, True) if check == "run_holds" else (True,)
+    sql = CHECKS[check]
+    theirs = {**answers[support["namespace"]], "ns": support["namespace"]}
+    mine = {**answers[billing["namespace"]], "ns": billing["namespace"]}
+    # a session no namespace confines is told, and so is the rows' own namespace's
+    assert as_login(str(ob.settings.dsn), sql, theirs) == truth
+    assert as_login(billing["agent"], sql, mine) == truth
+    assert as_login(support["reader"], sql, theirs) == truth
+    for role in ("agent", "deliverer", "operator", "reader"):
+        if check == "run_holds":  # (a trigger asks it: refused, not told "no such run")
+            message = confined_error(billing[role], sql, theirs)
+            assert f"confined to namespace {billing['namespace']}" in message, message
+            assert f"run {theirs['run']} is not in it" in message, message
+            assert support["namespace"] not in message, message
+        else:
+            assert as_login(billing[role], sql, theirs) == (False,), role
+            # (naming its own namespace for their rows: false before the fix too)
+            assert as_login(billing[role], sql, {**theirs, "ns": mine["ns"]}) == (False,), role
+
+
+def test_a_confined_login_still_inserts_and_reopens_its_own_namespaces_effects(
+    ob: Outbox, teams: dict[str, dict[str, str]]
+) -> None:
+    """What the policies and the trigger call the checks for, with the login's own
+    rows: an agent's hand-written intent, a deliverer's declared compensation, a
+    reader's steps, an effect of a paused run put back to pending."""
+    billing = teams["billing"]
+    ns = billing["namespace"]
+    live, _ = one_run(billing)
+    stopping, original = one_run(billing, compensated=True)
+    stopping_with_a_succeeded_effect(ob, stopping)
+    insert = (
+        "INSERT INTO outbox_effects (id, run_id, step_id, step_index, kind, payload,"
+        " payload_hash, idempotency_key, status, shard, namespace, compensates) VALUES"
+        " (outbox_on_shard(gen_random_uuid(), outbox_shard_of(%(run)s)), %(run)s, 's1', 7,"
+        " %(kind)s, %(payload)s, 'h', %(key)s, 'pending', outbox_shard_of(%(run)s), %(ns)s,"
+        " %(original)s) RETURNING id"
+    )
+    for who, run, kind, compensates in (
+        ("agent", live, "k.x", None),
+        ("deliverer", stopping, "k.undo", original),
+    ):
+        params = {
+            "run": run,
+            "kind": kind,
+            "payload": '{"n": 1}',
+            "key": f"by-hand-{who}",
+            "ns": ns,
+            "original": compensates,
+        }
+        assert as_login(billing[who], insert, params) is not None, who
+    assert len(ob.effects(run_id=live)) == 2 and len(ob.effects(run_id=stopping)) == 2
+    assert as_login(billing["reader"], "SELECT count(*) FROM outbox_steps", {}) == (2,)
+    # a failed effect its operator retries while the run is paused: held, not sent
+    paused, effect = one_run(billing)
+    ob.pause(paused, reason="held")
+    with ob.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE outbox_effects SET status = 'failed' WHERE id = :e"), {"e": effect}
+        )
+    retried = as_login(
+        billing["operator"],
+        "UPDATE outbox_effects SET status = 'pending' WHERE id = %(e)s RETURNING status",
+        {"e": effect},
+    )
+    assert retried == ("paused",) and ob.effect(effect).status == "paused"

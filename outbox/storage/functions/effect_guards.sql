@@ -52,14 +52,33 @@ CREATE TRIGGER outbox_effects_settle_cost
 -- for all, so the claims and completions pay for one WHEN clause.
 -- Whether a run holds its effects (paused, or stopping), its row read FOR KEY
 -- SHARE (see below). As the tables' owner: a row lock asks UPDATE on the table,
--- which a login that may move an effect back to pending need not have.
+-- which a login that may move an effect back to pending need not have. So a
+-- session confined to a namespace is refused another namespace's run
+-- (outbox_session_sees): called directly, it would tell that run's state. A
+-- refusal, not a neutral answer: the trigger asks only of an effect's own run, in
+-- the effect's namespace, and taking another's run for live would send a paused
+-- run's effect. Checked here, after the read, not in the statement: on Citus a
+-- statement run as the owner reaches the run's node as the owner, where the
+-- session is no longer the caller's.
 CREATE OR REPLACE FUNCTION outbox_run_holds(
     p_run uuid, p_shard smallint, OUT paused boolean, OUT stopping boolean
 )
-    LANGUAGE sql SECURITY DEFINER SET search_path FROM CURRENT AS $$
-SELECT r.paused_at IS NOT NULL, r.status IN ('cancelling', 'compensating')
-  FROM outbox_runs AS r WHERE r.id = p_run AND r.shard = p_shard
-   FOR KEY SHARE
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+DECLARE
+    ns text;
+BEGIN
+    SELECT r.paused_at IS NOT NULL, r.status IN ('cancelling', 'compensating'), r.namespace
+      INTO paused, stopping, ns
+      FROM outbox_runs AS r WHERE r.id = p_run AND r.shard = p_shard
+       FOR KEY SHARE;
+    IF ns IS NOT NULL AND NOT outbox_session_sees(ns) THEN
+        RAISE EXCEPTION 'permission denied: role % is confined to namespace %, and run % is '
+                        'not in it', coalesce(nullif(current_setting('role'), 'none'),
+                                              session_user::text),
+            array_to_string(outbox_session_namespaces(), ', '), p_run
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+END
 $$;
 
 CREATE OR REPLACE FUNCTION outbox_effects_hold_paused() RETURNS trigger

@@ -61,14 +61,18 @@ $$;
 
 -- An intent (an effect with p_status, in namespace p_namespace) of run p_run that
 -- the run takes: a live run's of that namespace (a paused run's only paused or
--- held); an intent of no run, always.
+-- held); an intent of no run, always. None of a namespace that does not confine
+-- the session (outbox_session_sees): called directly, it would tell whether
+-- another namespace's run is live.
 CREATE OR REPLACE FUNCTION outbox_intent_of_live_run(p_run uuid, p_status text, p_namespace text)
     RETURNS boolean
     LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
     taken boolean;
 BEGIN
-    IF p_run IS NULL THEN
+    IF NOT outbox_session_sees(p_namespace) THEN
+        RETURN false;
+    ELSIF p_run IS NULL THEN
         RETURN true;
     END IF;
     EXECUTE format('SELECT r.status = ANY (outbox_active_run_statuses() || ''{paused}'')'
@@ -83,7 +87,9 @@ $$;
 -- A compensation (p_kind, p_payload, in namespace p_namespace) of effect
 -- p_original of run p_run, as that effect declared it, once it succeeded and
 -- while the run is being stopped: the one insert a deliverer or an operator
--- makes into outbox_effects.
+-- makes into outbox_effects. None of a namespace that does not confine the
+-- session (outbox_session_sees): called directly, it would tell whether another
+-- namespace's effect succeeded, what it declared, and that its run is stopping.
 CREATE OR REPLACE FUNCTION outbox_compensation_declared(
     p_original uuid, p_run uuid, p_kind text, p_payload jsonb, p_namespace text
 ) RETURNS boolean
@@ -92,6 +98,9 @@ DECLARE
     shard smallint := outbox_shard_of(p_run);
     declared boolean;
 BEGIN
+    IF NOT outbox_session_sees(p_namespace) THEN
+        RETURN false;
+    END IF;
     EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s AS o JOIN %s AS r'
                    '    ON r.id = o.run_id AND r.shard = o.shard'
                    ' WHERE o.id = $1 AND o.run_id = $2 AND o.shard = $3 AND o.namespace = $6'

@@ -57,11 +57,49 @@ BEGIN
 END
 $$;
 
+-- Whether the SECURITY DEFINER checks the policies call (here, insert_checks.sql,
+-- effect_guards.sql) may tell this session about rows of namespace p_namespace:
+-- any session no namespace confines, a confined one only about its own. Every
+-- login may call those checks directly, and they read as the tables' owner:
+-- asked about another namespace they would tell a confined login what its
+-- policies hide (that a run exists, is live, paused or stopping, what an effect
+-- declared). A policy calls them once a row (a confined reader's every step), so
+-- the common answers come from cached role lookups, not outbox_session_namespaces
+-- (60-70 us a call): no confined role at all; a session in no role of
+-- outbox_confined (which every role `outbox roles --namespace` confines is in: one
+-- that is not sees every row through the policies anyway); a confined session
+-- asking about its own namespace (one role setting it is in, about 5 us).
+CREATE OR REPLACE FUNCTION outbox_session_sees(p_namespace text) RETURNS boolean
+    LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    confined oid := to_regrole('outbox_confined');
+    switched oid;
+BEGIN
+    IF confined IS NULL THEN
+        RETURN true;
+    END IF;
+    switched := to_regrole(quote_ident(nullif(current_setting('role'), 'none')));
+    IF NOT pg_has_role(session_user, confined, 'USAGE')
+       AND NOT coalesce(pg_has_role(switched, confined, 'USAGE'), false) THEN
+        RETURN true;
+    END IF;
+    IF EXISTS (SELECT FROM pg_catalog.pg_db_role_setting AS s
+                WHERE s.setdatabase = 0 AND s.setrole <> 0
+                  AND 'outbox.namespace=' || p_namespace = ANY (s.setconfig)
+                  AND (pg_has_role(session_user, s.setrole, 'USAGE')
+                       OR coalesce(pg_has_role(switched, s.setrole, 'USAGE'), false))) THEN
+        RETURN true;
+    END IF;
+    RETURN outbox_session_namespaces() IS NULL;
+END
+$$;
+
 -- Whether the row p_id of table p_table (outbox_runs or outbox_effects) on shard
 -- p_shard is in namespace p_namespace: the policy, for a login confined to
 -- p_namespace, of a table that names its run or effect but not its namespace
 -- (steps, signals, budget ledger; the attempt log). As the tables' owner (the
--- login may not read the row it asks about); no such row is in no namespace.
+-- login may not read the row it asks about); no such row is in no namespace, and
+-- to a confined session no row is in another namespace (outbox_session_sees).
 -- On Citus the row is read from its placement on this node, with the row asked
 -- about (co-located): see insert_checks.sql.
 CREATE OR REPLACE FUNCTION outbox_row_in_namespace(
@@ -73,6 +111,9 @@ DECLARE
 BEGIN
     IF p_table NOT IN ('outbox_runs'::regclass, 'outbox_effects'::regclass) THEN
         RAISE EXCEPTION 'outbox_row_in_namespace: not a table with a namespace: %', p_table;
+    END IF;
+    IF NOT outbox_session_sees(p_namespace) THEN
+        RETURN false;
     END IF;
     EXECUTE format('SELECT t.namespace FROM %s AS t WHERE t.id = $1 AND t.shard = $2',
                    outbox_placement_of(p_table, p_shard))
