@@ -26,6 +26,7 @@ from sqlalchemy import Engine
 
 from outbox.errors import ConfigurationError, MigrationError
 from outbox.shards import SHARDS
+from outbox.storage.encoding import refuse_server_encoding
 
 __all__ = [
     "COLOCATED",
@@ -157,6 +158,17 @@ def _check_nodes(conn: psycopg.Connection[Any]) -> int:
             "after acknowledging a commit it had not written would lose intents and "
             f"reuse fencing tokens): {', '.join(unsafe)}"
         )
+    # The hashing functions run on the workers too (triggers, the delegated step
+    # writer): each node's database must hold text as UTF-8 (migrate refuses others).
+    for host, port, ok, encoding in conn.execute(
+        "SELECT n.nodename, n.nodeport, r.success, r.result"
+        " FROM run_command_on_all_nodes('SHOW server_encoding') AS r"
+        " JOIN pg_dist_node AS n USING (nodeid)"
+    ).fetchall():
+        try:
+            refuse_server_encoding(encoding if ok else "unknown")
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"node {host}:{port}: {exc}") from None
     return len(rows)
 
 

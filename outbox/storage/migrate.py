@@ -43,6 +43,7 @@ from outbox.errors import (
     SchemaTooNew,
 )
 from outbox.storage import citus
+from outbox.storage.encoding import refuse_server_encoding
 
 __all__ = [
     "MIN_SERVER_VERSION",
@@ -80,21 +81,6 @@ def refuse_old_server(server_version: int) -> None:
     )
     raise ConfigurationError(
         f"PostgreSQL {shown} is too old: agent-outbox needs {MIN_SERVER_VERSION // 10000} or newer"
-    )
-
-
-def refuse_server_encoding(encoding: str | None) -> None:
-    """Refuse a database whose encoding is not UTF-8 before anything is written to it.
-
-    The hash chains and derived keys hash text as UTF-8 (as Python does), and the
-    functions that do it take the database's own bytes as that (outbox_utf8 in
-    ``functions/shards.sql``), which is what lets PostgreSQL inline them.
-    """
-    if encoding is None or encoding.upper() == "UTF8":
-        return
-    raise ConfigurationError(
-        f"the database's encoding is {encoding}: agent-outbox needs a UTF8 database "
-        "(CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
     )
 
 
@@ -183,6 +169,9 @@ def _refuse_newer(done: Collection[int]) -> None:
 
 def check_schema(conn: Connection) -> None:
     """Raise unless the database schema is exactly what this code expects."""
+    # (a migrated database restored into another encoding would start, and hash
+    # keys and chain links unlike its clients from then on)
+    refuse_server_encoding(str(conn.exec_driver_sql("SHOW server_encoding").scalar_one()))
     done = applied_versions(conn)
     _refuse_newer(done)
     missing = [m.version for m in shipped() if m.version not in done]
@@ -328,7 +317,9 @@ def migrate(
     try:
         pg.autocommit = True
         refuse_old_server(pg.info.server_version)
-        refuse_server_encoding(pg.info.parameter_status("server_encoding"))
+        # (asked: a pooler need not pass the server's parameter status on)
+        encoding = pg.execute("SHOW server_encoding").fetchone()
+        refuse_server_encoding(str(encoding[0] if encoding else None))
         _lock(pg)
         try:
             recorded = _recorded(pg)

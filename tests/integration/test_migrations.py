@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import threading
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -14,9 +16,11 @@ from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
 from outbox import Outbox, SchemaOutdated, SchemaTooNew, Settings
-from outbox.errors import MigrationError
+from outbox.errors import ConfigurationError, MigrationError
+from outbox.keys import derive_key
+from outbox.shards import key_shard
 from outbox.storage.engine import libpq_dsn, make_engine
-from outbox.storage.migrate import applied_versions, migrate, one_by_one, shipped
+from outbox.storage.migrate import applied_versions, check_schema, migrate, one_by_one, shipped
 from outbox.storage.schema import metadata
 from tests.support import wait_for
 
@@ -232,28 +236,65 @@ def test_a_failing_migration_is_one_line_naming_it(empty_dsn: str) -> None:
     assert "nothing of it was applied" in done.stderr
 
 
-def test_a_database_not_in_utf8_is_refused_before_anything_is_written(admin_dsn: str) -> None:
+@pytest.fixture
+def encoded(admin_dsn: str) -> Iterator[Callable[[str], str]]:
+    """Databases created in a given encoding (C locale); dropped after the test."""
+    names: list[str] = []
+
+    def make(encoding: str) -> str:
+        names.append(f"enc_{encoding.lower()}_{os.getpid()}")
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(
+                f"CREATE DATABASE {names[-1]} ENCODING '{encoding}' LC_COLLATE 'C'"
+                " LC_CTYPE 'C' TEMPLATE template0"
+            )
+        return str(make_url(admin_dsn).set(database=names[-1]).render_as_string(False))
+
+    yield make
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        for name in names:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_a_database_not_in_utf8_is_refused_before_anything_is_written(
+    encoded: Callable[[str], str],
+) -> None:
     # The hash chains and keys hash the database's own bytes of a text as its UTF-8
     # (outbox_utf8): in another encoding they would not match Python's.
-    name = f"latin_{os.getpid()}"
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(
-            f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C'"
-            " TEMPLATE template0"
-        )
-    dsn = str(make_url(admin_dsn).set(database=name).render_as_string(False))
+    latin = encoded("LATIN1")
+    done = _outbox(latin, "migrate")
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "the database's encoding is LATIN1: agent-outbox needs a UTF8 database" in done.stderr
+    with psycopg.connect(latin) as conn:
+        assert conn.execute("SELECT to_regclass('outbox_migrations')").fetchone() == (None,)
+    # nor does a migrated database restored into one start (here: its schema is there)
+    engine = make_engine(latin)
     try:
-        done = _outbox(dsn, "migrate")
-        assert done.returncode == 1
-        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
-        assert "the database's encoding is LATIN1: agent-outbox needs a UTF8 database" in (
-            done.stderr
-        )
-        with psycopg.connect(dsn) as conn:
-            assert conn.execute("SELECT to_regclass('outbox_migrations')").fetchone() == (None,)
+        with engine.connect() as conn, pytest.raises(ConfigurationError, match="LATIN1"):
+            check_schema(conn)
     finally:
-        with psycopg.connect(admin_dsn, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
+        engine.dispose()
+
+
+def test_a_sql_ascii_database_holds_the_bytes_its_clients_hash(
+    encoded: Callable[[str], str],
+) -> None:
+    # SQL_ASCII keeps the UTF-8 bytes a client sends: keys and shards match Python's.
+    # (psycopg reads its text as bytes unless the session's client encoding is UTF8)
+    url = make_url(encoded("SQL_ASCII")).update_query_dict({"client_encoding": "UTF8"})
+    engine = make_engine(url.render_as_string(False))
+    try:
+        migrate(engine)
+        run = uuid.uuid4()
+        with engine.connect() as conn:
+            got = conn.execute(
+                text("SELECT outbox_key_shard('ns', :k), outbox_derive_key(:r, :k, 1)"),
+                {"k": "café-漢字-🙂", "r": run},
+            ).one()
+        assert tuple(got) == (key_shard("ns", "café-漢字-🙂"), derive_key(run, "café-漢字-🙂", 1))
+    finally:
+        engine.dispose()
 
 
 def test_migrate_on_an_unreachable_server_is_one_line() -> None:

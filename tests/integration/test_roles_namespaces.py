@@ -598,3 +598,26 @@ def test_a_confined_login_still_inserts_and_reopens_its_own_namespaces_effects(
         {"e": effect},
     )
     assert retried == ("paused",) and ob.effect(effect).status == "paused"
+
+
+def test_a_role_given_a_namespace_by_hand_tells_its_confined_member_nothing(
+    ob: Outbox, teams: dict[str, dict[str, str]]
+) -> None:
+    """Only the group roles `outbox roles --namespace` made count: a role that was
+    given outbox.namespace by hand confines nothing through the policies, so a
+    billing login in one is still told nothing of that namespace's rows."""
+    billing, support = teams["billing"], teams["support"]
+    live, _ = one_run(support)
+    hand = f"by_hand_{uuid.uuid4().hex[:6]}"
+    login = make_url(billing["agent"]).username
+    with psycopg.connect(libpq_dsn(str(ob.settings.dsn)), autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {hand}")
+        conn.execute(f"ALTER ROLE {hand} SET outbox.namespace = '{support['namespace']}'")
+        conn.execute(f"GRANT {hand} TO {login}")
+    try:
+        params = {"live": live, "ns": support["namespace"]}
+        assert as_login(billing["agent"], CHECKS["intent_of_live_run"], params) == (False,)
+        assert as_login(billing["agent"], "SELECT count(*) FROM outbox_runs", {}) == (0,)
+    finally:
+        with psycopg.connect(libpq_dsn(str(ob.settings.dsn)), autocommit=True) as conn:
+            conn.execute(f"DROP ROLE {hand}")

@@ -39,7 +39,7 @@ $$;
 -- them: an IMMUTABLE SQL function whose body calls a STABLE one (convert_to,
 -- extract from a timestamptz) is run through the SQL-function executor on every
 -- call instead, 15 us for an attempt's link against 2 us inlined. Hence
--- outbox_utf8 (ids_and_keys.sql) instead of convert_to, and the epoch of the
+-- outbox_utf8 (shards.sql) instead of convert_to, and the epoch of the
 -- time in UTC, which is the same number.
 CREATE OR REPLACE FUNCTION outbox_us(ts timestamptz) RETURNS text
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$

@@ -57,7 +57,7 @@ CREATE TRIGGER outbox_effects_settle_cost
 -- (outbox_session_sees): called directly, it would tell that run's state. A
 -- refusal, not a neutral answer: the trigger asks only of an effect's own run, in
 -- the effect's namespace, and taking another's run for live would send a paused
--- run's effect. Checked here, after the read, not in the statement: on Citus a
+-- run's effect. Checked here, in PL/pgSQL, not in the statement: on Citus a
 -- statement run as the owner reaches the run's node as the owner, where the
 -- session is no longer the caller's.
 CREATE OR REPLACE FUNCTION outbox_run_holds(
@@ -67,17 +67,23 @@ CREATE OR REPLACE FUNCTION outbox_run_holds(
 DECLARE
     ns text;
 BEGIN
-    SELECT r.paused_at IS NOT NULL, r.status IN ('cancelling', 'compensating'), r.namespace
-      INTO paused, stopping, ns
+    -- (the namespace read before the lock, which would otherwise make a refused
+    -- caller wait while another namespace pauses or stops its run: a tell; and
+    -- only once `outbox roles --namespace` has confined a role)
+    IF to_regrole('outbox_confined') IS NOT NULL THEN
+        SELECT r.namespace INTO ns FROM outbox_runs AS r WHERE r.id = p_run AND r.shard = p_shard;
+        IF ns IS NOT NULL AND NOT outbox_session_sees(ns) THEN
+            RAISE EXCEPTION 'permission denied: role % is confined to namespace %, and run % is '
+                            'not in it', coalesce(nullif(current_setting('role'), 'none'),
+                                                  session_user::text),
+                array_to_string(outbox_session_namespaces(), ', '), p_run
+                USING ERRCODE = 'insufficient_privilege';
+        END IF;
+    END IF;
+    SELECT r.paused_at IS NOT NULL, r.status IN ('cancelling', 'compensating')
+      INTO paused, stopping
       FROM outbox_runs AS r WHERE r.id = p_run AND r.shard = p_shard
        FOR KEY SHARE;
-    IF ns IS NOT NULL AND NOT outbox_session_sees(ns) THEN
-        RAISE EXCEPTION 'permission denied: role % is confined to namespace %, and run % is '
-                        'not in it', coalesce(nullif(current_setting('role'), 'none'),
-                                              session_user::text),
-            array_to_string(outbox_session_namespaces(), ', '), p_run
-            USING ERRCODE = 'insufficient_privilege';
-    END IF;
 END
 $$;
 

@@ -83,9 +83,14 @@ BEGIN
        AND NOT coalesce(pg_has_role(switched, confined, 'USAGE'), false) THEN
         RETURN true;
     END IF;
+    -- (only the group roles `outbox roles --namespace` made, which are members of
+    -- outbox_confined themselves: a role given the setting by hand confines nothing
+    -- through the policies, so a login in one is told nothing of its namespace)
     IF EXISTS (SELECT FROM pg_catalog.pg_db_role_setting AS s
                 WHERE s.setdatabase = 0 AND s.setrole <> 0
                   AND 'outbox.namespace=' || p_namespace = ANY (s.setconfig)
+                  AND EXISTS (SELECT FROM pg_catalog.pg_auth_members AS m
+                               WHERE m.roleid = confined AND m.member = s.setrole)
                   AND (pg_has_role(session_user, s.setrole, 'USAGE')
                        OR coalesce(pg_has_role(switched, s.setrole, 'USAGE'), false))) THEN
         RETURN true;

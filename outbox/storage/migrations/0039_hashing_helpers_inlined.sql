@@ -59,7 +59,7 @@ $$;
 -- them: an IMMUTABLE SQL function whose body calls a STABLE one (convert_to,
 -- extract from a timestamptz) is run through the SQL-function executor on every
 -- call instead, 15 us for an attempt's link against 2 us inlined. Hence
--- outbox_utf8 (ids_and_keys.sql) instead of convert_to, and the epoch of the
+-- outbox_utf8 (shards.sql) instead of convert_to, and the epoch of the
 -- time in UTC, which is the same number.
 CREATE OR REPLACE FUNCTION outbox_us(ts timestamptz) RETURNS text
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
@@ -116,10 +116,11 @@ $$;
 
 -- The default idempotency key of the step_index-th intent of step_id in run_id
 -- (outbox.keys.derive_key).
--- (outbox_key_digest of the three, spelled out: it runs for every intent.)
+-- (outbox_key_digest of the three, spelled out: it runs for every intent; no
+-- '\x...' literal, which standard_conforming_strings=off would read otherwise.)
 CREATE OR REPLACE FUNCTION outbox_derive_key(run_id uuid, step_id text, step_index integer) RETURNS text
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
-SELECT encode(sha256('\x0000000000000024'::bytea || outbox_utf8(run_id::text)
+SELECT encode(sha256(int8send(36::bigint) || outbox_utf8(run_id::text)
     || int8send(octet_length(outbox_utf8(step_id))::bigint) || outbox_utf8(step_id)
     || int8send(octet_length(step_index::text)::bigint) || outbox_utf8(step_index::text)),
     'hex')

@@ -33,7 +33,7 @@ SELECT set_config('search_path', format('%I, pg_catalog, pg_temp', current_schem
 -- (outbox_session_sees): called directly, it would tell that run's state. A
 -- refusal, not a neutral answer: the trigger asks only of an effect's own run, in
 -- the effect's namespace, and taking another's run for live would send a paused
--- run's effect. Checked here, after the read, not in the statement: on Citus a
+-- run's effect. Checked here, in PL/pgSQL, not in the statement: on Citus a
 -- statement run as the owner reaches the run's node as the owner, where the
 -- session is no longer the caller's.
 CREATE OR REPLACE FUNCTION outbox_run_holds(
@@ -43,17 +43,23 @@ CREATE OR REPLACE FUNCTION outbox_run_holds(
 DECLARE
     ns text;
 BEGIN
-    SELECT r.paused_at IS NOT NULL, r.status IN ('cancelling', 'compensating'), r.namespace
-      INTO paused, stopping, ns
+    -- (the namespace read before the lock, which would otherwise make a refused
+    -- caller wait while another namespace pauses or stops its run: a tell; and
+    -- only once `outbox roles --namespace` has confined a role)
+    IF to_regrole('outbox_confined') IS NOT NULL THEN
+        SELECT r.namespace INTO ns FROM outbox_runs AS r WHERE r.id = p_run AND r.shard = p_shard;
+        IF ns IS NOT NULL AND NOT outbox_session_sees(ns) THEN
+            RAISE EXCEPTION 'permission denied: role % is confined to namespace %, and run % is '
+                            'not in it', coalesce(nullif(current_setting('role'), 'none'),
+                                                  session_user::text),
+                array_to_string(outbox_session_namespaces(), ', '), p_run
+                USING ERRCODE = 'insufficient_privilege';
+        END IF;
+    END IF;
+    SELECT r.paused_at IS NOT NULL, r.status IN ('cancelling', 'compensating')
+      INTO paused, stopping
       FROM outbox_runs AS r WHERE r.id = p_run AND r.shard = p_shard
        FOR KEY SHARE;
-    IF ns IS NOT NULL AND NOT outbox_session_sees(ns) THEN
-        RAISE EXCEPTION 'permission denied: role % is confined to namespace %, and run % is '
-                        'not in it', coalesce(nullif(current_setting('role'), 'none'),
-                                              session_user::text),
-            array_to_string(outbox_session_namespaces(), ', '), p_run
-            USING ERRCODE = 'insufficient_privilege';
-    END IF;
 END
 $$;
 
@@ -138,9 +144,14 @@ BEGIN
        AND NOT coalesce(pg_has_role(switched, confined, 'USAGE'), false) THEN
         RETURN true;
     END IF;
+    -- (only the group roles `outbox roles --namespace` made, which are members of
+    -- outbox_confined themselves: a role given the setting by hand confines nothing
+    -- through the policies, so a login in one is told nothing of its namespace)
     IF EXISTS (SELECT FROM pg_catalog.pg_db_role_setting AS s
                 WHERE s.setdatabase = 0 AND s.setrole <> 0
                   AND 'outbox.namespace=' || p_namespace = ANY (s.setconfig)
+                  AND EXISTS (SELECT FROM pg_catalog.pg_auth_members AS m
+                               WHERE m.roleid = confined AND m.member = s.setrole)
                   AND (pg_has_role(session_user, s.setrole, 'USAGE')
                        OR coalesce(pg_has_role(switched, s.setrole, 'USAGE'), false))) THEN
         RETURN true;
