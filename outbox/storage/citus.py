@@ -144,14 +144,21 @@ def is_distributed(conn: psycopg.Connection[Any]) -> bool:
     return is_citus(conn) and "outbox_gates" in _distributed(conn)
 
 
-def _check_nodes(conn: psycopg.Connection[Any]) -> int:
+def _on_every_node(conn: psycopg.Connection[Any], setting: str) -> list[tuple[str, int, bool, str]]:
+    """Each node's host, port, whether it answered, and ``setting`` (or its error)."""
     rows = conn.execute(
         "SELECT n.nodename, n.nodeport, r.success, r.result"
-        " FROM run_command_on_all_nodes('SHOW synchronous_commit') AS r"
-        " JOIN pg_dist_node AS n USING (nodeid)"
+        " FROM run_command_on_all_nodes(format('SHOW %%s', %s::text)) AS r"
+        " JOIN pg_dist_node AS n USING (nodeid)",
+        [setting],
     ).fetchall()
+    return [(host, port, ok, result) for host, port, ok, result in rows]
+
+
+def _check_nodes(conn: psycopg.Connection[Any]) -> int:
+    nodes = _on_every_node(conn, "synchronous_commit")
     safe = ("on", "remote_apply", "remote_write")
-    unsafe = [f"{h}:{p} ({r})" for h, p, ok, r in rows if not ok or r not in safe]
+    unsafe = [f"{h}:{p} ({r})" for h, p, ok, r in nodes if not ok or r not in safe]
     if unsafe:
         raise ConfigurationError(
             "synchronous_commit must be on for every node of the cluster (a node killed "
@@ -160,16 +167,12 @@ def _check_nodes(conn: psycopg.Connection[Any]) -> int:
         )
     # The hashing functions run on the workers too (triggers, the delegated step
     # writer): each node's database must hold text as UTF-8 (migrate refuses others).
-    for host, port, ok, encoding in conn.execute(
-        "SELECT n.nodename, n.nodeport, r.success, r.result"
-        " FROM run_command_on_all_nodes('SHOW server_encoding') AS r"
-        " JOIN pg_dist_node AS n USING (nodeid)"
-    ).fetchall():
+    for host, port, ok, encoding in _on_every_node(conn, "server_encoding"):
         try:
-            refuse_server_encoding(encoding if ok else "unknown")
+            refuse_server_encoding(encoding if ok else f"unknown ({encoding})")
         except ConfigurationError as exc:
             raise ConfigurationError(f"node {host}:{port}: {exc}") from None
-    return len(rows)
+    return len(nodes)
 
 
 def _distributed(conn: psycopg.Connection[Any]) -> dict[str, str]:
