@@ -621,3 +621,61 @@ def test_a_role_given_a_namespace_by_hand_tells_its_confined_member_nothing(
     finally:
         with psycopg.connect(libpq_dsn(str(ob.settings.dsn)), autocommit=True) as conn:
             conn.execute(f"DROP ROLE {hand}")
+
+
+def namespace_lookups(dsn: str, run: uuid.UUID, step: str) -> int:
+    """One step of ``run`` as a login: how often it read the namespaces' role settings."""
+    with psycopg.connect(libpq_dsn(dsn)) as conn:
+        conn.execute("SELECT * FROM outbox_commit_step(%s, %s)", (run, step))
+        row = conn.execute(
+            "SELECT coalesce(sum(calls), 0) FROM pg_stat_xact_user_functions"
+            " WHERE funcname = 'outbox_session_namespaces'"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_session_no_namespace_confines_records_a_step_without_the_namespace_lookup(
+    ob: Outbox, teams: dict[str, dict[str, str]]
+) -> None:
+    """Once one namespace was confined, every step of every session read the
+    namespaces' role settings (60-70 us a step), superusers' and plain logins' too;
+    only a session in a confined role needs them."""
+    dsn = str(ob.settings.dsn)
+    done = CliRunner().invoke(cli, ["--dsn", dsn, "roles"])
+    assert done.exit_code == 0, done.output
+    plain = f"t_plain_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {plain} LOGIN PASSWORD '{PASSWORD}' IN ROLE outbox_agent")
+        # (track_functions is a superuser's to set: for these logins, on the role)
+        for login in (plain, make_url(teams["billing"]["agent"]).username):
+            conn.execute(f"ALTER ROLE {login} SET track_functions = 'all'")
+    plain_dsn = make_url(dsn).set(username=plain, password=PASSWORD)
+    billing = teams["billing"]
+    try:
+        with Outbox.connect(billing["agent"], namespace=billing["namespace"]) as agent:
+            confined_run = agent.start_run("triage", "1").id
+        unconfined_run = ob.start_run("triage", "1").id
+        assert namespace_lookups(billing["agent"], confined_run, "s1") >= 1
+        assert namespace_lookups(plain_dsn.render_as_string(False), unconfined_run, "s1") == 0
+        with psycopg.connect(libpq_dsn(dsn)) as conn:
+            conn.execute("SET track_functions = 'all'")
+            conn.execute("SELECT * FROM outbox_commit_step(%s, 's2')", (unconfined_run,))
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_xact_user_functions"
+                " WHERE funcname = 'outbox_session_namespaces'"
+            ).fetchone()
+            assert row == (0,)
+            # (and the calls are counted: the step's own function is there)
+            assert conn.execute(
+                "SELECT calls FROM pg_stat_xact_user_functions WHERE funcname = 'outbox_write_step'"
+            ).fetchone() == (1,)
+        # still confined where it counts: another namespace's run is refused
+        message = confined_error(
+            billing["agent"], "SELECT * FROM outbox_commit_step(%(r)s, 's3')", {"r": unconfined_run}
+        )
+        assert "confined to namespace" in message, message
+    finally:
+        with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {plain}")
+            conn.execute(f"DROP ROLE {plain}")

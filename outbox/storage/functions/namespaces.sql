@@ -25,20 +25,39 @@ SELECT array_agg(DISTINCT substr(c.setting, length('outbox.namespace=') + 1))
                   AND NOT u.rolsuper AND pg_has_role(u.oid, s.setrole, 'USAGE'))
 $$;
 
+-- Whether no namespace can confine this session, from cached lookups only (a few
+-- microseconds; outbox_session_namespaces reads the role settings, 60-70 us): no
+-- role is confined at all; a superuser login that did not SET ROLE (confined by
+-- nothing: outbox_session_namespaces leaves superusers out); a session whose login
+-- and role are in no role of outbox_confined, which every group role `outbox roles
+-- --namespace` confines is in (a role given outbox.namespace by hand confines
+-- nothing, as through the tables' policies). is_superuser and role are the
+-- session's, read-only but through SET ROLE, which checks membership.
+CREATE OR REPLACE FUNCTION outbox_session_unconfined() RETURNS boolean
+    LANGUAGE sql STABLE AS $$
+SELECT CASE WHEN to_regrole('outbox_confined') IS NULL THEN true
+            WHEN current_setting('role') = 'none' AND current_setting('is_superuser') = 'on'
+                THEN true
+            ELSE NOT pg_has_role(session_user, to_regrole('outbox_confined'), 'USAGE')
+                 AND NOT coalesce(pg_has_role(
+                     to_regrole(quote_ident(nullif(current_setting('role'), 'none'))),
+                     to_regrole('outbox_confined'), 'USAGE'), false) END
+$$;
+
 -- A step writer's (outbox_write_step, chain_writes.sql) check of its caller: the
 -- run p_run_id is in every namespace that confines the session, or permission is
--- denied naming both. Every step pays for it: until `outbox roles --namespace`
--- has made a confined role (every one is in outbox_confined) it is one lookup of
--- a role by name; the settings are read only then, the run only for a confined
--- session. By dynamic SQL: planned per call on Citus, where a kept plan on a
--- worker's shard grows (outbox_citus_plans_per_call).
+-- denied naming both. Every step pays for it: for a session no namespace can
+-- confine, cached lookups (outbox_session_unconfined); the settings and the run
+-- are read only for a session in a confined role. By dynamic SQL: planned per call
+-- on Citus, where a kept plan on a worker's shard grows
+-- (outbox_citus_plans_per_call).
 CREATE OR REPLACE FUNCTION outbox_confined_to_run(p_shard smallint, p_run_id uuid) RETURNS void
     LANGUAGE plpgsql AS $$
 DECLARE
     confined text[];
     ns text;
 BEGIN
-    IF to_regrole('outbox_confined') IS NULL THEN
+    IF outbox_session_unconfined() THEN
         RETURN;
     END IF;
     confined := outbox_session_namespaces();
@@ -73,14 +92,9 @@ CREATE OR REPLACE FUNCTION outbox_session_sees(p_namespace text) RETURNS boolean
     LANGUAGE plpgsql STABLE AS $$
 DECLARE
     confined oid := to_regrole('outbox_confined');
-    switched oid;
+    switched oid := to_regrole(quote_ident(nullif(current_setting('role'), 'none')));
 BEGIN
-    IF confined IS NULL THEN
-        RETURN true;
-    END IF;
-    switched := to_regrole(quote_ident(nullif(current_setting('role'), 'none')));
-    IF NOT pg_has_role(session_user, confined, 'USAGE')
-       AND NOT coalesce(pg_has_role(switched, confined, 'USAGE'), false) THEN
+    IF outbox_session_unconfined() THEN
         RETURN true;
     END IF;
     -- (only the group roles `outbox roles --namespace` made, which are members of
