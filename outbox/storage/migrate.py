@@ -266,6 +266,11 @@ def _apply(pg: psycopg.Connection[Any], migration: Migration, *, distributed: bo
     try:
         if migration.transactional:
             with pg.transaction():
+                if distributed:
+                    # DDL on a distributed table runs over a connection per shard by
+                    # default, and Citus then refuses a function's DDL in the same
+                    # transaction: one connection per node instead
+                    pg.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
                 # psycopg runs a parameterless multi-statement script in one go.
                 for script in one_by_one(migration.sql) if distributed else [migration.sql]:
                     pg.execute(script.encode())

@@ -75,10 +75,14 @@ blobs = Table(
     Column("bytes", BigInteger, nullable=False),
     Column("data", Text, nullable=False),
     timestamp("created_at", nullable=False, default_now=True),
-    # refreshed by every write that uses it; the upsert's row lock keeps gc off it
+    # refreshed by the writes that used it until 0042 (a confined login cannot update
+    # a row its policies hide); a writer's reference keeps gc off it (the foreign key)
     timestamp("used_at", nullable=False, default_now=True),
     # 0023: stored once per shard, beside the rows that use it
     shard_column(),
+    # 0042: the transaction that wrote it (outbox_xact, set by a trigger): the
+    # policies show a login confined to a namespace what its own transaction wrote
+    Column("written_in", BigInteger),
     PrimaryKeyConstraint("sha256", "shard", name="outbox_blobs_pkey"),
 )
 blob_refs = Table(
@@ -88,6 +92,7 @@ blob_refs = Table(
     Column("owner", UUID(as_uuid=True), nullable=False),
     Column("sha256", Text, nullable=False),
     shard_column(),
+    Column("written_in", BigInteger),  # as outbox_blobs.written_in
     PrimaryKeyConstraint("owner", "sha256", "shard", name="outbox_blob_refs_pkey"),
     ForeignKeyConstraint(
         ["sha256", "shard"],

@@ -20,9 +20,11 @@ from tests.integration.test_roles_namespaces import (  # noqa: F401 (a fixture, 
     teams,
     test_a_confined_agent_drives_its_own_runs_and_reaches_no_other_namespaces,
     test_a_confined_login_cannot_write_into_another_namespaces_run,
+    test_a_confined_login_reads_only_the_large_values_its_namespace_uses,
     test_a_confined_login_still_inserts_and_reopens_its_own_namespaces_effects,
     test_a_confined_operators_gc_leaves_the_large_values_every_namespace_shares,
     test_confined_operators_and_readers_see_and_change_only_their_namespace,
+    test_no_login_stores_a_text_under_another_values_sha256_or_unhides_one,
     test_the_policies_checks_tell_a_confined_login_nothing_of_another_namespace,
 )
 

@@ -622,7 +622,6 @@ COLUMN_GRANTS: dict[tuple[str, str], dict[str, str]] = {
         "status": UNPAUSE,
     },
     ("agent", "outbox_effects"): {"awaited_by": "allowed: a run awaits an effect"},
-    ("agent", "outbox_blobs"): {"used_at": "allowed: a writer refreshes a value it uses"},
     ("agent", "outbox_effect_keys"): {
         c: "allowed: a caller's key registry (intent rows are checked against it)"
         for c in ("effect_id", "run_id", "kind", "payload_hash")

@@ -8,6 +8,7 @@ they send themselves and by the step writers, which run as the tables' owner.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -31,6 +32,7 @@ from outbox import (
     StepTransaction,
 )
 from outbox.cli import cli
+from outbox.shards import SHARDS, on_shard, shard_of
 from outbox.storage.admin.roles import ROLES, namespace_prefix
 from outbox.storage.engine import libpq_dsn, make_engine
 from tests.integration.test_roles import deliver_as
@@ -381,6 +383,9 @@ def test_a_confined_operators_gc_leaves_the_large_values_every_namespace_shares(
 ) -> None:
     billing, support = teams["billing"], teams["support"]
     big = {"text": "x" * 40_000}
+    tables = ("outbox_blobs", "outbox_blob_refs")
+    # (on a cluster, the module's earlier tests left theirs)
+    before = {table: counted(str(ob.settings.dsn), table) for table in tables}
     with Outbox.connect(support["agent"], namespace=support["namespace"]) as theirs_ob:
         run = theirs_ob.start_run("triage", "1")
         effect_id = uuid.UUID(run.transaction("s1", lambda tx: str(tx.intend("k.x", big).id)))
@@ -390,8 +395,8 @@ def test_a_confined_operators_gc_leaves_the_large_values_every_namespace_shares(
     assert done.exit_code == 0, (done.output, done.exception)
     assert json.loads(done.stdout)["values_left"] is True
     assert ob.effect(effect_id).payload == big
-    for table in ("outbox_blobs", "outbox_blob_refs"):
-        assert counted(str(ob.settings.dsn), table) == 1, table
+    for table in tables:
+        assert counted(str(ob.settings.dsn), table) == before[table] + 1, table
         message = confined_error(billing["operator"], f"DELETE FROM {table}", {})
         assert "permission denied" in message
 
@@ -679,3 +684,136 @@ def test_a_session_no_namespace_confines_records_a_step_without_the_namespace_lo
         with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
             conn.execute(f"DROP OWNED BY {plain}")
             conn.execute(f"DROP ROLE {plain}")
+
+
+def stored_hashes(dsn: str) -> set[str]:
+    with psycopg.connect(libpq_dsn(dsn)) as conn:
+        return {row[0] for row in conn.execute("SELECT sha256 FROM outbox_blobs")}
+
+
+def test_a_confined_login_reads_only_the_large_values_its_namespace_uses(
+    ob: Outbox, teams: dict[str, dict[str, str]]
+) -> None:
+    """Large values are stored once for every namespace (by their sha256): a
+    confined login read every namespace's payloads, inputs and results there."""
+    billing, support = teams["billing"], teams["support"]
+    secret, shared, own = ({"text": c * 40_000} for c in "xyz")
+
+    def intents(team: dict[str, str], *payloads: dict[str, str]) -> list[uuid.UUID]:
+        with Outbox.connect(team["agent"], namespace=team["namespace"]) as agent:
+            run = agent.start_run("triage", "1", inputs={"n": 1})
+            ids = run.transaction("s1", lambda tx: [str(tx.intend("k.x", p).id) for p in payloads])
+            return [uuid.UUID(i) for i in ids]
+
+    theirs = intents(support, secret, shared)
+    mine = intents(billing, shared, own)
+    owner = str(ob.settings.dsn)
+    secret_sha, shared_sha, own_sha = (
+        as_login(
+            owner, "SELECT sha256 FROM outbox_blobs WHERE data LIKE %(t)s", {"t": f"%{c}{c}%"}
+        )[0]
+        for c in "xyz"
+    )
+    assert {secret_sha, shared_sha, own_sha} <= stored_hashes(owner)
+    for role in ("agent", "deliverer", "operator", "reader"):
+        seen = stored_hashes(billing[role])
+        assert secret_sha not in seen, role
+        assert seen == {shared_sha, own_sha}, role
+        with psycopg.connect(libpq_dsn(billing[role])) as conn:
+            refs = conn.execute("SELECT owner, sha256 FROM outbox_blob_refs").fetchall()
+            # their run's uses are not shown: only our run's, of our two values
+            assert len({owner for owner, _ in refs}) == 1, role
+            assert sorted(sha for _, sha in refs) == sorted([shared_sha, own_sha]), role
+            with pytest.raises(psycopg.Error, match="missing from outbox_blobs"):
+                conn.execute("SELECT outbox_stored_text(%s, NULL)", (secret_sha,))
+        asked = (
+            "SELECT outbox_blob_in_namespace(shard, sha256, %(ns)s) FROM outbox_blobs"
+            " WHERE sha256 = %(s)s"
+        )
+        assert as_login(billing[role], asked, {"ns": support["namespace"], "s": secret_sha}) is None
+    # their own values still read back, whoever stored the shared one first
+    assert stored_hashes(support["reader"]) == {secret_sha, shared_sha}
+    with Outbox.connect(billing["reader"], namespace=billing["namespace"]) as reader:
+        assert [reader.effect(i).payload for i in mine] == [shared, own]
+    with Outbox.connect(support["reader"], namespace=support["namespace"]) as reader:
+        assert [reader.effect(i).payload for i in theirs] == [secret, shared]
+    assert as_login(
+        str(ob.settings.dsn),
+        "SELECT outbox_blob_in_namespace(shard, sha256, %(ns)s) FROM outbox_blobs"
+        " WHERE sha256 = %(s)s",
+        {"ns": support["namespace"], "s": secret_sha},
+    ) == (True,)
+    # a fork on another shard copies the values its original uses there, as ours
+    big_inputs = {"text": "w" * 40_000}
+    with Outbox.connect(billing["agent"], namespace=billing["namespace"]) as agent:
+        original = agent.start_run("triage", "1", inputs=big_inputs)
+        for step in ("s1", "s2"):
+            original.transaction(step, lambda tx: None)
+        other = (shard_of(original.id) + 1) % SHARDS
+        fork = agent.fork(original.id, "s2", fork_id=on_shard(uuid.uuid4(), other))
+    with Outbox.connect(billing["reader"], namespace=billing["namespace"]) as reader:
+        assert reader.run(fork.id).inputs == big_inputs
+    assert stored_hashes(support["reader"]) == {secret_sha, shared_sha}
+
+
+def test_no_login_stores_a_text_under_another_values_sha256_or_unhides_one(
+    ob: Outbox, teams: dict[str, dict[str, str]]
+) -> None:
+    """A login that wrote a text of its own under another value's sha256 first
+    made that value unreadable to whoever stored it later (readers refuse a text
+    that is not its sha256's); and what a confined login writes or touches of a
+    value it lacks stays hidden from it."""
+    billing, support = teams["billing"], teams["support"]
+    canonical = '{"text": "' + "s" * 40_000 + '"}'
+    sha = hashlib.sha256(canonical.encode()).hexdigest()
+    with Outbox.connect(billing["agent"], namespace=billing["namespace"]) as agent:
+        run = agent.start_run("triage", "1")
+    store = (
+        "INSERT INTO outbox_blobs (sha256, bytes, data, shard)"
+        " VALUES (%(s)s, 2, %(t)s, outbox_shard_of(%(r)s)) ON CONFLICT DO NOTHING"
+    )
+    for dsn in (billing["agent"], str(ob.settings.dsn)):  # a confined login, the owner
+        with psycopg.connect(libpq_dsn(dsn)) as conn, pytest.raises(psycopg.Error) as caught:
+            conn.execute(store, {"s": sha, "t": "{}", "r": run.id})
+        assert caught.value.sqlstate == "23514", caught.value
+        assert f"sha256={sha} is not the sha256 of the text" in str(caught.value)
+    # their value, stored; the same text stored again by us later reads back for both
+    before = stored_hashes(str(ob.settings.dsn))  # (on a cluster, earlier tests' values)
+    count = counted(str(ob.settings.dsn), "outbox_blobs")
+    with Outbox.connect(support["agent"], namespace=support["namespace"]) as theirs_ob:
+        theirs = theirs_ob.start_run("triage", "1", run_id=on_shard(uuid.uuid4(), shard_of(run.id)))
+        effect = uuid.UUID(
+            theirs.transaction("s1", lambda tx: str(tx.intend("k.x", {"text": "s" * 40_000}).id))
+        )
+    (their_sha,) = stored_hashes(str(ob.settings.dsn)) - before
+    # a confined login touching it without using it does not come to see it: the
+    # policies hide it from an update (nothing found) and it writes no written_in
+    with psycopg.connect(libpq_dsn(billing["agent"])) as conn:
+        assert (
+            conn.execute(
+                "INSERT INTO outbox_blobs (sha256, bytes, data, shard)"
+                " SELECT sha256, bytes, data, shard FROM outbox_blobs ON CONFLICT DO NOTHING"
+            ).rowcount
+            == 0
+        )
+        assert conn.execute("SELECT count(*) FROM outbox_blobs").fetchone() == (0,)
+    operator = billing["operator"]
+    with psycopg.connect(libpq_dsn(operator)) as conn:
+        assert conn.execute("UPDATE outbox_blobs SET used_at = now()").rowcount == 0
+        assert conn.execute("SELECT count(*) FROM outbox_blobs").fetchone() == (0,)
+    message = confined_error(operator, "UPDATE outbox_blobs SET written_in = outbox_xact()", {})
+    assert "permission denied" in message, message
+    assert stored_hashes(billing["reader"]) == set()
+    # the same text stored by us: one row still, read by both namespaces
+    with Outbox.connect(billing["agent"], namespace=billing["namespace"]) as agent:
+        ours = uuid.UUID(
+            agent.run(run.id).transaction(
+                "s1", lambda tx: str(tx.intend("k.x", {"text": "s" * 40_000}).id)
+            )
+        )
+    assert counted(str(ob.settings.dsn), "outbox_blobs") == count + 1
+    assert stored_hashes(billing["reader"]) == {their_sha} == stored_hashes(support["reader"])
+    with Outbox.connect(billing["reader"], namespace=billing["namespace"]) as reader:
+        assert reader.effect(ours).payload == {"text": "s" * 40_000}
+    with Outbox.connect(support["reader"], namespace=support["namespace"]) as reader:
+        assert reader.effect(effect).payload == {"text": "s" * 40_000}

@@ -40,6 +40,20 @@ CONFINED_TABLES = {
     "outbox_effect_attempts": (
         "{schema}.outbox_row_in_namespace('outbox_effects', shard, effect_id, {ns})"
     ),
+    # Large values, stored once for every namespace that stores the same text: the
+    # uses of its runs and run-less effects, the values they use, and what its own
+    # transaction wrote (written_in, set by a trigger: a run's inputs are stored
+    # before the run is). A value it did not write and no use of its shows it is
+    # one it lacks the text of: its sha256 names it nowhere the login can read.
+    "outbox_blob_refs": (
+        "written_in = {schema}.outbox_xact()"
+        " OR {schema}.outbox_row_in_namespace('outbox_runs', shard, owner, {ns})"
+        " OR {schema}.outbox_row_in_namespace('outbox_effects', shard, owner, {ns})"
+    ),
+    "outbox_blobs": (
+        "written_in = {schema}.outbox_xact()"
+        " OR {schema}.outbox_blob_in_namespace(shard, sha256, {ns})"
+    ),
 }
 _OLD_CHECKS = (
     "outbox_is_declared_compensation(uuid, uuid, text, jsonb)",

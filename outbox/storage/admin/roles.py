@@ -169,7 +169,8 @@ _READ_ALL = {t: ("SELECT",) for t in metadata.tables}
 # Configuration every namespace shares: a confined login reads it, changes none of it.
 _SHARED_CONFIG = ("outbox_gates",)
 # Large values, shared by every namespace that stores the same text: a confined
-# login stores and reads them, deletes none (`outbox gc` leaves them).
+# login stores them and reads those its namespace uses, deletes none (`outbox gc`
+# leaves them).
 _SHARED_VALUES = ("outbox_blobs", "outbox_blob_refs")
 _NAMESPACE = re.compile(NAMESPACE_PATTERN)
 
@@ -196,8 +197,8 @@ ROLES: tuple[RoleSpec, ...] = (
             # outbox serve remembers signed requests; a Kafka DedupConsumer marks keys
             "outbox_webhook_replays": ("SELECT", "INSERT", "DELETE"),
             "outbox_consumed_keys": ("SELECT", "INSERT"),
-            # large values: stored once (the upsert refreshes used_at), used by a run
-            "outbox_blobs": ("SELECT", "INSERT", _update(("used_at",))),
+            # large values: stored once (a writer leaves one already there), used by a run
+            "outbox_blobs": ("SELECT", "INSERT"),
             "outbox_blob_refs": ("SELECT", "INSERT"),
             # a business key, a caller's idempotency key: registered on its shard
             "outbox_run_keys": ("SELECT", "INSERT"),

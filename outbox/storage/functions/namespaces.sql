@@ -140,3 +140,37 @@ BEGIN
     RETURN coalesce(ns = p_namespace, false);
 END
 $$;
+
+-- Whether the stored value p_sha on shard p_shard is one a login confined to
+-- namespace p_namespace may read: a run or a run-less effect of the namespace uses
+-- it (outbox_blob_refs), or its own transaction recorded a use of it (a run's
+-- inputs are stored before the run is). The policy of outbox_blobs for such a
+-- login. A value is stored once for every namespace that stored the same text;
+-- each reads it through a use of its own (a confined login read every
+-- namespace's large payloads, inputs and results). As outbox_row_in_namespace:
+-- as the tables' owner, from this node's placements, and false to a confined
+-- session asking about another namespace.
+CREATE OR REPLACE FUNCTION outbox_blob_in_namespace(
+    p_shard smallint, p_sha text, p_namespace text
+) RETURNS boolean
+    LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path FROM CURRENT AS $$
+DECLARE
+    used boolean;
+BEGIN
+    IF NOT outbox_session_sees(p_namespace) THEN
+        RETURN false;
+    END IF;
+    EXECUTE format(
+        'SELECT EXISTS (SELECT FROM %s AS f WHERE f.sha256 = $1 AND f.shard = $2 AND ('
+        ' f.written_in = outbox_xact()'
+        ' OR EXISTS (SELECT FROM %s AS r'
+        '             WHERE r.id = f.owner AND r.shard = $2 AND r.namespace = $3)'
+        ' OR EXISTS (SELECT FROM %s AS e'
+        '             WHERE e.id = f.owner AND e.shard = $2 AND e.namespace = $3)))',
+        outbox_placement_of('outbox_blob_refs', p_shard),
+        outbox_placement_of('outbox_runs', p_shard),
+        outbox_placement_of('outbox_effects', p_shard))
+       INTO used USING p_sha, p_shard, p_namespace;
+    RETURN used;
+END
+$$;

@@ -2,14 +2,14 @@
 -- (over outbox.blob_threshold_bytes) a reference to it, stored once by its
 -- sha256 in outbox_blobs and recorded as used by owner (a run, or an effect of
 -- no run), on the owner's shard, as outbox.blobs and outbox.storage.blob_store
--- do. The upsert locks the blob until commit, so `outbox gc` cannot take it
--- meanwhile.
+-- do. A blob already there is left as it is (it may be another namespace's,
+-- which a confined login could not update): the reference's foreign key locks it
+-- until commit, so `outbox gc` cannot take it meanwhile.
 CREATE OR REPLACE FUNCTION outbox_store_value(owner uuid, value jsonb, canonical text) RETURNS jsonb
     LANGUAGE plpgsql AS $$
 DECLARE
     size bigint := octet_length(canonical);
     p_shard smallint := outbox_shard_of(owner);
-    v_now timestamptz := now();
     sha text;
 BEGIN
     IF size <= outbox_setting('blob_threshold_bytes')::bigint THEN
@@ -17,13 +17,58 @@ BEGIN
     END IF;
     sha := encode(sha256(convert_to(canonical, 'UTF8')), 'hex');
     INSERT INTO outbox_blobs AS b (sha256, bytes, data, shard) VALUES (sha, size, canonical, p_shard)
-    ON CONFLICT ON CONSTRAINT outbox_blobs_pkey DO UPDATE SET used_at = v_now;
+    ON CONFLICT ON CONSTRAINT outbox_blobs_pkey DO NOTHING;
     INSERT INTO outbox_blob_refs AS f (owner, sha256, shard)
     VALUES (outbox_store_value.owner, sha, p_shard)
     ON CONFLICT ON CONSTRAINT outbox_blob_refs_pkey DO NOTHING;
     RETURN jsonb_build_object('__outbox_blob__', jsonb_build_object('bytes', size, 'sha256', sha));
 END
 $$;
+
+-- The transaction that is writing, as a number (NULL in one that has written
+-- nothing): what outbox_blobs and outbox_blob_refs record of the transaction that
+-- wrote a row (written_in), so that a login confined to a namespace is shown what
+-- it wrote itself before any run of its namespace uses it (a run's inputs are
+-- stored before the run is), and only that. On Citus, the node's own transaction
+-- (the trigger and the policy run on the node holding the row).
+CREATE OR REPLACE FUNCTION outbox_xact() RETURNS bigint
+    LANGUAGE sql STABLE AS $$
+SELECT pg_current_xact_id_if_assigned()::text::bigint
+$$;
+
+-- A stored value's row as written: its text must hash to its sha256 (a login that
+-- stored a text of its own under another value's sha256 first would have made
+-- that value unreadable to everyone who stored it later: readers refuse a text
+-- that is not its sha256's), and it records the transaction writing it, whatever
+-- the writer said (outbox_xact).
+CREATE OR REPLACE FUNCTION outbox_blobs_written() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.sha256 IS DISTINCT FROM encode(sha256(outbox_utf8(NEW.data)), 'hex') THEN
+        RAISE EXCEPTION 'outbox_blobs: sha256=% is not the sha256 of the text stored with it',
+            NEW.sha256 USING ERRCODE = 'check_violation';
+    END IF;
+    NEW.written_in := pg_current_xact_id()::text::bigint;
+    RETURN NEW;
+END
+$$;
+
+DROP TRIGGER IF EXISTS outbox_blobs_written ON outbox_blobs;
+CREATE TRIGGER outbox_blobs_written BEFORE INSERT ON outbox_blobs
+    FOR EACH ROW EXECUTE FUNCTION outbox_blobs_written();
+
+-- A stored value's use as written: the transaction writing it (outbox_xact).
+CREATE OR REPLACE FUNCTION outbox_blob_refs_written() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.written_in := pg_current_xact_id()::text::bigint;
+    RETURN NEW;
+END
+$$;
+
+DROP TRIGGER IF EXISTS outbox_blob_refs_written ON outbox_blob_refs;
+CREATE TRIGGER outbox_blob_refs_written BEFORE INSERT ON outbox_blob_refs
+    FOR EACH ROW EXECUTE FUNCTION outbox_blob_refs_written();
 
 -- The sha256 a value names when it is a reference to a stored value (an object
 -- whose one key is __outbox_blob__, naming a sha256 string), else NULL. One

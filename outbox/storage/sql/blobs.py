@@ -2,10 +2,9 @@
 
 A blob is written with the row that refers to it, in the same transaction, and
 its owner (a run, or an effect that belongs to no run) is recorded in
-``outbox_blob_refs``. The upsert locks an existing blob's row until commit and
-the reference's foreign key keeps it, so ``outbox gc`` (which deletes only
-blobs with no reference, skipping locked rows) can never remove a blob a
-writer is about to use.
+``outbox_blob_refs``. The reference's foreign key locks the blob until commit
+and keeps it afterwards, so ``outbox gc`` (which deletes only blobs with no
+reference, skipping locked rows) does not remove a blob a writer uses.
 """
 
 from __future__ import annotations
@@ -47,17 +46,21 @@ __all__ = [
 
 @cache
 def put_blob() -> Any:
-    """Store one blob once on ``shard`` (``sha`` = sha256 of ``data``); lock it until commit."""
-    ins = pg_insert(blobs).values(
-        sha256=bindparam("sha", type_=Text),
-        bytes=bindparam("size", type_=BigInteger),
-        data=bindparam("data", type_=Text),
-        shard=bindparam("shard", type_=SmallInteger),
-        used_at=func.now(),
-    )
-    # the row's own now(): Citus refuses a function in DO UPDATE SET that is not IMMUTABLE
-    return ins.on_conflict_do_update(
-        index_elements=[blobs.c.sha256, blobs.c.shard], set_={"used_at": ins.excluded.used_at}
+    """Store one blob once on ``shard`` (``sha`` = sha256 of ``data``).
+
+    One already there is left as it is: it may be another namespace's, which a
+    confined login cannot update (its policies hide it). The reference written
+    next locks it until commit (its foreign key's check).
+    """
+    return (
+        pg_insert(blobs)
+        .values(
+            sha256=bindparam("sha", type_=Text),
+            bytes=bindparam("size", type_=BigInteger),
+            data=bindparam("data", type_=Text),
+            shard=bindparam("shard", type_=SmallInteger),
+        )
+        .on_conflict_do_nothing(constraint="outbox_blobs_pkey")
     )
 
 
