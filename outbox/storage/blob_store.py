@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from sqlalchemy import Connection
+from sqlalchemy.exc import IntegrityError
 
 from outbox.blobs import Blob, reference_hash
 from outbox.errors import DatabaseError, StoredValueAltered
@@ -43,6 +44,7 @@ EFFECT_FIELDS = ("payload",)
 AUDITED_STEP_FIELDS = ("result", "error", "state", "plan")
 
 M = TypeVar("M", bound=BaseModel)
+FOREIGN_KEY_VIOLATION = "23503"
 
 
 def put(conn: Connection, owner: uuid.UUID | str, blobs: Iterable[Blob | None]) -> None:
@@ -51,14 +53,19 @@ def put(conn: Connection, owner: uuid.UUID | str, blobs: Iterable[Blob | None]) 
     if not unique:
         return
     shard = shard_of(owner if isinstance(owner, uuid.UUID) else uuid.UUID(owner))
-    conn.execute(
-        blob_sql.put_blob(),
-        [
-            {"sha": b.sha256, "size": b.size, "data": b.text, "shard": shard}
-            for b in unique.values()
-        ],
-    )
-    conn.execute(blob_sql.put_refs(), {"owner": owner, "hashes": sorted(unique)})
+    rows = [
+        {"sha": b.sha256, "size": b.size, "data": b.text, "shard": shard} for b in unique.values()
+    ]
+    for attempt in (1, 2):
+        try:
+            with conn.begin_nested():
+                conn.execute(blob_sql.put_blob(), rows)
+                conn.execute(blob_sql.put_refs(), {"owner": owner, "hashes": sorted(unique)})
+            return
+        except IntegrityError as exc:
+            # `outbox gc` took a blob nothing used between the two: store it anew
+            if attempt == 2 or getattr(exc.orig, "sqlstate", None) != FOREIGN_KEY_VIOLATION:
+                raise
 
 
 def fetch(conn: Connection, hashes: Iterable[str]) -> dict[str, Any]:

@@ -80,9 +80,9 @@ blobs = Table(
     timestamp("used_at", nullable=False, default_now=True),
     # 0023: stored once per shard, beside the rows that use it
     shard_column(),
-    # 0042: the transaction that wrote it (outbox_xact, set by a trigger): the
-    # policies show a login confined to a namespace what its own transaction wrote
-    Column("written_in", BigInteger),
+    # 0042: the token of the transaction that wrote it (outbox_write_token, set by a
+    # trigger): the policies show a login confined to a namespace what it wrote
+    Column("written_in", UUID(as_uuid=True)),
     PrimaryKeyConstraint("sha256", "shard", name="outbox_blobs_pkey"),
 )
 blob_refs = Table(
@@ -92,7 +92,7 @@ blob_refs = Table(
     Column("owner", UUID(as_uuid=True), nullable=False),
     Column("sha256", Text, nullable=False),
     shard_column(),
-    Column("written_in", BigInteger),  # as outbox_blobs.written_in
+    Column("written_in", UUID(as_uuid=True)),  # as outbox_blobs.written_in
     PrimaryKeyConstraint("owner", "sha256", "shard", name="outbox_blob_refs_pkey"),
     ForeignKeyConstraint(
         ["sha256", "shard"],

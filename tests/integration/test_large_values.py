@@ -8,8 +8,11 @@ that records a reference keeps the value for its run.
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 
+import psycopg
+import pytest
 from sqlalchemy import text
 
 from deliverers.testing import RecordingDeliverer
@@ -17,7 +20,7 @@ from outbox import Outbox
 from outbox.blobs import is_reference
 from outbox.shards import on_shard, shard_of
 from outbox.storage.async_store import AsyncStore
-from outbox.storage.engine import make_async_engine
+from outbox.storage.engine import libpq_dsn, make_async_engine
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.support import DaemonThread, wait_for
@@ -82,3 +85,92 @@ def test_a_wait_that_records_another_owners_stored_value_keeps_it_for_its_run(
         ).scalars()
         assert set(owners) == {stored.id, reader.id}
     assert ob.verify_run(reader.id) == []
+
+
+#: Holds a writer between its blob and its reference while a test's lock is held.
+_GATE = """
+CREATE FUNCTION test_gc_gate() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_lock_shared(4242);
+    PERFORM pg_advisory_unlock_shared(4242);
+    RETURN NEW;
+END $$;
+CREATE TRIGGER test_gc_gate BEFORE INSERT ON outbox_blob_refs
+    FOR EACH ROW EXECUTE FUNCTION test_gc_gate();
+"""
+
+
+@pytest.mark.parametrize("writer", ["signal", "start_run"])
+def test_a_value_gc_takes_between_its_blob_and_its_use_is_stored_anew(
+    ob: Outbox, dsn: str, writer: str
+) -> None:
+    """A writer leaves a blob already there as it is (it may be another namespace's),
+    so it no longer locks it before its reference does: `outbox gc` can take one
+    nothing uses in between. The writer stores it again, where it failed on the
+    foreign key (Python's put for a signal, SQL's outbox_store_value for inputs)."""
+    value = {"text": "g" * 40_000}
+    run = ob.start_run("gc-race", "1")
+    shard = shard_of(run.id)
+    # the value stored once, the same way, and then used by nothing (its run's use gone)
+    spare = ob.start_run(
+        "gc-race",
+        "1",
+        inputs=value if writer == "start_run" else None,
+        run_id=on_shard(uuid.uuid4(), shard),
+    )
+    if writer == "signal":
+        ob.signal(spare.id, "doc", value)
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        conn.execute("DELETE FROM outbox_blob_refs WHERE owner = %s", (spare.id,))
+        conn.execute(_GATE)
+    try:
+        with psycopg.connect(libpq_dsn(dsn), autocommit=True) as gate:
+            gate.execute("SELECT pg_advisory_lock(4242)")
+            done: list[object] = []
+
+            def write() -> None:
+                if writer == "signal":
+                    done.append(ob.signal(run.id, "doc", value))
+                else:
+                    done.append(
+                        ob.start_run(
+                            "gc-race", "1", inputs=value, run_id=on_shard(uuid.uuid4(), shard)
+                        )
+                    )
+
+            thread = threading.Thread(target=write)
+            thread.start()
+            wait_for(
+                lambda: (
+                    gate.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+                    ).fetchone()
+                    == (1,)
+                )
+            )
+            assert (
+                gate.execute(
+                    "DELETE FROM outbox_blobs b WHERE NOT EXISTS (SELECT FROM outbox_blob_refs f"
+                    " WHERE f.sha256 = b.sha256 AND f.shard = b.shard)"
+                ).rowcount
+                == 1
+            )
+            gate.execute("SELECT pg_advisory_unlock(4242)")
+            thread.join(30)
+        assert len(done) == 1, "the writer failed"
+    finally:
+        with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+            conn.execute("DROP TRIGGER test_gc_gate ON outbox_blob_refs")
+            conn.execute("DROP FUNCTION test_gc_gate()")
+    owner = run.id if writer == "signal" else done[0].id  # type: ignore[attr-defined]
+    with ob.engine.connect() as sa_conn:
+        used = sa_conn.execute(
+            text(
+                "SELECT count(*) FROM outbox_blob_refs f JOIN outbox_blobs b USING (sha256, shard)"
+                " WHERE f.owner = :o"
+            ),
+            {"o": owner},
+        ).scalar_one()
+    assert used == 1
+    if writer == "start_run":
+        assert ob.run(owner).inputs == value

@@ -801,7 +801,9 @@ def test_no_login_stores_a_text_under_another_values_sha256_or_unhides_one(
     with psycopg.connect(libpq_dsn(operator)) as conn:
         assert conn.execute("UPDATE outbox_blobs SET used_at = now()").rowcount == 0
         assert conn.execute("SELECT count(*) FROM outbox_blobs").fetchone() == (0,)
-    message = confined_error(operator, "UPDATE outbox_blobs SET written_in = outbox_xact()", {})
+    message = confined_error(
+        operator, "UPDATE outbox_blobs SET written_in = outbox_write_token()", {}
+    )
     assert "permission denied" in message, message
     assert stored_hashes(billing["reader"]) == set()
     # the same text stored by us: one row still, read by both namespaces

@@ -46,12 +46,12 @@ CONFINED_TABLES = {
     # before the run is). A value it did not write and no use of its shows it is
     # one it lacks the text of: its sha256 names it nowhere the login can read.
     "outbox_blob_refs": (
-        "written_in = {schema}.outbox_xact()"
+        "{schema}.outbox_written_here(written_in)"
         " OR {schema}.outbox_row_in_namespace('outbox_runs', shard, owner, {ns})"
         " OR {schema}.outbox_row_in_namespace('outbox_effects', shard, owner, {ns})"
     ),
     "outbox_blobs": (
-        "written_in = {schema}.outbox_xact()"
+        "{schema}.outbox_written_here(written_in)"
         " OR {schema}.outbox_blob_in_namespace(shard, sha256, {ns})"
     ),
 }

@@ -162,7 +162,7 @@ BEGIN
     END IF;
     EXECUTE format(
         'SELECT EXISTS (SELECT FROM %s AS f WHERE f.sha256 = $1 AND f.shard = $2 AND ('
-        ' f.written_in = outbox_xact()'
+        ' outbox_written_here(f.written_in)'
         ' OR EXISTS (SELECT FROM %s AS r'
         '             WHERE r.id = f.owner AND r.shard = $2 AND r.namespace = $3)'
         ' OR EXISTS (SELECT FROM %s AS e'

@@ -4,7 +4,8 @@
 -- no run), on the owner's shard, as outbox.blobs and outbox.storage.blob_store
 -- do. A blob already there is left as it is (it may be another namespace's,
 -- which a confined login could not update): the reference's foreign key locks it
--- until commit, so `outbox gc` cannot take it meanwhile.
+-- until commit, so `outbox gc` cannot take it meanwhile (one it took in between
+-- is stored again).
 CREATE OR REPLACE FUNCTION outbox_store_value(owner uuid, value jsonb, canonical text) RETURNS jsonb
     LANGUAGE plpgsql AS $$
 DECLARE
@@ -16,31 +17,60 @@ BEGIN
         RETURN value;
     END IF;
     sha := encode(sha256(convert_to(canonical, 'UTF8')), 'hex');
-    INSERT INTO outbox_blobs AS b (sha256, bytes, data, shard) VALUES (sha, size, canonical, p_shard)
-    ON CONFLICT ON CONSTRAINT outbox_blobs_pkey DO NOTHING;
-    INSERT INTO outbox_blob_refs AS f (owner, sha256, shard)
-    VALUES (outbox_store_value.owner, sha, p_shard)
-    ON CONFLICT ON CONSTRAINT outbox_blob_refs_pkey DO NOTHING;
+    FOR attempt IN 1..2 LOOP
+        BEGIN
+            INSERT INTO outbox_blobs AS b (sha256, bytes, data, shard)
+            VALUES (sha, size, canonical, p_shard)
+            ON CONFLICT ON CONSTRAINT outbox_blobs_pkey DO NOTHING;
+            INSERT INTO outbox_blob_refs AS f (owner, sha256, shard)
+            VALUES (outbox_store_value.owner, sha, p_shard)
+            ON CONFLICT ON CONSTRAINT outbox_blob_refs_pkey DO NOTHING;
+            EXIT;
+        EXCEPTION WHEN foreign_key_violation THEN
+            -- `outbox gc` took the blob, which nothing used, between the two: store it anew
+            IF attempt = 2 THEN
+                RAISE;
+            END IF;
+        END;
+    END LOOP;
     RETURN jsonb_build_object('__outbox_blob__', jsonb_build_object('bytes', size, 'sha256', sha));
 END
 $$;
 
--- The transaction that is writing, as a number (NULL in one that has written
--- nothing): what outbox_blobs and outbox_blob_refs record of the transaction that
--- wrote a row (written_in), so that a login confined to a namespace is shown what
--- it wrote itself before any run of its namespace uses it (a run's inputs are
--- stored before the run is), and only that. On Citus, the node's own transaction
--- (the trigger and the policy run on the node holding the row).
-CREATE OR REPLACE FUNCTION outbox_xact() RETURNS bigint
+-- A token of the transaction that is writing stored values, drawn at its first
+-- such write (a random uuid, kept in a transaction-local setting): what
+-- outbox_blobs and outbox_blob_refs record of the transaction that wrote a row
+-- (written_in, set by their triggers), so that a login confined to a namespace is
+-- shown what its own transaction wrote before any run of its namespace uses it (a
+-- run's inputs are stored before the run is). Random, not the transaction's id:
+-- ids repeat across servers, and rows keep theirs through a restore, a logical
+-- replica or a Citus shard move, where another transaction would come to have it.
+-- On Citus, the token of the node's own transaction (the triggers and the
+-- policies run on the node holding the row).
+CREATE OR REPLACE FUNCTION outbox_write_token() RETURNS uuid
+    LANGUAGE plpgsql AS $$
+DECLARE
+    token text := nullif(current_setting('outbox.write_token', true), '');
+BEGIN
+    IF token IS NULL THEN
+        token := gen_random_uuid()::text;
+        PERFORM set_config('outbox.write_token', token, true);
+    END IF;
+    RETURN token::uuid;
+END
+$$;
+
+-- Whether token is this transaction's (outbox_write_token), without drawing one.
+CREATE OR REPLACE FUNCTION outbox_written_here(token uuid) RETURNS boolean
     LANGUAGE sql STABLE AS $$
-SELECT pg_current_xact_id_if_assigned()::text::bigint
+SELECT token = nullif(current_setting('outbox.write_token', true), '')::uuid
 $$;
 
 -- A stored value's row as written: its text must hash to its sha256 (a login that
 -- stored a text of its own under another value's sha256 first would have made
 -- that value unreadable to everyone who stored it later: readers refuse a text
 -- that is not its sha256's), and it records the transaction writing it, whatever
--- the writer said (outbox_xact).
+-- the writer said (outbox_write_token).
 CREATE OR REPLACE FUNCTION outbox_blobs_written() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
@@ -48,7 +78,7 @@ BEGIN
         RAISE EXCEPTION 'outbox_blobs: sha256=% is not the sha256 of the text stored with it',
             NEW.sha256 USING ERRCODE = 'check_violation';
     END IF;
-    NEW.written_in := pg_current_xact_id()::text::bigint;
+    NEW.written_in := outbox_write_token();
     RETURN NEW;
 END
 $$;
@@ -57,11 +87,11 @@ DROP TRIGGER IF EXISTS outbox_blobs_written ON outbox_blobs;
 CREATE TRIGGER outbox_blobs_written BEFORE INSERT ON outbox_blobs
     FOR EACH ROW EXECUTE FUNCTION outbox_blobs_written();
 
--- A stored value's use as written: the transaction writing it (outbox_xact).
+-- A stored value's use as written: the transaction writing it (outbox_write_token).
 CREATE OR REPLACE FUNCTION outbox_blob_refs_written() RETURNS trigger
     LANGUAGE plpgsql AS $$
 BEGIN
-    NEW.written_in := pg_current_xact_id()::text::bigint;
+    NEW.written_in := outbox_write_token();
     RETURN NEW;
 END
 $$;
