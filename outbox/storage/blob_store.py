@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from sqlalchemy import Connection
-from sqlalchemy.exc import IntegrityError
 
 from outbox.blobs import Blob, reference_hash
 from outbox.errors import DatabaseError, StoredValueAltered
@@ -44,7 +43,6 @@ EFFECT_FIELDS = ("payload",)
 AUDITED_STEP_FIELDS = ("result", "error", "state", "plan")
 
 M = TypeVar("M", bound=BaseModel)
-FOREIGN_KEY_VIOLATION = "23503"
 
 
 def put(conn: Connection, owner: uuid.UUID | str, blobs: Iterable[Blob | None]) -> None:
@@ -53,19 +51,14 @@ def put(conn: Connection, owner: uuid.UUID | str, blobs: Iterable[Blob | None]) 
     if not unique:
         return
     shard = shard_of(owner if isinstance(owner, uuid.UUID) else uuid.UUID(owner))
+    # (in one order: two writers of the same new blobs wait on each other's, not both)
     rows = [
-        {"sha": b.sha256, "size": b.size, "data": b.text, "shard": shard} for b in unique.values()
+        {"sha": b.sha256, "size": b.size, "data": b.text, "shard": shard}
+        for b in sorted(unique.values(), key=lambda b: b.sha256)
     ]
-    for attempt in (1, 2):
-        try:
-            with conn.begin_nested():
-                conn.execute(blob_sql.put_blob(), rows)
-                conn.execute(blob_sql.put_refs(), {"owner": owner, "hashes": sorted(unique)})
-            return
-        except IntegrityError as exc:
-            # `outbox gc` took a blob nothing used between the two: store it anew
-            if attempt == 2 or getattr(exc.orig, "sqlstate", None) != FOREIGN_KEY_VIOLATION:
-                raise
+    # (a blob already there is held for this transaction by the insert's trigger)
+    conn.execute(blob_sql.put_blob(), rows)
+    conn.execute(blob_sql.put_refs(), {"owner": owner, "hashes": sorted(unique)})
 
 
 def fetch(conn: Connection, hashes: Iterable[str]) -> dict[str, Any]:

@@ -80,7 +80,7 @@ blobs = Table(
     timestamp("used_at", nullable=False, default_now=True),
     # 0023: stored once per shard, beside the rows that use it
     shard_column(),
-    # 0042: the token of the transaction that wrote it (outbox_write_token, set by a
+    # 0042: the mark of the transaction that wrote it (outbox_write_mark, set by a
     # trigger): the policies show a login confined to a namespace what it wrote
     Column("written_in", UUID(as_uuid=True)),
     PrimaryKeyConstraint("sha256", "shard", name="outbox_blobs_pkey"),

@@ -819,3 +819,32 @@ def test_no_login_stores_a_text_under_another_values_sha256_or_unhides_one(
         assert reader.effect(ours).payload == {"text": "s" * 40_000}
     with Outbox.connect(support["reader"], namespace=support["namespace"]) as reader:
         assert reader.effect(effect).payload == {"text": "s" * 40_000}
+
+
+def test_a_mark_read_off_a_shared_value_shows_a_confined_login_nothing_more(
+    ob: Outbox, teams: dict[str, dict[str, str]]
+) -> None:
+    """A value two namespaces use shows both the mark of the transaction that stored
+    it (written_in). A mark a session could set (a token in a setting, as first
+    written) let a billing login take support's and read what that transaction
+    wrote: support's other values and their uses."""
+    billing, support = teams["billing"], teams["support"]
+    shared, secret = {"text": "h" * 40_000}, {"text": "p" * 40_000}
+    with Outbox.connect(support["agent"], namespace=support["namespace"]) as theirs_ob:
+        theirs = theirs_ob.start_run("triage", "1")
+        theirs.transaction(
+            "s1", lambda tx: [tx.intend("k.x", v) and None for v in (shared, secret)]
+        )
+    with Outbox.connect(billing["agent"], namespace=billing["namespace"]) as agent:
+        ours = agent.start_run("triage", "1", run_id=on_shard(uuid.uuid4(), shard_of(theirs.id)))
+        ours.transaction("s1", lambda tx: tx.intend("k.x", shared) and None)
+    with psycopg.connect(libpq_dsn(billing["reader"])) as conn:
+        marks = [row[0] for row in conn.execute("SELECT written_in FROM outbox_blobs")]
+        assert len(marks) == 1 and marks[0] is not None  # the shared value, as support stored it
+        for setting in ("outbox.write_token", "outbox.write_mark"):
+            conn.execute("SELECT set_config(%s, %s, false)", (setting, str(marks[0])))
+            conn.execute("SELECT pg_current_xact_id()")  # (a transaction that has an id)
+            assert conn.execute("SELECT count(*) FROM outbox_blobs").fetchone() == (1,)
+            refs = conn.execute("SELECT owner FROM outbox_blob_refs").fetchall()
+            assert {owner for (owner,) in refs} == {ours.id}
+            conn.rollback()

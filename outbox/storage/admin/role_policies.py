@@ -42,9 +42,9 @@ CONFINED_TABLES = {
     ),
     # Large values, stored once for every namespace that stores the same text: the
     # uses of its runs and run-less effects, the values they use, and what its own
-    # transaction wrote (written_in, set by a trigger: a run's inputs are stored
-    # before the run is). A value it did not write and no use of its shows it is
-    # one it lacks the text of: its sha256 names it nowhere the login can read.
+    # transaction wrote (written_in: its mark, set by a trigger; a run's inputs are
+    # stored before the run is). Another namespace's value is named by its sha256
+    # in no row the login can read.
     "outbox_blob_refs": (
         "{schema}.outbox_written_here(written_in)"
         " OR {schema}.outbox_row_in_namespace('outbox_runs', shard, owner, {ns})"

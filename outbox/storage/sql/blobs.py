@@ -2,9 +2,10 @@
 
 A blob is written with the row that refers to it, in the same transaction, and
 its owner (a run, or an effect that belongs to no run) is recorded in
-``outbox_blob_refs``. The reference's foreign key locks the blob until commit
-and keeps it afterwards, so ``outbox gc`` (which deletes only blobs with no
-reference, skipping locked rows) does not remove a blob a writer uses.
+``outbox_blob_refs``. The insert's trigger holds a blob already there until
+commit, and the reference keeps it afterwards, so ``outbox gc`` (which deletes
+only blobs with no reference, skipping locked rows) does not remove a blob a
+writer uses.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def put_blob() -> Any:
     """Store one blob once on ``shard`` (``sha`` = sha256 of ``data``).
 
     One already there is left as it is: it may be another namespace's, which a
-    confined login cannot update (its policies hide it). The reference written
-    next locks it until commit (its foreign key's check).
+    confined login cannot update (its policies hide it). The insert's trigger
+    holds it until commit (``outbox_hold_blob``), so gc does not take it.
     """
     return (
         pg_insert(blobs)
