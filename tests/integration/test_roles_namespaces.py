@@ -848,3 +848,53 @@ def test_a_mark_read_off_a_shared_value_shows_a_confined_login_nothing_more(
             refs = conn.execute("SELECT owner FROM outbox_blob_refs").fetchall()
             assert {owner for (owner,) in refs} == {ours.id}
             conn.rollback()
+
+
+def test_a_login_that_may_create_objects_cannot_stand_in_for_what_the_policies_run(
+    ob: Outbox, teams: dict[str, dict[str, str]]
+) -> None:
+    """The functions a policy or a trigger runs in a login's session looked names up
+    in the session's search path: a login with CREATE on some schema put an `=`
+    that always holds before pg_catalog and read every namespace's stored values,
+    or a has_function_privilege that always says yes and resumed an operator's
+    pause. (Every login has CREATE on `public` before PostgreSQL 15.)"""
+    billing, support = teams["billing"], teams["support"]
+    with Outbox.connect(support["agent"], namespace=support["namespace"]) as theirs_ob:
+        theirs_ob.start_run("triage", "1", inputs={"text": "q" * 40_000})
+    with Outbox.connect(billing["agent"], namespace=billing["namespace"]) as agent:
+        paused = agent.start_run("triage", "1")
+    ob.pause(paused.id, "audit")
+    schema = f"scratch_{uuid.uuid4().hex[:6]}"
+    login = make_url(billing["agent"]).username
+    with psycopg.connect(libpq_dsn(str(ob.settings.dsn)), autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(f"GRANT USAGE, CREATE ON SCHEMA {schema} TO {login}")
+    try:
+        with psycopg.connect(libpq_dsn(billing["agent"])) as conn:
+            conn.execute(
+                f"CREATE FUNCTION {schema}.yes(uuid, uuid) RETURNS boolean"
+                " LANGUAGE sql AS 'SELECT true'"
+            )
+            conn.execute(
+                f"CREATE OPERATOR {schema}.= (LEFTARG = uuid, RIGHTARG = uuid,"
+                f" FUNCTION = {schema}.yes)"
+            )
+            conn.execute(
+                f"CREATE FUNCTION {schema}.has_function_privilege(text, text) RETURNS boolean"
+                " LANGUAGE sql AS 'SELECT true'"
+            )
+            conn.commit()
+            conn.execute(f"SET search_path = {schema}, pg_catalog, public")
+            conn.execute("SELECT pg_current_xact_id()")
+            assert conn.execute("SELECT count(*) FROM outbox_blobs").fetchone() == (0,)
+            with pytest.raises(psycopg.Error, match="paused by an operator"):
+                conn.execute(
+                    # (its own `=` named: the login's would stand in for this one too)
+                    "UPDATE public.outbox_runs SET status = 'runnable'"
+                    " WHERE id OPERATOR(pg_catalog.=) %s",
+                    (paused.id,),
+                )
+    finally:
+        with psycopg.connect(libpq_dsn(str(ob.settings.dsn)), autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    assert ob.run(paused.id).status == RunStatus.PAUSED

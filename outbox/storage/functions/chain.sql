@@ -142,7 +142,7 @@ $$;
 -- `outbox audit verify` recomputes it: a writer gains nothing it could not get
 -- by letting the trigger compute the link of the row it inserts.
 CREATE OR REPLACE FUNCTION outbox_attempts_chain() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     ours boolean;
     prev bytea;

@@ -1,5 +1,5 @@
 CREATE OR REPLACE FUNCTION outbox_effects_settle_cost() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     PERFORM outbox_citus_plans_per_call();  -- on a worker, its shard's statements
     IF NEW.status = 'succeeded' THEN
@@ -88,7 +88,7 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION outbox_effects_hold_paused() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     paused boolean;
     stopping boolean;

@@ -1,7 +1,7 @@
 -- What a run started from never changes. The WHEN clause keeps the function out
 -- of every ordinary step update.
 CREATE OR REPLACE FUNCTION outbox_runs_refuse_input_change() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     RAISE EXCEPTION 'run % was started with agent %, inputs hash %: these never change',
         OLD.id, OLD.agent, OLD.inputs_hash
@@ -35,7 +35,7 @@ $$;
 -- before every update of the table, whatever its WHEN clause or columns say
 -- (GetTupleForTrigger), which cost every step a lock and 54 B of WAL.
 CREATE OR REPLACE FUNCTION outbox_runs_refuse_resume() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     IF NOT has_function_privilege('outbox_may_release()', 'EXECUTE') THEN
         RAISE EXCEPTION 'permission denied: run % was paused by an operator; only a resume '
@@ -58,7 +58,7 @@ CREATE TRIGGER outbox_runs_resume_guard
 -- cancel; a fork is a new run). The WHEN clause keeps it off every other update
 -- (AFTER UPDATE: see outbox_runs_refuse_resume).
 CREATE OR REPLACE FUNCTION outbox_runs_refuse_revival() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     RAISE EXCEPTION 'permission denied: run % is %; it cannot become % (a fork starts it '
         'again as a new run)', OLD.id, OLD.status, NEW.status
@@ -83,7 +83,7 @@ CREATE TRIGGER outbox_runs_ended_guard
 -- does not bind it: a hand edit by whoever owns the schema is for `outbox audit
 -- verify` to find; an agent login can no longer make one.
 CREATE OR REPLACE FUNCTION outbox_steps_refuse_rewrite() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     IF pg_has_role((SELECT c.relowner FROM pg_catalog.pg_class AS c WHERE c.oid = TG_RELID),
                    'USAGE') THEN

@@ -79,7 +79,7 @@ $$;
 -- outbox_commit_step for that step (G1: intents never commit without their
 -- checkpoint). The WHEN clause keeps it off every other insert.
 CREATE OR REPLACE FUNCTION outbox_effects_check_step_committed() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     entry jsonb := outbox_tx_steps()->outbox_tx_step_slot(NEW.run_id, NEW.step_id);
 BEGIN

@@ -37,29 +37,19 @@ $$;
 -- node's own transaction (the triggers and the policies run on the node holding
 -- the row).
 CREATE OR REPLACE FUNCTION outbox_write_mark() RETURNS uuid
-    LANGUAGE sql STABLE AS $$
+    LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
 SELECT md5(pg_current_xact_id()::text || '/' || outbox_us(transaction_timestamp()))::uuid
 $$;
 
 -- Whether mark is this transaction's (outbox_write_mark), without giving it an id.
+-- Its search path pinned (as every function here that a policy or a trigger runs
+-- in the caller's session): inlined into a policy, its `=` and `md5` would be
+-- looked up in the caller's search path, where a login that may create objects
+-- in a schema could put an `=` that always holds.
 CREATE OR REPLACE FUNCTION outbox_written_here(mark uuid) RETURNS boolean
-    LANGUAGE sql STABLE AS $$
+    LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
 SELECT mark = md5(pg_current_xact_id_if_assigned()::text || '/'
                   || outbox_us(transaction_timestamp()))::uuid
-$$;
-
--- A writer holds a stored value it finds already there until it commits (a key
--- share lock, as its reference's foreign key takes later), so `outbox gc`, which
--- skips locked rows, does not take it in between: it may be another namespace's,
--- which the writer's policies hide from it and an upsert could not touch. As the
--- tables' owner, on this node's placement; it returns nothing.
-CREATE OR REPLACE FUNCTION outbox_hold_blob(p_shard smallint, p_sha text) RETURNS void
-    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
-BEGIN
-    EXECUTE format('SELECT FROM %s AS b WHERE b.sha256 = $1 AND b.shard = $2 FOR KEY SHARE',
-                   outbox_placement_of('outbox_blobs', p_shard))
-      USING p_sha, p_shard;
-END
 $$;
 
 -- A stored value's row as written: its text must hash to its sha256 (a login that
@@ -67,16 +57,23 @@ $$;
 -- that value unreadable to everyone who stored it later: readers refuse a text
 -- that is not its sha256's); it records the transaction writing it, whatever the
 -- writer said (outbox_write_mark); and it holds the value already stored under
--- that name, if any, for the writer (outbox_hold_blob: the insert that follows
--- finds it and does nothing).
+-- that name, if any, until the writer commits (a key-share lock, as the
+-- reference's foreign key takes later), so `outbox gc`, which skips locked rows,
+-- does not take it before the writer's reference is there: the insert that
+-- follows finds it and does nothing (the writer's policies may hide it, and an
+-- upsert could not touch it). As the tables' owner, so the lock reaches a row the
+-- writer cannot see, once the text is checked (only a writer that has the text
+-- can hold a value), on this node's placement.
 CREATE OR REPLACE FUNCTION outbox_blobs_written() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 BEGIN
     IF NEW.sha256 IS DISTINCT FROM encode(sha256(outbox_utf8(NEW.data)), 'hex') THEN
         RAISE EXCEPTION 'outbox_blobs: sha256=% is not the sha256 of the text stored with it',
             NEW.sha256 USING ERRCODE = 'check_violation';
     END IF;
-    PERFORM outbox_hold_blob(NEW.shard, NEW.sha256);
+    EXECUTE format('SELECT FROM %s AS b WHERE b.sha256 = $1 AND b.shard = $2 FOR KEY SHARE',
+                   outbox_placement_of('outbox_blobs', NEW.shard))
+      USING NEW.sha256, NEW.shard;
     NEW.written_in := outbox_write_mark();
     RETURN NEW;
 END
@@ -88,7 +85,7 @@ CREATE TRIGGER outbox_blobs_written BEFORE INSERT ON outbox_blobs
 
 -- A stored value's use as written: the transaction writing it (outbox_write_mark).
 CREATE OR REPLACE FUNCTION outbox_blob_refs_written() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     NEW.written_in := outbox_write_mark();
     RETURN NEW;

@@ -51,7 +51,7 @@ def put_blob() -> Any:
 
     One already there is left as it is: it may be another namespace's, which a
     confined login cannot update (its policies hide it). The insert's trigger
-    holds it until commit (``outbox_hold_blob``), so gc does not take it.
+    holds it until commit (``outbox_blobs_written``), so gc does not take it.
     """
     return (
         pg_insert(blobs)
