@@ -853,11 +853,12 @@ def test_a_mark_read_off_a_shared_value_shows_a_confined_login_nothing_more(
 def test_a_login_that_may_create_objects_cannot_stand_in_for_what_the_policies_run(
     ob: Outbox, teams: dict[str, dict[str, str]]
 ) -> None:
-    """The functions a policy or a trigger runs in a login's session looked names up
-    in the session's search path: a login with CREATE on some schema put an `=`
-    that always holds before pg_catalog and read every namespace's stored values,
-    or a has_function_privilege that always says yes and resumed an operator's
-    pause. (Every login has CREATE on `public` before PostgreSQL 15.)"""
+    """The functions a policy, a trigger or a check runs in a login's session looked
+    names up in the session's search path: a login with CREATE on some schema put
+    an `=` that always holds before pg_catalog and read every namespace's stored
+    values, a has_function_privilege that always says yes and resumed an
+    operator's pause, or a get_byte of its own and wrote a run on another shard
+    than its id's. (Every login has CREATE on `public` before PostgreSQL 15.)"""
     billing, support = teams["billing"], teams["support"]
     with Outbox.connect(support["agent"], namespace=support["namespace"]) as theirs_ob:
         theirs_ob.start_run("triage", "1", inputs={"text": "q" * 40_000})
@@ -883,7 +884,22 @@ def test_a_login_that_may_create_objects_cannot_stand_in_for_what_the_policies_r
                 f"CREATE FUNCTION {schema}.has_function_privilege(text, text) RETURNS boolean"
                 " LANGUAGE sql AS 'SELECT true'"
             )
+            conn.execute(
+                f"CREATE FUNCTION {schema}.get_byte(bytea, integer) RETURNS integer"
+                " LANGUAGE sql AS 'SELECT 7'"
+            )
             conn.commit()
+            conn.execute(f"SET search_path = {schema}, pg_catalog, public")
+            # a run's row on a shard that is not its id's (the table's check reads it)
+            wrong = on_shard(uuid.uuid4(), 5)
+            with pytest.raises(psycopg.Error, match="outbox_runs_shard_check"):
+                conn.execute(
+                    "INSERT INTO public.outbox_runs (id, shard, namespace, agent, agent_version,"
+                    " inputs, inputs_hash, status) VALUES (%s, 7, %s, 'a', '1', 'null', 'h',"
+                    " 'runnable')",
+                    (wrong, billing["namespace"]),
+                )
+            conn.rollback()
             conn.execute(f"SET search_path = {schema}, pg_catalog, public")
             conn.execute("SELECT pg_current_xact_id()")
             assert conn.execute("SELECT count(*) FROM outbox_blobs").fetchone() == (0,)

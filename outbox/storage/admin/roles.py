@@ -336,6 +336,10 @@ def role_script(
     release = f"{schema}.outbox_may_release()"
     out.append(f"REVOKE ALL ON FUNCTION {release} FROM PUBLIC, {every}")
     out.append(f"GRANT EXECUTE ON FUNCTION {release} TO {names['operator']}")
+    # The trigger that checks and holds a stored value runs as the tables' owner: a
+    # login that could attach it to a table of its own would hold values through it.
+    blobs_written = f"{schema}.outbox_blobs_written()"
+    out.append(f"REVOKE ALL ON FUNCTION {blobs_written} FROM PUBLIC, {every}")
     # The step writers run as the tables' owner: the agent's, no one else's.
     writers = ", ".join(f"{schema}.{w}" for w in STEP_WRITERS)
     out.append(f"REVOKE ALL ON FUNCTION {writers} FROM PUBLIC, {every}")

@@ -12,28 +12,42 @@
 -- convert_to (STABLE: a conversion can be redefined), both are IMMUTABLE, so a
 -- hashing helper that calls this one is inlined into its caller's statement
 -- (chain.sql says what that saves); STRICT, as a STRICT caller's body must be.
--- In this file, loaded before the tables (their checks call its functions),
--- since outbox_key_shard calls it.
+-- In this file, loaded before the tables (their checks call its functions).
+--
+-- The bodies here name every built-in as pg_catalog's and call no function of
+-- ours: the tables' checks run them inlined, read in the session's search path,
+-- where a login that may create objects in some schema could put a get_byte of
+-- its own before pg_catalog's and write a row on a shard that is not its own
+-- (a second row under a key the first one holds). Named so, they are still
+-- inlined (a pinned search path would stop that).
 CREATE OR REPLACE FUNCTION outbox_utf8(value text) RETURNS bytea
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
-SELECT decode(replace(value, chr(92), chr(92) || chr(92)), 'escape')
+SELECT pg_catalog.decode(pg_catalog.replace(value, pg_catalog.chr(92),
+                                             pg_catalog.chr(92) OPERATOR(pg_catalog.||)
+                                             pg_catalog.chr(92)), 'escape')
 $$;
 
 CREATE OR REPLACE FUNCTION outbox_shard_of(id uuid) RETURNS smallint
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
-SELECT (get_byte(uuid_send(id), 15) & 31)::smallint
+SELECT (pg_catalog.get_byte(pg_catalog.uuid_send(id), 15) OPERATOR(pg_catalog.&) 31)::smallint
 $$;
 
--- The shard of a caller's key in its namespace: sha256 of namespace, 0x1f, key.
+-- The shard of a caller's key in its namespace: sha256 of namespace, 0x1f, key
+-- (outbox_utf8's body written out).
 CREATE OR REPLACE FUNCTION outbox_key_shard(namespace text, key text) RETURNS smallint
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
-SELECT (get_byte(sha256(outbox_utf8(namespace || chr(31) || key)), 31) & 31)::smallint
+SELECT (pg_catalog.get_byte(pg_catalog.sha256(pg_catalog.decode(pg_catalog.replace(
+            namespace OPERATOR(pg_catalog.||) pg_catalog.chr(31) OPERATOR(pg_catalog.||) key,
+            pg_catalog.chr(92), pg_catalog.chr(92) OPERATOR(pg_catalog.||) pg_catalog.chr(92)),
+          'escape')), 31) OPERATOR(pg_catalog.&) 31)::smallint
 $$;
 
 -- id with its shard bits set to shard (a new id that must live on that shard).
 CREATE OR REPLACE FUNCTION outbox_on_shard(id uuid, shard smallint) RETURNS uuid
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
-SELECT encode(set_byte(uuid_send(id), 15, (get_byte(uuid_send(id), 15) & 224) | shard), 'hex')::uuid
+SELECT pg_catalog.encode(pg_catalog.set_byte(pg_catalog.uuid_send(id), 15,
+    (pg_catalog.get_byte(pg_catalog.uuid_send(id), 15) OPERATOR(pg_catalog.&) 224)
+    OPERATOR(pg_catalog.|) shard), 'hex')::pg_catalog.uuid
 $$;
 
 -- Whether the tables are distributed (Citus): outbox migrate --distribute sets it

@@ -39,22 +39,56 @@ BEGIN
 END
 $$;
 
--- At commit: every intent the SQL API wrote for a step was followed by
--- outbox_commit_step for that step (G1: intents never commit without their
--- checkpoint). The WHEN clause keeps it off every other insert.
-CREATE OR REPLACE FUNCTION outbox_effects_check_step_committed() RETURNS trigger
-    LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
-DECLARE
-    entry jsonb := outbox_tx_steps()->outbox_tx_step_slot(NEW.run_id, NEW.step_id);
-BEGIN
-    IF entry IS NOT NULL AND NOT (entry->>'done')::boolean THEN
-        PERFORM outbox_raise('OB008',
-            format('step_id=%L of run %s: intents were written but outbox_commit_step was not '
-                   'called for the step before commit', NEW.step_id, NEW.run_id),
-            jsonb_build_object('run_id', NEW.run_id, 'step_id', NEW.step_id));
-    END IF;
-    RETURN NULL;
-END
+-- Where a row lives: its logical shard, one of 32, fixed for good (outbox.shards).
+-- A run's is read from its id; the rows of a run (steps, effects, attempts,
+-- signals, ledger, values) live on its shard; an effect of no run on its id's;
+-- a caller's key (of a run or an effect) is registered on the key's own shard.
+-- On one server the shard is a column and a check; on Citus it is what the
+-- tables are distributed by (docs/howto/citus.md).
+
+-- Text as UTF-8 bytes: convert_to(value, 'UTF8'), for a database whose encoding
+-- is UTF-8 (outbox migrate refuses any other). decode(..., 'escape') copies every
+-- byte of its text but a backslash's escape, so backslashes (chr(92): a literal
+-- would depend on standard_conforming_strings) are doubled first. Unlike
+-- convert_to (STABLE: a conversion can be redefined), both are IMMUTABLE, so a
+-- hashing helper that calls this one is inlined into its caller's statement
+-- (chain.sql says what that saves); STRICT, as a STRICT caller's body must be.
+-- In this file, loaded before the tables (their checks call its functions).
+--
+-- The bodies here name every built-in as pg_catalog's and call no function of
+-- ours: the tables' checks run them inlined, read in the session's search path,
+-- where a login that may create objects in some schema could put a get_byte of
+-- its own before pg_catalog's and write a row on a shard that is not its own
+-- (a second row under a key the first one holds). Named so, they are still
+-- inlined (a pinned search path would stop that).
+CREATE OR REPLACE FUNCTION outbox_utf8(value text) RETURNS bytea
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+SELECT pg_catalog.decode(pg_catalog.replace(value, pg_catalog.chr(92),
+                                             pg_catalog.chr(92) OPERATOR(pg_catalog.||)
+                                             pg_catalog.chr(92)), 'escape')
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_shard_of(id uuid) RETURNS smallint
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+SELECT (pg_catalog.get_byte(pg_catalog.uuid_send(id), 15) OPERATOR(pg_catalog.&) 31)::smallint
+$$;
+
+-- The shard of a caller's key in its namespace: sha256 of namespace, 0x1f, key
+-- (outbox_utf8's body written out).
+CREATE OR REPLACE FUNCTION outbox_key_shard(namespace text, key text) RETURNS smallint
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+SELECT (pg_catalog.get_byte(pg_catalog.sha256(pg_catalog.decode(pg_catalog.replace(
+            namespace OPERATOR(pg_catalog.||) pg_catalog.chr(31) OPERATOR(pg_catalog.||) key,
+            pg_catalog.chr(92), pg_catalog.chr(92) OPERATOR(pg_catalog.||) pg_catalog.chr(92)),
+          'escape')), 31) OPERATOR(pg_catalog.&) 31)::smallint
+$$;
+
+-- id with its shard bits set to shard (a new id that must live on that shard).
+CREATE OR REPLACE FUNCTION outbox_on_shard(id uuid, shard smallint) RETURNS uuid
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+SELECT pg_catalog.encode(pg_catalog.set_byte(pg_catalog.uuid_send(id), 15,
+    (pg_catalog.get_byte(pg_catalog.uuid_send(id), 15) OPERATOR(pg_catalog.&) 224)
+    OPERATOR(pg_catalog.|) shard), 'hex')::pg_catalog.uuid
 $$;
 
 -- Every attempt-log row is chained as it is written, with the status and result its
@@ -193,5 +227,23 @@ BEGIN
     RAISE EXCEPTION 'run % was started with agent %, inputs hash %: these never change',
         OLD.id, OLD.agent, OLD.inputs_hash
         USING ERRCODE = 'integrity_constraint_violation';
+END
+$$;
+
+-- At commit: every intent the SQL API wrote for a step was followed by
+-- outbox_commit_step for that step (G1: intents never commit without their
+-- checkpoint). The WHEN clause keeps it off every other insert.
+CREATE OR REPLACE FUNCTION outbox_effects_check_step_committed() RETURNS trigger
+    LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    entry jsonb := outbox_tx_steps()->outbox_tx_step_slot(NEW.run_id, NEW.step_id);
+BEGIN
+    IF entry IS NOT NULL AND NOT (entry->>'done')::boolean THEN
+        PERFORM outbox_raise('OB008',
+            format('step_id=%L of run %s: intents were written but outbox_commit_step was not '
+                   'called for the step before commit', NEW.step_id, NEW.run_id),
+            jsonb_build_object('run_id', NEW.run_id, 'step_id', NEW.step_id));
+    END IF;
+    RETURN NULL;
 END
 $$;
