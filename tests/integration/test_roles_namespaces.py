@@ -914,3 +914,18 @@ def test_a_login_that_may_create_objects_cannot_stand_in_for_what_the_policies_r
         with psycopg.connect(libpq_dsn(str(ob.settings.dsn)), autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
     assert ob.run(paused.id).status == RunStatus.PAUSED
+
+
+def test_no_login_may_attach_the_stored_value_trigger_elsewhere(
+    teams: dict[str, dict[str, str]],
+) -> None:
+    """The trigger that checks and holds a stored value runs as the tables' owner: a
+    login that could attach it to a table of its own would hold values through it."""
+    for team in teams.values():
+        for role in ("agent", "deliverer", "operator", "reader"):
+            held = as_login(
+                team[role],
+                "SELECT has_function_privilege('outbox_blobs_written()', 'EXECUTE')",
+                {},
+            )
+            assert held == (False,), (team["namespace"], role)
