@@ -76,7 +76,8 @@ blobs = Table(
     Column("data", Text, nullable=False),
     timestamp("created_at", nullable=False, default_now=True),
     # refreshed by the writes that used it until 0042 (a confined login cannot update
-    # a row its policies hide); a writer's reference keeps gc off it (the foreign key)
+    # a row its policies hide); the insert's trigger now holds it for a writer, so gc
+    # skips it until the writer's reference is there
     timestamp("used_at", nullable=False, default_now=True),
     # 0023: stored once per shard, beside the rows that use it
     shard_column(),
