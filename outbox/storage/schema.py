@@ -42,8 +42,15 @@ from outbox.models import (
     RunStatus,
     StepStatus,
 )
-from outbox.storage.functions import function_files, functions_ddl
-from outbox.storage.schema_base import SHARD_OF_ID, SHARD_OF_RUN, metadata, shard_column, timestamp
+from outbox.storage.functions import functions_ddl
+from outbox.storage.schema_base import (
+    SHARD_OF_ID,
+    SHARD_OF_RUN,
+    metadata,
+    shard_check,
+    shard_column,
+    timestamp,
+)
 from outbox.storage.sql.common import sql_in
 
 __all__ = [
@@ -271,9 +278,7 @@ effects = Table(
     UniqueConstraint(
         "namespace", "idempotency_key", "shard", name="outbox_effects_idempotency_key"
     ),
-    CheckConstraint(
-        "shard = outbox_shard_of(coalesce(run_id, id))", name="outbox_effects_shard_check"
-    ),
+    CheckConstraint(shard_check("coalesce(run_id, id)"), name="outbox_effects_shard_check"),
     CheckConstraint(sql_in("status", EFFECT_STATUSES), name="outbox_effects_status_check"),
     postgresql_with=QUEUE_VACUUM,
 )
@@ -441,14 +446,6 @@ Index("outbox_budget_ledger_run", budget_ledger.c.run_id, budget_ledger.c.id)
 # (microseconds; setval is not transactional, so no writer waits on another).
 Sequence("outbox_wake_clock_effects", start=0, minvalue=0, metadata=metadata)
 Sequence("outbox_wake_clock_runs", start=0, minvalue=0, metadata=metadata)
-
-
-@event.listens_for(metadata, "before_create")
-def _create_shard_functions(target: MetaData, connection: Connection, **kw: object) -> None:
-    # The tables' checks call these: they exist before the tables do.
-    driver = connection.connection.driver_connection
-    assert driver is not None
-    driver.execute(function_files()["shards.sql"])
 
 
 @event.listens_for(metadata, "after_create")

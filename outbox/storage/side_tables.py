@@ -21,7 +21,13 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
-from outbox.storage.schema_base import metadata, shard_column, timestamp
+from outbox.storage.schema_base import (
+    key_shard_check,
+    metadata,
+    shard_check,
+    shard_column,
+    timestamp,
+)
 
 __all__ = [
     "blob_refs",
@@ -100,7 +106,7 @@ blob_refs = Table(
         ["outbox_blobs.sha256", "outbox_blobs.shard"],
         name="outbox_blob_refs_sha256_fkey",
     ),
-    CheckConstraint("shard = outbox_shard_of(owner)", name="outbox_blob_refs_shard_check"),
+    CheckConstraint(shard_check("owner"), name="outbox_blob_refs_shard_check"),
 )
 Index("outbox_blob_refs_sha256", blob_refs.c.sha256)
 
@@ -116,7 +122,7 @@ run_keys = Table(
     shard_column(),
     Column("run_id", UUID(as_uuid=True), nullable=False),
     PrimaryKeyConstraint("namespace", "key", "shard", name="outbox_run_keys_pkey"),
-    CheckConstraint("shard = outbox_key_shard(namespace, key)", name="outbox_run_keys_shard_check"),
+    CheckConstraint(key_shard_check("namespace", "key"), name="outbox_run_keys_shard_check"),
 )
 effect_keys = Table(
     "outbox_effect_keys",
@@ -132,7 +138,7 @@ effect_keys = Table(
     Column("mirror", Boolean, nullable=False, server_default=text("false")),
     PrimaryKeyConstraint("namespace", "key", "shard", name="outbox_effect_keys_pkey"),
     CheckConstraint(
-        "mirror OR shard = outbox_key_shard(namespace, key)",
+        f"mirror OR {key_shard_check('namespace', 'key')}",
         name="outbox_effect_keys_shard_check",
     ),
 )

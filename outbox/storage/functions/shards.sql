@@ -12,14 +12,15 @@
 -- convert_to (STABLE: a conversion can be redefined), both are IMMUTABLE, so a
 -- hashing helper that calls this one is inlined into its caller's statement
 -- (chain.sql says what that saves); STRICT, as a STRICT caller's body must be.
--- In this file, loaded before the tables (their checks call its functions).
 --
--- The bodies here name every built-in as pg_catalog's and call no function of
--- ours: the tables' checks run them inlined, read in the session's search path,
--- where a login that may create objects in some schema could put a get_byte of
--- its own before pg_catalog's and write a row on a shard that is not its own
--- (a second row under a key the first one holds). Named so, they are still
--- inlined (a pinned search path would stop that).
+-- The tables' checks spell outbox_shard_of and outbox_key_shard out rather than
+-- call them (outbox.storage.schema_base.shard_check says why; migration 0045):
+-- a change to either body is a change to those checks too. The bodies here name
+-- every built-in as pg_catalog's and call no function of ours: statements and
+-- policies run them inlined, read in the session's search path, where a login
+-- that may create objects in some schema could put a get_byte of its own before
+-- pg_catalog's. Named so, they are still inlined (a pinned search path would
+-- stop that).
 CREATE OR REPLACE FUNCTION outbox_utf8(value text) RETURNS bytea
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
 SELECT pg_catalog.decode(pg_catalog.replace(value, pg_catalog.chr(92),
