@@ -3,10 +3,10 @@
 Each file runs in its own transaction together with its row in
 ``outbox_migrations`` (version, name, sha256 of the file). A file whose first
 lines include ``-- outbox:no-transaction`` runs outside a transaction instead,
-one statement at a time (for ``CREATE INDEX CONCURRENTLY``, which keeps writes
-going while an index builds on a big table); its row is written after its last
-statement, and it must be safe to run again after a failure part-way (``DROP
-INDEX CONCURRENTLY IF EXISTS`` first). Its statements end with ``;`` at the end
+one statement at a time (for ``CREATE INDEX CONCURRENTLY`` and ``VALIDATE
+CONSTRAINT``, which keep writes going while they read a big table); its row is
+written after its last statement, and it must be safe to run again after a
+failure part-way (``DROP INDEX CONCURRENTLY IF EXISTS`` first). Its statements end with ``;`` at the end
 of a line, and it holds no dollar-quoted bodies.
 
 Processes migrating at once take turns on a session advisory lock, taken by
