@@ -309,6 +309,27 @@ def test_hashing_helpers_are_inlined(dsn: str, call: str) -> None:
     assert "sha256" in output and "outbox_" not in output, output
 
 
+def test_a_step_calls_no_helper_as_a_function_of_its_own(dsn: str, ob: Outbox) -> None:
+    # The step statement's helpers are inlined into its one plan: the key's
+    # derivation (its argument was too costly to substitute while the step index's
+    # reader was pulled up into it) and the values' screen (IMMUTABLE over STABLE
+    # limits was never inlined). pg_stat_xact_user_functions counts the calls the
+    # transaction made of functions that were not.
+    run = ob.start_run("inline", "1")
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SET LOCAL track_functions = 'all'")
+        conn.execute(
+            "SELECT outbox_commit_step(%s, 's', '{\"ok\": 1}', %s::jsonb)",
+            [run.id, json.dumps([{"kind": "k.inline", "payload": {"n": 1}}])],
+        )
+        called = {
+            name
+            for (name,) in conn.execute("SELECT funcname FROM pg_stat_xact_user_functions")
+        }
+    assert "outbox_write_step" in called, called
+    assert not called & {"outbox_derive_key", "outbox_values_screened"}, called
+
+
 def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     keys = st.text().filter(lambda s: "\x00" not in s)
     return st.lists(children, max_size=4) | st.dictionaries(keys, children, max_size=4)

@@ -67,9 +67,13 @@ SELECT a.n::integer, v.id, v.step_index, v.kind,
        p_first[a.n]
   FROM jsonb_array_elements(p_intents) WITH ORDINALITY AS a(item, n)
  CROSS JOIN LATERAL (
+    -- OFFSET 0 keeps these three a row of their own, read once: pulled up into the
+    -- expressions below, the step index's reader made outbox_derive_key's argument
+    -- too costly for the planner to substitute twice, and the key was derived by
+    -- a call of its own for every intent
     SELECT (a.item->'payload')::text AS text,
            outbox_json_int(a.item->'step_index') AS step_index,
-           outbox_json_str(a.item->'key') AS key) AS f
+           outbox_json_str(a.item->'key') AS key OFFSET 0) AS f
  CROSS JOIN LATERAL (
     SELECT coalesce(outbox_json_uuid(a.item->'id'),
                     CASE WHEN p_run_id IS NULL

@@ -59,3 +59,142 @@ SELECT octet_length(result) + coalesce(octet_length(state), 0) + coalesce(octet_
    AND (result || ' ' || coalesce(state, '') || ' ' || coalesce(plan, ''))
        !~ '[0-9.]{17}|"__outbox_blob__"'
 $$;
+
+-- Intents, derived, checked and written: the one implementation behind
+-- outbox_commit_step (a step's intents, in one call), outbox_intend and
+-- outbox_intend_all (of a step or of no run) and a stopping run's compensations.
+--
+-- The hot path is set-based: outbox_intent_rows derives every row from the
+-- caller's JSON in the statement that writes the step, and marks whether cheap
+-- checks cleared it (screened). Only an intent they do not clear (a caller's key,
+-- headers or url in its payload, a compensation, an approval policy, a large or
+-- unusual value, a refusal) goes through outbox_check_intents, which checks it
+-- exactly, raising the refusal, and takes the locks a caller's key needs; the
+-- statement then runs again. The screen is stricter than the checks, never
+-- looser: tests/integration/test_sql_api_rules.py holds it to that.
+--
+-- Each intent's payload is stored as jsonb, and its payload_hash is the sha256 of
+-- PostgreSQL's own text of that jsonb (payload::text), so every writer and the
+-- audit verifier hash the same bytes. A caller's key (or step_index) that names
+-- an effect already names that effect (G5): the same kind, payload and owner
+-- return it; anything else is a conflict (OB003).
+
+-- The rows of p_intents (a JSON array of outbox_intend's arguments: kind, payload,
+-- key, ordering_key, step_index, max_attempts, delay_seconds, schema_version,
+-- compensate, cost, approval, priority, fairness_key, plus id and trace_parent,
+-- which a client may choose) for step p_step_id of run p_run_id (NULL: of no run),
+-- the first at index p_next, in the lane, mode and namespace of its run. A value
+-- that does not pass a check derives NULL, never an error: screened is then false.
+-- An effect of no run gets an id on the shard of its key, else of its ordering
+-- key, so that one key's effects live together; an effect of a run, one on its
+-- run's shard, where it lives: its id alone then names its shard.
+-- p_first[n] and p_existing[n], from outbox_check_intents: the first intent of the
+-- call under the n-th's key, when that is another one, and the effect its key
+-- names already. It reads no table (so Citus lets a write function call it).
+-- STABLE, so that it is inlined into the statement that writes them (it calls
+-- outbox_uuid7 for an intent that names no id).
+CREATE OR REPLACE FUNCTION outbox_intent_rows(
+    p_run_id uuid, p_step_id text, p_intents jsonb, p_next integer,
+    p_priority integer, p_fairness_key text, p_dry_run boolean, p_first integer[] DEFAULT NULL,
+    p_namespace text DEFAULT 'default', p_existing uuid[] DEFAULT NULL
+) RETURNS SETOF outbox_intent
+    LANGUAGE sql STABLE AS $$
+SELECT a.n::integer, v.id, v.step_index, v.kind,
+       CASE WHEN v.size > outbox_limit('blob_threshold_bytes')
+            THEN jsonb_build_object('__outbox_blob__',
+                                    jsonb_build_object('bytes', v.size, 'sha256', v.hash))
+            ELSE a.item->'payload' END,
+       f.text, v.size, v.hash, v.key, v.caller_key,
+       outbox_json_str(a.item->'ordering_key'),
+       outbox_json_int(a.item->'max_attempts'),
+       CASE WHEN outbox_json_is_number(a.item->'delay_seconds', 0,
+                                       (outbox_intent_rules()->>'max_delay_seconds')::numeric)
+            THEN now() + coalesce(outbox_json_num(a.item->'delay_seconds'), 0) * interval '1 second'
+       END,
+       coalesce(outbox_json_int(a.item->'schema_version'), 1),
+       CASE WHEN p_dry_run AND jsonb_typeof(a.item->'compensate') = 'object'
+            THEN jsonb_set(a.item->'compensate', '{kind}', to_jsonb(
+                (outbox_reserved_kind_prefixes())[1] || (a.item->'compensate'->>'kind')))
+            ELSE nullif(a.item->'compensate', 'null') END,
+       outbox_json_num(a.item->'cost'),
+       -- a dry run asks for no approval: nothing it intends can reach the world
+       CASE WHEN NOT p_dry_run AND a.item->'approval' IS NOT NULL
+                 AND a.item->'approval' NOT IN ('null', 'false')
+            THEN outbox_approval_policy(a.item->'approval') END,
+       coalesce(outbox_json_int(a.item->'priority'), p_priority),
+       coalesce(outbox_json_str(a.item->'fairness_key'), p_fairness_key),
+       nullif(outbox_json_str(a.item->'trace_parent'), ''),
+       s.screened,
+       p_existing[a.n],
+       p_first[a.n]
+  FROM jsonb_array_elements(p_intents) WITH ORDINALITY AS a(item, n)
+ CROSS JOIN LATERAL (
+    -- OFFSET 0 keeps these three a row of their own, read once: pulled up into the
+    -- expressions below, the step index's reader made outbox_derive_key's argument
+    -- too costly for the planner to substitute twice, and the key was derived by
+    -- a call of its own for every intent
+    SELECT (a.item->'payload')::text AS text,
+           outbox_json_int(a.item->'step_index') AS step_index,
+           outbox_json_str(a.item->'key') AS key OFFSET 0) AS f
+ CROSS JOIN LATERAL (
+    SELECT coalesce(outbox_json_uuid(a.item->'id'),
+                    CASE WHEN p_run_id IS NULL
+                         THEN outbox_on_shard(outbox_uuid7(), outbox_key_shard(p_namespace,
+                             coalesce(f.key, outbox_json_str(a.item->'ordering_key'),
+                                      gen_random_uuid()::text)))
+                         ELSE outbox_on_shard(outbox_uuid7(), outbox_shard_of(p_run_id)) END) AS id,
+           CASE WHEN p_run_id IS NOT NULL THEN coalesce(f.step_index, p_next + a.n::integer - 1) END
+               AS step_index,
+           CASE WHEN p_dry_run THEN (outbox_reserved_kind_prefixes())[1] ELSE '' END
+               || outbox_json_str(a.item->'kind') AS kind,
+           octet_length(f.text) AS size,
+           encode(sha256(convert_to(f.text, 'UTF8')), 'hex') AS hash,
+           CASE WHEN f.key IS NOT NULL AND p_dry_run
+                    -- a dry run never takes a key a real intent will need
+                    THEN (outbox_reserved_kind_prefixes())[1] || p_run_id::text || ':' || f.key
+                WHEN f.key IS NOT NULL THEN f.key
+                -- the effect's id, so a client that sent the id knows the key
+                WHEN p_run_id IS NULL
+                    THEN replace(coalesce(outbox_json_uuid(a.item->'id'), gen_random_uuid())::text,
+                                 '-', '')
+                ELSE outbox_derive_key(p_run_id, p_step_id,
+                                       coalesce(f.step_index, p_next + a.n::integer - 1))
+           END AS key,
+           -- an index named explicitly names one intent, like a caller's key
+           f.key IS NOT NULL OR a.item->'step_index' IS NOT NULL AS caller_key) AS v
+ CROSS JOIN LATERAL (
+    -- NULL (a value a check cannot read) clears nothing: the screen fails closed
+    SELECT coalesce(jsonb_typeof(a.item) = 'object'
+       AND (a.item - ARRAY['kind', 'payload', 'ordering_key', 'max_attempts', 'delay_seconds',
+                           'schema_version', 'cost', 'priority', 'fairness_key', 'id',
+                           'trace_parent']) = '{}'
+       AND outbox_json_str(a.item->'kind') ~ (outbox_intent_rules()->>'kind_pattern')
+       AND char_length(a.item->>'kind') <= (outbox_intent_rules()->>'max_kind_length')::integer
+       AND NOT starts_with(a.item->>'kind', (outbox_reserved_kind_prefixes())[1])
+       AND a.item ? 'payload'
+       AND octet_length(f.text) <= outbox_limit('max_payload_bytes')
+       AND octet_length(f.text) <= outbox_limit('blob_threshold_bytes')
+       AND length(f.text) - length(translate(f.text, '[{', ''))
+           <= (outbox_intent_rules()->>'max_json_depth')::integer
+       AND f.text !~ '[0-9.]{17}'
+       AND NOT (jsonb_typeof(a.item->'payload') = 'object'
+                AND (a.item->'payload' ?| ARRAY['__outbox_blob__', 'headers', 'url']))
+       AND outbox_json_is_text(a.item->'ordering_key',
+                               (outbox_intent_rules()->>'max_key_length')::integer)
+       AND outbox_json_is_int(a.item->'max_attempts', 1,
+                              (outbox_intent_rules()->>'max_attempts')::numeric)
+       AND outbox_json_is_number(a.item->'delay_seconds', 0,
+                                 (outbox_intent_rules()->>'max_delay_seconds')::numeric)
+       AND outbox_json_is_int(a.item->'schema_version', 1,
+                              (outbox_intent_rules()->>'max_schema_version')::numeric)
+       AND outbox_json_is_number(a.item->'cost', 0, (outbox_intent_rules()->>'max_amount')::numeric)
+       AND outbox_json_is_int(a.item->'priority', -(outbox_intent_rules()->>'max_priority')::numeric,
+                              (outbox_intent_rules()->>'max_priority')::numeric)
+       AND outbox_json_is_text(a.item->'fairness_key',
+                               (outbox_intent_rules()->>'max_fairness_key_length')::integer, true)
+       AND (a.item->'id' IS NULL OR outbox_json_uuid(a.item->'id') IS NOT NULL)
+       AND (a.item->'trace_parent' IS NULL
+            OR outbox_json_str(a.item->'trace_parent') ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$')
+       AND (p_run_id IS NOT NULL OR a.item->'step_index' IS NULL), false)
+       AS screened) AS s
+$$;
