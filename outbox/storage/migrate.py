@@ -6,8 +6,8 @@ lines include ``-- outbox:no-transaction`` runs outside a transaction instead,
 one statement at a time (for ``CREATE INDEX CONCURRENTLY`` and ``VALIDATE
 CONSTRAINT``, which keep writes going while they read a big table); its row is
 written after its last statement, and it must be safe to run again after a
-failure part-way (``DROP INDEX CONCURRENTLY IF EXISTS`` first). Its statements end with ``;`` at the end
-of a line, and it holds no dollar-quoted bodies.
+failure part-way (``DROP INDEX CONCURRENTLY IF EXISTS`` first). Its statements
+end with ``;`` at the end of a line, and it holds no dollar-quoted bodies.
 
 Processes migrating at once take turns on a session advisory lock, taken by
 polling (a session blocked on the lock inside a statement would hold a
