@@ -323,8 +323,7 @@ def test_a_step_calls_no_helper_as_a_function_of_its_own(dsn: str, ob: Outbox) -
             [run.id, json.dumps([{"kind": "k.inline", "payload": {"n": 1}}])],
         )
         called = {
-            name
-            for (name,) in conn.execute("SELECT funcname FROM pg_stat_xact_user_functions")
+            name for (name,) in conn.execute("SELECT funcname FROM pg_stat_xact_user_functions")
         }
     assert "outbox_write_step" in called, called
     assert not called & {"outbox_derive_key", "outbox_values_screened"}, called
