@@ -108,7 +108,13 @@ def _connect_args(
     options += f" -c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
     for name, value in (session_settings or {}).items():
         options += f" -c outbox.{name}={value}"
-    return {"options": options, "application_name": application_name}
+    args = {"options": options, "application_name": application_name}
+    # libpq's default is the server's encoding: for a SQL_ASCII database (which
+    # stores the UTF-8 bytes it is sent) psycopg would then hand back bytes, not
+    # text, and the first query (SQLAlchemy's server version) fail with a TypeError
+    if "client_encoding" not in url.query:
+        args["client_encoding"] = "UTF8"
+    return args
 
 
 def write_settings(settings: Settings) -> dict[str, Any]:
