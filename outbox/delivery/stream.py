@@ -59,6 +59,7 @@ from outbox.delivery.threads import DaemonThreads
 from outbox.errors import ConfigurationError
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
+from outbox.storage.attempts import ClaimCutShort
 
 __all__ = ["KafkaSource"]
 
@@ -244,7 +245,9 @@ class KafkaSource:
         """Read up to the room there is, then claim the records' effects still dispatched.
 
         A read that fails, or a claim PostgreSQL refuses, returns nothing after
-        a pause; the records of a refused claim are claimed again first.
+        a pause; the records of a refused claim are claimed again first. On
+        Citus a claim cut short part-way returns what it committed, and the
+        records of the shards it did not settle are claimed again first.
         """
         started = time.monotonic()
         reads = self._undecided
@@ -255,6 +258,7 @@ class KafkaSource:
             reads = await self._read(room, started)
             if not reads:
                 return []
+        left: list[Read] = []
         try:
             ids = list({read.effect_id: None for read in reads})
             self.claim_sent = time.monotonic()
@@ -263,6 +267,20 @@ class KafkaSource:
                 owner=self.settings.owner,
                 lease_seconds=self.settings.lease_seconds,
                 shards={i: self._shards[i] for i in ids if i in self._shards},
+            )
+        except ClaimCutShort as cut:
+            unsettled = set(cut.left)
+            left = [read for read in reads if read.effect_id in unsettled]
+            reads = [read for read in reads if read.effect_id not in unsettled]
+            ids = [i for i in ids if i not in unsettled]
+            claimed = cut.rows
+            log.warning(
+                "claiming on shard %d failed (%s); the %d effects claimed before it are"
+                " kept, the other %d records are claimed again",
+                cut.shard,
+                cut.error,
+                len(claimed),
+                len(left),
             )
         except Exception as exc:
             # The records stay open (nothing is committed past them) and are
@@ -283,7 +301,7 @@ class KafkaSource:
             )
             await self._rest(started, pause)
             return []
-        self._undecided = []
+        self._undecided = left
         self._claim_failures = 0
         for effect_id in ids:
             self._shards.pop(effect_id, None)

@@ -40,7 +40,7 @@ from outbox.storage.notify import listen
 from outbox.storage.outcome_writes import complete_on, wake_parked
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.run_tx import RunTx
-from outbox.storage.shard_turns import shard_groups
+from outbox.storage.shard_turns import session_lost, shard_groups
 from outbox.storage.sql import dispatch as dispatch_sql
 from outbox.storage.sql import duties, leases, maintenance, queue, stopping
 from outbox.storage.sql.common import EFFECTS_CHANNEL
@@ -340,7 +340,11 @@ class AsyncStore(EffectClaims):
         """Claim the effects named by Kafka records that are still ``dispatched``.
 
         ``shards``: on Citus, each id's shard as its record names it (a statement
-        per shard); an id without one is looked up.
+        per shard, each committed on its own); an id without one is looked up.
+        A shard's statement failing after others claimed rows raises
+        :class:`ClaimCutShort` with those rows (they are the caller's: raised
+        away, they would wait for their leases to run out, never called) and
+        ``left``, the ids no statement settled, to be claimed again.
         """
         if not ids:
             return []
@@ -351,16 +355,39 @@ class AsyncStore(EffectClaims):
                 held_shards = await self._held_shards(conn)
                 named = (shards or {}).get
                 groups = await shard_groups(conn, ids, lambda i: i, held_shards, named)
-                for shard, part in groups.items():
-                    params = {"ids": list(part), "owner": owner, "lease_seconds": lease_seconds}
-                    if shard is not None:
-                        params["on_shard"] = shard
-                    claim = prepared(dispatch_sql.claim_dispatched(shard is not None))
-                    cur = await claim.execute(conn, params, prepare=shard is None)
-                    rows += [ClaimedEffect.from_row(row) for row in await cur.fetchall()]
-        self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
+                settled: set[UUID] = set()
+                try:
+                    for shard, part in groups.items():
+                        rows += await self._claim_dispatched_on(
+                            conn, shard, part, owner, lease_seconds
+                        )
+                        settled.update(part)
+                except (psycopg.Error, SQLAlchemyError) as exc:
+                    if not rows or shard is None:  # nothing committed is lost
+                        raise
+                    left = [i for i in ids if i not in settled]
+                    cut = ClaimCutShort(rows, exc, shard, lost=session_lost(conn), left=left)
+                    raise cut from exc
+                finally:
+                    self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)
         self._observe("claim", began, claim=len(rows))
         return rows
+
+    async def _claim_dispatched_on(
+        self,
+        conn: psycopg.AsyncConnection[dict[str, Any]],
+        shard: int | None,
+        ids: list[UUID],
+        owner: str,
+        lease_seconds: float,
+    ) -> list[ClaimedEffect]:
+        """:meth:`claim_dispatched`'s statement for the ``ids`` of one shard (None: one server)."""
+        params: dict[str, Any] = {"ids": ids, "owner": owner, "lease_seconds": lease_seconds}
+        if shard is not None:
+            params["on_shard"] = shard
+        claim = prepared(dispatch_sql.claim_dispatched(shard is not None))
+        cur = await claim.execute(conn, params, prepare=shard is None)
+        return [ClaimedEffect.from_row(row) for row in await cur.fetchall()]
 
     # -- the rest ----------------------------------------------------------------------
 

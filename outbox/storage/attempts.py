@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -144,11 +144,22 @@ class ClaimCutShort(OutboxError):
     ``rows``: what the claim's statements committed (every partition's so far);
     they are the caller's, or their leases would run out on effects nobody
     started. ``lost``: the failure was the session's own, not the shard's.
+    ``left``: for a claim of named effects (a stream deliverer's), the ids no
+    statement settled, to be claimed again.
     """
 
-    def __init__(self, rows: list[Any], error: Exception, shard: int, *, lost: bool) -> None:
+    def __init__(
+        self,
+        rows: list[Any],
+        error: Exception,
+        shard: int,
+        *,
+        lost: bool,
+        left: Sequence[UUID] = (),
+    ) -> None:
         super().__init__(f"claiming on shard {shard} failed after {len(rows)} rows: {error}")
         self.rows, self.error, self.shard, self.lost = rows, error, shard, lost
+        self.left = list(left)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,10 @@ from outbox import Outbox, StepTransaction
 from outbox.errors import DatabaseError
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore, Batched, ClaimedEffect, Completion
+from outbox.storage.attempts import ClaimCutShort
 from outbox.storage.engine import make_async_engine, make_engine
 from outbox.storage.shard_turns import SHARD_REST_SECONDS
+from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from outbox.storage.store import Store
 from tests.support import in_flight
@@ -320,3 +322,42 @@ def test_a_heartbeat_riding_a_batch_on_a_lost_session_leaves_its_claim_returned(
     batched, holding = asyncio.run(round_())
     assert batched.logged and not batched.rode and len(batched.claimed) == 14
     assert in_flight(dsn, owner) == holding, "every effect claimed is the caller's"
+
+
+def test_a_stream_claim_keeps_what_it_committed_and_names_what_is_left(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream deliverer's claim of the effects its records name, a statement a
+    shard: cut short after one statement claimed rows, it hands those rows back
+    (raised away, they would wait in flight, never called) and the ids it did
+    not settle, which a second claim takes, each effect once."""
+    kind, relay, owner = "k.lost-stream", "relay-lost", "stream-lost"
+    assert len(_spread(ob, kind)) > 1
+    monkeypatch.setattr(
+        AsyncStore,
+        "_claim_dispatched_on",
+        _losing_the_session_after(
+            AsyncStore._claim_dispatched_on, dsn, lambda conn: conn.info.backend_pid
+        ),
+    )
+
+    async def claims() -> tuple[list[uuid.UUID], ClaimCutShort, set[uuid.UUID]]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            quota = [({"kind": kind}, 100)]
+            sent = await store.claim_many(DISPATCH_QUEUE, quota, owner=relay, lease_seconds=60)
+            ids = [e.id for e in sent]
+            with pytest.raises(ClaimCutShort) as cut:
+                await store.claim_dispatched(ids, owner=owner, lease_seconds=60)
+            rest = await store.claim_dispatched(cut.value.left, owner=owner, lease_seconds=60)
+            return ids, cut.value, {e.id for e in rest}
+        finally:
+            await store.dispose()
+
+    ids, cut, rest = asyncio.run(claims())
+    first = {e.id for e in cut.rows}
+    assert len(ids) == 16 and 0 < len(first) < 16
+    assert cut.lost, "the session went, not a node"
+    assert set(cut.left) == set(ids) - first, "every id not claimed is left, none twice"
+    assert rest == set(cut.left)
+    assert in_flight(dsn, owner) == set(ids), "each effect claimed once, none left dispatched"

@@ -32,6 +32,7 @@ from outbox.delivery.settings import StreamSettings
 from outbox.delivery.stream import KafkaSource
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
+from outbox.storage.attempts import ClaimCutShort
 from outbox.storage.engine import make_async_engine
 from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 from tests.support import limited_role
@@ -208,6 +209,58 @@ def test_a_failed_claim_keeps_its_records_until_they_are_claimed(
 
     with caplog.at_level("WARNING", logger="outbox.delivery.stream"):
         run(main, dsn)
+
+
+class _CutShortOnce(AsyncStore):
+    """A store whose first claim of several effects commits the first alone, then fails.
+
+    What a claim on Citus does when one shard's statement fails after another's
+    committed (``tests/citus/test_lost_session.py`` cuts one there).
+    """
+
+    cut = False
+
+    async def claim_dispatched(self, ids: Any, **kwargs: Any) -> list[ClaimedEffect]:
+        if self.cut or len(ids) < 2:
+            return await super().claim_dispatched(ids, **kwargs)
+        self.cut = True
+        rows = await super().claim_dispatched(ids[:1], **kwargs)
+        error = psycopg.OperationalError("the node of the next shard did not answer")
+        raise ClaimCutShort(rows, error, 7, lost=False, left=ids[1:])
+
+
+def test_a_claim_cut_short_keeps_what_it_claimed_and_claims_the_rest_next(
+    ob: Outbox, dsn: str, broker: TansuBroker
+) -> None:
+    """The effects a cut claim committed are taken (not left in flight, uncalled,
+    until their leases run out); the records it did not settle stay open, so no
+    offset passes them, and are claimed by the next ``take`` before any read."""
+    intend(ob, 2)
+
+    async def main(_: AsyncStore) -> None:
+        store = _CutShortOnce(make_async_engine(dsn))
+        try:
+            x, y = await dispatch(store, 2)
+            publish(broker, [(0, x), (0, y)])
+            source = KafkaSource(store, [KIND], settings(broker))
+            await source.open()
+            try:
+                room = leases()
+                first = await take_until(source, room, lambda got: len(got) > 0)
+                assert [e.id for e in first] == [x.id] and store.cut
+                await source.recorded([x.id])
+                second = await source.take(room)
+                assert [e.id for e in second] == [y.id], "the record left is claimed next"
+                assert committed(broker)[0] in (None, 1), "committed past y, undecided"
+                await source.recorded([y.id])
+                await source.take(room)
+                assert committed(broker)[0] == 2
+            finally:
+                await source.close(5)
+        finally:
+            await store.dispose()
+
+    run(main, dsn)
 
 
 def test_a_frozen_broker_neither_fails_nor_blocks_take_recorded_or_close(
