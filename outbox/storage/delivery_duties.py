@@ -25,7 +25,7 @@ from outbox.shards import sweep_shards
 from outbox.storage.attempts import ClaimedEffect, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
 from outbox.storage.direct import GENERIC_PLANS_OFF_CITUS, DirectConnections
-from outbox.storage.engine import libpq_dsn, translate_errors
+from outbox.storage.engine import libpq_dsn, session_args, translate_errors
 from outbox.storage.outcome_writes import logged_rows
 from outbox.storage.shard_turns import ShardTurns, effect_shard
 from outbox.storage.sql import dispatch as dispatch_sql
@@ -65,8 +65,7 @@ class DeliveryConnections:
         self._direct = DirectConnections(
             libpq_dsn(engine.url),
             setup=GENERIC_PLANS_OFF_CITUS,
-            options=f"-c idle_in_transaction_session_timeout={idle_in_transaction_ms}",
-            application_name=application_name,
+            params=session_args(engine.url, idle_in_transaction_ms, application_name),
         )
         #: Told of every claim/complete transaction (a benchmark's probe); None: nobody.
         self.observer: Observer | None = None

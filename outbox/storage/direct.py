@@ -126,10 +126,15 @@ class DirectConnections:
     """
 
     def __init__(
-        self, conninfo: str, *, size: int = 4, setup: str | None = None, **params: Any
+        self,
+        conninfo: str,
+        *,
+        size: int = 4,
+        setup: str | None = None,
+        params: Mapping[str, Any] | None = None,
     ) -> None:
         self._conninfo = conninfo
-        self._params = params
+        self._params = dict(params or {})
         #: Run once on each new connection, before its first use.
         self._setup = setup
         self._idle: list[psycopg.AsyncConnection[dict[str, Any]]] = []

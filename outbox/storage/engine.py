@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from decimal import Decimal
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import psycopg
 import sqlalchemy.exc
@@ -92,26 +93,33 @@ def redacted_dsn(dsn: str) -> str:
 def libpq_dsn(dsn: str | URL) -> str:
     """A plain libpq DSN (what psycopg.connect takes) for a SQLAlchemy URL or DSN."""
     url = make_url(dsn) if isinstance(dsn, str) else dsn
-    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+    plain = url.set(drivername="postgresql", query={}).render_as_string(hide_password=False)
+    # SQLAlchemy would write a space as "+", a plus sign to libpq ("-c+search_path=")
+    query = urlencode(dict(url.query), doseq=True, quote_via=quote)
+    return f"{plain}?{query}" if query else plain
 
 
-def _connect_args(
+def session_args(
     url: URL,
     idle_in_transaction_ms: int,
     application_name: str,
     session_settings: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
-    # Ours come after the DSN's own ``options`` (which this argument would
-    # otherwise replace): a user's ``-c search_path=...`` still holds.
+    """Libpq parameters for every session of ours, an engine's or a psycopg connection's.
+
+    Ours come after the DSN's own ``options`` (which this argument would
+    otherwise replace): a user's ``-c search_path=...`` still holds. Standard
+    strings: the migrations and functions write backslashes as SQL does.
+    """
     given = url.query.get("options", "")
     options = " ".join(given) if isinstance(given, tuple) else given
     options += f" -c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
+    options += " -c standard_conforming_strings=on"
     for name, value in (session_settings or {}).items():
         options += f" -c outbox.{name}={value}"
     args = {"options": options, "application_name": application_name}
-    # libpq's default is the server's encoding: for a SQL_ASCII database (which
-    # stores the UTF-8 bytes it is sent) psycopg would then hand back bytes, not
-    # text, and the first query (SQLAlchemy's server version) fail with a TypeError
+    # libpq's default is the server's encoding: on SQL_ASCII (which stores the UTF-8
+    # bytes it is sent) psycopg would hand back bytes, not text (a TypeError at once)
     if "client_encoding" not in url.query:
         args["client_encoding"] = "UTF8"
     return args
@@ -167,7 +175,7 @@ def make_engine(
         url,
         pool_size=pool_size,
         max_overflow=pool_size,
-        connect_args=_connect_args(url, idle_in_transaction_ms, application_name, session_settings),
+        connect_args=session_args(url, idle_in_transaction_ms, application_name, session_settings),
         **POOL_OPTIONS,
     )
     _watch_pool(engine)
@@ -187,7 +195,7 @@ def make_async_engine(
         url,
         pool_size=pool_size,
         max_overflow=0,
-        connect_args=_connect_args(url, idle_in_transaction_ms, application_name),
+        connect_args=session_args(url, idle_in_transaction_ms, application_name),
         **POOL_OPTIONS,
     )
     _watch_pool(engine.sync_engine)
@@ -393,7 +401,7 @@ def open_async_engine(settings: Settings, *, application_name: str = "outbox") -
         url,
         pool_size=settings.pool_size,
         max_overflow=settings.pool_size,
-        connect_args=_connect_args(
+        connect_args=session_args(
             url, settings.idle_in_transaction_timeout_ms, application_name, write_settings(settings)
         ),
         **POOL_OPTIONS,

@@ -1,0 +1,132 @@
+"""Every session of ours, the deliverer's own psycopg connections included, keeps
+what the DSN asks and sets what the outbox's SQL needs.
+
+Three databases a user may bring, each migrated, written through a run and
+drained by a real delivery daemon: the outbox in a schema of its own (the DSN's
+``options=-c search_path=...``), a database set to the pre-9.1 string escapes
+(``standard_conforming_strings = off``), and a SQL_ASCII one. The deliverer's
+claims run on psycopg connections of their own: they dropped the DSN's
+``options`` (the claim found no ``outbox_effects``) and asked no client
+encoding; ``outbox migrate`` failed at 0007 on the escapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+
+from deliverers.testing import RecordingDeliverer
+from outbox import Outbox
+from outbox.delivery.daemon import DeliveryDaemon
+from outbox.delivery.settings import DeliverySettings
+from outbox.storage.async_store import AsyncStore
+from outbox.storage.engine import make_async_engine, make_engine
+from outbox.storage.migrate import migrate
+
+KIND = "k.session"
+#: A backslash, a quote and text beyond ASCII: what escapes and encodings would change.
+PAYLOAD = {"path": "C:\\temp\\new", "quote": "it's", "text": "café-漢字-🙂"}
+
+
+@pytest.fixture
+def database(admin_dsn: str) -> Iterator[Callable[..., str]]:
+    """Databases made by ``make(*setup, encoding=..., query=...)``; dropped after the test."""
+    names: list[str] = []
+
+    def make(*setup: str, encoding: str = "UTF8", query: str = "") -> str:
+        name = f"sessions_{len(names)}_{os.getpid()}"
+        names.append(name)
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(
+                f"CREATE DATABASE {name} ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C'"
+                " TEMPLATE template0"
+            )
+        dsn = make_url(admin_dsn).set(database=name).render_as_string(False)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for statement in setup:
+                conn.execute(statement.replace("{db}", name))
+        return f"{dsn}&{query}" if query else dsn
+
+    yield make
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        for name in names:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def _write_then_deliver(dsn: str) -> tuple[list[Any], list[str]]:
+    """Migrate, intend one effect through a run, drain it; (payloads delivered, statuses)."""
+    engine = make_engine(dsn)
+    try:
+        migrate(engine)
+    finally:
+        engine.dispose()
+    with Outbox.connect(dsn) as ob:
+        run = ob.start_run("sessions", "1")
+        run.transaction("s", lambda tx: tx.intend(KIND, PAYLOAD) and None)
+    sink = RecordingDeliverer(KIND)
+
+    async def main() -> list[str]:
+        store = AsyncStore(make_async_engine(dsn))
+        daemon = DeliveryDaemon(store, {KIND: sink}, DeliverySettings(poll_seconds=0.1))
+        task = asyncio.create_task(daemon.run())
+        try:
+            for _ in range(200):
+                still_open = {status for status, _ in (await store.state_counts()).effects}
+                if sink.deliveries and not still_open:
+                    break
+                await asyncio.sleep(0.05)
+            return sorted(still_open) or ["none open"]
+        finally:
+            daemon.stop()
+            await task
+            await store.dispose()
+
+    open_statuses = asyncio.run(main())
+    return [d.payload for d in sink.deliveries], open_statuses
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_the_outbox_in_a_schema_the_dsn_names(
+    database: Callable[..., str], caplog: pytest.LogCaptureFixture
+) -> None:
+    dsn = database("CREATE SCHEMA agents", query="options=-c%20search_path%3Dagents")
+    with caplog.at_level(logging.WARNING):
+        delivered, open_statuses = _write_then_deliver(dsn)
+    assert delivered == [PAYLOAD], "the deliverer's claims read the DSN's schema"
+    assert open_statuses == ["none open"]
+    # its LISTEN and owner-lock sessions were refused ("+search_path"): no wake-ups,
+    # no early recovery, a warning a second
+    assert _warnings(caplog) == []
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT to_regclass('public.outbox_effects')").fetchone() == (None,)
+
+
+def test_a_database_with_the_old_string_escapes(
+    database: Callable[..., str], caplog: pytest.LogCaptureFixture
+) -> None:
+    dsn = database("ALTER DATABASE {db} SET standard_conforming_strings = off")
+    with caplog.at_level(logging.WARNING):
+        delivered, open_statuses = _write_then_deliver(dsn)
+    assert delivered == [PAYLOAD]
+    assert open_statuses == ["none open"]
+    assert _warnings(caplog) == []
+
+
+def test_a_sql_ascii_database_hands_the_deliverer_text(
+    database: Callable[..., str], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        delivered, open_statuses = _write_then_deliver(database(encoding="SQL_ASCII"))
+    assert delivered == [PAYLOAD]
+    assert open_statuses == ["none open"]
+    assert _warnings(caplog) == []
