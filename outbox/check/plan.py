@@ -30,7 +30,7 @@ from outbox.check.crash import (
     occurrences,
     target,
 )
-from outbox.storage.engine import redacted_dsn
+from outbox.storage.dsn import redacted_dsn
 
 __all__ = ["CheckOptions", "Role", "TrialPlan", "handover_target", "plan_trials", "select"]
 

@@ -29,7 +29,8 @@ from outbox.delivery.settings import DeliverySettings, StreamSettings
 from outbox.delivery.threads import DaemonThreads, default_workers
 from outbox.errors import ConfigurationError
 from outbox.storage.async_store import AsyncStore
-from outbox.storage.engine import libpq_dsn, make_async_engine, open_engine
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import make_async_engine, open_engine
 
 __all__ = ["COMMANDS"]
 

@@ -25,7 +25,8 @@ from outbox.shards import sweep_shards
 from outbox.storage.attempts import ClaimedEffect, DutyAsk, DutyFindings
 from outbox.storage.claims import ClaimMode
 from outbox.storage.direct import GENERIC_PLANS_OFF_CITUS, DirectConnections
-from outbox.storage.engine import libpq_dsn, session_args, translate_errors
+from outbox.storage.dsn import libpq_dsn, session_args
+from outbox.storage.engine import translate_errors
 from outbox.storage.outcome_writes import logged_rows
 from outbox.storage.shard_turns import ShardTurns, effect_shard
 from outbox.storage.sql import dispatch as dispatch_sql

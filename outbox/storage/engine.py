@@ -1,4 +1,4 @@
-"""Engines, DSNs and the one place where driver errors become :class:`~outbox.errors.DatabaseError`.
+"""Engines and the one place where driver errors become :class:`~outbox.errors.DatabaseError`.
 
 ``OUTBOX_DSN`` names a server, or the embedded one is started (and migrated,
 since it is ours). Every session we open sets
@@ -16,17 +16,15 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from decimal import Decimal
 from typing import Any
-from urllib.parse import quote, urlencode
 
 import psycopg
 import sqlalchemy.exc
 from sqlalchemy import Connection, Engine, create_engine, event, text
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox.errors import (
     BudgetExceeded,
-    ConfigurationError,
     DatabaseError,
     EmbeddedServerError,
     IdempotencyConflict,
@@ -44,85 +42,21 @@ from outbox.errors import (
 )
 from outbox.settings import Settings
 from outbox.storage.admin.embedded import EmbeddedServer
+from outbox.storage.dsn import psycopg_url, session_args
 from outbox.storage.migrate import check_schema, migrate
-
-DSN_FORM = "expected postgresql://user:password@host:port/database (OUTBOX_DSN or --dsn)"
-POSTGRES_DRIVERS = frozenset(
-    {"postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2"}
-)
 
 __all__ = [
     "distributed",
-    "libpq_dsn",
     "make_async_engine",
     "make_engine",
     "node_unreachable",
     "open_async_engine",
     "open_engine",
-    "psycopg_url",
-    "redacted_dsn",
     "resolve_dsn",
     "sql_api_error",
     "translate_errors",
     "write_settings",
 ]
-
-
-def psycopg_url(dsn: str | URL) -> URL:
-    """A SQLAlchemy URL on psycopg 3 for any ``postgresql://`` DSN."""
-    try:
-        url = make_url(dsn) if isinstance(dsn, str) else dsn
-    except sqlalchemy.exc.ArgumentError:
-        # Not repeated: a mangled DSN may still hold a password.
-        raise ConfigurationError(f"dsn is not a URL; {DSN_FORM}") from None
-    if url.drivername not in POSTGRES_DRIVERS:
-        raise ConfigurationError(f"dsn names {url.drivername!r}, not PostgreSQL; {DSN_FORM}")
-    if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
-        url = url.set(drivername="postgresql+psycopg")
-    return url
-
-
-def redacted_dsn(dsn: str) -> str:
-    """The DSN with its password masked (``***``), to print it."""
-    try:
-        return make_url(dsn).render_as_string(hide_password=True)
-    except sqlalchemy.exc.ArgumentError:  # not a URL: show nothing of it
-        return "<your DSN>"
-
-
-def libpq_dsn(dsn: str | URL) -> str:
-    """A plain libpq DSN (what psycopg.connect takes) for a SQLAlchemy URL or DSN."""
-    url = make_url(dsn) if isinstance(dsn, str) else dsn
-    plain = url.set(drivername="postgresql", query={}).render_as_string(hide_password=False)
-    # SQLAlchemy would write a space as "+", a plus sign to libpq ("-c+search_path=")
-    query = urlencode(dict(url.query), doseq=True, quote_via=quote)
-    return f"{plain}?{query}" if query else plain
-
-
-def session_args(
-    url: URL,
-    idle_in_transaction_ms: int,
-    application_name: str,
-    session_settings: Mapping[str, Any] | None = None,
-) -> dict[str, str]:
-    """Libpq parameters for every session of ours, an engine's or a psycopg connection's.
-
-    Ours come after the DSN's own ``options`` (which this argument would
-    otherwise replace): a user's ``-c search_path=...`` still holds. Standard
-    strings: the migrations and functions write backslashes as SQL does.
-    """
-    given = url.query.get("options", "")
-    options = " ".join(given) if isinstance(given, tuple) else given
-    options += f" -c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
-    options += " -c standard_conforming_strings=on"
-    for name, value in (session_settings or {}).items():
-        options += f" -c outbox.{name}={value}"
-    args = {"options": options, "application_name": application_name}
-    # libpq's default is the server's encoding: on SQL_ASCII (which stores the UTF-8
-    # bytes it is sent) psycopg would hand back bytes, not text (a TypeError at once)
-    if "client_encoding" not in url.query:
-        args["client_encoding"] = "UTF8"
-    return args
 
 
 def write_settings(settings: Settings) -> dict[str, Any]:

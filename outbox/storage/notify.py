@@ -33,7 +33,7 @@ from typing import Any
 
 import psycopg
 
-from outbox.storage.engine import libpq_dsn
+from outbox.storage.dsn import libpq_dsn
 
 __all__ = [
     "Notifier",

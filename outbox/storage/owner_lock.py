@@ -15,7 +15,7 @@ import logging
 import psycopg
 
 from outbox.retry import wait_or_wake
-from outbox.storage.engine import libpq_dsn
+from outbox.storage.dsn import libpq_dsn
 from outbox.storage.sql.owners import FORGET_OWNER, REGISTER_OWNER, TAKE_OWNER_LOCK
 
 __all__ = ["OwnerLock"]

@@ -31,7 +31,7 @@ from deliverers.testing import IdempotentHttpSink
 from outbox import Outbox
 from outbox.check.processes import start_deliverer
 from outbox.check.workload import write_config
-from outbox.storage.engine import libpq_dsn
+from outbox.storage.dsn import libpq_dsn
 from tests.chaos.test_deliverer_crash import intend_both_kinds
 from tests.support import wait_for
 

@@ -19,7 +19,7 @@ from outbox import EffectStatus, Outbox
 from outbox.governance.gates import Gate
 from outbox.shards import shard_of
 from outbox.storage.citus import GATES_VIEW, distribute, drop_gates_views, place_gates_views
-from outbox.storage.engine import psycopg_url
+from outbox.storage.dsn import psycopg_url
 from outbox.storage.migrate import migrate, shipped
 from tests.citus_support import CitusCluster, CitusDatabase, node_port_of
 

@@ -45,7 +45,8 @@ from outbox.serve.settings import Credentials, ServeSettings
 from outbox.shards import SHARDS, key_shard, on_shard, shard_of
 from outbox.storage.async_store import AsyncStore, Completion, DutyAsk
 from outbox.storage.direct import prepared
-from outbox.storage.engine import make_async_engine, psycopg_url
+from outbox.storage.dsn import psycopg_url
+from outbox.storage.engine import make_async_engine
 from outbox.storage.sql import queue
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.citus_support import CitusDatabase, node_port_of

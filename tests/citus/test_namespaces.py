@@ -14,7 +14,7 @@ import psycopg
 
 from outbox import Outbox
 from outbox.shards import SHARDS, on_shard
-from outbox.storage.engine import libpq_dsn
+from outbox.storage.dsn import libpq_dsn
 from tests.integration.test_roles_namespaces import (  # noqa: F401 (a fixture, the tests)
     confined_error,
     teams,

@@ -31,7 +31,7 @@ from outbox import (
 from outbox.cli import cli
 from outbox.shards import SHARDS, on_shard, shard_of
 from outbox.storage.citus import DELEGATED, distribute
-from outbox.storage.engine import psycopg_url
+from outbox.storage.dsn import psycopg_url
 from outbox.storage.migrate import migrate
 from tests.citus_support import CitusDatabase
 from tests.integration.test_roles import PASSWORD, denied, logins  # noqa: F401 (a fixture)

@@ -22,7 +22,8 @@ from sqlalchemy import text
 from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox, StoredValueAltered
 from outbox.cli.audit import OUTSIDE_RUNS
-from outbox.storage.engine import libpq_dsn, translate_errors
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import translate_errors
 from tests.integration.test_audit import V1_CHAIN, history, in_process_cli  # noqa: F401
 from tests.support import DaemonThread, wait_for
 

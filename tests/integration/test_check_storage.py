@@ -11,7 +11,7 @@ from outbox import Outbox, RunStatus
 from outbox.check.check import scratch_server
 from outbox.errors import DatabaseError
 from outbox.storage.admin.scratch import ScratchDatabases
-from outbox.storage.engine import redacted_dsn
+from outbox.storage.dsn import redacted_dsn
 from outbox.storage.sql.queue import EFFECT_QUEUE, claim, claim_params
 
 

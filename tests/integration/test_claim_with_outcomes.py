@@ -12,7 +12,8 @@ from outbox import Outbox
 from outbox.delivery.recording import ClaimRider, OutcomeWriter
 from outbox.models import AttemptOutcome, EffectStatus
 from outbox.storage.async_store import AsyncStore, ClaimedEffect, Completion
-from outbox.storage.engine import libpq_dsn, make_async_engine
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import make_async_engine
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.support import DaemonThread, wait_for
 

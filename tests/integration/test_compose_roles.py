@@ -23,7 +23,7 @@ from sqlalchemy.engine import make_url
 from deliverers.testing import IdempotentHttpSink, TansuBroker
 from outbox import Outbox
 from outbox.storage.admin.embedded import _bin
-from outbox.storage.engine import libpq_dsn
+from outbox.storage.dsn import libpq_dsn
 from tests.support import wait_for
 from tests.unit.test_compose import BOOTSTRAP, dsn_login, load_compose
 

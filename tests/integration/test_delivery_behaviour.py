@@ -14,7 +14,7 @@ from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox, StepTransaction
 from outbox.delivery import Delivery, Outcome, Succeeded
 from outbox.shards import shard_of
-from outbox.storage.engine import libpq_dsn
+from outbox.storage.dsn import libpq_dsn
 from tests.support import DaemonThread, wait_for
 
 

@@ -26,7 +26,8 @@ from outbox.delivery import Deliverer, Delivery, Outcome, Succeeded
 from outbox.delivery.daemon import DeliveryDaemon
 from outbox.delivery.settings import DeliverySettings
 from outbox.storage.async_store import AsyncStore
-from outbox.storage.engine import libpq_dsn, make_async_engine
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import make_async_engine
 from tests.support import DaemonThread, wait_for
 
 KIND = "test.slow"

@@ -11,7 +11,8 @@ from deliverers.testing import RecordingDeliverer
 from outbox import Outbox
 from outbox.delivery.liveness import GoneOwners
 from outbox.storage.async_store import AsyncStore
-from outbox.storage.engine import libpq_dsn, make_async_engine
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import make_async_engine
 from outbox.storage.owner_lock import OwnerLock
 from outbox.storage.sql.dispatch import DISPATCH_QUEUE
 from outbox.storage.sql.owners import OWNER_LOCK_CLASS

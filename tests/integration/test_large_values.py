@@ -20,7 +20,8 @@ from outbox import Outbox
 from outbox.blobs import is_reference
 from outbox.shards import on_shard, shard_of
 from outbox.storage.async_store import AsyncStore
-from outbox.storage.engine import libpq_dsn, make_async_engine
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import make_async_engine
 from outbox.storage.run_tx import RunTx
 from outbox.storage.sql import blobs as blob_sql
 from outbox.storage.sql.queue import EFFECT_QUEUE

@@ -19,7 +19,8 @@ from outbox import Outbox, SchemaOutdated, SchemaTooNew, Settings
 from outbox.errors import ConfigurationError, MigrationError
 from outbox.keys import derive_key
 from outbox.shards import key_shard
-from outbox.storage.engine import libpq_dsn, make_engine
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import make_engine
 from outbox.storage.migrate import applied_versions, check_schema, migrate, one_by_one, shipped
 from outbox.storage.schema import metadata
 from tests.support import wait_for

@@ -20,7 +20,8 @@ from sqlalchemy.dialects import postgresql
 
 from outbox.ids import RELAY_OWNER_PREFIX
 from outbox.storage.async_store import AsyncStore, ClaimedEffect
-from outbox.storage.engine import libpq_dsn, make_async_engine
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import make_async_engine
 from outbox.storage.sql.dispatch import DISPATCH_QUEUE, claim_dispatched
 from outbox.storage.sql.leases import extend_leases, extend_params
 from outbox.storage.sql.queue import EFFECT_QUEUE, QueueSpec

@@ -11,7 +11,7 @@ from sqlalchemy import text
 
 from outbox import AsyncOutbox, AsyncStepTransaction, DatabaseError, Outbox, StepTransaction
 from outbox.storage import engine as engine_module
-from outbox.storage.engine import libpq_dsn
+from outbox.storage.dsn import libpq_dsn
 
 
 def _backend(tx: StepTransaction) -> int:

@@ -27,7 +27,8 @@ from outbox import DatabaseError, EffectTimeout, Outbox, Run, RunStatus
 from outbox.cli import cli
 from outbox.shards import SHARDS, shard_of
 from outbox.storage.admin.roles import ROLES, STEP_WRITERS
-from outbox.storage.engine import libpq_dsn, make_engine, translate_errors
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import make_engine, translate_errors
 from outbox.storage.migrate import migrate
 from tests.support import WorkerThread, wait_for
 

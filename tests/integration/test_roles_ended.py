@@ -19,7 +19,7 @@ import pytest
 from deliverers.testing import RecordingDeliverer
 from outbox import EffectStatus, Outbox, RunStatus, StepTransaction
 from outbox.governance.gates import Gate
-from outbox.storage.engine import libpq_dsn
+from outbox.storage.dsn import libpq_dsn
 from tests.integration.test_roles import logins  # noqa: F401 (a fixture)
 from tests.support import DaemonThread, wait_for
 

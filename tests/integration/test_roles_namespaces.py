@@ -34,7 +34,8 @@ from outbox import (
 from outbox.cli import cli
 from outbox.shards import SHARDS, on_shard, shard_of
 from outbox.storage.admin.roles import ROLES, namespace_prefix
-from outbox.storage.engine import libpq_dsn, make_engine
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import make_engine
 from tests.integration.test_roles import deliver_as
 from tests.support import wait_for
 

@@ -25,7 +25,8 @@ from outbox import EffectStatus, IdempotencyConflict, Outbox, RunExists, RunPaus
 from outbox.blobs import is_reference
 from outbox.payloads import content_hash, jsonb_text
 from outbox.storage.async_store import AsyncStore, ClaimedEffect
-from outbox.storage.engine import libpq_dsn, make_async_engine, sql_api_error
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import make_async_engine, sql_api_error
 from outbox.storage.sql.queue import EFFECT_QUEUE
 from tests.integration.test_roles import logins  # noqa: F401 (a fixture)
 from tests.sql_api_support import count, intend, start_run

@@ -91,7 +91,8 @@ def test_idle_in_transaction_timeout_is_bounded(value: str) -> None:
     ],
 )
 def test_a_dsn_that_is_not_postgresql_is_a_configuration_error(dsn: str, reason: str) -> None:
-    from outbox.storage.engine import psycopg_url, resolve_dsn
+    from outbox.storage.dsn import psycopg_url
+    from outbox.storage.engine import resolve_dsn
 
     with pytest.raises(ConfigurationError, match=reason) as info:
         resolve_dsn(Settings(dsn=dsn))

@@ -16,7 +16,8 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from outbox.errors import DatabaseError
-from outbox.storage.engine import libpq_dsn, make_engine
+from outbox.storage.dsn import libpq_dsn
+from outbox.storage.engine import make_engine
 from outbox.storage.migrate import migrate
 
 __all__ = ["ScratchDatabases", "dsn_for_database"]

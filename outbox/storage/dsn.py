@@ -1,0 +1,87 @@
+"""DSNs: the one form we take, and what every session of ours asks of the server.
+
+A DSN is a ``postgresql://`` URL (SQLAlchemy's on psycopg 3 for the engines,
+libpq's for the psycopg connections a deliverer opens itself); both keep the
+DSN's own ``options`` and add ours after them (:func:`session_args`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import sqlalchemy.exc
+from sqlalchemy.engine import URL, make_url
+
+from outbox.errors import ConfigurationError
+
+__all__ = ["libpq_dsn", "psycopg_url", "redacted_dsn", "session_args"]
+
+DSN_FORM = "expected postgresql://user:password@host:port/database (OUTBOX_DSN or --dsn)"
+POSTGRES_DRIVERS = frozenset(
+    {"postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2"}
+)
+
+
+def psycopg_url(dsn: str | URL) -> URL:
+    """A SQLAlchemy URL on psycopg 3 for any ``postgresql://`` DSN."""
+    try:
+        url = make_url(dsn) if isinstance(dsn, str) else dsn
+    except sqlalchemy.exc.ArgumentError:
+        # Not repeated: a mangled DSN may still hold a password.
+        raise ConfigurationError(f"dsn is not a URL; {DSN_FORM}") from None
+    if url.drivername not in POSTGRES_DRIVERS:
+        raise ConfigurationError(f"dsn names {url.drivername!r}, not PostgreSQL; {DSN_FORM}")
+    if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
+        url = url.set(drivername="postgresql+psycopg")
+    return url
+
+
+def redacted_dsn(dsn: str) -> str:
+    """The DSN with its password masked (``***``), to print it."""
+    try:
+        return make_url(dsn).render_as_string(hide_password=True)
+    except sqlalchemy.exc.ArgumentError:  # not a URL: show nothing of it
+        return "<your DSN>"
+
+
+def libpq_dsn(dsn: str | URL) -> str:
+    """A plain libpq DSN (what psycopg.connect takes) for a SQLAlchemy URL or DSN."""
+    url = make_url(dsn) if isinstance(dsn, str) else dsn
+    # Written here, not by SQLAlchemy: it leaves a space in a name or password
+    # bare (libpq refuses it) and writes one in a query value as "+", a plus sign
+    # to libpq ("-c+search_path=...")
+    bare = URL.create("postgresql", host=url.host, port=url.port, database=url.database)
+    auth = "" if url.username is None else quote(url.username, safe="")
+    if url.password is not None:
+        auth += ":" + quote(str(url.password), safe="")
+    plain = bare.render_as_string().replace("//", f"//{auth}@" if auth else "//", 1)
+    query = urlencode(dict(url.query), doseq=True, quote_via=quote)
+    return f"{plain}?{query}" if query else plain
+
+
+def session_args(
+    url: URL,
+    idle_in_transaction_ms: int,
+    application_name: str,
+    session_settings: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """Libpq parameters for every session of ours, an engine's or a psycopg connection's.
+
+    Ours come after the DSN's own ``options`` (which this argument would
+    otherwise replace): a user's ``-c search_path=...`` still holds. Standard
+    strings: the migrations and functions write backslashes as SQL does.
+    """
+    given = url.query.get("options", "")
+    options = " ".join(given) if isinstance(given, tuple) else given
+    options += f" -c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
+    options += " -c standard_conforming_strings=on"
+    for name, value in (session_settings or {}).items():
+        options += f" -c outbox.{name}={value}"
+    args = {"options": options, "application_name": application_name}
+    # libpq's default is the server's encoding: on SQL_ASCII (which stores the UTF-8
+    # bytes it is sent) psycopg would hand back bytes, not text (a TypeError at once)
+    if "client_encoding" not in url.query:
+        args["client_encoding"] = "UTF8"
+    return args
