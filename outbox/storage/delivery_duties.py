@@ -397,7 +397,9 @@ class DutyStatements(DeliveryConnections):
 
     async def forget_gone_owners(self, candidates: Sequence[str], *, restart_grace: float) -> int:
         """Unregister gone owners that hold nothing (checked again); returns how many."""
-        params = {"owners": list(candidates), "restart_grace": restart_grace}
         with translate_errors("forgetting deliverers that are gone"):
             async with self.engine.begin() as conn:
+                holding = await conn.scalar(owners.owners_holding(), {"owners": list(candidates)})
+                idle = [owner for owner in candidates if owner not in set(holding or ())]
+                params = {"owners": idle, "restart_grace": restart_grace}
                 return len((await conn.execute(owners.forget_gone_owners(), params)).all())

@@ -8,6 +8,7 @@ they send themselves and by the step writers, which run as the tables' owner.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -34,8 +35,9 @@ from outbox import (
 from outbox.cli import cli
 from outbox.shards import SHARDS, on_shard, shard_of
 from outbox.storage.admin.roles import ROLES, namespace_prefix
+from outbox.storage.async_store import AsyncStore
 from outbox.storage.dsn import libpq_dsn
-from outbox.storage.engine import make_engine
+from outbox.storage.engine import make_async_engine, make_engine
 from tests.integration.test_roles import deliver_as
 from tests.support import wait_for
 
@@ -930,3 +932,53 @@ def test_no_login_may_attach_the_stored_value_trigger_elsewhere(
                 {},
             )
             assert held == (False,), (team["namespace"], role)
+
+
+def test_a_confined_deliverer_forgets_no_gone_deliverer_that_holds_another_namespaces_effect(
+    dsn: str, teams: dict[str, dict[str, str]]
+) -> None:
+    """The owners' registry is shared; a login confined to billing sees only billing's
+    effects. Forgetting a gone support deliverer that still holds an attempt would end
+    support's early recovery of it: its attempt would wait out the lease instead."""
+    billing, support = teams["billing"], teams["support"]
+    with Outbox.connect(support["agent"], namespace=support["namespace"]) as agent:
+        run = agent.start_run("support-agent", "1")
+        run.transaction("s", lambda tx: tx.intend("k.held", {"n": 1}) and None)
+    gone = f"support-gone-{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox_effects SET status = 'in_flight', attempt = 1, lease_owner = %s,"
+            " lease_expires_at = now() + interval '1 hour', attempt_started_at = now()"
+            " WHERE run_id = %s",
+            [gone, run.id],
+        )
+        conn.execute(
+            "INSERT INTO outbox_owners (owner, registered_at)"
+            " VALUES (%s, now() - interval '5 minutes')",
+            [gone],
+        )
+
+    def forget(login: str) -> int:
+        async def main() -> int:
+            store = AsyncStore(make_async_engine(login))
+            try:
+                return await store.forget_gone_owners([gone], restart_grace=0)
+            finally:
+                await store.dispose()
+
+        return asyncio.run(main())
+
+    def registered() -> bool:
+        with psycopg.connect(libpq_dsn(dsn)) as conn:
+            found = conn.execute("SELECT 1 FROM outbox_owners WHERE owner = %s", [gone])
+            return found.fetchone() is not None
+
+    assert forget(billing["deliverer"]) == 0 and registered(), "forgotten while it holds"
+    assert forget(support["deliverer"]) == 0 and registered()
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox_effects SET status = 'pending', lease_owner = NULL,"
+            " lease_expires_at = NULL WHERE run_id = %s",
+            [run.id],
+        )
+    assert forget(billing["deliverer"]) == 1 and not registered(), "holding nothing, it goes"

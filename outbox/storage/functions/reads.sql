@@ -59,3 +59,17 @@ SELECT r.id, r.agent, r.agent_version, r.status, outbox_resolve(r.inputs, r.shar
   FROM outbox_runs AS r
  WHERE r.id = outbox_run_status.run_id AND r.shard = outbox_shard_of(outbox_run_status.run_id)
 $$;
+
+-- Which of p_owners (deliverers or relays) hold an attempt in flight or an effect
+-- dispatched, in any namespace. A deliverer forgets a gone owner only when it holds
+-- nothing: one confined to a namespace sees only that namespace's effects, and the
+-- owners' registry is shared, so it asks here, as the tables' owner. It tells no
+-- more than whether a named owner holds anything. (On Citus the registry stays on
+-- the coordinator and the effects are distributed: one statement may not join
+-- them, so the caller deletes in a statement of its own.)
+CREATE OR REPLACE FUNCTION outbox_owners_holding(p_owners text[]) RETURNS text[]
+    LANGUAGE sql STABLE SECURITY DEFINER SET search_path FROM CURRENT AS $$
+SELECT coalesce(array_agg(DISTINCT e.lease_owner), '{}')
+  FROM outbox_effects AS e
+ WHERE e.status IN ('in_flight', 'dispatched') AND e.lease_owner = ANY (p_owners)
+$$;

@@ -39,6 +39,7 @@ __all__ = [
     "gone_owners",
     "in_flight_by_owner",
     "live_owners",
+    "owners_holding",
 ]
 
 #: The first key of every owner lock (``pg_advisory_lock(int, int)``), so owner
@@ -199,21 +200,28 @@ def end_relay_dispatches(sharded: bool = False) -> TextClause:
 
 
 @cache
-def forget_gone_owners() -> TextClause:
-    """Unregister gone owners that hold nothing, registered over a minute ago.
+def owners_holding() -> TextClause:
+    """Which of ``:owners`` (text[]) hold an attempt in flight or a dispatch, any namespace.
 
-    Parameters: ``owners`` (text[]: candidates a read found gone),
-    ``restart_grace``. The lock is checked again here. An owner holds an
-    attempt in flight, or (a relay) an effect it dispatched that no deliverer
-    took yet. Returns the owners removed.
+    One value, a text[] (``outbox_owners_holding``, as the tables' owner: a
+    deliverer confined to a namespace sees only that namespace's effects).
+    """
+    return text("SELECT outbox_owners_holding(CAST(:owners AS text[]))")
+
+
+@cache
+def forget_gone_owners() -> TextClause:
+    """Unregister gone owners, registered over a minute ago, that :func:`owners_holding` cleared.
+
+    Parameters: ``owners`` (text[]: candidates a read found gone, less those
+    that hold anything), ``restart_grace``. The lock is checked again here, so
+    an owner that came back (and may claim again) stays. Returns the owners
+    removed.
     """
     return text(
         f"""DELETE FROM outbox_owners o
             WHERE o.owner = ANY(CAST(:owners AS text[]))
               AND o.registered_at < now() - interval '1 minute'
-              AND NOT EXISTS (
-                  SELECT 1 FROM outbox_effects e
-                  WHERE e.status IN ('in_flight', 'dispatched') AND e.lease_owner = o.owner)
               AND {_GONE}
             RETURNING o.owner"""
     )
