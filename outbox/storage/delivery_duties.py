@@ -11,6 +11,7 @@ path (claim, heartbeat, complete) on top.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -134,13 +135,20 @@ class DutyStatements(DeliveryConnections):
     """The statements of a daemon's background rounds: reconcile, notes, owners that are gone."""
 
     async def probe_duties(self, ask: DutyAsk) -> DutyFindings:
-        """Which background duties have work (one read-only statement, autocommit)."""
+        """Which background duties have work (one read-only statement, autocommit).
+
+        On Citus the gone owners are asked apart (:meth:`gone_owners`).
+        """
+        sharded = await self._is_sharded()
         with translate_errors("probing for background duties"):
             async with self.engine.connect() as conn:
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                probe = duties.duty_probe(await self._is_sharded())
-                found = await conn.execute(probe, ask.params())
-                return DutyFindings.from_row(found.one())
+                probe = duties.duty_probe(sharded)
+                findings = DutyFindings.from_row((await conn.execute(probe, ask.params())).one())
+        if not sharded or not ask.gone_kinds:
+            return findings
+        gone = await self.gone_owners(ask.gone_kinds, restart_grace=ask.restart_grace)
+        return dataclasses.replace(findings, gone=tuple(gone))
 
     async def expired(
         self, max_rows: int, *, redispatch_as: str | None = None
@@ -314,18 +322,23 @@ class DutyStatements(DeliveryConnections):
     ) -> list[tuple[str, bool]]:
         """Registered owners whose lock is free: (owner, holds an attempt of ``kinds``).
 
-        None on Citus: the owners and their locks live on the coordinator, and a
-        statement may not join them with the distributed effects, so a dead
-        deliverer's attempts wait for their leases there.
+        On Citus in two reads: the owners and their locks live on the
+        coordinator, and a statement may not join them with the distributed
+        effects (which are read only when some owner is gone).
         """
-        if await self._is_sharded():
-            return []
         params = {"kinds": list(kinds), "restart_grace": restart_grace}
         with translate_errors("looking for deliverers that are gone"):
             async with self.engine.connect() as conn:
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                result = await conn.execute(owners.gone_owners(), params)
-                return [(row[0], bool(row[1])) for row in result]
+                if not await self._is_sharded():
+                    result = await conn.execute(owners.gone_owners(), params)
+                    return [(row[0], bool(row[1])) for row in result]
+                names = list((await conn.execute(owners.gone_owner_names(), params)).scalars())
+                if not names:
+                    return []
+                held = await conn.execute(owners.holding_kinds(), {**params, "owners": names})
+                holders = set(held.scalars())
+                return [(name, name in holders) for name in names]
 
     async def expire_gone_owner(
         self,
@@ -345,9 +358,27 @@ class DutyStatements(DeliveryConnections):
             "restart_grace": restart_grace,
         }
         with translate_errors("putting back the attempts of a deliverer that is gone"):
-            async with self.engine.begin() as conn:
-                result = await conn.execute(owners.expire_gone_owner(), params)
-                return [row[0] for row in result]
+            if not await self._is_sharded():
+                async with self.engine.begin() as conn:
+                    result = await conn.execute(owners.expire_gone_owner(), params)
+                    return [row[0] for row in result]
+            # On Citus the lock is checked just before, then a transaction a shard
+            # (one over two workers would commit in two phases)
+            ids: list[UUID] = []
+            async with self.engine.connect() as conn:
+                async with conn.begin():
+                    gone = (await conn.execute(owners.gone_owner_names(), params)).scalars()
+                    held = await conn.execute(owners.owner_shards(), params)
+                    shards = list(held.scalars()) if owner in set(gone) else []
+                for shard in shards:
+                    with self._shards.answering(shard, conn):
+                        async with conn.begin():
+                            result = await conn.execute(
+                                owners.expire_gone_owner(sharded=True),
+                                {**params, "on_shard": shard},
+                            )
+                            ids += [row[0] for row in result]
+            return ids
 
     async def gone_relays(self, *, restart_grace: float) -> list[str]:
         """Registered Kafka relays whose session lock is free.

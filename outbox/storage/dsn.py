@@ -28,8 +28,9 @@ def psycopg_url(dsn: str | URL) -> URL:
     """A SQLAlchemy URL on psycopg 3 for any ``postgresql://`` DSN."""
     try:
         url = make_url(dsn) if isinstance(dsn, str) else dsn
-    except sqlalchemy.exc.ArgumentError:
-        # Not repeated: a mangled DSN may still hold a password.
+    except (sqlalchemy.exc.ArgumentError, ValueError):
+        # Not repeated: a mangled DSN may still hold a password. (A port list,
+        # libpq's "@a:5432,b:5433", is a ValueError: SQLAlchemy's form is the query's.)
         raise ConfigurationError(f"dsn is not a URL; {DSN_FORM}") from None
     if url.drivername not in POSTGRES_DRIVERS:
         raise ConfigurationError(f"dsn names {url.drivername!r}, not PostgreSQL; {DSN_FORM}")
@@ -42,23 +43,36 @@ def redacted_dsn(dsn: str) -> str:
     """The DSN with its password masked (``***``), to print it."""
     try:
         return make_url(dsn).render_as_string(hide_password=True)
-    except sqlalchemy.exc.ArgumentError:  # not a URL: show nothing of it
+    except (sqlalchemy.exc.ArgumentError, ValueError):  # not a URL: show nothing of it
         return "<your DSN>"
 
 
 def libpq_dsn(dsn: str | URL) -> str:
     """A plain libpq DSN (what psycopg.connect takes) for a SQLAlchemy URL or DSN."""
     url = make_url(dsn) if isinstance(dsn, str) else dsn
-    # Written here, not by SQLAlchemy: it leaves a space in a name or password
-    # bare (libpq refuses it) and writes one in a query value as "+", a plus sign
-    # to libpq ("-c+search_path=...")
-    bare = URL.create("postgresql", host=url.host, port=url.port, database=url.database)
+    # Written here, not by SQLAlchemy: it leaves a space in a name, password or
+    # database bare (libpq refuses it) and writes one in a query value as "+", a
+    # plus sign to libpq ("-c+search_path=...")
     auth = "" if url.username is None else quote(url.username, safe="")
     if url.password is not None:
         auth += ":" + quote(str(url.password), safe="")
-    plain = bare.render_as_string().replace("//", f"//{auth}@" if auth else "//", 1)
-    query = urlencode(dict(url.query), doseq=True, quote_via=quote)
-    return f"{plain}?{query}" if query else plain
+    where = URL.create("postgresql", host=url.host, port=url.port).render_as_string()
+    plain = where.replace("//", f"//{auth}@" if auth else "//", 1)
+    if url.database is not None:
+        plain += "/" + quote(url.database, safe="")
+    query = dict(url.query)
+    # libpq keeps the last of a repeated key: the engines pass every options given
+    if isinstance(options := query.get("options"), tuple):
+        query["options"] = " ".join(options)
+    # SQLAlchemy's form of several servers, ?host=a:5432&host=b:5433, is libpq's
+    # host=a,b&port=5432,5433
+    if isinstance(hosts := query.get("host"), tuple) and "port" not in query:
+        split = [h.rsplit(":", 1) if h.rsplit(":", 1)[-1].isdigit() else [h, ""] for h in hosts]
+        query["host"] = ",".join(h for h, _ in split)
+        if any(port for _, port in split):
+            query["port"] = ",".join(port for _, port in split)
+    text = urlencode(query, doseq=True, quote_via=quote)
+    return f"{plain}?{text}" if text else plain
 
 
 def session_args(

@@ -4,11 +4,16 @@ effects it is checked against are distributed."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import psycopg
 
-from outbox import Outbox
+from deliverers.testing import RecordingDeliverer
+from outbox import Outbox, StepTransaction
+from outbox.delivery.daemon import DeliveryDaemon
+from outbox.delivery.settings import DeliverySettings
+from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine
 
@@ -48,3 +53,75 @@ def test_a_gone_owner_is_forgotten_once_it_holds_nothing(ob: Outbox, dsn: str) -
             [run.id, run.id],
         )
     assert _forget(dsn, gone) == 1
+
+
+def test_a_gone_deliverers_idempotent_attempts_are_put_back_long_before_their_lease(
+    ob: Outbox, dsn: str
+) -> None:
+    """Early recovery on a cluster: the registry (and the owners' locks) on the
+    coordinator, the attempts on the workers' shards. A deliverer registered whose
+    lock is free holds attempts on several shards with an hour's lease left; a live
+    daemon puts the idempotent ones back, logged, and delivers each once, in
+    seconds. The blind kind waits for its lease."""
+    gone = f"gone-{uuid.uuid4().hex[:6]}"
+    runs = [ob.start_run("owners-gone", "1") for _ in range(6)]
+
+    def both(tx: StepTransaction) -> None:
+        tx.intend("k.again", {"n": 1})
+        tx.intend("k.blind", {"n": 2})
+
+    for run in runs:
+        run.transaction("s", both)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for run in runs:
+            conn.execute(
+                "UPDATE outbox_effects SET status = 'in_flight', attempt = 1, lease_owner = %s,"
+                " lease_expires_at = now() + interval '1 hour', attempt_started_at = now()"
+                " WHERE run_id = %s AND shard = outbox_shard_of(%s)",
+                [gone, run.id, run.id],
+            )
+        conn.execute("INSERT INTO outbox_owners (owner) VALUES (%s)", [gone])
+    assert len({shard_of(run.id) for run in runs}) > 1
+    again = RecordingDeliverer("k.again", idempotent=True)
+    blind = RecordingDeliverer("k.blind", idempotent=False)
+    settings = DeliverySettings(poll_seconds=0.1, restart_grace_seconds=0)
+
+    async def main() -> float:
+        store = AsyncStore(make_async_engine(dsn))
+        daemon = DeliveryDaemon(store, {"k.again": again, "k.blind": blind}, settings)
+        task = asyncio.create_task(daemon.run())
+        started = time.monotonic()
+        try:
+            while len(again.deliveries) < len(runs):
+                assert time.monotonic() - started < 30, f"{len(again.deliveries)} put back"
+                await asyncio.sleep(0.1)
+            took = time.monotonic() - started
+            await asyncio.sleep(1.0)  # nothing more comes
+            return took
+        finally:
+            daemon.stop()
+            await task
+            await store.dispose()
+
+    took = asyncio.run(main())
+    assert sorted(d.idempotency_key for d in again.deliveries) == sorted(
+        set(d.idempotency_key for d in again.deliveries)
+    ), "each once"
+    assert blind.deliveries == [], "a call that may have landed is never sent blindly again"
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SET citus.multi_task_query_log_level = 'off'")
+        logged = conn.execute(
+            "SELECT a.outcome, a.detail->>'note' FROM outbox_effect_attempts a"
+            " JOIN outbox_effects e ON e.id = a.effect_id AND e.shard = a.shard"
+            " WHERE e.kind = 'k.again' AND e.run_id = ANY(%s) AND a.attempt = 1",
+            [[run.id for run in runs]],
+        ).fetchall()
+        held = conn.execute(
+            "SELECT count(*) FROM outbox_effects WHERE kind = 'k.blind' AND lease_owner = %s"
+            " AND status = 'in_flight'",
+            [gone],
+        ).fetchone()
+    assert len(logged) == len(runs)
+    assert all(outcome == "expired" and gone in note for outcome, note in logged), logged
+    assert held == (len(runs),)
+    print(f"gone deliverer's attempts back and delivered in {took:.2f} s (lease 1 h)")

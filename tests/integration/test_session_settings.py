@@ -130,3 +130,53 @@ def test_a_sql_ascii_database_hands_the_deliverer_text(
     assert delivered == [PAYLOAD]
     assert open_statuses == ["none open"]
     assert _warnings(caplog) == []
+
+
+#: SQL API calls whose bodies hold backslashes or patterns, with their arguments.
+CALLS: list[tuple[str, tuple[Any, ...]]] = [
+    ("outbox_printable(%s)", ("a\\b\t\n\x01é\u2028🙂",)),
+    ("outbox_intent_rules()", ()),
+    (
+        "outbox_gate_verdict(%s::jsonb, %s::jsonb)",
+        ('{"path": ["a"], "op": "gt", "value": 100}', '{"a": "1x5"}'),
+    ),
+    (
+        "outbox_gate_verdict(%s::jsonb, %s::jsonb)",
+        ('{"path": ["a"], "op": "gt", "value": 100}', '{"a": "150.5"}'),
+    ),
+    (
+        "outbox_payload_violation(%s::jsonb, 'payload')",
+        ('{"headers": {"x-a": "Bearer abcdefghijklmnopqrstu"}}',),
+    ),
+    ("outbox_payload_violation(%s::jsonb, 'payload')", ('{"headers": {"x-a": "a\\u0007b"}}',)),
+]
+
+
+def test_the_sql_api_reads_alike_in_a_session_with_the_old_escapes(
+    database: Callable[..., str],
+) -> None:
+    """A function's body is read in its caller's session: psql, or the TypeScript
+    client, on a database set to the old escapes reads a '\\' literal as an open
+    string (a syntax error), '\\.' in a pattern as any character (a quoted "1x5"
+    judged a number), and the rules' JSON as invalid."""
+    dsn = database("ALTER DATABASE {db} SET standard_conforming_strings = off")
+    engine = make_engine(dsn)
+    try:
+        migrate(engine)
+    finally:
+        engine.dispose()
+    answers: dict[str, list[Any]] = {}
+    for setting in ("on", "off"):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"SET standard_conforming_strings = {setting}")
+            conn.execute("SET escape_string_warning = off")
+            answers[setting] = [
+                conn.execute(f"SELECT {call}", args).fetchone() for call, args in CALLS
+            ]
+    assert answers["off"] == answers["on"]
+    printable, _, quoted, number, credential, bell = answers["on"]
+    assert printable == ("a\\\\b\\t\\n\\x01\\xe9\\u2028\\U0001f642",)
+    assert quoted == ("the payload is a string, not a number (gt 100)",)
+    assert number == ("",)
+    assert credential[0]["shown"] == "Bearer <hidden>"
+    assert bell[0]["rule"] == "header-value-control"

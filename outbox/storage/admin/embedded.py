@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+from urllib.parse import quote
 
 import fasteners
 import psycopg
@@ -189,7 +190,7 @@ class EmbeddedServer:
 
     def dsn(self, database: str = DATABASE) -> str:
         """A libpq URI for ``database`` over the server's Unix socket."""
-        return f"postgresql://{SUPERUSER}@/{database}?host={self.socket_dir}"
+        return f"postgresql://{SUPERUSER}@/{database}?host={quote(str(self.socket_dir), safe='/')}"
 
     @property
     def socket_dir(self) -> Path:

@@ -138,16 +138,18 @@ SELECT CASE jsonb_typeof(value)
 $$;
 
 -- A value shown in an error with control and non-ASCII characters escaped
--- (Python's ascii()), so an error cannot forge a log line.
+-- (Python's ascii()), so an error cannot forge a log line. (Every backslash an
+-- E'' literal: a function's body is read in its caller's session, and one with
+-- standard_conforming_strings off reads '\' as an open string.)
 CREATE OR REPLACE FUNCTION outbox_printable(value text) RETURNS text
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
 SELECT string_agg(CASE
-         WHEN c = '\' THEN '\\'
-         WHEN c = E'\t' THEN '\t' WHEN c = E'\n' THEN '\n' WHEN c = E'\r' THEN '\r'
+         WHEN c = E'\\' THEN E'\\\\'
+         WHEN c = E'\t' THEN E'\\t' WHEN c = E'\n' THEN E'\\n' WHEN c = E'\r' THEN E'\\r'
          WHEN ascii(c) BETWEEN 32 AND 126 THEN c
-         WHEN ascii(c) < 256 THEN '\x' || lpad(to_hex(ascii(c)), 2, '0')
-         WHEN ascii(c) < 65536 THEN '\u' || lpad(to_hex(ascii(c)), 4, '0')
-         ELSE '\U' || lpad(to_hex(ascii(c)), 8, '0') END, '' ORDER BY n)
+         WHEN ascii(c) < 256 THEN E'\\x' || lpad(to_hex(ascii(c)), 2, '0')
+         WHEN ascii(c) < 65536 THEN E'\\u' || lpad(to_hex(ascii(c)), 4, '0')
+         ELSE E'\\U' || lpad(to_hex(ascii(c)), 8, '0') END, '' ORDER BY n)
   FROM regexp_split_to_table(value, '') WITH ORDINALITY AS t(c, n)
 $$;
 

@@ -49,7 +49,7 @@ CROSS JOIN LATERAL (
     SELECT jsonb_typeof(v),
            CASE jsonb_typeof(v) WHEN 'number' THEN v::numeric
                 WHEN 'string' THEN CASE WHEN length(v #>> '{}') <= 100
-                    AND (v #>> '{}') ~ '^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]{1,4})?$'
+                    AND (v #>> '{}') ~ '^-?(0|[1-9][0-9]*)([.][0-9]+)?([eE][-+]?[0-9]{1,4})?$'
                     THEN (v #>> '{}')::numeric END END) AS q(t, n)
 $$;
 

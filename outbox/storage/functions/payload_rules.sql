@@ -104,7 +104,7 @@ BEGIN
             END IF;
             IF (h.value #>> '{}') ~* (rules->>'credential_value_pattern') THEN
                 RETURN jsonb_build_object('rule', 'credential-value', 'field', where_ || '.' || h.name,
-                    'shown', (regexp_match(h.value #>> '{}', '(\S+)'))[1] || ' <hidden>');
+                    'shown', (regexp_match(h.value #>> '{}', '([^[:space:]]+)'))[1] || ' <hidden>');
             END IF;
         END LOOP;
     END IF;

@@ -3,10 +3,12 @@
 -- defaults, and the limits that keep a value readable by every client (JSON
 -- depth and integer digits). tests/integration/test_sql_api_rules.py holds it
 -- equal to the Python constants. A session or database may override the
--- settings (outbox_setting: SET outbox.max_payload_bytes = ...).
+-- settings (outbox_setting: SET outbox.max_payload_bytes = ...). An E'' literal,
+-- its backslashes doubled: a function's body is read in its caller's session,
+-- and one with standard_conforming_strings off would take the JSON's for escapes.
 CREATE OR REPLACE FUNCTION outbox_intent_rules() RETURNS jsonb
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-SELECT '{
+SELECT E'{
   "kind_pattern": "^[A-Za-z0-9_.:-]+$",
   "max_kind_length": 200,
   "max_key_length": 500,
@@ -29,11 +31,11 @@ SELECT '{
   "max_integer_digits": 4300,
   "live_run_statuses": ["runnable", "running", "waiting", "paused"],
   "active_run_statuses": ["runnable", "running", "waiting"],
-  "control_characters": "[\\x01-\\x1f\\x7f-\\x9f\\u2028\\u2029]",
+  "control_characters": "[\\\\x01-\\\\x1f\\\\x7f-\\\\x9f\\\\u2028\\\\u2029]",
   "headers_field": "headers",
   "url_field": "url",
   "header_name_pattern": "^[!#$%&''*+.^_`|~0-9A-Za-z-]+$",
-  "header_value_forbidden": "[\\x01-\\x08\\x0a-\\x1f\\x7f-\\x9f\\u2028\\u2029]",
+  "header_value_forbidden": "[\\\\x01-\\\\x08\\\\x0a-\\\\x1f\\\\x7f-\\\\x9f\\\\u2028\\\\u2029]",
   "header_name_rules": [
     {
       "code": "framing-header",
@@ -62,7 +64,7 @@ SELECT '{
       "pattern": "token|secret|passw(or)?d|passphrase|credential|session|cookie|api-?key|access-?key|private-?key|secret-?key|authori[sz]ation|authentication|(^|-)auth(-|$)|(^|-)(subscription|functions?|app|application|master|license|insert|signing|auth|encryption(-customer)?)-?key(-|$)"
     }
   ],
-  "credential_value_pattern": "^\\s*(bearer|basic|token|(api-?)?key|ssws|oauth)\\s+[A-Za-z0-9._~+/-]{16,}=*\\s*$",
+  "credential_value_pattern": "^\\\\s*(bearer|basic|token|(api-?)?key|ssws|oauth)\\\\s+[A-Za-z0-9._~+/-]{16,}=*\\\\s*$",
   "reasons": {
     "control-character": "holds a control character (CR, LF, NUL, ...), which is refused",
     "surrogate": "holds a lone surrogate, which is not valid Unicode text",

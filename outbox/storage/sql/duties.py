@@ -31,7 +31,8 @@ def duty_probe(sharded: bool = False) -> TextClause:
 
     ``sharded`` (Citus): a read of every shard at once (read-only, no lock), and
     no gone owners: the owners live on the coordinator, and Citus refuses a
-    statement that joins them with the distributed effects.
+    statement that joins them with the distributed effects (the caller reads
+    them apart: :meth:`~outbox.storage.delivery_duties.DutyStatements.gone_owners`).
 
     Parameters: ``askable`` (text[]: kinds whose ``unknown`` effects the
     reconciler settles by asking the sink), ``kinds`` (text[]: the idempotent

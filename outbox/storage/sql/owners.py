@@ -37,8 +37,10 @@ __all__ = [
     "forget_gone_owners",
     "gone_owner_names",
     "gone_owners",
+    "holding_kinds",
     "in_flight_by_owner",
     "live_owners",
+    "owner_shards",
     "owners_holding",
 ]
 
@@ -127,7 +129,30 @@ def live_owners() -> TextClause:
 
 
 @cache
-def expire_gone_owner() -> TextClause:
+def holding_kinds() -> TextClause:
+    """Which of ``:owners`` (text[]) hold an in-flight attempt of ``:kinds`` (text[]), by name.
+
+    :func:`gone_owners`' ``holds`` for Citus, where the registry and the effects
+    are read in statements of their own.
+    """
+    return text(
+        """SELECT DISTINCT e.lease_owner FROM outbox_effects e
+            WHERE e.status = 'in_flight' AND e.lease_owner = ANY(CAST(:owners AS text[]))
+              AND e.kind = ANY(CAST(:kinds AS text[]))"""
+    )
+
+
+@cache
+def owner_shards() -> TextClause:
+    """The shards on which ``:owner`` holds an in-flight attempt (Citus)."""
+    return text(
+        """SELECT DISTINCT e.shard FROM outbox_effects e
+            WHERE e.status = 'in_flight' AND e.lease_owner = :owner ORDER BY e.shard"""
+    )
+
+
+@cache
+def expire_gone_owner(sharded: bool = False) -> TextClause:
     """Put a gone owner's in-flight attempts of idempotent kinds back to ``pending``, logged.
 
     Parameters: ``owner``, ``restart_grace``, ``limits`` (JSON ``[{kind,
@@ -135,10 +160,19 @@ def expire_gone_owner() -> TextClause:
     ``note``, ``worker``. The owner's lock is checked again in this statement,
     so an owner that came back keeps its attempts. An attempt at its cap is
     left to the lease path (which fails it). Returns the ids put back.
+    ``sharded`` (Citus): on the shard ``on_shard`` only, and the lock is not
+    checked here (no statement may join the coordinator's owners with the
+    distributed effects): the caller checks it just before.
     """
+    gone = (
+        "SELECT CAST(:owner AS text) AS owner"
+        if sharded
+        else f"SELECT o.owner FROM outbox_owners o WHERE o.owner = :owner AND {_GONE}"
+    )
+    on_shard = "AND e.shard = :on_shard" if sharded else ""
     return text(
         f"""WITH gone AS (
-                SELECT o.owner FROM outbox_owners o WHERE o.owner = :owner AND {_GONE}
+                {gone}
             ), limits AS (
                 SELECT * FROM jsonb_to_recordset(CAST(:limits AS jsonb))
                     AS k(kind text, max_attempts integer)
@@ -151,6 +185,7 @@ def expire_gone_owner() -> TextClause:
                 WHERE e.status = 'in_flight' AND e.lease_owner = gone.owner
                   AND e.kind = limits.kind
                   AND e.attempt < coalesce(e.max_attempts, limits.max_attempts)
+                  {on_shard}
                 RETURNING e.id, e.attempt, e.attempt_started_at, e.shard
             )
             INSERT INTO outbox_effect_attempts
