@@ -67,7 +67,9 @@ class DeliveryConnections:
         self._direct = DirectConnections(
             libpq_dsn(engine.url),
             setup=GENERIC_PLANS_OFF_CITUS,
-            params=session_args(engine.url, idle_in_transaction_ms, application_name),
+            params=session_args(
+                engine.url, idle_in_transaction_ms, application_name, read_committed=True
+            ),
         )
         #: Told of every claim/complete transaction (a benchmark's probe); None: nobody.
         self.observer: Observer | None = None

@@ -80,17 +80,24 @@ def session_args(
     idle_in_transaction_ms: int,
     application_name: str,
     session_settings: Mapping[str, Any] | None = None,
+    *,
+    read_committed: bool = False,
 ) -> dict[str, str]:
     """Libpq parameters for every session of ours, an engine's or a psycopg connection's.
 
     Ours come after the DSN's own ``options`` (which this argument would
     otherwise replace): a user's ``-c search_path=...`` still holds. Standard
     strings: the migrations and functions write backslashes as SQL does.
+    ``read_committed``: for sessions that run no caller's SQL (a deliverer's,
+    a relay's), whatever isolation the database defaults to: their claims are
+    written for it, and under SERIALIZABLE each would fail now and then.
     """
     given = url.query.get("options", "")
     options = " ".join(given) if isinstance(given, tuple) else given
     options += f" -c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
     options += " -c standard_conforming_strings=on"
+    if read_committed:
+        options += r" -c default_transaction_isolation=read\ committed"
     for name, value in (session_settings or {}).items():
         options += f" -c outbox.{name}={value}"
     args = {"options": options, "application_name": application_name}

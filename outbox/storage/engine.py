@@ -123,13 +123,15 @@ def make_async_engine(
     application_name: str = "outbox-deliver",
     idle_in_transaction_ms: int = 60_000,
 ) -> AsyncEngine:
-    """An async engine on psycopg 3, with the connection count bounded."""
+    """The delivery store's engine: psycopg 3, the connection count bounded, READ COMMITTED."""
     url = psycopg_url(dsn)
     engine = create_async_engine(
         url,
         pool_size=pool_size,
         max_overflow=0,
-        connect_args=session_args(url, idle_in_transaction_ms, application_name),
+        connect_args=session_args(
+            url, idle_in_transaction_ms, application_name, read_committed=True
+        ),
         **POOL_OPTIONS,
     )
     _watch_pool(engine.sync_engine)

@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from deliverers.testing import RecordingDeliverer
@@ -180,3 +181,31 @@ def test_the_sql_api_reads_alike_in_a_session_with_the_old_escapes(
     assert number == ("",)
     assert credential[0]["shown"] == "Bearer <hidden>"
     assert bell[0]["rule"] == "header-value-control"
+
+
+def test_a_deliverers_sessions_read_committed_whatever_the_database_defaults_to(
+    database: Callable[..., str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Claims are written for READ COMMITTED; under a SERIALIZABLE default each
+    could fail as a serialization conflict with a step or another claim."""
+    dsn = database("ALTER DATABASE {db} SET default_transaction_isolation = serializable")
+    with caplog.at_level(logging.WARNING):
+        delivered, open_statuses = _write_then_deliver(dsn)
+    assert delivered == [PAYLOAD] and open_statuses == ["none open"]
+    assert _warnings(caplog) == []
+
+    async def isolations() -> list[str]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            async with store._direct.connection() as direct:  # the claims' own sessions
+                claims = await (await direct.execute("SHOW transaction_isolation")).fetchone()
+            async with store.engine.connect() as pooled:
+                duties = await pooled.scalar(text("SHOW transaction_isolation"))
+            assert claims is not None
+            return [claims["transaction_isolation"], str(duties)]
+        finally:
+            await store.dispose()
+
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SHOW transaction_isolation").fetchone() == ("serializable",)
+    assert asyncio.run(isolations()) == ["read committed", "read committed"]
