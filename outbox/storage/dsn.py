@@ -96,6 +96,8 @@ def session_args(
     options = " ".join(given) if isinstance(given, tuple) else given
     options += f" -c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
     options += " -c standard_conforming_strings=on"
+    # psycopg reads dates and intervals as text only in these styles
+    options += " -c DateStyle=ISO -c IntervalStyle=postgres"
     if read_committed:
         options += r" -c default_transaction_isolation=read\ committed"
     for name, value in (session_settings or {}).items():

@@ -209,3 +209,20 @@ def test_a_deliverers_sessions_read_committed_whatever_the_database_defaults_to(
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SHOW transaction_isolation").fetchone() == ("serializable",)
     assert asyncio.run(isolations()) == ["read committed", "read committed"]
+
+
+def test_a_database_in_another_date_and_interval_style(
+    database: Callable[..., str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """psycopg reads a timestamp sent as text only in the ISO date style."""
+    dsn = database(
+        "ALTER DATABASE {db} SET DateStyle = 'SQL, DMY'",
+        "ALTER DATABASE {db} SET IntervalStyle = 'iso_8601'",
+    )
+    with caplog.at_level(logging.WARNING):
+        delivered, open_statuses = _write_then_deliver(dsn)
+    assert delivered == [PAYLOAD] and open_statuses == ["none open"]
+    assert _warnings(caplog) == []
+    with Outbox.connect(dsn) as ob:
+        (record,) = ob.runs(agent="sessions")
+        assert record.created_at.tzinfo is not None
