@@ -35,6 +35,8 @@ from psycopg.rows import dict_row
 from sqlalchemy.dialects.postgresql.psycopg import PGDialectAsync_psycopg
 from sqlalchemy.engine.interfaces import Dialect
 
+from outbox.storage.dsn import ISO_DATES, iso_dates_needed
+
 __all__ = ["GENERIC_PLANS_OFF_CITUS", "DirectConnections", "Prepared", "prepared"]
 
 #: Each delivery connection's setup: generic plans, unless the database is
@@ -154,9 +156,10 @@ class DirectConnections:
                     self._conninfo, autocommit=True, row_factory=dict_row, **self._params
                 )
                 self._born[id(conn)] = born
-                if self._setup is not None:
+                setup = [*([ISO_DATES] if iso_dates_needed(conn.info) else []), self._setup]
+                for statement in filter(None, setup):
                     try:
-                        await conn.execute(self._setup)
+                        await conn.execute(statement)
                     except BaseException:
                         await self._discard(conn)
                         raise

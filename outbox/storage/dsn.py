@@ -11,12 +11,31 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
+import psycopg
 import sqlalchemy.exc
 from sqlalchemy.engine import URL, make_url
 
 from outbox.errors import ConfigurationError
 
-__all__ = ["libpq_dsn", "psycopg_url", "redacted_dsn", "session_args"]
+__all__ = [
+    "ISO_DATES",
+    "iso_dates_needed",
+    "libpq_dsn",
+    "psycopg_url",
+    "redacted_dsn",
+    "session_args",
+]
+
+#: psycopg reads a timestamp sent as text only in the ISO date style. Sent after
+#: connecting, not as a startup option: that would replace the database's or
+#: role's day/month order too ('SQL, DMY' becomes 'ISO, MDY', not 'ISO, DMY').
+ISO_DATES = "SET DateStyle = ISO"
+
+
+def iso_dates_needed(info: psycopg.ConnectionInfo) -> bool:
+    """Whether a new session's date style (reported at connection) is not ISO already."""
+    return not (info.parameter_status("DateStyle") or "ISO").startswith("ISO")
+
 
 DSN_FORM = "expected postgresql://user:password@host:port/database (OUTBOX_DSN or --dsn)"
 POSTGRES_DRIVERS = frozenset(
@@ -96,8 +115,6 @@ def session_args(
     options = " ".join(given) if isinstance(given, tuple) else given
     options += f" -c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
     options += " -c standard_conforming_strings=on"
-    # psycopg reads dates and intervals as text only in these styles
-    options += " -c DateStyle=ISO -c IntervalStyle=postgres"
     if read_committed:
         options += r" -c default_transaction_isolation=read\ committed"
     for name, value in (session_settings or {}).items():

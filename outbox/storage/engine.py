@@ -42,7 +42,7 @@ from outbox.errors import (
 )
 from outbox.settings import Settings
 from outbox.storage.admin.embedded import EmbeddedServer
-from outbox.storage.dsn import psycopg_url, session_args
+from outbox.storage.dsn import ISO_DATES, iso_dates_needed, psycopg_url, session_args
 from outbox.storage.migrate import check_schema, migrate
 
 __all__ = [
@@ -367,6 +367,21 @@ def _watch_pool(engine: Engine) -> None:
     """The pool events every engine of ours gets."""
     _learn_layout(engine)
     _ping_after_idle(engine)
+    event.listen(engine, "connect", _iso_dates)
+
+
+def _iso_dates(dbapi_connection: Any, _record: Any) -> None:
+    """A new session in another date style is switched to ISO (:data:`ISO_DATES`)."""
+    if not iso_dates_needed(dbapi_connection.info):
+        return
+    autocommit = dbapi_connection.autocommit
+    dbapi_connection.autocommit = True  # in a transaction, the pool's rollback would undo it
+    try:
+        cursor = dbapi_connection.cursor()
+        cursor.execute(ISO_DATES)
+        cursor.close()
+    finally:
+        dbapi_connection.autocommit = autocommit
 
 
 def _ping_after_idle(engine: Engine) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Iterator
+from datetime import date
 from typing import Any
 
 import psycopg
@@ -214,7 +215,9 @@ def test_a_deliverers_sessions_read_committed_whatever_the_database_defaults_to(
 def test_a_database_in_another_date_and_interval_style(
     database: Callable[..., str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """psycopg reads a timestamp sent as text only in the ISO date style."""
+    """psycopg reads a timestamp sent as text only in the ISO date style; our
+    sessions switch to it and keep the database's day/month order, which a
+    caller's own SQL in a step may rely on."""
     dsn = database(
         "ALTER DATABASE {db} SET DateStyle = 'SQL, DMY'",
         "ALTER DATABASE {db} SET IntervalStyle = 'iso_8601'",
@@ -223,6 +226,19 @@ def test_a_database_in_another_date_and_interval_style(
         delivered, open_statuses = _write_then_deliver(dsn)
     assert delivered == [PAYLOAD] and open_statuses == ["none open"]
     assert _warnings(caplog) == []
+    read = "SELECT current_setting('DateStyle'), CAST('01/02/2024' AS date)"
     with Outbox.connect(dsn) as ob:
         (record,) = ob.runs(agent="sessions")
         assert record.created_at.tzinfo is not None
+        with ob.engine.connect() as conn:
+            assert tuple(conn.execute(text(read)).one()) == ("ISO, DMY", date(2024, 2, 1))
+
+    async def direct() -> Any:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            async with store._direct.connection() as conn:
+                return await (await conn.execute(read)).fetchone()
+        finally:
+            await store.dispose()
+
+    assert list(asyncio.run(direct()).values()) == ["ISO, DMY", date(2024, 2, 1)]
