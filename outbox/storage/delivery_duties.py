@@ -364,17 +364,19 @@ class DutyStatements(DeliveryConnections):
                 async with self.engine.begin() as conn:
                     result = await conn.execute(owners.expire_gone_owner(), params)
                     return [row[0] for row in result]
-            # On Citus the lock is checked just before, then a transaction a shard
-            # (one over two workers would commit in two phases)
+            # On Citus a transaction a shard (one over two workers would commit in two
+            # phases), the lock checked again in each: an owner whose lock session came
+            # back meanwhile keeps what is left
             ids: list[UUID] = []
             async with self.engine.connect() as conn:
                 async with conn.begin():
-                    gone = (await conn.execute(owners.gone_owner_names(), params)).scalars()
-                    held = await conn.execute(owners.owner_shards(), params)
-                    shards = list(held.scalars()) if owner in set(gone) else []
-                for shard in shards:
+                    held = set((await conn.execute(owners.owner_shards(), params)).scalars())
+                for shard in [s for s in self._shards.live() if s in held]:
                     with self._shards.answering(shard, conn):
                         async with conn.begin():
+                            gone = await conn.execute(owners.gone_owner_names(), params)
+                            if owner not in set(gone.scalars()):
+                                break
                             result = await conn.execute(
                                 owners.expire_gone_owner(sharded=True),
                                 {**params, "on_shard": shard},

@@ -4,10 +4,13 @@ effects it is checked against are distributed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 
 import psycopg
+import pytest
 
 from deliverers.testing import RecordingDeliverer
 from outbox import Outbox, StepTransaction
@@ -16,6 +19,8 @@ from outbox.delivery.settings import DeliverySettings
 from outbox.shards import shard_of
 from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine
+from outbox.storage.shard_turns import ShardTurns
+from outbox.storage.sql.owners import OWNER_LOCK_CLASS
 
 
 def _forget(dsn: str, owner: str) -> int:
@@ -125,3 +130,67 @@ def test_a_gone_deliverers_idempotent_attempts_are_put_back_long_before_their_le
     assert all(outcome == "expired" and gone in note for outcome, note in logged), logged
     assert held == (len(runs),)
     print(f"gone deliverer's attempts back and delivered in {took:.2f} s (lease 1 h)")
+
+
+def test_an_owner_back_during_the_put_back_keeps_the_attempts_left(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The put-back goes a shard at a time; the lock is asked again in each shard's
+    transaction, so a deliverer whose lock session came back after the first keeps
+    its attempts on the others (put back, they would be called twice)."""
+    gone = f"gone-{uuid.uuid4().hex[:6]}"
+    runs = [ob.start_run("owners-back", "1") for _ in range(8)]
+    for run in runs:
+        run.transaction("s", lambda tx: tx.intend("k.back", {"n": 1}) and None)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for run in runs:
+            conn.execute(
+                "UPDATE outbox_effects SET status = 'in_flight', attempt = 1, lease_owner = %s,"
+                " lease_expires_at = now() + interval '1 hour', attempt_started_at = now()"
+                " WHERE run_id = %s AND shard = outbox_shard_of(%s)",
+                [gone, run.id, run.id],
+            )
+        conn.execute("INSERT INTO outbox_owners (owner) VALUES (%s)", [gone])
+    shards = {shard_of(run.id) for run in runs}
+    assert len(shards) > 1
+    back = psycopg.connect(dsn, autocommit=True)
+    asked: list[int] = []
+    real = ShardTurns.answering
+
+    @contextlib.contextmanager
+    def answering(self: ShardTurns, shard: int | None, conn: object) -> Iterator[None]:
+        with real(self, shard, conn):
+            yield
+        asked.append(shard or 0)
+        if len(asked) == 1:  # its lock session is back after the first shard's turn
+            taken = back.execute(
+                "SELECT pg_try_advisory_lock(%s, hashtext(%s))", [OWNER_LOCK_CLASS, gone]
+            )
+            assert taken.fetchone() == (True,)
+
+    monkeypatch.setattr(ShardTurns, "answering", answering)
+
+    async def main() -> list[uuid.UUID]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            return await store.expire_gone_owner(
+                gone, {"k.back": 5}, note="gone", worker="t", restart_grace=0
+            )
+        finally:
+            await store.dispose()
+
+    try:
+        put_back = asyncio.run(main())
+    finally:
+        back.close()
+    first = asked[0]
+    assert len(asked) == 2, "the second shard's turn found the owner back and stopped"
+    assert len(put_back) == sum(1 for run in runs if shard_of(run.id) == first)
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SET citus.multi_task_query_log_level = 'off'")
+        kept = conn.execute(
+            "SELECT count(*) FROM outbox_effects WHERE kind = 'k.back' AND status = 'in_flight'"
+            " AND lease_owner = %s",
+            [gone],
+        ).fetchone()
+    assert kept == (len(runs) - len(put_back),)

@@ -982,3 +982,11 @@ def test_a_confined_deliverer_forgets_no_gone_deliverer_that_holds_another_names
             [run.id],
         )
     assert forget(billing["deliverer"]) == 1 and not registered(), "holding nothing, it goes"
+    # who holds what in other namespaces is read as the tables' owner: for the
+    # roles that unregister gone deliverers alone
+    for role in ("agent", "reader"):
+        with (
+            psycopg.connect(libpq_dsn(billing[role])) as conn,
+            pytest.raises(psycopg.errors.InsufficientPrivilege),
+        ):
+            conn.execute("SELECT outbox_owners_holding(ARRAY['x'])")

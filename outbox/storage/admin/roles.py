@@ -340,6 +340,13 @@ def role_script(
     # login that could attach it to a table of its own would hold values through it.
     blobs_written = f"{schema}.outbox_blobs_written()"
     out.append(f"REVOKE ALL ON FUNCTION {blobs_written} FROM PUBLIC, {every}")
+    # Which deliverers hold anything in any namespace, read as the tables' owner:
+    # for the roles that unregister gone ones, no one else.
+    holding = f"{schema}.outbox_owners_holding(text[])"
+    owners = [spec for spec in ROLES if "DELETE" in spec.grants.get("outbox_owners", ())]
+    forgetters = ", ".join(names[spec.suffix] for spec in owners)
+    out.append(f"REVOKE ALL ON FUNCTION {holding} FROM PUBLIC, {every}")
+    out.append(f"GRANT EXECUTE ON FUNCTION {holding} TO {forgetters}")
     # The step writers run as the tables' owner: the agent's, no one else's.
     writers = ", ".join(f"{schema}.{w}" for w in STEP_WRITERS)
     out.append(f"REVOKE ALL ON FUNCTION {writers} FROM PUBLIC, {every}")
