@@ -302,9 +302,13 @@ class AsyncStore(EffectClaims):
         except Exception as exc:
             unwritten = exc
         try:
-            rows = await claiming
+            # shielded: a round cancelled while the claim ends still gives back its rows
+            rows = await asyncio.shield(claiming)
             if rows is None and unwritten is None:
                 rows = await claim(conn)
+        except asyncio.CancelledError:
+            await self._give_back(owner, claiming)
+            raise
         except Exception as exc:
             log.debug("a claim beside outcomes failed (%s)", exc)
             rows = None

@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 import psycopg
+import pytest
 
 from outbox import Outbox, StepTransaction
 from outbox.delivery.recording import ClaimRider, OutcomeWriter, Written
@@ -236,6 +237,53 @@ def test_a_cancelled_round_gives_back_what_its_claim_took(ob: Outbox, dsn: str) 
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 await locker.rollback()
+            return claimed
+        finally:
+            await store.dispose()
+
+    claimed = asyncio.run(round_())
+    assert len(claimed) == 3
+    statuses = {e.id: e.status.value for e in ob.effects(run_id=run.id)}
+    assert {statuses[i] for i in claimed} == {"pending"}, statuses
+
+
+def test_a_round_cancelled_while_its_claim_beside_ends_gives_back_what_it_took(
+    ob: Outbox, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The outcomes are written; the claim beside them has committed but not yet
+    returned when the round is cancelled (a stop's grace ran out): what it took is
+    given back, pending again, not left in flight uncalled until the leases end."""
+    kind, owner = "k.beside.late", "beside-6"
+    run = ob.start_run("beside", "1")
+    run.transaction("s", partial(_intend, kind=kind, count=4))
+    real = AsyncStore._claim_partition
+
+    async def slow_to_return(*args: Any, **kwargs: Any) -> Any:
+        rows = await real(*args, **kwargs)
+        if rows:
+            await asyncio.sleep(1.5)  # committed; the round is cancelled meanwhile
+        return rows
+
+    async def round_() -> set[uuid.UUID]:
+        store = AsyncStore(make_async_engine(dsn))
+        try:
+            quotas = [({"kind": kind}, 1)]
+            got = await store.claim_many(EFFECT_QUEUE, quotas, owner=owner, lease_seconds=60)
+            done = [Completion(e.id, e.attempt, "succeeded", "succeeded") for e in got]
+            monkeypatch.setattr(AsyncStore, "_claim_partition", slow_to_return)
+            task = asyncio.ensure_future(
+                store.complete_and_claim(
+                    owner, done, EFFECT_QUEUE, [({"kind": kind}, 3)], lease_seconds=60
+                )
+            )
+            for _ in range(200):  # until the claim beside has committed
+                await asyncio.sleep(0.05)
+                if len(in_flight(dsn, owner)) == 3 and got[0].id not in in_flight(dsn, owner):
+                    break
+            claimed = in_flight(dsn, owner)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
             return claimed
         finally:
             await store.dispose()
