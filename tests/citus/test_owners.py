@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
 
 from deliverers.testing import RecordingDeliverer
-from outbox import Outbox, StepTransaction
+from outbox import Outbox, Run, StepTransaction
 from outbox.delivery.daemon import DeliveryDaemon
 from outbox.delivery.settings import DeliverySettings
 from outbox.shards import shard_of
@@ -21,6 +21,38 @@ from outbox.storage.async_store import AsyncStore
 from outbox.storage.engine import make_async_engine
 from outbox.storage.shard_turns import ShardTurns
 from outbox.storage.sql.owners import OWNER_LOCK_CLASS
+
+
+def _held_by_a_gone_owner(
+    ob: Outbox, dsn: str, agent: str, runs: int, step: Callable[[StepTransaction], None]
+) -> tuple[str, list[Run]]:
+    """``runs`` runs of ``step``'s intents, each in flight under a deliverer that is
+    gone: registered five minutes ago, its lock free, an hour of lease left."""
+    gone = f"gone-{uuid.uuid4().hex[:6]}"
+    started = [ob.start_run(agent, "1") for _ in range(runs)]
+    for run in started:
+        run.transaction("s", step)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for run in started:
+            conn.execute(
+                "UPDATE outbox_effects SET status = 'in_flight', attempt = 1, lease_owner = %s,"
+                " lease_expires_at = now() + interval '1 hour', attempt_started_at = now()"
+                " WHERE run_id = %s AND shard = outbox_shard_of(%s)",
+                [gone, run.id, run.id],
+            )
+        conn.execute(
+            "INSERT INTO outbox_owners (owner, registered_at)"
+            " VALUES (%s, now() - interval '5 minutes')",
+            [gone],
+        )
+    return gone, started
+
+
+def _one(kind: str) -> Callable[[StepTransaction], None]:
+    def step(tx: StepTransaction) -> None:
+        tx.intend(kind, {"n": 1})
+
+    return step
 
 
 def _forget(dsn: str, owner: str) -> int:
@@ -35,21 +67,7 @@ def _forget(dsn: str, owner: str) -> int:
 
 
 def test_a_gone_owner_is_forgotten_once_it_holds_nothing(ob: Outbox, dsn: str) -> None:
-    run = ob.start_run("owners", "1")
-    run.transaction("s", lambda tx: tx.intend("k.owned", {"n": 1}) and None)
-    gone = f"gone-{uuid.uuid4().hex[:6]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(
-            "UPDATE outbox_effects SET status = 'in_flight', attempt = 1, lease_owner = %s,"
-            " lease_expires_at = now() + interval '1 hour', attempt_started_at = now()"
-            " WHERE run_id = %s AND shard = outbox_shard_of(%s)",
-            [gone, run.id, run.id],
-        )
-        conn.execute(
-            "INSERT INTO outbox_owners (owner, registered_at)"
-            " VALUES (%s, now() - interval '5 minutes')",
-            [gone],
-        )
+    gone, (run,) = _held_by_a_gone_owner(ob, dsn, "owners", 1, _one("k.owned"))
     assert _forget(dsn, gone) == 0, "forgotten while it holds an attempt"
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
@@ -68,24 +86,12 @@ def test_a_gone_deliverers_idempotent_attempts_are_put_back_long_before_their_le
     lock is free holds attempts on several shards with an hour's lease left; a live
     daemon puts the idempotent ones back, logged, and delivers each once, in
     seconds. The blind kind waits for its lease."""
-    gone = f"gone-{uuid.uuid4().hex[:6]}"
-    runs = [ob.start_run("owners-gone", "1") for _ in range(6)]
 
     def both(tx: StepTransaction) -> None:
         tx.intend("k.again", {"n": 1})
         tx.intend("k.blind", {"n": 2})
 
-    for run in runs:
-        run.transaction("s", both)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for run in runs:
-            conn.execute(
-                "UPDATE outbox_effects SET status = 'in_flight', attempt = 1, lease_owner = %s,"
-                " lease_expires_at = now() + interval '1 hour', attempt_started_at = now()"
-                " WHERE run_id = %s AND shard = outbox_shard_of(%s)",
-                [gone, run.id, run.id],
-            )
-        conn.execute("INSERT INTO outbox_owners (owner) VALUES (%s)", [gone])
+    gone, runs = _held_by_a_gone_owner(ob, dsn, "owners-gone", 6, both)
     assert len({shard_of(run.id) for run in runs}) > 1
     again = RecordingDeliverer("k.again", idempotent=True)
     blind = RecordingDeliverer("k.blind", idempotent=False)
@@ -138,19 +144,7 @@ def test_an_owner_back_during_the_put_back_keeps_the_attempts_left(
     """The put-back goes a shard at a time; the lock is asked again in each shard's
     transaction, so a deliverer whose lock session came back after the first keeps
     its attempts on the others (put back, they would be called twice)."""
-    gone = f"gone-{uuid.uuid4().hex[:6]}"
-    runs = [ob.start_run("owners-back", "1") for _ in range(8)]
-    for run in runs:
-        run.transaction("s", lambda tx: tx.intend("k.back", {"n": 1}) and None)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for run in runs:
-            conn.execute(
-                "UPDATE outbox_effects SET status = 'in_flight', attempt = 1, lease_owner = %s,"
-                " lease_expires_at = now() + interval '1 hour', attempt_started_at = now()"
-                " WHERE run_id = %s AND shard = outbox_shard_of(%s)",
-                [gone, run.id, run.id],
-            )
-        conn.execute("INSERT INTO outbox_owners (owner) VALUES (%s)", [gone])
+    gone, runs = _held_by_a_gone_owner(ob, dsn, "owners-back", 8, _one("k.back"))
     shards = {shard_of(run.id) for run in runs}
     assert len(shards) > 1
     back = psycopg.connect(dsn, autocommit=True)
