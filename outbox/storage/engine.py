@@ -268,8 +268,15 @@ def _nature(exc: sqlalchemy.exc.SQLAlchemyError) -> dict[str, Any]:
     orig = getattr(exc, "orig", None)
     sqlstate = getattr(orig, "sqlstate", None)
     # SQLAlchemy invalidates a connection it had when the driver says it is gone; a
-    # connection that could not be made at all is not invalidated
-    lost = bool(getattr(exc, "connection_invalidated", False))
+    # connection that could not be made at all is not invalidated. Nor is one cut
+    # while SQLAlchemy's first queries ran on it, or one of our own psycopg
+    # connections: psycopg names the session only of a connection attempt that failed.
+    lost = bool(getattr(exc, "connection_invalidated", False)) or (
+        isinstance(orig, psycopg.OperationalError)
+        and not isinstance(orig, psycopg.errors.ConnectionTimeout)
+        and orig.sqlstate is None
+        and orig.pgconn is None
+    )
     if sqlstate:
         transient = sqlstate[:2] in TRANSIENT_SQLSTATE_CLASSES
         return {"sqlstate": sqlstate, "transient": transient, "connection_lost": lost}
