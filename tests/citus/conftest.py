@@ -19,6 +19,7 @@ from outbox.cli import cli as cli_main
 from tests.citus_support import CitusCluster, CitusDatabase, running_cluster
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the group
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/citus/" in str(item.fspath):
