@@ -34,7 +34,12 @@ from outbox.storage.citus import DELEGATED, distribute
 from outbox.storage.dsn import psycopg_url
 from outbox.storage.migrate import migrate
 from tests.citus_support import CitusDatabase
-from tests.integration.test_roles import PASSWORD, denied, logins  # noqa: F401 (a fixture)
+from tests.integration.test_roles import (  # noqa: F401 (a fixture, a test)
+    PASSWORD,
+    denied,
+    logins,
+    test_outbox_roles_run_again_changes_nothing,
+)
 from tests.support import DaemonThread, wait_for
 
 

@@ -26,7 +26,7 @@ from deliverers.testing import Fault, IdempotentHttpSink
 from outbox import DatabaseError, EffectTimeout, Outbox, Run, RunStatus
 from outbox.cli import cli
 from outbox.shards import SHARDS, shard_of
-from outbox.storage.admin.roles import ROLES, STEP_WRITERS
+from outbox.storage.admin.roles import ROLES, STEP_WRITERS, namespace_prefix
 from outbox.storage.dsn import libpq_dsn
 from outbox.storage.engine import make_engine, translate_errors
 from outbox.storage.migrate import migrate
@@ -69,11 +69,10 @@ def denied(dsn: str, sql: str, params: dict[str, Any] | None = None) -> str:
 @pytest.fixture
 def logins(dsn: str) -> Iterator[dict[str, str]]:
     """A DSN per role: ``outbox roles`` run as the owner, then one password login per role."""
-    for _ in range(2):  # running it again changes nothing
-        done = CliRunner().invoke(cli, ["--dsn", dsn, "roles", "--json"])
-        assert done.exit_code == 0, done.output
-        created = json.loads(done.stdout)["roles"]
-        assert [r["role"] for r in created] == [f"outbox_{spec.suffix}" for spec in ROLES]
+    done = CliRunner().invoke(cli, ["--dsn", dsn, "roles", "--json"])
+    assert done.exit_code == 0, done.output
+    created = json.loads(done.stdout)["roles"]
+    assert [r["role"] for r in created] == [f"outbox_{spec.suffix}" for spec in ROLES]
     suffix = uuid.uuid4().hex[:8]
     out: dict[str, str] = {}
     with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
@@ -344,6 +343,55 @@ def test_the_reader_reads_and_changes_nothing(ob: Outbox, logins: dict[str, str]
         reader.start_run("billing", "1")
     for table in ("outbox_runs", "outbox_effects", "outbox_effect_attempts", "outbox_migrations"):
         denied(dsn, f"DELETE FROM {table}")
+
+
+GRANTS_SEEN = {
+    "policies": "SELECT tablename, policyname, permissive, roles::text, cmd, qual, with_check"
+    " FROM pg_policies WHERE tablename LIKE 'outbox%%'",
+    "members": "SELECT m.rolname, r.rolname FROM pg_auth_members a"
+    " JOIN pg_roles m ON m.oid = a.member JOIN pg_roles r ON r.oid = a.roleid"
+    " WHERE r.rolname LIKE %(p)s",
+    "roles": "SELECT rolname, rolcanlogin, rolinherit, rolbypassrls, rolconfig::text"
+    " FROM pg_roles WHERE rolname LIKE %(p)s",
+    "tables": "SELECT grantee, table_name, privilege_type FROM information_schema.role_table_grants"
+    " WHERE grantee LIKE %(p)s",
+    "columns": "SELECT grantee, table_name, column_name, privilege_type"
+    " FROM information_schema.column_privileges WHERE grantee LIKE %(p)s",
+    "functions": "SELECT p.oid::regprocedure::text, p.proacl::text FROM pg_proc p"
+    " WHERE p.proname LIKE 'outbox%%'",
+    "settings": "SELECT r.rolname, s.setconfig::text FROM pg_db_role_setting s"
+    " JOIN pg_roles r ON r.oid = s.setrole WHERE r.rolname LIKE %(p)s",
+}
+
+
+def granted(dsn: str, prefix: str) -> dict[str, list[tuple[Any, ...]]]:
+    """What the roles of ``prefix`` are and may do, as the catalogs say, in a stable order."""
+    with psycopg.connect(libpq_dsn(dsn)) as conn:
+        return {
+            name: sorted(conn.execute(sql, {"p": prefix + "%"}).fetchall(), key=repr)
+            for name, sql in GRANTS_SEEN.items()
+        }
+
+
+@pytest.mark.parametrize("namespace", [None, "again-1.x"])
+def test_outbox_roles_run_again_changes_nothing(dsn: str, namespace: str | None) -> None:
+    """Run again (after every upgrade, by a deploy script), ``outbox roles`` leaves
+    the roles, memberships, grants, policies and settings as they were."""
+    args = ["--dsn", dsn, "roles", "--json"]
+    prefix = "outbox_"
+    if namespace is not None:
+        args += ["--namespace", namespace]
+        prefix = namespace_prefix(namespace)
+    reports, seen = [], []
+    for _ in range(2):
+        done = CliRunner().invoke(cli, args)
+        assert done.exit_code == 0, done.output
+        reports.append(json.loads(done.stdout))
+        seen.append(granted(dsn, prefix))
+    assert reports[0] == reports[1]
+    assert [r["role"] for r in reports[1]["roles"]] == [f"{prefix}{s.suffix}" for s in ROLES]
+    assert all(seen[0][k] for k in ("roles", "tables", "columns", "functions", "policies"))
+    assert seen[0] == seen[1]
 
 
 def test_roles_print_shows_the_grants(dsn: str) -> None:
