@@ -363,6 +363,7 @@ export class Run {
 /** How to connect: a DSN, or a pool you own. */
 export interface OutboxOptions {
   connectionString?: string;
+  /** Yours: its sessions must keep the ISO DateStyle (the default), which node-postgres reads. */
   pool?: pg.Pool;
   /** Size of the pool this client creates (default 5). */
   max?: number;
@@ -427,6 +428,13 @@ export class Outbox {
         throw new ValidationError("connectionString", connectionString, "pass a DSN or a pool, or set OUTBOX_DSN");
       }
       this.pool = new pg.Pool({ connectionString, max: options.max ?? 5 });
+      // node-postgres parses timestamps only in the ISO output style: a DSN's or a
+      // server's other DateStyle would read every createdAt as null. A client's
+      // queries run in order, so this one runs before any the pool hands it out for
+      // (a connection that cannot run it fails that first query).
+      this.pool.on("connect", (client) => {
+        client.query("SET DateStyle = ISO").catch(() => undefined);
+      });
       this.ownsPool = true;
     }
   }

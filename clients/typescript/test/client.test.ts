@@ -260,3 +260,26 @@ test("a dry run started from TypeScript is one; its intents go to the dry-run na
     (error: ValidationError) => error.field === "mode",
   );
 });
+
+test("timestamps read back as dates whatever DateStyle the DSN or the server sets", async () => {
+  // node-postgres reads timestamps only in the ISO style: under 'SQL, DMY' a
+  // timestamp reads '07/12/2026 22:58:51.12 UTC', which it cannot parse
+  const base = dsn();
+  const options = encodeURIComponent("-c DateStyle=SQL,DMY");
+  const other = new Outbox({ connectionString: `${base}${base.includes("?") ? "&" : "?"}options=${options}` });
+  try {
+    const run = await other.startRun("shop", "1", { order: "o-datestyle" });
+    const { idempotencyKey } = await run.transaction("place", (tx) => tx.intend("email.send", { to: "d@example.com" }));
+    const effect = await other.effectByKey(idempotencyKey);
+    const [{ now }] = (await other.pool.query<{ now: Date }>("SELECT now()")).rows as [{ now: Date }];
+    for (const at of [effect.createdAt, effect.updatedAt]) {
+      assert.ok(at instanceof Date && !Number.isNaN(at.getTime()), `${String(at)} is not a date`);
+      assert.ok(Math.abs(now.getTime() - at.getTime()) < 60_000, `${at.toISOString()} is not ${now.toISOString()}`);
+    }
+    // the DSN's day-month order is the session's still: only the output style is ISO's
+    const { rows } = await other.pool.query<{ DateStyle: string }>("SHOW DateStyle");
+    assert.equal(rows[0]!.DateStyle, "ISO, DMY");
+  } finally {
+    await other.close();
+  }
+});
