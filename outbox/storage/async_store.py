@@ -371,6 +371,7 @@ class AsyncStore(EffectClaims):
                         raise
                     left = [i for i in ids if i not in settled]
                     cut = ClaimCutShort(rows, exc, shard, lost=session_lost(conn), left=left)
+                    self._observe("claim", began, claim=len(rows))  # its rows are delivered
                     raise cut from exc
                 finally:
                     self._shards.of.update((r.id, r.shard) for r in rows if r.shard is not None)

@@ -435,6 +435,7 @@ class DutyStatements(DeliveryConnections):
         with translate_errors("forgetting deliverers that are gone"):
             async with self.engine.begin() as conn:
                 holding = await conn.scalar(owners.owners_holding(), {"owners": list(candidates)})
-                idle = [owner for owner in candidates if owner not in set(holding or ())]
+                held = set(holding or ())
+                idle = [owner for owner in candidates if owner not in held]
                 params = {"owners": idle, "restart_grace": restart_grace}
                 return len((await conn.execute(owners.forget_gone_owners(), params)).all())
