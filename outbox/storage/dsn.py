@@ -80,9 +80,8 @@ def libpq_dsn(dsn: str | URL) -> str:
     if url.database is not None:
         plain += "/" + quote(url.database, safe="")
     query = dict(url.query)
-    # libpq keeps the last of a repeated key: the engines pass every options given
-    if isinstance(options := query.get("options"), tuple):
-        query["options"] = " ".join(options)
+    if "options" in query:
+        query["options"] = _given_options(url)
     # SQLAlchemy's form of several servers, ?host=a:5432&host=b:5433, is libpq's
     # host=a,b&port=5432,5433
     if isinstance(hosts := query.get("host"), tuple) and "port" not in query:
@@ -92,6 +91,12 @@ def libpq_dsn(dsn: str | URL) -> str:
             query["port"] = ",".join(port for _, port in split)
     text = urlencode(query, doseq=True, quote_via=quote)
     return f"{plain}?{text}" if text else plain
+
+
+def _given_options(url: URL) -> str:
+    """The DSN's own ``options``, every one given: libpq would keep only the last."""
+    given = url.query.get("options", "")
+    return " ".join(given) if isinstance(given, tuple) else given
 
 
 def session_args(
@@ -111,8 +116,7 @@ def session_args(
     a relay's), whatever isolation the database defaults to: their claims are
     written for it, and under SERIALIZABLE each would fail now and then.
     """
-    given = url.query.get("options", "")
-    options = " ".join(given) if isinstance(given, tuple) else given
+    options = _given_options(url)
     options += f" -c idle_in_transaction_session_timeout={idle_in_transaction_ms}"
     options += " -c standard_conforming_strings=on"
     if read_committed:
